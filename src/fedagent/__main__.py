@@ -1,0 +1,3 @@
+from fedagent.cli import main
+
+main()
