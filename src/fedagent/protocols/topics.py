@@ -25,12 +25,13 @@ import re
 from fedagent.errors import ConfigError
 
 PREFIX = "fedagent/v1"
-_NAME = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,62})$")
+_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,62})")
+_KIND = re.compile(r"[a-z0-9_]{1,32}")
 
 
 def check_name(name: str, what: str = "name") -> str:
     """Return ``name`` if it is a valid federation/node id, else raise ConfigError."""
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ConfigError(
             f"invalid {what} {name!r}: use 1-63 lower-case letters, digits or '-', "
             "starting with a letter or digit"
@@ -39,7 +40,13 @@ def check_name(name: str, what: str = "name") -> str:
 
 
 def is_valid_name(name: object) -> bool:
-    return isinstance(name, str) and bool(_NAME.match(name))
+    return isinstance(name, str) and bool(_NAME.fullmatch(name))
+
+
+def check_kind(kind: str) -> str:
+    if not isinstance(kind, str) or not _KIND.fullmatch(kind):
+        raise ConfigError(f"invalid message kind {kind!r}")
+    return kind
 
 
 def federation_root(federation: str) -> str:
@@ -57,7 +64,7 @@ def all_presence(federation: str) -> str:
 def direct(federation: str, sender: str, receiver: str, kind: str) -> str:
     return (
         f"{federation_root(federation)}/node/{check_name(sender, 'node id')}"
-        f"/to/{check_name(receiver, 'node id')}/{check_name(kind, 'kind')}"
+        f"/to/{check_name(receiver, 'node id')}/{check_kind(kind)}"
     )
 
 
@@ -67,7 +74,7 @@ def inbox(federation: str, receiver: str) -> str:
 
 
 def broadcast(federation: str, kind: str) -> str:
-    return f"{federation_root(federation)}/global/{check_name(kind, 'kind')}"
+    return f"{federation_root(federation)}/global/{check_kind(kind)}"
 
 
 def all_broadcasts(federation: str) -> str:

@@ -1,0 +1,243 @@
+"""Payloads larger than the broker's packet limit, sent as numbered chunks.
+
+:func:`split` cuts an encoded envelope into chunk *bodies*; the caller wraps each in
+an envelope of kind ``"chunk"``. Every chunk carries the whole transfer's count, size
+and SHA-256, so the receiver can check any chunk on its own, in any order.
+
+:class:`Reassembler` is pure (time is passed in) and keyed by ``(sender, tid)``: two
+senders using the same transfer id never mix, and the sender is the envelope's, which
+the broker ACL ties to the publisher's certificate. Memory is checked before it is
+allocated: a transfer's buffer (``bytearray(size)``, plus a one-bit-per-chunk map) is
+made on its first chunk only after ``size`` has been checked against
+``max_transfer_bytes`` and the sum of pending transfers against ``max_pending_bytes``.
+
+Duplicates are ignored (QoS 1 redelivers), including a chunk of a transfer that was
+completed recently (so a sender must not reuse a transfer id within ``timeout``). A chunk that contradicts what came before (count, size, digest or
+chunk length) drops the whole transfer with a CodecError, as does a digest mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from fedagent.errors import CodecError
+
+__all__ = ["MAX_TID_LEN", "split", "Reassembler"]
+
+MAX_TID_LEN = 64
+_DIGEST_LEN = 32
+_CHUNK_KEYS = frozenset(("tid", "i", "n", "size", "sha256", "data"))
+
+
+def split(payload: bytes | bytearray | memoryview, *, max_chunk: int, transfer_id: str) -> list[dict[str, Any]]:
+    """Chunk bodies ``{"tid", "i", "n", "size", "sha256", "data"}`` for ``payload``.
+
+    All chunks but the last hold exactly ``max_chunk`` bytes; an empty payload is one
+    empty chunk. The payload is copied once, into the chunks.
+    """
+    if type(max_chunk) is not int or max_chunk < 1:
+        raise ValueError(f"max_chunk must be a positive int, not {max_chunk!r}")
+    if not _valid_tid(transfer_id):
+        raise ValueError(f"transfer id must be 1-{MAX_TID_LEN} printable characters, not {transfer_id!r}")
+    view = memoryview(payload).cast("B")
+    size = view.nbytes
+    digest = hashlib.sha256(view).digest()
+    n = max(1, -(-size // max_chunk))
+    return [
+        {"tid": transfer_id, "i": i, "n": n, "size": size, "sha256": digest,
+         "data": bytes(view[i * max_chunk:(i + 1) * max_chunk])}
+        for i in range(n)
+    ]
+
+
+@dataclass(slots=True)
+class _Transfer:
+    n: int
+    size: int
+    sha256: bytes
+    cost: int  # bytes charged against max_pending_bytes
+    buffer: bytearray
+    seen: bytearray  # one bit per chunk
+    received: int = 0
+    chunk_len: int = 0  # length of every chunk but the last; 0 until one arrives
+    last_len: int = 0  # length of the last chunk; 0 until it arrives
+    last_seen: float = 0.0
+
+
+class Reassembler:
+    """Reassemble chunked transfers, bounded in memory, count and time."""
+
+    def __init__(self, max_transfer_bytes: int, max_pending_bytes: int, timeout: float, *,
+                 max_transfers: int = 1024, remember_completed: int = 4096) -> None:
+        for name, value in (("max_transfer_bytes", max_transfer_bytes), ("max_pending_bytes", max_pending_bytes),
+                            ("max_transfers", max_transfers), ("remember_completed", remember_completed)):
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, not {value!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, not {timeout!r}")
+        self.max_transfer_bytes = max_transfer_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self.timeout = float(timeout)
+        self.max_transfers = max_transfers
+        self.remember_completed = remember_completed
+        self._transfers: dict[tuple[str, str], _Transfer] = {}
+        # Recently finished transfers -> when: a QoS 1 redelivery of one of their chunks
+        # must not start a new transfer that would only time out (or deliver twice).
+        self._completed: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._pending = 0
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes held by incomplete transfers (their buffers and chunk bitmaps)."""
+        return self._pending
+
+    @property
+    def pending_transfers(self) -> int:
+        return len(self._transfers)
+
+    def feed(self, sender: str, body: Any, now: float) -> bytes | None:
+        """Take one chunk body; the whole payload when this chunk completes a transfer
+        whose digest matches, else ``None``. Raises CodecError on a bad chunk."""
+        if type(sender) is not str:
+            raise CodecError("chunk: sender must be a string")
+        tid, i, n, size, digest, data = self._fields(body)
+        key = (sender, tid)
+        if key in self._completed:
+            return None
+        length = data.nbytes if isinstance(data, memoryview) else len(data)
+        last = i == n - 1
+        # Checks that need no state, before anything is looked up or allocated.
+        if last:
+            # size = (n - 1) * L + length with 1 <= length <= L, L the other chunks' length.
+            if n == 1:
+                fits = length == size
+            else:
+                fits = 1 <= length and (size - length) % (n - 1) == 0 and (size - length) // (n - 1) >= length
+            if not fits:
+                raise CodecError(f"chunk {i}/{n} of transfer {tid!r}: last chunk of {length} bytes "
+                                 f"cannot end a {size}-byte payload")
+        elif length < 1 or not (n - 1) * length < size <= n * length:
+            raise CodecError(f"chunk {i}/{n} of transfer {tid!r}: {length} bytes per chunk "
+                             f"cannot make {n} chunks of a {size}-byte payload")
+        if size > self.max_transfer_bytes:
+            raise CodecError(f"transfer {tid!r} of {size} bytes exceeds the limit of {self.max_transfer_bytes}")
+
+        t = self._transfers.get(key)
+        if t is None:
+            if n == 1:
+                return self._finish(key, tid, digest, data, now)
+            t = self._start(key, tid, n, size, digest, now)
+        elif (t.n, t.size, t.sha256) != (n, size, digest):
+            self._drop(key)
+            raise CodecError(f"chunk {i}/{n} of transfer {tid!r} disagrees with earlier chunks "
+                             f"(n/size/sha256); transfer dropped")
+
+        if t.seen[i >> 3] & (1 << (i & 7)):
+            t.last_seen = now
+            return None  # a duplicate: QoS 1 may redeliver
+        if last:
+            if t.chunk_len and (n - 1) * t.chunk_len + length != size:
+                self._drop(key)
+                raise CodecError(f"last chunk of transfer {tid!r} has {length} bytes, inconsistent "
+                                 f"with {t.chunk_len}-byte chunks; transfer dropped")
+            t.last_len = length
+            t.buffer[size - length:] = data
+        else:
+            if t.chunk_len == 0:
+                if t.last_len and (n - 1) * length + t.last_len != size:
+                    self._drop(key)
+                    raise CodecError(f"chunk {i} of transfer {tid!r} has {length} bytes, inconsistent "
+                                     f"with its last chunk; transfer dropped")
+                t.chunk_len = length
+            elif length != t.chunk_len:
+                self._drop(key)
+                raise CodecError(f"chunk {i} of transfer {tid!r} has {length} bytes where every chunk "
+                                 f"but the last has {t.chunk_len}; transfer dropped")
+            start = i * length
+            t.buffer[start:start + length] = data
+        t.seen[i >> 3] |= 1 << (i & 7)
+        t.received += 1
+        t.last_seen = now
+        if t.received < n:
+            return None
+        self._drop(key)
+        return self._finish(key, tid, digest, t.buffer, now)
+
+    def expire(self, now: float) -> list[tuple[str, str]]:
+        """Drop transfers idle for longer than ``timeout``; their ``(sender, tid)``."""
+        stale = [key for key, t in self._transfers.items() if now - t.last_seen > self.timeout]
+        for key in stale:
+            self._drop(key)
+        while self._completed and now - next(iter(self._completed.values())) > self.timeout:
+            self._completed.popitem(last=False)
+        return stale
+
+    def drop_sender(self, sender: str) -> list[str]:
+        """Forget every incomplete transfer of ``sender``; their transfer ids."""
+        keys = [key for key in self._transfers if key[0] == sender]
+        for key in keys:
+            self._drop(key)
+        return [tid for _, tid in keys]
+
+    # --- internals -----------------------------------------------------------------
+
+    @staticmethod
+    def _fields(body: Any) -> tuple[str, int, int, int, bytes, bytes | bytearray | memoryview]:
+        if not isinstance(body, dict):
+            raise CodecError("chunk body must be a map")
+        if body.keys() != _CHUNK_KEYS:
+            raise CodecError("chunk body must have exactly the fields tid, i, n, size, sha256, data")
+        tid, i, n, size, digest, data = (body[k] for k in ("tid", "i", "n", "size", "sha256", "data"))
+        if not _valid_tid(tid):
+            raise CodecError(f"chunk: transfer id must be 1-{MAX_TID_LEN} printable characters")
+        for name, value in (("i", i), ("n", n), ("size", size)):
+            if type(value) is not int:
+                raise CodecError(f"chunk: {name} must be an int")
+        if size < 0:
+            raise CodecError("chunk: negative size")
+        # At least one byte per chunk, except the single chunk of an empty payload.
+        if not 1 <= n <= max(1, size):
+            raise CodecError(f"chunk: {n} chunks for a {size}-byte payload")
+        if not 0 <= i < n:
+            raise CodecError(f"chunk: index {i} outside 0..{n - 1}")
+        if type(digest) is not bytes or len(digest) != _DIGEST_LEN:
+            raise CodecError("chunk: sha256 must be 32 bytes")
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise CodecError("chunk: data must be binary")
+        return tid, i, n, size, digest, data
+
+    def _start(self, key: tuple[str, str], tid: str, n: int, size: int, digest: bytes, now: float) -> _Transfer:
+        if len(self._transfers) >= self.max_transfers:
+            raise CodecError(f"transfer {tid!r} refused: {len(self._transfers)} transfers already pending")
+        cost = size + (n + 7) // 8
+        if self._pending + cost > self.max_pending_bytes:
+            raise CodecError(f"transfer {tid!r} of {size} bytes refused: {self._pending} bytes already "
+                             f"pending, limit {self.max_pending_bytes}")
+        t = _Transfer(n=n, size=size, sha256=digest, cost=cost, buffer=bytearray(size),
+                      seen=bytearray((n + 7) // 8), last_seen=now)
+        self._transfers[key] = t
+        self._pending += cost
+        return t
+
+    def _finish(self, key: tuple[str, str], tid: str, digest: bytes,
+                data: bytes | bytearray | memoryview, now: float) -> bytes:
+        if hashlib.sha256(data).digest() != digest:
+            raise CodecError(f"transfer {tid!r}: sha256 mismatch; transfer dropped")
+        if self.remember_completed:
+            self._completed[key] = now
+            self._completed.move_to_end(key)
+            while len(self._completed) > self.remember_completed:
+                self._completed.popitem(last=False)
+        return bytes(data)
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        t = self._transfers.pop(key, None)
+        if t is not None:
+            self._pending -= t.cost
+
+
+def _valid_tid(tid: object) -> bool:
+    return type(tid) is str and 1 <= len(tid) <= MAX_TID_LEN and tid.isprintable()

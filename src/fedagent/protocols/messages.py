@@ -1,0 +1,255 @@
+"""The typed messages of the fedagent protocol, carried in an :class:`Envelope` body.
+
+Each message is a frozen dataclass validated on construction. ``to_body`` gives the
+msgpack-native body; ``from_body`` validates a decoded body field by field and raises
+:class:`CodecError` on anything unexpected. Which class decodes a body is decided by
+the receiver's protocol state and the envelope ``kind``, through the fixed table
+``KINDS`` — never by looking up a name sent by the peer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from fedagent.errors import CodecError
+from fedagent.protocols.codec import Limits, decode_weights, encode_weights
+from fedagent.protocols.topics import is_valid_name
+
+Weights = dict[str, np.ndarray]
+
+ROLES = ("agent", "coordinator")
+MODES = ("fedavg", "syncopt", "gossip")
+MAX_METRICS = 64
+
+
+def _need(body: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    if key not in body:
+        raise CodecError(f"{what}: missing field {key!r}")
+    value = body[key]
+    # bool is an int subclass; a field typed int must not accept True.
+    if isinstance(value, bool) and kind is not bool and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise CodecError(f"{what}: field {key!r} has the wrong type")
+    if not isinstance(value, kind):
+        raise CodecError(f"{what}: field {key!r} has the wrong type")
+    return value
+
+
+def _count(value: Any, key: str, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value >= 2**53:
+        raise CodecError(f"{what}: {key} must be a non-negative integer")
+    return value
+
+
+def _metrics(value: Any, what: str) -> dict[str, float]:
+    if not isinstance(value, dict) or len(value) > MAX_METRICS:
+        raise CodecError(f"{what}: metrics must be a map of at most {MAX_METRICS} entries")
+    out: dict[str, float] = {}
+    for k, v in value.items():
+        if not isinstance(k, str) or not 0 < len(k) <= 64:
+            raise CodecError(f"{what}: bad metric name")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise CodecError(f"{what}: metric {k!r} is not a finite number")
+        out[k] = float(v)
+    return out
+
+
+def _names(value: Any, what: str, limit: int = 100_000) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > limit:
+        raise CodecError(f"{what}: expected a list of node ids")
+    if not all(is_valid_name(v) for v in value):
+        raise CodecError(f"{what}: invalid node id in list")
+    return tuple(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Presence:
+    """Retained per node; its Last Will is the same with ``online=False``."""
+
+    kind: ClassVar[str] = "presence"
+    online: bool
+    role: str
+    mode: str = "fedavg"
+    num_samples: int = 0
+    model_version: int = 0
+    broker: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise CodecError(f"presence: unknown role {self.role!r}")
+        if self.mode not in MODES:
+            raise CodecError(f"presence: unknown mode {self.mode!r}")
+        _count(self.num_samples, "num_samples", "presence")
+        _count(self.model_version, "model_version", "presence")
+
+    def to_body(self) -> dict[str, Any]:
+        return {"online": self.online, "role": self.role, "mode": self.mode,
+                "num_samples": self.num_samples, "model_version": self.model_version,
+                "broker": self.broker}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> Presence:
+        w = "presence"
+        broker = body.get("broker", "")
+        if not isinstance(broker, str) or len(broker) > 256:
+            raise CodecError("presence: bad broker field")
+        return cls(online=_need(body, "online", bool, w), role=_need(body, "role", str, w),
+                   mode=_need(body, "mode", str, w),
+                   num_samples=_count(body.get("num_samples", 0), "num_samples", w),
+                   model_version=_count(body.get("model_version", 0), "model_version", w),
+                   broker=broker)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    epochs: int = 1
+    lr: float = 0.05
+    batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.epochs <= 10_000 or not 1 <= self.batch_size <= 1_000_000:
+            raise CodecError("train config: epochs/batch_size out of range")
+        if not (math.isfinite(self.lr) and 0 < self.lr < 100):
+            raise CodecError("train config: lr out of range")
+
+    def to_body(self) -> dict[str, Any]:
+        return {"epochs": self.epochs, "lr": self.lr, "batch_size": self.batch_size}
+
+    @classmethod
+    def from_body(cls, body: Any) -> TrainConfig:
+        if not isinstance(body, dict):
+            raise CodecError("train config must be a map")
+        w = "train config"
+        return cls(epochs=_count(_need(body, "epochs", int, w), "epochs", w),
+                   lr=float(_need(body, "lr", (int, float), w)),
+                   batch_size=_count(_need(body, "batch_size", int, w), "batch_size", w))
+
+
+@dataclass(frozen=True, slots=True)
+class RoundStart:
+    """Coordinator → all: train from ``weights`` if you are in ``selected``."""
+
+    kind: ClassVar[str] = "round_start"
+    round: int
+    model_version: int
+    selected: tuple[str, ...]
+    deadline_s: float
+    train: TrainConfig
+    weights: Weights = field(repr=False)
+
+    def to_body(self) -> dict[str, Any]:
+        return {"round": self.round, "model_version": self.model_version,
+                "selected": list(self.selected), "deadline_s": self.deadline_s,
+                "train": self.train.to_body(), "weights": encode_weights(self.weights)}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> RoundStart:
+        w = "round_start"
+        deadline = _need(body, "deadline_s", (int, float), w)
+        if not (math.isfinite(deadline) and 0 < deadline <= 7 * 86400):
+            raise CodecError("round_start: deadline out of range")
+        return cls(round=_count(_need(body, "round", int, w), "round", w),
+                   model_version=_count(_need(body, "model_version", int, w), "model_version", w),
+                   selected=_names(_need(body, "selected", list, w), w),
+                   deadline_s=float(deadline),
+                   train=TrainConfig.from_body(_need(body, "train", dict, w)),
+                   weights=decode_weights(_need(body, "weights", dict, w), limits))
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """Agent → coordinator: the locally trained weights for ``round``."""
+
+    kind: ClassVar[str] = "update"
+    round: int
+    base_version: int
+    num_samples: int
+    metrics: dict[str, float]
+    weights: Weights = field(repr=False)
+
+    def to_body(self) -> dict[str, Any]:
+        return {"round": self.round, "base_version": self.base_version,
+                "num_samples": self.num_samples, "metrics": dict(self.metrics),
+                "weights": encode_weights(self.weights)}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> Update:
+        w = "update"
+        n = _count(_need(body, "num_samples", int, w), "num_samples", w)
+        if n == 0:
+            raise CodecError("update: num_samples must be positive")
+        return cls(round=_count(_need(body, "round", int, w), "round", w),
+                   base_version=_count(_need(body, "base_version", int, w), "base_version", w),
+                   num_samples=n, metrics=_metrics(_need(body, "metrics", dict, w), w),
+                   weights=decode_weights(_need(body, "weights", dict, w), limits))
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    """Coordinator → all: the outcome of a round (no weights: those come with the next
+    ``RoundStart`` or the final ``GlobalModel``)."""
+
+    kind: ClassVar[str] = "round_result"
+    round: int
+    model_version: int
+    participants: tuple[str, ...]
+    metrics: dict[str, float]
+    aggregated: bool = True
+    reason: str = ""
+
+    def to_body(self) -> dict[str, Any]:
+        return {"round": self.round, "model_version": self.model_version,
+                "participants": list(self.participants), "metrics": dict(self.metrics),
+                "aggregated": self.aggregated, "reason": self.reason}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> RoundResult:
+        w = "round_result"
+        reason = body.get("reason", "")
+        if not isinstance(reason, str) or len(reason) > 1000:
+            raise CodecError("round_result: bad reason")
+        return cls(round=_count(_need(body, "round", int, w), "round", w),
+                   model_version=_count(_need(body, "model_version", int, w), "model_version", w),
+                   participants=_names(_need(body, "participants", list, w), w),
+                   metrics=_metrics(_need(body, "metrics", dict, w), w),
+                   aggregated=_need(body, "aggregated", bool, w), reason=reason)
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalModel:
+    """Coordinator → all, retained: the latest global model, ``final`` when training ended."""
+
+    kind: ClassVar[str] = "model"
+    model_version: int
+    round: int
+    final: bool
+    weights: Weights = field(repr=False)
+
+    def to_body(self) -> dict[str, Any]:
+        return {"model_version": self.model_version, "round": self.round,
+                "final": self.final, "weights": encode_weights(self.weights)}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> GlobalModel:
+        w = "model"
+        return cls(model_version=_count(_need(body, "model_version", int, w), "model_version", w),
+                   round=_count(_need(body, "round", int, w), "round", w),
+                   final=_need(body, "final", bool, w),
+                   weights=decode_weights(_need(body, "weights", dict, w), limits))
+
+
+Message = Presence | RoundStart | Update | RoundResult | GlobalModel
+
+# The fixed table from an envelope kind to the class that validates its body.
+KINDS: dict[str, type] = {cls.kind: cls for cls in (Presence, RoundStart, Update, RoundResult, GlobalModel)}
+
+
+def body_of(kind: str, body: Mapping[str, Any], limits: Limits) -> Message:
+    cls = KINDS.get(kind)
+    if cls is None:
+        raise CodecError(f"unknown message kind {kind!r}")
+    return cls.from_body(body, limits)

@@ -1,0 +1,101 @@
+"""The agent's side of coordinated FedAvg rounds, as pure code.
+
+The agent trains when a ``RoundStart`` names it, and sends its update only if that
+round is still the newest one it has heard of: work finished after a newer round
+started (the agent was paused, or slow) is discarded rather than submitted stale.
+Redelivered or repeated round starts (QoS 1 after a reconnect) don't train twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fedagent.protocols.messages import GlobalModel, RoundResult, RoundStart, TrainConfig, Update
+
+Weights = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingDone:
+    round: int
+    base_version: int
+    num_samples: int
+    metrics: dict[str, float]
+    weights: Weights = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Train:
+    round: int
+    base_version: int
+    train: TrainConfig
+    weights: Weights = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class SendUpdate:
+    update: Update
+
+
+@dataclass(frozen=True, slots=True)
+class Discarded:
+    round: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdoptModel:
+    """Keep this global model (for evaluation, status and the next restart)."""
+
+    model_version: int
+    round: int
+    final: bool
+    weights: Weights = field(repr=False)
+
+
+Command = Train | SendUpdate | Discarded | AdoptModel
+
+
+class Participant:
+    def __init__(self, agent_id: str, *, model_version: int = 0) -> None:
+        self.agent_id = agent_id
+        self.latest_round = 0          # newest round heard of
+        self.training_round: int | None = None
+        self.rounds_done = 0
+        self.model_version = model_version
+        self.last_metrics: dict[str, float] = {}
+        self.last_result: RoundResult | None = None
+        self.finished = False
+
+    def handle(self, event: RoundStart | TrainingDone | RoundResult | GlobalModel) -> list[Command]:
+        if isinstance(event, RoundStart):
+            if event.round <= self.latest_round:
+                return []                       # repeated or older: already handled
+            self.latest_round = event.round
+            if self.agent_id not in event.selected:
+                return []
+            self.training_round = event.round
+            return [Train(event.round, event.model_version, event.train, event.weights)]
+        if isinstance(event, TrainingDone):
+            if self.training_round != event.round:
+                return [Discarded(event.round, "not the round being trained")]
+            self.training_round = None
+            if event.round < self.latest_round:
+                return [Discarded(event.round, f"round {self.latest_round} started meanwhile")]
+            self.rounds_done += 1
+            self.last_metrics = dict(event.metrics)
+            return [SendUpdate(Update(event.round, event.base_version, event.num_samples,
+                                      dict(event.metrics), event.weights))]
+        if isinstance(event, RoundResult):
+            if self.last_result is None or event.round >= self.last_result.round:
+                self.last_result = event
+            return []
+        if isinstance(event, GlobalModel):
+            if event.model_version < self.model_version:
+                return []
+            self.model_version = event.model_version
+            self.finished = self.finished or event.final
+            return [AdoptModel(event.model_version, event.round, event.final, event.weights)]
+        raise TypeError(f"not a participant event: {event!r}")

@@ -1,0 +1,283 @@
+"""The FedAvg round machine of the coordinator, as pure code.
+
+``RoundMachine.handle(event, now) -> list[Command]``: the caller feeds it what happened
+(an agent came online, an update arrived, a wake-up it asked for) with the monotonic
+time, and carries out the commands it returns (broadcast a round, checkpoint and
+publish an aggregate, ask for a wake-up). No clock, socket or thread is touched here,
+so a whole federation can be driven in memory by a test.
+
+Invariants this machine guards:
+* round numbers only grow; an update is accepted only for the round in progress,
+  only from an agent selected for it, and only once (QoS 1 may redeliver);
+* an update is checked against the global model (names, shapes, dtypes, finite)
+  before it touches the aggregate, and a rejection names the sender;
+* a round is aggregated at most once, when every selected agent still online has
+  answered, or at its deadline if at least ``min_updates`` did; otherwise the round
+  is abandoned and a new one (with a new number) starts from the same model.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from fedagent.protocols.aggregation import UpdateRejected, WeightedMean, check_update, weighted_metrics
+from fedagent.protocols.messages import TrainConfig
+
+Weights = dict[str, np.ndarray]
+
+
+# ---- configuration -----------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RoundConfig:
+    rounds: int = 10
+    min_agents: int = 2            # quorum: no round starts with fewer agents online
+    expected_agents: int = 0       # start at once when this many are online (0 = unknown)
+    start_grace: float = 5.0       # after quorum, wait this long for more agents to show up
+    agents_per_round: int = 0      # sample this many per round (0 = every online agent)
+    min_updates: int = 1           # aggregate at the deadline only with at least this many
+    round_timeout: float = 120.0
+    max_norm: float | None = None  # reject updates whose L2 norm exceeds this
+    train: TrainConfig = field(default_factory=TrainConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.min_agents < 1 or self.min_updates < 1:
+            raise ValueError("rounds, min_agents and min_updates must be at least 1")
+        if self.min_updates > self.min_agents:
+            raise ValueError("min_updates cannot exceed min_agents: a round could never aggregate")
+        if self.agents_per_round and self.agents_per_round < self.min_updates:
+            raise ValueError("agents_per_round is below min_updates: no round could aggregate")
+        if not (self.round_timeout > 0 and self.start_grace >= 0):
+            raise ValueError("round_timeout must be positive and start_grace non-negative")
+
+
+# ---- events ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AgentOnline:
+    agent: str
+    num_samples: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AgentOffline:
+    agent: str
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateReceived:
+    sender: str
+    round: int
+    base_version: int
+    num_samples: int
+    weights: Weights
+    metrics: Mapping[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Wakeup:
+    pass
+
+
+Event = AgentOnline | AgentOffline | UpdateReceived | Wakeup
+
+
+# ---- commands ----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class StartRound:
+    round: int
+    model_version: int
+    selected: tuple[str, ...]
+    weights: Weights
+    train: TrainConfig
+    deadline_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RoundAggregated:
+    round: int
+    model_version: int
+    weights: Weights
+    participants: tuple[str, ...]
+    metrics: dict[str, float]
+    final: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RoundAbandoned:
+    round: int
+    model_version: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    sender: str
+    round: int
+    reason: str     # short code: stale, duplicate, unselected, shape, non-finite, ...
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestWakeup:
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    model_version: int
+    weights: Weights
+
+
+Command = StartRound | RoundAggregated | RoundAbandoned | Rejected | RequestWakeup | Finished
+
+
+class Phase(str, Enum):
+    WAITING = "waiting"        # for a quorum of agents
+    TRAINING = "training"      # a round is in progress
+    DONE = "done"
+
+
+class RoundMachine:
+    def __init__(self, config: RoundConfig, weights: Weights, *, model_version: int = 0,
+                 completed_rounds: int = 0, last_round: int = 0) -> None:
+        """``completed_rounds``/``last_round``/``model_version`` resume from a checkpoint."""
+        self.config = config
+        self.weights = weights
+        self.model_version = model_version
+        self.completed = completed_rounds
+        self.round = last_round            # number of the latest round started
+        self.phase = Phase.WAITING if completed_rounds < config.rounds else Phase.DONE
+        self.online: dict[str, int] = {}   # agent -> samples it announced
+        self.selected: tuple[str, ...] = ()
+        self.received: dict[str, tuple[int, dict[str, float]]] = {}
+        self.deadline = math.inf
+        self.quorum_since: float | None = None
+        self.last_metrics: dict[str, float] = {}
+        self._acc: WeightedMean | None = None
+        self._rng = random.Random(config.seed)
+
+    # -- public ------------------------------------------------------------------------
+    def handle(self, event: Event, now: float) -> list[Command]:
+        if isinstance(event, AgentOnline):
+            self.online[event.agent] = event.num_samples
+            return self._maybe_start(now)
+        if isinstance(event, AgentOffline):
+            self.online.pop(event.agent, None)
+            if self.phase is Phase.TRAINING:
+                return self._maybe_finish(now)
+            if len(self.online) < self.config.min_agents:
+                self.quorum_since = None
+            return []
+        if isinstance(event, UpdateReceived):
+            return self._on_update(event, now)
+        if isinstance(event, Wakeup):
+            if self.phase is Phase.TRAINING:
+                return self._maybe_finish(now)
+            return self._maybe_start(now)
+        raise TypeError(f"not a round event: {event!r}")
+
+    def status(self) -> dict[str, object]:
+        return {"phase": self.phase.value, "round": self.round, "completed_rounds": self.completed,
+                "rounds": self.config.rounds, "model_version": self.model_version,
+                "online": sorted(self.online), "selected": list(self.selected),
+                "received": sorted(self.received), "metrics": dict(self.last_metrics)}
+
+    # -- starting ----------------------------------------------------------------------
+    def _maybe_start(self, now: float) -> list[Command]:
+        if self.phase is not Phase.WAITING:
+            return []
+        cfg = self.config
+        n = len(self.online)
+        if n < cfg.min_agents:
+            self.quorum_since = None
+            return []
+        if self.quorum_since is None:
+            self.quorum_since = now
+        enough = cfg.expected_agents and n >= cfg.expected_agents
+        if not enough and now < self.quorum_since + cfg.start_grace:
+            return [RequestWakeup(self.quorum_since + cfg.start_grace)]
+        return self._start(now)
+
+    def _start(self, now: float) -> list[Command]:
+        cfg = self.config
+        agents = sorted(self.online)
+        if cfg.agents_per_round and cfg.agents_per_round < len(agents):
+            agents = sorted(self._rng.sample(agents, cfg.agents_per_round))
+        self.round += 1
+        self.phase = Phase.TRAINING
+        self.selected = tuple(agents)
+        self.received = {}
+        self.deadline = now + cfg.round_timeout
+        self._acc = WeightedMean(self.weights)
+        return [StartRound(self.round, self.model_version, self.selected, self.weights,
+                           cfg.train, cfg.round_timeout),
+                RequestWakeup(self.deadline)]
+
+    # -- collecting --------------------------------------------------------------------
+    def _on_update(self, ev: UpdateReceived, now: float) -> list[Command]:
+        def reject(reason: str, detail: str) -> list[Command]:
+            return [Rejected(ev.sender, ev.round, reason, detail)]
+
+        if self.phase is not Phase.TRAINING or ev.round != self.round:
+            return reject("stale", f"update for round {ev.round}, current round {self.round} ({self.phase.value})")
+        if ev.sender not in self.selected:
+            return reject("unselected", f"{ev.sender} was not selected for round {self.round}")
+        if ev.sender in self.received:
+            return reject("duplicate", f"second update from {ev.sender} for round {self.round}")
+        if ev.base_version != self.model_version:
+            return reject("stale", f"trained from version {ev.base_version}, current {self.model_version}")
+        if ev.num_samples <= 0:
+            return reject("weight", "num_samples must be positive")
+        try:
+            check_update(self.weights, ev.weights, max_norm=self.config.max_norm)
+            assert self._acc is not None
+            self._acc.add(ev.weights, float(ev.num_samples))
+        except UpdateRejected as exc:
+            return reject(exc.reason, exc.detail)
+        self.received[ev.sender] = (ev.num_samples, dict(ev.metrics))
+        return self._maybe_finish(now)
+
+    def _maybe_finish(self, now: float) -> list[Command]:
+        waiting_for = [a for a in self.selected if a not in self.received and a in self.online]
+        if waiting_for and now < self.deadline:
+            return []
+        if len(self.received) >= self.config.min_updates:
+            return self._aggregate(now)
+        reason = ("deadline passed" if now >= self.deadline else "selected agents left") + \
+            f" with {len(self.received)} of {len(self.selected)} updates (need {self.config.min_updates})"
+        out: list[Command] = [RoundAbandoned(self.round, self.model_version, reason)]
+        self._end_round()
+        self.phase = Phase.WAITING
+        self.quorum_since = None
+        return out + self._maybe_start(now)
+
+    def _aggregate(self, now: float) -> list[Command]:
+        assert self._acc is not None
+        self.weights = self._acc.result()
+        self.model_version += 1
+        self.completed += 1
+        self.last_metrics = weighted_metrics([(m, n) for n, m in self.received.values()])
+        participants = tuple(sorted(self.received))
+        final = self.completed >= self.config.rounds
+        out: list[Command] = [RoundAggregated(self.round, self.model_version, self.weights,
+                                              participants, dict(self.last_metrics), final)]
+        self._end_round()
+        if final:
+            self.phase = Phase.DONE
+            out.append(Finished(self.model_version, self.weights))
+        else:
+            self.phase = Phase.WAITING
+            # Agents are still online: the next round starts at once.
+            self.quorum_since = -math.inf
+            out += self._maybe_start(now)
+        return out
+
+    def _end_round(self) -> None:
+        self._acc = None
+        self.deadline = math.inf
