@@ -1,0 +1,196 @@
+"""The federation CA: what it issues, what it refuses, and what check_certificate says."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import ipaddress
+import stat
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from fedagent import pki as pk
+from fedagent.errors import ConfigError
+
+
+def load(path):
+    return x509.load_pem_x509_certificate(path.read_bytes())
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.fixture
+def ca_dir(tmp_path):
+    pk.create_ca(tmp_path / "ca", "fed-1")
+    return tmp_path / "ca"
+
+
+def test_create_ca_writes_a_p256_ca_with_a_private_key(tmp_path):
+    cert_path = pk.create_ca(tmp_path / "ca", "fed-1", days=30)
+    assert cert_path == tmp_path / "ca" / "ca.crt"
+    assert mode(tmp_path / "ca" / "ca.key") == 0o600
+    cert = load(cert_path)
+    assert cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert cert.public_key().curve.name == "secp256r1"
+    assert cert.issuer == cert.subject
+    assert pk.ca_federation(cert_path) == "fed-1"
+    lifetime = cert.not_valid_after_utc - cert.not_valid_before_utc
+    assert dt.timedelta(days=30) <= lifetime <= dt.timedelta(days=30, minutes=10)
+
+
+def test_create_ca_refuses_to_overwrite(ca_dir):
+    before = (ca_dir / "ca.crt").read_bytes()
+    with pytest.raises(ConfigError, match="already exists"):
+        pk.create_ca(ca_dir, "fed-1")
+    assert (ca_dir / "ca.crt").read_bytes() == before
+
+
+def test_create_ca_refuses_a_bad_federation_name(tmp_path):
+    with pytest.raises(ConfigError):
+        pk.create_ca(tmp_path / "ca", "Fed/#")
+    assert not (tmp_path / "ca").exists()
+
+
+def test_agent_certificate_round_trip(ca_dir, tmp_path):
+    crt, key = pk.issue(ca_dir, tmp_path / "out", "agent-a", "agent")
+    assert (crt, key) == (tmp_path / "out" / "agent-a.crt", tmp_path / "out" / "agent-a.key")
+    assert mode(key) == 0o600
+    assert pk.common_name(crt) == "agent-a"
+    assert pk.role_of(crt) == "agent"
+    cert = load(crt)
+    assert cert.issuer == load(ca_dir / "ca.crt").subject
+    assert cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)[0].value == "agent"
+    eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(eku) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+    assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    cert.verify_directly_issued_by(load(ca_dir / "ca.crt"))
+    der = cert.public_bytes(serialization.Encoding.DER)
+    assert pk.fingerprint(crt) == hashlib.sha256(der).hexdigest()
+    pk.check_certificate(crt, key, ca_dir / "ca.crt")
+
+
+def test_coordinator_gets_client_auth_and_its_role(ca_dir, tmp_path):
+    crt, _ = pk.issue(ca_dir, tmp_path, "coord", "coordinator")
+    assert pk.role_of(crt) == "coordinator"
+    eku = load(crt).extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(eku) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+
+
+def test_broker_certificate_has_server_auth_and_default_sans(ca_dir, tmp_path):
+    crt, _ = pk.issue(ca_dir, tmp_path, "broker", "broker")
+    cert = load(crt)
+    eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert set(eku) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["localhost"]
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
+
+
+def test_broker_sans_are_ip_addresses_when_they_parse_as_one(ca_dir, tmp_path):
+    crt, _ = pk.issue(ca_dir, tmp_path, "broker", "broker",
+                       sans=["10.77.0.1", "::1", "broker.local"])
+    san = load(crt).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.77.0.1"),
+                                                       ipaddress.ip_address("::1")]
+    assert san.get_values_for_type(x509.DNSName) == ["broker.local"]
+
+
+def test_each_certificate_is_distinct(ca_dir, tmp_path):
+    a, _ = pk.issue(ca_dir, tmp_path / "1", "agent-a", "agent")
+    b, _ = pk.issue(ca_dir, tmp_path / "2", "agent-a", "agent")
+    assert pk.fingerprint(a) != pk.fingerprint(b)
+    assert len(pk.fingerprint(a)) == 64
+
+
+@pytest.mark.parametrize("name", ["agent/#", "a+b", "A", "", "x" * 64, "-lead", "a b", "a#"])
+def test_invalid_names_are_refused_before_anything_is_signed(ca_dir, tmp_path, name):
+    with pytest.raises(ConfigError, match="invalid node id"):
+        pk.issue(ca_dir, tmp_path / "out", name, "agent")
+    assert not (tmp_path / "out").exists()
+
+
+def test_longest_valid_name_is_accepted(ca_dir, tmp_path):
+    crt, _ = pk.issue(ca_dir, tmp_path, "x" * 63, "agent")
+    assert pk.common_name(crt) == "x" * 63
+
+
+def test_unknown_role_is_refused(ca_dir, tmp_path):
+    with pytest.raises(ConfigError, match="unknown role 'admin'"):
+        pk.issue(ca_dir, tmp_path, "agent-a", "admin")
+
+
+def test_issue_without_a_ca_says_so(tmp_path):
+    with pytest.raises(ConfigError, match="create the federation CA first"):
+        pk.issue(tmp_path / "nothing", tmp_path, "agent-a", "agent")
+
+
+def test_expired_certificate_is_detected_with_an_actionable_message(ca_dir, tmp_path):
+    now = dt.datetime.now(dt.timezone.utc)
+    expired = now - dt.timedelta(days=1)
+    crt, key = pk.issue(ca_dir, tmp_path, "agent-b", "agent",
+                        not_before=now - dt.timedelta(days=10), not_after=expired)
+    with pytest.raises(ConfigError) as err:
+        pk.check_certificate(crt, key, ca_dir / "ca.crt")
+    assert str(err.value) == (
+        f"certificate for agent-b expired on {expired:%Y-%m-%d}; issue a new one with "
+        "`fedagent ca issue agent-b --role agent`")
+
+
+def test_the_expired_fixture_certificate(pki):
+    tls = pki.tls("agent-old")
+    with pytest.raises(ConfigError, match=r"certificate for agent-old expired on \d{4}-\d\d-\d\d; "
+                       r"issue a new one with `fedagent ca issue agent-old --role agent`"):
+        pki_check(tls)
+
+
+def pki_check(tls):
+    pk.check_certificate(tls.cert, tls.key, tls.ca)
+
+
+def test_not_yet_valid_certificate_is_detected(ca_dir, tmp_path):
+    now = dt.datetime.now(dt.timezone.utc)
+    crt, key = pk.issue(ca_dir, tmp_path, "agent-c", "agent",
+                         not_before=now + dt.timedelta(days=2), not_after=now + dt.timedelta(days=9))
+    with pytest.raises(ConfigError, match="not valid before .* check this machine's clock"):
+        pk.check_certificate(crt, key, ca_dir / "ca.crt")
+
+
+def test_validity_window_must_not_be_empty(ca_dir, tmp_path):
+    now = dt.datetime.now(dt.timezone.utc)
+    with pytest.raises(ConfigError, match="would expire"):
+        pk.issue(ca_dir, tmp_path, "agent-c", "agent", not_before=now, not_after=now)
+
+
+def test_certificate_from_another_ca_is_detected(pki):
+    foreign = pki.tls("agent-a", foreign=True)
+    with pytest.raises(ConfigError, match="was not issued by this federation's CA"):
+        pki_check(foreign)
+
+
+def test_key_that_does_not_match_is_detected(pki):
+    a, b = pki.tls("agent-a"), pki.tls("agent-b")
+    with pytest.raises(ConfigError, match="does not match certificate"):
+        pk.check_certificate(a.cert, b.key, a.ca)
+
+
+@pytest.mark.parametrize("missing", ["cert", "key", "ca"])
+def test_missing_files_are_named(pki, tmp_path, missing):
+    tls = pki.tls("agent-a")
+    paths = {"cert": tls.cert, "key": tls.key, "ca": tls.ca}
+    paths[missing] = tmp_path / f"absent.{missing}"
+    with pytest.raises(ConfigError, match=f"absent.{missing}"):
+        pk.check_certificate(paths["cert"], paths["key"], paths["ca"])
+
+
+def test_fixture_identities(pki):
+    for name, role in [("agent-a", "agent"), ("agent-b", "agent"), ("coord", "coordinator")]:
+        tls = pki.tls(name)
+        assert pk.common_name(tls.cert) == name
+        assert pk.role_of(tls.cert) == role
+        pki_check(tls)
+    assert pk.common_name(pki.tls("agent-a", foreign=True).cert) == "agent-a"
