@@ -1,7 +1,265 @@
-"""Command-line interface (placeholder until the daemons land)."""
+"""The ``fedagent`` command line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
 import click
 
+from fedagent import __version__
+from fedagent.errors import EXIT_CONFIG, ConfigError, FedagentError
 
-@click.group()
+DEFAULT_AGENT_CONFIG = Path(os.environ.get("FEDAGENT_CONFIG", "/etc/fedagent/agent.toml"))
+
+
+def _fail(exc: FedagentError) -> None:
+    click.secho(f"error: {exc}", fg="red", err=True)
+    sys.exit(exc.exit_code)
+
+
+def _run_daemon(make) -> None:
+    """Run a daemon's ``run()`` until SIGTERM/SIGINT, then let it shut down cleanly."""
+    from fedagent.agent.runtime import setup_logging
+
+    setup_logging(os.environ.get("FEDAGENT_LOG_LEVEL", "INFO"))
+
+    async def main() -> None:
+        daemon = make()
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await daemon.run()
+        except asyncio.CancelledError:
+            pass
+
+    try:
+        asyncio.run(main())
+    except (FedagentError, BaseExceptionGroup) as exc:
+        found = _first_fedagent_error(exc)
+        if found is None:
+            raise
+        _fail(found)
+
+
+def _first_fedagent_error(exc: BaseException) -> FedagentError | None:
+    """The error to report from a TaskGroup's (possibly nested) exception group."""
+    if isinstance(exc, FedagentError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            found = _first_fedagent_error(sub)
+            if found is not None:
+                return found
+    return None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="fedagent")
 def main() -> None:
-    """fedagent: federated learning at the edge."""
+    """fedagent: federated learning between edge machines over MQTT with mutual TLS."""
+
+
+# -- daemons -----------------------------------------------------------------------------
+@main.command()
+@click.option("--config", "config_path", type=click.Path(path_type=Path), default=DEFAULT_AGENT_CONFIG,
+              show_default=True, help="agent config file (TOML)")
+def agent(config_path: Path) -> None:
+    """Run the agent daemon (what systemd starts)."""
+    from fedagent import config
+    from fedagent.agent.daemon import Agent
+
+    try:
+        cfg = config.load(config_path, "agent")
+    except FedagentError as exc:
+        _fail(exc)
+    _run_daemon(lambda: Agent(cfg))
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(path_type=Path),
+              default=Path("/etc/fedagent/coordinator.toml"), show_default=True,
+              help="coordinator config file (TOML)")
+def coordinator(config_path: Path) -> None:
+    """Run the coordinator daemon."""
+    from fedagent import config
+    from fedagent.coordinator.daemon import Coordinator
+
+    try:
+        cfg = config.load(config_path, "coordinator")
+    except FedagentError as exc:
+        _fail(exc)
+    _run_daemon(lambda: Coordinator(cfg))
+
+
+# -- operator commands ---------------------------------------------------------------
+def _socket_for(config_path: Path | None, socket: Path | None, is_coord: bool) -> Path:
+    """The control socket to ask: explicit, from a config's runtime_dir, or the default."""
+    from fedagent import config
+    from fedagent.agent.control import default_socket_path
+
+    if socket is not None:
+        return socket
+    if config_path is None and not is_coord and DEFAULT_AGENT_CONFIG.exists():
+        config_path = DEFAULT_AGENT_CONFIG
+    if config_path is None:
+        return default_socket_path("coordinator" if is_coord else "agent")
+    cfg = config.load(config_path, "agent")
+    agent_sock = cfg.control_socket
+    coord_sock = agent_sock.with_name("coordinator.sock")
+    if is_coord or (not agent_sock.exists() and coord_sock.exists()):
+        return coord_sock
+    return agent_sock
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+              help="config file of the daemon to ask (default: /etc/fedagent/agent.toml)")
+@click.option("--socket", type=click.Path(path_type=Path), default=None, help="control socket path")
+@click.option("--coordinator", "is_coord", is_flag=True, help="ask the coordinator daemon")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def status(config_path: Path | None, socket: Path | None, is_coord: bool, as_json: bool) -> None:
+    """Show what the local daemon is doing."""
+    from fedagent.agent.control import request
+    from fedagent.status import render_status
+
+    try:
+        result = request(_socket_for(config_path, socket, is_coord), "status")
+    except FedagentError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(result, sort_keys=True, default=str))
+    else:
+        render_status(result)
+
+
+@main.command()
+@click.argument("federation")
+@click.option("--broker", default="", help="mqtts://HOST:PORT (default: find it by mDNS)")
+@click.option("--config", "config_path", type=click.Path(path_type=Path), default=DEFAULT_AGENT_CONFIG,
+              show_default=True, help="agent config file to record membership in")
+@click.option("--interface", "interfaces", multiple=True, help="address to run mDNS on (repeatable)")
+@click.option("--timeout", default=10.0, show_default=True, help="seconds to look for the federation")
+def join(federation: str, broker: str, config_path: Path, interfaces: tuple[str, ...], timeout: float) -> None:
+    """Join FEDERATION: find its broker, record it, and tell the running agent."""
+    from fedagent import config
+    from fedagent.agent.control import request
+    from fedagent.agent.discovery import Discovery
+    from fedagent.protocols.topics import check_name
+
+    try:
+        check_name(federation, "federation")
+        cfg = config.load(config_path, "agent")
+        if broker and not broker.startswith("mqtts://"):
+            raise ConfigError(f"--broker must look like mqtts://HOST:PORT, not {broker!r}")
+        if not broker:
+            ifaces = interfaces or cfg.interfaces
+
+            async def find() -> str:
+                async with Discovery(ifaces) as disc:
+                    return (await disc.find(federation, ("coordinator", "broker"), timeout)).broker_uri
+
+            click.echo(f"looking for federation {federation} on mDNS ({', '.join(ifaces)}) ...")
+            broker = asyncio.run(find())
+            click.echo(f"found broker {broker}")
+        config.update_membership(cfg.path, federation, broker)
+        click.echo(f"recorded membership of {federation} in {cfg.path}")
+        try:
+            request(cfg.control_socket, "join", {"federation": federation, "broker": broker})
+        except FedagentError as exc:
+            click.secho(f"no agent is running to take part now ({exc}).\n"
+                        "It will join when started: fedagent agent --config "
+                        f"{cfg.path}  (or: systemctl start fedagent-agent)", fg="yellow")
+            return
+        click.echo(f"the running agent {cfg.id} is joining {federation}")
+    except FedagentError as exc:
+        _fail(exc)
+
+
+# -- certificates and broker --------------------------------------------------------
+@main.group()
+def ca() -> None:
+    """Federation CA: create it, issue certificates, write the broker config."""
+
+
+@ca.command("init")
+@click.argument("federation")
+@click.option("--dir", "directory", type=click.Path(path_type=Path), default=Path("pki"), show_default=True)
+def ca_init(federation: str, directory: Path) -> None:
+    """Create the CA of FEDERATION in DIR (ca.crt, ca.key)."""
+    from fedagent import pki
+
+    try:
+        path = pki.create_ca(directory, federation)
+    except FedagentError as exc:
+        _fail(exc)
+    click.echo(f"created CA {path} (keep {directory / 'ca.key'} offline after issuing)")
+
+
+@ca.command("issue")
+@click.argument("name")
+@click.option("--role", type=click.Choice(["agent", "coordinator", "broker"]), required=True)
+@click.option("--dir", "directory", type=click.Path(path_type=Path), default=Path("pki"), show_default=True,
+              help="the CA directory")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="where to write (default: DIR)")
+@click.option("--san", "sans", multiple=True, help="broker DNS name or IP (repeatable)")
+@click.option("--days", default=825, show_default=True)
+def ca_issue(name: str, role: str, directory: Path, out: Path | None, sans: tuple[str, ...], days: int) -> None:
+    """Issue a certificate for NAME (its MQTT identity)."""
+    from fedagent import pki
+
+    try:
+        cert, key = pki.issue(directory, out or directory, name, role, sans=sans, days=days)
+    except FedagentError as exc:
+        _fail(exc)
+    click.echo(f"issued {cert} and {key}")
+
+
+@ca.command("broker-config")
+@click.option("--dir", "directory", type=click.Path(path_type=Path), default=Path("pki"), show_default=True,
+              help="the CA directory (holds broker.crt/broker.key)")
+@click.option("--federation", "federations", multiple=True, required=True)
+@click.option("--coordinator", "coordinators", multiple=True, required=True, help="coordinator identities")
+@click.option("--port", default=8883, show_default=True)
+@click.option("--bind", default="127.0.0.1", show_default=True)
+@click.option("--broker-name", default="broker", show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("mosquitto"), show_default=True)
+def ca_broker_config(directory: Path, federations, coordinators, port: int, bind: str, broker_name: str,
+                     out: Path) -> None:
+    """Write a Mosquitto config and ACL (mutual TLS, one subtree per identity)."""
+    from fedagent import broker
+
+    try:
+        conf = broker.write_site_config(out, ca_dir=directory, broker_name=broker_name,
+                                        federations=list(federations), coordinators=list(coordinators),
+                                        port=port, bind=bind)
+    except FedagentError as exc:
+        _fail(exc)
+    click.echo(f"wrote {conf}; run: mosquitto -c {conf}")
+
+
+# -- demo -------------------------------------------------------------------------------
+@main.command()
+@click.option("--agents", default=3, show_default=True, help="number of agent processes")
+@click.option("--rounds", default=15, show_default=True)
+@click.option("--alpha", default=0.3, show_default=True, help="Dirichlet non-IID concentration")
+@click.option("--keep", is_flag=True, help="keep the work directory (logs, checkpoints)")
+def demo(agents: int, rounds: int, alpha: float, keep: bool) -> None:
+    """A whole federation on this machine: broker, coordinator, agents, mDNS."""
+    from fedagent.demo import run_demo
+
+    try:
+        code = run_demo(agents=agents, rounds=rounds, alpha=alpha, keep=keep)
+    except FedagentError as exc:
+        _fail(exc)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

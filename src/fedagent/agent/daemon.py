@@ -1,0 +1,276 @@
+"""``fedagent agent``: the daemon every site or vehicle runs.
+
+One TaskGroup owns everything: the control socket (status, join), mDNS, the systemd
+watchdog, and the *session* of the federation the agent belongs to. ``join`` replaces
+the session without restarting the process. Training runs in a worker thread so the
+event loop keeps answering ``status``, MQTT keep-alives and the watchdog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import torch
+
+from fedagent import checkpoint
+from fedagent import config as config_mod
+from fedagent.agent import sdnotify
+from fedagent.agent.control import ControlServer
+from fedagent.agent.discovery import Advert, Discovery
+from fedagent.agent.messaging import Incoming, Messenger
+from fedagent.agent.runtime import make_transport, presence_payload
+from fedagent.config import NodeConfig
+from fedagent.errors import ConfigError, FedagentError
+from fedagent.pki import fingerprint
+from fedagent.protocols import topics
+from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart
+from fedagent.protocols.participant import AdoptModel, Discarded, Participant, SendUpdate, Train, TrainingDone
+from fedagent.statefile import cleanup_temp_files
+from fedagent.tasks.base import Task, get_weights, load_task, set_weights
+
+log = logging.getLogger("fedagent.agent")
+
+DISCOVERY_TIMEOUT = 10.0
+
+
+class Session:
+    """Membership of one federation: a connection, a participant machine, peers."""
+
+    def __init__(self, agent: Agent, federation: str, broker: str) -> None:
+        self.agent = agent
+        self.cfg = agent.cfg
+        self.fed = federation
+        self.broker = broker
+        self.coordinator: str | None = None
+        self.participant = Participant(self.cfg.id)
+        self.peers: dict[str, dict[str, Any]] = {}
+        self.round_state = "idle"
+        self.current_round = 0
+        self.last_eval: dict[str, float] = {}
+        self.dir = self.cfg.state_dir / "agent" / federation
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cleanup_temp_files(self.dir)
+        self.model_path = self.dir / "global.ckpt"
+        resumed = checkpoint.load(self.model_path)
+        if resumed is not None:
+            self.participant.model_version = int(resumed[1].get("model_version", 0))
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=1000)
+        self.transport = make_transport(
+            self.cfg, federation, broker,
+            subscriptions=[topics.all_broadcasts(federation), topics.inbox(federation, self.cfg.id),
+                           topics.all_presence(federation)],
+            on_connect=self._on_connect)
+        self.messenger = Messenger(federation=federation, node_id=self.cfg.id, transport=self.transport,
+                                   max_chunk_bytes=self.cfg.max_chunk_bytes,
+                                   max_model_bytes=self.cfg.max_model_bytes)
+
+    async def _on_connect(self) -> None:
+        await self.transport.publish(
+            topics.presence(self.fed, self.cfg.id),
+            presence_payload(self.cfg, self.fed, True, num_samples=self.agent.task.num_samples(),
+                             model_version=self.participant.model_version), retain=True)
+
+    async def _on_payload(self, topic: str, payload: bytes) -> None:
+        await self.messenger.receive(topic, payload, self.queue.put)
+
+    async def run(self) -> None:
+        ready = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.transport.run(self._on_payload, ready))
+            await ready.wait()
+            log.info("agent %s joined federation %s via %s", self.cfg.id, self.fed, self.broker)
+            sdnotify.status(f"member of {self.fed}: waiting for a round")
+            while True:
+                item = await self.queue.get()
+                if isinstance(item, Incoming):
+                    await self._on_message(item)
+                else:
+                    await self._apply(self.participant.handle(item))
+
+    async def _on_message(self, inc: Incoming) -> None:
+        msg = inc.message
+        if isinstance(msg, Presence):
+            if inc.sender != self.cfg.id:
+                self.peers[inc.sender] = {"role": msg.role, "online": msg.online, "last_seen": time.time(),
+                                          "model_version": msg.model_version}
+            return
+        if isinstance(msg, (RoundStart, RoundResult, GlobalModel)):
+            if not inc.topic.startswith(topics.federation_root(self.fed) + "/global/"):
+                return self.messenger._reject("topic", inc.sender, f"{msg.kind} outside global/")
+            self.coordinator = inc.sender
+            if isinstance(msg, RoundStart) and msg.round > self.current_round:
+                self.current_round = msg.round
+                self.round_state = "training" if self.cfg.id in msg.selected else "not selected"
+                self.agent.spawn(self._evaluate_global(msg.weights, msg.model_version))
+            if isinstance(msg, RoundResult) and msg.round >= self.current_round:
+                self.round_state = "aggregated" if msg.aggregated else f"abandoned: {msg.reason}"
+            await self._apply(self.participant.handle(msg))
+
+    async def _evaluate_global(self, weights, version: int) -> None:
+        metrics = await asyncio.to_thread(self.agent.evaluate, weights)
+        self.last_eval = {"model_version": version, **metrics}
+
+    async def _apply(self, cmds) -> None:
+        for cmd in cmds:
+            if isinstance(cmd, Train):
+                self.agent.spawn(self._train(cmd))
+            elif isinstance(cmd, SendUpdate):
+                if self.coordinator is None:
+                    log.warning("no coordinator known; update for round %d dropped", cmd.update.round)
+                    continue
+                topic = topics.direct(self.fed, self.cfg.id, self.coordinator, "update")
+                n = await self.messenger.send(topic, cmd.update, round_=cmd.update.round)
+                self.round_state = "update sent"
+                log.info("round %d: update sent (%d bytes, %s)", cmd.update.round, n,
+                         ", ".join(f"{k}={v:.4f}" for k, v in cmd.update.metrics.items()))
+            elif isinstance(cmd, Discarded):
+                log.info("discarded training of round %d: %s", cmd.round, cmd.reason)
+            elif isinstance(cmd, AdoptModel):
+                meta = {"model_version": cmd.model_version, "round": cmd.round, "final": cmd.final}
+                await asyncio.to_thread(checkpoint.save, self.model_path, cmd.weights, meta)
+                if cmd.final:
+                    self.round_state = "finished"
+                    sdnotify.status(f"{self.fed}: training finished (model version {cmd.model_version})")
+
+    async def _train(self, cmd: Train) -> None:
+        sdnotify.status(f"{self.fed}: training round {cmd.round}")
+        try:
+            weights, metrics = await asyncio.to_thread(self.agent.train, cmd)
+        except Exception:
+            log.exception("training for round %d failed", cmd.round)
+            self.round_state = "training failed"
+            return
+        await self.queue.put(TrainingDone(cmd.round, cmd.base_version, self.agent.task.num_samples(),
+                                          metrics, weights))
+
+    def status(self) -> dict[str, Any]:
+        p = self.participant
+        return {"federation": self.fed, "broker": self.broker, "connection": self.transport.state,
+                "reconnects": self.transport.reconnects, "last_error": self.transport.last_error,
+                "coordinator": self.coordinator, "round": self.current_round, "round_state": self.round_state,
+                "rounds_trained": p.rounds_done, "model_version": p.model_version,
+                "last_metrics": p.last_metrics, "global_model_eval": self.last_eval,
+                "peers": dict(sorted(self.peers.items())), "rejected": dict(self.messenger.rejected),
+                "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out}
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.transport.close(
+                (topics.presence(self.fed, self.cfg.id), presence_payload(self.cfg, self.fed, False))), 5)
+
+
+class Agent:
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        torch.set_num_threads(cfg.torch_threads)
+        self.task: Task = load_task(cfg.task, cfg.task_options)
+        self.model = self.task.build_model()
+        self.session: Session | None = None
+        self._session_task: asyncio.Task | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self._disc: Discovery | None = None
+        self._train_lock = asyncio.Lock()
+        self.mdns_peers: dict[str, Advert] = {}
+
+    # Training and evaluation run in worker threads, one at a time on the one model.
+    def train(self, cmd: Train):
+        with self._thread_lock:
+            set_weights(self.model, cmd.weights)
+            metrics = self.task.fit(self.model, epochs=cmd.train.epochs, lr=cmd.train.lr,
+                                    batch_size=cmd.train.batch_size, seed=cmd.round)
+            return get_weights(self.model), metrics
+
+    def evaluate(self, weights) -> dict[str, float]:
+        with self._thread_lock:
+            model = self.task.build_model()
+            set_weights(model, weights)
+            return self.task.evaluate(model)
+
+    def spawn(self, coro) -> None:
+        assert self._tg is not None
+        self._tg.create_task(coro)
+
+    async def _find_broker(self, federation: str) -> str:
+        assert self._disc is not None
+        while True:
+            try:
+                advert = await self._disc.find(federation, ("coordinator", "broker"), DISCOVERY_TIMEOUT)
+                return advert.broker_uri
+            except FedagentError as exc:
+                log.warning("%s; still looking", exc)
+                sdnotify.status(f"looking for federation {federation} on mDNS")
+
+    async def _run_session(self, federation: str, broker: str) -> None:
+        if not broker:
+            broker = await self._find_broker(federation)
+            log.info("found federation %s on mDNS: broker %s", federation, broker)
+        session = Session(self, federation, broker)
+        self.session = session
+        if self.cfg.advertise and self._disc is not None:
+            await self._disc.register(Advert(federation=federation, node_id=self.cfg.id, role="agent",
+                                             broker_uri=broker, fingerprint=fingerprint(self.cfg.tls.cert)))
+            self._disc.start_browsing(federation)
+        try:
+            await session.run()
+        finally:
+            await session.close()
+
+    def _start_session(self, federation: str, broker: str) -> None:
+        assert self._tg is not None
+        if self._session_task is not None:
+            self._session_task.cancel()
+        self.session = None
+        self._session_task = self._tg.create_task(self._run_session(federation, broker))
+
+    # -- control -----------------------------------------------------------------------
+    async def _status(self, _args: dict) -> dict:
+        out: dict[str, Any] = {"role": "agent", "id": self.cfg.id, "mode": self.cfg.mode,
+                               "task": self.cfg.task, "num_samples": self.task.num_samples(),
+                               "federation": self.cfg.federation or None, "connection": "not joined"}
+        if self.session is not None:
+            out.update(self.session.status())
+        elif self.cfg.federation:
+            out["connection"] = "discovering"
+        if self._disc is not None:
+            out["mdns_peers"] = {k: {"role": a.role, "broker": a.broker_uri,
+                                     "last_seen": self._disc.last_seen.get(k)}
+                                 for k, a in sorted(self._disc.peers.items())}
+        return out
+
+    async def _join(self, args: dict) -> dict:
+        federation = topics.check_name(str(args.get("federation", "")), "federation")
+        broker = str(args.get("broker", ""))
+        if broker and not broker.startswith("mqtts://"):
+            raise ConfigError(f"broker must look like mqtts://HOST:PORT, not {broker!r}")
+        self.cfg = self.cfg.with_membership(federation, broker)
+        self._start_session(federation, broker)
+        return {"federation": federation, "broker": broker or "(mDNS)"}
+
+    async def run(self) -> None:
+        import threading
+
+        self._thread_lock = threading.Lock()
+        control = ControlServer(self.cfg.control_socket, {"status": self._status, "join": self._join})
+        await control.start()
+        try:
+            async with Discovery(self.cfg.interfaces) as disc, asyncio.TaskGroup() as tg:
+                self._disc, self._tg = disc, tg
+                tg.create_task(sdnotify.watchdog_loop())
+                if self.cfg.federation:
+                    self._start_session(self.cfg.federation, self.cfg.broker)
+                    sdnotify.ready(f"agent {self.cfg.id}: joining {self.cfg.federation}")
+                else:
+                    sdnotify.ready(f"agent {self.cfg.id}: not in a federation; run `fedagent join NAME`")
+                    log.info("agent %s is not in a federation yet: run `fedagent join FEDERATION`", self.cfg.id)
+                await asyncio.Event().wait()
+        finally:
+            sdnotify.stopping()
+            await control.close()
+
+
+def load_agent_config(path) -> NodeConfig:
+    return config_mod.load(path, "agent")

@@ -1,0 +1,142 @@
+"""Envelopes over the transport: sequence numbers, chunking, validation, typing.
+
+Outgoing: a message becomes an :class:`Envelope`, encoded, and split into ``chunk``
+envelopes when it is larger than the broker's packet limit allows.
+Incoming: the payload is decoded under limits, chunks are reassembled (digest
+checked), the envelope's sender is checked against the topic it came on (the broker
+ACL guarantees the topic subtree is the publisher's certificate CN), and the body is
+validated into a typed message. Anything wrong is counted and logged with the
+sender named, and dropped: a hostile peer never reaches the protocol machines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from fedagent.errors import CodecError
+from fedagent.protocols import topics
+from fedagent.protocols.chunking import Reassembler, split
+from fedagent.protocols.codec import Envelope, Limits, decode, encode
+from fedagent.protocols.messages import Message, body_of
+
+log = logging.getLogger(__name__)
+
+CHUNK_KIND = "chunk"
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    topic: str
+    sender: str
+    envelope: Envelope
+    message: Message
+    nbytes: int
+
+
+class Messenger:
+    def __init__(self, *, federation: str, node_id: str, transport, max_chunk_bytes: int = 4 * 2**20,
+                 max_model_bytes: int = 2**30, reassembly_timeout: float = 120.0) -> None:
+        self.federation = federation
+        self.node_id = node_id
+        self.transport = transport
+        self.max_chunk = max_chunk_bytes
+        # Per-sender sequence numbers grow across restarts: they start at the clock.
+        self._seq = time.time_ns() // 1000
+        self._transfer = 0
+        chunk_overhead = 4096
+        self.wire_limits = Limits(max_message_bytes=max_chunk_bytes + chunk_overhead,
+                                  max_bin_len=max_chunk_bytes + chunk_overhead)
+        self.model_limits = Limits(max_message_bytes=max_model_bytes, max_bin_len=max_model_bytes,
+                                   max_tensor_bytes=max_model_bytes)
+        self.reassembler = Reassembler(max_transfer_bytes=max_model_bytes,
+                                       max_pending_bytes=2 * max_model_bytes, timeout=reassembly_timeout)
+        self.rejected: Counter[str] = Counter()
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.messages_in = 0
+        self.messages_out = 0
+
+    def envelope(self, message: Message, round_: int = 0) -> Envelope:
+        self._seq += 1
+        return Envelope(kind=message.kind, federation=self.federation, sender=self.node_id,
+                        round=round_, seq=self._seq, ts=time.time(), body=message.to_body())
+
+    async def send(self, topic: str, message: Message, *, round_: int = 0, retain: bool = False) -> int:
+        """Publish ``message`` (chunked if needed); returns the bytes put on the wire."""
+        payload = await asyncio.to_thread(encode, self.envelope(message, round_)) \
+            if _is_big(message) else encode(self.envelope(message, round_))
+        frames = [payload]
+        if len(payload) > self.max_chunk:
+            if retain:
+                raise ValueError("a message larger than one chunk cannot be retained")
+            self._transfer += 1
+            tid = f"{self._seq:x}-{self._transfer}"
+            frames = []
+            for body in split(payload, max_chunk=self.max_chunk, transfer_id=tid):
+                self._seq += 1
+                frames.append(encode(Envelope(kind=CHUNK_KIND, federation=self.federation,
+                                              sender=self.node_id, round=round_, seq=self._seq,
+                                              ts=time.time(), body=body)))
+        for frame in frames:
+            await self.transport.publish(topic, frame, qos=1, retain=retain)
+        total = sum(len(f) for f in frames)
+        self.bytes_out += total
+        self.messages_out += 1
+        return total
+
+    def _reject(self, reason: str, sender: str, detail: str) -> None:
+        self.rejected[reason] += 1
+        log.warning("rejected message from %s: %s (%s)", sender or "?", reason, detail)
+
+    async def receive(self, topic: str, payload: bytes, deliver: Callable[[Incoming], Awaitable[None]]) -> None:
+        self.bytes_in += len(payload)
+        try:
+            fed, topic_sender, _receiver, _kind = topics.parse(topic)
+        except ValueError as exc:
+            return self._reject("topic", "", str(exc))
+        if fed != self.federation:
+            return self._reject("federation", topic_sender, f"topic of federation {fed}")
+        if not payload:
+            return None              # a cleared retained message
+        try:
+            env = decode(payload, self.wire_limits)
+        except CodecError as exc:
+            return self._reject("codec", topic_sender, str(exc))
+        # The ACL makes node/<id>/ writable only by <id>: the envelope must agree.
+        if topic_sender and env.sender != topic_sender:
+            return self._reject("spoofed", topic_sender, f"envelope claims sender {env.sender}")
+        if env.federation != self.federation:
+            return self._reject("federation", env.sender, f"envelope for {env.federation}")
+        if env.kind == CHUNK_KIND:
+            try:
+                whole = self.reassembler.feed(env.sender, env.body, time.monotonic())
+            except CodecError as exc:
+                return self._reject("chunk", env.sender, str(exc))
+            for sender, tid in self.reassembler.expire(time.monotonic()):
+                self._reject("chunk-timeout", sender, f"transfer {tid} incomplete, dropped")
+            if whole is None:
+                return None
+            try:
+                inner = await asyncio.to_thread(decode, whole, self.model_limits)
+            except CodecError as exc:
+                return self._reject("codec", env.sender, str(exc))
+            if inner.sender != env.sender or inner.federation != self.federation:
+                return self._reject("spoofed", env.sender, "reassembled message names another sender")
+            env, size = inner, len(whole)
+        else:
+            size = len(payload)
+        try:
+            message = body_of(env.kind, env.body, self.model_limits)
+        except CodecError as exc:
+            return self._reject("schema", env.sender, str(exc))
+        self.messages_in += 1
+        await deliver(Incoming(topic, env.sender, env, message, size))
+
+
+def _is_big(message: Message) -> bool:
+    return hasattr(message, "weights")

@@ -1,0 +1,90 @@
+"""What the agent and the coordinator daemons share: logging, the transport and
+discovery set-up, timers driven by the monotonic clock, and a metrics history."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fedagent.agent.transport import TlsFiles, Transport
+from fedagent.config import NodeConfig
+from fedagent.protocols import topics
+from fedagent.protocols.messages import Presence
+from fedagent.protocols.codec import Envelope, encode
+
+
+def setup_logging(level: str = "INFO") -> None:
+    """One line per record on stderr; under systemd the journal adds the timestamp."""
+    under_journal = bool(os.environ.get("JOURNAL_STREAM"))
+    fmt = "%(levelname)s %(name)s: %(message)s" if under_journal else \
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt, stream=sys.stderr)
+    for noisy in ("zeroconf", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def tls_files(cfg: NodeConfig) -> TlsFiles:
+    return TlsFiles(ca=cfg.tls.ca, cert=cfg.tls.cert, key=cfg.tls.key)
+
+
+def presence_payload(cfg: NodeConfig, federation: str, online: bool, **fields: Any) -> bytes:
+    msg = Presence(online=online, role=cfg.role, mode=cfg.mode, **fields)
+    return encode(Envelope(kind=msg.kind, federation=federation, sender=cfg.id, round=0,
+                           seq=time.time_ns() // 1000, ts=time.time(), body=msg.to_body()))
+
+
+def make_transport(cfg: NodeConfig, federation: str, broker: str, subscriptions: list[str],
+                   on_connect=None) -> Transport:
+    will = (topics.presence(federation, cfg.id), presence_payload(cfg, federation, online=False))
+    return Transport(uri=broker, client_id=cfg.id, tls=tls_files(cfg), will=will,
+                     on_connect=on_connect, subscriptions=subscriptions)
+
+
+class Timer:
+    """One pending wake-up at a monotonic deadline; a later request replaces an earlier
+    one only if it is sooner (the machines re-request what they still need)."""
+
+    def __init__(self, queue: asyncio.Queue, event: object) -> None:
+        self._queue = queue
+        self._event = event
+        self._handle: asyncio.TimerHandle | None = None
+        self._at = float("inf")
+
+    def request(self, at: float) -> None:
+        now = time.monotonic()
+        if self._handle is not None and self._at <= at and self._at > now:
+            return
+        if self._handle is not None:
+            self._handle.cancel()
+        self._at = at
+        loop = asyncio.get_running_loop()
+        self._handle = loop.call_later(max(0.0, at - now), self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        self._at = float("inf")
+        self._queue.put_nowait(self._event)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+
+
+class History:
+    """Append-only JSON lines of per-round metrics in the state directory."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def append(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"time": time.time(), **record}, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())

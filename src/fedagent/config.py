@@ -1,0 +1,182 @@
+"""Agent and coordinator configuration: TOML files, validated into frozen dataclasses.
+
+Relative paths in a config file are relative to the file's directory, so a folder
+holding ``agent.toml`` with its certificates can be moved as a whole. Every problem
+raises :class:`ConfigError` naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from fedagent.errors import ConfigError
+from fedagent.protocols.topics import check_name
+
+MODES = ("fedavg", "syncopt", "gossip")
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    ca: Path
+    cert: Path
+    key: Path
+
+
+@dataclass(frozen=True, slots=True)
+class RoundsConfig:
+    rounds: int = 10
+    min_agents: int = 2
+    expected_agents: int = 0
+    start_grace: float = 5.0
+    agents_per_round: int = 0
+    min_updates: int = 1
+    round_timeout: float = 120.0
+    max_norm: float | None = None
+    local_epochs: int = 1
+    lr: float = 0.05
+    batch_size: int = 32
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """Shared by ``fedagent agent`` and ``fedagent coordinator``."""
+
+    path: Path
+    role: str                         # "agent" or "coordinator"
+    id: str
+    federation: str                   # "" for an agent that has not joined yet
+    mode: str
+    broker: str                       # "" = find by mDNS
+    tls: TlsConfig
+    state_dir: Path
+    runtime_dir: Path | None
+    interfaces: tuple[str, ...] = ("127.0.0.1",)
+    advertise: bool = True
+    task: str = "digits"
+    task_options: dict[str, Any] = field(default_factory=dict)
+    rounds: RoundsConfig = field(default_factory=RoundsConfig)
+    max_chunk_bytes: int = 4 * 2**20
+    max_model_bytes: int = 1 * 2**30
+    metrics_port: int = 0
+    torch_threads: int = 1
+
+    @property
+    def control_socket(self) -> Path:
+        from fedagent.agent.control import default_socket_path
+
+        if self.runtime_dir is not None:
+            return self.runtime_dir / f"{self.role}.sock"
+        return default_socket_path(self.role)
+
+    def with_membership(self, federation: str, broker: str) -> NodeConfig:
+        return replace(self, federation=check_name(federation, "federation"), broker=broker)
+
+
+_TOP = {"id", "federation", "mode", "state_dir", "runtime_dir", "broker", "tls", "discovery",
+        "task", "rounds", "transfer", "metrics_port", "torch_threads"}
+
+
+def _table(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    v = d.get(key, {})
+    if not isinstance(v, dict):
+        raise ConfigError(f"{where}: [{key}] must be a table")
+    return v
+
+
+def load(path: Path | str, role: str) -> NodeConfig:
+    path = Path(path).expanduser().resolve()
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    where = str(path)
+    unknown = set(raw) - _TOP
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
+    base = path.parent
+
+    def p(value: Any, key: str) -> Path:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{where}: {key} must be a non-empty path")
+        q = Path(value).expanduser()
+        return q if q.is_absolute() else base / q
+
+    try:
+        node_id = check_name(raw.get("id", ""), "id")
+        federation = raw.get("federation", "")
+        if federation or role == "coordinator":
+            check_name(federation, "federation")
+        mode = raw.get("mode", "fedavg")
+        if mode not in MODES:
+            raise ConfigError(f"{where}: mode must be one of {MODES}, not {mode!r}")
+        tls_raw = _table(raw, "tls", where)
+        tls = TlsConfig(ca=p(tls_raw.get("ca"), "tls.ca"), cert=p(tls_raw.get("cert"), "tls.cert"),
+                        key=p(tls_raw.get("key"), "tls.key"))
+        broker = _table(raw, "broker", where).get("uri", "")
+        if broker and not str(broker).startswith("mqtts://"):
+            raise ConfigError(f"{where}: broker.uri must look like mqtts://HOST:PORT, not {broker!r}")
+        if role == "coordinator" and not broker:
+            raise ConfigError(f"{where}: a coordinator needs broker.uri (it advertises it to agents)")
+        disc = _table(raw, "discovery", where)
+        interfaces = tuple(disc.get("interfaces", ["127.0.0.1"]))
+        task = _table(raw, "task", where)
+        options = {k: v for k, v in task.items() if k != "name"}
+        rounds_raw = _table(raw, "rounds", where)
+        try:
+            rounds = RoundsConfig(**rounds_raw)
+        except TypeError as exc:
+            raise ConfigError(f"{where}: [rounds]: {exc}") from None
+        transfer = _table(raw, "transfer", where)
+        state_dir = p(raw.get("state_dir", os.environ.get("STATE_DIRECTORY", "/var/lib/fedagent")), "state_dir")
+        rt = raw.get("runtime_dir") or os.environ.get("RUNTIME_DIRECTORY")
+        return NodeConfig(
+            path=path, role=role, id=node_id, federation=federation, mode=mode, broker=broker,
+            tls=tls, state_dir=state_dir, runtime_dir=p(rt, "runtime_dir") if rt else None,
+            interfaces=interfaces, advertise=bool(disc.get("advertise", True)),
+            task=str(task.get("name", "digits")), task_options=options, rounds=rounds,
+            max_chunk_bytes=int(transfer.get("max_chunk_bytes", 4 * 2**20)),
+            max_model_bytes=int(transfer.get("max_model_bytes", 2**30)),
+            metrics_port=int(raw.get("metrics_port", 0)),
+            torch_threads=int(raw.get("torch_threads", 1)),
+        )
+    except ConfigError as exc:
+        if where in str(exc):
+            raise
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def render(*, node_id: str, federation: str, tls: TlsConfig, state_dir: Path, broker: str = "",
+           runtime_dir: Path | None = None, mode: str = "fedavg", interfaces: tuple[str, ...] = ("127.0.0.1",),
+           task: str = "digits", task_options: dict[str, Any] | None = None,
+           rounds: dict[str, Any] | None = None) -> str:
+    """A config file as TOML text (used by the demo, the tests and ``fedagent init``)."""
+    doc: dict[str, Any] = {"id": node_id, "federation": federation, "mode": mode, "state_dir": str(state_dir)}
+    if runtime_dir is not None:
+        doc["runtime_dir"] = str(runtime_dir)
+    doc["broker"] = {"uri": broker}
+    doc["tls"] = {"ca": str(tls.ca), "cert": str(tls.cert), "key": str(tls.key)}
+    doc["discovery"] = {"interfaces": list(interfaces)}
+    doc["task"] = {"name": task, **(task_options or {})}
+    if rounds:
+        doc["rounds"] = rounds
+    return tomli_w.dumps(doc)
+
+
+def update_membership(path: Path, federation: str, broker: str) -> None:
+    """Record ``fedagent join`` in the config file, keeping everything else."""
+    from fedagent.statefile import atomic_write
+
+    check_name(federation, "federation")
+    raw = tomllib.loads(path.read_text())
+    raw["federation"] = federation
+    raw.setdefault("broker", {})["uri"] = broker
+    atomic_write(path, tomli_w.dumps(raw).encode(), mode=0o640)

@@ -1,0 +1,218 @@
+"""``fedagent coordinator``: drives the FedAvg round machine over MQTT.
+
+One event queue feeds the pure :class:`RoundMachine`; network messages, presence
+changes and timer wake-ups all become events on it, so the machine sees them one at
+a time in arrival order. Its commands are carried out here: broadcast a round,
+checkpoint and announce an aggregate, schedule a wake-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fedagent import checkpoint
+from fedagent.agent import sdnotify
+from fedagent.agent.control import ControlServer
+from fedagent.agent.discovery import Advert, Discovery
+from fedagent.agent.messaging import Incoming, Messenger
+from fedagent.agent.runtime import History, Timer, make_transport, presence_payload
+from fedagent.config import NodeConfig
+from fedagent.errors import ConfigError
+from fedagent.pki import fingerprint
+from fedagent.protocols import rounds as R
+from fedagent.protocols import topics
+from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart, TrainConfig, Update
+from fedagent.statefile import cleanup_temp_files
+from fedagent.tasks.base import get_weights, load_task
+
+log = logging.getLogger("fedagent.coordinator")
+
+
+@dataclass(frozen=True, slots=True)
+class _Net:
+    incoming: Incoming
+
+
+def round_config(cfg: NodeConfig) -> R.RoundConfig:
+    r = cfg.rounds
+    try:
+        return R.RoundConfig(
+            rounds=r.rounds, min_agents=r.min_agents, expected_agents=r.expected_agents,
+            start_grace=r.start_grace, agents_per_round=r.agents_per_round, min_updates=r.min_updates,
+            round_timeout=r.round_timeout, max_norm=r.max_norm, seed=r.seed,
+            train=TrainConfig(epochs=r.local_epochs, lr=r.lr, batch_size=r.batch_size))
+    except (ValueError, Exception) as exc:
+        raise ConfigError(f"{cfg.path}: [rounds]: {exc}") from None
+
+
+class Coordinator:
+    def __init__(self, cfg: NodeConfig) -> None:
+        if cfg.mode != "fedavg":
+            raise ConfigError(f"{cfg.path}: mode {cfg.mode!r} is not available yet; use 'fedavg'")
+        self.cfg = cfg
+        self.fed = cfg.federation
+        self.dir = cfg.state_dir / "coordinator" / self.fed
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cleanup_temp_files(self.dir)
+        self.ckpt_path = self.dir / "global.ckpt"
+        self.history = History(self.dir / "history.jsonl")
+        torch.set_num_threads(cfg.torch_threads)
+        task = load_task(cfg.task, cfg.task_options)
+        weights = get_weights(task.build_model())
+        resumed = checkpoint.load(self.ckpt_path)
+        meta: dict[str, Any] = {}
+        if resumed is not None:
+            weights, meta = resumed
+            log.info("resuming from %s: model version %s after round %s", self.ckpt_path,
+                     meta.get("model_version"), meta.get("round"))
+        self.machine = R.RoundMachine(round_config(cfg), weights,
+                                      model_version=int(meta.get("model_version", 0)),
+                                      completed_rounds=int(meta.get("completed_rounds", 0)),
+                                      last_round=int(meta.get("round", 0)))
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=10_000)
+        self.timer = Timer(self.queue, R.Wakeup())
+        self.transport = make_transport(
+            cfg, self.fed, cfg.broker,
+            subscriptions=[topics.all_presence(self.fed), topics.inbox(self.fed, cfg.id)],
+            on_connect=self._on_connect)
+        self.messenger = Messenger(federation=self.fed, node_id=cfg.id, transport=self.transport,
+                                   max_chunk_bytes=cfg.max_chunk_bytes, max_model_bytes=cfg.max_model_bytes)
+        self.peers: dict[str, dict[str, Any]] = {}
+        self.rejections: list[dict[str, Any]] = []
+        self.round_started_at: float | None = None
+        self.last_round_seconds: float | None = None
+        self.done = asyncio.Event()
+
+    # -- network -----------------------------------------------------------------------
+    async def _on_connect(self) -> None:
+        await self.transport.publish(topics.presence(self.fed, self.cfg.id),
+                                     presence_payload(self.cfg, self.fed, True,
+                                                      model_version=self.machine.model_version,
+                                                      broker=self.cfg.broker), retain=True)
+
+    async def _on_payload(self, topic: str, payload: bytes) -> None:
+        await self.messenger.receive(topic, payload, self._deliver)
+
+    async def _deliver(self, inc: Incoming) -> None:
+        await self.queue.put(_Net(inc))
+
+    def _to_event(self, inc: Incoming) -> R.Event | None:
+        msg = inc.message
+        if isinstance(msg, Presence):
+            if msg.role != "agent" or inc.sender == self.cfg.id:
+                return None
+            self.peers[inc.sender] = {"online": msg.online, "role": msg.role, "samples": msg.num_samples,
+                                      "last_seen": time.time()}
+            return R.AgentOnline(inc.sender, msg.num_samples) if msg.online else R.AgentOffline(inc.sender)
+        if isinstance(msg, Update):
+            return R.UpdateReceived(inc.sender, msg.round, msg.base_version, msg.num_samples,
+                                    msg.weights, msg.metrics)
+        log.debug("ignoring %s from %s", type(msg).__name__, inc.sender)
+        return None
+
+    # -- commands ----------------------------------------------------------------------
+    async def _execute(self, cmd: R.Command) -> None:
+        if isinstance(cmd, R.StartRound):
+            self.round_started_at = time.monotonic()
+            log.info("round %d: model version %d to %s", cmd.round, cmd.model_version, ", ".join(cmd.selected))
+            sdnotify.status(f"round {cmd.round}: training on {len(cmd.selected)} agents")
+            await self.messenger.send(topics.broadcast(self.fed, "round_start"),
+                                      RoundStart(cmd.round, cmd.model_version, cmd.selected, cmd.deadline_s,
+                                                 cmd.train, cmd.weights), round_=cmd.round)
+        elif isinstance(cmd, R.RoundAggregated):
+            took = time.monotonic() - (self.round_started_at or time.monotonic())
+            self.last_round_seconds = took
+            meta = {"model_version": cmd.model_version, "round": cmd.round,
+                    "completed_rounds": self.machine.completed, "federation": self.fed,
+                    "participants": list(cmd.participants), "metrics": cmd.metrics, "final": cmd.final}
+            await asyncio.to_thread(checkpoint.save, self.ckpt_path, cmd.weights, meta)
+            self.history.append({"event": "round", "round": cmd.round, "model_version": cmd.model_version,
+                                 "participants": list(cmd.participants), "metrics": cmd.metrics,
+                                 "seconds": round(took, 4), "bytes_in": self.messenger.bytes_in,
+                                 "bytes_out": self.messenger.bytes_out})
+            log.info("round %d aggregated from %d agents in %.2fs: %s", cmd.round, len(cmd.participants),
+                     took, ", ".join(f"{k}={v:.4f}" for k, v in cmd.metrics.items()))
+            await self.messenger.send(topics.broadcast(self.fed, "round_result"),
+                                      RoundResult(cmd.round, cmd.model_version, cmd.participants, cmd.metrics),
+                                      round_=cmd.round)
+        elif isinstance(cmd, R.RoundAbandoned):
+            log.warning("round %d abandoned: %s", cmd.round, cmd.reason)
+            self.history.append({"event": "abandoned", "round": cmd.round, "reason": cmd.reason})
+            await self.messenger.send(topics.broadcast(self.fed, "round_result"),
+                                      RoundResult(cmd.round, cmd.model_version, (), {}, aggregated=False,
+                                                  reason=cmd.reason), round_=cmd.round)
+        elif isinstance(cmd, R.Rejected):
+            log.warning("rejected update from %s for round %d: %s (%s)", cmd.sender, cmd.round, cmd.reason, cmd.detail)
+            self.rejections = (self.rejections + [{"sender": cmd.sender, "round": cmd.round,
+                                                   "reason": cmd.reason, "detail": cmd.detail}])[-20:]
+        elif isinstance(cmd, R.RequestWakeup):
+            self.timer.request(cmd.at)
+        elif isinstance(cmd, R.Finished):
+            log.info("training finished: model version %d", cmd.model_version)
+            sdnotify.status(f"finished: model version {cmd.model_version}")
+            await self.messenger.send(topics.broadcast(self.fed, "model"),
+                                      GlobalModel(cmd.model_version, self.machine.round, True, cmd.weights),
+                                      round_=self.machine.round)
+            self.done.set()
+
+    async def _process(self) -> None:
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, _Net):
+                event = self._to_event(item.incoming)
+                if event is None:
+                    continue
+            else:
+                event = item
+            for cmd in self.machine.handle(event, time.monotonic()):
+                await self._execute(cmd)
+
+    # -- control -----------------------------------------------------------------------
+    async def _status(self, _args: dict) -> dict:
+        m = self.machine.status()
+        return {"role": "coordinator", "id": self.cfg.id, "federation": self.fed, "mode": self.cfg.mode,
+                "broker": self.cfg.broker, "connection": self.transport.state,
+                "reconnects": self.transport.reconnects, "last_error": self.transport.last_error,
+                "phase": m["phase"], "round": m["round"], "completed_rounds": m["completed_rounds"],
+                "rounds": m["rounds"], "model_version": m["model_version"], "selected": m["selected"],
+                "received": m["received"], "metrics": m["metrics"],
+                "peers": {k: v for k, v in sorted(self.peers.items())},
+                "last_round_seconds": self.last_round_seconds,
+                "rejected": dict(self.messenger.rejected), "recent_rejections": self.rejections,
+                "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out,
+                "checkpoint": str(self.ckpt_path)}
+
+    # -- main --------------------------------------------------------------------------
+    async def run(self) -> None:
+        ready = asyncio.Event()
+        control = ControlServer(self.cfg.control_socket, {"status": self._status})
+        await control.start()
+        try:
+            async with asyncio.TaskGroup() as tg, Discovery(self.cfg.interfaces) as disc:
+                tg.create_task(self.transport.run(self._on_payload, ready))
+                tg.create_task(sdnotify.watchdog_loop())
+                await ready.wait()
+                if self.cfg.advertise:
+                    await disc.register(Advert(federation=self.fed, node_id=self.cfg.id, role="coordinator",
+                                               broker_uri=self.cfg.broker, fingerprint=fingerprint(self.cfg.tls.cert)))
+                sdnotify.ready(f"coordinator of {self.fed}: waiting for agents")
+                log.info("coordinator %s of federation %s on %s", self.cfg.id, self.fed, self.cfg.broker)
+                tg.create_task(self._process())
+                if self.machine.phase is R.Phase.DONE:
+                    log.info("checkpoint says training already finished; serving status only")
+                await asyncio.Event().wait()
+        finally:
+            sdnotify.stopping()
+            self.timer.cancel()
+            try:
+                await asyncio.wait_for(self.transport.close(
+                    (topics.presence(self.fed, self.cfg.id), presence_payload(self.cfg, self.fed, False))), 5)
+            except Exception as exc:  # noqa: BLE001 - best effort on the way out
+                log.debug("clean close failed: %s", exc)
+            await control.close()

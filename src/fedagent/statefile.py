@@ -1,0 +1,64 @@
+"""Crash-safe files: a reader sees the old content or the new, never a torn mix.
+
+The sequence is the one Pillai et al. (OSDI '14) show applications need on Linux
+file systems: write a temporary file in the same directory, fsync it, rename it over
+the target, then fsync the directory so the rename itself is durable.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from fedagent.errors import FedagentError
+
+TEMP_PREFIX = ".fedagent-tmp-"
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise FedagentError(f"cannot write {path}: {exc.strerror or exc}; the previous version is intact") from exc
+
+
+def read_bytes(path: Path, max_bytes: int) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:
+                raise FedagentError(f"{path} is {size} bytes, more than the {max_bytes} allowed")
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def cleanup_temp_files(directory: Path) -> int:
+    """Remove temp files a killed process left behind; returns how many."""
+    n = 0
+    try:
+        entries = list(Path(directory).iterdir())
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        if entry.name.startswith(TEMP_PREFIX) and entry.is_file():
+            entry.unlink(missing_ok=True)
+            n += 1
+    return n

@@ -1,0 +1,58 @@
+"""Human rendering of a daemon's status reply (``fedagent status`` without --json)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _fmt(value: Any) -> str:
+    if value is None or value == {} or value == []:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_fmt(v)}" for k, v in value.items())
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value)
+    return str(value)
+
+
+def _ago(ts: float | None) -> str:
+    return "-" if not ts else f"{max(0.0, time.time() - ts):.0f}s ago"
+
+
+def render_status(s: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console()
+    t = Table(title=f"fedagent {s.get('role', '?')} {s.get('id', '')}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    rows = [
+        ("federation", s.get("federation")), ("mode", s.get("mode")), ("role", s.get("role")),
+        ("connection", s.get("connection")), ("broker", s.get("broker")),
+        ("coordinator", s.get("coordinator")), ("phase", s.get("phase") or s.get("round_state")),
+        ("round", s.get("round")),
+        ("rounds done", s.get("completed_rounds", s.get("rounds_trained"))),
+        ("model version", s.get("model_version")),
+        ("last metrics", s.get("metrics") or s.get("last_metrics")),
+        ("global model eval", s.get("global_model_eval")),
+        ("reconnects", s.get("reconnects")), ("last error", s.get("last_error")),
+        ("rejected", s.get("rejected")),
+        ("bytes in / out", f"{s.get('bytes_in', 0):,} / {s.get('bytes_out', 0):,}"),
+    ]
+    for k, v in rows:
+        if v is not None and k not in ("coordinator",) or (k == "coordinator" and s.get("role") == "agent"):
+            t.add_row(k, _fmt(v))
+    console.print(t)
+    peers = s.get("peers") or {}
+    if peers:
+        p = Table(title="peers", title_justify="left")
+        for col in ("id", "role", "online", "last seen"):
+            p.add_column(col)
+        for pid, info in peers.items():
+            p.add_row(pid, str(info.get("role", "-")), "yes" if info.get("online") else "no",
+                      _ago(info.get("last_seen")))
+        console.print(p)

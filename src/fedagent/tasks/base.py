@@ -1,0 +1,80 @@
+"""The Task interface: what a workload gives fedagent, around a plain torch module.
+
+A task is built by a factory ``make(options: dict) -> Task``. Built-in tasks are named
+(``digits``); user code is named ``module:attribute`` in the config, where the
+attribute is such a factory (see ``examples/custom_task.py``). The agent calls
+``fit`` in a worker thread, so it may block for as long as training takes.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedagent.errors import ConfigError
+
+Weights = dict[str, np.ndarray]
+
+
+class Task(abc.ABC):
+    """One workload on one node: a model and the node's own data."""
+
+    @abc.abstractmethod
+    def build_model(self) -> torch.nn.Module:
+        """A freshly initialised model; the same architecture on every node."""
+
+    @abc.abstractmethod
+    def num_samples(self) -> int:
+        """How many local training samples (the FedAvg weight of this node)."""
+
+    @abc.abstractmethod
+    def fit(self, model: torch.nn.Module, *, epochs: int, lr: float, batch_size: int,
+            seed: int) -> dict[str, float]:
+        """Train ``model`` in place on local data; return metrics (e.g. ``loss``)."""
+
+    @abc.abstractmethod
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        """Metrics of ``model`` on this node's held-out data (e.g. ``accuracy``)."""
+
+
+def get_weights(model: torch.nn.Module) -> Weights:
+    """The model's state as numpy arrays (copies, so training can't change them)."""
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def set_weights(model: torch.nn.Module, weights: Mapping[str, np.ndarray]) -> None:
+    state = model.state_dict()
+    if state.keys() != weights.keys():
+        raise ValueError("weights do not match the model's parameters")
+    model.load_state_dict({k: torch.from_numpy(np.array(v, copy=True)) for k, v in weights.items()})
+
+
+BUILTIN: dict[str, str] = {
+    "digits": "fedagent.tasks.digits:make",
+}
+
+
+def load_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
+    """Build the task named in a config: a built-in name or ``module:attribute``."""
+    spec = BUILTIN.get(name, name)
+    if ":" not in spec:
+        raise ConfigError(f"unknown task {name!r}: use one of {sorted(BUILTIN)} or 'module:attribute'")
+    module_name, _, attr = spec.partition(":")
+    try:
+        factory: Callable[[dict[str, Any]], Task] = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cannot load task {name!r}: {exc}") from exc
+    try:
+        task = factory(dict(options or {}))
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - user code: report it as a config problem
+        raise ConfigError(f"task {name!r} could not be built: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(task, Task):
+        raise ConfigError(f"task factory {name!r} returned {type(task).__name__}, not a fedagent Task")
+    return task

@@ -1,0 +1,92 @@
+"""Config files: validation with errors that name the file and the key; custom tasks."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedagent import config
+from fedagent.config import TlsConfig
+from fedagent.errors import ConfigError
+from fedagent.tasks.base import load_task
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "agent.toml"
+    p.write_text(text)
+    return p
+
+
+def test_render_then_load_roundtrip(tmp_path):
+    tls = TlsConfig(ca=Path("ca.crt"), cert=Path("a.crt"), key=Path("a.key"))
+    p = write(tmp_path, config.render(node_id="agent-a", federation="fed-1", tls=tls, state_dir=Path("state"),
+                                      task_options={"shard": 1, "shards": 3}))
+    cfg = config.load(p, "agent")
+    assert cfg.id == "agent-a" and cfg.federation == "fed-1" and cfg.broker == ""
+    assert cfg.tls.ca == tmp_path / "ca.crt"            # relative to the file
+    assert cfg.state_dir == tmp_path / "state"
+    assert cfg.task == "digits" and cfg.task_options == {"shard": 1, "shards": 3}
+
+
+@pytest.mark.parametrize("text, words", [
+    ('id = "Agent_A"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "invalid id"),
+    ('id = "a"\nfederation = "x/#"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "invalid federation"),
+    ('id = "a"\nmode = "p2p"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "mode must be"),
+    ('id = "a"\ncolour = 1\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "unknown keys"),
+    ('id = "a"\n[broker]\nuri = "tcp://x:1"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "mqtts://"),
+    ('id = "a"\n[tls]\nca="a"\n', "tls.cert"),
+    ('id = "a"\n[rounds]\nbogus = 1\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "[rounds]"),
+    ('id = [', "cannot read config"),
+])
+def test_bad_configs_name_the_problem(tmp_path, text, words):
+    with pytest.raises(ConfigError) as err:
+        config.load(write(tmp_path, text), "agent")
+    assert words in str(err.value) and "agent.toml" in str(err.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(tmp_path / "nope.toml", "agent")
+
+
+def test_coordinator_needs_a_broker(tmp_path):
+    p = write(tmp_path, 'id = "c"\nfederation = "f"\n[tls]\nca="a"\ncert="b"\nkey="c"\n')
+    with pytest.raises(ConfigError, match="broker.uri"):
+        config.load(p, "coordinator")
+
+
+def test_update_membership_keeps_other_keys(tmp_path):
+    tls = TlsConfig(ca=Path("ca.crt"), cert=Path("a.crt"), key=Path("a.key"))
+    p = write(tmp_path, config.render(node_id="agent-a", federation="", tls=tls, state_dir=Path("s")))
+    config.update_membership(p, "fed-2", "mqtts://127.0.0.1:1883")
+    cfg = config.load(p, "agent")
+    assert (cfg.federation, cfg.broker, cfg.id) == ("fed-2", "mqtts://127.0.0.1:1883", "agent-a")
+
+
+def test_custom_task_by_module_attribute(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    task = load_task("custom_task:make", {"features": 4})
+    model = task.build_model()
+    before = task.evaluate(model)["accuracy"]
+    task.fit(model, epochs=20, lr=0.5, batch_size=16, seed=0)
+    assert task.evaluate(model)["accuracy"] > max(before, 0.8)
+    sys.modules.pop("custom_task", None)
+
+
+@pytest.mark.parametrize("name", ["nosuchtask", "json:nothing_here", "fedagent.tasks.digits:DigitsMLP"])
+def test_bad_task_names(name):
+    with pytest.raises(ConfigError):
+        load_task(name, {})
+
+
+def test_digits_split_is_non_iid_and_disjoint():
+    tasks = [load_task("digits", {"shard": i, "shards": 3, "alpha": 0.3}) for i in range(3)]
+    sizes = [t.num_samples() for t in tasks]
+    full = load_task("digits", {})
+    assert sum(sizes) == full.num_samples()
+    # label skew: some shard lacks at least one class entirely
+    assert any(len(set(t.y_train.tolist())) < 10 for t in tasks)

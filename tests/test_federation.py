@@ -1,0 +1,108 @@
+"""A real federation: Mosquitto with mutual TLS, a coordinator and three agent
+processes that find it by mDNS on loopback, FedAvg on the non-IID digits task."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fedagent.demo import LOCAL_EPOCHS, SEED, Federation, train_reference
+from fedagent.tasks.base import load_task, set_weights
+
+AGENTS = 3
+ROUNDS = 6
+ALPHA = 0.3
+
+
+def wait_for(predicate, timeout: float, what: str, fed: Federation | None = None):
+    """Poll a condition on live processes until it holds or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if fed is not None:
+            fed.check_alive()
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    fed = Federation(tmp_path_factory.mktemp("fed"), agents=AGENTS, rounds=ROUNDS, alpha=ALPHA)
+    try:
+        fed.prepare()
+        fed.start_all()
+        yield fed
+    finally:
+        fed.close()
+
+
+def coordinator_done(fed: Federation):
+    s = fed.status("coordinator")
+    return s if s and s["phase"] == "done" else None
+
+
+def test_agents_discover_the_coordinator_and_share_rounds(federation):
+    fed = federation
+    # Agents were given no broker: they must have found it by mDNS.
+    statuses = wait_for(lambda: [s for s in (fed.status(a) for a in fed.agent_ids)
+                                 if s and s.get("connection") == "connected" and s.get("round", 0) >= 1],
+                        90, "agents in a round", fed)
+    assert statuses
+    done = wait_for(lambda: coordinator_done(fed), 120, "the federation to finish", fed)
+    assert done["completed_rounds"] == ROUNDS and done["model_version"] == ROUNDS
+    for aid in fed.agent_ids:
+        s = fed.status(aid)
+        assert s["broker"] == fed.broker.uri
+        assert s["coordinator"] == fed.coordinator_id
+        assert s["rounds_trained"] >= ROUNDS - 1
+        assert s["round"] == done["round"]
+
+
+def test_status_json_against_a_running_agent(federation):
+    fed = federation
+    wait_for(lambda: coordinator_done(fed), 120, "the federation to finish", fed)
+    out = subprocess.run([sys.executable, "-m", "fedagent", "status", "--json",
+                          "--config", str(fed.config_path("agent-1"))],
+                         capture_output=True, text=True, timeout=30, check=True)
+    s = json.loads(out.stdout)
+    assert s["role"] == "agent" and s["id"] == "agent-1"
+    assert s["federation"] == fed.fed and s["mode"] == "fedavg"
+    assert s["connection"] == "connected"
+    assert s["model_version"] == ROUNDS
+    assert {"coordinator", "agent-2", "agent-3"} <= set(s["peers"])
+    assert "loss" in s["last_metrics"]
+    human = subprocess.run([sys.executable, "-m", "fedagent", "status", "--config",
+                            str(fed.config_path("coordinator"))],
+                           capture_output=True, text=True, timeout=30, check=True)
+    assert "coordinator" in human.stdout and fed.fed in human.stdout
+
+
+def test_federated_model_beats_every_local_only_model(federation):
+    fed = federation
+    wait_for(lambda: coordinator_done(fed), 120, "the federation to finish", fed)
+    weights, meta = fed.final_weights()
+    task = load_task("digits", {"seed": SEED})
+    model = task.build_model()
+    set_weights(model, weights)
+    federated = task.evaluate(model)["accuracy"]
+    epochs = ROUNDS * LOCAL_EPOCHS
+    local = [train_reference({"shard": i, "shards": AGENTS, "alpha": ALPHA, "seed": SEED}, epochs)
+             for i in range(AGENTS)]
+    assert federated > max(local), (federated, local)
+    assert meta["participants"] == sorted(fed.agent_ids)
+    history = (fed.work / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl").read_text()
+    rounds = [json.loads(line) for line in history.splitlines()]
+    assert [r["round"] for r in rounds if r["event"] == "round"] == list(range(1, ROUNDS + 1))
+
+
+def test_status_without_a_daemon_says_so(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "fedagent", "status", "--socket", str(tmp_path / "none.sock")],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0
+    assert "no daemon" in out.stderr.lower() or "not running" in out.stderr.lower()
