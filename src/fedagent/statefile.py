@@ -18,8 +18,9 @@ TEMP_PREFIX = ".fedagent-tmp-"
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path.parent)
+    tmp: str | None = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), mode)
             f.write(data)
@@ -32,10 +33,11 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
         finally:
             os.close(dir_fd)
     except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
         raise FedagentError(f"cannot write {path}: {exc.strerror or exc}; the previous version is intact") from exc
 
 

@@ -74,6 +74,7 @@ class Participant:
             if event.round <= self.latest_round:
                 return []                       # repeated or older: already handled
             self.latest_round = event.round
+            self.model_version = max(self.model_version, event.model_version)
             if self.agent_id not in event.selected:
                 return []
             self.training_round = event.round
