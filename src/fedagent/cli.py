@@ -140,6 +140,51 @@ def status(config_path: Path | None, socket: Path | None, is_coord: bool, as_jso
 
 
 @main.command()
+@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+              help="config file of the daemon to ask (default: /etc/fedagent/agent.toml)")
+@click.option("--socket", type=click.Path(path_type=Path), default=None, help="control socket path")
+@click.option("--coordinator", "is_coord", is_flag=True, help="ask the coordinator daemon")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def peers(config_path: Path | None, socket: Path | None, is_coord: bool, as_json: bool) -> None:
+    """List the peers the local daemon knows: role, broker, online, last seen."""
+    from fedagent.agent.control import request
+    from fedagent.status import render_peers
+
+    try:
+        result = request(_socket_for(config_path, socket, is_coord), "peers")
+    except FedagentError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(result, sort_keys=True, default=str))
+    else:
+        render_peers(result)
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(path_type=Path), default=DEFAULT_AGENT_CONFIG,
+              show_default=True, help="agent config file to clear membership in")
+def leave(config_path: Path) -> None:
+    """Leave the current federation: the agent goes offline there and forgets it."""
+    from fedagent import config
+    from fedagent.agent.control import request
+
+    try:
+        cfg = config.load(config_path, "agent")
+        if not cfg.federation:
+            raise ConfigError(f"{cfg.path} records no federation; nothing to leave")
+        config.update_membership(cfg.path, "", "")
+        click.echo(f"cleared membership of {cfg.federation} in {cfg.path}")
+        try:
+            request(cfg.control_socket, "leave")
+        except FedagentError as exc:
+            click.secho(f"no running agent was told ({exc})", fg="yellow")
+            return
+        click.echo(f"the running agent {cfg.id} left {cfg.federation}")
+    except FedagentError as exc:
+        _fail(exc)
+
+
+@main.command()
 @click.argument("federation")
 @click.option("--broker", default="", help="mqtts://HOST:PORT (default: find it by mDNS)")
 @click.option("--config", "config_path", type=click.Path(path_type=Path), default=DEFAULT_AGENT_CONFIG,

@@ -76,7 +76,9 @@ class NodeConfig:
         return default_socket_path(self.role)
 
     def with_membership(self, federation: str, broker: str) -> NodeConfig:
-        return replace(self, federation=check_name(federation, "federation"), broker=broker)
+        if federation:
+            check_name(federation, "federation")
+        return replace(self, federation=federation, broker=broker)
 
 
 _TOP = {"id", "federation", "mode", "state_dir", "runtime_dir", "broker", "tls", "discovery",
@@ -107,7 +109,11 @@ def load(path: Path | str, role: str) -> NodeConfig:
     def p(value: Any, key: str) -> Path:
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{where}: {key} must be a non-empty path")
-        q = Path(value).expanduser()
+        # $CREDENTIALS_DIRECTORY etc.: systemd hands keys to a DynamicUser service there.
+        expanded = os.path.expandvars(value)
+        if "$" in expanded:
+            raise ConfigError(f"{where}: {key} refers to an unset environment variable: {value!r}")
+        q = Path(expanded).expanduser()
         return q if q.is_absolute() else base / q
 
     try:
@@ -172,10 +178,12 @@ def render(*, node_id: str, federation: str, tls: TlsConfig, state_dir: Path, br
 
 
 def update_membership(path: Path, federation: str, broker: str) -> None:
-    """Record ``fedagent join`` in the config file, keeping everything else."""
+    """Record ``fedagent join`` (or, with an empty federation, ``leave``) in the config
+    file, keeping everything else."""
     from fedagent.statefile import atomic_write
 
-    check_name(federation, "federation")
+    if federation:
+        check_name(federation, "federation")
     raw = tomllib.loads(path.read_text())
     raw["federation"] = federation
     raw.setdefault("broker", {})["uri"] = broker

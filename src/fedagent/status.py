@@ -47,12 +47,24 @@ def render_status(s: dict[str, Any], console: Console | None = None) -> None:
         if v is not None and k not in ("coordinator",) or (k == "coordinator" and s.get("role") == "agent"):
             t.add_row(k, _fmt(v))
     console.print(t)
+    if s.get("peers"):
+        render_peers(s, console)
+
+
+def _online(value: Any) -> str:
+    return "-" if value is None else ("yes" if value else "no")
+
+
+def render_peers(s: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console()
     peers = s.get("peers") or {}
-    if peers:
-        p = Table(title="peers", title_justify="left")
-        for col in ("id", "role", "online", "last seen"):
-            p.add_column(col)
-        for pid, info in peers.items():
-            p.add_row(pid, str(info.get("role", "-")), "yes" if info.get("online") else "no",
-                      _ago(info.get("last_seen")))
-        console.print(p)
+    if not peers:
+        console.print(f"no peers known in federation {s.get('federation') or '(none)'}")
+        return
+    p = Table(title=f"peers in {s.get('federation') or '?'}", title_justify="left")
+    for col in ("id", "role", "online", "broker", "mDNS", "last seen"):
+        p.add_column(col)
+    for pid, info in peers.items():
+        p.add_row(pid, str(info.get("role", "-")), _online(info.get("online")), str(info.get("broker") or "-"),
+                  "yes" if info.get("mdns") else "no", _ago(info.get("last_seen")))
+    console.print(p)

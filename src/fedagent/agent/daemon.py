@@ -174,7 +174,7 @@ class Agent:
         self._tg: asyncio.TaskGroup | None = None
         self._disc: Discovery | None = None
         self._train_lock = asyncio.Lock()
-        self.mdns_peers: dict[str, Advert] = {}
+        self._advert: Advert | None = None
 
     # Training and evaluation run in worker threads, one at a time on the one model.
     def train(self, cmd: Train):
@@ -211,8 +211,11 @@ class Agent:
         session = Session(self, federation, broker)
         self.session = session
         if self.cfg.advertise and self._disc is not None:
-            await self._disc.register(Advert(federation=federation, node_id=self.cfg.id, role="agent",
-                                             broker_uri=broker, fingerprint=fingerprint(self.cfg.tls.cert)))
+            if self._advert is not None and self._advert.federation != federation:
+                await self._disc.unregister(self._advert)
+            self._advert = Advert(federation=federation, node_id=self.cfg.id, role="agent",
+                                  broker_uri=broker, fingerprint=fingerprint(self.cfg.tls.cert))
+            await self._disc.register(self._advert)
             self._disc.start_browsing(federation)
         try:
             await session.run()
@@ -241,6 +244,40 @@ class Agent:
                                  for k, a in sorted(self._disc.peers.items())}
         return out
 
+    def _peer_table(self) -> dict[str, dict[str, Any]]:
+        """Peers from both sources: retained presence over MQTT and mDNS adverts."""
+        table: dict[str, dict[str, Any]] = {}
+        if self._disc is not None:
+            for pid, a in self._disc.peers.items():
+                if pid != self.cfg.id and (not self.cfg.federation or a.federation == self.cfg.federation):
+                    table[pid] = {"role": a.role, "broker": a.broker_uri, "mdns": True, "online": None,
+                                  "last_seen": self._disc.last_seen.get(pid)}
+        if self.session is not None:
+            for pid, info in self.session.peers.items():
+                row = table.setdefault(pid, {"role": info["role"], "broker": None, "mdns": False})
+                row.update(online=info["online"], last_seen=max(info["last_seen"], row.get("last_seen") or 0),
+                           model_version=info.get("model_version"))
+        return dict(sorted(table.items()))
+
+    async def _peers(self, _args: dict) -> dict:
+        return {"id": self.cfg.id, "federation": self.cfg.federation or None, "peers": self._peer_table()}
+
+    async def _leave(self, _args: dict) -> dict:
+        left = self.cfg.federation
+        if not left:
+            raise ConfigError(f"agent {self.cfg.id} is not in a federation")
+        if self._session_task is not None:
+            self._session_task.cancel()
+            self._session_task = None
+        self.session = None
+        if self._disc is not None and self._advert is not None:
+            await self._disc.unregister(self._advert)
+            self._advert = None
+        self.cfg = self.cfg.with_membership("", "")
+        sdnotify.status(f"agent {self.cfg.id}: left {left}; run `fedagent join NAME`")
+        log.info("left federation %s", left)
+        return {"left": left}
+
     async def _join(self, args: dict) -> dict:
         federation = topics.check_name(str(args.get("federation", "")), "federation")
         broker = str(args.get("broker", ""))
@@ -254,7 +291,8 @@ class Agent:
         import threading
 
         self._thread_lock = threading.Lock()
-        control = ControlServer(self.cfg.control_socket, {"status": self._status, "join": self._join})
+        control = ControlServer(self.cfg.control_socket, {"status": self._status, "join": self._join,
+                                                                 "leave": self._leave, "peers": self._peers})
         await control.start()
         try:
             async with Discovery(self.cfg.interfaces) as disc, asyncio.TaskGroup() as tg:

@@ -188,10 +188,14 @@ class Coordinator:
                 "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out,
                 "checkpoint": str(self.ckpt_path)}
 
+    async def _peers(self, _args: dict) -> dict:
+        return {"id": self.cfg.id, "federation": self.fed,
+                "peers": {k: {**v, "broker": self.cfg.broker, "mdns": False} for k, v in sorted(self.peers.items())}}
+
     # -- main --------------------------------------------------------------------------
     async def run(self) -> None:
         ready = asyncio.Event()
-        control = ControlServer(self.cfg.control_socket, {"status": self._status})
+        control = ControlServer(self.cfg.control_socket, {"status": self._status, "peers": self._peers})
         await control.start()
         try:
             async with asyncio.TaskGroup() as tg, Discovery(self.cfg.interfaces) as disc:
