@@ -110,10 +110,9 @@ def load(path: Path | str, role: str) -> NodeConfig:
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{where}: {key} must be a non-empty path")
         # $CREDENTIALS_DIRECTORY etc.: systemd hands keys to a DynamicUser service there.
-        expanded = os.path.expandvars(value)
-        if "$" in expanded:
-            raise ConfigError(f"{where}: {key} refers to an unset environment variable: {value!r}")
-        q = Path(expanded).expanduser()
+        # Unset ones stay as written: `fedagent status` reads the file outside the unit,
+        # and a daemon that needs the file reports it missing by that name.
+        q = Path(os.path.expandvars(value)).expanduser()
         return q if q.is_absolute() else base / q
 
     try:
@@ -187,4 +186,4 @@ def update_membership(path: Path, federation: str, broker: str) -> None:
     raw = tomllib.loads(path.read_text())
     raw["federation"] = federation
     raw.setdefault("broker", {})["uri"] = broker
-    atomic_write(path, tomli_w.dumps(raw).encode(), mode=0o640)
+    atomic_write(path, tomli_w.dumps(raw).encode(), mode=path.stat().st_mode & 0o777)

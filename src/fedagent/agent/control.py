@@ -29,7 +29,7 @@ def default_socket_path(role: str) -> Path:
     if rt:
         return Path(rt.split(":")[0]) / f"{role}.sock"
     if os.geteuid() == 0:
-        return Path("/run/fedagent") / f"{role}.sock"
+        return Path(f"/run/fedagent-{role}") / f"{role}.sock"      # the unit's RuntimeDirectory
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg:
         return Path(xdg) / "fedagent" / f"{role}.sock"
