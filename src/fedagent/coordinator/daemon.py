@@ -65,6 +65,9 @@ class Coordinator:
         torch.set_num_threads(cfg.torch_threads)
         task = load_task(cfg.task, cfg.task_options)
         weights = get_weights(task.build_model())
+        # A restarted coordinator resumes the round it had started but not aggregated,
+        # with the same number and model version: updates for it that the broker kept in
+        # our persistent session are redelivered and still count, so no work is lost.
         resumed = checkpoint.load(self.ckpt_path)
         meta: dict[str, Any] = {}
         if resumed is not None:
