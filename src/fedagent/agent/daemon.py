@@ -22,7 +22,7 @@ from fedagent.agent import sdnotify
 from fedagent.agent.control import ControlServer
 from fedagent.agent.discovery import Advert, Discovery
 from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.runtime import make_transport, presence_payload
+from fedagent.agent.runtime import History, make_transport, presence_payload
 from fedagent.config import NodeConfig
 from fedagent.errors import ConfigError, FedagentError
 from fedagent.pki import fingerprint
@@ -55,6 +55,7 @@ class Session:
         self.dir.mkdir(parents=True, exist_ok=True)
         cleanup_temp_files(self.dir)
         self.model_path = self.dir / "global.ckpt"
+        self.history = History(self.dir / "history.jsonl")
         resumed = checkpoint.load(self.model_path)
         if resumed is not None:
             self.participant.model_version = int(resumed[1].get("model_version", 0))
@@ -113,6 +114,7 @@ class Session:
     async def _evaluate_global(self, weights, version: int) -> None:
         metrics = await asyncio.to_thread(self.agent.evaluate, weights)
         self.last_eval = {"model_version": version, **metrics}
+        self.history.append({"event": "global_eval", "model_version": version, "metrics": metrics})
 
     async def _apply(self, cmds) -> None:
         for cmd in cmds:
@@ -125,6 +127,10 @@ class Session:
                 topic = topics.direct(self.fed, self.cfg.id, self.coordinator, "update")
                 n = await self.messenger.send(topic, cmd.update, round_=cmd.update.round)
                 self.round_state = "update sent"
+                self.history.append({"event": "update", "round": cmd.update.round,
+                                     "base_version": cmd.update.base_version, "metrics": cmd.update.metrics,
+                                     "num_samples": cmd.update.num_samples, "bytes": n,
+                                     "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out})
                 log.info("round %d: update sent (%d bytes, %s)", cmd.update.round, n,
                          ", ".join(f"{k}={v:.4f}" for k, v in cmd.update.metrics.items()))
             elif isinstance(cmd, Discarded):
