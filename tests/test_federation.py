@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from test_metrics import scrape, value
+
 from fedagent.demo import LOCAL_EPOCHS, SEED, Federation, train_reference
 from fedagent.tasks.base import load_task, set_weights
 
@@ -106,3 +108,20 @@ def test_status_without_a_daemon_says_so(tmp_path):
                          capture_output=True, text=True, timeout=30)
     assert out.returncode != 0
     assert "no daemon" in out.stderr.lower() or "not running" in out.stderr.lower()
+
+
+def test_scrape_a_running_federation(federation):
+    fed = federation
+    done = wait_for(lambda: coordinator_done(fed), 120, "the federation to finish", fed)
+    c = scrape(done["metrics_url"])
+    assert value(c, "fedagent_rounds_completed_total") == done["completed_rounds"]
+    assert value(c, "fedagent_model_version") == done["model_version"]
+    assert value(c, "fedagent_connected") == 1
+    assert value(c, "fedagent_peers_online") == len(fed.agent_ids)
+    assert value(c, "fedagent_bytes_total", direction="in") > 0
+    assert value(c, "fedagent_round_seconds_count") == done["completed_rounds"]
+    a = scrape(fed.status("agent-1")["metrics_url"])
+    assert value(a, "fedagent_rounds_completed_total") >= done["completed_rounds"] - 1
+    assert value(a, "fedagent_training_seconds_count") >= done["completed_rounds"] - 1
+    assert value(a, "fedagent_federation", federation=fed.fed) == 1
+    assert 0 < value(a, "fedagent_last_metric", name="global_accuracy") <= 1

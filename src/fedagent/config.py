@@ -64,7 +64,8 @@ class NodeConfig:
     rounds: RoundsConfig = field(default_factory=RoundsConfig)
     max_chunk_bytes: int = 4 * 2**20
     max_model_bytes: int = 1 * 2**30
-    metrics_port: int = 0
+    metrics_port: int = 0          # 0: a free loopback port (shown by status); -1: off
+    metrics_host: str = "127.0.0.1"
     torch_threads: int = 1
 
     @property
@@ -82,7 +83,7 @@ class NodeConfig:
 
 
 _TOP = {"id", "federation", "mode", "state_dir", "runtime_dir", "broker", "tls", "discovery",
-        "task", "rounds", "transfer", "metrics_port", "torch_threads"}
+        "task", "rounds", "transfer", "metrics_port", "metrics_host", "torch_threads"}
 
 
 def _table(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
@@ -151,6 +152,7 @@ def load(path: Path | str, role: str) -> NodeConfig:
             max_chunk_bytes=int(transfer.get("max_chunk_bytes", 4 * 2**20)),
             max_model_bytes=int(transfer.get("max_model_bytes", 2**30)),
             metrics_port=int(raw.get("metrics_port", 0)),
+            metrics_host=str(raw.get("metrics_host", "127.0.0.1")),
             torch_threads=int(raw.get("torch_threads", 1)),
         )
     except ConfigError as exc:

@@ -25,6 +25,7 @@ from fedagent.agent.messaging import Incoming, Messenger
 from fedagent.agent.runtime import History, make_transport, presence_payload
 from fedagent.config import NodeConfig
 from fedagent.errors import ConfigError, FedagentError
+from fedagent.metrics import NodeMetrics
 from fedagent.pki import fingerprint
 from fedagent.protocols import topics
 from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart
@@ -67,7 +68,7 @@ class Session:
             on_connect=self._on_connect)
         self.messenger = Messenger(federation=federation, node_id=self.cfg.id, transport=self.transport,
                                    max_chunk_bytes=self.cfg.max_chunk_bytes,
-                                   max_model_bytes=self.cfg.max_model_bytes)
+                                   max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics)
 
     async def _on_connect(self) -> None:
         await self.transport.publish(
@@ -114,6 +115,7 @@ class Session:
     async def _evaluate_global(self, weights, version: int) -> None:
         metrics = await asyncio.to_thread(self.agent.evaluate, weights)
         self.last_eval = {"model_version": version, **metrics}
+        self.agent.metrics.report(metrics, prefix="global_")
         self.history.append({"event": "global_eval", "model_version": version, "metrics": metrics})
 
     async def _apply(self, cmds) -> None:
@@ -127,6 +129,7 @@ class Session:
                 topic = topics.direct(self.fed, self.cfg.id, self.coordinator, "update")
                 n = await self.messenger.send(topic, cmd.update, round_=cmd.update.round)
                 self.round_state = "update sent"
+                self.agent.metrics.round_completed(None, cmd.update.metrics)
                 self.history.append({"event": "update", "round": cmd.update.round,
                                      "base_version": cmd.update.base_version, "metrics": cmd.update.metrics,
                                      "num_samples": cmd.update.num_samples, "bytes": n,
@@ -144,8 +147,10 @@ class Session:
 
     async def _train(self, cmd: Train) -> None:
         sdnotify.status(f"{self.fed}: training round {cmd.round}")
+        started = time.monotonic()
         try:
             weights, metrics = await asyncio.to_thread(self.agent.train, cmd)
+            self.agent.metrics.training_seconds(time.monotonic() - started)
         except Exception:
             log.exception("training for round %d failed", cmd.round)
             self.round_state = "training failed"
@@ -181,6 +186,9 @@ class Agent:
         self._disc: Discovery | None = None
         self._train_lock = asyncio.Lock()
         self._advert: Advert | None = None
+        self.metrics = NodeMetrics("agent", cfg.id, cfg.federation)
+        self.metrics.before_scrape = self._refresh_metrics
+        self.metrics_url: str | None = None
 
     # Training and evaluation run in worker threads, one at a time on the one model.
     def train(self, cmd: Train):
@@ -239,7 +247,8 @@ class Agent:
     async def _status(self, _args: dict) -> dict:
         out: dict[str, Any] = {"role": "agent", "id": self.cfg.id, "mode": self.cfg.mode,
                                "task": self.cfg.task, "num_samples": self.task.num_samples(),
-                               "federation": self.cfg.federation or None, "connection": "not joined"}
+                               "federation": self.cfg.federation or None, "connection": "not joined",
+                               "metrics_url": self.metrics_url}
         if self.session is not None:
             out.update(self.session.status())
         elif self.cfg.federation:
@@ -249,6 +258,16 @@ class Agent:
                                      "last_seen": self._disc.last_seen.get(k)}
                                  for k, a in sorted(self._disc.peers.items())}
         return out
+
+    def _refresh_metrics(self, m: NodeMetrics) -> None:
+        m.set_federation(self.cfg.federation)
+        session = self.session
+        m.set_connected(session is not None and session.transport.connected)
+        if session is not None:
+            m.set_reconnects(session.transport.reconnects)
+            m.set_peers(sum(1 for p in session.peers.values() if p.get("online")))
+            m.round_started(session.current_round)
+            m.set_model_version(session.participant.model_version)
 
     def _peer_table(self) -> dict[str, dict[str, Any]]:
         """Peers from both sources: retained presence over MQTT and mDNS adverts."""
@@ -300,6 +319,9 @@ class Agent:
         control = ControlServer(self.cfg.control_socket, {"status": self._status, "join": self._join,
                                                                  "leave": self._leave, "peers": self._peers})
         await control.start()
+        if self.cfg.metrics_port >= 0:
+            host, port = await self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
+            self.metrics_url = f"http://{host}:{port}/metrics"
         try:
             async with Discovery(self.cfg.interfaces) as disc, asyncio.TaskGroup() as tg:
                 self._disc, self._tg = disc, tg
@@ -314,6 +336,7 @@ class Agent:
         finally:
             sdnotify.stopping()
             await control.close()
+            await self.metrics.close()
 
 
 def load_agent_config(path) -> NodeConfig:

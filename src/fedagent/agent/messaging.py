@@ -40,7 +40,7 @@ class Incoming:
 
 class Messenger:
     def __init__(self, *, federation: str, node_id: str, transport, max_chunk_bytes: int = 4 * 2**20,
-                 max_model_bytes: int = 2**30, reassembly_timeout: float = 120.0) -> None:
+                 max_model_bytes: int = 2**30, reassembly_timeout: float = 120.0, metrics=None) -> None:
         self.federation = federation
         self.node_id = node_id
         self.transport = transport
@@ -56,6 +56,7 @@ class Messenger:
         self.reassembler = Reassembler(max_transfer_bytes=max_model_bytes,
                                        max_pending_bytes=2 * max_model_bytes, timeout=reassembly_timeout)
         self.rejected: Counter[str] = Counter()
+        self.metrics = metrics           # a fedagent.metrics.NodeMetrics, or None
         self.bytes_in = 0
         self.bytes_out = 0
         self.messages_in = 0
@@ -87,14 +88,21 @@ class Messenger:
         total = sum(len(f) for f in frames)
         self.bytes_out += total
         self.messages_out += 1
+        if self.metrics is not None:
+            self.metrics.add_bytes(out=total)
+            self.metrics.message_out()
         return total
 
     def _reject(self, reason: str, sender: str, detail: str) -> None:
         self.rejected[reason] += 1
+        if self.metrics is not None:
+            self.metrics.rejected(reason)
         log.warning("rejected message from %s: %s (%s)", sender or "?", reason, detail)
 
     async def receive(self, topic: str, payload: bytes, deliver: Callable[[Incoming], Awaitable[None]]) -> None:
         self.bytes_in += len(payload)
+        if self.metrics is not None:
+            self.metrics.add_bytes(in_=len(payload))
         try:
             fed, topic_sender, _receiver, _kind = topics.parse(topic)
         except ValueError as exc:
@@ -135,6 +143,8 @@ class Messenger:
         except CodecError as exc:
             return self._reject("schema", env.sender, str(exc))
         self.messages_in += 1
+        if self.metrics is not None:
+            self.metrics.message_in()
         await deliver(Incoming(topic, env.sender, env, message, size))
 
 

@@ -24,6 +24,7 @@ from fedagent.agent.messaging import Incoming, Messenger
 from fedagent.agent.runtime import History, Timer, make_transport, presence_payload
 from fedagent.config import NodeConfig
 from fedagent.errors import ConfigError
+from fedagent.metrics import NodeMetrics
 from fedagent.pki import fingerprint
 from fedagent.protocols import rounds as R
 from fedagent.protocols import topics
@@ -84,8 +85,12 @@ class Coordinator:
             cfg, self.fed, cfg.broker,
             subscriptions=[topics.all_presence(self.fed), topics.inbox(self.fed, cfg.id)],
             on_connect=self._on_connect)
+        self.metrics = NodeMetrics("coordinator", cfg.id, self.fed)
+        self.metrics.before_scrape = self._refresh_metrics
+        self.metrics_url: str | None = None
         self.messenger = Messenger(federation=self.fed, node_id=cfg.id, transport=self.transport,
-                                   max_chunk_bytes=cfg.max_chunk_bytes, max_model_bytes=cfg.max_model_bytes)
+                                   max_chunk_bytes=cfg.max_chunk_bytes, max_model_bytes=cfg.max_model_bytes,
+                                   metrics=self.metrics)
         self.peers: dict[str, dict[str, Any]] = {}
         self.rejections: list[dict[str, Any]] = []
         self.round_started_at: float | None = None
@@ -123,6 +128,7 @@ class Coordinator:
     async def _execute(self, cmd: R.Command) -> None:
         if isinstance(cmd, R.StartRound):
             self.round_started_at = time.monotonic()
+            self.metrics.round_started(cmd.round)
             log.info("round %d: model version %d to %s", cmd.round, cmd.model_version, ", ".join(cmd.selected))
             sdnotify.status(f"round {cmd.round}: training on {len(cmd.selected)} agents")
             await self.messenger.send(topics.broadcast(self.fed, "round_start"),
@@ -131,6 +137,8 @@ class Coordinator:
         elif isinstance(cmd, R.RoundAggregated):
             took = time.monotonic() - (self.round_started_at or time.monotonic())
             self.last_round_seconds = took
+            self.metrics.round_completed(took, cmd.metrics)
+            self.metrics.set_model_version(cmd.model_version)
             meta = {"model_version": cmd.model_version, "round": cmd.round,
                     "completed_rounds": self.machine.completed, "federation": self.fed,
                     "participants": list(cmd.participants), "metrics": cmd.metrics, "final": cmd.final}
@@ -152,6 +160,7 @@ class Coordinator:
                                                   reason=cmd.reason), round_=cmd.round)
         elif isinstance(cmd, R.Rejected):
             log.warning("rejected update from %s for round %d: %s (%s)", cmd.sender, cmd.round, cmd.reason, cmd.detail)
+            self.metrics.rejected(cmd.reason)
             self.rejections = (self.rejections + [{"sender": cmd.sender, "round": cmd.round,
                                                    "reason": cmd.reason, "detail": cmd.detail}])[-20:]
         elif isinstance(cmd, R.RequestWakeup):
@@ -189,7 +198,14 @@ class Coordinator:
                 "last_round_seconds": self.last_round_seconds,
                 "rejected": dict(self.messenger.rejected), "recent_rejections": self.rejections,
                 "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out,
-                "checkpoint": str(self.ckpt_path)}
+                "checkpoint": str(self.ckpt_path), "metrics_url": self.metrics_url}
+
+    def _refresh_metrics(self, m: NodeMetrics) -> None:
+        m.set_connected(self.transport.connected)
+        m.set_reconnects(self.transport.reconnects)
+        m.set_peers(sum(1 for p in self.peers.values() if p.get("online")))
+        m.set_model_version(self.machine.model_version)
+        m.round_started(self.machine.round)
 
     async def _peers(self, _args: dict) -> dict:
         return {"id": self.cfg.id, "federation": self.fed,
@@ -200,6 +216,9 @@ class Coordinator:
         ready = asyncio.Event()
         control = ControlServer(self.cfg.control_socket, {"status": self._status, "peers": self._peers})
         await control.start()
+        if self.cfg.metrics_port >= 0:
+            host, port = await self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
+            self.metrics_url = f"http://{host}:{port}/metrics"
         try:
             async with asyncio.TaskGroup() as tg, Discovery(self.cfg.interfaces) as disc:
                 tg.create_task(self.transport.run(self._on_payload, ready))
@@ -223,3 +242,4 @@ class Coordinator:
             except Exception as exc:  # noqa: BLE001 - best effort on the way out
                 log.debug("clean close failed: %s", exc)
             await control.close()
+            await self.metrics.close()

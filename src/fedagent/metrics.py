@@ -1,0 +1,152 @@
+"""Prometheus metrics of one daemon, served over HTTP on loopback by default.
+
+Each node owns its own ``CollectorRegistry`` (never the process-global one), so
+several nodes can live in one process (tests, many-agent simulations) without
+colliding. The endpoint is a small asyncio server in the daemon's own event loop:
+no extra thread, and it answers only ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from fedagent.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class NodeMetrics:
+    def __init__(self, role: str, node_id: str, federation: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"role": role, "node": node_id}
+        r = self.registry
+
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(name, doc, [*labels, *extra], registry=r)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*labels, *extra], registry=r)
+
+        self._labels = labels
+        self.rounds = counter("fedagent_rounds_completed", "rounds aggregated (coordinator) or trained (agent)")
+        self.round = gauge("fedagent_round", "current round number")
+        self.model_version = gauge("fedagent_model_version", "version of the latest global model")
+        self.bytes = counter("fedagent_bytes", "payload bytes over MQTT", ("direction",))
+        self.messages = counter("fedagent_messages", "protocol messages", ("direction",))
+        self.round_seconds = Histogram("fedagent_round_seconds", "round latency", [*labels],
+                                       buckets=ROUND_BUCKETS, registry=r)
+        self.train_seconds = Histogram("fedagent_training_seconds", "local training time per round", [*labels],
+                                       buckets=ROUND_BUCKETS, registry=r)
+        self.peers = gauge("fedagent_peers_online", "peers seen online")
+        self.rejected_total = counter("fedagent_rejected_messages", "messages refused", ("reason",))
+        self.reconnects = counter("fedagent_reconnects", "reconnections to the broker")
+        self.connected = gauge("fedagent_connected", "1 while connected to the broker")
+        self.last = gauge("fedagent_last_metric", "last reported training/evaluation metric", ("name",))
+        # An agent can change federation at run time (join/leave): it is an info label.
+        self.federation = gauge("fedagent_federation", "the federation this node is in (value 1)", ("federation",))
+        self.set_federation(federation)
+        self._server: asyncio.AbstractServer | None = None
+        self._reconnects_seen = 0
+        # Called before each scrape so gauges reflect the daemon's state at that moment.
+        self.before_scrape: Callable[[NodeMetrics], None] | None = None
+
+    # -- what the daemons call -----------------------------------------------------------
+    def set_federation(self, federation: str) -> None:
+        self.federation.clear()
+        self.federation.labels(**self._labels, federation=federation or "-").set(1)
+
+    def round_started(self, round_: int) -> None:
+        self.round.labels(**self._labels).set(round_)
+
+    def round_completed(self, seconds: float | None, metrics: dict[str, float]) -> None:
+        self.rounds.labels(**self._labels).inc()
+        if seconds is not None:
+            self.round_seconds.labels(**self._labels).observe(seconds)
+        self.report(metrics)
+
+    def report(self, metrics: dict[str, float], prefix: str = "") -> None:
+        for name, value in metrics.items():
+            self.last.labels(**self._labels, name=prefix + name).set(value)
+
+    def set_model_version(self, version: int) -> None:
+        self.model_version.labels(**self._labels).set(version)
+
+    def add_bytes(self, in_: int = 0, out: int = 0) -> None:
+        if in_:
+            self.bytes.labels(**self._labels, direction="in").inc(in_)
+        if out:
+            self.bytes.labels(**self._labels, direction="out").inc(out)
+
+    def message_in(self) -> None:
+        self.messages.labels(**self._labels, direction="in").inc()
+
+    def message_out(self) -> None:
+        self.messages.labels(**self._labels, direction="out").inc()
+
+    def rejected(self, reason: str) -> None:
+        self.rejected_total.labels(**self._labels, reason=reason).inc()
+
+    def set_peers(self, n: int) -> None:
+        self.peers.labels(**self._labels).set(n)
+
+    def reconnected(self) -> None:
+        self.reconnects.labels(**self._labels).inc()
+
+    def set_reconnects(self, total: int) -> None:
+        """Advance the counter to the transport's running total."""
+        if total > self._reconnects_seen:
+            self.reconnects.labels(**self._labels).inc(total - self._reconnects_seen)
+            self._reconnects_seen = total
+
+    def set_connected(self, up: bool) -> None:
+        self.connected.labels(**self._labels).set(1 if up else 0)
+
+    def training_seconds(self, seconds: float) -> None:
+        self.train_seconds.labels(**self._labels).observe(seconds)
+
+    def exposition(self) -> bytes:
+        if self.before_scrape is not None:
+            try:
+                self.before_scrape(self)
+            except Exception:  # noqa: BLE001 - a scrape must not take the daemon down
+                log.exception("updating metrics before a scrape failed")
+        return generate_latest(self.registry)
+
+    # -- HTTP endpoint ---------------------------------------------------------------------
+    async def serve(self, host: str = "127.0.0.1", port: int = 0, *, allow_remote: bool = False) -> tuple[str, int]:
+        if not allow_remote and not ipaddress.ip_address(host).is_loopback:
+            raise ConfigError(f"metrics endpoint on {host} would be reachable from the network; "
+                              "bind it to 127.0.0.1 or allow it explicitly")
+        self._server = await asyncio.start_server(self._handle, host, port)
+        sock = self._server.sockets[0].getsockname()
+        return sock[0], sock[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            line = request.split(b"\r\n", 1)[0].split()
+            if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
+                body, status, ctype = self.exposition(), b"200 OK", CONTENT_TYPE_LATEST.encode()
+            else:
+                body, status, ctype = b"only GET /metrics here\n", b"404 Not Found", b"text/plain"
+            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype +
+                         b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
