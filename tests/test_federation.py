@@ -125,3 +125,17 @@ def test_scrape_a_running_federation(federation):
     assert value(a, "fedagent_training_seconds_count") >= done["completed_rounds"] - 1
     assert value(a, "fedagent_federation", federation=fed.fed) == 1
     assert 0 < value(a, "fedagent_last_metric", name="global_accuracy") <= 1
+
+
+def test_report_from_the_federation_run(federation, tmp_path):
+    from fedagent.report import find_histories, write_report
+
+    fed = federation
+    wait_for(lambda: coordinator_done(fed), 120, "the federation to finish", fed)
+    histories = find_histories(fed.work / "state")
+    assert len(histories) == 1 + AGENTS
+    md = write_report(histories, tmp_path / "report")
+    text = md.read_text()
+    assert f"| rounds aggregated | {ROUNDS} |" in text
+    assert (tmp_path / "report" / "metrics.png").read_bytes().startswith(b"\x89PNG")
+    assert all(f"| {aid} |" in text for aid in fed.agent_ids)

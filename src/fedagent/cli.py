@@ -289,18 +289,45 @@ def ca_broker_config(directory: Path, federations, coordinators, port: int, bind
     click.echo(f"wrote {conf}; run: mosquitto -c {conf}")
 
 
+@main.command()
+@click.argument("histories", nargs=-1, type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="collect every history.jsonl below this state directory")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("fedagent-report"), show_default=True)
+@click.option("--title", default=None)
+def report(histories: tuple[Path, ...], state_dir: Path | None, out: Path, title: str | None) -> None:
+    """Write a markdown report with PNG plots from daemon histories."""
+    from fedagent.report import find_histories, write_report
+
+    paths = list(histories)
+    if state_dir is not None:
+        paths += find_histories(state_dir)
+    if not paths:
+        default = [Path("/var/lib/fedagent-coordinator"), Path("/var/lib/fedagent-agent")]
+        paths = [p for d in default if d.exists() for p in find_histories(d)]
+    try:
+        if not paths:
+            raise ConfigError("no history.jsonl found; pass HISTORY files or --state-dir DIR")
+        md = write_report(paths, out, title=title)
+    except FedagentError as exc:
+        _fail(exc)
+    click.echo(f"wrote {md} ({len(paths)} histories)")
+
+
 # -- demo -------------------------------------------------------------------------------
 @main.command()
 @click.option("--agents", default=3, show_default=True, help="number of agent processes")
 @click.option("--rounds", default=15, show_default=True)
 @click.option("--alpha", default=0.3, show_default=True, help="Dirichlet non-IID concentration")
 @click.option("--keep", is_flag=True, help="keep the work directory (logs, checkpoints)")
-def demo(agents: int, rounds: int, alpha: float, keep: bool) -> None:
+@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=Path("demo-report"),
+              show_default=True, help="where to write the run's report (markdown + PNG plots)")
+def demo(agents: int, rounds: int, alpha: float, keep: bool, report_dir: Path) -> None:
     """A whole federation on this machine: broker, coordinator, agents, mDNS."""
     from fedagent.demo import run_demo
 
     try:
-        code = run_demo(agents=agents, rounds=rounds, alpha=alpha, keep=keep)
+        code = run_demo(agents=agents, rounds=rounds, alpha=alpha, keep=keep, report_dir=report_dir)
     except FedagentError as exc:
         _fail(exc)
     sys.exit(code)

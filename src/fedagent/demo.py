@@ -169,7 +169,7 @@ def train_reference(options: dict, epochs: int) -> float:
 
 
 def run_demo(*, agents: int = 3, rounds: int = 15, alpha: float = 0.3, keep: bool = False,
-             console: Console | None = None) -> int:
+             report_dir: Path | None = None, console: Console | None = None) -> int:
     import torch
 
     from fedagent.tasks.base import load_task, set_weights
@@ -231,6 +231,17 @@ def run_demo(*, agents: int = 3, rounds: int = 15, alpha: float = 0.3, keep: boo
         central = train_reference({"seed": SEED}, epochs)
         table.add_row("centralized", "union of all shards", f"{central:.3f}")
         console.print(table)
+        if report_dir is not None:
+            from fedagent.report import find_histories, write_report
+
+            md = write_report(find_histories(work / "state"), report_dir,
+                              title=f"fedagent demo: {agents} agents, {rounds} rounds, digits (alpha={alpha})")
+            with md.open("a") as f:
+                f.write("\n## Final test accuracy\n\n| model | accuracy |\n|---|---|\n"
+                        f"| federated (FedAvg) | {federated:.3f} |\n"
+                        + "".join(f"| local only: {aid} | {acc:.3f} |\n" for aid, acc in zip(fed.agent_ids, locals_))
+                        + f"| centralized | {central:.3f} |\n")
+            console.print(f"report with plots: [cyan]{md}[/]")
         ok = all(federated >= a for a in locals_)
         verdict = "[green]federated >= every local-only model[/]" if ok else \
             "[red]federated model is below a local-only model[/]"

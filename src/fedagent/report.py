@@ -1,0 +1,176 @@
+"""``fedagent report``: a markdown page with PNG plots from the daemons' histories.
+
+Reads the ``history.jsonl`` files daemons keep in their state directories (the
+coordinator's rounds; each agent's updates and evaluations of the global models) and
+plots loss/accuracy per round, bytes per round, round duration and participation.
+Malformed lines are counted and skipped, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedagent.errors import FedagentError
+
+
+@dataclass
+class History:
+    path: Path
+    role: str                      # "coordinator" or "agent"
+    name: str
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    abandoned: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    updates: list[dict[str, Any]] = field(default_factory=list)
+    malformed: int = 0
+
+
+def find_histories(state_dir: Path) -> list[Path]:
+    return sorted(Path(state_dir).glob("**/history.jsonl"))
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def read_history(path: Path) -> History:
+    # Daemons keep <state_dir>/<role>/<federation>/history.jsonl.
+    parts = path.parts
+    role = parts[-3] if len(parts) >= 3 and parts[-3] in ("agent", "coordinator") else "unknown"
+    h = History(path=path, role=role, name=parts[-4] if len(parts) >= 4 else path.stem)
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+            event = rec["event"]
+            if not isinstance(rec, dict) or not isinstance(event, str):
+                raise TypeError
+            if event == "round":
+                assert isinstance(rec["round"], int) and isinstance(rec["participants"], list)
+                assert isinstance(rec.get("metrics", {}), dict)
+                h.rounds.append(rec)
+            elif event == "abandoned":
+                h.abandoned.append(rec)
+            elif event == "global_eval":
+                assert isinstance(rec["model_version"], int) and isinstance(rec["metrics"], dict)
+                h.evals.append(rec)
+            elif event == "update":
+                assert isinstance(rec["round"], int)
+                h.updates.append(rec)
+            else:
+                h.malformed += 1
+        except (ValueError, KeyError, TypeError, AssertionError):
+            h.malformed += 1
+    return h
+
+
+def _plot(path: Path, title: str, xlabel: str, series: dict[str, tuple[list, list]], ylabel: str,
+          kind: str = "line", marks: list[float] | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for label, (xs, ys) in series.items():
+        if kind == "bar":
+            ax.bar(xs, ys, label=label, alpha=0.8)
+        else:
+            ax.plot(xs, ys, marker="o", markersize=3, label=label)
+    for m in marks or []:
+        ax.axvline(m, color="red", linestyle=":", linewidth=1)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_report(histories: Path | list[Path], out_dir: Path, *, title: str | None = None) -> Path:
+    paths = [histories] if isinstance(histories, Path) else list(histories)
+    loaded = [read_history(p) for p in paths]
+    coords = [h for h in loaded if h.rounds or h.abandoned]
+    agents = [h for h in loaded if h.evals or h.updates]
+    if not coords and not agents:
+        raise FedagentError(f"no rounds recorded in {', '.join(map(str, paths)) or '(no history files)'}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {title or 'fedagent report'}", ""]
+    plots: list[tuple[str, str]] = []
+
+    for c in coords:
+        rounds = sorted(c.rounds, key=lambda r: r["round"])
+        xs = [r["round"] for r in rounds]
+        keys = sorted({k for r in rounds for k, v in r.get("metrics", {}).items() if _is_number(v)})
+        marks = [a["round"] for a in c.abandoned if isinstance(a.get("round"), int)]
+        if keys:
+            f = "metrics.png"
+            _plot(out_dir / f, "training metrics reported by the agents (sample-weighted)", "round",
+                  {k: ([r["round"] for r in rounds if k in r["metrics"]],
+                       [r["metrics"][k] for r in rounds if k in r["metrics"]]) for k in keys}, "value", marks=marks)
+            plots.append((f, "Training metrics per round (dotted red: abandoned rounds)"))
+        bytes_in = [r.get("bytes_in", 0) for r in rounds]
+        bytes_out = [r.get("bytes_out", 0) for r in rounds]
+        per_in = [b - a for a, b in zip([0] + bytes_in[:-1], bytes_in)]
+        per_out = [b - a for a, b in zip([0] + bytes_out[:-1], bytes_out)]
+        f = "bytes.png"
+        _plot(out_dir / f, "coordinator traffic per round", "round",
+              {"in (updates)": (xs, [b / 1e6 for b in per_in]), "out (models)": (xs, [b / 1e6 for b in per_out])},
+              "MB")
+        plots.append((f, "Bytes per round at the coordinator"))
+        secs = [float(r.get("seconds", 0.0)) for r in rounds]
+        f = "round_time.png"
+        _plot(out_dir / f, "round duration", "round", {"seconds": (xs, secs)}, "seconds", marks=marks)
+        plots.append((f, "Round duration"))
+        f = "participation.png"
+        _plot(out_dir / f, "participants per round", "round", {"agents": (xs, [len(r["participants"]) for r in rounds])},
+              "agents", kind="bar", marks=marks)
+        plots.append((f, "Participation per round"))
+        final = rounds[-1].get("metrics", {}) if rounds else {}
+        lines += ["## Summary", "", "| | |", "|---|---|",
+                  f"| rounds aggregated | {len(rounds)} |",
+                  f"| final model version | {rounds[-1].get('model_version', '-') if rounds else '-'} |",
+                  f"| final metrics | {', '.join(f'{k} = {v:.4f}' for k, v in final.items()) or '-'} |",
+                  f"| bytes in / out | {sum(per_in):,} / {sum(per_out):,} |",
+                  f"| round time median / max | {statistics.median(secs):.3f} s / {max(secs):.3f} s |" if secs else
+                  "| round time | - |",
+                  f"| agents seen | {', '.join(sorted({p for r in rounds for p in r['participants']})) or '-'} |",
+                  f"| abandoned rounds | {len(c.abandoned)} |", ""]
+        if c.abandoned:
+            lines += ["| abandoned round | reason |", "|---|---|"]
+            lines += [f"| {a.get('round')} | {a.get('reason', '')} |" for a in c.abandoned]
+            lines.append("")
+
+    if agents:
+        keys = sorted({k for a in agents for e in a.evals for k, v in e["metrics"].items() if _is_number(v)})
+        for k in keys:
+            f = f"agents_{k}.png"
+            _plot(out_dir / f, f"global model {k} on each agent's own data", "model version",
+                  {a.name: ([e["model_version"] for e in a.evals if k in e["metrics"]],
+                            [e["metrics"][k] for e in a.evals if k in e["metrics"]]) for a in agents}, k)
+            plots.append((f, f"Global model {k}, evaluated by each agent"))
+        lines += ["## Agents", "", "| agent | updates sent | last local metrics | last global-model evaluation |",
+                  "|---|---|---|---|"]
+        for a in agents:
+            lu = a.updates[-1].get("metrics", {}) if a.updates else {}
+            le = a.evals[-1]["metrics"] if a.evals else {}
+            fmt = lambda m: ", ".join(f"{k} = {v:.4f}" for k, v in m.items() if _is_number(v)) or "-"  # noqa: E731
+            lines.append(f"| {a.name} | {len(a.updates)} | {fmt(lu)} | {fmt(le)} |")
+        lines.append("")
+
+    lines += ["## Plots", ""]
+    for f, caption in plots:
+        lines += [f"### {caption}", "", f"![{caption}]({f})", ""]
+    skipped = sum(h.malformed for h in loaded)
+    lines += ["## Sources", ""] + [f"- `{h.path}` ({h.role})" for h in loaded]
+    if skipped:
+        lines.append(f"\n{skipped} malformed history lines were skipped.")
+    md = out_dir / "report.md"
+    md.write_text("\n".join(lines) + "\n")
+    return md
