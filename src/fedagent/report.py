@@ -151,7 +151,7 @@ def write_report(histories: Path | list[Path], out_dir: Path, *, title: str | No
         keys = sorted({k for a in agents for e in a.evals for k, v in e["metrics"].items() if _is_number(v)})
         for k in keys:
             f = f"agents_{k}.png"
-            _plot(out_dir / f, f"global model {k} on each agent's own data", "model version",
+            _plot(out_dir / f, f"global model {k}, evaluated by each agent on its task's held-out data", "model version",
                   {a.name: ([e["model_version"] for e in a.evals if k in e["metrics"]],
                             [e["metrics"][k] for e in a.evals if k in e["metrics"]]) for a in agents}, k)
             plots.append((f, f"Global model {k}, evaluated by each agent"))
