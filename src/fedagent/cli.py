@@ -274,16 +274,21 @@ def ca_issue(name: str, role: str, directory: Path, out: Path | None, sans: tupl
 @click.option("--port", default=8883, show_default=True)
 @click.option("--bind", default="127.0.0.1", show_default=True)
 @click.option("--broker-name", default="broker", show_default=True)
+@click.option("--trust-bridge", "trusted_bridges", multiple=True,
+              help="central broker: a site bridge identity allowed to relay the federation (repeatable)")
+@click.option("--bridge-to", default=None, help="site broker: HOST:PORT of the central broker to bridge to")
+@click.option("--bridge-name", default=None, help="site broker: the bridge's certificate name (CN)")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("mosquitto"), show_default=True)
 def ca_broker_config(directory: Path, federations, coordinators, port: int, bind: str, broker_name: str,
-                     out: Path) -> None:
+                     trusted_bridges, bridge_to: str | None, bridge_name: str | None, out: Path) -> None:
     """Write a Mosquitto config and ACL (mutual TLS, one subtree per identity)."""
     from fedagent import broker
 
     try:
         conf = broker.write_site_config(out, ca_dir=directory, broker_name=broker_name,
                                         federations=list(federations), coordinators=list(coordinators),
-                                        port=port, bind=bind)
+                                        port=port, bind=bind, trusted_bridges=list(trusted_bridges),
+                                        bridge_to=bridge_to, bridge_name=bridge_name)
     except FedagentError as exc:
         _fail(exc)
     click.echo(f"wrote {conf}; run: mosquitto -c {conf}")

@@ -1,0 +1,188 @@
+"""Two sites, one federation: each site runs its own Mosquitto bridged to a central
+one; agents talk only to their site broker; the coordinator sits at the hub. Built
+from network namespaces joined by veth pairs to a bridge (RELIABILITY/NETWORK-FACTS)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedagent import broker, config, pki
+from fedagent.agent.control import request
+from fedagent.config import TlsConfig
+from fedagent.errors import FedagentError
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                       reason="network namespaces need root and iproute2"),
+]
+
+PORT = 8883
+FED = "sites"
+
+
+def sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True, timeout=30)
+
+
+class Sites:
+    """Namespaces hub, s1, s2 (+ a bridge namespace) on 10.<n>.0.0/24, torn down on close."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.tag = f"fa{secrets.token_hex(3)}"
+        net = 100 + secrets.randbelow(100)
+        self.ip = {"hub": f"10.{net}.0.1", "s1": f"10.{net}.0.2", "s2": f"10.{net}.0.3"}
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.made: list[str] = []
+
+    def ns(self, name: str) -> str:
+        return f"{self.tag}-{name}"
+
+    def up(self) -> None:
+        br = self.ns("br")
+        sh("ip", "netns", "add", br)
+        self.made.append(br)
+        sh("ip", "-n", br, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", br, "link", "set", "br0", "up")
+        for i, (name, addr) in enumerate(self.ip.items()):
+            ns = self.ns(name)
+            sh("ip", "netns", "add", ns)
+            self.made.append(ns)
+            sh("ip", "link", "add", f"{self.tag}v{i}", "type", "veth", "peer", "name", f"{self.tag}p{i}")
+            sh("ip", "link", "set", f"{self.tag}v{i}", "netns", ns)
+            sh("ip", "link", "set", f"{self.tag}p{i}", "netns", br)
+            sh("ip", "-n", ns, "link", "set", f"{self.tag}v{i}", "name", "eth0")
+            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+            sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "-n", br, "link", "set", f"{self.tag}p{i}", "master", "br0")
+            sh("ip", "-n", br, "link", "set", f"{self.tag}p{i}", "up")
+
+    def spawn(self, name: str, ns: str, argv: list[str]) -> subprocess.Popen:
+        log = (self.work / "logs" / f"{name}.log")
+        log.parent.mkdir(exist_ok=True)
+        p = subprocess.Popen(["ip", "netns", "exec", self.ns(ns), *argv], stdout=log.open("ab"),
+                             stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append((name, p))
+        return p
+
+    def log(self, name: str) -> str:
+        return (self.work / "logs" / f"{name}.log").read_text(errors="replace")
+
+    def check_alive(self) -> None:
+        for name, p in self.procs:
+            if p.poll() is not None:
+                raise FedagentError(f"{name} exited with {p.returncode}:\n{self.log(name)[-1500:]}")
+
+    def close(self) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for _, p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for ns in reversed(self.made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def wait_for(predicate, timeout: float, what: str, sites: Sites):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sites.check_alive()
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def status(path: Path) -> dict | None:
+    try:
+        return request(path, "status", timeout=2)
+    except FedagentError:
+        return None
+
+
+@pytest.fixture
+def sites(tmp_path):
+    s = Sites(tmp_path)
+    try:
+        s.up()
+        yield s
+    finally:
+        s.close()
+
+
+def test_two_bridged_sites_train_one_federation(sites, tmp_path):
+    ca = tmp_path / "pki"
+    pki.create_ca(ca, FED)
+    agents = {"agent-1": "s1", "agent-2": "s1", "agent-3": "s2"}
+    for name, site in [("hub-broker", "hub"), ("s1-broker", "s1"), ("s2-broker", "s2")]:
+        pki.issue(ca, ca, name, "broker", sans=[sites.ip[site]])
+    for name in ("coordinator", *agents):
+        pki.issue(ca, ca, name, "coordinator" if name == "coordinator" else "agent")
+    for name in ("bridge-s1", "bridge-s2"):
+        pki.issue(ca, ca, name, "agent")
+    # Brokers: the hub trusts the bridges like the coordinator; sites bridge to the hub.
+    for site in ("hub", "s1", "s2"):
+        d = tmp_path / f"{site}-broker"
+        (d / "data").mkdir(parents=True)
+        coords = ["coordinator", "bridge-s1", "bridge-s2"] if site == "hub" else ["coordinator"]
+        (d / "acl").write_text(broker.render_acl([FED], coords))
+        conf = broker.render_config(port=PORT, bind=sites.ip[site], ca=ca / "ca.crt", cert=ca / f"{site}-broker.crt",
+                                    key=ca / f"{site}-broker.key", acl=d / "acl", persistence_dir=d / "data",
+                                    log_path=d / "mosquitto.log")
+        if site != "hub":
+            conf += broker.render_bridge(name=f"bridge-{site}", remote_host=sites.ip["hub"], remote_port=PORT,
+                                         federations=[FED], ca=ca / "ca.crt", cert=ca / f"bridge-{site}.crt",
+                                         key=ca / f"bridge-{site}.key")
+        (d / "mosquitto.conf").write_text(conf)
+        sites.spawn(f"{site}-broker", site, [broker.find_mosquitto(), "-c", str(d / "mosquitto.conf")])
+    for site in ("s1", "s2"):
+        hub_log = tmp_path / "hub-broker" / "mosquitto.log"
+        wait_for(lambda s=site: hub_log.exists() and f"as bridge-{s} " in hub_log.read_text(),
+                 20, f"the {site} bridge", sites)
+
+    def write(name: str, site: str, options: dict, rounds: dict | None) -> Path:
+        p = tmp_path / f"{name}.toml"
+        p.write_text(config.render(
+            node_id=name, federation=FED, broker=f"mqtts://{sites.ip[site]}:{PORT}",
+            tls=TlsConfig(ca / "ca.crt", ca / f"{name}.crt", ca / f"{name}.key"),
+            state_dir=tmp_path / "state" / name, runtime_dir=tmp_path / "run" / name,
+            task_options=options, rounds=rounds))
+        return p
+
+    rounds = 4
+    coord_cfg = write("coordinator", "hub", {}, {"rounds": rounds, "min_agents": 3, "expected_agents": 3,
+                                                 "round_timeout": 60, "local_epochs": 2})
+    sites.spawn("coordinator", "hub", [sys.executable, "-m", "fedagent", "coordinator", "--config", str(coord_cfg)])
+    for i, (name, site) in enumerate(agents.items()):
+        cfg = write(name, site, {"shard": i, "shards": 3, "alpha": 0.5}, None)
+        sites.spawn(name, site, [sys.executable, "-m", "fedagent", "agent", "--config", str(cfg)])
+
+    coord_sock = tmp_path / "run" / "coordinator" / "coordinator.sock"
+    done = wait_for(lambda: (lambda s: s if s and s["phase"] == "done" else None)(status(coord_sock)),
+                    150, "the two-site federation to finish", sites)
+    assert done["completed_rounds"] == rounds
+    # Every agent, whichever site it is in, took part in every round.
+    hist = tmp_path / "state" / "coordinator" / "coordinator" / FED / "history.jsonl"
+    recs = [json.loads(line) for line in hist.read_text().splitlines()]
+    assert [r["participants"] for r in recs if r["event"] == "round"] == [sorted(agents)] * rounds
+    # Agents reached the coordinator only through their own site's broker and the bridge.
+    a3 = status(tmp_path / "run" / "agent-3" / "agent.sock")
+    assert a3["broker"] == f"mqtts://{sites.ip['s2']}:{PORT}" and a3["coordinator"] == "coordinator"
+    assert a3["peers"]["coordinator"]["online"] and a3["peers"]["agent-1"]["online"]   # across both bridges
