@@ -29,7 +29,7 @@ from fedagent.pki import fingerprint
 from fedagent.protocols import rounds as R
 from fedagent.protocols import topics
 from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart, TrainConfig, Update
-from fedagent.statefile import cleanup_temp_files
+from fedagent.statefile import atomic_write, cleanup_temp_files, read_bytes
 from fedagent.tasks.base import get_weights, load_task
 
 log = logging.getLogger("fedagent.coordinator")
@@ -66,19 +66,23 @@ class Coordinator:
         torch.set_num_threads(cfg.torch_threads)
         task = load_task(cfg.task, cfg.task_options)
         weights = get_weights(task.build_model())
-        # A restarted coordinator resumes the round it had started but not aggregated,
-        # with the same number and model version: updates for it that the broker kept in
-        # our persistent session are redelivered and still count, so no work is lost.
         resumed = checkpoint.load(self.ckpt_path)
         meta: dict[str, Any] = {}
         if resumed is not None:
             weights, meta = resumed
             log.info("resuming from %s: model version %s after round %s", self.ckpt_path,
                      meta.get("model_version"), meta.get("round"))
+        # A restart never reuses the number of a round it had started: agents ignore a
+        # round start they have seen, and the updates of that round may already have been
+        # acknowledged by this process before it died. The unfinished round is abandoned
+        # (its late updates are stale) and a new one starts from the checkpointed model.
+        self.round_path = self.dir / "last_round_started"
+        started = read_bytes(self.round_path, 64)
+        last_started = int(started) if started and started.strip().isdigit() else 0
         self.machine = R.RoundMachine(round_config(cfg), weights,
                                       model_version=int(meta.get("model_version", 0)),
                                       completed_rounds=int(meta.get("completed_rounds", 0)),
-                                      last_round=int(meta.get("round", 0)))
+                                      last_round=max(int(meta.get("round", 0)), last_started))
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=10_000)
         self.timer = Timer(self.queue, R.Wakeup())
         self.transport = make_transport(
@@ -128,6 +132,7 @@ class Coordinator:
     async def _execute(self, cmd: R.Command) -> None:
         if isinstance(cmd, R.StartRound):
             self.round_started_at = time.monotonic()
+            await asyncio.to_thread(atomic_write, self.round_path, str(cmd.round).encode())
             self.metrics.round_started(cmd.round)
             log.info("round %d: model version %d to %s", cmd.round, cmd.model_version, ", ".join(cmd.selected))
             sdnotify.status(f"round {cmd.round}: training on {len(cmd.selected)} agents")
