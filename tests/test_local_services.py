@@ -14,7 +14,6 @@ import sys
 import textwrap
 import time
 import zlib
-from pathlib import Path
 
 import pytest
 

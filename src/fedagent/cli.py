@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from fedagent import __version__
-from fedagent.errors import EXIT_CONFIG, ConfigError, FedagentError
+from fedagent.errors import ConfigError, FedagentError
 
 DEFAULT_AGENT_CONFIG = Path(os.environ.get("FEDAGENT_CONFIG", "/etc/fedagent/agent.toml"))
 
@@ -118,46 +118,34 @@ def _socket_for(config_path: Path | None, socket: Path | None, is_coord: bool) -
     return agent_sock
 
 
-@main.command()
-@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
-              help="config file of the daemon to ask (default: /etc/fedagent/agent.toml)")
-@click.option("--socket", type=click.Path(path_type=Path), default=None, help="control socket path")
-@click.option("--coordinator", "is_coord", is_flag=True, help="ask the coordinator daemon")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def status(config_path: Path | None, socket: Path | None, is_coord: bool, as_json: bool) -> None:
-    """Show what the local daemon is doing."""
-    from fedagent.agent.control import request
-    from fedagent.status import render_status
+def _ask_daemon(name: str, cmd: str, doc: str, render_name: str):
+    """A read-only command that asks the local daemon ``cmd`` and prints the reply."""
 
-    try:
-        result = request(_socket_for(config_path, socket, is_coord), "status")
-    except FedagentError as exc:
-        _fail(exc)
-    if as_json:
-        click.echo(json.dumps(result, sort_keys=True, default=str))
-    else:
-        render_status(result)
+    @click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+                  help="config file of the daemon to ask (default: /etc/fedagent/agent.toml)")
+    @click.option("--socket", type=click.Path(path_type=Path), default=None, help="control socket path")
+    @click.option("--coordinator", "is_coord", is_flag=True, help="ask the coordinator daemon")
+    @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+    def command(config_path: Path | None, socket: Path | None, is_coord: bool, as_json: bool) -> None:
+        from fedagent import status as rendering
+        from fedagent.agent.control import request
+
+        try:
+            result = request(_socket_for(config_path, socket, is_coord), cmd)
+        except FedagentError as exc:
+            _fail(exc)
+        if as_json:
+            click.echo(json.dumps(result, sort_keys=True, default=str))
+        else:
+            getattr(rendering, render_name)(result)
+
+    command.__doc__ = doc
+    return main.command(name)(command)
 
 
-@main.command()
-@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
-              help="config file of the daemon to ask (default: /etc/fedagent/agent.toml)")
-@click.option("--socket", type=click.Path(path_type=Path), default=None, help="control socket path")
-@click.option("--coordinator", "is_coord", is_flag=True, help="ask the coordinator daemon")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def peers(config_path: Path | None, socket: Path | None, is_coord: bool, as_json: bool) -> None:
-    """List the peers the local daemon knows: role, broker, online, last seen."""
-    from fedagent.agent.control import request
-    from fedagent.status import render_peers
-
-    try:
-        result = request(_socket_for(config_path, socket, is_coord), "peers")
-    except FedagentError as exc:
-        _fail(exc)
-    if as_json:
-        click.echo(json.dumps(result, sort_keys=True, default=str))
-    else:
-        render_peers(result)
+status = _ask_daemon("status", "status", "Show what the local daemon is doing.", "render_status")
+peers = _ask_daemon("peers", "peers", "List the peers the local daemon knows: role, broker, online, last seen.",
+                    "render_peers")
 
 
 @main.command()

@@ -184,7 +184,6 @@ class Agent:
         self._session_task: asyncio.Task | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._disc: Discovery | None = None
-        self._train_lock = asyncio.Lock()
         self._advert: Advert | None = None
         self.metrics = NodeMetrics("agent", cfg.id, cfg.federation)
         self.metrics.before_scrape = self._refresh_metrics
