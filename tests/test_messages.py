@@ -8,7 +8,7 @@ import pytest
 from fedagent.errors import CodecError
 from fedagent.protocols.codec import Envelope, Limits, decode, encode
 from fedagent.protocols.messages import (
-    GlobalModel, Presence, RoundResult, RoundStart, TrainConfig, Update, body_of,
+    GlobalModel, GossipAck, GossipModel, Presence, RoundResult, RoundStart, TrainConfig, Update, body_of,
 )
 
 W = {"layer.weight": np.arange(6, dtype=np.float32).reshape(2, 3), "layer.bias": np.ones(3, np.float32)}
@@ -24,6 +24,8 @@ def roundtrip(msg):
     Presence(online=True, role="agent", num_samples=12),
     RoundResult(3, 4, ("agent-a", "agent-b"), {"loss": 0.5}),
     RoundResult(3, 4, (), {}, aggregated=False, reason="deadline passed"),
+    GossipAck("s1.7", True),
+    GossipAck("s1.8", False, "inbox-full"),
 ])
 def test_small_messages_roundtrip(msg):
     assert roundtrip(msg) == msg
@@ -33,6 +35,7 @@ def test_small_messages_roundtrip(msg):
     RoundStart(2, 1, ("agent-a",), 60.0, TrainConfig(epochs=2, lr=0.1, batch_size=16), W),
     Update(2, 1, 50, {"loss": 1.25}, W),
     GlobalModel(5, 5, True, W),
+    GossipModel("s1.7", 3, 12.5, 30.0, False, W),
 ])
 def test_weight_messages_roundtrip(msg):
     back = roundtrip(msg)
@@ -77,3 +80,27 @@ def test_round_start_refuses_bad_selected_and_deadline():
 def test_unknown_kind_is_not_looked_up():
     with pytest.raises(CodecError, match="unknown message kind"):
         body_of("__class__", {}, Limits())
+
+
+def good_gossip_body():
+    return GossipModel("s1.7", 3, 12.5, 30.0, False, W).to_body()
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda b: b.update(mass=0.0),
+    lambda b: b.update(mass=-1.0),
+    lambda b: b.update(mass=float("inf")),
+    lambda b: b.update(age=float("nan")),
+    lambda b: b.update(age=-2.0),
+    lambda b: b.update(exchange_id=""),
+    lambda b: b.update(exchange_id="x" * 65),
+    lambda b: b.update(returned=1),
+    lambda b: b.update(period=-1),
+    lambda b: b.pop("weights"),
+])
+def test_bad_gossip_bodies_raise_codec_error(mutate):
+    body = good_gossip_body()
+    body_of("gossip_model", body, Limits())      # the unmutated body is fine
+    mutate(body)
+    with pytest.raises(CodecError):
+        body_of("gossip_model", body, Limits())

@@ -309,18 +309,29 @@ def report(histories: tuple[Path, ...], state_dir: Path | None, out: Path, title
 
 # -- demo -------------------------------------------------------------------------------
 @main.command()
-@click.option("--agents", default=3, show_default=True, help="number of agent processes")
-@click.option("--rounds", default=15, show_default=True)
+@click.option("--mode", type=click.Choice(["fedavg", "gossip"]), default="fedavg", show_default=True,
+              help="fedavg: a coordinator runs rounds; gossip: no coordinator, agents merge each other's models")
+@click.option("--agents", type=int, default=None, help="number of agent processes [default: 3, gossip 5]")
+@click.option("--rounds", default=15, show_default=True, help="FedAvg rounds")
+@click.option("--periods", default=100, show_default=True, help="gossip exchange periods per agent")
+@click.option("--period-steps", default=10, show_default=True, help="gossip: local mini-batches per exchange")
+@click.option("--merge", type=click.Choice(["pushsum", "thesis"]), default="pushsum", show_default=True,
+              help="gossip merge rule (thesis = Alg. 3.1 as written)")
 @click.option("--alpha", default=0.3, show_default=True, help="Dirichlet non-IID concentration")
 @click.option("--keep", is_flag=True, help="keep the work directory (logs, checkpoints)")
 @click.option("--report", "report_dir", type=click.Path(path_type=Path), default=Path("demo-report"),
               show_default=True, help="where to write the run's report (markdown + PNG plots)")
-def demo(agents: int, rounds: int, alpha: float, keep: bool, report_dir: Path) -> None:
-    """A whole federation on this machine: broker, coordinator, agents, mDNS."""
-    from fedagent.demo import run_demo
+def demo(mode: str, agents: int | None, rounds: int, periods: int, period_steps: int, merge: str, alpha: float,
+         keep: bool, report_dir: Path) -> None:
+    """A whole federation on this machine: broker, coordinator (FedAvg), agents, mDNS."""
+    from fedagent.demo import run_demo, run_gossip_demo
 
     try:
-        code = run_demo(agents=agents, rounds=rounds, alpha=alpha, keep=keep, report_dir=report_dir)
+        if mode == "gossip":
+            code = run_gossip_demo(agents=agents or 5, periods=periods, period_steps=period_steps, alpha=alpha,
+                                   merge=merge, keep=keep, report_dir=report_dir)
+        else:
+            code = run_demo(agents=agents or 3, rounds=rounds, alpha=alpha, keep=keep, report_dir=report_dir)
     except FedagentError as exc:
         _fail(exc)
     sys.exit(code)

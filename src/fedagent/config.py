@@ -7,6 +7,7 @@ raises :class:`ConfigError` naming the file and the key.
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field, replace
@@ -45,6 +46,60 @@ class RoundsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class GossipSettings:
+    """``[gossip]``: how an agent of a ``mode = "gossip"`` federation exchanges models
+    (see :mod:`fedagent.protocols.gossip` for the meaning of each)."""
+
+    period_steps: int = 10            # local training steps per exchange (thesis: 10 or 500)
+    max_incoming: int = 2             # models kept per period; extra ones dropped at random
+    create: str = "mu"                # "mu" merge-then-update | "um" | "rw"
+    merge: str = "pushsum"            # "pushsum" (converges to the mean) | "thesis" (Alg. 3.1)
+    exchange: tuple[str, ...] | None = None   # parameter names or globs that travel; None = all
+    send_timeout: float = 30.0
+    max_retries: int = 2
+    periods: int = 0                  # stop after this many exchange periods; 0 = run forever
+    lr: float = 0.05
+    batch_size: int = 32
+    seed: int = 0
+    eval_every: int = 10              # evaluate the local model every this many periods (0 = never)
+    min_peers: int = 1                # start training once this many peers are known
+    period_seconds: float = 0.0       # a period lasts at least this long (paces fast training)
+    lr_schedule: str = "cosine"       # "cosine" (to 0 at `periods`) | "constant"
+
+    def lr_at(self, period: int) -> float:
+        """The step size for ``period``: with a known end (``periods``) the default cosine
+        decay lets the last periods be almost pure averaging, so the agents end in
+        consensus instead of each one biased by its last local steps."""
+        if self.lr_schedule == "constant" or not self.periods:
+            return self.lr
+        return self.lr * 0.5 * (1.0 + math.cos(math.pi * min(period, self.periods) / self.periods))
+
+    def __post_init__(self) -> None:
+        if self.exchange is not None:
+            if isinstance(self.exchange, str) or not all(isinstance(x, str) and x for x in self.exchange):
+                raise ConfigError("gossip.exchange must be a list of parameter names or globs")
+            object.__setattr__(self, "exchange", tuple(self.exchange))
+        if self.lr_schedule not in ("cosine", "constant"):
+            raise ConfigError(f"gossip.lr_schedule must be 'cosine' or 'constant', not {self.lr_schedule!r}")
+        if self.lr <= 0 or self.batch_size < 1 or self.eval_every < 0 or self.min_peers < 0 \
+                or self.period_seconds < 0:
+            raise ConfigError("gossip: lr and batch_size must be positive; eval_every, min_peers and "
+                              "period_seconds non-negative")
+
+    def machine_config(self, names: tuple[str, ...] | None):
+        """The pure machine's configuration, with ``exchange`` resolved to ``names``."""
+        from fedagent.protocols.gossip import GossipConfig
+
+        try:
+            return GossipConfig(period_steps=self.period_steps, max_incoming=self.max_incoming,
+                                create=self.create, merge=self.merge, exchange=names,
+                                send_timeout=self.send_timeout, max_retries=self.max_retries,
+                                periods=self.periods, seed=self.seed)
+        except ValueError as exc:
+            raise ConfigError(f"[gossip]: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
 class NodeConfig:
     """Shared by ``fedagent agent`` and ``fedagent coordinator``."""
 
@@ -62,6 +117,7 @@ class NodeConfig:
     task: str = "digits"
     task_options: dict[str, Any] = field(default_factory=dict)
     rounds: RoundsConfig = field(default_factory=RoundsConfig)
+    gossip: GossipSettings = field(default_factory=GossipSettings)
     max_chunk_bytes: int = 4 * 2**20
     max_model_bytes: int = 1 * 2**30
     metrics_port: int = 0          # 0: a free loopback port (shown by status); -1: off
@@ -83,7 +139,7 @@ class NodeConfig:
 
 
 _TOP = {"id", "federation", "mode", "state_dir", "runtime_dir", "broker", "tls", "discovery",
-        "task", "rounds", "transfer", "metrics_port", "metrics_host", "torch_threads"}
+        "task", "rounds", "gossip", "transfer", "metrics_port", "metrics_host", "torch_threads"}
 
 
 def _table(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
@@ -141,6 +197,12 @@ def load(path: Path | str, role: str) -> NodeConfig:
             rounds = RoundsConfig(**rounds_raw)
         except TypeError as exc:
             raise ConfigError(f"{where}: [rounds]: {exc}") from None
+        gossip_raw = _table(raw, "gossip", where)
+        try:
+            gossip = GossipSettings(**gossip_raw)
+            gossip.machine_config(gossip.exchange)          # validates the rest now
+        except TypeError as exc:
+            raise ConfigError(f"{where}: [gossip]: {exc}") from None
         transfer = _table(raw, "transfer", where)
         state_dir = p(raw.get("state_dir", os.environ.get("STATE_DIRECTORY", "/var/lib/fedagent")), "state_dir")
         rt = raw.get("runtime_dir") or os.environ.get("RUNTIME_DIRECTORY")
@@ -148,7 +210,7 @@ def load(path: Path | str, role: str) -> NodeConfig:
             path=path, role=role, id=node_id, federation=federation, mode=mode, broker=broker,
             tls=tls, state_dir=state_dir, runtime_dir=p(rt, "runtime_dir") if rt else None,
             interfaces=interfaces, advertise=bool(disc.get("advertise", True)),
-            task=str(task.get("name", "digits")), task_options=options, rounds=rounds,
+            task=str(task.get("name", "digits")), task_options=options, rounds=rounds, gossip=gossip,
             max_chunk_bytes=int(transfer.get("max_chunk_bytes", 4 * 2**20)),
             max_model_bytes=int(transfer.get("max_model_bytes", 2**30)),
             metrics_port=int(raw.get("metrics_port", 0)),
@@ -164,7 +226,7 @@ def load(path: Path | str, role: str) -> NodeConfig:
 def render(*, node_id: str, federation: str, tls: TlsConfig, state_dir: Path, broker: str = "",
            runtime_dir: Path | None = None, mode: str = "fedavg", interfaces: tuple[str, ...] = ("127.0.0.1",),
            task: str = "digits", task_options: dict[str, Any] | None = None,
-           rounds: dict[str, Any] | None = None) -> str:
+           rounds: dict[str, Any] | None = None, gossip: dict[str, Any] | None = None) -> str:
     """A config file as TOML text (used by the demo, the tests and ``fedagent init``)."""
     doc: dict[str, Any] = {"id": node_id, "federation": federation, "mode": mode, "state_dir": str(state_dir)}
     if runtime_dir is not None:
@@ -175,6 +237,8 @@ def render(*, node_id: str, federation: str, tls: TlsConfig, state_dir: Path, br
     doc["task"] = {"name": task, **(task_options or {})}
     if rounds:
         doc["rounds"] = rounds
+    if gossip:
+        doc["gossip"] = gossip
     return tomli_w.dumps(doc)
 
 

@@ -47,7 +47,8 @@ class Federation:
     """Processes and files of one local federation; ``close()`` removes them all."""
 
     def __init__(self, work: Path, *, agents: int, rounds: int, alpha: float, federation: str | None = None,
-                 round_timeout: float = 60.0, agent_broker_by_mdns: bool = True) -> None:
+                 round_timeout: float = 60.0, agent_broker_by_mdns: bool = True, mode: str = "fedavg",
+                 gossip: dict | None = None) -> None:
         self.work = work
         self.n = agents
         self.rounds = rounds
@@ -59,6 +60,8 @@ class Federation:
         self.broker: EmbeddedBroker | None = None
         self.agent_ids = [f"agent-{i + 1}" for i in range(agents)]
         self.coordinator_id = "coordinator"
+        self.mode = mode
+        self.gossip = dict(gossip or {})
 
     # -- set-up ----------------------------------------------------------------------
     def prepare(self) -> None:
@@ -69,6 +72,12 @@ class Federation:
         self.broker = EmbeddedBroker(self.work / "broker", federations=[self.fed],
                                      coordinators=[self.coordinator_id], ca_dir=ca_dir)
         self.broker.start()
+        if self.mode == "gossip":
+            # No coordinator: the first agent is told the broker and advertises it on
+            # mDNS; the others find it there (unless mDNS is switched off).
+            for i, aid in enumerate(self.agent_ids):
+                self._write_gossip_agent(aid, i, self.broker.uri if (i == 0 or not self.by_mdns) else "")
+            return
         rounds = {"rounds": self.rounds, "min_agents": self.n, "expected_agents": self.n,
                   "min_updates": max(1, self.n // 2), "round_timeout": self.round_timeout,
                   "local_epochs": LOCAL_EPOCHS, "lr": LR, "batch_size": BATCH, "seed": SEED}
@@ -86,6 +95,30 @@ class Federation:
         path = self.config_path(stem)
         path.write_text(text)
         return path
+
+    def _write_gossip_agent(self, node_id: str, shard: int, broker: str) -> Path:
+        ca_dir = self.work / "pki"
+        tls = TlsConfig(ca=ca_dir / "ca.crt", cert=ca_dir / f"{node_id}.crt", key=ca_dir / f"{node_id}.key")
+        text = config.render(node_id=node_id, federation=self.fed, tls=tls, broker=broker, mode="gossip",
+                             state_dir=self.work / "state" / node_id, runtime_dir=self.work / "run" / node_id,
+                             task="digits", task_options={"shard": shard, "shards": self.n, "alpha": self.alpha,
+                                                          "seed": SEED},
+                             gossip={"lr": LR, "batch_size": BATCH, "seed": SEED, **self.gossip})
+        path = self.config_path(node_id)
+        path.write_text(text)
+        return path
+
+    def add_gossip_agent(self, node_id: str, shard: int, broker: str = "") -> Proc:
+        """A new member (its own certificate and config) started mid-training."""
+        ca_dir = self.work / "pki"
+        pki.issue(ca_dir, ca_dir, node_id, "agent")
+        self._write_gossip_agent(node_id, shard, broker)
+        self.agent_ids.append(node_id)
+        return self.spawn(node_id)
+
+    def model_path(self, stem: str) -> Path:
+        """A gossip agent's own model checkpoint."""
+        return self.work / "state" / stem / "agent" / self.fed / "model.ckpt"
 
     def config_path(self, stem: str) -> Path:
         return self.work / f"{stem}.toml"
@@ -108,7 +141,8 @@ class Federation:
         return proc
 
     def start_all(self) -> None:
-        self.spawn("coordinator")
+        if self.mode != "gossip":
+            self.spawn("coordinator")
         for aid in self.agent_ids:
             self.spawn(aid)
 
@@ -166,6 +200,138 @@ def train_reference(options: dict, epochs: int) -> float:
     for e in range(epochs):
         task.fit(model, epochs=1, lr=LR, batch_size=BATCH, seed=e + 1)
     return task.evaluate(model)["accuracy"]
+
+
+def train_reference_steps(options: dict, steps: int, lr: float = LR, cosine: bool = False) -> float:
+    """Accuracy after ``steps`` plain local SGD mini-batches (gossip's local-only and
+    centralized baselines), with the gossip agents' cosine step-size decay if asked."""
+    import math
+
+    import torch
+
+    from fedagent.tasks.base import load_task
+
+    torch.manual_seed(SEED)
+    task = load_task("digits", options)
+    model = task.build_model()
+    done, chunk = 0, 10
+    while done < steps:
+        n = min(chunk, steps - done)
+        lr_t = lr * 0.5 * (1.0 + math.cos(math.pi * done / steps)) if cosine else lr
+        task.fit_steps(model, steps=n, lr=lr_t, batch_size=BATCH, seed=done + 1)
+        done += n
+    return task.evaluate(model)["accuracy"]
+
+
+# Gossip demo margin: every agent's own model ends within this much of centralized
+# training on the union of the data with the same total number of mini-batches.
+GOSSIP_MARGIN = 0.05
+# Training 10 mini-batches of the tiny digits MLP takes milliseconds; a period of at
+# least this long gives models time to travel, as a real model's training would.
+PERIOD_SECONDS = 0.1
+# The peak step size of the cosine schedule (gossip.lr_schedule): it decays to 0 at the
+# last period, so the agents end in consensus.
+GOSSIP_LR = 0.1
+
+
+def run_gossip_demo(*, agents: int = 5, periods: int = 100, period_steps: int = 10, alpha: float = 0.3,
+                    keep: bool = False, report_dir: Path | None = None, console: Console | None = None,
+                    merge: str = "pushsum") -> int:
+    import torch
+
+    from fedagent.tasks.base import load_task, set_weights
+
+    console = console or Console()
+    if agents < 2:
+        raise FedagentError("the demo needs at least 2 agents")
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="fedagent-gossip-demo-"))
+    fed = Federation(work, agents=agents, rounds=1, alpha=alpha, mode="gossip",
+                     gossip={"periods": periods, "period_steps": period_steps, "merge": merge,
+                             "min_peers": agents - 1, "period_seconds": PERIOD_SECONDS, "lr": GOSSIP_LR})
+    started = time.monotonic()
+    try:
+        console.print(f"[bold]fedagent demo --mode gossip[/]: federation [cyan]{fed.fed}[/], {agents} agents and "
+                      f"[bold]no coordinator[/]; each trains {period_steps} mini-batches, sends its model to a random "
+                      f"peer and merges what it received ({merge}), {periods} times; scikit-learn digits "
+                      f"(Dirichlet alpha={alpha}); work dir {work}")
+        with console.status("creating a CA and certificates, starting a private Mosquitto ..."):
+            fed.prepare()
+        console.print(f"broker [green]{fed.broker.uri}[/] (mutual TLS, per-agent ACL); {fed.agent_ids[0]} is given "
+                      f"the broker and advertises it, the others find it by mDNS on 127.0.0.1")
+        fed.start_all()
+        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+        statuses: dict[str, dict | None] = {}
+        with Progress(*columns, console=console, transient=False) as progress:
+            bar = progress.add_task("waiting for agents", total=periods)
+            while True:
+                fed.check_alive()
+                statuses = {aid: fed.status(aid) for aid in fed.agent_ids}
+                live = [s for s in statuses.values() if s is not None and "gossip" in s]
+                if live:
+                    slowest = min(s["period"] for s in live)
+                    sent = sum(s["gossip"]["sent"] for s in live)
+                    dropped = sum(s["gossip"]["dropped"] for s in live)
+                    dis = [s["disagreement_rel"] for s in live if s.get("disagreement_rel") is not None]
+                    desc = (f"slowest agent at period {slowest}, {len(live)}/{agents} gossiping, {sent} models sent, "
+                            f"{dropped} dropped" + (f", disagreement {max(dis):.1%}" if dis else ""))
+                    progress.update(bar, completed=slowest, description=desc)
+                    if len(live) == agents and all(s["round_state"] == "finished" for s in live):
+                        break
+                if time.monotonic() - started > 600:
+                    raise FedagentError(f"the federation did not finish in 10 minutes; logs in {work / 'logs'}")
+                time.sleep(0.25)
+        fed.close()
+        console.print(f"all agents finished {periods} periods in {time.monotonic() - started:.1f}s; evaluating each "
+                      "agent's own model against local-only and centralized training")
+        task = load_task("digits", {"seed": SEED})
+        table = Table(title="test accuracy on the held-out digits (450 images)", title_justify="left")
+        for col, just in (("model", "left"), ("training data", "left"), ("accuracy", "right")):
+            table.add_column(col, justify=just)
+        steps = periods * period_steps
+        gossip_acc: dict[str, float] = {}
+        for aid in fed.agent_ids:
+            loaded = checkpoint.load(fed.model_path(aid))
+            if loaded is None:
+                raise FedagentError(f"{aid} wrote no model checkpoint")
+            model = task.build_model()
+            set_weights(model, loaded[0])
+            gossip_acc[aid] = task.evaluate(model)["accuracy"]
+        local_acc: dict[str, float] = {}
+        for i, aid in enumerate(fed.agent_ids):
+            n = (statuses.get(aid) or {}).get("num_samples", "?")
+            table.add_row(f"[bold]gossip: {aid}'s own model[/]", f"{agents} agents, never pooled",
+                          f"[bold]{gossip_acc[aid]:.3f}[/]")
+            local_acc[aid] = train_reference_steps({"shard": i, "shards": agents, "alpha": alpha, "seed": SEED}, steps,
+                                                  GOSSIP_LR, cosine=True)
+            table.add_row(f"local only: {aid}", f"its own shard ({n} images), {steps} steps", f"{local_acc[aid]:.3f}")
+        central = train_reference_steps({"seed": SEED}, steps * agents, GOSSIP_LR, cosine=True)
+        table.add_row("centralized", f"union of all shards, {steps * agents} steps", f"{central:.3f}")
+        console.print(table)
+        worst = min(gossip_acc.values())
+        if report_dir is not None:
+            from fedagent.report import write_gossip_report
+
+            md = write_gossip_report(sorted((work / "state").glob(f"*/agent/{fed.fed}/history.jsonl")), report_dir,
+                                     title=f"fedagent gossip demo: {agents} agents, {periods} periods of "
+                                           f"{period_steps} steps, digits (alpha={alpha}), merge={merge}",
+                                     final=gossip_acc, local=local_acc, centralized=central, margin=GOSSIP_MARGIN)
+            console.print(f"report with plots: [cyan]{md}[/]")
+        ok = central - worst <= GOSSIP_MARGIN
+        verdict = (f"[green]every agent within {GOSSIP_MARGIN} of centralized[/]" if ok else
+                   f"[red]an agent is more than {GOSSIP_MARGIN} below centralized[/]")
+        console.print(f"{verdict}: worst agent {worst:.3f}, centralized {central:.3f} "
+                      f"(gap {central - worst:+.3f}); total {time.monotonic() - started:.1f}s")
+        return 0 if ok else 1
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; stopping every process the demo started[/]")
+        return 130
+    finally:
+        fed.close()
+        if keep:
+            console.print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def run_demo(*, agents: int = 3, rounds: int = 15, alpha: float = 0.3, keep: bool = False,

@@ -26,6 +26,7 @@ class History:
     abandoned: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     updates: list[dict[str, Any]] = field(default_factory=list)
+    gossip: list[dict[str, Any]] = field(default_factory=list)   # gossip-mode evaluations
     malformed: int = 0
 
 
@@ -60,6 +61,9 @@ def read_history(path: Path) -> History:
             elif event == "update":
                 assert isinstance(rec["round"], int)
                 h.updates.append(rec)
+            elif event == "gossip_eval":
+                assert isinstance(rec["period"], int) and isinstance(rec["metrics"], dict)
+                h.gossip.append(rec)
             else:
                 h.malformed += 1
         except (ValueError, KeyError, TypeError, AssertionError):
@@ -98,6 +102,8 @@ def write_report(histories: Path | list[Path], out_dir: Path, *, title: str | No
     loaded = [read_history(p) for p in paths]
     coords = [h for h in loaded if h.rounds or h.abandoned]
     agents = [h for h in loaded if h.evals or h.updates]
+    if not coords and not agents and any(h.gossip for h in loaded):
+        return write_gossip_report(paths, out_dir, title=title)
     if not coords and not agents:
         raise FedagentError(f"no rounds recorded in {', '.join(map(str, paths)) or '(no history files)'}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -171,6 +177,63 @@ def write_report(histories: Path | list[Path], out_dir: Path, *, title: str | No
     lines += ["## Sources", ""] + [f"- `{h.path}` ({h.role})" for h in loaded]
     if skipped:
         lines.append(f"\n{skipped} malformed history lines were skipped.")
+    md = out_dir / "report.md"
+    md.write_text("\n".join(lines) + "\n")
+    return md
+
+
+def write_gossip_report(paths: list[Path], out_dir: Path, *, title: str | None = None,
+                        final: dict[str, float] | None = None, local: dict[str, float] | None = None,
+                        centralized: float | None = None, margin: float | None = None) -> Path:
+    """Report of a gossip federation from its agents' histories: each agent's own model
+    (accuracy, loss) per period, the disagreement between agents, traffic; with the
+    demo's final comparison when given."""
+    loaded = [h for h in (read_history(p) for p in paths) if h.gossip]
+    if not loaded:
+        raise FedagentError(f"no gossip evaluations recorded in {', '.join(map(str, paths)) or '(no history files)'}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {title or 'fedagent gossip report'}", ""]
+    plots: list[tuple[str, str]] = []
+    keys = sorted({k for h in loaded for e in h.gossip for k, v in e["metrics"].items() if _is_number(v)})
+    for k in keys:
+        f = f"gossip_{k}.png"
+        _plot(out_dir / f, f"each agent's own model: {k} on held-out data", "exchange period",
+              {h.name: ([e["period"] for e in h.gossip if k in e["metrics"]],
+                        [e["metrics"][k] for e in h.gossip if k in e["metrics"]]) for h in loaded}, k)
+        plots.append((f, f"{k} of each agent's model per exchange period"))
+    series = {h.name: ([e["period"] for e in h.gossip if _is_number(e.get("disagreement"))],
+                       [e["disagreement"] for e in h.gossip if _is_number(e.get("disagreement"))]) for h in loaded}
+    if any(xs for xs, _ in series.values()):
+        f = "gossip_disagreement.png"
+        _plot(out_dir / f, "distance of each agent's model from the models it last received", "exchange period",
+              series, "L2 distance")
+        plots.append((f, "Disagreement between agents (L2 distance to the last received models)"))
+    f = "gossip_bytes.png"
+    _plot(out_dir / f, "bytes sent by each agent (cumulative)", "exchange period",
+          {h.name: ([e["period"] for e in h.gossip], [e.get("bytes_out", 0) / 1e6 for e in h.gossip]) for h in loaded},
+          "MB")
+    plots.append((f, "Traffic sent per agent"))
+    lines += ["## Agents", "", "| agent | periods | sent | received | dropped | last evaluation |", "|---|---|---|---|---|---|"]
+    for h in loaded:
+        e = h.gossip[-1]
+        m = ", ".join(f"{k} = {v:.4f}" for k, v in e["metrics"].items() if _is_number(v)) or "-"
+        lines.append(f"| {h.name} | {e['period']} | {e.get('sent', '-')} | {e.get('received', '-')} | "
+                     f"{e.get('dropped', '-')} | {m} |")
+    lines.append("")
+    if final:
+        lines += ["## Final test accuracy", "", "| model | accuracy |", "|---|---|"]
+        lines += [f"| gossip: {k}'s own model | {v:.3f} |" for k, v in final.items()]
+        lines += [f"| local only: {k} | {v:.3f} |" for k, v in (local or {}).items()]
+        if centralized is not None:
+            lines.append(f"| centralized (same total mini-batches) | {centralized:.3f} |")
+            worst = min(final.values())
+            lines += ["", f"Worst agent {worst:.3f}, {centralized - worst:+.3f} below centralized"
+                      + (f" (margin {margin})." if margin is not None else ".")]
+        lines.append("")
+    lines += ["## Plots", ""]
+    for f, caption in plots:
+        lines += [f"### {caption}", "", f"![{caption}]({f})", ""]
+    lines += ["## Sources", ""] + [f"- `{h.path}`" for h in loaded]
     md = out_dir / "report.md"
     md.write_text("\n".join(lines) + "\n")
     return md

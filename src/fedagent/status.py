@@ -30,6 +30,8 @@ def render_status(s: dict[str, Any], console: Console | None = None) -> None:
     t = Table(title=f"fedagent {s.get('role', '?')} {s.get('id', '')}", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column()
+    if s.get("mode") == "gossip" and "gossip" in s:
+        return _render_gossip(s, t, console)
     rows = [
         ("federation", s.get("federation")), ("mode", s.get("mode")), ("role", s.get("role")),
         ("connection", s.get("connection")), ("broker", s.get("broker")),
@@ -45,6 +47,32 @@ def render_status(s: dict[str, Any], console: Console | None = None) -> None:
     ]
     for k, v in rows:
         if v is not None and k not in ("coordinator",) or (k == "coordinator" and s.get("role") == "agent"):
+            t.add_row(k, _fmt(v))
+    console.print(t)
+    if s.get("peers"):
+        render_peers(s, console)
+
+
+def _render_gossip(s: dict[str, Any], t: Table, console: Console) -> None:
+    gs = s["gossip"]
+    dis = s.get("disagreement")
+    rel = s.get("disagreement_rel")
+    rows = [
+        ("federation", s.get("federation")), ("mode", "gossip (no coordinator)"),
+        ("connection", s.get("connection")), ("broker", s.get("broker")),
+        ("links", s.get("links")), ("state", s.get("round_state")), ("period", s.get("period")),
+        ("model age", f"{s.get('model_age', 0):.0f} local steps"),
+        ("merge / create", f"{gs.get('merge')} / {gs.get('create')}"),
+        ("exchanges", f"sent {gs['sent']}, received {gs['received']}, dropped {gs['dropped']}, "
+                      f"refused {gs['refused']}, timeouts {gs['timeouts']}, in flight {gs['in_flight']}"),
+        ("disagreement", "-" if dis is None else f"{dis:.4g}" + ("" if rel is None else f" ({rel:.2%} of |model|)")),
+        ("last metrics", s.get("last_metrics")), ("local model eval", s.get("local_model_eval")),
+        ("reconnects", s.get("reconnects")), ("last error", s.get("last_error")),
+        ("rejected", s.get("rejected")),
+        ("bytes in / out", f"{s.get('bytes_in', 0):,} / {s.get('bytes_out', 0):,}"),
+    ]
+    for k, v in rows:
+        if v is not None:
             t.add_row(k, _fmt(v))
     console.print(t)
     if s.get("peers"):

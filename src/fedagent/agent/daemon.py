@@ -21,6 +21,7 @@ from fedagent import config as config_mod
 from fedagent.agent import sdnotify
 from fedagent.agent.control import ControlServer
 from fedagent.agent.discovery import Advert, Discovery
+from fedagent.agent.gossip import GossipSession
 from fedagent.agent.messaging import Incoming, Messenger
 from fedagent.agent.runtime import History, make_transport, presence_payload
 from fedagent.config import NodeConfig
@@ -197,6 +198,23 @@ class Agent:
                                     batch_size=cmd.train.batch_size, seed=cmd.round)
             return get_weights(self.model), metrics
 
+    def train_steps(self, weights, steps: int, seed: int, lr: float):
+        """Gossip mode: ``steps`` local mini-batches from ``weights`` (a copy is trained)."""
+        with self._thread_lock:
+            set_weights(self.model, weights)
+            metrics = self.task.fit_steps(self.model, steps=steps, lr=lr, batch_size=self.cfg.gossip.batch_size,
+                                          seed=seed)
+            return get_weights(self.model), metrics
+
+    @property
+    def discovery(self) -> Discovery | None:
+        return self._disc
+
+    def _on_advert(self, kind: str, advert: Advert) -> None:
+        session = self.session
+        if session is not None and hasattr(session, "on_advert"):
+            session.on_advert(kind, advert)
+
     def evaluate(self, weights) -> dict[str, float]:
         with self._thread_lock:
             model = self.task.build_model()
@@ -211,7 +229,9 @@ class Agent:
         assert self._disc is not None
         while True:
             try:
-                advert = await self._disc.find(federation, ("coordinator", "broker"), DISCOVERY_TIMEOUT)
+                # A gossip federation has no coordinator: any member's broker will do.
+                roles = ("coordinator", "broker", "agent") if self.cfg.mode == "gossip" else ("coordinator", "broker")
+                advert = await self._disc.find(federation, roles, DISCOVERY_TIMEOUT)
                 return advert.broker_uri
             except FedagentError as exc:
                 log.warning("%s; still looking", exc)
@@ -221,7 +241,11 @@ class Agent:
         if not broker:
             broker = await self._find_broker(federation)
             log.info("found federation %s on mDNS: broker %s", federation, broker)
-        session = Session(self, federation, broker)
+        session: Session | GossipSession
+        if self.cfg.mode == "gossip":
+            session = GossipSession(self, federation, broker)
+        else:
+            session = Session(self, federation, broker)
         self.session = session
         if self.cfg.advertise and self._disc is not None:
             if self._advert is not None and self._advert.federation != federation:
@@ -266,7 +290,8 @@ class Agent:
             m.set_reconnects(session.transport.reconnects)
             m.set_peers(sum(1 for p in session.peers.values() if p.get("online")))
             m.round_started(session.current_round)
-            m.set_model_version(session.participant.model_version)
+            if isinstance(session, Session):
+                m.set_model_version(session.participant.model_version)
 
     def _peer_table(self) -> dict[str, dict[str, Any]]:
         """Peers from both sources: retained presence over MQTT and mDNS adverts."""
@@ -322,7 +347,8 @@ class Agent:
             host, port = await self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
             self.metrics_url = f"http://{host}:{port}/metrics"
         try:
-            async with Discovery(self.cfg.interfaces) as disc, asyncio.TaskGroup() as tg:
+            async with Discovery(self.cfg.interfaces, on_change=self._on_advert) as disc, \
+                    asyncio.TaskGroup() as tg:
                 self._disc, self._tg = disc, tg
                 tg.create_task(sdnotify.watchdog_loop())
                 if self.cfg.federation:

@@ -67,8 +67,11 @@ class Messenger:
         return Envelope(kind=message.kind, federation=self.federation, sender=self.node_id,
                         round=round_, seq=self._seq, ts=time.time(), body=message.to_body())
 
-    async def send(self, topic: str, message: Message, *, round_: int = 0, retain: bool = False) -> int:
-        """Publish ``message`` (chunked if needed); returns the bytes put on the wire."""
+    async def send(self, topic: str, message: Message, *, round_: int = 0, retain: bool = False,
+                   transport=None) -> int:
+        """Publish ``message`` (chunked if needed) on ``transport`` (default: this
+        messenger's own); returns the bytes put on the wire."""
+        transport = transport or self.transport
         payload = await asyncio.to_thread(encode, self.envelope(message, round_)) \
             if _is_big(message) else encode(self.envelope(message, round_))
         frames = [payload]
@@ -84,7 +87,7 @@ class Messenger:
                                               sender=self.node_id, round=round_, seq=self._seq,
                                               ts=time.time(), body=body)))
         for frame in frames:
-            await self.transport.publish(topic, frame, qos=1, retain=retain)
+            await transport.publish(topic, frame, qos=1, retain=retain)
         total = sum(len(f) for f in frames)
         self.bytes_out += total
         self.messages_out += 1

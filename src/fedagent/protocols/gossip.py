@@ -510,11 +510,23 @@ class GossipMachine:
     def _boundary(self, now: float) -> list[Command]:
         cfg = self.config
         self.period += 1
+        pushsum = cfg.merge == "pushsum"
         if cfg.periods and self.period >= cfg.periods:
+            # The last step is a MERGE without UPDATE: what came home and what the inbox
+            # kept are folded in, so the final model is a consensus estimate rather than
+            # one biased by the node's last local steps.
+            kept = [k.payload for k in self._inbox]
+            self._inbox, self._arrivals = [], 0
+            self.counts["merged"] += len(kept)
+            entries = [(self.model, self.mass if pushsum else 1.0, self.age)]
+            entries += [(p.values, p.mass, p.age) for p in self._home] if pushsum else []
+            entries += [(self._full(p.values), p.mass if pushsum else 1.0, p.age) for p in kept]
+            self._home = []
+            if len(entries) > 1:
+                self._fold(entries)
             self.finished = True
             return [Finished(self.period, self.model)]
         out: list[Command] = []
-        pushsum = cfg.merge == "pushsum"
         if pushsum and self._home:
             self._fold([(self.model, self.mass, self.age)] + [(p.values, p.mass, p.age) for p in self._home])
             self._home = []

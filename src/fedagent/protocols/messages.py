@@ -242,10 +242,74 @@ class GlobalModel:
                    weights=decode_weights(_need(body, "weights", dict, w), limits))
 
 
-Message = Presence | RoundStart | Update | RoundResult | GlobalModel
+MAX_EXCHANGE_ID = 64
+
+
+def _exchange_id(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_EXCHANGE_ID:
+        raise CodecError(f"{what}: exchange_id must be a string of 1..{MAX_EXCHANGE_ID} characters")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class GossipModel:
+    """Agent → agent (gossip mode): the sender's exchanged parameters, with the push-sum
+    ``mass`` they carry and their ``age`` (local steps); ``returned`` when the receiver
+    sends back mass it had to evict (see :mod:`fedagent.protocols.gossip`)."""
+
+    kind: ClassVar[str] = "gossip_model"
+    exchange_id: str
+    period: int
+    mass: float
+    age: float
+    returned: bool
+    weights: Weights = field(repr=False)
+
+    def to_body(self) -> dict[str, Any]:
+        return {"exchange_id": self.exchange_id, "period": self.period, "mass": self.mass,
+                "age": self.age, "returned": self.returned, "weights": encode_weights(self.weights)}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> GossipModel:
+        w = "gossip_model"
+        mass = _need(body, "mass", (int, float), w)
+        age = _need(body, "age", (int, float), w)
+        if not (math.isfinite(mass) and mass > 0 and math.isfinite(age) and age >= 0):
+            raise CodecError("gossip_model: mass must be positive and age non-negative, both finite")
+        return cls(exchange_id=_exchange_id(_need(body, "exchange_id", str, w), w),
+                   period=_count(_need(body, "period", int, w), "period", w),
+                   mass=float(mass), age=float(age), returned=_need(body, "returned", bool, w),
+                   weights=decode_weights(_need(body, "weights", dict, w), limits))
+
+
+@dataclass(frozen=True, slots=True)
+class GossipAck:
+    """Agent → agent (gossip mode): the receiver took custody of a model, or refused it
+    (then the sender takes the model's mass back)."""
+
+    kind: ClassVar[str] = "gossip_ack"
+    exchange_id: str
+    accepted: bool
+    reason: str = ""
+
+    def to_body(self) -> dict[str, Any]:
+        return {"exchange_id": self.exchange_id, "accepted": self.accepted, "reason": self.reason}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> GossipAck:
+        w = "gossip_ack"
+        reason = body.get("reason", "")
+        if not isinstance(reason, str) or len(reason) > 200:
+            raise CodecError("gossip_ack: bad reason")
+        return cls(exchange_id=_exchange_id(_need(body, "exchange_id", str, w), w),
+                   accepted=_need(body, "accepted", bool, w), reason=reason)
+
+
+Message = Presence | RoundStart | Update | RoundResult | GlobalModel | GossipModel | GossipAck
 
 # The fixed table from an envelope kind to the class that validates its body.
-KINDS: dict[str, type] = {cls.kind: cls for cls in (Presence, RoundStart, Update, RoundResult, GlobalModel)}
+KINDS: dict[str, type] = {cls.kind: cls for cls in (Presence, RoundStart, Update, RoundResult, GlobalModel,
+                                                    GossipModel, GossipAck)}
 
 
 def body_of(kind: str, body: Mapping[str, Any], limits: Limits) -> Message:

@@ -41,6 +41,12 @@ class Task(abc.ABC):
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """Metrics of ``model`` on this node's held-out data (e.g. ``accuracy``)."""
 
+    def fit_steps(self, model: torch.nn.Module, *, steps: int, lr: float, batch_size: int,
+                  seed: int) -> dict[str, float]:
+        """Train ``model`` in place for ``steps`` mini-batches (gossip mode exchanges every
+        few steps, not every epoch). Tasks that support gossip mode override this."""
+        raise ConfigError(f"task {type(self).__name__} does not support gossip mode: it has no fit_steps()")
+
 
 def get_weights(model: torch.nn.Module) -> Weights:
     """The model's state as numpy arrays (copies, so training can't change them)."""

@@ -97,6 +97,29 @@ class DigitsTask(Task):
                 count += len(b)
         return {"loss": total / max(count, 1)}
 
+    def fit_steps(self, model: nn.Module, *, steps: int, lr: float, batch_size: int,
+                  seed: int) -> dict[str, float]:
+        """``steps`` mini-batches, each drawn without replacement within an epoch's
+        permutation (a new permutation, from ``seed``, whenever one runs out)."""
+        gen = torch.Generator().manual_seed(seed)
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        loss_fn = nn.CrossEntropyLoss()
+        model.train()
+        order, pos = torch.randperm(len(self.y_train), generator=gen), 0
+        total, count = 0.0, 0
+        for _ in range(steps):
+            if pos >= len(order):
+                order, pos = torch.randperm(len(self.y_train), generator=gen), 0
+            b = order[pos:pos + batch_size]
+            pos += batch_size
+            opt.zero_grad()
+            loss = loss_fn(model(self.x_train[b]), self.y_train[b])
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(b)
+            count += len(b)
+        return {"loss": total / max(count, 1)}
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         model.eval()

@@ -1,0 +1,363 @@
+"""The agent's session in a ``mode = "gossip"`` federation: no coordinator at all.
+
+The pure :class:`~fedagent.protocols.gossip.GossipMachine` decides everything (when to
+train, which peer gets the model, what to merge); this module only connects it to the
+world:
+
+* **Peer view.** Every agent of the federation that mDNS shows or that has a retained
+  presence on our broker. A peer whose presence says offline (a clean stop or its Last
+  Will) is gone at once; a peer known only through mDNS (one on another broker) is
+  gone when its advert is withdrawn. A peer that dies silently is found by the
+  machine's send timeout: the send goes to another peer and nothing waits.
+* **Links.** Each agent subscribes to its inbox on its *home* broker (the one it is
+  configured with or found by mDNS, and the one it advertises). A model for a peer is
+  published to that peer's inbox on the peer's broker, keeping one extra connection per
+  distinct broker; with a shared broker there is only the home connection.
+* **Training** runs in the agent's worker thread, ``period_steps`` mini-batches at a
+  time (``Task.fit_steps``). The event loop keeps receiving while it trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fnmatch
+import logging
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+from fedagent import checkpoint
+from fedagent.agent import sdnotify
+from fedagent.agent.discovery import Advert
+from fedagent.agent.messaging import Incoming, Messenger
+from fedagent.agent.runtime import History, Timer, make_transport, presence_payload, tls_files
+from fedagent.agent.transport import Transport
+from fedagent.errors import ConfigError
+from fedagent.protocols import gossip as g
+from fedagent.protocols import topics
+from fedagent.protocols.messages import GossipAck, GossipModel, Presence
+from fedagent.statefile import cleanup_temp_files
+from fedagent.tasks.base import get_weights
+
+if TYPE_CHECKING:
+    from fedagent.agent.daemon import Agent
+
+log = logging.getLogger("fedagent.gossip")
+
+LINK_CONNECT_TIMEOUT = 10.0
+
+
+def resolve_exchange(patterns: tuple[str, ...] | None, names: list[str]) -> tuple[str, ...] | None:
+    """Parameter names matching ``patterns`` (exact names or globs), in model order."""
+    if patterns is None:
+        return None
+    chosen = tuple(n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns))
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unmatched or not chosen:
+        raise ConfigError(f"gossip.exchange {list(unmatched or patterns)} matches no parameter of the model "
+                          f"(its parameters: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''})")
+    return chosen
+
+
+class _Peer:
+    __slots__ = ("broker", "mdns", "presence", "last_seen", "num_samples")
+
+    def __init__(self) -> None:
+        self.broker = ""
+        self.mdns = False
+        self.presence: bool | None = None     # None: no presence seen on our broker
+        self.last_seen = 0.0
+        self.num_samples = 0
+
+    @property
+    def up(self) -> bool:
+        # Presence is authoritative when our broker carries it (its Last Will fires when
+        # the peer dies); peers on other brokers are known through mDNS only.
+        return self.presence if self.presence is not None else self.mdns
+
+
+class GossipSession:
+    """Membership of one gossip federation; the same interface as the FedAvg session."""
+
+    def __init__(self, agent: Agent, federation: str, broker: str) -> None:
+        self.agent = agent
+        self.cfg = agent.cfg
+        self.settings = self.cfg.gossip
+        self.fed = federation
+        self.broker = broker
+        self.coordinator = None
+        self.dir = self.cfg.state_dir / "agent" / federation
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cleanup_temp_files(self.dir)
+        self.model_path = self.dir / "model.ckpt"
+        self.history = History(self.dir / "history.jsonl")
+        weights = get_weights(agent.model)       # the task's seeded initial model
+        resumed = checkpoint.load(self.model_path)
+        if resumed is not None and resumed[0].keys() == weights.keys():
+            weights = resumed[0]
+            log.info("resuming from %s (period %s)", self.model_path, resumed[1].get("period"))
+        names = resolve_exchange(self.settings.exchange, list(weights))
+        self.machine = g.GossipMachine(self.cfg.id, self.settings.machine_config(names), weights,
+                                       num_samples=agent.task.num_samples(), session=secrets.token_hex(4))
+        self._peers: dict[str, _Peer] = {}
+        self.state = "starting"
+        self.last_metrics: dict[str, float] = {}
+        self.last_eval: dict[str, Any] = {}
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=10_000)
+        self.timer = Timer(self.queue, g.Wakeup())
+        self.transport = make_transport(
+            self.cfg, federation, broker,
+            subscriptions=[topics.inbox(federation, self.cfg.id), topics.all_presence(federation)],
+            on_connect=self._on_connect)
+        self.messenger = Messenger(federation=federation, node_id=self.cfg.id, transport=self.transport,
+                                   max_chunk_bytes=self.cfg.max_chunk_bytes,
+                                   max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics)
+        self.links: dict[str, tuple[Transport, asyncio.Event]] = {}
+        self._tg: asyncio.TaskGroup | None = None
+
+    # The FedAvg session's names, so the agent's metrics and status code read both.
+    @property
+    def current_round(self) -> int:
+        return self.machine.period
+
+    @property
+    def peers(self) -> dict[str, dict[str, Any]]:
+        """The peer view in the FedAvg session's shape (for ``fedagent peers``, metrics)."""
+        return {pid: {"role": "agent", "online": p.up, "last_seen": p.last_seen, "model_version": None}
+                for pid, p in self._peers.items()}
+
+    # -- connections ---------------------------------------------------------------------
+    async def _on_connect(self) -> None:
+        await self.transport.publish(
+            topics.presence(self.fed, self.cfg.id),
+            presence_payload(self.cfg, self.fed, True, num_samples=self.agent.task.num_samples(),
+                             broker=self.broker), retain=True)
+
+    async def _link(self, broker: str) -> Transport:
+        """The connection to ``broker``: the home one, or one opened on first use."""
+        if not broker or broker == self.broker:
+            return self.transport
+        if broker not in self.links:
+            assert self._tg is not None
+            t = Transport(uri=broker, client_id=self.cfg.id, tls=tls_files(self.cfg))
+            ready = asyncio.Event()
+            self.links[broker] = (t, ready)
+            self._tg.create_task(self._run_link(broker, t, ready))
+            log.info("opening a link to %s (a peer's broker)", broker)
+        t, ready = self.links[broker]
+        await asyncio.wait_for(ready.wait(), LINK_CONNECT_TIMEOUT)
+        return t
+
+    async def _run_link(self, broker: str, t: Transport, ready: asyncio.Event) -> None:
+        async def ignore(_topic: str, _payload: bytes) -> None:
+            return None
+
+        try:
+            await t.run(ignore, ready)
+        except Exception as exc:  # noqa: BLE001 - one bad peer broker must not end the session
+            log.warning("link to %s failed: %s", broker, exc)
+            self.links.pop(broker, None)
+
+    # -- peer view -----------------------------------------------------------------------
+    def on_advert(self, kind: str, advert: Advert) -> None:
+        """mDNS news (called by the agent's Discovery, on the event loop)."""
+        if advert.federation != self.fed or advert.node_id == self.cfg.id or advert.role != "agent":
+            return
+        peer = self._peers.setdefault(advert.node_id, _Peer())
+        was = peer.up
+        peer.mdns = kind != "removed"
+        if peer.mdns:
+            peer.broker = advert.broker_uri or peer.broker
+            peer.last_seen = time.time()
+        self._peer_changed(advert.node_id, was, peer.up)
+
+    def _on_presence(self, sender: str, msg: Presence) -> None:
+        if sender == self.cfg.id or msg.role != "agent":
+            return
+        peer = self._peers.setdefault(sender, _Peer())
+        was = peer.up
+        peer.presence = msg.online
+        peer.last_seen = time.time()
+        peer.num_samples = msg.num_samples
+        if msg.broker:
+            peer.broker = msg.broker
+        self._peer_changed(sender, was, peer.up)
+
+    def peers_up(self) -> int:
+        return sum(1 for p in self._peers.values() if p.up)
+
+    def _peer_changed(self, peer: str, was: bool, now: bool) -> None:
+        if was != now:
+            log.info("peer %s %s", peer, "up" if now else "down")
+            self.queue.put_nowait(g.PeerUp(peer) if now else g.PeerDown(peer))
+
+    # -- the loop ------------------------------------------------------------------------
+    async def _on_payload(self, topic: str, payload: bytes) -> None:
+        await self.messenger.receive(topic, payload, self.queue.put)
+
+    async def run(self) -> None:
+        ready = asyncio.Event()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                tg.create_task(self.transport.run(self._on_payload, ready))
+                await ready.wait()
+                log.info("agent %s joined gossip federation %s via %s (%d samples)", self.cfg.id, self.fed,
+                         self.broker, self.agent.task.num_samples())
+                disc = self.agent.discovery
+                if disc is not None:
+                    for advert in disc.peers.values():
+                        self.on_advert("added", advert)
+                self.state = "waiting for peers"
+                while True:
+                    if not self.machine.started and self.peers_up() >= self.settings.min_peers:
+                        log.info("%d peers known: starting to train", self.peers_up())
+                        self.state = "training"
+                        await self._apply(self.machine.handle(g.Start(), time.monotonic()))
+                    item = await self.queue.get()
+                    if isinstance(item, Incoming):
+                        await self._on_message(item)
+                    else:
+                        await self._apply(self.machine.handle(item, time.monotonic()))
+        finally:
+            self.timer.cancel()
+
+    async def _on_message(self, inc: Incoming) -> None:
+        msg = inc.message
+        if isinstance(msg, Presence):
+            return self._on_presence(inc.sender, msg)
+        # Direct messages must come on our own inbox topic (the messenger already
+        # checked that the topic's sender is the envelope's sender).
+        _fed, _sender, receiver, kind = topics.parse(inc.topic)
+        expected = {GossipModel: "gossip", GossipAck: "gossip_ack"}.get(type(msg))
+        if expected is None:
+            return self.messenger._reject("mode", inc.sender, f"{msg.kind} in a gossip federation")
+        if receiver != self.cfg.id or kind != expected:
+            return self.messenger._reject("topic", inc.sender, f"{msg.kind} on {inc.topic}")
+        if isinstance(msg, GossipModel):
+            event = g.ModelReceived(inc.sender, msg.exchange_id, msg.weights, mass=msg.mass, age=msg.age,
+                                    returned=msg.returned)
+            await self._apply(self.machine.handle(event, time.monotonic()))
+        else:
+            await self._apply(self.machine.handle(
+                g.AckReceived(inc.sender, msg.exchange_id, msg.accepted, msg.reason), time.monotonic()))
+
+    async def _apply(self, cmds: list) -> None:
+        for cmd in cmds:
+            if isinstance(cmd, g.Train):
+                self.agent.spawn(self._train(cmd))
+            elif isinstance(cmd, g.SendModel):
+                self.agent.spawn(self._send_model(cmd))
+            elif isinstance(cmd, g.SendAck):
+                self.agent.spawn(self._send_ack(cmd))
+            elif isinstance(cmd, g.RequestWakeup):
+                self.timer.request(cmd.at)
+            elif isinstance(cmd, g.ModelChanged):
+                await self._model_changed(cmd)
+            elif isinstance(cmd, g.Dropped):
+                log.info("dropped model %s from %s: %s %s", cmd.exchange_id or "-", cmd.sender, cmd.reason,
+                         cmd.detail)
+            elif isinstance(cmd, g.Finished):
+                await self._finished(cmd)
+
+    async def _train(self, cmd: g.Train) -> None:
+        seed = self.settings.seed * 1_000_003 + cmd.train_id
+        started = time.monotonic()
+        try:
+            lr = self.settings.lr_at(self.machine.period)
+            weights, metrics = await asyncio.to_thread(self.agent.train_steps, cmd.weights, cmd.steps, seed, lr)
+        except Exception:
+            log.exception("local training failed; keeping the model it started from")
+            weights, metrics = cmd.weights, {}
+        self.agent.metrics.training_seconds(time.monotonic() - started)
+        if metrics:
+            self.last_metrics = metrics
+        # Pacing: when training is much faster than the network, a period still lasts
+        # period_seconds, so that models have time to travel between exchanges.
+        left = started + self.settings.period_seconds - time.monotonic()
+        if left > 0:
+            await asyncio.sleep(left)
+        await self.queue.put(g.TrainingDone(cmd.train_id, weights, cmd.steps))
+
+    def _peer_broker(self, peer: str) -> str:
+        p = self._peers.get(peer)
+        return p.broker if p is not None and p.broker else self.broker
+
+    async def _send_model(self, cmd: g.SendModel) -> None:
+        msg = GossipModel(cmd.exchange_id, self.machine.period, cmd.mass, cmd.age, cmd.returned, cmd.weights)
+        topic = topics.direct(self.fed, self.cfg.id, cmd.peer, "gossip")
+        try:
+            link = await self._link(self._peer_broker(cmd.peer))
+            n = await asyncio.wait_for(self.messenger.send(topic, msg, round_=self.machine.period, transport=link),
+                                       self.settings.send_timeout)
+            log.debug("sent model %s to %s (%d bytes)", cmd.exchange_id, cmd.peer, n)
+        except Exception as exc:  # noqa: BLE001 - any failure: the machine picks another peer
+            log.warning("sending model %s to %s failed: %s", cmd.exchange_id, cmd.peer, exc or type(exc).__name__)
+            await self.queue.put(g.SendFailed(cmd.exchange_id, str(exc)))
+
+    async def _send_ack(self, cmd: g.SendAck) -> None:
+        topic = topics.direct(self.fed, self.cfg.id, cmd.peer, "gossip_ack")
+        try:
+            link = await self._link(self._peer_broker(cmd.peer))
+            await asyncio.wait_for(self.messenger.send(topic, GossipAck(cmd.exchange_id, cmd.accepted, cmd.reason),
+                                                       transport=link), self.settings.send_timeout)
+        except Exception as exc:  # noqa: BLE001 - the sender's timeout covers a lost ack
+            log.warning("acknowledging %s to %s failed: %s", cmd.exchange_id, cmd.peer, exc or type(exc).__name__)
+
+    async def _model_changed(self, cmd: g.ModelChanged) -> None:
+        every = self.settings.eval_every
+        if every and cmd.period % every == 0:
+            await self._checkpoint(cmd.weights, cmd.period, final=False)
+            self.agent.spawn(self._evaluate(cmd.weights, cmd.period))
+        sdnotify.status(f"{self.fed}: gossip period {cmd.period}")
+
+    async def _checkpoint(self, weights, period: int, *, final: bool) -> None:
+        meta = {"period": period, "age": self.machine.age, "mass": self.machine.mass, "final": final}
+        await asyncio.to_thread(checkpoint.save, self.model_path, weights, meta)
+
+    async def _evaluate(self, weights, period: int) -> None:
+        metrics = await asyncio.to_thread(self.agent.evaluate, weights)
+        self.last_eval = {"period": period, **metrics}
+        self.agent.metrics.report(metrics, prefix="local_")
+        st = self.machine.status()
+        self.history.append({"event": "gossip_eval", "period": period, "metrics": metrics,
+                             "train": self.last_metrics, "disagreement": st["disagreement"],
+                             "age": st["age"], "sent": st["sent"], "received": st["received"],
+                             "dropped": st["dropped"], "bytes_in": self.messenger.bytes_in,
+                             "bytes_out": self.messenger.bytes_out})
+        log.info("period %d: %s", period, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+
+    async def _finished(self, cmd: g.Finished) -> None:
+        await self._checkpoint(cmd.weights, cmd.period, final=True)
+        await self._evaluate(cmd.weights, cmd.period)
+        self.state = "finished"
+        log.info("gossip finished after %d periods", cmd.period)
+        sdnotify.status(f"{self.fed}: gossip finished after {cmd.period} periods")
+
+    # -- status --------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        st = self.machine.status()
+        peers = {pid: {"role": "agent", "online": p.up, "broker": p.broker or self.broker, "mdns": p.mdns,
+                       "presence": p.presence, "last_seen": p.last_seen, "num_samples": p.num_samples}
+                 for pid, p in sorted(self._peers.items())}
+        gossip = {k: st[k] for k in ("sent", "received", "dropped", "rejected", "refused", "acked", "timeouts",
+                                     "retries", "returned", "reclaimed", "late_acks", "duplicates", "merged",
+                                     "in_flight", "inbox", "mass", "merge", "create")}
+        return {"federation": self.fed, "broker": self.broker, "connection": self.transport.state,
+                "reconnects": self.transport.reconnects, "last_error": self.transport.last_error,
+                "coordinator": None, "round": self.machine.period, "period": self.machine.period,
+                "round_state": self.state, "model_age": st["age"], "disagreement": st["disagreement"],
+                "disagreement_rel": st["disagreement_rel"], "gossip": gossip,
+                "links": sorted([self.broker, *self.links]), "last_metrics": self.last_metrics,
+                "local_model_eval": self.last_eval, "peers": peers, "rejected": dict(self.messenger.rejected),
+                "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out}
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.transport.close(
+                (topics.presence(self.fed, self.cfg.id), presence_payload(self.cfg, self.fed, False,
+                                                                          broker=self.broker))), 5)
+        for t, _ready in list(self.links.values()):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(t.close(), 5)
