@@ -83,6 +83,9 @@ class Coordinator:
                                       model_version=int(meta.get("model_version", 0)),
                                       completed_rounds=int(meta.get("completed_rounds", 0)),
                                       last_round=max(int(meta.get("round", 0)), last_started))
+        # What `status` shows: the machine's view once the commands of the last event have been
+        # carried out (checkpoint saved, history appended), never a state the disk has not caught up to.
+        self.settled = self.machine.status()
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=10_000)
         self.timer = Timer(self.queue, R.Wakeup())
         self.transport = make_transport(
@@ -189,10 +192,11 @@ class Coordinator:
                 event = item
             for cmd in self.machine.handle(event, time.monotonic()):
                 await self._execute(cmd)
+            self.settled = self.machine.status()
 
     # -- control -----------------------------------------------------------------------
     async def _status(self, _args: dict) -> dict:
-        m = self.machine.status()
+        m = self.settled
         return {"role": "coordinator", "id": self.cfg.id, "federation": self.fed, "mode": self.cfg.mode,
                 "broker": self.cfg.broker, "connection": self.transport.state,
                 "reconnects": self.transport.reconnects, "last_error": self.transport.last_error,
