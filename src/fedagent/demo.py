@@ -48,7 +48,7 @@ class Federation:
 
     def __init__(self, work: Path, *, agents: int, rounds: int, alpha: float, federation: str | None = None,
                  round_timeout: float = 60.0, agent_broker_by_mdns: bool = True, mode: str = "fedavg",
-                 gossip: dict | None = None) -> None:
+                 gossip: dict | None = None, broker_per_agent: bool = False) -> None:
         self.work = work
         self.n = agents
         self.rounds = rounds
@@ -62,6 +62,8 @@ class Federation:
         self.coordinator_id = "coordinator"
         self.mode = mode
         self.gossip = dict(gossip or {})
+        self.broker_per_agent = broker_per_agent     # gossip: every agent on a broker of its own
+        self.agent_brokers: dict[str, EmbeddedBroker] = {}
 
     # -- set-up ----------------------------------------------------------------------
     def prepare(self) -> None:
@@ -72,6 +74,16 @@ class Federation:
         self.broker = EmbeddedBroker(self.work / "broker", federations=[self.fed],
                                      coordinators=[self.coordinator_id], ca_dir=ca_dir)
         self.broker.start()
+        if self.mode == "gossip" and self.broker_per_agent:
+            # Every agent on its own broker (same CA): a model goes to the receiver's
+            # inbox on the receiver's broker, found through the receiver's mDNS advert.
+            for i, aid in enumerate(self.agent_ids):
+                b = EmbeddedBroker(self.work / f"broker-{aid}", federations=[self.fed], coordinators=[],
+                                   ca_dir=ca_dir, name=f"broker-{aid}")
+                b.start()
+                self.agent_brokers[aid] = b
+                self._write_gossip_agent(aid, i, b.uri)
+            return
         if self.mode == "gossip":
             # No coordinator: the first agent is told the broker and advertises it on
             # mDNS; the others find it there (unless mDNS is switched off).
@@ -186,6 +198,9 @@ class Federation:
         if self.broker is not None:
             self.broker.stop()
             self.broker = None
+        for b in self.agent_brokers.values():
+            b.stop()
+        self.agent_brokers.clear()
 
 
 def train_reference(options: dict, epochs: int) -> float:

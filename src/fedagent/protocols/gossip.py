@@ -24,6 +24,10 @@ has finished, the node
    period is back (``TrainingDone``) it emits ``ModelChanged`` and the next boundary runs.
 
 The node never waits for the network: training goes on whatever happens to its sends.
+With a ``periods`` limit the last boundary merges what the inbox holds without training
+on it, then emits ``Finished``: the model a node ends with includes its peers' last
+contributions. (The agent decays the step size on a cosine schedule to 0 at ``periods``,
+so the last periods are nearly pure averaging; that lives in the daemon's config, not here.)
 
 Merging: ``merge="pushsum"`` (default) and ``merge="thesis"``
 -------------------------------------------------------------
