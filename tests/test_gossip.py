@@ -353,7 +353,7 @@ def test_create_orderings(merge, create, trains, final, mass):
 
 
 def test_age_counts_local_steps_and_mixes_by_mass():
-    m, train = machine(GossipConfig(period_steps=10), peers=())
+    m, train = machine(GossipConfig(period_steps=10, catch_up=False), peers=())
     m.handle(ModelReceived("q", "1", model(4.0), mass=1.0, age=30.0), 0.5)
     cmds = done(m, train)
     assert of(cmds, ModelChanged)[0].age == 10
@@ -361,6 +361,31 @@ def test_age_counts_local_steps_and_mixes_by_mass():
     assert m.age == pytest.approx((1.0 * 10 + 1.0 * 30) / 2)
     done(m, train)
     assert m.status()["age"] == pytest.approx(30.0)
+
+
+@pytest.mark.parametrize("create", ["mu", "um", "rw"])
+def test_newcomer_catches_up_instead_of_pulling_the_others_back(create):
+    """A node whose first merge meets models more than twice its age adopts them: its
+    own (initial) values sit the merge out, its mass still counts."""
+    m, train = machine(GossipConfig(period_steps=10, create=create), peers=(), num_samples=3)
+    m.handle(ModelReceived("q", "1", model(4.0), mass=5.0, age=300.0), 0.5)
+    cmds = done(m, train, delta=1.0)                   # own model: 0 + 1 after its first period
+    assert m.status()["caught_up"] == 1
+    assert m.mass == pytest.approx(3.0 + 5.0)          # no mass lost or made
+    (train,) = of(cmds, Train)
+    assert value(train.weights) == pytest.approx(4.0)  # trains on the old model, not on a blend
+    # Later merges are ordinary mass-weighted means again.
+    m.handle(ModelReceived("q", "2", model(8.0), mass=8.0, age=900.0), 1.5)
+    done(m, train, delta=0.0, now=2.0)
+    assert m.status()["caught_up"] == 1
+
+
+def test_federation_start_is_not_a_catch_up():
+    m, train = machine(GossipConfig(period_steps=10), peers=())
+    m.handle(ModelReceived("q", "1", model(4.0), mass=1.0, age=10.0), 0.5)   # a peer as young
+    cmds = done(m, train)
+    assert m.status()["caught_up"] == 0
+    assert value(of(cmds, Train)[0].weights) == pytest.approx(2.0)
 
 
 def test_status_reports_counters_age_and_disagreement():

@@ -120,6 +120,7 @@ class GossipConfig:
     max_retries: int = 2            # new peers tried for one payload before folding it back
     periods: int = 0                # stop after this many exchanges (thesis GLsteps); 0 = never
     seed: int = 0
+    catch_up: bool = True           # push-sum: a newcomer's first merge adopts far older models
 
     def __post_init__(self) -> None:
         if self.period_steps < 1 or self.max_incoming < 1:
@@ -331,6 +332,7 @@ class GossipMachine:
         self._rng = random.Random(f"{config.seed}/{node_id}")
         self._next_xid = 0
         self._next_train = 0
+        self._merged_once = False
         # thesis lastModel (Alg. 3.1 starts with lastModel <- currentModel)
         self._last = _Payload({k: weights[k] for k in names}, 1.0, 0.0)
         self._inbox: list[_Kept] = []
@@ -350,7 +352,7 @@ class GossipMachine:
         self.counts = dict.fromkeys(
             ("sent", "received", "dropped", "rejected", "refused", "returned", "bounced",
              "acked", "timeouts", "retries", "reclaimed", "late_acks", "duplicates", "merged",
-             "train_rejected"), 0)
+             "train_rejected", "caught_up"), 0)
 
     # -- public ------------------------------------------------------------------------
     @property
@@ -547,10 +549,21 @@ class GossipMachine:
         if kept:
             self._measure_disagreement(kept)
         entries: list[tuple[Weights, float, float]]
+        own_mass_only = 0.0
         if pushsum:
             # The node's own model (with the mass it kept) stands where lastModel stands.
             entries = [(self.model, self.mass, self.age)]
             entries += [(self._full(p.values), p.mass, p.age) for p in kept]
+            if (cfg.catch_up and kept and not self._merged_once
+                    and 2 * self.age < min(p.age for p in kept)):
+                # Catch-up: a node that joins a running federation (its first merge, its
+                # model less than half as old as any it received) would pull everybody
+                # back towards its initial model with its full sample weight. Its values
+                # sit this merge out; its mass still counts, so no mass is lost.
+                own_mass_only = entries.pop(0)[1]
+                self.counts["caught_up"] += 1
+            if kept:
+                self._merged_once = True
         else:
             # Alg. 3.1 CREATEMODEL: only received models (or lastModel) enter the merge.
             if len(kept) >= 2:
@@ -566,20 +579,22 @@ class GossipMachine:
             # No merge: one model walks on (a received one if any). Masses still add up
             # under push-sum so that none is lost, but values are not averaged.
             if pushsum:
-                chosen = self._rng.choice(entries[1:]) if len(entries) > 1 else entries[0]
+                pool = entries if own_mass_only else entries[1:]
+                chosen = self._rng.choice(pool) if pool else entries[0]
             else:
                 chosen = entries[0]     # a random kept model, else lastModel
             self.model, self.age = chosen[0], chosen[2]
             if pushsum:
-                self.mass = sum(m for _, m, _ in entries)
+                self.mass = sum(m for _, m, _ in entries) + own_mass_only
             return out + self._plan([(self.model, 1.0)], merge_all=False)
         if cfg.create == "um":
             total = sum(m for _, m, _ in entries)
             self.age = sum(a * m for _, m, a in entries) / total
             if pushsum:
-                self.mass = total
+                self.mass = total + own_mass_only
             return out + self._plan([(w, m) for w, m, _ in entries], merge_all=True)
         self._fold(entries)
+        self.mass += own_mass_only
         return out + self._plan([(self.model, 1.0)], merge_all=False)
 
     def _fold(self, entries: list[tuple[Mapping[str, np.ndarray], float, float]]) -> None:
