@@ -339,3 +339,36 @@ def demo(mode: str, agents: int | None, rounds: int, periods: int, period_steps:
 
 if __name__ == "__main__":
     main()
+
+
+# -- experiments ------------------------------------------------------------------------
+@main.group()
+def experiment() -> None:
+    """Paper workloads run through real coordinators and agents, each writing a report."""
+
+
+@experiment.command("flsimco")
+@click.option("--rounds", default=20, show_default=True, help="RSU rounds per strategy")
+@click.option("--coverage", default=4, show_default=True, help="vehicles in range of the RSU per round")
+@click.option("--stay", default=2, show_default=True, help="rounds each vehicle stays in range")
+@click.option("--alpha", default=0.1, show_default=True, help="Dirichlet label skew over the shards (0 = IID)")
+@click.option("--threshold", default=100.0, show_default=True, help="km/h above which baseline 2 drops a model")
+@click.option("--local-epochs", default=5, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--strategy", "strategies", multiple=True, type=click.Choice(["blur", "fedavg", "drop_above"]),
+              help="run only these (default: all three)")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("flsimco-report"), show_default=True)
+@click.option("--keep", is_flag=True, help="keep the work directory (logs, checkpoints, histories)")
+def experiment_flsimco(rounds: int, coverage: int, stay: int, alpha: float, threshold: float, local_epochs: int,
+                       seed: int, strategies: tuple[str, ...], out: Path, keep: bool) -> None:
+    """FLSimCo: vehicles join and leave an RSU; blur-weighted (eq. 11) vs FedAvg vs dropping fast vehicles."""
+    from fedagent.experiments.flsimco import STRATEGIES, Setup, run_experiment
+
+    try:
+        if rounds < 1 or coverage < 1 or stay < 1:
+            raise ConfigError("--rounds, --coverage and --stay must be at least 1")
+        setup = Setup(rounds=rounds, coverage=coverage, stay=stay, alpha=alpha, threshold=threshold,
+                      local_epochs=local_epochs, seed=seed)
+        run_experiment(out, setup, strategies or STRATEGIES, keep=keep)
+    except FedagentError as exc:
+        _fail(exc)

@@ -43,6 +43,11 @@ class RoundsConfig:
     lr: float = 0.05
     batch_size: int = 32
     seed: int = 0
+    lr_schedule: str = "constant"     # "constant" | "cosine" over `rounds` (coordinator)
+    aggregation: str = "fedavg"       # "fedavg" | "metric" | "blur" (FLSimCo eq. 11) | "drop_above"
+    weight_key: str = ""              # the reported metric "metric"/"blur"/"drop_above" read
+    drop_above: float | None = None   # "drop_above": threshold on weight_key
+    leave_after: int = 0              # agent: leave after this many rounds (0 = stay)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +70,7 @@ class GossipSettings:
     min_peers: int = 1                # start training once this many peers are known
     period_seconds: float = 0.0       # a period lasts at least this long (paces fast training)
     lr_schedule: str = "cosine"       # "cosine" (to 0 at `periods`) | "constant"
+    catch_up: bool = True             # a newcomer's first merge adopts far older models
 
     def lr_at(self, period: int) -> float:
         """The step size for ``period``: with a known end (``periods``) the default cosine
@@ -92,7 +98,7 @@ class GossipSettings:
 
         try:
             return GossipConfig(period_steps=self.period_steps, max_incoming=self.max_incoming,
-                                create=self.create, merge=self.merge, exchange=names,
+                                create=self.create, merge=self.merge, exchange=names, catch_up=self.catch_up,
                                 send_timeout=self.send_timeout, max_retries=self.max_retries,
                                 periods=self.periods, seed=self.seed)
         except ValueError as exc:

@@ -98,12 +98,13 @@ class Federation:
             self._write(aid, aid, "" if self.by_mdns else self.broker.uri,
                         {"shard": i, "shards": self.n, "alpha": self.alpha, "seed": SEED}, None)
 
-    def _write(self, stem: str, node_id: str, broker: str, task_options: dict, rounds: dict | None) -> Path:
+    def _write(self, stem: str, node_id: str, broker: str, task_options: dict, rounds: dict | None,
+               task: str = "digits") -> Path:
         ca_dir = self.work / "pki"
         tls = TlsConfig(ca=ca_dir / "ca.crt", cert=ca_dir / f"{node_id}.crt", key=ca_dir / f"{node_id}.key")
         text = config.render(node_id=node_id, federation=self.fed, tls=tls, broker=broker,
                              state_dir=self.work / "state" / stem, runtime_dir=self.work / "run" / stem,
-                             task="digits", task_options=task_options, rounds=rounds)
+                             task=task, task_options=task_options, rounds=rounds)
         path = self.config_path(stem)
         path.write_text(text)
         return path
@@ -119,6 +120,22 @@ class Federation:
         path = self.config_path(node_id)
         path.write_text(text)
         return path
+
+    def write_coordinator(self, task: str, task_options: dict, rounds: dict) -> Path:
+        """Replace the coordinator's config (another task, other round settings)."""
+        assert self.broker is not None
+        return self._write("coordinator", self.coordinator_id, self.broker.uri, task_options, rounds, task)
+
+    def add_agent(self, node_id: str, task: str, task_options: dict, rounds: dict | None = None,
+                  broker: str | None = None) -> Proc:
+        """A new agent (its own certificate and config) started now; ``broker=None``
+        gives it the broker's address, ``""`` makes it look the broker up by mDNS."""
+        assert self.broker is not None
+        ca_dir = self.work / "pki"
+        pki.issue(ca_dir, ca_dir, node_id, "agent")
+        self._write(node_id, node_id, self.broker.uri if broker is None else broker, task_options, rounds, task)
+        self.agent_ids.append(node_id)
+        return self.spawn(node_id)
 
     def add_gossip_agent(self, node_id: str, shard: int, broker: str = "") -> Proc:
         """A new member (its own certificate and config) started mid-training."""
@@ -201,6 +218,15 @@ class Federation:
         for b in self.agent_brokers.values():
             b.stop()
         self.agent_brokers.clear()
+
+
+def _tidy(fed: Federation, work: Path, keep: bool, console: Console) -> None:
+    """Stop everything a demo started; keep or remove its work directory."""
+    fed.close()
+    if keep:
+        console.print(f"kept {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def train_reference(options: dict, epochs: int) -> float:
@@ -342,11 +368,7 @@ def run_gossip_demo(*, agents: int = 5, periods: int = 100, period_steps: int = 
         console.print("[yellow]interrupted; stopping every process the demo started[/]")
         return 130
     finally:
-        fed.close()
-        if keep:
-            console.print(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        _tidy(fed, work, keep, console)
 
 
 def run_demo(*, agents: int = 3, rounds: int = 15, alpha: float = 0.3, keep: bool = False,
@@ -432,8 +454,4 @@ def run_demo(*, agents: int = 3, rounds: int = 15, alpha: float = 0.3, keep: boo
         console.print("[yellow]interrupted; stopping every process the demo started[/]")
         return 130
     finally:
-        fed.close()
-        if keep:
-            console.print(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        _tidy(fed, work, keep, console)

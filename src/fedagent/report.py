@@ -82,6 +82,8 @@ def _plot(path: Path, title: str, xlabel: str, series: dict[str, tuple[list, lis
     for label, (xs, ys) in series.items():
         if kind == "bar":
             ax.bar(xs, ys, label=label, alpha=0.8)
+        elif kind == "scatter":
+            ax.scatter(xs, ys, s=14, label=label, alpha=0.8)
         else:
             ax.plot(xs, ys, marker="o", markersize=3, label=label)
     for m in marks or []:

@@ -30,7 +30,8 @@ from fedagent.metrics import NodeMetrics
 from fedagent.pki import fingerprint
 from fedagent.protocols import topics
 from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart
-from fedagent.protocols.participant import AdoptModel, Discarded, Participant, SendUpdate, Train, TrainingDone
+from fedagent.protocols.participant import (AdoptModel, Discarded, Leave, Participant, SendUpdate, Train,
+                                            TrainingDone)
 from fedagent.statefile import cleanup_temp_files
 from fedagent.tasks.base import Task, get_weights, load_task, set_weights
 
@@ -48,7 +49,7 @@ class Session:
         self.fed = federation
         self.broker = broker
         self.coordinator: str | None = None
-        self.participant = Participant(self.cfg.id)
+        self.participant = Participant(self.cfg.id, leave_after=self.cfg.rounds.leave_after)
         self.peers: dict[str, dict[str, Any]] = {}
         self.round_state = "idle"
         self.current_round = 0
@@ -139,6 +140,12 @@ class Session:
                          ", ".join(f"{k}={v:.4f}" for k, v in cmd.update.metrics.items()))
             elif isinstance(cmd, Discarded):
                 log.info("discarded training of round %d: %s", cmd.round, cmd.reason)
+            elif isinstance(cmd, Leave):
+                self.round_state = "left"
+                self.history.append({"event": "left", "reason": cmd.reason,
+                                     "rounds_trained": self.participant.rounds_done})
+                log.info("leaving federation %s: %s", self.fed, cmd.reason)
+                self.agent.request_exit(cmd.reason)
             elif isinstance(cmd, AdoptModel):
                 meta = {"model_version": cmd.model_version, "round": cmd.round, "final": cmd.final}
                 await asyncio.to_thread(checkpoint.save, self.model_path, cmd.weights, meta)
@@ -189,6 +196,14 @@ class Agent:
         self.metrics = NodeMetrics("agent", cfg.id, cfg.federation)
         self.metrics.before_scrape = self._refresh_metrics
         self.metrics_url: str | None = None
+        self._exit: asyncio.Event | None = None
+        self.exit_reason: str | None = None
+
+    def request_exit(self, reason: str) -> None:
+        """Stop the daemon cleanly (goodbye on MQTT and mDNS, exit status 0)."""
+        self.exit_reason = reason
+        if self._exit is not None:
+            self._exit.set()
 
     # Training and evaluation run in worker threads, one at a time on the one model.
     def train(self, cmd: Train):
@@ -340,6 +355,7 @@ class Agent:
         import threading
 
         self._thread_lock = threading.Lock()
+        self._exit = asyncio.Event()
         control = ControlServer(self.cfg.control_socket, {"status": self._status, "join": self._join,
                                                                  "leave": self._leave, "peers": self._peers})
         await control.start()
@@ -350,14 +366,18 @@ class Agent:
             async with Discovery(self.cfg.interfaces, on_change=self._on_advert) as disc, \
                     asyncio.TaskGroup() as tg:
                 self._disc, self._tg = disc, tg
-                tg.create_task(sdnotify.watchdog_loop())
+                watchdog = tg.create_task(sdnotify.watchdog_loop())
                 if self.cfg.federation:
                     self._start_session(self.cfg.federation, self.cfg.broker)
                     sdnotify.ready(f"agent {self.cfg.id}: joining {self.cfg.federation}")
                 else:
                     sdnotify.ready(f"agent {self.cfg.id}: not in a federation; run `fedagent join NAME`")
                     log.info("agent %s is not in a federation yet: run `fedagent join FEDERATION`", self.cfg.id)
-                await asyncio.Event().wait()
+                await self._exit.wait()
+                log.info("agent %s stopping: %s", self.cfg.id, self.exit_reason)
+                if self._session_task is not None:
+                    self._session_task.cancel()
+                watchdog.cancel()
         finally:
             sdnotify.stopping()
             await control.close()

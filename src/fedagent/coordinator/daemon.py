@@ -28,6 +28,7 @@ from fedagent.metrics import NodeMetrics
 from fedagent.pki import fingerprint
 from fedagent.protocols import rounds as R
 from fedagent.protocols import topics
+from fedagent.protocols.aggregation import Strategy
 from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart, TrainConfig, Update
 from fedagent.statefile import atomic_write, cleanup_temp_files, read_bytes
 from fedagent.tasks.base import get_weights, load_task
@@ -46,7 +47,8 @@ def round_config(cfg: NodeConfig) -> R.RoundConfig:
         return R.RoundConfig(
             rounds=r.rounds, min_agents=r.min_agents, expected_agents=r.expected_agents,
             start_grace=r.start_grace, agents_per_round=r.agents_per_round, min_updates=r.min_updates,
-            round_timeout=r.round_timeout, max_norm=r.max_norm, seed=r.seed,
+            round_timeout=r.round_timeout, max_norm=r.max_norm, seed=r.seed, lr_schedule=r.lr_schedule,
+            strategy=Strategy(r.aggregation, r.weight_key, r.drop_above),
             train=TrainConfig(epochs=r.local_epochs, lr=r.lr, batch_size=r.batch_size))
     except (ValueError, Exception) as exc:
         raise ConfigError(f"{cfg.path}: [rounds]: {exc}") from None
@@ -127,7 +129,7 @@ class Coordinator:
             return R.AgentOnline(inc.sender, msg.num_samples) if msg.online else R.AgentOffline(inc.sender)
         if isinstance(msg, Update):
             return R.UpdateReceived(inc.sender, msg.round, msg.base_version, msg.num_samples,
-                                    msg.weights, msg.metrics)
+                                    msg.weights, msg.metrics, msg.leaving)
         log.debug("ignoring %s from %s", type(msg).__name__, inc.sender)
         return None
 
@@ -153,6 +155,8 @@ class Coordinator:
             await asyncio.to_thread(checkpoint.save, self.ckpt_path, cmd.weights, meta)
             self.history.append({"event": "round", "round": cmd.round, "model_version": cmd.model_version,
                                  "participants": list(cmd.participants), "metrics": cmd.metrics,
+                                 "aggregation": self.machine.config.strategy.name,
+                                 "agg_weights": cmd.weights_used, "dropped": cmd.dropped,
                                  "seconds": round(took, 4), "bytes_in": self.messenger.bytes_in,
                                  "bytes_out": self.messenger.bytes_out})
             log.info("round %d aggregated from %d agents in %.2fs: %s", cmd.round, len(cmd.participants),

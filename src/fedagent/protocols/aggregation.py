@@ -7,7 +7,9 @@ memory stays near two models whatever the number of agents.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -63,16 +65,19 @@ class WeightedMean:
         self.total_weight += weight
         self.count += 1
 
-    def result(self) -> Weights:
+    def result_float(self) -> dict[str, np.ndarray]:
+        """The mean in float64, before casting back to each tensor's dtype."""
         if self.count == 0:
             raise ValueError("no update to aggregate")
+        return {name: acc / self.total_weight for name, acc in self._sum.items()}
+
+    def result(self) -> Weights:
         out: Weights = {}
-        for name, acc in self._sum.items():
-            mean = acc / self.total_weight
+        for name, mean in self.result_float().items():
             dtype = self._dtypes[name]
             if dtype.kind in "iub":
                 mean = np.rint(mean)
-            out[name] = mean.astype(dtype)
+            out[name] = np.asarray(mean, dtype=dtype)      # 0-d stays an array (BatchNorm counters)
         return out
 
 
@@ -95,3 +100,123 @@ def weighted_metrics(items: list[tuple[Mapping[str, float], float]]) -> dict[str
         keys &= set(m)
     total = sum(n for _, n in items)
     return {k: sum(float(m[k]) * n for m, n in items) / total for k in sorted(keys)}
+
+
+# ---- strategies: how much each accepted update weighs ------------------------------
+STRATEGIES = ("fedavg", "metric", "blur", "drop_above")
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """How a round's updates are weighted, from what agents report with them.
+
+    ``fedavg``      weight = ``num_samples`` (McMahan et al.).
+    ``metric``      weight = the reported metric ``key`` (any positive quantity).
+    ``blur``        FLSimCo eq. 11: weight_n = Σ_m L_m − L_n with L = the reported metric
+                    ``key`` (default ``blur_level``): the blurrier a vehicle's images, the
+                    less its model counts. One participant gets weight 1; if every L is 0
+                    the weights are equal.
+    ``drop_above``  FedAvg over the updates whose metric ``key`` is at most ``threshold``
+                    (FLSimCo's baseline 2: drop models of vehicles above 100 km/h).
+                    Dropped updates are counted, not aggregated.
+
+    Everything is computed from running sums, so the coordinator still holds one
+    accumulator per term, never the N updates: eq. 11 expands to
+    ``(S·Σθ_n − Σ L_n θ_n) / ((N−1)·S)`` with ``S = Σ L_n``.
+    """
+
+    name: str = "fedavg"
+    key: str = ""
+    threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in STRATEGIES:
+            raise ValueError(f"aggregation must be one of {STRATEGIES}, not {self.name!r}")
+        if self.name in ("metric", "drop_above") and not self.key:
+            raise ValueError(f"aggregation {self.name!r} needs the metric it reads (weight_key)")
+        if self.name == "drop_above" and (self.threshold is None or not math.isfinite(self.threshold)):
+            raise ValueError("aggregation 'drop_above' needs a finite threshold (drop_above)")
+
+    @property
+    def metric(self) -> str:
+        return self.key or ("blur_level" if self.name == "blur" else "")
+
+
+class StrategyAggregator:
+    """Streaming aggregate of one round under a :class:`Strategy`.
+
+    ``add`` raises :class:`UpdateRejected` for an update that lacks the metric the
+    strategy reads or reports an unusable value; it returns False for an update the
+    strategy drops on purpose (``drop_above``)."""
+
+    def __init__(self, strategy: Strategy, reference: Mapping[str, np.ndarray]) -> None:
+        self.strategy = strategy
+        self._plain = WeightedMean(reference)               # Σ w θ (fedavg/metric) or Σ θ (blur)
+        self._by_level = WeightedMean(reference) if strategy.name == "blur" else None   # Σ L θ
+        self.levels: list[float] = []
+        self.weights: dict[str, float] = {}                  # sender -> weight in the aggregate
+        self.dropped: dict[str, float] = {}                  # sender -> the value that dropped it
+        self._senders: list[str] = []
+
+    @property
+    def count(self) -> int:
+        return self._plain.count
+
+    def _value(self, metrics: Mapping[str, float]) -> float:
+        key = self.strategy.metric
+        if key not in metrics:
+            raise UpdateRejected("metadata", f"aggregation {self.strategy.name!r} needs the metric {key!r}")
+        v = float(metrics[key])
+        if not math.isfinite(v) or v < 0:
+            raise UpdateRejected("metadata", f"{key} = {v!r}: must be finite and non-negative")
+        return v
+
+    def add(self, sender: str, update: Mapping[str, np.ndarray], num_samples: int,
+            metrics: Mapping[str, float]) -> bool:
+        s = self.strategy
+        if s.name == "fedavg":
+            self._plain.add(update, float(num_samples))
+            self.weights[sender] = float(num_samples)
+        elif s.name == "metric":
+            v = self._value(metrics)
+            if v <= 0:
+                raise UpdateRejected("metadata", f"{s.metric} = {v!r}: a weight must be positive")
+            self._plain.add(update, v)
+            self.weights[sender] = v
+        elif s.name == "drop_above":
+            v = self._value(metrics)
+            assert s.threshold is not None
+            if v > s.threshold:
+                self.dropped[sender] = v
+                return False
+            self._plain.add(update, float(num_samples))
+            self.weights[sender] = float(num_samples)
+        else:                                               # blur, eq. 11
+            v = self._value(metrics)
+            self._plain.add(update, 1.0)
+            if v > 0:
+                assert self._by_level is not None
+                self._by_level.add(update, v)
+            self.levels.append(v)
+            self._senders.append(sender)
+        return True
+
+    def result(self) -> Weights:
+        if self.strategy.name != "blur":
+            return self._plain.result()
+        n, total = len(self.levels), sum(self.levels)
+        if n == 1 or total == 0:
+            self.weights = {a: 1.0 / n for a in self._senders}
+            return self._plain.result()
+        self.weights = {a: (total - lv) / ((n - 1) * total) for a, lv in zip(self._senders, self.levels)}
+        assert self._by_level is not None
+        out: Weights = {}
+        # With Σθ = n·plain and ΣLθ = S·level (the two running means):
+        # Σ_n (S − L_n) θ_n / ((n−1)·S) = (n·plain − level) / (n − 1).
+        plain = self._plain.result_float()
+        level = self._by_level.result_float()
+        for name, ref in plain.items():
+            mean = (n * ref - level[name]) / (n - 1)
+            dtype = self._plain._dtypes[name]
+            out[name] = np.asarray(np.rint(mean) if dtype.kind in "iub" else mean, dtype=dtype)
+        return out

@@ -27,6 +27,11 @@ MODES = ("fedavg", "syncopt", "gossip")
 MAX_METRICS = 64
 
 
+def _flag(body: Mapping[str, Any], key: str, what: str) -> bool:
+    """An optional boolean field (absent = False, so older senders stay compatible)."""
+    return bool(_need(body, key, bool, what)) if key in body else False
+
+
 def _need(body: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
     if key not in body:
         raise CodecError(f"{what}: missing field {key!r}")
@@ -170,11 +175,15 @@ class Update:
     num_samples: int
     metrics: dict[str, float]
     weights: Weights = field(repr=False)
+    leaving: bool = False      # the sender's last round: it leaves afterwards (a vehicle out of range)
 
     def to_body(self) -> dict[str, Any]:
-        return {"round": self.round, "base_version": self.base_version,
+        body = {"round": self.round, "base_version": self.base_version,
                 "num_samples": self.num_samples, "metrics": dict(self.metrics),
                 "weights": encode_weights(self.weights)}
+        if self.leaving:
+            body["leaving"] = True
+        return body
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> Update:
@@ -185,7 +194,8 @@ class Update:
         return cls(round=_count(_need(body, "round", int, w), "round", w),
                    base_version=_count(_need(body, "base_version", int, w), "base_version", w),
                    num_samples=n, metrics=_metrics(_need(body, "metrics", dict, w), w),
-                   weights=decode_weights(_need(body, "weights", dict, w), limits))
+                   weights=decode_weights(_need(body, "weights", dict, w), limits),
+                   leaving=_flag(body, "leaving", w))
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,11 @@ The agent trains when a ``RoundStart`` names it, and sends its update only if th
 round is still the newest one it has heard of: work finished after a newer round
 started (the agent was paused, or slow) is discarded rather than submitted stale.
 Redelivered or repeated round starts (QoS 1 after a reconnect) don't train twice.
+
+With ``leave_after = k`` the agent takes part in k rounds and then leaves (a vehicle
+driving out of a road-side unit's coverage): its k-th update says ``leaving`` so the
+coordinator stops selecting it, and once that round's result (or any later round) is
+heard the machine returns ``Leave``.
 """
 
 from __future__ import annotations
@@ -55,12 +60,24 @@ class AdoptModel:
     weights: Weights = field(repr=False)
 
 
-Command = Train | SendUpdate | Discarded | AdoptModel
+@dataclass(frozen=True, slots=True)
+class Leave:
+    """Done: leave the federation (the daemon exits cleanly)."""
+
+    reason: str
+
+
+Command = Train | SendUpdate | Discarded | AdoptModel | Leave
 
 
 class Participant:
-    def __init__(self, agent_id: str, *, model_version: int = 0) -> None:
+    def __init__(self, agent_id: str, *, model_version: int = 0, leave_after: int = 0) -> None:
+        if leave_after < 0:
+            raise ValueError("leave_after must be >= 0")
         self.agent_id = agent_id
+        self.leave_after = leave_after
+        self.leaving_round: int | None = None   # round of the update that said `leaving`
+        self.left = False
         self.latest_round = 0          # newest round heard of
         self.training_round: int | None = None
         self.rounds_done = 0
@@ -70,10 +87,14 @@ class Participant:
         self.finished = False
 
     def handle(self, event: RoundStart | TrainingDone | RoundResult | GlobalModel) -> list[Command]:
+        if self.left:
+            return []
         if isinstance(event, RoundStart):
             if event.round <= self.latest_round:
                 return []                       # repeated or older: already handled
             self.latest_round = event.round
+            if self.leaving_round is not None:  # the result of our last round was lost
+                return self._leave()
             self.model_version = max(self.model_version, event.model_version)
             if self.agent_id not in event.selected:
                 return []
@@ -87,11 +108,16 @@ class Participant:
                 return [Discarded(event.round, f"round {self.latest_round} started meanwhile")]
             self.rounds_done += 1
             self.last_metrics = dict(event.metrics)
+            leaving = bool(self.leave_after) and self.rounds_done >= self.leave_after
+            if leaving:
+                self.leaving_round = event.round
             return [SendUpdate(Update(event.round, event.base_version, event.num_samples,
-                                      dict(event.metrics), event.weights))]
+                                      dict(event.metrics), event.weights, leaving=leaving))]
         if isinstance(event, RoundResult):
             if self.last_result is None or event.round >= self.last_result.round:
                 self.last_result = event
+            if self.leaving_round is not None and event.round >= self.leaving_round:
+                return self._leave()
             return []
         if isinstance(event, GlobalModel):
             if event.model_version < self.model_version:
@@ -100,3 +126,7 @@ class Participant:
             self.finished = self.finished or event.final
             return [AdoptModel(event.model_version, event.round, event.final, event.weights)]
         raise TypeError(f"not a participant event: {event!r}")
+
+    def _leave(self) -> list[Command]:
+        self.left = True
+        return [Leave(f"took part in {self.rounds_done} round(s) (leave_after = {self.leave_after})")]

@@ -13,7 +13,13 @@ Invariants this machine guards:
   before it touches the aggregate, and a rejection names the sender;
 * a round is aggregated at most once, when every selected agent still online has
   answered, or at its deadline if at least ``min_updates`` did; otherwise the round
-  is abandoned and a new one (with a new number) starts from the same model.
+  is abandoned and a new one (with a new number) starts from the same model;
+* membership is dynamic: agents come and go between rounds, and an agent that sends its
+  last update with ``leaving`` set is not selected again (a vehicle leaving a road-side
+  unit's coverage), even before its goodbye arrives;
+* how updates are weighted is a :class:`~fedagent.protocols.aggregation.Strategy`
+  (FedAvg by samples, by a reported metric, FLSimCo's eq. 11, or dropping updates whose
+  metric is above a threshold), always aggregated as a stream.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from enum import Enum
 
 import numpy as np
 
-from fedagent.protocols.aggregation import UpdateRejected, WeightedMean, check_update, weighted_metrics
+from fedagent.protocols.aggregation import (Strategy, StrategyAggregator, UpdateRejected, check_update,
+                                            weighted_metrics)
 from fedagent.protocols.messages import TrainConfig
 
 Weights = dict[str, np.ndarray]
@@ -45,8 +52,17 @@ class RoundConfig:
     max_norm: float | None = None  # reject updates whose L2 norm exceeds this
     train: TrainConfig = field(default_factory=TrainConfig)
     seed: int = 0
+    strategy: Strategy = field(default_factory=Strategy)
+    lr_schedule: str = "constant"  # "constant" | "cosine": lr·½(1+cos(π(r−1)/rounds)) in round r
+
+    def lr_for(self, round_: int) -> float:
+        if self.lr_schedule == "constant":
+            return self.train.lr
+        return self.train.lr * 0.5 * (1.0 + math.cos(math.pi * (min(round_, self.rounds) - 1) / self.rounds))
 
     def __post_init__(self) -> None:
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', not {self.lr_schedule!r}")
         if self.rounds < 1 or self.min_agents < 1 or self.min_updates < 1:
             raise ValueError("rounds, min_agents and min_updates must be at least 1")
         if self.min_updates > self.min_agents:
@@ -77,6 +93,7 @@ class UpdateReceived:
     num_samples: int
     weights: Weights
     metrics: Mapping[str, float]
+    leaving: bool = False          # the sender's last round: don't select it again
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +123,8 @@ class RoundAggregated:
     participants: tuple[str, ...]
     metrics: dict[str, float]
     final: bool
+    weights_used: dict[str, float] = field(default_factory=dict)   # participant -> aggregation weight
+    dropped: dict[str, float] = field(default_factory=dict)        # sender -> the metric that dropped it
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,16 +178,21 @@ class RoundMachine:
         self.deadline = math.inf
         self.quorum_since: float | None = None
         self.last_metrics: dict[str, float] = {}
-        self._acc: WeightedMean | None = None
+        self._acc: StrategyAggregator | None = None
+        self.departing: set[str] = set()   # sent their last update this round
+        self.departed: set[str] = set()    # left; ignored as online until their goodbye
         self._rng = random.Random(config.seed)
 
     # -- public ------------------------------------------------------------------------
     def handle(self, event: Event, now: float) -> list[Command]:
         if isinstance(event, AgentOnline):
+            if event.agent in self.departed:
+                return []
             self.online[event.agent] = event.num_samples
             return self._maybe_start(now)
         if isinstance(event, AgentOffline):
             self.online.pop(event.agent, None)
+            self.departed.discard(event.agent)
             if self.phase is Phase.TRAINING:
                 return self._maybe_finish(now)
             if len(self.online) < self.config.min_agents:
@@ -214,9 +238,12 @@ class RoundMachine:
         self.selected = tuple(agents)
         self.received = {}
         self.deadline = now + cfg.round_timeout
-        self._acc = WeightedMean(self.weights)
+        self._acc = StrategyAggregator(cfg.strategy, self.weights)
+        train = cfg.train
+        if cfg.lr_schedule != "constant":
+            train = TrainConfig(epochs=train.epochs, lr=cfg.lr_for(self.round), batch_size=train.batch_size)
         return [StartRound(self.round, self.model_version, self.selected, self.weights,
-                           cfg.train, cfg.round_timeout),
+                           train, cfg.round_timeout),
                 RequestWakeup(self.deadline)]
 
     # -- collecting --------------------------------------------------------------------
@@ -237,20 +264,26 @@ class RoundMachine:
         try:
             check_update(self.weights, ev.weights, max_norm=self.config.max_norm)
             assert self._acc is not None
-            self._acc.add(ev.weights, float(ev.num_samples))
+            self._acc.add(ev.sender, ev.weights, ev.num_samples, ev.metrics)
         except UpdateRejected as exc:
             return reject(exc.reason, exc.detail)
         self.received[ev.sender] = (ev.num_samples, dict(ev.metrics))
+        if ev.leaving:
+            self.departing.add(ev.sender)
         return self._maybe_finish(now)
 
     def _maybe_finish(self, now: float) -> list[Command]:
         waiting_for = [a for a in self.selected if a not in self.received and a in self.online]
         if waiting_for and now < self.deadline:
             return []
-        if len(self.received) >= self.config.min_updates:
+        assert self._acc is not None
+        usable = self._acc.count
+        if usable >= self.config.min_updates:
             return self._aggregate(now)
         reason = ("deadline passed" if now >= self.deadline else "selected agents left") + \
             f" with {len(self.received)} of {len(self.selected)} updates (need {self.config.min_updates})"
+        if self._acc.dropped:
+            reason += f", {len(self._acc.dropped)} dropped by {self.config.strategy.name}"
         out: list[Command] = [RoundAbandoned(self.round, self.model_version, reason)]
         self._end_round()
         self.phase = Phase.WAITING
@@ -259,14 +292,18 @@ class RoundMachine:
 
     def _aggregate(self, now: float) -> list[Command]:
         assert self._acc is not None
-        self.weights = self._acc.result()
+        acc = self._acc
+        self.weights = acc.result()
         self.model_version += 1
         self.completed += 1
         self.last_metrics = weighted_metrics([(m, n) for n, m in self.received.values()])
-        participants = tuple(sorted(self.received))
+        participants = tuple(sorted(acc.weights))
+        total = sum(acc.weights.values())
+        used = {a: acc.weights[a] / total for a in participants}
         final = self.completed >= self.config.rounds
         out: list[Command] = [RoundAggregated(self.round, self.model_version, self.weights,
-                                              participants, dict(self.last_metrics), final)]
+                                              participants, dict(self.last_metrics), final,
+                                              used, dict(acc.dropped))]
         self._end_round()
         if final:
             self.phase = Phase.DONE
@@ -281,3 +318,7 @@ class RoundMachine:
     def _end_round(self) -> None:
         self._acc = None
         self.deadline = math.inf
+        for agent in self.departing:
+            if self.online.pop(agent, None) is not None:
+                self.departed.add(agent)
+        self.departing.clear()

@@ -79,39 +79,12 @@ class DigitsTask(Task):
     def num_samples(self) -> int:
         return len(self.y_train)
 
-    def fit(self, model: nn.Module, *, epochs: int, lr: float, batch_size: int, seed: int) -> dict[str, float]:
-        gen = torch.Generator().manual_seed(seed)
+    def _train(self, model: nn.Module, lr: float, batches) -> dict[str, float]:
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         loss_fn = nn.CrossEntropyLoss()
         model.train()
         total, count = 0.0, 0
-        for _ in range(epochs):
-            order = torch.randperm(len(self.y_train), generator=gen)
-            for start in range(0, len(order), batch_size):
-                b = order[start:start + batch_size]
-                opt.zero_grad()
-                loss = loss_fn(model(self.x_train[b]), self.y_train[b])
-                loss.backward()
-                opt.step()
-                total += float(loss.detach()) * len(b)
-                count += len(b)
-        return {"loss": total / max(count, 1)}
-
-    def fit_steps(self, model: nn.Module, *, steps: int, lr: float, batch_size: int,
-                  seed: int) -> dict[str, float]:
-        """``steps`` mini-batches, each drawn without replacement within an epoch's
-        permutation (a new permutation, from ``seed``, whenever one runs out)."""
-        gen = torch.Generator().manual_seed(seed)
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-        loss_fn = nn.CrossEntropyLoss()
-        model.train()
-        order, pos = torch.randperm(len(self.y_train), generator=gen), 0
-        total, count = 0.0, 0
-        for _ in range(steps):
-            if pos >= len(order):
-                order, pos = torch.randperm(len(self.y_train), generator=gen), 0
-            b = order[pos:pos + batch_size]
-            pos += batch_size
+        for b in batches:
             opt.zero_grad()
             loss = loss_fn(model(self.x_train[b]), self.y_train[b])
             loss.backward()
@@ -119,6 +92,35 @@ class DigitsTask(Task):
             total += float(loss.detach()) * len(b)
             count += len(b)
         return {"loss": total / max(count, 1)}
+
+    def fit(self, model: nn.Module, *, epochs: int, lr: float, batch_size: int, seed: int) -> dict[str, float]:
+        gen = torch.Generator().manual_seed(seed)
+        n = len(self.y_train)
+
+        def batches():
+            for _ in range(epochs):
+                order = torch.randperm(n, generator=gen)
+                for start in range(0, n, batch_size):
+                    yield order[start:start + batch_size]
+
+        return self._train(model, lr, batches())
+
+    def fit_steps(self, model: nn.Module, *, steps: int, lr: float, batch_size: int,
+                  seed: int) -> dict[str, float]:
+        """``steps`` mini-batches, each drawn without replacement within an epoch's
+        permutation (a new permutation, from ``seed``, whenever one runs out)."""
+        gen = torch.Generator().manual_seed(seed)
+        n = len(self.y_train)
+
+        def batches():
+            order, pos = torch.randperm(n, generator=gen), 0
+            for _ in range(steps):
+                if pos >= n:
+                    order, pos = torch.randperm(n, generator=gen), 0
+                yield order[pos:pos + batch_size]
+                pos += batch_size
+
+        return self._train(model, lr, batches())
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
