@@ -354,21 +354,28 @@ def experiment() -> None:
 @click.option("--alpha", default=0.1, show_default=True, help="Dirichlet label skew over the shards (0 = IID)")
 @click.option("--threshold", default=100.0, show_default=True, help="km/h above which baseline 2 drops a model")
 @click.option("--local-epochs", default=5, show_default=True)
+@click.option("--speed", "speed", nargs=4, type=float, default=(90.0, 20.0, 50.0, 130.0), show_default=True,
+              metavar="MU SIGMA V_MIN V_MAX", help="eq. 1: truncated Gaussian of vehicle speeds (km/h)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--strategy", "strategies", multiple=True, type=click.Choice(["blur", "fedavg", "drop_above"]),
               help="run only these (default: all three)")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("flsimco-report"), show_default=True)
 @click.option("--keep", is_flag=True, help="keep the work directory (logs, checkpoints, histories)")
 def experiment_flsimco(rounds: int, coverage: int, stay: int, alpha: float, threshold: float, local_epochs: int,
-                       seed: int, strategies: tuple[str, ...], out: Path, keep: bool) -> None:
+                       speed: tuple[float, float, float, float], seed: int, strategies: tuple[str, ...], out: Path,
+                       keep: bool) -> None:
     """FLSimCo: vehicles join and leave an RSU; blur-weighted (eq. 11) vs FedAvg vs dropping fast vehicles."""
     from fedagent.experiments.flsimco import STRATEGIES, Setup, run_experiment
 
     try:
         if rounds < 1 or coverage < 1 or stay < 1:
             raise ConfigError("--rounds, --coverage and --stay must be at least 1")
+        mu, sigma, v_min, v_max = speed
+        if not (sigma > 0 and 0 <= v_min < v_max):
+            raise ConfigError("--speed: need SIGMA > 0 and 0 <= V_MIN < V_MAX")
         setup = Setup(rounds=rounds, coverage=coverage, stay=stay, alpha=alpha, threshold=threshold,
-                      local_epochs=local_epochs, seed=seed)
+                      local_epochs=local_epochs, seed=seed,
+                      mobility={"mu": mu, "sigma": sigma, "v_min": v_min, "v_max": v_max})
         run_experiment(out, setup, strategies or STRATEGIES, keep=keep)
     except FedagentError as exc:
         _fail(exc)
