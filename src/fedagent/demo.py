@@ -99,27 +99,29 @@ class Federation:
                         {"shard": i, "shards": self.n, "alpha": self.alpha, "seed": SEED}, None)
 
     def _write(self, stem: str, node_id: str, broker: str, task_options: dict, rounds: dict | None,
-               task: str = "digits") -> Path:
+               task: str = "digits", **extra) -> Path:
+        """Write ``<stem>.toml``; ``extra`` goes to :func:`config.render` (mode, gossip)."""
         ca_dir = self.work / "pki"
         tls = TlsConfig(ca=ca_dir / "ca.crt", cert=ca_dir / f"{node_id}.crt", key=ca_dir / f"{node_id}.key")
         text = config.render(node_id=node_id, federation=self.fed, tls=tls, broker=broker,
                              state_dir=self.work / "state" / stem, runtime_dir=self.work / "run" / stem,
-                             task=task, task_options=task_options, rounds=rounds)
+                             task=task, task_options=task_options, rounds=rounds, **extra)
         path = self.config_path(stem)
         path.write_text(text)
         return path
 
     def _write_gossip_agent(self, node_id: str, shard: int, broker: str) -> Path:
+        return self._write(node_id, node_id, broker,
+                           {"shard": shard, "shards": self.n, "alpha": self.alpha, "seed": SEED}, None,
+                           mode="gossip", gossip={"lr": LR, "batch_size": BATCH, "seed": SEED, **self.gossip})
+
+    def _enroll(self, node_id: str, write) -> Proc:
+        """Issue ``node_id`` a certificate, ``write()`` its config, start it."""
         ca_dir = self.work / "pki"
-        tls = TlsConfig(ca=ca_dir / "ca.crt", cert=ca_dir / f"{node_id}.crt", key=ca_dir / f"{node_id}.key")
-        text = config.render(node_id=node_id, federation=self.fed, tls=tls, broker=broker, mode="gossip",
-                             state_dir=self.work / "state" / node_id, runtime_dir=self.work / "run" / node_id,
-                             task="digits", task_options={"shard": shard, "shards": self.n, "alpha": self.alpha,
-                                                          "seed": SEED},
-                             gossip={"lr": LR, "batch_size": BATCH, "seed": SEED, **self.gossip})
-        path = self.config_path(node_id)
-        path.write_text(text)
-        return path
+        pki.issue(ca_dir, ca_dir, node_id, "agent")
+        write()
+        self.agent_ids.append(node_id)
+        return self.spawn(node_id)
 
     def write_coordinator(self, task: str, task_options: dict, rounds: dict) -> Path:
         """Replace the coordinator's config (another task, other round settings)."""
@@ -131,19 +133,12 @@ class Federation:
         """A new agent (its own certificate and config) started now; ``broker=None``
         gives it the broker's address, ``""`` makes it look the broker up by mDNS."""
         assert self.broker is not None
-        ca_dir = self.work / "pki"
-        pki.issue(ca_dir, ca_dir, node_id, "agent")
-        self._write(node_id, node_id, self.broker.uri if broker is None else broker, task_options, rounds, task)
-        self.agent_ids.append(node_id)
-        return self.spawn(node_id)
+        uri = self.broker.uri if broker is None else broker
+        return self._enroll(node_id, lambda: self._write(node_id, node_id, uri, task_options, rounds, task))
 
     def add_gossip_agent(self, node_id: str, shard: int, broker: str = "") -> Proc:
         """A new member (its own certificate and config) started mid-training."""
-        ca_dir = self.work / "pki"
-        pki.issue(ca_dir, ca_dir, node_id, "agent")
-        self._write_gossip_agent(node_id, shard, broker)
-        self.agent_ids.append(node_id)
-        return self.spawn(node_id)
+        return self._enroll(node_id, lambda: self._write_gossip_agent(node_id, shard, broker))
 
     def model_path(self, stem: str) -> Path:
         """A gossip agent's own model checkpoint."""

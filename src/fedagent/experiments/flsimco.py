@@ -34,7 +34,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fedagent import checkpoint
 from fedagent.demo import Federation, Proc
 from fedagent.errors import FedagentError
 from fedagent.protocols.mobility import sample_speeds, truncated_gaussian_moments
@@ -149,11 +148,8 @@ def run_strategy(setup: Setup, strategy: str, work: Path,
                     evals[int(r["model_version"])] = float(r["metrics"]["knn_accuracy"])
                 elif r["event"] == "left":
                     lefts.append({"vehicle": vid, **r})
-        final = checkpoint.load(work / "state" / "coordinator" / "coordinator" / fed.fed / "global.ckpt")
-        if final is None:
-            raise FedagentError("the RSU wrote no model")
         return {"strategy": strategy, "seconds": seconds, "records": records, "evals": evals, "left": lefts,
-                "arrivals": arrivals, "final_weights": final[0]}
+                "arrivals": arrivals, "final_weights": fed.final_weights()[0]}
     finally:
         fed.close()
 

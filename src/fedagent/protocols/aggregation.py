@@ -72,12 +72,15 @@ class WeightedMean:
         return {name: acc / self.total_weight for name, acc in self._sum.items()}
 
     def result(self) -> Weights:
+        return self.cast(self.result_float())
+
+    def cast(self, means: Mapping[str, np.ndarray]) -> Weights:
+        """float64 means back to each tensor's dtype (integers rounded; a 0-d tensor,
+        e.g. a BatchNorm counter, stays an array)."""
         out: Weights = {}
-        for name, mean in self.result_float().items():
+        for name, mean in means.items():
             dtype = self._dtypes[name]
-            if dtype.kind in "iub":
-                mean = np.rint(mean)
-            out[name] = np.asarray(mean, dtype=dtype)      # 0-d stays an array (BatchNorm counters)
+            out[name] = np.asarray(np.rint(mean) if dtype.kind in "iub" else mean, dtype=dtype)
         return out
 
 
@@ -153,10 +156,9 @@ class StrategyAggregator:
         self.strategy = strategy
         self._plain = WeightedMean(reference)               # Σ w θ (fedavg/metric) or Σ θ (blur)
         self._by_level = WeightedMean(reference) if strategy.name == "blur" else None   # Σ L θ
-        self.levels: list[float] = []
+        self.levels: dict[str, float] = {}                   # blur: sender -> L
         self.weights: dict[str, float] = {}                  # sender -> weight in the aggregate
         self.dropped: dict[str, float] = {}                  # sender -> the value that dropped it
-        self._senders: list[str] = []
 
     @property
     def count(self) -> int:
@@ -197,26 +199,20 @@ class StrategyAggregator:
             if v > 0:
                 assert self._by_level is not None
                 self._by_level.add(update, v)
-            self.levels.append(v)
-            self._senders.append(sender)
+            self.levels[sender] = v
         return True
 
     def result(self) -> Weights:
         if self.strategy.name != "blur":
             return self._plain.result()
-        n, total = len(self.levels), sum(self.levels)
+        n, total = len(self.levels), sum(self.levels.values())
         if n == 1 or total == 0:
-            self.weights = {a: 1.0 / n for a in self._senders}
+            self.weights = {a: 1.0 / n for a in self.levels}
             return self._plain.result()
-        self.weights = {a: (total - lv) / ((n - 1) * total) for a, lv in zip(self._senders, self.levels)}
+        self.weights = {a: (total - lv) / ((n - 1) * total) for a, lv in self.levels.items()}
         assert self._by_level is not None
-        out: Weights = {}
         # With Σθ = n·plain and ΣLθ = S·level (the two running means):
         # Σ_n (S − L_n) θ_n / ((n−1)·S) = (n·plain − level) / (n − 1).
-        plain = self._plain.result_float()
         level = self._by_level.result_float()
-        for name, ref in plain.items():
-            mean = (n * ref - level[name]) / (n - 1)
-            dtype = self._plain._dtypes[name]
-            out[name] = np.asarray(np.rint(mean) if dtype.kind in "iub" else mean, dtype=dtype)
-        return out
+        return self._plain.cast({name: (n * plain - level[name]) / (n - 1)
+                                 for name, plain in self._plain.result_float().items()})

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import numpy as np
@@ -239,11 +239,8 @@ class RoundMachine:
         self.received = {}
         self.deadline = now + cfg.round_timeout
         self._acc = StrategyAggregator(cfg.strategy, self.weights)
-        train = cfg.train
-        if cfg.lr_schedule != "constant":
-            train = TrainConfig(epochs=train.epochs, lr=cfg.lr_for(self.round), batch_size=train.batch_size)
         return [StartRound(self.round, self.model_version, self.selected, self.weights,
-                           train, cfg.round_timeout),
+                           replace(cfg.train, lr=cfg.lr_for(self.round)), cfg.round_timeout),
                 RequestWakeup(self.deadline)]
 
     # -- collecting --------------------------------------------------------------------
@@ -277,8 +274,7 @@ class RoundMachine:
         if waiting_for and now < self.deadline:
             return []
         assert self._acc is not None
-        usable = self._acc.count
-        if usable >= self.config.min_updates:
+        if self._acc.count >= self.config.min_updates:
             return self._aggregate(now)
         reason = ("deadline passed" if now >= self.deadline else "selected agents left") + \
             f" with {len(self.received)} of {len(self.selected)} updates (need {self.config.min_updates})"
