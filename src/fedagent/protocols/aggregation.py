@@ -49,38 +49,76 @@ def check_update(reference: Mapping[str, np.ndarray], update: Mapping[str, np.nd
 
 
 class WeightedMean:
-    """Running sample-weighted mean of weight dicts (FedAvg's aggregate)."""
+    """Running weighted mean of weight dicts (FedAvg's aggregate), kept as the sum of
+    ``w · (θ − reference)``.
 
-    def __init__(self, reference: Mapping[str, np.ndarray]) -> None:
+    Summing differences to the reference (the round's global model) instead of the
+    weights themselves keeps the sums small and centred, so ``compact=True`` can hold
+    them in float32 for float32 tensors — one model's worth of memory instead of two —
+    and lose nothing that matters: the error of a float32 sum of deltas is relative to
+    the deltas, not to the weights. Values can be folded in a slice (or a set of flat
+    indices) at a time (:meth:`fold`) and counted once the whole update is known good
+    (:meth:`count_in`); :meth:`add` does both for a whole update. :meth:`result` turns
+    the sums into the mean *in place* (no third model-sized buffer), so it can be taken once.
+    """
+
+    def __init__(self, reference: Mapping[str, np.ndarray], *, compact: bool = False) -> None:
+        self._ref = reference
         self._dtypes = {k: v.dtype for k, v in reference.items()}
-        self._sum = {k: np.zeros(v.shape, dtype=np.float64) for k, v in reference.items()}
+        self._sum = {k: np.zeros(v.shape, dtype=np.float32 if compact and v.dtype in (np.float32, np.float16)
+                                 else np.float64) for k, v in reference.items()}
         self.total_weight = 0.0
         self.count = 0
+        self._taken = False
+
+    def fold(self, name: str, start: int, values: np.ndarray, indices: np.ndarray | None, weight: float,
+             *, delta: bool) -> None:
+        """Add ``weight ·`` (values − reference, unless ``delta``) to a flat slice from
+        ``start`` (``indices`` None) or at ``indices`` (sorted, unique, in range)."""
+        acc = self._sum[name].reshape(-1)
+        ref = np.asarray(self._ref[name]).reshape(-1)
+        where = slice(start, start + values.size) if indices is None else indices
+        v = values.astype(acc.dtype, copy=False)
+        if not delta:
+            v = v - ref[where].astype(acc.dtype, copy=False)
+        if indices is None:
+            acc[where] += v * acc.dtype.type(weight)
+        else:
+            acc[where] += v * acc.dtype.type(weight)   # indices are unique: no lost update
+
+    def count_in(self, weight: float) -> None:
+        self.total_weight += weight
+        self.count += 1
 
     def add(self, update: Mapping[str, np.ndarray], weight: float) -> None:
         if not (weight > 0 and np.isfinite(weight)):
             raise UpdateRejected("weight", f"weight must be positive, got {weight!r}")
-        for name, acc in self._sum.items():
-            acc += np.asarray(update[name], dtype=np.float64) * weight
-        self.total_weight += weight
-        self.count += 1
+        for name in self._sum:
+            self.fold(name, 0, np.asarray(update[name]).reshape(-1), None, weight, delta=False)
+        self.count_in(weight)
 
-    def result_float(self) -> dict[str, np.ndarray]:
-        """The mean in float64, before casting back to each tensor's dtype."""
-        if self.count == 0:
+    def mean_delta(self) -> dict[str, np.ndarray]:
+        """Σ w·(θ − reference) / Σ w, computed in the sums' own buffers (once)."""
+        if self.count == 0 or self.total_weight <= 0:
             raise ValueError("no update to aggregate")
-        return {name: acc / self.total_weight for name, acc in self._sum.items()}
+        if self._taken:
+            raise ValueError("the aggregate was already taken")
+        self._taken = True
+        for acc in self._sum.values():
+            acc /= acc.dtype.type(self.total_weight)
+        return self._sum
 
     def result(self) -> Weights:
-        return self.cast(self.result_float())
+        return self.cast_delta(self.mean_delta())
 
-    def cast(self, means: Mapping[str, np.ndarray]) -> Weights:
-        """float64 means back to each tensor's dtype (integers rounded; a 0-d tensor,
-        e.g. a BatchNorm counter, stays an array)."""
+    def cast_delta(self, deltas: Mapping[str, np.ndarray]) -> Weights:
+        """reference + deltas, in each tensor's dtype (integers rounded; a 0-d tensor, e.g.
+        a BatchNorm counter, stays an array). Reuses the delta buffers."""
         out: Weights = {}
-        for name, mean in means.items():
+        for name, d in deltas.items():
             dtype = self._dtypes[name]
-            out[name] = np.asarray(np.rint(mean) if dtype.kind in "iub" else mean, dtype=dtype)
+            d += np.asarray(self._ref[name]).astype(d.dtype, copy=False)
+            out[name] = np.asarray(np.rint(d) if dtype.kind in "iub" else d).astype(dtype, copy=False)
         return out
 
 
@@ -145,17 +183,28 @@ class Strategy:
         return self.key or ("blur_level" if self.name == "blur" else "")
 
 
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How one update enters the aggregate, decided from its metadata before its tensors."""
+
+    weight: float                 # in the main sum (fedavg/metric/drop_above), 1 for blur
+    level: float = 0.0            # blur: L_n, the weight in the second sum
+    dropped: float | None = None  # drop_above: the metric that dropped it
+
+
 class StrategyAggregator:
     """Streaming aggregate of one round under a :class:`Strategy`.
 
     ``add`` raises :class:`UpdateRejected` for an update that lacks the metric the
     strategy reads or reports an unusable value; it returns False for an update the
-    strategy drops on purpose (``drop_above``)."""
+    strategy drops on purpose (``drop_above``). Streamed updates use the same steps
+    one at a time: :meth:`plan` from the metadata, :meth:`fold` per slice of values,
+    :meth:`commit` when the update is known good."""
 
-    def __init__(self, strategy: Strategy, reference: Mapping[str, np.ndarray]) -> None:
+    def __init__(self, strategy: Strategy, reference: Mapping[str, np.ndarray], *, compact: bool = False) -> None:
         self.strategy = strategy
-        self._plain = WeightedMean(reference)               # Σ w θ (fedavg/metric) or Σ θ (blur)
-        self._by_level = WeightedMean(reference) if strategy.name == "blur" else None   # Σ L θ
+        self._plain = WeightedMean(reference, compact=compact)      # Σ w Δ (fedavg/metric) or Σ Δ (blur)
+        self._by_level = WeightedMean(reference, compact=compact) if strategy.name == "blur" else None   # Σ L Δ
         self.levels: dict[str, float] = {}                   # blur: sender -> L
         self.weights: dict[str, float] = {}                  # sender -> weight in the aggregate
         self.dropped: dict[str, float] = {}                  # sender -> the value that dropped it
@@ -173,33 +222,49 @@ class StrategyAggregator:
             raise UpdateRejected("metadata", f"{key} = {v!r}: must be finite and non-negative")
         return v
 
-    def add(self, sender: str, update: Mapping[str, np.ndarray], num_samples: int,
-            metrics: Mapping[str, float]) -> bool:
+    def plan(self, num_samples: int, metrics: Mapping[str, float]) -> Plan:
         s = self.strategy
         if s.name == "fedavg":
-            self._plain.add(update, float(num_samples))
-            self.weights[sender] = float(num_samples)
-        elif s.name == "metric":
+            return Plan(float(num_samples))
+        if s.name == "metric":
             v = self._value(metrics)
             if v <= 0:
                 raise UpdateRejected("metadata", f"{s.metric} = {v!r}: a weight must be positive")
-            self._plain.add(update, v)
-            self.weights[sender] = v
-        elif s.name == "drop_above":
+            return Plan(v)
+        if s.name == "drop_above":
             v = self._value(metrics)
             assert s.threshold is not None
-            if v > s.threshold:
-                self.dropped[sender] = v
-                return False
-            self._plain.add(update, float(num_samples))
-            self.weights[sender] = float(num_samples)
-        else:                                               # blur, eq. 11
-            v = self._value(metrics)
-            self._plain.add(update, 1.0)
-            if v > 0:
+            return Plan(float(num_samples), dropped=v if v > s.threshold else None)
+        return Plan(1.0, level=self._value(metrics))
+
+    def fold(self, plan: Plan, name: str, start: int, values: np.ndarray, indices: np.ndarray | None,
+             *, delta: bool) -> None:
+        self._plain.fold(name, start, values, indices, plan.weight, delta=delta)
+        if plan.level > 0:
+            assert self._by_level is not None
+            self._by_level.fold(name, start, values, indices, plan.level, delta=delta)
+
+    def commit(self, sender: str, plan: Plan) -> None:
+        self._plain.count_in(plan.weight)
+        if self.strategy.name == "blur":
+            if plan.level > 0:
                 assert self._by_level is not None
-                self._by_level.add(update, v)
-            self.levels[sender] = v
+                self._by_level.count_in(plan.level)
+            self.levels[sender] = plan.level
+        else:
+            self.weights[sender] = plan.weight
+
+    def add(self, sender: str, update: Mapping[str, np.ndarray], num_samples: int,
+            metrics: Mapping[str, float]) -> bool:
+        plan = self.plan(num_samples, metrics)
+        if plan.dropped is not None:
+            self.dropped[sender] = plan.dropped
+            return False
+        if not (plan.weight > 0 and math.isfinite(plan.weight)):
+            raise UpdateRejected("weight", f"weight must be positive, got {plan.weight!r}")
+        for name in self._plain._sum:
+            self.fold(plan, name, 0, np.asarray(update[name]).reshape(-1), None, delta=False)
+        self.commit(sender, plan)
         return True
 
     def result(self) -> Weights:
@@ -211,8 +276,12 @@ class StrategyAggregator:
             return self._plain.result()
         self.weights = {a: (total - lv) / ((n - 1) * total) for a, lv in self.levels.items()}
         assert self._by_level is not None
-        # With Σθ = n·plain and ΣLθ = S·level (the two running means):
-        # Σ_n (S − L_n) θ_n / ((n−1)·S) = (n·plain − level) / (n − 1).
-        level = self._by_level.result_float()
-        return self._plain.cast({name: (n * plain - level[name]) / (n - 1)
-                                 for name, plain in self._plain.result_float().items()})
+        # Σ_n (S − L_n) θ_n / ((n−1)·S) is an affine combination (weights sum to 1), so in
+        # differences to the reference: (n·mean(Δ) − mean_L(Δ)) / (n − 1), in place.
+        level = self._by_level.mean_delta()
+        plain = self._plain.mean_delta()
+        for name, d in plain.items():
+            d *= d.dtype.type(n)
+            d -= level[name]
+            d /= d.dtype.type(n - 1)
+        return self._plain.cast_delta(plain)

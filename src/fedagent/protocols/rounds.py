@@ -20,6 +20,19 @@ Invariants this machine guards:
 * how updates are weighted is a :class:`~fedagent.protocols.aggregation.Strategy`
   (FedAvg by samples, by a reported metric, FLSimCo's eq. 11, or dropping updates whose
   metric is above a threshold), always aggregated as a stream.
+
+Streamed updates (:mod:`~fedagent.protocols.streaming`) arrive as ``UpdateHead``, any
+number of ``UpdatePart`` and one ``UpdateEnd``. All checks that need only the header
+(round, sender, base version, weight, tensor names/shapes/dtypes) run before the first
+value is folded; each part is checked finite before it is folded into the round's running
+sums. A part cannot be taken back out of a sum without its data, and keeping the data is
+what streaming avoids, so an update that fails *after* parts of it were folded (digest
+mismatch, norm bound, transfer broken off, sender gone) spoils the round's sums: the round
+is abandoned and restarted from the same model without that sender, which sits out one
+round. Everything else about an update (and every other sender) costs nothing. A round
+whose deadline passes while folded-but-unfinished updates are still arriving waits for
+them to end (the intake times a silent transfer out), so a straggler mid-transfer neither
+gets half-counted nor spoils a round that could aggregate.
 """
 
 from __future__ import annotations
@@ -32,9 +45,10 @@ from enum import Enum
 
 import numpy as np
 
-from fedagent.protocols.aggregation import (Strategy, StrategyAggregator, UpdateRejected, check_update,
+from fedagent.protocols.aggregation import (Plan, Strategy, StrategyAggregator, UpdateRejected, check_update,
                                             weighted_metrics)
 from fedagent.protocols.messages import TrainConfig
+from fedagent.protocols.streaming import UpdateEnd, UpdateHead, UpdatePart
 
 Weights = dict[str, np.ndarray]
 
@@ -101,7 +115,18 @@ class Wakeup:
     pass
 
 
-Event = AgentOnline | AgentOffline | UpdateReceived | Wakeup
+Event = AgentOnline | AgentOffline | UpdateReceived | Wakeup | UpdateHead | UpdatePart | UpdateEnd
+
+
+@dataclass(slots=True)
+class _Inflight:
+    """A streamed update being folded: what it weighs and what was seen of it."""
+
+    tid: str
+    head: UpdateHead
+    plan: Plan
+    sq_norm: float
+    folded: bool = False
 
 
 # ---- commands ----------------------------------------------------------------------
@@ -181,6 +206,10 @@ class RoundMachine:
         self._acc: StrategyAggregator | None = None
         self.departing: set[str] = set()   # sent their last update this round
         self.departed: set[str] = set()    # left; ignored as online until their goodbye
+        self.inflight: dict[str, _Inflight] = {}      # sender -> its streamed update in progress
+        self.ignored: set[tuple[str, str]] = set()    # (sender, tid) of streams refused at their header
+        self.benched: set[str] = set()     # spoilt the last round: not selected for the next one
+        self._ref_sq = 0.0                 # squared norm of the global model (norm bound of deltas)
         self._rng = random.Random(config.seed)
 
     # -- public ------------------------------------------------------------------------
@@ -190,10 +219,20 @@ class RoundMachine:
                 return []
             self.online[event.agent] = event.num_samples
             return self._maybe_start(now)
+        if isinstance(event, UpdatePart):
+            return self._on_part(event, now)
+        if isinstance(event, UpdateHead):
+            return self._on_head(event, now)
+        if isinstance(event, UpdateEnd):
+            return self._on_end(event, now)
         if isinstance(event, AgentOffline):
             self.online.pop(event.agent, None)
             self.departed.discard(event.agent)
             if self.phase is Phase.TRAINING:
+                fl = self.inflight.get(event.agent)
+                if fl is not None:
+                    return self._on_end(UpdateEnd(event.agent, fl.tid, False, "sender went offline mid-transfer"),
+                                        now)
                 return self._maybe_finish(now)
             if len(self.online) < self.config.min_agents:
                 self.quorum_since = None
@@ -231,6 +270,9 @@ class RoundMachine:
     def _start(self, now: float) -> list[Command]:
         cfg = self.config
         agents = sorted(self.online)
+        if self.benched and len(agents) - len(self.benched & set(agents)) >= cfg.min_agents:
+            agents = [a for a in agents if a not in self.benched]
+        self.benched = set()
         if cfg.agents_per_round and cfg.agents_per_round < len(agents):
             agents = sorted(self._rng.sample(agents, cfg.agents_per_round))
         self.round += 1
@@ -238,7 +280,12 @@ class RoundMachine:
         self.selected = tuple(agents)
         self.received = {}
         self.deadline = now + cfg.round_timeout
-        self._acc = StrategyAggregator(cfg.strategy, self.weights)
+        self._acc = StrategyAggregator(cfg.strategy, self.weights, compact=True)
+        self.inflight = {}
+        self.ignored = set()
+        if cfg.max_norm is not None:
+            self._ref_sq = sum(float(np.square(w, dtype=np.float64).sum()) for w in self.weights.values()
+                               if w.dtype.kind == "f")
         return [StartRound(self.round, self.model_version, self.selected, self.weights,
                            replace(cfg.train, lr=cfg.lr_for(self.round)), cfg.round_timeout),
                 RequestWakeup(self.deadline)]
@@ -252,7 +299,7 @@ class RoundMachine:
             return reject("stale", f"update for round {ev.round}, current round {self.round} ({self.phase.value})")
         if ev.sender not in self.selected:
             return reject("unselected", f"{ev.sender} was not selected for round {self.round}")
-        if ev.sender in self.received:
+        if ev.sender in self.received or ev.sender in self.inflight:
             return reject("duplicate", f"second update from {ev.sender} for round {self.round}")
         if ev.base_version != self.model_version:
             return reject("stale", f"trained from version {ev.base_version}, current {self.model_version}")
@@ -269,10 +316,102 @@ class RoundMachine:
             self.departing.add(ev.sender)
         return self._maybe_finish(now)
 
+    # -- streamed updates ----------------------------------------------------------------
+    def _on_head(self, ev: UpdateHead, now: float) -> list[Command]:
+        def reject(reason: str, detail: str) -> list[Command]:
+            self.ignored.add((ev.sender, ev.tid))
+            return [Rejected(ev.sender, ev.round, reason, detail)]
+
+        if self.phase is not Phase.TRAINING or ev.round != self.round:
+            return reject("stale", f"update for round {ev.round}, current round {self.round} ({self.phase.value})")
+        if ev.sender not in self.selected:
+            return reject("unselected", f"{ev.sender} was not selected for round {self.round}")
+        if ev.sender in self.received or ev.sender in self.inflight:
+            return reject("duplicate", f"second update from {ev.sender} for round {self.round}")
+        if ev.base_version != self.model_version:
+            return reject("stale", f"trained from version {ev.base_version}, current {self.model_version}")
+        names = {t.name: t for t in ev.tensors}
+        if names.keys() != self.weights.keys():
+            missing = sorted(set(self.weights) - set(names))
+            extra = sorted(set(names) - set(self.weights))
+            return reject("names", f"missing {missing[:3]}, unexpected {extra[:3]}")
+        for name, ref in self.weights.items():
+            t = names[name]
+            if t.shape != ref.shape:
+                return reject("shape", f"{name}: {t.shape} != {ref.shape}")
+            if t.dtype != ref.dtype.name:
+                return reject("dtype", f"{name}: {t.dtype} != {ref.dtype}")
+        assert self._acc is not None
+        try:
+            plan = self._acc.plan(ev.num_samples, ev.metrics)
+        except UpdateRejected as exc:
+            return reject(exc.reason, exc.detail)
+        if plan.dropped is not None:
+            # Counted as dropped, never folded: its parts are ignored.
+            self._acc.dropped[ev.sender] = plan.dropped
+            self.ignored.add((ev.sender, ev.tid))
+            self.received[ev.sender] = (ev.num_samples, dict(ev.metrics))
+            if ev.leaving:
+                self.departing.add(ev.sender)
+            return self._maybe_finish(now)
+        self.inflight[ev.sender] = _Inflight(ev.tid, ev, plan, self._ref_sq)
+        return []
+
+    def _on_part(self, ev: UpdatePart, now: float) -> list[Command]:
+        fl = self.inflight.get(ev.sender)
+        if fl is None or fl.tid != ev.tid:
+            return []                       # refused at its header, or from an ended round
+        vals = ev.values
+        if vals.dtype.kind == "f" and not np.isfinite(vals).all():
+            return self._on_end(UpdateEnd(ev.sender, ev.tid, False, f"{ev.name} contains NaN or Inf"), now,
+                                reason="non-finite")
+        if self.config.max_norm is not None and vals.dtype.kind == "f":
+            ref = self.weights[ev.name].reshape(-1)
+            where = slice(ev.start, ev.start + vals.size) if ev.indices is None else ev.indices
+            g = ref[where].astype(np.float64)
+            new = g + vals if ev.delta else vals.astype(np.float64)
+            fl.sq_norm += float(np.square(new).sum() - np.square(g).sum())
+        assert self._acc is not None
+        self._acc.fold(fl.plan, ev.name, ev.start, vals, ev.indices, delta=ev.delta)
+        fl.folded = True
+        return []
+
+    def _on_end(self, ev: UpdateEnd, now: float, *, reason: str = "transfer") -> list[Command]:
+        fl = self.inflight.get(ev.sender)
+        if fl is None or fl.tid != ev.tid:
+            self.ignored.discard((ev.sender, ev.tid))
+            return []
+        del self.inflight[ev.sender]
+        head = fl.head
+        if ev.ok and self.config.max_norm is not None and fl.sq_norm > self.config.max_norm ** 2:
+            ev, reason = UpdateEnd(ev.sender, ev.tid, False,
+                                   f"norm {max(fl.sq_norm, 0.0) ** 0.5:.3g} above bound {self.config.max_norm:.3g}"), "norm"
+        if not ev.ok:
+            out: list[Command] = [Rejected(ev.sender, head.round, reason, ev.reason)]
+            if not fl.folded:
+                return out + self._maybe_finish(now)
+            # Parts of it are in the sums and cannot be taken out: the round is spoilt.
+            self.benched = {ev.sender}
+            detail = (f"update from {ev.sender} failed after parts of it were aggregated ({ev.reason}); "
+                      f"round restarted without it")
+            out.append(RoundAbandoned(self.round, self.model_version, detail))
+            self._end_round()
+            self.phase = Phase.WAITING
+            self.quorum_since = -math.inf
+            return out + self._maybe_start(now)
+        assert self._acc is not None
+        self._acc.commit(ev.sender, fl.plan)
+        self.received[ev.sender] = (head.num_samples, dict(head.metrics))
+        if head.leaving:
+            self.departing.add(ev.sender)
+        return self._maybe_finish(now)
+
     def _maybe_finish(self, now: float) -> list[Command]:
         waiting_for = [a for a in self.selected if a not in self.received and a in self.online]
         if waiting_for and now < self.deadline:
             return []
+        if any(fl.folded for fl in self.inflight.values()):
+            return []                       # half-folded updates still arriving: wait for their end
         assert self._acc is not None
         if self._acc.count >= self.config.min_updates:
             return self._aggregate(now)
@@ -313,6 +452,7 @@ class RoundMachine:
 
     def _end_round(self) -> None:
         self._acc = None
+        self.inflight = {}
         self.deadline = math.inf
         for agent in self.departing:
             if self.online.pop(agent, None) is not None:

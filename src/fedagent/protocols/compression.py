@@ -1,0 +1,232 @@
+"""Update compression: what an agent sends instead of its full float32 weights.
+
+Pure numpy, no I/O. A federation picks one mode (``[transfer] compression``):
+
+``none``  the trained weights themselves, in their own dtype (nothing lost);
+``fp16``  the *delta* to the round's global model, as float16;
+``int8``  the delta, linearly quantised per tensor: ``q = rint(d / scale)`` with
+          ``scale = max|d| / 127``, so ``|d − q·scale| ≤ scale / 2``;
+``topk``  the ``k = ceil(topk_ratio · size)`` largest-magnitude entries of
+          ``delta + residual`` per tensor, as sorted uint32 flat indices plus float32
+          values, with *error feedback*: what was not sent stays in the agent's residual
+          and is added to its next update (Stich et al., "Sparsified SGD with Memory").
+
+Why deltas: after a round every agent starts from the same global model, so the
+coordinator can rebuild ``global + mean(delta)`` exactly, and a delta is small and
+centred, which is what quantisation and sparsification need (quantising raw weights
+would cost the precision of the large, unchanged part of the model). Only floating
+tensors are compressed; integer tensors (e.g. BatchNorm counters) travel raw.
+
+A tensor on the wire is ``(name, dtype, shape, enc, param, nbytes)`` — ``dtype``/``shape``
+are the *model* tensor's, ``enc`` says how its bytes are laid out — and
+:func:`encoded_nbytes` computes the byte count from those fields with Python ints,
+so a receiver validates every count and range before it allocates anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedagent.errors import CodecError
+
+Weights = dict[str, np.ndarray]
+
+MODES = ("none", "fp16", "int8", "topk")
+ENCODINGS = ("raw", "fp16", "int8", "topk")
+# Model dtypes an update may carry (a subset of the codec's allow-list: no float16 models).
+MODEL_DTYPES: dict[str, np.dtype] = {n: np.dtype(n).newbyteorder("<") for n in
+                                     ("float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")}
+INDEX_DTYPE = np.dtype("<u4")
+VALUE_DTYPE = np.dtype("<f4")
+MAX_ELEMENTS = 2**32 - 1   # topk indices are uint32
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One tensor of an update on the wire. ``param`` is the int8 scale or the topk k."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    enc: str
+    param: float | int
+    nbytes: int
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def to_wire(self) -> list:
+        return [self.name, self.dtype, list(self.shape), self.enc, self.param, self.nbytes]
+
+
+def encoded_nbytes(enc: str, dtype: str, size: int, param: float | int) -> int:
+    if enc == "raw":
+        return size * MODEL_DTYPES[dtype].itemsize
+    if enc == "fp16":
+        return size * 2
+    if enc == "int8":
+        return size
+    if enc == "topk":
+        return int(param) * (INDEX_DTYPE.itemsize + VALUE_DTYPE.itemsize)
+    raise CodecError(f"unknown tensor encoding {enc!r}")
+
+
+def spec_from_wire(obj: object, *, max_dims: int = 8, max_elements: int = MAX_ELEMENTS) -> TensorSpec:
+    """Validate one wire tensor description; CodecError on anything off."""
+    if not isinstance(obj, list) or len(obj) != 6:
+        raise CodecError("tensor spec must be [name, dtype, shape, enc, param, nbytes]")
+    name, dtype, shape, enc, param, nbytes = obj
+    if type(name) is not str or not 1 <= len(name) <= 200 or not name.isprintable():
+        raise CodecError("tensor spec: bad name")
+    if type(dtype) is not str or dtype not in MODEL_DTYPES:
+        raise CodecError(f"tensor {name!r}: dtype {dtype!r} not allowed; allowed: {', '.join(MODEL_DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > max_dims or any(type(d) is not int or d < 0 for d in shape):
+        raise CodecError(f"tensor {name!r}: shape must be at most {max_dims} non-negative ints")
+    size = math.prod(shape)
+    if size > max_elements:
+        raise CodecError(f"tensor {name!r}: {size} elements exceed the limit {max_elements}")
+    if type(enc) is not str or enc not in ENCODINGS:
+        raise CodecError(f"tensor {name!r}: encoding {enc!r} not one of {ENCODINGS}")
+    floating = MODEL_DTYPES[dtype].kind == "f"
+    if enc != "raw" and not floating:
+        raise CodecError(f"tensor {name!r}: {dtype} tensors travel raw, not {enc}")
+    if enc == "int8":
+        if type(param) is not float or not (math.isfinite(param) and param >= 0):
+            raise CodecError(f"tensor {name!r}: int8 scale must be a finite float >= 0")
+    elif enc == "topk":
+        if type(param) is not int or not 0 <= param <= size:
+            raise CodecError(f"tensor {name!r}: topk k must be an int in [0, {size}]")
+    elif param != 0:
+        raise CodecError(f"tensor {name!r}: {enc} takes no parameter")
+    if type(nbytes) is not int or nbytes != encoded_nbytes(enc, dtype, size, param):
+        raise CodecError(f"tensor {name!r}: nbytes does not match {enc} of shape {shape}")
+    return TensorSpec(name, dtype, tuple(shape), enc, param, nbytes)
+
+
+# ---- agent side ----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class CompressionConfig:
+    mode: str = "none"
+    topk_ratio: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"compression must be one of {MODES}, not {self.mode!r}")
+        if not (0.0 < self.topk_ratio <= 1.0):
+            raise ValueError(f"topk_ratio must be in (0, 1], not {self.topk_ratio!r}")
+
+
+class Compressor:
+    """Turns trained weights into wire tensors; keeps the top-k residual between rounds.
+
+    ``encode(weights, base)`` returns ``[(spec, bytes-like), ...]``. A ``raw`` tensor is
+    the full value; ``fp16``/``int8``/``topk`` tensors are deltas to ``base``."""
+
+    def __init__(self, config: CompressionConfig | None = None) -> None:
+        self.config = config or CompressionConfig()
+        self.residual: Weights = {}
+
+    def encode(self, weights: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray] | None
+               ) -> list[tuple[TensorSpec, memoryview]]:
+        mode = self.config.mode
+        if mode != "none" and base is None:
+            raise ValueError(f"compression {mode!r} needs the round's global model")
+        out: list[tuple[TensorSpec, memoryview]] = []
+        for name, w in weights.items():
+            w = np.ascontiguousarray(w)
+            dtype = w.dtype.name
+            if dtype not in MODEL_DTYPES:
+                raise CodecError(f"tensor {name!r}: dtype {dtype} cannot be sent")
+            if mode == "none" or w.dtype.kind != "f":
+                # raw always means the tensor's full value (integer tensors are never deltas).
+                data = w.astype(MODEL_DTYPES[dtype], copy=False)
+                out.append((TensorSpec(name, dtype, w.shape, "raw", 0, data.nbytes), _bytes(data)))
+                continue
+            d = w.astype(np.float32) - np.asarray(base[name], dtype=np.float32)
+            if mode == "fp16":
+                q = d.astype("<f2")
+                out.append((TensorSpec(name, dtype, w.shape, "fp16", 0, q.nbytes), _bytes(q)))
+            elif mode == "int8":
+                q, scale = quantize_int8(d)
+                out.append((TensorSpec(name, dtype, w.shape, "int8", scale, q.nbytes), _bytes(q)))
+            else:
+                if name in self.residual and self.residual[name].shape == d.shape:
+                    d += self.residual[name]
+                k = max(1, math.ceil(self.config.topk_ratio * d.size)) if d.size else 0
+                idx, vals = top_k(d, k)
+                flat = d.reshape(-1)
+                flat[idx] = 0.0                      # what is sent leaves the residual
+                self.residual[name] = d              # error feedback: the rest waits for next time
+                blob = np.concatenate([idx.view(np.uint8), vals.view(np.uint8)])
+                out.append((TensorSpec(name, dtype, w.shape, "topk", k, blob.nbytes), _bytes(blob)))
+        return out
+
+
+def _bytes(a: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
+
+def quantize_int8(d: np.ndarray) -> tuple[np.ndarray, float]:
+    peak = float(np.max(np.abs(d))) if d.size else 0.0
+    scale = peak / 127.0 if peak > 0 else 0.0
+    if scale == 0.0:
+        return np.zeros(d.shape, "<i1"), 0.0
+    q = np.clip(np.rint(d / scale), -127, 127).astype("<i1")
+    return q, scale
+
+
+def top_k(d: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted flat indices (uint32) and float32 values of the k largest |d|."""
+    flat = d.reshape(-1)
+    if k >= flat.size:
+        idx = np.arange(flat.size, dtype=np.int64)
+    else:
+        idx = np.argpartition(np.abs(flat), flat.size - k)[flat.size - k:]
+        idx.sort()
+    return idx.astype(INDEX_DTYPE), flat[idx].astype(VALUE_DTYPE)
+
+
+# ---- receiver side -------------------------------------------------------------------
+def decode_dense(spec: TensorSpec, data: bytes | memoryview, start: int) -> np.ndarray:
+    """Float values of a dense (raw/fp16/int8) tensor segment starting at element ``start``;
+    ``data`` holds whole elements only."""
+    if spec.enc == "raw":
+        dt = MODEL_DTYPES[spec.dtype]
+        a = np.frombuffer(data, dtype=dt)
+        return a.astype(np.float64) if dt.kind != "f" else a
+    if spec.enc == "fp16":
+        return np.frombuffer(data, dtype="<f2").astype(np.float32)
+    if spec.enc == "int8":
+        return np.frombuffer(data, dtype="<i1").astype(np.float32) * np.float32(spec.param)
+    raise CodecError(f"tensor {spec.name!r}: {spec.enc} is not dense")
+
+
+def check_indices(idx: np.ndarray, size: int, name: str) -> None:
+    """Top-k indices must be strictly increasing and inside the tensor: no duplicate can
+    count twice and no index can write outside the accumulator."""
+    if idx.size == 0:
+        return
+    if int(idx[-1]) >= size:
+        raise CodecError(f"tensor {name!r}: top-k index {int(idx[-1])} outside {size} elements")
+    if idx.size > 1 and not bool(np.all(idx[1:] > idx[:-1])):
+        raise CodecError(f"tensor {name!r}: top-k indices must be strictly increasing")
+
+
+def decode_tensor(spec: TensorSpec, data: bytes | memoryview) -> np.ndarray:
+    """A whole wire tensor back to a dense float array of ``spec.shape`` (tests, tools)."""
+    if len(data) != spec.nbytes:
+        raise CodecError(f"tensor {spec.name!r}: {len(data)} bytes, expected {spec.nbytes}")
+    if spec.enc != "topk":
+        return decode_dense(spec, data, 0).reshape(spec.shape)
+    k = int(spec.param)
+    idx = np.frombuffer(data, dtype=INDEX_DTYPE, count=k)
+    check_indices(idx, spec.size, spec.name)
+    vals = np.frombuffer(data, dtype=VALUE_DTYPE, offset=k * INDEX_DTYPE.itemsize, count=k)
+    out = np.zeros(spec.size, np.float32)
+    out[idx] = vals
+    return out.reshape(spec.shape)
