@@ -126,6 +126,8 @@ class NodeConfig:
     gossip: GossipSettings = field(default_factory=GossipSettings)
     max_chunk_bytes: int = 4 * 2**20
     max_model_bytes: int = 1 * 2**30
+    compression: str = "none"         # coordinator: how agents send updates (none|fp16|int8|topk)
+    topk_ratio: float = 0.01
     metrics_port: int = 0          # 0: a free loopback port (shown by status); -1: off
     metrics_host: str = "127.0.0.1"
     torch_threads: int = 1
@@ -219,6 +221,8 @@ def load(path: Path | str, role: str) -> NodeConfig:
             task=str(task.get("name", "digits")), task_options=options, rounds=rounds, gossip=gossip,
             max_chunk_bytes=int(transfer.get("max_chunk_bytes", 4 * 2**20)),
             max_model_bytes=int(transfer.get("max_model_bytes", 2**30)),
+            compression=_compression(transfer, where),
+            topk_ratio=float(transfer.get("topk_ratio", 0.01)),
             metrics_port=int(raw.get("metrics_port", 0)),
             metrics_host=str(raw.get("metrics_host", "127.0.0.1")),
             torch_threads=int(raw.get("torch_threads", 1)),
@@ -227,6 +231,16 @@ def load(path: Path | str, role: str) -> NodeConfig:
         if where in str(exc):
             raise
         raise ConfigError(f"{where}: {exc}") from None
+
+
+def _compression(transfer: dict[str, Any], where: str) -> str:
+    mode = transfer.get("compression", "none")
+    ratio = transfer.get("topk_ratio", 0.01)
+    if mode not in ("none", "fp16", "int8", "topk"):
+        raise ConfigError(f"{where}: [transfer] compression must be none, fp16, int8 or topk, not {mode!r}")
+    if type(ratio) not in (int, float) or not 0 < ratio <= 1:
+        raise ConfigError(f"{where}: [transfer] topk_ratio must be in (0, 1], not {ratio!r}")
+    return mode
 
 
 def render(*, node_id: str, federation: str, tls: TlsConfig, state_dir: Path, broker: str = "",

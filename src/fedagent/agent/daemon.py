@@ -29,6 +29,7 @@ from fedagent.errors import ConfigError, FedagentError
 from fedagent.metrics import NodeMetrics
 from fedagent.pki import fingerprint
 from fedagent.protocols import topics
+from fedagent.protocols.compression import CompressionConfig, Compressor
 from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart
 from fedagent.protocols.participant import (AdoptModel, Discarded, Leave, Participant, SendUpdate, Train,
                                             TrainingDone)
@@ -63,6 +64,8 @@ class Session:
         if resumed is not None:
             self.participant.model_version = int(resumed[1].get("model_version", 0))
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=1000)
+        self.compressor = Compressor()      # keeps the top-k residual across rounds
+        self._base: tuple[int, Any, Any] | None = None   # (round, global weights, train config) being trained
         self.transport = make_transport(
             self.cfg, federation, broker,
             subscriptions=[topics.all_broadcasts(federation), topics.inbox(federation, self.cfg.id),
@@ -129,7 +132,13 @@ class Session:
                     log.warning("no coordinator known; update for round %d dropped", cmd.update.round)
                     continue
                 topic = topics.direct(self.fed, self.cfg.id, self.coordinator, "update")
-                n = await self.messenger.send(topic, cmd.update, round_=cmd.update.round)
+                base, comp = None, CompressionConfig()
+                if self._base is not None and self._base[0] == cmd.update.round:
+                    _, base, train = self._base
+                    comp = CompressionConfig(train.compression, train.topk_ratio)
+                if comp != self.compressor.config:
+                    self.compressor = Compressor(comp)
+                n = await self.messenger.send_update(topic, cmd.update, base=base, compressor=self.compressor)
                 self.round_state = "update sent"
                 self.agent.metrics.round_completed(None, cmd.update.metrics)
                 self.history.append({"event": "update", "round": cmd.update.round,
@@ -154,6 +163,7 @@ class Session:
                     sdnotify.status(f"{self.fed}: training finished (model version {cmd.model_version})")
 
     async def _train(self, cmd: Train) -> None:
+        self._base = (cmd.round, cmd.weights, cmd.train)
         sdnotify.status(f"{self.fed}: training round {cmd.round}")
         started = time.monotonic()
         try:

@@ -22,7 +22,10 @@ from fedagent.errors import CodecError
 from fedagent.protocols import topics
 from fedagent.protocols.chunking import Reassembler, split
 from fedagent.protocols.codec import Envelope, Limits, decode, encode
-from fedagent.protocols.messages import Message, body_of
+from fedagent.protocols.compression import Compressor
+from fedagent.protocols.messages import Message, Update, body_of
+from fedagent.protocols.streaming import (HEAD_KIND, STREAM_KIND, StreamEvent, StreamIntake, encode_stream,
+                                          head_body, iter_stream_chunks)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,11 @@ class Messenger:
         self.reassembler = Reassembler(max_transfer_bytes=max_model_bytes,
                                        max_pending_bytes=2 * max_model_bytes, timeout=reassembly_timeout)
         self.rejected: Counter[str] = Counter()
+        # Streamed updates (coordinator side): set on_stream to receive their events. The
+        # hold-back budget for chunks arriving out of turn is a few chunks, not N models.
+        self.on_stream: Callable[[list[StreamEvent]], Awaitable[None]] | None = None
+        self.intake = StreamIntake(federation, max_transfer_bytes=max_model_bytes,
+                                   max_pending_bytes=8 * max_chunk_bytes, timeout=reassembly_timeout)
         self.metrics = metrics           # a fedagent.metrics.NodeMetrics, or None
         self.bytes_in = 0
         self.bytes_out = 0
@@ -96,6 +104,52 @@ class Messenger:
             self.metrics.message_out()
         return total
 
+    async def send_update(self, topic: str, update: Update, *, base=None, compressor: Compressor | None = None,
+                          transport=None) -> int:
+        """Publish ``update`` as a stream the coordinator folds chunk by chunk, compressed
+        by ``compressor`` (deltas to ``base``, the round's global model); returns the bytes
+        put on the wire. Chunks are encoded one at a time."""
+        transport = transport or self.transport
+        compressor = compressor or Compressor()
+        tensors = await asyncio.to_thread(compressor.encode, update.weights, base)
+        self._seq += 1
+        head = Envelope(kind=HEAD_KIND, federation=self.federation, sender=self.node_id, round=update.round,
+                        seq=self._seq, ts=time.time(),
+                        body=head_body(update.round, update.base_version, update.num_samples, update.metrics,
+                                       update.leaving, tensors))
+        payload = await asyncio.to_thread(encode_stream, head, tensors)
+        del tensors
+        self._transfer += 1
+        tid = f"u{self._seq:x}-{self._transfer}"
+        total = 0
+        for body in iter_stream_chunks(payload, max_chunk=self.max_chunk, transfer_id=tid):
+            self._seq += 1
+            frame = encode(Envelope(kind=STREAM_KIND, federation=self.federation, sender=self.node_id,
+                                    round=update.round, seq=self._seq, ts=time.time(), body=body))
+            await transport.publish(topic, frame, qos=1)
+            total += len(frame)
+        self.bytes_out += total
+        self.messages_out += 1
+        if self.metrics is not None:
+            self.metrics.add_bytes(out=total)
+            self.metrics.message_out()
+        return total
+
+    async def _receive_stream(self, env: Envelope) -> None:
+        if self.on_stream is None:
+            return self._reject("kind", env.sender, "streamed update sent to a node that does not aggregate")
+        now = time.monotonic()
+        try:
+            events = self.intake.feed(env.sender, env.body, now)
+        except CodecError as exc:
+            return self._reject("chunk", env.sender, str(exc))
+        events += self.intake.expire(now)
+        for ev in events:
+            if getattr(ev, "ok", True) is False:
+                self._reject("stream", ev.sender, ev.reason)
+        if events:
+            await self.on_stream(events)
+
     def _reject(self, reason: str, sender: str, detail: str) -> None:
         self.rejected[reason] += 1
         if self.metrics is not None:
@@ -123,6 +177,8 @@ class Messenger:
             return self._reject("spoofed", topic_sender, f"envelope claims sender {env.sender}")
         if env.federation != self.federation:
             return self._reject("federation", env.sender, f"envelope for {env.federation}")
+        if env.kind == STREAM_KIND:
+            return await self._receive_stream(env)
         if env.kind == CHUNK_KIND:
             try:
                 whole = self.reassembler.feed(env.sender, env.body, time.monotonic())

@@ -49,7 +49,8 @@ def round_config(cfg: NodeConfig) -> R.RoundConfig:
             start_grace=r.start_grace, agents_per_round=r.agents_per_round, min_updates=r.min_updates,
             round_timeout=r.round_timeout, max_norm=r.max_norm, seed=r.seed, lr_schedule=r.lr_schedule,
             strategy=Strategy(r.aggregation, r.weight_key, r.drop_above),
-            train=TrainConfig(epochs=r.local_epochs, lr=r.lr, batch_size=r.batch_size))
+            train=TrainConfig(epochs=r.local_epochs, lr=r.lr, batch_size=r.batch_size,
+                              compression=cfg.compression, topk_ratio=cfg.topk_ratio))
     except (ValueError, Exception) as exc:
         raise ConfigError(f"{cfg.path}: [rounds]: {exc}") from None
 
@@ -100,6 +101,7 @@ class Coordinator:
         self.messenger = Messenger(federation=self.fed, node_id=cfg.id, transport=self.transport,
                                    max_chunk_bytes=cfg.max_chunk_bytes, max_model_bytes=cfg.max_model_bytes,
                                    metrics=self.metrics)
+        self.messenger.on_stream = self._on_stream
         self.peers: dict[str, dict[str, Any]] = {}
         self.rejections: list[dict[str, Any]] = []
         self.round_started_at: float | None = None
@@ -118,6 +120,21 @@ class Coordinator:
 
     async def _deliver(self, inc: Incoming) -> None:
         await self.queue.put(_Net(inc))
+
+    async def _on_stream(self, events: list) -> None:
+        # Parts go through the same queue as everything else, so the machine sees an
+        # update's parts in order with presence changes and timer wake-ups; each part is
+        # a chunk-sized view, folded and dropped when its turn comes.
+        for ev in events:
+            await self.queue.put(ev)
+
+    async def _expire_streams(self) -> None:
+        while True:
+            await asyncio.sleep(5.0)
+            events = self.messenger.intake.expire(time.monotonic())
+            for ev in events:
+                self.messenger._reject("stream", ev.sender, ev.reason)
+            await self._on_stream(events)
 
     def _to_event(self, inc: Incoming) -> R.Event | None:
         msg = inc.message
@@ -243,6 +260,7 @@ class Coordinator:
                 sdnotify.ready(f"coordinator of {self.fed}: waiting for agents")
                 log.info("coordinator %s of federation %s on %s", self.cfg.id, self.fed, self.cfg.broker)
                 tg.create_task(self._process())
+                tg.create_task(self._expire_streams())
                 if self.machine.phase is R.Phase.DONE:
                     log.info("checkpoint says training already finished; serving status only")
                 await asyncio.Event().wait()

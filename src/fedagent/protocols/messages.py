@@ -114,15 +114,25 @@ class TrainConfig:
     epochs: int = 1
     lr: float = 0.05
     batch_size: int = 32
+    compression: str = "none"      # how agents send their update: none | fp16 | int8 | topk
+    topk_ratio: float = 0.01
 
     def __post_init__(self) -> None:
         if not 1 <= self.epochs <= 10_000 or not 1 <= self.batch_size <= 1_000_000:
             raise CodecError("train config: epochs/batch_size out of range")
         if not (math.isfinite(self.lr) and 0 < self.lr < 100):
             raise CodecError("train config: lr out of range")
+        if self.compression not in ("none", "fp16", "int8", "topk"):
+            raise CodecError("train config: unknown compression")
+        if not (math.isfinite(self.topk_ratio) and 0 < self.topk_ratio <= 1):
+            raise CodecError("train config: topk_ratio out of range")
 
     def to_body(self) -> dict[str, Any]:
-        return {"epochs": self.epochs, "lr": self.lr, "batch_size": self.batch_size}
+        body: dict[str, Any] = {"epochs": self.epochs, "lr": self.lr, "batch_size": self.batch_size}
+        if self.compression != "none":
+            body["compression"] = self.compression
+            body["topk_ratio"] = self.topk_ratio
+        return body
 
     @classmethod
     def from_body(cls, body: Any) -> TrainConfig:
@@ -131,7 +141,10 @@ class TrainConfig:
         w = "train config"
         return cls(epochs=_count(_need(body, "epochs", int, w), "epochs", w),
                    lr=float(_need(body, "lr", (int, float), w)),
-                   batch_size=_count(_need(body, "batch_size", int, w), "batch_size", w))
+                   batch_size=_count(_need(body, "batch_size", int, w), "batch_size", w),
+                   compression=body.get("compression", "none") if isinstance(body.get("compression", "none"), str)
+                   else "?",
+                   topk_ratio=float(body["topk_ratio"]) if type(body.get("topk_ratio")) in (int, float) else 0.01)
 
 
 @dataclass(frozen=True, slots=True)

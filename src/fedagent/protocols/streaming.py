@@ -123,7 +123,7 @@ def iter_stream_chunks(payload: bytes | bytearray | memoryview, *, max_chunk: in
     n = max(1, -(-size // max_chunk))
     for i in range(n):
         yield {"tid": transfer_id, "i": i, "n": n, "size": size, "sha256": digest,
-               "data": view[i * max_chunk:(i + 1) * max_chunk]}
+               "data": bytes(view[i * max_chunk:(i + 1) * max_chunk])}
 
 
 # ---- receiver side ---------------------------------------------------------------------
