@@ -138,7 +138,9 @@ class Compressor:
             raise ValueError(f"compression {mode!r} needs the round's global model")
         out: list[tuple[TensorSpec, memoryview]] = []
         for name, w in weights.items():
-            w = np.ascontiguousarray(w)
+            w = np.asarray(w)
+            if not w.flags.c_contiguous:
+                w = w.copy(order="C")           # not ascontiguousarray: it turns 0-d into 1-d
             dtype = w.dtype.name
             if dtype not in MODEL_DTYPES:
                 raise CodecError(f"tensor {name!r}: dtype {dtype} cannot be sent")
@@ -168,7 +170,7 @@ class Compressor:
 
 
 def _bytes(a: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    return memoryview(np.asarray(a).reshape(-1).view(np.uint8))
 
 
 def quantize_int8(d: np.ndarray) -> tuple[np.ndarray, float]:
