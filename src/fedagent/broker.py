@@ -129,6 +129,10 @@ def render_config(*, port: int, bind: str, ca: Path, cert: Path, key: Path, acl:
         f"max_packet_size {int(max_packet_size)}",
         f"persistent_client_expiration {persistent_client_expiration}",
         "set_tcp_nodelay true",
+        # The default queue of 1000 QoS1 messages per client is what a coordinator of more
+        # than ~1000 agents would overflow in one round (updates, presence): past it
+        # Mosquitto drops messages silently.
+        "max_queued_messages 1000000",
         f"user {user}",
     ]
     if persistence_dir is not None:

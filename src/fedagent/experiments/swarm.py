@@ -1,0 +1,312 @@
+"""Many agents in one process, over the real broker: the scale and memory benchmarks.
+
+Each :class:`LightAgent` is a real federation member as the broker and the coordinator
+see it — its own MQTT connection, its own certificate (CN = its id, so the broker's
+pattern ACL confines it to its own topics), a retained presence message with a Last
+Will, the participant machine, updates sent as compressed streams — but it trains
+nothing: its "training" adds a small seeded step to the global weights (numpy), so the
+numbers measure the framework, not torch. Thousands fit in one asyncio loop.
+
+:func:`run_federation` puts it together: a throw-away CA with one certificate per agent
+(the CA key is loaded once and reused, so issuing 1,000 takes seconds), a private
+Mosquitto (embedded default config: mutual TLS, pattern ACL, a queue limit raised past
+the number of agents), the real ``fedagent coordinator`` as a separate process (so its
+memory is its own, sampled from /proc), and the swarm in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import tomli_w
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from fedagent import pki
+from fedagent.agent.messaging import Incoming, Messenger
+from fedagent.agent.transport import TlsFiles, Transport
+from fedagent.broker import EmbeddedBroker
+from fedagent.protocols import topics
+from fedagent.protocols.codec import Envelope, encode
+from fedagent.protocols.compression import CompressionConfig, Compressor
+from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart
+from fedagent.protocols.participant import Participant, SendUpdate, Train, TrainingDone
+
+FEDERATION = "swarm"
+COORDINATOR = "coordinator"
+
+
+# ---- certificates, fast ----------------------------------------------------------------
+def issue_many(ca_dir: Path, out_dir: Path, names: list[str], role: str = "agent") -> dict[str, TlsFiles]:
+    """Certificates for ``names`` signed by the CA in ``ca_dir``, loading its key once.
+    Same profile as :func:`fedagent.pki.issue` (P-256, clientAuth, role in OU)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ca_cert = x509.load_pem_x509_certificate((ca_dir / pki.CA_CERT).read_bytes())
+    ca_key = serialization.load_pem_private_key((ca_dir / pki.CA_KEY).read_bytes(), password=None)
+    now = dt.datetime.now(dt.timezone.utc)
+    out: dict[str, TlsFiles] = {}
+    for name in names:
+        pki.check_name(name, "node id")
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name),
+                             x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role)])
+        cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=2))
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        crt, kf = out_dir / f"{name}.crt", out_dir / f"{name}.key"
+        crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        kf.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                         serialization.NoEncryption()))
+        os.chmod(kf, 0o600)
+        out[name] = TlsFiles(ca=ca_dir / pki.CA_CERT, cert=crt, key=kf)
+    return out
+
+
+# ---- the light agent ---------------------------------------------------------------------
+def _presence(agent_id: str, online: bool, samples: int) -> bytes:
+    msg = Presence(online=online, role="agent", mode="fedavg", num_samples=samples)
+    return encode(Envelope(kind=msg.kind, federation=FEDERATION, sender=agent_id, round=0,
+                           seq=time.time_ns() // 1000, ts=time.time(), body=msg.to_body()))
+
+
+@dataclass
+class LightAgent:
+    id: str
+    broker: str
+    tls: TlsFiles
+    samples: int = 100
+    step: float = 1e-3              # size of the fake training step (0: send the global model back)
+    transport: Transport = field(init=False)
+    messenger: Messenger = field(init=False)
+    rounds_sent: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.participant = Participant(self.id)
+        self.compressor = Compressor()
+        self.coordinator: str | None = None
+        self.transport = Transport(
+            uri=self.broker, client_id=self.id, tls=self.tls,
+            will=(topics.presence(FEDERATION, self.id), _presence(self.id, False, self.samples)),
+            on_connect=self._on_connect,
+            subscriptions=[topics.all_broadcasts(FEDERATION), topics.inbox(FEDERATION, self.id)])
+        self.messenger = Messenger(federation=FEDERATION, node_id=self.id, transport=self.transport)
+        self._tasks: set[asyncio.Task] = set()
+
+    async def _on_connect(self) -> None:
+        await self.transport.publish(topics.presence(FEDERATION, self.id),
+                                     _presence(self.id, True, self.samples), retain=True)
+
+    async def _on_payload(self, topic: str, payload: bytes) -> None:
+        await self.messenger.receive(topic, payload, self._deliver)
+
+    async def _deliver(self, inc: Incoming) -> None:
+        msg = inc.message
+        if not isinstance(msg, (RoundStart, RoundResult, GlobalModel)):
+            return
+        self.coordinator = inc.sender
+        for cmd in self.participant.handle(msg):
+            if isinstance(cmd, Train):
+                t = asyncio.create_task(self._train(cmd))
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
+
+    async def _train(self, cmd: Train) -> None:
+        try:
+            rng = np.random.default_rng(hash((self.id, cmd.round)) & 0xFFFFFFFF)
+            new = {k: (v + rng.standard_normal(v.shape, dtype=np.float32) * np.float32(self.step)).astype(v.dtype)
+                   if v.dtype.kind == "f" and self.step else v for k, v in cmd.weights.items()}
+            for c in self.participant.handle(TrainingDone(cmd.round, cmd.base_version, self.samples,
+                                                          {"loss": 1.0}, new)):
+                if isinstance(c, SendUpdate) and self.coordinator:
+                    comp = CompressionConfig(cmd.train.compression, cmd.train.topk_ratio)
+                    if comp != self.compressor.config:
+                        self.compressor = Compressor(comp)
+                    del new
+                    await self.messenger.send_update(
+                        topics.direct(FEDERATION, self.id, self.coordinator, "update"), c.update,
+                        base=cmd.weights, compressor=self.compressor)
+                    self.rounds_sent += 1
+        except Exception as exc:  # noqa: BLE001 - counted and reported by the runner
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    async def run(self, ready: asyncio.Event) -> None:
+        await self.transport.run(self._on_payload, ready)
+
+    async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self.transport.close(
+                (topics.presence(FEDERATION, self.id), _presence(self.id, False, self.samples))), 5)
+        except Exception:  # noqa: BLE001 - best effort at the end of a benchmark
+            pass
+
+
+# ---- a whole federation ------------------------------------------------------------------
+@dataclass
+class RunResult:
+    agents: int
+    params: int
+    compression: str
+    rounds: list[dict]                 # the coordinator's history records
+    rss_samples: list[tuple[float, int]]   # (monotonic, coordinator RSS bytes)
+    rss_idle: int                      # coordinator RSS once connected, model loaded, before round 1
+    rss_peak: int
+    hwm: int                           # VmHWM of the coordinator at the end
+    setup_seconds: float
+    errors: list[str]
+    coordinator_log: str
+
+    @property
+    def model_bytes(self) -> int:
+        return self.params * 4
+
+    @property
+    def round_seconds(self) -> list[float]:
+        return [r["seconds"] for r in self.rounds if r.get("event") == "round"]
+
+
+def _raise_nofile(n: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(max(soft, n), hard)
+    if want > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    if want < n:
+        raise RuntimeError(f"need {n} open files, the hard limit is {hard}: raise it (ulimit -Hn)")
+
+
+def _rss(pid: int) -> tuple[int, int]:
+    rss = hwm = 0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+                elif line.startswith("VmHWM:"):
+                    hwm = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return rss, hwm
+
+
+async def _federation(workdir: Path, n: int, params: int, rounds: int, compression: str, topk_ratio: float,
+                      tensors: int, max_chunk: int, progress: Callable[[str], None], timeout: float) -> RunResult:
+    t0 = time.monotonic()
+    workdir.mkdir(parents=True, exist_ok=True)
+    _raise_nofile(2 * n + 256)
+    ca_dir = workdir / "ca"
+    pki.create_ca(ca_dir, FEDERATION)
+    pki.issue(ca_dir, ca_dir, COORDINATOR, "coordinator")
+    names = [f"a{i:04d}" for i in range(n)]
+    progress(f"issuing {n} agent certificates")
+    certs = await asyncio.to_thread(issue_many, ca_dir, workdir / "certs", names)
+    broker = EmbeddedBroker(workdir / "broker", federations=[FEDERATION], coordinators=[COORDINATOR], ca_dir=ca_dir)
+    broker.start()
+    coord: subprocess.Popen | None = None
+    agents: list[LightAgent] = []
+    samples: list[tuple[float, int]] = []
+    try:
+        state = workdir / "state"
+        cfg = {"id": COORDINATOR, "federation": FEDERATION, "mode": "fedavg", "state_dir": str(state),
+               "runtime_dir": str(workdir / "run"), "metrics_port": -1, "torch_threads": 1,
+               "broker": {"uri": broker.uri},
+               "tls": {"ca": str(ca_dir / pki.CA_CERT), "cert": str(ca_dir / f"{COORDINATOR}.crt"),
+                       "key": str(ca_dir / f"{COORDINATOR}.key")},
+               "discovery": {"interfaces": ["127.0.0.1"], "advertise": False},
+               "task": {"name": "synthetic", "params": params, "tensors": tensors, "train": False},
+               "rounds": {"rounds": rounds, "min_agents": n, "expected_agents": n, "start_grace": 0.0,
+                          "round_timeout": max(120.0, timeout)},
+               "transfer": {"compression": compression, "topk_ratio": topk_ratio, "max_chunk_bytes": max_chunk}}
+        (workdir / "coordinator.toml").write_text(tomli_w.dumps(cfg))
+        log = open(workdir / "coordinator.log", "wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        coord = subprocess.Popen([sys.executable, "-m", "fedagent", "coordinator", "--config",
+                                  str(workdir / "coordinator.toml")], stdout=log, stderr=subprocess.STDOUT, env=env)
+        history = state / "coordinator" / FEDERATION / "history.jsonl"
+        # Wait until the coordinator is connected and idle (model loaded, no agent yet):
+        # its RSS then is the baseline the rounds' memory is measured against.
+        ready_line = b"coordinator " + COORDINATOR.encode() + b" of federation"
+        while ready_line not in (workdir / "coordinator.log").read_bytes():
+            if coord.poll() is not None or time.monotonic() - t0 > 120:
+                raise RuntimeError("coordinator did not start:\n" +
+                                   (workdir / "coordinator.log").read_text(errors="replace")[-3000:])
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        rss_idle = max(_rss(coord.pid)[0] for _ in range(5))
+
+        async def sample() -> None:
+            while True:
+                samples.append((time.monotonic(), _rss(coord.pid)[0]))
+                await asyncio.sleep(0.01)
+
+        agents = [LightAgent(a, broker.uri, certs[a], samples=50 + i % 100) for i, a in enumerate(names)]
+        for a in agents:
+            a.messenger.max_chunk = max_chunk
+        progress(f"connecting {n} agents")
+        async with asyncio.TaskGroup() as tg:
+            sampler = tg.create_task(sample())
+            # Connect in waves so 1,000 TLS handshakes don't all time out against each other.
+            for i in range(0, n, 50):
+                wave = []
+                for a in agents[i:i + 50]:
+                    ev = asyncio.Event()
+                    wave.append(ev)
+                    tg.create_task(a.run(ev))
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in wave)), 120)
+            setup = time.monotonic() - t0
+            progress(f"{n} agents online ({setup:.1f}s); waiting for {rounds} rounds")
+            deadline = time.monotonic() + timeout
+            done: list[dict] = []
+            while time.monotonic() < deadline and coord.poll() is None:
+                if history.exists():
+                    done = [json.loads(x) for x in history.read_text().splitlines() if x.strip()]
+                if sum(1 for r in done if r.get("event") == "round") >= rounds:
+                    break
+                await asyncio.sleep(0.05)
+            hwm = _rss(coord.pid)[1]
+            sampler.cancel()
+            await asyncio.gather(*(a.close() for a in agents))
+            raise _Stop(done, rss_idle, hwm, setup)
+    except* _Stop as eg:
+        stop = eg.exceptions[0]
+        done, rss_idle, hwm, setup = stop.args
+    finally:
+        if coord is not None and coord.poll() is None:
+            coord.send_signal(signal.SIGTERM)
+            try:
+                coord.wait(10)
+            except subprocess.TimeoutExpired:
+                coord.kill()
+                coord.wait()
+        broker.stop()
+    return RunResult(agents=n, params=params, compression=compression, rounds=done, rss_samples=samples,
+                     rss_idle=rss_idle, rss_peak=max((r for _, r in samples), default=0),
+                     hwm=hwm, setup_seconds=setup, errors=[e for a in agents for e in a.errors],
+                     coordinator_log=(workdir / "coordinator.log").read_text(errors="replace")[-3000:])
+
+
+class _Stop(Exception):
+    pass
+
+
+def run_federation(workdir: Path, *, agents: int, params: int = 1000, rounds: int = 3, compression: str = "none",
+                   topk_ratio: float = 0.01, tensors: int = 4, max_chunk: int = 4 * 2**20,
+                   progress: Callable[[str], None] = lambda s: None, timeout: float = 600.0) -> RunResult:
+    return asyncio.run(_federation(Path(workdir), agents, params, rounds, compression, topk_ratio, tensors,
+                                   max_chunk, progress, timeout))
