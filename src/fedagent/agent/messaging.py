@@ -64,6 +64,7 @@ class Messenger:
         self.on_stream: Callable[[list[StreamEvent]], Awaitable[None]] | None = None
         self.intake = StreamIntake(federation, max_transfer_bytes=max_model_bytes,
                                    max_pending_bytes=8 * max_chunk_bytes, timeout=reassembly_timeout)
+        self._last_expiry = 0.0
         self.metrics = metrics           # a fedagent.metrics.NodeMetrics, or None
         self.bytes_in = 0
         self.bytes_out = 0
@@ -143,7 +144,11 @@ class Messenger:
             events = self.intake.feed(env.sender, env.body, now)
         except CodecError as exc:
             return self._reject("chunk", env.sender, str(exc))
-        events += self.intake.expire(now)
+        # Expiry scans every transfer in progress: once a second, not per chunk (1,000
+        # concurrent updates would make that O(N²) per round).
+        if now - self._last_expiry > 1.0:
+            self._last_expiry = now
+            events += self.intake.expire(now)
         for ev in events:
             if getattr(ev, "ok", True) is False:
                 self._reject("stream", ev.sender, ev.reason)

@@ -213,7 +213,10 @@ class Coordinator:
                 event = item
             for cmd in self.machine.handle(event, time.monotonic()):
                 await self._execute(cmd)
-            self.settled = self.machine.status()
+            # status() sorts the agent lists: O(N) per event would make a round of N
+            # updates O(N²). Refreshed when the burst is over, it is still never ahead of the disk.
+            if self.queue.empty():
+                self.settled = self.machine.status()
 
     # -- control -----------------------------------------------------------------------
     async def _status(self, _args: dict) -> dict:

@@ -93,6 +93,7 @@ class LightAgent:
     tls: TlsFiles
     samples: int = 100
     step: float = 1e-3              # size of the fake training step (0: send the global model back)
+    whole: bool = False             # send the update as one whole message (the pre-streaming path)
     transport: Transport = field(init=False)
     messenger: Messenger = field(init=False)
     rounds_sent: int = 0
@@ -140,6 +141,11 @@ class LightAgent:
                     if comp != self.compressor.config:
                         self.compressor = Compressor(comp)
                     del new
+                    if self.whole:
+                        await self.messenger.send(topics.direct(FEDERATION, self.id, self.coordinator, "update"),
+                                                  c.update, round_=c.update.round)
+                        self.rounds_sent += 1
+                        continue
                     await self.messenger.send_update(
                         topics.direct(FEDERATION, self.id, self.coordinator, "update"), c.update,
                         base=cmd.weights, compressor=self.compressor)
@@ -170,6 +176,7 @@ class RunResult:
     rss_peak: int
     hwm: int                           # VmHWM of the coordinator at the end
     setup_seconds: float
+    round_cpu: list[float]             # coordinator CPU seconds (user+system) of each round after the first
     errors: list[str]
     coordinator_log: str
 
@@ -191,6 +198,15 @@ def _raise_nofile(n: int) -> None:
         raise RuntimeError(f"need {n} open files, the hard limit is {hard}: raise it (ulimit -Hn)")
 
 
+def _cpu(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _rss(pid: int) -> tuple[int, int]:
     rss = hwm = 0
     try:
@@ -206,7 +222,8 @@ def _rss(pid: int) -> tuple[int, int]:
 
 
 async def _federation(workdir: Path, n: int, params: int, rounds: int, compression: str, topk_ratio: float,
-                      tensors: int, max_chunk: int, progress: Callable[[str], None], timeout: float) -> RunResult:
+                      tensors: int, max_chunk: int, progress: Callable[[str], None], timeout: float,
+                      whole: bool = False) -> RunResult:
     t0 = time.monotonic()
     workdir.mkdir(parents=True, exist_ok=True)
     _raise_nofile(2 * n + 256)
@@ -236,7 +253,10 @@ async def _federation(workdir: Path, n: int, params: int, rounds: int, compressi
         (workdir / "coordinator.toml").write_text(tomli_w.dumps(cfg))
         log = open(workdir / "coordinator.log", "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        coord = subprocess.Popen([sys.executable, "-m", "fedagent", "coordinator", "--config",
+        # FEDAGENT_SWARM_PROFILE=FILE runs the coordinator under cProfile (for finding where a round goes).
+        prof = os.environ.get("FEDAGENT_SWARM_PROFILE")
+        coord = subprocess.Popen([sys.executable, *(["-m", "cProfile", "-o", prof] if prof else []),
+                                  "-m", "fedagent", "coordinator", "--config",
                                   str(workdir / "coordinator.toml")], stdout=log, stderr=subprocess.STDOUT, env=env)
         history = state / "coordinator" / FEDERATION / "history.jsonl"
         # Wait until the coordinator is connected and idle (model loaded, no agent yet):
@@ -255,7 +275,7 @@ async def _federation(workdir: Path, n: int, params: int, rounds: int, compressi
                 samples.append((time.monotonic(), _rss(coord.pid)[0]))
                 await asyncio.sleep(0.01)
 
-        agents = [LightAgent(a, broker.uri, certs[a], samples=50 + i % 100) for i, a in enumerate(names)]
+        agents = [LightAgent(a, broker.uri, certs[a], samples=50 + i % 100, whole=whole) for i, a in enumerate(names)]
         for a in agents:
             a.messenger.max_chunk = max_chunk
         progress(f"connecting {n} agents")
@@ -273,19 +293,23 @@ async def _federation(workdir: Path, n: int, params: int, rounds: int, compressi
             progress(f"{n} agents online ({setup:.1f}s); waiting for {rounds} rounds")
             deadline = time.monotonic() + timeout
             done: list[dict] = []
+            cpu_marks: list[float] = []        # coordinator CPU when each round's record appeared
             while time.monotonic() < deadline and coord.poll() is None:
                 if history.exists():
                     done = [json.loads(x) for x in history.read_text().splitlines() if x.strip()]
-                if sum(1 for r in done if r.get("event") == "round") >= rounds:
+                finished = sum(1 for r in done if r.get("event") == "round")
+                if finished > len(cpu_marks):
+                    cpu_marks += [_cpu(coord.pid)] * (finished - len(cpu_marks))
+                if finished >= rounds:
                     break
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.02)
             hwm = _rss(coord.pid)[1]
             sampler.cancel()
             await asyncio.gather(*(a.close() for a in agents))
-            raise _Stop(done, rss_idle, hwm, setup)
+            raise _Stop(done, rss_idle, hwm, setup, [b - a for a, b in zip(cpu_marks, cpu_marks[1:])])
     except* _Stop as eg:
         stop = eg.exceptions[0]
-        done, rss_idle, hwm, setup = stop.args
+        done, rss_idle, hwm, setup, round_cpu = stop.args
     finally:
         if coord is not None and coord.poll() is None:
             coord.send_signal(signal.SIGTERM)
@@ -297,7 +321,7 @@ async def _federation(workdir: Path, n: int, params: int, rounds: int, compressi
         broker.stop()
     return RunResult(agents=n, params=params, compression=compression, rounds=done, rss_samples=samples,
                      rss_idle=rss_idle, rss_peak=max((r for _, r in samples), default=0),
-                     hwm=hwm, setup_seconds=setup, errors=[e for a in agents for e in a.errors],
+                     hwm=hwm, setup_seconds=setup, round_cpu=round_cpu, errors=[e for a in agents for e in a.errors],
                      coordinator_log=(workdir / "coordinator.log").read_text(errors="replace")[-3000:])
 
 
@@ -307,6 +331,9 @@ class _Stop(Exception):
 
 def run_federation(workdir: Path, *, agents: int, params: int = 1000, rounds: int = 3, compression: str = "none",
                    topk_ratio: float = 0.01, tensors: int = 4, max_chunk: int = 4 * 2**20,
-                   progress: Callable[[str], None] = lambda s: None, timeout: float = 600.0) -> RunResult:
+                   progress: Callable[[str], None] = lambda s: None, timeout: float = 600.0,
+                   whole: bool = False) -> RunResult:
+    """``whole``: agents send each update as one whole message (chunked and reassembled
+    by the coordinator before it is aggregated) instead of a stream: the path streaming replaced."""
     return asyncio.run(_federation(Path(workdir), agents, params, rounds, compression, topk_ratio, tensors,
-                                   max_chunk, progress, timeout))
+                                   max_chunk, progress, timeout, whole))
