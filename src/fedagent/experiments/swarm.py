@@ -94,6 +94,9 @@ class LightAgent:
     samples: int = 100
     step: float = 1e-3              # size of the fake training step (0: send the global model back)
     whole: bool = False             # send the update as one whole message (the pre-streaming path)
+    # A thousand connections share one event loop (and, here, two busy cores): the 10 s
+    # default keep-alive then gets missed under load and the broker drops healthy agents.
+    keepalive: int = 60
     transport: Transport = field(init=False)
     messenger: Messenger = field(init=False)
     rounds_sent: int = 0
@@ -106,7 +109,7 @@ class LightAgent:
         self.transport = Transport(
             uri=self.broker, client_id=self.id, tls=self.tls,
             will=(topics.presence(FEDERATION, self.id), _presence(self.id, False, self.samples)),
-            on_connect=self._on_connect,
+            on_connect=self._on_connect, keepalive=self.keepalive,
             subscriptions=[topics.all_broadcasts(FEDERATION), topics.inbox(FEDERATION, self.id)])
         self.messenger = Messenger(federation=FEDERATION, node_id=self.id, transport=self.transport)
         self._tasks: set[asyncio.Task] = set()

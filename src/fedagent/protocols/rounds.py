@@ -369,7 +369,8 @@ class RoundMachine:
         if vals.dtype.kind == "f" and not np.isfinite(vals).all():
             return self._on_end(UpdateEnd(ev.sender, ev.tid, False, f"{ev.name} contains NaN or Inf"), now,
                                 reason="non-finite")
-        if self.config.max_norm is not None and vals.dtype.kind == "f":
+        # The bound covers floating tensors only, as check_update's does.
+        if self.config.max_norm is not None and self.weights[ev.name].dtype.kind == "f":
             ref = self.weights[ev.name].reshape(-1)
             where = slice(ev.start, ev.start + vals.size) if ev.indices is None else ev.indices
             g = ref[where].astype(np.float64)
