@@ -22,7 +22,8 @@ from rich.table import Table
 from fedagent.experiments.swarm import run_federation
 
 
-def measure(agents: list[int], params: int, rounds: int, compression: str, console: Console) -> list[dict]:
+def measure(agents: list[int], params: int, rounds: int, compression: str, console: Console,
+            on_row=None) -> list[dict]:
     rows = []
     for n in agents:
         with tempfile.TemporaryDirectory(prefix=f"fedagent-scale-{n}-") as d:
@@ -40,6 +41,8 @@ def measure(agents: list[int], params: int, rounds: int, compression: str, conso
                          "coordinator_cpu_per_update_ms": 1000 * statistics.median(r.round_cpu) / n if r.round_cpu else None,
                          "setup_s": r.setup_seconds, "wall_s": time.monotonic() - t,
                          "coordinator_peak_rss_mb": r.rss_peak / 2**20})
+            if on_row is not None:
+                on_row(rows)
     return rows
 
 
@@ -52,7 +55,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     console = Console(stderr=True)
-    rows = measure([int(x) for x in args.agents.split(",")], args.params, args.rounds, args.compression, console)
+    save = (lambda rows: args.json.write_text(json.dumps(rows, indent=2))) if args.json else None
+    rows = measure([int(x) for x in args.agents.split(",")], args.params, args.rounds, args.compression, console,
+                   on_row=save)
     table = Table(title=f"FedAvg round time vs agents ({args.params} params, training off, TLS)")
     for col in ("agents", "rounds", "median round (s)", "max round (s)", "per agent (ms)",
                 "coordinator CPU / update (ms)", "coordinator peak RSS (MiB)"):

@@ -299,7 +299,7 @@ async def _federation(workdir: Path, n: int, params: int, rounds: int, compressi
             cpu_marks: list[float] = []        # coordinator CPU when each round's record appeared
             while time.monotonic() < deadline and coord.poll() is None:
                 if history.exists():
-                    done = [json.loads(x) for x in history.read_text().splitlines() if x.strip()]
+                    done = _records(history.read_text())
                 finished = sum(1 for r in done if r.get("event") == "round")
                 if finished > len(cpu_marks):
                     cpu_marks += [_cpu(coord.pid)] * (finished - len(cpu_marks))
@@ -326,6 +326,17 @@ async def _federation(workdir: Path, n: int, params: int, rounds: int, compressi
                      rss_idle=rss_idle, rss_peak=max((r for _, r in samples), default=0),
                      hwm=hwm, setup_seconds=setup, round_cpu=round_cpu, errors=[e for a in agents for e in a.errors],
                      coordinator_log=(workdir / "coordinator.log").read_text(errors="replace")[-3000:])
+
+
+def _records(text: str) -> list[dict]:
+    """History records written so far; the last line may still be being written."""
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            break
+    return out
 
 
 class _Stop(Exception):
