@@ -39,6 +39,8 @@ def measure(agents: list[int], params: int, rounds: int, compression: str, conso
                          "per_agent_ms": 1000 * statistics.median(secs) / n if secs else None,
                          "coordinator_cpu_per_round_s": statistics.median(r.round_cpu) if r.round_cpu else None,
                          "coordinator_cpu_per_update_ms": 1000 * statistics.median(r.round_cpu) / n if r.round_cpu else None,
+                         "broker_cpu_per_round_s": statistics.median(r.round_cpu_broker) if r.round_cpu_broker else None,
+                         "agents_cpu_per_round_s": statistics.median(r.round_cpu_agents) if r.round_cpu_agents else None,
                          "setup_s": r.setup_seconds, "wall_s": time.monotonic() - t,
                          "coordinator_peak_rss_mb": r.rss_peak / 2**20})
             if on_row is not None:

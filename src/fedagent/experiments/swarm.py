@@ -180,6 +180,8 @@ class RunResult:
     hwm: int                           # VmHWM of the coordinator at the end
     setup_seconds: float
     round_cpu: list[float]             # coordinator CPU seconds (user+system) of each round after the first
+    round_cpu_broker: list[float]      # the same for Mosquitto
+    round_cpu_agents: list[float]      # the same for this process (all the agents)
     errors: list[str]
     coordinator_log: str
 
@@ -296,20 +298,22 @@ async def _federation(workdir: Path, n: int, params: int, rounds: int, compressi
             progress(f"{n} agents online ({setup:.1f}s); waiting for {rounds} rounds")
             deadline = time.monotonic() + timeout
             done: list[dict] = []
-            cpu_marks: list[float] = []        # coordinator CPU when each round's record appeared
+            cpu_marks: list[tuple[float, float, float]] = []   # (coordinator, broker, agents) CPU per round record
             while time.monotonic() < deadline and coord.poll() is None:
                 if history.exists():
                     done = _records(history.read_text())
                 finished = sum(1 for r in done if r.get("event") == "round")
                 if finished > len(cpu_marks):
-                    cpu_marks += [_cpu(coord.pid)] * (finished - len(cpu_marks))
+                    mark = (_cpu(coord.pid), _cpu(broker.pid) if broker.pid else 0.0, time.process_time())
+                    cpu_marks += [mark] * (finished - len(cpu_marks))
                 if finished >= rounds:
                     break
                 await asyncio.sleep(0.02)
             hwm = _rss(coord.pid)[1]
             sampler.cancel()
             await asyncio.gather(*(a.close() for a in agents))
-            raise _Stop(done, rss_idle, hwm, setup, [b - a for a, b in zip(cpu_marks, cpu_marks[1:])])
+            raise _Stop(done, rss_idle, hwm, setup, [tuple(y - x for x, y in zip(a, b))
+                                                     for a, b in zip(cpu_marks, cpu_marks[1:])])
     except* _Stop as eg:
         stop = eg.exceptions[0]
         done, rss_idle, hwm, setup, round_cpu = stop.args
@@ -324,7 +328,8 @@ async def _federation(workdir: Path, n: int, params: int, rounds: int, compressi
         broker.stop()
     return RunResult(agents=n, params=params, compression=compression, rounds=done, rss_samples=samples,
                      rss_idle=rss_idle, rss_peak=max((r for _, r in samples), default=0),
-                     hwm=hwm, setup_seconds=setup, round_cpu=round_cpu, errors=[e for a in agents for e in a.errors],
+                     hwm=hwm, setup_seconds=setup, round_cpu=[c[0] for c in round_cpu],
+                     round_cpu_broker=[c[1] for c in round_cpu], round_cpu_agents=[c[2] for c in round_cpu], errors=[e for a in agents for e in a.errors],
                      coordinator_log=(workdir / "coordinator.log").read_text(errors="replace")[-3000:])
 
 

@@ -1,0 +1,68 @@
+"""Benchmark sections for ``bench/run.py``: coordinator memory, scale, compression.
+
+Each wraps the standalone script of the same subject (``bench/memory.py``,
+``bench/scale.py``, ``bench/compression.py``; run those alone for their own tables) and
+reports rows against a baseline measured in the same run.
+"""
+
+from __future__ import annotations
+
+from bench import compression as compression_bench
+from bench import memory as memory_bench
+from bench import scale as scale_bench
+from bench.registry import Context, Row, section
+
+
+class _Log:
+    """The standalone scripts log through a rich Console; here through ctx.log."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def log(self, *parts) -> None:
+        self.ctx.log(" ".join(str(p) for p in parts))
+
+
+@section("memory")
+def memory(ctx: Context) -> list[Row]:
+    cases = [(10, 1_100_000)] if ctx.quick else memory_bench.DEFAULT_CASES
+    rows = memory_bench.measure(cases, rounds=2 if ctx.quick else 3, whole_too=True, console=_Log(ctx))
+    out = []
+    for n, params in cases:
+        s = next(r for r in rows if (r["agents"], r["params"], r["path"]) == (n, params, "stream"))
+        w = next(r for r in rows if (r["agents"], r["params"], r["path"]) == (n, params, "whole"))
+        out.append(Row("memory", f"coordinator peak, {n} agents x {params / 1e6:.1f}M params, streamed",
+                       s["peak_over_model"], "whole-message updates", w["peak_over_model"], unit="x model",
+                       note=f"(peak - idle + model) / model; peak RSS {s['peak_rss_mb']:.0f} MB "
+                            f"(whole: {w['peak_rss_mb']:.0f} MB), idle {s['idle_rss_mb']:.0f} MB"))
+    return out
+
+
+@section("scale")
+def scale(ctx: Context) -> list[Row]:
+    agents = [10, 100] if ctx.quick else [10, 100, 1000]
+    rows = scale_bench.measure(agents, params=1000, rounds=3, compression="none", console=_Log(ctx))
+    base = rows[0]
+    return [Row("scale", f"FedAvg round, {r['agents']} agents (1000 params, training off)", r["round_median_s"],
+                "the same round with 10 agents", base["round_median_s"],
+                note=f"max {r['round_max_s']:.2f} s; coordinator CPU {r['coordinator_cpu_per_update_ms']:.2f} ms "
+                     f"per update" if r["round_median_s"] is not None else "incomplete")
+            for r in rows]
+
+
+@section("compression")
+def compression(ctx: Context) -> list[Row]:
+    rounds, seeds = (5, 1) if ctx.quick else (15, 2)
+    results = []
+    for mode, ratio in compression_bench.MODES:
+        runs = [compression_bench.federation(mode, ratio, 5, rounds, 0.3, seed=s) for s in range(seeds)]
+        acc = sum(r["accuracy"] for r in runs) / len(runs)
+        results.append({**runs[0], "accuracy": acc})
+    none = results[0]
+    out = []
+    for r in results[1:]:
+        out.append(Row("compression", f"update bytes, {r['mode']}", r["bytes_per_update"],
+                       "compression none", none["bytes_per_update"], unit="B",
+                       note=f"digits accuracy {r['accuracy']:.4f} vs {none['accuracy']:.4f} "
+                            f"({100 * (none['accuracy'] - r['accuracy']):+.2f} points), {rounds} rounds"))
+    return out
