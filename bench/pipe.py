@@ -23,14 +23,15 @@ from fedagent.protocols import topics
 from fedagent.protocols.messages import Update
 
 
-async def pipe(bb: BenchBroker, params: int, times: int, chunk: int) -> list[float]:
+async def pipe(bb: BenchBroker, params: int, times: int, chunk: int, window: int | None) -> list[float]:
     weights = model_weights(params)
     got: asyncio.Queue[Update] = asyncio.Queue()
     rx = Transport(uri=bb.uri, client_id="pipe-rx", tls=bb.tls(COORDINATOR), keepalive=30,
                    subscriptions=[topics.inbox(FEDERATION, COORDINATOR)], session_expiry=0)
     tx = Transport(uri=bb.uri, client_id="pipe-tx", tls=bb.tls("agent-1"), keepalive=30, session_expiry=0)
+    extra = {} if window is None else {"publish_window": window}
     mrx = Messenger(federation=FEDERATION, node_id=COORDINATOR, transport=rx, max_chunk_bytes=chunk)
-    mtx = Messenger(federation=FEDERATION, node_id="agent-1", transport=tx, max_chunk_bytes=chunk)
+    mtx = Messenger(federation=FEDERATION, node_id="agent-1", transport=tx, max_chunk_bytes=chunk, **extra)
 
     async def deliver(inc: Incoming) -> None:
         got.put_nowait(inc.message)
@@ -69,12 +70,17 @@ def main() -> None:
     ap.add_argument("--times", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=4 * 2**20)
     ap.add_argument("--profile", type=Path)
+    ap.add_argument("--window", type=int, help="chunks awaiting PUBACK at once (Messenger.publish_window)")
+    ap.add_argument("--read-size", type=int, help="largest socket read (transport.READ_SIZE)")
     a = ap.parse_args()
+    if a.read_size is not None:
+        from fedagent.agent import transport
+        transport.READ_SIZE = a.read_size
     with tempfile.TemporaryDirectory(prefix="fedagent-pipe-") as tmp, BenchBroker(Path(tmp), 1) as bb:
         prof = cProfile.Profile() if a.profile else None
         if prof:
             prof.enable()
-        times = asyncio.run(pipe(bb, int(a.params), a.times, a.chunk))
+        times = asyncio.run(pipe(bb, int(a.params), a.times, a.chunk, a.window))
         if prof:
             prof.disable()
             prof.dump_stats(a.profile)

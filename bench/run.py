@@ -125,15 +125,19 @@ def main(argv: list[str] | None = None) -> int:
                 failures[name] = f"{type(exc).__name__}: {exc}"
                 print(f"  section {name} failed: {failures[name]}", flush=True)
             print(f"  ({time.monotonic() - t0:.0f} s)", flush=True)
+        not_measured = list(ctx.shared.get("failures", []))
     info["loadavg_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     print_table(rows)
+    for what in not_measured:
+        print(f"NOT MEASURED: {what}")
     for name, why in failures.items():
         print(f"FAILED section {name}: {why}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "table.md").write_text(markdown(rows) + "\n")
+        notes = "".join(f"\nNot measured: {w}\n" for w in not_measured)
+        (args.out / "table.md").write_text(markdown(rows) + "\n" + notes)
         (args.out / "results.json").write_text(json.dumps(
-            {"machine": info, "quick": args.quick, "repeats": repeats, "failures": failures,
+            {"machine": info, "quick": args.quick, "repeats": repeats, "failures": failures, "not_measured": not_measured,
              "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]}, indent=2))
     return 1 if failures else 0
 
