@@ -12,6 +12,7 @@ sender named, and dropped: a hostile peer never reaches the protocol machines.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from fedagent.errors import CodecError
 from fedagent.protocols import topics
 from fedagent.protocols.chunking import Reassembler, split
-from fedagent.protocols.codec import Envelope, Limits, decode, encode
+from fedagent.protocols.codec import Envelope, Limits, decode, encode, encode_view
 from fedagent.protocols.compression import Compressor
 from fedagent.protocols.messages import Message, Update, body_of
 from fedagent.protocols.streaming import (HEAD_KIND, STREAM_KIND, StreamEvent, StreamIntake, encode_stream,
@@ -43,11 +44,15 @@ class Incoming:
 
 class Messenger:
     def __init__(self, *, federation: str, node_id: str, transport, max_chunk_bytes: int = 4 * 2**20,
-                 max_model_bytes: int = 2**30, reassembly_timeout: float = 120.0, metrics=None) -> None:
+                 max_model_bytes: int = 2**30, reassembly_timeout: float = 120.0, metrics=None,
+                 publish_window: int = 8) -> None:
         self.federation = federation
         self.node_id = node_id
         self.transport = transport
         self.max_chunk = max_chunk_bytes
+        if publish_window < 1:
+            raise ValueError("publish_window must be at least 1")
+        self.publish_window = publish_window
         # Per-sender sequence numbers grow across restarts: they start at the clock.
         self._seq = time.time_ns() // 1000
         self._transfer = 0
@@ -81,22 +86,22 @@ class Messenger:
         """Publish ``message`` (chunked if needed) on ``transport`` (default: this
         messenger's own); returns the bytes put on the wire."""
         transport = transport or self.transport
-        payload = await asyncio.to_thread(encode, self.envelope(message, round_)) \
-            if _is_big(message) else encode(self.envelope(message, round_))
+        big = _is_big(message)
+        payload = await asyncio.to_thread(encode_view, self.envelope(message, round_)) \
+            if big else encode(self.envelope(message, round_))
         frames = [payload]
         if len(payload) > self.max_chunk:
             if retain:
                 raise ValueError("a message larger than one chunk cannot be retained")
             self._transfer += 1
             tid = f"{self._seq:x}-{self._transfer}"
-            frames = []
-            for body in split(payload, max_chunk=self.max_chunk, transfer_id=tid):
-                self._seq += 1
-                frames.append(encode(Envelope(kind=CHUNK_KIND, federation=self.federation,
-                                              sender=self.node_id, round=round_, seq=self._seq,
-                                              ts=time.time(), body=body)))
-        for frame in frames:
-            await transport.publish(topic, frame, qos=1, retain=retain)
+            n = -(-len(payload) // self.max_chunk)
+            first = self._seq + 1
+            self._seq += n             # reserved here: another send may run meanwhile
+            frames = await asyncio.to_thread(self._chunk_frames, payload, tid, first, round_)
+        elif big:
+            frames = [bytes(payload)]
+        await self._publish_all(transport, topic, frames, retain)
         total = sum(len(f) for f in frames)
         self.bytes_out += total
         self.messages_out += 1
@@ -105,11 +110,44 @@ class Messenger:
             self.metrics.message_out()
         return total
 
+    def _chunk_frames(self, payload, tid: str, first_seq: int, round_: int) -> list[bytes]:
+        """The encoded chunk envelopes of ``payload`` (off the event loop: SHA-256 and
+        one copy of every byte). Chunk data are views of ``payload``, copied once, by
+        the encoder."""
+        bodies = split(payload, max_chunk=self.max_chunk, transfer_id=tid, copy=False)
+        return [encode(Envelope(kind=CHUNK_KIND, federation=self.federation, sender=self.node_id,
+                                round=round_, seq=first_seq + i, ts=time.time(), body=body))
+                for i, body in enumerate(bodies)]
+
+    async def _publish_all(self, transport, topic: str, frames: list[bytes], retain: bool) -> None:
+        """Publish ``frames`` with up to ``publish_window`` of them awaiting PUBACK at once.
+
+        One chunk at a time left the link idle for a round trip per chunk, and the
+        broker idle while the next chunk was being encrypted (bench/pipe.py measures
+        it). Chunks may arrive in any order; the reassembler does not care."""
+        if len(frames) == 1:
+            await transport.publish(topic, frames[0], qos=1, retain=retain)
+            return
+        window = asyncio.Semaphore(self.publish_window)
+
+        async def one(frame: bytes) -> None:
+            async with window:
+                await transport.publish(topic, frame, qos=1, retain=retain)
+
+        tasks = [asyncio.ensure_future(one(f)) for f in frames]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
     async def send_update(self, topic: str, update: Update, *, base=None, compressor: Compressor | None = None,
                           transport=None) -> int:
         """Publish ``update`` as a stream the coordinator folds chunk by chunk, compressed
         by ``compressor`` (deltas to ``base``, the round's global model); returns the bytes
-        put on the wire. Chunks are encoded one at a time."""
+        put on the wire."""
         transport = transport or self.transport
         compressor = compressor or Compressor()
         tensors = await asyncio.to_thread(compressor.encode, update.weights, base)
@@ -118,17 +156,47 @@ class Messenger:
                         seq=self._seq, ts=time.time(),
                         body=head_body(update.round, update.base_version, update.num_samples, update.metrics,
                                        update.leaving, tensors))
-        payload = await asyncio.to_thread(encode_stream, head, tensors)
+        payload, digest = await asyncio.to_thread(_stream_payload, head, tensors)
         del tensors
         self._transfer += 1
         tid = f"u{self._seq:x}-{self._transfer}"
-        total = 0
-        for body in iter_stream_chunks(payload, max_chunk=self.max_chunk, transfer_id=tid):
-            self._seq += 1
-            frame = encode(Envelope(kind=STREAM_KIND, federation=self.federation, sender=self.node_id,
-                                    round=update.round, seq=self._seq, ts=time.time(), body=body))
-            await transport.publish(topic, frame, qos=1)
-            total += len(frame)
+        n = max(1, -(-len(payload) // self.max_chunk))
+        first = self._seq + 1
+        self._seq += n                 # reserved here: another send may run meanwhile
+        round_ = update.round
+        big = n > 1
+
+        def frame(i: int, body: dict) -> bytes:
+            return encode(Envelope(kind=STREAM_KIND, federation=self.federation, sender=self.node_id,
+                                   round=round_, seq=first + i, ts=time.time(), body=body))
+
+        # Up to publish_window chunks await their PUBACK at once (as in send()); each is
+        # encoded off the event loop just before it is published, so at most a window of
+        # chunk frames exists besides the payload.
+        window = asyncio.Semaphore(self.publish_window)
+        tasks: list[asyncio.Future] = []
+        sizes: list[int] = []
+
+        async def one(i: int, body: dict) -> None:
+            try:
+                data = await asyncio.to_thread(frame, i, body) if big else frame(i, body)
+                sizes.append(len(data))
+                await transport.publish(topic, data, qos=1)
+            finally:
+                window.release()
+
+        try:
+            for i, body in enumerate(iter_stream_chunks(payload, max_chunk=self.max_chunk, transfer_id=tid,
+                                                        digest=digest)):
+                await window.acquire()
+                tasks.append(asyncio.ensure_future(one(i, body)))
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        total = sum(sizes)
         self.bytes_out += total
         self.messages_out += 1
         if self.metrics is not None:
@@ -210,6 +278,11 @@ class Messenger:
         if self.metrics is not None:
             self.metrics.message_in()
         await deliver(Incoming(topic, env.sender, env, message, size))
+
+
+def _stream_payload(head: Envelope, tensors) -> tuple[bytearray, bytes]:
+    payload = encode_stream(head, tensors)
+    return payload, hashlib.sha256(payload).digest()
 
 
 def _is_big(message: Message) -> bool:

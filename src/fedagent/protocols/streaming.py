@@ -115,15 +115,19 @@ def head_body(round_: int, base_version: int, num_samples: int, metrics: dict[st
             "tensors": [s.to_wire() for s, _ in tensors]}
 
 
-def iter_stream_chunks(payload: bytes | bytearray | memoryview, *, max_chunk: int, transfer_id: str):
-    """Chunk bodies for ``payload``, made one at a time (no second copy of the payload)."""
+def iter_stream_chunks(payload: bytes | bytearray | memoryview, *, max_chunk: int, transfer_id: str,
+                       digest: bytes | None = None):
+    """Chunk bodies for ``payload``, made one at a time; their data are views of it
+    (the encoder copies them once, into the chunk envelope). ``digest``: its SHA-256
+    if the caller computed it already."""
     view = memoryview(payload).cast("B")
     size = view.nbytes
-    digest = hashlib.sha256(view).digest()
+    if digest is None:
+        digest = hashlib.sha256(view).digest()
     n = max(1, -(-size // max_chunk))
     for i in range(n):
         yield {"tid": transfer_id, "i": i, "n": n, "size": size, "sha256": digest,
-               "data": bytes(view[i * max_chunk:(i + 1) * max_chunk])}
+               "data": view[i * max_chunk:(i + 1) * max_chunk]}
 
 
 # ---- receiver side ---------------------------------------------------------------------
