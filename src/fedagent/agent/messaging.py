@@ -170,17 +170,16 @@ class Messenger:
             return encode(Envelope(kind=STREAM_KIND, federation=self.federation, sender=self.node_id,
                                    round=round_, seq=first + i, ts=time.time(), body=body))
 
-        # Up to publish_window chunks await their PUBACK at once (as in send()); each is
-        # encoded off the event loop just before it is published, so at most a window of
-        # chunk frames exists besides the payload.
+        # Up to publish_window chunks await their PUBACK at once (as in send()). Frames are
+        # encoded off the event loop one after another and published in that order: the
+        # coordinator folds a stream in order and holds back only a few chunks that
+        # overtake others, so the sender must not reorder them.
         window = asyncio.Semaphore(self.publish_window)
         tasks: list[asyncio.Future] = []
         sizes: list[int] = []
 
-        async def one(i: int, body: dict) -> None:
+        async def one(data: bytes) -> None:
             try:
-                data = await asyncio.to_thread(frame, i, body) if big else frame(i, body)
-                sizes.append(len(data))
                 await transport.publish(topic, data, qos=1)
             finally:
                 window.release()
@@ -189,7 +188,13 @@ class Messenger:
             for i, body in enumerate(iter_stream_chunks(payload, max_chunk=self.max_chunk, transfer_id=tid,
                                                         digest=digest)):
                 await window.acquire()
-                tasks.append(asyncio.ensure_future(one(i, body)))
+                try:
+                    data = await asyncio.to_thread(frame, i, body) if big else frame(i, body)
+                except BaseException:
+                    window.release()
+                    raise
+                sizes.append(len(data))
+                tasks.append(asyncio.ensure_future(one(data)))
             await asyncio.gather(*tasks)
         except BaseException:
             for t in tasks:
