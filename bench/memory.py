@@ -29,7 +29,7 @@ from fedagent.experiments.swarm import run_federation
 DEFAULT_CASES = [(10, 11_200_000), (10, 1_100_000), (50, 1_100_000)]
 
 
-def measure(cases, rounds: int, whole_too: bool, console: Console) -> list[dict]:
+def measure(cases, rounds: int, whole_too: bool, console: Console, on_row=None) -> list[dict]:
     rows = []
     for n, params in cases:
         for whole in ([False, True] if whole_too else [False]):
@@ -43,8 +43,13 @@ def measure(cases, rounds: int, whole_too: bool, console: Console) -> list[dict]
                          "hwm_mb": r.hwm / 1e6,
                          "peak_over_model": (r.rss_peak - r.rss_idle + model) / model,
                          "errors": r.errors[:3]})
+            console.log(f"[{n}x{params}] {rows[-1]['path']}: idle {rows[-1]['idle_rss_mb']:.0f} MB, peak "
+                        f"{rows[-1]['peak_rss_mb']:.0f} MB, (peak - idle + model) / model = "
+                        f"{rows[-1]['peak_over_model']:.2f}")
             if len(r.round_seconds) < rounds:
                 console.log(f"[red]incomplete run:\n{r.coordinator_log}")
+            if on_row is not None:
+                on_row(rows)
     return rows
 
 
@@ -58,7 +63,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     console = Console(stderr=True)
-    rows = measure(cases, args.rounds, args.whole, console)
+    save = (lambda rows: args.json.write_text(json.dumps(rows, indent=2))) if args.json else None
+    rows = measure(cases, args.rounds, args.whole, console, on_row=save)
     table = Table(title="Coordinator memory during FedAvg rounds (TLS, training off)")
     for col in ("agents", "model (MB)", "updates", "idle RSS (MB)", "peak RSS (MB)", "(peak − idle + model) / model"):
         table.add_column(col, justify="right")
