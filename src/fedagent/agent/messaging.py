@@ -7,6 +7,11 @@ checked), the envelope's sender is checked against the topic it came on (the bro
 ACL guarantees the topic subtree is the publisher's certificate CN), and the body is
 validated into a typed message. Anything wrong is counted and logged with the
 sender named, and dropped: a hostile peer never reaches the protocol machines.
+
+Updates are the exception: :meth:`Messenger.send_update` sends them as streams
+(:mod:`fedagent.protocols.streaming`, compressed as the round asks), and a receiver that
+aggregates (``on_stream`` set) gets their chunks decoded into events as they arrive,
+never a reassembled update.
 """
 
 from __future__ import annotations
