@@ -7,10 +7,10 @@ reports rows against a baseline measured in the same run.
 
 from __future__ import annotations
 
-from bench import compression as compression_bench
-from bench import memory as memory_bench
-from bench import scale as scale_bench
 from bench.registry import Context, Row, section
+
+# The scripts (and torch, through the digits task) are imported when a section runs, so
+# listing or refusing sections stays fast.
 
 
 class _Log:
@@ -25,6 +25,7 @@ class _Log:
 
 @section("memory")
 def memory(ctx: Context) -> list[Row]:
+    from bench import memory as memory_bench
     cases = [(10, 1_100_000)] if ctx.quick else memory_bench.DEFAULT_CASES
     rows = memory_bench.measure(cases, rounds=2 if ctx.quick else 3, whole_too=True, console=_Log(ctx))
     out = []
@@ -40,6 +41,7 @@ def memory(ctx: Context) -> list[Row]:
 
 @section("scale")
 def scale(ctx: Context) -> list[Row]:
+    from bench import scale as scale_bench
     agents = [10, 100] if ctx.quick else [10, 100, 1000]
     rows = scale_bench.measure(agents, params=1000, rounds=3, compression="none", console=_Log(ctx))
     base = rows[0]
@@ -52,6 +54,7 @@ def scale(ctx: Context) -> list[Row]:
 
 @section("compression")
 def compression(ctx: Context) -> list[Row]:
+    from bench import compression as compression_bench
     rounds, seeds = (5, 1) if ctx.quick else (15, 2)
     results = []
     for mode, ratio in compression_bench.MODES:
