@@ -95,6 +95,11 @@ def coordinator(config_path: Path) -> None:
         cfg = config.load(config_path, "coordinator")
     except FedagentError as exc:
         _fail(exc)
+    if cfg.mode == "syncopt":
+        from fedagent.coordinator.syncopt import SyncOptCoordinator
+
+        _run_daemon(lambda: SyncOptCoordinator(cfg))
+        return
     _run_daemon(lambda: Coordinator(cfg))
 
 

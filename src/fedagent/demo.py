@@ -98,6 +98,16 @@ class Federation:
             self._write(aid, aid, "" if self.by_mdns else self.broker.uri,
                         {"shard": i, "shards": self.n, "alpha": self.alpha, "seed": SEED}, None)
 
+    def prepare_syncopt(self, task: str, agent_options, coordinator_options: dict, syncopt: dict) -> None:
+        """Configs for a ``mode = "syncopt"`` federation (call after ``prepare()`` has made
+        the PKI and the broker): ``agent_options(i)`` gives agent i's task options."""
+        assert self.broker is not None
+        self._write("coordinator", self.coordinator_id, self.broker.uri, coordinator_options, None, task,
+                    mode="syncopt", syncopt=syncopt)
+        for i, aid in enumerate(self.agent_ids):
+            self._write(aid, aid, "" if self.by_mdns else self.broker.uri, agent_options(i), None, task,
+                        mode="syncopt")
+
     def _write(self, stem: str, node_id: str, broker: str, task_options: dict, rounds: dict | None,
                task: str = "digits", **extra) -> Path:
         """Write ``<stem>.toml``; ``extra`` goes to :func:`config.render` (mode, gossip)."""
