@@ -141,6 +141,9 @@ class SyncOptCoordinator:
                 self.vocab_machine = V.VocabularyMerge(self.settings.vocab_config())
         if not has_vocabulary(self.task) or self.vocabulary is not None:
             self._build()
+        else:
+            # Before going online: agents offer their vocabularies when they see us.
+            self._warm_up()
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=10_000)
         self.timer = Timer(self.queue, S.Wakeup())
         self.vocab_timer = Timer(self.queue, _VocabWakeup())
@@ -214,7 +217,7 @@ class SyncOptCoordinator:
 
     def _warm_up(self) -> None:
         """The first optimizer step in a process imports much of torch (seconds on a
-        small machine): pay for it while the agents are still offering vocabularies."""
+        small machine): pay for it before the agents' offers come in, not after the merge."""
         try:
             p = torch.nn.Parameter(torch.zeros(2))
             opt = self.task.make_optimizer([p])
@@ -536,8 +539,6 @@ class SyncOptCoordinator:
                 log.info("Sync-Opt coordinator %s of federation %s on %s (%s)", self.cfg.id, self.fed,
                          self.cfg.broker, self.phase)
                 tg.create_task(self._process())
-                if self.machine is None:
-                    tg.create_task(asyncio.to_thread(self._warm_up))
                 await asyncio.Event().wait()
         finally:
             sdnotify.stopping()
