@@ -166,6 +166,7 @@ class SyncOptCoordinator:
         self.timings = {"optimizer_s": 0.0, "steps": 0, "step_s": 0.0}
         self.last_step_seconds: float | None = None
         self.pending_history: list[dict[str, Any]] = []
+        self.last_optimizer_s = 0.0
         self.finished_reason: str | None = None
         self.settled = self.status_snapshot()
 
@@ -385,7 +386,8 @@ class SyncOptCoordinator:
         elif isinstance(cmd, S.ApplyGradient):
             t0 = time.perf_counter()
             new = await asyncio.to_thread(self._apply, cmd.gradient)
-            self.timings["optimizer_s"] += time.perf_counter() - t0
+            self.last_optimizer_s = time.perf_counter() - t0
+            self.timings["optimizer_s"] += self.last_optimizer_s
             return self.machine.handle(S.OptimizerApplied(cmd.step, new), time.monotonic())
         elif isinstance(cmd, S.StepDone):
             took = time.monotonic() - (self.step_started_at or time.monotonic())
@@ -398,6 +400,7 @@ class SyncOptCoordinator:
                 "event": "step", "time": time.time(), "step": cmd.step, "model_version": cmd.model_version,
                 "loss": cmd.loss, "rel_change": cmd.rel_change, "samples": cmd.samples,
                 "participants": list(cmd.participants), "missing": list(cmd.missing), "seconds": round(took, 5),
+                "optimizer_s": round(self.last_optimizer_s, 5),
                 "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out})
             if cmd.final or self.machine.steps_done % self.settings.checkpoint_every == 0:
                 await self._checkpoint(cmd.weights, cmd.step, cmd.final)

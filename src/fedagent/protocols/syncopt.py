@@ -93,13 +93,15 @@ AGGREGATORS: dict[str, Callable[[Mapping[str, np.ndarray]], GradientAggregator]]
 
 def relative_change(new: Mapping[str, np.ndarray], old: Mapping[str, np.ndarray],
                     names: tuple[str, ...]) -> float:
-    """||W_new − W_old|| / ||W_old|| over the trained parameters (float64 sums)."""
+    """||W_new − W_old|| / ||W_old|| over the trained parameters (float64 sums).
+
+    Element-wise squares, not ``np.dot``: a BLAS dot spins threads that fight the agents
+    for the cores (140 ms instead of 6 ms per step on a busy 2-core machine)."""
     num = den = 0.0
     for n in names:
-        a = np.asarray(old[n], dtype=np.float64)
-        d = np.asarray(new[n], dtype=np.float64) - a
-        num += float(np.dot(d.ravel(), d.ravel()))
-        den += float(np.dot(a.ravel(), a.ravel()))
+        a = old[n]
+        num += float(np.square(np.subtract(new[n], a, dtype=np.float64)).sum())
+        den += float(np.square(a, dtype=np.float64).sum())
     if den == 0.0:
         return math.inf if num > 0 else 0.0
     return math.sqrt(num / den)
