@@ -14,7 +14,10 @@ Per step, from the daemons' own records:
   (they run in parallel, so the slowest one is on the critical path);
 * ``optimizer``: the coordinator's Adam step on the aggregate;
 * ``communication``: the rest — encoding, TLS, the broker, decoding, validating and
-  aggregating the gradients, and waiting.
+  aggregating the gradients, and waiting; split further into the time until the last
+  agent has decoded W, the time from the slowest agent's gradient being computed to the
+  coordinator having all gradients (encode, send, broker, decode, validate, aggregate),
+  and the coordinator's remainder (overlaps make it negative).
 
 Run it (a few minutes; in the background on a shared machine)::
 
@@ -54,7 +57,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5, help="first steps left out of the statistics")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
-    console = Console()
+    console = Console(width=max(120, Console().width))
     work = Path(tempfile.mkdtemp(prefix="fedagent-syncopt-bench-"))
     fed = Federation(work, agents=AGENTS, rounds=1, alpha=0.0, agent_broker_by_mdns=False)
     started = time.monotonic()
@@ -87,21 +90,25 @@ def main() -> int:
         vocab = s.get("vocabulary_size")
         coord = [r for r in read_history(work / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl")
                  if r.get("event") == "step"]
-        agent_compute: dict[int, list[float]] = {}
+        by_step: dict[int, list[dict]] = {}
         for aid in fed.agent_ids:
             for r in read_history(work / "state" / aid / "agent" / fed.fed / "history.jsonl"):
                 if r.get("event") == "gradient":
-                    agent_compute.setdefault(r["step"], []).append(r["compute_s"])
-        rows = [(r["seconds"], max(agent_compute.get(r["step"], [0.0])), r["optimizer_s"])
-                for r in coord if r["step"] > args.warmup and len(agent_compute.get(r["step"], [])) == AGENTS]
-        if not rows:
+                    by_step.setdefault(r["step"], []).append(r)
+        full = [(r, by_step[r["step"]]) for r in coord
+                if r["step"] > args.warmup and len(by_step.get(r["step"], [])) == AGENTS]
+        if not full:
             raise SystemExit("no complete step records")
-        step = [a for a, _, _ in rows]
-        fwd = [b for _, b, _ in rows]
-        opt = [c for _, _, c in rows]
-        comm = [a - b - c for a, b, c in rows]
+        step = [r["seconds"] for r, _ in full]
+        fwd = [max(a["compute_s"] for a in ags) for _, ags in full]
+        opt = [r["optimizer_s"] for r, _ in full]
+        comm = [s_ - f - o for s_, f, o in zip(step, fwd, opt)]
+        # Where the communication goes (same clock: every process runs on this machine).
+        down = [max(a["received_t"] for a in ags) - r["started_t"] for r, ags in full]
+        up = [r["last_gradient_t"] - max(a["computed_t"] for a in ags) for r, ags in full]
+        other = [c - d - u for c, d, u in zip(comm, down, up)]
         table = Table(title=f"Sync-Opt step, {AGENTS} agents, ProdLDA V={vocab} K={OPTIONS['n_topics']}, batch "
-                            f"{OPTIONS['batch_size']}/agent, Mosquitto + mTLS, {len(rows)} steps "
+                            f"{OPTIONS['batch_size']}/agent, Mosquitto + mTLS, {len(full)} steps "
                             f"(after {args.warmup} warm-up)", title_justify="left")
         for col in ("part", "median ms", "mean ms", "p90 ms", "max ms", "share of mean step"):
             table.add_column(col, justify="left" if col == "part" else "right")
@@ -117,6 +124,9 @@ def main() -> int:
         row("compute: agents fwd/bwd (slowest)", fwd)
         row("compute: coordinator optimizer", opt)
         row("communication (the rest)", comm)
+        row("  of which W to the last agent", down)
+        row("  of which gradients after the slowest agent", up)
+        row("  of which coordinator other (overlap < 0)", other)
         console.print(table)
         nbytes = 4 * 770_200
         console.print(f"per step: W broadcast once ({nbytes / 1e6:.1f} MB) to {AGENTS} agents, {AGENTS} gradients "

@@ -320,3 +320,29 @@ def test_bad_gradient_messages_are_codec_errors(patch):
     body = {**SyncGradient(1, 0, 4, 0.5, grad(1.0)).to_body(), **patch}
     with pytest.raises(CodecError):
         SyncGradient.from_body(body, LIMITS)
+
+
+# ---- configuration ------------------------------------------------------------------
+def test_syncopt_section_is_read_and_checked(tmp_path):
+    from fedagent import config
+    from fedagent.errors import ConfigError
+
+    tls = config.TlsConfig(ca=tmp_path / "ca.crt", cert=tmp_path / "c.crt", key=tmp_path / "c.key")
+
+    def load(section):
+        p = tmp_path / "coordinator.toml"
+        p.write_text(config.render(node_id="coord", federation="fed", tls=tls, state_dir=tmp_path, mode="syncopt",
+                                   broker="mqtts://127.0.0.1:8883", syncopt=section))
+        return config.load(p, "coordinator")
+
+    cfg = load({"steps": 50, "tol": 1e-4, "expected_agents": 5, "min_count": 2, "max_size": 1000,
+                "on_fault": "abort"})
+    assert cfg.mode == "syncopt"
+    m = cfg.syncopt.machine_config()
+    assert (m.steps, m.tol, m.on_fault) == (50, 1e-4, "abort")
+    v = cfg.syncopt.vocab_config()
+    assert (v.expected_agents, v.min_count, v.max_size) == (5, 2, 1000)
+    for bad in ({"stepz": 3}, {"on_fault": "retry"}, {"steps": 0}, {"expected_agents": 2, "min_agents": 3},
+                {"aggregation": "median"}, {"vocab_timeout": 0}):
+        with pytest.raises(ConfigError, match="syncopt"):
+            load(bad)

@@ -9,12 +9,15 @@ presence, one vocabulary offer of terms and counts, and gradients."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from fedagent.agent.messaging import Incoming, Messenger
@@ -202,3 +205,41 @@ def test_prodlda_five_agents_50_steps_equal_centralized(tmp_path):
 NTM_OPTIONS: dict = {"corpus": "synthetic", "vocab_size": 300, "true_topics": 10, "shared_topics": 5,
                      "eta": 0.1, "docs": 200, "val_docs": 20, "doc_length": [20, 40], "data_seed": 1,
                      "seed": 7, "n_topics": 10, "batch_size": 16}
+
+
+@pytest.mark.slow
+def test_an_agent_killed_mid_run_is_dropped_then_rejoins(tmp_path):
+    """on_fault = "continue": kill -9 one agent during the steps; the step waits for its
+    deadline, goes on with four, the run is flagged inexact; restarted, the agent gets the
+    vocabulary and the weights again and takes part until the end."""
+    def options(i):
+        return {**NTM_OPTIONS, "shard": i, "shards": AGENTS}
+
+    steps = 80
+    fed, tap = run_federation(tmp_path, "prodlda", options, {"steps": steps, "on_fault": "continue",
+                                                            "step_timeout": 5.0, "checkpoint_every": 5})
+    tap.stop()
+    try:
+        fed.start_all()
+        wait_for(lambda: (s := fed.status("coordinator")) and s["step"] >= 10, 120, "step 10", fed)
+        victim = next(p for p in fed.procs if p.name == "agent-5")
+        fed.stop(victim, signal.SIGKILL)
+        fed.procs.remove(victim)
+        wait_for(lambda: (s := fed.status("coordinator")) and "agent-5" not in s["participants"], 60,
+                 "agent-5 dropped", fed)
+        fed.spawn("agent-5")
+        done = wait_for(lambda: (s := fed.status("coordinator")) and s["phase"] in ("done", "aborted") and s,
+                        180, "the coordinator to finish", fed)
+        assert done["phase"] == "done" and done["steps_done"] == steps and not done["exact"]
+        assert "agent-5" in done["participants"]
+        history = (tmp_path / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl").read_text()
+        records = [json.loads(line) for line in history.splitlines()]
+        step_records = [r for r in records if r["event"] == "step"]
+        missing = [r for r in step_records if r["missing"]]
+        assert missing and all(r["missing"] == ["agent-5"] for r in missing)
+        rejoined = [r for r in step_records if r["step"] > missing[-1]["step"] and "agent-5" in r["participants"]]
+        assert rejoined and rejoined[-1]["model_version"] == steps
+        s5 = wait_for(lambda: (s := fed.status("agent-5")) and s["phase"] == "finished" and s, 30, "agent-5", fed)
+        assert s5["vocabulary_size"] == done["vocabulary_size"] and s5["steps_computed"] >= 1
+    finally:
+        fed.close()

@@ -162,7 +162,7 @@ class SyncOptSession:
             if self._from_coordinator(inc) and msg.step > self.latest_step:
                 self.latest_step = msg.step
                 if self.cfg.id in msg.participants:
-                    tg.create_task(self._step(msg))
+                    tg.create_task(self._step(msg, time.time()))
             return
         if isinstance(msg, GlobalModel):
             if self._from_coordinator(inc) and msg.final:
@@ -212,7 +212,7 @@ class SyncOptSession:
         self.history.append({"event": "vocabulary", "terms": len(msg.terms), "digest": msg.digest})
         log.info("adopted the common vocabulary: %d terms (digest %s)", len(msg.terms), msg.digest[:12])
 
-    async def _step(self, msg: SyncStep) -> None:
+    async def _step(self, msg: SyncStep, received_at: float) -> None:
         async with self._compute_lock:
             if msg.step != self.latest_step:
                 return                          # a newer step was announced meanwhile
@@ -242,6 +242,7 @@ class SyncOptSession:
                 self.state = "gradient failed"
                 return
             took = time.perf_counter() - started
+            computed_at = time.time()
             self.compute_seconds += took
             self.agent.metrics.training_seconds(took)
             self.held_version = msg.model_version
@@ -258,7 +259,8 @@ class SyncOptSession:
             self.state = f"gradient of step {msg.step} sent"
             self.pending_history.append({"event": "gradient", "time": time.time(), "step": msg.step,
                                          "model_version": msg.model_version, "loss": loss, "num_samples": n,
-                                         "compute_s": round(took, 5)})
+                                         "compute_s": round(took, 5), "received_t": received_at,
+                                         "computed_t": computed_at, "sent_t": time.time()})
             if len(self.pending_history) >= HISTORY_BATCH:
                 await self._flush_history()
 

@@ -167,6 +167,7 @@ class SyncOptCoordinator:
         self.last_step_seconds: float | None = None
         self.pending_history: list[dict[str, Any]] = []
         self.last_optimizer_s = 0.0
+        self.step_started_t = self.last_gradient_t = 0.0
         self.finished_reason: str | None = None
         self.settled = self.status_snapshot()
 
@@ -372,6 +373,7 @@ class SyncOptCoordinator:
         if isinstance(cmd, S.StartStep):
             self.phase = "steps"
             self.step_started_at = time.monotonic()
+            self.step_started_t = time.time()
             if cmd.step > self.reserved_step:
                 # Step numbers are reserved in blocks: a restart continues after the block,
                 # so a number once broadcast is never reused, at one fsync per block.
@@ -384,6 +386,7 @@ class SyncOptCoordinator:
                                       SyncStep(cmd.step, cmd.model_version, cmd.participants, cmd.deadline_s,
                                                self.vocab_digest, cmd.weights), round_=cmd.step)
         elif isinstance(cmd, S.ApplyGradient):
+            self.last_gradient_t = time.time()
             t0 = time.perf_counter()
             new = await asyncio.to_thread(self._apply, cmd.gradient)
             self.last_optimizer_s = time.perf_counter() - t0
@@ -400,7 +403,8 @@ class SyncOptCoordinator:
                 "event": "step", "time": time.time(), "step": cmd.step, "model_version": cmd.model_version,
                 "loss": cmd.loss, "rel_change": cmd.rel_change, "samples": cmd.samples,
                 "participants": list(cmd.participants), "missing": list(cmd.missing), "seconds": round(took, 5),
-                "optimizer_s": round(self.last_optimizer_s, 5),
+                "optimizer_s": round(self.last_optimizer_s, 5), "started_t": self.step_started_t,
+                "last_gradient_t": self.last_gradient_t,
                 "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out})
             if cmd.final or self.machine.steps_done % self.settings.checkpoint_every == 0:
                 await self._checkpoint(cmd.weights, cmd.step, cmd.final)
