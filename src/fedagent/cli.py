@@ -95,6 +95,11 @@ def coordinator(config_path: Path) -> None:
         cfg = config.load(config_path, "coordinator")
     except FedagentError as exc:
         _fail(exc)
+    if cfg.mode == "syncopt":
+        from fedagent.coordinator.syncopt import SyncOptCoordinator
+
+        _run_daemon(lambda: SyncOptCoordinator(cfg))
+        return
     _run_daemon(lambda: Coordinator(cfg))
 
 
@@ -309,10 +314,12 @@ def report(histories: tuple[Path, ...], state_dir: Path | None, out: Path, title
 
 # -- demo -------------------------------------------------------------------------------
 @main.command()
-@click.option("--mode", type=click.Choice(["fedavg", "gossip"]), default="fedavg", show_default=True,
-              help="fedavg: a coordinator runs rounds; gossip: no coordinator, agents merge each other's models")
+@click.option("--mode", type=click.Choice(["fedavg", "gossip", "syncopt"]), default="fedavg", show_default=True,
+              help="fedavg: a coordinator runs rounds; gossip: no coordinator, agents merge each other's models; "
+                   "syncopt: gFedNTM, vocabulary consensus then one gradient per agent per step (ProdLDA)")
 @click.option("--agents", type=int, default=None, help="number of agent processes [default: 3, gossip 5]")
 @click.option("--rounds", default=15, show_default=True, help="FedAvg rounds")
+@click.option("--steps", default=300, show_default=True, help="syncopt: Sync-Opt steps")
 @click.option("--periods", default=100, show_default=True, help="gossip exchange periods per agent")
 @click.option("--period-steps", default=10, show_default=True, help="gossip: local mini-batches per exchange")
 @click.option("--merge", type=click.Choice(["pushsum", "thesis"]), default="pushsum", show_default=True,
@@ -321,13 +328,15 @@ def report(histories: tuple[Path, ...], state_dir: Path | None, out: Path, title
 @click.option("--keep", is_flag=True, help="keep the work directory (logs, checkpoints)")
 @click.option("--report", "report_dir", type=click.Path(path_type=Path), default=Path("demo-report"),
               show_default=True, help="where to write the run's report (markdown + PNG plots)")
-def demo(mode: str, agents: int | None, rounds: int, periods: int, period_steps: int, merge: str, alpha: float,
+def demo(mode: str, agents: int | None, rounds: int, steps: int, periods: int, period_steps: int, merge: str, alpha: float,
          keep: bool, report_dir: Path) -> None:
     """A whole federation on this machine: broker, coordinator (FedAvg), agents, mDNS."""
-    from fedagent.demo import run_demo, run_gossip_demo
+    from fedagent.demo import run_demo, run_gossip_demo, run_syncopt_demo
 
     try:
-        if mode == "gossip":
+        if mode == "syncopt":
+            code = run_syncopt_demo(agents=agents or 5, steps=steps, keep=keep)
+        elif mode == "gossip":
             code = run_gossip_demo(agents=agents or 5, periods=periods, period_steps=period_steps, alpha=alpha,
                                    merge=merge, keep=keep, report_dir=report_dir)
         else:

@@ -106,6 +106,55 @@ class GossipSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class SyncOptSettings:
+    """``[syncopt]``: gFedNTM's vocabulary consensus and Sync-Opt steps (coordinator side;
+    see :mod:`fedagent.protocols.vocab` and :mod:`fedagent.protocols.syncopt`)."""
+
+    steps: int = 500                  # I in Algorithm 1
+    tol: float = 0.0                  # stop when ||W(t+1)-W(t)|| / ||W(t)|| < tol (0 = never)
+    step_timeout: float = 60.0        # seconds a step waits for its gradients
+    on_fault: str = "continue"        # "continue" without a vanished agent, or "abort"
+    min_gradients: int = 1            # "continue": aggregate a faulty step with at least this many
+    max_norm: float | None = None     # refuse gradients with a larger L2 norm
+    aggregation: str = "weighted"     # "weighted" (by samples) | "mean"
+    expected_agents: int = 0          # start (vocabulary, steps) once this many agents took part
+    min_agents: int = 1               # quorum at the vocabulary deadline / start_grace
+    vocab_timeout: float = 60.0       # vocabulary deadline: merge then with a quorum
+    min_count: int = 1                # keep terms counted at least this often over all agents
+    max_size: int = 0                 # keep at most this many terms (0 = all)
+    start_grace: float = 5.0          # tasks without a vocabulary: wait this long after quorum
+    checkpoint_every: int = 10        # steps between checkpoints (and always the last one)
+    seed: int = 0                     # torch seed for the model's initial weights on the coordinator
+
+    def __post_init__(self) -> None:
+        if self.expected_agents < 0 or self.min_agents < 1 or self.checkpoint_every < 1:
+            raise ConfigError("syncopt: expected_agents >= 0, min_agents >= 1, checkpoint_every >= 1")
+        if self.expected_agents and self.min_agents > self.expected_agents:
+            raise ConfigError("syncopt: min_agents cannot exceed expected_agents")
+        if not (self.vocab_timeout > 0 and self.start_grace >= 0):
+            raise ConfigError("syncopt: vocab_timeout must be positive and start_grace non-negative")
+
+    def machine_config(self):
+        from fedagent.protocols.syncopt import SyncOptConfig
+
+        try:
+            return SyncOptConfig(steps=self.steps, tol=self.tol, step_timeout=self.step_timeout,
+                                 on_fault=self.on_fault, min_gradients=self.min_gradients,
+                                 max_norm=self.max_norm, aggregation=self.aggregation)
+        except ValueError as exc:
+            raise ConfigError(f"[syncopt]: {exc}") from None
+
+    def vocab_config(self):
+        from fedagent.protocols.vocab import VocabConfig
+
+        try:
+            return VocabConfig(expected_agents=self.expected_agents, min_agents=self.min_agents,
+                               deadline=self.vocab_timeout, min_count=self.min_count, max_size=self.max_size)
+        except ValueError as exc:
+            raise ConfigError(f"[syncopt]: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
 class NodeConfig:
     """Shared by ``fedagent agent`` and ``fedagent coordinator``."""
 
@@ -124,6 +173,7 @@ class NodeConfig:
     task_options: dict[str, Any] = field(default_factory=dict)
     rounds: RoundsConfig = field(default_factory=RoundsConfig)
     gossip: GossipSettings = field(default_factory=GossipSettings)
+    syncopt: SyncOptSettings = field(default_factory=SyncOptSettings)
     max_chunk_bytes: int = 4 * 2**20
     max_model_bytes: int = 1 * 2**30
     metrics_port: int = 0          # 0: a free loopback port (shown by status); -1: off
@@ -145,7 +195,7 @@ class NodeConfig:
 
 
 _TOP = {"id", "federation", "mode", "state_dir", "runtime_dir", "broker", "tls", "discovery",
-        "task", "rounds", "gossip", "transfer", "metrics_port", "metrics_host", "torch_threads"}
+        "task", "rounds", "gossip", "syncopt", "transfer", "metrics_port", "metrics_host", "torch_threads"}
 
 
 def _table(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
@@ -209,6 +259,13 @@ def load(path: Path | str, role: str) -> NodeConfig:
             gossip.machine_config(gossip.exchange)          # validates the rest now
         except TypeError as exc:
             raise ConfigError(f"{where}: [gossip]: {exc}") from None
+        syncopt_raw = _table(raw, "syncopt", where)
+        try:
+            syncopt = SyncOptSettings(**syncopt_raw)
+            syncopt.machine_config()                       # validates the rest now
+            syncopt.vocab_config()
+        except TypeError as exc:
+            raise ConfigError(f"{where}: [syncopt]: {exc}") from None
         transfer = _table(raw, "transfer", where)
         state_dir = p(raw.get("state_dir", os.environ.get("STATE_DIRECTORY", "/var/lib/fedagent")), "state_dir")
         rt = raw.get("runtime_dir") or os.environ.get("RUNTIME_DIRECTORY")
@@ -216,7 +273,7 @@ def load(path: Path | str, role: str) -> NodeConfig:
             path=path, role=role, id=node_id, federation=federation, mode=mode, broker=broker,
             tls=tls, state_dir=state_dir, runtime_dir=p(rt, "runtime_dir") if rt else None,
             interfaces=interfaces, advertise=bool(disc.get("advertise", True)),
-            task=str(task.get("name", "digits")), task_options=options, rounds=rounds, gossip=gossip,
+            task=str(task.get("name", "digits")), task_options=options, rounds=rounds, gossip=gossip, syncopt=syncopt,
             max_chunk_bytes=int(transfer.get("max_chunk_bytes", 4 * 2**20)),
             max_model_bytes=int(transfer.get("max_model_bytes", 2**30)),
             metrics_port=int(raw.get("metrics_port", 0)),
@@ -232,7 +289,8 @@ def load(path: Path | str, role: str) -> NodeConfig:
 def render(*, node_id: str, federation: str, tls: TlsConfig, state_dir: Path, broker: str = "",
            runtime_dir: Path | None = None, mode: str = "fedavg", interfaces: tuple[str, ...] = ("127.0.0.1",),
            task: str = "digits", task_options: dict[str, Any] | None = None,
-           rounds: dict[str, Any] | None = None, gossip: dict[str, Any] | None = None) -> str:
+           rounds: dict[str, Any] | None = None, gossip: dict[str, Any] | None = None,
+           syncopt: dict[str, Any] | None = None) -> str:
     """A config file as TOML text (used by the demo, the tests and ``fedagent init``)."""
     doc: dict[str, Any] = {"id": node_id, "federation": federation, "mode": mode, "state_dir": str(state_dir)}
     if runtime_dir is not None:
@@ -245,6 +303,8 @@ def render(*, node_id: str, federation: str, tls: TlsConfig, state_dir: Path, br
         doc["rounds"] = rounds
     if gossip:
         doc["gossip"] = gossip
+    if syncopt:
+        doc["syncopt"] = syncopt
     return tomli_w.dumps(doc)
 
 

@@ -23,6 +23,7 @@ from fedagent.agent.control import ControlServer
 from fedagent.agent.discovery import Advert, Discovery
 from fedagent.agent.gossip import GossipSession
 from fedagent.agent.messaging import Incoming, Messenger
+from fedagent.agent.syncopt import SyncOptSession
 from fedagent.agent.runtime import History, make_transport, presence_payload
 from fedagent.config import NodeConfig
 from fedagent.errors import ConfigError, FedagentError
@@ -256,9 +257,11 @@ class Agent:
         if not broker:
             broker = await self._find_broker(federation)
             log.info("found federation %s on mDNS: broker %s", federation, broker)
-        session: Session | GossipSession
+        session: Session | GossipSession | SyncOptSession
         if self.cfg.mode == "gossip":
             session = GossipSession(self, federation, broker)
+        elif self.cfg.mode == "syncopt":
+            session = SyncOptSession(self, federation, broker)
         else:
             session = Session(self, federation, broker)
         self.session = session

@@ -152,4 +152,4 @@ class Messenger:
 
 
 def _is_big(message: Message) -> bool:
-    return hasattr(message, "weights")
+    return hasattr(message, "weights") or hasattr(message, "gradient")
