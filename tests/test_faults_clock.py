@@ -111,3 +111,28 @@ def test_coordinator_survives_wall_clock_jumps(tmp_path):
         os.environ.clear()
         os.environ.update(env_before)
         fed.close()
+
+
+def test_early_wakeup_re_requests_the_round_deadline():
+    """Found by the partition test (T7): the daemon's Timer keeps the earliest pending
+    wake-up, so a wake-up requested by a round that ended early fires before the next
+    round's deadline. Pass: that early wake-up makes the machine ask for its deadline
+    again, and the deadline then closes the round on the updates that came."""
+    import numpy as np
+
+    from fedagent.protocols.rounds import (AgentOnline, RequestWakeup, RoundAggregated, RoundConfig,
+                                           RoundMachine, StartRound, UpdateReceived, Wakeup)
+
+    w0 = {"w": np.zeros(3, np.float32)}
+    m = RoundMachine(RoundConfig(rounds=3, min_agents=3, expected_agents=3, min_updates=1, round_timeout=10), w0)
+    cmds = [c for a in "abc" for c in m.handle(AgentOnline(a, 10), 0.0)]
+    assert [c.at for c in cmds if isinstance(c, RequestWakeup)] == [10.0]        # round 1's deadline
+    for a in "abc":
+        cmds = m.handle(UpdateReceived(a, 1, 0, 10, {"w": np.ones(3, np.float32)}, {}), 1.0)
+    assert any(isinstance(c, RoundAggregated) for c in cmds) and any(isinstance(c, StartRound) for c in cmds)
+    # Round 2 started at t=1 (deadline 11). One agent answers, two stay silent.
+    m.handle(UpdateReceived("a", 2, 1, 10, {"w": np.ones(3, np.float32)}, {}), 2.0)
+    early = m.handle(Wakeup(), 10.0)                      # round 1's stale timer
+    assert early == [RequestWakeup(11.0)]
+    (agg,) = [c for c in m.handle(Wakeup(), 11.0) if isinstance(c, RoundAggregated)]
+    assert agg.round == 2 and agg.participants == ("a",)

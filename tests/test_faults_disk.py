@@ -235,3 +235,25 @@ def test_coordinator_on_a_full_disk_exits_74_and_resumes_when_space_returns(tmp_
     finally:
         fed.close()
         disk.close()
+
+
+def test_units_bound_restarts_and_keep_roles_apart():
+    """T11's "bounded restarts" in the units: Restart=on-failure retries exit 74 (freeing
+    space is enough to resume) but the start limit can actually trigger: StartLimitBurst
+    starts, RestartSec apart, fit inside StartLimitIntervalSec. Each role has its own
+    state directory and certificate (the coordinator unit used the agent's)."""
+    units = Path(__file__).resolve().parents[1] / "systemd"
+    for role in ("agent", "coordinator"):
+        text = (units / f"fedagent-{role}.service").read_text()
+        keys: dict[str, list[str]] = {}
+        for line in text.splitlines():
+            if "=" in line and not line.startswith("#"):
+                k, v = line.split("=", 1)
+                keys.setdefault(k.strip(), []).append(v.strip())
+        assert keys["Restart"] == ["on-failure"]
+        assert "74" not in " ".join(keys["RestartPreventExitStatus"]).split()
+        burst, interval = int(keys["StartLimitBurst"][0]), int(keys["StartLimitIntervalSec"][0])
+        restart_sec = int(keys["RestartSec"][0])
+        assert burst * restart_sec < interval, "the start limit could never trigger"
+        assert keys["StateDirectory"] == [f"fedagent-{role}"] and keys["RuntimeDirectory"] == [f"fedagent-{role}"]
+        assert f"node.crt:/etc/fedagent/tls/{role}.crt" in keys["LoadCredential"]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from fedagent import broker, checkpoint, config, pki
 from fedagent.agent.control import request
@@ -186,6 +187,7 @@ def fedavg_reference(n: int, alpha: float, rounds: int, epochs: int) -> float:
     """The fault-free run, computed in process: FedAvg over the same shards, weighted by
     samples, every agent in every round, each trained with seed = round number exactly
     as the agents do."""
+    torch.set_num_threads(1)          # as the agents do; more threads only spin on a busy machine
     tasks = [load_task("digits", {"shard": i, "shards": n, "alpha": alpha, "seed": SEED}) for i in range(n)]
     model = load_task("digits", {"seed": SEED}).build_model()
     global_w = get_weights(model)
@@ -209,63 +211,137 @@ def fedavg_reference(n: int, alpha: float, rounds: int, epochs: int) -> float:
 PARTITION_TOLERANCE = 0.05
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_partition_of_a_third_of_the_agents_mid_round(lab_factory, tmp_path):
-    """RELIABILITY T7: six agents, two of them cut off (nft drop-all) in the middle of
-    a round for 25 s, then healed. Pass: the coordinator finishes that round on the
-    four it can hear (quorum min_agents = 4) or at the round deadline, and keeps going;
-    the healed agents' updates for rounds that are over are refused as stale (or
-    discarded by the agents themselves), never aggregated; no round is aggregated twice;
-    the final model's accuracy is within PARTITION_TOLERANCE of the fault-free run."""
+    """RELIABILITY T7: six agents; two of them are cut off (nft drop-all, both ways)
+    in the middle of a round and healed once the broker has dropped them. Pass: the
+    coordinator closes that round at its deadline on the four it hears (min_updates 3)
+    and goes on with a quorum of four (min_agents 4); anything the cut agents trained
+    for a round that is over is refused as stale or discarded, never aggregated; after
+    healing they reconnect and take part again; no round is aggregated twice; the final
+    model's accuracy is within PARTITION_TOLERANCE of the fault-free run."""
     agents = [f"a{i}" for i in range(1, 7)]
     lab = lab_factory(["hub", *agents])
-    rounds, alpha, epochs = 7, 1.0, 2
+    rounds, alpha, epochs, timeout = 16, 1.0, 8, 12
     lf = LabFederation(lab, tmp_path, "partition", agents)
     coord_cfg = lf.write("coordinator", "hub", {"seed": SEED}, rounds={
-        "rounds": rounds, "min_agents": 4, "expected_agents": 6, "min_updates": 3, "round_timeout": 12,
+        "rounds": rounds, "min_agents": 4, "expected_agents": 6, "min_updates": 3, "round_timeout": timeout,
         "local_epochs": epochs, "lr": LR, "batch_size": BATCH, "seed": SEED})
     lf.start("coordinator", "hub", "coordinator", coord_cfg)
     for i, a in enumerate(agents):
         lf.start(a, a, "agent", lf.write(a, a, {"shard": i, "shards": 6, "alpha": alpha, "seed": SEED}))
     cut = ["a5", "a6"]
-    mid = lab.wait_for(lambda: (lambda s: s if s and s["completed_rounds"] >= 2 and s["phase"] == "training"
-                                else None)(lf.status("coordinator")), 150, "round 3 in progress")
+    coord = lambda: lf.status("coordinator") or {}                     # noqa: E731
+    mid = lab.wait_for(lambda: (lambda s: s if s.get("completed_rounds", 0) >= 2 and s["phase"] == "training"
+                                and not s["received"] else None)(coord()), 150, "round 3 in progress")
     for a in cut:
         lab.cut(a)
     cut_at = time.monotonic()
-    after_cut = lab.wait_for(lambda: (lambda s: s if s and s["completed_rounds"] >= mid["completed_rounds"] + 2
-                                      else None)(lf.status("coordinator")), 90, "two rounds during the partition")
-    during = time.monotonic() - cut_at
-    lab.wait_for(lambda: time.monotonic() - cut_at >= 25, 30, "the partition's length")
+    lab.wait_for(lambda: all(coord().get("peers", {}).get(a, {}).get("online") is False for a in cut), 60,
+                 "the broker to drop the cut agents (Last Will)")
+    dropped_after = time.monotonic() - cut_at
+    during = coord()
     for a in cut:
         lab.heal(a)
-    done = lab.wait_for(lambda: (lambda s: s if s and s["phase"] == "done" else None)(lf.status("coordinator")),
-                        180, "the federation to finish")
+    healed_at = time.monotonic()
+    lab.wait_for(lambda: all(coord().get("peers", {}).get(a, {}).get("online") for a in cut), 90,
+                 "the healed agents to reconnect")
+    back_after = time.monotonic() - healed_at
+    done = lab.wait_for(lambda: (lambda s: s if s.get("phase") == "done" else None)(coord()), 240,
+                        "the federation to finish")
     records = lf.history()
     aggregated = [r for r in records if r["event"] == "round"]
     abandoned = [r for r in records if r["event"] == "abandoned"]
     assert [r["model_version"] for r in aggregated] == list(range(1, rounds + 1))
     assert len({r["round"] for r in aggregated}) == rounds
-    # Rounds finished while a5/a6 were cut off went on without them.
-    partitioned = [r for r in aggregated if mid["round"] <= r["round"] <= after_cut["round"] - 1]
-    assert partitioned and all(not set(cut) & set(r["participants"]) for r in partitioned[1:])
     assert all(len(r["participants"]) >= 3 for r in aggregated)
-    # Stale updates from the healed side went nowhere.
+    cut_round = next(r for r in aggregated if r["round"] == mid["round"])
+    # The round that was cut closed at its deadline, on the four agents it could hear.
+    assert cut_round["participants"] == ["a1", "a2", "a3", "a4"]
+    assert timeout - 1 <= cut_round["seconds"] <= timeout + 5
+    partitioned = [r for r in aggregated if mid["round"] <= r["round"] <= during["round"]]
+    assert all(not set(cut) & set(r["participants"]) for r in partitioned)
+    # Stale updates from the healed side went nowhere ...
     stale_refused = [r for r in done["recent_rejections"] if r["sender"] in cut]
     assert all(r["reason"] == "stale" for r in stale_refused)
     for a in cut:
         hist = tmp_path / "state" / a / "agent" / "partition" / "history.jsonl"
         sent = {(u["round"], u["base_version"]) for u in map(json.loads, hist.read_text().splitlines())
                 if u["event"] == "update"}
-        # Whenever a5/a6 are counted in a round, it is with an update trained for that
-        # round on that round's model: nothing from an older round slipped in.
+        # ... whenever a5/a6 are counted in a round, it is with an update trained for
+        # that round on that round's model: nothing from an older round slipped in.
         for r in aggregated:
             if a in r["participants"]:
                 assert (r["round"], r["model_version"] - 1) in sent
     # The healed agents took part again.
-    assert all(set(cut) <= set(r["participants"]) for r in aggregated[-1:])
-    weights, meta = checkpoint.load(tmp_path / "state" / "coordinator" / "coordinator" / "partition" / "global.ckpt")
+    assert set(cut) <= set(aggregated[-1]["participants"])
+    weights, _ = checkpoint.load(tmp_path / "state" / "coordinator" / "coordinator" / "partition" / "global.ckpt")
     got = accuracy(weights)
     want = fedavg_reference(6, alpha, rounds, epochs)
-    print(f"T7: {len(partitioned)} rounds during the partition ({during:.1f}s for two), {len(abandoned)} abandoned, "
-          f"{len(stale_refused)} stale updates refused; accuracy {got:.3f} vs fault-free {want:.3f}")
+    print(f"T7: cut during round {mid['round']}, which closed at its deadline after {cut_round['seconds']:.1f}s on 4 "
+          f"agents; broker dropped the cut agents after {dropped_after:.1f}s; {len(partitioned)} rounds without them; "
+          f"back {back_after:.1f}s after healing; {len(abandoned)} rounds abandoned, {len(stale_refused)} stale "
+          f"updates refused; accuracy {got:.3f} vs fault-free {want:.3f}")
     assert got >= want - PARTITION_TOLERANCE
+
+
+# -- T8: a degraded network under gossip ---------------------------------------------------
+GOSSIP_PERIODS = 60
+GOSSIP = {"periods": GOSSIP_PERIODS, "period_steps": 10, "lr": 0.1, "batch_size": BATCH, "seed": SEED,
+          "period_seconds": 0.3, "send_timeout": 5.0, "eval_every": 10, "min_peers": 3}
+# Stated budgets for T8: at most this share of sent models may time out while the link is
+# degraded (no timeout storm), and after the fault heals the agents end within these
+# accuracy points of centralized training on the union of the data (the fault-free
+# gossip test, test_gossip_net, holds 0.06 mean / 0.10 worst under churn).
+TIMEOUT_SHARE, MEAN_MARGIN, WORST_MARGIN = 0.25, 0.06, 0.10
+
+
+def gossip_accuracy(work: Path, fed: str, aid: str) -> float:
+    loaded = checkpoint.load(work / "state" / aid / "agent" / fed / "model.ckpt")
+    assert loaded is not None, f"{aid} wrote no model"
+    return accuracy(loaded[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_gossip_under_loss_rate_limit_and_delay(lab_factory, tmp_path):
+    """RELIABILITY T8: four gossip agents behind one broker whose host drops 20% of
+    packets both ways, sends at most 1 mbit/s (tbf) and holds every outgoing packet
+    75 ms (NFQUEUE holder), for the first half of training; then the faults are
+    removed. Pass: slower, not divergent: every agent finishes every period; no
+    timeout storm (timed-out models <= TIMEOUT_SHARE of those sent); after healing
+    gossip converges: every agent within the stated margins of centralized training."""
+    from fedagent.demo import train_reference_steps
+
+    agents = ["g1", "g2", "g3", "g4"]
+    lab = lab_factory(["hub", *agents])
+    fed = "degraded"
+    lf = LabFederation(lab, tmp_path, fed, agents)
+    lab.loss("hub", 0.2)
+    lab.rate("hub", "1mbit")
+    lab.delay("hub", 75, queue_num=7)
+    started = time.monotonic()
+    for i, a in enumerate(agents):
+        lf.start(a, a, "agent", lf.write(a, a, {"shard": i, "shards": 4, "alpha": 0.3, "seed": SEED},
+                                         mode="gossip", gossip=GOSSIP))
+    status = lambda: {a: lf.status(a) or {} for a in agents}          # noqa: E731
+    half = lab.wait_for(lambda: (lambda ss: ss if all(s.get("period", 0) >= GOSSIP_PERIODS // 2 for s in ss.values())
+                                 else None)(status()), 400, "half the periods under the degraded link")
+    degraded_s = time.monotonic() - started
+    during = {k: sum(s["gossip"][k] for s in half.values()) for k in ("sent", "timeouts", "acked", "retries")}
+    lab.clear("hub")
+    healed_at = time.monotonic()
+    done = lab.wait_for(lambda: (lambda ss: ss if all(s.get("round_state") == "finished" for s in ss.values())
+                                 else None)(status()), 300, "the agents to finish after healing")
+    healthy_s = time.monotonic() - healed_at
+    total = {k: sum(s["gossip"][k] for s in done.values()) for k in ("sent", "timeouts", "acked", "retries")}
+    assert all(s["period"] == GOSSIP_PERIODS for s in done.values())
+    assert during["sent"] > 0 and during["timeouts"] <= TIMEOUT_SHARE * during["sent"], during
+    central = train_reference_steps({"seed": SEED}, GOSSIP_PERIODS * 10 * len(agents), 0.1, cosine=True)
+    accs = {a: gossip_accuracy(tmp_path, fed, a) for a in agents}
+    rel = {a: s["disagreement_rel"] for a, s in done.items()}
+    print(f"T8: first half (loss 20%, 1 mbit, +75 ms) {degraded_s:.1f}s, second half {healthy_s:.1f}s; "
+          f"degraded: {during}; total: {total}; disagreement_rel {rel}; accuracy {accs} vs central {central:.3f}")
+    assert sum(accs.values()) / len(accs) >= central - MEAN_MARGIN, (accs, central)
+    assert min(accs.values()) >= central - WORST_MARGIN, (accs, central)
