@@ -75,7 +75,7 @@ def test_coordinator_survives_wall_clock_jumps(tmp_path):
     +6 h, then -1 day, then +30 days while rounds with a 15 s timeout run. Pass: no
     spurious aborts (no round abandoned), every round aggregated once, versions
     contiguous, and round durations measured on the monotonic clock stay sane."""
-    rounds = 8
+    rounds = 5
     fed = Federation(tmp_path, agents=2, rounds=rounds, alpha=0.5, round_timeout=15)
     offset = tmp_path / "faketime-offset"
     offset.write_text("+0\n")
@@ -91,7 +91,7 @@ def test_coordinator_survives_wall_clock_jumps(tmp_path):
         for aid in fed.agent_ids:
             fed.spawn(aid)
         status = lambda: fed.status("coordinator") or {}          # noqa: E731
-        for target, jump in ((1, "+6h"), (3, "-1d"), (5, "+30d")):
+        for target, jump in ((1, "+6h"), (2, "-1d"), (3, "+30d")):
             wait_for(lambda t=target: status().get("completed_rounds", 0) >= t, 90, f"round {target}", fed)
             offset.write_text(jump + "\n")
         done = wait_for(lambda: (lambda s: s if s.get("phase") == "done" else None)(status()), 150,

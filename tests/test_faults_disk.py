@@ -195,21 +195,21 @@ def test_coordinator_on_a_full_disk_exits_74_and_resumes_when_space_returns(tmp_
     the still-full disk it fails the same way at once (no hang, no damage: systemd's
     start limit bounds the restarts); once space is freed it resumes and finishes with
     contiguous model versions, no round aggregated twice."""
-    rounds = 8
+    rounds = 4
     fed = Federation(tmp_path, agents=2, rounds=rounds, alpha=0.5, round_timeout=30)
     disk = SmallDisk(tmp_path / "state" / "coordinator", 512)
     try:
         fed.prepare()
         fed.start_all()
         coord = fed.procs[0]
-        wait_for(lambda: (fed.status("coordinator") or {}).get("completed_rounds", 0) >= 2, 90, "two rounds", fed)
+        wait_for(lambda: (fed.status("coordinator") or {}).get("completed_rounds", 0) >= 1, 90, "a first round", fed)
         disk.fill()
         code = coord.popen.wait(60)
         fed.procs.remove(coord)
         out = coord.log.read_text()
         assert code == EXIT_IOERR, out[-2000:]
-        assert "No space left on device" in out and "previous version is intact" in out or \
-            "earlier records are intact" in out
+        assert "No space left on device" in out
+        assert "previous version is intact" in out or "earlier records are intact" in out
         state = disk.path / "coordinator" / fed.fed
         weights, meta = checkpoint.load(state / "global.ckpt")
         records = [json.loads(line) for line in (state / "history.jsonl").read_text().splitlines()]

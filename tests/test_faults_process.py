@@ -49,15 +49,15 @@ def test_broker_killed_and_restarted_mid_round(tmp_path):
     (backoff, resubscribe, presence republished) and the federation finishes; the
     interrupted round completes or is abandoned cleanly (at most that one round is
     lost); never aggregated twice: contiguous model versions, unique round numbers."""
-    rounds = 6
+    rounds = 4
     fed = Federation(tmp_path, agents=3, rounds=rounds, alpha=0.5, round_timeout=20, agent_broker_by_mdns=False)
     try:
         fed.prepare()
         slow_rounds(fed, rounds, 20)
         fed.start_all()
-        mid = wait_for(lambda: (lambda s: s if s and s["completed_rounds"] >= 2 and s["phase"] == "training"
+        mid = wait_for(lambda: (lambda s: s if s and s["completed_rounds"] >= 1 and s["phase"] == "training"
                                 and not s["received"] else None)(fed.status("coordinator")), 120,
-                       "a round in progress after two rounds", fed)
+                       "a round in progress after the first", fed)
         fed.broker.kill()
         killed_at = time.monotonic()
         time.sleep(2.0)                 # the outage: the fault's length, not a synchronisation
@@ -82,7 +82,7 @@ def test_agent_paused_past_keepalive_is_dropped_and_its_stale_update_refused(tmp
     marks it offline), the round is aggregated without it, and after SIGCONT it
     reconnects; the update it finished for the old round is discarded or refused as
     stale, never aggregated: no round lists it unless it trained that round's model."""
-    rounds = 5
+    rounds = 3
     fed = Federation(tmp_path, agents=3, rounds=rounds, alpha=0.5, round_timeout=60, agent_broker_by_mdns=False)
     try:
         fed.prepare()
@@ -108,7 +108,7 @@ def test_agent_paused_past_keepalive_is_dropped_and_its_stale_update_refused(tmp
         aggregated, _ = check_history(history(fed), rounds)
         paused_round = next(r for r in aggregated if r["round"] == mid["round"])
         assert "agent-3" not in paused_round["participants"]
-        assert 10 <= dropped_after <= 25            # 1.5 x keep-alive of 10 s, plus polling
+        assert 10 <= dropped_after <= 35            # 1.5 x keep-alive of 10 s, plus polling on a busy machine
         # Whatever agent-3 trained for the paused round went nowhere: discarded by the
         # agent, or refused by the coordinator as stale.
         log3 = (fed.work / "logs" / "agent-3.log").read_text()
