@@ -15,6 +15,7 @@ failing test leaves nothing behind.
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import shutil
@@ -69,6 +70,8 @@ class Lab:
         return f"{self.tag}p{self.index[host]}"
 
     def up(self) -> Lab:
+        # Also on an interrupted run that skips fixture teardown (close() is idempotent).
+        atexit.register(self.close)
         br = self.bridge_ns
         sh("ip", "netns", "add", br)
         self.made.append(br)
@@ -147,9 +150,11 @@ class Lab:
         self.run(host, "iptables", "-F", check=False)
         self.run(host, "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
         for name, p in list(self.procs):
-            if name == f"delay-{host}" and p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                p.wait(10)
+            if name == f"delay-{host}":
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGTERM)
+                    p.wait(10)
+                self.forget(name)
 
     # -- processes -----------------------------------------------------------------------
     def spawn(self, name: str, host: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
