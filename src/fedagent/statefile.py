@@ -72,7 +72,10 @@ def append_line(path: Path, line: bytes) -> None:
     A full disk can accept part of a write; a half line would make every later reader
     of the file fail, so on any error the file is cut back to its previous length.
     """
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise StateWriteError(f"cannot append to {path}: {exc.strerror or exc}") from exc
     try:
         size = os.fstat(fd).st_size
         try:
