@@ -26,7 +26,7 @@ from fedagent.agent.messaging import Incoming, Messenger
 from fedagent.agent.syncopt import SyncOptSession
 from fedagent.agent.runtime import History, make_transport, presence_payload
 from fedagent.config import NodeConfig
-from fedagent.errors import ConfigError, FedagentError
+from fedagent.errors import EXIT_CONFIG, ConfigError, FedagentError, TransportError
 from fedagent.metrics import NodeMetrics
 from fedagent.pki import fingerprint
 from fedagent.protocols import topics
@@ -130,7 +130,18 @@ class Session:
                     log.warning("no coordinator known; update for round %d dropped", cmd.update.round)
                     continue
                 topic = topics.direct(self.fed, self.cfg.id, self.coordinator, "update")
-                n = await self.messenger.send(topic, cmd.update, round_=cmd.update.round)
+                try:
+                    n = await self.messenger.send(topic, cmd.update, round_=cmd.update.round)
+                except TransportError as exc:
+                    if exc.exit_code == EXIT_CONFIG:
+                        raise
+                    # Cut off from the broker for longer than the publish timeout (a
+                    # partition): by the time we are back the round is over and the update
+                    # stale, so it is dropped here instead of ending the daemon.
+                    log.warning("round %d: update not delivered (%s); the round goes on without it",
+                                cmd.update.round, exc)
+                    self.round_state = "update not delivered"
+                    continue
                 self.round_state = "update sent"
                 self.agent.metrics.round_completed(None, cmd.update.metrics)
                 self.history.append({"event": "update", "round": cmd.update.round,

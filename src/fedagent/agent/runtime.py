@@ -17,6 +17,7 @@ from fedagent.config import NodeConfig
 from fedagent.protocols import topics
 from fedagent.protocols.messages import Presence
 from fedagent.protocols.codec import Envelope, encode
+from fedagent.statefile import append_line
 
 
 def setup_logging(level: str = "INFO") -> None:
@@ -84,7 +85,4 @@ class History:
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def append(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps({"time": time.time(), **record}, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_line(self.path, (json.dumps({"time": time.time(), **record}, sort_keys=True) + "\n").encode())

@@ -9,6 +9,7 @@ checkpoint and announce an aggregate, schedule a wake-up.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ class Coordinator:
             weights, meta = resumed
             log.info("resuming from %s: model version %s after round %s", self.ckpt_path,
                      meta.get("model_version"), meta.get("round"))
+            self._reconcile_history(meta)
         # A restart never reuses the number of a round it had started: agents ignore a
         # round start they have seen, and the updates of that round may already have been
         # acknowledged by this process before it died. The unfinished round is abandoned
@@ -105,6 +107,30 @@ class Coordinator:
         self.round_started_at: float | None = None
         self.last_round_seconds: float | None = None
         self.done = asyncio.Event()
+
+    def _reconcile_history(self, meta: dict[str, Any]) -> None:
+        """The checkpoint is written before the history line of its round; a crash or a
+        full disk between the two leaves a model version the history lacks. Restore the
+        line from the checkpoint's own record so the history stays one line per version."""
+        last = 0
+        try:
+            with self.history.path.open("rb") as f:
+                f.seek(max(0, f.seek(0, 2) - 65536))
+                for line in f.read().splitlines():
+                    if b'"event": "round"' in line:
+                        try:
+                            last = max(last, int(json.loads(line).get("model_version", 0)))
+                        except (ValueError, AttributeError):
+                            continue
+        except FileNotFoundError:
+            pass
+        version = int(meta.get("model_version", 0))
+        if version == last + 1:
+            log.warning("history lacks model version %d (the process stopped between checkpoint and "
+                        "history); restored from the checkpoint", version)
+            self.history.append({"event": "round", "round": meta.get("round"), "model_version": version,
+                                 "participants": meta.get("participants", []), "metrics": meta.get("metrics", {}),
+                                 "recovered": True})
 
     # -- network -----------------------------------------------------------------------
     async def _on_connect(self) -> None:

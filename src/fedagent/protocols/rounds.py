@@ -202,7 +202,12 @@ class RoundMachine:
             return self._on_update(event, now)
         if isinstance(event, Wakeup):
             if self.phase is Phase.TRAINING:
-                return self._maybe_finish(now)
+                out = self._maybe_finish(now)
+                if self.phase is Phase.TRAINING and not any(isinstance(c, RequestWakeup) for c in out):
+                    # Woken early (a wake-up asked for by an earlier round that ended
+                    # sooner): ask again for this round's deadline, or it never fires.
+                    out.append(RequestWakeup(self.deadline))
+                return out
             return self._maybe_start(now)
         raise TypeError(f"not a round event: {event!r}")
 
