@@ -23,7 +23,7 @@ from fedagent.agent.control import ControlServer
 from fedagent.agent.discovery import Advert, Discovery
 from fedagent.agent.gossip import GossipSession
 from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.runtime import History, make_transport, presence_payload
+from fedagent.agent.runtime import History, make_transport, node_identity, presence_payload
 from fedagent.config import NodeConfig
 from fedagent.errors import ConfigError, FedagentError
 from fedagent.metrics import NodeMetrics
@@ -70,7 +70,8 @@ class Session:
             on_connect=self._on_connect)
         self.messenger = Messenger(federation=federation, node_id=self.cfg.id, transport=self.transport,
                                    max_chunk_bytes=self.cfg.max_chunk_bytes,
-                                   max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics)
+                                   max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics,
+                                   identity=node_identity(self.cfg), max_skew=self.cfg.max_clock_skew)
 
     async def _on_connect(self) -> None:
         await self.transport.publish(
