@@ -6,9 +6,9 @@ tests/byzantine_task.py), a coordinator aggregating with the coordinate-wise med
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 from test_federation import coordinator_done, wait_for
 
