@@ -148,3 +148,17 @@ def test_round_binding_refuses_a_body_of_another_round(pki) -> None:
     with pytest.raises(ValueError, match="round"):
         m.frame(Update(2, 0, 1, {}, {}), round_=3)
     assert decode(m.frame(Update(5, 0, 1, {}, {}))).round == 5
+
+
+def test_receiver_refuses_a_signed_envelope_whose_body_names_another_round(pki) -> None:
+    a = ident(pki, "agent-a")
+    recv = Messenger(federation=FED, node_id="coord", transport=None, identity=ident(pki, "coord"))
+    body = Update(2, 0, 1, {}, {"w": np.zeros(2, np.float32)}).to_body()
+    frame = encode(sign(env(round=3, body=body), a))
+    got = []
+
+    async def deliver(inc):
+        got.append(inc)
+
+    asyncio.run(recv.receive(topics.direct(FED, "agent-a", "coord", "update"), frame, deliver))
+    assert got == [] and dict(recv.rejected) == {"round": 1}
