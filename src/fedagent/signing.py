@@ -44,7 +44,7 @@ import hashlib
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -132,8 +132,6 @@ def sign(env: Envelope, identity: Identity) -> Envelope:
     """``env`` with ``cert`` and ``sig`` set; the sender must be the identity's name."""
     if env.sender != identity.name:
         raise ValueError(f"cannot sign a message from {env.sender} as {identity.name}")
-    from dataclasses import replace
-
     unsigned = replace(env, cert=identity.cert_der, sig=b"")
     return replace(unsigned, sig=identity.key.sign(signing_digest(unsigned)))
 

@@ -28,11 +28,9 @@ from fedagent.protocols import topics
 from fedagent.protocols.chunking import Reassembler, split
 from fedagent.protocols.codec import Envelope, Limits, decode, encode, weights_nbytes
 from fedagent.protocols.messages import Message, body_of
-from fedagent.signing import AuthError, Identity, sign
+from fedagent.signing import CHUNK_KIND, AuthError, Identity, sign
 
 log = logging.getLogger(__name__)
-
-CHUNK_KIND = "chunk"
 
 
 @dataclass(frozen=True, slots=True)
