@@ -122,6 +122,7 @@ def test_tampered_replayed_and_relayed_frames_over_the_broker(broker, peer, arun
             await a.transport.publish(topic, frame)
             inc = await asyncio.wait_for(got.get(), 10)
             np.testing.assert_array_equal(inc.message.weights["w"], weights["w"])
+            assert inc.role == "agent"          # from the certificate: what the daemons check
             await a.transport.publish(topic, frame)                          # replay
             tampered = bytearray(frame)
             at = tampered.find(weights["w"].tobytes())

@@ -106,6 +106,10 @@ class Session:
         if isinstance(msg, (RoundStart, RoundResult, GlobalModel)):
             if not inc.topic.startswith(topics.federation_root(self.fed) + "/global/"):
                 return self.messenger._reject("topic", inc.sender, f"{msg.kind} outside global/")
+            if inc.role != "coordinator":
+                # The ACL keeps agents off global/, but the broker is not trusted with
+                # that: only a coordinator's certificate may sign what steers training.
+                return self.messenger._reject("role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-coordinator'}")
             self.coordinator = inc.sender
             if isinstance(msg, RoundStart) and msg.round > self.current_round:
                 self.current_round = msg.round

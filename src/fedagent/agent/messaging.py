@@ -40,6 +40,7 @@ class Incoming:
     envelope: Envelope
     message: Message
     nbytes: int
+    role: str = ""          # the signer's certificate role (OU): "agent" or "coordinator"
 
 
 class Messenger:
@@ -143,7 +144,7 @@ class Messenger:
         if env.federation != self.federation:
             return self._reject("federation", env.sender, f"envelope for {env.federation}")
         try:
-            self.verifier.check(env)
+            role = self.verifier.check(env)
         except AuthError as exc:
             return self._reject(exc.reason, env.sender, exc.detail)
         if env.kind == CHUNK_KIND:
@@ -176,7 +177,7 @@ class Messenger:
         self.messages_in += 1
         if self.metrics is not None:
             self.metrics.message_in()
-        await deliver(Incoming(topic, env.sender, env, message, size))
+        await deliver(Incoming(topic, env.sender, env, message, size, role))
 
 
 def _is_big(message: Message) -> bool:
