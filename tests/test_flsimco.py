@@ -177,7 +177,7 @@ def test_missing_or_bad_metadata_is_rejected(metrics):
 
 
 def test_strategy_validation():
-    for bad in (dict(name="krum"), dict(name="metric"), dict(name="drop_above", key="speed")):
+    for bad in (dict(name="bogus"), dict(name="metric"), dict(name="drop_above", key="speed")):
         with pytest.raises(ValueError):
             Strategy(**bad)
 

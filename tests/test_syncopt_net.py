@@ -26,6 +26,7 @@ from fedagent.demo import Federation
 from fedagent.protocols import topics
 from fedagent.protocols.messages import Presence, SyncGradient, VocabOffer, Vocabulary
 from fedagent.protocols.vocab import merge_vocabularies, vocabulary_digest
+from fedagent.signing import Identity
 from fedagent.tasks.base import get_weights, load_task
 
 AGENTS = 5
@@ -50,6 +51,7 @@ class Tap:
     def __init__(self, uri: str, tls: TlsFiles, federation: str) -> None:
         self.payloads: list[tuple[str, bytes]] = []
         self.fed = federation
+        self.tls = tls
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
@@ -94,7 +96,9 @@ class Tap:
             out.append(inc)
 
         async def main():
-            m = Messenger(federation=self.fed, node_id="tap", transport=None)
+            # Checked as a coordinator would check them: signatures, certificates, freshness.
+            ident = Identity.load(self.tls.cert, self.tls.key, self.tls.ca)
+            m = Messenger(federation=self.fed, node_id=ident.name, transport=None, identity=ident)
             for topic, payload in self.payloads:
                 await m.receive(topic, payload, collect)
             assert not m.rejected, m.rejected

@@ -48,6 +48,10 @@ class RoundsConfig:
     weight_key: str = ""              # the reported metric "metric"/"blur"/"drop_above" read
     drop_above: float | None = None   # "drop_above": threshold on weight_key
     leave_after: int = 0              # agent: leave after this many rounds (0 = stay)
+    byzantine: int = 0                # robust aggregations: Byzantine updates per round to tolerate (f)
+    trim: float = 0.1                 # "trimmed_mean": fraction β dropped at each end
+    krum_m: int = 0                   # "krum": updates averaged by multi-Krum (0 = n - f)
+    clip_norm: float | None = None    # cap each update's L2 distance from the global model (any aggregation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +75,8 @@ class GossipSettings:
     period_seconds: float = 0.0       # a period lasts at least this long (paces fast training)
     lr_schedule: str = "cosine"       # "cosine" (to 0 at `periods`) | "constant"
     catch_up: bool = True             # a newcomer's first merge adopts far older models
+    max_norm: float | None = None     # refuse a received model whose L2 norm exceeds this
+    clip_norm: float | None = None    # cap a received model's L2 distance from ours
 
     def lr_at(self, period: int) -> float:
         """The step size for ``period``: with a known end (``periods``) the default cosine
@@ -100,7 +106,8 @@ class GossipSettings:
             return GossipConfig(period_steps=self.period_steps, max_incoming=self.max_incoming,
                                 create=self.create, merge=self.merge, exchange=names, catch_up=self.catch_up,
                                 send_timeout=self.send_timeout, max_retries=self.max_retries,
-                                periods=self.periods, seed=self.seed)
+                                periods=self.periods, seed=self.seed, max_norm=self.max_norm,
+                                clip_norm=self.clip_norm)
         except ValueError as exc:
             raise ConfigError(f"[gossip]: {exc}") from None
 
@@ -179,6 +186,7 @@ class NodeConfig:
     metrics_port: int = 0          # 0: a free loopback port (shown by status); -1: off
     metrics_host: str = "127.0.0.1"
     torch_threads: int = 1
+    max_clock_skew: float = 300.0  # [security]: a message's timestamp may differ this much from ours
 
     @property
     def control_socket(self) -> Path:
@@ -195,7 +203,8 @@ class NodeConfig:
 
 
 _TOP = {"id", "federation", "mode", "state_dir", "runtime_dir", "broker", "tls", "discovery",
-        "task", "rounds", "gossip", "syncopt", "transfer", "metrics_port", "metrics_host", "torch_threads"}
+        "task", "rounds", "gossip", "syncopt", "transfer", "metrics_port", "metrics_host", "torch_threads",
+        "security"}
 
 
 def _table(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
@@ -267,6 +276,13 @@ def load(path: Path | str, role: str) -> NodeConfig:
         except TypeError as exc:
             raise ConfigError(f"{where}: [syncopt]: {exc}") from None
         transfer = _table(raw, "transfer", where)
+        security = _table(raw, "security", where)
+        unknown_sec = set(security) - {"max_clock_skew"}
+        if unknown_sec:
+            raise ConfigError(f"{where}: [security]: unknown keys {sorted(unknown_sec)}")
+        skew = security.get("max_clock_skew", 300.0)
+        if isinstance(skew, bool) or not isinstance(skew, int | float) or not 1 <= skew <= 86400:
+            raise ConfigError(f"{where}: security.max_clock_skew must be 1..86400 seconds, not {skew!r}")
         state_dir = p(raw.get("state_dir", os.environ.get("STATE_DIRECTORY", "/var/lib/fedagent")), "state_dir")
         rt = raw.get("runtime_dir") or os.environ.get("RUNTIME_DIRECTORY")
         return NodeConfig(
@@ -279,6 +295,7 @@ def load(path: Path | str, role: str) -> NodeConfig:
             metrics_port=int(raw.get("metrics_port", 0)),
             metrics_host=str(raw.get("metrics_host", "127.0.0.1")),
             torch_threads=int(raw.get("torch_threads", 1)),
+            max_clock_skew=float(skew),
         )
     except ConfigError as exc:
         if where in str(exc):

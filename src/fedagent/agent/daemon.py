@@ -24,7 +24,7 @@ from fedagent.agent.discovery import Advert, Discovery
 from fedagent.agent.gossip import GossipSession
 from fedagent.agent.messaging import Incoming, Messenger
 from fedagent.agent.syncopt import SyncOptSession
-from fedagent.agent.runtime import History, make_transport, presence_payload
+from fedagent.agent.runtime import History, make_transport, node_identity, presence_payload
 from fedagent.config import NodeConfig
 from fedagent.errors import EXIT_CONFIG, ConfigError, FedagentError, TransportError
 from fedagent.metrics import NodeMetrics
@@ -71,7 +71,8 @@ class Session:
             on_connect=self._on_connect)
         self.messenger = Messenger(federation=federation, node_id=self.cfg.id, transport=self.transport,
                                    max_chunk_bytes=self.cfg.max_chunk_bytes,
-                                   max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics)
+                                   max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics,
+                                   identity=node_identity(self.cfg), max_skew=self.cfg.max_clock_skew)
 
     async def _on_connect(self) -> None:
         await self.transport.publish(
@@ -106,6 +107,10 @@ class Session:
         if isinstance(msg, (RoundStart, RoundResult, GlobalModel)):
             if not inc.topic.startswith(topics.federation_root(self.fed) + "/global/"):
                 return self.messenger._reject("topic", inc.sender, f"{msg.kind} outside global/")
+            if inc.role != "coordinator":
+                # The ACL keeps agents off global/, but the broker is not trusted with
+                # that: only a coordinator's certificate may sign what steers training.
+                return self.messenger._reject("role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-coordinator'}")
             self.coordinator = inc.sender
             if isinstance(msg, RoundStart) and msg.round > self.current_round:
                 self.current_round = msg.round

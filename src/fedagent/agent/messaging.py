@@ -7,6 +7,11 @@ checked), the envelope's sender is checked against the topic it came on (the bro
 ACL guarantees the topic subtree is the publisher's certificate CN), and the body is
 validated into a typed message. Anything wrong is counted and logged with the
 sender named, and dropped: a hostile peer never reaches the protocol machines.
+
+Every frame is signed with the node's :class:`~fedagent.signing.Identity` and every
+received frame is authenticated (certificate, signature, freshness) by a
+:class:`~fedagent.signing.Verifier` before anything else looks at its body, whatever
+its kind: see :mod:`fedagent.signing` for what is signed and why.
 """
 
 from __future__ import annotations
@@ -21,12 +26,11 @@ from dataclasses import dataclass
 from fedagent.errors import CodecError
 from fedagent.protocols import topics
 from fedagent.protocols.chunking import Reassembler, split
-from fedagent.protocols.codec import Envelope, Limits, decode, encode
+from fedagent.protocols.codec import Envelope, Limits, decode, encode, weights_nbytes
 from fedagent.protocols.messages import Message, body_of
+from fedagent.signing import CHUNK_KIND, AuthError, Identity, sign
 
 log = logging.getLogger(__name__)
-
-CHUNK_KIND = "chunk"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,14 +40,20 @@ class Incoming:
     envelope: Envelope
     message: Message
     nbytes: int
+    role: str = ""          # the signer's certificate role (OU): "agent" or "coordinator"
 
 
 class Messenger:
-    def __init__(self, *, federation: str, node_id: str, transport, max_chunk_bytes: int = 4 * 2**20,
-                 max_model_bytes: int = 2**30, reassembly_timeout: float = 120.0, metrics=None) -> None:
+    def __init__(self, *, federation: str, node_id: str, transport, identity: Identity,
+                 max_chunk_bytes: int = 4 * 2**20, max_model_bytes: int = 2**30,
+                 reassembly_timeout: float = 120.0, metrics=None, max_skew: float = 300.0) -> None:
+        if identity.name != node_id:
+            raise ValueError(f"the signing identity is {identity.name!r}, not {node_id!r}")
         self.federation = federation
         self.node_id = node_id
         self.transport = transport
+        self.identity = identity
+        self.verifier = identity.verifier(max_skew=max_skew)
         self.max_chunk = max_chunk_bytes
         # Per-sender sequence numbers grow across restarts: they start at the clock.
         self._seq = time.time_ns() // 1000
@@ -67,13 +77,23 @@ class Messenger:
         return Envelope(kind=message.kind, federation=self.federation, sender=self.node_id,
                         round=round_, seq=self._seq, ts=time.time(), body=message.to_body())
 
-    async def send(self, topic: str, message: Message, *, round_: int = 0, retain: bool = False,
+    def frame(self, message: Message, round_: int | None = None) -> bytes:
+        """One signed frame for a message that is never chunked (presence, a Last Will)."""
+        return encode(sign(self.envelope(message, _round_of(message, round_)), self.identity))
+
+    async def send(self, topic: str, message: Message, *, round_: int | None = None, retain: bool = False,
                    transport=None) -> int:
         """Publish ``message`` (chunked if needed) on ``transport`` (default: this
-        messenger's own); returns the bytes put on the wire."""
+        messenger's own); returns the bytes put on the wire. ``round_`` defaults to the
+        message's own ``round`` (the envelope's round is signed and must agree)."""
         transport = transport or self.transport
-        payload = await asyncio.to_thread(encode, self.envelope(message, round_)) \
-            if _is_big(message) else encode(self.envelope(message, round_))
+        env = self.envelope(message, _round_of(message, round_))
+        big = _is_big(message)
+        # A message that will be chunked is authenticated by its signed chunks; signing the
+        # inner envelope too would cost one more pass over the model.
+        if not (big and weights_nbytes(_tensors(message)) > self.max_chunk):
+            env = sign(env, self.identity)
+        payload = await asyncio.to_thread(encode, env) if big else encode(env)
         frames = [payload]
         if len(payload) > self.max_chunk:
             if retain:
@@ -83,9 +103,9 @@ class Messenger:
             frames = []
             for body in split(payload, max_chunk=self.max_chunk, transfer_id=tid):
                 self._seq += 1
-                frames.append(encode(Envelope(kind=CHUNK_KIND, federation=self.federation,
-                                              sender=self.node_id, round=round_, seq=self._seq,
-                                              ts=time.time(), body=body)))
+                frames.append(encode(sign(Envelope(kind=CHUNK_KIND, federation=self.federation,
+                                                   sender=self.node_id, round=env.round, seq=self._seq,
+                                                   ts=time.time(), body=body), self.identity)))
         for frame in frames:
             await transport.publish(topic, frame, qos=1, retain=retain)
         total = sum(len(f) for f in frames)
@@ -123,6 +143,10 @@ class Messenger:
             return self._reject("spoofed", topic_sender, f"envelope claims sender {env.sender}")
         if env.federation != self.federation:
             return self._reject("federation", env.sender, f"envelope for {env.federation}")
+        try:
+            role = self.verifier.check(env)
+        except AuthError as exc:
+            return self._reject(exc.reason, env.sender, exc.detail)
         if env.kind == CHUNK_KIND:
             try:
                 whole = self.reassembler.feed(env.sender, env.body, time.monotonic())
@@ -145,11 +169,34 @@ class Messenger:
             message = body_of(env.kind, env.body, self.model_limits)
         except CodecError as exc:
             return self._reject("schema", env.sender, str(exc))
+        body_round = getattr(message, "round", None)
+        if type(body_round) is int and body_round != env.round:
+            # The signed envelope round binds the message to its round: a body naming
+            # another one was not produced by the sender's messenger.
+            return self._reject("round", env.sender, f"body for round {body_round} in an envelope of round {env.round}")
         self.messages_in += 1
         if self.metrics is not None:
             self.metrics.message_in()
-        await deliver(Incoming(topic, env.sender, env, message, size))
+        await deliver(Incoming(topic, env.sender, env, message, size, role))
 
 
 def _is_big(message: Message) -> bool:
-    return hasattr(message, "weights") or hasattr(message, "gradient")
+    return _tensors(message) is not None
+
+
+def _tensors(message: Message):
+    """The tensors a message carries (a model or a gradient), or None."""
+    for name in ("weights", "gradient"):
+        t = getattr(message, name, None)
+        if t is not None:
+            return t
+    return None
+
+
+def _round_of(message: Message, round_: int | None) -> int:
+    own = getattr(message, "round", None)
+    if type(own) is not int:
+        return 0 if round_ is None else round_
+    if round_ is not None and round_ != own:
+        raise ValueError(f"{message.kind} of round {own} sent with envelope round {round_}")
+    return own

@@ -28,7 +28,7 @@ import torch
 from fedagent import checkpoint
 from fedagent.agent import sdnotify
 from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.runtime import History, make_transport, presence_payload
+from fedagent.agent.runtime import History, make_transport, node_identity, presence_payload
 from fedagent.protocols import topics
 from fedagent.protocols.messages import GlobalModel, Presence, SyncGradient, SyncStep, VocabOffer, Vocabulary
 from fedagent.statefile import cleanup_temp_files
@@ -103,7 +103,8 @@ class SyncOptSession:
             on_connect=self._on_connect)
         self.messenger = Messenger(federation=federation, node_id=self.cfg.id, transport=self.transport,
                                    max_chunk_bytes=self.cfg.max_chunk_bytes,
-                                   max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics)
+                                   max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics,
+                                   identity=node_identity(self.cfg), max_skew=self.cfg.max_clock_skew)
         self._compute_lock = asyncio.Lock()
         self.pending_history: list[dict[str, Any]] = []
 
@@ -135,6 +136,11 @@ class SyncOptSession:
     def _from_coordinator(self, inc: Incoming) -> bool:
         if not inc.topic.startswith(topics.federation_root(self.fed) + "/global/"):
             self.messenger._reject("topic", inc.sender, f"{inc.message.kind} outside global/")
+            return False
+        if inc.role != "coordinator":
+            # The broker is not trusted with the ACL alone: only a coordinator's
+            # certificate may sign a vocabulary, a step or a model.
+            self.messenger._reject("role", inc.sender, f"{inc.message.kind} signed by a {inc.role or 'non-coordinator'}")
             return False
         self.coordinator = inc.sender
         return True

@@ -22,7 +22,7 @@ from fedagent.agent import sdnotify
 from fedagent.agent.control import ControlServer
 from fedagent.agent.discovery import Advert, Discovery
 from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.runtime import History, Timer, make_transport, presence_payload
+from fedagent.agent.runtime import History, Timer, make_transport, node_identity, presence_payload
 from fedagent.config import NodeConfig
 from fedagent.errors import ConfigError
 from fedagent.metrics import NodeMetrics
@@ -49,7 +49,8 @@ def round_config(cfg: NodeConfig) -> R.RoundConfig:
             rounds=r.rounds, min_agents=r.min_agents, expected_agents=r.expected_agents,
             start_grace=r.start_grace, agents_per_round=r.agents_per_round, min_updates=r.min_updates,
             round_timeout=r.round_timeout, max_norm=r.max_norm, seed=r.seed, lr_schedule=r.lr_schedule,
-            strategy=Strategy(r.aggregation, r.weight_key, r.drop_above),
+            strategy=Strategy(r.aggregation, r.weight_key, r.drop_above, byzantine=r.byzantine, trim=r.trim,
+                              krum_m=r.krum_m, clip_norm=r.clip_norm),
             train=TrainConfig(epochs=r.local_epochs, lr=r.lr, batch_size=r.batch_size))
     except (ValueError, Exception) as exc:
         raise ConfigError(f"{cfg.path}: [rounds]: {exc}") from None
@@ -101,7 +102,8 @@ class Coordinator:
         self.metrics_url: str | None = None
         self.messenger = Messenger(federation=self.fed, node_id=cfg.id, transport=self.transport,
                                    max_chunk_bytes=cfg.max_chunk_bytes, max_model_bytes=cfg.max_model_bytes,
-                                   metrics=self.metrics)
+                                   metrics=self.metrics, identity=node_identity(cfg),
+                                   max_skew=cfg.max_clock_skew)
         self.peers: dict[str, dict[str, Any]] = {}
         self.rejections: list[dict[str, Any]] = []
         self.round_started_at: float | None = None

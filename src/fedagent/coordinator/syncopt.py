@@ -36,7 +36,7 @@ from fedagent.agent import sdnotify
 from fedagent.agent.control import ControlServer
 from fedagent.agent.discovery import Advert, Discovery
 from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.runtime import History, Timer, make_transport, presence_payload
+from fedagent.agent.runtime import History, Timer, make_transport, node_identity, presence_payload
 from fedagent.config import NodeConfig
 from fedagent.errors import ConfigError, FedagentError
 from fedagent.metrics import NodeMetrics
@@ -157,7 +157,8 @@ class SyncOptCoordinator:
         self.metrics_url: str | None = None
         self.messenger = Messenger(federation=self.fed, node_id=cfg.id, transport=self.transport,
                                    max_chunk_bytes=cfg.max_chunk_bytes, max_model_bytes=cfg.max_model_bytes,
-                                   metrics=self.metrics)
+                                   metrics=self.metrics, identity=node_identity(cfg),
+                                   max_skew=cfg.max_clock_skew)
         self.online: dict[str, int] = {}
         self.peers: dict[str, dict[str, Any]] = {}
         self.rejections: list[dict[str, Any]] = []

@@ -71,6 +71,9 @@ class RoundConfig:
             raise ValueError("agents_per_round is below min_updates: no round could aggregate")
         if not (self.round_timeout > 0 and self.start_grace >= 0):
             raise ValueError("round_timeout must be positive and start_grace non-negative")
+        # A round may be aggregated from as few as min_updates: the robust aggregator's
+        # precondition must hold there, or a Byzantine minority could win such a round.
+        self.strategy.check_preconditions(self.min_updates)
 
 
 # ---- events ------------------------------------------------------------------------
