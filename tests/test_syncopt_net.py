@@ -115,10 +115,18 @@ def run_federation(tmp: Path, task: str, options, syncopt: dict):
 
 def check_exact_and_private(fed: Federation, tap: Tap, make_tasks, centralized_step, steps: int,
                             in_process_step=None) -> float:
-    done = wait_for(lambda: (s := fed.status("coordinator")) and s["phase"] in ("done", "aborted") and s,
-                    120, "the coordinator to finish", fed)
+    phases: set[str] = set()
+
+    def finished():
+        s = fed.status("coordinator")
+        if s:
+            phases.add(s["phase"])
+        return s if s and s["phase"] in ("done", "aborted") else None
+
+    done = wait_for(finished, 120, "the coordinator to finish", fed)
     assert done["phase"] == "done", done
     assert done["steps_done"] == steps and done["model_version"] == steps and done["exact"]
+    assert "steps" in phases and np.isfinite(done["last_loss"]) and done["mode"] == "syncopt"
     statuses = wait_for(lambda: (ss := [fed.status(a) for a in fed.agent_ids]) and
                         all(s and s["phase"] == "finished" for s in ss) and ss, 30, "agents to finish", fed)
     weights, meta = fed.final_weights()
