@@ -216,6 +216,9 @@ class SyncOptCoordinator:
                                         model_version=int(meta.get("model_version", 0)),
                                         steps_done=int(meta.get("steps_done", 0)),
                                         last_step=max(int(meta.get("step", 0)), last_started))
+        # A fault before the restart keeps the run inexact; the restart itself does not
+        # break exactness (the steps after the checkpoint are recomputed identically).
+        self.machine.exact = bool(meta.get("exact", True))
         self.phase = "done" if self.machine.phase is S.Phase.DONE else "waiting"
 
     def _warm_up(self) -> None:
