@@ -68,6 +68,7 @@ def test_daemons_feed_machines_the_monotonic_clock():
     assert seen >= 5 and bad == []
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(FAKETIME_LIB is None or shutil.which("faketime") is None,
                     reason="libfaketime is not installed (apt-get install faketime)")
 def test_coordinator_survives_wall_clock_jumps(tmp_path):

@@ -187,6 +187,7 @@ def test_failed_writes_on_a_full_disk_leave_old_state_intact(tmp_path):
         disk.close()
 
 
+@pytest.mark.slow
 @needs_root
 def test_coordinator_on_a_full_disk_exits_74_and_resumes_when_space_returns(tmp_path):
     """RELIABILITY T11 with the real daemon: the coordinator's state directory fills up

@@ -21,11 +21,11 @@ def history(fed: Federation) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def slow_rounds(fed: Federation, rounds: int, timeout: float) -> None:
+def slow_rounds(fed: Federation, rounds: int, timeout: float, epochs: int = SLOW_EPOCHS) -> None:
     n = len(fed.agent_ids)
     fed.write_coordinator("digits", {"seed": SEED}, {
         "rounds": rounds, "min_agents": n, "expected_agents": n, "min_updates": 1,
-        "round_timeout": timeout, "local_epochs": SLOW_EPOCHS, "lr": 0.05, "batch_size": 32, "seed": SEED})
+        "round_timeout": timeout, "local_epochs": epochs, "lr": 0.05, "batch_size": 32, "seed": SEED})
 
 
 def finished(fed: Federation):
@@ -49,11 +49,11 @@ def test_broker_killed_and_restarted_mid_round(tmp_path):
     (backoff, resubscribe, presence republished) and the federation finishes; the
     interrupted round completes or is abandoned cleanly (at most that one round is
     lost); never aggregated twice: contiguous model versions, unique round numbers."""
-    rounds = 4
+    rounds = 3
     fed = Federation(tmp_path, agents=3, rounds=rounds, alpha=0.5, round_timeout=30, agent_broker_by_mdns=False)
     try:
         fed.prepare()
-        slow_rounds(fed, rounds, 30)
+        slow_rounds(fed, rounds, 30, epochs=6)
         fed.start_all()
         mid = wait_for(lambda: (lambda s: s if s and s["completed_rounds"] >= 1 and s["phase"] == "training"
                                 and not s["received"] else None)(fed.status("coordinator")), 120,
