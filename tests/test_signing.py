@@ -151,7 +151,7 @@ def test_round_binding_refuses_a_body_of_another_round(pki) -> None:
     assert decode(m.frame(Update(5, 0, 1, {}, {}))).round == 5
 
 
-def test_receiver_refuses_a_signed_envelope_whose_body_names_another_round(pki) -> None:
+def test_receiver_refuses_a_signed_envelope_whose_body_names_another_round(pki, caplog) -> None:
     a = ident(pki, "agent-a")
     recv = Messenger(federation=FED, node_id="coord", transport=None, identity=ident(pki, "coord"))
     body = Update(2, 0, 1, {}, {"w": np.zeros(2, np.float32)}).to_body()
@@ -161,5 +161,7 @@ def test_receiver_refuses_a_signed_envelope_whose_body_names_another_round(pki) 
     async def deliver(inc):
         got.append(inc)
 
-    asyncio.run(recv.receive(topics.direct(FED, "agent-a", "coord", "update"), frame, deliver))
+    with caplog.at_level("WARNING", logger="fedagent.agent.messaging"):
+        asyncio.run(recv.receive(topics.direct(FED, "agent-a", "coord", "update"), frame, deliver))
     assert got == [] and dict(recv.rejected) == {"round": 1}
+    assert "rejected message from agent-a: round" in caplog.text
