@@ -48,9 +48,8 @@ a ``Newsgroups:`` line); each post's group is the first of the two sample groups
 
 **Vocabulary.** :func:`term_counts` is what an agent offers in the vocabulary consensus
 (terms and counts, never documents); :func:`merge_term_counts` is the merge the
-consensus stage computes. It is a stand-in with the same semantics as the consensus
-protocol's merge (union, summed counts, ``min_count``, ``max_size``, ordered by
-descending count then term) until that protocol is available on this branch.
+consensus stage computes (``protocols.vocab.merge_vocabularies``), so a task that
+computes its vocabulary in-process gets exactly the terms and order the protocol would.
 """
 
 from __future__ import annotations
@@ -72,6 +71,7 @@ from pathlib import Path
 import numpy as np
 
 from fedagent.errors import ConfigError
+from fedagent.protocols.vocab import merge_vocabularies
 
 WIKI_DUMP = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 PROCESSING_VERSION = 1          # bump when tokenisation changes: invalidates caches
@@ -272,14 +272,10 @@ def term_counts(docs: Iterable[Sequence[str]]) -> dict[str, int]:
 
 def merge_term_counts(offers: Iterable[Mapping[str, int]], *, min_count: int = 1,
                       max_size: int = 0) -> list[tuple[str, int]]:
-    """The consensus stage's merge (stand-in, module docstring): union with summed counts,
-    terms with at least ``min_count``, at most ``max_size`` (0 = all), by descending count
-    then term."""
-    total: Counter[str] = Counter()
-    for offer in offers:
-        total.update(offer)
-    kept = sorted(((t, c) for t, c in total.items() if c >= min_count), key=lambda tc: (-tc[1], tc[0]))
-    return kept[:max_size] if max_size else kept
+    """The vocabulary the consensus stage agrees on for these offers: the consensus
+    protocol's own merge (union with summed counts, terms with at least ``min_count``, at
+    most ``max_size`` (0 = all), by descending count then term)."""
+    return merge_vocabularies(offers, min_count=min_count, max_size=max_size)
 
 
 # ---- 20-newsgroups sample (SEEC's public corpus) ------------------------------------------------
