@@ -63,6 +63,7 @@ def set_weights(model: torch.nn.Module, weights: Mapping[str, np.ndarray]) -> No
 BUILTIN: dict[str, str] = {
     "digits": "fedagent.tasks.digits:make",
     "flsimco": "fedagent.tasks.flsimco:make",
+    "word2vec": "fedagent.tasks.word2vec:make",
 }
 
 
