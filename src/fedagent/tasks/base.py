@@ -64,6 +64,7 @@ BUILTIN: dict[str, str] = {
     "digits": "fedagent.tasks.digits:make",
     "flsimco": "fedagent.tasks.flsimco:make",
     "word2vec": "fedagent.tasks.word2vec:make",
+    "doc2vec": "fedagent.tasks.doc2vec:make",
 }
 
 
