@@ -114,3 +114,21 @@ def test_task_refuses_bad_options():
         load_task("word2vec", {"limit": 3, "dimension": 3})
     with pytest.raises(ConfigError):
         load_task("word2vec", {"limit": 3, "shards": 2, "shard": 2})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_centralized_word2vec_on_wikipedia_beats_a_random_model():
+    """All 105 articles (~236 k tokens after stop words), 5 epochs of word2vec defaults.
+    Measured: wordsim353 rho 0.227 (242 of 353 pairs covered) against 0.066 for the
+    untrained model; gensim's skip-gram with the same settings gets 0.192."""
+    from fedagent.tasks.word2vec import train_centralized
+
+    task = load_task("word2vec", {})
+    untrained = task.evaluate(task.build_model())["wordsim353_rho"]
+    model = task.build_model()
+    steps = int(5 * task.pairs_per_epoch() / 1024)
+    train_centralized(task, model, steps=steps, lr=0.025, batch_size=1024, seed=1)
+    trained = task.evaluate(model)
+    assert trained["wordsim353_coverage"] > 0.6
+    assert trained["wordsim353_rho"] > untrained + 0.1, (trained, untrained)
