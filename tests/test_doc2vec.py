@@ -57,3 +57,17 @@ def test_evaluate_reports_knn_accuracy_on_the_holdout():
     metrics = task.evaluate(task.build_model())
     assert 0.0 <= metrics["knn_accuracy"] <= 1.0
     assert metrics["infer_loss"] == pytest.approx(6 * np.log(2), abs=0.01)      # zero head: every score 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_trained_doc2vec_separates_the_newsgroups():
+    """Default options: 160 training and 40 held-out posts, d = 50. Measured: 5-NN
+    accuracy 0.875 after 20 epochs against 0.525 untrained."""
+    task = load_task("doc2vec", {})
+    model = task.build_model()
+    untrained = task.evaluate(model)["knn_accuracy"]
+    for epoch in range(20):
+        task.fit(model, epochs=1, lr=0.025 * (1 - epoch / 20) + 1e-4, batch_size=256, seed=epoch)
+    trained = task.evaluate(model)["knn_accuracy"]
+    assert trained >= 0.8 and trained >= untrained + 0.2, (trained, untrained)
