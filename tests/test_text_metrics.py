@@ -68,3 +68,15 @@ def test_sim_k_on_vectors_is_one_for_a_rotation_and_lower_for_noise():
     assert 0.0 < noisy < 0.9
     unrelated = sim_k(x, rng.normal(size=x.shape), k=10)
     assert unrelated < noisy
+
+
+def test_analogy_accuracy_excludes_question_words_and_reports_coverage():
+    # king - man + woman = (1, 1) -> queen (1, 1) wins over king itself (excluded)
+    v = WordVectors(["king", "man", "woman", "queen", "apple"],
+                    np.array([[1.0, 0.2], [1.0, 0.0], [0.8, 0.8], [0.75, 0.8], [-1.0, 0.1]]))
+    from fedagent.tasks.text_metrics import analogy_accuracy
+    s = analogy_accuracy(v, [("man", "king", "woman", "queen"), ("man", "woman", "king", "apple"),
+                             ("man", "king", "woman", "princess")])
+    # question 2: woman - man + king = (0.8, 1.0) -> queen, not apple: wrong
+    assert (s.pairs_used, s.pairs_total) == (2, 3)
+    assert s.rho == pytest.approx(0.5)

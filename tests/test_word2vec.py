@@ -106,6 +106,8 @@ def test_task_on_a_slice_shares_vocabulary_trains_and_averages():
     assert np.allclose(get_weights(mb)["out_embed.weight"], avg["out_embed.weight"])
     metrics = a.evaluate(ma)
     assert 0 < metrics["wordsim353_coverage"] < 1
+    a.options["analogies"] = True
+    assert 0 < a.evaluate(ma)["analogy_coverage"] < 1
     assert {"wordsim353_rho", "simlex999_rho", "simlex999_coverage"} <= set(metrics)
 
 

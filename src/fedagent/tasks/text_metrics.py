@@ -14,6 +14,10 @@
   The thesis's reference was Google News vectors; here the reference is a centralized
   model trained on the same data, which is what "quality against centralized training"
   asks for. Both models rank over the same candidate words (their common vocabulary).
+* :func:`analogy_accuracy` -- Mikolov's analogies (``a : b :: c : ?``, questions-words):
+  the answer is the word whose vector is most cosine-similar to ``b - a + c`` (unit
+  vectors, "3CosAdd"), the three question words excluded; accuracy over the questions
+  whose four words the model knows, reported with that coverage.
 * :func:`sim_k` -- SEEC's overlap (Sec. V-A-3): for a document d, the top-k most similar
   documents under the centralized model (``d_c^k``) and under the federated one
   (``d_f^k``); ``sim_k = |d_c^k ∩ d_f^k| / k``, averaged over the query documents. The
@@ -163,6 +167,30 @@ def neighbour_overlap(model: WordVectors, reference: WordVectors, words: Sequenc
 def neighbours_of(vectors: WordVectors, word: str, n: int = THESIS_NEIGHBOURS) -> list[str]:
     """The ``n`` nearest words to ``word`` (the thesis's tables of context words)."""
     return [vectors.terms[i] for i in nearest(vectors.vectors, [vectors.index[word]], n)[0]]
+
+
+# ---- analogies ----------------------------------------------------------------------------
+def analogy_accuracy(vectors: WordVectors, questions: Sequence[tuple[str, str, str, str]],
+                     *, batch: int = 512) -> SimilarityScore:
+    """3CosAdd accuracy (module docstring); ``rho`` holds the accuracy (nan if no question
+    is covered)."""
+    unit = normalize_rows(vectors.vectors)
+    idx = vectors.index
+    covered = [(idx[a], idx[b], idx[c], idx[d]) for a, b, c, d in questions
+               if a in idx and b in idx and c in idx and d in idx]
+    if not covered:
+        return SimilarityScore(rho=float("nan"), pairs_used=0, pairs_total=len(questions))
+    q = np.array(covered)
+    correct = 0
+    for start in range(0, len(q), batch):
+        part = q[start:start + batch]
+        target = unit[part[:, 1]] - unit[part[:, 0]] + unit[part[:, 2]]
+        sims = target @ unit.T
+        rows = np.arange(len(part))
+        for col in range(3):
+            sims[rows, part[:, col]] = -np.inf
+        correct += int(np.sum(np.argmax(sims, axis=1) == part[:, 3]))
+    return SimilarityScore(rho=correct / len(q), pairs_used=len(q), pairs_total=len(questions))
 
 
 # ---- SEEC sim_k ----------------------------------------------------------------------------

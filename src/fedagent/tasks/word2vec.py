@@ -45,7 +45,8 @@ possible only because every simulated agent reads the same public dump. The opti
 
 **Evaluation** (on the input vectors): Spearman's rho on wordsim353 and simlex999 with
 their coverage, and with ``reference`` (an ``.npz`` with ``terms`` and ``vectors`` from
-a centralized model) the thesis's ``w2v_sim`` neighbour overlap.
+a centralized model) the thesis's ``w2v_sim`` neighbour overlap; with ``analogies``
+the 3CosAdd accuracy on questions-words (slower: every question against every word).
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ def sgns_steps(model: SkipGram, stream: PairStream, noise_table: torch.Tensor, *
 DEFAULTS: dict[str, Any] = {
     "corpus": "wiki", "split": "random", "shard": None, "shards": 1, "topics": None, "limit": 0,
     "seed": 0, "dim": 100, "window": 5, "negative": 5, "sample": 1e-3, "min_count": 5,
-    "max_vocab": 0, "ns_exponent": 0.75, "vocabulary": None, "reference": None,
+    "max_vocab": 0, "ns_exponent": 0.75, "vocabulary": None, "reference": None, "analogies": False,
 }
 
 
@@ -370,6 +371,10 @@ class Word2VecTask(Task):
             s = tm.similarity_benchmark(pairs, vectors)
             out[f"{name}_rho"] = s.rho
             out[f"{name}_coverage"] = s.coverage
+        if self.options["analogies"]:
+            a = tm.analogy_accuracy(vectors, [q for qs in td.analogies().values() for q in qs])
+            out["analogy_accuracy"] = a.rho
+            out["analogy_coverage"] = a.coverage
         if self._reference is not None:
             o = tm.neighbour_overlap(vectors, self._reference)
             out["w2v_sim"] = float(o.total)
@@ -407,5 +412,6 @@ def make(options: dict[str, Any]) -> Word2VecTask:
     """Options (all optional): ``corpus`` (wiki), ``split`` (topic/random/imbalanced),
     ``shard``, ``shards``, ``topics``, ``limit`` (first N articles), ``seed``, ``dim``,
     ``window``, ``negative``, ``sample``, ``min_count``, ``max_vocab``, ``ns_exponent``,
-    ``vocabulary`` (file of agreed terms), ``reference`` (.npz of centralized vectors)."""
+    ``vocabulary`` (file of agreed terms), ``reference`` (.npz of centralized vectors),
+    ``analogies`` (also score questions-words)."""
     return Word2VecTask(options)
