@@ -33,7 +33,15 @@ def relative_distance(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.mark.timeout(300)
 def test_three_word2vec_agents_gossip_and_agree(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDAGENT_CACHE", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        _run(tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(tmp_path):
     # Parse the dump once here; the agent processes inherit the cache directory.
     local = [load_task("word2vec", {**OPTIONS, "seed": SEED, "shard": i, "shards": AGENTS}) for i in range(2)]
     fed = Federation(tmp_path / "fed", agents=AGENTS, rounds=1, alpha=0.0, mode="gossip", task="word2vec",
