@@ -48,7 +48,8 @@ class Federation:
 
     def __init__(self, work: Path, *, agents: int, rounds: int, alpha: float, federation: str | None = None,
                  round_timeout: float = 60.0, agent_broker_by_mdns: bool = True, mode: str = "fedavg",
-                 gossip: dict | None = None, broker_per_agent: bool = False) -> None:
+                 gossip: dict | None = None, broker_per_agent: bool = False, task: str = "digits",
+                 task_options: dict | None = None) -> None:
         self.work = work
         self.n = agents
         self.rounds = rounds
@@ -62,6 +63,10 @@ class Federation:
         self.coordinator_id = "coordinator"
         self.mode = mode
         self.gossip = dict(gossip or {})
+        # Another built-in task than digits: its options (plus shard/shards/seed) for
+        # every agent; ``alpha`` is digits' own option and is then not passed.
+        self.task = task
+        self.task_options = task_options
         self.broker_per_agent = broker_per_agent     # gossip: every agent on a broker of its own
         self.agent_brokers: dict[str, EmbeddedBroker] = {}
 
@@ -93,10 +98,10 @@ class Federation:
         rounds = {"rounds": self.rounds, "min_agents": self.n, "expected_agents": self.n,
                   "min_updates": max(1, self.n // 2), "round_timeout": self.round_timeout,
                   "local_epochs": LOCAL_EPOCHS, "lr": LR, "batch_size": BATCH, "seed": SEED}
-        self._write("coordinator", self.coordinator_id, self.broker.uri, {"seed": SEED}, rounds)
+        self._write("coordinator", self.coordinator_id, self.broker.uri,
+                    {"seed": SEED, **(self.task_options or {})}, rounds, self.task)
         for i, aid in enumerate(self.agent_ids):
-            self._write(aid, aid, "" if self.by_mdns else self.broker.uri,
-                        {"shard": i, "shards": self.n, "alpha": self.alpha, "seed": SEED}, None)
+            self._write(aid, aid, "" if self.by_mdns else self.broker.uri, self.shard_options(i), None, self.task)
 
     def prepare_syncopt(self, task: str, agent_options, coordinator_options: dict, syncopt: dict) -> None:
         """Configs for a ``mode = "syncopt"`` federation (call after ``prepare()`` has made
@@ -120,9 +125,13 @@ class Federation:
         path.write_text(text)
         return path
 
+    def shard_options(self, shard: int) -> dict:
+        if self.task_options is None:
+            return {"shard": shard, "shards": self.n, "alpha": self.alpha, "seed": SEED}
+        return {"seed": SEED, **self.task_options, "shard": shard, "shards": self.n}
+
     def _write_gossip_agent(self, node_id: str, shard: int, broker: str) -> Path:
-        return self._write(node_id, node_id, broker,
-                           {"shard": shard, "shards": self.n, "alpha": self.alpha, "seed": SEED}, None,
+        return self._write(node_id, node_id, broker, self.shard_options(shard), None, self.task,
                            mode="gossip", gossip={"lr": LR, "batch_size": BATCH, "seed": SEED, **self.gossip})
 
     def _enroll(self, node_id: str, write) -> Proc:
