@@ -348,7 +348,7 @@ def experiment() -> None:
 
 
 @experiment.command("flsimco")
-@click.option("--rounds", default=12, show_default=True, help="RSU rounds per strategy")
+@click.option("--rounds", default=10, show_default=True, help="RSU rounds per strategy")
 @click.option("--coverage", default=4, show_default=True, help="vehicles in range of the RSU per round")
 @click.option("--stay", default=2, show_default=True, help="rounds each vehicle stays in range")
 @click.option("--alpha", default=1.0, show_default=True, help="Dirichlet label skew over the shards (0 = IID)")

@@ -6,7 +6,8 @@ joins, takes part in ``stay`` rounds (``[rounds] leave_after``) and exits, annou
 with its last update that it is leaving so the RSU does not select it again. The RSU
 runs each round with the ``coverage`` vehicles in range (``min_agents`` =
 ``expected_agents`` = ``coverage``); the driver here only plays traffic: when a vehicle
-has left, the next one of a fixed schedule drives in. The schedule (speeds from eq. 1,
+starts its last round, the next one of a fixed schedule approaches (its process starts)
+and is in range from the next round on. The schedule (speeds from eq. 1,
 data shard, how long each stays) is drawn once from ``seed``, so the three strategies
 see the same vehicles in the same rounds and differ only in aggregation:
 
@@ -46,7 +47,7 @@ LABELS = {"blur": "FLSimCo (eq. 11, blur-weighted)", "fedavg": "FedAvg (baseline
 
 @dataclass(frozen=True)
 class Setup:
-    rounds: int = 12
+    rounds: int = 10
     coverage: int = 4            # vehicles in range of the RSU in every round
     stay: int = 2                # rounds a vehicle stays in range
     shards: int = 10             # data shards (a vehicle drives with shard i % shards)
@@ -99,8 +100,13 @@ def run_strategy(setup: Setup, strategy: str, work: Path,
         fed.spawn("coordinator")
         queue = list(schedule)
         vehicles: dict[str, Proc] = {}
+        stays = {v["id"]: v["stay"] for v in schedule}
+        rounds_in: dict[str, int] = {}
+        seen_round = 0
 
         def drive_in() -> None:
+            if not queue:
+                raise FedagentError("the vehicle schedule ran out before the last round")
             v = queue.pop(0)
             vehicles[v["id"]] = fed.add_agent(v["id"], "flsimco", _vehicle_options(setup, v),
                                               {"leave_after": v["stay"]})
@@ -113,9 +119,21 @@ def run_strategy(setup: Setup, strategy: str, work: Path,
             if st is not None:
                 if progress is not None:
                     progress(st["completed_rounds"], f"{strategy}: round {st['round']}, "
-                                                     f"{len(vehicles)} vehicles in range")
+                                                     f"{len(vehicles)} vehicles running")
                 if st["phase"] == "done":
                     break
+                if st["phase"] == "training" and st["round"] > seen_round:
+                    if st["round"] != seen_round + 1:
+                        raise FedagentError(f"{strategy}: the driver missed round {seen_round + 1}")
+                    seen_round = st["round"]
+                    # A vehicle in its last round is replaced now, not when it has left:
+                    # the newcomer starts (tens of seconds on busy cores) while this round
+                    # trains, and the RSU, which never selects into a running round and
+                    # waits for ``coverage`` vehicles, takes it from the next round on.
+                    for vid in st["selected"]:
+                        rounds_in[vid] = rounds_in.get(vid, 0) + 1
+                        if rounds_in[vid] == stays[vid] and seen_round < setup.rounds:
+                            drive_in()
             coord = next(p for p in fed.procs if p.name == "coordinator")
             if coord.popen.poll() is not None:
                 raise FedagentError(f"the RSU (coordinator) exited; log: {coord.log}")
@@ -126,10 +144,7 @@ def run_strategy(setup: Setup, strategy: str, work: Path,
                 if code != 0:
                     tail = proc.log.read_text(errors="replace")[-1500:]
                     raise FedagentError(f"{vid} exited with code {code}:\n{tail}")
-                del vehicles[vid]                  # left the coverage: the next one arrives
-                if not queue:
-                    raise FedagentError("the vehicle schedule ran out before the last round")
-                drive_in()
+                del vehicles[vid]                  # left the coverage
             if time.monotonic() - started > time_limit:
                 raise FedagentError(f"{strategy}: not finished after {time_limit:.0f}s; logs in {work / 'logs'}")
             time.sleep(0.2)
