@@ -357,12 +357,12 @@ def experiment() -> None:
 
 
 @experiment.command("flsimco")
-@click.option("--rounds", default=20, show_default=True, help="RSU rounds per strategy")
+@click.option("--rounds", default=10, show_default=True, help="RSU rounds per strategy")
 @click.option("--coverage", default=4, show_default=True, help="vehicles in range of the RSU per round")
 @click.option("--stay", default=2, show_default=True, help="rounds each vehicle stays in range")
-@click.option("--alpha", default=0.1, show_default=True, help="Dirichlet label skew over the shards (0 = IID)")
+@click.option("--alpha", default=1.0, show_default=True, help="Dirichlet label skew over the shards (0 = IID)")
 @click.option("--threshold", default=100.0, show_default=True, help="km/h above which baseline 2 drops a model")
-@click.option("--local-epochs", default=5, show_default=True)
+@click.option("--local-epochs", default=2, show_default=True)
 @click.option("--speed", "speed", nargs=4, type=float, default=(90.0, 20.0, 50.0, 130.0), show_default=True,
               metavar="MU SIGMA V_MIN V_MAX", help="eq. 1: truncated Gaussian of vehicle speeds (km/h)")
 @click.option("--seed", default=0, show_default=True)
