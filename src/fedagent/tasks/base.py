@@ -105,7 +105,6 @@ BUILTIN: dict[str, str] = {
     "flsimco": "fedagent.tasks.flsimco:make",
     "prodlda": "fedagent.tasks.ntm:make_prodlda",
     "combinedtm": "fedagent.tasks.ntm:make_combinedtm",
-
     "word2vec": "fedagent.tasks.word2vec:make",
     "doc2vec": "fedagent.tasks.doc2vec:make",
 }
