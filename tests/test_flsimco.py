@@ -111,15 +111,18 @@ def test_simco_loss_matches_eqs_6_to_8(ta, tb):
     assert float(got) == pytest.approx(float(direct_simco(q, kp, kn, ta, tb)), rel=1e-5)
 
 
-def test_simco_loss_of_an_easy_batch_stays_exact_in_float32():
-    # Positives identical to their anchors, negatives opposite: p_alpha rounds to 1.0 in
-    # float32, so "1 - p_alpha" would be 0 and the ratio of eqs. 7-8 blow up to ~1e11.
-    q = torch.nn.functional.normalize(torch.randn(8, 16, generator=torch.Generator().manual_seed(2)), dim=1)
-    q.requires_grad_(True)
-    got = dual_temperature_loss(q, q.detach(), -q.detach())
-    assert float(got) == pytest.approx(float(direct_simco(q.detach(), q.detach(), -q.detach(), 0.1, 1.0)), rel=1e-3)
-    got.backward()
-    assert torch.isfinite(q.grad).all() and float(q.grad.abs().max()) < 10
+def test_simco_gradient_of_an_easy_batch_stays_exact_in_float32():
+    # Positives equal to their anchors, negatives orthogonal, tau_alpha 0.05: p_alpha
+    # = 1 / (1 + 7 e^-20) rounds to 1.0 in float32, so a plain "1 - p_alpha" is 0, the
+    # stop-gradient ratio of eqs. 7-8 becomes ~1e11 and the step ~1e3 times too large.
+    def grad(dtype):
+        q = torch.eye(8, 16, dtype=dtype).requires_grad_(True)
+        dual_temperature_loss(q, q.detach(), q.detach(), 0.05, 1.0).backward()
+        return q.grad
+
+    g32, g64 = grad(torch.float32), grad(torch.float64)
+    assert torch.isfinite(g32).all() and float(g64.abs().max()) > 0
+    torch.testing.assert_close(g32.double(), g64, rtol=1e-3, atol=1e-6)
 
 
 def test_simco_weight_ratio_is_not_differentiated():
@@ -300,7 +303,8 @@ def test_leaving_flag_travels_and_is_optional_on_the_wire():
 def test_two_vehicles_federated_lower_the_heldout_loss_well_below_log_m():
     """The collapse the first runs showed (loss stuck at log(batch)) as a regression test:
     two in-process vehicles, FedAvg over 2 rounds, must take the global model's held-out
-    SimCo loss below 0.8 log M, from an untrained encoder at or above 0.97 log M."""
+    SimCo loss below 0.7 log M, from an untrained encoder at or above 0.97 log M (the old
+    head without BatchNorm ended this run at 0.82 log M; this one ends near 0.52)."""
     from fedagent.protocols.aggregation import weighted_mean
     from fedagent.tasks.base import get_weights, set_weights
     from fedagent.tasks.flsimco import EVAL_BATCH, heldout_loss, make
@@ -323,7 +327,7 @@ def test_two_vehicles_federated_lower_the_heldout_loss_well_below_log_m():
         weights = weighted_mean(updates)
     set_weights(model, weights)
     end = heldout_loss(model, vehicles[0].queries)
-    assert end < 0.8 * log_m, f"held-out SimCo loss {end:.3f} after 2 rounds (log M = {log_m:.3f})"
+    assert end < 0.7 * log_m, f"held-out SimCo loss {end:.3f} after 2 rounds (log M = {log_m:.3f})"
 
 
 def test_heldout_loss_is_reproducible_and_leaves_the_model_alone():
