@@ -221,6 +221,7 @@ NTM_OPTIONS: dict = {"corpus": "synthetic", "vocab_size": 300, "true_topics": 10
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_an_agent_killed_mid_run_is_dropped_then_rejoins(tmp_path):
     """on_fault = "continue": kill -9 one agent during the steps; the step waits for its
     deadline, goes on with four, the run is flagged inexact; restarted, the agent gets the
@@ -255,5 +256,51 @@ def test_an_agent_killed_mid_run_is_dropped_then_rejoins(tmp_path):
         assert rejoined and rejoined[-1]["model_version"] == steps
         s5 = wait_for(lambda: (s := fed.status("agent-5")) and s["phase"] == "finished" and s, 30, "agent-5", fed)
         assert s5["vocabulary_size"] == done["vocabulary_size"] and s5["steps_computed"] >= 1
+    finally:
+        fed.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_coordinator_killed_and_restarted_resumes_exactly(tmp_path):
+    """kill -9 the coordinator mid-run and start it again: it resumes from its vocabulary
+    file and last checkpoint (weights + Adam state), recomputes the steps after it with
+    the same mini-batches, refuses gradients of the dead process's steps, and ends with
+    the same weights as an uninterrupted in-process Sync-Opt run."""
+    from fedagent.tasks import ntm
+
+    torch.set_num_threads(1)
+
+    def options(i):
+        return {**NTM_OPTIONS, "shard": i, "shards": AGENTS}
+
+    steps = 60
+    fed, tap = run_federation(tmp_path, "prodlda", options, {"steps": steps, "checkpoint_every": 5})
+    tap.stop()
+    try:
+        fed.start_all()
+        wait_for(lambda: (s := fed.status("coordinator")) and s["step"] >= 12, 120, "step 12", fed)
+        coord = next(p for p in fed.procs if p.name == "coordinator")
+        fed.stop(coord, signal.SIGKILL)
+        fed.procs.remove(coord)
+        fed.spawn("coordinator")
+        done = wait_for(lambda: (s := fed.status("coordinator")) and s["phase"] in ("done", "aborted") and s,
+                        180, "the restarted coordinator to finish", fed)
+        assert done["phase"] == "done" and done["model_version"] == steps and done["exact"]
+        assert done["step"] > 100                    # step numbers continue after the reserved block
+        log = (tmp_path / "logs" / "coordinator.log").read_text()
+        assert "resuming with the agreed vocabulary" in log and "resuming from" in log
+        weights, _ = fed.final_weights()
+        tasks = [load_task("prodlda", options(i)) for i in range(AGENTS)]
+        vocab = json.loads((tmp_path / "state" / "coordinator" / "coordinator" / fed.fed /
+                            "vocabulary.json").read_text())["terms"]
+        for t in tasks:
+            t.set_vocabulary(vocab)
+        model = tasks[0].build_model()
+        opt = tasks[0].make_optimizer(model.parameters())
+        for step in range(steps):
+            ntm.federated_step(model, opt, tasks, step)
+        local = get_weights(model)
+        assert max(float(np.max(np.abs(weights[k] - local[k]))) for k in local) == 0.0
     finally:
         fed.close()
