@@ -85,7 +85,8 @@ def kill_during_checkpoint_writes(tmp_path: Path, kills: int) -> dict[str, int]:
 def test_kill_9_during_checkpoint_writes_200_times(tmp_path):
     """RELIABILITY T10 (CI size): 200 kill -9 at random moments of a loop of
     ``checkpoint.save``. Pass: 0 unreadable checkpoints; every load gives one whole
-    version (all tensors equal to the version number), never an older one."""
+    version (all tensors equal to the version number), never an older one. (Takes
+    12-14 s here; its time is printed, not asserted: a busy CI machine is slower.)"""
     started = time.monotonic()
     seen = kill_during_checkpoint_writes(tmp_path, 200)
     took = time.monotonic() - started
@@ -94,7 +95,6 @@ def test_kill_9_during_checkpoint_writes_200_times(tmp_path):
     # The kills landed inside writes (temp files left) and between them (new versions):
     # the test exercised the window it is about.
     assert seen["temp_left"] > 0 and seen["new"] > 0
-    assert took < 20
 
 
 @pytest.mark.slow

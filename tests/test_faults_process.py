@@ -9,6 +9,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from fedagent.demo import SEED, Federation
 from test_federation import wait_for
 
@@ -43,6 +45,7 @@ def check_history(records: list[dict], rounds: int) -> tuple[list[dict], list[di
     return done, [r for r in records if r["event"] == "abandoned"]
 
 
+@pytest.mark.slow
 def test_broker_killed_and_restarted_mid_round(tmp_path):
     """RELIABILITY T5: Mosquitto is killed (SIGKILL, nothing saved) in the middle of a
     round and started again 2 s later on the same port. Pass: every daemon reconnects
