@@ -310,6 +310,8 @@ def _plots(out: Path, results: list[SettingResult]) -> list[str]:
 def _notes(results: list[SettingResult]) -> list[str]:
     """Observations the numbers force, stated with the report so no one over-reads it."""
     notes = []
+    unique = {(r.shared, r.eta): r for r in results}      # K'=10, eta=0.01 is in A and in B
+    results = list(unique.values())
     below = [r for r in results if max(r.tss[m] for m in MODELS) < r.tss["random topics"]]
     if below:
         where = ", ".join(f"K'={r.shared}/eta={r.eta}" for r in below)

@@ -5,8 +5,9 @@ ProdLDA (Srivastava & Sutton, "Autoencoding Variational Inference for Topic Mode
 ICLR 2017) is a variational autoencoder over a document's bag of words (BoW):
 
 * inference network: BoW -> Linear(V, 100) -> softplus -> Linear(100, 100) -> softplus
-  -> dropout -> two heads ``mu`` and ``log sigma^2`` (Linear(100, K) each, followed by a
-  BatchNorm without affine parameters);
+  -> dropout -> two heads ``mu`` and ``log sigma^2`` (Linear(100, K) each, without bias,
+  followed by a BatchNorm without affine parameters: the BatchNorm cancels a bias
+  anyway, see ``ProdLDA.__init__``);
 * ``z = mu + sigma * eps`` (reparameterisation), ``theta = softmax(z)``, dropout on theta;
 * decoder: ``p(w | theta) = softmax(BN(theta @ beta))``, a weighted product of experts
   with ``beta`` (K x V) the unnormalised topic-word matrix;

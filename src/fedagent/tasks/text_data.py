@@ -204,10 +204,14 @@ def _fill(order: Iterable[int], lengths: Sequence[int], targets: np.ndarray) -> 
 def _kmeans_topics(docs: Sequence[Sequence[str]], k: int, seed: int):
     from sklearn.cluster import KMeans
     from sklearn.feature_extraction.text import TfidfVectorizer
+    from threadpoolctl import threadpool_limits
 
     vec = TfidfVectorizer(analyzer=lambda d: d, min_df=2, max_df=0.5, sublinear_tf=True)
     x = vec.fit_transform(docs)
-    km = KMeans(n_clusters=k, n_init=10, random_state=seed).fit(x)
+    # One thread: a hundred articles need no parallelism, and OpenMP threads spinning
+    # next to the agent's own work (or other agents on the same cores) cost seconds.
+    with threadpool_limits(limits=1):
+        km = KMeans(n_clusters=k, n_init=10, random_state=seed).fit(x)
     dist = km.transform(x)                                   # articles x centroids
     terms = vec.get_feature_names_out()
     top = tuple(tuple(str(terms[j]) for j in np.argsort(-c)[:6]) for c in km.cluster_centers_)
