@@ -41,7 +41,7 @@ def codec(ctx: Context) -> list[Row]:
         def memcpy() -> None:
             bytes(memoryview(payload))
 
-        reps = max(3, ctx.repeats)
+        reps = max(10, ctx.repeats)      # cheap: enough repetitions for a stable median
         copy_med, _ = summary(_best(memcpy, reps))
         enc_med, enc_max = summary(_best(enc, reps))
         dec_med, dec_max = summary(_best(dec, reps))

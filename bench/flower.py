@@ -189,8 +189,10 @@ def flower(ctx: Context) -> list[Row]:
         if ours is None:
             ctx.log("no fedagent round in this run (run the round section too): "
                     "Flower rows have no ratio")
-        for label, cert in (("gRPC start_server/start_client, no TLS", None),
-                            ("gRPC start_server/start_client, TLS", tls)):
+        modes = [("gRPC start_server/start_client, no TLS", None)]
+        if not ctx.quick:
+            modes.append(("gRPC start_server/start_client, TLS", tls))
+        for label, cert in modes:
             times = run_grpc(py, ctx.work, params, ctx.repeats, cert, timeout=600)
             med, mx = summary(times)
             ctx.log(f"Flower {version} {label}, {mb(params)}: median {med:.2f} s, max {mx:.2f} s")

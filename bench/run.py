@@ -5,7 +5,8 @@ measured in the same run.
     .venv/bin/python bench/run.py [--quick] [--only NAME ...] [--out DIR]
 
 Sections (see bench/registry.py to add one): codec, round, flower.
-``--quick`` uses the 1.1M-parameter model and few repetitions (under two minutes).
+``--quick`` uses the 1.1M-parameter model, 2 repetitions and Flower's gRPC mode
+without TLS only (about a minute on an idle 2-core machine).
 The table is also written as ``table.md`` and ``results.json`` under ``--out``.
 """
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
     names = args.only or list(SECTIONS)
-    repeats = args.repeats or (3 if args.quick else 10)
+    repeats = args.repeats or (2 if args.quick else 5)
     info = machine()
     print(f"machine: {info['cpus']} CPUs, {info['cpu']}; {info['mosquitto']}; load {info['loadavg']}",
           flush=True)
