@@ -164,12 +164,30 @@ def encode_view(env: Envelope) -> memoryview:
         raise TypeError(f"encode_view() takes an Envelope, not {type(env).__name__}")
     wire = {"v": env.version, "k": env.kind, "f": env.federation, "s": env.sender,
             "r": env.round, "q": env.seq, "t": env.ts, "b": env.body}
-    packer = msgpack.Packer(use_bin_type=True, datetime=False, autoreset=False)
+    # Sized up front: growing the buffer by doubling would copy a large model again.
+    packer = msgpack.Packer(use_bin_type=True, datetime=False, autoreset=False,
+                            buf_size=_binary_bytes(env.body) + 65536)
     try:
         packer.pack(wire)
     except Exception as exc:  # TypeError, OverflowError, ValueError (depth), UnicodeEncodeError
         raise CodecError(f"cannot encode envelope: {exc}") from exc
     return packer.getbuffer()
+
+
+def _binary_bytes(root: Any) -> int:
+    """Bytes of the binary values in a body (already checked: nesting is bounded)."""
+    total, stack = 0, [root]
+    while stack:
+        c = stack.pop()
+        for v in c.values() if type(c) is dict else c:
+            t = type(v)
+            if t is bytes or t is bytearray:
+                total += len(v)
+            elif t is memoryview:
+                total += v.nbytes
+            elif t is dict or t is list or t is tuple:
+                stack.append(v)
+    return total
 
 
 def decode(data: bytes | bytearray | memoryview, limits: Limits = _DEFAULT_LIMITS) -> Envelope:
