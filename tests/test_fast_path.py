@@ -76,7 +76,7 @@ class _RecordingTransport:
         self.peak = 0
         self.fail_at = fail_at
 
-    async def publish(self, topic, payload, *, qos=1, retain=False):
+    async def publish(self, topic, payload, *, qos=1, retain=False, timeout=30):
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
         try:

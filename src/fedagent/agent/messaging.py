@@ -41,7 +41,8 @@ class Incoming:
 class Messenger:
     def __init__(self, *, federation: str, node_id: str, transport, max_chunk_bytes: int = 4 * 2**20,
                  max_model_bytes: int = 2**30, reassembly_timeout: float = 120.0, metrics=None,
-                 publish_window: int = 8) -> None:
+                 publish_window: int = 2,
+                 publish_timeout: float = 30.0) -> None:
         self.federation = federation
         self.node_id = node_id
         self.transport = transport
@@ -49,6 +50,7 @@ class Messenger:
         if publish_window < 1:
             raise ValueError("publish_window must be at least 1")
         self.publish_window = publish_window
+        self.publish_timeout = float(publish_timeout)
         # Per-sender sequence numbers grow across restarts: they start at the clock.
         self._seq = time.time_ns() // 1000
         self._transfer = 0
@@ -112,17 +114,22 @@ class Messenger:
     async def _publish_all(self, transport, topic: str, frames: list[bytes], retain: bool) -> None:
         """Publish ``frames`` with up to ``publish_window`` of them awaiting PUBACK at once.
 
-        One chunk at a time left the link idle for a round trip per chunk, and the
-        broker idle while the next chunk was being encrypted (bench/pipe.py measures
-        it). Chunks may arrive in any order; the reassembler does not care."""
+        One chunk at a time leaves the link idle for a round trip per chunk, and the
+        broker idle while the next chunk is being encrypted. Two are enough to keep the
+        broker busy; more only lengthens each PUBACK wait. Chunks may arrive in any
+        order; the reassembler does not care."""
         if len(frames) == 1:
-            await transport.publish(topic, frames[0], qos=1, retain=retain)
+            await transport.publish(topic, frames[0], qos=1, retain=retain, timeout=self.publish_timeout)
             return
         window = asyncio.Semaphore(self.publish_window)
+        # A chunk's PUBACK comes after the chunks queued before it have gone through:
+        # the wait allows for the whole window (with 8 chunks of 4 MiB in flight on a
+        # loaded machine, a fixed 30 s expired and the update was lost).
+        timeout = self.publish_timeout * self.publish_window
 
         async def one(frame: bytes) -> None:
             async with window:
-                await transport.publish(topic, frame, qos=1, retain=retain)
+                await transport.publish(topic, frame, qos=1, retain=retain, timeout=timeout)
 
         tasks = [asyncio.ensure_future(one(f)) for f in frames]
         try:
