@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # noqa: BLE001 - one broken section must not hide the others
                 failures[name] = f"{type(exc).__name__}: {exc}"
                 print(f"  section {name} failed: {failures[name]}", flush=True)
+            except KeyboardInterrupt:
+                # Interrupted (Ctrl-C, SIGTERM): still print what the finished sections measured.
+                failures[name] = "interrupted"
+                print(f"  section {name} interrupted", flush=True)
+                break
             print(f"  ({time.monotonic() - t0:.0f} s)", flush=True)
         not_measured = list(ctx.shared.get("failures", []))
     info["loadavg_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
