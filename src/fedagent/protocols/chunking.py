@@ -32,11 +32,14 @@ _DIGEST_LEN = 32
 _CHUNK_KEYS = frozenset(("tid", "i", "n", "size", "sha256", "data"))
 
 
-def split(payload: bytes | bytearray | memoryview, *, max_chunk: int, transfer_id: str) -> list[dict[str, Any]]:
+def split(payload: bytes | bytearray | memoryview, *, max_chunk: int, transfer_id: str,
+          copy: bool = True) -> list[dict[str, Any]]:
     """Chunk bodies ``{"tid", "i", "n", "size", "sha256", "data"}`` for ``payload``.
 
     All chunks but the last hold exactly ``max_chunk`` bytes; an empty payload is one
-    empty chunk. The payload is copied once, into the chunks.
+    empty chunk. The payload is copied once, into the chunks; with ``copy=False`` each
+    chunk's data is a view of ``payload`` instead (for a sender that encodes the chunks
+    at once, so the model is not copied one more time).
     """
     if type(max_chunk) is not int or max_chunk < 1:
         raise ValueError(f"max_chunk must be a positive int, not {max_chunk!r}")
@@ -48,7 +51,7 @@ def split(payload: bytes | bytearray | memoryview, *, max_chunk: int, transfer_i
     n = max(1, -(-size // max_chunk))
     return [
         {"tid": transfer_id, "i": i, "n": n, "size": size, "sha256": digest,
-         "data": bytes(view[i * max_chunk:(i + 1) * max_chunk])}
+         "data": bytes(view[i * max_chunk:(i + 1) * max_chunk]) if copy else view[i * max_chunk:(i + 1) * max_chunk]}
         for i in range(n)
     ]
 
@@ -98,7 +101,7 @@ class Reassembler:
     def pending_transfers(self) -> int:
         return len(self._transfers)
 
-    def feed(self, sender: str, body: Any, now: float) -> bytes | None:
+    def feed(self, sender: str, body: Any, now: float) -> bytes | bytearray | None:
         """Take one chunk body; the whole payload when this chunk completes a transfer
         whose digest matches, else ``None``. Raises CodecError on a bad chunk."""
         if type(sender) is not str:
@@ -223,7 +226,7 @@ class Reassembler:
         return t
 
     def _finish(self, key: tuple[str, str], tid: str, digest: bytes,
-                data: bytes | bytearray | memoryview, now: float) -> bytes:
+                data: bytes | bytearray | memoryview, now: float) -> bytes | bytearray:
         if hashlib.sha256(data).digest() != digest:
             raise CodecError(f"transfer {tid!r}: sha256 mismatch; transfer dropped")
         if self.remember_completed:
@@ -231,7 +234,8 @@ class Reassembler:
             self._completed.move_to_end(key)
             while len(self._completed) > self.remember_completed:
                 self._completed.popitem(last=False)
-        return bytes(data)
+        # The transfer's own buffer is handed over, not copied: nothing else holds it.
+        return data if isinstance(data, bytearray) else bytes(data)
 
     def _drop(self, key: tuple[str, str]) -> None:
         t = self._transfers.pop(key, None)

@@ -42,6 +42,7 @@ __all__ = [
     "Limits",
     "Envelope",
     "encode",
+    "encode_view",
     "decode",
     "encode_tensor",
     "decode_tensor",
@@ -169,6 +170,40 @@ def encode(env: Envelope) -> bytes:
         return msgpack.packb(wire, use_bin_type=True, datetime=False)
     except Exception as exc:  # TypeError, OverflowError, ValueError (depth), UnicodeEncodeError
         raise CodecError(f"cannot encode envelope: {exc}") from exc
+
+
+def encode_view(env: Envelope) -> memoryview:
+    """Like :func:`encode`, as a view of the encoder's own buffer: a large message is
+    then written once, not once into the buffer and once more into a bytes object.
+    The view stays valid for as long as it is referenced."""
+    if not isinstance(env, Envelope):
+        raise TypeError(f"encode_view() takes an Envelope, not {type(env).__name__}")
+    wire = {"v": env.version, "k": env.kind, "f": env.federation, "s": env.sender,
+            "r": env.round, "q": env.seq, "t": env.ts, "b": env.body}
+    # Sized up front: growing the buffer by doubling would copy a large model again.
+    packer = msgpack.Packer(use_bin_type=True, datetime=False, autoreset=False,
+                            buf_size=_binary_bytes(env.body) + 65536)
+    try:
+        packer.pack(wire)
+    except Exception as exc:  # TypeError, OverflowError, ValueError (depth), UnicodeEncodeError
+        raise CodecError(f"cannot encode envelope: {exc}") from exc
+    return packer.getbuffer()
+
+
+def _binary_bytes(root: Any) -> int:
+    """Bytes of the binary values in a body (already checked: nesting is bounded)."""
+    total, stack = 0, [root]
+    while stack:
+        c = stack.pop()
+        for v in c.values() if type(c) is dict else c:
+            t = type(v)
+            if t is bytes or t is bytearray:
+                total += len(v)
+            elif t is memoryview:
+                total += v.nbytes
+            elif t is dict or t is list or t is tuple:
+                stack.append(v)
+    return total
 
 
 def decode(data: bytes | bytearray | memoryview, limits: Limits = _DEFAULT_LIMITS) -> Envelope:
@@ -413,7 +448,7 @@ def _scan(buf: bytes | bytearray | memoryview, limits: Limits, max_depth: int) -
 
 # Exact types: a subclass (an IntEnum, a namedtuple such as msgpack.ExtType) would not
 # come back as itself.
-_SCALARS = (type(None), bool, int, float, str, bytes, bytearray)
+_SCALARS = (type(None), bool, int, float, str, bytes, bytearray, memoryview)
 
 
 def _check_value(root: dict[str, Any], max_depth: int) -> None:
@@ -484,7 +519,13 @@ def encode_tensor(a: np.ndarray) -> dict[str, Any]:
         raise CodecError(f"dtype {a.dtype.str!r} cannot be sent; allowed: {', '.join(DTYPES)}")
     if a.dtype != wire:
         a = a.astype(wire)
-    return {"dtype": name, "shape": list(a.shape), "data": a.tobytes(order="C")}
+    if a.flags.c_contiguous:
+        # A view of the array, not a copy: the encoder copies the bytes once, into the
+        # message (a.tobytes() here was one more pass over every model byte).
+        data: bytes | memoryview = memoryview(a.reshape(-1).view(np.uint8))
+    else:
+        data = a.tobytes(order="C")
+    return {"dtype": name, "shape": list(a.shape), "data": data}
 
 
 def decode_tensor(obj: object, limits: Limits = _DEFAULT_LIMITS, *, expect_dtype: str | None = None,

@@ -1,0 +1,1 @@
+"""fedagent's benchmark suite; the entry command is ``bench/run.py``."""

@@ -1,0 +1,86 @@
+"""The shared set-up: a throw-away federation CA and one Mosquitto with mutual TLS.
+
+Every broker benchmark (fedagent's transport and the raw C clients) runs through the
+same :class:`BenchBroker`, so their ratio compares clients, not brokers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fedagent import pki
+from fedagent.agent.transport import TlsFiles
+from fedagent.broker import EmbeddedBroker
+
+FEDERATION = "bench"
+COORDINATOR = "coord"
+# Above one whole 11.2M-parameter model (44.8 MB + envelope), so the C-client baseline
+# can move each model as one MQTT message: the fastest the broker allows.
+BROKER_MAX_PACKET = 64 * 2**20
+
+
+@dataclass
+class BenchBroker:
+    work: Path
+    agents: int
+
+    def __post_init__(self) -> None:
+        self.ca_dir = self.work / "ca"
+        self.certs = self.work / "certs"
+        self.agent_ids = [f"agent-{i}" for i in range(1, self.agents + 1)]
+        self.broker: EmbeddedBroker | None = None
+
+    def start(self) -> BenchBroker:
+        if not (self.ca_dir / pki.CA_CERT).exists():
+            pki.create_ca(self.ca_dir, FEDERATION)
+        for name, role in [(COORDINATOR, "coordinator")] + [(a, "agent") for a in self.agent_ids]:
+            if not (self.certs / f"{name}.crt").exists():
+                pki.issue(self.ca_dir, self.certs, name, role)
+        self.broker = EmbeddedBroker(self.work / "broker", federations=[FEDERATION],
+                                     coordinators=[COORDINATOR], ca_dir=self.ca_dir,
+                                     max_packet_size=BROKER_MAX_PACKET)
+        self.broker.start()
+        return self
+
+    def stop(self) -> None:
+        if self.broker is not None:
+            self.broker.stop()
+
+    def tls(self, name: str) -> TlsFiles:
+        return TlsFiles(ca=self.ca_dir / pki.CA_CERT, cert=self.certs / f"{name}.crt",
+                        key=self.certs / f"{name}.key")
+
+    @property
+    def uri(self) -> str:
+        return self.broker.uri
+
+    def __enter__(self) -> BenchBroker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def model_weights(params: int, seed: int = 0, tensors: int = 16) -> dict[str, np.ndarray]:
+    """``params`` float32 parameters in ``tensors`` named tensors (a stand-in for a
+    model's state dict: 11.2M is ResNet-18's size)."""
+    rng = np.random.default_rng(seed)
+    sizes = [params // tensors] * tensors
+    sizes[-1] += params - sum(sizes)
+    return {f"layer{i:02d}.weight": rng.standard_normal(n, dtype=np.float32)
+            for i, n in enumerate(sizes)}
+
+
+def model_sizes(ctx) -> list[int]:
+    """The parameter counts a section runs: ``--params`` if given, else 11.2M and 1.1M
+    (only 1.1M with ``--quick``)."""
+    if ctx.sizes:
+        return list(ctx.sizes)
+    return [1_100_000] if ctx.quick else [11_200_000, 1_100_000]
+
+
+def mb(params: int) -> str:
+    return f"{params / 1e6:.1f}M params = {params * 4 / 1e6:.1f} MB"

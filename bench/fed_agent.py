@@ -1,0 +1,95 @@
+"""One benchmark agent process: fedagent's real transport and messenger, training off.
+
+It answers every RoundStart with an Update carrying the weights it received, so a
+round costs exactly what fedagent's framework costs: envelope encode/decode and
+validation, chunking with SHA-256, MQTT 5 over mutual TLS, reassembly.
+
+    python -m bench.fed_agent --uri mqtts://127.0.0.1:PORT --id agent-1 --certs DIR --ca CA
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+from fedagent.agent.messaging import Incoming, Messenger
+from fedagent.agent.transport import TlsFiles, Transport
+from fedagent.protocols import topics
+from fedagent.protocols.codec import Envelope, encode
+from fedagent.protocols.messages import Presence, RoundStart, Update
+
+
+def presence(fed: str, node: str, online: bool) -> bytes:
+    return encode(Envelope(kind="presence", federation=fed, sender=node, round=0, seq=0, ts=0.0,
+                           body=Presence(online=online, role="agent").to_body()))
+
+
+async def main(args: argparse.Namespace) -> None:
+    fed, me = args.federation, args.id
+    tls = TlsFiles(ca=args.ca, cert=args.certs / f"{me}.crt", key=args.certs / f"{me}.key")
+    transport = Transport(uri=args.uri, client_id=f"bench-{me}", tls=tls,
+                          will=(topics.presence(fed, me), presence(fed, me, False)),
+                          subscriptions=[topics.broadcast(fed, "round_start")], session_expiry=0,
+                          keepalive=args.keepalive)
+    messenger = Messenger(federation=fed, node_id=me, transport=transport,
+                          max_chunk_bytes=args.chunk)
+
+    async def deliver(inc: Incoming) -> None:
+        msg = inc.message
+        if isinstance(msg, RoundStart) and me in msg.selected:
+            update = Update(round=msg.round, base_version=msg.model_version, num_samples=1,
+                            metrics={}, weights=msg.weights)
+            await messenger.send(topics.direct(fed, me, args.coordinator, "update"), update,
+                                 round_=msg.round)
+
+    async def on_payload(topic: str, payload: bytes) -> None:
+        await messenger.receive(topic, payload, deliver)
+
+    async def on_connect() -> None:
+        await transport.publish(topics.presence(fed, me), presence(fed, me, True), retain=True)
+
+    transport.on_connect = on_connect
+    runner = asyncio.create_task(transport.run(on_payload))
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    parent = os.getppid()
+
+    async def orphaned() -> None:
+        # A benchmark killed hard must not leave its agents behind.
+        while os.getppid() == parent:
+            await asyncio.sleep(1.0)
+        stop.set()
+
+    watcher = asyncio.create_task(orphaned())
+    done, _ = await asyncio.wait({runner, asyncio.create_task(stop.wait())},
+                                 return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if runner in done:
+        runner.result()
+        return
+    await transport.close((topics.presence(fed, me), presence(fed, me, False)))
+    runner.cancel()
+    try:
+        await runner
+    except asyncio.CancelledError:
+        pass
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--uri", required=True)
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--federation", default="bench")
+    ap.add_argument("--coordinator", default="coord")
+    ap.add_argument("--certs", type=Path, required=True)
+    ap.add_argument("--ca", type=Path, required=True)
+    ap.add_argument("--chunk", type=int, default=4 * 2**20)
+    ap.add_argument("--keepalive", type=int, default=30)
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(main(ap.parse_args()))

@@ -1,0 +1,310 @@
+"""A FedAvg round through Mosquitto with mutual TLS, training off, against the raw
+Mosquitto C clients moving the same bytes through the same broker.
+
+fedagent's round: the coordinator (this process) broadcasts a RoundStart with the
+model; ten agent processes (``bench/fed_agent.py``) each answer with an Update of the
+same size; the coordinator validates each update and folds it into the running
+FedAvg mean as it arrives. The round ends when the mean is computed.
+
+The C clients' round, through the same broker with the same certificates and topics:
+fan-out (one ``mosquitto_pub`` of the encoded RoundStart, ten ``mosquitto_sub`` that
+are already subscribed) followed by fan-in (ten ``mosquitto_pub`` of the encoded
+Update at once, one ``mosquitto_sub``), QoS 1, each model as one MQTT message. It
+decodes, validates and aggregates nothing: it is the floor the broker allows.
+
+The two kinds of round alternate, so both see the same machine load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.env import COORDINATOR, FEDERATION, BenchBroker, mb, model_sizes, model_weights
+from bench.registry import Context, Row, section, summary
+from fedagent.agent.messaging import Incoming, Messenger
+from fedagent.agent.transport import Transport
+from fedagent.protocols import topics
+from fedagent.protocols.aggregation import WeightedMean, check_update
+from fedagent.protocols.codec import Envelope, encode
+from fedagent.protocols.messages import Presence, RoundStart, TrainConfig, Update
+
+ROOT = Path(__file__).resolve().parent.parent
+AGENTS = 10
+ROUND_TIMEOUT = 180.0
+# Mosquitto drops a client after 1.5 keep-alives without a complete packet from it; on a
+# machine shared with other work, 10 x 44.8 MB through one broker thread took longer
+# than that with the default 10 s (measured: every agent dropped once).
+KEEPALIVE = 30
+READY_TOPIC = topics.broadcast(FEDERATION, "bench_ready")
+C_RECEIVER = "cbench"      # the C fan-in's addressee: the coordinator identity reads it
+
+
+def chunk_bytes() -> int:
+    """The chunk size the benchmark's fedagent clients use (FEDAGENT_BENCH_CHUNK)."""
+    return int(os.environ.get("FEDAGENT_BENCH_CHUNK", str(4 * 2**20)))
+
+
+def proc_cpu(pids: list[int]) -> float:
+    """User + system CPU seconds used so far by these live processes (/proc/PID/stat)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])        # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's children that have exited and been waited for."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+# --- the raw C clients --------------------------------------------------------------
+
+class CClients:
+    def __init__(self, bb: BenchBroker, work: Path) -> None:
+        for tool in ("mosquitto_pub", "mosquitto_sub"):
+            if shutil.which(tool) is None:
+                raise RuntimeError(f"{tool} is missing: apt-get install mosquitto-clients "
+                                   "(scripts/bench.sh does it)")
+        self.bb = bb
+        self.work = work
+        self.port = str(bb.broker.port)
+        self._ids = 0
+        self._pub(COORDINATOR, READY_TOPIC, ["-m", "ready", "-r"])
+
+    def _common(self, name: str) -> list[str]:
+        tls = self.bb.tls(name)
+        self._ids += 1
+        return ["-h", "127.0.0.1", "-p", self.port, "-V", "mqttv5", "-q", "1",
+                "--cafile", str(tls.ca), "--cert", str(tls.cert), "--key", str(tls.key),
+                "-i", f"c-{name}-{os.getpid()}-{self._ids}"]
+
+    def _pub(self, name: str, topic: str, what: list[str]) -> None:
+        subprocess.run(["mosquitto_pub", *self._common(name), "-t", topic, *what],
+                       check=True, timeout=60)
+
+    def _subs(self, names: list[str], data_topic: str, count: int) -> list[subprocess.Popen]:
+        subs = [subprocess.Popen(["mosquitto_sub", *self._common(n), "-t", READY_TOPIC, "-t", data_topic,
+                                  "-C", str(count), "-F", "%t %l"],
+                                 stdout=subprocess.PIPE, text=True) for n in names]
+        # The retained ready message arrives only once the subscription is in place.
+        for s in subs:
+            line = s.stdout.readline()
+            if not line.startswith(READY_TOPIC):
+                raise RuntimeError(f"mosquitto_sub did not get ready: {line!r}")
+        return subs
+
+    @staticmethod
+    def _collect(subs: list[subprocess.Popen], expect_len: int, expect_count: int) -> None:
+        for s in subs:
+            out, _ = s.communicate(timeout=ROUND_TIMEOUT)
+            sizes = [int(line.rsplit(" ", 1)[1]) for line in out.splitlines() if line.strip()]
+            if s.returncode != 0 or len(sizes) != expect_count or any(x != expect_len for x in sizes):
+                raise RuntimeError(f"mosquitto_sub exited {s.returncode} with sizes {sizes}")
+
+    def round(self, down: Path, up: Path, agents: list[str]) -> tuple[float, float, float, float]:
+        """(fan-out seconds, fan-in seconds, CPU seconds of the C clients, CPU seconds of
+        the broker) of one round."""
+        broker = [self.bb.broker.pid]
+        c0, b0 = children_cpu(), proc_cpu(broker)
+        # Topics no fedagent process in this benchmark subscribes to: the agents and the
+        # coordinator stay connected while the C clients run and must not receive this.
+        down_topic = topics.broadcast(FEDERATION, "c_round_start")
+        subs = self._subs(agents, down_topic, 2)
+        t0 = time.perf_counter()
+        self._pub(COORDINATOR, down_topic, ["-f", str(down)])
+        self._collect(subs, down.stat().st_size, 1)
+        fan_out = time.perf_counter() - t0
+
+        sub = self._subs([COORDINATOR], topics.inbox(FEDERATION, C_RECEIVER), len(agents) + 1)
+        t0 = time.perf_counter()
+        pubs = [subprocess.Popen(["mosquitto_pub", *self._common(a), "-t",
+                                  topics.direct(FEDERATION, a, C_RECEIVER, "update"), "-f", str(up)])
+                for a in agents]
+        self._collect(sub, up.stat().st_size, len(agents))
+        fan_in = time.perf_counter() - t0
+        for p in pubs:
+            if p.wait(timeout=ROUND_TIMEOUT) != 0:
+                raise RuntimeError(f"mosquitto_pub exited {p.returncode}")
+        return fan_out, fan_in, children_cpu() - c0, proc_cpu(broker) - b0
+
+
+# --- fedagent ----------------------------------------------------------------------
+
+class FedRounds:
+    """The coordinator side of fedagent rounds, with ten agent processes."""
+
+    def __init__(self, bb: BenchBroker, params: int, log) -> None:
+        self.bb = bb
+        self.log = log
+        self.weights = model_weights(params)
+        self.agents = bb.agent_ids
+        self.online: set[str] = set()
+        self.updates: asyncio.Queue[Update] = asyncio.Queue()
+        self.procs: list[subprocess.Popen] = []
+        self.transport = Transport(uri=bb.uri, client_id="bench-coord", tls=bb.tls(COORDINATOR),
+                                   subscriptions=[topics.inbox(FEDERATION, COORDINATOR),
+                                                  topics.all_presence(FEDERATION)], session_expiry=0,
+                                   keepalive=KEEPALIVE)
+        self.messenger = Messenger(federation=FEDERATION, node_id=COORDINATOR, transport=self.transport,
+                                   max_chunk_bytes=chunk_bytes())
+        self.runner: asyncio.Task | None = None
+        self.lost: list[str] = []
+
+    async def _deliver(self, inc: Incoming) -> None:
+        msg = inc.message
+        if isinstance(msg, Presence):
+            (self.online.add if msg.online else self.online.discard)(inc.sender)
+        elif isinstance(msg, Update):
+            self.updates.put_nowait(msg)
+
+    async def _on_payload(self, topic: str, payload: bytes) -> None:
+        await self.messenger.receive(topic, payload, self._deliver)
+
+    async def start(self) -> None:
+        ready = asyncio.Event()
+        self.runner = asyncio.create_task(self.transport.run(self._on_payload, ready))
+        await asyncio.wait_for(ready.wait(), 30)
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        for a in self.agents:
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "bench.fed_agent", "--uri", self.bb.uri, "--id", a,
+                 "--certs", str(self.bb.certs), "--ca", str(self.bb.tls(a).ca),
+                 "--chunk", str(chunk_bytes()), "--keepalive", str(KEEPALIVE)], env=env, cwd=ROOT))
+        deadline = time.monotonic() + 90
+        while self.online != set(self.agents):
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"an agent process exited with {p.returncode} on start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {sorted(self.online)} came online")
+            await asyncio.sleep(0.05)
+
+    async def round(self, r: int) -> tuple[float, float, float]:
+        """(seconds, CPU seconds of coordinator + agents, CPU seconds of the broker)."""
+        pids = [p.pid for p in self.procs]
+        broker = [self.bb.broker.pid]
+        c0, b0 = time.process_time() + proc_cpu(pids), proc_cpu(broker)
+        t0 = time.perf_counter()
+        acc = WeightedMean(self.weights)
+        start = RoundStart(round=r, model_version=r - 1, selected=tuple(self.agents), deadline_s=600,
+                           train=TrainConfig(), weights=self.weights)
+        await self.messenger.send(topics.broadcast(FEDERATION, "round_start"), start, round_=r)
+        got = 0
+        deadline = time.monotonic() + ROUND_TIMEOUT
+        while got < len(self.agents):
+            try:
+                u = await asyncio.wait_for(self.updates.get(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                # Reported as a round of ROUND_TIMEOUT seconds: it shows in the maximum.
+                self.lost.append(f"round {r}: {len(self.agents) - got} of {len(self.agents)} updates "
+                                 f"missing after {ROUND_TIMEOUT:.0f} s")
+                self.log(self.lost[-1])
+                return ROUND_TIMEOUT, time.process_time() + proc_cpu(pids) - c0, proc_cpu(broker) - b0
+            if u.round != r:
+                continue
+            await asyncio.to_thread(self._fold, acc, u)
+            got += 1
+        mean = await asyncio.to_thread(acc.result)
+        elapsed = time.perf_counter() - t0
+        cpu = time.process_time() + proc_cpu(pids) - c0
+        first = next(iter(self.weights))
+        if not np.array_equal(mean[first], self.weights[first]):
+            raise RuntimeError("the FedAvg mean of identical updates differs from them")
+        return elapsed, cpu, proc_cpu(broker) - b0
+
+    def _fold(self, acc: WeightedMean, u: Update) -> None:
+        check_update(self.weights, u.weights)
+        acc.add(u.weights, u.num_samples)
+
+    def payloads(self, work: Path) -> tuple[Path, Path]:
+        """The encoded RoundStart and Update, as files for the C clients."""
+        start = RoundStart(round=1, model_version=0, selected=tuple(self.agents), deadline_s=600,
+                           train=TrainConfig(), weights=self.weights)
+        upd = Update(round=1, base_version=0, num_samples=1, metrics={}, weights=self.weights)
+        down, up = work / "round_start.bin", work / "update.bin"
+        for path, msg, sender in ((down, start, COORDINATOR), (up, upd, self.agents[0])):
+            path.write_bytes(encode(Envelope(kind=msg.kind, federation=FEDERATION, sender=sender,
+                                             round=1, seq=1, ts=time.time(), body=msg.to_body())))
+        return down, up
+
+    async def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                await asyncio.to_thread(p.wait, 10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        await self.transport.close()
+        if self.runner is not None:
+            self.runner.cancel()
+            try:
+                await self.runner
+            except (asyncio.CancelledError, Exception):
+                pass
+
+
+async def _measure(bb: BenchBroker, cc: CClients, params: int, repeats: int, work: Path, log) -> dict:
+    fed = FedRounds(bb, params, log)
+    try:
+        await fed.start()
+        down, up = fed.payloads(work)
+        await fed.round(1)                                # warm-up: connections, page cache
+        await asyncio.to_thread(cc.round, down, up, fed.agents)
+        res: dict[str, list[float]] = {k: [] for k in ("fedagent", "c", "c_out", "c_in", "fed_cpu",
+                                                       "c_cpu", "fed_broker", "c_broker")}
+        for i in range(repeats):
+            t, cpu, bcpu = await fed.round(i + 2)
+            o, n, ccpu, cbcpu = await asyncio.to_thread(cc.round, down, up, fed.agents)
+            for k, v in (("fedagent", t), ("c", o + n), ("c_out", o), ("c_in", n), ("fed_cpu", cpu),
+                         ("c_cpu", ccpu), ("fed_broker", bcpu), ("c_broker", cbcpu)):
+                res[k].append(v)
+            log(f"{mb(params)} round {i + 1}/{repeats}: fedagent {t:.2f} s (CPU {cpu:.2f} s, broker "
+                f"{bcpu:.2f} s), C clients {o + n:.2f} s (fan-out {o:.2f} + fan-in {n:.2f}; CPU "
+                f"{ccpu:.2f} s, broker {cbcpu:.2f} s)")
+        return res | {"bytes": down.stat().st_size, "lost": fed.lost}
+    finally:
+        await fed.stop()
+
+
+@section("round")
+def fedavg_round(ctx: Context) -> list[Row]:
+    rows = []
+    with BenchBroker(ctx.work / "round", AGENTS) as bb:
+        cc = CClients(bb, ctx.work)
+        for params in model_sizes(ctx):
+            res = asyncio.run(_measure(bb, cc, params, ctx.repeats, ctx.work, ctx.log))
+            ours_med, ours_max = summary(res["fedagent"])
+            c_med, c_max = summary(res["c"])
+            ctx.shared[("fedagent_round", params)] = res["fedagent"]
+            for what in res["lost"]:
+                ctx.shared.setdefault("failures", []).append(f"fedagent {mb(params)} {what}")
+            rows.append(Row("round", f"fedagent FedAvg round, TLS, {AGENTS} agents, {mb(params)} (median)",
+                            ours_med, "mosquitto_pub/sub fan-out + fan-in (median)", c_med,
+                            note=f"target <= 1.2x; max {ours_max:.2f} s vs {c_max:.2f} s; n={len(res['c'])}; "
+                                 f"C fan-out {summary(res['c_out'])[0]:.2f} s, fan-in {summary(res['c_in'])[0]:.2f} s"))
+            rows.append(Row("round", f"fedagent FedAvg round, TLS, {AGENTS} agents, {mb(params)} (max)",
+                            ours_max, "mosquitto_pub/sub fan-out + fan-in (max)", c_max))
+            # CPU time is far less disturbed than wall time by other work on the machine.
+            rows.append(Row("round", f"CPU of coordinator + {AGENTS} agents per round, {mb(params)} (median)",
+                            summary(res["fed_cpu"])[0], "CPU of the mosquitto_pub/sub processes (median)",
+                            summary(res["c_cpu"])[0], note="client side only; excludes the broker"))
+            rows.append(Row("round", f"broker CPU per fedagent round, {mb(params)} (median)",
+                            summary(res["fed_broker"])[0], "broker CPU per C-client round (median)",
+                            summary(res["c_broker"])[0], note="the same Mosquitto process"))
+    return rows
