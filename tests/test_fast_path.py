@@ -4,9 +4,11 @@ plain path, and the publish window bounds what is in flight."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
+from test_messaging import ident
 
 from fedagent.agent import transport as transport_mod
 from fedagent.agent.messaging import Messenger
@@ -30,6 +32,11 @@ def test_encode_view_is_byte_identical_to_encode():
     assert isinstance(view, memoryview)
     assert bytes(view) == encode(env)
     assert decode(view) == decode(encode(env))
+    # A signed envelope keeps its signature and certificate through either encoder.
+    signed = dataclasses.replace(env, sig=b"s" * 64, cert=b"c" * 300)
+    assert bytes(encode_view(signed)) == encode(signed)
+    back = decode(encode_view(signed))
+    assert back.sig == signed.sig and back.cert == signed.cert
 
 
 def test_encode_tensor_views_contiguous_arrays_and_copies_others():
@@ -94,13 +101,15 @@ def _chunked_update(messenger: Messenger) -> None:
                                       Update(1, 0, 3, {}, weights), round_=1))
 
 
-def test_chunks_are_published_with_a_bounded_window_and_reassemble():
+def test_chunks_are_published_with_a_bounded_window_and_reassemble(pki):
     t = _RecordingTransport()
-    m = Messenger(federation="fed", node_id="agent-a", transport=t, max_chunk_bytes=4096, publish_window=5)
+    m = Messenger(federation="fed", node_id="agent-a", transport=t, max_chunk_bytes=4096, publish_window=5,
+                  identity=ident(pki, "agent-a"))
     _chunked_update(m)
     assert len(t.frames) > 25
     assert t.peak == 5
-    r = Messenger(federation="fed", node_id="coord", transport=None, max_chunk_bytes=4096)
+    r = Messenger(federation="fed", node_id="coord", transport=None, max_chunk_bytes=4096,
+                  identity=ident(pki, "coord"))
     got = []
 
     async def deliver(inc):
@@ -115,9 +124,10 @@ def test_chunks_are_published_with_a_bounded_window_and_reassemble():
     np.testing.assert_array_equal(got[0].message.weights["w"], np.arange(30_000, dtype=np.float32))
 
 
-def test_a_failed_chunk_publish_fails_the_send():
+def test_a_failed_chunk_publish_fails_the_send(pki):
     t = _RecordingTransport(fail_at=3)
-    m = Messenger(federation="fed", node_id="agent-a", transport=t, max_chunk_bytes=4096, publish_window=4)
+    m = Messenger(federation="fed", node_id="agent-a", transport=t, max_chunk_bytes=4096, publish_window=4,
+                  identity=ident(pki, "agent-a"))
     with pytest.raises(TransportError):
         _chunked_update(m)
     assert t.in_flight == 0

@@ -160,16 +160,22 @@ def encode(env: Envelope) -> bytes:
     something msgpack cannot carry (the envelope was validated when it was built)."""
     if not isinstance(env, Envelope):
         raise TypeError(f"encode() takes an Envelope, not {type(env).__name__}")
+    try:
+        return msgpack.packb(_wire(env), use_bin_type=True, datetime=False)
+    except Exception as exc:  # TypeError, OverflowError, ValueError (depth), UnicodeEncodeError
+        raise CodecError(f"cannot encode envelope: {exc}") from exc
+
+
+def _wire(env: Envelope) -> dict[str, Any]:
+    """The envelope as the map that goes on the wire (both encoders use it, so neither
+    can drop a field: the signature and certificate travel only when set)."""
     wire = {"v": env.version, "k": env.kind, "f": env.federation, "s": env.sender,
             "r": env.round, "q": env.seq, "t": env.ts, "b": env.body}
     if env.cert:
         wire["c"] = env.cert
     if env.sig:
         wire["g"] = env.sig
-    try:
-        return msgpack.packb(wire, use_bin_type=True, datetime=False)
-    except Exception as exc:  # TypeError, OverflowError, ValueError (depth), UnicodeEncodeError
-        raise CodecError(f"cannot encode envelope: {exc}") from exc
+    return wire
 
 
 def encode_view(env: Envelope) -> memoryview:
@@ -178,8 +184,7 @@ def encode_view(env: Envelope) -> memoryview:
     The view stays valid for as long as it is referenced."""
     if not isinstance(env, Envelope):
         raise TypeError(f"encode_view() takes an Envelope, not {type(env).__name__}")
-    wire = {"v": env.version, "k": env.kind, "f": env.federation, "s": env.sender,
-            "r": env.round, "q": env.seq, "t": env.ts, "b": env.body}
+    wire = _wire(env)
     # Sized up front: growing the buffer by doubling would copy a large model again.
     packer = msgpack.Packer(use_bin_type=True, datetime=False, autoreset=False,
                             buf_size=_binary_bytes(env.body) + 65536)
