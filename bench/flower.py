@@ -129,14 +129,16 @@ def run_deployment(py: Path, work: Path, params: int, rounds: int, timeout: floa
         # Without this flag the SuperLink builds a fresh environment per run with uv
         # (15 s here); the app needs nothing beyond this virtualenv.
         superlink = subprocess.Popen([str(bindir / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
-                                      "--port", str(link), "--disable-runtime-dependency-installation"], stdout=logf, stderr=subprocess.STDOUT,
+                                      "--port", str(link), "--disable-runtime-dependency-installation"],
+                                     start_new_session=True, stdout=logf, stderr=subprocess.STDOUT,
                                      env=env, cwd=work)
         procs.append(superlink)
         _wait_port(link, time.monotonic() + 120, superlink, "flower-superlink")
         for _ in range(CLIENTS):
             procs.append(subprocess.Popen(
                 [str(bindir / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link}",
-                 "--port", str(_free_port())], stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=work))
+                 "--port", str(_free_port())], stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=work,
+                start_new_session=True))
         cfg = f'params={params} rounds={rounds + 1} clients={CLIENTS} out="{out}"'
         run = subprocess.run([str(bindir / "flwr"), "run", str(app), "bench", "--stream",
                               "--run-config", cfg], stdout=logf, stderr=subprocess.STDOUT, env=env,
@@ -153,14 +155,23 @@ def run_deployment(py: Path, work: Path, params: int, rounds: int, timeout: floa
                                    f"in {timeout:.0f} s; see {logf.name}")
             time.sleep(0.5)
     finally:
+        # Each SuperLink/SuperNode leads its own process group: its SuperExec and
+        # ClientApp processes go with it.
+        import signal
         for p in procs:
-            if p.poll() is None:
-                p.terminate()
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         for p in procs:
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
-                p.kill()
+                pass
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         logf.close()
 
 
