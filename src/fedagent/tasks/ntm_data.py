@@ -31,12 +31,8 @@ an agent can generate its shard without generating the others'.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import pickletools
 import re
-import zlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -284,61 +280,17 @@ def sbert_embed(texts: list[str], batch_size: int = 32) -> np.ndarray:
 
 
 # ---- the 20-newsgroups sample in gensim's test data -------------------------------------
-NEWSGROUPS_FILE = "test/test_data/mini_newsgroup"
 _TOKEN = re.compile(r"[a-z][a-z']{2,}")
-
-
-def _gensim_data_path(name: str) -> Path:
-    spec = importlib.util.find_spec("gensim")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("the newsgroups corpus is read from gensim's test data: pip install gensim")
-    path = Path(list(spec.submodule_search_locations)[0]) / name
-    if not path.is_file():
-        raise ConfigError(f"{path} is missing from the installed gensim")
-    return path
-
-
-def _pickled_strings(blob: bytes) -> tuple[list[str], list[str]]:
-    """The text strings (unicode opcodes) and byte strings (string opcodes) of a
-    protocol-0 pickle, read by walking its opcodes with pickletools (a parser): nothing
-    in the file is ever executed or looked up."""
-    texts, strings = [], []
-    for op, arg, _ in pickletools.genops(blob):
-        if op.name in ("UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8") and isinstance(arg, str):
-            texts.append(arg)
-        elif op.name in ("STRING", "BINSTRING", "SHORT_BINSTRING") and isinstance(arg, (str, bytes)):
-            strings.append(arg if isinstance(arg, str) else arg.decode("latin-1"))
-    return texts, strings
-
-
-_GROUP_NAME = re.compile(r"^[a-z]+(\.[a-z]+)+$")
 
 
 @functools.lru_cache(maxsize=1)
 def load_newsgroups() -> tuple[tuple[str, str], ...]:
     """(newsgroup, text) of every post in gensim's ``mini_newsgroup`` sample (200 posts,
-    alt.atheism and sci.space). The file is a zlib-compressed scikit-learn ``Bunch``
-    pickle; it is read without unpickling: the posts are its unicode strings, the group
-    names its short strings that look like newsgroup names (``target_names``), and a
-    post's group is the first of its ``Newsgroups:`` header that is one of them
-    (cross-posts list other groups too)."""
-    raw = _gensim_data_path(NEWSGROUPS_FILE).read_bytes()
-    if len(raw) > 50_000_000:
-        raise ConfigError("mini_newsgroup is unexpectedly large")
-    blob = zlib.decompressobj().decompress(raw, 100_000_000)
-    texts, strings = _pickled_strings(blob)
-    names = {s for s in strings if _GROUP_NAME.match(s)}
-    posts = []
-    for text in texts:
-        m = re.search(r"^Newsgroups:\s*([^\n]*)$", text, re.M)
-        if m is None:
-            continue
-        groups = [g.strip() for g in m.group(1).split(",") if g.strip() in names]
-        if groups:
-            posts.append((groups[0], text))
-    if not posts:
-        raise ConfigError("no posts found in gensim's mini_newsgroup")
-    return tuple(posts)
+    alt.atheism and sci.space), read by :func:`fedagent.tasks.text_data.newsgroups`
+    (never unpickled); the text keeps the Subject line for :func:`post_body`."""
+    from fedagent.tasks.text_data import newsgroups
+
+    return tuple((p.group, f"Subject: {p.subject}\n\n{p.body}") for p in newsgroups())
 
 
 def post_body(text: str) -> str:
