@@ -1,5 +1,7 @@
 """Profiling harness (not a section): one fedagent transport sends a model to another
-through the benchmark broker, N times, and prints the throughput.
+through the benchmark broker, N times, and prints the throughput and the CPU time
+both ends used (process time, which other load on the machine disturbs far less than
+wall time).
 
     .venv/bin/python -m bench.pipe [--params 11.2e6] [--times 5] [--chunk BYTES] [--profile FILE]
 
@@ -46,22 +48,25 @@ async def pipe(bb: BenchBroker, params: int, times: int, chunk: int, window: int
     t_rx = asyncio.create_task(rx.run(on_rx, r1))
     t_tx = asyncio.create_task(tx.run(ignore, r2))
     await asyncio.wait_for(asyncio.gather(r1.wait(), r2.wait()), 30)
-    out = []
+    out, cpu = [], []
     topic = topics.direct(FEDERATION, "agent-1", COORDINATOR, "update")
     for i in range(times):
         t0 = time.perf_counter()
+        c0 = time.process_time()
         await mtx.send(topic, Update(round=i + 1, base_version=0, num_samples=1, metrics={},
                                      weights=weights), round_=i + 1)
         t1 = time.perf_counter()
         await asyncio.wait_for(got.get(), 120)
         out.append(time.perf_counter() - t0)
-        print(f"  {i + 1}: sent (PUBACKs) {t1 - t0:.3f} s, received {out[-1]:.3f} s", flush=True)
+        cpu.append(time.process_time() - c0)
+        print(f"  {i + 1}: sent (PUBACKs) {t1 - t0:.3f} s, received {out[-1]:.3f} s, "
+              f"CPU {cpu[-1]:.3f} s", flush=True)
     await tx.close()
     await rx.close()
     for t in (t_rx, t_tx):
         t.cancel()
     await asyncio.gather(t_rx, t_tx, return_exceptions=True)
-    return out
+    return out, cpu
 
 
 def main() -> None:
@@ -80,14 +85,15 @@ def main() -> None:
         prof = cProfile.Profile() if a.profile else None
         if prof:
             prof.enable()
-        times = asyncio.run(pipe(bb, int(a.params), a.times, a.chunk, a.window))
+        times, cpu = asyncio.run(pipe(bb, int(a.params), a.times, a.chunk, a.window))
         if prof:
             prof.disable()
             prof.dump_stats(a.profile)
     mbytes = int(a.params) * 4 / 1e6
     best = min(times)
     print(f"{mbytes:.1f} MB: best {best:.3f} s ({mbytes / best:.0f} MB/s), median "
-          f"{sorted(times)[len(times) // 2]:.3f} s, chunk {a.chunk}")
+          f"{sorted(times)[len(times) // 2]:.3f} s; CPU of both ends: median "
+          f"{sorted(cpu)[len(cpu) // 2]:.3f} s, min {min(cpu):.3f} s; chunk {a.chunk}")
 
 
 if __name__ == "__main__":

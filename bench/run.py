@@ -4,8 +4,9 @@ measured in the same run.
 
     .venv/bin/python bench/run.py [--quick] [--only NAME ...] [--out DIR]
 
-Sections (see bench/registry.py to add one): codec, round, flower, memory, scale, compression.
-``--quick`` uses the 1.1M-parameter model and few repetitions (under two minutes).
+Sections (see bench/registry.py to add one): codec, round, flower, gossip, memory, scale,
+compression. ``--quick`` uses the 1.1M-parameter model, 2 repetitions, Flower's gRPC mode
+without TLS only and small memory/scale/compression runs (a few minutes on an idle 2-core machine).
 The table is also written as ``table.md`` and ``results.json`` under ``--out``.
 """
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
     names = args.only or list(SECTIONS)
-    repeats = args.repeats or (3 if args.quick else 10)
+    repeats = args.repeats or (2 if args.quick else 5)
     info = machine()
     print(f"machine: {info['cpus']} CPUs, {info['cpu']}; {info['mosquitto']}; load {info['loadavg']}",
           flush=True)
@@ -124,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # noqa: BLE001 - one broken section must not hide the others
                 failures[name] = f"{type(exc).__name__}: {exc}"
                 print(f"  section {name} failed: {failures[name]}", flush=True)
+            except KeyboardInterrupt:
+                # Interrupted (Ctrl-C, SIGTERM): still print what the finished sections measured.
+                failures[name] = "interrupted"
+                print(f"  section {name} interrupted", flush=True)
+                break
             print(f"  ({time.monotonic() - t0:.0f} s)", flush=True)
         not_measured = list(ctx.shared.get("failures", []))
     info["loadavg_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])

@@ -8,6 +8,12 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need_apt+=(mosquitto)
 command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
+# Fault-injection tests (tests/test_faults_*.py): packet loss and NFQUEUE delay,
+# partitions, wall-clock jumps; headers to build the netfilterqueue wheel.
+command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || need_apt+=(iptables)
+command -v nft >/dev/null 2>&1 || [ -x /usr/sbin/nft ] || need_apt+=(nftables)
+command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)
+[ -e /usr/include/libnetfilter_queue/libnetfilter_queue.h ] || need_apt+=(libnetfilter-queue-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "bootstrap: installing ${need_apt[*]} with apt-get" >&2
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
@@ -29,3 +35,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q -e ".[test]"
   touch "$stamp"
 fi
+# Only the slow T8 test needs it (added delay); a failed build must not stop the set-up.
+.venv/bin/python -c "import netfilterqueue" 2>/dev/null || .venv/bin/pip install -q "netfilterqueue==1.1.0" \
+  || echo "bootstrap: netfilterqueue did not build; the slow delay test (T8) will fail" >&2

@@ -5,11 +5,6 @@ from network namespaces joined by veth pairs to a bridge (RELIABILITY/NETWORK-FA
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,86 +15,15 @@ from fedagent import broker, config, pki
 from fedagent.agent.control import request
 from fedagent.config import TlsConfig
 from fedagent.errors import FedagentError
+from netns import Lab, requires_netns
 
-pytestmark = [
-    pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                       reason="network namespaces need root and iproute2"),
-]
+pytestmark = [pytest.mark.root, requires_netns]
 
 PORT = 8883
 FED = "sites"
 
 
-def sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, timeout=30)
-
-
-class Sites:
-    """Namespaces hub, s1, s2 (+ a bridge namespace) on 10.<n>.0.0/24, torn down on close."""
-
-    def __init__(self, work: Path) -> None:
-        self.work = work
-        self.tag = f"fa{secrets.token_hex(3)}"
-        net = 100 + secrets.randbelow(100)
-        self.ip = {"hub": f"10.{net}.0.1", "s1": f"10.{net}.0.2", "s2": f"10.{net}.0.3"}
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-        self.made: list[str] = []
-
-    def ns(self, name: str) -> str:
-        return f"{self.tag}-{name}"
-
-    def up(self) -> None:
-        br = self.ns("br")
-        sh("ip", "netns", "add", br)
-        self.made.append(br)
-        sh("ip", "-n", br, "link", "add", "br0", "type", "bridge")
-        sh("ip", "-n", br, "link", "set", "br0", "up")
-        for i, (name, addr) in enumerate(self.ip.items()):
-            ns = self.ns(name)
-            sh("ip", "netns", "add", ns)
-            self.made.append(ns)
-            sh("ip", "link", "add", f"{self.tag}v{i}", "type", "veth", "peer", "name", f"{self.tag}p{i}")
-            sh("ip", "link", "set", f"{self.tag}v{i}", "netns", ns)
-            sh("ip", "link", "set", f"{self.tag}p{i}", "netns", br)
-            sh("ip", "-n", ns, "link", "set", f"{self.tag}v{i}", "name", "eth0")
-            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
-            sh("ip", "-n", ns, "link", "set", "eth0", "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-            sh("ip", "-n", br, "link", "set", f"{self.tag}p{i}", "master", "br0")
-            sh("ip", "-n", br, "link", "set", f"{self.tag}p{i}", "up")
-
-    def spawn(self, name: str, ns: str, argv: list[str]) -> subprocess.Popen:
-        log = (self.work / "logs" / f"{name}.log")
-        log.parent.mkdir(exist_ok=True)
-        p = subprocess.Popen(["ip", "netns", "exec", self.ns(ns), *argv], stdout=log.open("ab"),
-                             stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append((name, p))
-        return p
-
-    def log(self, name: str) -> str:
-        return (self.work / "logs" / f"{name}.log").read_text(errors="replace")
-
-    def check_alive(self) -> None:
-        for name, p in self.procs:
-            if p.poll() is not None:
-                raise FedagentError(f"{name} exited with {p.returncode}:\n{self.log(name)[-1500:]}")
-
-    def close(self) -> None:
-        for _, p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for _, p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        for ns in reversed(self.made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-def wait_for(predicate, timeout: float, what: str, sites: Sites):
+def wait_for(predicate, timeout: float, what: str, sites: Lab):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         sites.check_alive()
@@ -119,7 +43,7 @@ def status(path: Path) -> dict | None:
 
 @pytest.fixture
 def sites(tmp_path):
-    s = Sites(tmp_path)
+    s = Lab(tmp_path, ["hub", "s1", "s2"])
     try:
         s.up()
         yield s

@@ -51,7 +51,7 @@ def test_unit_hardening_score(unit, tmp_path):
 @pytest.mark.parametrize("unit", UNITS, ids=lambda u: u.name)
 def test_unit_is_notify_with_watchdog_and_no_restart_loop_on_config_errors(unit):
     text = unit.read_text()
-    role = "agent" if "agent" in unit.name else "coordinator"
+    role = unit.name.removeprefix("fedagent-").removesuffix(".service")   # "fedagent-" itself contains "agent"
     for line in ("Type=notify", "WatchdogSec=", "RestartPreventExitStatus=78", "DynamicUser=yes",
                  f"StateDirectory=fedagent-{role}", f"RuntimeDirectory=fedagent-{role}",
                  "ConfigurationDirectory=fedagent", "LoadCredential=node.key:"):

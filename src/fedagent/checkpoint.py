@@ -15,16 +15,31 @@ import numpy as np
 
 from fedagent.errors import CodecError, FedagentError
 from fedagent.protocols.codec import Limits, decode_weights, encode_weights
-from fedagent.statefile import atomic_write
+from fedagent.statefile import atomic_write_with
 
 FORMAT = 1
 
 
 def save(path: Path, weights: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
-    data = msgpack.packb({"format": FORMAT, "meta": meta, "weights": encode_weights(weights)},
-                         use_bin_type=True)
+    wire = encode_weights(weights)
+    meta_bytes = msgpack.packb(meta, use_bin_type=True)     # fails here, before any file is touched
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, data)
+
+    def write(f) -> None:
+        # The same msgpack document packb would make, written piece by piece: tensor
+        # bytes go from the arrays to the file, so saving a model costs no model-sized
+        # buffer (packb built one, and bytes() of it a second: 2 models at the peak).
+        pk = msgpack.Packer(use_bin_type=True)
+        f.write(pk.pack_map_header(3) + pk.pack("format") + pk.pack(FORMAT) + pk.pack("meta"))
+        f.write(meta_bytes)
+        f.write(pk.pack("weights") + pk.pack_map_header(len(wire)))
+        for name, t in wire.items():
+            data = memoryview(t["data"]).cast("B")
+            f.write(pk.pack(name) + pk.pack_map_header(3) + pk.pack("dtype") + pk.pack(t["dtype"])
+                    + pk.pack("shape") + pk.pack(t["shape"]) + pk.pack("data") + pk.pack_bin_header(data.nbytes))
+            f.write(data)
+
+    atomic_write_with(path, write)
 
 
 def load(path: Path, *, max_bytes: int = 2**31) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:

@@ -95,6 +95,11 @@ def coordinator(config_path: Path) -> None:
         cfg = config.load(config_path, "coordinator")
     except FedagentError as exc:
         _fail(exc)
+    if cfg.mode == "syncopt":
+        from fedagent.coordinator.syncopt import SyncOptCoordinator
+
+        _run_daemon(lambda: SyncOptCoordinator(cfg))
+        return
     _run_daemon(lambda: Coordinator(cfg))
 
 
@@ -309,10 +314,12 @@ def report(histories: tuple[Path, ...], state_dir: Path | None, out: Path, title
 
 # -- demo -------------------------------------------------------------------------------
 @main.command()
-@click.option("--mode", type=click.Choice(["fedavg", "gossip"]), default="fedavg", show_default=True,
-              help="fedavg: a coordinator runs rounds; gossip: no coordinator, agents merge each other's models")
+@click.option("--mode", type=click.Choice(["fedavg", "gossip", "syncopt"]), default="fedavg", show_default=True,
+              help="fedavg: a coordinator runs rounds; gossip: no coordinator, agents merge each other's models; "
+                   "syncopt: gFedNTM, vocabulary consensus then one gradient per agent per step (ProdLDA)")
 @click.option("--agents", type=int, default=None, help="number of agent processes [default: 3, gossip 5]")
 @click.option("--rounds", default=15, show_default=True, help="FedAvg rounds")
+@click.option("--steps", default=300, show_default=True, help="syncopt: Sync-Opt steps")
 @click.option("--periods", default=100, show_default=True, help="gossip exchange periods per agent")
 @click.option("--period-steps", default=10, show_default=True, help="gossip: local mini-batches per exchange")
 @click.option("--merge", type=click.Choice(["pushsum", "thesis"]), default="pushsum", show_default=True,
@@ -321,13 +328,15 @@ def report(histories: tuple[Path, ...], state_dir: Path | None, out: Path, title
 @click.option("--keep", is_flag=True, help="keep the work directory (logs, checkpoints)")
 @click.option("--report", "report_dir", type=click.Path(path_type=Path), default=Path("demo-report"),
               show_default=True, help="where to write the run's report (markdown + PNG plots)")
-def demo(mode: str, agents: int | None, rounds: int, periods: int, period_steps: int, merge: str, alpha: float,
+def demo(mode: str, agents: int | None, rounds: int, steps: int, periods: int, period_steps: int, merge: str, alpha: float,
          keep: bool, report_dir: Path) -> None:
     """A whole federation on this machine: broker, coordinator (FedAvg), agents, mDNS."""
-    from fedagent.demo import run_demo, run_gossip_demo
+    from fedagent.demo import run_demo, run_gossip_demo, run_syncopt_demo
 
     try:
-        if mode == "gossip":
+        if mode == "syncopt":
+            code = run_syncopt_demo(agents=agents or 5, steps=steps, keep=keep)
+        elif mode == "gossip":
             code = run_gossip_demo(agents=agents or 5, periods=periods, period_steps=period_steps, alpha=alpha,
                                    merge=merge, keep=keep, report_dir=report_dir)
         else:
@@ -348,12 +357,12 @@ def experiment() -> None:
 
 
 @experiment.command("flsimco")
-@click.option("--rounds", default=20, show_default=True, help="RSU rounds per strategy")
+@click.option("--rounds", default=10, show_default=True, help="RSU rounds per strategy")
 @click.option("--coverage", default=4, show_default=True, help="vehicles in range of the RSU per round")
 @click.option("--stay", default=2, show_default=True, help="rounds each vehicle stays in range")
-@click.option("--alpha", default=0.1, show_default=True, help="Dirichlet label skew over the shards (0 = IID)")
+@click.option("--alpha", default=1.0, show_default=True, help="Dirichlet label skew over the shards (0 = IID)")
 @click.option("--threshold", default=100.0, show_default=True, help="km/h above which baseline 2 drops a model")
-@click.option("--local-epochs", default=5, show_default=True)
+@click.option("--local-epochs", default=2, show_default=True)
 @click.option("--speed", "speed", nargs=4, type=float, default=(90.0, 20.0, 50.0, 130.0), show_default=True,
               metavar="MU SIGMA V_MIN V_MAX", help="eq. 1: truncated Gaussian of vehicle speeds (km/h)")
 @click.option("--seed", default=0, show_default=True)
@@ -377,5 +386,47 @@ def experiment_flsimco(rounds: int, coverage: int, stay: int, alpha: float, thre
                       local_epochs=local_epochs, seed=seed,
                       mobility={"mu": mu, "sigma": sigma, "v_min": v_min, "v_max": v_max})
         run_experiment(out, setup, strategies or STRATEGIES, keep=keep)
+    except FedagentError as exc:
+        _fail(exc)
+
+
+@experiment.command("gfedntm")
+@click.option("--corpus", type=click.Choice(["synthetic", "newsgroups"]), default="synthetic", show_default=True,
+              help="synthetic: Fig. 2 (Sec. 4.1); newsgroups: gensim's sample, one newsgroup per agent")
+@click.option("--scale", "scale_name", type=click.Choice(["default", "paper", "tiny"]), default="default",
+              show_default=True, help="synthetic sizes (default: ~20 min on 2 busy cores; paper: Sec. 4.1's)")
+@click.option("--epochs", type=int, default=None, help="passes of every node over its documents")
+@click.option("--docs", type=int, default=None, help="synthetic: training documents per node")
+@click.option("--vocab-size", type=int, default=None, help="synthetic: V")
+@click.option("--k-prime", "k_primes", multiple=True, type=int, help="synthetic: shared topics (default 5 10 15 40)")
+@click.option("--eta", "etas", multiple=True, type=float,
+              help="synthetic: topic priors for setting B (default 0.01 0.02 0.03 0.04 0.08 1)")
+@click.option("--model", type=click.Choice(["prodlda", "combinedtm"]), default="combinedtm", show_default=True,
+              help="newsgroups: the topic model (combinedtm uses the offline SBERT model)")
+@click.option("--n-topics", type=int, default=10, show_default=True, help="newsgroups: K")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("gfedntm-report"), show_default=True)
+def experiment_gfedntm(corpus: str, scale_name: str, epochs: int | None, docs: int | None, vocab_size: int | None,
+                       k_primes: tuple[int, ...], etas: tuple[float, ...], model: str, n_topics: int, seed: int,
+                       out: Path) -> None:
+    """gFedNTM: centralized vs federated (Sync-Opt) vs non-collaborative topic models (Fig. 2)."""
+    from dataclasses import replace
+
+    from fedagent.experiments import gfedntm
+
+    try:
+        if corpus == "newsgroups":
+            news = gfedntm.NewsScale(model=model, n_topics=n_topics, seed=seed)
+            if epochs is not None:
+                news = replace(news, epochs=epochs)
+            gfedntm.run_newsgroups(out, news)
+            return
+        scale = replace(gfedntm.SCALES[scale_name], seed=seed)
+        for name, value in (("epochs", epochs), ("docs", docs), ("vocab_size", vocab_size)):
+            if value is not None:
+                if value < 1:
+                    raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+                scale = replace(scale, **{name: value})
+        gfedntm.run_synthetic(out, scale, k_primes or gfedntm.K_PRIME, etas or gfedntm.ETAS)
     except FedagentError as exc:
         _fail(exc)

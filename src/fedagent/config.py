@@ -48,6 +48,10 @@ class RoundsConfig:
     weight_key: str = ""              # the reported metric "metric"/"blur"/"drop_above" read
     drop_above: float | None = None   # "drop_above": threshold on weight_key
     leave_after: int = 0              # agent: leave after this many rounds (0 = stay)
+    byzantine: int = 0                # robust aggregations: Byzantine updates per round to tolerate (f)
+    trim: float = 0.1                 # "trimmed_mean": fraction β dropped at each end
+    krum_m: int = 0                   # "krum": updates averaged by multi-Krum (0 = n - f)
+    clip_norm: float | None = None    # cap each update's L2 distance from the global model (any aggregation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +75,8 @@ class GossipSettings:
     period_seconds: float = 0.0       # a period lasts at least this long (paces fast training)
     lr_schedule: str = "cosine"       # "cosine" (to 0 at `periods`) | "constant"
     catch_up: bool = True             # a newcomer's first merge adopts far older models
+    max_norm: float | None = None     # refuse a received model whose L2 norm exceeds this
+    clip_norm: float | None = None    # cap a received model's L2 distance from ours
 
     def lr_at(self, period: int) -> float:
         """The step size for ``period``: with a known end (``periods``) the default cosine
@@ -100,9 +106,59 @@ class GossipSettings:
             return GossipConfig(period_steps=self.period_steps, max_incoming=self.max_incoming,
                                 create=self.create, merge=self.merge, exchange=names, catch_up=self.catch_up,
                                 send_timeout=self.send_timeout, max_retries=self.max_retries,
-                                periods=self.periods, seed=self.seed)
+                                periods=self.periods, seed=self.seed, max_norm=self.max_norm,
+                                clip_norm=self.clip_norm)
         except ValueError as exc:
             raise ConfigError(f"[gossip]: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class SyncOptSettings:
+    """``[syncopt]``: gFedNTM's vocabulary consensus and Sync-Opt steps (coordinator side;
+    see :mod:`fedagent.protocols.vocab` and :mod:`fedagent.protocols.syncopt`)."""
+
+    steps: int = 500                  # I in Algorithm 1
+    tol: float = 0.0                  # stop when ||W(t+1)-W(t)|| / ||W(t)|| < tol (0 = never)
+    step_timeout: float = 60.0        # seconds a step waits for its gradients
+    on_fault: str = "continue"        # "continue" without a vanished agent, or "abort"
+    min_gradients: int = 1            # "continue": aggregate a faulty step with at least this many
+    max_norm: float | None = None     # refuse gradients with a larger L2 norm
+    aggregation: str = "weighted"     # "weighted" (by samples) | "mean"
+    expected_agents: int = 0          # start (vocabulary, steps) once this many agents took part
+    min_agents: int = 1               # quorum at the vocabulary deadline / start_grace
+    vocab_timeout: float = 60.0       # vocabulary deadline: merge then with a quorum
+    min_count: int = 1                # keep terms counted at least this often over all agents
+    max_size: int = 0                 # keep at most this many terms (0 = all)
+    start_grace: float = 5.0          # tasks without a vocabulary: wait this long after quorum
+    checkpoint_every: int = 10        # steps between checkpoints (and always the last one)
+    seed: int = 0                     # torch seed for the model's initial weights on the coordinator
+
+    def __post_init__(self) -> None:
+        if self.expected_agents < 0 or self.min_agents < 1 or self.checkpoint_every < 1:
+            raise ConfigError("syncopt: expected_agents >= 0, min_agents >= 1, checkpoint_every >= 1")
+        if self.expected_agents and self.min_agents > self.expected_agents:
+            raise ConfigError("syncopt: min_agents cannot exceed expected_agents")
+        if not (self.vocab_timeout > 0 and self.start_grace >= 0):
+            raise ConfigError("syncopt: vocab_timeout must be positive and start_grace non-negative")
+
+    def machine_config(self):
+        from fedagent.protocols.syncopt import SyncOptConfig
+
+        try:
+            return SyncOptConfig(steps=self.steps, tol=self.tol, step_timeout=self.step_timeout,
+                                 on_fault=self.on_fault, min_gradients=self.min_gradients,
+                                 max_norm=self.max_norm, aggregation=self.aggregation)
+        except ValueError as exc:
+            raise ConfigError(f"[syncopt]: {exc}") from None
+
+    def vocab_config(self):
+        from fedagent.protocols.vocab import VocabConfig
+
+        try:
+            return VocabConfig(expected_agents=self.expected_agents, min_agents=self.min_agents,
+                               deadline=self.vocab_timeout, min_count=self.min_count, max_size=self.max_size)
+        except ValueError as exc:
+            raise ConfigError(f"[syncopt]: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,13 +180,16 @@ class NodeConfig:
     task_options: dict[str, Any] = field(default_factory=dict)
     rounds: RoundsConfig = field(default_factory=RoundsConfig)
     gossip: GossipSettings = field(default_factory=GossipSettings)
+    syncopt: SyncOptSettings = field(default_factory=SyncOptSettings)
     max_chunk_bytes: int = 4 * 2**20
     max_model_bytes: int = 1 * 2**30
     compression: str = "none"         # coordinator: how agents send updates (none|fp16|int8|topk)
     topk_ratio: float = 0.01
+    stream_updates: bool | None = None   # coordinator: True/False forces it; None: streamed when the aggregation allows
     metrics_port: int = 0          # 0: a free loopback port (shown by status); -1: off
     metrics_host: str = "127.0.0.1"
     torch_threads: int = 1
+    max_clock_skew: float = 300.0  # [security]: a message's timestamp may differ this much from ours
 
     @property
     def control_socket(self) -> Path:
@@ -147,7 +206,8 @@ class NodeConfig:
 
 
 _TOP = {"id", "federation", "mode", "state_dir", "runtime_dir", "broker", "tls", "discovery",
-        "task", "rounds", "gossip", "transfer", "metrics_port", "metrics_host", "torch_threads"}
+        "task", "rounds", "gossip", "syncopt", "transfer", "metrics_port", "metrics_host", "torch_threads",
+        "security"}
 
 
 def _table(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
@@ -211,26 +271,49 @@ def load(path: Path | str, role: str) -> NodeConfig:
             gossip.machine_config(gossip.exchange)          # validates the rest now
         except TypeError as exc:
             raise ConfigError(f"{where}: [gossip]: {exc}") from None
+        syncopt_raw = _table(raw, "syncopt", where)
+        try:
+            syncopt = SyncOptSettings(**syncopt_raw)
+            syncopt.machine_config()                       # validates the rest now
+            syncopt.vocab_config()
+        except TypeError as exc:
+            raise ConfigError(f"{where}: [syncopt]: {exc}") from None
         transfer = _table(raw, "transfer", where)
+        security = _table(raw, "security", where)
+        unknown_sec = set(security) - {"max_clock_skew"}
+        if unknown_sec:
+            raise ConfigError(f"{where}: [security]: unknown keys {sorted(unknown_sec)}")
+        skew = security.get("max_clock_skew", 300.0)
+        if isinstance(skew, bool) or not isinstance(skew, int | float) or not 1 <= skew <= 86400:
+            raise ConfigError(f"{where}: security.max_clock_skew must be 1..86400 seconds, not {skew!r}")
         state_dir = p(raw.get("state_dir", os.environ.get("STATE_DIRECTORY", "/var/lib/fedagent")), "state_dir")
         rt = raw.get("runtime_dir") or os.environ.get("RUNTIME_DIRECTORY")
         return NodeConfig(
             path=path, role=role, id=node_id, federation=federation, mode=mode, broker=broker,
             tls=tls, state_dir=state_dir, runtime_dir=p(rt, "runtime_dir") if rt else None,
             interfaces=interfaces, advertise=bool(disc.get("advertise", True)),
-            task=str(task.get("name", "digits")), task_options=options, rounds=rounds, gossip=gossip,
+            task=str(task.get("name", "digits")), task_options=options, rounds=rounds, gossip=gossip, syncopt=syncopt,
             max_chunk_bytes=int(transfer.get("max_chunk_bytes", 4 * 2**20)),
             max_model_bytes=int(transfer.get("max_model_bytes", 2**30)),
             compression=_compression(transfer, where),
             topk_ratio=float(transfer.get("topk_ratio", 0.01)),
+            stream_updates=_stream_updates(transfer, where),
             metrics_port=int(raw.get("metrics_port", 0)),
             metrics_host=str(raw.get("metrics_host", "127.0.0.1")),
             torch_threads=int(raw.get("torch_threads", 1)),
+            max_clock_skew=float(skew),
         )
     except ConfigError as exc:
         if where in str(exc):
             raise
         raise ConfigError(f"{where}: {exc}") from None
+
+
+def _stream_updates(transfer: dict[str, Any], where: str) -> bool | None:
+    v = transfer.get("stream_updates")
+    if v is not None and type(v) is not bool:
+        raise ConfigError(f"{where}: [transfer] stream_updates must be true or false, not {v!r}")
+    return v
 
 
 def _compression(transfer: dict[str, Any], where: str) -> str:
@@ -246,7 +329,8 @@ def _compression(transfer: dict[str, Any], where: str) -> str:
 def render(*, node_id: str, federation: str, tls: TlsConfig, state_dir: Path, broker: str = "",
            runtime_dir: Path | None = None, mode: str = "fedavg", interfaces: tuple[str, ...] = ("127.0.0.1",),
            task: str = "digits", task_options: dict[str, Any] | None = None,
-           rounds: dict[str, Any] | None = None, gossip: dict[str, Any] | None = None) -> str:
+           rounds: dict[str, Any] | None = None, gossip: dict[str, Any] | None = None,
+           syncopt: dict[str, Any] | None = None) -> str:
     """A config file as TOML text (used by the demo, the tests and ``fedagent init``)."""
     doc: dict[str, Any] = {"id": node_id, "federation": federation, "mode": mode, "state_dir": str(state_dir)}
     if runtime_dir is not None:
@@ -259,6 +343,8 @@ def render(*, node_id: str, federation: str, tls: TlsConfig, state_dir: Path, br
         doc["rounds"] = rounds
     if gossip:
         doc["gossip"] = gossip
+    if syncopt:
+        doc["syncopt"] = syncopt
     return tomli_w.dumps(doc)
 
 

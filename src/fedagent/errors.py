@@ -14,6 +14,7 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 64
 EXIT_UNAVAILABLE = 69
 EXIT_SOFTWARE = 70
+EXIT_IOERR = 74
 EXIT_CONFIG = 78
 
 
@@ -27,6 +28,14 @@ class ConfigError(FedagentError):
     """The local configuration, certificate or key is wrong; restarting won't help."""
 
     exit_code = EXIT_CONFIG
+
+
+class StateWriteError(FedagentError):
+    """The state directory cannot be written (disk full, read-only, quota). The previous
+    checkpoint is intact; a restart helps only once an operator frees space, so the
+    daemon exits with its own code (EX_IOERR) and systemd's start limit bounds the loop."""
+
+    exit_code = EXIT_IOERR
 
 
 class CodecError(FedagentError):

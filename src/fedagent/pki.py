@@ -7,8 +7,12 @@ That is why a name is validated with :func:`fedagent.protocols.topics.check_name
 before anything is signed: a CN containing ``#``, ``+`` or ``/`` would let its holder
 escape its ACL subtree (Mosquitto CVE-2017-7650).
 
-Keys are ECDSA P-256 (fast handshakes on small devices, supported by every OpenSSL
-Mosquitto links against) and written with mode 0600. Everything is done with
+The CA and broker keys are ECDSA P-256 (fast handshakes on small devices, supported by
+every OpenSSL Mosquitto links against). Agent and coordinator keys are Ed25519: the same
+key authenticates the node to the broker (TLS) and signs every message it sends
+(:mod:`fedagent.signing`), so the certificate that binds the key to the node id is the
+one the CA issued for TLS and no second key or certificate has to be managed. Keys are
+written with mode 0600. Everything is done with
 ``cryptography``; no ``openssl`` command is needed.
 """
 
@@ -26,7 +30,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedagent.errors import ConfigError
@@ -66,7 +70,7 @@ def _write_public(path: Path, data: bytes) -> None:
     os.chmod(path, 0o644)
 
 
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+def _key_pem(key) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
 
@@ -215,7 +219,8 @@ def issue(ca_dir: Path, out_dir: Path, name: str, role: str, *, sans: Sequence[s
     if role == "broker" and not sans:
         sans = DEFAULT_BROKER_SANS
 
-    key = ec.generate_private_key(ec.SECP256R1())
+    # Nodes that send messages sign them with their TLS key, so theirs is Ed25519.
+    key = ec.generate_private_key(ec.SECP256R1()) if role == "broker" else ed25519.Ed25519PrivateKey.generate()
     subject = x509.Name([
         x509.NameAttribute(NameOID.ORGANIZATION_NAME, _ORG),
         x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),

@@ -11,19 +11,25 @@ import os
 import tempfile
 from pathlib import Path
 
-from fedagent.errors import FedagentError
+from fedagent.errors import FedagentError, StateWriteError
 
 TEMP_PREFIX = ".fedagent-tmp-"
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
+    atomic_write_with(path, lambda f: f.write(data), mode)
+
+
+def atomic_write_with(path: Path, write, mode: int = 0o600) -> None:
+    """:func:`atomic_write` of what ``write(file)`` writes: a large file (a checkpoint)
+    can be written piece by piece from memory that already holds it, never assembled."""
     path = Path(path)
     tmp: str | None = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), mode)
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -38,7 +44,7 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-        raise FedagentError(f"cannot write {path}: {exc.strerror or exc}; the previous version is intact") from exc
+        raise StateWriteError(f"cannot write {path}: {exc.strerror or exc}; the previous version is intact") from exc
 
 
 def read_bytes(path: Path, max_bytes: int) -> bytes | None:
@@ -64,3 +70,31 @@ def cleanup_temp_files(directory: Path) -> int:
             entry.unlink(missing_ok=True)
             n += 1
     return n
+
+
+def append_line(path: Path, line: bytes) -> None:
+    """Append one record and make it durable, or leave the file exactly as it was.
+
+    A full disk can accept part of a write; a half line would make every later reader
+    of the file fail, so on any error the file is cut back to its previous length.
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise StateWriteError(f"cannot append to {path}: {exc.strerror or exc}") from exc
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError as exc:
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                pass
+            raise StateWriteError(f"cannot append to {path}: {exc.strerror or exc}; "
+                                  "earlier records are intact") from exc
+    finally:
+        os.close(fd)

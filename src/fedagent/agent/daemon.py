@@ -23,9 +23,10 @@ from fedagent.agent.control import ControlServer
 from fedagent.agent.discovery import Advert, Discovery
 from fedagent.agent.gossip import GossipSession
 from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.runtime import History, make_transport, presence_payload
+from fedagent.agent.syncopt import SyncOptSession
+from fedagent.agent.runtime import History, make_transport, node_identity, presence_payload
 from fedagent.config import NodeConfig
-from fedagent.errors import ConfigError, FedagentError
+from fedagent.errors import EXIT_CONFIG, ConfigError, FedagentError, TransportError
 from fedagent.metrics import NodeMetrics
 from fedagent.pki import fingerprint
 from fedagent.protocols import topics
@@ -73,7 +74,8 @@ class Session:
             on_connect=self._on_connect)
         self.messenger = Messenger(federation=federation, node_id=self.cfg.id, transport=self.transport,
                                    max_chunk_bytes=self.cfg.max_chunk_bytes,
-                                   max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics)
+                                   max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics,
+                                   identity=node_identity(self.cfg), max_skew=self.cfg.max_clock_skew)
 
     async def _on_connect(self) -> None:
         await self.transport.publish(
@@ -108,6 +110,10 @@ class Session:
         if isinstance(msg, (RoundStart, RoundResult, GlobalModel)):
             if not inc.topic.startswith(topics.federation_root(self.fed) + "/global/"):
                 return self.messenger._reject("topic", inc.sender, f"{msg.kind} outside global/")
+            if inc.role != "coordinator":
+                # The ACL keeps agents off global/, but the broker is not trusted with
+                # that: only a coordinator's certificate may sign what steers training.
+                return self.messenger._reject("role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-coordinator'}")
             self.coordinator = inc.sender
             if isinstance(msg, RoundStart) and msg.round > self.current_round:
                 self.current_round = msg.round
@@ -132,13 +138,31 @@ class Session:
                     log.warning("no coordinator known; update for round %d dropped", cmd.update.round)
                     continue
                 topic = topics.direct(self.fed, self.cfg.id, self.coordinator, "update")
-                base, comp = None, CompressionConfig()
+                train = None
                 if self._base is not None and self._base[0] == cmd.update.round:
                     _, base, train = self._base
-                    comp = CompressionConfig(train.compression, train.topk_ratio)
-                if comp != self.compressor.config:
-                    self.compressor = Compressor(comp)
-                n = await self.messenger.send_update(topic, cmd.update, base=base, compressor=self.compressor)
+                try:
+                    if train is not None and train.stream:
+                        comp = CompressionConfig(train.compression, train.topk_ratio)
+                        if comp != self.compressor.config:
+                            self.compressor = Compressor(comp)
+                        n = await self.messenger.send_update(topic, cmd.update, base=base,
+                                                             compressor=self.compressor)
+                    else:
+                        # The round asked for a whole update (a robust aggregator or
+                        # clip_norm reads it at once), or its settings are not known here:
+                        # a whole update is what every coordinator accepts.
+                        n = await self.messenger.send(topic, cmd.update, round_=cmd.update.round)
+                except TransportError as exc:
+                    if exc.exit_code == EXIT_CONFIG:
+                        raise
+                    # Cut off from the broker for longer than the publish timeout (a
+                    # partition): by the time we are back the round is over and the update
+                    # stale, so it is dropped here instead of ending the daemon.
+                    log.warning("round %d: update not delivered (%s); the round goes on without it",
+                                cmd.update.round, exc)
+                    self.round_state = "update not delivered"
+                    continue
                 self.round_state = "update sent"
                 self.agent.metrics.round_completed(None, cmd.update.metrics)
                 self.history.append({"event": "update", "round": cmd.update.round,
@@ -266,9 +290,11 @@ class Agent:
         if not broker:
             broker = await self._find_broker(federation)
             log.info("found federation %s on mDNS: broker %s", federation, broker)
-        session: Session | GossipSession
+        session: Session | GossipSession | SyncOptSession
         if self.cfg.mode == "gossip":
             session = GossipSession(self, federation, broker)
+        elif self.cfg.mode == "syncopt":
+            session = SyncOptSession(self, federation, broker)
         else:
             session = Session(self, federation, broker)
         self.session = session

@@ -197,6 +197,45 @@ class Discovery:
             except Exception:  # noqa: BLE001
                 log.exception("discovery callback failed")
 
+    async def refresh(self, timeout: float = 2.0) -> dict[str, Advert]:
+        """Ask the network again instead of trusting the cache, and return the peers.
+
+        A host whose link went down (or that crashed) never sent a goodbye, so its
+        records stay cached for their TTL (75 minutes for TXT); and while our own link
+        was down we missed the goodbyes and announcements of others. One refresh makes
+        the table match who answers now: every known peer's records are dropped from the
+        cache and queried afresh (no answer within ``timeout``: removed), and browsing
+        restarts so that services announced meanwhile are found again.
+        """
+        assert self._aiozc is not None, "use Discovery as an async context manager"
+        zc = self._aiozc.zeroconf
+        names = list(self._by_name)
+        for name in names:
+            stale = list(zc.cache.async_entries_with_name(name))
+            stale += [r for r in zc.cache.async_all_by_details(SERVICE_TYPE, 12, 1)   # PTR, IN
+                      if getattr(r, "alias", None) == name]
+            zc.cache.async_remove_records(stale)
+
+        async def still_there(name: str) -> bool:
+            info = AsyncServiceInfo(SERVICE_TYPE, name)
+            return await info.async_request(zc, int(timeout * 1000))
+
+        answered = await asyncio.gather(*(still_there(n) for n in names))
+        for name, ok in zip(names, answered):
+            if not ok and name in self._by_name:
+                self._notify("removed", self._by_name.pop(name))
+        if self._browser is not None:
+            await self._browser.async_cancel()
+            self._browser = None
+            self.start_browsing(self._federation)
+            # Answers to the new browser's first query arrive within ~120 ms (RFC 6762
+            # responders delay 20-120 ms); listen that long, then let resolutions finish.
+            await asyncio.sleep(min(1.0, timeout))
+        deadline = time.monotonic() + timeout
+        while self._tasks and time.monotonic() < deadline:
+            await asyncio.wait(set(self._tasks), timeout=deadline - time.monotonic())
+        return self.peers
+
     async def find(self, federation: str, role: str | Sequence[str], timeout: float) -> Advert:
         roles = (role,) if isinstance(role, str) else tuple(role)
         if self._browser is None:

@@ -31,7 +31,7 @@ from fedagent import checkpoint
 from fedagent.agent import sdnotify
 from fedagent.agent.discovery import Advert
 from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.runtime import History, Timer, make_transport, presence_payload, tls_files
+from fedagent.agent.runtime import History, Timer, make_transport, node_identity, presence_payload, tls_files
 from fedagent.agent.transport import Transport
 from fedagent.errors import ConfigError
 from fedagent.protocols import gossip as g
@@ -112,7 +112,8 @@ class GossipSession:
             on_connect=self._on_connect)
         self.messenger = Messenger(federation=federation, node_id=self.cfg.id, transport=self.transport,
                                    max_chunk_bytes=self.cfg.max_chunk_bytes,
-                                   max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics)
+                                   max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics,
+                                   identity=node_identity(self.cfg), max_skew=self.cfg.max_clock_skew)
         self.links: dict[str, tuple[Transport, asyncio.Event]] = {}
         self._tg: asyncio.TaskGroup | None = None
 

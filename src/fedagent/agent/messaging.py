@@ -8,10 +8,18 @@ ACL guarantees the topic subtree is the publisher's certificate CN), and the bod
 validated into a typed message. Anything wrong is counted and logged with the
 sender named, and dropped: a hostile peer never reaches the protocol machines.
 
-Updates are the exception: :meth:`Messenger.send_update` sends them as streams
-(:mod:`fedagent.protocols.streaming`, compressed as the round asks), and a receiver that
-aggregates (``on_stream`` set) gets their chunks decoded into events as they arrive,
-never a reassembled update.
+Every frame is signed with the node's :class:`~fedagent.signing.Identity` and every
+received frame is authenticated (certificate, signature, freshness) by a
+:class:`~fedagent.signing.Verifier` before anything else looks at its body, whatever
+its kind: see :mod:`fedagent.signing` for what is signed and why.
+
+Updates usually travel as streams: :meth:`Messenger.send_update` sends them as signed
+``ustream`` chunks (:mod:`fedagent.protocols.streaming`, compressed as the round asks),
+and a receiver that aggregates (``on_stream`` set) gets their chunks decoded into events
+as they arrive, never a reassembled update. Only a certificate of role ``agent`` may
+send one, and the stream's inner header must name the chunks' signer and their signed
+round. A round whose aggregator needs whole updates asks for them
+(``TrainConfig.stream``) and they go through :meth:`Messenger.send` like any message.
 """
 
 from __future__ import annotations
@@ -27,15 +35,14 @@ from dataclasses import dataclass
 from fedagent.errors import CodecError
 from fedagent.protocols import topics
 from fedagent.protocols.chunking import Reassembler, split
-from fedagent.protocols.codec import Envelope, Limits, decode, encode, encode_view
+from fedagent.protocols.codec import Envelope, Limits, decode, encode, encode_view, weights_nbytes
 from fedagent.protocols.compression import Compressor
 from fedagent.protocols.messages import Message, Update, body_of
-from fedagent.protocols.streaming import (HEAD_KIND, STREAM_KIND, StreamEvent, StreamIntake, encode_stream,
-                                          head_body, iter_stream_chunks)
+from fedagent.protocols.streaming import (HEAD_KIND, STREAM_KIND, StreamEvent, StreamIntake, UpdateEnd,
+                                          UpdateHead, encode_stream, head_body, iter_stream_chunks)
+from fedagent.signing import CHUNK_KIND, AuthError, Identity, sign
 
 log = logging.getLogger(__name__)
-
-CHUNK_KIND = "chunk"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,19 +52,26 @@ class Incoming:
     envelope: Envelope
     message: Message
     nbytes: int
+    role: str = ""          # the signer's certificate role (OU): "agent" or "coordinator"
 
 
 class Messenger:
-    def __init__(self, *, federation: str, node_id: str, transport, max_chunk_bytes: int = 4 * 2**20,
-                 max_model_bytes: int = 2**30, reassembly_timeout: float = 120.0, metrics=None,
-                 publish_window: int = 8) -> None:
+    def __init__(self, *, federation: str, node_id: str, transport, identity: Identity,
+                 max_chunk_bytes: int = 4 * 2**20, max_model_bytes: int = 2**30,
+                 reassembly_timeout: float = 120.0, metrics=None, max_skew: float = 300.0,
+                 publish_window: int = 2, publish_timeout: float = 30.0) -> None:
+        if identity.name != node_id:
+            raise ValueError(f"the signing identity is {identity.name!r}, not {node_id!r}")
         self.federation = federation
         self.node_id = node_id
         self.transport = transport
+        self.identity = identity
+        self.verifier = identity.verifier(max_skew=max_skew)
         self.max_chunk = max_chunk_bytes
         if publish_window < 1:
             raise ValueError("publish_window must be at least 1")
         self.publish_window = publish_window
+        self.publish_timeout = float(publish_timeout)
         # Per-sender sequence numbers grow across restarts: they start at the clock.
         self._seq = time.time_ns() // 1000
         self._transfer = 0
@@ -86,15 +100,23 @@ class Messenger:
         return Envelope(kind=message.kind, federation=self.federation, sender=self.node_id,
                         round=round_, seq=self._seq, ts=time.time(), body=message.to_body())
 
-    async def send(self, topic: str, message: Message, *, round_: int = 0, retain: bool = False,
+    def frame(self, message: Message, round_: int | None = None) -> bytes:
+        """One signed frame for a message that is never chunked (presence, a Last Will)."""
+        return encode(sign(self.envelope(message, _round_of(message, round_)), self.identity))
+
+    async def send(self, topic: str, message: Message, *, round_: int | None = None, retain: bool = False,
                    transport=None) -> int:
         """Publish ``message`` (chunked if needed) on ``transport`` (default: this
-        messenger's own); returns the bytes put on the wire."""
+        messenger's own); returns the bytes put on the wire. ``round_`` defaults to the
+        message's own ``round`` (the envelope's round is signed and must agree)."""
         transport = transport or self.transport
+        env = self.envelope(message, _round_of(message, round_))
         big = _is_big(message)
-        payload = await asyncio.to_thread(encode_view, self.envelope(message, round_)) \
-            if big else encode(self.envelope(message, round_))
-        frames = [payload]
+        # A message that will be chunked is authenticated by its signed chunks; signing the
+        # inner envelope too would cost one more pass over the model.
+        if not (big and weights_nbytes(_tensors(message)) > self.max_chunk):
+            env = sign(env, self.identity)
+        payload = await asyncio.to_thread(encode_view, env) if big else encode(env)
         if len(payload) > self.max_chunk:
             if retain:
                 raise ValueError("a message larger than one chunk cannot be retained")
@@ -103,11 +125,19 @@ class Messenger:
             n = -(-len(payload) // self.max_chunk)
             first = self._seq + 1
             self._seq += n             # reserved here: another send may run meanwhile
-            frames = await asyncio.to_thread(self._chunk_frames, payload, tid, first, round_)
-        elif big:
-            frames = [bytes(payload)]
-        await self._publish_all(transport, topic, frames, retain)
-        total = sum(len(f) for f in frames)
+            round_ = env.round
+            bodies = await asyncio.to_thread(split, payload, max_chunk=self.max_chunk, transfer_id=tid, copy=False)
+
+            def frame(i: int) -> bytes:
+                return encode(sign(Envelope(kind=CHUNK_KIND, federation=self.federation, sender=self.node_id,
+                                            round=round_, seq=first + i, ts=time.time(), body=bodies[i]),
+                                   self.identity))
+
+            total = await self._publish_frames(transport, topic, n, frame)
+        else:
+            data = bytes(payload) if big else payload
+            await transport.publish(topic, data, qos=1, retain=retain, timeout=self.publish_timeout)
+            total = len(data)
         self.bytes_out += total
         self.messages_out += 1
         if self.metrics is not None:
@@ -115,38 +145,56 @@ class Messenger:
             self.metrics.message_out()
         return total
 
-    def _chunk_frames(self, payload, tid: str, first_seq: int, round_: int) -> list[bytes]:
-        """The encoded chunk envelopes of ``payload`` (off the event loop: SHA-256 and
-        one copy of every byte). Chunk data are views of ``payload``, copied once, by
-        the encoder."""
-        bodies = split(payload, max_chunk=self.max_chunk, transfer_id=tid, copy=False)
-        return [encode(Envelope(kind=CHUNK_KIND, federation=self.federation, sender=self.node_id,
-                                round=round_, seq=first_seq + i, ts=time.time(), body=body))
-                for i, body in enumerate(bodies)]
+    async def _publish_frames(self, transport, topic: str, n: int, frame: Callable[[int], bytes]) -> int:
+        """Publish frames ``frame(0) … frame(n-1)`` in order, with up to
+        ``publish_window`` of them awaiting PUBACK at once; returns their bytes.
 
-    async def _publish_all(self, transport, topic: str, frames: list[bytes], retain: bool) -> None:
-        """Publish ``frames`` with up to ``publish_window`` of them awaiting PUBACK at once.
-
-        One chunk at a time left the link idle for a round trip per chunk, and the
-        broker idle while the next chunk was being encrypted (bench/pipe.py measures
-        it). Chunks may arrive in any order; the reassembler does not care."""
-        if len(frames) == 1:
-            await transport.publish(topic, frames[0], qos=1, retain=retain)
-            return
+        One chunk at a time leaves the link idle for a round trip per chunk, and the
+        broker idle while the next chunk is being encrypted. Two are enough to keep the
+        broker busy; more only lengthens each PUBACK wait. A frame is encoded only when
+        the window has room for it and dropped once acknowledged, so a model sent to
+        the broker costs its encoded payload plus a window of frames, not the payload
+        twice (all frames made up front were a second copy of the model at the peak:
+        measured with the round-start broadcast of 44.8 MB)."""
         window = asyncio.Semaphore(self.publish_window)
+        # A chunk's PUBACK comes after the chunks queued before it have gone through:
+        # the wait allows for the whole window (with 8 chunks of 4 MiB in flight on a
+        # loaded machine, a fixed 30 s expired and the update was lost).
+        timeout = self.publish_timeout * self.publish_window
+        # Signing and encoding a large chunk (a copy of its bytes) go off the event loop;
+        # small ones are cheaper than the thread hop.
+        threaded = self.max_chunk >= 256 * 1024
+        tasks: list[asyncio.Future] = []
+        total = 0
 
-        async def one(frame: bytes) -> None:
-            async with window:
-                await transport.publish(topic, frame, qos=1, retain=retain)
+        async def one(data: bytes) -> None:
+            try:
+                await transport.publish(topic, data, qos=1, timeout=timeout)
+            finally:
+                window.release()
 
-        tasks = [asyncio.ensure_future(one(f)) for f in frames]
         try:
+            for i in range(n):
+                await window.acquire()
+                try:
+                    data = await asyncio.to_thread(frame, i) if threaded else frame(i)
+                except BaseException:
+                    window.release()
+                    raise
+                total += len(data)
+                tasks.append(asyncio.ensure_future(one(data)))
+                del data
+                # A failed publish ends the send now, not after every frame was made.
+                failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+                if failed is not None:
+                    failed.result()
             await asyncio.gather(*tasks)
         except BaseException:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+        return total
 
     async def send_update(self, topic: str, update: Update, *, base=None, compressor: Compressor | None = None,
                           transport=None) -> int:
@@ -169,44 +217,18 @@ class Messenger:
         first = self._seq + 1
         self._seq += n                 # reserved here: another send may run meanwhile
         round_ = update.round
-        big = n > 1
 
-        def frame(i: int, body: dict) -> bytes:
-            return encode(Envelope(kind=STREAM_KIND, federation=self.federation, sender=self.node_id,
-                                   round=round_, seq=first + i, ts=time.time(), body=body))
+        bodies = list(iter_stream_chunks(payload, max_chunk=self.max_chunk, transfer_id=tid, digest=digest))
 
-        # Up to publish_window chunks await their PUBACK at once (as in send()). Frames are
-        # encoded off the event loop one after another and published in that order: the
-        # coordinator folds a stream in order and holds back only a few chunks that
-        # overtake others, so the sender must not reorder them.
-        window = asyncio.Semaphore(self.publish_window)
-        tasks: list[asyncio.Future] = []
-        sizes: list[int] = []
+        def frame(i: int) -> bytes:
+            # Signed like a chunk: the data are bound by the payload's SHA-256 in the
+            # signed body, and the intake treats every part as tentative until it matches.
+            return encode(sign(Envelope(kind=STREAM_KIND, federation=self.federation, sender=self.node_id,
+                                        round=round_, seq=first + i, ts=time.time(), body=bodies[i]), self.identity))
 
-        async def one(data: bytes) -> None:
-            try:
-                await transport.publish(topic, data, qos=1)
-            finally:
-                window.release()
-
-        try:
-            for i, body in enumerate(iter_stream_chunks(payload, max_chunk=self.max_chunk, transfer_id=tid,
-                                                        digest=digest)):
-                await window.acquire()
-                try:
-                    data = await asyncio.to_thread(frame, i, body) if big else frame(i, body)
-                except BaseException:
-                    window.release()
-                    raise
-                sizes.append(len(data))
-                tasks.append(asyncio.ensure_future(one(data)))
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        total = sum(sizes)
+        # Frames go out in order (the coordinator folds a stream in order and holds back
+        # only a few chunks that overtake others, so the sender must not reorder them).
+        total = await self._publish_frames(transport, topic, n, frame)
         self.bytes_out += total
         self.messages_out += 1
         if self.metrics is not None:
@@ -227,11 +249,23 @@ class Messenger:
         if now - self._last_expiry > 1.0:
             self._last_expiry = now
             events += self.intake.expire(now)
+        events = self._bind_round(env, events)
         for ev in events:
             if getattr(ev, "ok", True) is False:
                 self._reject("stream", ev.sender, ev.reason)
         if events:
             await self.on_stream(events)
+
+    def _bind_round(self, env: Envelope, events: list[StreamEvent]) -> list[StreamEvent]:
+        """The stream's inner header is not signed itself; its round must be the one of
+        the signed chunk that completed it, as for any message (round binding)."""
+        for k, ev in enumerate(events):
+            if isinstance(ev, UpdateHead) and ev.round != env.round:
+                tail = self.intake.abort(ev.sender, ev.tid, f"stream header for round {ev.round} in chunks "
+                                                             f"signed for round {env.round}")
+                kept = [e for e in events[k + 1:] if e.tid != ev.tid]
+                return events[:k] + kept + tail
+        return events
 
     def _reject(self, reason: str, sender: str, detail: str) -> None:
         self.rejected[reason] += 1
@@ -260,7 +294,15 @@ class Messenger:
             return self._reject("spoofed", topic_sender, f"envelope claims sender {env.sender}")
         if env.federation != self.federation:
             return self._reject("federation", env.sender, f"envelope for {env.federation}")
+        try:
+            role = self.verifier.check(env)
+        except AuthError as exc:
+            return self._reject(exc.reason, env.sender, exc.detail)
         if env.kind == STREAM_KIND:
+            if role != "agent":
+                # Only agents train: a stream from another role (a coordinator's
+                # certificate) would let it inject an update into its own round.
+                return self._reject("role", env.sender, f"streamed update signed by a {role!r} certificate")
             return await self._receive_stream(env)
         if env.kind == CHUNK_KIND:
             try:
@@ -284,10 +326,15 @@ class Messenger:
             message = body_of(env.kind, env.body, self.model_limits)
         except CodecError as exc:
             return self._reject("schema", env.sender, str(exc))
+        body_round = getattr(message, "round", None)
+        if type(body_round) is int and body_round != env.round:
+            # The signed envelope round binds the message to its round: a body naming
+            # another one was not produced by the sender's messenger.
+            return self._reject("round", env.sender, f"body for round {body_round} in an envelope of round {env.round}")
         self.messages_in += 1
         if self.metrics is not None:
             self.metrics.message_in()
-        await deliver(Incoming(topic, env.sender, env, message, size))
+        await deliver(Incoming(topic, env.sender, env, message, size, role))
 
 
 def _stream_payload(head: Envelope, tensors) -> tuple[bytearray, bytes]:
@@ -296,4 +343,22 @@ def _stream_payload(head: Envelope, tensors) -> tuple[bytearray, bytes]:
 
 
 def _is_big(message: Message) -> bool:
-    return hasattr(message, "weights")
+    return _tensors(message) is not None
+
+
+def _tensors(message: Message):
+    """The tensors a message carries (a model or a gradient), or None."""
+    for name in ("weights", "gradient"):
+        t = getattr(message, name, None)
+        if t is not None:
+            return t
+    return None
+
+
+def _round_of(message: Message, round_: int | None) -> int:
+    own = getattr(message, "round", None)
+    if type(own) is not int:
+        return 0 if round_ is None else round_
+    if round_ is not None and round_ != own:
+        raise ValueError(f"{message.kind} of round {own} sent with envelope round {round_}")
+    return own

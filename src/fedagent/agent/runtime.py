@@ -17,6 +17,23 @@ from fedagent.config import NodeConfig
 from fedagent.protocols import topics
 from fedagent.protocols.messages import Presence
 from fedagent.protocols.codec import Envelope, encode
+from fedagent.statefile import append_line
+from fedagent.signing import Identity, sign
+
+_identities: dict[tuple[Path, Path, Path], Identity] = {}
+
+
+def node_identity(cfg: NodeConfig) -> Identity:
+    """The node's signing identity (its TLS certificate and Ed25519 key), loaded once."""
+    key = (cfg.tls.cert, cfg.tls.key, cfg.tls.ca)
+    ident = _identities.get(key)
+    if ident is None:
+        ident = _identities[key] = Identity.load(*key)
+    if ident.name != cfg.id:
+        from fedagent.errors import ConfigError
+
+        raise ConfigError(f"{cfg.path}: id is {cfg.id!r} but certificate {cfg.tls.cert} is for {ident.name!r}")
+    return ident
 
 
 def setup_logging(level: str = "INFO") -> None:
@@ -35,8 +52,9 @@ def tls_files(cfg: NodeConfig) -> TlsFiles:
 
 def presence_payload(cfg: NodeConfig, federation: str, online: bool, **fields: Any) -> bytes:
     msg = Presence(online=online, role=cfg.role, mode=cfg.mode, **fields)
-    return encode(Envelope(kind=msg.kind, federation=federation, sender=cfg.id, round=0,
-                           seq=time.time_ns() // 1000, ts=time.time(), body=msg.to_body()))
+    return encode(sign(Envelope(kind=msg.kind, federation=federation, sender=cfg.id, round=0,
+                                seq=time.time_ns() // 1000, ts=time.time(), body=msg.to_body()),
+                       node_identity(cfg)))
 
 
 def make_transport(cfg: NodeConfig, federation: str, broker: str, subscriptions: list[str],
@@ -84,7 +102,4 @@ class History:
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def append(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps({"time": time.time(), **record}, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_line(self.path, (json.dumps({"time": time.time(), **record}, sort_keys=True) + "\n").encode())

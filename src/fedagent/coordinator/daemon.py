@@ -9,6 +9,7 @@ checkpoint and announce an aggregate, schedule a wake-up.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from fedagent.agent import sdnotify
 from fedagent.agent.control import ControlServer
 from fedagent.agent.discovery import Advert, Discovery
 from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.runtime import History, Timer, make_transport, presence_payload
+from fedagent.agent.runtime import History, Timer, make_transport, node_identity, presence_payload
 from fedagent.config import NodeConfig
 from fedagent.errors import ConfigError
 from fedagent.metrics import NodeMetrics
@@ -44,15 +45,23 @@ class _Net:
 def round_config(cfg: NodeConfig) -> R.RoundConfig:
     r = cfg.rounds
     try:
+        strategy = Strategy(r.aggregation, r.weight_key, r.drop_above, byzantine=r.byzantine, trim=r.trim,
+                            krum_m=r.krum_m, clip_norm=r.clip_norm)
+        if cfg.stream_updates and not strategy.streams:
+            raise ValueError(f"[transfer] stream_updates = true, but aggregation {strategy.name!r}"
+                             f"{' with clip_norm' if strategy.clip_norm is not None else ''} needs whole "
+                             "updates (the median, trimmed mean and Krum read every update at once; clipping "
+                             "needs an update's norm before any of it is added): remove stream_updates")
+        stream = strategy.streams if cfg.stream_updates is None else cfg.stream_updates
         return R.RoundConfig(
             rounds=r.rounds, min_agents=r.min_agents, expected_agents=r.expected_agents,
             start_grace=r.start_grace, agents_per_round=r.agents_per_round, min_updates=r.min_updates,
             round_timeout=r.round_timeout, max_norm=r.max_norm, seed=r.seed, lr_schedule=r.lr_schedule,
-            strategy=Strategy(r.aggregation, r.weight_key, r.drop_above),
+            strategy=strategy,
             train=TrainConfig(epochs=r.local_epochs, lr=r.lr, batch_size=r.batch_size,
-                              compression=cfg.compression, topk_ratio=cfg.topk_ratio))
+                              compression=cfg.compression, topk_ratio=cfg.topk_ratio, stream=stream))
     except (ValueError, Exception) as exc:
-        raise ConfigError(f"{cfg.path}: [rounds]: {exc}") from None
+        raise ConfigError(f"{cfg.path}: [rounds]/[transfer]: {exc}") from None
 
 
 class Coordinator:
@@ -75,6 +84,7 @@ class Coordinator:
             weights, meta = resumed
             log.info("resuming from %s: model version %s after round %s", self.ckpt_path,
                      meta.get("model_version"), meta.get("round"))
+            self._reconcile_history(meta)
         # A restart never reuses the number of a round it had started: agents ignore a
         # round start they have seen, and the updates of that round may already have been
         # acknowledged by this process before it died. The unfinished round is abandoned
@@ -100,13 +110,38 @@ class Coordinator:
         self.metrics_url: str | None = None
         self.messenger = Messenger(federation=self.fed, node_id=cfg.id, transport=self.transport,
                                    max_chunk_bytes=cfg.max_chunk_bytes, max_model_bytes=cfg.max_model_bytes,
-                                   metrics=self.metrics)
+                                   metrics=self.metrics, identity=node_identity(cfg),
+                                   max_skew=cfg.max_clock_skew)
         self.messenger.on_stream = self._on_stream
         self.peers: dict[str, dict[str, Any]] = {}
         self.rejections: list[dict[str, Any]] = []
         self.round_started_at: float | None = None
         self.last_round_seconds: float | None = None
         self.done = asyncio.Event()
+
+    def _reconcile_history(self, meta: dict[str, Any]) -> None:
+        """The checkpoint is written before the history line of its round; a crash or a
+        full disk between the two leaves a model version the history lacks. Restore the
+        line from the checkpoint's own record so the history stays one line per version."""
+        last = 0
+        try:
+            with self.history.path.open("rb") as f:
+                f.seek(max(0, f.seek(0, 2) - 65536))
+                for line in f.read().splitlines():
+                    if b'"event": "round"' in line:
+                        try:
+                            last = max(last, int(json.loads(line).get("model_version", 0)))
+                        except (ValueError, AttributeError):
+                            continue
+        except FileNotFoundError:
+            pass
+        version = int(meta.get("model_version", 0))
+        if version == last + 1:
+            log.warning("history lacks model version %d (the process stopped between checkpoint and "
+                        "history); restored from the checkpoint", version)
+            self.history.append({"event": "round", "round": meta.get("round"), "model_version": version,
+                                 "participants": meta.get("participants", []), "metrics": meta.get("metrics", {}),
+                                 "recovered": True})
 
     # -- network -----------------------------------------------------------------------
     async def _on_connect(self) -> None:
@@ -145,6 +180,10 @@ class Coordinator:
                                       "last_seen": time.time()}
             return R.AgentOnline(inc.sender, msg.num_samples) if msg.online else R.AgentOffline(inc.sender)
         if isinstance(msg, Update):
+            if inc.role != "agent":
+                # As for streams (messaging): only an agent's certificate may submit an update.
+                self.messenger._reject("role", inc.sender, f"update signed by a {inc.role or 'non-agent'}")
+                return None
             return R.UpdateReceived(inc.sender, msg.round, msg.base_version, msg.num_samples,
                                     msg.weights, msg.metrics, msg.leaving)
         log.debug("ignoring %s from %s", type(msg).__name__, inc.sender)

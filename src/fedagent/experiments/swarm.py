@@ -33,7 +33,7 @@ import numpy as np
 import tomli_w
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedagent import pki
@@ -41,10 +41,10 @@ from fedagent.agent.messaging import Incoming, Messenger
 from fedagent.agent.transport import TlsFiles, Transport
 from fedagent.broker import EmbeddedBroker
 from fedagent.protocols import topics
-from fedagent.protocols.codec import Envelope, encode
 from fedagent.protocols.compression import CompressionConfig, Compressor
 from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart
 from fedagent.protocols.participant import Participant, SendUpdate, Train, TrainingDone
+from fedagent.signing import Identity
 
 FEDERATION = "swarm"
 COORDINATOR = "coordinator"
@@ -53,7 +53,8 @@ COORDINATOR = "coordinator"
 # ---- certificates, fast ----------------------------------------------------------------
 def issue_many(ca_dir: Path, out_dir: Path, names: list[str], role: str = "agent") -> dict[str, TlsFiles]:
     """Certificates for ``names`` signed by the CA in ``ca_dir``, loading its key once.
-    Same profile as :func:`fedagent.pki.issue` (P-256, clientAuth, role in OU)."""
+    Same profile as :func:`fedagent.pki.issue` (Ed25519 node key, the one frames are
+    signed with; clientAuth; role in OU)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     ca_cert = x509.load_pem_x509_certificate((ca_dir / pki.CA_CERT).read_bytes())
     ca_key = serialization.load_pem_private_key((ca_dir / pki.CA_KEY).read_bytes(), password=None)
@@ -61,7 +62,7 @@ def issue_many(ca_dir: Path, out_dir: Path, names: list[str], role: str = "agent
     out: dict[str, TlsFiles] = {}
     for name in names:
         pki.check_name(name, "node id")
-        key = ec.generate_private_key(ec.SECP256R1())
+        key = ed25519.Ed25519PrivateKey.generate()
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name),
                              x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role)])
         cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
@@ -80,10 +81,8 @@ def issue_many(ca_dir: Path, out_dir: Path, names: list[str], role: str = "agent
 
 
 # ---- the light agent ---------------------------------------------------------------------
-def _presence(agent_id: str, online: bool, samples: int) -> bytes:
-    msg = Presence(online=online, role="agent", mode="fedavg", num_samples=samples)
-    return encode(Envelope(kind=msg.kind, federation=FEDERATION, sender=agent_id, round=0,
-                           seq=time.time_ns() // 1000, ts=time.time(), body=msg.to_body()))
+def _presence(messenger: Messenger, online: bool, samples: int) -> bytes:
+    return messenger.frame(Presence(online=online, role="agent", mode="fedavg", num_samples=samples))
 
 
 @dataclass
@@ -106,17 +105,19 @@ class LightAgent:
         self.participant = Participant(self.id)
         self.compressor = Compressor()
         self.coordinator: str | None = None
+        self.messenger = Messenger(federation=FEDERATION, node_id=self.id, transport=None,
+                                   identity=Identity.load(self.tls.cert, self.tls.key, self.tls.ca))
         self.transport = Transport(
             uri=self.broker, client_id=self.id, tls=self.tls,
-            will=(topics.presence(FEDERATION, self.id), _presence(self.id, False, self.samples)),
+            will=(topics.presence(FEDERATION, self.id), _presence(self.messenger, False, self.samples)),
             on_connect=self._on_connect, keepalive=self.keepalive,
             subscriptions=[topics.all_broadcasts(FEDERATION), topics.inbox(FEDERATION, self.id)])
-        self.messenger = Messenger(federation=FEDERATION, node_id=self.id, transport=self.transport)
+        self.messenger.transport = self.transport
         self._tasks: set[asyncio.Task] = set()
 
     async def _on_connect(self) -> None:
         await self.transport.publish(topics.presence(FEDERATION, self.id),
-                                     _presence(self.id, True, self.samples), retain=True)
+                                     _presence(self.messenger, True, self.samples), retain=True)
 
     async def _on_payload(self, topic: str, payload: bytes) -> None:
         await self.messenger.receive(topic, payload, self._deliver)
@@ -144,7 +145,7 @@ class LightAgent:
                     if comp != self.compressor.config:
                         self.compressor = Compressor(comp)
                     del new
-                    if self.whole:
+                    if self.whole or not cmd.train.stream:
                         await self.messenger.send(topics.direct(FEDERATION, self.id, self.coordinator, "update"),
                                                   c.update, round_=c.update.round)
                         self.rounds_sent += 1
@@ -162,7 +163,7 @@ class LightAgent:
     async def close(self) -> None:
         try:
             await asyncio.wait_for(self.transport.close(
-                (topics.presence(FEDERATION, self.id), _presence(self.id, False, self.samples))), 5)
+                (topics.presence(FEDERATION, self.id), _presence(self.messenger, False, self.samples))), 5)
         except Exception:  # noqa: BLE001 - best effort at the end of a benchmark
             pass
 

@@ -76,6 +76,12 @@ _TENSOR_KEYS = frozenset(("dtype", "shape", "data"))
 
 _WIRE_KEYS = ("v", "k", "f", "s", "r", "q", "t", "b")
 _WIRE_KEYSET = frozenset(_WIRE_KEYS)
+# Authentication fields (see fedagent.signing): present on every frame a node sends,
+# absent on the envelope inside a chunked transfer (its chunks carry them). Optional
+# for the codec; the messenger refuses a frame without them.
+_AUTH_KEYS = frozenset(("g", "c"))
+SIGNATURE_LEN = 64          # Ed25519
+MAX_CERT_LEN = 4096         # one DER certificate; an Ed25519 leaf is ~450 bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +125,8 @@ class Envelope:
     ts: float  # sender's wall clock, finite
     body: dict[str, Any]  # msgpack-native values, str keys; tensors in encode_tensor form
     version: int = PROTOCOL_VERSION
+    sig: bytes = b""  # Ed25519 signature over fedagent.signing.signing_digest, or empty
+    cert: bytes = b""  # the signer's DER certificate, or empty
 
     def __post_init__(self) -> None:
         if type(self.version) is not int or self.version != PROTOCOL_VERSION:
@@ -140,6 +148,10 @@ class Envelope:
             object.__setattr__(self, "ts", float(ts))
         if type(self.body) is not dict:
             raise CodecError(f"envelope: body must be a dict, not {type(self.body).__name__}")
+        if type(self.sig) is not bytes or len(self.sig) not in (0, SIGNATURE_LEN):
+            raise CodecError(f"envelope: signature must be {SIGNATURE_LEN} bytes")
+        if type(self.cert) is not bytes or len(self.cert) > MAX_CERT_LEN:
+            raise CodecError(f"envelope: certificate must be at most {MAX_CERT_LEN} bytes")
         _check_value(self.body, MAX_DEPTH_CAP)
 
 
@@ -148,12 +160,22 @@ def encode(env: Envelope) -> bytes:
     something msgpack cannot carry (the envelope was validated when it was built)."""
     if not isinstance(env, Envelope):
         raise TypeError(f"encode() takes an Envelope, not {type(env).__name__}")
-    wire = {"v": env.version, "k": env.kind, "f": env.federation, "s": env.sender,
-            "r": env.round, "q": env.seq, "t": env.ts, "b": env.body}
     try:
-        return msgpack.packb(wire, use_bin_type=True, datetime=False)
+        return msgpack.packb(_wire(env), use_bin_type=True, datetime=False)
     except Exception as exc:  # TypeError, OverflowError, ValueError (depth), UnicodeEncodeError
         raise CodecError(f"cannot encode envelope: {exc}") from exc
+
+
+def _wire(env: Envelope) -> dict[str, Any]:
+    """The envelope as the map that goes on the wire (both encoders use it, so neither
+    can drop a field: the signature and certificate travel only when set)."""
+    wire = {"v": env.version, "k": env.kind, "f": env.federation, "s": env.sender,
+            "r": env.round, "q": env.seq, "t": env.ts, "b": env.body}
+    if env.cert:
+        wire["c"] = env.cert
+    if env.sig:
+        wire["g"] = env.sig
+    return wire
 
 
 def encode_view(env: Envelope) -> memoryview:
@@ -162,14 +184,31 @@ def encode_view(env: Envelope) -> memoryview:
     The view stays valid for as long as it is referenced."""
     if not isinstance(env, Envelope):
         raise TypeError(f"encode_view() takes an Envelope, not {type(env).__name__}")
-    wire = {"v": env.version, "k": env.kind, "f": env.federation, "s": env.sender,
-            "r": env.round, "q": env.seq, "t": env.ts, "b": env.body}
-    packer = msgpack.Packer(use_bin_type=True, datetime=False, autoreset=False)
+    wire = _wire(env)
+    # Sized up front: growing the buffer by doubling would copy a large model again.
+    packer = msgpack.Packer(use_bin_type=True, datetime=False, autoreset=False,
+                            buf_size=_binary_bytes(env.body) + 65536)
     try:
         packer.pack(wire)
     except Exception as exc:  # TypeError, OverflowError, ValueError (depth), UnicodeEncodeError
         raise CodecError(f"cannot encode envelope: {exc}") from exc
     return packer.getbuffer()
+
+
+def _binary_bytes(root: Any) -> int:
+    """Bytes of the binary values in a body (already checked: nesting is bounded)."""
+    total, stack = 0, [root]
+    while stack:
+        c = stack.pop()
+        for v in c.values() if type(c) is dict else c:
+            t = type(v)
+            if t is bytes or t is bytearray:
+                total += len(v)
+            elif t is memoryview:
+                total += v.nbytes
+            elif t is dict or t is list or t is tuple:
+                stack.append(v)
+    return total
 
 
 def decode(data: bytes | bytearray | memoryview, limits: Limits = _DEFAULT_LIMITS) -> Envelope:
@@ -238,17 +277,20 @@ def _decode(data: bytes | bytearray | memoryview, limits: Limits) -> Envelope:
     version = wire["v"]
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise CodecError(_version_message(version))
-    if wire.keys() != _WIRE_KEYSET:
+    if wire.keys() != _WIRE_KEYSET and (wire.keys() - _AUTH_KEYS) != _WIRE_KEYSET:
         missing = sorted(_WIRE_KEYSET - wire.keys())
-        unknown = sorted(wire.keys() - _WIRE_KEYSET)
+        unknown = sorted(wire.keys() - _WIRE_KEYSET - _AUTH_KEYS)
         raise CodecError(f"envelope fields wrong: missing {missing}, unknown {[_short(k) for k in unknown[:5]]}")
     body = wire["b"]
     if not isinstance(body, dict):
         raise CodecError("envelope: body must be a map")
     # Already guaranteed by _scan; checked again on the objects themselves, iteratively.
     _check_value(body, limits.max_depth)
+    sig, cert = wire.get("g", b""), wire.get("c", b"")
+    if type(sig) is not bytes or type(cert) is not bytes:
+        raise CodecError("envelope: signature and certificate must be binary")
     return Envelope(kind=wire["k"], federation=wire["f"], sender=wire["s"], round=wire["r"],
-                    seq=wire["q"], ts=wire["t"], body=body, version=version)
+                    seq=wire["q"], ts=wire["t"], body=body, version=version, sig=sig, cert=cert)
 
 
 def _version_message(version: object) -> str:

@@ -97,7 +97,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedagent.protocols.aggregation import UpdateRejected, WeightedMean, check_update
+from fedagent.protocols.aggregation import UpdateRejected, WeightedMean, check_update, clip_to
 
 Weights = dict[str, np.ndarray]
 
@@ -121,8 +121,14 @@ class GossipConfig:
     periods: int = 0                # stop after this many exchanges (thesis GLsteps); 0 = never
     seed: int = 0
     catch_up: bool = True           # push-sum: a newcomer's first merge adopts far older models
+    max_norm: float | None = None   # refuse a received model whose L2 norm exceeds this
+    clip_norm: float | None = None  # cap a received model's distance from ours before it is kept
 
     def __post_init__(self) -> None:
+        for name in ("max_norm", "clip_norm"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a positive number, not {v!r}")
         if self.period_steps < 1 or self.max_incoming < 1:
             raise ValueError("period_steps and max_incoming must be at least 1")
         if self.create not in CREATE_MODES:
@@ -293,8 +299,12 @@ def _mean(items: list[tuple[Mapping[str, np.ndarray], float]], names: tuple[str,
     if len(items) == 1:
         return {k: items[0][0][k] for k in names}
     acc = WeightedMean({k: items[0][0][k] for k in names})
+    # Masses come from peers (any finite positive float): scaled to sum to 1 first, so
+    # a claimed mass of 1e300 times a weight of 1e38 cannot overflow to inf.
+    top = max(m for _, m in items)
     for w, m in items:
-        acc.add(w, m)
+        if m / top > 0:          # a mass 1e-300 beside 1e300 counts for nothing
+            acc.add(w, m / top)
     return acc.result()
 
 
@@ -429,13 +439,20 @@ class GossipMachine:
             return refuse("mass", f"mass must be positive and finite, got {ev.mass!r}")
         if not (isinstance(ev.age, (int, float)) and math.isfinite(ev.age) and ev.age >= 0):
             return refuse("age", f"age must be non-negative and finite, got {ev.age!r}")
+        own = {k: self.model[k] for k in self.names}
         try:
-            check_update({k: self.model[k] for k in self.names}, ev.weights)
+            check_update(own, ev.weights, max_norm=self.config.max_norm)
         except UpdateRejected as exc:
             return refuse(exc.reason, exc.detail)
         self._remember(key, True)
         self.counts["received"] += 1
-        payload = _Payload(dict(ev.weights), float(ev.mass), float(ev.age))
+        values = dict(ev.weights)
+        if self.config.clip_norm is not None and not ev.returned:
+            # Push-sum's merge is a mass-weighted mean, which one peer sending an
+            # arbitrary model controls entirely; capping how far a received model may
+            # sit from ours bounds that pull (the mean is then no longer exact).
+            values = clip_to(own, values, self.config.clip_norm)
+        payload = _Payload(values, float(ev.mass), float(ev.age))
         ack = SendAck(ev.sender, ev.exchange_id, True)
         if ev.returned:
             self.counts["returned"] += 1

@@ -19,6 +19,7 @@ import numpy as np
 from fedagent.errors import CodecError
 from fedagent.protocols.codec import Limits, decode_weights, encode_weights
 from fedagent.protocols.topics import is_valid_name
+from fedagent.protocols.vocab import VocabError, check_counts, vocabulary_digest
 
 Weights = dict[str, np.ndarray]
 
@@ -116,8 +117,13 @@ class TrainConfig:
     batch_size: int = 32
     compression: str = "none"      # how agents send their update: none | fp16 | int8 | topk
     topk_ratio: float = 0.01
+    stream: bool = True            # update as a stream folded on arrival; False: one whole update
 
     def __post_init__(self) -> None:
+        if type(self.stream) is not bool:
+            raise CodecError("train config: stream must be a bool")
+        if self.compression != "none" and not self.stream:
+            raise CodecError("train config: compression needs streamed updates")
         if not 1 <= self.epochs <= 10_000 or not 1 <= self.batch_size <= 1_000_000:
             raise CodecError("train config: epochs/batch_size out of range")
         if not (math.isfinite(self.lr) and 0 < self.lr < 100):
@@ -132,6 +138,8 @@ class TrainConfig:
         if self.compression != "none":
             body["compression"] = self.compression
             body["topk_ratio"] = self.topk_ratio
+        if not self.stream:
+            body["stream"] = False
         return body
 
     @classmethod
@@ -144,7 +152,8 @@ class TrainConfig:
                    batch_size=_count(_need(body, "batch_size", int, w), "batch_size", w),
                    compression=body.get("compression", "none") if isinstance(body.get("compression", "none"), str)
                    else "?",
-                   topk_ratio=float(body["topk_ratio"]) if type(body.get("topk_ratio")) in (int, float) else 0.01)
+                   topk_ratio=float(body["topk_ratio"]) if type(body.get("topk_ratio")) in (int, float) else 0.01,
+                   stream=body.get("stream", True) if type(body.get("stream", True)) is bool else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,11 +337,167 @@ class GossipAck:
                    accepted=_need(body, "accepted", bool, w), reason=reason)
 
 
-Message = Presence | RoundStart | Update | RoundResult | GlobalModel | GossipModel | GossipAck
+# ---- gFedNTM: vocabulary consensus and Sync-Opt steps -----------------------------
+MAX_VOCAB_TERMS = 100_000        # the codec's default array limit; see protocols/vocab.py
+MAX_TERM_CHARS = 200
+MAX_DIGEST = 64
+
+
+def _terms_and_counts(body: Mapping[str, Any], what: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    terms = _need(body, "terms", list, what)
+    counts = _need(body, "counts", list, what)
+    # Lengths first: nothing is copied out of a list that is too long.
+    if len(terms) > MAX_VOCAB_TERMS or len(counts) != len(terms):
+        raise CodecError(f"{what}: at most {MAX_VOCAB_TERMS} terms, one count per term")
+    return tuple(terms), tuple(counts)
+
+
+def _check_vocab(terms: tuple[str, ...], counts: tuple[int, ...], what: str) -> None:
+    try:
+        check_counts(terms, counts, max_terms=MAX_VOCAB_TERMS)
+    except VocabError as exc:
+        raise CodecError(f"{what}: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class VocabOffer:
+    """Agent → coordinator: the terms of the agent's corpus and how often each occurs.
+    Only terms and counts: no document, no order of words, no per-document data."""
+
+    kind: ClassVar[str] = "vocab_offer"
+    terms: tuple[str, ...]
+    counts: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _check_vocab(self.terms, self.counts, "vocab_offer")
+
+    def to_body(self) -> dict[str, Any]:
+        return {"terms": list(self.terms), "counts": list(self.counts)}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> VocabOffer:
+        if set(body) != {"terms", "counts"}:
+            raise CodecError("vocab_offer: exactly the fields terms and counts are allowed")
+        return cls(*_terms_and_counts(body, "vocab_offer"))
+
+
+@dataclass(frozen=True, slots=True)
+class Vocabulary:
+    """Coordinator → all: the common vocabulary in index order, with the merged counts
+    and the agents whose offers it merges."""
+
+    kind: ClassVar[str] = "vocabulary"
+    terms: tuple[str, ...]
+    counts: tuple[int, ...]
+    contributors: tuple[str, ...]
+    digest: str
+
+    def __post_init__(self) -> None:
+        _check_vocab(self.terms, self.counts, "vocabulary")
+        if not self.terms:
+            raise CodecError("vocabulary: empty")
+        if self.digest != vocabulary_digest(self.terms):
+            raise CodecError("vocabulary: digest does not match the terms")
+        if not all(is_valid_name(c) for c in self.contributors):
+            raise CodecError("vocabulary: invalid contributor id")
+
+    def to_body(self) -> dict[str, Any]:
+        return {"terms": list(self.terms), "counts": list(self.counts),
+                "contributors": list(self.contributors), "digest": self.digest}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> Vocabulary:
+        w = "vocabulary"
+        terms, counts = _terms_and_counts(body, w)
+        digest = _need(body, "digest", str, w)
+        if len(digest) > MAX_DIGEST:
+            raise CodecError("vocabulary: digest too long")
+        return cls(terms, counts, _names(_need(body, "contributors", list, w), w), digest)
+
+
+@dataclass(frozen=True, slots=True)
+class SyncStep:
+    """Coordinator → all (Sync-Opt): compute the gradient of your mini-batch ``step`` at
+    model ``model_version`` if you are among ``participants``. ``weights`` is None when
+    every participant already holds that version (a repeated step): then only the
+    version travels."""
+
+    kind: ClassVar[str] = "sync_step"
+    step: int
+    model_version: int
+    participants: tuple[str, ...]
+    deadline_s: float
+    vocab_digest: str
+    weights: Weights | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        _count(self.step, "step", "sync_step")
+        _count(self.model_version, "model_version", "sync_step")
+        if not (math.isfinite(self.deadline_s) and 0 < self.deadline_s <= 7 * 86400):
+            raise CodecError("sync_step: deadline out of range")
+        if not isinstance(self.vocab_digest, str) or len(self.vocab_digest) > MAX_DIGEST:
+            raise CodecError("sync_step: vocab_digest must be a string of at most 64 characters")
+
+    def to_body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"step": self.step, "model_version": self.model_version,
+                                "participants": list(self.participants), "deadline_s": self.deadline_s,
+                                "vocab_digest": self.vocab_digest}
+        if self.weights is not None:
+            body["weights"] = encode_weights(self.weights)
+        return body
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> SyncStep:
+        w = "sync_step"
+        deadline = _need(body, "deadline_s", (int, float), w)
+        return cls(step=_count(_need(body, "step", int, w), "step", w),
+                   model_version=_count(_need(body, "model_version", int, w), "model_version", w),
+                   participants=_names(_need(body, "participants", list, w), w),
+                   deadline_s=float(deadline), vocab_digest=_need(body, "vocab_digest", str, w),
+                   weights=decode_weights(body["weights"], limits) if "weights" in body else None)
+
+
+@dataclass(frozen=True, slots=True)
+class SyncGradient:
+    """Agent → coordinator (Sync-Opt): the gradient of the mean loss over the agent's
+    mini-batch ``step`` at ``base_version``, the batch's size and its mean loss."""
+
+    kind: ClassVar[str] = "sync_gradient"
+    step: int
+    base_version: int
+    num_samples: int
+    loss: float
+    gradient: Weights = field(repr=False)
+
+    def __post_init__(self) -> None:
+        _count(self.step, "step", "sync_gradient")
+        _count(self.base_version, "base_version", "sync_gradient")
+        if _count(self.num_samples, "num_samples", "sync_gradient") == 0:
+            raise CodecError("sync_gradient: num_samples must be positive")
+        if not math.isfinite(self.loss):
+            raise CodecError("sync_gradient: loss must be finite")
+
+    def to_body(self) -> dict[str, Any]:
+        return {"step": self.step, "base_version": self.base_version, "num_samples": self.num_samples,
+                "loss": self.loss, "gradient": encode_weights(self.gradient)}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> SyncGradient:
+        w = "sync_gradient"
+        return cls(step=_count(_need(body, "step", int, w), "step", w),
+                   base_version=_count(_need(body, "base_version", int, w), "base_version", w),
+                   num_samples=_count(_need(body, "num_samples", int, w), "num_samples", w),
+                   loss=float(_need(body, "loss", (int, float), w)),
+                   gradient=decode_weights(_need(body, "gradient", dict, w), limits))
+
+
+Message = (Presence | RoundStart | Update | RoundResult | GlobalModel | GossipModel | GossipAck | VocabOffer
+           | Vocabulary | SyncStep | SyncGradient)
 
 # The fixed table from an envelope kind to the class that validates its body.
 KINDS: dict[str, type] = {cls.kind: cls for cls in (Presence, RoundStart, Update, RoundResult, GlobalModel,
-                                                    GossipModel, GossipAck)}
+                                                    GossipModel, GossipAck, VocabOffer, Vocabulary,
+                                                    SyncStep, SyncGradient)}
 
 
 def body_of(kind: str, body: Mapping[str, Any], limits: Limits) -> Message:

@@ -85,6 +85,19 @@ class RoundConfig:
             raise ValueError("agents_per_round is below min_updates: no round could aggregate")
         if not (self.round_timeout > 0 and self.start_grace >= 0):
             raise ValueError("round_timeout must be positive and start_grace non-negative")
+        # A round may be aggregated from as few as min_updates: the robust aggregator's
+        # precondition must hold there, or a Byzantine minority could win such a round.
+        self.strategy.check_preconditions(self.min_updates)
+        if not self.strategy.streams:
+            # A robust aggregator or clip_norm needs each update whole: the round tells
+            # the agents so (an agent never guesses the coordinator's strategy).
+            if self.train.compression != "none":
+                raise ValueError(f"compression = {self.train.compression!r} applies to streamed updates, and "
+                                 f"aggregation {self.strategy.name!r}"
+                                 f"{' with clip_norm' if self.strategy.clip_norm is not None else ''} "
+                                 f"takes whole updates: drop one of them")
+            if self.train.stream:
+                object.__setattr__(self, "train", replace(self.train, stream=False))
 
 
 # ---- events ------------------------------------------------------------------------
@@ -242,7 +255,12 @@ class RoundMachine:
             return self._on_update(event, now)
         if isinstance(event, Wakeup):
             if self.phase is Phase.TRAINING:
-                return self._maybe_finish(now)
+                out = self._maybe_finish(now)
+                if self.phase is Phase.TRAINING and not any(isinstance(c, RequestWakeup) for c in out):
+                    # Woken early (a wake-up asked for by an earlier round that ended
+                    # sooner): ask again for this round's deadline, or it never fires.
+                    out.append(RequestWakeup(self.deadline))
+                return out
             return self._maybe_start(now)
         raise TypeError(f"not a round event: {event!r}")
 

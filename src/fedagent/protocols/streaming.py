@@ -233,6 +233,14 @@ class StreamIntake:
             self._completed.popitem(last=False)
         return out
 
+    def abort(self, sender: str, tid: str, reason: str) -> list[UpdateEnd]:
+        """End transfer ``tid`` of ``sender`` as failed (a check above the intake refused
+        it); it is remembered as finished, so its later chunks are ignored."""
+        t = self._transfers.get((sender, tid))
+        if t is None:                                   # ended with this very chunk
+            return [UpdateEnd(sender, tid, False, reason)]
+        return self._fail(t, reason)
+
     def drop_sender(self, sender: str, reason: str) -> list[UpdateEnd]:
         out: list[UpdateEnd] = []
         for t in [t for (s, _), t in self._transfers.items() if s == sender]:

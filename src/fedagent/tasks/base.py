@@ -48,6 +48,46 @@ class Task(abc.ABC):
         raise ConfigError(f"task {type(self).__name__} does not support gossip mode: it has no fit_steps()")
 
 
+class SyncTask(Task):
+    """A task trained by Sync-Opt (gFedNTM Algorithm 1): the coordinator owns the
+    optimizer and applies it to the sample-weighted mean of the agents' per-step gradients.
+
+    Before training, agents agree on a vocabulary: each sends ``term_counts()`` (never a
+    document), the coordinator merges them and every agent calls ``set_vocabulary()``;
+    ``build_model()`` needs that done first (the input size is the vocabulary's)."""
+
+    batch_size: int
+
+    @abc.abstractmethod
+    def term_counts(self) -> dict[str, int]:
+        """This node's vocabulary with its term counts."""
+
+    @abc.abstractmethod
+    def set_vocabulary(self, terms: list[str]) -> None:
+        """Re-index the local data to the common vocabulary (other terms are dropped)."""
+
+    @abc.abstractmethod
+    def num_batches(self) -> int:
+        """Mini-batches in one local epoch."""
+
+    @abc.abstractmethod
+    def step_loss(self, model: torch.nn.Module, step: int) -> tuple[torch.Tensor, int]:
+        """Mean loss over this node's mini-batch of global step ``step`` and its size; the
+        batch and every random draw are fixed by (seed, shard, step)."""
+
+    @abc.abstractmethod
+    def make_optimizer(self, params) -> torch.optim.Optimizer:
+        """The optimizer the coordinator applies to aggregated gradients."""
+
+    @abc.abstractmethod
+    def topics(self, model: torch.nn.Module, n_words: int = 10) -> list[list[str]]:
+        """Top words of every topic."""
+
+    @abc.abstractmethod
+    def topic_word(self, model: torch.nn.Module) -> np.ndarray:
+        """Topic-word distributions, K x V, rows summing to 1."""
+
+
 def get_weights(model: torch.nn.Module) -> Weights:
     """The model's state as numpy arrays (copies, so training can't change them)."""
     return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
@@ -63,6 +103,10 @@ def set_weights(model: torch.nn.Module, weights: Mapping[str, np.ndarray]) -> No
 BUILTIN: dict[str, str] = {
     "digits": "fedagent.tasks.digits:make",
     "flsimco": "fedagent.tasks.flsimco:make",
+    "prodlda": "fedagent.tasks.ntm:make_prodlda",
+    "combinedtm": "fedagent.tasks.ntm:make_combinedtm",
+    "word2vec": "fedagent.tasks.word2vec:make",
+    "doc2vec": "fedagent.tasks.doc2vec:make",
     "synthetic": "fedagent.tasks.synthetic:make",
 }
 

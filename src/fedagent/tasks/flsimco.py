@@ -20,8 +20,8 @@ probability of the positive among {positive, K negatives} at temperature τ::
     L_i = - sg[ (1 - p_τβ(i)) / (1 - p_τα(i)) ] · log p_τα(i)
 
 averaged over the batch (eq. 9). Features are L2-normalised before the dot products
-(as in SimCo); the encoder is a small ResNet (3 basic blocks, 16-32 channels) with a
-64-D projection head, sized for CPU.
+(as in SimCo); the encoder is a small ResNet (3 basic blocks, 16-32 channels,
+GroupNorm) with a 64-D projection head (Linear-BatchNorm-ReLU-Linear), sized for CPU.
 
 Reported with every update: ``loss``, ``speed`` and ``blur_level`` (what the
 coordinator's ``blur`` and ``drop_above`` aggregation strategies read).
@@ -31,6 +31,7 @@ clean labelled training images, queries = the clean held-out images.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -62,22 +63,31 @@ def dual_temperature_loss(q: torch.Tensor, k_pos: torch.Tensor, k_neg: torch.Ten
     neg = neg.masked_fill(eye, float("-inf"))                           # j ≠ i
     logits = torch.cat([pos, neg], dim=1)                               # positive first
     log_p_alpha = F.log_softmax(logits / tau_alpha, dim=1)[:, 0]
-    p_beta = F.softmax(logits / tau_beta, dim=1)[:, 0]
-    w_alpha = (1 - log_p_alpha.exp()).clamp_min(1e-12)                  # eq. 8
-    w_beta = 1 - p_beta                                                 # eq. 7
-    ratio = (w_beta / w_alpha).detach()                                 # sg[·]
+    # W = 1 - p is the negatives' share of the softmax mass, taken in log space: once an
+    # easy positive rounds p_alpha to 1.0 in float32, "1 - p" is 0 and the ratio explodes.
+    log_w_alpha = torch.logsumexp(neg / tau_alpha, 1) - torch.logsumexp(logits / tau_alpha, 1)   # eq. 8
+    log_w_beta = torch.logsumexp(neg / tau_beta, 1) - torch.logsumexp(logits / tau_beta, 1)      # eq. 7
+    ratio = (log_w_beta - log_w_alpha).exp().detach()                  # sg[·]
     return -(ratio * log_p_alpha).mean()                                # eqs. 6, 9
 
 
 # ---- the encoder -------------------------------------------------------------------
+def _norm(channels: int) -> nn.Module:
+    # GroupNorm, not BatchNorm, in the backbone: it keeps no running statistics, so the
+    # features a global model gives at evaluation are the ones its vehicles trained, and
+    # averaging has no batch statistics of label-skewed, differently blurred vehicles to
+    # mix (Hsieh et al., "The Non-IID Data Quagmire", the paper's ref. [48]).
+    return nn.GroupNorm(8, channels)
+
+
 class _Block(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()
         self.c1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.b1 = nn.BatchNorm2d(cout)
+        self.b1 = _norm(cout)
         self.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.b2 = nn.BatchNorm2d(cout)
-        self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        self.b2 = _norm(cout)
+        self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), _norm(cout))
                      if stride != 1 or cin != cout else nn.Identity())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,13 +96,20 @@ class _Block(nn.Module):
 
 
 class SmallResNet(nn.Module):
-    """Backbone (stem + 3 basic blocks, global pooling → 32-D) and a 64-D projection head."""
+    """Backbone (stem + 3 basic blocks with GroupNorm, global pooling → 32-D) and a 64-D
+    projection head Linear-BatchNorm-ReLU-Linear (SimCLR's head)."""
 
     def __init__(self, dim: int = 64) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(1, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        self.stem = nn.Sequential(nn.Conv2d(1, 16, 3, 1, 1, bias=False), _norm(16), nn.ReLU())
         self.blocks = nn.Sequential(_Block(16, 16, 1), _Block(16, 32, 2), _Block(32, 32, 1))
-        self.head = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, dim))
+        # The BatchNorm centres the projections over the batch. Without it every image's
+        # projection shares one large common direction (the pooled features are all
+        # positive), all cosines are ~1, the softmax over {positive, negatives} is uniform
+        # and the loss sits at log(batch) with nearly no gradient: the encoder never starts
+        # to learn. Its running statistics are never used (evaluation reads the backbone,
+        # and the loss is defined in training mode), so averaging them is harmless.
+        self.head = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, dim))
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1).flatten(1)
@@ -157,6 +174,9 @@ class FLSimCoTask(Task):
         total, count = 0.0, 0
         n = len(self.images)
         for _ in range(epochs):
+            # ``loss`` is the last epoch's: the loss of the model the vehicle uploads, not
+            # an average dragged up by the first epochs from the global model.
+            total, count = 0.0, 0
             order = torch.randperm(n, generator=gen)
             for start in range(0, n, batch_size):
                 b = order[start:start + batch_size]
@@ -177,7 +197,33 @@ class FLSimCoTask(Task):
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         return {"knn_accuracy": knn_accuracy(model, self.memory, self.memory_labels,
-                                             self.queries, self.query_labels)}
+                                             self.queries, self.query_labels),
+                "simco_loss": heldout_loss(model, self.queries, self.tau_alpha, self.tau_beta, self.negatives)}
+
+
+EVAL_BATCH = 64
+
+
+@torch.no_grad()
+def heldout_loss(model: nn.Module, images: torch.Tensor, tau_alpha: float = 0.1, tau_beta: float = 1.0,
+                 negatives: str = "raw", seed: int = 12345) -> float:
+    """The SimCo loss of ``model`` on clean held-out images, with augmentations drawn from
+    a fixed ``seed``: the same batches and views for every model, so two global models
+    (two rounds, two strategies) are compared on exactly the same problem. Full batches
+    of ``EVAL_BATCH`` only, so log(EVAL_BATCH) is the loss of an encoder that cannot tell
+    images apart. Run on a copy in training mode: the loss is defined with batch
+    statistics (as in training), and the caller's normalisation buffers stay untouched."""
+    net = copy.deepcopy(model).train()
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for start in range(0, len(images) - EVAL_BATCH + 1, EVAL_BATCH):
+        x = images[start:start + EVAL_BATCH]
+        q, k = net(augment(x, gen)), net(augment(x, gen))
+        neg = k if negatives == "keys" else net(x)
+        losses.append(float(dual_temperature_loss(q, k, neg, tau_alpha, tau_beta)))
+    if not losses:
+        raise ValueError(f"heldout_loss needs at least {EVAL_BATCH} images")
+    return sum(losses) / len(losses)
 
 
 @torch.no_grad()

@@ -1,0 +1,147 @@
+"""Sync-Opt step time, split into compute and communication.
+
+A real federation on this machine: a private Mosquitto with mutual TLS, a coordinator
+and 5 agent processes running ``mode = "syncopt"`` on ProdLDA with V = 5000 terms and
+K = 50 topics (the paper's Sec. 4.1 sizes; a synthetic corpus with flat topics so that
+every one of the 5000 terms occurs and the agreed vocabulary has exactly 5000), batch 64
+per agent. Every step the coordinator broadcasts W (770,200 float32 parameters, 3.1 MB)
+and receives 5 gradients of the same size.
+
+Per step, from the daemons' own records:
+
+* ``step``: wall time at the coordinator from broadcasting W(e) to having W(e+1);
+* ``agents fwd/bwd``: the slowest agent's time to load W and compute its gradient
+  (they run in parallel, so the slowest one is on the critical path);
+* ``optimizer``: the coordinator's Adam step on the aggregate;
+* ``communication``: the rest — encoding, TLS, the broker, decoding, validating and
+  aggregating the gradients, and waiting; split further into the time until the last
+  agent has decoded W, the time from the slowest agent's gradient being computed to the
+  coordinator having all gradients (encode, send, broker, decode, validate, aggregate),
+  and the coordinator's remainder (overlaps make it negative).
+
+Run it (a few minutes; in the background on a shared machine)::
+
+    nice -n 10 .venv/bin/python bench/syncopt_step.py --steps 40 > syncopt-bench.log 2>&1
+
+Results vary with the machine's load; the script prints the load average with the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from fedagent.demo import Federation
+
+AGENTS = 5
+OPTIONS = {"corpus": "synthetic", "vocab_size": 5000, "true_topics": 50, "shared_topics": 10, "eta": 1.0,
+           "docs": 400, "val_docs": 10, "n_topics": 50, "batch_size": 64, "seed": 0, "data_seed": 0}
+
+
+def read_history(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5, help="first steps left out of the statistics")
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    console = Console(width=max(120, Console().width))
+    work = Path(tempfile.mkdtemp(prefix="fedagent-syncopt-bench-"))
+    fed = Federation(work, agents=AGENTS, rounds=1, alpha=0.0, agent_broker_by_mdns=False)
+    started = time.monotonic()
+    try:
+        fed.prepare()
+        fed.prepare_syncopt("prodlda", lambda i: {**OPTIONS, "shard": i, "shards": AGENTS}, {**OPTIONS, "shard": 0,
+                            "shards": AGENTS}, {"steps": args.steps, "expected_agents": AGENTS,
+                                                "min_agents": AGENTS, "step_timeout": 300.0,
+                                                "on_fault": "abort", "checkpoint_every": args.steps})
+        fed.start_all()
+        with console.status("starting 5 agents and the coordinator, vocabulary consensus, steps ...") as st:
+            while True:
+                fed.check_alive()
+                s = fed.status("coordinator")
+                if s is not None:
+                    st.update(f"coordinator: {s['phase']}, step {s['step']}/{args.steps}, "
+                              f"vocabulary {s.get('vocabulary_size')}")
+                    if s["phase"] in ("done", "aborted"):
+                        break
+                if time.monotonic() - started > 1800:
+                    raise SystemExit("the federation did not finish in 30 minutes")
+                time.sleep(0.5)
+        if s["phase"] != "done":
+            raise SystemExit(f"Sync-Opt aborted: see {work / 'logs'}")
+        # Agents flush their step records when the final model arrives.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+                (fed.status(a) or {}).get("phase") == "finished" for a in fed.agent_ids):
+            time.sleep(0.2)
+        vocab = s.get("vocabulary_size")
+        coord = [r for r in read_history(work / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl")
+                 if r.get("event") == "step"]
+        by_step: dict[int, list[dict]] = {}
+        for aid in fed.agent_ids:
+            for r in read_history(work / "state" / aid / "agent" / fed.fed / "history.jsonl"):
+                if r.get("event") == "gradient":
+                    by_step.setdefault(r["step"], []).append(r)
+        full = [(r, by_step[r["step"]]) for r in coord
+                if r["step"] > args.warmup and len(by_step.get(r["step"], [])) == AGENTS]
+        if not full:
+            raise SystemExit("no complete step records")
+        step = [r["seconds"] for r, _ in full]
+        fwd = [max(a["compute_s"] for a in ags) for _, ags in full]
+        opt = [r["optimizer_s"] for r, _ in full]
+        comm = [s_ - f - o for s_, f, o in zip(step, fwd, opt)]
+        # Where the communication goes (same clock: every process runs on this machine).
+        down = [max(a["received_t"] for a in ags) - r["started_t"] for r, ags in full]
+        up = [r["last_gradient_t"] - max(a["computed_t"] for a in ags) for r, ags in full]
+        other = [c - d - u for c, d, u in zip(comm, down, up)]
+        table = Table(title=f"Sync-Opt step, {AGENTS} agents, ProdLDA V={vocab} K={OPTIONS['n_topics']}, batch "
+                            f"{OPTIONS['batch_size']}/agent, Mosquitto + mTLS, {len(full)} steps "
+                            f"(after {args.warmup} warm-up)", title_justify="left")
+        for col in ("part", "median ms", "mean ms", "p90 ms", "max ms", "share of mean step"):
+            table.add_column(col, justify="left" if col == "part" else "right")
+        mean_step = statistics.fmean(step)
+
+        def row(name: str, xs: list[float]) -> None:
+            q = sorted(xs)
+            table.add_row(name, f"{1000 * statistics.median(xs):.1f}", f"{1000 * statistics.fmean(xs):.1f}",
+                          f"{1000 * q[int(0.9 * (len(q) - 1))]:.1f}", f"{1000 * max(xs):.1f}",
+                          f"{statistics.fmean(xs) / mean_step:.0%}")
+
+        row("step (coordinator wall time)", step)
+        row("compute: agents fwd/bwd (slowest)", fwd)
+        row("compute: coordinator optimizer", opt)
+        row("communication (the rest)", comm)
+        row("  of which W to the last agent", down)
+        row("  of which gradients after the slowest agent", up)
+        row("  of which coordinator other (overlap < 0)", other)
+        console.print(table)
+        nbytes = 4 * 770_200
+        console.print(f"per step: W broadcast once ({nbytes / 1e6:.1f} MB) to {AGENTS} agents, {AGENTS} gradients "
+                      f"of {nbytes / 1e6:.1f} MB back; load average {os.getloadavg()[0]:.1f} on "
+                      f"{os.cpu_count()} CPUs; total run {time.monotonic() - started:.0f}s")
+        return 0
+    finally:
+        fed.close()
+        if args.keep:
+            console.print(f"kept {work}")
+        else:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""The agent's session in a ``mode = "syncopt"`` federation (gFedNTM, client side).
+
+* **Vocabulary.** When the task has one (``term_counts``), the agent sends its terms and
+  their counts to the coordinator as soon as it sees the coordinator online, and again
+  whenever the coordinator comes back online before a vocabulary arrived. On the
+  ``Vocabulary`` broadcast it re-indexes its data (``set_vocabulary``) and builds the
+  model on it.
+* **Steps.** On a ``SyncStep`` that names it, the agent loads the weights (or checks it
+  already holds that version), computes the gradient of its mini-batch in a worker
+  thread and sends it with the batch size and loss. The mini-batch is the one of the
+  model version the step starts from, so a repeated step (after a fault) uses the same
+  documents and a centralized run with the same seeds computes the same thing.
+* A gradient finished after a newer step was announced is dropped, never sent stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from fedagent import checkpoint
+from fedagent.agent import sdnotify
+from fedagent.agent.messaging import Incoming, Messenger
+from fedagent.agent.runtime import History, make_transport, node_identity, presence_payload
+from fedagent.protocols import topics
+from fedagent.protocols.messages import GlobalModel, Presence, SyncGradient, SyncStep, VocabOffer, Vocabulary
+from fedagent.statefile import cleanup_temp_files
+
+if TYPE_CHECKING:
+    from fedagent.agent.daemon import Agent
+
+log = logging.getLogger("fedagent.syncopt")
+
+HISTORY_BATCH = 20
+
+
+def load_weights(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> None:
+    """Copy ``weights`` into the model's tensors: one copy, straight from the received
+    bytes (``set_weights`` makes two)."""
+    state = model.state_dict()
+    if state.keys() != weights.keys():
+        raise ValueError("weights do not match the model's tensors")
+    with torch.no_grad(), warnings.catch_warnings():
+        # Decoded tensors are read-only views of the message; copy_ only reads them.
+        warnings.simplefilter("ignore", UserWarning)
+        for name, t in state.items():
+            t.copy_(torch.from_numpy(weights[name]))
+
+
+def compute_gradient(task: Any, model: torch.nn.Module, batch: int) -> tuple[dict[str, np.ndarray], int, float]:
+    """The gradient of the task's mean loss over its mini-batch ``batch``, by parameter name.
+
+    The arrays are views of the gradient tensors, not copies: ``zero_grad`` with
+    ``set_to_none`` drops them before the next backward pass instead of overwriting them."""
+    model.zero_grad(set_to_none=True)
+    loss, n = task.step_loss(model, batch)
+    loss.backward()
+    grads = {name: p.grad.detach().numpy() for name, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return grads, int(n), float(loss.detach())
+
+
+class SyncOptSession:
+    """Membership of one Sync-Opt federation; the same interface as the FedAvg session."""
+
+    def __init__(self, agent: Agent, federation: str, broker: str) -> None:
+        self.agent = agent
+        self.cfg = agent.cfg
+        self.fed = federation
+        self.broker = broker
+        self.coordinator: str | None = None
+        self.coordinator_online = False
+        self.task = agent.task
+        self.needs_vocabulary = callable(getattr(self.task, "term_counts", None))
+        self.vocab_digest = ""
+        self.vocabulary_size: int | None = None
+        self.offers_sent = 0
+        self.model: torch.nn.Module | None = None if self.needs_vocabulary else agent.model
+        self.held_version: int | None = None
+        self.latest_step = 0
+        self.steps_done = 0
+        self.state = "waiting for the coordinator"
+        self.last_loss: float | None = None
+        self.compute_seconds = 0.0
+        self.peers: dict[str, dict[str, Any]] = {}
+        self.dir = self.cfg.state_dir / "agent" / federation
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cleanup_temp_files(self.dir)
+        self.model_path = self.dir / "global.ckpt"
+        self.history = History(self.dir / "history.jsonl")
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=1000)
+        self.transport = make_transport(
+            self.cfg, federation, broker,
+            subscriptions=[topics.all_broadcasts(federation), topics.inbox(federation, self.cfg.id),
+                           topics.all_presence(federation)],
+            on_connect=self._on_connect)
+        self.messenger = Messenger(federation=federation, node_id=self.cfg.id, transport=self.transport,
+                                   max_chunk_bytes=self.cfg.max_chunk_bytes,
+                                   max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics,
+                                   identity=node_identity(self.cfg), max_skew=self.cfg.max_clock_skew)
+        self._compute_lock = asyncio.Lock()
+        self.pending_history: list[dict[str, Any]] = []
+
+    # The FedAvg session's names, so the agent's metrics and status code read both.
+    @property
+    def current_round(self) -> int:
+        return self.latest_step
+
+    async def _on_connect(self) -> None:
+        await self.transport.publish(
+            topics.presence(self.fed, self.cfg.id),
+            presence_payload(self.cfg, self.fed, True, num_samples=self.task.num_samples(),
+                             model_version=self.held_version or 0), retain=True)
+
+    async def _on_payload(self, topic: str, payload: bytes) -> None:
+        await self.messenger.receive(topic, payload, self.queue.put)
+
+    async def run(self) -> None:
+        ready = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.transport.run(self._on_payload, ready))
+            await ready.wait()
+            log.info("agent %s joined Sync-Opt federation %s via %s", self.cfg.id, self.fed, self.broker)
+            sdnotify.status(f"member of {self.fed} (syncopt): waiting for the coordinator")
+            while True:
+                item = await self.queue.get()
+                await self._on_message(item, tg)
+
+    def _from_coordinator(self, inc: Incoming) -> bool:
+        if not inc.topic.startswith(topics.federation_root(self.fed) + "/global/"):
+            self.messenger._reject("topic", inc.sender, f"{inc.message.kind} outside global/")
+            return False
+        if inc.role != "coordinator":
+            # The broker is not trusted with the ACL alone: only a coordinator's
+            # certificate may sign a vocabulary, a step or a model.
+            self.messenger._reject("role", inc.sender, f"{inc.message.kind} signed by a {inc.role or 'non-coordinator'}")
+            return False
+        self.coordinator = inc.sender
+        return True
+
+    async def _on_message(self, inc: Incoming, tg: asyncio.TaskGroup) -> None:
+        msg = inc.message
+        if isinstance(msg, Presence):
+            if inc.sender == self.cfg.id:
+                return
+            self.peers[inc.sender] = {"role": msg.role, "online": msg.online, "last_seen": time.time(),
+                                      "model_version": msg.model_version}
+            if msg.role == "coordinator":
+                came_online = msg.online and not self.coordinator_online
+                self.coordinator_online = msg.online
+                if msg.online:
+                    self.coordinator = inc.sender
+                if came_online and self.needs_vocabulary and self.model is None:
+                    await self._offer_vocabulary()
+            return
+        if isinstance(msg, Vocabulary):
+            if self._from_coordinator(inc):
+                await self._adopt_vocabulary(msg)
+            return
+        if isinstance(msg, SyncStep):
+            if self._from_coordinator(inc) and msg.step > self.latest_step:
+                self.latest_step = msg.step
+                if self.cfg.id in msg.participants:
+                    tg.create_task(self._step(msg, time.time()))
+            return
+        if isinstance(msg, GlobalModel):
+            if self._from_coordinator(inc) and msg.final:
+                meta = {"model_version": msg.model_version, "step": msg.round, "final": True,
+                        "vocab_digest": self.vocab_digest}
+                await asyncio.to_thread(checkpoint.save, self.model_path, msg.weights, meta)
+                self.held_version = msg.model_version
+                self.state = "finished"
+                await self._flush_history()
+                self.history.append({"event": "finished", "model_version": msg.model_version})
+                sdnotify.status(f"{self.fed}: training finished (model version {msg.model_version})")
+            return
+
+    async def _offer_vocabulary(self) -> None:
+        if self.coordinator is None:
+            return
+        raw = await asyncio.to_thread(self.task.term_counts)
+        # Plain str/int (tasks may hand numpy scalars); ordered by term, so the offer's
+        # order reveals nothing about the documents.
+        counts = {str(t): int(c) for t, c in raw.items()}
+        terms = tuple(sorted(counts))
+        offer = VocabOffer(terms, tuple(counts[t] for t in terms))
+        n = await self.messenger.send(topics.direct(self.fed, self.cfg.id, self.coordinator, "vocab_offer"), offer)
+        self.offers_sent += 1
+        self.state = "vocabulary offered"
+        self.history.append({"event": "vocab_offer", "terms": len(terms), "bytes": n})
+        log.info("offered %d terms (%d bytes) to %s", len(terms), n, self.coordinator)
+
+    async def _adopt_vocabulary(self, msg: Vocabulary) -> None:
+        if not self.needs_vocabulary:
+            return
+        if msg.digest == self.vocab_digest:
+            return                              # a re-broadcast of the one we have
+        if self.cfg.id not in msg.contributors:
+            log.warning("the vocabulary of %s does not include this agent's offer; using it anyway", self.coordinator)
+
+        def adopt() -> torch.nn.Module:
+            with self.agent._thread_lock:
+                self.task.set_vocabulary(list(msg.terms))
+                return self.task.build_model()
+
+        self.model = await asyncio.to_thread(adopt)
+        self.held_version = None
+        self.vocab_digest = msg.digest
+        self.vocabulary_size = len(msg.terms)
+        self.state = "vocabulary agreed"
+        self.history.append({"event": "vocabulary", "terms": len(msg.terms), "digest": msg.digest})
+        log.info("adopted the common vocabulary: %d terms (digest %s)", len(msg.terms), msg.digest[:12])
+
+    async def _step(self, msg: SyncStep, received_at: float) -> None:
+        async with self._compute_lock:
+            if msg.step != self.latest_step:
+                return                          # a newer step was announced meanwhile
+            if self.model is None or msg.vocab_digest != self.vocab_digest:
+                log.warning("step %d: vocabulary %s, this agent has %s; not taking part", msg.step,
+                            msg.vocab_digest[:12] or "-", self.vocab_digest[:12] or "none")
+                self.state = "vocabulary mismatch"
+                return
+            if msg.weights is None and self.held_version != msg.model_version:
+                log.warning("step %d: version %d announced without weights, this agent holds %s", msg.step,
+                            msg.model_version, self.held_version)
+                return
+            self.state = f"computing step {msg.step}"
+            model = self.model
+            started = time.perf_counter()
+
+            def work():
+                with self.agent._thread_lock:
+                    if msg.weights is not None:
+                        load_weights(model, msg.weights)
+                    return compute_gradient(self.task, model, msg.model_version)
+
+            try:
+                grads, n, loss = await asyncio.to_thread(work)
+            except Exception:
+                log.exception("gradient of step %d failed", msg.step)
+                self.state = "gradient failed"
+                return
+            took = time.perf_counter() - started
+            computed_at = time.time()
+            self.compute_seconds += took
+            self.agent.metrics.training_seconds(took)
+            self.held_version = msg.model_version
+            if msg.step != self.latest_step:
+                log.info("step %d superseded while computing; gradient dropped", msg.step)
+                return
+            if self.coordinator is None:
+                return
+            out = SyncGradient(msg.step, msg.model_version, n, loss, grads)
+            await self.messenger.send(topics.direct(self.fed, self.cfg.id, self.coordinator, "sync_gradient"),
+                                      out, round_=msg.step)
+            self.steps_done += 1
+            self.last_loss = loss
+            self.state = f"gradient of step {msg.step} sent"
+            self.pending_history.append({"event": "gradient", "time": time.time(), "step": msg.step,
+                                         "model_version": msg.model_version, "loss": loss, "num_samples": n,
+                                         "compute_s": round(took, 5), "received_t": received_at,
+                                         "computed_t": computed_at, "sent_t": time.time()})
+            if len(self.pending_history) >= HISTORY_BATCH:
+                await self._flush_history()
+
+    async def _flush_history(self) -> None:
+        # One fsync per batch of steps instead of one per step: a step is a round trip
+        # of a few milliseconds, and losing the last records in a crash loses nothing
+        # the coordinator's checkpoint and history do not hold.
+        records, self.pending_history = self.pending_history, []
+        if records:
+            await asyncio.to_thread(lambda: [self.history.append(r) for r in records])
+
+    def status(self) -> dict[str, Any]:
+        return {"federation": self.fed, "broker": self.broker, "connection": self.transport.state,
+                "reconnects": self.transport.reconnects, "last_error": self.transport.last_error,
+                "coordinator": self.coordinator, "phase": self.state, "round_state": self.state,
+                "step": self.latest_step, "round": self.latest_step, "steps_computed": self.steps_done,
+                "model_version": self.held_version, "last_loss": self.last_loss,
+                "last_metrics": {"loss": self.last_loss} if self.last_loss is not None else {},
+                "vocabulary_size": self.vocabulary_size, "vocab_digest": self.vocab_digest or None,
+                "vocab_offers_sent": self.offers_sent,
+                "compute_seconds": round(self.compute_seconds, 4),
+                "peers": dict(sorted(self.peers.items())), "rejected": dict(self.messenger.rejected),
+                "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out,
+                "messages_out": self.messenger.messages_out}
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.transport.close(
+                (topics.presence(self.fed, self.cfg.id), presence_payload(self.cfg, self.fed, False))), 5)

@@ -1,0 +1,564 @@
+"""``fedagent coordinator`` in a ``mode = "syncopt"`` federation (gFedNTM Algorithm 1).
+
+Two stages, each a pure machine fed from one event queue:
+
+1. **Vocabulary** (tasks with ``term_counts``): agents send ``VocabOffer`` (terms and
+   counts only); :class:`~fedagent.protocols.vocab.VocabularyMerge` agrees once; the
+   vocabulary is written to the state directory and broadcast (retained when it fits in
+   one message, so an agent that restarts gets it again). Tasks without a vocabulary
+   skip this stage and start once enough agents are online.
+2. **Steps**: the model is built by the task on the agreed vocabulary, the optimizer is
+   the task's (``make_optimizer``) and lives here; :class:`~fedagent.protocols.syncopt.
+   SyncOptMachine` decides, this daemon broadcasts ``SyncStep``, feeds gradients in,
+   runs ``optimizer.step()`` on the aggregate in a worker thread, checkpoints (weights
+   and optimizer state, atomically) and finally publishes the model.
+
+A restart resumes from the vocabulary file and the last checkpoint: the steps after it
+are recomputed (the mini-batch of a step is fixed by the model version it starts
+from), and a step number once broadcast is never reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedagent import checkpoint
+from fedagent.agent import sdnotify
+from fedagent.agent.control import ControlServer
+from fedagent.agent.discovery import Advert, Discovery
+from fedagent.agent.messaging import Incoming, Messenger
+from fedagent.agent.runtime import History, Timer, make_transport, node_identity, presence_payload
+from fedagent.config import NodeConfig
+from fedagent.errors import ConfigError, FedagentError
+from fedagent.metrics import NodeMetrics
+from fedagent.pki import fingerprint
+from fedagent.protocols import syncopt as S
+from fedagent.protocols import topics
+from fedagent.protocols import vocab as V
+from fedagent.protocols.messages import GlobalModel, Presence, SyncGradient, SyncStep, VocabOffer, Vocabulary
+from fedagent.statefile import atomic_write, cleanup_temp_files, read_bytes
+from fedagent.tasks.base import get_weights, load_task
+
+log = logging.getLogger("fedagent.coordinator.syncopt")
+
+OPTIM_PREFIX = "optim/"
+STEP_RESERVATION = 100
+MAX_VOCAB_FILE = 64 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class _Net:
+    incoming: Incoming
+
+
+@dataclass(frozen=True, slots=True)
+class _VocabWakeup:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class _StartWakeup:
+    pass
+
+
+def has_vocabulary(task: Any) -> bool:
+    return callable(getattr(task, "term_counts", None)) and callable(getattr(task, "set_vocabulary", None))
+
+
+def check_sync_task(task: Any, where: str) -> None:
+    missing = [m for m in ("step_loss", "make_optimizer") if not callable(getattr(task, m, None))]
+    if missing:
+        raise ConfigError(f"{where}: task {type(task).__name__} cannot run mode 'syncopt': it has no "
+                          f"{', '.join(missing)}() (see fedagent.tasks.base.SyncTask)")
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Adam's moments (any optimizer's tensor state) as named arrays plus the scalar rest,
+    so a checkpoint holds them without pickle."""
+    sd = optimizer.state_dict()
+    arrays: dict[str, np.ndarray] = {}
+    scalars: dict[str, Any] = {}
+    for idx, st in sd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                arrays[f"{OPTIM_PREFIX}{idx}/{k}"] = v.detach().cpu().numpy().copy()
+            else:
+                scalars[f"{idx}/{k}"] = v
+    return arrays, scalars
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, arrays: dict[str, np.ndarray],
+                         scalars: dict[str, Any]) -> None:
+    sd = optimizer.state_dict()
+    state: dict[int, dict[str, Any]] = {}
+    for key, arr in arrays.items():
+        idx, _, k = key[len(OPTIM_PREFIX):].partition("/")
+        state.setdefault(int(idx), {})[k] = torch.from_numpy(np.array(arr, copy=True))
+    for key, v in scalars.items():
+        idx, _, k = key.partition("/")
+        state.setdefault(int(idx), {})[k] = v
+    sd["state"] = state
+    optimizer.load_state_dict(sd)
+
+
+class SyncOptCoordinator:
+    def __init__(self, cfg: NodeConfig) -> None:
+        if cfg.mode != "syncopt":
+            raise ConfigError(f"{cfg.path}: SyncOptCoordinator needs mode = 'syncopt'")
+        self.cfg = cfg
+        self.settings = cfg.syncopt
+        self.fed = cfg.federation
+        self.dir = cfg.state_dir / "coordinator" / self.fed
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cleanup_temp_files(self.dir)
+        self.ckpt_path = self.dir / "global.ckpt"
+        self.vocab_path = self.dir / "vocabulary.json"
+        self.step_path = self.dir / "last_step_started"
+        self.history = History(self.dir / "history.jsonl")
+        torch.set_num_threads(cfg.torch_threads)
+        self.machine_config = self.settings.machine_config()
+        self.task = load_task(cfg.task, cfg.task_options)
+        check_sync_task(self.task, str(cfg.path))
+        self.vocabulary: Vocabulary | None = None
+        self.vocab_machine: V.VocabularyMerge | None = None
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.machine: S.SyncOptMachine | None = None
+        self.phase = "waiting"
+        if has_vocabulary(self.task):
+            self.vocabulary = self._load_vocabulary()
+            if self.vocabulary is None:
+                self.phase = "vocabulary"
+                self.vocab_machine = V.VocabularyMerge(self.settings.vocab_config())
+        if not has_vocabulary(self.task) or self.vocabulary is not None:
+            self._build()
+        else:
+            # Before going online: agents offer their vocabularies when they see us.
+            self._warm_up()
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=10_000)
+        self.timer = Timer(self.queue, S.Wakeup())
+        self.vocab_timer = Timer(self.queue, _VocabWakeup())
+        self.start_timer = Timer(self.queue, _StartWakeup())
+        self.transport = make_transport(
+            cfg, self.fed, cfg.broker,
+            subscriptions=[topics.all_presence(self.fed), topics.inbox(self.fed, cfg.id)],
+            on_connect=self._on_connect)
+        self.metrics = NodeMetrics("coordinator", cfg.id, self.fed)
+        self.metrics.before_scrape = self._refresh_metrics
+        self.metrics_url: str | None = None
+        self.messenger = Messenger(federation=self.fed, node_id=cfg.id, transport=self.transport,
+                                   max_chunk_bytes=cfg.max_chunk_bytes, max_model_bytes=cfg.max_model_bytes,
+                                   metrics=self.metrics, identity=node_identity(cfg),
+                                   max_skew=cfg.max_clock_skew)
+        self.online: dict[str, int] = {}
+        self.peers: dict[str, dict[str, Any]] = {}
+        self.rejections: list[dict[str, Any]] = []
+        self.quorum_since: float | None = None
+        self.step_started_at: float | None = None
+        self.timings = {"optimizer_s": 0.0, "steps": 0, "step_s": 0.0}
+        self.last_step_seconds: float | None = None
+        self.pending_history: list[dict[str, Any]] = []
+        self.last_optimizer_s = 0.0
+        self.step_started_t = self.last_gradient_t = 0.0
+        self.finished_reason: str | None = None
+        self.settled = self.status_snapshot()
+
+    # -- vocabulary and model ------------------------------------------------------------
+    def _load_vocabulary(self) -> Vocabulary | None:
+        raw = read_bytes(self.vocab_path, MAX_VOCAB_FILE)
+        if raw is None:
+            return None
+        try:
+            doc = json.loads(raw)
+            voc = Vocabulary(tuple(doc["terms"]), tuple(doc["counts"]), tuple(doc["contributors"]), doc["digest"])
+        except (ValueError, KeyError, TypeError, FedagentError) as exc:
+            raise FedagentError(f"{self.vocab_path} is unreadable ({exc}); move it away to start afresh") from exc
+        log.info("resuming with the agreed vocabulary of %d terms from %s", len(voc.terms), self.vocab_path)
+        return voc
+
+    def _build(self) -> None:
+        """The model on the agreed vocabulary, its optimizer, the step machine; resumed
+        from the checkpoint when there is one."""
+        if self.vocabulary is not None:
+            self.task.set_vocabulary(list(self.vocabulary.terms))
+        torch.manual_seed(self.settings.seed)
+        model = self.task.build_model()
+        optimizer = self.task.make_optimizer(model.parameters())
+        weights = get_weights(model)
+        param_names = tuple(n for n, p in model.named_parameters() if p.requires_grad)
+        meta: dict[str, Any] = {}
+        resumed = checkpoint.load(self.ckpt_path)
+        if resumed is not None:
+            saved, meta = resumed
+            if meta.get("vocab_digest", "") != self.vocab_digest:
+                raise FedagentError(f"{self.ckpt_path} was trained on another vocabulary; move it away")
+            opt_arrays = {k: v for k, v in saved.items() if k.startswith(OPTIM_PREFIX)}
+            weights = {k: v for k, v in saved.items() if not k.startswith(OPTIM_PREFIX)}
+            self._load_into(model, weights)
+            weights = get_weights(model)
+            load_optimizer_state(optimizer, opt_arrays, meta.get("optimizer", {}))
+            log.info("resuming from %s: model version %s after step %s", self.ckpt_path,
+                     meta.get("model_version"), meta.get("step"))
+        started = read_bytes(self.step_path, 64)
+        last_started = int(started) if started and started.strip().isdigit() else 0
+        self.model, self.optimizer = model, optimizer
+        self.reserved_step = last_started
+        self.machine = S.SyncOptMachine(self.machine_config, weights, param_names,
+                                        model_version=int(meta.get("model_version", 0)),
+                                        steps_done=int(meta.get("steps_done", 0)),
+                                        last_step=max(int(meta.get("step", 0)), last_started))
+        # A fault before the restart keeps the run inexact; the restart itself does not
+        # break exactness (the steps after the checkpoint are recomputed identically).
+        self.machine.exact = bool(meta.get("exact", True))
+        self.phase = "done" if self.machine.phase is S.Phase.DONE else "waiting"
+
+    def _warm_up(self) -> None:
+        """The first optimizer step in a process imports much of torch (seconds on a
+        small machine): pay for it before the agents' offers come in, not after the merge."""
+        try:
+            p = torch.nn.Parameter(torch.zeros(2))
+            opt = self.task.make_optimizer([p])
+            p.grad = torch.ones(2)
+            opt.step()
+        except Exception as exc:  # noqa: BLE001 - only a warm-up; the real step reports errors
+            log.debug("optimizer warm-up failed: %s", exc)
+
+    @staticmethod
+    def _load_into(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> None:
+        state = model.state_dict()
+        if state.keys() != weights.keys():
+            raise FedagentError("the checkpoint's tensors do not match the model")
+        with torch.no_grad(), warnings.catch_warnings():
+            # Decoded tensors are read-only views of the received bytes; copy_ only reads them.
+            warnings.simplefilter("ignore", UserWarning)
+            for name, t in state.items():
+                t.copy_(torch.from_numpy(weights[name]))
+
+    @property
+    def vocab_digest(self) -> str:
+        return self.vocabulary.digest if self.vocabulary is not None else ""
+
+    # -- network -------------------------------------------------------------------------
+    async def _on_connect(self) -> None:
+        version = self.machine.model_version if self.machine else 0
+        await self.transport.publish(topics.presence(self.fed, self.cfg.id),
+                                     presence_payload(self.cfg, self.fed, True, model_version=version,
+                                                      broker=self.cfg.broker), retain=True)
+        if self.vocabulary is not None:
+            await self._publish_vocabulary()
+
+    async def _publish_vocabulary(self) -> None:
+        assert self.vocabulary is not None
+        topic = topics.broadcast(self.fed, "vocabulary")
+        try:
+            await self.messenger.send(topic, self.vocabulary, retain=True)
+        except ValueError:
+            # Larger than one chunk: cannot be retained; agents that restart later ask
+            # again with a new offer, which is answered with the vocabulary.
+            await self.messenger.send(topic, self.vocabulary)
+
+    async def _on_payload(self, topic: str, payload: bytes) -> None:
+        await self.messenger.receive(topic, payload, self._deliver)
+
+    async def _deliver(self, inc: Incoming) -> None:
+        await self.queue.put(_Net(inc))
+
+    # -- events --------------------------------------------------------------------------
+    async def _on_net(self, inc: Incoming, now: float) -> None:
+        msg = inc.message
+        if isinstance(msg, Presence):
+            if msg.role != "agent" or inc.sender == self.cfg.id:
+                return
+            self.peers[inc.sender] = {"online": msg.online, "role": msg.role, "samples": msg.num_samples,
+                                      "last_seen": time.time()}
+            if msg.online:
+                self.online[inc.sender] = msg.num_samples
+            else:
+                self.online.pop(inc.sender, None)
+            if self.machine is not None and self.machine.phase is not S.Phase.WAITING:
+                ev = S.AgentOnline(inc.sender) if msg.online else S.AgentOffline(inc.sender)
+                await self._run_machine(ev, now)
+            elif self.machine is not None:
+                await self._maybe_begin(now)
+            return
+        if isinstance(msg, VocabOffer):
+            if self.vocab_machine is not None and self.vocab_machine.phase is not V.VocabPhase.AGREED:
+                await self._run_vocab(V.OfferReceived(inc.sender, msg.terms, msg.counts), now)
+            elif self.vocabulary is not None:
+                # An agent that restarted after the agreement asks again: answer it.
+                log.info("%s offered its vocabulary again; re-sending the agreed one", inc.sender)
+                await self._publish_vocabulary()
+            return
+        if isinstance(msg, SyncGradient):
+            if self.machine is None:
+                self._note_rejection(inc.sender, msg.step, "stale", "no step in progress (vocabulary stage)")
+                return
+            await self._run_machine(S.GradientReceived(inc.sender, msg.step, msg.base_version, msg.num_samples,
+                                                       msg.loss, msg.gradient), now)
+            return
+        log.debug("ignoring %s from %s", type(msg).__name__, inc.sender)
+
+    async def _run_vocab(self, ev, now: float) -> None:
+        assert self.vocab_machine is not None
+        for cmd in self.vocab_machine.handle(ev, now):
+            if isinstance(cmd, V.RequestWakeup):
+                self.vocab_timer.request(cmd.at)
+            elif isinstance(cmd, V.OfferRejected):
+                self._note_rejection(cmd.sender, 0, cmd.reason, cmd.detail)
+            elif isinstance(cmd, V.Agreed):
+                await self._agreed(cmd, now)
+
+    async def _agreed(self, cmd: V.Agreed, now: float) -> None:
+        self.vocabulary = Vocabulary(cmd.terms, cmd.counts, cmd.contributors, cmd.digest)
+        doc = {"terms": list(cmd.terms), "counts": list(cmd.counts), "contributors": list(cmd.contributors),
+               "digest": cmd.digest}
+        await asyncio.to_thread(atomic_write, self.vocab_path, json.dumps(doc).encode())
+        self.history.append({"event": "vocabulary", "terms": len(cmd.terms), "contributors": list(cmd.contributors),
+                             "dropped_terms": cmd.dropped_terms, "digest": cmd.digest})
+        log.info("vocabulary agreed: %d terms from %s (%d cut by min_count/max_size)", len(cmd.terms),
+                 ", ".join(cmd.contributors), cmd.dropped_terms)
+        await self._publish_vocabulary()
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self._build)
+        log.info("model built on the vocabulary in %.2fs; starting Sync-Opt with %d agents",
+                 time.perf_counter() - t0, len(cmd.contributors))
+        await self._run_machine(S.Begin(cmd.contributors), time.monotonic())
+
+    async def _maybe_begin(self, now: float) -> None:
+        """Tasks without a vocabulary (or a resumed run): start once enough agents are online."""
+        assert self.machine is not None
+        if self.machine.phase is not S.Phase.WAITING:
+            return
+        s, n = self.settings, len(self.online)
+        if self.vocabulary is not None and self.vocab_machine is None:
+            # Resumed after the vocabulary stage: the same agents as before.
+            expected = [a for a in self.vocabulary.contributors]
+            if all(a in self.online for a in expected) or (self.quorum_since is not None
+                                                           and now >= self.quorum_since + s.start_grace):
+                await self._run_machine(S.Begin(tuple(expected)), now)
+                return
+        if n < s.min_agents:
+            self.quorum_since = None
+            return
+        if self.quorum_since is None:
+            self.quorum_since = now
+        if (s.expected_agents and n >= s.expected_agents and self.vocabulary is None) or \
+                now >= self.quorum_since + s.start_grace:
+            await self._run_machine(S.Begin(tuple(sorted(self.online))), now)
+        else:
+            self.start_timer.request(self.quorum_since + s.start_grace)
+
+    async def _run_machine(self, ev: S.Event, now: float) -> None:
+        assert self.machine is not None
+        pending = list(self.machine.handle(ev, now))
+        while pending:
+            cmd = pending.pop(0)
+            more = await self._execute(cmd)
+            pending.extend(more)
+
+    def _note_rejection(self, sender: str, step: int, reason: str, detail: str) -> None:
+        log.warning("rejected from %s (step %d): %s (%s)", sender, step, reason, detail)
+        self.metrics.rejected(reason)
+        self.rejections = (self.rejections + [{"sender": sender, "step": step, "reason": reason,
+                                               "detail": detail}])[-20:]
+
+    # -- commands ------------------------------------------------------------------------
+    async def _execute(self, cmd: S.Command) -> list[S.Command]:
+        assert self.machine is not None and self.model is not None and self.optimizer is not None
+        if isinstance(cmd, S.StartStep):
+            self.phase = "steps"
+            self.step_started_at = time.monotonic()
+            self.step_started_t = time.time()
+            if cmd.step > self.reserved_step:
+                # Step numbers are reserved in blocks: a restart continues after the block,
+                # so a number once broadcast is never reused, at one fsync per block.
+                self.reserved_step = cmd.step + STEP_RESERVATION
+                await asyncio.to_thread(atomic_write, self.step_path, str(self.reserved_step).encode())
+            self.metrics.round_started(cmd.step)
+            if cmd.step == 1 or cmd.step % 50 == 0:
+                sdnotify.status(f"Sync-Opt step {cmd.step}: {len(cmd.participants)} agents")
+            await self.messenger.send(topics.broadcast(self.fed, "sync_step"),
+                                      SyncStep(cmd.step, cmd.model_version, cmd.participants, cmd.deadline_s,
+                                               self.vocab_digest, cmd.weights), round_=cmd.step)
+        elif isinstance(cmd, S.ApplyGradient):
+            self.last_gradient_t = time.time()
+            t0 = time.perf_counter()
+            new = await asyncio.to_thread(self._apply, cmd.gradient)
+            self.last_optimizer_s = time.perf_counter() - t0
+            self.timings["optimizer_s"] += self.last_optimizer_s
+            return self.machine.handle(S.OptimizerApplied(cmd.step, new), time.monotonic())
+        elif isinstance(cmd, S.StepDone):
+            took = time.monotonic() - (self.step_started_at or time.monotonic())
+            self.last_step_seconds = took
+            self.timings["steps"] += 1
+            self.timings["step_s"] += took
+            self.metrics.round_completed(took, {"loss": cmd.loss})
+            self.metrics.set_model_version(cmd.model_version)
+            self.pending_history.append({
+                "event": "step", "time": time.time(), "step": cmd.step, "model_version": cmd.model_version,
+                "loss": cmd.loss, "rel_change": cmd.rel_change, "samples": cmd.samples,
+                "participants": list(cmd.participants), "missing": list(cmd.missing), "seconds": round(took, 5),
+                "optimizer_s": round(self.last_optimizer_s, 5), "started_t": self.step_started_t,
+                "last_gradient_t": self.last_gradient_t,
+                "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out})
+            if cmd.final or self.machine.steps_done % self.settings.checkpoint_every == 0:
+                await self._checkpoint(cmd.weights, cmd.step, cmd.final)
+            if cmd.missing:
+                log.warning("step %d aggregated without %s: the run is no longer exact", cmd.step,
+                            ", ".join(cmd.missing))
+            log.debug("step %d: loss %.4f, relative change %.3g", cmd.step, cmd.loss, cmd.rel_change)
+        elif isinstance(cmd, S.StepRepeated):
+            log.warning("step %d repeated: %s", cmd.step, cmd.reason)
+            self.history.append({"event": "repeated", "step": cmd.step, "reason": cmd.reason})
+        elif isinstance(cmd, S.Rejected):
+            self._note_rejection(cmd.sender, cmd.step, cmd.reason, cmd.detail)
+        elif isinstance(cmd, S.RequestWakeup):
+            self.timer.request(cmd.at)
+        elif isinstance(cmd, S.Finished):
+            self.phase = "done"
+            self.finished_reason = cmd.reason
+            log.info("Sync-Opt finished (%s) after %d steps: model version %d", cmd.reason, cmd.steps_done,
+                     cmd.model_version)
+            sdnotify.status(f"finished: model version {cmd.model_version}")
+            self.history.append({"event": "finished", "reason": cmd.reason, "model_version": cmd.model_version,
+                                 "exact": self.machine.exact, **self._timing_summary()})
+            await self.messenger.send(topics.broadcast(self.fed, "model"),
+                                      GlobalModel(cmd.model_version, self.machine.step, True, cmd.weights),
+                                      round_=self.machine.step)
+        elif isinstance(cmd, S.Aborted):
+            self.phase = "aborted"
+            log.error("Sync-Opt aborted at step %d: %s", cmd.step, cmd.reason)
+            self.history.append({"event": "aborted", "step": cmd.step, "reason": cmd.reason})
+            await self._checkpoint(self.machine.weights, cmd.step, False)
+        return []
+
+    def _apply(self, gradient: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The optimizer step on the aggregated gradient (worker thread)."""
+        assert self.model is not None and self.optimizer is not None
+        params = dict(self.model.named_parameters())
+        for name, g in gradient.items():
+            # The aggregate is a fresh array owned by nobody else: no copy needed.
+            params[name].grad = torch.from_numpy(g)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # Copies: the next optimizer step updates the parameters in place, while these
+        # weights are still being broadcast and compared with the next ones.
+        return get_weights(self.model)
+
+    async def _checkpoint(self, weights: dict[str, np.ndarray], step: int, final: bool) -> None:
+        assert self.machine is not None and self.optimizer is not None
+        arrays, scalars = optimizer_state(self.optimizer)
+        meta = {"model_version": self.machine.model_version, "step": step, "steps_done": self.machine.steps_done,
+                "federation": self.fed, "final": final, "loss": self.machine.last_loss,
+                "exact": self.machine.exact, "vocab_digest": self.vocab_digest, "optimizer": scalars,
+                "mode": "syncopt"}
+        await asyncio.to_thread(checkpoint.save, self.ckpt_path, {**weights, **arrays}, meta)
+        # Step records are written with the checkpoint that covers them: steps after the
+        # last checkpoint are recomputed after a crash, and so are their records.
+        records, self.pending_history = self.pending_history, []
+        await asyncio.to_thread(self._append_history, records)
+
+    def _append_history(self, records: list[dict[str, Any]]) -> None:
+        for r in records:
+            self.history.append(r)
+
+    def _timing_summary(self) -> dict[str, float]:
+        n = max(1, self.timings["steps"])
+        return {"mean_step_s": self.timings["step_s"] / n, "mean_optimizer_s": self.timings["optimizer_s"] / n}
+
+    # -- status --------------------------------------------------------------------------
+    def status_snapshot(self) -> dict[str, Any]:
+        m = self.machine.status() if self.machine is not None else {}
+        vs = self.vocab_machine.status() if self.vocab_machine is not None else {}
+        return {"phase": self.phase, "step": m.get("step", 0), "steps_done": m.get("steps_done", 0),
+                "steps": self.settings.steps, "model_version": m.get("model_version", 0),
+                "participants": m.get("participants", []), "received": m.get("received", []),
+                "last_loss": m.get("last_loss"), "rel_change": m.get("rel_change"), "exact": m.get("exact", True),
+                "vocabulary_size": len(self.vocabulary.terms) if self.vocabulary is not None else None,
+                "vocabulary_offers": vs.get("offers", []), "finished_reason": self.finished_reason}
+
+    async def _status(self, _args: dict) -> dict:
+        m = self.settled
+        return {"role": "coordinator", "id": self.cfg.id, "federation": self.fed, "mode": self.cfg.mode,
+                "broker": self.cfg.broker, "connection": self.transport.state,
+                "reconnects": self.transport.reconnects, "last_error": self.transport.last_error,
+                **m, "round": m["step"], "metrics": {"loss": m["last_loss"]} if m["last_loss"] is not None else {},
+                "peers": {k: v for k, v in sorted(self.peers.items())},
+                "last_step_seconds": self.last_step_seconds, "timings": self._timing_summary(),
+                "rejected": dict(self.messenger.rejected), "recent_rejections": self.rejections,
+                "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out,
+                "checkpoint": str(self.ckpt_path), "metrics_url": self.metrics_url}
+
+    def _refresh_metrics(self, m: NodeMetrics) -> None:
+        m.set_connected(self.transport.connected)
+        m.set_reconnects(self.transport.reconnects)
+        m.set_peers(sum(1 for p in self.peers.values() if p.get("online")))
+        if self.machine is not None:
+            m.set_model_version(self.machine.model_version)
+            m.round_started(self.machine.step)
+
+    async def _peers(self, _args: dict) -> dict:
+        return {"id": self.cfg.id, "federation": self.fed,
+                "peers": {k: {**v, "broker": self.cfg.broker, "mdns": False} for k, v in sorted(self.peers.items())}}
+
+    # -- main ----------------------------------------------------------------------------
+    async def _process(self) -> None:
+        if self.vocab_machine is not None:
+            for cmd in self.vocab_machine.start(time.monotonic()):
+                if isinstance(cmd, V.RequestWakeup):
+                    self.vocab_timer.request(cmd.at)
+        while True:
+            item = await self.queue.get()
+            now = time.monotonic()
+            if isinstance(item, _Net):
+                await self._on_net(item.incoming, now)
+            elif isinstance(item, _VocabWakeup):
+                if self.vocab_machine is not None:
+                    await self._run_vocab(V.Wakeup(), now)
+            elif isinstance(item, _StartWakeup):
+                if self.machine is not None:
+                    await self._maybe_begin(now)
+            elif self.machine is not None:
+                await self._run_machine(item, now)
+            self.settled = self.status_snapshot()
+
+    async def run(self) -> None:
+        ready = asyncio.Event()
+        control = ControlServer(self.cfg.control_socket, {"status": self._status, "peers": self._peers})
+        await control.start()
+        if self.cfg.metrics_port >= 0:
+            host, port = await self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
+            self.metrics_url = f"http://{host}:{port}/metrics"
+        try:
+            async with asyncio.TaskGroup() as tg, Discovery(self.cfg.interfaces) as disc:
+                tg.create_task(self.transport.run(self._on_payload, ready))
+                tg.create_task(sdnotify.watchdog_loop())
+                await ready.wait()
+                if self.cfg.advertise:
+                    await disc.register(Advert(federation=self.fed, node_id=self.cfg.id, role="coordinator",
+                                               broker_uri=self.cfg.broker, fingerprint=fingerprint(self.cfg.tls.cert)))
+                sdnotify.ready(f"Sync-Opt coordinator of {self.fed}: waiting for agents")
+                log.info("Sync-Opt coordinator %s of federation %s on %s (%s)", self.cfg.id, self.fed,
+                         self.cfg.broker, self.phase)
+                tg.create_task(self._process())
+                await asyncio.Event().wait()
+        finally:
+            sdnotify.stopping()
+            for t in (self.timer, self.vocab_timer, self.start_timer):
+                t.cancel()
+            try:
+                await asyncio.wait_for(self.transport.close(
+                    (topics.presence(self.fed, self.cfg.id), presence_payload(self.cfg, self.fed, False))), 5)
+            except Exception as exc:  # noqa: BLE001 - best effort on the way out
+                log.debug("clean close failed: %s", exc)
+            await control.close()
+            await self.metrics.close()

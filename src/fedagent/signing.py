@@ -1,0 +1,264 @@
+"""End-to-end message authenticity: every frame signed by its sender, checked by every receiver.
+
+The broker is trusted to keep strangers out (mutual TLS, ACLs) but not to deliver
+what was published unchanged: a compromised broker or bridge could alter a model,
+replay an old update or forge one in a member's name. So every frame a node puts on
+the wire carries
+
+* ``cert``: the sender's certificate (DER), issued by the federation CA, whose key is
+  the node's Ed25519 TLS key (:mod:`fedagent.pki`); receivers check it against their
+  own ``ca.crt``, that its CN is the envelope's sender, that it is valid now and that
+  its role may send messages. Every frame carries it, so no frame depends on a
+  presence message having arrived first (retained presence, several brokers and
+  bridges do not order deliveries across topics). Checked certificates are cached by
+  their digest: the ECDSA check of the CA's signature runs once per certificate.
+* ``sig``: Ed25519 over :func:`signing_digest`, a SHA-256 of every envelope field
+  (version, kind, federation, sender, round, seq, ts, cert) and the body.
+
+For a ``chunk`` frame (and a ``ustream`` frame, a chunk of a streamed update) the
+chunk's ``data`` is left out of the digest: each chunk
+carries the SHA-256 of the whole transfer, which *is* signed, and the reassembler
+refuses a transfer whose bytes do not match it. A 44.8 MB model is thus hashed once on
+each side (by the chunking layer) instead of twice; a tampered chunk costs the
+transfer, which a broker could drop anyway. The envelope inside a chunked transfer is
+not signed itself: it is accepted only if its sender is the chunks' signer.
+
+Freshness (:class:`ReplayGuard`): a frame's ``seq`` must be new for its sender, within a
+sliding window below the highest seen (MQTT does not order messages across topics or
+brokers, so strict monotonicity would drop legitimate traffic), and its ``ts`` within
+``max_skew`` seconds of the receiver's clock. A sender's counter starts at its wall
+clock in microseconds, so a restarted node continues above the numbers it used before
+(a per-boot epoch). The envelope's round is signed and the messenger refuses a message
+whose body names another round (round binding).
+
+Presence is the exception: it is retained and its Last Will is signed when the
+connection is made and delivered whenever it breaks, possibly hours later, so it
+cannot be fresh by clock or counter. Presence is still signed and its certificate
+checked; replaying an old one can only mark a node online or offline, i.e. affect
+availability, which a broker controls anyway by withholding messages. Presence never
+carries model content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import msgpack
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from cryptography.x509.oid import NameOID
+
+from fedagent.errors import ConfigError, FedagentError
+from fedagent.protocols.codec import Envelope
+
+__all__ = ["AuthError", "Identity", "Verifier", "ReplayGuard", "signing_digest", "sign", "UNFRESH_KINDS"]
+
+_DOMAIN = b"fedagent-envelope-signature/1"
+CHUNK_KIND = "chunk"
+STREAM_KIND = "ustream"      # fedagent.protocols.streaming.STREAM_KIND (a chunk of a streamed update)
+# Frames whose ``data`` is bound by the signed SHA-256 of the whole transfer.
+DATA_BOUND_KINDS = frozenset({CHUNK_KIND, STREAM_KIND})
+# Kinds that are retained or sent as a Last Will: signed, but not subject to freshness.
+UNFRESH_KINDS = frozenset({"presence"})
+SENDER_ROLES = frozenset({"agent", "coordinator"})
+
+
+class AuthError(FedagentError):
+    """A frame failed authentication; ``reason`` is the short code counted in metrics."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def signing_digest(env: Envelope) -> bytes:
+    """What the sender signs: SHA-256 over a fixed msgpack array of every field.
+
+    msgpack packs the same values to the same bytes, and a decoded envelope holds
+    exactly the values the sender packed, so both sides compute it from the envelope
+    object without keeping the wire bytes.
+    """
+    body = env.body
+    if env.kind in DATA_BOUND_KINDS and "data" in body:
+        # The data is bound by the transfer digest in the same (signed) body.
+        body = {k: v for k, v in body.items() if k != "data"}
+    packed = msgpack.packb([_DOMAIN, env.version, env.kind, env.federation, env.sender, env.round,
+                            env.seq, env.ts, env.cert, body], use_bin_type=True, datetime=False)
+    return hashlib.sha256(packed).digest()
+
+
+# --- the sender's side ---------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """A node's signing key and the certificate that binds it to the node id."""
+
+    name: str
+    key: ed25519.Ed25519PrivateKey = field(repr=False)
+    cert_der: bytes
+    ca: x509.Certificate = field(repr=False)
+
+    @classmethod
+    def load(cls, cert_path: Path, key_path: Path, ca_path: Path) -> Identity:
+        cert_path, key_path, ca_path = Path(cert_path), Path(key_path), Path(ca_path)
+        try:
+            cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+            key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+            ca = x509.load_pem_x509_certificate(ca_path.read_bytes())
+        except (OSError, ValueError, TypeError) as exc:
+            raise ConfigError(f"cannot load the signing identity ({cert_path}, {key_path}, {ca_path}): {exc}") \
+                from exc
+        names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        name = str(names[0].value) if names else ""
+        if not isinstance(key, ed25519.Ed25519PrivateKey):
+            raise ConfigError(
+                f"{key_path} is a {type(key).__name__.lstrip('_')}, but messages are signed with Ed25519: "
+                f"issue a new certificate with `fedagent ca issue {name or cert_path.stem}` "
+                "(agent and coordinator keys are Ed25519 since message signing was added)")
+        if key.public_key().public_bytes_raw() != _raw_key(cert):
+            raise ConfigError(f"private key {key_path} does not match certificate {cert_path}")
+        return cls(name, key, cert.public_bytes(serialization.Encoding.DER), ca)
+
+    def verifier(self, **kw) -> Verifier:
+        return Verifier(self.ca, **kw)
+
+
+def sign(env: Envelope, identity: Identity) -> Envelope:
+    """``env`` with ``cert`` and ``sig`` set; the sender must be the identity's name."""
+    if env.sender != identity.name:
+        raise ValueError(f"cannot sign a message from {env.sender} as {identity.name}")
+    unsigned = replace(env, cert=identity.cert_der, sig=b"")
+    return replace(unsigned, sig=identity.key.sign(signing_digest(unsigned)))
+
+
+def _raw_key(cert: x509.Certificate) -> bytes:
+    pub = cert.public_key()
+    if not isinstance(pub, ed25519.Ed25519PublicKey):
+        return b""
+    return pub.public_bytes_raw()
+
+
+# --- the receiver's side -------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Signer:
+    name: str
+    role: str
+    key: ed25519.Ed25519PublicKey
+    not_before: float
+    not_after: float
+
+
+class ReplayGuard:
+    """Per-sender sequence numbers seen, in a sliding window, and a clock-skew window.
+
+    A sequence number is accepted once, if it is above ``highest - window``; memory is
+    ``window`` numbers per sender at most, and senders are only ever the holders of
+    valid certificates (the guard runs after the signature check).
+    """
+
+    def __init__(self, *, window: int = 4096, max_skew: float = 300.0, max_senders: int = 100_000) -> None:
+        if window < 1 or not (max_skew > 0 and math.isfinite(max_skew)):
+            raise ValueError("replay window must be >= 1 and max_skew positive")
+        self.window = window
+        self.max_skew = max_skew
+        self.max_senders = max_senders
+        self._highest: dict[str, int] = {}
+        self._seen: dict[str, set[int]] = {}
+
+    def check(self, sender: str, seq: int, ts: float, now: float) -> None:
+        if abs(ts - now) > self.max_skew:
+            raise AuthError("stale", f"timestamp {ts:.0f} is {ts - now:+.0f} s from this node's clock "
+                                     f"(allowed ±{self.max_skew:.0f} s)")
+        high = self._highest.get(sender)
+        if high is not None:
+            if seq <= high - self.window:
+                raise AuthError("replay", f"sequence number {seq} is older than the window "
+                                          f"(newest seen {high}; a replay, or the sender's clock went back)")
+            if seq in self._seen[sender]:
+                raise AuthError("replay", f"sequence number {seq} already seen")
+        elif len(self._highest) >= self.max_senders:
+            raise AuthError("replay", "too many senders tracked")
+        seen = self._seen.setdefault(sender, set())
+        seen.add(seq)
+        if high is None or seq > high:
+            self._highest[sender] = seq
+            floor = seq - self.window
+            if len(seen) > self.window:
+                seen.difference_update([s for s in seen if s <= floor])
+
+
+class Verifier:
+    """Checks a frame's certificate, signature and freshness. Raises :class:`AuthError`."""
+
+    def __init__(self, ca: x509.Certificate, *, max_skew: float = 300.0, window: int = 4096,
+                 cache_size: int = 1024) -> None:
+        self.ca = ca
+        self.replay = ReplayGuard(window=window, max_skew=max_skew)
+        self._cache: OrderedDict[bytes, _Signer] = OrderedDict()
+        self._cache_size = cache_size
+
+    def _signer(self, cert_der: bytes) -> _Signer:
+        digest = hashlib.sha256(cert_der).digest()
+        hit = self._cache.get(digest)
+        if hit is not None:
+            self._cache.move_to_end(digest)
+            return hit
+        # cryptography parses certificate fields lazily: any access may raise on a
+        # malformed one, so everything read from it is read inside the guard.
+        try:
+            cert = x509.load_der_x509_certificate(cert_der)
+            if cert.issuer != self.ca.subject:
+                raise AuthError("certificate", "certificate not issued by this federation's CA "
+                                               f"(issuer {cert.issuer.rfc4514_string()[:120]})")
+            try:
+                cert.verify_directly_issued_by(self.ca)
+            except InvalidSignature:
+                raise AuthError("certificate", "certificate not signed by this federation's CA") from None
+            key = cert.public_key()
+            if not isinstance(key, ed25519.Ed25519PublicKey):
+                raise AuthError("certificate", "certificate key is not Ed25519")
+            cn = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+            ou = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+            signer = _Signer(str(cn[0].value) if cn else "", str(ou[0].value) if ou else "", key,
+                             cert.not_valid_before_utc.timestamp(), cert.not_valid_after_utc.timestamp())
+        except AuthError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a hostile DER blob; the parser's errors vary
+            raise AuthError("certificate", f"malformed certificate: {type(exc).__name__}: {str(exc)[:200]}") \
+                from None
+        self._cache[digest] = signer
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return signer
+
+    def check(self, env: Envelope, now: float | None = None) -> str:
+        """Authenticate ``env`` (a frame as received); returns the signer's role."""
+        now = time.time() if now is None else now
+        if not env.sig or not env.cert:
+            raise AuthError("unsigned", "frame carries no signature or no certificate")
+        signer = self._signer(env.cert)
+        if signer.name != env.sender:
+            raise AuthError("certificate", f"signed by the certificate of {signer.name!r}, "
+                                           f"not of the claimed sender")
+        if signer.role not in SENDER_ROLES:
+            raise AuthError("certificate", f"certificate role {signer.role!r} may not send messages")
+        if not signer.not_before <= now <= signer.not_after:
+            when = datetime.fromtimestamp(signer.not_after, timezone.utc)
+            raise AuthError("certificate", f"certificate not valid now (valid until {when:%Y-%m-%d %H:%M} UTC)")
+        try:
+            signer.key.verify(env.sig, signing_digest(env))
+        except InvalidSignature:
+            raise AuthError("signature", "signature does not match the message (altered in transit?)") from None
+        if env.kind not in UNFRESH_KINDS:
+            self.replay.check(env.sender, env.seq, env.ts, now)
+        return signer.role

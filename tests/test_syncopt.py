@@ -1,0 +1,385 @@
+"""The Sync-Opt step machine (pure): steps, refusals, faults, and an in-memory
+federation of N agents that must match centralized gradient descent exactly."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from fedagent.errors import CodecError
+from fedagent.protocols import syncopt as S
+from fedagent.protocols.codec import Envelope, Limits, decode, encode
+from fedagent.protocols.messages import SyncGradient, SyncStep, body_of
+
+F32 = np.float32
+
+
+def weights0() -> dict[str, np.ndarray]:
+    return {"w": np.array([0.5, -0.25, 1.0], dtype=F32), "b": np.array([0.1], dtype=F32),
+            "bn.count": np.array(0, dtype=np.int64)}          # a buffer: travels, has no gradient
+
+
+PARAMS = ("w", "b")
+
+
+def grad(value: float) -> dict[str, np.ndarray]:
+    return {"w": np.full(3, value, dtype=F32), "b": np.array([value], dtype=F32)}
+
+
+def machine(**kw) -> S.SyncOptMachine:
+    return S.SyncOptMachine(S.SyncOptConfig(**{"steps": 3, "step_timeout": 10.0, **kw}), weights0(), PARAMS)
+
+
+def sgd(weights, gradient, lr=0.1):
+    out = dict(weights)
+    for n, g in gradient.items():
+        out[n] = (weights[n] - lr * g).astype(weights[n].dtype)
+    return out
+
+
+def gradient_event(sender, step, n=10, value=1.0, version=None, m=None, loss=1.0):
+    return S.GradientReceived(sender, step, m.model_version if version is None else version, n, loss, grad(value))
+
+
+# ---- one step -----------------------------------------------------------------------
+def test_a_step_broadcasts_collects_aggregates_by_samples_and_applies():
+    m = machine()
+    start, wake = m.handle(S.Begin(("b-agent", "a-agent")), 0.0)
+    assert isinstance(start, S.StartStep) and start.step == 1 and start.model_version == 0
+    assert start.participants == ("a-agent", "b-agent") and start.weights is not None
+    assert wake == S.RequestWakeup(10.0)
+    assert m.handle(gradient_event("a-agent", 1, n=10, value=1.0, m=m, loss=2.0), 1.0) == []
+    (apply,) = m.handle(gradient_event("b-agent", 1, n=30, value=5.0, m=m, loss=4.0), 2.0)
+    assert isinstance(apply, S.ApplyGradient) and apply.step == 1 and apply.model_version == 0
+    # (10·1 + 30·5) / 40 = 4
+    np.testing.assert_allclose(apply.gradient["w"], 4.0)
+    assert apply.gradient["w"].dtype == F32 and set(apply.gradient) == set(PARAMS)
+    new = sgd(m.weights, apply.gradient)
+    done, nxt, _ = m.handle(S.OptimizerApplied(1, new), 3.0)
+    assert isinstance(done, S.StepDone) and done.model_version == 1 and not done.final
+    assert done.loss == pytest.approx((10 * 2.0 + 30 * 4.0) / 40) and done.samples == 40
+    assert done.participants == ("a-agent", "b-agent") and done.missing == ()
+    expected = S.relative_change(new, weights0(), PARAMS)
+    assert done.rel_change == pytest.approx(expected) and expected > 0
+    assert isinstance(nxt, S.StartStep) and nxt.step == 2 and nxt.model_version == 1
+    assert nxt.weights is new
+
+
+def test_stops_after_max_steps():
+    m = machine(steps=2)
+    m.handle(S.Begin(("a",)), 0.0)
+    cmds = []
+    for step in (1, 2):
+        (apply,) = m.handle(gradient_event("a", step, m=m), 0.0)
+        cmds = m.handle(S.OptimizerApplied(step, sgd(m.weights, apply.gradient)), 0.0)
+    done, fin = cmds
+    assert done.final and isinstance(fin, S.Finished)
+    assert fin.reason == "max steps" and fin.steps_done == 2 and fin.model_version == 2
+    assert m.phase is S.Phase.DONE
+
+
+def test_stops_when_the_relative_change_falls_below_tol():
+    m = machine(steps=100, tol=1e-3)
+    m.handle(S.Begin(("a",)), 0.0)
+    (apply,) = m.handle(gradient_event("a", 1, m=m, value=1.0), 0.0)
+    out = m.handle(S.OptimizerApplied(1, sgd(m.weights, apply.gradient)), 0.0)
+    assert not out[0].final                                   # a big step: keep going
+    (apply,) = m.handle(gradient_event("a", 2, m=m, value=1e-6), 0.0)
+    done, fin = m.handle(S.OptimizerApplied(2, sgd(m.weights, apply.gradient)), 0.0)
+    assert done.rel_change < 1e-3 and done.final and fin.reason == "converged"
+
+
+def test_repeated_version_travels_without_weights():
+    m = machine(on_fault="continue", min_gradients=2)
+    m.handle(S.Begin(("a", "b", "c")), 0.0)
+    m.handle(gradient_event("a", 1, m=m), 1.0)
+    m.handle(S.AgentOffline("c"), 2.0)
+    # b still online and silent: wait for the deadline.
+    out = m.handle(S.Wakeup(), 10.0)
+    repeated, start, _ = out
+    assert isinstance(repeated, S.StepRepeated) and "missing b, c" in repeated.reason
+    # The same version again, to a and b who hold it: only the version travels.
+    assert start.step == 2 and start.model_version == 0 and start.participants == ("a",) and start.weights is None
+
+
+# ---- refusals -----------------------------------------------------------------------
+def test_late_duplicate_stale_and_unselected_gradients_are_refused_by_name():
+    m = machine()
+    m.handle(S.Begin(("a", "b")), 0.0)
+    assert m.handle(gradient_event("a", 1, m=m), 1.0) == []
+    (dup,) = m.handle(gradient_event("a", 1, m=m), 1.1)
+    assert (dup.sender, dup.reason) == ("a", "duplicate")
+    (old,) = m.handle(gradient_event("b", 1, m=m, version=7), 1.2)
+    assert (old.sender, old.reason) == ("b", "stale")
+    (future,) = m.handle(gradient_event("b", 5, m=m), 1.3)
+    assert (future.sender, future.reason) == ("b", "stale")
+    (eve,) = m.handle(gradient_event("eve", 1, m=m), 1.4)
+    assert (eve.sender, eve.reason) == ("eve", "unselected")
+    (apply,) = m.handle(gradient_event("b", 1, m=m), 1.5)
+    # While the optimizer runs, a late gradient of that step is stale.
+    (late,) = m.handle(gradient_event("b", 1, m=m), 1.6)
+    assert late.reason == "stale"
+    m.handle(S.OptimizerApplied(1, sgd(m.weights, apply.gradient)), 2.0)
+    (late,) = m.handle(gradient_event("a", 1, m=m, version=0), 2.1)
+    assert (late.sender, late.reason) == ("a", "stale")
+
+
+@pytest.mark.parametrize("mutate,reason", [
+    (lambda g: {"w": g["w"]}, "names"),
+    (lambda g: {**g, "bn.count": np.array(1)}, "names"),
+    (lambda g: {**g, "w": np.zeros(4, F32)}, "shape"),
+    (lambda g: {**g, "w": g["w"].astype(np.float64)}, "dtype"),
+    (lambda g: {**g, "b": np.array([np.nan], F32)}, "non-finite"),
+    (lambda g: {**g, "w": np.array([np.inf, 0, 0], F32)}, "non-finite"),
+])
+def test_malformed_gradients_never_reach_the_aggregate(mutate, reason):
+    m = machine()
+    m.handle(S.Begin(("a", "b")), 0.0)
+    bad = S.GradientReceived("a", 1, 0, 10, 1.0, mutate(grad(100.0)))
+    (r,) = m.handle(bad, 1.0)
+    assert (r.sender, r.reason) == ("a", reason)
+    # a may still send a good one; the aggregate is the good gradients only.
+    m.handle(gradient_event("a", 1, m=m, value=1.0), 2.0)
+    (apply,) = m.handle(gradient_event("b", 1, m=m, value=3.0), 3.0)
+    np.testing.assert_allclose(apply.gradient["w"], 2.0)
+
+
+def test_norm_bound_and_bad_loss():
+    m = machine(max_norm=1.0)
+    m.handle(S.Begin(("a",)), 0.0)
+    (r,) = m.handle(gradient_event("a", 1, m=m, value=10.0), 1.0)
+    assert r.reason == "norm"
+    (r,) = m.handle(gradient_event("a", 1, m=m, value=0.1, loss=math.nan), 1.0)
+    assert r.reason == "non-finite"
+
+
+# ---- faults -------------------------------------------------------------------------
+def test_continue_aggregates_without_a_vanished_agent_and_readmits_it():
+    m = machine(steps=5, on_fault="continue")
+    m.handle(S.Begin(("a", "b", "c")), 0.0)
+    m.handle(gradient_event("a", 1, m=m, n=10, value=1.0), 1.0)
+    m.handle(gradient_event("b", 1, m=m, n=10, value=3.0), 1.0)
+    assert m.handle(S.Wakeup(), 5.0) == []                     # before the deadline: wait for c
+    (apply,) = m.handle(S.AgentOffline("c"), 6.0)              # c is gone: no need to wait longer
+    np.testing.assert_allclose(apply.gradient["w"], 2.0)
+    done, start, _ = m.handle(S.OptimizerApplied(1, sgd(m.weights, apply.gradient)), 7.0)
+    assert done.missing == ("c",) and done.participants == ("a", "b") and not m.exact
+    assert start.participants == ("a", "b")
+    # c restarts: it is back in the next step, and gets the full weights.
+    m.handle(S.AgentOnline("c"), 8.0)
+    m.handle(gradient_event("a", 2, m=m), 9.0)
+    (apply,) = m.handle(gradient_event("b", 2, m=m), 9.0)
+    _, start, _ = m.handle(S.OptimizerApplied(2, sgd(m.weights, apply.gradient)), 10.0)
+    assert start.participants == ("a", "b", "c") and start.weights is not None
+
+
+def test_continue_waits_for_a_silent_but_online_agent_until_the_deadline():
+    m = machine(on_fault="continue")
+    m.handle(S.Begin(("a", "b")), 0.0)
+    m.handle(gradient_event("a", 1, m=m), 1.0)
+    assert m.handle(S.Wakeup(), 9.9) == []
+    (apply,) = m.handle(S.Wakeup(), 10.0)
+    assert isinstance(apply, S.ApplyGradient)
+
+
+def test_abort_policy_waits_for_the_deadline_then_stops():
+    m = machine(on_fault="abort")
+    m.handle(S.Begin(("a", "b")), 0.0)
+    m.handle(gradient_event("a", 1, m=m), 1.0)
+    assert m.handle(S.AgentOffline("b"), 2.0) == []            # may reconnect: QoS 1 redelivers
+    (ab,) = m.handle(S.Wakeup(), 10.0)
+    assert isinstance(ab, S.Aborted) and "b" in ab.reason and m.phase is S.Phase.ABORTED
+    assert m.model_version == 0
+    (r,) = m.handle(gradient_event("b", 1, m=m), 11.0)
+    assert r.reason == "stale"
+
+
+def test_resume_never_reuses_a_step_number():
+    m = S.SyncOptMachine(S.SyncOptConfig(steps=10), weights0(), PARAMS, model_version=4, steps_done=4, last_step=6)
+    start, _ = m.handle(S.Begin(("a",)), 0.0)
+    assert start.step == 7 and start.model_version == 4
+
+
+def test_config_refuses_impossible_settings():
+    for kw in ({"steps": 0}, {"tol": -1}, {"tol": math.nan}, {"step_timeout": 0}, {"on_fault": "retry"},
+               {"aggregation": "median"}, {"max_norm": 0.0}, {"min_gradients": 0}):
+        with pytest.raises(ValueError):
+            S.SyncOptConfig(**kw)
+
+
+# ---- an in-memory federation --------------------------------------------------------
+class LinearAgent:
+    """Least squares on private data; the mini-batch of step e is fixed by (seed, e)."""
+
+    def __init__(self, name: str, seed: int, n: int, batch: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.name, self.batch, self.seed = name, batch, seed
+        self.x = rng.normal(size=(n, 3)).astype(F32)
+        self.y = (self.x @ np.array([1.0, -2.0, 0.5], F32) + 0.3 + rng.normal(scale=0.1, size=n)).astype(F32)
+        self.weights: dict[str, np.ndarray] | None = None
+
+    def indices(self, step: int) -> np.ndarray:
+        return np.random.default_rng((self.seed, step)).choice(len(self.x), self.batch, replace=False)
+
+    def gradient(self, w, step):
+        idx = self.indices(step)
+        x, y = self.x[idx].astype(np.float64), self.y[idx].astype(np.float64)
+        r = x @ w["w"].astype(np.float64) + w["b"].astype(np.float64)[0] - y
+        g = {"w": (2 * x.T @ r / len(idx)).astype(F32), "b": np.array([2 * r.mean()], F32)}
+        return g, len(idx), float((r ** 2).mean())
+
+    def on_step(self, cmd: S.StartStep, m: S.SyncOptMachine) -> S.GradientReceived | None:
+        if self.name not in cmd.participants:
+            return None
+        if cmd.weights is not None:
+            self.weights = cmd.weights
+        assert self.weights is not None
+        g, n, loss = self.gradient(self.weights, cmd.step)
+        return S.GradientReceived(self.name, cmd.step, cmd.model_version, n, loss, g)
+
+
+def run_federation(agents, steps, lr=0.05, drop_at=None):
+    m = S.SyncOptMachine(S.SyncOptConfig(steps=steps, step_timeout=5), weights0(), PARAMS)
+    pending = m.handle(S.Begin(tuple(a.name for a in agents)), 0.0)
+    now, log = 0.0, []
+    while pending:
+        cmd = pending.pop(0)
+        if isinstance(cmd, S.StartStep):
+            for a in agents:
+                if drop_at is not None and cmd.step == drop_at and a.name == agents[-1].name:
+                    pending += m.handle(S.AgentOffline(a.name), now)
+                    continue
+                ev = a.on_step(cmd, m)
+                if ev is not None:
+                    pending += m.handle(ev, now)
+        elif isinstance(cmd, S.ApplyGradient):
+            pending += m.handle(S.OptimizerApplied(cmd.step, sgd(m.weights, cmd.gradient, lr)), now)
+        elif isinstance(cmd, (S.StepDone, S.Finished)):
+            log.append(cmd)
+        now += 0.01
+    return m, log
+
+
+def centralized(agents, steps, lr=0.05):
+    w = weights0()
+    for e in range(1, steps + 1):
+        xs = np.concatenate([a.x[a.indices(e)] for a in agents]).astype(np.float64)
+        ys = np.concatenate([a.y[a.indices(e)] for a in agents]).astype(np.float64)
+        r = xs @ w["w"].astype(np.float64) + w["b"].astype(np.float64)[0] - ys
+        g = {"w": (2 * xs.T @ r / len(ys)).astype(F32), "b": np.array([2 * r.mean()], F32)}
+        w = sgd(w, g, lr)
+    return w
+
+
+def test_ten_agents_in_memory_equal_centralized_training_on_the_union_of_batches():
+    agents = [LinearAgent(f"agent-{i}", seed=i, n=200, batch=8 + 3 * i) for i in range(10)]
+    m, log = run_federation(agents, steps=40)
+    assert isinstance(log[-1], S.Finished) and log[-1].steps_done == 40 and m.exact
+    ref = centralized(agents, 40)
+    for n in PARAMS:
+        assert np.max(np.abs(m.weights[n] - ref[n])) <= 1e-6
+    losses = [c.loss for c in log if isinstance(c, S.StepDone)]
+    assert losses[-1] < losses[0] / 4                           # it learnt something
+    assert m.weights["bn.count"] == 0                          # buffers travel untouched
+
+
+def test_in_memory_fault_drops_one_agent_and_flags_the_run_inexact():
+    agents = [LinearAgent(f"agent-{i}", seed=i, n=100, batch=10) for i in range(4)]
+    m, log = run_federation(agents, steps=6, drop_at=3)
+    dones = [c for c in log if isinstance(c, S.StepDone)]
+    assert [d.missing for d in dones] == [(), (), ("agent-3",), (), (), ()]
+    assert dones[3].participants == ("agent-0", "agent-1", "agent-2") and not m.exact
+
+
+# ---- messages -----------------------------------------------------------------------
+LIMITS = Limits()
+
+
+def roundtrip(msg):
+    env = Envelope(kind=msg.kind, federation="fed", sender="coord", round=1, seq=1, ts=1.0, body=msg.to_body())
+    back = decode(encode(env), LIMITS)
+    return body_of(back.kind, back.body, LIMITS)
+
+
+def test_step_and_gradient_messages_roundtrip():
+    st = roundtrip(SyncStep(3, 2, ("a", "b"), 30.0, "abc", weights0()))
+    assert st.step == 3 and st.participants == ("a", "b") and st.vocab_digest == "abc"
+    np.testing.assert_array_equal(st.weights["w"], weights0()["w"])
+    assert roundtrip(SyncStep(3, 2, ("a",), 30.0, "")).weights is None
+    g = roundtrip(SyncGradient(3, 2, 16, 1.5, grad(2.0)))
+    assert (g.step, g.base_version, g.num_samples, g.loss) == (3, 2, 16, 1.5)
+    np.testing.assert_array_equal(g.gradient["w"], grad(2.0)["w"])
+
+
+@pytest.mark.parametrize("patch", [{"num_samples": 0}, {"loss": float("nan")}, {"step": -1},
+                                   {"gradient": {"w": {"dtype": "object", "shape": [1], "data": b"x"}}},
+                                   {"num_samples": True}])
+def test_bad_gradient_messages_are_codec_errors(patch):
+    body = {**SyncGradient(1, 0, 4, 0.5, grad(1.0)).to_body(), **patch}
+    with pytest.raises(CodecError):
+        SyncGradient.from_body(body, LIMITS)
+
+
+# ---- configuration ------------------------------------------------------------------
+def test_syncopt_section_is_read_and_checked(tmp_path):
+    from fedagent import config
+    from fedagent.errors import ConfigError
+
+    tls = config.TlsConfig(ca=tmp_path / "ca.crt", cert=tmp_path / "c.crt", key=tmp_path / "c.key")
+
+    def load(section):
+        p = tmp_path / "coordinator.toml"
+        p.write_text(config.render(node_id="coord", federation="fed", tls=tls, state_dir=tmp_path, mode="syncopt",
+                                   broker="mqtts://127.0.0.1:8883", syncopt=section))
+        return config.load(p, "coordinator")
+
+    cfg = load({"steps": 50, "tol": 1e-4, "expected_agents": 5, "min_count": 2, "max_size": 1000,
+                "on_fault": "abort"})
+    assert cfg.mode == "syncopt"
+    m = cfg.syncopt.machine_config()
+    assert (m.steps, m.tol, m.on_fault) == (50, 1e-4, "abort")
+    v = cfg.syncopt.vocab_config()
+    assert (v.expected_agents, v.min_count, v.max_size) == (5, 2, 1000)
+    for bad in ({"stepz": 3}, {"on_fault": "retry"}, {"steps": 0}, {"expected_agents": 2, "min_agents": 3},
+                {"aggregation": "median"}, {"vocab_timeout": 0}):
+        with pytest.raises(ConfigError, match="syncopt"):
+            load(bad)
+
+
+def test_optimizer_state_survives_a_checkpoint(tmp_path):
+    """Adam's moments go into the checkpoint as named tensors and come back: a resumed
+    coordinator takes the same next step as one that never stopped."""
+    import torch
+
+    from fedagent import checkpoint
+    from fedagent.coordinator.syncopt import OPTIM_PREFIX, load_optimizer_state, optimizer_state
+    from fedagent.tasks.base import get_weights
+
+    def model_and_opt():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Softplus(), torch.nn.Linear(3, 1))
+        return m, torch.optim.Adam(m.parameters(), lr=1e-2, betas=(0.99, 0.999))
+
+    def step(m, opt, k):
+        opt.zero_grad()
+        x = torch.linspace(-1, 1, 8 * 4).reshape(8, 4) * (k + 1)
+        m(x).pow(2).mean().backward()
+        opt.step()
+
+    m, opt = model_and_opt()
+    for k in range(3):
+        step(m, opt, k)
+    arrays, scalars = optimizer_state(opt)
+    assert arrays and all(k.startswith(OPTIM_PREFIX) for k in arrays)
+    checkpoint.save(tmp_path / "c.ckpt", {**get_weights(m), **arrays}, {"optimizer": scalars})
+    saved, meta = checkpoint.load(tmp_path / "c.ckpt")
+
+    m2, opt2 = model_and_opt()
+    m2.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in saved.items() if not k.startswith(OPTIM_PREFIX)})
+    load_optimizer_state(opt2, {k: v for k, v in saved.items() if k.startswith(OPTIM_PREFIX)}, meta["optimizer"])
+    step(m, opt, 3)
+    step(m2, opt2, 3)
+    for (n, a), b in zip(get_weights(m).items(), get_weights(m2).values()):
+        assert np.array_equal(a, b), n

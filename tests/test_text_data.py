@@ -1,0 +1,117 @@
+"""The offline text corpora (gensim's bundled data) and their splits across agents."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedagent.errors import ConfigError
+from fedagent.tasks import text_data as td
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDAGENT_CACHE", str(tmp_path / "cache"))
+
+
+def test_tokenize_lowercases_keeps_letters_and_drops_stop_words():
+    assert td.tokenize("The Quick-brown fox's 3 jumps, over 2020 a DOG!") == \
+        ["quick", "brown", "fox", "jumps", "dog"]
+    assert td.tokenize("The fox", stop_words=False) == ["the", "fox"]
+    assert td.tokenize("x " + "a" * 21 + " ok") == ["ok"]        # 1 and 21 letters are not words
+
+
+def test_wiki_slice_strips_markup_and_is_cached(tmp_path):
+    arts = td.wiki_articles(limit=3)
+    assert [a.title for a in arts] == ["Anarchism", "Autism", "Albedo"]
+    words = set(arts[0].tokens)
+    assert {"anarchism", "political", "philosophy"} <= words
+    # Markup and stop words are gone: no template braces, link brackets, refs or "the".
+    assert not any(ch in w for w in words for ch in "{}[]|<>=")
+    assert "ref" not in words and "the" not in words and "http" not in words
+    cached = list((tmp_path / "cache").glob("wiki-*.json"))
+    assert len(cached) == 1
+    assert td.wiki_articles(limit=3) == arts
+
+
+def _synthetic(n_docs: int = 40, seed: int = 0) -> list[list[str]]:
+    """Two obvious topics (sport / chemistry) with varied lengths, equal in total (so the
+    size-balanced topic split has no reason to move a document)."""
+    rng = np.random.default_rng(seed)
+    sport = ["goal", "match", "team", "league", "player", "coach", "season"]
+    chem = ["atom", "molecule", "bond", "electron", "acid", "reaction", "ion"]
+    docs = []
+    for i in range(n_docs):
+        words = sport if i % 2 == 0 else chem
+        docs.append(list(rng.choice(words, size=20 + 17 * ((i // 2) % 10))) + ["common", "shared"])
+    return docs
+
+
+@pytest.mark.parametrize("how", td.SPLITS)
+def test_every_split_is_a_partition_and_deterministic(how):
+    docs = _synthetic()
+    s = td.split_articles(docs, 4, how, seed=3)
+    flat = sorted(i for shard in s.shards for i in shard)
+    assert flat == list(range(len(docs)))
+    assert all(len(shard) > 0 for shard in s.shards)
+    assert td.split_articles(docs, 4, how, seed=3) == s
+
+
+def test_random_split_balances_tokens_and_imbalanced_reaches_about_one_to_four():
+    docs = _synthetic(200)
+    lengths = [len(d) for d in docs]
+    bal = td.split_articles(docs, 5, "random", seed=1).sizes(lengths)
+    assert max(bal) / min(bal) < 1.1
+    imb = td.split_articles(docs, 5, "imbalanced", seed=1).sizes(lengths)
+    assert 3.0 < max(imb) / min(imb) < 5.0
+    assert td.split_articles(docs, 5, "random", seed=2) != td.split_articles(docs, 5, "random", seed=1)
+
+
+def test_topic_split_recovers_the_two_topics():
+    docs = _synthetic()
+    s = td.split_articles(docs, 2, "topic", seed=0)
+    for shard in s.shards:
+        parities = {i % 2 for i in shard}
+        assert len(parities) == 1            # each agent holds one topic only
+    assert {frozenset(t[:3]) <= (set(["goal", "match", "team", "league", "player", "coach", "season"]) |
+            set(["atom", "molecule", "bond", "electron", "acid", "reaction", "ion"])) for t in s.topic_terms} == {True}
+    # Fewer topics than agents: agents t, t+topics, ... share topic t.
+    s4 = td.split_articles(docs, 4, "topic", seed=0, topics=2)
+    assert s4.topic_of_shard == (0, 1, 0, 1)
+    for a in range(4):
+        assert len({i % 2 for i in s4.shards[a]}) == 1
+    assert {i % 2 for i in s4.shards[0]} == {i % 2 for i in s4.shards[2]}
+
+
+def test_split_refuses_bad_requests():
+    docs = _synthetic(6)
+    with pytest.raises(ConfigError):
+        td.split_articles(docs, 7, "random")
+    with pytest.raises(ConfigError):
+        td.split_articles(docs, 2, "alphabetical")
+    with pytest.raises(ConfigError):
+        td.split_articles(docs, 2, "topic", topics=3)
+
+
+def test_merge_term_counts_sums_filters_and_orders():
+    a = {"x": 3, "y": 1, "z": 2}
+    b = {"y": 4, "w": 1}
+    assert td.merge_term_counts([a, b]) == [("y", 5), ("x", 3), ("z", 2), ("w", 1)]
+    assert td.merge_term_counts([b, a], min_count=2, max_size=2) == [("y", 5), ("x", 3)]
+    assert td.term_counts([["a", "b"], ["a"]]) == {"a": 2, "b": 1}
+
+
+def test_newsgroups_sample_read_without_unpickling():
+    posts = td.newsgroups()
+    assert len(posts) == 200
+    assert {p.group for p in posts} == set(td.NEWSGROUPS)
+    assert sum(p.group == "sci.space" for p in posts) == 100
+    assert all(p.body and not p.body.startswith(("Path:", "Xref:")) for p in posts)
+
+
+def test_evaluation_sets_load():
+    ws, sl, an = td.wordsim353(), td.simlex999(), td.analogies()
+    assert len(ws) == 353 and ("tiger", "cat", 7.35) in ws
+    assert len(sl) == 999 and ("smart", "intelligent", 9.2) in sl
+    assert len(an) == 14 and an["capital-common-countries"][0] == ("athens", "greece", "baghdad", "iraq")
+    assert sum(map(len, an.values())) == 19544
