@@ -58,10 +58,10 @@ def presence_payload(cfg: NodeConfig, federation: str, online: bool, **fields: A
 
 
 def make_transport(cfg: NodeConfig, federation: str, broker: str, subscriptions: list[str],
-                   on_connect=None) -> Transport:
+                   on_connect=None, receive_maximum: int | None = None) -> Transport:
     will = (topics.presence(federation, cfg.id), presence_payload(cfg, federation, online=False))
     return Transport(uri=broker, client_id=cfg.id, tls=tls_files(cfg), will=will,
-                     on_connect=on_connect, subscriptions=subscriptions)
+                     on_connect=on_connect, subscriptions=subscriptions, receive_maximum=receive_maximum)
 
 
 class Timer:

@@ -489,7 +489,11 @@ class Transport:
                  will: tuple[str, bytes] | None = None,
                  on_connect: Callable[[], Awaitable[None]] | None = None,
                  subscriptions: Sequence[str] = (), keepalive: int = 10,
-                 session_expiry: int = 3600, connect_timeout: float = 10) -> None:
+                 session_expiry: int = 3600, connect_timeout: float = 10,
+                 receive_maximum: int | None = None) -> None:
+        """``receive_maximum``: QoS 1 messages the broker may have sent us unacknowledged
+        (MQTT 5 Receive Maximum). A message is acknowledged once the handler is done
+        with it, so this bounds what waits in this process; the rest waits at the broker."""
         self.uri = uri
         self.host, self.port = parse_broker_uri(uri)
         if not client_id or any(c in client_id for c in "#+/\0"):
@@ -501,6 +505,9 @@ class Transport:
         self.keepalive = int(keepalive)
         self.session_expiry = int(session_expiry)
         self.connect_timeout = float(connect_timeout)
+        if receive_maximum is not None and not 1 <= receive_maximum <= 65535:
+            raise ValueError("receive_maximum must be 1..65535")
+        self.receive_maximum = receive_maximum
         self._subscriptions: list[str] = []
         for t in subscriptions:
             if t not in self._subscriptions:
@@ -540,6 +547,8 @@ class Transport:
     def _new_client(self) -> _Client:
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = self.session_expiry
+        if self.receive_maximum is not None:
+            props.ReceiveMaximum = self.receive_maximum
         will = None
         if self.will is not None:
             will = aiomqtt.Will(self.will[0], self.will[1], qos=1, retain=True)

@@ -31,10 +31,15 @@ from fedagent.protocols import rounds as R
 from fedagent.protocols import topics
 from fedagent.protocols.aggregation import Strategy
 from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart, TrainConfig, Update
+from fedagent.protocols.streaming import UpdatePart
 from fedagent.statefile import atomic_write, cleanup_temp_files, read_bytes
 from fedagent.tasks.base import get_weights, load_task
 
 log = logging.getLogger("fedagent.coordinator")
+
+# Bytes of streamed update values allowed to wait in the coordinator before it stops
+# acknowledging chunks (the broker then holds the rest): a few chunks, not N models.
+STREAM_BUDGET = 16 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +109,13 @@ class Coordinator:
         self.transport = make_transport(
             cfg, self.fed, cfg.broker,
             subscriptions=[topics.all_presence(self.fed), topics.inbox(self.fed, cfg.id)],
-            on_connect=self._on_connect)
+            on_connect=self._on_connect,
+            # Backpressure: chunks arriving faster than they are folded wait at the broker,
+            # not here (an unbounded inbox held ~17 models at 50 agents × 4.4 MB).
+            receive_maximum=max(4, min(256, STREAM_BUDGET // max(cfg.max_chunk_bytes, 1))))
+        self._stream_bytes = 0                   # values of streamed parts queued, not yet folded
+        self._stream_room = asyncio.Event()
+        self._stream_room.set()
         self.metrics = NodeMetrics("coordinator", cfg.id, self.fed)
         self.metrics.before_scrape = self._refresh_metrics
         self.metrics_url: str | None = None
@@ -161,7 +172,14 @@ class Coordinator:
         # update's parts in order with presence changes and timer wake-ups; each part is
         # a chunk-sized view, folded and dropped when its turn comes.
         for ev in events:
+            if isinstance(ev, UpdatePart):
+                self._stream_bytes += ev.values.nbytes
             await self.queue.put(ev)
+        # The chunk is acknowledged when this returns: holding it while too many parts
+        # wait keeps the backlog at the broker (Receive Maximum), bounding this process.
+        while self._stream_bytes > STREAM_BUDGET:
+            self._stream_room.clear()
+            await self._stream_room.wait()
 
     async def _expire_streams(self) -> None:
         while True:
@@ -250,8 +268,15 @@ class Coordinator:
                     continue
             else:
                 event = item
-            for cmd in self.machine.handle(event, time.monotonic()):
+            cmds = self.machine.handle(event, time.monotonic())
+            if isinstance(event, UpdatePart):
+                self._stream_bytes -= event.values.nbytes
+                if self._stream_bytes <= STREAM_BUDGET:
+                    self._stream_room.set()
+            del item, event
+            for cmd in cmds:
                 await self._execute(cmd)
+            del cmds
             # status() sorts the agent lists: O(N) per event would make a round of N
             # updates O(N²). Refreshed when the burst is over, it is still never ahead of the disk.
             if self.queue.empty():
