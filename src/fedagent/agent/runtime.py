@@ -57,6 +57,24 @@ def presence_payload(cfg: NodeConfig, federation: str, online: bool, **fields: A
                        node_identity(cfg)))
 
 
+def release_large_frees() -> bool:
+    """Have glibc serve every allocation of 1 MiB or more by mmap, so freeing it returns
+    the memory to the system at once; returns False where that cannot be set.
+
+    glibc's default threshold starts at 128 KiB and rises to the size of any mmapped
+    block freed (up to 32 MiB): after the first model-sized tensors are freed, the next
+    ones come from the heap and their pages stay resident when freed. Measured on the
+    coordinator at 10 agents × 44.8 MB (16 tensors of 2.8 MB): peak RSS 3.84 models
+    above idle with the default, 2.70 with the threshold fixed at 1 MiB."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, 1 << 20))          # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def make_transport(cfg: NodeConfig, federation: str, broker: str, subscriptions: list[str],
                    on_connect=None, receive_maximum: int | None = None) -> Transport:
     will = (topics.presence(federation, cfg.id), presence_payload(cfg, federation, online=False))

@@ -22,7 +22,8 @@ from fedagent.agent import sdnotify
 from fedagent.agent.control import ControlServer
 from fedagent.agent.discovery import Advert, Discovery
 from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.runtime import History, Timer, make_transport, node_identity, presence_payload
+from fedagent.agent.runtime import (History, Timer, make_transport, node_identity, presence_payload,
+                                    release_large_frees)
 from fedagent.config import NodeConfig
 from fedagent.errors import ConfigError
 from fedagent.metrics import NodeMetrics
@@ -75,6 +76,7 @@ class Coordinator:
             raise ConfigError(f"{cfg.path}: mode {cfg.mode!r} is not available yet; use 'fedavg'")
         self.cfg = cfg
         self.fed = cfg.federation
+        release_large_frees()        # before the model is built: see its docstring for the measurement
         self.dir = cfg.state_dir / "coordinator" / self.fed
         self.dir.mkdir(parents=True, exist_ok=True)
         cleanup_temp_files(self.dir)
