@@ -38,7 +38,7 @@ from fedagent.protocols.chunking import Reassembler, split
 from fedagent.protocols.codec import Envelope, Limits, decode, encode, encode_view, weights_nbytes
 from fedagent.protocols.compression import Compressor
 from fedagent.protocols.messages import Message, Update, body_of
-from fedagent.protocols.streaming import (HEAD_KIND, STREAM_KIND, StreamEvent, StreamIntake, UpdateEnd,
+from fedagent.protocols.streaming import (HEAD_KIND, STREAM_KIND, StreamEvent, StreamIntake,
                                           UpdateHead, encode_stream, head_body, iter_stream_chunks)
 from fedagent.signing import CHUNK_KIND, AuthError, Identity, sign
 
