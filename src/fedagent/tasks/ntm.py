@@ -180,7 +180,24 @@ class ProdLDA(nn.Module):
 
     @torch.no_grad()
     def topic_word(self) -> torch.Tensor:
+        """``softmax(beta)``: the topics as the CTM package and gFedNTM's authors read them."""
         return F.softmax(self.beta, dim=1)
+
+    @torch.no_grad()
+    def decoder_topic_word(self, theta: torch.Tensor) -> torch.Tensor:
+        """The word distribution the decoder gives a document made of topic k alone,
+        ``softmax((beta_k - m) / s)``, with the decoder BatchNorm's per-term mean ``m`` and
+        standard deviation ``s`` of ``theta @ beta`` over the documents ``theta``.
+
+        Why not ``softmax(beta)``: the decoder BatchNorm makes the loss invariant to
+        ``beta[:, w] -> a_w beta[:, w] + b_w`` for every term w (a_w > 0), so the scale and
+        offset of each column of ``beta`` are never learnt and ``softmax(beta)`` keeps the
+        near-uniform spread of the initialisation however long one trains. This reading
+        is invariant to those transformations: it is what the model actually predicts."""
+        x = theta.to(self.beta.dtype) @ self.beta
+        mean = x.mean(0)
+        std = torch.sqrt(x.var(0, unbiased=False) + self.beta_bn.eps)
+        return F.softmax((self.beta - mean) / std, dim=1)
 
 
 # ---- seeding ---------------------------------------------------------------------
@@ -344,6 +361,11 @@ class NtmTask(SyncTask):
     # -- what the model says ----------------------------------------------------
     def topic_word(self, model: nn.Module) -> np.ndarray:
         return model.topic_word().double().numpy()
+
+    def decoder_topic_word(self, model: nn.Module, theta: np.ndarray) -> np.ndarray:
+        """:meth:`ProdLDA.decoder_topic_word` with the BatchNorm statistics of documents
+        whose proportions (as :meth:`infer_theta` gives them) are ``theta``."""
+        return model.decoder_topic_word(torch.from_numpy(np.asarray(theta))).double().numpy()
 
     def topics(self, model: nn.Module, n_words: int = 10) -> list[list[str]]:
         tw = self.topic_word(model)
