@@ -367,8 +367,10 @@ class NtmTask(SyncTask):
         whose proportions (as :meth:`infer_theta` gives them) are ``theta``."""
         return model.decoder_topic_word(torch.from_numpy(np.asarray(theta))).double().numpy()
 
-    def topics(self, model: nn.Module, n_words: int = 10) -> list[list[str]]:
-        tw = self.topic_word(model)
+    def topics(self, model: nn.Module, n_words: int = 10, theta: np.ndarray | None = None) -> list[list[str]]:
+        """Each topic's most probable terms: in softmax(beta), or with ``theta`` (documents'
+        proportions) in the decoder's topics (see :meth:`ProdLDA.decoder_topic_word`)."""
+        tw = self.topic_word(model) if theta is None else self.decoder_topic_word(model, theta)
         return [[self.terms[j] for j in np.argsort(-row, kind="stable")[:n_words]] for row in tw]
 
     def infer_theta(self, model: nn.Module, which: str = "val") -> np.ndarray:
