@@ -72,7 +72,7 @@ class Scale:
     n_topics: int = 50
     docs: int = 1000             # training documents per node
     val_docs: int = 200          # validation documents per node
-    epochs: int = 20             # passes of every node over its own documents
+    epochs: int = 30             # passes of every node over its own documents
     batch_size: int = 64
     seed: int = 0
 
