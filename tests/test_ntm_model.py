@@ -176,3 +176,27 @@ def test_float64_sync_opt_equals_centralized_for_any_seed(seed):
 def test_dtype_option_is_checked():
     with pytest.raises(ConfigError, match="dtype"):
         load_task("prodlda", {**SMALL, "shard": 0, "dtype": "float16"})
+
+
+def test_decoder_topics_are_what_the_loss_sees_and_softmax_beta_is_not():
+    """Rescaling every column of beta leaves the training loss unchanged (the decoder
+    BatchNorm undoes it, up to its eps), shifting a column too when theta sums to 1 (no
+    dropout); the decoder's topics do not move, softmax(beta) does."""
+    task = small_tasks(dtype="float64")[0]
+    model = task.build_model()
+    with torch.no_grad():
+        model.beta.mul_(100.0)      # a spread well above the BatchNorm's eps, as training gives
+    theta = task.infer_theta(model, "train")
+    loss = task.step_loss(model, 0)[0].item()
+    dec, soft = task.decoder_topic_word(model, theta), task.topic_word(model)
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.rand(model.beta.shape[1], generator=gen, dtype=torch.float64) * 4 + 1
+    shift = torch.randn(model.beta.shape[1], generator=gen, dtype=torch.float64) * 3
+    with torch.no_grad():
+        model.beta.mul_(scale)
+    assert abs(task.step_loss(model, 0)[0].item() - loss) <= 1e-6 * abs(loss)
+    with torch.no_grad():
+        model.beta.add_(shift)
+    assert np.abs(task.decoder_topic_word(model, theta) - dec).max() <= 1e-6
+    assert np.abs(task.topic_word(model) - soft).max() > 1e-2
+    assert np.allclose(dec.sum(1), 1.0)

@@ -146,7 +146,7 @@ def pooled_task(tasks: Sequence[NtmTask], terms: list[str]) -> NtmTask:
                         None if ctx is None else ctx[0], None if ctx is None else ctx[1])
     return NtmTask(corpus, combined=first.combined, shard=len(tasks), seed=first.seed, n_topics=first.n_topics,
                    batch_size=first.batch_size, hidden=first.hidden, dropout=first.dropout, lr=first.lr,
-                   prior_alpha=first.prior_alpha)
+                   prior_alpha=first.prior_alpha, dtype=first.dtype_name)
 
 
 def widen(topic_word: np.ndarray, terms: list[str], all_terms: list[str]) -> np.ndarray:

@@ -190,10 +190,12 @@ class ProdLDA(nn.Module):
         standard deviation ``s`` of ``theta @ beta`` over the documents ``theta``.
 
         Why not ``softmax(beta)``: the decoder BatchNorm makes the loss invariant to
-        ``beta[:, w] -> a_w beta[:, w] + b_w`` for every term w (a_w > 0), so the scale and
-        offset of each column of ``beta`` are never learnt and ``softmax(beta)`` keeps the
-        near-uniform spread of the initialisation however long one trains. This reading
-        is invariant to those transformations: it is what the model actually predicts."""
+        ``beta[:, w] -> a_w beta[:, w]`` for every term w (a_w > 0, up to the BatchNorm's
+        eps), and to ``beta[:, w] + b_w`` wherever theta sums to 1 (everywhere but under
+        theta-dropout), so the scale and offset of each column of ``beta`` are hardly
+        learnt and ``softmax(beta)`` keeps about the spread of the initialisation however
+        long one trains. This reading does not depend on them: it is what the model
+        predicts."""
         x = theta.to(self.beta.dtype) @ self.beta
         mean = x.mean(0)
         std = torch.sqrt(x.var(0, unbiased=False) + self.beta_bn.eps)
