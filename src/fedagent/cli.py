@@ -401,6 +401,8 @@ def experiment_flsimco(rounds: int, coverage: int, stay: int, alpha: float, thre
                    "in one report")
 @click.option("--scale", "scale_name", type=click.Choice(["default", "paper", "tiny"]), default="default",
               show_default=True, help="synthetic sizes (default: under an hour on 2 busy cores; paper: Sec. 4.1's)")
+@click.option("--jobs", type=int, default=1, show_default=True,
+              help="synthetic: settings trained in this many worker processes at once")
 @click.option("--daemons/--no-daemons", default=True, show_default=True,
               help="synthetic: also train K'=10, eta=0.01 through a coordinator and agent processes over Mosquitto")
 @click.option("--epochs", type=int, default=None, help="passes of every node over its documents")
@@ -415,7 +417,7 @@ def experiment_flsimco(rounds: int, coverage: int, stay: int, alpha: float, thre
 @click.option("--seed", default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("gfedntm-report"), show_default=True)
 def experiment_gfedntm(corpus: str, scale_name: str, epochs: int | None, docs: int | None, vocab_size: int | None,
-                       daemons: bool, k_primes: tuple[int, ...], etas: tuple[float, ...], model: str, n_topics: int,
+                       jobs: int, daemons: bool, k_primes: tuple[int, ...], etas: tuple[float, ...], model: str, n_topics: int,
                        seed: int, out: Path) -> None:
     """gFedNTM: centralized vs federated (Sync-Opt) vs non-collaborative topic models (Fig. 2)."""
     from dataclasses import replace
@@ -437,7 +439,10 @@ def experiment_gfedntm(corpus: str, scale_name: str, epochs: int | None, docs: i
                 scale = replace(scale, **{name: value})
         k_primes = k_primes or gfedntm.K_PRIME
         setting = (10, 0.01) if 10 in k_primes else (k_primes[0], 0.01)
-        gfedntm.run_synthetic(out, scale, k_primes, etas or gfedntm.ETAS, daemons=setting if daemons else None)
+        if jobs < 1:
+            raise ConfigError("--jobs must be at least 1")
+        gfedntm.run_synthetic(out, scale, k_primes, etas or gfedntm.ETAS, daemons=setting if daemons else None,
+                              jobs=jobs)
         if corpus == "all":
             gfedntm.run_newsgroups(out, news)
             gfedntm.report_from_json(out)       # the report now quotes the newsgroups run too

@@ -372,11 +372,52 @@ def run_daemon_setting(scale: Scale, shared: int, eta: float, in_process: dict |
     return res
 
 
+def _settings_in_processes(scale: Scale, plan: list[tuple[str, int, float]], jobs: int, out: Path,
+                           console) -> dict[tuple[int, float], SettingResult]:
+    """Each setting in a worker process of its own (``python -m fedagent.experiments.gfedntm``,
+    results as JSON files), at most ``jobs`` at a time: on a machine shared with other
+    work, N single-threaded processes get N shares of the CPU."""
+    import subprocess
+    import sys
+
+    todo = list(dict.fromkeys((k, eta) for _, k, eta in plan))
+    running: list[tuple[tuple[int, float], subprocess.Popen, Path]] = []
+    done: dict[tuple[int, float], SettingResult] = {}
+    work = out / ".settings"
+    work.mkdir(parents=True, exist_ok=True)
+    while todo or running:
+        while todo and len(running) < jobs:
+            k, eta = todo.pop(0)
+            path = work / f"k{k}-eta{eta}.json"
+            spec = json.dumps({"scale": asdict(scale), "shared": k, "eta": eta, "out": str(path)})
+            proc = subprocess.Popen([sys.executable, "-m", "fedagent.experiments.gfedntm", spec],
+                                    stdout=subprocess.DEVNULL, stderr=(work / f"k{k}-eta{eta}.log").open("w"))
+            running.append(((k, eta), proc, path))
+        for item in list(running):
+            key, proc, path = item
+            code = proc.poll()
+            if code is None:
+                continue
+            running.remove(item)
+            if code != 0:
+                raise RuntimeError(f"setting K'={key[0]} eta={key[1]} failed (exit {code}); see {path.with_suffix('.log')}")
+            done[key] = SettingResult(**json.loads(path.read_text()))
+            r = done[key]
+            console.print(f"K'={key[0]} eta={key[1]}: TSS softmax(beta) {r.tss}, decoder {r.tss_decoder} "
+                          f"({r.seconds:.0f} s)")
+        time.sleep(1.0)
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    return done
+
+
 def run_synthetic(out: Path, scale: Scale, k_primes: Sequence[int] = K_PRIME, etas: Sequence[float] = ETAS,
                   trainer: FederatedTrainer = in_process_syncopt, console=None,
-                  daemons: tuple[int, float] | None = (10, 0.01)) -> Path:
-    """Fig. 2 in this process (every setting), then the setting ``daemons`` (K', eta)
-    once more through a real coordinator and agents over Mosquitto (None: skip)."""
+                  daemons: tuple[int, float] | None = (10, 0.01), jobs: int = 1) -> Path:
+    """Fig. 2 in this process (every setting; with ``jobs`` > 1 in that many worker
+    processes), then the setting ``daemons`` (K', eta) once more through a real
+    coordinator and agents over Mosquitto (None: skip)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -390,7 +431,13 @@ def run_synthetic(out: Path, scale: Scale, k_primes: Sequence[int] = K_PRIME, et
     with Progress(*columns, console=console) as bar:
         job = bar.add_task("settings", total=len(plan))
         kept: dict = {}
-        for group, k, eta in plan:
+        if jobs > 1:
+            if trainer is not in_process_syncopt:
+                raise ValueError("worker processes train with in-process Sync-Opt only")
+            done = _settings_in_processes(scale, plan, jobs, out, console)
+            results = [replace(done[(k, eta)], group=group) for group, k, eta in plan]
+            bar.update(job, completed=len(plan))
+        for group, k, eta in plan if jobs <= 1 else []:
             cached = next((r for r in results if r.shared == k and r.eta == eta), None)
             if cached is not None:      # K'=10, eta=0.01 is in both A and B
                 results.append(replace(cached, group=group))
@@ -664,3 +711,17 @@ def run_newsgroups(out: Path, scale: NewsScale, trainer: FederatedTrainer = in_p
     console.print("\n".join(lines))
     console.print(f"report: [green]{path}[/]")
     return path
+
+
+def _worker(spec: str) -> None:
+    """One setting for :func:`_settings_in_processes`: a JSON spec in, a JSON result file out."""
+    args = json.loads(spec)
+    torch.set_num_threads(1)
+    res = run_setting(Scale(**args["scale"]), int(args["shared"]), float(args["eta"]), "A")
+    Path(args["out"]).write_text(json.dumps(asdict(res)))
+
+
+if __name__ == "__main__":
+    import sys
+
+    _worker(sys.argv[1])
