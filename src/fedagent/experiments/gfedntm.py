@@ -585,11 +585,12 @@ def report_from_json(out: Path) -> Path:
     data = json.loads((out / "results.json").read_text())
     results = [SettingResult(**r) for r in data["results"]]
     daemon = DaemonResult(**data["daemon"]) if data.get("daemon") else None
-    return write_synthetic_report(out, Scale(**data["scale"]), results, data["seconds"], daemon)
+    return write_synthetic_report(out, Scale(**data["scale"]), results, data["seconds"], daemon,
+                                  data.get("run_note", ""))
 
 
 def write_synthetic_report(out: Path, scale: Scale, results: list[SettingResult], seconds: float,
-                           daemon: DaemonResult | None = None) -> Path:
+                           daemon: DaemonResult | None = None, run_note: str = "") -> Path:
     out.mkdir(parents=True, exist_ok=True)
     a = [r for r in results if r.group == "A"]
     held = {reading: all(_criterion(r, reading) for r in a) for reading in ("tss", "decoder")}
@@ -604,7 +605,8 @@ def write_synthetic_report(out: Path, scale: Scale, results: list[SettingResult]
         f"{scale.epochs} passes of every node over its documents, batch {scale.batch_size}, ProdLDA with its "
         "authors' defaults (2 x 100 softplus, dropout 0.2, Adam lr 2e-3, beta1 0.99), float32, one seed "
         f"({scale.seed}) per setting. Wall time {seconds / 60:.1f} min on 2 shared CPU cores (training: "
-        + ", ".join(f"{m} {phase[m] / 60:.1f} min" for m in MODELS) + ").", "",
+        + ", ".join(f"{m} {phase[m] / 60:.1f} min" for m in MODELS) + " of worker time)."
+        + (f" {run_note}" if run_note else ""), "",
         "How the models compare: **non-collaborative** = each node alone on its own documents and vocabulary, "
         f"{steps.get('non-collaborative', '?')} Adam steps of one {scale.batch_size}-document batch; "
         f"**federated** = Sync-Opt (Algorithm 1) over the {scale.nodes} nodes, the same "
@@ -644,7 +646,8 @@ def write_synthetic_report(out: Path, scale: Scale, results: list[SettingResult]
     lines += ["## Plots", "", *_plots(out, results), ""]
     (out / "results.json").write_text(json.dumps({"scale": asdict(scale), "seconds": seconds,
                                                   "results": [asdict(r) for r in results],
-                                                  "daemon": asdict(daemon) if daemon else None}, indent=1))
+                                                  "daemon": asdict(daemon) if daemon else None,
+                                                  "run_note": run_note}, indent=1))
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
