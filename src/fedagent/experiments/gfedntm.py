@@ -483,8 +483,8 @@ def _table(results: list[SettingResult], group: str) -> list[str]:
             continue
         x = r.shared if group == "A" else r.eta
         ok = " / ".join("yes" if _criterion(r, reading) else "**no**" for reading in ("tss", "decoder"))
-        lines.append(f"| {x} | " + " / ".join(f"{r.tss[m]:.2f}" for m in MODELS) + " | "
-                     + " / ".join(f"{r.tss_decoder[m]:.2f}" for m in MODELS)
+        lines.append(f"| {x} | " + " / ".join(f"{r.tss[m]:.3f}" for m in MODELS) + " | "
+                     + " / ".join(f"{r.tss_decoder[m]:.3f}" for m in MODELS)
                      + f" | {r.tss['random topics']:.2f} | "
                      + " / ".join(f"{r.doc_sim[m]:.1f}" for m in MODELS) + f" | {ok} |")
     return lines
@@ -604,7 +604,7 @@ def write_synthetic_report(out: Path, scale: Scale, results: list[SettingResult]
         f"(lengths uniform in [150, 250], alpha = 50/K; the paper: V = 5000, 10 000 + 1 000 documents per node), "
         f"{scale.epochs} passes of every node over its documents, batch {scale.batch_size}, ProdLDA with its "
         "authors' defaults (2 x 100 softplus, dropout 0.2, Adam lr 2e-3, beta1 0.99), float32, one seed "
-        f"({scale.seed}) per setting. Wall time {seconds / 60:.1f} min on 2 shared CPU cores (training: "
+        f"({scale.seed}) per setting. Wall time {seconds / 60:.1f} min on 2 shared CPU cores (per model kind: "
         + ", ".join(f"{m} {phase[m] / 60:.1f} min" for m in MODELS) + " of worker time)."
         + (f" {run_note}" if run_note else ""), "",
         "How the models compare: **non-collaborative** = each node alone on its own documents and vocabulary, "
@@ -621,8 +621,8 @@ def write_synthetic_report(out: Path, scale: Scale, results: list[SettingResult]
         "of a learnt topic: **softmax(beta)** (what the CTM package and the paper's authors score) and **the "
         "decoder's topics** softmax((beta_k - m)/s), the word distribution the decoder predicts for a document "
         "of topic k alone, m and s the decoder BatchNorm's per-term mean and deviation over the validation "
-        "documents. Why both: the BatchNorm in ProdLDA's decoder makes the loss invariant to rescaling and "
-        "shifting every column of beta, so softmax(beta) is not learnt (it keeps roughly the spread of the "
+        "documents. Why both: the BatchNorm in ProdLDA's decoder makes the loss invariant to rescaling every "
+        "column of beta (and to shifting it wherever theta sums to 1), so softmax(beta) is hardly learnt (it keeps roughly the spread of the "
         "random initialisation, ~0.1 here, however long one trains) while the decoder's topics are. Doc-sim = "
         "sum over all pairs of validation documents of |similarity(model) - similarity(truth)| divided by the "
         "number of documents, lower is better.", "",
