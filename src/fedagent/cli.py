@@ -356,7 +356,7 @@ def experiment() -> None:
     """Paper experiments, each writing a report (markdown + PNG plots).
 
     flsimco trains every strategy through a real coordinator and agent processes over
-    Mosquitto; gfedntm trains Fig. 2's many models in one process (Sync-Opt computed in
+    Mosquitto; gfedntm trains Fig. 2's many models in process or in --jobs workers (Sync-Opt computed in
     process, which the exactness test shows equals the network path) and runs one
     setting again through a real coordinator and agents over Mosquitto."""
 
