@@ -29,8 +29,8 @@ def small_tasks(name: str = "prodlda", **extra):
 
 def test_laplace_prior_of_dirichlet_one_is_standard_ctm_prior():
     mean, var = laplace_prior(50, 1.0)
-    assert torch.allclose(mean, torch.zeros(50))
-    assert torch.allclose(var, torch.full((50,), 1.0 - 1.0 / 50))
+    assert torch.allclose(mean, torch.zeros(50, dtype=torch.float64))
+    assert torch.allclose(var, torch.full((50,), 1.0 - 1.0 / 50, dtype=torch.float64))
 
 
 def test_builtin_names_build_sync_tasks():
@@ -153,3 +153,50 @@ def test_optimizer_is_adam_with_prodlda_defaults():
     opt = task.make_optimizer(ProdLDA(10, 3).parameters())
     assert isinstance(opt, torch.optim.Adam)
     assert opt.defaults["lr"] == 2e-3 and opt.defaults["betas"] == (0.99, 0.999)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_float64_sync_opt_equals_centralized_for_any_seed(seed):
+    """``dtype = "float64"``: 50 Adam steps of Sync-Opt (five per-node gradients, their
+    sample-weighted mean) and of centralized training on the concatenated batches stay
+    within the 1e-5 bound for every seed; in float32 some seeds end 7e-5 apart."""
+    tasks = small_tasks(seed=seed, dtype="float64", hidden=8)
+    central, fed = tasks[0].build_model(), tasks[0].build_model()
+    assert all(p.dtype == torch.float64 for p in central.parameters())
+    oc, of = tasks[0].make_optimizer(central.parameters()), tasks[0].make_optimizer(fed.parameters())
+    for step in range(50):
+        centralized_step(central, oc, tasks, step)
+        federated_step(fed, of, tasks, step)
+    diff = max(float((a - b).abs().max()) for a, b in zip(central.parameters(), fed.parameters()))
+    moved = max(float((a - b).abs().max()) for a, b in zip(central.parameters(), tasks[0].build_model().parameters()))
+    assert moved > 1e-2 and diff <= 1e-5, (diff, moved)
+    assert diff <= 1e-9          # the margin float64 buys: summation order only
+
+
+def test_dtype_option_is_checked():
+    with pytest.raises(ConfigError, match="dtype"):
+        load_task("prodlda", {**SMALL, "shard": 0, "dtype": "float16"})
+
+
+def test_decoder_topics_are_what_the_loss_sees_and_softmax_beta_is_not():
+    """Rescaling every column of beta leaves the training loss unchanged (the decoder
+    BatchNorm undoes it, up to its eps), shifting a column too when theta sums to 1 (no
+    dropout); the decoder's topics do not move, softmax(beta) does."""
+    task = small_tasks(dtype="float64")[0]
+    model = task.build_model()
+    with torch.no_grad():
+        model.beta.mul_(100.0)      # a spread well above the BatchNorm's eps, as training gives
+    theta = task.infer_theta(model, "train")
+    loss = task.step_loss(model, 0)[0].item()
+    dec, soft = task.decoder_topic_word(model, theta), task.topic_word(model)
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.rand(model.beta.shape[1], generator=gen, dtype=torch.float64) * 4 + 1
+    shift = torch.randn(model.beta.shape[1], generator=gen, dtype=torch.float64) * 3
+    with torch.no_grad():
+        model.beta.mul_(scale)
+    assert abs(task.step_loss(model, 0)[0].item() - loss) <= 1e-6 * abs(loss)
+    with torch.no_grad():
+        model.beta.add_(shift)
+    assert np.abs(task.decoder_topic_word(model, theta) - dec).max() <= 1e-6
+    assert np.abs(task.topic_word(model) - soft).max() > 1e-2
+    assert np.allclose(dec.sum(1), 1.0)
