@@ -166,17 +166,18 @@ def clean() -> float:
     return BG.run("mean", None, 0).mean_accuracy
 
 
-@pytest.mark.parametrize("fraction", [0.1, 0.2, 0.3])
-def test_plain_gossip_fails_and_krum_screening_holds(fraction):
+@pytest.mark.parametrize("fraction, attack, rule", [(0.1, "noise", "trimmed_mean"), (0.2, "scaled", "median"),
+                                                    (0.3, "sign_flip", "krum")])
+def test_plain_gossip_fails_and_screening_holds(fraction, attack, rule):
+    """CI part: one attack per fraction (the slow test runs the whole table)."""
     k = round(fraction * BG.N_AGENTS)
     base = clean()
     assert base > 0.75, f"clean gossip itself only reached {base:.3f}"
-    for attack in BG.ATTACKS:
-        plain = BG.run("mean", attack, k)
-        robust = BG.run("krum", attack, k)
-        assert plain.mean_accuracy < base - FAIL_MARGIN, (attack, plain, base)
-        assert robust.mean_accuracy >= base - BUDGET, (attack, robust, base)
-        assert robust.screened > 0
+    plain = BG.run("mean", attack, k)
+    robust = BG.run(rule, attack, k)
+    assert plain.mean_accuracy < base - FAIL_MARGIN, (plain, base)
+    assert robust.mean_accuracy >= base - BUDGET, (robust, base)
+    assert robust.screened > 0
 
 
 @pytest.mark.slow
@@ -193,5 +194,12 @@ def test_whole_gossip_byzantine_table():
                     assert acc >= base - BUDGET, (rule, attack, k, acc)
 
 
-# Cells the README table reports as not holding (filled in from the measured table).
-WEAK: tuple[tuple[str, str, int], ...] = ()
+# Cells the README table reports as not holding: the x10 sign flip of 2-3 colluding
+# peers moves every coordinate the same way, which shifts the median and the trimmed
+# mean on non-IID models (as in coordinated mode, where it takes 3); clipping bounds
+# each attacker's pull per merge, it does not remove it. trimmed_mean at 10 % sits on
+# the budget's edge (0.735 against 0.736).
+WEAK: tuple[tuple[str, str, int], ...] = (
+    ("median", "sign_flip", 2), ("median", "sign_flip", 3), ("trimmed_mean", "sign_flip", 1),
+    ("trimmed_mean", "sign_flip", 2), ("trimmed_mean", "sign_flip", 3), ("clip", "sign_flip", 2),
+    ("clip", "sign_flip", 3))

@@ -113,7 +113,8 @@ class GossipSession:
         self.messenger = Messenger(federation=federation, node_id=self.cfg.id, transport=self.transport,
                                    max_chunk_bytes=self.cfg.max_chunk_bytes,
                                    max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics,
-                                   identity=node_identity(self.cfg), max_skew=self.cfg.max_clock_skew)
+                                   identity=node_identity(self.cfg), max_skew=self.cfg.max_clock_skew,
+                                   state_dir=self.dir)
         self.links: dict[str, tuple[Transport, asyncio.Event]] = {}
         self._tg: asyncio.TaskGroup | None = None
 

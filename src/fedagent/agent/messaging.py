@@ -22,15 +22,20 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from fedagent.errors import CodecError
 from fedagent.protocols import topics
 from fedagent.protocols.chunking import Reassembler, split
 from fedagent.protocols.codec import Envelope, Limits, decode, encode, encode_view, weights_nbytes
 from fedagent.protocols.messages import Message, body_of
-from fedagent.signing import CHUNK_KIND, AuthError, Identity, sign
+from fedagent import statefile
+from fedagent.errors import FedagentError
+from fedagent.signing import CHUNK_KIND, AuthError, Identity, SequenceCounter, SteadyClock, sign
 
 log = logging.getLogger(__name__)
+SEQ_FILE = "signing-seq"
+REPLAY_FILE = "replay-guard.msgpack"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,21 +52,36 @@ class Messenger:
     def __init__(self, *, federation: str, node_id: str, transport, identity: Identity,
                  max_chunk_bytes: int = 4 * 2**20, max_model_bytes: int = 2**30,
                  reassembly_timeout: float = 120.0, metrics=None, max_skew: float = 300.0,
-                 publish_window: int = 2, publish_timeout: float = 30.0) -> None:
+                 publish_window: int = 2, publish_timeout: float = 30.0, state_dir=None) -> None:
+        """``state_dir``: where the outgoing sequence reservation and the replay guard's
+        state survive a restart (see :mod:`fedagent.signing`); None keeps both in memory."""
         if identity.name != node_id:
             raise ValueError(f"the signing identity is {identity.name!r}, not {node_id!r}")
         self.federation = federation
         self.node_id = node_id
         self.transport = transport
         self.identity = identity
-        self.verifier = identity.verifier(max_skew=max_skew)
+        self.clock = SteadyClock()
+        self.verifier = identity.verifier(max_skew=max_skew, clock=self.clock)
+        self._replay_path = None
+        if state_dir is not None:
+            self._replay_path = Path(state_dir) / REPLAY_FILE
+            self._replay_path.parent.mkdir(parents=True, exist_ok=True)
+            raw = statefile.read_bytes(self._replay_path, 16 * 2**20)
+            if raw is not None:
+                try:
+                    self.verifier.replay.restore(raw)
+                except FedagentError as exc:
+                    # Written atomically, so only a hand edit or a bad disk gets here: start
+                    # empty (the timestamp window still bounds replays) and say so.
+                    log.warning("%s: %s; starting with no replay history", self._replay_path, exc)
         self.max_chunk = max_chunk_bytes
         if publish_window < 1:
             raise ValueError("publish_window must be at least 1")
         self.publish_window = publish_window
         self.publish_timeout = float(publish_timeout)
-        # Per-sender sequence numbers grow across restarts: they start at the clock.
-        self._seq = time.time_ns() // 1000
+        # Per-sender sequence numbers grow across restarts, whatever the clock did.
+        self._counter = SequenceCounter(None if state_dir is None else Path(state_dir) / SEQ_FILE)
         self._transfer = 0
         chunk_overhead = 4096
         self.wire_limits = Limits(max_message_bytes=max_chunk_bytes + chunk_overhead,
@@ -77,10 +97,13 @@ class Messenger:
         self.messages_in = 0
         self.messages_out = 0
 
+    @property
+    def _seq(self) -> int:
+        return self._counter.value
+
     def envelope(self, message: Message, round_: int = 0) -> Envelope:
-        self._seq += 1
         return Envelope(kind=message.kind, federation=self.federation, sender=self.node_id,
-                        round=round_, seq=self._seq, ts=time.time(), body=message.to_body())
+                        round=round_, seq=self._counter.take(), ts=self.clock(), body=message.to_body())
 
     def frame(self, message: Message, round_: int | None = None) -> bytes:
         """One signed frame for a message that is never chunked (presence, a Last Will)."""
@@ -106,8 +129,7 @@ class Messenger:
             self._transfer += 1
             tid = f"{self._seq:x}-{self._transfer}"
             n = -(-len(payload) // self.max_chunk)
-            first = self._seq + 1
-            self._seq += n             # reserved here: another send may run meanwhile
+            first = self._counter.take(n)  # reserved here: another send may run meanwhile
             frames = await asyncio.to_thread(self._chunk_frames, payload, tid, first, env.round)
         elif big:
             frames = [bytes(payload)]
@@ -126,7 +148,7 @@ class Messenger:
         the encoder."""
         bodies = split(payload, max_chunk=self.max_chunk, transfer_id=tid, copy=False)
         return [encode(sign(Envelope(kind=CHUNK_KIND, federation=self.federation, sender=self.node_id,
-                                     round=round_, seq=first_seq + i, ts=time.time(), body=body), self.identity))
+                                     round=round_, seq=first_seq + i, ts=self.clock(), body=body), self.identity))
                 for i, body in enumerate(bodies)]
 
     async def _publish_all(self, transport, topic: str, frames: list[bytes], retain: bool) -> None:
@@ -157,6 +179,14 @@ class Messenger:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+
+    def _persist_replay(self) -> None:
+        """Make the replay guard's numbers durable before a message is handed on: a frame
+        replayed after a crash must meet them. (Once delivered to this process, an MQTT
+        QoS 1 message has been acknowledged, so writing first loses nothing a
+        redelivery would have brought.)"""
+        if self._replay_path is not None and self.verifier.replay.dirty:
+            statefile.atomic_write(self._replay_path, self.verifier.replay.snapshot())
 
     def _reject(self, reason: str, sender: str, detail: str) -> None:
         self.rejected[reason] += 1
@@ -219,6 +249,7 @@ class Messenger:
         self.messages_in += 1
         if self.metrics is not None:
             self.metrics.message_in()
+        self._persist_replay()
         await deliver(Incoming(topic, env.sender, env, message, size, role))
 
 
