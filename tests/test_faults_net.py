@@ -316,7 +316,8 @@ def run_gossip(lab_factory, work: Path, fed: str, faulty: bool) -> dict:
         lf.start(a, a, "agent", lf.write(a, a, {"shard": i, "shards": 4, "alpha": 0.3, "seed": SEED},
                                          mode="gossip", gossip=GOSSIP))
     status = lambda: {a: lf.status(a) or {} for a in agents}          # noqa: E731
-    keys = ("sent", "timeouts", "acked", "retries")
+    keys = ("sent", "timeouts", "acked", "retries", "refused", "reclaimed", "late_acks", "merged", "dropped",
+            "returned")
     first = lab.wait_for(lambda: (lambda ss: ss if all(s.get("period", 0) >= FAULT_PERIODS for s in ss.values())
                                   else None)(status()), 400, f"{FAULT_PERIODS} periods")
     first_s = time.monotonic() - started
@@ -330,6 +331,8 @@ def run_gossip(lab_factory, work: Path, fed: str, faulty: bool) -> dict:
            "total": {k: sum(s["gossip"][k] for s in done.values()) for k in keys},
            "periods": [s["period"] for s in done.values()],
            "acc_at_heal": {a: round(s.get("local_model_eval", {}).get("accuracy", 0.0), 3) for a, s in first.items()},
+           "disagreement_at_heal": [s.get("disagreement_rel") for s in first.values()],
+           "disagreement_end": [s.get("disagreement_rel") for s in done.values()],
            "acc": {a: round(gossip_accuracy(work, fed, a), 3) for a in agents}}
     lab.close()
     return out
