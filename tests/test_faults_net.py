@@ -289,12 +289,20 @@ def test_partition_of_a_third_of_the_agents_mid_round(lab_factory, tmp_path):
 # -- T8: a degraded network under gossip ---------------------------------------------------
 GOSSIP_PERIODS = 60
 FAULT_PERIODS = 20
+# Periods are paced in wall time. Measured with 0.3 s periods and a 5 s send timeout:
+# the 40 periods after the heal took 12 s, less than three send timeouts, while the
+# backlog of the degraded phase (delayed publishes, late acknowledgements, returned
+# mass) was still draining: 37 late acks, 77 refusals and 91 drops came *after* the heal,
+# and the agents finished before they agreed again (relative disagreement 0.29 at the
+# end against 0.001-0.02 clean; accuracy 0.47-0.71). With 1 s periods and a 3 s timeout
+# the 40 healthy periods last 40 s, ten timeouts, and the backlog is gone in a few.
 GOSSIP = {"periods": GOSSIP_PERIODS, "period_steps": 10, "lr": 0.1, "batch_size": BATCH, "seed": SEED,
-          "period_seconds": 0.3, "send_timeout": 5.0, "eval_every": 10, "min_peers": 3}
+          "period_seconds": 1.0, "send_timeout": 3.0, "eval_every": 10, "min_peers": 3}
 # Stated budgets for T8: while the link is degraded at most this share of the models sent
 # may time out (no timeout storm); after it heals the agents end within these accuracy
-# points of the same federation run on a clean network (mean, worst agent).
-TIMEOUT_SHARE, MEAN_MARGIN, WORST_MARGIN = 0.25, 0.05, 0.10
+# points of the same federation run on a clean network (mean, worst agent), and agree
+# again: every agent's relative distance to the models it merged last at most CONSENSUS.
+TIMEOUT_SHARE, MEAN_MARGIN, WORST_MARGIN, CONSENSUS = 0.25, 0.05, 0.10, 0.05
 
 
 def gossip_accuracy(work: Path, fed: str, aid: str) -> float:
@@ -311,13 +319,16 @@ def run_gossip(lab_factory, work: Path, fed: str, faulty: bool) -> dict:
         lab.loss("hub", 0.2)
         lab.rate("hub", "1mbit")
         lab.delay("hub", 75, queue_num=7)
-    started = time.monotonic()
     for i, a in enumerate(agents):
         lf.start(a, a, "agent", lf.write(a, a, {"shard": i, "shards": 4, "alpha": 0.3, "seed": SEED},
                                          mode="gossip", gossip=GOSSIP))
     status = lambda: {a: lf.status(a) or {} for a in agents}          # noqa: E731
     keys = ("sent", "timeouts", "acked", "retries", "refused", "reclaimed", "late_acks", "merged", "dropped",
             "returned")
+    # Start-up (processes, mDNS, min_peers) took ~50 s on the loaded machine, clean or
+    # not: the degraded phase is timed from the first period on.
+    lab.wait_for(lambda: all(s.get("period", 0) >= 1 for s in status().values()), 400, "the first period")
+    started = time.monotonic()
     first = lab.wait_for(lambda: (lambda ss: ss if all(s.get("period", 0) >= FAULT_PERIODS for s in ss.values())
                                   else None)(status()), 400, f"{FAULT_PERIODS} periods")
     first_s = time.monotonic() - started
@@ -361,11 +372,8 @@ def test_gossip_under_loss_rate_limit_and_delay(lab_factory, tmp_path):
     assert all(faulty["acc"][a] > faulty["acc_at_heal"][a] for a in faulty["acc"]), faulty
     gap_mean = mean(clean["acc"]) - mean(faulty["acc"])
     gap_worst = min(clean["acc"].values()) - min(faulty["acc"].values())
-    if gap_mean > MEAN_MARGIN or gap_worst > WORST_MARGIN:
-        # Measured so far: the agents hardly merge while the link is degraded (16 of 94
-        # models acknowledged in the first 20 periods), drift apart on their non-IID
-        # shards, and 40 periods with a decaying step size do not bring them back within
-        # the budget (mean 0.86 against 0.96 clean). Reported, not hidden: this test
-        # passes once gossip recovers within the budget.
-        pytest.xfail(f"T8 convergence budget missed: accuracy gap to the clean run {gap_mean:.3f} mean "
-                     f"(budget {MEAN_MARGIN}), {gap_worst:.3f} worst (budget {WORST_MARGIN})")
+    print(f"T8: accuracy gap to the clean run {gap_mean:.3f} mean (budget {MEAN_MARGIN}), {gap_worst:.3f} worst "
+          f"(budget {WORST_MARGIN}); final disagreement {faulty['disagreement_end']}")
+    # ... and converged after the heal: the agents agree again, near the clean result.
+    assert all(d is not None and d <= CONSENSUS for d in faulty["disagreement_end"]), faulty
+    assert gap_mean <= MEAN_MARGIN and gap_worst <= WORST_MARGIN, (gap_mean, gap_worst)
