@@ -74,7 +74,51 @@ def test_steady_clock_ignores_wall_clock_jumps(monkeypatch):
     assert abs(clock() - before) < 5
 
 
+# ---- messengers over the real broker (CI) --------------------------------------------------
+def test_a_new_messenger_on_the_same_state_refuses_frames_its_predecessor_took(broker, peer, arun, tmp_path):
+    """The messenger layer over Mosquitto with mutual TLS: a receiver with a state
+    directory takes a frame; a second receiver on the same directory (what a restart
+    builds) gets the same bytes again and refuses them as ``replay``; a fresh frame
+    from the same sender still goes through. (The process-level run is the slow test
+    below.)"""
+    import numpy as np
+
+    from fedagent.agent.messaging import Messenger
+    from fedagent.protocols.messages import Update
+    from fedagent.signing import Identity
+
+    fed = "testfed"
+    ident = lambda n: Identity.load(broker.pki.tls(n).cert, broker.pki.tls(n).key, broker.pki.ca)  # noqa: E731
+    topic = topics.direct(fed, "agent-a", "coord", "update")
+    weights = {"w": np.arange(6, dtype=np.float32)}
+
+    async def main():
+        got: asyncio.Queue = asyncio.Queue()
+        handler = {"recv": None}
+        async with peer(broker, "coord", subscriptions=[topics.inbox(fed, "coord")],
+                        handler=lambda t, p: handler["recv"].receive(t, p, got.put)) as c, \
+                peer(broker, "agent-a") as a:
+            first = Messenger(federation=fed, node_id="coord", transport=c.transport, identity=ident("coord"),
+                              state_dir=tmp_path)
+            handler["recv"] = first
+            send = Messenger(federation=fed, node_id="agent-a", transport=a.transport, identity=ident("agent-a"),
+                             state_dir=tmp_path / "agent-a")
+            frame = send.frame(Update(1, 0, 10, {}, weights))
+            await a.transport.publish(topic, frame)
+            assert (await asyncio.wait_for(got.get(), 10)).message.round == 1
+            second = Messenger(federation=fed, node_id="coord", transport=c.transport, identity=ident("coord"),
+                               state_dir=tmp_path)
+            handler["recv"] = second
+            await a.transport.publish(topic, frame)                           # the captured frame
+            await send.send(topic, Update(2, 0, 10, {}, weights))            # then a fresh one
+            assert (await asyncio.wait_for(got.get(), 10)).message.round == 2 and got.empty()
+            assert dict(second.rejected) == {"replay": 1}
+
+    arun(main(), timeout=60)
+
+
 # ---- real processes, real broker ------------------------------------------------------
+@pytest.mark.slow
 def test_restarted_coordinator_refuses_a_frame_replayed_from_before_its_crash(tmp_path):
     fed = Federation(tmp_path, agents=2, rounds=4, alpha=0.5, round_timeout=20)
     try:
