@@ -345,7 +345,7 @@ class GossipSession:
                  for pid, p in sorted(self._peers.items())}
         gossip = {k: st[k] for k in ("sent", "received", "dropped", "rejected", "refused", "acked", "timeouts",
                                      "retries", "returned", "reclaimed", "late_acks", "duplicates", "merged",
-                                     "in_flight", "inbox", "mass", "merge", "create")}
+                                     "in_flight", "inbox", "mass", "merge", "create", "screened", "screen_short")}
         return {"federation": self.fed, "broker": self.broker, "connection": self.transport.state,
                 "reconnects": self.transport.reconnects, "last_error": self.transport.last_error,
                 "coordinator": None, "round": self.machine.period, "period": self.machine.period,
