@@ -290,14 +290,16 @@ def test_partition_of_a_third_of_the_agents_mid_round(lab_factory, tmp_path):
 GOSSIP_PERIODS = 60
 FAULT_PERIODS = 20
 # Periods are paced in wall time. Measured with 0.3 s periods and a 5 s send timeout:
-# the 40 periods after the heal took 12 s, less than three send timeouts, while the
+# the 40 periods after the heal took 12 s, little more than two send timeouts, while the
 # backlog of the degraded phase (delayed publishes, late acknowledgements, returned
 # mass) was still draining: 37 late acks, 77 refusals and 91 drops came *after* the heal,
 # and the agents finished before they agreed again (relative disagreement 0.29 at the
-# end against 0.001-0.02 clean; accuracy 0.47-0.71). With 1 s periods and a 3 s timeout
-# the 40 healthy periods last 40 s, ten timeouts, and the backlog is gone in a few.
+# end against 0.001-0.02 clean; accuracy 0.47-0.71). With 1 s periods the 40 healthy
+# periods last 40 s, eight timeouts, and the backlog is gone in a few. (A 3 s timeout
+# converged as well but timed out 30 % of the degraded sends: TCP under 20 % loss
+# each way needs longer than that to get a model through.)
 GOSSIP = {"periods": GOSSIP_PERIODS, "period_steps": 10, "lr": 0.1, "batch_size": BATCH, "seed": SEED,
-          "period_seconds": 1.0, "send_timeout": 3.0, "eval_every": 10, "min_peers": 3}
+          "period_seconds": 1.0, "send_timeout": 5.0, "eval_every": 10, "min_peers": 3}
 # Stated budgets for T8: while the link is degraded at most this share of the models sent
 # may time out (no timeout storm); after it heals the agents end within these accuracy
 # points of the same federation run on a clean network (mean, worst agent), and agree
@@ -356,16 +358,20 @@ def test_gossip_under_loss_rate_limit_and_delay(lab_factory, tmp_path):
     twice: on a clean network, and with the broker's host dropping 20% of packets both
     ways, sending at most 1 mbit/s (tbf) and holding every outgoing packet 75 ms
     (NFQUEUE holder) for the first third of the periods, then healed. Pass: slower,
-    not divergent: every agent finishes every period; no timeout storm (timed-out
+    not divergent: under the fault fewer than half as many sends are acknowledged as on
+    the clean network, every agent finishes every period; no timeout storm (timed-out
     models <= TIMEOUT_SHARE of those sent under the fault); after healing, gossip
-    converges: accuracy within MEAN_MARGIN / WORST_MARGIN of the clean run."""
+    converges: every agent's final relative disagreement <= CONSENSUS and accuracy
+    within MEAN_MARGIN / WORST_MARGIN of the clean run. Bounded: 400 s per phase wait."""
     torch.set_num_threads(1)          # the accuracy evaluations below, on a busy machine
     clean = run_gossip(lab_factory, tmp_path / "clean", "clean", faulty=False)
     faulty = run_gossip(lab_factory, tmp_path / "faulty", "degraded", faulty=True)
     print(f"T8: clean {clean}\nT8: faulty {faulty}")
     assert faulty["periods"] == [GOSSIP_PERIODS] * 4
-    assert faulty["first_s"] > clean["first_s"]                      # slower ...
+    # Slower: a node never waits for the network (periods are paced by the clock), so
+    # the degraded phase shows in how few exchanges complete, not in its duration.
     under = faulty["first"]
+    assert under["acked"] / under["sent"] < 0.5 * clean["first"]["acked"] / clean["first"]["sent"], (under, clean)
     assert under["sent"] > 0 and under["timeouts"] <= TIMEOUT_SHARE * under["sent"], under
     mean = lambda accs: sum(accs.values()) / len(accs)                 # noqa: E731
     # ... not divergent: once healed, every agent's model got better, not worse.
