@@ -7,9 +7,9 @@ screening mode, the configuration refusals, and the Byzantine table in gossip mo
 The budget (issue 7 item 7, in gossip mode): with 10/20/30 % of the agents attacking,
 a screening rule keeps the honest agents' mean final accuracy within ``BUDGET`` (0.10)
 of plain push-sum gossip without attackers, while plain gossip under the same attack
-ends at least ``FAIL_MARGIN`` (0.15) below it. Multi-Krum is checked at every fraction
-and attack in CI; the ``slow`` test checks the whole table with the cells the README
-reports as not holding.
+ends at least ``FAIL_MARGIN`` (0.15) below it. The ``slow`` test checks every fraction
+and attack, with the cells the README reports as not holding; CI checks two cells
+(median at 20 % scaled, Krum at 30 % sign flip).
 """
 
 from __future__ import annotations
@@ -166,10 +166,10 @@ def clean() -> float:
     return BG.run("mean", None, 0).mean_accuracy
 
 
-@pytest.mark.parametrize("fraction, attack, rule", [(0.1, "noise", "trimmed_mean"), (0.2, "scaled", "median"),
-                                                    (0.3, "sign_flip", "krum")])
+@pytest.mark.parametrize("fraction, attack, rule", [(0.2, "scaled", "median"), (0.3, "sign_flip", "krum")])
 def test_plain_gossip_fails_and_screening_holds(fraction, attack, rule):
-    """CI part: one attack per fraction (the slow test runs the whole table)."""
+    """CI part, two cells (five runs of ~2 s CPU); the slow test runs the whole table,
+    10 % included, and trimmed mean."""
     k = round(fraction * BG.N_AGENTS)
     base = clean()
     assert base > 0.75, f"clean gossip itself only reached {base:.3f}"
