@@ -146,10 +146,15 @@ class Harness:
                           start_grace=0.0, strategy=strategy)
         self.rounds = R.RoundMachine(cfg, {k: v.copy() for k, v in REF.items()})
         self.participant = Participant("a", leave_after=rnd.choice([0, 0, 2]))
-        gcfg = G.GossipConfig(period_steps=1, max_incoming=rnd.choice([1, 2]), create=rnd.choice(G.CREATE_MODES),
-                              merge=rnd.choice(G.MERGE_MODES), periods=rnd.choice([0, 5]),
+        screening = rnd.random() < 0.3
+        gcfg = G.GossipConfig(period_steps=1, max_incoming=rnd.choice([1, 2]),
+                              create="mu" if screening else rnd.choice(G.CREATE_MODES),
+                              merge="pushsum" if screening else rnd.choice(G.MERGE_MODES), periods=rnd.choice([0, 5]),
                               send_timeout=5.0, max_norm=rnd.choice([None, 100.0]),
-                              clip_norm=rnd.choice([None, 2.0]))
+                              clip_norm=rnd.choice([None, 2.0]),
+                              aggregation=rnd.choice(G.AGGREGATIONS[1:]) if screening else "mean",
+                              byzantine=rnd.choice([0, 1]) if screening else 0, fanout=rnd.choice([1, 3]),
+                              neighbour_ttl=rnd.choice([1, 5]))
         self.gossip = G.GossipMachine("a", gcfg, {k: v.copy() for k, v in REF.items()}, num_samples=3)
         self.reassembler = Reassembler(4096, 16384, 5.0)
         self.now = 0.0
@@ -275,7 +280,7 @@ class Harness:
         for k, v in g.model.items():
             if v.dtype.kind == "f" and not np.isfinite(v).all():
                 raise AssertionError(f"gossip model {k} not finite")
-        if not (g.mass > 0 or g.config.merge != "pushsum" or g._in_flight):
+        if not (g.mass > 0 or g.config.merge != "pushsum" or g.config.robust or g._in_flight):
             raise AssertionError(f"gossip mass {g.mass} with nothing in flight")
 
 

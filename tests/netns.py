@@ -47,7 +47,8 @@ class Lab:
 
     def __init__(self, work: Path, hosts: list[str], *, subnet: str | None = None) -> None:
         self.work = work
-        self.tag = f"fa{secrets.token_hex(3)}"
+        # FEDAGENT_NETNS_PREFIX: parallel runs on one machine can tell their namespaces apart.
+        self.tag = f"{os.environ.get('FEDAGENT_NETNS_PREFIX', 'fa')[:4]}{secrets.token_hex(3)}"
         prefix = subnet or f"10.77.{secrets.randbelow(250) + 1}"
         self.hosts = list(hosts)
         self.ip = {h: f"{prefix}.{i + 1}" for i, h in enumerate(self.hosts)}

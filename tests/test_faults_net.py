@@ -289,12 +289,22 @@ def test_partition_of_a_third_of_the_agents_mid_round(lab_factory, tmp_path):
 # -- T8: a degraded network under gossip ---------------------------------------------------
 GOSSIP_PERIODS = 60
 FAULT_PERIODS = 20
+# Periods are paced in wall time. Measured with 0.3 s periods and a 5 s send timeout:
+# the 40 periods after the heal took 12 s, little more than two send timeouts, while the
+# backlog of the degraded phase (delayed publishes, late acknowledgements, returned
+# mass) was still draining: 37 late acks, 77 refusals and 91 drops came *after* the heal,
+# and the agents finished before they agreed again (relative disagreement 0.29 at the
+# end against 0.001-0.02 clean; accuracy 0.47-0.71). With 1 s periods the 40 healthy
+# periods last 40 s, eight timeouts, and the backlog is gone in a few. (A 3 s timeout
+# converged as well but timed out 30 % of the degraded sends: TCP under 20 % loss
+# each way needs longer than that to get a model through.)
 GOSSIP = {"periods": GOSSIP_PERIODS, "period_steps": 10, "lr": 0.1, "batch_size": BATCH, "seed": SEED,
-          "period_seconds": 0.3, "send_timeout": 5.0, "eval_every": 10, "min_peers": 3}
+          "period_seconds": 1.0, "send_timeout": 5.0, "eval_every": 10, "min_peers": 3}
 # Stated budgets for T8: while the link is degraded at most this share of the models sent
 # may time out (no timeout storm); after it heals the agents end within these accuracy
-# points of the same federation run on a clean network (mean, worst agent).
-TIMEOUT_SHARE, MEAN_MARGIN, WORST_MARGIN = 0.25, 0.05, 0.10
+# points of the same federation run on a clean network (mean, worst agent), and agree
+# again: every agent's relative distance to the models it merged last at most CONSENSUS.
+TIMEOUT_SHARE, MEAN_MARGIN, WORST_MARGIN, CONSENSUS = 0.25, 0.05, 0.10, 0.05
 
 
 def gossip_accuracy(work: Path, fed: str, aid: str) -> float:
@@ -311,12 +321,16 @@ def run_gossip(lab_factory, work: Path, fed: str, faulty: bool) -> dict:
         lab.loss("hub", 0.2)
         lab.rate("hub", "1mbit")
         lab.delay("hub", 75, queue_num=7)
-    started = time.monotonic()
     for i, a in enumerate(agents):
         lf.start(a, a, "agent", lf.write(a, a, {"shard": i, "shards": 4, "alpha": 0.3, "seed": SEED},
                                          mode="gossip", gossip=GOSSIP))
     status = lambda: {a: lf.status(a) or {} for a in agents}          # noqa: E731
-    keys = ("sent", "timeouts", "acked", "retries")
+    keys = ("sent", "timeouts", "acked", "retries", "refused", "reclaimed", "late_acks", "merged", "dropped",
+            "returned")
+    # Start-up (processes, mDNS, min_peers) took ~50 s on the loaded machine, clean or
+    # not: the degraded phase is timed from the first period on.
+    lab.wait_for(lambda: all(s.get("period", 0) >= 1 for s in status().values()), 400, "the first period")
+    started = time.monotonic()
     first = lab.wait_for(lambda: (lambda ss: ss if all(s.get("period", 0) >= FAULT_PERIODS for s in ss.values())
                                   else None)(status()), 400, f"{FAULT_PERIODS} periods")
     first_s = time.monotonic() - started
@@ -330,6 +344,8 @@ def run_gossip(lab_factory, work: Path, fed: str, faulty: bool) -> dict:
            "total": {k: sum(s["gossip"][k] for s in done.values()) for k in keys},
            "periods": [s["period"] for s in done.values()],
            "acc_at_heal": {a: round(s.get("local_model_eval", {}).get("accuracy", 0.0), 3) for a, s in first.items()},
+           "disagreement_at_heal": [s.get("disagreement_rel") for s in first.values()],
+           "disagreement_end": [s.get("disagreement_rel") for s in done.values()],
            "acc": {a: round(gossip_accuracy(work, fed, a), 3) for a in agents}}
     lab.close()
     return out
@@ -342,27 +358,30 @@ def test_gossip_under_loss_rate_limit_and_delay(lab_factory, tmp_path):
     twice: on a clean network, and with the broker's host dropping 20% of packets both
     ways, sending at most 1 mbit/s (tbf) and holding every outgoing packet 75 ms
     (NFQUEUE holder) for the first third of the periods, then healed. Pass: slower,
-    not divergent: every agent finishes every period; no timeout storm (timed-out
+    not divergent: under the fault a smaller share of the sends is acknowledged than on
+    the clean network, every agent finishes every period; no timeout storm (timed-out
     models <= TIMEOUT_SHARE of those sent under the fault); after healing, gossip
-    converges: accuracy within MEAN_MARGIN / WORST_MARGIN of the clean run."""
+    converges: every agent's final relative disagreement <= CONSENSUS and accuracy
+    within MEAN_MARGIN / WORST_MARGIN of the clean run. Bounded: 400 s per phase wait."""
     torch.set_num_threads(1)          # the accuracy evaluations below, on a busy machine
     clean = run_gossip(lab_factory, tmp_path / "clean", "clean", faulty=False)
     faulty = run_gossip(lab_factory, tmp_path / "faulty", "degraded", faulty=True)
     print(f"T8: clean {clean}\nT8: faulty {faulty}")
     assert faulty["periods"] == [GOSSIP_PERIODS] * 4
-    assert faulty["first_s"] > clean["first_s"]                      # slower ...
+    # Slower: a node never waits for the network (periods are paced by the clock), so
+    # the degraded phase shows in how few exchanges complete, not in its duration.
     under = faulty["first"]
+    # (How much varies from run to run: 90 of 103, 92 of 124, 32 of 168 acknowledged in
+    # three runs, against 95-100 % clean.)
+    assert under["acked"] / under["sent"] < clean["first"]["acked"] / clean["first"]["sent"], (under, clean)
     assert under["sent"] > 0 and under["timeouts"] <= TIMEOUT_SHARE * under["sent"], under
     mean = lambda accs: sum(accs.values()) / len(accs)                 # noqa: E731
     # ... not divergent: once healed, every agent's model got better, not worse.
     assert all(faulty["acc"][a] > faulty["acc_at_heal"][a] for a in faulty["acc"]), faulty
     gap_mean = mean(clean["acc"]) - mean(faulty["acc"])
     gap_worst = min(clean["acc"].values()) - min(faulty["acc"].values())
-    if gap_mean > MEAN_MARGIN or gap_worst > WORST_MARGIN:
-        # Measured so far: the agents hardly merge while the link is degraded (16 of 94
-        # models acknowledged in the first 20 periods), drift apart on their non-IID
-        # shards, and 40 periods with a decaying step size do not bring them back within
-        # the budget (mean 0.86 against 0.96 clean). Reported, not hidden: this test
-        # passes once gossip recovers within the budget.
-        pytest.xfail(f"T8 convergence budget missed: accuracy gap to the clean run {gap_mean:.3f} mean "
-                     f"(budget {MEAN_MARGIN}), {gap_worst:.3f} worst (budget {WORST_MARGIN})")
+    print(f"T8: accuracy gap to the clean run {gap_mean:.3f} mean (budget {MEAN_MARGIN}), {gap_worst:.3f} worst "
+          f"(budget {WORST_MARGIN}); final disagreement {faulty['disagreement_end']}")
+    # ... and converged after the heal: the agents agree again, near the clean result.
+    assert all(d is not None and d <= CONSENSUS for d in faulty["disagreement_end"]), faulty
+    assert gap_mean <= MEAN_MARGIN and gap_worst <= WORST_MARGIN, (gap_mean, gap_worst)

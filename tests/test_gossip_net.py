@@ -140,3 +140,31 @@ def test_each_agent_on_its_own_broker(tmp_path):
             assert not s["rejected"], s["rejected"]
     finally:
         fed.close()
+
+
+@pytest.mark.slow
+def test_screening_gossip_over_the_broker(tmp_path):
+    """The screening merge in real agent processes (Mosquitto, mutual TLS, mDNS): four
+    agents with ``aggregation = "median"``, ``byzantine = 1`` (two neighbour models per
+    merge needed; ``min_peers`` 3), ``fanout`` 2. Pass: every agent finishes, screened at
+    half of its boundaries or more, refused nothing, and reaches SCREEN_FLOOR."""
+    periods = 40
+    fed = Federation(tmp_path, agents=4, rounds=1, alpha=1.0, mode="gossip",
+                     gossip={**GOSSIP, "periods": periods, "min_peers": 3, "aggregation": "median", "byzantine": 1,
+                             "fanout": 2, "period_seconds": 0.3})
+    try:
+        fed.prepare()
+        fed.start_all()
+        done = wait_for(lambda: finished(fed, fed.agent_ids), 240, "four screening agents to finish", fed)
+        for a, s in done.items():
+            assert s["gossip"]["screened"] >= periods // 2, (a, s["gossip"])
+            assert not s["rejected"], s["rejected"]
+        accs = {a: accuracy_of(fed, a) for a in fed.agent_ids}
+        print(f"screening gossip over the broker: {accs}")
+        assert min(accs.values()) >= SCREEN_FLOOR, accs
+    finally:
+        fed.close()
+
+
+# Stated floor for the screening run above (4 agents, α = 1, 40 periods of 10 steps).
+SCREEN_FLOOR = 0.85

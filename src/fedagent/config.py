@@ -54,6 +54,9 @@ class RoundsConfig:
     clip_norm: float | None = None    # cap each update's L2 distance from the global model (any aggregation)
 
 
+_SCREEN_RULE = {"median": "n > 2f", "trimmed_mean": "n >= 2f + 1", "krum": "n > 2f + 2"}
+
+
 @dataclass(frozen=True, slots=True)
 class GossipSettings:
     """``[gossip]``: how an agent of a ``mode = "gossip"`` federation exchanges models
@@ -77,6 +80,10 @@ class GossipSettings:
     catch_up: bool = True             # a newcomer's first merge adopts far older models
     max_norm: float | None = None     # refuse a received model whose L2 norm exceeds this
     clip_norm: float | None = None    # cap a received model's L2 distance from ours
+    aggregation: str = "mean"         # "mean" (push-sum) | "median" | "trimmed_mean" | "krum" (screening)
+    byzantine: int = 0                # screening: Byzantine neighbours to tolerate per merge (f)
+    fanout: int = 1                   # peers the model is sent to per period
+    neighbour_ttl: int = 10           # screening: periods a neighbour's newest model stays usable
 
     def lr_at(self, period: int) -> float:
         """The step size for ``period``: with a known end (``periods``) the default cosine
@@ -103,13 +110,25 @@ class GossipSettings:
         from fedagent.protocols.gossip import GossipConfig
 
         try:
-            return GossipConfig(period_steps=self.period_steps, max_incoming=self.max_incoming,
-                                create=self.create, merge=self.merge, exchange=names, catch_up=self.catch_up,
-                                send_timeout=self.send_timeout, max_retries=self.max_retries,
-                                periods=self.periods, seed=self.seed, max_norm=self.max_norm,
-                                clip_norm=self.clip_norm)
+            cfg = GossipConfig(period_steps=self.period_steps, max_incoming=self.max_incoming,
+                               create=self.create, merge=self.merge, exchange=names, catch_up=self.catch_up,
+                               send_timeout=self.send_timeout, max_retries=self.max_retries,
+                               periods=self.periods, seed=self.seed, max_norm=self.max_norm,
+                               clip_norm=self.clip_norm, aggregation=self.aggregation,
+                               byzantine=self.byzantine, fanout=self.fanout, neighbour_ttl=self.neighbour_ttl)
         except ValueError as exc:
             raise ConfigError(f"[gossip]: {exc}") from None
+        if self.aggregation != "mean":
+            from fedagent.protocols.gossip import neighbours_needed
+
+            need = neighbours_needed(self.aggregation, self.byzantine)
+            if self.min_peers < need:
+                raise ConfigError(
+                    f"[gossip]: aggregation = {self.aggregation} with byzantine = {self.byzantine} merges a node's "
+                    f"own model with at least {need} neighbours' models ({_SCREEN_RULE[self.aggregation]}), "
+                    f"but min_peers is {self.min_peers}: raise min_peers to {need} (and run that many "
+                    "peers) or lower byzantine")
+        return cfg
 
 
 @dataclass(frozen=True, slots=True)

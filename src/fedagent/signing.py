@@ -23,13 +23,25 @@ each side (by the chunking layer) instead of twice; a tampered chunk costs the
 transfer, which a broker could drop anyway. The envelope inside a chunked transfer is
 not signed itself: it is accepted only if its sender is the chunks' signer.
 
-Freshness (:class:`ReplayGuard`): a frame's ``seq`` must be new for its sender, within a
-sliding window below the highest seen (MQTT does not order messages across topics or
-brokers, so strict monotonicity would drop legitimate traffic), and its ``ts`` within
-``max_skew`` seconds of the receiver's clock. A sender's counter starts at its wall
-clock in microseconds, so a restarted node continues above the numbers it used before
-(a per-boot epoch). The envelope's round is signed and the messenger refuses a message
-whose body names another round (round binding).
+Freshness (:class:`ReplayGuard`) rests on per-sender sequence numbers: a frame's ``seq``
+must be new for its sender, within a sliding window below the highest seen (MQTT does
+not order messages across topics or brokers, so strict monotonicity would drop
+legitimate traffic). The envelope's round is signed and the messenger refuses a message
+whose body names another round (round binding). Both survive restarts:
+
+* the sender's counter starts above every number it used before: at the larger of its
+  wall clock in microseconds and a persisted reservation (:class:`SequenceCounter`), so
+  a node restarted after its clock went back does not reuse numbers;
+* the receiver persists, per sender, the largest numbers it accepted
+  (:meth:`ReplayGuard.snapshot`) before it hands a message on, so a frame captured
+  before a crash is refused after the restart too.
+
+The timestamp is only a coarse bound, ``max_skew`` seconds around the receiver's clock,
+for the first frames of a sender the receiver has no numbers for. Both clocks are
+:class:`SteadyClock`: the wall clock read once at start, advanced by the boot-time
+clock. A wall-clock jump of either node while it runs therefore moves neither what the
+sender stamps nor what the receiver compares with (RELIABILITY T12); a node *started*
+with a clock more than ``max_skew`` off is refused (``stale``) and the log says so.
 
 Presence is the exception: it is retained and its Last Will is signed when the
 connection is made and delivered whenever it breaks, possibly hours later, so it
@@ -41,6 +53,7 @@ carries model content.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 import time
@@ -59,7 +72,8 @@ from cryptography.x509.oid import NameOID
 from fedagent.errors import ConfigError, FedagentError
 from fedagent.protocols.codec import Envelope
 
-__all__ = ["AuthError", "Identity", "Verifier", "ReplayGuard", "signing_digest", "sign", "UNFRESH_KINDS"]
+__all__ = ["AuthError", "Identity", "Verifier", "ReplayGuard", "SequenceCounter", "SteadyClock", "signing_digest",
+           "sign", "UNFRESH_KINDS"]
 
 _DOMAIN = b"fedagent-envelope-signature/1"
 CHUNK_KIND = "chunk"
@@ -94,6 +108,69 @@ def signing_digest(env: Envelope) -> bytes:
     packed = msgpack.packb([_DOMAIN, env.version, env.kind, env.federation, env.sender, env.round,
                             env.seq, env.ts, env.cert, body], use_bin_type=True, datetime=False)
     return hashlib.sha256(packed).digest()
+
+
+# --- clocks and counters -------------------------------------------------------------
+
+_BOOT_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
+
+
+class SteadyClock:
+    """Wall-clock seconds that do not jump: the wall clock read once, at construction,
+    advanced by ``CLOCK_BOOTTIME`` (monotonic, and unlike ``CLOCK_MONOTONIC`` it counts
+    time spent suspended, so a device that sleeps does not fall behind). An NTP step
+    after the start is not followed; slewing keeps the drift far below ``max_skew``."""
+
+    def __init__(self, wall: float | None = None) -> None:
+        self._base = time.clock_gettime(_BOOT_CLOCK)
+        self._wall = time.time() if wall is None else wall
+
+    def __call__(self) -> float:
+        return self._wall + (time.clock_gettime(_BOOT_CLOCK) - self._base)
+
+
+class SequenceCounter:
+    """A node's outgoing sequence numbers, strictly increasing across restarts.
+
+    Numbers start at the larger of the wall clock in microseconds (a per-boot epoch that
+    needs no state) and the reservation persisted in ``path``; the reservation is moved
+    ``block`` numbers ahead, atomically, before any number beyond it is used. So one
+    write per ``block`` messages, and a clock that went back before a restart cannot
+    make the node reuse numbers its peers have seen (they would refuse them as replays).
+    """
+
+    def __init__(self, path: Path | None = None, *, block: int = 1 << 20) -> None:
+        from fedagent import statefile
+
+        self._path = Path(path) if path is not None else None
+        self._block = block
+        self._write = statefile.atomic_write
+        start = time.time_ns() // 1000
+        if self._path is not None:
+            raw = statefile.read_bytes(self._path, 64)
+            if raw is not None:
+                try:
+                    start = max(start, int(raw.decode("ascii").strip()))
+                except ValueError:
+                    raise ConfigError(f"{self._path}: not a sequence reservation (remove it only if "
+                                      "the clock is known to be right)") from None
+        self.value = start
+        self._reserved = start
+        self._reserve()
+
+    def _reserve(self) -> None:
+        self._reserved = self.value + self._block
+        if self._path is not None:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            self._write(self._path, f"{self._reserved}\n".encode())
+
+    def take(self, n: int = 1) -> int:
+        """Reserve ``n`` consecutive numbers; returns the first."""
+        first = self.value + 1
+        self.value += n
+        if self.value >= self._reserved:
+            self._reserve()
+        return first
 
 
 # --- the sender's side ---------------------------------------------------------------
@@ -164,21 +241,36 @@ class ReplayGuard:
     A sequence number is accepted once, if it is above ``highest - window``; memory is
     ``window`` numbers per sender at most, and senders are only ever the holders of
     valid certificates (the guard runs after the signature check).
+
+    Persistence: :meth:`snapshot` keeps, per sender, the ``keep`` largest numbers
+    accepted; :meth:`restore` makes every number up to the smallest of them a replay
+    and the kept ones too. Every number accepted above that floor is among the kept
+    (they are the largest), so a restarted receiver refuses every frame it accepted
+    before; what it loses is a frame it never saw that is older than ``keep`` newer
+    ones from the same sender (delivery that late does not happen on one broker).
     """
 
-    def __init__(self, *, window: int = 4096, max_skew: float = 300.0, max_senders: int = 100_000) -> None:
-        if window < 1 or not (max_skew > 0 and math.isfinite(max_skew)):
-            raise ValueError("replay window must be >= 1 and max_skew positive")
+    def __init__(self, *, window: int = 4096, max_skew: float = 300.0, max_senders: int = 100_000,
+                 keep: int = 64) -> None:
+        if window < 1 or keep < 1 or not (max_skew > 0 and math.isfinite(max_skew)):
+            raise ValueError("replay window and keep must be >= 1 and max_skew positive")
         self.window = window
         self.max_skew = max_skew
         self.max_senders = max_senders
+        self.keep = keep
         self._highest: dict[str, int] = {}
         self._seen: dict[str, set[int]] = {}
+        self._floor: dict[str, int] = {}        # from a snapshot: this and below are replays
+        self._top: dict[str, list[int]] = {}     # the `keep` largest accepted, ascending
+        self.dirty = False
 
     def check(self, sender: str, seq: int, ts: float, now: float) -> None:
         if abs(ts - now) > self.max_skew:
             raise AuthError("stale", f"timestamp {ts:.0f} is {ts - now:+.0f} s from this node's clock "
                                      f"(allowed ±{self.max_skew:.0f} s)")
+        if seq <= self._floor.get(sender, -1):
+            raise AuthError("replay", f"sequence number {seq} is not above {self._floor[sender]}, the oldest "
+                                      "this node kept across its restart (a replay)")
         high = self._highest.get(sender)
         if high is not None:
             if seq <= high - self.window:
@@ -190,19 +282,49 @@ class ReplayGuard:
             raise AuthError("replay", "too many senders tracked")
         seen = self._seen.setdefault(sender, set())
         seen.add(seq)
+        top = self._top.setdefault(sender, [])
+        if len(top) < self.keep or seq > top[0]:
+            bisect.insort(top, seq)
+            if len(top) > self.keep:
+                del top[0]
+        self.dirty = True
         if high is None or seq > high:
             self._highest[sender] = seq
             floor = seq - self.window
             if len(seen) > self.window:
                 seen.difference_update([s for s in seen if s <= floor])
 
+    def snapshot(self) -> bytes:
+        """What :meth:`restore` needs, as msgpack (``keep`` numbers per sender)."""
+        self.dirty = False
+        return msgpack.packb({s: top for s, top in self._top.items()}, use_bin_type=True)
+
+    def restore(self, data: bytes) -> None:
+        """Load a snapshot (validated: it is read from disk, not trusted blindly)."""
+        try:
+            doc = msgpack.unpackb(data, raw=False, strict_map_key=True, max_array_len=self.keep,
+                                  max_map_len=self.max_senders, max_str_len=256, max_bin_len=0, max_ext_len=0)
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise FedagentError(f"unreadable replay state: {exc}") from None
+        if not isinstance(doc, dict) or not all(
+                isinstance(s, str) and isinstance(v, list) and v and all(type(x) is int for x in v)
+                for s, v in doc.items()):
+            raise FedagentError("replay state is not {sender: [sequence numbers]}")
+        for sender, seqs in doc.items():
+            seqs = sorted(set(seqs))[-self.keep:]
+            self._floor[sender] = seqs[0] - 1
+            self._seen[sender] = set(seqs)
+            self._highest[sender] = seqs[-1]
+            self._top[sender] = seqs
+
 
 class Verifier:
     """Checks a frame's certificate, signature and freshness. Raises :class:`AuthError`."""
 
     def __init__(self, ca: x509.Certificate, *, max_skew: float = 300.0, window: int = 4096,
-                 cache_size: int = 1024) -> None:
+                 cache_size: int = 1024, clock=None) -> None:
         self.ca = ca
+        self.clock = clock or SteadyClock()
         self.replay = ReplayGuard(window=window, max_skew=max_skew)
         self._cache: OrderedDict[bytes, _Signer] = OrderedDict()
         self._cache_size = cache_size
@@ -242,8 +364,9 @@ class Verifier:
         return signer
 
     def check(self, env: Envelope, now: float | None = None) -> str:
-        """Authenticate ``env`` (a frame as received); returns the signer's role."""
-        now = time.time() if now is None else now
+        """Authenticate ``env`` (a frame as received); returns the signer's role. ``now``
+        defaults to this node's :class:`SteadyClock` (certificate validity and timestamps)."""
+        now = self.clock() if now is None else now
         if not env.sig or not env.cert:
             raise AuthError("unsigned", "frame carries no signature or no certificate")
         signer = self._signer(env.cert)

@@ -113,7 +113,8 @@ class GossipSession:
         self.messenger = Messenger(federation=federation, node_id=self.cfg.id, transport=self.transport,
                                    max_chunk_bytes=self.cfg.max_chunk_bytes,
                                    max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics,
-                                   identity=node_identity(self.cfg), max_skew=self.cfg.max_clock_skew)
+                                   identity=node_identity(self.cfg), max_skew=self.cfg.max_clock_skew,
+                                   state_dir=self.dir)
         self.links: dict[str, tuple[Transport, asyncio.Event]] = {}
         self._tg: asyncio.TaskGroup | None = None
 
@@ -344,7 +345,7 @@ class GossipSession:
                  for pid, p in sorted(self._peers.items())}
         gossip = {k: st[k] for k in ("sent", "received", "dropped", "rejected", "refused", "acked", "timeouts",
                                      "retries", "returned", "reclaimed", "late_acks", "duplicates", "merged",
-                                     "in_flight", "inbox", "mass", "merge", "create")}
+                                     "in_flight", "inbox", "mass", "merge", "create", "screened", "screen_short")}
         return {"federation": self.fed, "broker": self.broker, "connection": self.transport.state,
                 "reconnects": self.transport.reconnects, "last_error": self.transport.last_error,
                 "coordinator": None, "round": self.machine.period, "period": self.machine.period,

@@ -31,6 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from fedagent.errors import CodecError
 from fedagent.protocols import topics
@@ -40,9 +41,13 @@ from fedagent.protocols.compression import Compressor
 from fedagent.protocols.messages import Message, Update, body_of
 from fedagent.protocols.streaming import (HEAD_KIND, STREAM_KIND, StreamEvent, StreamIntake,
                                           UpdateHead, encode_stream, head_body, iter_stream_chunks)
-from fedagent.signing import CHUNK_KIND, AuthError, Identity, sign
+from fedagent import statefile
+from fedagent.errors import FedagentError
+from fedagent.signing import CHUNK_KIND, AuthError, Identity, SequenceCounter, SteadyClock, sign
 
 log = logging.getLogger(__name__)
+SEQ_FILE = "signing-seq"
+REPLAY_FILE = "replay-guard.msgpack"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,21 +64,36 @@ class Messenger:
     def __init__(self, *, federation: str, node_id: str, transport, identity: Identity,
                  max_chunk_bytes: int = 4 * 2**20, max_model_bytes: int = 2**30,
                  reassembly_timeout: float = 120.0, metrics=None, max_skew: float = 300.0,
-                 publish_window: int = 2, publish_timeout: float = 30.0) -> None:
+                 publish_window: int = 2, publish_timeout: float = 30.0, state_dir=None) -> None:
+        """``state_dir``: where the outgoing sequence reservation and the replay guard's
+        state survive a restart (see :mod:`fedagent.signing`); None keeps both in memory."""
         if identity.name != node_id:
             raise ValueError(f"the signing identity is {identity.name!r}, not {node_id!r}")
         self.federation = federation
         self.node_id = node_id
         self.transport = transport
         self.identity = identity
-        self.verifier = identity.verifier(max_skew=max_skew)
+        self.clock = SteadyClock()
+        self.verifier = identity.verifier(max_skew=max_skew, clock=self.clock)
+        self._replay_path = None
+        if state_dir is not None:
+            self._replay_path = Path(state_dir) / REPLAY_FILE
+            self._replay_path.parent.mkdir(parents=True, exist_ok=True)
+            raw = statefile.read_bytes(self._replay_path, 16 * 2**20)
+            if raw is not None:
+                try:
+                    self.verifier.replay.restore(raw)
+                except FedagentError as exc:
+                    # Written atomically, so only a hand edit or a bad disk gets here: start
+                    # empty (the timestamp window still bounds replays) and say so.
+                    log.warning("%s: %s; starting with no replay history", self._replay_path, exc)
         self.max_chunk = max_chunk_bytes
         if publish_window < 1:
             raise ValueError("publish_window must be at least 1")
         self.publish_window = publish_window
         self.publish_timeout = float(publish_timeout)
-        # Per-sender sequence numbers grow across restarts: they start at the clock.
-        self._seq = time.time_ns() // 1000
+        # Per-sender sequence numbers grow across restarts, whatever the clock did.
+        self._counter = SequenceCounter(None if state_dir is None else Path(state_dir) / SEQ_FILE)
         self._transfer = 0
         chunk_overhead = 4096
         self.wire_limits = Limits(max_message_bytes=max_chunk_bytes + chunk_overhead,
@@ -95,10 +115,13 @@ class Messenger:
         self.messages_in = 0
         self.messages_out = 0
 
+    @property
+    def _seq(self) -> int:
+        return self._counter.value
+
     def envelope(self, message: Message, round_: int = 0) -> Envelope:
-        self._seq += 1
         return Envelope(kind=message.kind, federation=self.federation, sender=self.node_id,
-                        round=round_, seq=self._seq, ts=time.time(), body=message.to_body())
+                        round=round_, seq=self._counter.take(), ts=self.clock(), body=message.to_body())
 
     def frame(self, message: Message, round_: int | None = None) -> bytes:
         """One signed frame for a message that is never chunked (presence, a Last Will)."""
@@ -123,14 +146,13 @@ class Messenger:
             self._transfer += 1
             tid = f"{self._seq:x}-{self._transfer}"
             n = -(-len(payload) // self.max_chunk)
-            first = self._seq + 1
-            self._seq += n             # reserved here: another send may run meanwhile
+            first = self._counter.take(n)  # reserved here: another send may run meanwhile
             round_ = env.round
             bodies = await asyncio.to_thread(split, payload, max_chunk=self.max_chunk, transfer_id=tid, copy=False)
 
             def frame(i: int) -> bytes:
                 return encode(sign(Envelope(kind=CHUNK_KIND, federation=self.federation, sender=self.node_id,
-                                            round=round_, seq=first + i, ts=time.time(), body=bodies[i]),
+                                            round=round_, seq=first + i, ts=self.clock(), body=bodies[i]),
                                    self.identity))
 
             total = await self._publish_frames(transport, topic, n, frame)
@@ -204,9 +226,8 @@ class Messenger:
         transport = transport or self.transport
         compressor = compressor or Compressor()
         tensors = await asyncio.to_thread(compressor.encode, update.weights, base)
-        self._seq += 1
         head = Envelope(kind=HEAD_KIND, federation=self.federation, sender=self.node_id, round=update.round,
-                        seq=self._seq, ts=time.time(),
+                        seq=self._counter.take(), ts=self.clock(),
                         body=head_body(update.round, update.base_version, update.num_samples, update.metrics,
                                        update.leaving, tensors))
         payload, digest = await asyncio.to_thread(_stream_payload, head, tensors)
@@ -214,8 +235,7 @@ class Messenger:
         self._transfer += 1
         tid = f"u{self._seq:x}-{self._transfer}"
         n = max(1, -(-len(payload) // self.max_chunk))
-        first = self._seq + 1
-        self._seq += n                 # reserved here: another send may run meanwhile
+        first = self._counter.take(n)  # reserved here: another send may run meanwhile
         round_ = update.round
 
         bodies = list(iter_stream_chunks(payload, max_chunk=self.max_chunk, transfer_id=tid, digest=digest))
@@ -224,7 +244,7 @@ class Messenger:
             # Signed like a chunk: the data are bound by the payload's SHA-256 in the
             # signed body, and the intake treats every part as tentative until it matches.
             return encode(sign(Envelope(kind=STREAM_KIND, federation=self.federation, sender=self.node_id,
-                                        round=round_, seq=first + i, ts=time.time(), body=bodies[i]), self.identity))
+                                        round=round_, seq=first + i, ts=self.clock(), body=bodies[i]), self.identity))
 
         # Frames go out in order (the coordinator folds a stream in order and holds back
         # only a few chunks that overtake others, so the sender must not reorder them).
@@ -254,6 +274,11 @@ class Messenger:
             if getattr(ev, "ok", True) is False:
                 self._reject("stream", ev.sender, ev.reason)
         if events:
+            if any(isinstance(ev, UpdateHead) for ev in events):
+                # A replayed stream can only start with its header (the intake refuses
+                # parts of a transfer it does not know), so the guard is made durable when
+                # a stream starts, not fsync'd for every chunk of a large update.
+                self._persist_replay()
             await self.on_stream(events)
 
     def _bind_round(self, env: Envelope, events: list[StreamEvent]) -> list[StreamEvent]:
@@ -266,6 +291,14 @@ class Messenger:
                 kept = [e for e in events[k + 1:] if e.tid != ev.tid]
                 return events[:k] + kept + tail
         return events
+
+    def _persist_replay(self) -> None:
+        """Make the replay guard's numbers durable before a message is handed on: a frame
+        replayed after a crash must meet them. (Once delivered to this process, an MQTT
+        QoS 1 message has been acknowledged, so writing first loses nothing a
+        redelivery would have brought.)"""
+        if self._replay_path is not None and self.verifier.replay.dirty:
+            statefile.atomic_write(self._replay_path, self.verifier.replay.snapshot())
 
     def _reject(self, reason: str, sender: str, detail: str) -> None:
         self.rejected[reason] += 1
@@ -334,6 +367,7 @@ class Messenger:
         self.messages_in += 1
         if self.metrics is not None:
             self.metrics.message_in()
+        self._persist_replay()
         await deliver(Incoming(topic, env.sender, env, message, size, role))
 
 

@@ -104,7 +104,8 @@ class SyncOptSession:
         self.messenger = Messenger(federation=federation, node_id=self.cfg.id, transport=self.transport,
                                    max_chunk_bytes=self.cfg.max_chunk_bytes,
                                    max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics,
-                                   identity=node_identity(self.cfg), max_skew=self.cfg.max_clock_skew)
+                                   identity=node_identity(self.cfg), max_skew=self.cfg.max_clock_skew,
+                                   state_dir=self.dir)
         self._compute_lock = asyncio.Lock()
         self.pending_history: list[dict[str, Any]] = []
 

@@ -124,7 +124,7 @@ class Coordinator:
         self.messenger = Messenger(federation=self.fed, node_id=cfg.id, transport=self.transport,
                                    max_chunk_bytes=cfg.max_chunk_bytes, max_model_bytes=cfg.max_model_bytes,
                                    metrics=self.metrics, identity=node_identity(cfg),
-                                   max_skew=cfg.max_clock_skew)
+                                   max_skew=cfg.max_clock_skew, state_dir=self.dir)
         self.messenger.on_stream = self._on_stream
         self.peers: dict[str, dict[str, Any]] = {}
         self.rejections: list[dict[str, Any]] = []

@@ -158,7 +158,7 @@ class SyncOptCoordinator:
         self.messenger = Messenger(federation=self.fed, node_id=cfg.id, transport=self.transport,
                                    max_chunk_bytes=cfg.max_chunk_bytes, max_model_bytes=cfg.max_model_bytes,
                                    metrics=self.metrics, identity=node_identity(cfg),
-                                   max_skew=cfg.max_clock_skew)
+                                   max_skew=cfg.max_clock_skew, state_dir=self.dir)
         self.online: dict[str, int] = {}
         self.peers: dict[str, dict[str, Any]] = {}
         self.rejections: list[dict[str, Any]] = []

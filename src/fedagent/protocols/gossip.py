@@ -80,6 +80,37 @@ towards fast nodes (the bias the thesis cites from Giaretta). ``age`` (local tra
 steps that went into a model, mass-weighted through merges) is tracked and sent for
 monitoring only. Pass ``num_samples=1`` everywhere for an unweighted mean.
 
+Screening merge: ``aggregation="median" | "trimmed_mean" | "krum"``
+-------------------------------------------------------------------
+Push-sum's merge is a mass-weighted mean: one peer that sends an arbitrary model (or
+claims a huge mass) moves every node it reaches as far as it likes, and ``clip_norm``
+only bounds that pull per merge. With a screening aggregation the node instead follows
+the Byzantine-resilient decentralized rule of BRIDGE (Yang & Bajwa 2019): it keeps the
+*newest* model received from each neighbour (one slot per sender, so flooding gains a
+Byzantine peer nothing; slots older than ``neighbour_ttl`` periods are forgotten), and
+at each boundary it sends its model to ``fanout`` random peers and replaces its model
+with a robust statistic of {its own} ∪ {the neighbours' newest models}:
+
+* ``median``: the coordinate-wise median (n > 2f);
+* ``trimmed_mean``: per coordinate the mean after dropping the f largest and the f
+  smallest values (BRIDGE-T; n >= 2f + 1);
+* ``krum``: the mean of the n − f models with the lowest Krum scores (n > 2f + 2);
+
+with n the number of models in the merge and f = ``byzantine``, the Byzantine
+neighbours one node must tolerate. ``neighbours_needed`` turns the preconditions into a
+minimum number of neighbour models; the agent's configuration refuses a ``min_peers``
+below it at start, and a node that holds fewer fresh neighbour models at a boundary
+trains on alone rather than run a screening whose precondition fails
+(``status()["screen_short"]``).
+
+What is given up: the screening is no longer a mass-weighted mean, so nothing is
+conserved. Masses, returns and refusals for mass reasons do not exist in this mode
+(every received model is acknowledged and only replaces its sender's slot), and the
+nodes reach consensus on a robust *centre* of the honest models, not on their exact
+(sample-weighted) mean: with non-IID shards that centre can sit away from the mean,
+and a median of few models moves in jumps. That is the price of not letting f peers
+choose the result; the accuracy cost is measured in tests/byzantine_gossip.py.
+
 Partial exchange (thesis "half")
 --------------------------------
 ``exchange`` names the parameters that travel (``None`` = all). Only they are sent,
@@ -97,15 +128,33 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedagent.protocols.aggregation import UpdateRejected, WeightedMean, check_update, clip_to
+from fedagent.protocols.aggregation import (
+    ROBUST, UpdateRejected, WeightedMean, check_update, clip_to, coordinate_median, krum_scores,
+    pairwise_sq_distances, trimmed_mean,
+)
 
 Weights = dict[str, np.ndarray]
 
 CREATE_MODES = ("mu", "um", "rw")
 MERGE_MODES = ("pushsum", "thesis")
+AGGREGATIONS = ("mean",) + ROBUST   # "mean": the merge above; the others: a screening merge
 FREQUENT_STEPS = 10        # thesis §4.2.2: exchange every 10 local batches
 INFREQUENT_STEPS = 500     # thesis §4.2.3: exchange every 500 local batches
 _SEEN_IDS = 4096           # (sender, exchange id) pairs remembered for deduplication
+_MAX_NEIGHBOURS = 1024     # latest models kept for a screening merge (senders hold certificates)
+
+
+def neighbours_needed(aggregation: str, byzantine: int) -> int:
+    """Neighbour models (besides the node's own) a screening merge with ``aggregation``
+    needs so that ``byzantine`` of them cannot steer it; n = this + 1 models enter it.
+
+    median: f < n/2; trimmed mean (f dropped at each end): n >= 2f + 1; Krum: n > 2f + 2.
+    At least one neighbour in every case: a merge of one's own model alone is no merge."""
+    if aggregation == "krum":
+        return 2 * byzantine + 2
+    if aggregation in ("median", "trimmed_mean"):
+        return max(1, 2 * byzantine)
+    return 1
 
 
 # ---- configuration -----------------------------------------------------------------
@@ -123,6 +172,14 @@ class GossipConfig:
     catch_up: bool = True           # push-sum: a newcomer's first merge adopts far older models
     max_norm: float | None = None   # refuse a received model whose L2 norm exceeds this
     clip_norm: float | None = None  # cap a received model's distance from ours before it is kept
+    aggregation: str = "mean"       # "mean" (merge above) | "median" | "trimmed_mean" | "krum" (screening)
+    byzantine: int = 0              # screening: Byzantine neighbours tolerated among a merge's models
+    fanout: int = 1                 # peers the model is sent to per period
+    neighbour_ttl: int = 10         # screening: periods a neighbour's latest model stays usable
+
+    @property
+    def robust(self) -> bool:
+        return self.aggregation != "mean"
 
     def __post_init__(self) -> None:
         for name in ("max_norm", "clip_norm"):
@@ -140,6 +197,17 @@ class GossipConfig:
                 raise ValueError("exchange must name at least one parameter, each once")
         if not self.send_timeout > 0 or self.max_retries < 0 or self.periods < 0:
             raise ValueError("send_timeout must be positive, max_retries and periods non-negative")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, not {self.aggregation!r}")
+        if self.fanout < 1 or self.neighbour_ttl < 1 or self.byzantine < 0:
+            raise ValueError("fanout and neighbour_ttl must be at least 1, byzantine non-negative")
+        if self.byzantine and not self.robust:
+            raise ValueError(f"byzantine = {self.byzantine} needs a screening aggregation "
+                             f"({', '.join(ROBUST)}): the mean tolerates no Byzantine peer (clip_norm only "
+                             "bounds each one's pull)")
+        if self.robust and (self.create != "mu" or self.merge != "pushsum"):
+            raise ValueError(f"aggregation = {self.aggregation!r} replaces the merge: it works with "
+                             "create = 'mu' and the default merge only")
 
     @classmethod
     def frequent(cls, **kw: object) -> GossipConfig:
@@ -316,6 +384,38 @@ def _distance(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], names: t
     return math.sqrt(sq)
 
 
+def screen(aggregation: str, own: Mapping[str, np.ndarray], others: list[Mapping[str, np.ndarray]],
+           byzantine: int) -> Weights:
+    """The screening merge over ``own`` and ``others`` (same names, shapes, dtypes as
+    ``own``, already validated): per floating coordinate the median, or the mean after
+    dropping the ``byzantine`` largest and smallest values; or multi-Krum, the mean of
+    the n − f models with the lowest Krum scores. Non-floating tensors keep ``own``'s
+    values (step counters and the like are not the peers' to set)."""
+    models = [own, *others]
+    n = len(models)
+    if n <= 2 * byzantine or (aggregation == "krum" and n <= 2 * byzantine + 2):
+        raise ValueError(f"{aggregation} over {n} models cannot tolerate {byzantine} Byzantine ones")
+    floats = [k for k, v in own.items() if np.asarray(v).dtype.kind == "f"]
+    chosen = list(range(n))
+    if aggregation == "krum":
+        scores = krum_scores(pairwise_sq_distances(models, floats), byzantine)
+        chosen = sorted(int(i) for i in np.argsort(scores, kind="stable")[:n - byzantine])
+    out: Weights = {}
+    for name in floats:
+        ref = np.asarray(own[name])
+        stack = np.stack([np.asarray(models[i][name], np.float64) for i in chosen])
+        if aggregation == "median":
+            agg = coordinate_median(stack)
+        elif aggregation == "trimmed_mean":
+            agg = trimmed_mean(stack, byzantine)
+        elif aggregation == "krum":
+            agg = stack.mean(axis=0)
+        else:
+            raise ValueError(f"not a screening aggregation: {aggregation!r}")
+        out[name] = agg.astype(ref.dtype)
+    return out
+
+
 class GossipMachine:
     def __init__(self, node_id: str, config: GossipConfig, weights: Weights, *,
                  num_samples: int = 1, session: str = "0") -> None:
@@ -330,6 +430,8 @@ class GossipMachine:
             raise ValueError(f"exchanged parameters not in the model: {unknown[:3]}")
         self.node_id = node_id
         self.config = config
+        # A screening merge ignores masses, so none of push-sum's mass bookkeeping applies.
+        self._pushsum = config.merge == "pushsum" and not config.robust
         self.names = names
         self.model: Weights = dict(weights)
         self.mass = float(num_samples)
@@ -352,6 +454,8 @@ class GossipMachine:
         self._expired: deque[str] = deque(maxlen=_SEEN_IDS)
         self._seen: dict[tuple[str, str], bool] = {}    # -> accepted
         self._seen_order: deque[tuple[str, str]] = deque()
+        # screening: each neighbour's latest model and the period it arrived in
+        self._latest: dict[str, tuple[Weights, int]] = {}
         # the period's create plan: jobs still to train and results collected
         self._train_id: int | None = None
         self._jobs: list[tuple[Weights, float]] = []
@@ -362,7 +466,7 @@ class GossipMachine:
         self.counts = dict.fromkeys(
             ("sent", "received", "dropped", "rejected", "refused", "returned", "bounced",
              "acked", "timeouts", "retries", "reclaimed", "late_acks", "duplicates", "merged",
-             "train_rejected", "caught_up"), 0)
+             "train_rejected", "caught_up", "screened", "screen_short"), 0)
 
     # -- public ------------------------------------------------------------------------
     @property
@@ -381,6 +485,7 @@ class GossipMachine:
             return []
         if isinstance(event, PeerDown):
             self.peers.discard(event.peer)
+            self._latest.pop(event.peer, None)
             out: list[Command] = []
             for xid in [x for x, f in self._in_flight.items() if f.peer == event.peer]:
                 out += self._reroute(xid, now)
@@ -433,7 +538,7 @@ class GossipMachine:
 
         if self.finished:
             return refuse("finished", f"{self.node_id} stopped after period {self.period}")
-        if ev.returned and self.config.merge != "pushsum":
+        if ev.returned and not self._pushsum:
             return refuse("returned", "returned models exist only with merge='pushsum'")
         if not (isinstance(ev.mass, (int, float)) and math.isfinite(ev.mass) and ev.mass > 0):
             return refuse("mass", f"mass must be positive and finite, got {ev.mass!r}")
@@ -454,6 +559,14 @@ class GossipMachine:
             values = clip_to(own, values, self.config.clip_norm)
         payload = _Payload(values, float(ev.mass), float(ev.age))
         ack = SendAck(ev.sender, ev.exchange_id, True)
+        if self.config.robust:
+            # Only a neighbour's newest model counts: a Byzantine peer sending many models
+            # still fills one slot, and the screening sees each sender at most once.
+            self._latest.pop(ev.sender, None)
+            self._latest[ev.sender] = (values, self.period)
+            if len(self._latest) > _MAX_NEIGHBOURS:
+                self._latest.pop(next(iter(self._latest)))
+            return [ack]
         if ev.returned:
             self.counts["returned"] += 1
             self._home.append(payload)
@@ -476,7 +589,7 @@ class GossipMachine:
         victim, self._inbox[slot] = self._inbox[slot], item
         out: list[Command] = [ack, Dropped(victim.sender, victim.exchange_id, "inbox-full",
                                            f"evicted by {ev.sender} ({self._arrivals} arrivals this period)")]
-        if self.config.merge == "pushsum":
+        if self._pushsum:
             # Already acknowledged, so its mass is ours to give back.
             self.counts["bounced"] += 1
             out += self._send(victim.sender, victim.payload, now, returned=True)
@@ -501,7 +614,7 @@ class GossipMachine:
             self.counts["acked"] += 1
             return []
         self.counts["refused"] += 1
-        if self.config.merge == "pushsum":
+        if self._pushsum:
             self._home.append(f.payload)
         return []
 
@@ -524,7 +637,7 @@ class GossipMachine:
         if not f.returned and candidates and len(f.tried) <= self.config.max_retries:
             self.counts["retries"] += 1
             return self._send(self._rng.choice(candidates), f.payload, now, tried=f.tried)
-        if self.config.merge == "pushsum":
+        if self._pushsum:
             self.counts["reclaimed"] += 1
             self._home.append(f.payload)
         return []
@@ -533,7 +646,9 @@ class GossipMachine:
     def _boundary(self, now: float) -> list[Command]:
         cfg = self.config
         self.period += 1
-        pushsum = cfg.merge == "pushsum"
+        if cfg.robust:
+            return self._screening_boundary(now)
+        pushsum = self._pushsum
         if cfg.periods and self.period >= cfg.periods:
             # The last step is a MERGE without UPDATE: what came home and what the inbox
             # kept are folded in, so the final model is a consensus estimate rather than
@@ -614,6 +729,36 @@ class GossipMachine:
         self.mass += own_mass_only
         return out + self._plan([(self.model, 1.0)], merge_all=False)
 
+    def _screening_boundary(self, now: float) -> list[Command]:
+        """The period boundary with a screening merge (BRIDGE-style, Yang & Bajwa 2019):
+        send the model to ``fanout`` peers, then replace it with the coordinate-wise
+        median / trimmed mean / multi-Krum choice over itself and the newest model of
+        every neighbour heard from in the last ``neighbour_ttl`` periods, and train.
+        With fewer neighbours than the rule needs the node trains on alone: a screening
+        outside its precondition would let the Byzantine peers win."""
+        cfg = self.config
+        last = bool(cfg.periods and self.period >= cfg.periods)
+        out: list[Command] = []
+        if self.peers and not last:
+            own = {k: self.model[k] for k in self.names}
+            for peer in self._rng.sample(sorted(self.peers), min(cfg.fanout, len(self.peers))):
+                out += self._send(peer, _Payload(own, 1.0, self.age), now)
+        for sender in [s for s, (_, p) in self._latest.items() if self.period - p > cfg.neighbour_ttl]:
+            del self._latest[sender]
+        others = [v for v, _ in self._latest.values()]
+        if len(others) >= neighbours_needed(cfg.aggregation, cfg.byzantine):
+            self._measure_disagreement([_Payload(v, 1.0, 0.0) for v in others])
+            own = {k: self.model[k] for k in self.names}
+            self.model = {**self.model, **screen(cfg.aggregation, own, others, cfg.byzantine)}
+            self.counts["screened"] += 1
+            self.counts["merged"] += len(others)
+        elif others or self.peers:
+            self.counts["screen_short"] += 1
+        if last:
+            self.finished = True
+            return out + [Finished(self.period, self.model)]
+        return out + self._plan([(self.model, 1.0)], merge_all=False)
+
     def _fold(self, entries: list[tuple[Mapping[str, np.ndarray], float, float]]) -> None:
         """MERGE: mass-weighted mean of the exchanged parameters (masses are all 1 in
         thesis mode); the others keep the node's own values."""
@@ -623,7 +768,7 @@ class GossipMachine:
         merged = _mean([(w, m) for w, m, _ in entries], self.names)
         self.model = {k: merged.get(k, v) for k, v in self.model.items()}
         self.age = sum(a * m for _, m, a in entries) / total
-        if self.config.merge == "pushsum":
+        if self._pushsum:
             self.mass = total
 
     def _measure_disagreement(self, kept: list[_Payload]) -> None:
