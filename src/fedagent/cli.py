@@ -154,6 +154,31 @@ peers = _ask_daemon("peers", "peers", "List the peers the local daemon knows: ro
 
 
 @main.command()
+@click.argument("text")
+@click.option("--k", "k", default=10, show_default=True, help="how many documents to list")
+@click.option("--timeout", default=5.0, show_default=True, help="seconds to wait for the peers' answers")
+@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+              help="config file of the agent to ask (default: /etc/fedagent/agent.toml)")
+@click.option("--socket", type=click.Path(path_type=Path), default=None, help="control socket path")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def search(text: str, k: int, timeout: float, config_path: Path | None, socket: Path | None, as_json: bool) -> None:
+    """Semantic search across the federation (SEEC): the running agent vectorises TEXT
+    with the shared model, sends only the vector to its peers and merges their top-k."""
+    from fedagent import status as rendering
+    from fedagent.agent.control import request
+
+    try:
+        result = request(_socket_for(config_path, socket, False), "search",
+                         {"text": text, "k": k, "timeout": timeout}, timeout=timeout + 60.0)
+    except FedagentError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(result, sort_keys=True, default=str))
+    else:
+        rendering.render_search(text, result)
+
+
+@main.command()
 @click.option("--config", "config_path", type=click.Path(path_type=Path), default=DEFAULT_AGENT_CONFIG,
               show_default=True, help="agent config file to clear membership in")
 def leave(config_path: Path) -> None:

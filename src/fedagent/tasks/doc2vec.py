@@ -216,6 +216,30 @@ class Doc2VecTask(Task):
             last = total / max(len(rows), 1)
         return vectors.numpy(), last
 
+    # -- semantic search (SEEC) -------------------------------------------------------------------
+    def search_ids(self) -> list[str]:
+        """The ids this site answers a search with: its documents' titles (at most 200
+        characters, made unique with a counter when two documents share one)."""
+        seen: dict[str, int] = {}
+        out = []
+        for t in self.titles:
+            t = " ".join(str(t).split())[:190] or "untitled"
+            n = seen.get(t, 0)
+            seen[t] = n + 1
+            out.append(t if n == 0 else f"{t} #{n + 1}")
+        return out
+
+    def embed_documents(self, model: nn.Module) -> np.ndarray:
+        """This site's documents as vectors of ``model``'s space (inferred with the head
+        frozen, so they are comparable with any other site's vectors of the same model)."""
+        vectors, _ = self.infer_vectors(model, self.tokens, seed=self.seed + 3)
+        return vectors
+
+    def embed_text(self, model: nn.Module, text: str) -> np.ndarray:
+        """A query text as one vector of ``model``'s space (tokenised like the corpus)."""
+        vectors, _ = self.infer_vectors(model, [td.tokenize(text)], seed=self.seed + 4)
+        return vectors[0]
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         queries = self.test_tokens or self.tokens[:EVAL_DOCS]
