@@ -111,7 +111,7 @@ def render_search(text: str, s: dict[str, Any], console: Console | None = None) 
     for i, r in enumerate(s.get("results") or [], 1):
         t.add_row(str(i), str(r["site"]), str(r["doc_id"]), f"{r['score']:.4f}")
     console.print(t)
+    refused = [f"{f.get('peer')} ({f.get('error')})" for f in s.get("failed") or []]
     console.print(f"asked {len(s.get('asked') or [])} peers: answered {_fmt(s.get('answered'))}; "
-                  f"silent after {s.get('timeout')}s: {_fmt(s.get('silent'))}; "
-                  f"refused: {_fmt([f'{f['peer']} ({f['error']})' for f in s.get('failed') or []])}; "
-                  f"{s.get('seconds')}s")
+                  f"silent after {s.get('timeout')}s: {_fmt(s.get('silent'))}; refused: {_fmt(refused)}; "
+                  f"took {s.get('seconds')}s")
