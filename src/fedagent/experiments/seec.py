@@ -59,20 +59,23 @@ QUERIES = ("anarchism and the political philosophy of the state", "the atomic nu
 @dataclass(frozen=True)
 class Scale:
     sites: int = 3
-    epochs: int = 20                # passes over the data (rounds x 1 local epoch when federated)
+    epochs: int = 10                # passes over the data (rounds x 1 local epoch when federated)
     dim: int = 50
     lr: float = 0.025
-    batch_size: int = 512
-    infer_epochs: int = 20
+    batch_size: int = 1024
+    infer_epochs: int = 10
+    agent_infer_epochs: int = 3     # the agents' per-round evaluation and search index
     min_count: int = 2
     mapper_lr: float = 1e-3
-    mapper_epochs: int = 300
+    mapper_epochs: int = 150
+    ceiling: bool = False           # also train a second centralized model (run-to-run noise)
     k: int = 10
     seed: int = 0
     limit: int = 0                  # articles (0 = all)
 
 
-SCALES = {"default": Scale(), "tiny": Scale(epochs=2, infer_epochs=3, mapper_epochs=20, limit=30)}
+SCALES = {"default": Scale(), "paper": Scale(epochs=40, infer_epochs=40, agent_infer_epochs=10, ceiling=True),
+          "tiny": Scale(epochs=2, infer_epochs=3, mapper_epochs=20, limit=30)}
 
 
 def cosine_lr(lr: float, epoch: int, epochs: int) -> float:
@@ -110,7 +113,7 @@ def run_joint(scale: Scale, work: Path, console: Console) -> tuple[dict[str, np.
     from fedagent.demo import Federation
     from fedagent.errors import FedagentError
 
-    agent_opts = options(scale, infer_epochs=min(scale.infer_epochs, 5))
+    agent_opts = options(scale, infer_epochs=scale.agent_infer_epochs)
     rounds = {"rounds": scale.epochs, "min_agents": scale.sites, "expected_agents": scale.sites,
               "min_updates": scale.sites, "round_timeout": 600.0, "local_epochs": 1, "lr": scale.lr,
               "batch_size": scale.batch_size, "seed": scale.seed, "lr_schedule": "cosine", "vocab_timeout": 300.0,
@@ -199,14 +202,16 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
     nn_central = neighbours(central_vec, k)
     step("centralized model", t0)
 
-    t0 = time.monotonic()
-    reseed_task = load_task("doc2vec", options(scale, seed=scale.seed + 1))
-    if reseed_task.search_ids() != titles:
-        raise RuntimeError("the second centralized model must see the articles in the same order")
-    reseed, _ = train(reseed_task, scale, seed=scale.seed + 1)
-    reseed_vec, _ = reseed_task.infer_vectors(reseed, all_tokens, seed=202)
-    ov_reseed = overlaps(nn_central, neighbours(reseed_vec, k), k)
-    step("second centralized model (other seed)", t0)
+    ov_reseed = None
+    if scale.ceiling:
+        t0 = time.monotonic()
+        reseed_task = load_task("doc2vec", options(scale, seed=scale.seed + 1))
+        if reseed_task.search_ids() != titles:
+            raise RuntimeError("the second centralized model must see the articles in the same order")
+        reseed, _ = train(reseed_task, scale, seed=scale.seed + 1)
+        reseed_vec, _ = reseed_task.infer_vectors(reseed, all_tokens, seed=202)
+        ov_reseed = overlaps(nn_central, neighbours(reseed_vec, k), k)
+        step("second centralized model (other seed)", t0)
 
     # Joint learning through the real coordinator and agents.
     t0 = time.monotonic()
@@ -283,8 +288,9 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
         f"mapping (Alg. 2, mapper lr {scale.mapper_lr:g}, {scale.mapper_epochs} epochs)": ov_mapped,
         "mapping (Alg. 2, paper's mapper settings: lr 1e-5, 20 epochs)": ov_paper_mapped,
         "no mapping (raw vector to every site)": ov_unmapped,
-        "second centralized model (other seed)": ov_reseed,
     }
+    if ov_reseed is not None:
+        rows["second centralized model (other seed)"] = ov_reseed
     results = {
         "scale": asdict(scale), "documents": n, "k": k, "random_expectation": k / (n - 1),
         "sim_k": {name: float(ov.mean() / k) for name, ov in rows.items()},
