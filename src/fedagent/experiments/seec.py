@@ -64,7 +64,7 @@ class Scale:
     lr: float = 0.025
     batch_size: int = 1024
     infer_epochs: int = 10
-    agent_infer_epochs: int = 3     # the agents' per-round evaluation and search index
+    agent_infer_epochs: int = 10    # the agents' per-round evaluation and search index
     min_count: int = 2
     mapper_lr: float = 1e-3
     mapper_epochs: int = 150
@@ -75,7 +75,7 @@ class Scale:
 
 
 SCALES = {"default": Scale(), "paper": Scale(epochs=40, infer_epochs=40, agent_infer_epochs=10, ceiling=True),
-          "tiny": Scale(epochs=2, infer_epochs=3, mapper_epochs=20, limit=30)}
+          "tiny": Scale(epochs=2, infer_epochs=3, agent_infer_epochs=3, mapper_epochs=20, limit=30)}
 
 
 def cosine_lr(lr: float, epoch: int, epochs: int) -> float:
@@ -391,7 +391,20 @@ def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[st
                  2: "0.261 (Wikipedia) / 0.198 (Slack)"}
     for i, (name, v) in enumerate(r["sim_k"].items()):
         lines.append(f"| {name} | {v:.3f} | {paper_col.get(i, '-')} |")
+    sk = r["sim_k"]
+    joint_v = next(iter(sk.values()))
+    mapped_v = list(sk.values())[1]
+    unmapped_v = sk.get("no mapping (raw vector to every site)", float("nan"))
     lines += [f"| random ranking | {r['random_expectation']:.3f} | - |", "",
+              "**Reading the numbers.** "
+              f"Joint learning keeps {joint_v * k:.1f} of the centralized top {k} on average (paper: 6.1 on "
+              "Slack). The corpus is small: a top 10 is a tenth of the collection, so every row here sits higher "
+              "above zero than on the paper's 1,576 users or 100 k articles (random ranking: "
+              f"{r['random_expectation']:.3f}). In the mapped search the asking site ranks its own articles in its "
+              "own space, which is right without any mapping; that alone is why the unmapped row is "
+              f"{unmapped_v:.3f} and not random. The mappers add what the other sites' articles contribute: "
+              f"{mapped_v:.3f} vs {unmapped_v:.3f}. The paper's mapper settings (80 Adam steps on 200 posts) "
+              "barely train the mapper, as expected.", "",
               "![sim_k](sim_k.png)", "", "![overlap histograms](overlap_hist.png)", "", "![loss](loss.png)", "",
               "## Live `fedagent search` after joint learning (three agents)", "", "```", search_text.rstrip(), "```",
               "", "## Timings", "", *[f"* {kk}: {v} s" for kk, v in r["timings"].items()], ""]

@@ -64,6 +64,7 @@ DEFAULTS: dict[str, Any] = {
 }
 KNN = 5
 EVAL_DOCS = 20
+QUERY_INFER_EPOCHS = 100
 
 
 class DocHead(nn.Module):
@@ -236,8 +237,15 @@ class Doc2VecTask(Task):
         return vectors
 
     def embed_text(self, model: nn.Module, text: str) -> np.ndarray:
-        """A query text as one vector of ``model``'s space (tokenised like the corpus)."""
-        vectors, _ = self.infer_vectors(model, [td.tokenize(text)], seed=self.seed + 4)
+        """A query text as one vector of ``model``'s space (tokenised like the corpus).
+
+        A query is a few words, so one pass is a few pairs: with the documents' number of
+        passes its vector barely leaves its random start and every query lands near the
+        same documents. At least ``QUERY_INFER_EPOCHS`` passes (milliseconds) fix that
+        (measured on the Wikipedia articles: "atomic number" queries rank the article
+        *Atomic number* first with 100 passes, behind *Algorithms (journal)* with 3)."""
+        epochs = max(self.infer_epochs, QUERY_INFER_EPOCHS)
+        vectors, _ = self.infer_vectors(model, [td.tokenize(text)], epochs=epochs, seed=self.seed + 4)
         return vectors[0]
 
     @torch.no_grad()
