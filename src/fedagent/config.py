@@ -52,6 +52,9 @@ class RoundsConfig:
     trim: float = 0.1                 # "trimmed_mean": fraction β dropped at each end
     krum_m: int = 0                   # "krum": updates averaged by multi-Krum (0 = n - f)
     clip_norm: float | None = None    # cap each update's L2 distance from the global model (any aggregation)
+    vocab_timeout: float = 60.0       # tasks with a vocabulary: merge at this deadline with a quorum
+    vocab_min_count: int = 1          # keep terms counted at least this often over all agents
+    vocab_max_size: int = 0           # keep at most this many terms (0 = all)
 
 
 _SCREEN_RULE = {"median": "n > 2f", "trimmed_mean": "n >= 2f + 1", "krum": "n > 2f + 2"}

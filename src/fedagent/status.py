@@ -99,3 +99,19 @@ def render_peers(s: dict[str, Any], console: Console | None = None) -> None:
         p.add_row(pid, str(info.get("role", "-")), _online(info.get("online")), str(info.get("broker") or "-"),
                   "yes" if info.get("mdns") else "no", _ago(info.get("last_seen")))
     console.print(p)
+
+
+def render_search(text: str, s: dict[str, Any], console: Console | None = None) -> None:
+    """``fedagent search``: the merged top-k, then who answered and who did not."""
+    console = console or Console(width=120)
+    t = Table(title=f"top {s.get('k')} for {text!r} (model version {_fmt(s.get('model_version'))}, "
+                    f"{s.get('space')})", title_justify="left")
+    for col in ("#", "site", "document", "score"):
+        t.add_column(col, justify="right" if col in ("#", "score") else "left")
+    for i, r in enumerate(s.get("results") or [], 1):
+        t.add_row(str(i), str(r["site"]), str(r["doc_id"]), f"{r['score']:.4f}")
+    console.print(t)
+    refused = [f"{f.get('peer')} ({f.get('error')})" for f in s.get("failed") or []]
+    console.print(f"asked {len(s.get('asked') or [])} peers: answered {_fmt(s.get('answered'))}; "
+                  f"silent after {s.get('timeout')}s: {_fmt(s.get('silent'))}; refused: {_fmt(refused)}; "
+                  f"took {s.get('seconds')}s")

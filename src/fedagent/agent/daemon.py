@@ -30,8 +30,11 @@ from fedagent.errors import EXIT_CONFIG, ConfigError, FedagentError, TransportEr
 from fedagent.metrics import NodeMetrics
 from fedagent.pki import fingerprint
 from fedagent.protocols import topics
+from fedagent.agent import vocabulary as vocab_mod
+from fedagent.agent.search import SearchService
 from fedagent.protocols.compression import CompressionConfig, Compressor
-from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart
+from fedagent.protocols.messages import (GlobalModel, Presence, RoundResult, RoundStart, SearchAnswer, SearchQuery,
+                                        Vocabulary)
 from fedagent.protocols.participant import (AdoptModel, Discarded, Leave, Participant, SendUpdate, Train,
                                             TrainingDone)
 from fedagent.statefile import cleanup_temp_files
@@ -56,14 +59,24 @@ class Session:
         self.round_state = "idle"
         self.current_round = 0
         self.last_eval: dict[str, float] = {}
+        self.needs_vocabulary = vocab_mod.needs_vocabulary(agent.task)
+        self.vocab_digest = ""
+        self.vocabulary_size: int | None = None
+        self.coordinator_online = False
+        self.offers_sent = 0
         self.dir = self.cfg.state_dir / "agent" / federation
         self.dir.mkdir(parents=True, exist_ok=True)
         cleanup_temp_files(self.dir)
         self.model_path = self.dir / "global.ckpt"
         self.history = History(self.dir / "history.jsonl")
         resumed = checkpoint.load(self.model_path)
+        # The latest global model seen, which a search vectorises with.
+        self.global_weights = None
+        self.global_version: int | None = None
         if resumed is not None:
             self.participant.model_version = int(resumed[1].get("model_version", 0))
+            self.global_weights, self.global_version = resumed[0], self.participant.model_version
+        self.search = SearchService(self)
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=1000)
         self.compressor = Compressor()      # keeps the top-k residual across rounds
         self._base: tuple[int, Any, Any] | None = None   # (round, global weights, train config) being trained
@@ -107,6 +120,25 @@ class Session:
             if inc.sender != self.cfg.id:
                 self.peers[inc.sender] = {"role": msg.role, "online": msg.online, "last_seen": time.time(),
                                           "model_version": msg.model_version}
+            if msg.role == "coordinator" and inc.role == "coordinator":
+                came_online = msg.online and not self.coordinator_online
+                self.coordinator_online = msg.online
+                if msg.online:
+                    self.coordinator = inc.sender
+                if came_online and self.needs_vocabulary and not self.vocab_digest:
+                    await self._offer_vocabulary()
+            return
+        if isinstance(msg, SearchQuery):
+            self.agent.spawn(self.search.on_query(inc))
+            return
+        if isinstance(msg, SearchAnswer):
+            self.search.on_answer(inc)
+            return
+        if isinstance(msg, Vocabulary):
+            if not inc.topic.startswith(topics.federation_root(self.fed) + "/global/") or inc.role != "coordinator":
+                return self.messenger._reject("role", inc.sender, "a vocabulary not broadcast by a coordinator")
+            self.coordinator = inc.sender
+            await self._adopt_vocabulary(msg)
             return
         if isinstance(msg, (RoundStart, RoundResult, GlobalModel)):
             if not inc.topic.startswith(topics.federation_root(self.fed) + "/global/"):
@@ -116,6 +148,9 @@ class Session:
                 # that: only a coordinator's certificate may sign what steers training.
                 return self.messenger._reject("role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-coordinator'}")
             self.coordinator = inc.sender
+            if isinstance(msg, (RoundStart, GlobalModel)) and msg.weights is not None and \
+                    msg.model_version >= (self.global_version or 0):
+                self.global_weights, self.global_version = msg.weights, msg.model_version
             if isinstance(msg, RoundStart) and msg.round > self.current_round:
                 self.current_round = msg.round
                 self.round_state = "training" if self.cfg.id in msg.selected else "not selected"
@@ -123,6 +158,28 @@ class Session:
             if isinstance(msg, RoundResult) and msg.round >= self.current_round:
                 self.round_state = "aggregated" if msg.aggregated else f"abandoned: {msg.reason}"
             await self._apply(self.participant.handle(msg))
+
+    async def _offer_vocabulary(self) -> None:
+        if self.coordinator is None:
+            return
+        offer = await asyncio.to_thread(vocab_mod.make_offer, self.agent.task)
+        n = await self.messenger.send(topics.direct(self.fed, self.cfg.id, self.coordinator, "vocab_offer"), offer)
+        self.offers_sent += 1
+        self.round_state = "vocabulary offered"
+        self.history.append({"event": "vocab_offer", "terms": len(offer.terms), "bytes": n})
+        log.info("offered %d terms (%d bytes) to %s", len(offer.terms), n, self.coordinator)
+
+    async def _adopt_vocabulary(self, msg: Vocabulary) -> None:
+        if not self.needs_vocabulary or msg.digest == self.vocab_digest:
+            return
+        if self.cfg.id not in msg.contributors:
+            log.warning("the vocabulary does not include this agent's offer; using it anyway")
+        await asyncio.to_thread(self.agent.adopt_vocabulary, list(msg.terms))
+        self.vocab_digest = msg.digest
+        self.vocabulary_size = len(msg.terms)
+        self.round_state = "vocabulary agreed"
+        self.history.append({"event": "vocabulary", "terms": len(msg.terms), "digest": msg.digest})
+        log.info("adopted the common vocabulary: %d terms (digest %s)", len(msg.terms), msg.digest[:12])
 
     async def _evaluate_global(self, weights, version: int) -> None:
         metrics = await asyncio.to_thread(self.agent.evaluate, weights)
@@ -209,7 +266,9 @@ class Session:
                 "rounds_trained": p.rounds_done, "model_version": p.model_version,
                 "last_metrics": p.last_metrics, "global_model_eval": self.last_eval,
                 "peers": dict(sorted(self.peers.items())), "rejected": dict(self.messenger.rejected),
-                "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out}
+                "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out,
+                "vocabulary_size": self.vocabulary_size, "vocab_digest": self.vocab_digest or None,
+                "vocab_offers_sent": self.offers_sent, **self.search.status()}
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -247,6 +306,14 @@ class Agent:
             metrics = self.task.fit(self.model, epochs=cmd.train.epochs, lr=cmd.train.lr,
                                     batch_size=cmd.train.batch_size, seed=cmd.round)
             return get_weights(self.model), metrics
+
+    def adopt_vocabulary(self, terms: list[str]) -> None:
+        """Re-index the local data on the common vocabulary and rebuild the model on it
+        (worker thread)."""
+        with self._thread_lock:
+            self.task.set_vocabulary(terms)
+            self.model = self.task.build_model()
+            self.search_index = None
 
     def train_steps(self, weights, steps: int, seed: int, lr: float):
         """Gossip mode: ``steps`` local mini-batches from ``weights`` (a copy is trained)."""
@@ -363,6 +430,13 @@ class Agent:
     async def _peers(self, _args: dict) -> dict:
         return {"id": self.cfg.id, "federation": self.cfg.federation or None, "peers": self._peer_table()}
 
+    async def _search(self, args: dict) -> dict:
+        session = self.session
+        if not isinstance(session, Session):
+            raise ConfigError(f"agent {self.cfg.id} is in no FedAvg federation: search needs a joint model "
+                              "(mode fedavg) and a running session")
+        return await session.search.search(args)
+
     async def _leave(self, _args: dict) -> dict:
         left = self.cfg.federation
         if not left:
@@ -394,7 +468,8 @@ class Agent:
         self._thread_lock = threading.Lock()
         self._exit = asyncio.Event()
         control = ControlServer(self.cfg.control_socket, {"status": self._status, "join": self._join,
-                                                                 "leave": self._leave, "peers": self._peers})
+                                                                 "leave": self._leave, "peers": self._peers,
+                                                                 "search": self._search})
         await control.start()
         if self.cfg.metrics_port >= 0:
             host, port = await self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)

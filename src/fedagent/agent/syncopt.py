@@ -29,8 +29,9 @@ from fedagent import checkpoint
 from fedagent.agent import sdnotify
 from fedagent.agent.messaging import Incoming, Messenger
 from fedagent.agent.runtime import History, make_transport, node_identity, presence_payload
+from fedagent.agent.vocabulary import make_offer
 from fedagent.protocols import topics
-from fedagent.protocols.messages import GlobalModel, Presence, SyncGradient, SyncStep, VocabOffer, Vocabulary
+from fedagent.protocols.messages import GlobalModel, Presence, SyncGradient, SyncStep, Vocabulary
 from fedagent.statefile import cleanup_temp_files
 
 if TYPE_CHECKING:
@@ -186,12 +187,8 @@ class SyncOptSession:
     async def _offer_vocabulary(self) -> None:
         if self.coordinator is None:
             return
-        raw = await asyncio.to_thread(self.task.term_counts)
-        # Plain str/int (tasks may hand numpy scalars); ordered by term, so the offer's
-        # order reveals nothing about the documents.
-        counts = {str(t): int(c) for t, c in raw.items()}
-        terms = tuple(sorted(counts))
-        offer = VocabOffer(terms, tuple(counts[t] for t in terms))
+        offer = await asyncio.to_thread(make_offer, self.task)
+        terms = offer.terms
         n = await self.messenger.send(topics.direct(self.fed, self.cfg.id, self.coordinator, "vocab_offer"), offer)
         self.offers_sent += 1
         self.state = "vocabulary offered"

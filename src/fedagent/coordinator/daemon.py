@@ -24,14 +24,16 @@ from fedagent.agent.discovery import Advert, Discovery
 from fedagent.agent.messaging import Incoming, Messenger
 from fedagent.agent.runtime import (History, Timer, make_transport, node_identity, presence_payload,
                                     release_large_frees)
+from fedagent.coordinator.vocabstage import VocabStage, has_vocabulary, vocab_config
 from fedagent.config import NodeConfig
-from fedagent.errors import ConfigError
+from fedagent.errors import ConfigError, FedagentError
 from fedagent.metrics import NodeMetrics
 from fedagent.pki import fingerprint
 from fedagent.protocols import rounds as R
 from fedagent.protocols import topics
 from fedagent.protocols.aggregation import Strategy
-from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart, TrainConfig, Update
+from fedagent.protocols.messages import (GlobalModel, Presence, RoundResult, RoundStart, TrainConfig, Update,
+                                        VocabOffer)
 from fedagent.protocols.streaming import UpdatePart
 from fedagent.statefile import atomic_write, cleanup_temp_files, read_bytes
 from fedagent.tasks.base import get_weights, load_task
@@ -46,6 +48,11 @@ STREAM_BUDGET = 16 * 2**20
 @dataclass(frozen=True, slots=True)
 class _Net:
     incoming: Incoming
+
+
+@dataclass(frozen=True, slots=True)
+class _VocabWakeup:
+    pass
 
 
 def round_config(cfg: NodeConfig) -> R.RoundConfig:
@@ -83,29 +90,8 @@ class Coordinator:
         self.ckpt_path = self.dir / "global.ckpt"
         self.history = History(self.dir / "history.jsonl")
         torch.set_num_threads(cfg.torch_threads)
-        task = load_task(cfg.task, cfg.task_options)
-        weights = get_weights(task.build_model())
-        resumed = checkpoint.load(self.ckpt_path)
-        meta: dict[str, Any] = {}
-        if resumed is not None:
-            weights, meta = resumed
-            log.info("resuming from %s: model version %s after round %s", self.ckpt_path,
-                     meta.get("model_version"), meta.get("round"))
-            self._reconcile_history(meta)
-        # A restart never reuses the number of a round it had started: agents ignore a
-        # round start they have seen, and the updates of that round may already have been
-        # acknowledged by this process before it died. The unfinished round is abandoned
-        # (its late updates are stale) and a new one starts from the checkpointed model.
+        self.task = load_task(cfg.task, cfg.task_options)
         self.round_path = self.dir / "last_round_started"
-        started = read_bytes(self.round_path, 64)
-        last_started = int(started) if started and started.strip().isdigit() else 0
-        self.machine = R.RoundMachine(round_config(cfg), weights,
-                                      model_version=int(meta.get("model_version", 0)),
-                                      completed_rounds=int(meta.get("completed_rounds", 0)),
-                                      last_round=max(int(meta.get("round", 0)), last_started))
-        # What `status` shows: the machine's view once the commands of the last event have been
-        # carried out (checkpoint saved, history appended), never a state the disk has not caught up to.
-        self.settled = self.machine.status()
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=10_000)
         self.timer = Timer(self.queue, R.Wakeup())
         self.transport = make_transport(
@@ -131,6 +117,61 @@ class Coordinator:
         self.round_started_at: float | None = None
         self.last_round_seconds: float | None = None
         self.done = asyncio.Event()
+        # SEEC Algorithm 1: a task with a vocabulary first agrees on it with the agents;
+        # the round machine (and the initial model m_1) exists only after that.
+        self.vocab: VocabStage | None = None
+        self.machine: R.RoundMachine | None = None
+        if has_vocabulary(self.task):
+            self.vocab = VocabStage(self.dir / "vocabulary.json", vocab_config(cfg.rounds, str(cfg.path)),
+                                    self.messenger, self.fed, Timer(self.queue, _VocabWakeup()), self.history,
+                                    self._vocab_rejected)
+        if self.vocab is None or self.vocab.agreed:
+            self._build_machine()
+        self.settled = self._snapshot()
+
+    def _build_machine(self) -> None:
+        cfg = self.cfg
+        if self.vocab is not None:
+            assert self.vocab.vocabulary is not None
+            self.task.set_vocabulary(list(self.vocab.vocabulary.terms))
+            torch.manual_seed(cfg.rounds.seed)
+        weights = get_weights(self.task.build_model())
+        resumed = checkpoint.load(self.ckpt_path)
+        meta: dict[str, Any] = {}
+        if resumed is not None:
+            weights, meta = resumed
+            digest = self.vocab.vocabulary.digest if self.vocab and self.vocab.vocabulary else ""
+            if meta.get("vocab_digest", "") != digest:
+                raise FedagentError(f"{self.ckpt_path} was trained on another vocabulary; move it away")
+            log.info("resuming from %s: model version %s after round %s", self.ckpt_path,
+                     meta.get("model_version"), meta.get("round"))
+            self._reconcile_history(meta)
+        # A restart never reuses the number of a round it had started: agents ignore a
+        # round start they have seen, and the updates of that round may already have been
+        # acknowledged by this process before it died. The unfinished round is abandoned
+        # (its late updates are stale) and a new one starts from the checkpointed model.
+        started = read_bytes(self.round_path, 64)
+        last_started = int(started) if started and started.strip().isdigit() else 0
+        self.machine = R.RoundMachine(round_config(cfg), weights,
+                                      model_version=int(meta.get("model_version", 0)),
+                                      completed_rounds=int(meta.get("completed_rounds", 0)),
+                                      last_round=max(int(meta.get("round", 0)), last_started))
+
+    def _snapshot(self) -> dict[str, Any]:
+        """What `status` shows: the machine's view once the commands of the last event have
+        been carried out (checkpoint saved, history appended), never a state the disk has
+        not caught up to. Before the vocabulary is agreed there is no round machine yet."""
+        vs = self.vocab.status() if self.vocab is not None else {}
+        if self.machine is None:
+            return {"phase": "vocabulary", "round": 0, "completed_rounds": 0, "rounds": self.cfg.rounds.rounds,
+                    "model_version": 0, "selected": [], "received": [], "metrics": {}, **vs}
+        return {**self.machine.status(), **vs}
+
+    def _vocab_rejected(self, sender: str, reason: str, detail: str) -> None:
+        log.warning("rejected vocabulary offer from %s: %s (%s)", sender, reason, detail)
+        self.metrics.rejected(reason)
+        self.rejections = (self.rejections + [{"sender": sender, "round": 0, "reason": reason,
+                                               "detail": detail}])[-20:]
 
     def _reconcile_history(self, meta: dict[str, Any]) -> None:
         """The checkpoint is written before the history line of its round; a crash or a
@@ -160,8 +201,10 @@ class Coordinator:
     async def _on_connect(self) -> None:
         await self.transport.publish(topics.presence(self.fed, self.cfg.id),
                                      presence_payload(self.cfg, self.fed, True,
-                                                      model_version=self.machine.model_version,
+                                                      model_version=self.machine.model_version if self.machine else 0,
                                                       broker=self.cfg.broker), retain=True)
+        if self.vocab is not None and self.vocab.agreed:
+            await self.vocab.publish()
 
     async def _on_payload(self, topic: str, payload: bytes) -> None:
         await self.messenger.receive(topic, payload, self._deliver)
@@ -209,6 +252,31 @@ class Coordinator:
         log.debug("ignoring %s from %s", type(msg).__name__, inc.sender)
         return None
 
+    async def _vocab_event(self, item: Any, now: float) -> bool:
+        """Feed the vocabulary stage; True when ``item`` was its business. Once agreed, the
+        round machine is built and told which agents are online."""
+        assert self.vocab is not None
+        if isinstance(item, _VocabWakeup):
+            agreed = await self.vocab.wakeup(now)
+        elif isinstance(item, _Net) and isinstance(item.incoming.message, VocabOffer):
+            inc = item.incoming
+            if inc.role != "agent":
+                self._vocab_rejected(inc.sender, "role", f"a vocabulary offer signed by a {inc.role or 'non-agent'}")
+                return True
+            agreed = await self.vocab.offer(inc.sender, inc.message.terms, inc.message.counts, now)
+        else:
+            return False
+        if agreed is not None and self.machine is None:
+            t0 = time.perf_counter()
+            await asyncio.to_thread(self._build_machine)
+            log.info("model built on the vocabulary (%d terms) in %.2fs", len(agreed.terms), time.perf_counter() - t0)
+            assert self.machine is not None
+            for aid, info in sorted(self.peers.items()):
+                if info.get("online"):
+                    for cmd in self.machine.handle(R.AgentOnline(aid, info.get("samples", 0)), time.monotonic()):
+                        await self._execute(cmd)
+        return True
+
     # -- commands ----------------------------------------------------------------------
     async def _execute(self, cmd: R.Command) -> None:
         if isinstance(cmd, R.StartRound):
@@ -227,7 +295,8 @@ class Coordinator:
             self.metrics.set_model_version(cmd.model_version)
             meta = {"model_version": cmd.model_version, "round": cmd.round,
                     "completed_rounds": self.machine.completed, "federation": self.fed,
-                    "participants": list(cmd.participants), "metrics": cmd.metrics, "final": cmd.final}
+                    "participants": list(cmd.participants), "metrics": cmd.metrics, "final": cmd.final,
+                    "vocab_digest": self.vocab.vocabulary.digest if self.vocab and self.vocab.vocabulary else ""}
             await asyncio.to_thread(checkpoint.save, self.ckpt_path, cmd.weights, meta)
             self.history.append({"event": "round", "round": cmd.round, "model_version": cmd.model_version,
                                  "participants": list(cmd.participants), "metrics": cmd.metrics,
@@ -262,19 +331,29 @@ class Coordinator:
             self.done.set()
 
     async def _process(self) -> None:
+        if self.vocab is not None:
+            self.vocab.start(time.monotonic())
         while True:
             item = await self.queue.get()
+            if self.vocab is not None and await self._vocab_event(item, time.monotonic()):
+                self.settled = self._snapshot()
+                continue
             if isinstance(item, _Net):
                 event = self._to_event(item.incoming)
                 if event is None:
                     continue
             else:
                 event = item
-            cmds = self.machine.handle(event, time.monotonic())
             if isinstance(event, UpdatePart):
                 self._stream_bytes -= event.values.nbytes
                 if self._stream_bytes <= STREAM_BUDGET:
                     self._stream_room.set()
+            if self.machine is None:
+                # Presence before the vocabulary is agreed: kept in self.peers (by
+                # _to_event) and replayed to the round machine once it exists.
+                del item, event
+                continue
+            cmds = self.machine.handle(event, time.monotonic())
             del item, event
             for cmd in cmds:
                 await self._execute(cmd)
@@ -282,7 +361,7 @@ class Coordinator:
             # status() sorts the agent lists: O(N) per event would make a round of N
             # updates O(N²). Refreshed when the burst is over, it is still never ahead of the disk.
             if self.queue.empty():
-                self.settled = self.machine.status()
+                self.settled = self._snapshot()
 
     # -- control -----------------------------------------------------------------------
     async def _status(self, _args: dict) -> dict:
@@ -294,6 +373,8 @@ class Coordinator:
                 "rounds": m["rounds"], "model_version": m["model_version"], "selected": m["selected"],
                 "received": m["received"], "metrics": m["metrics"],
                 "peers": {k: v for k, v in sorted(self.peers.items())},
+                "vocabulary_size": m.get("vocabulary_size"), "vocab_digest": m.get("vocab_digest"),
+                "vocabulary_offers": m.get("vocabulary_offers", []),
                 "last_round_seconds": self.last_round_seconds,
                 "rejected": dict(self.messenger.rejected), "recent_rejections": self.rejections,
                 "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out,
@@ -303,8 +384,9 @@ class Coordinator:
         m.set_connected(self.transport.connected)
         m.set_reconnects(self.transport.reconnects)
         m.set_peers(sum(1 for p in self.peers.values() if p.get("online")))
-        m.set_model_version(self.machine.model_version)
-        m.round_started(self.machine.round)
+        if self.machine is not None:
+            m.set_model_version(self.machine.model_version)
+            m.round_started(self.machine.round)
 
     async def _peers(self, _args: dict) -> dict:
         return {"id": self.cfg.id, "federation": self.fed,
@@ -330,7 +412,7 @@ class Coordinator:
                 log.info("coordinator %s of federation %s on %s", self.cfg.id, self.fed, self.cfg.broker)
                 tg.create_task(self._process())
                 tg.create_task(self._expire_streams())
-                if self.machine.phase is R.Phase.DONE:
+                if self.machine is not None and self.machine.phase is R.Phase.DONE:
                     log.info("checkpoint says training already finished; serving status only")
                 await asyncio.Event().wait()
         finally:

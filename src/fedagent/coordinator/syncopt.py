@@ -38,6 +38,7 @@ from fedagent.agent.discovery import Advert, Discovery
 from fedagent.agent.messaging import Incoming, Messenger
 from fedagent.agent.runtime import History, Timer, make_transport, node_identity, presence_payload
 from fedagent.config import NodeConfig
+from fedagent.coordinator.vocabstage import has_vocabulary, load_vocabulary
 from fedagent.errors import ConfigError, FedagentError
 from fedagent.metrics import NodeMetrics
 from fedagent.pki import fingerprint
@@ -52,7 +53,6 @@ log = logging.getLogger("fedagent.coordinator.syncopt")
 
 OPTIM_PREFIX = "optim/"
 STEP_RESERVATION = 100
-MAX_VOCAB_FILE = 64 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +68,6 @@ class _VocabWakeup:
 @dataclass(frozen=True, slots=True)
 class _StartWakeup:
     pass
-
-
-def has_vocabulary(task: Any) -> bool:
-    return callable(getattr(task, "term_counts", None)) and callable(getattr(task, "set_vocabulary", None))
 
 
 def check_sync_task(task: Any, where: str) -> None:
@@ -174,14 +170,9 @@ class SyncOptCoordinator:
 
     # -- vocabulary and model ------------------------------------------------------------
     def _load_vocabulary(self) -> Vocabulary | None:
-        raw = read_bytes(self.vocab_path, MAX_VOCAB_FILE)
-        if raw is None:
+        voc = load_vocabulary(self.vocab_path)
+        if voc is None:
             return None
-        try:
-            doc = json.loads(raw)
-            voc = Vocabulary(tuple(doc["terms"]), tuple(doc["counts"]), tuple(doc["contributors"]), doc["digest"])
-        except (ValueError, KeyError, TypeError, FedagentError) as exc:
-            raise FedagentError(f"{self.vocab_path} is unreadable ({exc}); move it away to start afresh") from exc
         log.info("resuming with the agreed vocabulary of %d terms from %s", len(voc.terms), self.vocab_path)
         return voc
 

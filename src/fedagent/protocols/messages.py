@@ -491,13 +491,114 @@ class SyncGradient:
                    gradient=decode_weights(_need(body, "gradient", dict, w), limits))
 
 
+# ---- SEEC: cross-site semantic search ----------------------------------------------
+MAX_QUERY_ID = 64
+
+
+def _query_id(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_QUERY_ID or not value.isprintable():
+        raise CodecError(f"{what}: query_id must be a printable string of 1..{MAX_QUERY_ID} characters")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class SearchQuery:
+    """Agent → agent: rank your documents against ``vector`` (already in the receiver's
+    vector space) and answer with your top ``k``. ``space`` names that space (the
+    common vocabulary's digest in a joint-learning federation), so a receiver whose
+    model differs refuses instead of answering nonsense. Never the query's text."""
+
+    kind: ClassVar[str] = "search_query"
+    query_id: str
+    k: int
+    space: str
+    vector: np.ndarray = field(repr=False)
+
+    def __post_init__(self) -> None:
+        from fedagent.protocols.search import MAX_DIM, MAX_K
+
+        _query_id(self.query_id, "search_query")
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_K:
+            raise CodecError(f"search_query: k must be an integer in 1..{MAX_K}")
+        if not isinstance(self.space, str) or len(self.space) > MAX_DIGEST:
+            raise CodecError("search_query: space must be a string of at most 64 characters")
+        v = self.vector
+        if not isinstance(v, np.ndarray) or v.ndim != 1 or not 0 < v.shape[0] <= MAX_DIM or v.dtype.kind != "f":
+            raise CodecError(f"search_query: vector must be a 1-D float array of 1..{MAX_DIM} entries")
+
+    def to_body(self) -> dict[str, Any]:
+        return {"query_id": self.query_id, "k": self.k, "space": self.space,
+                "vector": encode_weights({"q": self.vector})}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> SearchQuery:
+        from fedagent.protocols.search import MAX_DIM
+
+        w = "search_query"
+        if set(body) != {"query_id", "k", "space", "vector"}:
+            raise CodecError("search_query: exactly the fields query_id, k, space, vector are allowed")
+        raw = _need(body, "vector", dict, w)
+        if set(raw) != {"q"}:
+            raise CodecError("search_query: vector must hold one tensor named q")
+        # A small budget: a query is one vector; a peer cannot make this site allocate more.
+        small = Limits(max_tensor_bytes=8 * MAX_DIM, max_map_len=1)
+        vec = decode_weights(raw, small)["q"]
+        return cls(_query_id(_need(body, "query_id", str, w), w), _need(body, "k", int, w),
+                   _need(body, "space", str, w), vec)
+
+
+@dataclass(frozen=True, slots=True)
+class SearchAnswer:
+    """Agent → agent: the answerer's top documents for ``query_id``, best first, as
+    (document id, cosine score); or an ``error`` code and no hits."""
+
+    kind: ClassVar[str] = "search_answer"
+    query_id: str
+    doc_ids: tuple[str, ...]
+    scores: tuple[float, ...]
+    error: str = ""
+
+    def __post_init__(self) -> None:
+        from fedagent.protocols.search import MAX_DOC_ID, MAX_K
+
+        _query_id(self.query_id, "search_answer")
+        if len(self.doc_ids) != len(self.scores) or len(self.doc_ids) > MAX_K:
+            raise CodecError(f"search_answer: at most {MAX_K} hits, one score per document")
+        for d in self.doc_ids:
+            if not isinstance(d, str) or not 0 < len(d) <= MAX_DOC_ID or not d.isprintable():
+                raise CodecError(f"search_answer: document ids are printable strings of 1..{MAX_DOC_ID} characters")
+        for x in self.scores:
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+                raise CodecError("search_answer: scores must be finite numbers")
+        if not isinstance(self.error, str) or len(self.error) > 200 or (self.error and self.doc_ids):
+            raise CodecError("search_answer: an error of at most 200 characters, and then no hits")
+
+    def to_body(self) -> dict[str, Any]:
+        return {"query_id": self.query_id, "doc_ids": list(self.doc_ids), "scores": list(self.scores),
+                "error": self.error}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> SearchAnswer:
+        from fedagent.protocols.search import MAX_K
+
+        w = "search_answer"
+        ids = _need(body, "doc_ids", list, w)
+        scores = _need(body, "scores", list, w)
+        if len(ids) > MAX_K or len(scores) > MAX_K:
+            raise CodecError(f"search_answer: at most {MAX_K} hits")
+        return cls(_query_id(_need(body, "query_id", str, w), w), tuple(ids),
+                   tuple(float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x for x in scores),
+                   _need(body, "error", str, w))
+
+
 Message = (Presence | RoundStart | Update | RoundResult | GlobalModel | GossipModel | GossipAck | VocabOffer
-           | Vocabulary | SyncStep | SyncGradient)
+           | Vocabulary | SyncStep | SyncGradient
+           | SearchQuery | SearchAnswer)
 
 # The fixed table from an envelope kind to the class that validates its body.
 KINDS: dict[str, type] = {cls.kind: cls for cls in (Presence, RoundStart, Update, RoundResult, GlobalModel,
                                                     GossipModel, GossipAck, VocabOffer, Vocabulary,
-                                                    SyncStep, SyncGradient)}
+                                                    SyncStep, SyncGradient, SearchQuery, SearchAnswer)}
 
 
 def body_of(kind: str, body: Mapping[str, Any], limits: Limits) -> Message:

@@ -1,0 +1,139 @@
+"""The vocabulary stage of a FedAvg federation (SEEC Algorithm 1's first step).
+
+A FedAvg coordinator whose task needs a vocabulary (``term_counts`` and
+``set_vocabulary``: doc2vec, word2vec) cannot build its model before the agents agreed
+on the terms. This stage wraps the pure :class:`~fedagent.protocols.vocab.
+VocabularyMerge` the Sync-Opt coordinator uses, with the same messages (``VocabOffer``
+in, ``Vocabulary`` out, retained when it fits in one message) and the same file in the
+state directory, so a restarted coordinator resumes with the agreed vocabulary instead
+of asking again. The round machine is only created once the vocabulary is agreed; it
+never sees the stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from fedagent.errors import ConfigError, FedagentError
+from fedagent.protocols import topics
+from fedagent.protocols import vocab as V
+from fedagent.protocols.messages import Vocabulary
+from fedagent.statefile import atomic_write, read_bytes
+
+log = logging.getLogger("fedagent.coordinator.vocab")
+
+MAX_VOCAB_FILE = 64 * 2**20
+
+
+def has_vocabulary(task: Any) -> bool:
+    return callable(getattr(task, "term_counts", None)) and callable(getattr(task, "set_vocabulary", None))
+
+
+def load_vocabulary(path: Path) -> Vocabulary | None:
+    raw = read_bytes(path, MAX_VOCAB_FILE)
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+        return Vocabulary(tuple(doc["terms"]), tuple(doc["counts"]), tuple(doc["contributors"]), doc["digest"])
+    except (ValueError, KeyError, TypeError, FedagentError) as exc:
+        raise FedagentError(f"{path} is unreadable ({exc}); move it away to start afresh") from exc
+
+
+def vocab_config(rounds: Any, where: str) -> V.VocabConfig:
+    """``[rounds]`` settings as the merge machine's configuration: the same quorum as the
+    rounds (``expected_agents``, ``min_agents``), plus ``vocab_timeout``,
+    ``vocab_min_count`` and ``vocab_max_size``."""
+    try:
+        return V.VocabConfig(expected_agents=rounds.expected_agents, min_agents=rounds.min_agents,
+                             deadline=rounds.vocab_timeout, min_count=rounds.vocab_min_count,
+                             max_size=rounds.vocab_max_size)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: [rounds]: {exc}") from None
+
+
+class VocabStage:
+    """Collects offers until the merge machine agrees, persists and publishes the result.
+
+    ``handle`` returns the agreed :class:`Vocabulary` once (then the caller builds its
+    model); before that, and for every later offer, it returns None."""
+
+    def __init__(self, path: Path, config: V.VocabConfig, messenger: Any, federation: str, timer: Any,
+                 history: Any, on_reject: Any) -> None:
+        self.path = path
+        self.messenger = messenger
+        self.fed = federation
+        self.timer = timer
+        self.history = history
+        self.on_reject = on_reject
+        self.vocabulary = load_vocabulary(path)
+        self.machine = None if self.vocabulary is not None else V.VocabularyMerge(config)
+        if self.vocabulary is not None:
+            log.info("resuming with the agreed vocabulary of %d terms from %s", len(self.vocabulary.terms), path)
+
+    @property
+    def agreed(self) -> bool:
+        return self.vocabulary is not None
+
+    def start(self, now: float) -> None:
+        if self.machine is not None:
+            for cmd in self.machine.start(now):
+                if isinstance(cmd, V.RequestWakeup):
+                    self.timer.request(cmd.at)
+
+    async def publish(self) -> None:
+        assert self.vocabulary is not None
+        topic = topics.broadcast(self.fed, "vocabulary")
+        try:
+            await self.messenger.send(topic, self.vocabulary, retain=True)
+        except ValueError:
+            # Larger than one chunk: it cannot be retained; an agent that restarts later
+            # offers again and is answered with the vocabulary.
+            await self.messenger.send(topic, self.vocabulary)
+
+    async def offer(self, sender: str, terms: tuple[str, ...], counts: tuple[int, ...],
+                    now: float) -> Vocabulary | None:
+        if self.vocabulary is not None:
+            log.info("%s offered its vocabulary again; re-sending the agreed one", sender)
+            await self.publish()
+            return None
+        return await self._run(V.OfferReceived(sender, terms, counts), now)
+
+    async def wakeup(self, now: float) -> Vocabulary | None:
+        if self.machine is None or self.vocabulary is not None:
+            return None
+        return await self._run(V.Wakeup(), now)
+
+    async def _run(self, ev: V.VocabEvent, now: float) -> Vocabulary | None:
+        assert self.machine is not None
+        agreed: Vocabulary | None = None
+        for cmd in self.machine.handle(ev, now):
+            if isinstance(cmd, V.RequestWakeup):
+                self.timer.request(cmd.at)
+            elif isinstance(cmd, V.OfferRejected):
+                self.on_reject(cmd.sender, cmd.reason, cmd.detail)
+            elif isinstance(cmd, V.Agreed):
+                agreed = await self._agreed(cmd)
+        return agreed
+
+    async def _agreed(self, cmd: V.Agreed) -> Vocabulary:
+        self.vocabulary = Vocabulary(cmd.terms, cmd.counts, cmd.contributors, cmd.digest)
+        doc = {"terms": list(cmd.terms), "counts": list(cmd.counts), "contributors": list(cmd.contributors),
+               "digest": cmd.digest}
+        await asyncio.to_thread(atomic_write, self.path, json.dumps(doc).encode())
+        self.history.append({"event": "vocabulary", "terms": len(cmd.terms), "contributors": list(cmd.contributors),
+                             "dropped_terms": cmd.dropped_terms, "digest": cmd.digest})
+        log.info("vocabulary agreed: %d terms from %s (%d cut by min_count/max_size)", len(cmd.terms),
+                 ", ".join(cmd.contributors), cmd.dropped_terms)
+        await self.publish()
+        return self.vocabulary
+
+    def status(self) -> dict[str, Any]:
+        offers = self.machine.status()["offers"] if self.machine is not None else []
+        return {"vocabulary_size": len(self.vocabulary.terms) if self.vocabulary is not None else None,
+                "vocab_digest": self.vocabulary.digest if self.vocabulary is not None else None,
+                "vocabulary_offers": offers}

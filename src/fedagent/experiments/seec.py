@@ -1,0 +1,411 @@
+"""``fedagent experiment seec``: SEEC's natural-language experiments (shared/seeds/002,
+Sec. V-A/B) on the text available offline.
+
+Private data: the Wikipedia articles of gensim's shortened dump (SEEC's Fig. 16 uses
+Wikipedia as the private data; its Slack data is not public), split across the sites
+at random with balanced token counts (:func:`fedagent.tasks.text_data.split_articles`,
+``random``; the paper distributes its users uniformly over two sites). Public data for
+the mapper: the 200 posts of gensim's 20-newsgroups sample (SEEC uses all 18,846).
+
+Models: PV-DBOW doc2vec (:mod:`fedagent.tasks.doc2vec`), d = 50, lr 0.025 with a cosine
+decay, the same number of passes over the data everywhere. Vectors compared by
+``sim_10`` are *inferred* with the head frozen, for the centralized and the federated
+model alike (that is what a site does when it indexes documents or vectorises a query).
+
+1. **Centralized**: one model on all articles, in this process.
+2. **Joint learning** (Algorithm 1) through the real daemons: a private Mosquitto with
+   mutual TLS, a coordinator and one agent process per site; the agents offer their
+   vocabularies, the coordinator merges them and broadcasts the common one, then FedAvg
+   rounds of the doc2vec head (one local epoch per round, weighted by tokens). Its
+   ``sim_10`` against the centralized model is the paper's 0.609.
+3. **Vector-space mapping** (Algorithm 2): each site trains its own model on its own
+   articles with its own vocabulary; for every ordered pair (i, j) an MLP mapper
+   (:mod:`fedagent.tasks.seec`) learns site i's vectors -> site j's vectors of the public
+   posts. A global search for article d (owned by site i) ranks site i's articles by
+   cosine to d's vector and site j's by cosine to the *mapped* vector, and merges them;
+   its top 10 against the centralized top 10 is the paper's 0.198 / 0.261. The same
+   search without mapping (the raw vector sent to every site) is the paper's "no
+   mapping" contrast; two centralized runs with different seeds give the ceiling that
+   run-to-run noise leaves.
+4. After the joint run, ``fedagent search`` is run live on agent-1 for two queries; the
+   output is saved as ``search.txt``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from fedagent.tasks import text_data as td
+from fedagent.tasks import text_metrics as tm
+from fedagent.tasks.base import load_task, set_weights
+from fedagent.tasks.seec import map_vectors, train_mapper
+
+PAPER = {"joint": 0.609, "mapped_slack": 0.198, "mapped_wiki": 0.261}
+QUERIES = ("anarchism and the political philosophy of the state", "the atomic number and chemical elements")
+
+
+@dataclass(frozen=True)
+class Scale:
+    sites: int = 3
+    epochs: int = 10                # passes over the data (rounds x 1 local epoch when federated)
+    dim: int = 50
+    lr: float = 0.025
+    batch_size: int = 1024
+    infer_epochs: int = 10
+    agent_infer_epochs: int = 10    # the agents' per-round evaluation and search index
+    min_count: int = 2
+    mapper_lr: float = 1e-3
+    mapper_epochs: int = 150
+    ceiling: bool = False           # also train a second centralized model (run-to-run noise)
+    k: int = 10
+    seed: int = 0
+    limit: int = 0                  # articles (0 = all)
+
+
+SCALES = {"default": Scale(), "paper": Scale(epochs=40, infer_epochs=40, agent_infer_epochs=10, ceiling=True),
+          "tiny": Scale(epochs=2, infer_epochs=3, agent_infer_epochs=3, mapper_epochs=20, limit=30)}
+
+
+def cosine_lr(lr: float, epoch: int, epochs: int) -> float:
+    """The coordinator's ``lr_schedule = "cosine"`` for round ``epoch`` (1-based)."""
+    return lr * 0.5 * (1.0 + math.cos(math.pi * (epoch - 1) / epochs))
+
+
+def options(scale: Scale, **extra: Any) -> dict[str, Any]:
+    return {"corpus": "wiki", "holdout": 0.0, "dim": scale.dim, "min_count": scale.min_count, "seed": scale.seed,
+            "limit": scale.limit, "infer_epochs": scale.infer_epochs, **extra}
+
+
+def train(task, scale: Scale, seed: int):
+    torch.manual_seed(seed)
+    model = task.build_model()
+    losses = []
+    for e in range(1, scale.epochs + 1):
+        losses.append(task.fit(model, epochs=1, lr=cosine_lr(scale.lr, e, scale.epochs),
+                               batch_size=scale.batch_size, seed=seed * 1000 + e)["loss"])
+    return model, losses
+
+
+def neighbours(vectors: np.ndarray, k: int) -> list[list[int]]:
+    return [list(r) for r in tm.nearest(vectors, list(range(len(vectors))), k)]
+
+
+def overlaps(central: list[list[int]], other: list[list[int]], k: int) -> np.ndarray:
+    return np.array([len(set(a[:k]) & set(b[:k])) for a, b in zip(central, other)], dtype=np.int64)
+
+
+# ---- the joint-learning run through the daemons ------------------------------------------------
+def run_joint(scale: Scale, work: Path, console: Console) -> tuple[dict[str, np.ndarray], dict, list, str]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from fedagent.demo import Federation
+    from fedagent.errors import FedagentError
+
+    agent_opts = options(scale, infer_epochs=scale.agent_infer_epochs)
+    rounds = {"rounds": scale.epochs, "min_agents": scale.sites, "expected_agents": scale.sites,
+              "min_updates": scale.sites, "round_timeout": 600.0, "local_epochs": 1, "lr": scale.lr,
+              "batch_size": scale.batch_size, "seed": scale.seed, "lr_schedule": "cosine", "vocab_timeout": 300.0,
+              "vocab_min_count": scale.min_count}
+    fed = Federation(work, agents=scale.sites, rounds=scale.epochs, alpha=0.0, task="doc2vec",
+                     task_options=agent_opts, agent_broker_by_mdns=False)
+    search_text = ""
+    try:
+        fed.prepare()
+        fed.write_coordinator("doc2vec", agent_opts, rounds)
+        fed.start_all()
+        started = time.monotonic()
+        cols = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+        with Progress(*cols, console=console) as progress:
+            bar = progress.add_task("joint learning: waiting for the agents", total=scale.epochs)
+            while True:
+                fed.check_alive()
+                s = fed.status("coordinator")
+                if s is not None:
+                    if s["phase"] == "vocabulary":
+                        desc = f"vocabulary: {len(s.get('vocabulary_offers') or [])}/{scale.sites} offers"
+                    else:
+                        loss = (s.get("metrics") or {}).get("loss")
+                        desc = f"FedAvg round {s['round']}, {s.get('vocabulary_size')} terms" + \
+                            (f", loss {loss:.3f}" if loss is not None else "")
+                    progress.update(bar, completed=s["completed_rounds"], description=desc)
+                    if s["phase"] == "done":
+                        break
+                if time.monotonic() - started > 1500:
+                    raise FedagentError(f"joint learning did not finish in 25 minutes; logs in {work / 'logs'}")
+                time.sleep(0.5)
+        weights, meta = fed.final_weights()
+        state = work / "state" / "coordinator" / "coordinator" / fed.fed
+        history = [json.loads(line) for line in (state / "history.jsonl").read_text().splitlines()]
+        vocab = json.loads((state / "vocabulary.json").read_text())
+        # Live cross-site search on agent-1 once every agent holds the final model.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            sts = [fed.status(a) for a in fed.agent_ids]
+            if all(st and st.get("round_state") == "finished" for st in sts):
+                break
+            time.sleep(0.5)
+        digests = {a: (fed.status(a) or {}).get("vocab_digest") for a in fed.agent_ids}
+        for q in QUERIES:
+            cmd = [sys.executable, "-m", "fedagent", "search", q, "--k", "10", "--timeout", "30",
+                   "--socket", str(fed.socket(fed.agent_ids[0]))]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={"COLUMNS": "120",
+                                                                                        **_env()})
+            search_text += f"$ fedagent search {q!r} --k 10 --timeout 30   (on {fed.agent_ids[0]})\n"
+            search_text += out.stdout + (out.stderr if out.returncode else "") + "\n"
+        meta = {**meta, "agent_vocab_digests": digests, "coordinator_digest": vocab["digest"],
+                "vocabulary_size": len(vocab["terms"]), "seconds": time.monotonic() - started}
+        return weights, meta, history, search_text
+    finally:
+        fed.close()
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+
+
+# ---- the experiment ---------------------------------------------------------------------------
+def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep: bool = False) -> dict[str, Any]:
+    console = console or Console()
+    torch.set_num_threads(1)
+    out.mkdir(parents=True, exist_ok=True)
+    t_all = time.monotonic()
+    timings: dict[str, float] = {}
+
+    def step(name: str, t0: float) -> None:
+        timings[name] = round(time.monotonic() - t0, 1)
+        console.print(f"  {name}: {timings[name]}s")
+
+    console.print(f"[bold]SEEC experiment[/]: {scale.sites} sites, Wikipedia articles split at random "
+                  f"(balanced tokens), {scale.epochs} epochs, d={scale.dim}")
+    t0 = time.monotonic()
+    central_task = load_task("doc2vec", options(scale))
+    all_tokens = central_task.tokens
+    titles = central_task.search_ids()
+    n = len(all_tokens)
+    k = min(scale.k, n - 1)
+    central, central_losses = train(central_task, scale, seed=scale.seed)
+    central_vec, _ = central_task.infer_vectors(central, all_tokens, seed=101)
+    nn_central = neighbours(central_vec, k)
+    step("centralized model", t0)
+
+    ov_reseed = None
+    if scale.ceiling:
+        t0 = time.monotonic()
+        reseed_task = load_task("doc2vec", options(scale, seed=scale.seed + 1))
+        if reseed_task.search_ids() != titles:
+            raise RuntimeError("the second centralized model must see the articles in the same order")
+        reseed, _ = train(reseed_task, scale, seed=scale.seed + 1)
+        reseed_vec, _ = reseed_task.infer_vectors(reseed, all_tokens, seed=202)
+        ov_reseed = overlaps(nn_central, neighbours(reseed_vec, k), k)
+        step("second centralized model (other seed)", t0)
+
+    # Joint learning through the real coordinator and agents.
+    t0 = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="fedagent-seec-"))
+    weights, meta, history, search_text = run_joint(scale, work, console)
+    joint_task = load_task("doc2vec", options(scale))
+    # The coordinator's vocabulary is the merge of the sites' offers; rebuild it here the
+    # same way (identical digest is checked below) to index the head's rows.
+    shard_tasks = [load_task("doc2vec", options(scale, shard=i, shards=scale.sites)) for i in range(scale.sites)]
+    merged = td.merge_term_counts([t.term_counts() for t in shard_tasks], min_count=scale.min_count)
+    joint_task.set_vocabulary([t for t, _ in merged], [c for _, c in merged])
+    from fedagent.protocols.vocab import vocabulary_digest
+
+    if vocabulary_digest(t for t, _ in merged) != meta["coordinator_digest"]:
+        raise RuntimeError("the agreed vocabulary differs from the merge of the shards' offers")
+    joint = joint_task.build_model()
+    set_weights(joint, weights)
+    joint_vec, _ = joint_task.infer_vectors(joint, all_tokens, seed=303)
+    ov_joint = overlaps(nn_central, neighbours(joint_vec, k), k)
+    step("joint learning (daemons) + inference", t0)
+    if not keep:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+
+    # Vector-space mapping: independent local models, mappers on the public posts.
+    t0 = time.monotonic()
+    index = {tuple(t): i for i, t in enumerate(all_tokens)}
+    public = [td.tokenize(p.text) for p in td.newsgroups()]
+    sites = []
+    for i, task in enumerate(shard_tasks):
+        own = td.merge_term_counts([task.term_counts()], min_count=scale.min_count)
+        task.set_vocabulary([t for t, _ in own], [c for _, c in own])
+        model, _ = train(task, scale, seed=scale.seed + 10 + i)
+        docs_vec, _ = task.infer_vectors(model, task.tokens, seed=404 + i)
+        pub_vec, _ = task.infer_vectors(model, public, seed=505 + i)
+        rows = [index[tuple(t)] for t in task.tokens]
+        sites.append({"task": task, "vec": docs_vec, "pub": pub_vec, "rows": rows, "vocab": len(own)})
+        console.print(f"  site {i + 1}: {len(rows)} articles, {len(own)} terms of its own")
+    mappers = {}
+    paper_mappers = {}
+    for i in range(scale.sites):
+        for j in range(scale.sites):
+            if i != j:
+                mappers[i, j] = train_mapper(sites[i]["pub"], sites[j]["pub"], lr=scale.mapper_lr,
+                                             epochs=scale.mapper_epochs, seed=i * 10 + j)
+                paper_mappers[i, j] = train_mapper(sites[i]["pub"], sites[j]["pub"], seed=i * 10 + j)
+
+    def global_search(how: str) -> list[list[int]]:
+        result: list[list[int]] = [[] for _ in range(n)]
+        for i, si in enumerate(sites):
+            for local_row, row in enumerate(si["rows"]):
+                q = si["vec"][local_row]
+                hits: list[tuple[float, int]] = []
+                for j, sj in enumerate(sites):
+                    if i == j or how == "unmapped":
+                        v = q
+                    else:
+                        v = map_vectors((mappers if how == "mapped" else paper_mappers)[i, j], q[None, :])[0]
+                    sims = tm.normalize_rows(sj["vec"]) @ (v / (np.linalg.norm(v) or 1.0))
+                    hits += [(float(s), sj["rows"][r]) for r, s in enumerate(sims) if sj["rows"][r] != row]
+                hits.sort(key=lambda h: (-h[0], h[1]))
+                result[row] = [r for _, r in hits[:k]]
+        return result
+
+    ov_mapped = overlaps(nn_central, global_search("mapped"), k)
+    ov_paper_mapped = overlaps(nn_central, global_search("paper"), k)
+    ov_unmapped = overlaps(nn_central, global_search("unmapped"), k)
+    # Each site alone (its own articles, its own model): the overlap of what it can find.
+    step("vector-space mapping (local models, mappers, global search)", t0)
+
+    rows = {
+        "joint learning (Alg. 1, daemons)": ov_joint,
+        f"mapping (Alg. 2, mapper lr {scale.mapper_lr:g}, {scale.mapper_epochs} epochs)": ov_mapped,
+        "mapping (Alg. 2, paper's mapper settings: lr 1e-5, 20 epochs)": ov_paper_mapped,
+        "no mapping (raw vector to every site)": ov_unmapped,
+    }
+    if ov_reseed is not None:
+        rows["second centralized model (other seed)"] = ov_reseed
+    results = {
+        "scale": asdict(scale), "documents": n, "k": k, "random_expectation": k / (n - 1),
+        "sim_k": {name: float(ov.mean() / k) for name, ov in rows.items()},
+        "overlap_hist": {name: np.bincount(ov, minlength=k + 1).tolist() for name, ov in rows.items()},
+        "paper": PAPER, "joint_meta": {kk: v for kk, v in meta.items() if kk != "metrics"},
+        "central_losses": central_losses,
+        "joint_losses": [r["metrics"].get("loss") for r in history if r.get("event") == "round"],
+        "site_vocab": [s["vocab"] for s in sites], "timings": timings,
+        "seconds": round(time.monotonic() - t_all, 1),
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (out / "search.txt").write_text(search_text)
+    write_report(out, results, search_text, titles)
+    console.print(f"report: {out / 'report.md'} ({results['seconds']}s)")
+    return results
+
+
+def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = r["k"]
+    names = list(r["sim_k"])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, name in zip(axes, names[:3]):
+        ax.bar(range(k + 1), r["overlap_hist"][name])
+        ax.set_title(f"{name.split(',')[0]}\nsim_{k} = {r['sim_k'][name]:.3f}", fontsize=9)
+        ax.set_xlabel(f"overlap with centralized top-{k} (sim_{k} x {k})")
+        ax.set_ylabel("documents")
+    fig.tight_layout()
+    fig.savefig(out / "overlap_hist.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = names + ["random ranking"]
+    vals = [r["sim_k"][n] for n in names] + [r["random_expectation"]]
+    ax.barh(range(len(vals)), vals, color=["C0", "C1", "C1", "C7", "C2", "C7"][:len(vals)])
+    ax.set_yticks(range(len(vals)), [lab[:60] for lab in labels], fontsize=8)
+    for y, v in enumerate(vals):
+        ax.text(v + 0.005, y, f"{v:.3f}", va="center", fontsize=8)
+    ax.axvline(r["paper"]["joint"], color="C0", ls="--", lw=1, label="paper joint 0.609")
+    ax.axvline(r["paper"]["mapped_wiki"], color="C1", ls="--", lw=1, label="paper mapped (Wikipedia) 0.261")
+    ax.set_xlabel(f"sim_{k} against the centralized model")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out / "sim_k.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(1, len(r["central_losses"]) + 1), r["central_losses"], label="centralized (per epoch)")
+    ax.plot(range(1, len(r["joint_losses"]) + 1), r["joint_losses"], label="joint learning (mean over agents, per round)")
+    ax.set_xlabel("epoch / round")
+    ax.set_ylabel("training pair loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=110)
+    plt.close(fig)
+
+    s = r["scale"]
+    jm = r["joint_meta"]
+    lines = [
+        "# SEEC: joint learning and vector-space mapping (shared/seeds/002, Sec. V)",
+        "",
+        f"Command: `fedagent experiment seec --out {out}` ({r['seconds']:.0f} s on this machine, 2 shared cores).",
+        "",
+        "## Set-up and scale",
+        "",
+        f"* Private data: the {r['documents']} Wikipedia articles of gensim's shortened dump, split over "
+        f"**{s['sites']} sites** at random with balanced token counts (the paper: two sites, users distributed "
+        "uniformly; its joint result is on Slack data, which is not public, its 0.261 mapping result on Wikipedia).",
+        "* Public data for the mappers: the 200 posts of gensim's 20-newsgroups sample (the paper: 18,846).",
+        f"* Doc2vec PV-DBOW, d = {s['dim']}, lr {s['lr']} with cosine decay, {s['epochs']} passes over the data "
+        f"(paper: 40 epochs), batches of {s['batch_size']} pairs, min_count {s['min_count']}; document and "
+        f"query vectors inferred with the head frozen, {s['infer_epochs']} passes.",
+        f"* Joint learning ran through the real daemons: private Mosquitto (mutual TLS, per-node ACL), one "
+        f"coordinator, {s['sites']} agent processes; vocabulary consensus (agreed digest "
+        f"`{jm.get('coordinator_digest', '')[:16]}`, {jm.get('vocabulary_size')} terms, the same digest on every "
+        f"agent: {sorted(set(jm.get('agent_vocab_digests', {}).values())) == [jm.get('coordinator_digest')]}), "
+        f"then {s['epochs']} FedAvg rounds of one local epoch ({jm.get('seconds', 0):.0f} s).",
+        f"* Mapping: every site trains its own model on its own articles and its own vocabulary "
+        f"({', '.join(map(str, r['site_vocab']))} terms); mappers (1 hidden layer of 1200, dropout 0.2, cosine "
+        f"embedding loss, Adam) for every ordered pair of sites. With 200 public posts the paper's settings "
+        f"(lr 1e-5, 20 epochs, batch 64) make 80 Adam steps, so the main row uses lr {s['mapper_lr']:g} and "
+        f"{s['mapper_epochs']} epochs; the paper's settings are reported too. This part runs in the experiment's "
+        "process (the live search protocol does not carry mapped vectors yet).",
+        f"* sim_{k}: for every article, its top {k} (itself excluded) under the centralized model vs under the "
+        f"federated search; mean of |overlap| / {k}. A random ranking scores {r['random_expectation']:.3f}.",
+        "",
+        "## Results",
+        "",
+        f"| search | sim_{k} | paper |",
+        "|---|---|---|",
+    ]
+    paper_col = {0: "0.609 (Slack, joint)", 1: "0.261 (Wikipedia) / 0.198 (Slack)",
+                 2: "0.261 (Wikipedia) / 0.198 (Slack)"}
+    for i, (name, v) in enumerate(r["sim_k"].items()):
+        lines.append(f"| {name} | {v:.3f} | {paper_col.get(i, '-')} |")
+    sk = r["sim_k"]
+    joint_v = next(iter(sk.values()))
+    mapped_v = list(sk.values())[1]
+    unmapped_v = sk.get("no mapping (raw vector to every site)", float("nan"))
+    lines += [f"| random ranking | {r['random_expectation']:.3f} | - |", "",
+              "**Reading the numbers.** "
+              f"Joint learning keeps {joint_v * k:.1f} of the centralized top {k} on average (paper: 6.1 on "
+              "Slack). The corpus is small: a top 10 is a tenth of the collection, so every row here sits higher "
+              "above zero than on the paper's 1,576 users or 100 k articles (random ranking: "
+              f"{r['random_expectation']:.3f}). In the mapped search the asking site ranks its own articles in its "
+              "own space, which is right without any mapping; that alone is why the unmapped row is "
+              f"{unmapped_v:.3f} and not random. The mappers add what the other sites' articles contribute: "
+              f"{mapped_v:.3f} vs {unmapped_v:.3f}. The paper's mapper settings (80 Adam steps on 200 posts) "
+              "barely train the mapper, as expected.", "",
+              "![sim_k](sim_k.png)", "", "![overlap histograms](overlap_hist.png)", "", "![loss](loss.png)", "",
+              "## Live `fedagent search` after joint learning (three agents)", "", "```", search_text.rstrip(), "```",
+              "", "## Timings", "", *[f"* {kk}: {v} s" for kk, v in r["timings"].items()], ""]
+    (out / "report.md").write_text("\n".join(lines))

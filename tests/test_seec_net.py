@@ -1,0 +1,125 @@
+"""SEEC over a real Mosquitto with mutual TLS and real processes.
+
+One federation (a coordinator and three doc2vec agents, each with its own third of the
+newsgroups sample) serves both tests, which run in this order:
+
+* joint learning (Algorithm 1): the agents offer their vocabularies, the coordinator
+  merges them, every agent ends on the identical vocabulary (same digest, same size as
+  the merge of the three shards' terms computed here), then FedAvg rounds of the
+  doc2vec head run, the model moves away from its zero initialisation and the mean
+  training loss the agents report falls from the first round to the last;
+* the live search protocol: agent-3 is frozen (SIGSTOP: still "online" for the broker
+  until its keep-alive runs out, but silent), `search` on agent-1 returns within the
+  timeout with agent-2's answer merged with its own, and names agent-3 as silent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from fedagent.agent.control import request
+from fedagent.demo import Federation
+from fedagent.protocols.vocab import merge_vocabularies, vocabulary_digest
+from fedagent.tasks.base import load_task
+
+AGENTS = 3
+ROUNDS = 3
+OPTIONS = {"corpus": "newsgroups", "limit": 90, "holdout": 0.0, "dim": 24, "min_count": 2, "infer_epochs": 10,
+           "seed": 0}
+ROUND_SETTINGS = {"rounds": ROUNDS, "min_agents": AGENTS, "expected_agents": AGENTS, "min_updates": AGENTS,
+                  "round_timeout": 60.0, "local_epochs": 1, "lr": 0.025, "batch_size": 256, "seed": 0,
+                  "vocab_timeout": 30.0}
+
+
+def wait_for(predicate, timeout: float, what: str, fed: Federation):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fed.check_alive()
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    fed = Federation(tmp_path_factory.mktemp("seec"), agents=AGENTS, rounds=ROUNDS, alpha=0.0, task="doc2vec",
+                     task_options=OPTIONS, agent_broker_by_mdns=False)
+    try:
+        fed.prepare()
+        fed.write_coordinator("doc2vec", OPTIONS, ROUND_SETTINGS)
+        fed.start_all()
+        yield fed
+    finally:
+        fed.close()
+
+
+def test_joint_learning_agrees_on_a_vocabulary_and_trains(federation):
+    fed = federation
+    done = wait_for(lambda: (s := fed.status("coordinator")) and s["phase"] == "done" and s, 120,
+                    "the joint-learning run to finish", fed)
+    assert done["completed_rounds"] == ROUNDS
+    # The common vocabulary is the merge of the three shards' term counts, nothing else.
+    shards = [load_task("doc2vec", {**OPTIONS, "shard": i, "shards": AGENTS}) for i in range(AGENTS)]
+    merged = merge_vocabularies([t.term_counts() for t in shards])
+    expected = vocabulary_digest(t for t, _ in merged)
+    assert done["vocab_digest"] == expected and done["vocabulary_size"] == len(merged)
+    statuses = [fed.status(a) for a in fed.agent_ids]
+    assert [s["vocab_digest"] for s in statuses] == [expected] * AGENTS
+    assert [s["vocabulary_size"] for s in statuses] == [len(merged)] * AGENTS
+    assert all(s["vocab_offers_sent"] >= 1 for s in statuses)
+    # The model moved away from its zero start, and the reported loss fell.
+    weights, meta = fed.final_weights()
+    assert meta["vocab_digest"] == expected
+    head = weights["out_embed.weight"]
+    assert head.shape == (len(merged), OPTIONS["dim"]) and float(np.abs(head).max()) > 0.01
+    history = fed.work / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl"
+    rounds = [r for r in map(json.loads, history.read_text().splitlines()) if r.get("event") == "round"]
+    losses = [r["metrics"]["loss"] for r in rounds]
+    assert len(losses) == ROUNDS and losses[-1] < losses[0], losses
+    vocab_events = [r for r in map(json.loads, history.read_text().splitlines()) if r.get("event") == "vocabulary"]
+    assert len(vocab_events) == 1 and sorted(vocab_events[0]["contributors"]) == fed.agent_ids
+
+
+def test_search_merges_live_peers_and_names_the_silent_one(federation):
+    fed = federation
+    wait_for(lambda: all((s := fed.status(a)) and s.get("round_state") == "finished" for a in fed.agent_ids),
+             60, "every agent to hold the final model", fed)
+    silent = next(p for p in fed.procs if p.name == fed.agent_ids[2])
+    os.kill(silent.popen.pid, signal.SIGSTOP)
+    try:
+        timeout = 4.0
+        started = time.monotonic()
+        out = request(fed.socket(fed.agent_ids[0]), "search",
+                      {"text": "the space shuttle launch and the orbit of the moon", "k": 5, "timeout": timeout},
+                      timeout=60)
+        took = time.monotonic() - started
+    finally:
+        os.kill(silent.popen.pid, signal.SIGCONT)
+    assert out["asked"] == fed.agent_ids[1:]
+    assert out["answered"] == [fed.agent_ids[1]] and out["silent"] == [fed.agent_ids[2]] and out["timed_out"]
+    assert took < timeout + 20
+    results = out["results"]
+    assert len(results) == 5
+    assert {r["site"] for r in results} <= {fed.agent_ids[0], fed.agent_ids[1]}
+    scores = [r["score"] for r in results]
+    assert scores == sorted(scores, reverse=True) and all(-1 <= s <= 1 for s in scores)
+    # The answering peer ranked its documents: at least one of them is in the merge or
+    # scores below the asker's last one (the merge kept the best five of both).
+    assert fed.status(fed.agent_ids[1])["search_queries_answered"] >= 1
+    # The CLI prints the same over the control socket.
+    cli = subprocess.run([sys.executable, "-m", "fedagent", "search", "god and religion", "--k", "3",
+                          "--timeout", "5", "--socket", str(fed.socket(fed.agent_ids[0])), "--json"],
+                         capture_output=True, text=True, timeout=90)
+    assert cli.returncode == 0, cli.stderr
+    reply = json.loads(cli.stdout)
+    assert sorted(reply["answered"]) == fed.agent_ids[1:] and reply["silent"] == [] and len(reply["results"]) == 3
