@@ -73,7 +73,7 @@ class GossipSettings:
     eval_every: int = 10              # evaluate the local model every this many periods (0 = never)
     min_peers: int = 1                # start training once this many peers are known
     period_seconds: float = 0.0       # a period lasts at least this long (paces fast training)
-    lr_schedule: str = "cosine"       # "cosine" (to 0 at `periods`) | "constant"
+    lr_schedule: str = "cosine"       # "cosine" (to 0 at `periods`) | "linear" (word2vec's alpha decay) | "constant"
     catch_up: bool = True             # a newcomer's first merge adopts far older models
     max_norm: float | None = None     # refuse a received model whose L2 norm exceeds this
     clip_norm: float | None = None    # cap a received model's L2 distance from ours
@@ -92,6 +92,8 @@ class GossipSettings:
         consensus instead of each one biased by its last local steps."""
         if self.lr_schedule == "constant" or not self.periods:
             return self.lr
+        if self.lr_schedule == "linear":
+            return self.lr * max(1e-4, 1.0 - min(period, self.periods) / self.periods)
         return self.lr * 0.5 * (1.0 + math.cos(math.pi * min(period, self.periods) / self.periods))
 
     def __post_init__(self) -> None:
@@ -105,8 +107,8 @@ class GossipSettings:
             object.__setattr__(self, "vocab_members", tuple(self.vocab_members))
         if self.vocab_agents:
             self.consensus_config()
-        if self.lr_schedule not in ("cosine", "constant"):
-            raise ConfigError(f"gossip.lr_schedule must be 'cosine' or 'constant', not {self.lr_schedule!r}")
+        if self.lr_schedule not in ("cosine", "linear", "constant"):
+            raise ConfigError(f"gossip.lr_schedule must be 'cosine', 'linear' or 'constant', not {self.lr_schedule!r}")
         if self.lr <= 0 or self.batch_size < 1 or self.eval_every < 0 or self.min_peers < 0 \
                 or self.period_seconds < 0:
             raise ConfigError("gossip: lr and batch_size must be positive; eval_every, min_peers and "

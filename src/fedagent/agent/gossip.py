@@ -416,8 +416,11 @@ class GossipSession:
         seed = self.settings.seed * 1_000_003 + cmd.train_id
         started = time.monotonic()
         try:
-            lr = self.settings.lr_at(self.machine.period)
-            weights, metrics = await asyncio.to_thread(self.agent.train_steps, cmd.weights, cmd.steps, seed, lr)
+            # The schedule's value at both ends of the period: a task that can (fit_steps
+            # with lr_end) decays within the period instead of in steps of one period.
+            lr, lr_end = self.settings.lr_at(self.machine.period), self.settings.lr_at(self.machine.period + 1)
+            weights, metrics = await asyncio.to_thread(self.agent.train_steps, cmd.weights, cmd.steps, seed, lr,
+                                                       lr_end)
         except Exception:
             log.exception("local training failed; keeping the model it started from")
             weights, metrics = cmd.weights, {}
