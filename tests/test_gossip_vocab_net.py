@@ -32,21 +32,43 @@ def history(fed: Federation, aid: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.mark.timeout(120)
-def test_three_gossip_agents_agree_on_one_vocabulary_then_their_word2vec_models_converge(tmp_path):
-    periods = 24
-    fed = Federation(tmp_path, agents=3, rounds=1, alpha=0.0, mode="gossip", task="word2vec", task_options=OPTIONS,
-                     gossip={"vocab_agents": 3, "vocab_min_count": 3, "vocab_timeout": 60.0, "periods": periods,
-                             "period_steps": 5, "lr": 0.3, "batch_size": 128, "min_peers": 2,
-                             "send_timeout": 5.0, "eval_every": 2})
+@pytest.fixture(scope="module")
+def federations(tmp_path_factory):
+    """Both federations start at once, so their processes' start-up (importing torch,
+    reading the dump) overlaps: a complete one of three agents, and one where the third
+    of three expected agents never comes."""
+    complete = Federation(tmp_path_factory.mktemp("complete"), agents=3, rounds=1, alpha=0.0, mode="gossip",
+                          task="word2vec", task_options=OPTIONS,
+                          gossip={"vocab_agents": 3, "vocab_min_count": 3, "vocab_timeout": 60.0,
+                                  "periods": PERIODS, "period_steps": 5, "lr": 0.3, "batch_size": 128,
+                                  "min_peers": 2, "send_timeout": 5.0, "eval_every": 2})
+    missing = Federation(tmp_path_factory.mktemp("missing"), agents=2, rounds=1, alpha=0.0, mode="gossip",
+                         task="word2vec", task_options={**OPTIONS, "shards": 3},
+                         gossip={"vocab_agents": 3, "vocab_timeout": 8.0, "periods": 5, "period_steps": 2,
+                                 "min_peers": 1, "eval_every": 1})
     try:
-        fed.prepare()
-        fed.start_all()
-        ids = list(fed.agent_ids)
-        done = wait_for(lambda: (lambda ss: ss if all(s and s.get("round_state") == "finished" for s in ss.values())
-                                 else None)({a: fed.status(a) for a in ids}), 100, "the agents to finish", fed)
+        for fed in (complete, missing):
+            fed.prepare()
+            fed.start_all()
+        yield complete, missing
     finally:
-        fed.close()
+        complete.close()
+        missing.close()
+
+
+PERIODS = 24
+
+
+def all_in_state(fed: Federation, state: str):
+    ss = {a: fed.status(a) for a in fed.agent_ids}
+    return ss if all(s and s.get("round_state") == state for s in ss.values()) else None
+
+
+@pytest.mark.timeout(150)
+def test_three_gossip_agents_agree_on_one_vocabulary_then_their_word2vec_models_converge(federations):
+    fed, _ = federations
+    ids = list(fed.agent_ids)
+    done = wait_for(lambda: all_in_state(fed, "finished"), 120, "the agents to finish", fed)
     expected = merge_vocabularies(shard_offers(3), min_count=3)
     digest = vocabulary_digest([t for t, _ in expected])
     for a, s in done.items():
@@ -56,7 +78,7 @@ def test_three_gossip_agents_agree_on_one_vocabulary_then_their_word2vec_models_
         saved = json.loads((fed.work / "state" / a / "agent" / fed.fed / "vocabulary.json").read_text())
         assert list(zip(saved["terms"], saved["counts"])) == expected
         assert not s["rejected"], s["rejected"]
-        assert s["gossip"]["received"] > 0
+        assert s["period"] == PERIODS and s["gossip"]["received"] > 0
     # The models drift apart between exchanges (the distance to the models merged at a
     # boundary peaks mid-run); as the step size decays and averaging takes over they end
     # close together: the final models' pairwise distance is well below that peak.
@@ -72,25 +94,16 @@ def flat(weights) -> np.ndarray:
     return np.concatenate([weights[k].ravel() for k in sorted(weights)])
 
 
-@pytest.mark.timeout(90)
-def test_a_missing_peer_aborts_the_vocabulary_consensus_and_nothing_is_trained(tmp_path):
-    fed = Federation(tmp_path, agents=2, rounds=1, alpha=0.0, mode="gossip", task="word2vec",
-                     task_options={**OPTIONS, "shards": 3},
-                     gossip={"vocab_agents": 3, "vocab_timeout": 8.0, "periods": 5, "period_steps": 2,
-                             "min_peers": 1, "eval_every": 1})
-    try:
-        fed.prepare()
-        fed.start_all()
-        ids = list(fed.agent_ids)
-        failed = wait_for(lambda: (lambda ss: ss if all(s and s.get("round_state") == "vocabulary failed"
-                                                        for s in ss.values()) else None)(
-            {a: fed.status(a) for a in ids}), 70, "both agents to give up on the vocabulary", fed)
-    finally:
-        fed.close()
+@pytest.mark.timeout(150)
+def test_a_missing_peer_aborts_the_vocabulary_consensus_and_nothing_is_trained(federations):
+    _, fed = federations
+    ids = list(fed.agent_ids)
+    failed = wait_for(lambda: all_in_state(fed, "vocabulary failed"), 120,
+                      "both agents to give up on the vocabulary", fed)
     for a, s in failed.items():
         v = s["vocabulary"]
         assert v["phase"] == "failed" and v["error"].startswith("missing-offers: 2 of 3 offers"), v
         assert sorted(v["offers"]) == sorted(ids)
         assert s["period"] == 0
-        assert not (fed.work / "state" / a / "agent" / fed.fed / "model.ckpt").exists()
+        assert not fed.model_path(a).exists()
         assert [r["reason"] for r in history(fed, a) if r["event"] == "vocab_failed"] == ["missing-offers"]

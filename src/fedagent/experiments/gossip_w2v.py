@@ -246,6 +246,7 @@ def run_experiment(out: Path, scale: Scale, only: tuple[str, ...] = (), keep: bo
                    console: Console | None = None) -> dict[str, Any]:
     console = console or Console()
     torch.set_num_threads(1)
+    out = out.resolve()          # the agents' configs name their directories absolutely
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
     t_start = time.monotonic()
@@ -260,15 +261,24 @@ def run_experiment(out: Path, scale: Scale, only: tuple[str, ...] = (), keep: bo
     ref_path = out / "gensim_reference.npz"
     reference = load_vectors(ref_path) if ref_path.exists() else None
     ref_scores = {"wordsim353": float("nan"), "simlex999": float("nan")}
-    central, central_s = centralized(task, scale, seed=1)
-    central_npz = out / "central.npz"
-    save_vectors(central_npz, central)
-    central2, _ = centralized(task, scale, seed=2)
-    central_scores = score(central, central, reference)
-    central2_scores = score(central2, central, reference)
+    central_npz, central2_npz, meta_path = out / "central.npz", out / "central_seed2.npz", out / "central.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     total_batches = scale.agents * scale.local_steps
     epochs = total_batches * scale.batch_size / task.pairs_per_epoch()
-    same = gensim_same_settings(task, scale, epochs)
+    if meta.get("scale") == asdict(scale) and central_npz.exists() and central2_npz.exists():
+        # A previous run at this scale (interrupted later) trained them already.
+        central, central2, central_s = load_vectors(central_npz), load_vectors(central2_npz), meta["seconds"]
+        same = meta["gensim_same"]
+        console.log("centralized models of a previous run at this scale reused")
+    else:
+        central, central_s = centralized(task, scale, seed=1)
+        save_vectors(central_npz, central)
+        central2, _ = centralized(task, scale, seed=2)
+        save_vectors(central2_npz, central2)
+        same = gensim_same_settings(task, scale, epochs)
+        meta_path.write_text(json.dumps({"scale": asdict(scale), "seconds": central_s, "gensim_same": same}))
+    central_scores = score(central, central, reference)
+    central2_scores = score(central2, central, reference)
     console.log(f"gensim at the centralized settings: {same}")
     console.log(f"centralized: {total_batches} batches of {scale.batch_size} ({epochs:.1f} epochs) in "
                 f"{central_s:.0f} s: {central_scores}; second seed {central2_scores}")
