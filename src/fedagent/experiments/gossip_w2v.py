@@ -67,11 +67,11 @@ class Scale:
     min_count: int = 5
     batch_size: int = 1024
     lr: float = 0.05             # per training pair (word2vec's alpha is 0.025 at d = 100)
-    # Gossip agents' step = lr x this. Averaging N models moves their mean by the mean of
-    # their updates, 1/N of what one model taking all those steps moves: with the same
-    # step the federation makes 1/N of the centralized progress per batch. (Local-only
-    # agents are not averaged and use lr.)
-    gossip_lr_factor: float = 5.0
+    # Gossip agents' step = lr x this (= agents). Averaging N models moves their mean by
+    # the mean of their updates, 1/N of what one model taking all those steps moves: with
+    # the same step the federation makes 1/N of the centralized progress per batch
+    # (measured: README). Local-only agents are not averaged and use lr.
+    gossip_lr_factor: float = 10.0
     local_steps: int = 300       # batches per agent (thesis: 500,000)
     frequent: int = 10           # thesis: 10
     infrequent: int = 50         # thesis: 500
@@ -265,7 +265,9 @@ def run_experiment(out: Path, scale: Scale, only: tuple[str, ...] = (), keep: bo
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     total_batches = scale.agents * scale.local_steps
     epochs = total_batches * scale.batch_size / task.pairs_per_epoch()
-    if meta.get("scale") == asdict(scale) and central_npz.exists() and central2_npz.exists():
+    central_key = {k: v for k, v in asdict(scale).items() if k not in ("gossip_lr_factor", "frequent", "infrequent",
+                                                                     "eval_frequent")}
+    if meta.get("scale") == central_key and central_npz.exists() and central2_npz.exists():
         # A previous run at this scale (interrupted later) trained them already.
         central, central2, central_s = load_vectors(central_npz), load_vectors(central2_npz), meta["seconds"]
         same = meta["gensim_same"]
@@ -276,7 +278,7 @@ def run_experiment(out: Path, scale: Scale, only: tuple[str, ...] = (), keep: bo
         central2, _ = centralized(task, scale, seed=2)
         save_vectors(central2_npz, central2)
         same = gensim_same_settings(task, scale, epochs)
-        meta_path.write_text(json.dumps({"scale": asdict(scale), "seconds": central_s, "gensim_same": same}))
+        meta_path.write_text(json.dumps({"scale": central_key, "seconds": central_s, "gensim_same": same}))
     central_scores = score(central, central, reference)
     central2_scores = score(central2, central, reference)
     console.log(f"gensim at the centralized settings: {same}")
