@@ -188,3 +188,18 @@ def test_lost_offers_and_digests_are_re_sent_until_everyone_agrees(seed):
             emit(n, m.handle(gv.Wakeup(), now))
     assert all(m.phase is gv.Phase.AGREED for m in ms.values()), {n: m.status() for n, m in ms.items()}
     assert len({m.result.digest for m in ms.values()}) == 1
+
+
+def test_gossip_settings_validate_the_vocabulary_keys_and_the_linear_schedule():
+    from fedagent.config import GossipSettings
+    from fedagent.errors import ConfigError
+
+    s = GossipSettings(vocab_agents=3, vocab_members=["a1", "a2", "a3"], vocab_min_count=5)
+    cfg = s.consensus_config()
+    assert cfg.expected_agents == 3 and cfg.members == ("a1", "a2", "a3") and cfg.min_count == 5
+    for bad in ({"vocab_agents": -1}, {"vocab_agents": 2, "vocab_members": ["a1"]}, {"vocab_agents": 2,
+                                                                                    "vocab_timeout": 0}):
+        with pytest.raises(ConfigError):
+            GossipSettings(**bad)
+    lin = GossipSettings(lr=0.5, periods=10, lr_schedule="linear")
+    assert lin.lr_at(0) == 0.5 and lin.lr_at(5) == pytest.approx(0.25) and lin.lr_at(10) == pytest.approx(0.5e-4)
