@@ -420,6 +420,39 @@ def experiment_flsimco(rounds: int, coverage: int, stay: int, alpha: float, thre
         _fail(exc)
 
 
+@experiment.command("gossip-w2v")
+@click.option("--scale", "scale_name", type=click.Choice(["default", "tiny"]), default="default", show_default=True,
+              help="default: 10 agents, ~45 min on 2 busy cores; tiny: 3 agents, a smoke test")
+@click.option("--local-steps", type=int, default=None, help="batches per agent (centralized gets agents x this)")
+@click.option("--dim", type=int, default=None, help="embedding size")
+@click.option("--config", "configs", multiple=True,
+              help="run only these configurations (topic-frequent, random-frequent, imbalanced-frequent, "
+                   "half-frequent, topic-infrequent, random-infrequent, imbalanced-infrequent, local)")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("gossip-w2v-report"), show_default=True)
+@click.option("--keep", is_flag=True, help="keep the work directories (logs, checkpoints, histories)")
+def experiment_gossip_w2v(scale_name: str, local_steps: int | None, dim: int | None, configs: tuple[str, ...],
+                          out: Path, keep: bool) -> None:
+    """Gossip Word2Vec (the thesis): 10 gossip agents, topic/random/imbalanced splits, frequent/infrequent/half
+    exchange and local-only, against centralized training with the same number of batches."""
+    from dataclasses import replace
+
+    from fedagent.experiments import gossip_w2v
+
+    try:
+        scale = gossip_w2v.SCALES[scale_name]
+        for name, value in (("local_steps", local_steps), ("dim", dim)):
+            if value is not None:
+                if value < 1:
+                    raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+                scale = replace(scale, **{name: value})
+        known = {c.name for c in gossip_w2v.configurations(scale)}
+        if set(configs) - known:
+            raise ConfigError(f"unknown configurations {sorted(set(configs) - known)}; known: {sorted(known)}")
+        gossip_w2v.run_experiment(out, scale, configs, keep=keep)
+    except FedagentError as exc:
+        _fail(exc)
+
+
 @experiment.command("gfedntm")
 @click.option("--corpus", type=click.Choice(["all", "synthetic", "newsgroups"]), default="all", show_default=True,
               help="synthetic: Fig. 2 (Sec. 4.1); newsgroups: gensim's sample, one newsgroup per agent; all: both, "

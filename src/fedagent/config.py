@@ -79,7 +79,7 @@ class GossipSettings:
     eval_every: int = 10              # evaluate the local model every this many periods (0 = never)
     min_peers: int = 1                # start training once this many peers are known
     period_seconds: float = 0.0       # a period lasts at least this long (paces fast training)
-    lr_schedule: str = "cosine"       # "cosine" (to 0 at `periods`) | "constant"
+    lr_schedule: str = "cosine"       # "cosine" (to 0 at `periods`) | "linear" (word2vec's alpha decay) | "constant"
     catch_up: bool = True             # a newcomer's first merge adopts far older models
     max_norm: float | None = None     # refuse a received model whose L2 norm exceeds this
     clip_norm: float | None = None    # cap a received model's L2 distance from ours
@@ -87,6 +87,14 @@ class GossipSettings:
     byzantine: int = 0                # screening: Byzantine neighbours to tolerate per merge (f)
     fanout: int = 1                   # peers the model is sent to per period
     neighbour_ttl: int = 10           # screening: periods a neighbour's newest model stays usable
+    # Coordinator-free vocabulary consensus (protocols/gossip_vocab.py) for tasks with a
+    # vocabulary (term_counts/set_vocabulary): 0 = off, else the number of agents whose
+    # offers make the vocabulary, this one included.
+    vocab_agents: int = 0
+    vocab_members: tuple[str, ...] | None = None   # optional: exactly these agent ids
+    vocab_timeout: float = 120.0      # seconds for all offers and confirmations; then abort
+    vocab_min_count: int = 1          # merged count a term needs
+    vocab_max_size: int = 0           # keep at most this many terms (0 = all)
 
     def lr_at(self, period: int) -> float:
         """The step size for ``period``: with a known end (``periods``) the default cosine
@@ -94,6 +102,8 @@ class GossipSettings:
         consensus instead of each one biased by its last local steps."""
         if self.lr_schedule == "constant" or not self.periods:
             return self.lr
+        if self.lr_schedule == "linear":
+            return self.lr * max(1e-4, 1.0 - min(period, self.periods) / self.periods)
         return self.lr * 0.5 * (1.0 + math.cos(math.pi * min(period, self.periods) / self.periods))
 
     def __post_init__(self) -> None:
@@ -101,12 +111,29 @@ class GossipSettings:
             if isinstance(self.exchange, str) or not all(isinstance(x, str) and x for x in self.exchange):
                 raise ConfigError("gossip.exchange must be a list of parameter names or globs")
             object.__setattr__(self, "exchange", tuple(self.exchange))
-        if self.lr_schedule not in ("cosine", "constant"):
-            raise ConfigError(f"gossip.lr_schedule must be 'cosine' or 'constant', not {self.lr_schedule!r}")
+        if self.vocab_members is not None:
+            if isinstance(self.vocab_members, str) or not all(isinstance(x, str) and x for x in self.vocab_members):
+                raise ConfigError("gossip.vocab_members must be a list of agent ids")
+            object.__setattr__(self, "vocab_members", tuple(self.vocab_members))
+        if self.vocab_agents:
+            self.consensus_config()
+        if self.lr_schedule not in ("cosine", "linear", "constant"):
+            raise ConfigError(f"gossip.lr_schedule must be 'cosine', 'linear' or 'constant', not {self.lr_schedule!r}")
         if self.lr <= 0 or self.batch_size < 1 or self.eval_every < 0 or self.min_peers < 0 \
                 or self.period_seconds < 0:
             raise ConfigError("gossip: lr and batch_size must be positive; eval_every, min_peers and "
                               "period_seconds non-negative")
+
+    def consensus_config(self):
+        """The coordinator-free vocabulary consensus's configuration (``vocab_agents`` > 0)."""
+        from fedagent.protocols.gossip_vocab import ConsensusConfig
+
+        try:
+            return ConsensusConfig(expected_agents=self.vocab_agents, deadline=self.vocab_timeout,
+                                   min_count=self.vocab_min_count, max_size=self.vocab_max_size,
+                                   members=self.vocab_members)
+        except ValueError as exc:
+            raise ConfigError(f"[gossip] vocabulary: {exc}") from None
 
     def machine_config(self, names: tuple[str, ...] | None):
         """The pure machine's configuration, with ``exchange`` resolved to ``names``."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 from typing import Any
@@ -315,12 +316,16 @@ class Agent:
             self.model = self.task.build_model()
             self.search_index = None
 
-    def train_steps(self, weights, steps: int, seed: int, lr: float):
-        """Gossip mode: ``steps`` local mini-batches from ``weights`` (a copy is trained)."""
+    def train_steps(self, weights, steps: int, seed: int, lr: float, lr_end: float | None = None):
+        """Gossip mode: ``steps`` local mini-batches from ``weights`` (a copy is trained);
+        a task whose ``fit_steps`` takes ``lr_end`` moves the step size linearly to it."""
+        extra = {}
+        if lr_end is not None and "lr_end" in inspect.signature(self.task.fit_steps).parameters:
+            extra["lr_end"] = lr_end
         with self._thread_lock:
             set_weights(self.model, weights)
             metrics = self.task.fit_steps(self.model, steps=steps, lr=lr, batch_size=self.cfg.gossip.batch_size,
-                                          seed=seed)
+                                          seed=seed, **extra)
             return get_weights(self.model), metrics
 
     @property

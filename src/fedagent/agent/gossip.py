@@ -15,6 +15,15 @@ world:
   distinct broker; with a shared broker there is only the home connection.
 * **Training** runs in the agent's worker thread, ``period_steps`` mini-batches at a
   time (``Task.fit_steps``). The event loop keeps receiving while it trains.
+* **Vocabulary** (``[gossip] vocab_agents`` > 0, tasks with ``term_counts`` and
+  ``set_vocabulary``): before the gossip machine exists, the
+  :class:`~fedagent.protocols.gossip_vocab.VocabConsensus` runs: offers go to each
+  peer as it comes up (signed ``VocabOffer``, terms and counts only), digests are
+  exchanged, and only a confirmed vocabulary is installed in the task, which then
+  builds the model on it. The agreed vocabulary is kept in the state directory, so a
+  restart resumes without a new consensus; a failure (missing peers by the deadline,
+  a digest mismatch) leaves the session in state ``vocabulary failed`` with the reason
+  in ``fedagent status``, and nothing is trained.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fnmatch
+import inspect
+import json
 import logging
 import secrets
 import time
@@ -35,9 +46,11 @@ from fedagent.agent.runtime import History, Timer, make_transport, node_identity
 from fedagent.agent.transport import Transport
 from fedagent.errors import ConfigError
 from fedagent.protocols import gossip as g
+from fedagent.protocols import gossip_vocab as gv
 from fedagent.protocols import topics
-from fedagent.protocols.messages import GossipAck, GossipModel, Presence
-from fedagent.statefile import cleanup_temp_files
+from fedagent.protocols.messages import GossipAck, GossipModel, Presence, VocabDigest, VocabOffer
+from fedagent.protocols.vocab import vocabulary_digest
+from fedagent.statefile import atomic_write, cleanup_temp_files, read_bytes
 from fedagent.tasks.base import get_weights
 
 if TYPE_CHECKING:
@@ -46,6 +59,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("fedagent.gossip")
 
 LINK_CONNECT_TIMEOUT = 10.0
+MAX_VOCAB_FILE = 64 * 2**20
+
+
+class _VocabWakeup:
+    """The consensus's own wake-up (the gossip machine's Wakeup is another event)."""
 
 
 def resolve_exchange(patterns: tuple[str, ...] | None, names: list[str]) -> tuple[str, ...] | None:
@@ -92,20 +110,21 @@ class GossipSession:
         cleanup_temp_files(self.dir)
         self.model_path = self.dir / "model.ckpt"
         self.history = History(self.dir / "history.jsonl")
-        weights = get_weights(agent.model)       # the task's seeded initial model
-        resumed = checkpoint.load(self.model_path)
-        if resumed is not None and resumed[0].keys() == weights.keys():
-            weights = resumed[0]
-            log.info("resuming from %s (period %s)", self.model_path, resumed[1].get("period"))
-        names = resolve_exchange(self.settings.exchange, list(weights))
-        self.machine = g.GossipMachine(self.cfg.id, self.settings.machine_config(names), weights,
-                                       num_samples=agent.task.num_samples(), session=secrets.token_hex(4))
+        self.vocab_path = self.dir / "vocabulary.json"
+        self.vocab_digest = ""
+        self.consensus: gv.VocabConsensus | None = None
+        self.machine: g.GossipMachine | None = None
         self._peers: dict[str, _Peer] = {}
         self.state = "starting"
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=10_000)
+        if self.settings.vocab_agents:
+            self._init_consensus()
+        if self.consensus is None or self.consensus.phase is gv.Phase.AGREED:
+            self._make_machine()
         self.last_metrics: dict[str, float] = {}
         self.last_eval: dict[str, Any] = {}
-        self.queue: asyncio.Queue = asyncio.Queue(maxsize=10_000)
         self.timer = Timer(self.queue, g.Wakeup())
+        self.vocab_timer = Timer(self.queue, _VocabWakeup())
         self.transport = make_transport(
             self.cfg, federation, broker,
             subscriptions=[topics.inbox(federation, self.cfg.id), topics.all_presence(federation)],
@@ -118,10 +137,113 @@ class GossipSession:
         self.links: dict[str, tuple[Transport, asyncio.Event]] = {}
         self._tg: asyncio.TaskGroup | None = None
 
+    # -- the gossip machine and the vocabulary it is built on ------------------------------
+    def _make_machine(self) -> None:
+        agent = self.agent
+        weights = get_weights(agent.model)       # the task's seeded initial model
+        resumed = checkpoint.load(self.model_path)
+        if resumed is not None and resumed[0].keys() == weights.keys() \
+                and all(resumed[0][k].shape == v.shape for k, v in weights.items()) \
+                and resumed[1].get("vocab_digest", "") == self.vocab_digest:
+            weights = resumed[0]
+            log.info("resuming from %s (period %s)", self.model_path, resumed[1].get("period"))
+        names = resolve_exchange(self.settings.exchange, list(weights))
+        self.machine = g.GossipMachine(self.cfg.id, self.settings.machine_config(names), weights,
+                                       num_samples=agent.task.num_samples(), session=secrets.token_hex(4))
+
+    def _init_consensus(self) -> None:
+        task = self.agent.task
+        if not (callable(getattr(task, "term_counts", None)) and callable(getattr(task, "set_vocabulary", None))):
+            raise ConfigError(f"[gossip] vocab_agents is set but task {self.cfg.task!r} has no vocabulary "
+                              "(term_counts/set_vocabulary)")
+        own = task.term_counts()
+        terms = sorted(own)
+        counts = [int(own[t]) for t in terms]
+        cfg = self.settings.consensus_config()
+        saved = self._load_vocabulary()
+        if saved is not None:
+            self.consensus = gv.VocabConsensus.resumed(self.cfg.id, cfg, terms, counts, saved)
+            self._install_vocabulary(saved)
+            log.info("resuming with the agreed vocabulary of %d terms from %s", len(saved.terms), self.vocab_path)
+        else:
+            self.consensus = gv.VocabConsensus(self.cfg.id, cfg, terms, counts)
+        self._own_offer = VocabOffer(tuple(terms), tuple(counts))
+
+    def _load_vocabulary(self) -> gv.Agreed | None:
+        raw = read_bytes(self.vocab_path, MAX_VOCAB_FILE)
+        if raw is None:
+            return None
+        try:
+            doc = json.loads(raw)
+            terms, counts = tuple(doc["terms"]), tuple(int(c) for c in doc["counts"])
+            agreed = gv.Agreed(terms, counts, tuple(doc["contributors"]), str(doc["digest"]))
+            if agreed.digest != vocabulary_digest(terms) or len(terms) != len(counts) or not terms:
+                raise ValueError("digest or counts do not match the terms")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{self.vocab_path} is unreadable ({exc}); move it away to agree afresh") from exc
+        return agreed
+
+    def _install_vocabulary(self, agreed: gv.Agreed) -> None:
+        """Re-index the task's data on the agreed terms and rebuild the model on them."""
+        task = self.agent.task
+        params = inspect.signature(task.set_vocabulary).parameters
+        with self.agent._thread_lock:
+            if "counts" in params:
+                task.set_vocabulary(list(agreed.terms), list(agreed.counts))
+            else:
+                task.set_vocabulary(list(agreed.terms))
+            self.agent.model = task.build_model()
+        self.vocab_digest = agreed.digest
+
+    async def _run_consensus(self, cmds: list) -> None:
+        for cmd in cmds:
+            if isinstance(cmd, gv.SendOffer):
+                self.agent.spawn(self._send_direct(cmd.peer, "vocab_offer", self._own_offer))
+            elif isinstance(cmd, gv.SendDigest):
+                msg = VocabDigest(cmd.digest, cmd.contributors, cmd.agreed)
+                self.agent.spawn(self._send_direct(cmd.peer, "vocab_digest", msg))
+            elif isinstance(cmd, gv.RequestWakeup):
+                self.vocab_timer.request(cmd.at)
+            elif isinstance(cmd, gv.OfferRejected):
+                self.messenger._reject(f"vocab-{cmd.reason}", cmd.sender, cmd.detail)
+            elif isinstance(cmd, gv.Failed):
+                self.vocab_timer.cancel()
+                self.state = "vocabulary failed"
+                log.error("vocabulary consensus failed (%s): %s; not training", cmd.reason, cmd.detail)
+                self.history.append({"event": "vocab_failed", "reason": cmd.reason, "detail": cmd.detail,
+                                     "missing": list(cmd.missing)})
+                sdnotify.status(f"{self.fed}: vocabulary consensus failed: {cmd.reason}")
+            elif isinstance(cmd, gv.Agreed):
+                self.vocab_timer.cancel()
+                await self._vocabulary_agreed(cmd)
+
+    async def _vocabulary_agreed(self, cmd: gv.Agreed) -> None:
+        doc = {"terms": list(cmd.terms), "counts": list(cmd.counts), "contributors": list(cmd.contributors),
+               "digest": cmd.digest}
+        await asyncio.to_thread(atomic_write, self.vocab_path, json.dumps(doc).encode())
+        await asyncio.to_thread(self._install_vocabulary, cmd)
+        self.history.append({"event": "vocabulary", "terms": len(cmd.terms), "contributors": list(cmd.contributors),
+                             "dropped_terms": cmd.dropped_terms, "digest": cmd.digest})
+        log.info("vocabulary agreed with %d peers: %d terms (digest %s, %d cut by min_count/max_size)",
+                 len(cmd.contributors) - 1, len(cmd.terms), cmd.digest[:12], cmd.dropped_terms)
+        self._make_machine()
+        self.state = "waiting for peers"
+        for pid, p in sorted(self._peers.items()):
+            if p.up:
+                await self._apply(self.machine.handle(g.PeerUp(pid), time.monotonic()))
+
+    async def _send_direct(self, peer: str, kind: str, msg) -> None:
+        topic = topics.direct(self.fed, self.cfg.id, peer, kind)
+        try:
+            link = await self._link(self._peer_broker(peer))
+            await asyncio.wait_for(self.messenger.send(topic, msg, transport=link), self.settings.send_timeout)
+        except Exception as exc:  # noqa: BLE001 - the peer gets it again when it comes back up
+            log.warning("sending %s to %s failed: %s", kind, peer, exc or type(exc).__name__)
+
     # The FedAvg session's names, so the agent's metrics and status code read both.
     @property
     def current_round(self) -> int:
-        return self.machine.period
+        return self.machine.period if self.machine is not None else 0
 
     @property
     def peers(self) -> dict[str, dict[str, Any]]:
@@ -193,6 +315,9 @@ class GossipSession:
         if was != now:
             log.info("peer %s %s", peer, "up" if now else "down")
             self.queue.put_nowait(g.PeerUp(peer) if now else g.PeerDown(peer))
+            if now and self.consensus is not None:
+                # The consensus serves every peer that comes up, even after it agreed.
+                self.queue.put_nowait(gv.PeerUp(peer))
 
     # -- the loop ------------------------------------------------------------------------
     async def _on_payload(self, topic: str, payload: bytes) -> None:
@@ -211,19 +336,31 @@ class GossipSession:
                 if disc is not None:
                     for advert in disc.peers.values():
                         self.on_advert("added", advert)
-                self.state = "waiting for peers"
+                if self.machine is None:
+                    assert self.consensus is not None
+                    self.state = "vocabulary"
+                    log.info("vocabulary consensus: waiting for %d offers", self.consensus.config.expected_agents)
+                    await self._run_consensus(self.consensus.start(time.monotonic()))
+                else:
+                    self.state = "waiting for peers"
                 while True:
-                    if not self.machine.started and self.peers_up() >= self.settings.min_peers:
+                    m = self.machine
+                    if m is not None and not m.started and self.peers_up() >= self.settings.min_peers:
                         log.info("%d peers known: starting to train", self.peers_up())
                         self.state = "training"
-                        await self._apply(self.machine.handle(g.Start(), time.monotonic()))
+                        await self._apply(m.handle(g.Start(), time.monotonic()))
                     item = await self.queue.get()
                     if isinstance(item, Incoming):
                         await self._on_message(item)
-                    else:
+                    elif isinstance(item, (gv.PeerUp, _VocabWakeup)):
+                        if self.consensus is not None:
+                            ev = gv.Wakeup() if isinstance(item, _VocabWakeup) else item
+                            await self._run_consensus(self.consensus.handle(ev, time.monotonic()))
+                    elif self.machine is not None:
                         await self._apply(self.machine.handle(item, time.monotonic()))
         finally:
             self.timer.cancel()
+            self.vocab_timer.cancel()
 
     async def _on_message(self, inc: Incoming) -> None:
         msg = inc.message
@@ -232,11 +369,24 @@ class GossipSession:
         # Direct messages must come on our own inbox topic (the messenger already
         # checked that the topic's sender is the envelope's sender).
         _fed, _sender, receiver, kind = topics.parse(inc.topic)
-        expected = {GossipModel: "gossip", GossipAck: "gossip_ack"}.get(type(msg))
+        expected = {GossipModel: "gossip", GossipAck: "gossip_ack", VocabOffer: "vocab_offer",
+                    VocabDigest: "vocab_digest"}.get(type(msg))
         if expected is None:
             return self.messenger._reject("mode", inc.sender, f"{msg.kind} in a gossip federation")
         if receiver != self.cfg.id or kind != expected:
             return self.messenger._reject("topic", inc.sender, f"{msg.kind} on {inc.topic}")
+        if isinstance(msg, (VocabOffer, VocabDigest)):
+            if self.consensus is None:
+                return self.messenger._reject("mode", inc.sender, f"{msg.kind} but no vocabulary consensus here")
+            ev = (gv.OfferReceived(inc.sender, msg.terms, msg.counts) if isinstance(msg, VocabOffer)
+                  else gv.DigestReceived(inc.sender, msg.digest, msg.contributors, msg.agreed))
+            return await self._run_consensus(self.consensus.handle(ev, time.monotonic()))
+        if self.machine is None:
+            # Still agreeing on the vocabulary: refusing hands the model's mass back to
+            # its sender (push-sum), nothing is lost.
+            if isinstance(msg, GossipModel):
+                self.agent.spawn(self._send_ack(g.SendAck(inc.sender, msg.exchange_id, False, "not-ready")))
+            return None
         if isinstance(msg, GossipModel):
             event = g.ModelReceived(inc.sender, msg.exchange_id, msg.weights, mass=msg.mass, age=msg.age,
                                     returned=msg.returned)
@@ -267,8 +417,11 @@ class GossipSession:
         seed = self.settings.seed * 1_000_003 + cmd.train_id
         started = time.monotonic()
         try:
-            lr = self.settings.lr_at(self.machine.period)
-            weights, metrics = await asyncio.to_thread(self.agent.train_steps, cmd.weights, cmd.steps, seed, lr)
+            # The schedule's value at both ends of the period: a task that can (fit_steps
+            # with lr_end) decays within the period instead of in steps of one period.
+            lr, lr_end = self.settings.lr_at(self.machine.period), self.settings.lr_at(self.machine.period + 1)
+            weights, metrics = await asyncio.to_thread(self.agent.train_steps, cmd.weights, cmd.steps, seed, lr,
+                                                       lr_end)
         except Exception:
             log.exception("local training failed; keeping the model it started from")
             weights, metrics = cmd.weights, {}
@@ -315,7 +468,8 @@ class GossipSession:
         sdnotify.status(f"{self.fed}: gossip period {cmd.period}")
 
     async def _checkpoint(self, weights, period: int, *, final: bool) -> None:
-        meta = {"period": period, "age": self.machine.age, "mass": self.machine.mass, "final": final}
+        meta = {"period": period, "age": self.machine.age, "mass": self.machine.mass, "final": final,
+                "vocab_digest": self.vocab_digest}
         await asyncio.to_thread(checkpoint.save, self.model_path, weights, meta)
 
     async def _evaluate(self, weights, period: int) -> None:
@@ -339,6 +493,17 @@ class GossipSession:
 
     # -- status --------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
+        vocab = None
+        if self.consensus is not None:
+            vocab = self.consensus.status()
+        if self.machine is None:
+            return {"federation": self.fed, "broker": self.broker, "connection": self.transport.state,
+                    "reconnects": self.transport.reconnects, "last_error": self.transport.last_error,
+                    "coordinator": None, "round": 0, "period": 0, "round_state": self.state, "vocabulary": vocab,
+                    "peers": {pid: {"role": "agent", "online": p.up, "broker": p.broker or self.broker}
+                              for pid, p in sorted(self._peers.items())},
+                    "rejected": dict(self.messenger.rejected), "bytes_in": self.messenger.bytes_in,
+                    "bytes_out": self.messenger.bytes_out}
         st = self.machine.status()
         peers = {pid: {"role": "agent", "online": p.up, "broker": p.broker or self.broker, "mdns": p.mdns,
                        "presence": p.presence, "last_seen": p.last_seen, "num_samples": p.num_samples}
@@ -353,7 +518,8 @@ class GossipSession:
                 "disagreement_rel": st["disagreement_rel"], "gossip": gossip,
                 "links": sorted([self.broker, *self.links]), "last_metrics": self.last_metrics,
                 "local_model_eval": self.last_eval, "peers": peers, "rejected": dict(self.messenger.rejected),
-                "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out}
+                "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out,
+                "vocabulary": vocab}
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -416,6 +416,33 @@ class Vocabulary:
 
 
 @dataclass(frozen=True, slots=True)
+class VocabDigest:
+    """Agent → agent (gossip mode, no coordinator): the digest of the vocabulary this
+    agent merged and whose offers it merged, so peers can confirm they index the same
+    terms the same way before training (see :mod:`fedagent.protocols.gossip_vocab`)."""
+
+    kind: ClassVar[str] = "vocab_digest"
+    digest: str
+    contributors: tuple[str, ...]
+    agreed: bool = False          # the sender has agreed already (an answer; not to be answered)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.digest, str) or not 0 < len(self.digest) <= MAX_DIGEST:
+            raise CodecError("vocab_digest: bad digest")
+        if not self.contributors or not all(is_valid_name(c) for c in self.contributors):
+            raise CodecError("vocab_digest: invalid contributor id")
+
+    def to_body(self) -> dict[str, Any]:
+        return {"digest": self.digest, "contributors": list(self.contributors), "agreed": self.agreed}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> VocabDigest:
+        w = "vocab_digest"
+        return cls(_need(body, "digest", str, w), _names(_need(body, "contributors", list, w), w, limit=10_000),
+                   _flag(body, "agreed", w))
+
+
+@dataclass(frozen=True, slots=True)
 class SyncStep:
     """Coordinator → all (Sync-Opt): compute the gradient of your mini-batch ``step`` at
     model ``model_version`` if you are among ``participants``. ``weights`` is None when
@@ -592,13 +619,13 @@ class SearchAnswer:
 
 
 Message = (Presence | RoundStart | Update | RoundResult | GlobalModel | GossipModel | GossipAck | VocabOffer
-           | Vocabulary | SyncStep | SyncGradient
+           | Vocabulary | SyncStep | SyncGradient | VocabDigest
            | SearchQuery | SearchAnswer)
 
 # The fixed table from an envelope kind to the class that validates its body.
 KINDS: dict[str, type] = {cls.kind: cls for cls in (Presence, RoundStart, Update, RoundResult, GlobalModel,
                                                     GossipModel, GossipAck, VocabOffer, Vocabulary,
-                                                    SyncStep, SyncGradient, SearchQuery, SearchAnswer)}
+                                                    SyncStep, SyncGradient, VocabDigest, SearchQuery, SearchAnswer)}
 
 
 def body_of(kind: str, body: Mapping[str, Any], limits: Limits) -> Message:

@@ -352,10 +352,13 @@ class Word2VecTask(Task):
         return self.fit_steps(model, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
 
     def fit_steps(self, model: nn.Module, *, steps: int, lr: float, batch_size: int,
-                  seed: int) -> dict[str, float]:
+                  seed: int, lr_end: float | None = None) -> dict[str, float]:
+        """``steps`` SGD steps; with ``lr_end`` the step size moves linearly from ``lr``
+        to it over the steps (gossip mode's schedule inside one period)."""
         assert isinstance(model, SkipGram)
+        end = lr if lr_end is None else float(lr_end)
         return sgns_steps(model, self.stream, self.noise, steps=steps, batch_size=batch_size,
-                          negative=self.negative, lr_at=lambda _s: lr,
+                          negative=self.negative, lr_at=lambda s: lr + (end - lr) * s / max(steps, 1),
                           generator=torch.Generator().manual_seed(seed))
 
     def pairs_per_epoch(self) -> float:

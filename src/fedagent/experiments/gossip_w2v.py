@@ -1,0 +1,502 @@
+"""``fedagent experiment gossip-w2v``: the gossip-learning thesis's Word2Vec experiments
+(shared/seeds/003, Ch. 4-5) through real gossip agents.
+
+Every configuration starts 10 agent processes (``mode = "gossip"``, no coordinator) on a
+private Mosquitto with mutual TLS; they find each other by mDNS on loopback, agree on
+one vocabulary with the coordinator-free consensus (:mod:`fedagent.protocols.
+gossip_vocab`: term counts travel, never text), then train skip-gram with negative
+sampling (:mod:`fedagent.tasks.word2vec`) on their own share of the Wikipedia dump
+shipped with gensim and exchange models with merge-then-update push-sum gossip, at
+most two incoming models per period (:mod:`fedagent.protocols.gossip`).
+
+Configurations (the thesis's Sec. 4.2):
+
+* data split ``topic`` (topics derived from the text: TF-IDF + k-means over the
+  articles into 5 topics, each topic's articles divided between two agents, as the
+  thesis had 5 topics over 10 nodes), ``random`` (balanced), ``imbalanced`` (target
+  sizes evenly spaced from 1 to 4);
+* exchange every ``frequent`` local batches or every ``infrequent`` ones;
+* ``half``: the topic split, exchanging only the input vectors (``in_embed``, the
+  thesis's M_2);
+* ``local``: the topic split, a common vocabulary, no exchange at all;
+* **centralized**: one model on all articles with the same total number of batches
+  (agents × local steps) of the same size, the same step size and the same linear
+  decay (word2vec's alpha schedule; the agents use ``lr_schedule = "linear"`` across
+  their periods and within each period).
+
+Metrics of every agent's final model: Spearman's rho on wordsim353 and simlex999, the
+thesis's neighbour overlap ``w2v_sim`` (its 23 evaluation words, 8 neighbours each,
+at most 184) against the centralized model, and the thesis-style ``w2v_sim`` against an
+independent reference (gensim's skip-gram trained on the same articles for 20 epochs
+at d = 100, standing in for the thesis's Google News vectors). The quality loss of a
+configuration is ``(central - config) / central`` of the mean over its agents. A second
+centralized run with another seed measures how much two equally good models differ
+(the noise floor of every comparison).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from fedagent import checkpoint
+from fedagent.demo import Federation
+from fedagent.errors import FedagentError
+from fedagent.tasks import text_data as td
+from fedagent.tasks import text_metrics as tm
+from fedagent.tasks.base import load_task
+from fedagent.tasks.word2vec import Word2VecTask, load_vectors, save_vectors, train_centralized
+
+
+@dataclass(frozen=True)
+class Scale:
+    agents: int = 10
+    topics: int = 5
+    dim: int = 32
+    window: int = 5
+    negative: int = 5
+    min_count: int = 5
+    batch_size: int = 1024
+    lr: float = 0.05             # per training pair (word2vec's alpha is 0.025 at d = 100)
+    # Gossip agents' step = lr x this (= agents). Averaging N models moves their mean by
+    # the mean of their updates, 1/N of what one model taking all those steps moves: with
+    # the same step the federation makes 1/N of the centralized progress per batch
+    # (measured: README). Local-only agents are not averaged and use lr.
+    gossip_lr_factor: float = 10.0
+    local_steps: int = 300       # batches per agent (thesis: 500,000)
+    frequent: int = 10           # thesis: 10
+    infrequent: int = 50         # thesis: 500
+    eval_frequent: int = 5       # evaluate every this many periods
+    seed: int = 0
+    gensim_epochs: int = 20
+
+    def task_options(self, split: str) -> dict[str, Any]:
+        opts = {"split": split, "shards": self.agents, "dim": self.dim, "window": self.window,
+                "negative": self.negative, "min_count": self.min_count, "seed": self.seed}
+        if split == "topic":
+            opts["topics"] = self.topics
+        return opts
+
+
+SCALES = {"default": Scale(), "tiny": Scale(agents=3, topics=3, dim=16, local_steps=60, frequent=5, infrequent=20,
+                                            eval_frequent=2, gensim_epochs=2)}
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    split: str
+    period_steps: int
+    exchange: tuple[str, ...] | None = None
+    local: bool = False
+
+
+def configurations(s: Scale) -> list[Config]:
+    out = [Config(f"{split}-{how}", split, steps)
+           for how, steps in (("frequent", s.frequent), ("infrequent", s.infrequent))
+           for split in ("topic", "random", "imbalanced")]
+    out.insert(3, Config("half-frequent", "topic", s.frequent, exchange=("in_embed.*",)))
+    out.append(Config("local", "topic", s.local_steps, local=True))
+    return out
+
+
+@dataclass
+class Result:
+    name: str
+    split: str
+    period_steps: int
+    exchanges: int
+    seconds: float
+    per_agent: dict[str, dict[str, float]] = field(default_factory=dict)
+    bytes_out: int = 0
+    curves: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+
+    def mean(self, key: str) -> float:
+        return float(np.mean([m[key] for m in self.per_agent.values()]))
+
+    def spread(self, key: str) -> tuple[float, float]:
+        v = [m[key] for m in self.per_agent.values()]
+        return float(min(v)), float(max(v))
+
+
+# ---- metrics ---------------------------------------------------------------------------
+def score(vectors: tm.WordVectors, central: tm.WordVectors, reference: tm.WordVectors | None) -> dict[str, float]:
+    out = {}
+    for name, pairs in (("wordsim353", td.wordsim353()), ("simlex999", td.simlex999())):
+        out[name] = tm.similarity_benchmark(pairs, vectors).rho
+    out["overlap_central"] = float(tm.neighbour_overlap(vectors, central).total)
+    out["w2v_sim"] = float(tm.neighbour_overlap(vectors, reference).total) if reference is not None else float("nan")
+    return out
+
+
+def gensim_reference(task: Word2VecTask, scale: Scale, path: Path) -> tm.WordVectors:
+    if path.exists():
+        return load_vectors(path)
+    from gensim.models import Word2Vec
+
+    g = Word2Vec([list(a.tokens) for a in task.documents], vector_size=100, window=scale.window,
+                 negative=scale.negative, sample=1e-3, min_count=scale.min_count, sg=1, alpha=0.025,
+                 min_alpha=0.0001, workers=1, epochs=scale.gensim_epochs, seed=1)
+    vec = tm.WordVectors(list(g.wv.index_to_key), g.wv.vectors)
+    save_vectors(path, vec)
+    return vec
+
+
+def gensim_same_settings(task: Word2VecTask, scale: Scale, epochs: float) -> dict[str, float]:
+    """gensim's skip-gram at our centralized model's settings (d, window, negatives,
+    subsampling, min_count, start step, linear decay, the nearest whole number of
+    epochs): is our torch SGNS as good as the reference implementation?"""
+    from gensim.models import Word2Vec
+
+    t0 = time.monotonic()
+    g = Word2Vec([list(a.tokens) for a in task.documents], vector_size=scale.dim, window=scale.window,
+                 negative=scale.negative, sample=1e-3, min_count=scale.min_count, sg=1, alpha=scale.lr,
+                 min_alpha=scale.lr * 1e-4, workers=1, epochs=max(1, round(epochs)), seed=1)
+    vec = tm.WordVectors(list(g.wv.index_to_key), g.wv.vectors)
+    out = {n: tm.similarity_benchmark(p, vec).rho for n, p in (("wordsim353", td.wordsim353()),
+                                                               ("simlex999", td.simlex999()))}
+    return {**out, "epochs": float(max(1, round(epochs))), "seconds": time.monotonic() - t0}
+
+
+def centralized(task: Word2VecTask, scale: Scale, seed: int) -> tuple[tm.WordVectors, float]:
+    torch.manual_seed(seed)
+    task.stream.rng = np.random.default_rng(seed)
+    model = task.build_model()
+    t0 = time.monotonic()
+    train_centralized(task, model, steps=scale.agents * scale.local_steps, lr=scale.lr,
+                      batch_size=scale.batch_size, seed=seed)
+    return task.word_vectors(model), time.monotonic() - t0
+
+
+# ---- one gossip configuration through the daemons ----------------------------------------
+def run_config(cfg: Config, scale: Scale, work: Path, central_npz: Path, console: Console,
+               timeout: float = 1800.0) -> tuple[Result, list[tm.WordVectors], list[str]]:
+    periods = 1 if cfg.local else max(1, scale.local_steps // cfg.period_steps)
+    eval_every = periods if cfg.local else max(1, min(scale.eval_frequent, periods // 6 or 1))
+    lr = scale.lr if cfg.local else scale.lr * scale.gossip_lr_factor
+    gossip = {"periods": periods, "period_steps": cfg.period_steps, "lr": lr, "lr_schedule": "linear",
+              "batch_size": scale.batch_size, "seed": scale.seed, "min_peers": scale.agents - 1,
+              "send_timeout": 60.0, "eval_every": eval_every, "vocab_agents": scale.agents,
+              "vocab_min_count": scale.min_count, "vocab_timeout": 600.0}
+    if cfg.exchange:
+        gossip["exchange"] = list(cfg.exchange)
+    options = {**scale.task_options(cfg.split), "reference": str(central_npz)}
+    fed = Federation(work, agents=scale.agents, rounds=1, alpha=0.0, mode="gossip", task="word2vec",
+                     task_options=options, gossip=gossip)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    try:
+        fed.prepare()
+        fed.start_all()
+        ids = list(fed.agent_ids)
+        deadline = time.monotonic() + timeout
+        last = ""
+        while True:
+            fed.check_alive()
+            st = {a: fed.status(a) for a in ids}
+            states = [s.get("round_state", "?") if s else "starting" for s in st.values()]
+            if any(x == "vocabulary failed" for x in states):
+                raise FedagentError(f"{cfg.name}: vocabulary consensus failed: "
+                                    f"{[s['vocabulary'] for s in st.values() if s]}")
+            if all(x == "finished" for x in states):
+                break
+            line = f"{cfg.name}: " + ", ".join(f"{x}" for x in sorted(set(states))) + \
+                f"; periods {min((s or {}).get('period', 0) for s in st.values())}/{periods}"
+            if line != last:
+                console.log(line)
+                last = line
+            if time.monotonic() > deadline:
+                raise FedagentError(f"{cfg.name}: not finished after {timeout:.0f} s")
+            time.sleep(2.0)
+        seconds = time.monotonic() - t0
+        vocabs = {s["vocabulary"]["digest"] for s in st.values()}
+        if len(vocabs) != 1:
+            raise FedagentError(f"{cfg.name}: agents ended on different vocabularies {vocabs}")
+        terms = json.loads((work / "state" / ids[0] / "agent" / fed.fed / "vocabulary.json").read_text())["terms"]
+        vectors = []
+        for a in ids:
+            loaded = checkpoint.load(fed.model_path(a))
+            if loaded is None or not loaded[1].get("final"):
+                raise FedagentError(f"{cfg.name}: {a} wrote no final model")
+            vectors.append(tm.WordVectors(terms, loaded[0]["in_embed.weight"]))
+        curves = {}
+        for a in ids:
+            path = work / "state" / a / "agent" / fed.fed / "history.jsonl"
+            rows = [json.loads(x) for x in path.read_text().splitlines()]
+            curves[a] = [{"period": r["period"], "time": r["time"], **r["metrics"]}
+                         for r in rows if r.get("event") == "gossip_eval"]
+        res = Result(cfg.name, cfg.split, cfg.period_steps, 0 if cfg.local else periods, seconds, curves=curves,
+                     bytes_out=sum(int(s.get("bytes_out", 0)) for s in st.values()))
+        return res, vectors, ids
+    finally:
+        fed.close()
+
+
+# ---- the experiment --------------------------------------------------------------------------
+def run_experiment(out: Path, scale: Scale, only: tuple[str, ...] = (), keep: bool = False,
+                   console: Console | None = None) -> dict[str, Any]:
+    console = console or Console()
+    torch.set_num_threads(1)
+    out = out.resolve()          # the agents' configs name their directories absolutely
+    out.mkdir(parents=True, exist_ok=True)
+    work = out / "work"
+    t_start = time.monotonic()
+    console.log(f"scale: {asdict(scale)}")
+    task = load_task("word2vec", {k: v for k, v in scale.task_options("random").items()
+                                  if k not in ("split", "shards")})
+    assert isinstance(task, Word2VecTask)
+    console.log(f"corpus: {len(task.documents)} articles, {task.num_samples()} tokens in the vocabulary of "
+                f"{len(task.vocab)} terms; {task.pairs_per_epoch() / 1e6:.2f} M pairs per epoch")
+    # The independent reference is needed only for scoring: it is built (or read, if a
+    # previous run left it) at the end, so the agents start sooner.
+    ref_path = out / "gensim_reference.npz"
+    reference = load_vectors(ref_path) if ref_path.exists() else None
+    ref_scores = {"wordsim353": float("nan"), "simlex999": float("nan")}
+    central_npz, central2_npz, meta_path = out / "central.npz", out / "central_seed2.npz", out / "central.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    total_batches = scale.agents * scale.local_steps
+    epochs = total_batches * scale.batch_size / task.pairs_per_epoch()
+    central_key = {k: v for k, v in asdict(scale).items() if k not in ("gossip_lr_factor", "frequent", "infrequent",
+                                                                     "eval_frequent")}
+    if meta.get("scale") == central_key and central_npz.exists() and central2_npz.exists():
+        # A previous run at this scale (interrupted later) trained them already.
+        central, central2, central_s = load_vectors(central_npz), load_vectors(central2_npz), meta["seconds"]
+        same = meta["gensim_same"]
+        console.log("centralized models of a previous run at this scale reused")
+    else:
+        central, central_s = centralized(task, scale, seed=1)
+        save_vectors(central_npz, central)
+        central2, _ = centralized(task, scale, seed=2)
+        save_vectors(central2_npz, central2)
+        same = gensim_same_settings(task, scale, epochs)
+        meta_path.write_text(json.dumps({"scale": central_key, "seconds": central_s, "gensim_same": same}))
+    central_scores = score(central, central, reference)
+    central2_scores = score(central2, central, reference)
+    console.log(f"gensim at the centralized settings: {same}")
+    console.log(f"centralized: {total_batches} batches of {scale.batch_size} ({epochs:.1f} epochs) in "
+                f"{central_s:.0f} s: {central_scores}; second seed {central2_scores}")
+
+    finals: dict[str, tuple[list[str], list[tm.WordVectors]]] = {}
+    configs = [c for c in configurations(scale) if not only or c.name in only]
+    results: list[Result] = []
+    split_info: dict[str, Any] = {}
+    for cfg in configs:
+        console.rule(cfg.name)
+        res, vectors, ids = run_config(cfg, scale, work / cfg.name, central_npz, console)
+        for a, v in zip(ids, vectors):
+            res.per_agent[a] = score(v, central, reference)
+        finals[cfg.name] = (ids, vectors)
+        results.append(res)
+        if cfg.split not in split_info:
+            split_info[cfg.split] = describe_split(cfg.split, scale)
+        console.log(f"{cfg.name}: {res.seconds:.0f} s, wordsim353 {res.mean('wordsim353'):.3f}, "
+                    f"overlap with centralized {res.mean('overlap_central'):.1f}, w2v_sim {res.mean('w2v_sim'):.1f}")
+        write_report(out, scale, task, ref_scores, central_scores, central2_scores, central_s, epochs, results,
+                     split_info, time.monotonic() - t_start, same)
+        if not keep:
+            shutil.rmtree(work / cfg.name, ignore_errors=True)
+    console.log("the gensim reference for w2v_sim")
+    reference = gensim_reference(task, scale, ref_path)
+    ref_scores = {n: tm.similarity_benchmark(p, reference).rho
+                  for n, p in (("wordsim353", td.wordsim353()), ("simlex999", td.simlex999()))}
+    console.log(f"gensim reference ({scale.gensim_epochs} epochs, d 100): {ref_scores}")
+    central_scores = score(central, central, reference)
+    central2_scores = score(central2, central, reference)
+    for res in results:
+        ids, vectors = finals[res.name]
+        for a, v in zip(ids, vectors):
+            res.per_agent[a] = score(v, central, reference)
+    summary = write_report(out, scale, task, ref_scores, central_scores, central2_scores, central_s, epochs, results,
+                           split_info, time.monotonic() - t_start, same)
+    print_table(console, summary)
+    return summary
+
+
+def describe_split(split: str, scale: Scale) -> dict[str, Any]:
+    articles = td.wiki_articles()
+    s = td.split_articles([a.tokens for a in articles], scale.agents, split, seed=scale.seed,
+                          topics=scale.topics if split == "topic" else None)
+    sizes = s.sizes([len(a.tokens) for a in articles])
+    info: dict[str, Any] = {"tokens": sizes, "ratio": max(sizes) / max(1, min(sizes))}
+    if s.topic_terms:
+        info["topics"] = [list(t[:4]) for t in s.topic_terms]
+        info["topic_of_agent"] = list(s.topic_of_shard or ())
+        info["titles"] = [[articles[i].title for i in sh][:4] for sh in s.shards]
+    return info
+
+
+def loss_pct(central: float, value: float) -> float:
+    return 100.0 * (central - value) / central if central else float("nan")
+
+
+def write_report(out: Path, scale: Scale, task: Word2VecTask, ref_scores, central, central2, central_s: float,
+                 epochs: float, results: list[Result], split_info, elapsed: float,
+                 gensim_same: dict[str, float] | None = None) -> dict[str, Any]:
+    rows = []
+    for r in results:
+        row = {"config": r.name, "exchanges": r.exchanges, "period_steps": r.period_steps, "seconds": r.seconds,
+               "MB_sent": r.bytes_out / 1e6}
+        for k in ("wordsim353", "simlex999", "overlap_central", "w2v_sim"):
+            row[k] = r.mean(k)
+            row[k + "_range"] = r.spread(k)
+        row["loss_wordsim353_pct"] = loss_pct(central["wordsim353"], row["wordsim353"])
+        row["loss_simlex999_pct"] = loss_pct(central["simlex999"], row["simlex999"])
+        row["loss_w2v_sim_pct"] = loss_pct(central["w2v_sim"], row["w2v_sim"])
+        rows.append(row)
+    summary = {"scale": asdict(scale), "gensim": ref_scores, "central": central, "central_seed2": central2,
+               "central_seconds": central_s, "epochs": epochs, "rows": rows, "splits": split_info,
+               "elapsed_s": elapsed, "vocabulary": len(task.vocab),
+               "gensim_same": gensim_same or {}}
+    (out / "results.json").write_text(json.dumps(summary, indent=1, default=float))
+    plots(out, results, central)
+    (out / "report.md").write_text(markdown(summary))
+    return summary
+
+
+def plots(out: Path, results: list[Result], central: dict[str, float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not results:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        if r.exchanges == 0:
+            continue
+        # Mean over agents at each evaluated period.
+        by_period: dict[int, list[dict]] = {}
+        t0 = min(p["time"] for c in r.curves.values() for p in c) if r.curves else 0
+        for c in r.curves.values():
+            for p in c:
+                by_period.setdefault(p["period"], []).append(p)
+        xs = sorted(by_period)
+        if not xs:
+            continue
+        frac = [x / max(xs) for x in xs]
+        axes[0].plot(frac, [np.mean([p.get("w2v_sim", np.nan) for p in by_period[x]]) for x in xs], label=r.name)
+        axes[1].plot([np.mean([p["time"] for p in by_period[x]]) - t0 for x in xs],
+                     [np.mean([p.get("wordsim353_rho", np.nan) for p in by_period[x]]) for x in xs], label=r.name)
+    axes[0].axhline(184, ls=":", c="grey")
+    axes[0].set(xlabel="fraction of exchanges done", ylabel="neighbour overlap with centralized (max 184)",
+                title="w2v_sim vs centralized, mean over agents")
+    axes[1].axhline(central["wordsim353"], ls="--", c="k", label="centralized")
+    axes[1].set(xlabel="seconds since the first evaluation", ylabel="wordsim353 Spearman",
+                title="wordsim353, mean over agents")
+    for ax in axes:
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "quality_over_exchanges.png", dpi=100)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    names = [r.name for r in results]
+    for ax, key, title, ref in ((axes[0], "wordsim353", "wordsim353 Spearman", central["wordsim353"]),
+                                (axes[1], "simlex999", "simlex999 Spearman", central["simlex999"]),
+                                (axes[2], "w2v_sim", "w2v_sim vs gensim reference (max 184)", central["w2v_sim"])):
+        means = [r.mean(key) for r in results]
+        lo = [m - r.spread(key)[0] for m, r in zip(means, results)]
+        hi = [r.spread(key)[1] - m for m, r in zip(means, results)]
+        ax.bar(range(len(names)), means, yerr=[lo, hi], capsize=3, color="tab:blue", alpha=0.8)
+        ax.axhline(ref, ls="--", c="k", label="centralized")
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "per_config.png", dpi=100)
+    plt.close(fig)
+
+
+def markdown(s: dict[str, Any]) -> str:
+    sc, c, c2, g = s["scale"], s["central"], s["central_seed2"], s["gensim"]
+    lines = [
+        "# Gossip Word2Vec (the gossip-learning thesis, Ch. 4-5) through real agents", "",
+        "Produced by `fedagent experiment gossip-w2v`; see `fedagent.experiments.gossip_w2v` for the method.", "",
+        "## Scale", "",
+        f"{sc['agents']} agent processes per configuration (torch 1 thread each), one private Mosquitto with "
+        f"mutual TLS, mDNS on loopback, no coordinator. Corpus: the {s.get('vocabulary')}-term common vocabulary "
+        f"(merged count >= {sc['min_count']}, agreed over the network by every run's agents) of the 105 articles "
+        f"of gensim's Wikipedia dump. Skip-gram with negative sampling, d = {sc['dim']}, window {sc['window']}, "
+        f"{sc['negative']} negatives, batches of {sc['batch_size']} pairs, {sc['local_steps']} local batches per "
+        f"agent ({sc['agents'] * sc['local_steps']} in all = {s['epochs']:.1f} epochs of the whole corpus; "
+        f"the thesis: 5,000,000 batches of 2048, d 200), step {sc['lr']} per pair decaying linearly to 0 "
+        f"(gossip agents: {sc['lr']} x {sc['gossip_lr_factor']:g}, because averaging N models moves their mean by "
+        f"1/N of the summed updates; local-only agents {sc['lr']}). "
+        f"Frequent exchange every {sc['frequent']} local batches (thesis 10), infrequent every "
+        f"{sc['infrequent']} (thesis 500: at this scale that would be one exchange). "
+        f"Wall time of the whole run: {s['elapsed_s'] / 60:.1f} min on 2 shared, busy cores.", "",
+        "## References", "",
+        "| model | wordsim353 | simlex999 | overlap with centralized (max 184) | w2v_sim vs gensim ref (max 184) |",
+        "|---|---|---|---|---|",
+        f"| centralized, same total batches (seed 1; the reference) | {c['wordsim353']:.3f} | {c['simlex999']:.3f} "
+        f"| 184 (itself) | {c['w2v_sim']:.0f} |",
+        f"| centralized, seed 2 (noise floor) | {c2['wordsim353']:.3f} | {c2['simlex999']:.3f} "
+        f"| {c2['overlap_central']:.0f} | {c2['w2v_sim']:.0f} |",
+        f"| gensim skip-gram, {sc['gensim_epochs']} epochs, d 100 (the independent reference for w2v_sim) "
+        f"| {g['wordsim353']:.3f} | {g['simlex999']:.3f} | | 184 (itself) |",
+    ]
+    gs = s.get("gensim_same") or {}
+    if gs:
+        lines.append(f"| gensim skip-gram at the centralized settings (d {sc['dim']}, {gs['epochs']:.0f} epochs, "
+                     f"start step {sc['lr']}, linear decay) | {gs['wordsim353']:.3f} | {gs['simlex999']:.3f} | | |")
+    lines += ["",
+        f"Seed-to-seed differences of the centralized model: wordsim353 "
+        f"{loss_pct(c['wordsim353'], c2['wordsim353']):+.1f} %, w2v_sim {loss_pct(c['w2v_sim'], c2['w2v_sim']):+.1f} %, "
+        f"overlap {c2['overlap_central']:.0f}/184: losses of this size are noise.", "",
+        "## Results (mean over the agents' final models; range in brackets)", "",
+        "| configuration | exchanges | wordsim353 | loss % | simlex999 | loss % | overlap with centralized | "
+        "w2v_sim vs gensim ref | loss % | MB sent | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in s["rows"]:
+        ws, sl, ov, w2 = (r[k + "_range"] for k in ("wordsim353", "simlex999", "overlap_central", "w2v_sim"))
+        lines.append(
+            f"| {r['config']} | {r['exchanges']} | {r['wordsim353']:.3f} [{ws[0]:.3f}, {ws[1]:.3f}] | "
+            f"{r['loss_wordsim353_pct']:.1f} | {r['simlex999']:.3f} | {r['loss_simlex999_pct']:.1f} | "
+            f"{r['overlap_central']:.1f} [{ov[0]:.0f}, {ov[1]:.0f}] | {r['w2v_sim']:.1f} [{w2[0]:.0f}, {w2[1]:.0f}] | "
+            f"{r['loss_w2v_sim_pct']:.1f} | {r['MB_sent']:.0f} | {r['seconds']:.0f} |")
+    gossip = [r for r in s["rows"] if r["config"] in ("topic-frequent", "random-frequent", "imbalanced-frequent",
+                                                       "topic-infrequent", "random-infrequent",
+                                                       "imbalanced-infrequent")]
+    if gossip:
+        lines += ["", f"Average quality loss of the six full-exchange configurations (the thesis averaged its "
+                      f"comparable ones: 6.904 %): wordsim353 "
+                      f"{np.mean([r['loss_wordsim353_pct'] for r in gossip]):.1f} %, w2v_sim vs the gensim "
+                      f"reference {np.mean([r['loss_w2v_sim_pct'] for r in gossip]):.1f} %."]
+    lines += ["", "Quality loss = (centralized - configuration) / centralized; negative = better than centralized. "
+              "`w2v_sim` is the thesis's eq. 3.5 (shared nearest neighbours of its 23 evaluation words, 8 each), "
+              "against gensim's model as the thesis used Google News vectors; `overlap with centralized` is the "
+              "same count against our centralized model.", "", "## Splits", ""]
+    for name, info in s["splits"].items():
+        lines.append(f"* `{name}`: tokens per agent {info['tokens']} (largest/smallest {info['ratio']:.2f})")
+        if "topics" in info:
+            lines.append("  topics (k-means on TF-IDF of the articles; top terms): " +
+                         "; ".join(f"{i}: {', '.join(t)}" for i, t in enumerate(info["topics"])) +
+                         f"; topic of each agent {info['topic_of_agent']}")
+    lines += ["", "## Plots", "", "![quality over exchanges](quality_over_exchanges.png)", "",
+              "![per configuration](per_config.png)", ""]
+    return "\n".join(lines)
+
+
+def print_table(console: Console, s: dict[str, Any]) -> None:
+    t = Table(title="gossip Word2Vec: quality loss against centralized")
+    for col in ("configuration", "wordsim353", "loss %", "overlap/184", "w2v_sim", "loss %"):
+        t.add_column(col)
+    for r in s["rows"]:
+        t.add_row(r["config"], f"{r['wordsim353']:.3f}", f"{r['loss_wordsim353_pct']:.1f}",
+                  f"{r['overlap_central']:.0f}", f"{r['w2v_sim']:.0f}", f"{r['loss_w2v_sim_pct']:.1f}")
+    console.print(t)
+
+
+__all__ = ["Scale", "SCALES", "Config", "configurations", "run_experiment", "replace"]
