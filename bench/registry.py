@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MODULES = ["bench.codec", "bench.round", "bench.flower", "bench.gossip", "bench.scaling"]
+MODULES = ["bench.codec", "bench.round", "bench.flower", "bench.syncopt_step", "bench.gossip", "bench.scaling"]
 
 
 @dataclass(frozen=True, slots=True)

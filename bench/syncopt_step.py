@@ -40,7 +40,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from fedagent.demo import Federation
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:       # run as a script: ``python bench/syncopt_step.py``
+    sys.path.insert(0, str(ROOT))
+
+from bench.registry import Context, Row, section, summary  # noqa: E402
+from fedagent.demo import Federation  # noqa: E402
 
 AGENTS = 5
 OPTIONS = {"corpus": "synthetic", "vocab_size": 5000, "true_topics": 50, "shared_topics": 10, "eta": 1.0,
@@ -51,35 +56,30 @@ def read_history(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=5, help="first steps left out of the statistics")
-    ap.add_argument("--keep", action="store_true")
-    args = ap.parse_args()
-    console = Console(width=max(120, Console().width))
-    work = Path(tempfile.mkdtemp(prefix="fedagent-syncopt-bench-"))
+def measure(steps: int, warmup: int, work: Path, progress=None) -> dict[str, list[float] | int]:
+    """Run the federation for ``steps`` steps under ``work``; per measured step (after
+    ``warmup``), the parts listed in the module docstring, in seconds."""
     fed = Federation(work, agents=AGENTS, rounds=1, alpha=0.0, agent_broker_by_mdns=False)
     started = time.monotonic()
     try:
         fed.prepare()
         fed.prepare_syncopt("prodlda", lambda i: {**OPTIONS, "shard": i, "shards": AGENTS}, {**OPTIONS, "shard": 0,
-                            "shards": AGENTS}, {"steps": args.steps, "expected_agents": AGENTS,
+                            "shards": AGENTS}, {"steps": steps, "expected_agents": AGENTS,
                                                 "min_agents": AGENTS, "step_timeout": 300.0,
-                                                "on_fault": "abort", "checkpoint_every": args.steps})
+                                                "on_fault": "abort", "checkpoint_every": steps})
         fed.start_all()
-        with console.status("starting 5 agents and the coordinator, vocabulary consensus, steps ...") as st:
-            while True:
-                fed.check_alive()
-                s = fed.status("coordinator")
-                if s is not None:
-                    st.update(f"coordinator: {s['phase']}, step {s['step']}/{args.steps}, "
-                              f"vocabulary {s.get('vocabulary_size')}")
-                    if s["phase"] in ("done", "aborted"):
-                        break
-                if time.monotonic() - started > 1800:
-                    raise SystemExit("the federation did not finish in 30 minutes")
-                time.sleep(0.5)
+        while True:
+            fed.check_alive()
+            s = fed.status("coordinator")
+            if s is not None:
+                if progress is not None:
+                    progress(f"coordinator: {s['phase']}, step {s['step']}/{steps}, "
+                             f"vocabulary {s.get('vocabulary_size')}")
+                if s["phase"] in ("done", "aborted"):
+                    break
+            if time.monotonic() - started > 1800:
+                raise SystemExit("the federation did not finish in 30 minutes")
+            time.sleep(0.5)
         if s["phase"] != "done":
             raise SystemExit(f"Sync-Opt aborted: see {work / 'logs'}")
         # Agents flush their step records when the final model arrives.
@@ -87,7 +87,6 @@ def main() -> int:
         while time.monotonic() < deadline and not all(
                 (fed.status(a) or {}).get("phase") == "finished" for a in fed.agent_ids):
             time.sleep(0.2)
-        vocab = s.get("vocabulary_size")
         coord = [r for r in read_history(work / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl")
                  if r.get("event") == "step"]
         by_step: dict[int, list[dict]] = {}
@@ -96,7 +95,7 @@ def main() -> int:
                 if r.get("event") == "gradient":
                     by_step.setdefault(r["step"], []).append(r)
         full = [(r, by_step[r["step"]]) for r in coord
-                if r["step"] > args.warmup and len(by_step.get(r["step"], [])) == AGENTS]
+                if r["step"] > warmup and len(by_step.get(r["step"], [])) == AGENTS]
         if not full:
             raise SystemExit("no complete step records")
         step = [r["seconds"] for r, _ in full]
@@ -107,8 +106,42 @@ def main() -> int:
         down = [max(a["received_t"] for a in ags) - r["started_t"] for r, ags in full]
         up = [r["last_gradient_t"] - max(a["computed_t"] for a in ags) for r, ags in full]
         other = [c - d - u for c, d, u in zip(comm, down, up)]
-        table = Table(title=f"Sync-Opt step, {AGENTS} agents, ProdLDA V={vocab} K={OPTIONS['n_topics']}, batch "
-                            f"{OPTIONS['batch_size']}/agent, Mosquitto + mTLS, {len(full)} steps "
+        return {"vocab": s.get("vocabulary_size"), "step": step, "fwd": fwd, "opt": opt, "comm": comm,
+                "down": down, "up": up, "other": other, "total": time.monotonic() - started}
+    finally:
+        fed.close()
+
+
+@section("syncopt")
+def syncopt_section(ctx: Context) -> list[Row]:
+    """One Sync-Opt step against its own compute: the ratio is what the network part
+    (W out, gradients in, over TLS and the broker) multiplies the step by."""
+    steps, warmup = (12, 3) if ctx.quick else (30, 5)
+    m = measure(steps, warmup, ctx.work / "syncopt", progress=None)
+    step_med, step_max = summary(m["step"])
+    compute = [f + o for f, o in zip(m["fwd"], m["opt"])]
+    comm_share = statistics.fmean(m["comm"]) / statistics.fmean(m["step"])
+    return [Row("syncopt", f"Sync-Opt step, {AGENTS} agents, ProdLDA V={m['vocab']} K={OPTIONS['n_topics']}",
+                step_med, "compute only (slowest agent fwd/bwd + Adam)", statistics.median(compute),
+                note=f"max {step_max:.2f} s; communication {comm_share:.0%} of the mean step "
+                     f"(W out median {1000 * statistics.median(m['down']):.0f} ms, gradients in "
+                     f"{1000 * statistics.median(m['up']):.0f} ms); {len(m['step'])} steps")]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5, help="first steps left out of the statistics")
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    console = Console(width=max(120, Console().width))
+    work = Path(tempfile.mkdtemp(prefix="fedagent-syncopt-bench-"))
+    try:
+        with console.status("starting 5 agents and the coordinator, vocabulary consensus, steps ...") as st:
+            m = measure(args.steps, args.warmup, work, progress=st.update)
+        step = m["step"]
+        table = Table(title=f"Sync-Opt step, {AGENTS} agents, ProdLDA V={m['vocab']} K={OPTIONS['n_topics']}, batch "
+                            f"{OPTIONS['batch_size']}/agent, Mosquitto + mTLS, {len(step)} steps "
                             f"(after {args.warmup} warm-up)", title_justify="left")
         for col in ("part", "median ms", "mean ms", "p90 ms", "max ms", "share of mean step"):
             table.add_column(col, justify="left" if col == "part" else "right")
@@ -121,20 +154,19 @@ def main() -> int:
                           f"{statistics.fmean(xs) / mean_step:.0%}")
 
         row("step (coordinator wall time)", step)
-        row("compute: agents fwd/bwd (slowest)", fwd)
-        row("compute: coordinator optimizer", opt)
-        row("communication (the rest)", comm)
-        row("  of which W to the last agent", down)
-        row("  of which gradients after the slowest agent", up)
-        row("  of which coordinator other (overlap < 0)", other)
+        row("compute: agents fwd/bwd (slowest)", m["fwd"])
+        row("compute: coordinator optimizer", m["opt"])
+        row("communication (the rest)", m["comm"])
+        row("  of which W to the last agent", m["down"])
+        row("  of which gradients after the slowest agent", m["up"])
+        row("  of which coordinator other (overlap < 0)", m["other"])
         console.print(table)
         nbytes = 4 * 770_200
         console.print(f"per step: W broadcast once ({nbytes / 1e6:.1f} MB) to {AGENTS} agents, {AGENTS} gradients "
                       f"of {nbytes / 1e6:.1f} MB back; load average {os.getloadavg()[0]:.1f} on "
-                      f"{os.cpu_count()} CPUs; total run {time.monotonic() - started:.0f}s")
+                      f"{os.cpu_count()} CPUs; total run {m['total']:.0f}s")
         return 0
     finally:
-        fed.close()
         if args.keep:
             console.print(f"kept {work}")
         else:
