@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 from fedagent.agent.messaging import Incoming, Messenger
@@ -21,21 +22,25 @@ from fedagent.agent.transport import TlsFiles, Transport
 from fedagent.protocols import topics
 from fedagent.protocols.codec import Envelope, encode
 from fedagent.protocols.messages import Presence, RoundStart, Update
+from fedagent.signing import Identity, sign
 
 
-def presence(fed: str, node: str, online: bool) -> bytes:
-    return encode(Envelope(kind="presence", federation=fed, sender=node, round=0, seq=0, ts=0.0,
-                           body=Presence(online=online, role="agent").to_body()))
+def presence(fed: str, identity: Identity, online: bool) -> bytes:
+    # Signed like every frame: the coordinator's messenger refuses unsigned presence.
+    return encode(sign(Envelope(kind="presence", federation=fed, sender=identity.name, round=0,
+                                seq=time.time_ns() // 1000, ts=time.time(),
+                                body=Presence(online=online, role="agent").to_body()), identity))
 
 
 async def main(args: argparse.Namespace) -> None:
     fed, me = args.federation, args.id
     tls = TlsFiles(ca=args.ca, cert=args.certs / f"{me}.crt", key=args.certs / f"{me}.key")
+    identity = Identity.load(tls.cert, tls.key, tls.ca)
     transport = Transport(uri=args.uri, client_id=f"bench-{me}", tls=tls,
-                          will=(topics.presence(fed, me), presence(fed, me, False)),
+                          will=(topics.presence(fed, me), presence(fed, identity, False)),
                           subscriptions=[topics.broadcast(fed, "round_start")], session_expiry=0,
                           keepalive=args.keepalive)
-    messenger = Messenger(federation=fed, node_id=me, transport=transport,
+    messenger = Messenger(federation=fed, node_id=me, transport=transport, identity=identity,
                           max_chunk_bytes=args.chunk)
 
     async def deliver(inc: Incoming) -> None:
@@ -50,7 +55,7 @@ async def main(args: argparse.Namespace) -> None:
         await messenger.receive(topic, payload, deliver)
 
     async def on_connect() -> None:
-        await transport.publish(topics.presence(fed, me), presence(fed, me, True), retain=True)
+        await transport.publish(topics.presence(fed, me), presence(fed, identity, True), retain=True)
 
     transport.on_connect = on_connect
     runner = asyncio.create_task(transport.run(on_payload))
@@ -73,7 +78,7 @@ async def main(args: argparse.Namespace) -> None:
     if runner in done:
         runner.result()
         return
-    await transport.close((topics.presence(fed, me), presence(fed, me, False)))
+    await transport.close((topics.presence(fed, me), presence(fed, identity, False)))
     runner.cancel()
     try:
         await runner

@@ -23,6 +23,7 @@ from fedagent.agent.messaging import Incoming, Messenger
 from fedagent.agent.transport import Transport
 from fedagent.protocols import topics
 from fedagent.protocols.messages import Update
+from fedagent.signing import Identity
 
 
 async def pipe(bb: BenchBroker, params: int, times: int, chunk: int, window: int | None) -> list[float]:
@@ -32,8 +33,11 @@ async def pipe(bb: BenchBroker, params: int, times: int, chunk: int, window: int
                    subscriptions=[topics.inbox(FEDERATION, COORDINATOR)], session_expiry=0)
     tx = Transport(uri=bb.uri, client_id="pipe-tx", tls=bb.tls("agent-1"), keepalive=30, session_expiry=0)
     extra = {} if window is None else {"publish_window": window}
-    mrx = Messenger(federation=FEDERATION, node_id=COORDINATOR, transport=rx, max_chunk_bytes=chunk)
-    mtx = Messenger(federation=FEDERATION, node_id="agent-1", transport=tx, max_chunk_bytes=chunk, **extra)
+    rt, tt = bb.tls(COORDINATOR), bb.tls("agent-1")
+    mrx = Messenger(federation=FEDERATION, node_id=COORDINATOR, transport=rx, max_chunk_bytes=chunk,
+                    identity=Identity.load(rt.cert, rt.key, rt.ca))
+    mtx = Messenger(federation=FEDERATION, node_id="agent-1", transport=tx, max_chunk_bytes=chunk,
+                    identity=Identity.load(tt.cert, tt.key, tt.ca), **extra)
 
     async def deliver(inc: Incoming) -> None:
         got.put_nowait(inc.message)

@@ -36,6 +36,7 @@ from fedagent.protocols import topics
 from fedagent.protocols.aggregation import WeightedMean, check_update
 from fedagent.protocols.codec import Envelope, encode
 from fedagent.protocols.messages import Presence, RoundStart, TrainConfig, Update
+from fedagent.signing import Identity
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENTS = 10
@@ -159,8 +160,9 @@ class FedRounds:
                                    subscriptions=[topics.inbox(FEDERATION, COORDINATOR),
                                                   topics.all_presence(FEDERATION)], session_expiry=0,
                                    keepalive=KEEPALIVE)
+        tls = bb.tls(COORDINATOR)
         self.messenger = Messenger(federation=FEDERATION, node_id=COORDINATOR, transport=self.transport,
-                                   max_chunk_bytes=chunk_bytes())
+                                   identity=Identity.load(tls.cert, tls.key, tls.ca), max_chunk_bytes=chunk_bytes())
         self.runner: asyncio.Task | None = None
         self.lost: list[str] = []
 
