@@ -39,7 +39,7 @@ def wait_for(predicate, timeout: float, what: str, fed: Federation):
 
 
 def start_mapped(work, options=OPTIONS, search=SEARCH, dims=DIMS) -> Federation:
-    """Three agents of a mapped federation on one broker (also used by scripts/seec_mapped_search.py)."""
+    """Three agents of a mapped federation on one broker, each seeing both peers online."""
     fed = Federation(work, agents=AGENTS, rounds=1, alpha=0.0, task="doc2vec", task_options=options,
                      agent_broker_by_mdns=False)
     fed.prepare()
