@@ -8,7 +8,7 @@ import pytest
 from fedagent.errors import CodecError
 from fedagent.protocols import search as S
 from fedagent.protocols.codec import Limits, encode_weights
-from fedagent.protocols.messages import SearchAnswer, SearchQuery, body_of
+from fedagent.protocols.messages import PublicVectors, PublicVectorsRequest, SearchAnswer, SearchQuery, body_of
 
 
 def test_all_peers_answer_before_the_deadline():
@@ -96,5 +96,66 @@ def test_search_messages_round_trip_and_refuse_bad_bodies():
                   ("search_answer", {**a.to_body(), "doc_ids": ["x" * 201, "y"]}),
                   ("search_answer", {**a.to_body(), "error": "space"})]
     for kind, body in bad_bodies:
+        with pytest.raises(CodecError):
+            body_of(kind, body, Limits())
+
+
+# ---- the public-vector exchange of a mapped federation ------------------------------
+def test_exchange_sorts_peers_into_current_train_failed_and_silent():
+    m = S.ExchangeMachine(rows=40)
+    cmds = m.handle(S.ExchangeStart("x1", (("b", ""), ("c", "mapped:c1"), ("d", "mapped:d1"), ("e", ""),
+                                           ("f", "")), 5.0), now=10.0)
+    assert [c for c in cmds if isinstance(c, S.SendVectorsRequest)] == [
+        S.SendVectorsRequest("x1", "b", ""), S.SendVectorsRequest("x1", "c", "mapped:c1"),
+        S.SendVectorsRequest("x1", "d", "mapped:d1"), S.SendVectorsRequest("x1", "e", ""),
+        S.SendVectorsRequest("x1", "f", "")]
+    assert S.RequestWakeup(15.0) in cmds
+    assert m.handle(S.VectorsReceived("x1", "b", "mapped:b1", 40), 11.0) == []          # new vectors: train
+    assert m.handle(S.VectorsReceived("x1", "c", "mapped:c1", 0), 11.0) == []           # mapper still right
+    assert m.handle(S.VectorsReceived("x1", "d", "mapped:d2", 0), 11.0) == []           # changed, but no vectors
+    assert m.handle(S.VectorsReceived("x1", "e", "mapped:e1", 39), 11.0) == []          # wrong row count
+    assert m.handle(S.VectorsReceived("x1", "z", "mapped:z", 40), 11.0) == [S.Ignored("x1", "z", "not asked")]
+    assert m.handle(S.VectorsReceived("x1", "b", "mapped:b1", 40), 11.0) == [S.Ignored("x1", "b", "duplicate answer")]
+    (done,) = m.handle(S.Wakeup(), 15.0)
+    assert isinstance(done, S.Exchanged) and done.timed_out
+    assert done.train == (("b", "mapped:b1"),) and done.current == (("c", "mapped:c1"),)
+    assert [p for p, _ in done.failed] == ["d", "e"] and done.silent == ("f",) and m.pending == {}
+    assert m.handle(S.VectorsReceived("x1", "f", "mapped:f", 40), 16.0) == [
+        S.Ignored("x1", "f", "unknown or finished exchange")]
+
+
+def test_exchange_completes_when_all_answered_and_refuses_bad_starts():
+    m = S.ExchangeMachine(rows=3)
+    m.handle(S.ExchangeStart("x1", (("b", ""),), 5.0), 0.0)
+    (done,) = m.handle(S.VectorsReceived("x1", "b", "", 0, error="public"), 1.0)
+    assert done.failed == (("b", "public"),) and not done.timed_out
+    (empty,) = m.handle(S.ExchangeStart("x2", (), 5.0), 0.0)
+    assert isinstance(empty, S.Exchanged) and empty.train == () and m.pending == {}
+    for bad in (S.ExchangeStart("x3", (("b", ""), ("b", "")), 5.0), S.ExchangeStart("x3", (("b", ""),), 0.0)):
+        with pytest.raises(S.SearchError):
+            m.handle(bad, 0.0)
+    with pytest.raises(S.SearchError):
+        S.ExchangeMachine(rows=0)
+
+
+def test_public_vector_messages_round_trip_and_refuse_oversized_bodies():
+    v = np.arange(12, dtype=np.float32).reshape(3, 4)
+    back = body_of("public_vectors", PublicVectors("r1", "mapped:a", v).to_body(), Limits())
+    assert back.space == "mapped:a" and np.array_equal(back.vectors, v)
+    assert body_of("public_vectors", PublicVectors("r1", "mapped:a").to_body(), Limits()).vectors is None
+    req = PublicVectorsRequest("r1", "d" * 32, "mapped:a")
+    assert body_of("public_vectors_request", req.to_body(), Limits()) == req
+    good = PublicVectors("r1", "mapped:a", v).to_body()
+    bad_bodies = [
+        {**good, "shape": [S.MAX_PUBLIC_DOCS + 1, 4]},                     # over the bound, before decoding
+        {**good, "shape": [3, S.MAX_DIM + 1]},
+        {**good, "shape": [4, 4]},                                         # declared shape is not the data's
+        {**good, "shape": [3, 4], "vectors": encode_weights({"p": v.astype(np.float64)})},
+        {**good, "error": "public"},                                       # an error with vectors
+        {**good, "text": "a query"},
+        {**req.to_body(), "public": "x" * 65},
+    ]
+    for body in bad_bodies:
+        kind = "public_vectors_request" if "public" in body else "public_vectors"
         with pytest.raises(CodecError):
             body_of(kind, body, Limits())

@@ -211,6 +211,41 @@ class SyncOptSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class SearchSettings:
+    """``[search]``: how ``fedagent search`` reaches the peers' documents (agent side).
+
+    ``space = "joint"``: the sites share one model (SEEC joint learning, FedAvg), so one
+    query vector serves every peer. ``space = "mapped"`` (SEEC Algorithm 2): every site
+    trains its own model on its own documents only (its own vocabulary, never averaged);
+    sites exchange vectors of the public corpus (the first ``public_docs`` posts of the
+    20-newsgroups sample) and the asker maps the query into each peer's space with a
+    mapper MLP trained on them. The same on every member of a federation."""
+
+    space: str = "joint"
+    local_epochs: int = 10            # mapped: epochs of this site's own model
+    lr: float = 0.025
+    batch_size: int = 256
+    public_docs: int = 200
+    mapper_epochs: int = 150          # see fedagent.tasks.seec: the 200-post sample needs more than 20
+    mapper_lr: float = 1e-3
+    mapper_hidden: int = 1200
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from fedagent.protocols.search import MAX_PUBLIC_DOCS, SPACES
+
+        if self.space not in SPACES:
+            raise ConfigError(f"search: space must be one of {SPACES}, not {self.space!r}")
+        if not (1 <= self.local_epochs <= 10_000 and 1 <= self.mapper_epochs <= 100_000
+                and 1 <= self.batch_size and 1 <= self.mapper_hidden <= 100_000):
+            raise ConfigError("search: local_epochs, mapper_epochs, batch_size, mapper_hidden must be positive")
+        if not 1 <= self.public_docs <= MAX_PUBLIC_DOCS:
+            raise ConfigError(f"search: public_docs must be in 1..{MAX_PUBLIC_DOCS}")
+        if not (self.lr > 0 and self.mapper_lr > 0):
+            raise ConfigError("search: lr and mapper_lr must be positive")
+
+
+@dataclass(frozen=True, slots=True)
 class NodeConfig:
     """Shared by ``fedagent agent`` and ``fedagent coordinator``."""
 
@@ -230,6 +265,7 @@ class NodeConfig:
     rounds: RoundsConfig = field(default_factory=RoundsConfig)
     gossip: GossipSettings = field(default_factory=GossipSettings)
     syncopt: SyncOptSettings = field(default_factory=SyncOptSettings)
+    search: SearchSettings = field(default_factory=SearchSettings)
     max_chunk_bytes: int = 4 * 2**20
     max_model_bytes: int = 1 * 2**30
     compression: str = "none"         # coordinator: how agents send updates (none|fp16|int8|topk)
@@ -256,7 +292,7 @@ class NodeConfig:
 
 _TOP = {"id", "federation", "mode", "state_dir", "runtime_dir", "broker", "tls", "discovery",
         "task", "rounds", "gossip", "syncopt", "transfer", "metrics_port", "metrics_host", "torch_threads",
-        "security"}
+        "security", "search"}
 
 
 def _table(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
@@ -327,6 +363,10 @@ def load(path: Path | str, role: str) -> NodeConfig:
             syncopt.vocab_config()
         except TypeError as exc:
             raise ConfigError(f"{where}: [syncopt]: {exc}") from None
+        try:
+            search = SearchSettings(**_table(raw, "search", where))
+        except TypeError as exc:
+            raise ConfigError(f"{where}: [search]: {exc}") from None
         transfer = _table(raw, "transfer", where)
         security = _table(raw, "security", where)
         unknown_sec = set(security) - {"max_clock_skew"}
@@ -342,6 +382,7 @@ def load(path: Path | str, role: str) -> NodeConfig:
             tls=tls, state_dir=state_dir, runtime_dir=p(rt, "runtime_dir") if rt else None,
             interfaces=interfaces, advertise=bool(disc.get("advertise", True)),
             task=str(task.get("name", "digits")), task_options=options, rounds=rounds, gossip=gossip, syncopt=syncopt,
+            search=search,
             max_chunk_bytes=int(transfer.get("max_chunk_bytes", 4 * 2**20)),
             max_model_bytes=int(transfer.get("max_model_bytes", 2**30)),
             compression=_compression(transfer, where),
@@ -379,7 +420,7 @@ def render(*, node_id: str, federation: str, tls: TlsConfig, state_dir: Path, br
            runtime_dir: Path | None = None, mode: str = "fedavg", interfaces: tuple[str, ...] = ("127.0.0.1",),
            task: str = "digits", task_options: dict[str, Any] | None = None,
            rounds: dict[str, Any] | None = None, gossip: dict[str, Any] | None = None,
-           syncopt: dict[str, Any] | None = None) -> str:
+           syncopt: dict[str, Any] | None = None, search: dict[str, Any] | None = None) -> str:
     """A config file as TOML text (used by the demo, the tests and ``fedagent init``)."""
     doc: dict[str, Any] = {"id": node_id, "federation": federation, "mode": mode, "state_dir": str(state_dir)}
     if runtime_dir is not None:
@@ -394,6 +435,8 @@ def render(*, node_id: str, federation: str, tls: TlsConfig, state_dir: Path, br
         doc["gossip"] = gossip
     if syncopt:
         doc["syncopt"] = syncopt
+    if search:
+        doc["search"] = search
     return tomli_w.dumps(doc)
 
 

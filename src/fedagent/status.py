@@ -115,3 +115,6 @@ def render_search(text: str, s: dict[str, Any], console: Console | None = None) 
     console.print(f"asked {len(s.get('asked') or [])} peers: answered {_fmt(s.get('answered'))}; "
                   f"silent after {s.get('timeout')}s: {_fmt(s.get('silent'))}; refused: {_fmt(refused)}; "
                   f"took {s.get('seconds')}s")
+    if s.get("mapped"):
+        console.print("mapped: " + "; ".join(f"{m['peer']} -> {m['space']} (d={m['dim']}, mapper {m['mapper']})"
+                                             for m in s["mapped"]))

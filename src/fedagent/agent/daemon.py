@@ -34,8 +34,8 @@ from fedagent.protocols import topics
 from fedagent.agent import vocabulary as vocab_mod
 from fedagent.agent.search import SearchService
 from fedagent.protocols.compression import CompressionConfig, Compressor
-from fedagent.protocols.messages import (GlobalModel, Presence, RoundResult, RoundStart, SearchAnswer, SearchQuery,
-                                        Vocabulary)
+from fedagent.protocols.messages import (GlobalModel, Presence, PublicVectors, PublicVectorsRequest, RoundResult,
+                                         RoundStart, SearchAnswer, SearchQuery, Vocabulary)
 from fedagent.protocols.participant import (AdoptModel, Discarded, Leave, Participant, SendUpdate, Train,
                                             TrainingDone)
 from fedagent.statefile import cleanup_temp_files
@@ -134,6 +134,12 @@ class Session:
             return
         if isinstance(msg, SearchAnswer):
             self.search.on_answer(inc)
+            return
+        if isinstance(msg, PublicVectorsRequest):
+            self.agent.spawn(self.search.on_vectors_request(inc))
+            return
+        if isinstance(msg, PublicVectors):
+            self.search.on_vectors(inc)
             return
         if isinstance(msg, Vocabulary):
             if not inc.topic.startswith(topics.federation_root(self.fed) + "/global/") or inc.role != "coordinator":

@@ -11,16 +11,29 @@
   against this site's document vectors, and answered with the top-k (document id,
   cosine score).
 
-This federation's sites share one model (SEEC joint learning), so the query vector is
-the same for every peer and the space is named by the common vocabulary's digest.
-Document vectors are inferred once per global model version and cached.
+With ``[search] space = "joint"`` the sites share one model (SEEC joint learning), so
+the query vector is the same for every peer and the space is named by the common
+vocabulary's digest. Document vectors are inferred once per global model version and
+cached.
+
+With ``space = "mapped"`` (SEEC Algorithm 2) every site trains its own model on its own
+documents, with its own vocabulary, once, when a search first needs it; its space is
+named by a digest of that model. Before a search the asker asks every online peer for
+its vectors of the public corpus (the first ``public_docs`` posts of the 20-newsgroups
+sample, which every site has offline), naming the peer space it holds a mapper for; a
+peer answers with its vectors (or with its space alone when the mapper is current).
+The asker trains a mapper from its own public vectors to each peer's (cached per peer
+space), maps the query vector into each peer's space and sends that. Only vectors of
+public documents and mapped query vectors cross the network.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +43,8 @@ from fedagent.agent.messaging import Incoming
 from fedagent.errors import ConfigError, FedagentError
 from fedagent.protocols import search as S
 from fedagent.protocols import topics
-from fedagent.protocols.messages import SearchAnswer, SearchQuery
+from fedagent.protocols.messages import PublicVectors, PublicVectorsRequest, SearchAnswer, SearchQuery
+from fedagent.tasks import text_data as td
 from fedagent.tasks.base import set_weights
 
 if TYPE_CHECKING:
@@ -56,12 +70,62 @@ class SearchService:
         self._index: tuple[Any, np.ndarray, list[str]] | None = None   # (key, vectors, ids)
         self.answered = 0
         self.refused = 0
+        self.settings = session.cfg.search
+        self.mapped = self.settings.space == "mapped"
+        # mapped: this site's own model, trained once: (space, model, public vectors)
+        self._own: tuple[str, Any, np.ndarray] | None = None
+        self._own_lock = threading.Lock()
+        self._public: tuple[str, list[list[str]]] | None = None
+        self.exchange = S.ExchangeMachine(self.settings.public_docs) if self.mapped else None
+        self._received: dict[tuple[str, str], np.ndarray] = {}      # (request id, peer) -> public vectors
+        self.mappers: dict[str, tuple[str, str, Any]] = {}         # peer -> (own space, peer space, mapper)
+        self.vectors_sent = 0
+        self.vectors_received = 0
+        self.mappers_trained = 0
 
     # -- the space and this site's index ---------------------------------------------------------
     @property
     def space(self) -> str:
+        if self.mapped:
+            return self._own[0] if self._own is not None else "mapped"
         digest = self.session.vocab_digest
         return f"joint:{digest[:32]}" if digest else "joint"
+
+    def public_corpus(self) -> tuple[str, list[list[str]]]:
+        """(digest, token lists) of the public documents every site vectorises."""
+        if self._public is None:
+            posts = td.newsgroups()[: self.settings.public_docs]
+            if len(posts) != self.settings.public_docs:
+                raise S.SearchError("public", f"the public corpus has {len(posts)} posts, "
+                                              f"{self.settings.public_docs} configured")
+            h = hashlib.sha256("\x00".join(p.text for p in posts).encode())
+            self._public = (h.hexdigest()[:32], [td.tokenize(p.text) for p in posts])
+        return self._public
+
+    def own_model(self) -> tuple[str, Any, np.ndarray]:
+        """mapped: this site's own model, trained on its own documents with its own
+        vocabulary (worker thread; the first call trains it)."""
+        with self._own_lock:
+            if self._own is not None:
+                return self._own
+            st, agent = self.settings, self.session.agent
+            task = agent.task
+            _, public = self.public_corpus()
+            with agent._thread_lock:
+                if callable(getattr(task, "set_vocabulary", None)) and callable(getattr(task, "term_counts", None)):
+                    # Its own documents' terms only: no vocabulary consensus in a mapped federation.
+                    o = getattr(task, "options", {})
+                    merged = td.merge_term_counts([task.term_counts()], min_count=int(o.get("min_count", 1)),
+                                                  max_size=int(o.get("max_vocab", 0)))
+                    task.set_vocabulary([t for t, _ in merged], [c for _, c in merged])
+                model = task.build_model()
+                task.fit(model, epochs=st.local_epochs, lr=st.lr, batch_size=st.batch_size, seed=st.seed)
+                pub = np.asarray(task.infer_vectors(model, public, seed=st.seed + 5)[0], dtype=np.float32)
+            head = b"".join(np.ascontiguousarray(t.detach().numpy()).tobytes() for t in model.state_dict().values())
+            space = "mapped:" + hashlib.sha256(head).hexdigest()[:32]
+            self._own = (space, model, pub)
+            log.info("search: own model trained (%d epochs), space %s", st.local_epochs, space)
+            return self._own
 
     def _model(self):
         """The global model this site holds (the latest broadcast one), or None."""
@@ -77,10 +141,10 @@ class SearchService:
     def _index_now(self) -> tuple[np.ndarray, list[str]]:
         """This site's document vectors under the current global model (worker thread)."""
         s = self.session
-        key = (s.global_version, s.vocab_digest)
+        key = (self.own_model()[0],) if self.mapped else (s.global_version, s.vocab_digest)
         if self._index is not None and self._index[0] == key:
             return self._index[1], self._index[2]
-        model = self._model()
+        model = self.own_model()[1] if self.mapped else self._model()
         if model is None:
             raise S.SearchError("no-model", "this site holds no global model yet")
         with s.agent._thread_lock:
@@ -100,6 +164,8 @@ class SearchService:
         def answer() -> SearchAnswer:
             if not can_search(s.agent.task):
                 raise S.SearchError("unsupported", f"task {s.cfg.task} has no document search")
+            if self.mapped:
+                self.own_model()
             if msg.space != self.space:
                 raise S.SearchError("space", f"query for space {msg.space!r}, this site is in {self.space!r}")
             vectors, ids = self._index_now()
@@ -122,6 +188,88 @@ class SearchService:
                                                          tuple(zip(msg.doc_ids, msg.scores)), msg.error),
                                         time.monotonic()))
 
+    async def on_vectors_request(self, inc: Incoming) -> None:
+        msg: PublicVectorsRequest = inc.message
+        s = self.session
+        if inc.role != "agent":
+            s.messenger._reject("role", inc.sender, f"public-vector request signed by a {inc.role or 'non-agent'}")
+            return
+
+        def answer() -> PublicVectors:
+            if not self.mapped:
+                raise S.SearchError("space", "this site is in a joint-learning federation (no mapping)")
+            if not can_search(s.agent.task):
+                raise S.SearchError("unsupported", f"task {s.cfg.task} has no document search")
+            if msg.public != self.public_corpus()[0]:
+                raise S.SearchError("public", "another public corpus than this site's")
+            space, _, pub = self.own_model()
+            if msg.have_space == space:
+                return PublicVectors(msg.request_id, space)
+            return PublicVectors(msg.request_id, space, pub)
+
+        try:
+            reply = await asyncio.to_thread(answer)
+            self.vectors_sent += reply.vectors is not None
+        except S.SearchError as exc:
+            log.warning("public-vector request %s from %s refused: %s", msg.request_id, inc.sender, exc)
+            reply = PublicVectors(msg.request_id, self.space, error=exc.reason)
+        await s.messenger.send(topics.direct(s.fed, s.cfg.id, inc.sender, "public_vectors"), reply)
+
+    def on_vectors(self, inc: Incoming) -> None:
+        msg: PublicVectors = inc.message
+        if self.exchange is None:
+            return
+        x = self.exchange.pending.get(msg.request_id)
+        rows = 0 if msg.vectors is None else msg.vectors.shape[0]
+        if x is not None and inc.sender in x.have and msg.vectors is not None and not msg.error:
+            self._received.setdefault((msg.request_id, inc.sender), msg.vectors)
+        self._apply(self.exchange.handle(S.VectorsReceived(msg.request_id, inc.sender, msg.space, rows, msg.error),
+                                         time.monotonic()))
+
+    async def _exchange(self, peers: tuple[str, ...], own_space: str, own_public: np.ndarray,
+                        timeout: float) -> tuple[S.Exchanged, dict[str, tuple[str, Any, str]]]:
+        """Public vectors from the peers, then a mapper per answering peer (trained or
+        cached): (the exchange's outcome, peer -> (peer space, mapper, "trained"|"cached"))."""
+        s = self.session
+        assert self.exchange is not None
+        public_digest = self.public_corpus()[0]
+        have = tuple((p, m[1] if (m := self.mappers.get(p)) and m[0] == own_space else "") for p in peers)
+        rid = secrets.token_hex(8)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.waiting[rid] = fut
+        try:
+            for cmd in self.exchange.handle(S.ExchangeStart(rid, have, timeout), time.monotonic()):
+                if isinstance(cmd, S.SendVectorsRequest):
+                    await s.messenger.send(topics.direct(s.fed, s.cfg.id, cmd.peer, "public_vectors_request"),
+                                           PublicVectorsRequest(rid, public_digest, cmd.have_space))
+                else:
+                    self._apply([cmd])
+            done: S.Exchanged = await fut
+        finally:
+            self.waiting.pop(rid, None)
+            received = {p: v for (r, p), v in list(self._received.items()) if r == rid}
+            for p in received:
+                self._received.pop((rid, p), None)
+        st = self.settings
+        out: dict[str, tuple[str, Any, str]] = {p: (sp, self.mappers[p][2], "cached") for p, sp in done.current}
+        for peer, space in done.train:
+            target = received.get(peer)
+            if target is None:
+                continue
+            self.vectors_received += 1
+
+            def fit(target=target):
+                from fedagent.tasks.seec import train_mapper
+
+                return train_mapper(own_public, target, hidden=st.mapper_hidden, lr=st.mapper_lr,
+                                    epochs=st.mapper_epochs, seed=st.seed)
+
+            mapper = await asyncio.to_thread(fit)
+            self.mappers[peer] = (own_space, space, mapper)
+            self.mappers_trained += 1
+            out[peer] = (space, mapper, "trained")
+        return done, out
+
     # -- asking -------------------------------------------------------------------------------
     async def search(self, args: dict) -> dict[str, Any]:
         s = self.session
@@ -140,7 +288,7 @@ class SearchService:
         started = time.monotonic()
 
         def local() -> tuple[np.ndarray, list[tuple[str, float]]]:
-            model = self._model()
+            model = self.own_model()[1] if self.mapped else self._model()
             if model is None:
                 raise S.SearchError("no-model", "this agent holds no global model yet")
             with s.agent._thread_lock:
@@ -154,29 +302,57 @@ class SearchService:
             raise FedagentError(str(exc)) from None
         peers = tuple(sorted(p for p, info in s.peers.items()
                              if info.get("role") == "agent" and info.get("online") and p != s.cfg.id))
+        # peer -> (the space its query is for, the vector sent there)
+        sends: dict[str, tuple[str, np.ndarray]] = {p: (self.space, q) for p in peers}
+        mapped: list[dict[str, Any]] = []
+        pre_silent: tuple[str, ...] = ()
+        pre_failed: tuple[tuple[str, str], ...] = ()
+        if self.mapped:
+            own_space, _, own_public = await asyncio.to_thread(self.own_model)
+            ex, mappers = await self._exchange(peers, own_space, own_public, timeout)
+            pre_silent, pre_failed = ex.silent, ex.failed
+            from fedagent.tasks.seec import map_vectors
+
+            sends = {}
+            for p, (space, mapper, how) in sorted(mappers.items()):
+                sends[p] = (space, np.asarray(map_vectors(mapper, q[None, :])[0], dtype=np.float32))
+                mapped.append({"peer": p, "space": space, "dim": int(sends[p][1].shape[0]), "mapper": how})
         qid = secrets.token_hex(8)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self.waiting[qid] = fut
+        left = max(0.5, timeout - (time.monotonic() - started)) if self.mapped else timeout
         try:
-            for cmd in self.machine.handle(S.Start(qid, peers, k, timeout), time.monotonic()):
+            for cmd in self.machine.handle(S.Start(qid, tuple(sorted(sends)), k, min(left, S.MAX_TIMEOUT)),
+                                           time.monotonic()):
                 if isinstance(cmd, S.SendQuery):
+                    space, vec = sends[cmd.peer]
                     await s.messenger.send(topics.direct(s.fed, s.cfg.id, cmd.peer, "search_query"),
-                                           SearchQuery(qid, cmd.k, self.space, q))
+                                           SearchQuery(qid, cmd.k, space, vec))
                 else:
                     self._apply([cmd])
             done: S.Completed = await fut
         finally:
             self.waiting.pop(qid, None)
         hits = S.merge([(s.cfg.id, own), *((h.site, [(h.doc_id, h.score)]) for h in done.hits)], k)
-        return {"query_id": qid, "k": k, "space": self.space, "model_version": s.global_version,
-                "results": [{"site": h.site, "doc_id": h.doc_id, "score": round(h.score, 4)} for h in hits],
-                "asked": list(peers), "answered": list(done.answered), "silent": list(done.silent),
-                "failed": [{"peer": p, "error": e} for p, e in done.failed], "timed_out": done.timed_out,
-                "timeout": timeout, "seconds": round(time.monotonic() - started, 3)}
+        out = {"query_id": qid, "k": k, "space": self.space, "model_version": s.global_version,
+               "results": [{"site": h.site, "doc_id": h.doc_id, "score": round(h.score, 4)} for h in hits],
+               "asked": list(peers), "answered": list(done.answered),
+               "silent": sorted({*pre_silent, *done.silent}),
+               "failed": [{"peer": p, "error": e} for p, e in (*pre_failed, *done.failed)],
+               "timed_out": done.timed_out or bool(pre_silent),
+               "timeout": timeout, "seconds": round(time.monotonic() - started, 3)}
+        if self.mapped:
+            out["mode"] = "mapped"
+            out["mapped"] = mapped
+        return out
 
     def _apply(self, cmds: list[S.SearchCommand]) -> None:
         for cmd in cmds:
-            if isinstance(cmd, S.Completed):
+            if isinstance(cmd, S.Exchanged):
+                fut = self.waiting.get(cmd.request_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(cmd)
+            elif isinstance(cmd, S.Completed):
                 fut = self.waiting.get(cmd.query_id)
                 if fut is not None and not fut.done():
                     fut.set_result(cmd)
@@ -198,7 +374,14 @@ class SearchService:
         self._timer = None
         self._at = float("inf")
         self._apply(self.machine.handle(S.Wakeup(), time.monotonic()))
+        if self.exchange is not None:
+            self._apply(self.exchange.handle(S.Wakeup(), time.monotonic()))
 
     def status(self) -> dict[str, Any]:
-        return {"search_space": self.space, "search_queries_answered": self.answered,
-                "search_queries_refused": self.refused, "searches_in_flight": len(self.machine.queries)}
+        out = {"search_space": self.space, "search_queries_answered": self.answered,
+               "search_queries_refused": self.refused, "searches_in_flight": len(self.machine.queries)}
+        if self.mapped:
+            out.update(search_mode="mapped", public_vectors_sent=self.vectors_sent,
+                       public_vectors_received=self.vectors_received, mappers_trained=self.mappers_trained,
+                       mappers={p: m[1] for p, m in sorted(self.mappers.items())})
+        return out

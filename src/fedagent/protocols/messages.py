@@ -618,14 +618,96 @@ class SearchAnswer:
                    _need(body, "error", str, w))
 
 
+@dataclass(frozen=True, slots=True)
+class PublicVectorsRequest:
+    """Agent → agent (mapped search): send me your vectors of the public corpus
+    ``public`` (a digest naming the agreed public documents), unless your space is still
+    ``have_space`` (then an answer without vectors confirms the mapper is current)."""
+
+    kind: ClassVar[str] = "public_vectors_request"
+    request_id: str
+    public: str
+    have_space: str = ""
+
+    def __post_init__(self) -> None:
+        _query_id(self.request_id, "public_vectors_request")
+        for name, v in (("public", self.public), ("have_space", self.have_space)):
+            if not isinstance(v, str) or len(v) > MAX_DIGEST:
+                raise CodecError(f"public_vectors_request: {name} must be a string of at most {MAX_DIGEST} characters")
+
+    def to_body(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "public": self.public, "have_space": self.have_space}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> PublicVectorsRequest:
+        w = "public_vectors_request"
+        if set(body) != {"request_id", "public", "have_space"}:
+            raise CodecError(f"{w}: exactly the fields request_id, public, have_space are allowed")
+        return cls(_need(body, "request_id", str, w), _need(body, "public", str, w), _need(body, "have_space", str, w))
+
+
+@dataclass(frozen=True, slots=True)
+class PublicVectors:
+    """Agent → agent (mapped search): the sender's vectors of the public documents
+    (one row each, in the request's order) in its space ``space``; no rows when the
+    asker's mapper is for this space already; or an ``error`` code. Never private data."""
+
+    kind: ClassVar[str] = "public_vectors"
+    request_id: str
+    space: str
+    vectors: np.ndarray | None = field(default=None, repr=False)
+    error: str = ""
+
+    def __post_init__(self) -> None:
+        from fedagent.protocols.search import MAX_DIM, MAX_PUBLIC_DOCS
+
+        _query_id(self.request_id, "public_vectors")
+        if not isinstance(self.space, str) or len(self.space) > MAX_DIGEST:
+            raise CodecError(f"public_vectors: space must be a string of at most {MAX_DIGEST} characters")
+        v = self.vectors
+        if v is not None and (not isinstance(v, np.ndarray) or v.ndim != 2 or v.dtype != np.float32
+                              or not 0 < v.shape[0] <= MAX_PUBLIC_DOCS or not 0 < v.shape[1] <= MAX_DIM):
+            raise CodecError(f"public_vectors: vectors must be float32 of at most {MAX_PUBLIC_DOCS} x {MAX_DIM}")
+        if not isinstance(self.error, str) or len(self.error) > 200 or (self.error and v is not None):
+            raise CodecError("public_vectors: an error of at most 200 characters, and then no vectors")
+
+    def to_body(self) -> dict[str, Any]:
+        shape = list(self.vectors.shape) if self.vectors is not None else [0, 0]
+        return {"request_id": self.request_id, "space": self.space, "error": self.error, "shape": shape,
+                "vectors": encode_weights({"p": self.vectors}) if self.vectors is not None else {}}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> PublicVectors:
+        from fedagent.protocols.search import MAX_DIM, MAX_PUBLIC_DOCS
+
+        w = "public_vectors"
+        if set(body) != {"request_id", "space", "error", "shape", "vectors"}:
+            raise CodecError(f"{w}: exactly the fields request_id, space, error, shape, vectors are allowed")
+        shape = _need(body, "shape", list, w)
+        if len(shape) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in shape):
+            raise CodecError(f"{w}: shape must be two integers")
+        n, d = shape
+        raw = _need(body, "vectors", dict, w)
+        vectors = None
+        if (n, d) != (0, 0) or raw:
+            # The declared shape is checked against the bounds first and then bounds the
+            # decode exactly, so a peer cannot make this site allocate more than that.
+            if not (0 < n <= MAX_PUBLIC_DOCS and 0 < d <= MAX_DIM):
+                raise CodecError(f"{w}: at most {MAX_PUBLIC_DOCS} x {MAX_DIM} vectors")
+            small = Limits(max_tensor_bytes=4 * n * d, max_map_len=1)
+            vectors = decode_weights(raw, small, expect={"p": ("float32", (n, d))})["p"]
+        return cls(_need(body, "request_id", str, w), _need(body, "space", str, w), vectors, _need(body, "error", str, w))
+
+
 Message = (Presence | RoundStart | Update | RoundResult | GlobalModel | GossipModel | GossipAck | VocabOffer
            | Vocabulary | SyncStep | SyncGradient | VocabDigest
-           | SearchQuery | SearchAnswer)
+           | SearchQuery | SearchAnswer | PublicVectorsRequest | PublicVectors)
 
 # The fixed table from an envelope kind to the class that validates its body.
 KINDS: dict[str, type] = {cls.kind: cls for cls in (Presence, RoundStart, Update, RoundResult, GlobalModel,
                                                     GossipModel, GossipAck, VocabOffer, Vocabulary,
-                                                    SyncStep, SyncGradient, VocabDigest, SearchQuery, SearchAnswer)}
+                                                    SyncStep, SyncGradient, VocabDigest, SearchQuery, SearchAnswer,
+                                                    PublicVectorsRequest, PublicVectors)}
 
 
 def body_of(kind: str, body: Mapping[str, Any], limits: Limits) -> Message:

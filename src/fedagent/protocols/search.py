@@ -29,6 +29,8 @@ MAX_DIM = 4096
 MAX_DOC_ID = 200
 MAX_PEERS = 1000
 MAX_TIMEOUT = 600.0
+MAX_PUBLIC_DOCS = 20_000
+SPACES = ("joint", "mapped")
 
 
 class SearchError(ValueError):
@@ -228,6 +230,135 @@ class SearchMachine:
                          tuple((p, q.errors[p]) for p in q.peers if p in q.errors), timed_out)
 
 
+# ---- the asker's public-vector exchange (mapped federations, SEEC Algorithm 2) ----------
+# In a "mapped" federation every site keeps its own model, so a query vector means
+# nothing to a peer until it is mapped into the peer's space. The mapper from this
+# site's space to peer j's is trained on the public corpus's vectors of both sites;
+# a peer's vectors are asked for before each search, naming the space this site holds
+# a mapper for, so a peer whose model has not changed answers with its space alone.
+@dataclass(frozen=True, slots=True)
+class ExchangeStart:
+    request_id: str
+    have: tuple[tuple[str, str], ...]     # (peer, space this site holds a mapper for, or "")
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class VectorsReceived:
+    request_id: str
+    sender: str
+    space: str
+    rows: int          # 0: no vectors sent (the peer says the asker's mapper is current)
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SendVectorsRequest:
+    request_id: str
+    peer: str
+    have_space: str
+
+
+@dataclass(frozen=True, slots=True)
+class Exchanged:
+    request_id: str
+    current: tuple[tuple[str, str], ...]   # (peer, space): the held mapper is still right
+    train: tuple[tuple[str, str], ...]     # (peer, space): new vectors arrived, train a mapper
+    silent: tuple[str, ...]
+    failed: tuple[tuple[str, str], ...]
+    timed_out: bool
+
+
+ExchangeCommand = SendVectorsRequest | Exchanged | Ignored | RequestWakeup
+
+
+@dataclass
+class _Exchange:
+    have: dict[str, str]
+    deadline: float
+    rows: int
+    current: dict[str, str] = field(default_factory=dict)
+    train: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+class ExchangeMachine:
+    """Which peers were asked for public vectors, which answered and how; completes each
+    exchange once, when all answered or at its deadline. ``rows`` is the number of
+    public documents a peer's vectors must have."""
+
+    def __init__(self, rows: int) -> None:
+        if not 0 < rows <= MAX_PUBLIC_DOCS:
+            raise SearchError("public", f"the public corpus must have 1..{MAX_PUBLIC_DOCS} documents")
+        self.rows = rows
+        self.pending: dict[str, _Exchange] = {}
+
+    def handle(self, event: ExchangeStart | VectorsReceived | Wakeup, now: float) -> list[ExchangeCommand]:
+        if isinstance(event, ExchangeStart):
+            return self._start(event, now)
+        if isinstance(event, VectorsReceived):
+            return self._received(event, now)
+        if isinstance(event, Wakeup):
+            return self._expire(now)
+        raise TypeError(f"not an exchange event: {event!r}")
+
+    def _start(self, ev: ExchangeStart, now: float) -> list[ExchangeCommand]:
+        peers = [p for p, _ in ev.have]
+        if ev.request_id in self.pending:
+            raise SearchError("duplicate", f"exchange {ev.request_id} is already in flight")
+        if len(peers) > MAX_PEERS or len(set(peers)) != len(peers):
+            raise SearchError("peers", f"at most {MAX_PEERS} distinct peers")
+        if not (math.isfinite(ev.timeout) and 0 < ev.timeout <= MAX_TIMEOUT):
+            raise SearchError("timeout", f"the timeout must be in (0, {MAX_TIMEOUT}] seconds")
+        x = _Exchange(dict(ev.have), now + ev.timeout, self.rows)
+        self.pending[ev.request_id] = x
+        if not peers:
+            return [self._complete(ev.request_id, timed_out=False)]
+        return [*(SendVectorsRequest(ev.request_id, p, s) for p, s in ev.have), RequestWakeup(x.deadline)]
+
+    def _received(self, ev: VectorsReceived, now: float) -> list[ExchangeCommand]:
+        x = self.pending.get(ev.request_id)
+        if x is None:
+            return [Ignored(ev.request_id, ev.sender, "unknown or finished exchange")]
+        if ev.sender not in x.have:
+            return [Ignored(ev.request_id, ev.sender, "not asked")]
+        if ev.sender in x.current or ev.sender in x.train or ev.sender in x.errors:
+            return [Ignored(ev.request_id, ev.sender, "duplicate answer")]
+        if now >= x.deadline:
+            return [*self._expire(now), Ignored(ev.request_id, ev.sender, "after the deadline")]
+        have = x.have[ev.sender]
+        if ev.error:
+            x.errors[ev.sender] = ev.error
+        elif not ev.space:
+            x.errors[ev.sender] = "no space named"
+        elif ev.rows == 0:
+            if have and ev.space == have:
+                x.current[ev.sender] = ev.space
+            else:
+                x.errors[ev.sender] = "no vectors for a space this site has no mapper for"
+        elif ev.rows != x.rows:
+            x.errors[ev.sender] = f"{ev.rows} public vectors, {x.rows} expected"
+        else:
+            x.train[ev.sender] = ev.space
+        if len(x.current) + len(x.train) + len(x.errors) == len(x.have):
+            return [self._complete(ev.request_id, timed_out=False)]
+        return []
+
+    def _expire(self, now: float) -> list[ExchangeCommand]:
+        out: list[ExchangeCommand] = [self._complete(r, timed_out=True)
+                                      for r in [r for r, x in self.pending.items() if now >= x.deadline]]
+        if self.pending:
+            out.append(RequestWakeup(min(x.deadline for x in self.pending.values())))
+        return out
+
+    def _complete(self, rid: str, *, timed_out: bool) -> Exchanged:
+        x = self.pending.pop(rid)
+        silent = tuple(p for p in x.have if p not in x.current and p not in x.train and p not in x.errors)
+        return Exchanged(rid, tuple(x.current.items()), tuple(x.train.items()), silent,
+                         tuple(x.errors.items()), timed_out)
+
+
 __all__ = ["MAX_K", "MAX_DIM", "MAX_DOC_ID", "SearchError", "Hit", "check_k", "check_vector", "top_k", "merge",
            "Start", "AnswerReceived", "Wakeup", "SendQuery", "Completed", "Ignored", "RequestWakeup",
-           "SearchMachine"]
+           "SearchMachine", "MAX_PUBLIC_DOCS", "SPACES", "ExchangeStart", "VectorsReceived", "SendVectorsRequest",
+           "Exchanged", "ExchangeMachine"]

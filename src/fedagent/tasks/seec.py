@@ -10,8 +10,9 @@ only they would ever cross the network. With SEEC's 18,846 public documents its
 settings make ~5,900 Adam steps; the 200-post sample gensim ships gives 80, so callers
 on the small sample pass a larger ``lr`` or more ``epochs`` (and say so).
 
-The live protocol (sending a mapped query vector to peers and merging their top-k) is
-not here yet.
+The live protocol that uses it (public-vector exchange, a mapper per peer, the query
+mapped into each peer's space) is :mod:`fedagent.agent.search` with
+``[search] space = "mapped"``.
 """
 
 from __future__ import annotations
