@@ -38,7 +38,7 @@ from fedagent.agent.discovery import Advert, Discovery
 from fedagent.agent.messaging import Incoming, Messenger
 from fedagent.agent.runtime import History, Timer, make_transport, node_identity, presence_payload
 from fedagent.config import NodeConfig
-from fedagent.coordinator.vocabstage import has_vocabulary, load_vocabulary
+from fedagent.coordinator.vocabstage import has_vocabulary, load_vocabulary, publish_vocabulary
 from fedagent.errors import ConfigError, FedagentError
 from fedagent.metrics import NodeMetrics
 from fedagent.pki import fingerprint
@@ -249,13 +249,7 @@ class SyncOptCoordinator:
 
     async def _publish_vocabulary(self) -> None:
         assert self.vocabulary is not None
-        topic = topics.broadcast(self.fed, "vocabulary")
-        try:
-            await self.messenger.send(topic, self.vocabulary, retain=True)
-        except ValueError:
-            # Larger than one chunk: cannot be retained; agents that restart later ask
-            # again with a new offer, which is answered with the vocabulary.
-            await self.messenger.send(topic, self.vocabulary)
+        await publish_vocabulary(self.messenger, self.fed, self.vocabulary)
 
     async def _on_payload(self, topic: str, payload: bytes) -> None:
         await self.messenger.receive(topic, payload, self._deliver)

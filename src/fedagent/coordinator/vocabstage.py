@@ -29,6 +29,17 @@ log = logging.getLogger("fedagent.coordinator.vocab")
 MAX_VOCAB_FILE = 64 * 2**20
 
 
+async def publish_vocabulary(messenger, federation: str, vocabulary: Vocabulary) -> None:
+    """Broadcast the agreed vocabulary, retained when it fits in one frame."""
+    topic = topics.broadcast(federation, "vocabulary")
+    try:
+        await messenger.send(topic, vocabulary, retain=True)
+    except ValueError:
+        # Larger than one chunk: it cannot be retained; an agent that restarts later
+        # offers again and is answered with the vocabulary.
+        await messenger.send(topic, vocabulary)
+
+
 def has_vocabulary(task: Any) -> bool:
     return callable(getattr(task, "term_counts", None)) and callable(getattr(task, "set_vocabulary", None))
 
@@ -87,13 +98,7 @@ class VocabStage:
 
     async def publish(self) -> None:
         assert self.vocabulary is not None
-        topic = topics.broadcast(self.fed, "vocabulary")
-        try:
-            await self.messenger.send(topic, self.vocabulary, retain=True)
-        except ValueError:
-            # Larger than one chunk: it cannot be retained; an agent that restarts later
-            # offers again and is answered with the vocabulary.
-            await self.messenger.send(topic, self.vocabulary)
+        await publish_vocabulary(self.messenger, self.fed, self.vocabulary)
 
     async def offer(self, sender: str, terms: tuple[str, ...], counts: tuple[int, ...],
                     now: float) -> Vocabulary | None:

@@ -50,7 +50,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from fedagent.protocols.vocab import MAX_TERMS, VocabError, check_counts, finalize, vocabulary_digest
+from fedagent.protocols.vocab import (MAX_TERMS, OfferRejected, RequestWakeup, VocabError, check_counts, finalize,
+                                     vocabulary_digest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,18 +135,6 @@ class Failed:
     reason: str              # missing-offers | unconfirmed | mismatch
     detail: str
     missing: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class OfferRejected:
-    sender: str
-    reason: str
-    detail: str
-
-
-@dataclass(frozen=True, slots=True)
-class RequestWakeup:
-    at: float
 
 
 Command = SendOffer | SendDigest | Agreed | Failed | OfferRejected | RequestWakeup
