@@ -24,14 +24,24 @@ BROKER_MAX_PACKET = 64 * 2**20
 
 @dataclass
 class BenchBroker:
+    """A broker for ``agents`` agent identities and the coordinator ``coord``.
+
+    Started here unless ``external`` is given: an already running broker for federation
+    ``bench`` (the test suite passes its Mosquitto fixture), whose CA is ``ca_dir``; then
+    only missing certificates are issued into ``certs``, and stopping leaves it running.
+    """
+
     work: Path
     agents: int
+    external: EmbeddedBroker | None = None
+    ca_dir: Path | None = None
+    certs: Path | None = None
 
     def __post_init__(self) -> None:
-        self.ca_dir = self.work / "ca"
-        self.certs = self.work / "certs"
+        self.ca_dir = self.ca_dir or self.work / "ca"
+        self.certs = self.certs or self.work / "certs"
         self.agent_ids = [f"agent-{i}" for i in range(1, self.agents + 1)]
-        self.broker: EmbeddedBroker | None = None
+        self.broker: EmbeddedBroker | None = self.external
 
     def start(self) -> BenchBroker:
         if not (self.ca_dir / pki.CA_CERT).exists():
@@ -39,6 +49,8 @@ class BenchBroker:
         for name, role in [(COORDINATOR, "coordinator")] + [(a, "agent") for a in self.agent_ids]:
             if not (self.certs / f"{name}.crt").exists():
                 pki.issue(self.ca_dir, self.certs, name, role)
+        if self.external is not None:
+            return self
         self.broker = EmbeddedBroker(self.work / "broker", federations=[FEDERATION],
                                      coordinators=[COORDINATOR], ca_dir=self.ca_dir,
                                      max_packet_size=BROKER_MAX_PACKET)
@@ -46,7 +58,7 @@ class BenchBroker:
         return self
 
     def stop(self) -> None:
-        if self.broker is not None:
+        if self.broker is not None and self.external is None:
             self.broker.stop()
 
     def tls(self, name: str) -> TlsFiles:
@@ -72,6 +84,14 @@ def model_weights(params: int, seed: int = 0, tensors: int = 16) -> dict[str, np
     sizes[-1] += params - sum(sizes)
     return {f"layer{i:02d}.weight": rng.standard_normal(n, dtype=np.float32)
             for i, n in enumerate(sizes)}
+
+
+def bench_broker(ctx, work: Path, agents: int) -> BenchBroker:
+    """The broker a section runs on: ``ctx.broker(agents)`` when the caller supplies one
+    (the test suite's fixture), else a private one under ``work``."""
+    if ctx.broker is not None:
+        return ctx.broker(agents)
+    return BenchBroker(work, agents)
 
 
 def model_sizes(ctx) -> list[int]:

@@ -19,7 +19,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from bench.env import FEDERATION, BenchBroker, mb, model_sizes, model_weights
+from bench.env import FEDERATION, BenchBroker, bench_broker, mb, model_sizes, model_weights
 from bench.registry import Context, Row, section, summary
 from bench.round import KEEPALIVE, CClients, chunk_bytes
 from fedagent.agent.messaging import Incoming, Messenger
@@ -114,7 +114,7 @@ def _c_exchange(cc: CClients, payload: Path) -> float:
 @section("gossip")
 def gossip_exchange(ctx: Context) -> list[Row]:
     rows = []
-    with BenchBroker(ctx.work / "gossip", agents=4) as bb:
+    with bench_broker(ctx, ctx.work / "gossip", 4) as bb:
         cc = CClients(bb, ctx.work / "gossip")
         for params in model_sizes(ctx):
             weights = model_weights(params)

@@ -48,6 +48,9 @@ class Context:
     log: Callable[[str], None] = print
     sizes: list[int] | None = None               # model sizes (parameters) to run; None: the default
     shared: dict = field(default_factory=dict)   # e.g. measurements one section reuses
+    # A BenchBroker for N agents on a broker someone else runs (tests: the conftest
+    # fixture); None: every broker section starts and stops its own.
+    broker: Callable[[int], object] | None = None
 
 
 SECTIONS: dict[str, Callable[[Context], list[Row]]] = {}

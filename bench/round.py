@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.env import COORDINATOR, FEDERATION, BenchBroker, mb, model_sizes, model_weights
+from bench.env import COORDINATOR, FEDERATION, BenchBroker, bench_broker, mb, model_sizes, model_weights
 from bench.registry import Context, Row, section, summary
 from fedagent.agent.messaging import Incoming, Messenger
 from fedagent.agent.transport import Transport
@@ -285,9 +285,9 @@ async def _measure(bb: BenchBroker, cc: CClients, params: int, repeats: int, wor
 
 
 @section("round")
-def fedavg_round(ctx: Context) -> list[Row]:
+def fedavg_round(ctx: Context, agents: int = AGENTS) -> list[Row]:
     rows = []
-    with BenchBroker(ctx.work / "round", AGENTS) as bb:
+    with bench_broker(ctx, ctx.work / "round", agents) as bb:
         cc = CClients(bb, ctx.work)
         for params in model_sizes(ctx):
             res = asyncio.run(_measure(bb, cc, params, ctx.repeats, ctx.work, ctx.log))
@@ -296,14 +296,14 @@ def fedavg_round(ctx: Context) -> list[Row]:
             ctx.shared[("fedagent_round", params)] = res["fedagent"]
             for what in res["lost"]:
                 ctx.shared.setdefault("failures", []).append(f"fedagent {mb(params)} {what}")
-            rows.append(Row("round", f"fedagent FedAvg round, TLS, {AGENTS} agents, {mb(params)} (median)",
+            rows.append(Row("round", f"fedagent FedAvg round, TLS, {agents} agents, {mb(params)} (median)",
                             ours_med, "mosquitto_pub/sub fan-out + fan-in (median)", c_med,
                             note=f"target <= 1.2x; max {ours_max:.2f} s vs {c_max:.2f} s; n={len(res['c'])}; "
                                  f"C fan-out {summary(res['c_out'])[0]:.2f} s, fan-in {summary(res['c_in'])[0]:.2f} s"))
-            rows.append(Row("round", f"fedagent FedAvg round, TLS, {AGENTS} agents, {mb(params)} (max)",
+            rows.append(Row("round", f"fedagent FedAvg round, TLS, {agents} agents, {mb(params)} (max)",
                             ours_max, "mosquitto_pub/sub fan-out + fan-in (max)", c_max))
             # CPU time is far less disturbed than wall time by other work on the machine.
-            rows.append(Row("round", f"CPU of coordinator + {AGENTS} agents per round, {mb(params)} (median)",
+            rows.append(Row("round", f"CPU of coordinator + {agents} agents per round, {mb(params)} (median)",
                             summary(res["fed_cpu"])[0], "CPU of the mosquitto_pub/sub processes (median)",
                             summary(res["c_cpu"])[0], note="client side only; excludes the broker"))
             rows.append(Row("round", f"broker CPU per fedagent round, {mb(params)} (median)",

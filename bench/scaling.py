@@ -24,13 +24,14 @@ class _Log:
 
 
 @section("memory")
-def memory(ctx: Context) -> list[Row]:
+def memory(ctx: Context, cases: list[tuple[int, int]] | None = None) -> list[Row]:
     """Coordinator peak RSS as a multiple of the model, against issue 9's target (3x).
     Whole-message updates (the path streaming replaced; robust aggregators still use it)
     are measured next to streams for the 1.1M model only: at 44.8 MB they cost 10 buffered
     updates and minutes of this section for a figure (14.5x) that is not in question."""
     from bench import memory as memory_bench
-    cases = [(10, 1_100_000)] if ctx.quick else memory_bench.DEFAULT_CASES
+    if cases is None:
+        cases = [(10, 1_100_000)] if ctx.quick else memory_bench.DEFAULT_CASES
     rows: list[dict] = []
     for n, params in cases:
         rows += memory_bench.measure([(n, params)], rounds=2, whole_too=params <= 1_100_000, console=_Log(ctx))

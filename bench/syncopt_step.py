@@ -56,16 +56,19 @@ def read_history(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def measure(steps: int, warmup: int, work: Path, progress=None) -> dict[str, list[float] | int]:
+def measure(steps: int, warmup: int, work: Path, progress=None, agents: int = AGENTS,
+            options: dict | None = None) -> dict[str, list[float] | int]:
     """Run the federation for ``steps`` steps under ``work``; per measured step (after
-    ``warmup``), the parts listed in the module docstring, in seconds."""
-    fed = Federation(work, agents=AGENTS, rounds=1, alpha=0.0, agent_broker_by_mdns=False)
+    ``warmup``), the parts listed in the module docstring, in seconds. ``agents`` and the
+    task ``options`` (default :data:`OPTIONS`) make it smaller (the test suite's run)."""
+    options = OPTIONS if options is None else options
+    fed = Federation(work, agents=agents, rounds=1, alpha=0.0, agent_broker_by_mdns=False)
     started = time.monotonic()
     try:
         fed.prepare()
-        fed.prepare_syncopt("prodlda", lambda i: {**OPTIONS, "shard": i, "shards": AGENTS}, {**OPTIONS, "shard": 0,
-                            "shards": AGENTS}, {"steps": steps, "expected_agents": AGENTS,
-                                                "min_agents": AGENTS, "step_timeout": 300.0,
+        fed.prepare_syncopt("prodlda", lambda i: {**options, "shard": i, "shards": agents}, {**options, "shard": 0,
+                            "shards": agents}, {"steps": steps, "expected_agents": agents,
+                                                "min_agents": agents, "step_timeout": 300.0,
                                                 "on_fault": "abort", "checkpoint_every": steps})
         fed.start_all()
         while True:
@@ -95,7 +98,7 @@ def measure(steps: int, warmup: int, work: Path, progress=None) -> dict[str, lis
                 if r.get("event") == "gradient":
                     by_step.setdefault(r["step"], []).append(r)
         full = [(r, by_step[r["step"]]) for r in coord
-                if r["step"] > warmup and len(by_step.get(r["step"], [])) == AGENTS]
+                if r["step"] > warmup and len(by_step.get(r["step"], [])) == agents]
         if not full:
             raise SystemExit("no complete step records")
         step = [r["seconds"] for r, _ in full]
@@ -113,15 +116,18 @@ def measure(steps: int, warmup: int, work: Path, progress=None) -> dict[str, lis
 
 
 @section("syncopt")
-def syncopt_section(ctx: Context) -> list[Row]:
+def syncopt_section(ctx: Context, agents: int = AGENTS, options: dict | None = None,
+                    steps: tuple[int, int] | None = None) -> list[Row]:
     """One Sync-Opt step against its own compute: the ratio is what the network part
-    (W out, gradients in, over TLS and the broker) multiplies the step by."""
-    steps, warmup = (12, 3) if ctx.quick else (30, 5)
-    m = measure(steps, warmup, ctx.work / "syncopt", progress=None)
+    (W out, gradients in, over TLS and the broker) multiplies the step by. ``steps`` is
+    (steps, warm-up steps left out)."""
+    options = OPTIONS if options is None else options
+    steps, warmup = steps or ((12, 3) if ctx.quick else (30, 5))
+    m = measure(steps, warmup, ctx.work / "syncopt", progress=None, agents=agents, options=options)
     step_med, step_max = summary(m["step"])
     compute = [f + o for f, o in zip(m["fwd"], m["opt"])]
     comm_share = statistics.fmean(m["comm"]) / statistics.fmean(m["step"])
-    return [Row("syncopt", f"Sync-Opt step, {AGENTS} agents, ProdLDA V={m['vocab']} K={OPTIONS['n_topics']}",
+    return [Row("syncopt", f"Sync-Opt step, {agents} agents, ProdLDA V={m['vocab']} K={options['n_topics']}",
                 step_med, "compute only (slowest agent fwd/bwd + Adam)", statistics.median(compute),
                 note=f"max {step_max:.2f} s; communication {comm_share:.0%} of the mean step "
                      f"(W out median {1000 * statistics.median(m['down']):.0f} ms, gradients in "

@@ -1,0 +1,134 @@
+"""Every benchmark section still measures something (no timing is asserted).
+
+The ``round`` section was broken for days once (its Messenger needed a signing identity)
+and nothing noticed: a benchmark only runs when someone measures. Here each section's
+own measuring function runs at a tiny size — the broker sections against the suite's
+real Mosquitto with mutual TLS (``broker_factory``, federation ``bench``, identities from
+the session PKI) — and its rows must be well formed: a subject, a baseline, finite
+values, positive wall times, the ratio being value / baseline.
+
+What is not run here, and why:
+
+* ``flower`` needs Flower, which lives in its own virtualenv (``bench/.venv-flower``,
+  made by ``bench/flower.py`` with pip on first use; ``scripts/bootstrap.sh`` does not
+  install it, so a fresh CI clone has no Flower, and installing it takes minutes of
+  network and CPU). :func:`test_flower_section_tiny` runs it at a tiny size when that
+  virtualenv exists and is marked ``slow``; in CI only the Flower apps are compiled.
+* ``scale`` runs the same swarm federation (``fedagent.experiments.swarm``) as ``memory``,
+  which runs here; ``compression`` uses no broker (the in-memory harness with real digits
+  training, minutes of CPU); its wire path is tested in tests/test_streaming.py.
+"""
+
+from __future__ import annotations
+
+import math
+import py_compile
+from pathlib import Path
+
+import pytest
+
+from bench.env import BenchBroker, COORDINATOR, FEDERATION
+from bench.registry import Context, Row
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = 4096           # parameters: 16 KB of float32 in 16 tensors
+
+
+@pytest.fixture
+def bench_ctx(tmp_path, pki, broker_factory):
+    """A Context whose broker sections run on a fixture broker for federation ``bench``."""
+    made: dict[str, BenchBroker] = {}
+    broker = None
+
+    def on_fixture(agents: int) -> BenchBroker:
+        nonlocal broker
+        if broker is None:
+            broker = broker_factory(federations=(FEDERATION,), coordinators=(COORDINATOR,))
+        # The session PKI's coord certificate has the coordinator role already.
+        for i in range(1, agents + 1):
+            pki.issue(f"agent-{i}")
+        bb = BenchBroker(tmp_path / f"bb-{agents}", agents, external=broker.embedded,
+                         ca_dir=pki.ca_dir, certs=pki.certs)
+        made[str(agents)] = bb
+        return bb
+
+    logs: list[str] = []
+    ctx = Context(quick=True, work=tmp_path, repeats=1, sizes=[TINY], log=logs.append, broker=on_fixture)
+    ctx.logs = logs            # type: ignore[attr-defined]  (for failure messages)
+    return ctx
+
+
+def well_formed(rows: list[Row], section: str, count: int, *, cpu_rows: tuple[str, ...] = ()) -> None:
+    assert len(rows) == count, rows
+    for r in rows:
+        assert r.section == section and r.subject and r.baseline, r
+        assert math.isfinite(r.value) and math.isfinite(r.baseline_value), r
+        if any(k in r.subject for k in cpu_rows):
+            # CPU seconds are counted in clock ticks (10 ms): a tiny run may use none.
+            assert r.value >= 0 and r.baseline_value >= 0, r
+        else:
+            assert r.value > 0 and r.baseline_value > 0, r
+            assert r.ratio == pytest.approx(r.value / r.baseline_value), r
+
+
+def test_codec_section_tiny(bench_ctx):
+    from bench.codec import codec
+    rows = codec(bench_ctx)
+    well_formed(rows, "codec", 2)
+    assert all(r.baseline == "memcpy" for r in rows)
+
+
+def test_round_section_tiny(bench_ctx):
+    from bench.round import fedavg_round
+    rows = fedavg_round(bench_ctx, agents=2)
+    well_formed(rows, "round", 4, cpu_rows=("CPU",))
+    assert "2 agents" in rows[0].subject
+    # No round may have timed out (a lost update is reported, not raised).
+    assert not bench_ctx.shared.get("failures"), bench_ctx.shared["failures"]
+    assert len(bench_ctx.shared[("fedagent_round", TINY)]) == 1
+
+
+def test_gossip_section_tiny(bench_ctx):
+    from bench.gossip import gossip_exchange
+    rows = gossip_exchange(bench_ctx)
+    well_formed(rows, "gossip", 1)
+
+
+def test_syncopt_section_tiny(bench_ctx):
+    """A real Sync-Opt federation (its own private Mosquitto with mutual TLS: the demo's
+    Federation makes its CA and broker), 2 agents, a 300-term ProdLDA, 4 steps."""
+    from bench.syncopt_step import syncopt_section
+    options = {"corpus": "synthetic", "vocab_size": 300, "true_topics": 4, "shared_topics": 2, "eta": 1.0,
+               "docs": 40, "val_docs": 4, "n_topics": 4, "batch_size": 8, "seed": 0, "data_seed": 0}
+    rows = syncopt_section(bench_ctx, agents=2, options=options, steps=(4, 1))
+    well_formed(rows, "syncopt", 1)
+    assert "2 agents" in rows[0].subject and "V=300" in rows[0].subject, rows[0]
+    assert "3 steps" in rows[0].note, rows[0]
+
+
+def test_memory_section_tiny(bench_ctx):
+    from bench.scaling import memory
+    rows = memory(bench_ctx, cases=[(2, TINY)])
+    assert len(rows) == 1
+    r = rows[0]
+    assert r.section == "memory" and r.unit == "x model" and r.baseline_value == 3.0
+    # (peak - idle + model) / model: at least the model itself is held.
+    assert math.isfinite(r.value) and r.value >= 1.0, r
+
+
+def test_flower_apps_compile():
+    apps = sorted((ROOT / "bench" / "flower_app").rglob("*.py"))
+    assert len(apps) >= 3, apps
+    for app in apps:
+        py_compile.compile(str(app), doraise=True)
+
+
+@pytest.mark.slow
+def test_flower_section_tiny(tmp_path):
+    from bench import flower
+    py = flower.VENV / "bin" / "python"
+    if not (flower.VENV / f".flwr-{flower.FLWR_VERSION}").exists():
+        pytest.skip(f"Flower is not installed: run `python bench/run.py --quick --only flower` once "
+                    f"(it makes {flower.VENV})")
+    times = flower.run_grpc(py, tmp_path, TINY, 1, None, timeout=300)
+    assert len(times) == 1 and times[0] > 0
