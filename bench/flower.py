@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from bench.env import mb, model_sizes
+from bench.procs import ProcessTree
 from bench.registry import Context, Row, section, summary
 
 HERE = Path(__file__).resolve().parent
@@ -65,13 +66,11 @@ def run_grpc(py: Path, work: Path, params: int, rounds: int, tls: tuple[Path, Pa
     if tls is not None:
         server_cmd += ["--tls", *map(str, tls)]
         client_cmd += ["--ca", str(tls[0])]
-    logf = open(work / f"flower-grpc-{port}.log", "wb")
-    server = subprocess.Popen(server_cmd, stdout=logf, stderr=subprocess.STDOUT)
-    clients: list[subprocess.Popen] = []
-    try:
+    with open(work / f"flower-grpc-{port}.log", "wb") as logf, ProcessTree() as tree:
+        server = tree.spawn(server_cmd, stdout=logf, stderr=subprocess.STDOUT)
         time.sleep(0.5)       # clients retry their connection; this only avoids noise
-        clients = [subprocess.Popen(client_cmd, stdout=logf, stderr=subprocess.STDOUT)
-                   for _ in range(CLIENTS)]
+        for _ in range(CLIENTS):
+            tree.spawn(client_cmd, stdout=logf, stderr=subprocess.STDOUT)
         server.wait(timeout=timeout)
         if server.returncode != 0:
             raise RuntimeError(f"Flower server exited {server.returncode}; see {logf.name}")
@@ -79,16 +78,6 @@ def run_grpc(py: Path, work: Path, params: int, rounds: int, tls: tuple[Path, Pa
         if len(times) != rounds + 1:
             raise RuntimeError(f"Flower ran {len(times)} rounds, not {rounds + 1}")
         return times[1:]
-    finally:
-        for p in [server, *clients]:
-            if p.poll() is None:
-                p.terminate()
-        for p in [server, *clients]:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        logf.close()
 
 
 def _wait_port(port: int, deadline: float, proc: subprocess.Popen, what: str) -> None:
@@ -124,29 +113,27 @@ def run_deployment(py: Path, work: Path, params: int, rounds: int, timeout: floa
     out = work / f"flower-deploy-{params}.json"
     env = dict(os.environ, FLWR_HOME=str(home), PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
     logf = open(work / f"flower-deploy-{params}.log", "wb")
-    procs: list[subprocess.Popen] = []
-    try:
+    # Every process of the deployment, also the ones Flower starts itself (SuperExec,
+    # flwr-serverapp, ClientApps), ends with this block, by PID: on success, on an
+    # error and on KeyboardInterrupt (bench/run.py turns SIGTERM into one).
+    with logf, ProcessTree() as tree:
         # Without this flag the SuperLink builds a fresh environment per run with uv
         # (15 s here); the app needs nothing beyond this virtualenv.
-        superlink = subprocess.Popen([str(bindir / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
-                                      "--port", str(link), "--disable-runtime-dependency-installation"],
-                                     start_new_session=True, stdout=logf, stderr=subprocess.STDOUT,
-                                     env=env, cwd=work)
-        procs.append(superlink)
+        superlink = tree.spawn([str(bindir / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
+                                "--port", str(link), "--disable-runtime-dependency-installation"],
+                               stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=work)
         _wait_port(link, time.monotonic() + 120, superlink, "flower-superlink")
         for _ in range(CLIENTS):
-            procs.append(subprocess.Popen(
-                [str(bindir / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link}",
-                 "--port", str(_free_port())], stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=work,
-                start_new_session=True))
+            tree.spawn([str(bindir / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link}",
+                        "--port", str(_free_port())], stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=work)
         cfg = f'params={params} rounds={rounds + 1} clients={CLIENTS} out="{out}"'
-        run = subprocess.run([str(bindir / "flwr"), "run", str(app), "bench", "--stream",
-                              "--run-config", cfg], stdout=logf, stderr=subprocess.STDOUT, env=env,
-                             cwd=work, timeout=timeout)
-        if run.returncode != 0:
+        run = tree.spawn([str(bindir / "flwr"), "run", str(app), "bench", "--stream", "--run-config", cfg],
+                         stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=work)
+        if run.wait(timeout=timeout) != 0:
             raise RuntimeError(f"flwr run exited {run.returncode}; see {logf.name}")
         deadline = time.monotonic() + timeout
         while True:
+            tree.sweep()
             times = json.loads(out.read_text())["times"] if out.exists() else []
             if len(times) == rounds + 1:
                 return times[1:]
@@ -154,25 +141,6 @@ def run_deployment(py: Path, work: Path, params: int, rounds: int, timeout: floa
                 raise RuntimeError(f"Flower deployment finished {len(times)} of {rounds + 1} rounds "
                                    f"in {timeout:.0f} s; see {logf.name}")
             time.sleep(0.5)
-    finally:
-        # Each SuperLink/SuperNode leads its own process group: its SuperExec and
-        # ClientApp processes go with it.
-        import signal
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        logf.close()
 
 
 def server_tls(d: Path) -> tuple[Path, Path, Path]:
