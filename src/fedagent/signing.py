@@ -248,6 +248,12 @@ class ReplayGuard:
     (they are the largest), so a restarted receiver refuses every frame it accepted
     before; what it loses is a frame it never saw that is older than ``keep`` newer
     ones from the same sender (delivery that late does not happen on one broker).
+
+    A journal (:mod:`fedagent.replaylog`) persists the same state incrementally: with
+    ``track`` set, :meth:`take_fresh` returns the numbers accepted since its last call
+    (at most ``keep`` per sender: only the largest can be among the kept ones), and
+    :meth:`merge` folds a journal record in. ``fence``: every frame stamped at or before
+    it is a replay (set when a damaged journal may have lost numbers; see there).
     """
 
     def __init__(self, *, window: int = 4096, max_skew: float = 300.0, max_senders: int = 100_000,
@@ -263,11 +269,17 @@ class ReplayGuard:
         self._floor: dict[str, int] = {}        # from a snapshot: this and below are replays
         self._top: dict[str, list[int]] = {}     # the `keep` largest accepted, ascending
         self.dirty = False
+        self.track = False
+        self._fresh: dict[str, list[int]] = {}   # accepted since take_fresh(), when tracked
+        self.fence = -math.inf
 
     def check(self, sender: str, seq: int, ts: float, now: float) -> None:
         if abs(ts - now) > self.max_skew:
             raise AuthError("stale", f"timestamp {ts:.0f} is {ts - now:+.0f} s from this node's clock "
                                      f"(allowed ±{self.max_skew:.0f} s)")
+        if ts <= self.fence:
+            raise AuthError("replay", f"stamped {ts:.0f}, before this node restarted from a damaged replay "
+                                      f"journal ({self.fence:.0f}): it may have been delivered already")
         if seq <= self._floor.get(sender, -1):
             raise AuthError("replay", f"sequence number {seq} is not above {self._floor[sender]}, the oldest "
                                       "this node kept across its restart (a replay)")
@@ -288,6 +300,12 @@ class ReplayGuard:
             if len(top) > self.keep:
                 del top[0]
         self.dirty = True
+        if self.track:
+            fresh = self._fresh.setdefault(sender, [])
+            fresh.append(seq)
+            if len(fresh) > 2 * self.keep:
+                fresh.sort()
+                del fresh[:-self.keep]
         if high is None or seq > high:
             self._highest[sender] = seq
             floor = seq - self.window
@@ -297,7 +315,32 @@ class ReplayGuard:
     def snapshot(self) -> bytes:
         """What :meth:`restore` needs, as msgpack (``keep`` numbers per sender)."""
         self.dirty = False
-        return msgpack.packb({s: top for s, top in self._top.items()}, use_bin_type=True)
+        self._fresh = {}
+        return msgpack.packb(self.tops(), use_bin_type=True)
+
+    def tops(self) -> dict[str, list[int]]:
+        """Per sender, the ``keep`` largest numbers accepted (what a snapshot holds)."""
+        return {s: list(top) for s, top in self._top.items()}
+
+    def take_fresh(self) -> dict[str, list[int]]:
+        """The numbers accepted since the last call (or snapshot), at most ``keep`` per
+        sender, the largest; clears them and :attr:`dirty`."""
+        fresh, self._fresh = self._fresh, {}
+        self.dirty = False
+        return {s: sorted(v)[-self.keep:] for s, v in fresh.items()}
+
+    def merge(self, doc: dict[str, list[int]]) -> None:
+        """Fold numbers in (validated ``{sender: [int, ...]}``, as :meth:`restore` checks):
+        each sender's kept numbers become the ``keep`` largest of the old and the new,
+        and every number up to the smallest of them a replay."""
+        for sender, seqs in doc.items():
+            if sender not in self._top and len(self._top) >= self.max_senders:
+                raise FedagentError(f"replay state names more than {self.max_senders} senders")
+            top = sorted(set(self._top.get(sender, ())) | set(seqs))[-self.keep:]
+            self._floor[sender] = top[0] - 1
+            self._seen[sender] = set(top)
+            self._highest[sender] = top[-1]
+            self._top[sender] = top
 
     def restore(self, data: bytes) -> None:
         """Load a snapshot (validated: it is read from disk, not trusted blindly)."""

@@ -41,8 +41,7 @@ from fedagent.protocols.compression import Compressor
 from fedagent.protocols.messages import Message, Update, body_of
 from fedagent.protocols.streaming import (HEAD_KIND, STREAM_KIND, StreamEvent, StreamIntake,
                                           UpdateHead, encode_stream, head_body, iter_stream_chunks)
-from fedagent import statefile
-from fedagent.errors import FedagentError
+from fedagent.replaylog import ReplayJournal
 from fedagent.signing import CHUNK_KIND, AuthError, Identity, SequenceCounter, SteadyClock, sign
 
 log = logging.getLogger(__name__)
@@ -76,17 +75,13 @@ class Messenger:
         self.clock = SteadyClock()
         self.verifier = identity.verifier(max_skew=max_skew, clock=self.clock)
         self._replay_path = None
+        self.replay_journal: ReplayJournal | None = None
         if state_dir is not None:
             self._replay_path = Path(state_dir) / REPLAY_FILE
-            self._replay_path.parent.mkdir(parents=True, exist_ok=True)
-            raw = statefile.read_bytes(self._replay_path, 16 * 2**20)
-            if raw is not None:
-                try:
-                    self.verifier.replay.restore(raw)
-                except FedagentError as exc:
-                    # Written atomically, so only a hand edit or a bad disk gets here: start
-                    # empty (the timestamp window still bounds replays) and say so.
-                    log.warning("%s: %s; starting with no replay history", self._replay_path, exc)
+            # An append-only journal (a damaged one fences off frames stamped before this
+            # restart instead of trusting less history): see fedagent.replaylog.
+            self.replay_journal = ReplayJournal(self._replay_path, self.verifier.replay, self.clock)
+            self.replay_journal.load()
         self.max_chunk = max_chunk_bytes
         if publish_window < 1:
             raise ValueError("publish_window must be at least 1")
@@ -297,8 +292,8 @@ class Messenger:
         replayed after a crash must meet them. (Once delivered to this process, an MQTT
         QoS 1 message has been acknowledged, so writing first loses nothing a
         redelivery would have brought.)"""
-        if self._replay_path is not None and self.verifier.replay.dirty:
-            statefile.atomic_write(self._replay_path, self.verifier.replay.snapshot())
+        if self.replay_journal is not None:
+            self.replay_journal.commit()
 
     def _reject(self, reason: str, sender: str, detail: str) -> None:
         self.rejected[reason] += 1
