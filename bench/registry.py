@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MODULES = ["bench.codec", "bench.round", "bench.flower", "bench.syncopt_step", "bench.gossip", "bench.scaling"]
+MODULES = ["bench.codec", "bench.round", "bench.flower", "bench.syncopt_step", "bench.gossip", "bench.scaling",
+           "bench.replay_journal"]
 
 
 @dataclass(frozen=True, slots=True)

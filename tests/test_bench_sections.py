@@ -116,6 +116,13 @@ def test_memory_section_tiny(bench_ctx):
     assert math.isfinite(r.value) and r.value >= 1.0, r
 
 
+def test_replay_section_tiny(bench_ctx):
+    from bench.replay_journal import replay_section
+    rows = replay_section(bench_ctx, senders=(3, 50), messages=5)
+    well_formed(rows, "replay", 2)
+    assert "3 senders" in rows[0].subject and "50 senders" in rows[1].subject
+
+
 def test_flower_apps_compile():
     apps = sorted((ROOT / "bench" / "flower_app").rglob("*.py"))
     assert len(apps) >= 3, apps

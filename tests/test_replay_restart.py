@@ -25,6 +25,7 @@ from fedagent.demo import Federation
 from fedagent.errors import FedagentError
 from fedagent.protocols import topics
 from fedagent.protocols.codec import decode
+from fedagent.protocols.streaming import STREAM_KIND
 from fedagent.signing import AuthError, ReplayGuard, SequenceCounter, SteadyClock
 
 
@@ -164,7 +165,9 @@ async def _replay_after_restart(fed: Federation) -> None:
                     "a round", fed)
         # The newest update the coordinator took: inside the window and the skew, so
         # only the persisted numbers can refuse it.
-        updates = [(t, p) for t, p in captured if decode(p).kind == "update"]
+        # Updates travel as streams (one ``ustream`` frame each for this small model) unless
+        # the aggregator asks for whole ones.
+        updates = [(t, p) for t, p in captured if decode(p).kind in ("update", STREAM_KIND)]
         assert updates, "no update frame seen on the broker"
         topic, frame = updates[-1]
         victim = decode(frame).sender
