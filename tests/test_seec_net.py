@@ -123,3 +123,67 @@ def test_search_merges_live_peers_and_names_the_silent_one(federation):
     assert cli.returncode == 0, cli.stderr
     reply = json.loads(cli.stdout)
     assert sorted(reply["answered"]) == fed.agent_ids[1:] and reply["silent"] == [] and len(reply["results"]) == 3
+
+
+def test_a_flood_of_search_queries_from_one_peer_is_rate_limited(federation):
+    """[search] requests_per_minute (default 30, burst 10): a member sending 25 queries
+    at once to agent-2 gets the burst answered and the rest refused with error ``rate``
+    (an answer, so it stops waiting), counted in agent-2's status; the refill over the
+    flood's duration bounds how many more may pass."""
+    import asyncio
+
+    from fedagent import pki
+    from fedagent.agent.messaging import Messenger
+    from fedagent.agent.transport import TlsFiles, Transport
+    from fedagent.protocols import topics
+    from fedagent.protocols.messages import SearchAnswer, SearchQuery
+    from fedagent.signing import Identity
+
+    fed = federation
+    target = fed.agent_ids[1]
+    wait_for(lambda: (s := fed.status(target)) and s.get("round_state") == "finished", 60, "the final model", fed)
+    space = fed.status(target)["search_space"]
+    ca_dir = fed.work / "pki"
+    cert, key = pki.issue(ca_dir, ca_dir, "agent-flood", "agent")
+    tls = TlsFiles(ca_dir / pki.CA_CERT, cert, key)
+    n = 25
+
+    async def flood() -> tuple[list[SearchAnswer], float]:
+        transport = Transport(uri=fed.broker.uri, client_id=f"flood-{os.getpid()}", tls=tls,
+                              subscriptions=[topics.inbox(fed.fed, "agent-flood")], session_expiry=0)
+        m = Messenger(federation=fed.fed, node_id="agent-flood", transport=transport,
+                      identity=Identity.load(tls.cert, tls.key, tls.ca))
+        answers: list[SearchAnswer] = []
+
+        async def deliver(inc) -> None:
+            if isinstance(inc.message, SearchAnswer):
+                answers.append(inc.message)
+
+        ready = asyncio.Event()
+        runner = asyncio.create_task(transport.run(lambda t, p: m.receive(t, p, deliver), ready))
+        try:
+            await asyncio.wait_for(ready.wait(), 30)
+            vec = np.full(OPTIONS["dim"], 1.0 / np.sqrt(OPTIONS["dim"]), dtype=np.float32)
+            started = time.monotonic()
+            for i in range(n):
+                await m.send(topics.direct(fed.fed, "agent-flood", target, "search_query"),
+                             SearchQuery(f"flood-{i}", 3, space, vec))
+            deadline = time.monotonic() + 60
+            while len(answers) < n and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return answers, time.monotonic() - started
+        finally:
+            await transport.close()
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
+    before = fed.status(target)["search_requests_rate_limited"]
+    answers, took = asyncio.run(flood())
+    assert len(answers) == n, [a.query_id for a in answers]
+    limited = [a for a in answers if a.error == "rate"]
+    served = [a for a in answers if not a.error]
+    assert len(limited) + len(served) == n, [a.error for a in answers]
+    assert 10 <= len(served) <= 10 + int(took * 30 / 60) + 1, (len(served), took)
+    assert limited and all(not a.doc_ids for a in limited)
+    assert all(len(a.doc_ids) == 3 for a in served)
+    assert fed.status(target)["search_requests_rate_limited"] - before == len(limited)

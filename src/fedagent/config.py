@@ -230,6 +230,11 @@ class SearchSettings:
     mapper_lr: float = 1e-3
     mapper_hidden: int = 1200
     seed: int = 0
+    # Incoming search queries and public-vector requests, per asking peer: a token bucket
+    # (0 = no limit). Answering costs this site CPU (a model the first time); any member
+    # may ask.
+    requests_per_minute: float = 30.0
+    request_burst: int = 10
 
     def __post_init__(self) -> None:
         from fedagent.protocols.search import MAX_PUBLIC_DOCS, SPACES
@@ -243,6 +248,10 @@ class SearchSettings:
             raise ConfigError(f"search: public_docs must be in 1..{MAX_PUBLIC_DOCS}")
         if not (self.lr > 0 and self.mapper_lr > 0):
             raise ConfigError("search: lr and mapper_lr must be positive")
+        if not (isinstance(self.requests_per_minute, (int, float)) and 0 <= self.requests_per_minute <= 1e6
+                and isinstance(self.request_burst, int) and 1 <= self.request_burst <= 10_000):
+            raise ConfigError("search: requests_per_minute must be in 0..1e6 (0: no limit), "
+                              "request_burst in 1..10000")
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,7 @@ from fedagent.errors import ConfigError, FedagentError
 from fedagent.protocols import search as S
 from fedagent.protocols import topics
 from fedagent.protocols.messages import PublicVectors, PublicVectorsRequest, SearchAnswer, SearchQuery
+from fedagent.protocols.ratelimit import RateLimiter
 from fedagent.tasks import text_data as td
 from fedagent.tasks.base import set_weights
 
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fedagent.search")
 
 MAX_QUERY_CHARS = 10_000
+RATE_LIMITED = "rate"
 DEFAULT_TIMEOUT = 5.0
 
 
@@ -82,6 +84,8 @@ class SearchService:
         self.vectors_sent = 0
         self.vectors_received = 0
         self.mappers_trained = 0
+        self.limiter = RateLimiter(self.settings.requests_per_minute / 60.0, self.settings.request_burst)
+        self._limited: set[str] = set()      # peers refused since their last allowed request
 
     # -- the space and this site's index ---------------------------------------------------------
     @property
@@ -160,6 +164,10 @@ class SearchService:
         if inc.role != "agent":
             s.messenger._reject("role", inc.sender, f"search query signed by a {inc.role or 'non-agent'}")
             return
+        if not self._allow(inc.sender, "search query"):
+            await s.messenger.send(topics.direct(s.fed, s.cfg.id, inc.sender, "search_answer"),
+                                   SearchAnswer(msg.query_id, (), (), error=RATE_LIMITED))
+            return
 
         def answer() -> SearchAnswer:
             if not can_search(s.agent.task):
@@ -182,6 +190,25 @@ class SearchService:
             reply = SearchAnswer(msg.query_id, (), (), error=exc.reason)
         await s.messenger.send(topics.direct(s.fed, s.cfg.id, inc.sender, "search_answer"), reply)
 
+    def _allow(self, peer: str, what: str) -> bool:
+        """The peer's token bucket (``[search] requests_per_minute``, ``request_burst``).
+        A refused request still gets an answer (error ``rate``) so the asker stops waiting;
+        the log names a peer once per run of refusals, not once per request of a flood."""
+        now = time.monotonic()
+        if self.limiter.allow(peer, now):
+            self._limited.discard(peer)
+            return True
+        m = self.session.messenger
+        m.rejected["rate"] += 1
+        if m.metrics is not None:
+            m.metrics.rejected("rate")
+        if peer not in self._limited:
+            self._limited.add(peer)
+            log.warning("%s from %s refused: more than %g a minute (burst %d); next in %.1f s", what, peer,
+                        self.settings.requests_per_minute, self.settings.request_burst,
+                        self.limiter.retry_after(peer, now))
+        return False
+
     def on_answer(self, inc: Incoming) -> None:
         msg: SearchAnswer = inc.message
         self._apply(self.machine.handle(S.AnswerReceived(msg.query_id, inc.sender,
@@ -193,6 +220,10 @@ class SearchService:
         s = self.session
         if inc.role != "agent":
             s.messenger._reject("role", inc.sender, f"public-vector request signed by a {inc.role or 'non-agent'}")
+            return
+        if not self._allow(inc.sender, "public-vector request"):
+            await s.messenger.send(topics.direct(s.fed, s.cfg.id, inc.sender, "public_vectors"),
+                                   PublicVectors(msg.request_id, self.space, error=RATE_LIMITED))
             return
 
         def answer() -> PublicVectors:
@@ -379,7 +410,8 @@ class SearchService:
 
     def status(self) -> dict[str, Any]:
         out = {"search_space": self.space, "search_queries_answered": self.answered,
-               "search_queries_refused": self.refused, "searches_in_flight": len(self.machine.queries)}
+               "search_queries_refused": self.refused, "searches_in_flight": len(self.machine.queries),
+               "search_requests_rate_limited": self.limiter.refused}
         if self.mapped:
             out.update(search_mode="mapped", public_vectors_sent=self.vectors_sent,
                        public_vectors_received=self.vectors_received, mappers_trained=self.mappers_trained,
