@@ -55,12 +55,12 @@ def _free_port() -> int:
 
 
 def run_grpc(py: Path, work: Path, params: int, rounds: int, tls: tuple[Path, Path, Path] | None,
-             timeout: float) -> list[float]:
-    """Round times of one start_server run with CLIENTS start_client processes; the
+             timeout: float, clients: int = CLIENTS) -> list[float]:
+    """Round times of one start_server run with ``clients`` start_client processes; the
     first round (clients still connecting) is dropped."""
     port = _free_port()
     out = work / f"flower-grpc-{params}-{port}.json"
-    server_cmd = [str(py), str(APP / "grpc_server.py"), "--port", str(port), "--clients", str(CLIENTS),
+    server_cmd = [str(py), str(APP / "grpc_server.py"), "--port", str(port), "--clients", str(clients),
                   "--params", str(params), "--rounds", str(rounds + 1), "--out", str(out)]
     client_cmd = [str(py), str(APP / "grpc_client.py"), "--port", str(port)]
     if tls is not None:
@@ -69,7 +69,7 @@ def run_grpc(py: Path, work: Path, params: int, rounds: int, tls: tuple[Path, Pa
     with open(work / f"flower-grpc-{port}.log", "wb") as logf, ProcessTree() as tree:
         server = tree.spawn(server_cmd, stdout=logf, stderr=subprocess.STDOUT)
         time.sleep(0.5)       # clients retry their connection; this only avoids noise
-        for _ in range(CLIENTS):
+        for _ in range(clients):
             tree.spawn(client_cmd, stdout=logf, stderr=subprocess.STDOUT)
         server.wait(timeout=timeout)
         if server.returncode != 0:
@@ -94,8 +94,9 @@ def _wait_port(port: int, deadline: float, proc: subprocess.Popen, what: str) ->
             time.sleep(0.2)
 
 
-def run_deployment(py: Path, work: Path, params: int, rounds: int, timeout: float, log) -> list[float]:
-    """Round times of Flower's current deployment: one SuperLink, CLIENTS SuperNodes
+def run_deployment(py: Path, work: Path, params: int, rounds: int, timeout: float, log,
+                   clients: int = CLIENTS) -> list[float]:
+    """Round times of Flower's current deployment: one SuperLink, ``clients`` SuperNodes
     (each starting a ClientApp process per message), the app submitted with
     ``flwr run``; the first round is dropped, as in the gRPC mode."""
     import shutil
@@ -123,10 +124,10 @@ def run_deployment(py: Path, work: Path, params: int, rounds: int, timeout: floa
                                 "--port", str(link), "--disable-runtime-dependency-installation"],
                                stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=work)
         _wait_port(link, time.monotonic() + 120, superlink, "flower-superlink")
-        for _ in range(CLIENTS):
+        for _ in range(clients):
             tree.spawn([str(bindir / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link}",
                         "--port", str(_free_port())], stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=work)
-        cfg = f'params={params} rounds={rounds + 1} clients={CLIENTS} out="{out}"'
+        cfg = f'params={params} rounds={rounds + 1} clients={clients} out="{out}"'
         run = tree.spawn([str(bindir / "flwr"), "run", str(app), "bench", "--stream", "--run-config", cfg],
                          stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=work)
         if run.wait(timeout=timeout) != 0:

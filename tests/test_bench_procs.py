@@ -4,6 +4,7 @@ orphaned, and nothing else. Real processes (``sleep``), no Flower needed."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -60,3 +61,63 @@ def test_an_error_inside_the_block_ends_the_tree_too():
             p = tree.spawn(["sleep", "300"])
             raise RuntimeError("boom")
     assert p.returncode is not None and not _alive(p.pid)
+
+
+_DEPLOY_CHILD = """
+import signal, sys
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from bench import flower
+signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+try:
+    flower.run_deployment(flower.VENV / "bin" / "python", Path({work!r}), 4096, 500, 600, print, clients=2)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def _marked(prefix: bytes) -> dict[int, str]:
+    """Live processes whose environment carries this ProcessTree marker prefix."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(e.startswith(prefix) for e in env) and _alive(int(entry.name)):
+            out[int(entry.name)] = cmd
+    return out
+
+
+@pytest.mark.slow
+def test_an_interrupted_flower_deployment_leaves_no_process(tmp_path):
+    """The real thing (needs bench/.venv-flower): SuperLink, 2 SuperNodes and ``flwr run``
+    of a 500-round run; once ``flwr-serverapp`` runs, the benchmark gets SIGTERM (what
+    bench/run.py turns into KeyboardInterrupt) and must leave no process of the run."""
+    import sys
+
+    from bench import flower
+    if not (flower.VENV / f".flwr-{flower.FLWR_VERSION}").exists():
+        pytest.skip(f"Flower is not installed in {flower.VENV}: run `python bench/run.py --quick --only flower` once")
+    root = str(Path(__file__).resolve().parent.parent)
+    child = subprocess.Popen([sys.executable, "-c", _DEPLOY_CHILD.format(root=root, work=str(tmp_path))],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    prefix = f"FEDAGENT_BENCH_TREE={child.pid}-".encode()
+    try:
+        _wait_for(lambda: any("flwr-serverapp" in c for c in _marked(prefix).values()), timeout=240)
+        seen = _marked(prefix)
+        assert len(seen) >= 4, seen          # SuperLink, 2 SuperNodes, flwr-serverapp at least
+        child.send_signal(15)
+        out, _ = child.communicate(timeout=60)
+        assert "interrupted" in out, out
+        _wait_for(lambda: not _marked(prefix), timeout=20)
+        assert not any(_alive(p) for p in seen), {p: c for p, c in seen.items() if _alive(p)}
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        for pid in _marked(prefix):          # a failed run must not leave them either
+            os.kill(pid, 9)

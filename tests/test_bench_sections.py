@@ -137,5 +137,5 @@ def test_flower_section_tiny(tmp_path):
     if not (flower.VENV / f".flwr-{flower.FLWR_VERSION}").exists():
         pytest.skip(f"Flower is not installed: run `python bench/run.py --quick --only flower` once "
                     f"(it makes {flower.VENV})")
-    times = flower.run_grpc(py, tmp_path, TINY, 1, None, timeout=300)
+    times = flower.run_grpc(py, tmp_path, TINY, 1, None, timeout=300, clients=2)
     assert len(times) == 1 and times[0] > 0
