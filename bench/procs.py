@@ -1,10 +1,12 @@
 """Process trees a benchmark starts, and ends again whatever happens.
 
 Flower's deployment (SuperLink, SuperNodes, ``flwr run``) starts processes of its own —
-a SuperExec, a ``flwr-serverapp`` per run, a ClientApp per message — some of which leave
-the process group of the command that started them, so signalling that group missed
-them, and an interrupted benchmark left a ``flwr-serverapp`` running. A
-:class:`ProcessTree` therefore finds its processes three ways, each by PID:
+a SuperExec, a ``flwr-serverapp`` per run, a ClientApp per message. The SuperExec calls
+``setsid`` (seen with flwr 1.41: its session and group are its own, the serverapp in
+it), so signalling the SuperLink's process group never reached them: they ended only if
+Flower's own parent-PID polling noticed in time, and an interrupted benchmark once left a
+``flwr-serverapp`` running. A :class:`ProcessTree` therefore finds its processes three
+ways, each by PID:
 
 * every command it starts leads a new session (its own process group);
 * every command gets a marker in its environment (``FEDAGENT_BENCH_TREE=<token>``),
