@@ -99,3 +99,22 @@ def test_mapped_search_maps_the_query_into_each_peers_space(federation):
         s = fed.status(p)
         assert s["public_vectors_sent"] == 1 and s["search_queries_answered"] == 2
     assert fed.status(me)["mappers_trained"] == 2
+    assert all(fed.status(a)["search_own_model"] == "trained" for a in fed.agent_ids)
+    # kill -9 of a peer and a restart: its own model comes back from its state directory
+    # (not trained again), so its space is unchanged and the asker's mapper stays valid.
+    import signal
+
+    victim = peers[0]
+    space_before = fed.status(victim)["search_space"]
+    proc = next(p for p in fed.procs if p.name == victim)
+    proc.popen.send_signal(signal.SIGKILL)
+    proc.popen.wait(10)
+    fed.procs.remove(proc)
+    fed.spawn(victim)
+    wait_for(lambda: (p := request(fed.socket(me), "peers", timeout=2.0)) and p["peers"].get(victim, {}).get("online")
+             and fed.status(victim), 60, "the restarted peer to be online", fed)
+    third = request(fed.socket(me), "search", {"text": "music and instruments", "k": 4, "timeout": 30.0}, timeout=90)
+    assert sorted(third["answered"]) == peers, third
+    after = fed.status(victim)
+    assert after["search_own_model"] == "restored" and after["search_space"] == space_before
+    assert [m["mapper"] for m in third["mapped"]] == ["cached", "cached"] and after["public_vectors_sent"] == 0

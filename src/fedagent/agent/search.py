@@ -31,14 +31,17 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import secrets
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedagent import checkpoint
 from fedagent.agent.messaging import Incoming
 from fedagent.errors import ConfigError, FedagentError
 from fedagent.protocols import search as S
@@ -46,7 +49,7 @@ from fedagent.protocols import topics
 from fedagent.protocols.messages import PublicVectors, PublicVectorsRequest, SearchAnswer, SearchQuery
 from fedagent.protocols.ratelimit import RateLimiter
 from fedagent.tasks import text_data as td
-from fedagent.tasks.base import set_weights
+from fedagent.tasks.base import get_weights, set_weights
 
 if TYPE_CHECKING:
     from fedagent.agent.daemon import Session
@@ -55,6 +58,8 @@ log = logging.getLogger("fedagent.search")
 
 MAX_QUERY_CHARS = 10_000
 RATE_LIMITED = "rate"
+OWN_MODEL_FILE = "search-own-model.ckpt"
+PUBLIC_VECTORS = "__public_vectors__"
 DEFAULT_TIMEOUT = 5.0
 
 
@@ -84,6 +89,7 @@ class SearchService:
         self.vectors_sent = 0
         self.vectors_received = 0
         self.mappers_trained = 0
+        self.own_model_source = ""           # mapped: "trained" or "restored" (from the state directory)
         self.limiter = RateLimiter(self.settings.requests_per_minute / 60.0, self.settings.request_burst)
         self._limited: set[str] = set()      # peers refused since their last allowed request
 
@@ -122,14 +128,72 @@ class SearchService:
                     merged = td.merge_term_counts([task.term_counts()], min_count=int(o.get("min_count", 1)),
                                                   max_size=int(o.get("max_vocab", 0)))
                     task.set_vocabulary([t for t, _ in merged], [c for _, c in merged])
+                key = self._own_key(task)
                 model = task.build_model()
-                task.fit(model, epochs=st.local_epochs, lr=st.lr, batch_size=st.batch_size, seed=st.seed)
-                pub = np.asarray(task.infer_vectors(model, public, seed=st.seed + 5)[0], dtype=np.float32)
+                pub = self._restore_own(model, key)
+                if pub is None:
+                    task.fit(model, epochs=st.local_epochs, lr=st.lr, batch_size=st.batch_size, seed=st.seed)
+                    pub = np.asarray(task.infer_vectors(model, public, seed=st.seed + 5)[0], dtype=np.float32)
             head = b"".join(np.ascontiguousarray(t.detach().numpy()).tobytes() for t in model.state_dict().values())
             space = "mapped:" + hashlib.sha256(head).hexdigest()[:32]
+            if self.own_model_source == "":
+                self.own_model_source = "trained"
+                self._save_own(model, pub, key, space)
             self._own = (space, model, pub)
-            log.info("search: own model trained (%d epochs), space %s", st.local_epochs, space)
+            log.info("search: own model %s (%d epochs), space %s", self.own_model_source, st.local_epochs, space)
             return self._own
+
+    # -- the own model across restarts ----------------------------------------------------------
+    def _own_key(self, task) -> str:
+        """What the own model is a function of: the site's documents (or, for a task that
+        does not expose them, its vocabulary counts), its vocabulary, the training
+        settings, the public corpus, the task. A restored model must match all of it."""
+        st = self.settings
+        h = hashlib.sha256(json.dumps([self.session.cfg.task, st.local_epochs, st.lr, st.batch_size, st.seed,
+                                       self.public_corpus()[0], getattr(task, "options", {})],
+                                      sort_keys=True, default=str).encode())
+        docs = getattr(task, "tokens", None)
+        if isinstance(docs, list):
+            for doc in docs:
+                h.update(" ".join(doc).encode() + b"\x00")
+        counts = task.term_counts() if callable(getattr(task, "term_counts", None)) else {}
+        h.update(json.dumps(sorted(counts.items())).encode())
+        return h.hexdigest()
+
+    @property
+    def _own_path(self) -> Path:
+        return self.session.dir / OWN_MODEL_FILE
+
+    def _restore_own(self, model, key: str) -> np.ndarray | None:
+        """The public vectors of a model saved for ``key`` (loaded into ``model``), or None."""
+        try:
+            saved = checkpoint.load(self._own_path, max_bytes=2**31)
+        except FedagentError as exc:
+            log.warning("search: %s; training the own model again", exc)
+            return None
+        if saved is None:
+            return None
+        weights, meta = saved
+        pub = weights.pop(PUBLIC_VECTORS, None)
+        if meta.get("key") != key:
+            log.info("search: the saved own model is for other documents or settings; training it again")
+            return None
+        try:
+            if pub is None or pub.dtype != np.float32 or pub.ndim != 2 or pub.shape[0] != self.settings.public_docs:
+                raise ValueError("public vectors missing or of the wrong shape")
+            set_weights(model, weights)
+        except (ValueError, RuntimeError) as exc:
+            log.warning("search: the saved own model does not fit (%s); training it again", exc)
+            return None
+        self.own_model_source = "restored"
+        return pub
+
+    def _save_own(self, model, pub: np.ndarray, key: str, space: str) -> None:
+        try:
+            checkpoint.save(self._own_path, {**get_weights(model), PUBLIC_VECTORS: pub}, {"key": key, "space": space})
+        except (FedagentError, OSError, ValueError) as exc:
+            # Only a cost: the next start trains it again.
+            log.warning("search: cannot save the own model: %s", exc)
 
     def _model(self):
         """The global model this site holds (the latest broadcast one), or None."""
@@ -413,7 +477,8 @@ class SearchService:
                "search_queries_refused": self.refused, "searches_in_flight": len(self.machine.queries),
                "search_requests_rate_limited": self.limiter.refused}
         if self.mapped:
-            out.update(search_mode="mapped", public_vectors_sent=self.vectors_sent,
+            out.update(search_mode="mapped", search_own_model=self.own_model_source or None,
+                       public_vectors_sent=self.vectors_sent,
                        public_vectors_received=self.vectors_received, mappers_trained=self.mappers_trained,
                        mappers={p: m[1] for p, m in sorted(self.mappers.items())})
         return out
