@@ -183,3 +183,49 @@ def test_compaction_bounds_the_file_and_keeps_the_state(tmp_path, monkeypatch):
     g2, _ = journal(path)
     assert g2.tops() == g.tops()
     assert all(refused(g2, f"s{seq % 5}", seq) for seq in range(360, 400))
+
+
+def test_restarts_do_not_ratchet_the_compaction_limit_up(tmp_path, monkeypatch):
+    """The limit is twice the last compaction (the file's first record), not twice the
+    file as found at a restart: else every restart could double the file."""
+    monkeypatch.setattr(replaylog, "MIN_COMPACT", 1)
+    path = tmp_path / "j"
+    g, j = journal(path)
+    accept(g, j, "a", 1)
+    j.close()
+    with open(path, "ab") as f:                # appends made before a crash
+        for seq in range(2, 12):
+            f.write(replaylog._record({"n": {"a": [seq]}}))
+    g2, j2 = journal(path)
+    assert j2.compactions == 0
+    accept(g2, j2, "a", 12)
+    assert j2.compactions == 1
+    j2.close()
+    g3, _ = journal(path)
+    assert all(refused(g3, "a", s) for s in range(1, 13))
+
+
+def test_a_failed_append_loses_nothing_and_the_next_commit_rewrites(tmp_path, monkeypatch):
+    from fedagent.errors import StateWriteError
+
+    path = tmp_path / "j"
+    g, j = journal(path)
+    accept(g, j, "a", 1)
+    size = path.stat().st_size
+    real = replaylog.os.fdatasync
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(replaylog.os, "fdatasync", full_disk)
+    g.check("a", 2, NOW, NOW)
+    with pytest.raises(StateWriteError, match="No space left"):
+        j.commit()
+    assert path.stat().st_size == size                     # the half record was cut off
+    monkeypatch.setattr(replaylog.os, "fdatasync", real)
+    compactions = j.compactions
+    accept(g, j, "a", 3)
+    assert j.compactions == compactions + 1
+    j.close()
+    g2, _ = journal(path)
+    assert refused(g2, "a", 1) and refused(g2, "a", 2) and refused(g2, "a", 3)

@@ -163,7 +163,11 @@ class ReplayJournal:
             log.warning("%s: %s; ignored (an append cut short by a crash)", self.path, torn)
             self._cut(good)
         self._open(good)
+        # The first record is the last compaction: the next one is due when the file has
+        # doubled from that (not from this size, or restarts would ratchet the limit up).
         self._compacted = good
+        if good >= len(MAGIC) + HEADER.size:
+            self._compacted = min(good, len(MAGIC) + HEADER.size + HEADER.unpack_from(data, len(MAGIC))[0])
 
     def _load_snapshot(self, data: bytes) -> None:
         """The whole-snapshot format of earlier versions: taken over, then compacted."""
@@ -211,7 +215,8 @@ class ReplayJournal:
         now and then a compaction)."""
         if not self.guard.dirty:
             return
-        if self._fd is None or self._failed or self._size >= max(MIN_COMPACT, 2 * self._compacted):
+        due = min(max(MIN_COMPACT, 2 * self._compacted), MAX_FILE // 2)
+        if self._fd is None or self._failed or self._size >= due:
             self._compact()
             return
         record = _record({"n": self.guard.take_fresh()})
