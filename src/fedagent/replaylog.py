@@ -23,7 +23,9 @@ the CRC before the payload is unpacked, and the payload is unpacked with msgpack
 ``{str: [int, ...]}`` or refused. Damage is handled so that a replay is never accepted:
 
 * a torn tail — the last record cut short, or failing its CRC with nothing after it (a
-  crash during an append; its message was never handed on) — is ignored and cut off;
+  crash during an append; its message was never handed on) — is ignored and cut off (a
+  bit flip in a last record that *was* completed looks the same and is treated the same:
+  the one case where damage can cost the numbers of one delivered message);
 * a damaged record with records after it, or a record whose CRC matches but whose
   content is not a journal record (bit rot, a hand edit, a bug), may hide numbers that
   were delivered. The records that check out are still applied, and a **fence** is set:
