@@ -24,7 +24,7 @@ class _Log:
 
 
 @section("memory")
-def memory(ctx: Context, cases: list[tuple[int, int]] | None = None) -> list[Row]:
+def memory(ctx: Context, cases: list[tuple[int, int]] | None = None, whole_too: bool = True) -> list[Row]:
     """Coordinator peak RSS as a multiple of the model, against issue 9's target (3x).
     Whole-message updates (the path streaming replaced; robust aggregators still use it)
     are measured next to streams for the 1.1M model only: at 44.8 MB they cost 10 buffered
@@ -34,7 +34,8 @@ def memory(ctx: Context, cases: list[tuple[int, int]] | None = None) -> list[Row
         cases = [(10, 1_100_000)] if ctx.quick else memory_bench.DEFAULT_CASES
     rows: list[dict] = []
     for n, params in cases:
-        rows += memory_bench.measure([(n, params)], rounds=2, whole_too=params <= 1_100_000, console=_Log(ctx))
+        rows += memory_bench.measure([(n, params)], rounds=2, whole_too=whole_too and params <= 1_100_000,
+                                    console=_Log(ctx))
     out = []
     for n, params in cases:
         s = next(r for r in rows if (r["agents"], r["params"], r["path"]) == (n, params, "stream"))

@@ -108,12 +108,13 @@ def test_syncopt_section_tiny(bench_ctx):
 
 def test_memory_section_tiny(bench_ctx):
     from bench.scaling import memory
-    rows = memory(bench_ctx, cases=[(2, TINY)])
+    rows = memory(bench_ctx, cases=[(2, TINY)], whole_too=False)      # one federation, not two
     assert len(rows) == 1
     r = rows[0]
     assert r.section == "memory" and r.unit == "x model" and r.baseline_value == 3.0
     # (peak - idle + model) / model: at least the model itself is held.
     assert math.isfinite(r.value) and r.value >= 1.0, r
+    assert "whole-message" not in r.note
 
 
 def test_replay_section_tiny(bench_ctx):
