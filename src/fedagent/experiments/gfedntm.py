@@ -599,11 +599,12 @@ READINGS = {"tss": "TSS of softmax(beta)", "tss_decoder": "TSS of the decoder's 
 def _by_setting(results: list[SettingResult], group: str | None = None) -> list[list[SettingResult]]:
     """The results grouped by setting (all seeds of one (group, K', eta) together), in
     the order of the plan."""
-    out: dict[tuple, list[SettingResult]] = {}
+    out: dict[tuple, dict[int, SettingResult]] = {}
     for r in results:
         if group is None or r.group == group:
-            out.setdefault((r.group, r.shared, r.eta) if group else (r.shared, r.eta), []).append(r)
-    return list(out.values())
+            # without a group, K'=10, eta=0.01 (in A and in B) counts once per seed
+            out.setdefault((r.group, r.shared, r.eta) if group else (r.shared, r.eta), {}).setdefault(r.seed, r)
+    return [list(by_seed.values()) for by_seed in out.values()]
 
 
 def _sd(xs: Sequence[float]) -> float:
