@@ -200,3 +200,21 @@ def test_decoder_topics_are_what_the_loss_sees_and_softmax_beta_is_not():
     assert np.abs(task.decoder_topic_word(model, theta) - dec).max() <= 1e-6
     assert np.abs(task.topic_word(model) - soft).max() > 1e-2
     assert np.allclose(dec.sum(1), 1.0)
+
+
+def test_holdout_option_splits_each_node_75_25_the_same_way_every_time():
+    full = load_task("prodlda", {**SMALL, "shard": 2})
+    a = load_task("prodlda", {**SMALL, "shard": 2, "holdout": 0.25})
+    b = load_task("prodlda", {**SMALL, "shard": 2, "holdout": 0.25})
+    n = full.train.shape[0]
+    assert a.train.shape[0] == n - round(n * 0.25) and a.val.shape[0] == round(n * 0.25)
+    assert (a.train != b.train).nnz == 0 and (a.val != b.val).nnz == 0
+    rows = {full.train[i].toarray().tobytes(): i for i in range(n)}
+    kept = [rows[a.train[i].toarray().tobytes()] for i in range(a.train.shape[0])]
+    held = [rows[a.val[i].toarray().tobytes()] for i in range(a.val.shape[0])]
+    assert sorted(kept + held) == list(range(n))            # disjoint, and nothing lost
+    other = load_task("prodlda", {**SMALL, "shard": 3, "holdout": 0.25})
+    assert other.val.shape == a.val.shape
+    for bad in (0.0, 1.0, 0.99):
+        with pytest.raises(ConfigError):
+            load_task("prodlda", {**SMALL, "shard": 2, "holdout": bad})

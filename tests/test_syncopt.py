@@ -383,3 +383,40 @@ def test_optimizer_state_survives_a_checkpoint(tmp_path):
     step(m2, opt2, 3)
     for (n, a), b in zip(get_weights(m).items(), get_weights(m2).values()):
         assert np.array_equal(a, b), n
+
+
+# ---- early stopping on a validation loss (gFedNTM Sec. 4.1, the CTM package's rule) ----
+def test_patience_stop_keeps_the_best_epoch_and_stops_after_patience_bad_epochs():
+    rule = S.PatienceStop(patience=2, max_epochs=100)
+    improved = [rule.observe(x) for x in (5.0, 4.0, 4.0, 4.5, 3.9, 4.1, 4.2)]
+    # an equal loss counts as an improvement (delta = 0: loss <= best - delta)
+    assert improved == [True, True, True, False, True, False, False]
+    assert rule.stopped and rule.epochs == 7 and rule.best_epoch == 4 and rule.best == 3.9
+    with pytest.raises(RuntimeError):
+        rule.observe(1.0)
+
+
+def test_patience_stop_delta_max_epochs_and_non_finite_losses():
+    rule = S.PatienceStop(patience=3, delta=0.5, max_epochs=100)
+    assert [rule.observe(x) for x in (10.0, 9.6, 9.4)] == [True, False, True]
+    rule = S.PatienceStop(patience=5, max_epochs=3)
+    for x in (3.0, 2.0, 1.0):
+        assert not rule.stopped
+        rule.observe(x)
+    assert rule.stopped and rule.best_epoch == 2          # the cap ends an improving run
+    rule = S.PatienceStop(patience=2)
+    assert rule.observe(math.nan) is False and rule.best_epoch == -1
+    assert rule.observe(math.inf) is False and rule.stopped
+    with pytest.raises(ValueError):
+        S.PatienceStop(patience=0)
+    with pytest.raises(ValueError):
+        S.PatienceStop(delta=-1.0)
+
+
+def test_pooled_validation_loss_is_the_sample_weighted_mean_of_the_nodes_losses():
+    assert S.pooled_validation_loss({"a": (2.0, 100), "b": (4.0, 300)}) == pytest.approx(3.5)
+    assert S.pooled_validation_loss({"a": (2.0, 100), "b": (math.nan, 0)}) == pytest.approx(2.0)
+    assert S.pooled_validation_loss({"a": (2.0, 100), "b": (math.nan, 5)}) == math.inf
+    for bad in ({}, {"a": (1.0, 0)}, {"a": (1.0, -3), "b": (1.0, 10)}):
+        with pytest.raises(ValueError):
+            S.pooled_validation_loss(bad)

@@ -463,7 +463,11 @@ def experiment_gossip_w2v(scale_name: str, local_steps: int | None, dim: int | N
               help="synthetic: settings trained in this many worker processes at once")
 @click.option("--daemons/--no-daemons", default=True, show_default=True,
               help="synthetic: also train K'=10, eta=0.01 through a coordinator and agent processes over Mosquitto")
-@click.option("--epochs", type=int, default=None, help="passes of every node over its documents")
+@click.option("--epochs", type=int, default=None,
+              help="passes of every node over its documents (synthetic: at most this many, with early stopping)")
+@click.option("--seeds", type=int, default=None, help="synthetic: seeds per setting (mean and spread reported)")
+@click.option("--patience", type=int, default=None,
+              help="synthetic: early-stopping patience in epochs (0: exactly --epochs passes, no split)")
 @click.option("--docs", type=int, default=None, help="synthetic: training documents per node")
 @click.option("--vocab-size", type=int, default=None, help="synthetic: V")
 @click.option("--k-prime", "k_primes", multiple=True, type=int, help="synthetic: shared topics (default 5 10 15 40)")
@@ -474,7 +478,8 @@ def experiment_gossip_w2v(scale_name: str, local_steps: int | None, dim: int | N
 @click.option("--n-topics", type=int, default=10, show_default=True, help="newsgroups: K")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("gfedntm-report"), show_default=True)
-def experiment_gfedntm(corpus: str, scale_name: str, epochs: int | None, docs: int | None, vocab_size: int | None,
+def experiment_gfedntm(corpus: str, scale_name: str, epochs: int | None, seeds: int | None, patience: int | None,
+                       docs: int | None, vocab_size: int | None,
                        jobs: int, daemons: bool, k_primes: tuple[int, ...], etas: tuple[float, ...], model: str, n_topics: int,
                        seed: int, out: Path) -> None:
     """gFedNTM: centralized vs federated (Sync-Opt) vs non-collaborative topic models (Fig. 2)."""
@@ -495,6 +500,14 @@ def experiment_gfedntm(corpus: str, scale_name: str, epochs: int | None, docs: i
                 if value < 1:
                     raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
                 scale = replace(scale, **{name: value})
+        if seeds is not None:
+            if seeds < 1:
+                raise ConfigError("--seeds must be at least 1")
+            scale = replace(scale, seeds=seeds)
+        if patience is not None:
+            if patience < 0:
+                raise ConfigError("--patience must be at least 0")
+            scale = replace(scale, patience=patience)
         k_primes = k_primes or gfedntm.K_PRIME
         setting = (10, 0.01) if 10 in k_primes else (k_primes[0], 0.01)
         if jobs < 1:

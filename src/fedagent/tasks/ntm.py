@@ -451,7 +451,28 @@ def train_joint(tasks: Sequence[NtmTask], steps: int, *, federated: bool = False
 
 # ---- factories -------------------------------------------------------------------
 _COMMON_OPTIONS = {"shard", "shards", "seed", "n_topics", "batch_size", "hidden", "dropout", "lr",
-                   "prior_alpha", "corpus", "dtype"}
+                   "prior_alpha", "corpus", "dtype", "holdout"}
+
+_HOLDOUT_STREAM = 4
+
+
+def split_holdout(corpus: NodeCorpus, fraction: float, seed: int, shard: int) -> NodeCorpus:
+    """The corpus with a random ``fraction`` of its training documents moved into ``val``
+    (replacing the held-out set it had): the early-stopping split of gFedNTM Sec. 4.1
+    ("we split the data into a 75 : 25 ratio"), drawn per node from ``(seed, shard)``
+    so that a node's split is the same alone, in the pooled corpus and under a
+    coordinator."""
+    if not 0.0 < fraction < 1.0:
+        raise ConfigError(f"holdout must be in (0, 1), got {fraction}")
+    n = corpus.train.shape[0]
+    n_hold = int(round(n * fraction))
+    if n_hold < 2 or n - n_hold < 2:
+        raise ConfigError(f"holdout {fraction} of {n} documents leaves too few on one side")
+    perm = np.random.default_rng(_seed_of(seed, shard, _HOLDOUT_STREAM)).permutation(n)
+    keep, hold = np.sort(perm[n_hold:]), np.sort(perm[:n_hold])
+    ctx = corpus.train_context
+    return NodeCorpus(list(corpus.terms), corpus.train[keep], corpus.train[hold],
+                      None if ctx is None else ctx[keep], None if ctx is None else ctx[hold])
 
 
 def _make(options: dict[str, Any], combined: bool) -> NtmTask:
@@ -466,6 +487,8 @@ def _make(options: dict[str, Any], combined: bool) -> NtmTask:
     if not 0 <= shard < shards:
         raise ConfigError(f"{name}: shard {shard} not in 0..{shards - 1}")
     corpus = ntm_data.node_corpus(options, shard=shard, shards=shards, contextual=combined)
+    if options.get("holdout") is not None:
+        corpus = split_holdout(corpus, float(options["holdout"]), int(options.get("seed", 0)), shard)
     return NtmTask(corpus, combined=combined, shard=shard, seed=int(options.get("seed", 0)),
                    n_topics=int(options.get("n_topics", DEFAULTS["n_topics"])),
                    batch_size=int(options.get("batch_size", DEFAULTS["batch_size"])),
