@@ -72,7 +72,7 @@ class Scale:
     vocab_size: int = 500
     true_topics: int = 50
     n_topics: int = 50
-    docs: int = 1000             # training documents per node (before the early-stopping split)
+    docs: int = 3000             # training documents per node (before the early-stopping split)
     val_docs: int = 200          # validation documents per node (scored, never trained on)
     epochs: int = 100            # at most this many passes of a node over its documents
     batch_size: int = 64
