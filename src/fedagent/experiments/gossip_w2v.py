@@ -80,11 +80,13 @@ class Scale:
     # Batches per agent: 10 x 2760 = 27,600 batches = 20 epochs, where the centralized
     # learning curve (in the report) has flattened (thesis: 500,000 per agent).
     local_steps: int = 2760
-    # Exchange every this many local batches. Thesis: 10 and 500 batches of 2048 pairs,
-    # i.e. 50,000 and 1,000 exchanges; here 40 and 200 batches of 1024 (69 and 13
-    # exchanges), so that the whole matrix fits in an hour.
-    frequent: int = 40
-    infrequent: int = 200
+    # Exchange every this many local batches. Frequent: the thesis's 10 (its batches were
+    # 2048 pairs; 276 exchanges here, 50,000 there). Infrequent: 5x fewer (55 exchanges).
+    # The thesis's 50x (every 500) would leave 5 exchanges here, too few for push-sum
+    # to mix 10 nodes (the thesis's infrequent run still made 1,000); a first run with
+    # 40 / 200 (69 / 13 exchanges) is in results/gossip_w2v/exchange40/.
+    frequent: int = 10
+    infrequent: int = 50
     eval_frequent: int = 5       # evaluate every this many periods
     seed: int = 0
     gensim_epochs: int = 20
@@ -510,7 +512,8 @@ def markdown(s: dict[str, Any]) -> str:
         f"1/N of the summed updates; local-only agents {sc['lr']}). "
         f"Frequent exchange every {sc['frequent']} local batches ({sc['local_steps'] // sc['frequent']} exchanges; "
         f"thesis every 10 batches of 2048, 50,000 exchanges), infrequent every {sc['infrequent']} "
-        f"({sc['local_steps'] // sc['infrequent']} exchanges; thesis every 500, 1,000 exchanges). "
+        f"({sc['local_steps'] // sc['infrequent']} exchanges; thesis every 500, 1,000 exchanges: 50x fewer "
+        f"would leave too few exchanges here for push-sum to mix 10 nodes). "
         f"Wall time of the whole run: {s['elapsed_s'] / 60:.1f} min on 2 shared, busy cores.", "",
         "## References", "",
         "| model | wordsim353 | simlex999 | overlap with centralized (max 184) | w2v_sim vs gensim ref (max 184) |",
