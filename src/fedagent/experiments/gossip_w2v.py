@@ -487,6 +487,7 @@ def curve_plot(out: Path, curve: list[dict[str, float]], summary: dict[str, Any]
     for ax in axes:
         ax.axvline(budget, ls=":", c="k", label="budget of every run")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())   # minor labels overlap
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
