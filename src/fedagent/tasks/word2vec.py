@@ -25,7 +25,7 @@ of pairs; the update is plain SGD on the *sum* of the pair losses, so ``lr`` is 
 per-pair step of word2vec's ``alpha`` (0.025) whatever the batch size. Plain SGD keeps
 no optimizer state, which is what model averaging between steps wants. The gradients
 are written out by hand (:func:`sgns_update`, checked against autograd in the tests):
-three times faster than autograd with sparse embeddings on this machine.
+about six times faster than autograd with sparse embeddings on this machine.
 
 Defaults are word2vec's/gensim's published ones: d = 100, window 5, 5 negatives,
 ``sample`` 1e-3, min_count 5, alpha 0.025. The thesis used d = 200, span 25 (window 12),
@@ -218,26 +218,33 @@ def sgns_update(in_table: torch.Tensor, out_table: torch.Tensor, inputs: torch.T
     """One SGD step on the summed negative-sampling loss, gradients written by hand.
 
     The same step autograd would take on ``SkipGram.pair_losses(...).sum()`` (a test
-    checks it), about three times faster: no graph, no sparse-gradient coalescing, only
-    three ``index_add_`` on the rows the batch touches. Repeated rows accumulate, all
-    gradients are taken at the weights before the step. Returns the pair losses.
-    ``update_out=False`` freezes the prediction head (doc2vec inference)."""
-    v = in_table[inputs]                                         # B x d
-    u = out_table[contexts]                                      # B x d
-    n = out_table[noise]                                         # B x k x d
-    pos = (v * u).sum(-1)
-    neg = torch.bmm(n, v.unsqueeze(-1)).squeeze(-1)              # B x k
-    mask = (noise != contexts.unsqueeze(-1)).to(v.dtype)
-    losses = -(F.logsigmoid(pos) + (F.logsigmoid(-neg) * mask).sum(-1))
-    g_pos = torch.sigmoid(pos) - 1.0                             # dL/d(u·v)
-    g_neg = torch.sigmoid(neg) * mask                            # dL/d(n_k·v)
+    checks it), without a graph or sparse-gradient coalescing. Repeated rows accumulate,
+    all gradients are taken at the weights before the step. Returns the pair losses.
+    ``update_out=False`` freezes the prediction head (doc2vec inference).
+
+    The context is handled as column 0 of a ``B x (k+1)`` target matrix with label 1
+    (the noise words have label 0), so one gather, one product and one scatter serve
+    both. ``index_select``, broadcast-multiply-and-sum and ``index_put_(accumulate)``
+    instead of fancy indexing, ``bmm`` and ``index_add_``: measured 2x faster on one
+    thread for 4096 pairs at d 32-64 (bmm over a batch of 1 x (k+1) matrices is slow)."""
+    batch, k = noise.shape
+    d = in_table.shape[1]
+    targets = torch.cat([contexts.unsqueeze(1), noise], 1).reshape(-1)
+    v = in_table.index_select(0, inputs)                                    # B x d
+    u = out_table.index_select(0, targets).view(batch, k + 1, d)            # B x (k+1) x d
+    scores = (u * v.unsqueeze(1)).sum(-1)                                   # B x (k+1)
+    keep = torch.ones_like(scores)
+    keep[:, 1:] = noise != contexts.unsqueeze(-1)        # a noise word equal to the context is masked
+    sign = torch.ones(k + 1, dtype=scores.dtype)
+    sign[0] = -1.0
+    losses = (F.softplus(scores * sign) * keep).sum(-1)  # -log σ(u_o·v) - Σ log σ(-u_k·v)
+    grad = torch.sigmoid(scores) * keep                  # dL/d(score): σ(s) - label
+    grad[:, 0] -= 1.0
     if update_in:
-        grad_v = g_pos.unsqueeze(-1) * u + torch.bmm(g_neg.unsqueeze(1), n).squeeze(1)
-        in_table.index_add_(0, inputs, grad_v, alpha=-lr)
+        in_table.index_put_((inputs,), (grad.unsqueeze(-1) * u).sum(1).mul_(-lr), accumulate=True)
     if update_out:
-        out_table.index_add_(0, contexts, g_pos.unsqueeze(-1) * v, alpha=-lr)
-        out_table.index_add_(0, noise.reshape(-1), (g_neg.unsqueeze(-1) * v.unsqueeze(1)).reshape(-1, v.shape[1]),
-                             alpha=-lr)
+        out_table.index_put_((targets,), (grad.unsqueeze(-1) * v.unsqueeze(1)).mul_(-lr).view(-1, d),
+                             accumulate=True)
     return losses
 
 
@@ -252,7 +259,8 @@ def sgns_steps(model: SkipGram, stream: PairStream, noise_table: torch.Tensor, *
     w_in, w_out = model.in_embed.weight.data, model.out_embed.weight.data
     for step in range(steps):
         centers, contexts = stream.next(batch_size)
-        noise = noise_table[torch.randint(len(noise_table), (len(centers), negative), generator=generator)]
+        noise = noise_table.index_select(0, torch.randint(len(noise_table), (len(centers) * negative,),
+                                                          generator=generator)).view(len(centers), negative)
         losses = sgns_update(w_in, w_out, centers, contexts, noise, lr_at(step))
         total += float(losses.sum())
         count += len(centers)
