@@ -261,3 +261,16 @@ def peer():
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await p.task
     return run_peer
+
+
+@pytest.fixture
+def text_cache_one_thread(tmp_path_factory, monkeypatch):
+    """A session-wide private text cache, and one torch thread: the text tasks' tensor ops
+    are small, so intra-op threads only add contention (the daemons use 1 too)."""
+    import torch
+
+    monkeypatch.setenv("FEDAGENT_CACHE", str(tmp_path_factory.getbasetemp() / "text-cache"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

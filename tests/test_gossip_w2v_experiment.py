@@ -13,13 +13,7 @@ from fedagent.tasks import text_metrics as tm
 from fedagent.tasks.base import load_task
 
 
-@pytest.fixture(autouse=True)
-def _private_cache_one_thread(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FEDAGENT_CACHE", str(tmp_path_factory.getbasetemp() / "text-cache"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("text_cache_one_thread")
 
 
 def test_centralized_run_depends_on_its_seed_only_and_the_curve_reuses_it():

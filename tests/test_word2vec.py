@@ -12,14 +12,7 @@ from fedagent.tasks.base import get_weights, load_task, set_weights
 from fedagent.tasks.word2vec import SkipGram, Vocabulary, sgns_update, skipgram_pairs
 
 
-@pytest.fixture(autouse=True)
-def _private_cache_one_thread(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FEDAGENT_CACHE", str(tmp_path_factory.getbasetemp() / "text-cache"))
-    # Small tensor ops: intra-op threads only add contention (the daemons use 1 too).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("text_cache_one_thread")
 
 
 def test_hand_written_gradients_equal_autograd():
