@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from fedagent.experiments.gossip_w2v import Scale, centralized, learning_curve
 from fedagent.tasks import text_metrics as tm
