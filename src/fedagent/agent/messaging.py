@@ -155,12 +155,7 @@ class Messenger:
             data = bytes(payload) if big else payload
             await transport.publish(topic, data, qos=1, retain=retain, timeout=self.publish_timeout)
             total = len(data)
-        self.bytes_out += total
-        self.messages_out += 1
-        if self.metrics is not None:
-            self.metrics.add_bytes(out=total)
-            self.metrics.message_out()
-        return total
+        return self._sent(total)
 
     async def _publish_frames(self, transport, topic: str, n: int, frame: Callable[[int], bytes]) -> int:
         """Publish frames ``frame(0) … frame(n-1)`` in order, with up to
@@ -244,12 +239,7 @@ class Messenger:
         # Frames go out in order (the coordinator folds a stream in order and holds back
         # only a few chunks that overtake others, so the sender must not reorder them).
         total = await self._publish_frames(transport, topic, n, frame)
-        self.bytes_out += total
-        self.messages_out += 1
-        if self.metrics is not None:
-            self.metrics.add_bytes(out=total)
-            self.metrics.message_out()
-        return total
+        return self._sent(total)
 
     async def _receive_stream(self, env: Envelope) -> None:
         if self.on_stream is None:
@@ -295,10 +285,23 @@ class Messenger:
         if self.replay_journal is not None:
             self.replay_journal.commit()
 
-    def _reject(self, reason: str, sender: str, detail: str) -> None:
+    def _sent(self, total: int) -> int:
+        self.bytes_out += total
+        self.messages_out += 1
+        if self.metrics is not None:
+            self.metrics.add_bytes(out=total)
+            self.metrics.message_out()
+        return total
+
+    def count_rejected(self, reason: str) -> None:
+        """Count a refusal in status and metrics without logging it (for callers that log
+        a flood once rather than per message)."""
         self.rejected[reason] += 1
         if self.metrics is not None:
             self.metrics.rejected(reason)
+
+    def _reject(self, reason: str, sender: str, detail: str) -> None:
+        self.count_rejected(reason)
         log.warning("rejected message from %s: %s (%s)", sender or "?", reason, detail)
 
     async def receive(self, topic: str, payload: bytes, deliver: Callable[[Incoming], Awaitable[None]]) -> None:

@@ -232,12 +232,8 @@ class SearchService:
     async def on_query(self, inc: Incoming) -> None:
         msg: SearchQuery = inc.message
         s = self.session
-        if inc.role != "agent":
-            s.messenger._reject("role", inc.sender, f"search query signed by a {inc.role or 'non-agent'}")
-            return
-        if not self._allow(inc.sender, "search query"):
-            await s.messenger.send(topics.direct(s.fed, s.cfg.id, inc.sender, "search_answer"),
-                                   SearchAnswer(msg.query_id, (), (), error=RATE_LIMITED))
+        if not await self._admit(inc, "search query", "search_answer",
+                                 SearchAnswer(msg.query_id, (), (), error=RATE_LIMITED)):
             return
 
         def answer() -> SearchAnswer:
@@ -261,6 +257,18 @@ class SearchService:
             reply = SearchAnswer(msg.query_id, (), (), error=exc.reason)
         await s.messenger.send(topics.direct(s.fed, s.cfg.id, inc.sender, "search_answer"), reply)
 
+    async def _admit(self, inc: Incoming, what: str, answer_kind: str, refusal: Any) -> bool:
+        """Only agents may ask, each within its request budget; a request over the budget
+        is answered with ``refusal`` (on ``answer_kind``) so the asker stops waiting."""
+        s = self.session
+        if inc.role != "agent":
+            s.messenger._reject("role", inc.sender, f"{what} signed by a {inc.role or 'non-agent'}")
+            return False
+        if not self._allow(inc.sender, what):
+            await s.messenger.send(topics.direct(s.fed, s.cfg.id, inc.sender, answer_kind), refusal)
+            return False
+        return True
+
     def _allow(self, peer: str, what: str) -> bool:
         """The peer's token bucket (``[search] requests_per_minute``, ``request_burst``).
         A refused request still gets an answer (error ``rate``) so the asker stops waiting;
@@ -269,10 +277,7 @@ class SearchService:
         if self.limiter.allow(peer, now):
             self._limited.discard(peer)
             return True
-        m = self.session.messenger
-        m.rejected["rate"] += 1
-        if m.metrics is not None:
-            m.metrics.rejected("rate")
+        self.session.messenger.count_rejected("rate")
         if peer not in self._limited:
             self._limited.add(peer)
             log.warning("%s from %s refused: more than %g a minute (burst %d); next in %.1f s", what, peer,
@@ -289,12 +294,8 @@ class SearchService:
     async def on_vectors_request(self, inc: Incoming) -> None:
         msg: PublicVectorsRequest = inc.message
         s = self.session
-        if inc.role != "agent":
-            s.messenger._reject("role", inc.sender, f"public-vector request signed by a {inc.role or 'non-agent'}")
-            return
-        if not self._allow(inc.sender, "public-vector request"):
-            await s.messenger.send(topics.direct(s.fed, s.cfg.id, inc.sender, "public_vectors"),
-                                   PublicVectors(msg.request_id, self.space, error=RATE_LIMITED))
+        if not await self._admit(inc, "public-vector request", "public_vectors",
+                                 PublicVectors(msg.request_id, self.space, error=RATE_LIMITED)):
             return
 
         def answer() -> PublicVectors:
