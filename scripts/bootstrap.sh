@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need_apt+=(mosquitto)
+# mosquitto_pub/mosquitto_sub: the C clients the benchmark sections (and their tests)
+# measure fedagent against.
+command -v mosquitto_pub >/dev/null 2>&1 && command -v mosquitto_sub >/dev/null 2>&1 || need_apt+=(mosquitto-clients)
 command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
 # Fault-injection tests (tests/test_faults_*.py): packet loss and NFQUEUE delay,
 # partitions, wall-clock jumps; headers to build the netfilterqueue wheel.
