@@ -30,8 +30,17 @@ def codec(ctx: Context) -> list[Row]:
 
         def enc() -> memoryview:
             # What the messenger does with a model: encoded into the encoder's own buffer.
-            return encode_view(Envelope(kind="update", federation="bench", sender="agent-1", round=1,
-                                   seq=1, ts=time.time(), body=upd.to_body()))
+            return encode_view(
+                Envelope(
+                    kind="update",
+                    federation="bench",
+                    sender="agent-1",
+                    round=1,
+                    seq=1,
+                    ts=time.time(),
+                    body=upd.to_body(),
+                )
+            )
 
         payload = enc()
         limits = Limits(max_message_bytes=2**30, max_bin_len=2**30, max_tensor_bytes=2**30)
@@ -43,15 +52,33 @@ def codec(ctx: Context) -> list[Row]:
         def memcpy() -> None:
             bytes(memoryview(payload))
 
-        reps = max(10, ctx.repeats)      # cheap: enough repetitions for a stable median
+        reps = max(10, ctx.repeats)  # cheap: enough repetitions for a stable median
         copy_med, _ = summary(_best(memcpy, reps))
         enc_med, enc_max = summary(_best(enc, reps))
         dec_med, dec_max = summary(_best(dec, reps))
         gbs = len(payload) / 1e9
-        ctx.log(f"codec {mb(params)}: encode {enc_med * 1e3:.1f} ms, decode {dec_med * 1e3:.1f} ms, "
-                f"memcpy {copy_med * 1e3:.1f} ms")
-        rows.append(Row("codec", f"encode Update, {mb(params)}", enc_med, "memcpy", copy_med,
-                        note=f"{gbs / enc_med:.2f} GB/s; max {enc_max * 1e3:.0f} ms"))
-        rows.append(Row("codec", f"decode+validate Update, {mb(params)}", dec_med, "memcpy", copy_med,
-                        note=f"{gbs / dec_med:.2f} GB/s; max {dec_max * 1e3:.0f} ms"))
+        ctx.log(
+            f"codec {mb(params)}: encode {enc_med * 1e3:.1f} ms, decode {dec_med * 1e3:.1f} ms, "
+            f"memcpy {copy_med * 1e3:.1f} ms"
+        )
+        rows.append(
+            Row(
+                "codec",
+                f"encode Update, {mb(params)}",
+                enc_med,
+                "memcpy",
+                copy_med,
+                note=f"{gbs / enc_med:.2f} GB/s; max {enc_max * 1e3:.0f} ms",
+            )
+        )
+        rows.append(
+            Row(
+                "codec",
+                f"decode+validate Update, {mb(params)}",
+                dec_med,
+                "memcpy",
+                copy_med,
+                note=f"{gbs / dec_med:.2f} GB/s; max {dec_max * 1e3:.0f} ms",
+            )
+        )
     return rows

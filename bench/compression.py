@@ -24,8 +24,8 @@ from rich.table import Table
 
 from fedagent.protocols.codec import Envelope
 from fedagent.protocols.compression import CompressionConfig, Compressor
-from fedagent.protocols.rounds import (AgentOnline, RoundAggregated, RoundConfig, RoundMachine, StartRound)
 from fedagent.protocols.messages import TrainConfig
+from fedagent.protocols.rounds import AgentOnline, RoundAggregated, RoundConfig, RoundMachine, StartRound
 from fedagent.protocols.streaming import HEAD_KIND, StreamIntake, encode_stream, head_body, iter_stream_chunks
 from fedagent.tasks.base import get_weights, set_weights
 from fedagent.tasks.digits import make as make_digits
@@ -62,13 +62,24 @@ def federation(mode: str, ratio: float, agents: int, rounds: int, alpha: float, 
         cmds = []
         for i, a in enumerate(names):
             set_weights(models[i], start.weights)
-            metrics = tasks[i].fit(models[i], epochs=train.epochs, lr=start.train.lr, batch_size=train.batch_size,
-                                   seed=seed * 1000 + start.round * 10 + i)
+            metrics = tasks[i].fit(
+                models[i],
+                epochs=train.epochs,
+                lr=start.train.lr,
+                batch_size=train.batch_size,
+                seed=seed * 1000 + start.round * 10 + i,
+            )
             tensors = comps[i].encode(get_weights(models[i]), start.weights)
             seq += 1
-            head = Envelope(kind=HEAD_KIND, federation=FED, sender=a, round=start.round, seq=seq, ts=time.time(),
-                            body=head_body(start.round, start.model_version, tasks[i].num_samples(), metrics,
-                                           False, tensors))
+            head = Envelope(
+                kind=HEAD_KIND,
+                federation=FED,
+                sender=a,
+                round=start.round,
+                seq=seq,
+                ts=time.time(),
+                body=head_body(start.round, start.model_version, tasks[i].num_samples(), metrics, False, tensors),
+            )
             payload = encode_stream(head, tensors)
             sent += len(payload)
             updates += 1
@@ -79,8 +90,13 @@ def federation(mode: str, ratio: float, agents: int, rounds: int, alpha: float, 
     model = evaluator.build_model()
     set_weights(model, final)
     acc = evaluator.evaluate(model)["accuracy"]
-    return {"mode": mode if mode != "topk" else f"topk {ratio:g}", "accuracy": acc,
-            "bytes_per_update": sent / updates, "model_bytes": model_bytes, "rounds": rounds}
+    return {
+        "mode": mode if mode != "topk" else f"topk {ratio:g}",
+        "accuracy": acc,
+        "bytes_per_update": sent / updates,
+        "model_bytes": model_bytes,
+        "rounds": rounds,
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -100,18 +116,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for s in range(args.seeds):
                 runs.append(federation(mode, ratio, args.agents, args.rounds, args.alpha, seed=s))
                 progress.advance(task)
-            rows.append({**runs[0], "accuracy": float(np.mean([r["accuracy"] for r in runs])),
-                         "accuracies": [r["accuracy"] for r in runs]})
+            rows.append(
+                {
+                    **runs[0],
+                    "accuracy": float(np.mean([r["accuracy"] for r in runs])),
+                    "accuracies": [r["accuracy"] for r in runs],
+                }
+            )
     base = rows[0]
-    table = Table(title=f"Update compression on digits ({args.agents} agents, {args.rounds} rounds, "
-                        f"α = {args.alpha}, mean of {args.seeds} seeds; in-memory harness, real training)")
+    table = Table(
+        title=f"Update compression on digits ({args.agents} agents, {args.rounds} rounds, "
+        f"α = {args.alpha}, mean of {args.seeds} seeds; in-memory harness, real training)"
+    )
     for col in ("compression", "bytes / update", "saved vs none", "accuracy", "accuracy cost (points)"):
         table.add_column(col, justify="right")
     for r in rows:
         r["saved"] = 1 - r["bytes_per_update"] / base["bytes_per_update"]
         r["accuracy_cost"] = 100 * (base["accuracy"] - r["accuracy"])
-        table.add_row(r["mode"], f"{r['bytes_per_update']:,.0f}", f"{100 * r['saved']:.1f}%",
-                      f"{r['accuracy']:.4f}", f"{r['accuracy_cost']:+.2f}")
+        table.add_row(
+            r["mode"],
+            f"{r['bytes_per_update']:,.0f}",
+            f"{100 * r['saved']:.1f}%",
+            f"{r['accuracy']:.4f}",
+            f"{r['accuracy_cost']:+.2f}",
+        )
     Console().print(table)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

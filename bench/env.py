@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from fedagent import pki
-from fedagent.agent.transport import TlsFiles
 from fedagent.broker import EmbeddedBroker
+from fedagent.node.transport import TlsFiles
 
 FEDERATION = "bench"
 COORDINATOR = "coord"
@@ -51,9 +51,13 @@ class BenchBroker:
                 pki.issue(self.ca_dir, self.certs, name, role)
         if self.external is not None:
             return self
-        self.broker = EmbeddedBroker(self.work / "broker", federations=[FEDERATION],
-                                     coordinators=[COORDINATOR], ca_dir=self.ca_dir,
-                                     max_packet_size=BROKER_MAX_PACKET)
+        self.broker = EmbeddedBroker(
+            self.work / "broker",
+            federations=[FEDERATION],
+            coordinators=[COORDINATOR],
+            ca_dir=self.ca_dir,
+            max_packet_size=BROKER_MAX_PACKET,
+        )
         self.broker.start()
         return self
 
@@ -62,8 +66,7 @@ class BenchBroker:
             self.broker.stop()
 
     def tls(self, name: str) -> TlsFiles:
-        return TlsFiles(ca=self.ca_dir / pki.CA_CERT, cert=self.certs / f"{name}.crt",
-                        key=self.certs / f"{name}.key")
+        return TlsFiles(ca=self.ca_dir / pki.CA_CERT, cert=self.certs / f"{name}.crt", key=self.certs / f"{name}.key")
 
     @property
     def uri(self) -> str:
@@ -82,8 +85,7 @@ def model_weights(params: int, seed: int = 0, tensors: int = 16) -> dict[str, np
     rng = np.random.default_rng(seed)
     sizes = [params // tensors] * tensors
     sizes[-1] += params - sum(sizes)
-    return {f"layer{i:02d}.weight": rng.standard_normal(n, dtype=np.float32)
-            for i, n in enumerate(sizes)}
+    return {f"layer{i:02d}.weight": rng.standard_normal(n, dtype=np.float32) for i, n in enumerate(sizes)}
 
 
 def bench_broker(ctx, work: Path, agents: int) -> BenchBroker:

@@ -17,8 +17,8 @@ import signal
 import time
 from pathlib import Path
 
-from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.transport import TlsFiles, Transport
+from fedagent.node.messaging import Incoming, Messenger
+from fedagent.node.transport import TlsFiles, Transport
 from fedagent.protocols import topics
 from fedagent.protocols.codec import Envelope, encode
 from fedagent.protocols.messages import Presence, RoundStart, Update
@@ -27,29 +27,46 @@ from fedagent.signing import Identity, sign
 
 def presence(fed: str, identity: Identity, online: bool) -> bytes:
     # Signed like every frame: the coordinator's messenger refuses unsigned presence.
-    return encode(sign(Envelope(kind="presence", federation=fed, sender=identity.name, round=0,
-                                seq=time.time_ns() // 1000, ts=time.time(),
-                                body=Presence(online=online, role="agent").to_body()), identity))
+    return encode(
+        sign(
+            Envelope(
+                kind="presence",
+                federation=fed,
+                sender=identity.name,
+                round=0,
+                seq=time.time_ns() // 1000,
+                ts=time.time(),
+                body=Presence(online=online, role="agent").to_body(),
+            ),
+            identity,
+        )
+    )
 
 
 async def main(args: argparse.Namespace) -> None:
     fed, me = args.federation, args.id
     tls = TlsFiles(ca=args.ca, cert=args.certs / f"{me}.crt", key=args.certs / f"{me}.key")
     identity = Identity.load(tls.cert, tls.key, tls.ca)
-    transport = Transport(uri=args.uri, client_id=f"bench-{me}", tls=tls,
-                          will=(topics.presence(fed, me), presence(fed, identity, False)),
-                          subscriptions=[topics.broadcast(fed, "round_start")], session_expiry=0,
-                          keepalive=args.keepalive)
-    messenger = Messenger(federation=fed, node_id=me, transport=transport, identity=identity,
-                          max_chunk_bytes=args.chunk)
+    transport = Transport(
+        uri=args.uri,
+        client_id=f"bench-{me}",
+        tls=tls,
+        will=(topics.presence(fed, me), presence(fed, identity, False)),
+        subscriptions=[topics.broadcast(fed, "round_start")],
+        session_expiry=0,
+        keepalive=args.keepalive,
+    )
+    messenger = Messenger(
+        federation=fed, node_id=me, transport=transport, identity=identity, max_chunk_bytes=args.chunk
+    )
 
     async def deliver(inc: Incoming) -> None:
         msg = inc.message
         if isinstance(msg, RoundStart) and me in msg.selected:
-            update = Update(round=msg.round, base_version=msg.model_version, num_samples=1,
-                            metrics={}, weights=msg.weights)
-            await messenger.send(topics.direct(fed, me, args.coordinator, "update"), update,
-                                 round_=msg.round)
+            update = Update(
+                round=msg.round, base_version=msg.model_version, num_samples=1, metrics={}, weights=msg.weights
+            )
+            await messenger.send(topics.direct(fed, me, args.coordinator, "update"), update, round_=msg.round)
 
     async def on_payload(topic: str, payload: bytes) -> None:
         await messenger.receive(topic, payload, deliver)
@@ -72,8 +89,7 @@ async def main(args: argparse.Namespace) -> None:
         stop.set()
 
     watcher = asyncio.create_task(orphaned())
-    done, _ = await asyncio.wait({runner, asyncio.create_task(stop.wait())},
-                                 return_when=asyncio.FIRST_COMPLETED)
+    done, _ = await asyncio.wait({runner, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     watcher.cancel()
     if runner in done:
         runner.result()

@@ -41,34 +41,53 @@ def flower_python(log) -> Path:
         log(f"installing flwr=={FLWR_VERSION} into {VENV} (once)")
         if not py.exists():
             subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", f"flwr=={FLWR_VERSION}", "numpy"],
-                       check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", f"flwr=={FLWR_VERSION}", "numpy"], check=True)
         stamp.touch()
     return py
 
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run_grpc(py: Path, work: Path, params: int, rounds: int, tls: tuple[Path, Path, Path] | None,
-             timeout: float, clients: int = CLIENTS) -> list[float]:
+def run_grpc(
+    py: Path,
+    work: Path,
+    params: int,
+    rounds: int,
+    tls: tuple[Path, Path, Path] | None,
+    timeout: float,
+    clients: int = CLIENTS,
+) -> list[float]:
     """Round times of one start_server run with ``clients`` start_client processes; the
     first round (clients still connecting) is dropped."""
     port = _free_port()
     out = work / f"flower-grpc-{params}-{port}.json"
-    server_cmd = [str(py), str(APP / "grpc_server.py"), "--port", str(port), "--clients", str(clients),
-                  "--params", str(params), "--rounds", str(rounds + 1), "--out", str(out)]
+    server_cmd = [
+        str(py),
+        str(APP / "grpc_server.py"),
+        "--port",
+        str(port),
+        "--clients",
+        str(clients),
+        "--params",
+        str(params),
+        "--rounds",
+        str(rounds + 1),
+        "--out",
+        str(out),
+    ]
     client_cmd = [str(py), str(APP / "grpc_client.py"), "--port", str(port)]
     if tls is not None:
         server_cmd += ["--tls", *map(str, tls)]
         client_cmd += ["--ca", str(tls[0])]
     with open(work / f"flower-grpc-{port}.log", "wb") as logf, ProcessTree() as tree:
         server = tree.spawn(server_cmd, stdout=logf, stderr=subprocess.STDOUT)
-        time.sleep(0.5)       # clients retry their connection; this only avoids noise
+        time.sleep(0.5)  # clients retry their connection; this only avoids noise
         for _ in range(clients):
             tree.spawn(client_cmd, stdout=logf, stderr=subprocess.STDOUT)
         server.wait(timeout=timeout)
@@ -82,6 +101,7 @@ def run_grpc(py: Path, work: Path, params: int, rounds: int, tls: tuple[Path, Pa
 
 def _wait_port(port: int, deadline: float, proc: subprocess.Popen, what: str) -> None:
     import socket
+
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with {proc.returncode} on start-up")
@@ -94,12 +114,14 @@ def _wait_port(port: int, deadline: float, proc: subprocess.Popen, what: str) ->
             time.sleep(0.2)
 
 
-def run_deployment(py: Path, work: Path, params: int, rounds: int, timeout: float, log,
-                   clients: int = CLIENTS) -> list[float]:
+def run_deployment(
+    py: Path, work: Path, params: int, rounds: int, timeout: float, log, clients: int = CLIENTS
+) -> list[float]:
     """Round times of Flower's current deployment: one SuperLink, ``clients`` SuperNodes
     (each starting a ClientApp process per message), the app submitted with
     ``flwr run``; the first round is dropped, as in the gRPC mode."""
     import shutil
+
     bindir = py.parent
     home = work / f"flwr-home-{params}"
     home.mkdir(parents=True, exist_ok=True)
@@ -109,8 +131,8 @@ def run_deployment(py: Path, work: Path, params: int, rounds: int, timeout: floa
     shutil.copytree(APP / "deploy", app)
     link = _free_port()
     (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{link}"\n'
-        f"insecure = true\n")
+        f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{link}"\ninsecure = true\n'
+    )
     out = work / f"flower-deploy-{params}.json"
     env = dict(os.environ, FLWR_HOME=str(home), PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
     logf = open(work / f"flower-deploy-{params}.log", "wb")
@@ -120,16 +142,45 @@ def run_deployment(py: Path, work: Path, params: int, rounds: int, timeout: floa
     with logf, ProcessTree() as tree:
         # Without this flag the SuperLink builds a fresh environment per run with uv
         # (15 s here); the app needs nothing beyond this virtualenv.
-        superlink = tree.spawn([str(bindir / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
-                                "--port", str(link), "--disable-runtime-dependency-installation"],
-                               stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=work)
+        superlink = tree.spawn(
+            [
+                str(bindir / "flower-superlink"),
+                "--insecure",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(link),
+                "--disable-runtime-dependency-installation",
+            ],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=work,
+        )
         _wait_port(link, time.monotonic() + 120, superlink, "flower-superlink")
         for _ in range(clients):
-            tree.spawn([str(bindir / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link}",
-                        "--port", str(_free_port())], stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=work)
+            tree.spawn(
+                [
+                    str(bindir / "flower-supernode"),
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{link}",
+                    "--port",
+                    str(_free_port()),
+                ],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=work,
+            )
         cfg = f'params={params} rounds={rounds + 1} clients={clients} out="{out}"'
-        run = tree.spawn([str(bindir / "flwr"), "run", str(app), "bench", "--stream", "--run-config", cfg],
-                         stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=work)
+        run = tree.spawn(
+            [str(bindir / "flwr"), "run", str(app), "bench", "--stream", "--run-config", cfg],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=work,
+        )
         if run.wait(timeout=timeout) != 0:
             raise RuntimeError(f"flwr run exited {run.returncode}; see {logf.name}")
         deadline = time.monotonic() + timeout
@@ -139,8 +190,10 @@ def run_deployment(py: Path, work: Path, params: int, rounds: int, timeout: floa
             if len(times) == rounds + 1:
                 return times[1:]
             if time.monotonic() > deadline:
-                raise RuntimeError(f"Flower deployment finished {len(times)} of {rounds + 1} rounds "
-                                   f"in {timeout:.0f} s; see {logf.name}")
+                raise RuntimeError(
+                    f"Flower deployment finished {len(times)} of {rounds + 1} rounds "
+                    f"in {timeout:.0f} s; see {logf.name}"
+                )
             time.sleep(0.5)
 
 
@@ -148,6 +201,7 @@ def server_tls(d: Path) -> tuple[Path, Path, Path]:
     """(CA, server certificate, key) for Flower's TLS mode, from fedagent's own CA code
     (ECDSA P-256, SAN 127.0.0.1, as the broker's)."""
     from fedagent import pki
+
     pki.create_ca(d / "ca", "flowerbench")
     cert, key = pki.issue(d / "ca", d / "certs", "flower-server", "broker", sans=["127.0.0.1"])
     return d / "ca" / pki.CA_CERT, cert, key
@@ -160,15 +214,15 @@ def _ours(ctx: Context, params: int) -> list[float] | None:
 @section("flower")
 def flower(ctx: Context) -> list[Row]:
     py = flower_python(ctx.log)
-    version = subprocess.run([str(py), "-c", "import flwr; print(flwr.__version__)"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    version = subprocess.run(
+        [str(py), "-c", "import flwr; print(flwr.__version__)"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     rows = []
     tls = server_tls(ctx.work / "flower-pki")
     for params in model_sizes(ctx):
         ours = _ours(ctx, params)
         if ours is None:
-            ctx.log("no fedagent round in this run (run the round section too): "
-                    "Flower rows have no ratio")
+            ctx.log("no fedagent round in this run (run the round section too): Flower rows have no ratio")
         modes = [("gRPC start_server/start_client, no TLS", None)]
         if not ctx.quick:
             modes.append(("gRPC start_server/start_client, TLS", tls))
@@ -179,14 +233,21 @@ def flower(ctx: Context) -> list[Row]:
             ctx.shared[("flower", label, params)] = times
             if ours is not None:
                 o_med, o_max = summary(ours)
-                rows.append(Row("flower", f"fedagent TLS round, {mb(params)} (median)", o_med,
-                                f"Flower {version} {label} (median)", med,
-                                note=f"target <= 0.67x; max {o_max:.2f} s vs {mx:.2f} s; n={len(times)}"))
+                rows.append(
+                    Row(
+                        "flower",
+                        f"fedagent TLS round, {mb(params)} (median)",
+                        o_med,
+                        f"Flower {version} {label} (median)",
+                        med,
+                        note=f"target <= 0.67x; max {o_max:.2f} s vs {mx:.2f} s; n={len(times)}",
+                    )
+                )
     if ctx.quick:
         ctx.log("--quick: Flower's deployment mode (SuperLink + SuperNodes + flwr run) skipped")
         return rows
     for params in model_sizes(ctx):
-        rounds = min(ctx.repeats, 3)     # about a minute per round: a few are enough
+        rounds = min(ctx.repeats, 3)  # about a minute per round: a few are enough
         label = "SuperLink + SuperNodes + flwr run, no TLS"
         try:
             times = run_deployment(py, ctx.work, params, rounds, timeout=300 + 120 * rounds, log=ctx.log)
@@ -199,7 +260,14 @@ def flower(ctx: Context) -> list[Row]:
         ours = _ours(ctx, params)
         if ours is not None:
             o_med, o_max = summary(ours)
-            rows.append(Row("flower", f"fedagent TLS round, {mb(params)} (median)", o_med,
-                            f"Flower {version} {label} (median)", med,
-                            note=f"target <= 0.1x; max {o_max:.2f} s vs {mx:.2f} s; n={len(times)}"))
+            rows.append(
+                Row(
+                    "flower",
+                    f"fedagent TLS round, {mb(params)} (median)",
+                    o_med,
+                    f"Flower {version} {label} (median)",
+                    med,
+                    note=f"target <= 0.1x; max {o_max:.2f} s vs {mx:.2f} s; n={len(times)}",
+                )
+            )
     return rows

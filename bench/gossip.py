@@ -22,8 +22,8 @@ from pathlib import Path
 from bench.env import FEDERATION, BenchBroker, bench_broker, mb, model_sizes, model_weights
 from bench.registry import Context, Row, section, summary
 from bench.round import KEEPALIVE, CClients, chunk_bytes
-from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.transport import Transport
+from fedagent.node.messaging import Incoming, Messenger
+from fedagent.node.transport import Transport
 from fedagent.protocols import topics
 from fedagent.protocols.aggregation import check_update
 from fedagent.protocols.messages import GossipAck, GossipModel
@@ -38,10 +38,20 @@ class _Peer:
         tls = bb.tls(name)
         self.name = name
         self.weights = weights
-        self.transport = Transport(uri=bb.uri, client_id=f"g-{name}", tls=tls, keepalive=KEEPALIVE,
-                                   subscriptions=[topics.inbox(FEDERATION, name)])
-        self.messenger = Messenger(federation=FEDERATION, node_id=name, transport=self.transport,
-                                   identity=Identity.load(tls.cert, tls.key, tls.ca), max_chunk_bytes=chunk_bytes())
+        self.transport = Transport(
+            uri=bb.uri,
+            client_id=f"g-{name}",
+            tls=tls,
+            keepalive=KEEPALIVE,
+            subscriptions=[topics.inbox(FEDERATION, name)],
+        )
+        self.messenger = Messenger(
+            federation=FEDERATION,
+            node_id=name,
+            transport=self.transport,
+            identity=Identity.load(tls.cert, tls.key, tls.ca),
+            max_chunk_bytes=chunk_bytes(),
+        )
         self.got_model = asyncio.Event()
         self.got_ack = asyncio.Event()
         self.task: asyncio.Task | None = None
@@ -51,15 +61,17 @@ class _Peer:
         if isinstance(msg, GossipModel):
             check_update(self.weights, msg.weights)
             self.got_model.set()
-            await self.messenger.send(topics.direct(FEDERATION, self.name, inc.sender, "gossip_ack"),
-                                      GossipAck(msg.exchange_id, True))
+            await self.messenger.send(
+                topics.direct(FEDERATION, self.name, inc.sender, "gossip_ack"), GossipAck(msg.exchange_id, True)
+            )
         elif isinstance(msg, GossipAck):
             self.got_ack.set()
 
     async def start(self) -> None:
         ready = asyncio.Event()
         self.task = asyncio.create_task(
-            self.transport.run(lambda t, p: self.messenger.receive(t, p, self._deliver), ready))
+            self.transport.run(lambda t, p: self.messenger.receive(t, p, self._deliver), ready)
+        )
         await asyncio.wait_for(ready.wait(), 60)
 
     async def stop(self) -> None:
@@ -82,12 +94,18 @@ async def _fed_exchanges(bb: BenchBroker, params: int, repeats: int) -> list[flo
                 p.got_ack.clear()
             t0 = time.perf_counter()
             await asyncio.gather(
-                a.messenger.send(topics.direct(FEDERATION, a.name, b.name, "gossip"),
-                                 GossipModel(f"x{r}a", r, 0.5, 10.0, False, weights)),
-                b.messenger.send(topics.direct(FEDERATION, b.name, a.name, "gossip"),
-                                 GossipModel(f"x{r}b", r, 0.5, 10.0, False, weights)))
-            await asyncio.wait_for(asyncio.gather(a.got_model.wait(), b.got_model.wait(),
-                                                  a.got_ack.wait(), b.got_ack.wait()), 300)
+                a.messenger.send(
+                    topics.direct(FEDERATION, a.name, b.name, "gossip"),
+                    GossipModel(f"x{r}a", r, 0.5, 10.0, False, weights),
+                ),
+                b.messenger.send(
+                    topics.direct(FEDERATION, b.name, a.name, "gossip"),
+                    GossipModel(f"x{r}b", r, 0.5, 10.0, False, weights),
+                ),
+            )
+            await asyncio.wait_for(
+                asyncio.gather(a.got_model.wait(), b.got_model.wait(), a.got_ack.wait(), b.got_ack.wait()), 300
+            )
             times.append(time.perf_counter() - t0)
     finally:
         await a.stop()
@@ -101,8 +119,12 @@ def _c_exchange(cc: CClients, payload: Path) -> float:
     x, y = C_PAIR
     subs = cc._subs([y], topics.inbox(FEDERATION, y), 2) + cc._subs([x], topics.inbox(FEDERATION, x), 2)
     t0 = time.perf_counter()
-    pubs = [subprocess.Popen(["mosquitto_pub", *cc._common(s), "-t", topics.direct(FEDERATION, s, d, "gossip"),
-                              "-f", str(payload)]) for s, d in ((x, y), (y, x))]
+    pubs = [
+        subprocess.Popen(
+            ["mosquitto_pub", *cc._common(s), "-t", topics.direct(FEDERATION, s, d, "gossip"), "-f", str(payload)]
+        )
+        for s, d in ((x, y), (y, x))
+    ]
     cc._collect(subs, payload.stat().st_size, 1)
     took = time.perf_counter() - t0
     for p in pubs:
@@ -119,8 +141,12 @@ def gossip_exchange(ctx: Context) -> list[Row]:
         for params in model_sizes(ctx):
             weights = model_weights(params)
             payload = ctx.work / f"gossip-{params}.bin"
-            m = Messenger(federation=FEDERATION, node_id=C_PAIR[0], transport=None,
-                          identity=Identity.load(bb.tls(C_PAIR[0]).cert, bb.tls(C_PAIR[0]).key, bb.tls(C_PAIR[0]).ca))
+            m = Messenger(
+                federation=FEDERATION,
+                node_id=C_PAIR[0],
+                transport=None,
+                identity=Identity.load(bb.tls(C_PAIR[0]).cert, bb.tls(C_PAIR[0]).key, bb.tls(C_PAIR[0]).ca),
+            )
             payload.write_bytes(m.frame(GossipModel("c", 0, 0.5, 10.0, False, weights)))
             del m
             ours, theirs = [], []
@@ -130,9 +156,14 @@ def gossip_exchange(ctx: Context) -> list[Row]:
                 theirs.append(_c_exchange(cc, payload))
                 ctx.log(f"gossip {mb(params)}: fedagent {ours[-1]:.2f} s, C clients {theirs[-1]:.2f} s")
             (om, ox), (tm, tx) = summary(ours), summary(theirs)
-            rows.append(Row("gossip", f"gossip exchange, 2 agents, both ways + acks, TLS, {mb(params)} (median)", om,
-                            "mosquitto_pub/sub of the same bytes both ways (median)", tm,
-                            note=f"max {ox:.2f} s vs {tx:.2f} s; n={len(ours)}"))
+            rows.append(
+                Row(
+                    "gossip",
+                    f"gossip exchange, 2 agents, both ways + acks, TLS, {mb(params)} (median)",
+                    om,
+                    "mosquitto_pub/sub of the same bytes both ways (median)",
+                    tm,
+                    note=f"max {ox:.2f} s vs {tx:.2f} s; n={len(ours)}",
+                )
+            )
     return rows
-
-

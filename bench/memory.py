@@ -32,20 +32,37 @@ DEFAULT_CASES = [(10, 11_200_000), (10, 1_100_000), (50, 1_100_000)]
 def measure(cases, rounds: int, whole_too: bool, console: Console, on_row=None) -> list[dict]:
     rows = []
     for n, params in cases:
-        for whole in ([False, True] if whole_too else [False]):
+        for whole in [False, True] if whole_too else [False]:
             with tempfile.TemporaryDirectory(prefix=f"fedagent-mem-{n}-") as d:
-                r = run_federation(Path(d), agents=n, params=params, rounds=rounds, whole=whole,
-                                   progress=lambda s: console.log(f"[{n}x{params}] {s}"), timeout=900)
+                r = run_federation(
+                    Path(d),
+                    agents=n,
+                    params=params,
+                    rounds=rounds,
+                    whole=whole,
+                    progress=lambda s: console.log(f"[{n}x{params}] {s}"),
+                    timeout=900,
+                )
             model = r.model_bytes
-            rows.append({"agents": n, "params": params, "model_mb": model / 1e6,
-                         "path": "whole" if whole else "stream", "rounds": len(r.round_seconds),
-                         "idle_rss_mb": r.rss_idle / 1e6, "peak_rss_mb": r.rss_peak / 1e6,
-                         "hwm_mb": r.hwm / 1e6,
-                         "peak_over_model": (r.rss_peak - r.rss_idle + model) / model,
-                         "errors": r.errors[:3]})
-            console.log(f"[{n}x{params}] {rows[-1]['path']}: idle {rows[-1]['idle_rss_mb']:.0f} MB, peak "
-                        f"{rows[-1]['peak_rss_mb']:.0f} MB, (peak - idle + model) / model = "
-                        f"{rows[-1]['peak_over_model']:.2f}")
+            rows.append(
+                {
+                    "agents": n,
+                    "params": params,
+                    "model_mb": model / 1e6,
+                    "path": "whole" if whole else "stream",
+                    "rounds": len(r.round_seconds),
+                    "idle_rss_mb": r.rss_idle / 1e6,
+                    "peak_rss_mb": r.rss_peak / 1e6,
+                    "hwm_mb": r.hwm / 1e6,
+                    "peak_over_model": (r.rss_peak - r.rss_idle + model) / model,
+                    "errors": r.errors[:3],
+                }
+            )
+            console.log(
+                f"[{n}x{params}] {rows[-1]['path']}: idle {rows[-1]['idle_rss_mb']:.0f} MB, peak "
+                f"{rows[-1]['peak_rss_mb']:.0f} MB, (peak - idle + model) / model = "
+                f"{rows[-1]['peak_over_model']:.2f}"
+            )
             if len(r.round_seconds) < rounds:
                 console.log(f"[red]incomplete run:\n{r.coordinator_log}")
             if on_row is not None:
@@ -55,8 +72,11 @@ def measure(cases, rounds: int, whole_too: bool, console: Console, on_row=None) 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default=",".join(f"{n}x{p}" for n, p in DEFAULT_CASES),
-                    help="AGENTSxPARAMS,... (default %(default)s)")
+    ap.add_argument(
+        "--cases",
+        default=",".join(f"{n}x{p}" for n, p in DEFAULT_CASES),
+        help="AGENTSxPARAMS,... (default %(default)s)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--whole", action="store_true", help="also measure whole-message updates")
     ap.add_argument("--json", type=Path)
@@ -69,8 +89,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for col in ("agents", "model (MB)", "updates", "idle RSS (MB)", "peak RSS (MB)", "(peak − idle + model) / model"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r["agents"]), f"{r['model_mb']:.1f}", r["path"], f"{r['idle_rss_mb']:.0f}",
-                      f"{r['peak_rss_mb']:.0f}", f"{r['peak_over_model']:.2f}")
+        table.add_row(
+            str(r["agents"]),
+            f"{r['model_mb']:.1f}",
+            r["path"],
+            f"{r['idle_rss_mb']:.0f}",
+            f"{r['peak_rss_mb']:.0f}",
+            f"{r['peak_over_model']:.2f}",
+        )
     Console().print(table)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

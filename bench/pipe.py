@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from bench.env import COORDINATOR, FEDERATION, BenchBroker, model_weights
-from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.transport import Transport
+from fedagent.node.messaging import Incoming, Messenger
+from fedagent.node.transport import Transport
 from fedagent.protocols import topics
 from fedagent.protocols.messages import Update
 from fedagent.signing import Identity
@@ -29,15 +29,32 @@ from fedagent.signing import Identity
 async def pipe(bb: BenchBroker, params: int, times: int, chunk: int, window: int | None) -> list[float]:
     weights = model_weights(params)
     got: asyncio.Queue[Update] = asyncio.Queue()
-    rx = Transport(uri=bb.uri, client_id="pipe-rx", tls=bb.tls(COORDINATOR), keepalive=30,
-                   subscriptions=[topics.inbox(FEDERATION, COORDINATOR)], session_expiry=0)
+    rx = Transport(
+        uri=bb.uri,
+        client_id="pipe-rx",
+        tls=bb.tls(COORDINATOR),
+        keepalive=30,
+        subscriptions=[topics.inbox(FEDERATION, COORDINATOR)],
+        session_expiry=0,
+    )
     tx = Transport(uri=bb.uri, client_id="pipe-tx", tls=bb.tls("agent-1"), keepalive=30, session_expiry=0)
     extra = {} if window is None else {"publish_window": window}
     rt, tt = bb.tls(COORDINATOR), bb.tls("agent-1")
-    mrx = Messenger(federation=FEDERATION, node_id=COORDINATOR, transport=rx, max_chunk_bytes=chunk,
-                    identity=Identity.load(rt.cert, rt.key, rt.ca))
-    mtx = Messenger(federation=FEDERATION, node_id="agent-1", transport=tx, max_chunk_bytes=chunk,
-                    identity=Identity.load(tt.cert, tt.key, tt.ca), **extra)
+    mrx = Messenger(
+        federation=FEDERATION,
+        node_id=COORDINATOR,
+        transport=rx,
+        max_chunk_bytes=chunk,
+        identity=Identity.load(rt.cert, rt.key, rt.ca),
+    )
+    mtx = Messenger(
+        federation=FEDERATION,
+        node_id="agent-1",
+        transport=tx,
+        max_chunk_bytes=chunk,
+        identity=Identity.load(tt.cert, tt.key, tt.ca),
+        **extra,
+    )
 
     async def deliver(inc: Incoming) -> None:
         got.put_nowait(inc.message)
@@ -57,14 +74,14 @@ async def pipe(bb: BenchBroker, params: int, times: int, chunk: int, window: int
     for i in range(times):
         t0 = time.perf_counter()
         c0 = time.process_time()
-        await mtx.send(topic, Update(round=i + 1, base_version=0, num_samples=1, metrics={},
-                                     weights=weights), round_=i + 1)
+        await mtx.send(
+            topic, Update(round=i + 1, base_version=0, num_samples=1, metrics={}, weights=weights), round_=i + 1
+        )
         t1 = time.perf_counter()
         await asyncio.wait_for(got.get(), 120)
         out.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-        print(f"  {i + 1}: sent (PUBACKs) {t1 - t0:.3f} s, received {out[-1]:.3f} s, "
-              f"CPU {cpu[-1]:.3f} s", flush=True)
+        print(f"  {i + 1}: sent (PUBACKs) {t1 - t0:.3f} s, received {out[-1]:.3f} s, CPU {cpu[-1]:.3f} s", flush=True)
     await tx.close()
     await rx.close()
     for t in (t_rx, t_tx):
@@ -83,7 +100,8 @@ def main() -> None:
     ap.add_argument("--read-size", type=int, help="largest socket read (transport.READ_SIZE)")
     a = ap.parse_args()
     if a.read_size is not None:
-        from fedagent.agent import transport
+        from fedagent.node import transport
+
         transport.READ_SIZE = a.read_size
     with tempfile.TemporaryDirectory(prefix="fedagent-pipe-") as tmp, BenchBroker(Path(tmp), 1) as bb:
         prof = cProfile.Profile() if a.profile else None
@@ -95,9 +113,11 @@ def main() -> None:
             prof.dump_stats(a.profile)
     mbytes = int(a.params) * 4 / 1e6
     best = min(times)
-    print(f"{mbytes:.1f} MB: best {best:.3f} s ({mbytes / best:.0f} MB/s), median "
-          f"{sorted(times)[len(times) // 2]:.3f} s; CPU of both ends: median "
-          f"{sorted(cpu)[len(cpu) // 2]:.3f} s, min {min(cpu):.3f} s; chunk {a.chunk}")
+    print(
+        f"{mbytes:.1f} MB: best {best:.3f} s ({mbytes / best:.0f} MB/s), median "
+        f"{sorted(times)[len(times) // 2]:.3f} s; CPU of both ends: median "
+        f"{sorted(cpu)[len(cpu) // 2]:.3f} s, min {min(cpu):.3f} s; chunk {a.chunk}"
+    )
 
 
 if __name__ == "__main__":

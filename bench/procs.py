@@ -39,7 +39,7 @@ def _stat(pid: int) -> tuple[int, int] | None:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    if fields[0] == "Z":            # a zombie holds no resources; its parent reaps it
+    if fields[0] == "Z":  # a zombie holds no resources; its parent reaps it
         return None
     return int(fields[1]), int(fields[19])
 
@@ -59,7 +59,7 @@ class ProcessTree:
         self.token = f"{os.getpid()}-{secrets.token_hex(8)}"
         self._mark = f"{MARK}={self.token}".encode()
         self.roots: list[subprocess.Popen] = []
-        self.known: dict[int, int] = {}        # PID -> start time, as found
+        self.known: dict[int, int] = {}  # PID -> start time, as found
 
     def spawn(self, cmd: list[str], **kw) -> subprocess.Popen:
         env = dict(kw.pop("env", None) or os.environ)

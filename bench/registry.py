@@ -16,8 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MODULES = ["bench.codec", "bench.round", "bench.flower", "bench.syncopt_step", "bench.gossip", "bench.scaling",
-           "bench.replay_journal"]
+MODULES = [
+    "bench.codec",
+    "bench.round",
+    "bench.flower",
+    "bench.syncopt_step",
+    "bench.gossip",
+    "bench.scaling",
+    "bench.replay_journal",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +54,8 @@ class Context:
     work: Path
     repeats: int
     log: Callable[[str], None] = print
-    sizes: list[int] | None = None               # model sizes (parameters) to run; None: the default
-    shared: dict = field(default_factory=dict)   # e.g. measurements one section reuses
+    sizes: list[int] | None = None  # model sizes (parameters) to run; None: the default
+    shared: dict = field(default_factory=dict)  # e.g. measurements one section reuses
     # A BenchBroker for N agents on a broker someone else runs (tests: the conftest
     # fixture); None: every broker section starts and stops its own.
     broker: Callable[[int], object] | None = None
@@ -63,6 +70,7 @@ def section(name: str) -> Callable:
             raise ValueError(f"benchmark section {name!r} registered twice")
         SECTIONS[name] = fn
         return fn
+
     return register
 
 

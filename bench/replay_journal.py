@@ -84,12 +84,20 @@ def measure(senders: int, messages: int, work: Path) -> dict:
     snapshot_bytes = journal._compacted
     between = max(1.0, (max(replaylog.MIN_COMPACT, 2 * snapshot_bytes) - snapshot_bytes) / record)
     journal.close()
-    return {"senders": senders, "snapshot_bytes": old_path.stat().st_size, "journal_snapshot_bytes": snapshot_bytes,
-            "record_bytes": record, "old_median": statistics.median(old_t), "old_mean": statistics.fmean(old_t),
-            "new_median": statistics.median(new_t), "new_mean": statistics.fmean(new_t),
-            "compaction": statistics.median(compact_t), "appends_between": between,
-            "new_amortized": statistics.fmean(new_t) + statistics.median(compact_t) / between,
-            "messages": messages}
+    return {
+        "senders": senders,
+        "snapshot_bytes": old_path.stat().st_size,
+        "journal_snapshot_bytes": snapshot_bytes,
+        "record_bytes": record,
+        "old_median": statistics.median(old_t),
+        "old_mean": statistics.fmean(old_t),
+        "new_median": statistics.median(new_t),
+        "new_mean": statistics.fmean(new_t),
+        "compaction": statistics.median(compact_t),
+        "appends_between": between,
+        "new_amortized": statistics.fmean(new_t) + statistics.median(compact_t) / between,
+        "messages": messages,
+    }
 
 
 @section("replay")
@@ -101,15 +109,23 @@ def replay_section(ctx: Context, senders: tuple[int, ...] = (10, 1000), messages
     work.mkdir(parents=True, exist_ok=True)
     for n in senders:
         m = measure(n, messages, work)
-        ctx.log(f"replay guard, {n} senders: snapshot {m['old_median'] * 1e3:.2f} ms, journal "
-                f"{m['new_median'] * 1e3:.2f} ms per message")
-        rows.append(Row("replay", f"replay guard made durable per message, journal, {n} senders (mean, "
-                                  f"compaction amortized)", m["new_amortized"],
-                        "whole-snapshot rewrite (mean)", m["old_mean"],
-                        note=f"medians {m['new_median'] * 1e3:.2f} vs {m['old_median'] * 1e3:.2f} ms; snapshot "
-                             f"{m['snapshot_bytes'] / 1e3:.0f} KB, record {m['record_bytes']:.0f} B, compaction "
-                             f"{m['compaction'] * 1e3:.1f} ms every {m['appends_between']:.0f} messages; "
-                             f"n={messages}"))
+        ctx.log(
+            f"replay guard, {n} senders: snapshot {m['old_median'] * 1e3:.2f} ms, journal "
+            f"{m['new_median'] * 1e3:.2f} ms per message"
+        )
+        rows.append(
+            Row(
+                "replay",
+                f"replay guard made durable per message, journal, {n} senders (mean, compaction amortized)",
+                m["new_amortized"],
+                "whole-snapshot rewrite (mean)",
+                m["old_mean"],
+                note=f"medians {m['new_median'] * 1e3:.2f} vs {m['old_median'] * 1e3:.2f} ms; snapshot "
+                f"{m['snapshot_bytes'] / 1e3:.0f} KB, record {m['record_bytes']:.0f} B, compaction "
+                f"{m['compaction'] * 1e3:.1f} ms every {m['appends_between']:.0f} messages; "
+                f"n={messages}",
+            )
+        )
     return rows
 
 
@@ -127,17 +143,31 @@ def main(argv: list[str] | None = None) -> int:
         results = [measure(int(n), args.messages, work) for n in args.senders.split(",")]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    t = Table(title=f"Replay guard durability per delivered message ({args.messages} messages each, "
-                    "alternating; ratio = snapshot / journal)", title_justify="left")
-    for col in ("senders", "snapshot", "snapshot rewrite median / mean", "journal append median / mean",
-                "compaction (every N msgs)", "journal amortized mean", "ratio (means)"):
+    t = Table(
+        title=f"Replay guard durability per delivered message ({args.messages} messages each, "
+        "alternating; ratio = snapshot / journal)",
+        title_justify="left",
+    )
+    for col in (
+        "senders",
+        "snapshot",
+        "snapshot rewrite median / mean",
+        "journal append median / mean",
+        "compaction (every N msgs)",
+        "journal amortized mean",
+        "ratio (means)",
+    ):
         t.add_column(col, justify="right")
     for m in results:
-        t.add_row(str(m["senders"]), f"{m['snapshot_bytes'] / 1e3:.1f} KB",
-                  f"{m['old_median'] * 1e3:.2f} / {m['old_mean'] * 1e3:.2f} ms",
-                  f"{m['new_median'] * 1e3:.2f} / {m['new_mean'] * 1e3:.2f} ms",
-                  f"{m['compaction'] * 1e3:.1f} ms ({m['appends_between']:.0f})",
-                  f"{m['new_amortized'] * 1e3:.2f} ms", f"{m['old_mean'] / m['new_amortized']:.1f}x")
+        t.add_row(
+            str(m["senders"]),
+            f"{m['snapshot_bytes'] / 1e3:.1f} KB",
+            f"{m['old_median'] * 1e3:.2f} / {m['old_mean'] * 1e3:.2f} ms",
+            f"{m['new_median'] * 1e3:.2f} / {m['new_mean'] * 1e3:.2f} ms",
+            f"{m['compaction'] * 1e3:.1f} ms ({m['appends_between']:.0f})",
+            f"{m['new_amortized'] * 1e3:.2f} ms",
+            f"{m['old_mean'] / m['new_amortized']:.1f}x",
+        )
     Console(width=160).print(t)
     with open("/proc/loadavg") as f:
         Console().print(f"load average {' '.join(f.read().split()[:3])}; directory on {work.parent}")

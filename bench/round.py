@@ -30,8 +30,8 @@ import numpy as np
 
 from bench.env import COORDINATOR, FEDERATION, BenchBroker, bench_broker, mb, model_sizes, model_weights
 from bench.registry import Context, Row, section, summary
-from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.transport import Transport
+from fedagent.node.messaging import Incoming, Messenger
+from fedagent.node.transport import Transport
 from fedagent.protocols import topics
 from fedagent.protocols.aggregation import WeightedMean, check_update
 from fedagent.protocols.codec import Envelope, encode
@@ -46,7 +46,7 @@ ROUND_TIMEOUT = 180.0
 # than that with the default 10 s (measured: every agent dropped once).
 KEEPALIVE = 30
 READY_TOPIC = topics.broadcast(FEDERATION, "bench_ready")
-C_RECEIVER = "cbench"      # the C fan-in's addressee: the coordinator identity reads it
+C_RECEIVER = "cbench"  # the C fan-in's addressee: the coordinator identity reads it
 
 
 def chunk_bytes() -> int:
@@ -62,7 +62,7 @@ def proc_cpu(pids: list[int]) -> float:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += int(fields[11]) + int(fields[12])        # utime, stime
+        total += int(fields[11]) + int(fields[12])  # utime, stime
     return total / os.sysconf("SC_CLK_TCK")
 
 
@@ -74,12 +74,12 @@ def children_cpu() -> float:
 
 # --- the raw C clients --------------------------------------------------------------
 
+
 class CClients:
     def __init__(self, bb: BenchBroker, work: Path) -> None:
         for tool in ("mosquitto_pub", "mosquitto_sub"):
             if shutil.which(tool) is None:
-                raise RuntimeError(f"{tool} is missing: apt-get install mosquitto-clients "
-                                   "(scripts/bench.sh does it)")
+                raise RuntimeError(f"{tool} is missing: apt-get install mosquitto-clients (scripts/bench.sh does it)")
         self.bb = bb
         self.work = work
         self.port = str(bb.broker.port)
@@ -89,18 +89,48 @@ class CClients:
     def _common(self, name: str) -> list[str]:
         tls = self.bb.tls(name)
         self._ids += 1
-        return ["-h", "127.0.0.1", "-p", self.port, "-V", "mqttv5", "-q", "1",
-                "--cafile", str(tls.ca), "--cert", str(tls.cert), "--key", str(tls.key),
-                "-i", f"c-{name}-{os.getpid()}-{self._ids}"]
+        return [
+            "-h",
+            "127.0.0.1",
+            "-p",
+            self.port,
+            "-V",
+            "mqttv5",
+            "-q",
+            "1",
+            "--cafile",
+            str(tls.ca),
+            "--cert",
+            str(tls.cert),
+            "--key",
+            str(tls.key),
+            "-i",
+            f"c-{name}-{os.getpid()}-{self._ids}",
+        ]
 
     def _pub(self, name: str, topic: str, what: list[str]) -> None:
-        subprocess.run(["mosquitto_pub", *self._common(name), "-t", topic, *what],
-                       check=True, timeout=60)
+        subprocess.run(["mosquitto_pub", *self._common(name), "-t", topic, *what], check=True, timeout=60)
 
     def _subs(self, names: list[str], data_topic: str, count: int) -> list[subprocess.Popen]:
-        subs = [subprocess.Popen(["mosquitto_sub", *self._common(n), "-t", READY_TOPIC, "-t", data_topic,
-                                  "-C", str(count), "-F", "%t %l"],
-                                 stdout=subprocess.PIPE, text=True) for n in names]
+        subs = [
+            subprocess.Popen(
+                [
+                    "mosquitto_sub",
+                    *self._common(n),
+                    "-t",
+                    READY_TOPIC,
+                    "-t",
+                    data_topic,
+                    "-C",
+                    str(count),
+                    "-F",
+                    "%t %l",
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for n in names
+        ]
         # The retained ready message arrives only once the subscription is in place.
         for s in subs:
             line = s.stdout.readline()
@@ -132,9 +162,19 @@ class CClients:
 
         sub = self._subs([COORDINATOR], topics.inbox(FEDERATION, C_RECEIVER), len(agents) + 1)
         t0 = time.perf_counter()
-        pubs = [subprocess.Popen(["mosquitto_pub", *self._common(a), "-t",
-                                  topics.direct(FEDERATION, a, C_RECEIVER, "update"), "-f", str(up)])
-                for a in agents]
+        pubs = [
+            subprocess.Popen(
+                [
+                    "mosquitto_pub",
+                    *self._common(a),
+                    "-t",
+                    topics.direct(FEDERATION, a, C_RECEIVER, "update"),
+                    "-f",
+                    str(up),
+                ]
+            )
+            for a in agents
+        ]
         self._collect(sub, up.stat().st_size, len(agents))
         fan_in = time.perf_counter() - t0
         for p in pubs:
@@ -144,6 +184,7 @@ class CClients:
 
 
 # --- fedagent ----------------------------------------------------------------------
+
 
 class FedRounds:
     """The coordinator side of fedagent rounds, with ten agent processes."""
@@ -156,13 +197,22 @@ class FedRounds:
         self.online: set[str] = set()
         self.updates: asyncio.Queue[Update] = asyncio.Queue()
         self.procs: list[subprocess.Popen] = []
-        self.transport = Transport(uri=bb.uri, client_id="bench-coord", tls=bb.tls(COORDINATOR),
-                                   subscriptions=[topics.inbox(FEDERATION, COORDINATOR),
-                                                  topics.all_presence(FEDERATION)], session_expiry=0,
-                                   keepalive=KEEPALIVE)
+        self.transport = Transport(
+            uri=bb.uri,
+            client_id="bench-coord",
+            tls=bb.tls(COORDINATOR),
+            subscriptions=[topics.inbox(FEDERATION, COORDINATOR), topics.all_presence(FEDERATION)],
+            session_expiry=0,
+            keepalive=KEEPALIVE,
+        )
         tls = bb.tls(COORDINATOR)
-        self.messenger = Messenger(federation=FEDERATION, node_id=COORDINATOR, transport=self.transport,
-                                   identity=Identity.load(tls.cert, tls.key, tls.ca), max_chunk_bytes=chunk_bytes())
+        self.messenger = Messenger(
+            federation=FEDERATION,
+            node_id=COORDINATOR,
+            transport=self.transport,
+            identity=Identity.load(tls.cert, tls.key, tls.ca),
+            max_chunk_bytes=chunk_bytes(),
+        )
         self.runner: asyncio.Task | None = None
         self.lost: list[str] = []
 
@@ -182,10 +232,29 @@ class FedRounds:
         await asyncio.wait_for(ready.wait(), 30)
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         for a in self.agents:
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "bench.fed_agent", "--uri", self.bb.uri, "--id", a,
-                 "--certs", str(self.bb.certs), "--ca", str(self.bb.tls(a).ca),
-                 "--chunk", str(chunk_bytes()), "--keepalive", str(KEEPALIVE)], env=env, cwd=ROOT))
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "bench.fed_agent",
+                        "--uri",
+                        self.bb.uri,
+                        "--id",
+                        a,
+                        "--certs",
+                        str(self.bb.certs),
+                        "--ca",
+                        str(self.bb.tls(a).ca),
+                        "--chunk",
+                        str(chunk_bytes()),
+                        "--keepalive",
+                        str(KEEPALIVE),
+                    ],
+                    env=env,
+                    cwd=ROOT,
+                )
+            )
         deadline = time.monotonic() + 90
         while self.online != set(self.agents):
             for p in self.procs:
@@ -202,8 +271,14 @@ class FedRounds:
         c0, b0 = time.process_time() + proc_cpu(pids), proc_cpu(broker)
         t0 = time.perf_counter()
         acc = WeightedMean(self.weights)
-        start = RoundStart(round=r, model_version=r - 1, selected=tuple(self.agents), deadline_s=600,
-                           train=TrainConfig(), weights=self.weights)
+        start = RoundStart(
+            round=r,
+            model_version=r - 1,
+            selected=tuple(self.agents),
+            deadline_s=600,
+            train=TrainConfig(),
+            weights=self.weights,
+        )
         await self.messenger.send(topics.broadcast(FEDERATION, "round_start"), start, round_=r)
         got = 0
         deadline = time.monotonic() + ROUND_TIMEOUT
@@ -212,8 +287,10 @@ class FedRounds:
                 u = await asyncio.wait_for(self.updates.get(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 # Reported as a round of ROUND_TIMEOUT seconds: it shows in the maximum.
-                self.lost.append(f"round {r}: {len(self.agents) - got} of {len(self.agents)} updates "
-                                 f"missing after {ROUND_TIMEOUT:.0f} s")
+                self.lost.append(
+                    f"round {r}: {len(self.agents) - got} of {len(self.agents)} updates "
+                    f"missing after {ROUND_TIMEOUT:.0f} s"
+                )
                 self.log(self.lost[-1])
                 return ROUND_TIMEOUT, time.process_time() + proc_cpu(pids) - c0, proc_cpu(broker) - b0
             if u.round != r:
@@ -234,13 +311,30 @@ class FedRounds:
 
     def payloads(self, work: Path) -> tuple[Path, Path]:
         """The encoded RoundStart and Update, as files for the C clients."""
-        start = RoundStart(round=1, model_version=0, selected=tuple(self.agents), deadline_s=600,
-                           train=TrainConfig(), weights=self.weights)
+        start = RoundStart(
+            round=1,
+            model_version=0,
+            selected=tuple(self.agents),
+            deadline_s=600,
+            train=TrainConfig(),
+            weights=self.weights,
+        )
         upd = Update(round=1, base_version=0, num_samples=1, metrics={}, weights=self.weights)
         down, up = work / "round_start.bin", work / "update.bin"
         for path, msg, sender in ((down, start, COORDINATOR), (up, upd, self.agents[0])):
-            path.write_bytes(encode(Envelope(kind=msg.kind, federation=FEDERATION, sender=sender,
-                                             round=1, seq=1, ts=time.time(), body=msg.to_body())))
+            path.write_bytes(
+                encode(
+                    Envelope(
+                        kind=msg.kind,
+                        federation=FEDERATION,
+                        sender=sender,
+                        round=1,
+                        seq=1,
+                        ts=time.time(),
+                        body=msg.to_body(),
+                    )
+                )
+            )
         return down, up
 
     async def stop(self) -> None:
@@ -266,19 +360,30 @@ async def _measure(bb: BenchBroker, cc: CClients, params: int, repeats: int, wor
     try:
         await fed.start()
         down, up = fed.payloads(work)
-        await fed.round(1)                                # warm-up: connections, page cache
+        await fed.round(1)  # warm-up: connections, page cache
         await asyncio.to_thread(cc.round, down, up, fed.agents)
-        res: dict[str, list[float]] = {k: [] for k in ("fedagent", "c", "c_out", "c_in", "fed_cpu",
-                                                       "c_cpu", "fed_broker", "c_broker")}
+        res: dict[str, list[float]] = {
+            k: [] for k in ("fedagent", "c", "c_out", "c_in", "fed_cpu", "c_cpu", "fed_broker", "c_broker")
+        }
         for i in range(repeats):
             t, cpu, bcpu = await fed.round(i + 2)
             o, n, ccpu, cbcpu = await asyncio.to_thread(cc.round, down, up, fed.agents)
-            for k, v in (("fedagent", t), ("c", o + n), ("c_out", o), ("c_in", n), ("fed_cpu", cpu),
-                         ("c_cpu", ccpu), ("fed_broker", bcpu), ("c_broker", cbcpu)):
+            for k, v in (
+                ("fedagent", t),
+                ("c", o + n),
+                ("c_out", o),
+                ("c_in", n),
+                ("fed_cpu", cpu),
+                ("c_cpu", ccpu),
+                ("fed_broker", bcpu),
+                ("c_broker", cbcpu),
+            ):
                 res[k].append(v)
-            log(f"{mb(params)} round {i + 1}/{repeats}: fedagent {t:.2f} s (CPU {cpu:.2f} s, broker "
+            log(
+                f"{mb(params)} round {i + 1}/{repeats}: fedagent {t:.2f} s (CPU {cpu:.2f} s, broker "
                 f"{bcpu:.2f} s), C clients {o + n:.2f} s (fan-out {o:.2f} + fan-in {n:.2f}; CPU "
-                f"{ccpu:.2f} s, broker {cbcpu:.2f} s)")
+                f"{ccpu:.2f} s, broker {cbcpu:.2f} s)"
+            )
         return res | {"bytes": down.stat().st_size, "lost": fed.lost}
     finally:
         await fed.stop()
@@ -296,17 +401,45 @@ def fedavg_round(ctx: Context, agents: int = AGENTS) -> list[Row]:
             ctx.shared[("fedagent_round", params)] = res["fedagent"]
             for what in res["lost"]:
                 ctx.shared.setdefault("failures", []).append(f"fedagent {mb(params)} {what}")
-            rows.append(Row("round", f"fedagent FedAvg round, TLS, {agents} agents, {mb(params)} (median)",
-                            ours_med, "mosquitto_pub/sub fan-out + fan-in (median)", c_med,
-                            note=f"target <= 1.2x; max {ours_max:.2f} s vs {c_max:.2f} s; n={len(res['c'])}; "
-                                 f"C fan-out {summary(res['c_out'])[0]:.2f} s, fan-in {summary(res['c_in'])[0]:.2f} s"))
-            rows.append(Row("round", f"fedagent FedAvg round, TLS, {agents} agents, {mb(params)} (max)",
-                            ours_max, "mosquitto_pub/sub fan-out + fan-in (max)", c_max))
+            rows.append(
+                Row(
+                    "round",
+                    f"fedagent FedAvg round, TLS, {agents} agents, {mb(params)} (median)",
+                    ours_med,
+                    "mosquitto_pub/sub fan-out + fan-in (median)",
+                    c_med,
+                    note=f"target <= 1.2x; max {ours_max:.2f} s vs {c_max:.2f} s; n={len(res['c'])}; "
+                    f"C fan-out {summary(res['c_out'])[0]:.2f} s, fan-in {summary(res['c_in'])[0]:.2f} s",
+                )
+            )
+            rows.append(
+                Row(
+                    "round",
+                    f"fedagent FedAvg round, TLS, {agents} agents, {mb(params)} (max)",
+                    ours_max,
+                    "mosquitto_pub/sub fan-out + fan-in (max)",
+                    c_max,
+                )
+            )
             # CPU time is far less disturbed than wall time by other work on the machine.
-            rows.append(Row("round", f"CPU of coordinator + {agents} agents per round, {mb(params)} (median)",
-                            summary(res["fed_cpu"])[0], "CPU of the mosquitto_pub/sub processes (median)",
-                            summary(res["c_cpu"])[0], note="client side only; excludes the broker"))
-            rows.append(Row("round", f"broker CPU per fedagent round, {mb(params)} (median)",
-                            summary(res["fed_broker"])[0], "broker CPU per C-client round (median)",
-                            summary(res["c_broker"])[0], note="the same Mosquitto process"))
+            rows.append(
+                Row(
+                    "round",
+                    f"CPU of coordinator + {agents} agents per round, {mb(params)} (median)",
+                    summary(res["fed_cpu"])[0],
+                    "CPU of the mosquitto_pub/sub processes (median)",
+                    summary(res["c_cpu"])[0],
+                    note="client side only; excludes the broker",
+                )
+            )
+            rows.append(
+                Row(
+                    "round",
+                    f"broker CPU per fedagent round, {mb(params)} (median)",
+                    summary(res["fed_broker"])[0],
+                    "broker CPU per C-client round (median)",
+                    summary(res["c_broker"])[0],
+                    note="the same Mosquitto process",
+                )
+            )
     return rows

@@ -42,25 +42,35 @@ def machine() -> dict[str, str]:
     except OSError:
         pass
     try:
-        mosq = subprocess.run(["mosquitto", "-h"], capture_output=True, text=True,
-                              timeout=5).stdout.splitlines()[0]
+        mosq = subprocess.run(["mosquitto", "-h"], capture_output=True, text=True, timeout=5).stdout.splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         try:
-            mosq = subprocess.run(["/usr/sbin/mosquitto", "-h"], capture_output=True, text=True,
-                                  timeout=5).stdout.splitlines()[0]
+            mosq = subprocess.run(
+                ["/usr/sbin/mosquitto", "-h"], capture_output=True, text=True, timeout=5
+            ).stdout.splitlines()[0]
         except (OSError, IndexError, subprocess.SubprocessError):
             mosq = "unknown"
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
-    return {"cpus": str(os.cpu_count()), "cpu": cpu, "mosquitto": mosq,
-            "python": platform.python_version(), "kernel": platform.release(), "loadavg": load}
+    return {
+        "cpus": str(os.cpu_count()),
+        "cpu": cpu,
+        "mosquitto": mosq,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "loadavg": load,
+    }
 
 
 def markdown(rows: list[Row]) -> str:
-    lines = ["| section | subject | value | baseline | baseline value | ratio | note |",
-             "|---|---|---:|---|---:|---:|---|"]
+    lines = [
+        "| section | subject | value | baseline | baseline value | ratio | note |",
+        "|---|---|---:|---|---:|---:|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r.section} | {r.subject} | {_fmt(r.value, r.unit)} | {r.baseline} | "
-                     f"{_fmt(r.baseline_value, r.unit)} | {r.ratio:.2f}x | {r.note} |")
+        lines.append(
+            f"| {r.section} | {r.subject} | {_fmt(r.value, r.unit)} | {r.baseline} | "
+            f"{_fmt(r.baseline_value, r.unit)} | {r.ratio:.2f}x | {r.note} |"
+        )
     return "\n".join(lines)
 
 
@@ -78,24 +88,42 @@ def print_table(rows: list[Row]) -> None:
         print(markdown(rows))
         return
     t = Table(title="fedagent benchmarks (ratio = subject / baseline, same run; >1 = slower)")
-    for col, justify in [("section", "left"), ("subject", "left"), ("value", "right"),
-                         ("baseline", "left"), ("baseline value", "right"), ("ratio", "right"),
-                         ("note", "left")]:
+    for col, justify in [
+        ("section", "left"),
+        ("subject", "left"),
+        ("value", "right"),
+        ("baseline", "left"),
+        ("baseline value", "right"),
+        ("ratio", "right"),
+        ("note", "left"),
+    ]:
         t.add_column(col, justify=justify)
     for r in rows:
-        t.add_row(r.section, r.subject, _fmt(r.value, r.unit), r.baseline,
-                  _fmt(r.baseline_value, r.unit), f"{r.ratio:.2f}x", r.note)
+        t.add_row(
+            r.section,
+            r.subject,
+            _fmt(r.value, r.unit),
+            r.baseline,
+            _fmt(r.baseline_value, r.unit),
+            f"{r.ratio:.2f}x",
+            r.note,
+        )
     Console(width=200).print(t)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small model, few repetitions")
-    ap.add_argument("--only", action="append", default=[], metavar="NAME",
-                    help="run only this section (repeatable)")
+    ap.add_argument("--only", action="append", default=[], metavar="NAME", help="run only this section (repeatable)")
     ap.add_argument("--repeats", type=int, default=None, help="rounds/repetitions per measurement")
-    ap.add_argument("--params", type=float, action="append", default=[], metavar="N",
-                    help="model size in parameters, e.g. 11.2e6 (repeatable; default 11.2M and 1.1M)")
+    ap.add_argument(
+        "--params",
+        type=float,
+        action="append",
+        default=[],
+        metavar="N",
+        help="model size in parameters, e.g. 11.2e6 (repeatable; default 11.2M and 1.1M)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="directory for table.md and results.json")
     args = ap.parse_args(argv)
     # A plain SIGTERM would skip the finally blocks that stop brokers and agent processes.
@@ -109,20 +137,23 @@ def main(argv: list[str] | None = None) -> int:
     names = args.only or list(SECTIONS)
     repeats = args.repeats or (2 if args.quick else 5)
     info = machine()
-    print(f"machine: {info['cpus']} CPUs, {info['cpu']}; {info['mosquitto']}; load {info['loadavg']}",
-          flush=True)
+    print(f"machine: {info['cpus']} CPUs, {info['cpu']}; {info['mosquitto']}; load {info['loadavg']}", flush=True)
     rows: list[Row] = []
     failures: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="fedagent-bench-") as tmp:
-        ctx = Context(quick=args.quick, work=Path(tmp), repeats=repeats,
-                      sizes=[int(p) for p in args.params] or None,
-                      log=lambda s: print(f"  {s}", flush=True))
+        ctx = Context(
+            quick=args.quick,
+            work=Path(tmp),
+            repeats=repeats,
+            sizes=[int(p) for p in args.params] or None,
+            log=lambda s: print(f"  {s}", flush=True),
+        )
         for name in names:
             print(f"[{name}]", flush=True)
             t0 = time.monotonic()
             try:
                 rows += SECTIONS[name](ctx)
-            except Exception as exc:  # noqa: BLE001 - one broken section must not hide the others
+            except Exception as exc:
                 failures[name] = f"{type(exc).__name__}: {exc}"
                 print(f"  section {name} failed: {failures[name]}", flush=True)
             except KeyboardInterrupt:
@@ -142,9 +173,19 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         notes = "".join(f"\nNot measured: {w}\n" for w in not_measured)
         (args.out / "table.md").write_text(markdown(rows) + "\n" + notes)
-        (args.out / "results.json").write_text(json.dumps(
-            {"machine": info, "quick": args.quick, "repeats": repeats, "failures": failures, "not_measured": not_measured,
-             "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]}, indent=2))
+        (args.out / "results.json").write_text(
+            json.dumps(
+                {
+                    "machine": info,
+                    "quick": args.quick,
+                    "repeats": repeats,
+                    "failures": failures,
+                    "not_measured": not_measured,
+                    "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
+                },
+                indent=2,
+            )
+        )
     return 1 if failures else 0
 
 

@@ -30,42 +30,60 @@ def memory(ctx: Context, cases: list[tuple[int, int]] | None = None, whole_too: 
     are measured next to streams for the 1.1M model only: at 44.8 MB they cost 10 buffered
     updates and minutes of this section for a figure (14.5x) that is not in question."""
     from bench import memory as memory_bench
+
     if cases is None:
         cases = [(10, 1_100_000)] if ctx.quick else memory_bench.DEFAULT_CASES
     rows: list[dict] = []
     for n, params in cases:
-        rows += memory_bench.measure([(n, params)], rounds=2, whole_too=whole_too and params <= 1_100_000,
-                                    console=_Log(ctx))
+        rows += memory_bench.measure(
+            [(n, params)], rounds=2, whole_too=whole_too and params <= 1_100_000, console=_Log(ctx)
+        )
     out = []
     for n, params in cases:
         s = next(r for r in rows if (r["agents"], r["params"], r["path"]) == (n, params, "stream"))
         w = next((r for r in rows if (r["agents"], r["params"], r["path"]) == (n, params, "whole")), None)
-        whole = (f"; whole-message updates {w['peak_over_model']:.1f}x (peak {w['peak_rss_mb']:.0f} MB)"
-                 if w else "")
-        out.append(Row("memory", f"coordinator peak RSS / model, {n} agents x {params * 4 / 1e6:.1f} MB, streamed",
-                       s["peak_over_model"], "issue 9 target", 3.0, unit="x model",
-                       note=f"(peak - idle + model) / model; peak {s['peak_rss_mb']:.0f} MB, idle "
-                            f"{s['idle_rss_mb']:.0f} MB{whole}"))
+        whole = f"; whole-message updates {w['peak_over_model']:.1f}x (peak {w['peak_rss_mb']:.0f} MB)" if w else ""
+        out.append(
+            Row(
+                "memory",
+                f"coordinator peak RSS / model, {n} agents x {params * 4 / 1e6:.1f} MB, streamed",
+                s["peak_over_model"],
+                "issue 9 target",
+                3.0,
+                unit="x model",
+                note=f"(peak - idle + model) / model; peak {s['peak_rss_mb']:.0f} MB, idle "
+                f"{s['idle_rss_mb']:.0f} MB{whole}",
+            )
+        )
     return out
 
 
 @section("scale")
 def scale(ctx: Context) -> list[Row]:
     from bench import scale as scale_bench
+
     agents = [10, 100] if ctx.quick else [10, 100, 1000]
-    rows = scale_bench.measure(agents, params=1000, rounds=2 if ctx.quick else 3, compression="none",
-                               console=_Log(ctx))
+    rows = scale_bench.measure(agents, params=1000, rounds=2 if ctx.quick else 3, compression="none", console=_Log(ctx))
     base = rows[0]
-    return [Row("scale", f"FedAvg round, {r['agents']} agents (1000 params, training off)", r["round_median_s"],
-                "the same round with 10 agents", base["round_median_s"],
-                note=f"max {r['round_max_s']:.2f} s; coordinator CPU {r['coordinator_cpu_per_update_ms']:.2f} ms "
-                     f"per update" if r["round_median_s"] is not None else "incomplete")
-            for r in rows]
+    return [
+        Row(
+            "scale",
+            f"FedAvg round, {r['agents']} agents (1000 params, training off)",
+            r["round_median_s"],
+            "the same round with 10 agents",
+            base["round_median_s"],
+            note=f"max {r['round_max_s']:.2f} s; coordinator CPU {r['coordinator_cpu_per_update_ms']:.2f} ms per update"
+            if r["round_median_s"] is not None
+            else "incomplete",
+        )
+        for r in rows
+    ]
 
 
 @section("compression")
 def compression(ctx: Context) -> list[Row]:
     from bench import compression as compression_bench
+
     # 12 rounds, one seed: the full 15 x 2 seeds of bench/compression.py took ~30 min
     # on the loaded 2-core machine; run that script alone for the longer figure.
     rounds, seeds = (4, 1) if ctx.quick else (12, 1)
@@ -77,9 +95,17 @@ def compression(ctx: Context) -> list[Row]:
     none = results[0]
     out = []
     for r in results[1:]:
-        out.append(Row("compression", f"update bytes, {r['mode']}", r["bytes_per_update"],
-                       "compression none", none["bytes_per_update"], unit="B",
-                       note=f"saved {100 * (1 - r['bytes_per_update'] / none['bytes_per_update']):.1f}%; digits "
-                            f"accuracy {r['accuracy']:.4f} vs {none['accuracy']:.4f}: cost "
-                            f"{100 * (none['accuracy'] - r['accuracy']):.2f} points; {rounds} rounds, {seeds} seed(s)"))
+        out.append(
+            Row(
+                "compression",
+                f"update bytes, {r['mode']}",
+                r["bytes_per_update"],
+                "compression none",
+                none["bytes_per_update"],
+                unit="B",
+                note=f"saved {100 * (1 - r['bytes_per_update'] / none['bytes_per_update']):.1f}%; digits "
+                f"accuracy {r['accuracy']:.4f} vs {none['accuracy']:.4f}: cost "
+                f"{100 * (none['accuracy'] - r['accuracy']):.2f} points; {rounds} rounds, {seeds} seed(s)",
+            )
+        )
     return out

@@ -13,9 +13,8 @@ that part is skipped if ``mosquitto`` is not installed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import asyncio
-import statistics
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -23,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from fedagent import pki
-from fedagent.agent import messaging
-from fedagent.agent.messaging import Messenger
+from fedagent.node import messaging
+from fedagent.node.messaging import Messenger
 from fedagent.protocols import topics
 from fedagent.protocols.messages import Update
 from fedagent.signing import Identity
@@ -52,13 +51,13 @@ def identities(d: Path) -> tuple[Identity, Identity]:
 async def once(model, a: Identity, c: Identity, signed: bool) -> tuple[float, float]:
     saved = (messaging.sign, Messenger.__dict__.get("_verify_off"))
     if not signed:
-        messaging.sign = lambda env, ident: env                       # type: ignore[assignment]
+        messaging.sign = lambda env, ident: env  # type: ignore[assignment]
     try:
         out = Collect()
         send = Messenger(federation=FED, node_id="agent-1", transport=out, identity=a)
         recv = Messenger(federation=FED, node_id="coord", transport=None, identity=c)
         if not signed:
-            recv.verifier.check = lambda env, now=None: "agent"       # type: ignore[assignment]
+            recv.verifier.check = lambda env, now=None: "agent"  # type: ignore[assignment]
         topic = topics.direct(FED, "agent-1", "coord", "update")
         t0 = time.perf_counter()
         await send.send(topic, Update(1, 0, 10, {}, model))
@@ -106,8 +105,8 @@ async def over_broker(model, d: Path, a: Identity, c: Identity) -> float | None:
 
     if shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists():
         return None
-    from fedagent.agent.transport import TlsFiles, Transport
     from fedagent.broker import EmbeddedBroker
+    from fedagent.node.transport import TlsFiles, Transport
 
     broker = EmbeddedBroker(d / "broker", federations=[FED], coordinators=["coord"], ca_dir=d)
     broker.start()
@@ -118,9 +117,15 @@ async def over_broker(model, d: Path, a: Identity, c: Identity) -> float | None:
         async def handler(t, p):
             await recv.receive(t, p, got.put)
 
-        tc = Transport(uri=broker.uri, client_id="coord-bench", tls=TlsFiles(d / pki.CA_CERT, d / "coord.crt", d / "coord.key"),
-                       subscriptions=[topics.inbox(FED, "coord")])
-        ta = Transport(uri=broker.uri, client_id="agent-bench", tls=TlsFiles(d / pki.CA_CERT, d / "agent-1.crt", d / "agent-1.key"))
+        tc = Transport(
+            uri=broker.uri,
+            client_id="coord-bench",
+            tls=TlsFiles(d / pki.CA_CERT, d / "coord.crt", d / "coord.key"),
+            subscriptions=[topics.inbox(FED, "coord")],
+        )
+        ta = Transport(
+            uri=broker.uri, client_id="agent-bench", tls=TlsFiles(d / pki.CA_CERT, d / "agent-1.crt", d / "agent-1.key")
+        )
         rc, ra = asyncio.Event(), asyncio.Event()
         tasks = [asyncio.create_task(tc.run(handler, rc)), asyncio.create_task(ta.run(lambda t, p: None, ra))]
         await rc.wait()
@@ -155,21 +160,31 @@ def main() -> None:
             rows[signed] = (min(t[0] for t in times), min(t[1] for t in times))
         direct = signing_alone(model, a, c, args.repeat)
         print(f"model {args.mb} MB, 4 MiB chunks, best of {args.repeat}")
-        print(f"  signing alone: {direct[0] * 1e3:.1f} ms to sign the {direct[2]} frames, "
-              f"{direct[1] * 1e3:.1f} ms to verify them (certificate check cached after the first)")
-        print(f"  send   (encode, chunk{', sign'}): {rows[False][0] * 1e3:7.1f} ms unsigned, {rows[True][0] * 1e3:7.1f} ms signed")
-        print(f"  receive (decode, reassemble, verify): {rows[False][1] * 1e3:7.1f} ms unsigned, {rows[True][1] * 1e3:7.1f} ms signed")
+        print(
+            f"  signing alone: {direct[0] * 1e3:.1f} ms to sign the {direct[2]} frames, "
+            f"{direct[1] * 1e3:.1f} ms to verify them (certificate check cached after the first)"
+        )
+        print(
+            f"  send   (encode, chunk{', sign'}): {rows[False][0] * 1e3:7.1f} ms unsigned, {rows[True][0] * 1e3:7.1f} ms signed"
+        )
+        print(
+            f"  receive (decode, reassemble, verify): {rows[False][1] * 1e3:7.1f} ms unsigned, {rows[True][1] * 1e3:7.1f} ms signed"
+        )
         extra = direct[0] + direct[1]
-        print(f"  end to end, signing + verification add {(rows[True][0] - rows[False][0]) + (rows[True][1] - rows[False][1]):.3f} s "
-              "(noisy on a loaded machine; the direct figure above is the cost)")
+        print(
+            f"  end to end, signing + verification add {(rows[True][0] - rows[False][0]) + (rows[True][1] - rows[False][1]):.3f} s "
+            "(noisy on a loaded machine; the direct figure above is the cost)"
+        )
         try:
             took = asyncio.run(over_broker(model, d, a, c))
-        except Exception as exc:  # noqa: BLE001 - the reference transfer is optional
+        except Exception as exc:
             print(f"  (transfer over Mosquitto not measured: {exc})")
             took = None
         if took is not None:
-            print(f"  one signed transfer agent -> Mosquitto (mTLS) -> coordinator: {took * 1e3:.0f} ms; "
-                  f"signing + verification = {100 * extra / took:.1f} % of it")
+            print(
+                f"  one signed transfer agent -> Mosquitto (mTLS) -> coordinator: {took * 1e3:.0f} ms; "
+                f"signing + verification = {100 * extra / took:.1f} % of it"
+            )
 
 
 if __name__ == "__main__":

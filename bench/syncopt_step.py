@@ -41,23 +41,35 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:       # run as a script: ``python bench/syncopt_step.py``
+if str(ROOT) not in sys.path:  # run as a script: ``python bench/syncopt_step.py``
     sys.path.insert(0, str(ROOT))
 
 from bench.registry import Context, Row, section, summary  # noqa: E402
 from fedagent.demo import Federation  # noqa: E402
 
 AGENTS = 5
-OPTIONS = {"corpus": "synthetic", "vocab_size": 5000, "true_topics": 50, "shared_topics": 10, "eta": 1.0,
-           "docs": 400, "val_docs": 10, "n_topics": 50, "batch_size": 64, "seed": 0, "data_seed": 0}
+OPTIONS = {
+    "corpus": "synthetic",
+    "vocab_size": 5000,
+    "true_topics": 50,
+    "shared_topics": 10,
+    "eta": 1.0,
+    "docs": 400,
+    "val_docs": 10,
+    "n_topics": 50,
+    "batch_size": 64,
+    "seed": 0,
+    "data_seed": 0,
+}
 
 
 def read_history(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def measure(steps: int, warmup: int, work: Path, progress=None, agents: int = AGENTS,
-            options: dict | None = None) -> dict[str, list[float] | int]:
+def measure(
+    steps: int, warmup: int, work: Path, progress=None, agents: int = AGENTS, options: dict | None = None
+) -> dict[str, list[float] | int]:
     """Run the federation for ``steps`` steps under ``work``; per measured step (after
     ``warmup``), the parts listed in the module docstring, in seconds. ``agents`` and the
     task ``options`` (default :data:`OPTIONS`) make it smaller (the test suite's run)."""
@@ -66,18 +78,28 @@ def measure(steps: int, warmup: int, work: Path, progress=None, agents: int = AG
     started = time.monotonic()
     try:
         fed.prepare()
-        fed.prepare_syncopt("prodlda", lambda i: {**options, "shard": i, "shards": agents}, {**options, "shard": 0,
-                            "shards": agents}, {"steps": steps, "expected_agents": agents,
-                                                "min_agents": agents, "step_timeout": 300.0,
-                                                "on_fault": "abort", "checkpoint_every": steps})
+        fed.prepare_syncopt(
+            "prodlda",
+            lambda i: {**options, "shard": i, "shards": agents},
+            {**options, "shard": 0, "shards": agents},
+            {
+                "steps": steps,
+                "expected_agents": agents,
+                "min_agents": agents,
+                "step_timeout": 300.0,
+                "on_fault": "abort",
+                "checkpoint_every": steps,
+            },
+        )
         fed.start_all()
         while True:
             fed.check_alive()
             s = fed.status("coordinator")
             if s is not None:
                 if progress is not None:
-                    progress(f"coordinator: {s['phase']}, step {s['step']}/{steps}, "
-                             f"vocabulary {s.get('vocabulary_size')}")
+                    progress(
+                        f"coordinator: {s['phase']}, step {s['step']}/{steps}, vocabulary {s.get('vocabulary_size')}"
+                    )
                 if s["phase"] in ("done", "aborted"):
                     break
             if time.monotonic() - started > 1800:
@@ -88,17 +110,22 @@ def measure(steps: int, warmup: int, work: Path, progress=None, agents: int = AG
         # Agents flush their step records when the final model arrives.
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not all(
-                (fed.status(a) or {}).get("phase") == "finished" for a in fed.agent_ids):
+            (fed.status(a) or {}).get("phase") == "finished" for a in fed.agent_ids
+        ):
             time.sleep(0.2)
-        coord = [r for r in read_history(work / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl")
-                 if r.get("event") == "step"]
+        coord = [
+            r
+            for r in read_history(work / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl")
+            if r.get("event") == "step"
+        ]
         by_step: dict[int, list[dict]] = {}
         for aid in fed.agent_ids:
             for r in read_history(work / "state" / aid / "agent" / fed.fed / "history.jsonl"):
                 if r.get("event") == "gradient":
                     by_step.setdefault(r["step"], []).append(r)
-        full = [(r, by_step[r["step"]]) for r in coord
-                if r["step"] > warmup and len(by_step.get(r["step"], [])) == agents]
+        full = [
+            (r, by_step[r["step"]]) for r in coord if r["step"] > warmup and len(by_step.get(r["step"], [])) == agents
+        ]
         if not full:
             raise SystemExit("no complete step records")
         step = [r["seconds"] for r, _ in full]
@@ -109,15 +136,25 @@ def measure(steps: int, warmup: int, work: Path, progress=None, agents: int = AG
         down = [max(a["received_t"] for a in ags) - r["started_t"] for r, ags in full]
         up = [r["last_gradient_t"] - max(a["computed_t"] for a in ags) for r, ags in full]
         other = [c - d - u for c, d, u in zip(comm, down, up)]
-        return {"vocab": s.get("vocabulary_size"), "step": step, "fwd": fwd, "opt": opt, "comm": comm,
-                "down": down, "up": up, "other": other, "total": time.monotonic() - started}
+        return {
+            "vocab": s.get("vocabulary_size"),
+            "step": step,
+            "fwd": fwd,
+            "opt": opt,
+            "comm": comm,
+            "down": down,
+            "up": up,
+            "other": other,
+            "total": time.monotonic() - started,
+        }
     finally:
         fed.close()
 
 
 @section("syncopt")
-def syncopt_section(ctx: Context, agents: int = AGENTS, options: dict | None = None,
-                    steps: tuple[int, int] | None = None) -> list[Row]:
+def syncopt_section(
+    ctx: Context, agents: int = AGENTS, options: dict | None = None, steps: tuple[int, int] | None = None
+) -> list[Row]:
     """One Sync-Opt step against its own compute: the ratio is what the network part
     (W out, gradients in, over TLS and the broker) multiplies the step by. ``steps`` is
     (steps, warm-up steps left out)."""
@@ -127,11 +164,18 @@ def syncopt_section(ctx: Context, agents: int = AGENTS, options: dict | None = N
     step_med, step_max = summary(m["step"])
     compute = [f + o for f, o in zip(m["fwd"], m["opt"])]
     comm_share = statistics.fmean(m["comm"]) / statistics.fmean(m["step"])
-    return [Row("syncopt", f"Sync-Opt step, {agents} agents, ProdLDA V={m['vocab']} K={options['n_topics']}",
-                step_med, "compute only (slowest agent fwd/bwd + Adam)", statistics.median(compute),
-                note=f"max {step_max:.2f} s; communication {comm_share:.0%} of the mean step "
-                     f"(W out median {1000 * statistics.median(m['down']):.0f} ms, gradients in "
-                     f"{1000 * statistics.median(m['up']):.0f} ms); {len(m['step'])} steps")]
+    return [
+        Row(
+            "syncopt",
+            f"Sync-Opt step, {agents} agents, ProdLDA V={m['vocab']} K={options['n_topics']}",
+            step_med,
+            "compute only (slowest agent fwd/bwd + Adam)",
+            statistics.median(compute),
+            note=f"max {step_max:.2f} s; communication {comm_share:.0%} of the mean step "
+            f"(W out median {1000 * statistics.median(m['down']):.0f} ms, gradients in "
+            f"{1000 * statistics.median(m['up']):.0f} ms); {len(m['step'])} steps",
+        )
+    ]
 
 
 def main() -> int:
@@ -146,18 +190,26 @@ def main() -> int:
         with console.status("starting 5 agents and the coordinator, vocabulary consensus, steps ...") as st:
             m = measure(args.steps, args.warmup, work, progress=st.update)
         step = m["step"]
-        table = Table(title=f"Sync-Opt step, {AGENTS} agents, ProdLDA V={m['vocab']} K={OPTIONS['n_topics']}, batch "
-                            f"{OPTIONS['batch_size']}/agent, Mosquitto + mTLS, {len(step)} steps "
-                            f"(after {args.warmup} warm-up)", title_justify="left")
+        table = Table(
+            title=f"Sync-Opt step, {AGENTS} agents, ProdLDA V={m['vocab']} K={OPTIONS['n_topics']}, batch "
+            f"{OPTIONS['batch_size']}/agent, Mosquitto + mTLS, {len(step)} steps "
+            f"(after {args.warmup} warm-up)",
+            title_justify="left",
+        )
         for col in ("part", "median ms", "mean ms", "p90 ms", "max ms", "share of mean step"):
             table.add_column(col, justify="left" if col == "part" else "right")
         mean_step = statistics.fmean(step)
 
         def row(name: str, xs: list[float]) -> None:
             q = sorted(xs)
-            table.add_row(name, f"{1000 * statistics.median(xs):.1f}", f"{1000 * statistics.fmean(xs):.1f}",
-                          f"{1000 * q[int(0.9 * (len(q) - 1))]:.1f}", f"{1000 * max(xs):.1f}",
-                          f"{statistics.fmean(xs) / mean_step:.0%}")
+            table.add_row(
+                name,
+                f"{1000 * statistics.median(xs):.1f}",
+                f"{1000 * statistics.fmean(xs):.1f}",
+                f"{1000 * q[int(0.9 * (len(q) - 1))]:.1f}",
+                f"{1000 * max(xs):.1f}",
+                f"{statistics.fmean(xs) / mean_step:.0%}",
+            )
 
         row("step (coordinator wall time)", step)
         row("compute: agents fwd/bwd (slowest)", m["fwd"])
@@ -168,9 +220,11 @@ def main() -> int:
         row("  of which coordinator other (overlap < 0)", m["other"])
         console.print(table)
         nbytes = 4 * 770_200
-        console.print(f"per step: W broadcast once ({nbytes / 1e6:.1f} MB) to {AGENTS} agents, {AGENTS} gradients "
-                      f"of {nbytes / 1e6:.1f} MB back; load average {os.getloadavg()[0]:.1f} on "
-                      f"{os.cpu_count()} CPUs; total run {m['total']:.0f}s")
+        console.print(
+            f"per step: W broadcast once ({nbytes / 1e6:.1f} MB) to {AGENTS} agents, {AGENTS} gradients "
+            f"of {nbytes / 1e6:.1f} MB back; load average {os.getloadavg()[0]:.1f} on "
+            f"{os.cpu_count()} CPUs; total run {m['total']:.0f}s"
+        )
         return 0
     finally:
         if args.keep:

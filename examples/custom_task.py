@@ -37,7 +37,7 @@ class CsvLogistic(Task):
         self.features, self.classes = x.shape[1], classes
 
     def build_model(self) -> nn.Module:
-        torch.manual_seed(0)          # same initial weights on every node
+        torch.manual_seed(0)  # same initial weights on every node
         return nn.Linear(self.features, self.classes)
 
     def num_samples(self) -> int:

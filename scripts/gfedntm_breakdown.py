@@ -41,13 +41,17 @@ def main() -> None:
     structure = TopicStructure(scale.true_topics, args.shared, scale.nodes)
     shared = np.arange(args.shared)
     rows: dict[str, dict[str, float]] = {}
-    readings = {"softmax(beta)": lambda task, model, theta: task.topic_word(model),
-                "decoder": lambda task, model, theta: task.decoder_topic_word(model, theta)}
+    readings = {
+        "softmax(beta)": lambda task, model, theta: task.topic_word(model),
+        "decoder": lambda task, model, theta: task.decoder_topic_word(model, theta),
+    }
 
     def scores(task, model) -> dict[str, np.ndarray]:
         theta = gfedntm.theta_on(task, model, data.val_bow, data.all_terms)
-        return {name: per_topic(data.beta, gfedntm.widen(f(task, model, theta), task.terms, data.all_terms))
-                for name, f in readings.items()}
+        return {
+            name: per_topic(data.beta, gfedntm.widen(f(task, model, theta), task.terms, data.all_terms))
+            for name, f in readings.items()
+        }
 
     # non-collaborative: per node, own private topics vs the others'
     local: dict[str, list[dict[str, float]]] = {name: [] for name in readings}
@@ -58,8 +62,14 @@ def main() -> None:
         own = np.setdiff1d(structure.node_topics(n), shared)
         others = np.setdiff1d(np.arange(scale.true_topics), structure.node_topics(n))
         for name, sims in scores(task, model).items():
-            local[name].append({"total": sims.sum(), "shared": sims[shared].sum(), "own private": sims[own].sum(),
-                                "others' private": sims[others].sum()})
+            local[name].append(
+                {
+                    "total": sims.sum(),
+                    "shared": sims[shared].sum(),
+                    "own private": sims[own].sum(),
+                    "others' private": sims[others].sum(),
+                }
+            )
     tasks, terms = gfedntm.joint_tasks(scale, data)
     fed, _ = gfedntm.syncopt_early_stopped(tasks, scale)
     pooled = gfedntm.pooled_task(tasks, terms)
@@ -69,26 +79,39 @@ def main() -> None:
         rows[f"non-collaborative ({name})"] = {k: float(np.mean([d[k] for d in local[name]])) for k in local[name][0]}
     for kind, task, model in (("federated", tasks[0], fed), ("centralized", pooled, central)):
         for name, sims in scores(task, model).items():
-            rows[f"{kind} ({name})"] = {"total": sims.sum(), "shared": sims[shared].sum(),
-                                        "own private": float("nan"), "others' private": float("nan"),
-                                        "private": sims[private].sum()}
-    ref = next(r for r in json.loads(args.results.read_text())["results"]
-               if r["shared"] == args.shared and r["eta"] == args.eta and r["seed"] == args.seed)
+            rows[f"{kind} ({name})"] = {
+                "total": sims.sum(),
+                "shared": sims[shared].sum(),
+                "own private": float("nan"),
+                "others' private": float("nan"),
+                "private": sims[private].sum(),
+            }
+    ref = next(
+        r
+        for r in json.loads(args.results.read_text())["results"]
+        if r["shared"] == args.shared and r["eta"] == args.eta and r["seed"] == args.seed
+    )
     n_own = structure.private
-    lines = [f"### K' = {args.shared}, eta = {args.eta}, seed {args.seed}", "",
-             f"Sum over true topics of the similarity to the closest learnt topic ({args.shared} shared; "
-             f"{n_own} private per node, {scale.true_topics - args.shared} in all); the totals are the TSS "
-             "of the report (checked below).", "",
-             "| model (reading) | TSS total | shared | private: all | own private | others' private | total in results.json |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### K' = {args.shared}, eta = {args.eta}, seed {args.seed}",
+        "",
+        f"Sum over true topics of the similarity to the closest learnt topic ({args.shared} shared; "
+        f"{n_own} private per node, {scale.true_topics - args.shared} in all); the totals are the TSS "
+        "of the report (checked below).",
+        "",
+        "| model (reading) | TSS total | shared | private: all | own private | others' private | total in results.json |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for label, r in rows.items():
         kind, name = label.split(" (", 1)
         name = name[:-1]
         logged = (ref["tss"] if name == "softmax(beta)" else ref["tss_decoder"])[kind]
         others = r["others' private"]
         allp = r.get("private", r["own private"] + others)
-        lines.append(f"| {label} | {r['total']:.3f} | {r['shared']:.3f} | {allp:.3f} | "
-                     f"{r['own private']:.3f} | {others:.3f} | {logged:.3f} |")
+        lines.append(
+            f"| {label} | {r['total']:.3f} | {r['shared']:.3f} | {allp:.3f} | "
+            f"{r['own private']:.3f} | {others:.3f} | {logged:.3f} |"
+        )
         if abs(r["total"] - logged) > 1e-6:
             lines.append(f"| (differs from the report by {r['total'] - logged:+.2e}) | | | | | | |")
     text = "\n".join(lines) + "\n"

@@ -51,15 +51,27 @@ def main() -> None:
                 model, _ = X.train(task, sc, seed=sc.seed + 10 + i)
             queries = {
                 "vec": task.infer_vectors(model, task.tokens, seed=404 + i)[0],
-                "text-cut": np.stack([task.embed_text(model, X.query_text(list(t), MAX_QUERY_CHARS)[0])
-                                      for t in task.tokens]),
+                "text-cut": np.stack(
+                    [task.embed_text(model, X.query_text(list(t), MAX_QUERY_CHARS)[0]) for t in task.tokens]
+                ),
                 "text-full": np.stack([task.embed_text(model, " ".join(t)) for t in task.tokens]),
             }
-            sites.append({"vec": queries["vec"], "queries": queries, "rows": [index[tuple(t)] for t in task.tokens],
-                          "pub": task.infer_vectors(model, public, seed=505 + i)[0]})
-        mappers = {(i, j): train_mapper(sites[i]["pub"], sites[j]["pub"], lr=sc.mapper_lr, epochs=sc.mapper_epochs,
-                                        seed=i * 10 + j)
-                   for i in range(sc.sites) for j in range(sc.sites) if i != j}
+            sites.append(
+                {
+                    "vec": queries["vec"],
+                    "queries": queries,
+                    "rows": [index[tuple(t)] for t in task.tokens],
+                    "pub": task.infer_vectors(model, public, seed=505 + i)[0],
+                }
+            )
+        mappers = {
+            (i, j): train_mapper(
+                sites[i]["pub"], sites[j]["pub"], lr=sc.mapper_lr, epochs=sc.mapper_epochs, seed=i * 10 + j
+            )
+            for i in range(sc.sites)
+            for j in range(sc.sites)
+            if i != j
+        }
         for how in ("vec", "text-cut", "text-full"):
             result: list[list[int]] = [[] for _ in range(n)]
             for i, si in enumerate(sites):
@@ -73,8 +85,10 @@ def main() -> None:
                     hits.sort(key=lambda h: (-h[0], h[1]))
                     result[row] = [r for _, r in hits[:k]]
             sim = X.overlaps(nn_central, result, k).mean() / k
-            print(f"own models {'constant lr' if constant_lr else 'cosine lr  '}  query {how:9s}  sim_{k} {sim:.3f}",
-                  flush=True)
+            print(
+                f"own models {'constant lr' if constant_lr else 'cosine lr  '}  query {how:9s}  sim_{k} {sim:.3f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

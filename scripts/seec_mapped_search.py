@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from fedagent.agent.control import request
 from fedagent.demo import Federation
+from fedagent.node.control import request
 
 DIMS = (50, 40, 60)
 OPTIONS = {"corpus": "wiki", "limit": 105, "holdout": 0.0, "min_count": 2, "infer_epochs": 10, "seed": 0}
@@ -29,31 +29,50 @@ QUERIES = ("anarchism and the political philosophy of the state", "the atomic nu
 def main() -> int:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "results/seec/search-mapped.txt")
     with tempfile.TemporaryDirectory(prefix="seec-mapped-") as work:
-        fed = Federation(Path(work), agents=3, rounds=1, alpha=0.0, task="doc2vec", task_options=OPTIONS,
-                         agent_broker_by_mdns=False)
+        fed = Federation(
+            Path(work), agents=3, rounds=1, alpha=0.0, task="doc2vec", task_options=OPTIONS, agent_broker_by_mdns=False
+        )
         try:
             fed.prepare()
             assert fed.broker is not None
             for i, aid in enumerate(fed.agent_ids):
-                fed._write(aid, aid, fed.broker.uri, {**fed.shard_options(i), "dim": DIMS[i]}, None, "doc2vec",
-                           search=SEARCH)
+                fed._write(
+                    aid, aid, fed.broker.uri, {**fed.shard_options(i), "dim": DIMS[i]}, None, "doc2vec", search=SEARCH
+                )
                 fed.spawn(aid)
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
                 fed.check_alive()
-                tables = [request(fed.socket(a), "peers", timeout=5.0) if fed.status(a) else None
-                          for a in fed.agent_ids]
-                if all(t and sum(r.get("role") == "agent" and bool(r.get("online")) for r in t["peers"].values()) == 2
-                       for t in tables):
+                tables = [
+                    request(fed.socket(a), "peers", timeout=5.0) if fed.status(a) else None for a in fed.agent_ids
+                ]
+                if all(
+                    t and sum(r.get("role") == "agent" and bool(r.get("online")) for r in t["peers"].values()) == 2
+                    for t in tables
+                ):
                     break
                 time.sleep(0.5)
             else:
                 raise SystemExit("the agents did not see each other within 120 s")
-            lines = [f"# three agents, [search] space = \"mapped\": own models d = {DIMS}, "
-                     f"task options {OPTIONS}, search settings {SEARCH}", ""]
+            lines = [
+                f'# three agents, [search] space = "mapped": own models d = {DIMS}, '
+                f"task options {OPTIONS}, search settings {SEARCH}",
+                "",
+            ]
             for q in QUERIES:
-                cmd = [sys.executable, "-m", "fedagent", "search", q, "--k", "10", "--timeout", "300",
-                       "--socket", str(fed.socket("agent-1"))]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "fedagent",
+                    "search",
+                    q,
+                    "--k",
+                    "10",
+                    "--timeout",
+                    "300",
+                    "--socket",
+                    str(fed.socket("agent-1")),
+                ]
                 r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
                 if r.returncode != 0:
                     raise SystemExit(f"search failed: {r.stderr}")
@@ -61,9 +80,11 @@ def main() -> int:
                 print(lines[-2], flush=True)
             for a in fed.agent_ids:
                 s = fed.status(a) or {}
-                lines.append(f"{a}: space {s.get('search_space')}, public vector sets sent "
-                             f"{s.get('public_vectors_sent')}, mappers trained {s.get('mappers_trained')}, "
-                             f"queries answered {s.get('search_queries_answered')}")
+                lines.append(
+                    f"{a}: space {s.get('search_space')}, public vector sets sent "
+                    f"{s.get('public_vectors_sent')}, mappers trained {s.get('mappers_trained')}, "
+                    f"queries answered {s.get('search_queries_answered')}"
+                )
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text("\n".join(lines) + "\n")
             print(f"wrote {out}")

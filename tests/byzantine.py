@@ -31,8 +31,8 @@ import torch
 from fedagent.protocols import rounds as R
 from fedagent.protocols.aggregation import Strategy
 from fedagent.protocols.messages import TrainConfig
-from fedagent.tasks.base import get_weights, set_weights
 from fedagent.tasks import digits
+from fedagent.tasks.base import get_weights, set_weights
 from fedagent.tasks.digits import DigitsTask
 
 # Ten agents read the same bundled data set: load it once per process.
@@ -43,7 +43,7 @@ ROUNDS = 8
 ALPHA = 5.0
 LR = 0.1
 BATCH = 32
-CLIP = 1.0          # L2 bound on an update's distance from the global model (honest: ~0.3-0.8)
+CLIP = 1.0  # L2 bound on an update's distance from the global model (honest: ~0.3-0.8)
 ATTACKS = ("sign_flip", "scaled", "noise", "nan")
 AGGREGATORS = ("fedavg", "clip", "median", "trimmed_mean", "krum")
 
@@ -94,20 +94,25 @@ class Outcome:
     seconds: float
 
 
-def run(aggregator: str, attack_kind: str | None, n_byzantine: int, *, rounds: int = ROUNDS,
-        seed: int = 0) -> Outcome:
+def run(aggregator: str, attack_kind: str | None, n_byzantine: int, *, rounds: int = ROUNDS, seed: int = 0) -> Outcome:
     """One federation, in process: the round machine, real local training, attacks."""
     torch.set_num_threads(1)
     started = time.perf_counter()
     names = [f"agent-{i}" for i in range(N_AGENTS)]
-    byzantine = set(names[N_AGENTS - n_byzantine:])
+    byzantine = set(names[N_AGENTS - n_byzantine :])
     # The NaN senders are refused, so rounds are aggregated from the honest ones alone.
     min_updates = N_AGENTS - n_byzantine if attack_kind == "nan" else N_AGENTS - 1
     f = 0 if attack_kind == "nan" else n_byzantine
-    cfg = R.RoundConfig(rounds=rounds, min_agents=N_AGENTS, expected_agents=N_AGENTS,
-                        min_updates=min_updates, round_timeout=60.0,
-                        strategy=strategy_for(aggregator, f, min_updates),
-                        train=TrainConfig(epochs=1, lr=LR, batch_size=BATCH), seed=seed)
+    cfg = R.RoundConfig(
+        rounds=rounds,
+        min_agents=N_AGENTS,
+        expected_agents=N_AGENTS,
+        min_updates=min_updates,
+        round_timeout=60.0,
+        strategy=strategy_for(aggregator, f, min_updates),
+        train=TrainConfig(epochs=1, lr=LR, batch_size=BATCH),
+        seed=seed,
+    )
     model = task(0).build_model()
     machine = R.RoundMachine(cfg, get_weights(model))
     rng = np.random.default_rng(seed)
@@ -123,15 +128,17 @@ def run(aggregator: str, attack_kind: str | None, n_byzantine: int, *, rounds: i
             for a in cmd.selected:
                 t = task(int(a.split("-")[1]))
                 set_weights(model, cmd.weights)
-                metrics = t.fit(model, epochs=cmd.train.epochs, lr=cmd.train.lr,
-                                batch_size=cmd.train.batch_size, seed=cmd.round)
+                metrics = t.fit(
+                    model, epochs=cmd.train.epochs, lr=cmd.train.lr, batch_size=cmd.train.batch_size, seed=cmd.round
+                )
                 w = get_weights(model)
                 if a in byzantine and attack_kind is not None:
                     w = attack(attack_kind, cmd.weights, w, rng)
-                pending += machine.handle(R.UpdateReceived(a, cmd.round, cmd.model_version, t.num_samples(),
-                                                           w, metrics), now)
+                pending += machine.handle(
+                    R.UpdateReceived(a, cmd.round, cmd.model_version, t.num_samples(), w, metrics), now
+                )
             if machine.phase is R.Phase.TRAINING and machine.round == cmd.round:
-                now += cfg.round_timeout                    # the refused ones never answer: deadline
+                now += cfg.round_timeout  # the refused ones never answer: deadline
                 pending += machine.handle(R.Wakeup(), now)
         elif isinstance(cmd, R.Rejected):
             assert cmd.sender in byzantine, f"honest {cmd.sender} rejected: {cmd.reason} {cmd.detail}"
@@ -149,9 +156,11 @@ def run(aggregator: str, attack_kind: str | None, n_byzantine: int, *, rounds: i
 
 def table(fractions=(0.1, 0.2, 0.3), attacks=ATTACKS, aggregators=AGGREGATORS) -> str:
     clean = {a: run(a, None, 0).accuracy for a in aggregators}
-    lines = ["| Byzantine | attack | " + " | ".join(aggregators) + " |",
-             "|---|---|" + "---|" * len(aggregators),
-             "| 0 % | none | " + " | ".join(f"{clean[a]:.3f}" for a in aggregators) + " |"]
+    lines = [
+        "| Byzantine | attack | " + " | ".join(aggregators) + " |",
+        "|---|---|" + "---|" * len(aggregators),
+        "| 0 % | none | " + " | ".join(f"{clean[a]:.3f}" for a in aggregators) + " |",
+    ]
     for frac in fractions:
         k = round(frac * N_AGENTS)
         for att in attacks:

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from byzantine import ALPHA, BATCH, attack
+
 from fedagent.protocols import gossip as G
 from fedagent.tasks import digits
 from fedagent.tasks.base import get_weights, set_weights
@@ -41,16 +41,16 @@ digits.load_digits_arrays = functools.lru_cache(maxsize=1)(digits.load_digits_ar
 
 N_AGENTS = 10
 PERIODS = 30
-STEPS = 5            # local mini-batches per period
+STEPS = 5  # local mini-batches per period
 LR = 0.05
 ATTACKS = ("sign_flip", "scaled", "noise")
 RULES = ("mean", "clip", "median", "trimmed_mean", "krum")
 CLIP = 1.0
-FANOUT = 3           # screening: models sent per period, so each node hears most peers every few periods
+FANOUT = 3  # screening: models sent per period, so each node hears most peers every few periods
 TTL = 8
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def task(shard: int) -> DigitsTask:
     return DigitsTask(shard=shard, shards=N_AGENTS, alpha=ALPHA, seed=0)
 
@@ -73,20 +73,20 @@ class Outcome:
     seconds: float
 
 
-def run(rule: str, attack_kind: str | None, n_byzantine: int, *, periods: int = PERIODS,
-        seed: int = 0) -> Outcome:
+def run(rule: str, attack_kind: str | None, n_byzantine: int, *, periods: int = PERIODS, seed: int = 0) -> Outcome:
     torch.set_num_threads(1)
     started = time.perf_counter()
     rng = random.Random(seed)
     noise = np.random.default_rng(seed)
     ids = [f"agent-{i}" for i in range(N_AGENTS)]
-    byzantine = set(ids[N_AGENTS - n_byzantine:]) if attack_kind else set()
+    byzantine = set(ids[N_AGENTS - n_byzantine :]) if attack_kind else set()
     f = n_byzantine
     cfg = config(rule, f, periods)
     model = task(0).build_model()
     w0 = get_weights(model)
-    nodes = {a: G.GossipMachine(a, cfg, dict(w0), num_samples=task(i).num_samples(), session="0")
-             for i, a in enumerate(ids)}
+    nodes = {
+        a: G.GossipMachine(a, cfg, dict(w0), num_samples=task(i).num_samples(), session="0") for i, a in enumerate(ids)
+    }
     last_step: dict[str, tuple[dict, dict]] = {}
     queue: list = []
     seq = itertools.count()
@@ -115,8 +115,9 @@ def run(rule: str, attack_kind: str | None, n_byzantine: int, *, periods: int = 
             elif isinstance(c, G.Train):
                 i = int(node.split("-")[1])
                 set_weights(model, c.weights)
-                task(i).fit_steps(model, steps=c.steps, lr=LR, batch_size=BATCH,
-                                  seed=seed * 100_003 + nodes[node].period * 101 + i)
+                task(i).fit_steps(
+                    model, steps=c.steps, lr=LR, batch_size=BATCH, seed=seed * 100_003 + nodes[node].period * 101 + i
+                )
                 trained = get_weights(model)
                 last_step[node] = (c.weights, trained)
                 at(now + rng.uniform(0.9, 1.1), node, G.TrainingDone(c.train_id, trained))
@@ -132,20 +133,27 @@ def run(rule: str, attack_kind: str | None, n_byzantine: int, *, periods: int = 
         acc = task(0).evaluate(model)["accuracy"]
         accs.append(acc if math.isfinite(acc) else 0.0)
     honest = [nodes[a] for a in ids if a not in byzantine]
-    return Outcome(float(np.mean(accs)), float(min(accs)), sum(m.counts["screened"] for m in honest),
-                   sum(m.counts["screen_short"] for m in honest), time.perf_counter() - started)
+    return Outcome(
+        float(np.mean(accs)),
+        float(min(accs)),
+        sum(m.counts["screened"] for m in honest),
+        sum(m.counts["screen_short"] for m in honest),
+        time.perf_counter() - started,
+    )
 
 
 def table(fractions=(0.1, 0.2, 0.3), attacks=ATTACKS, rules=RULES) -> str:
     clean = {r: run(r, None, 0) for r in rules}
-    cell = lambda o: f"{o.mean_accuracy:.3f} / {o.worst_accuracy:.3f}"   # noqa: E731
-    lines = ["| Byzantine | attack | " + " | ".join(rules) + " |", "|---|---|" + "---|" * len(rules),
-             "| 0 % | none | " + " | ".join(cell(clean[r]) for r in rules) + " |"]
+    cell = lambda o: f"{o.mean_accuracy:.3f} / {o.worst_accuracy:.3f}"  # noqa: E731
+    lines = [
+        "| Byzantine | attack | " + " | ".join(rules) + " |",
+        "|---|---|" + "---|" * len(rules),
+        "| 0 % | none | " + " | ".join(cell(clean[r]) for r in rules) + " |",
+    ]
     for frac in fractions:
         k = round(frac * N_AGENTS)
         for att in attacks:
-            lines.append(f"| {int(frac * 100)} % | {att} | " + " | ".join(cell(run(r, att, k)) for r in rules)
-                         + " |")
+            lines.append(f"| {int(frac * 100)} % | {att} | " + " | ".join(cell(run(r, att, k)) for r in rules) + " |")
     return "\n".join(lines)
 
 

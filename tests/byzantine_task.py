@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from fedagent.tasks.digits import DigitsTask, make as make_digits
+from fedagent.tasks.digits import DigitsTask
+from fedagent.tasks.digits import make as make_digits
 
 
 class SignFlipping(DigitsTask):

@@ -33,7 +33,7 @@
 
 ``peer`` (function)
     ``async with peer(broker, "agent-a", subscriptions=[...]) as p:`` runs a
-    :class:`~fedagent.agent.transport.Transport` for that identity in the background
+    :class:`~fedagent.node.transport.Transport` for that identity in the background
     until the block ends (then closes it cleanly) and collects what it receives:
     ``await p.get(timeout)`` → ``(topic, payload)``, ``await p.until(pred)`` returns
     the messages received until one matches, ``p.transport.publish(...)``. Keyword
@@ -62,8 +62,8 @@ from pathlib import Path
 import pytest
 
 from fedagent import pki as pki_mod
-from fedagent.agent.transport import TlsFiles, Transport
 from fedagent.broker import EmbeddedBroker
+from fedagent.node.transport import TlsFiles, Transport
 
 FEDERATION = "testfed"
 COORDINATOR = "coord"
@@ -84,7 +84,7 @@ class TestPki:
     foreign_ca_dir: Path = field(init=False)
     foreign_certs: Path = field(init=False)
 
-    __test__ = False        # not a test class, whatever pytest thinks of the name
+    __test__ = False  # not a test class, whatever pytest thinks of the name
 
     def __post_init__(self) -> None:
         self.ca_dir = self.root / "ca"
@@ -114,9 +114,15 @@ class TestPki:
         for name in ("agent-a", "agent-b"):
             pki_mod.issue(self.ca_dir, self.certs, name, "agent")
         pki_mod.issue(self.ca_dir, self.certs, COORDINATOR, "coordinator")
-        now = dt.datetime.now(dt.timezone.utc)
-        pki_mod.issue(self.ca_dir, self.certs, "agent-old", "agent",
-                      not_before=now - dt.timedelta(days=30), not_after=now - dt.timedelta(days=1))
+        now = dt.datetime.now(dt.UTC)
+        pki_mod.issue(
+            self.ca_dir,
+            self.certs,
+            "agent-old",
+            "agent",
+            not_before=now - dt.timedelta(days=30),
+            not_after=now - dt.timedelta(days=1),
+        )
         pki_mod.create_ca(self.foreign_ca_dir, "foreign")
         pki_mod.issue(self.foreign_ca_dir, self.foreign_certs, "agent-a", "agent")
 
@@ -147,10 +153,10 @@ class TestBroker:
         return f"<TestBroker {self.embedded!r}>"
 
 
-def _make_broker(workdir: Path, pki: TestPki, federations=(FEDERATION,),
-                 coordinators=(COORDINATOR,), **kw) -> TestBroker:
-    b = EmbeddedBroker(workdir, federations=federations, coordinators=coordinators,
-                       ca_dir=pki.ca_dir, **kw)
+def _make_broker(
+    workdir: Path, pki: TestPki, federations=(FEDERATION,), coordinators=(COORDINATOR,), **kw
+) -> TestBroker:
+    b = EmbeddedBroker(workdir, federations=federations, coordinators=coordinators, ca_dir=pki.ca_dir, **kw)
     try:
         b.start()
     except BaseException:
@@ -188,6 +194,7 @@ def broker_factory(pki, tmp_path_factory):
 def arun() -> Callable:
     def run(coro, timeout: float = 30):
         return asyncio.run(asyncio.wait_for(coro, timeout))
+
     return run
 
 
@@ -207,11 +214,9 @@ class Peer:
         try:
             return await asyncio.wait_for(self.messages.get(), timeout)
         except TimeoutError:
-            raise AssertionError(f"{self.transport.client_id} received nothing within "
-                                 f"{timeout}s") from None
+            raise AssertionError(f"{self.transport.client_id} received nothing within {timeout}s") from None
 
-    async def until(self, predicate: Callable[[str, bytes], bool],
-                    timeout: float = 5.0) -> list[tuple[str, bytes]]:
+    async def until(self, predicate: Callable[[str, bytes], bool], timeout: float = 5.0) -> list[tuple[str, bytes]]:
         """Messages received up to and including the first one matching ``predicate``."""
         seen = []
         loop = asyncio.get_running_loop()
@@ -219,8 +224,9 @@ class Peer:
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise AssertionError(f"{self.transport.client_id}: no matching message within "
-                                     f"{timeout}s; got {[t for t, _ in seen]}")
+                raise AssertionError(
+                    f"{self.transport.client_id}: no matching message within {timeout}s; got {[t for t, _ in seen]}"
+                )
             topic, payload = await self.get(remaining)
             seen.append((topic, payload))
             if predicate(topic, payload):
@@ -228,26 +234,41 @@ class Peer:
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
         ready = asyncio.create_task(self.ready.wait())
-        done, _ = await asyncio.wait({ready, self.task}, timeout=timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({ready, self.task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if self.task in done:
             ready.cancel()
-            self.task.result()           # raises what run() raised
+            self.task.result()  # raises what run() raised
             raise AssertionError("Transport.run() returned before connecting")
         if ready not in done:
             ready.cancel()
-            raise AssertionError(f"{self.transport.client_id} not connected within {timeout}s "
-                                 f"(state {self.transport.state}, {self.transport.last_error})")
+            raise AssertionError(
+                f"{self.transport.client_id} not connected within {timeout}s "
+                f"(state {self.transport.state}, {self.transport.last_error})"
+            )
 
 
 @pytest.fixture
 def peer():
     @contextlib.asynccontextmanager
-    async def run_peer(broker, name: str, *, tls: TlsFiles | None = None, client_id: str | None = None,
-                       subscriptions=(), final: tuple[str, bytes] | None = None,
-                       handler=None, wait: bool = True, **kw) -> AsyncIterator[Peer]:
-        t = Transport(uri=broker.uri, client_id=client_id or unique_id(name),
-                      tls=tls or broker.pki.tls(name), subscriptions=subscriptions, **kw)
+    async def run_peer(
+        broker,
+        name: str,
+        *,
+        tls: TlsFiles | None = None,
+        client_id: str | None = None,
+        subscriptions=(),
+        final: tuple[str, bytes] | None = None,
+        handler=None,
+        wait: bool = True,
+        **kw,
+    ) -> AsyncIterator[Peer]:
+        t = Transport(
+            uri=broker.uri,
+            client_id=client_id or unique_id(name),
+            tls=tls or broker.pki.tls(name),
+            subscriptions=subscriptions,
+            **kw,
+        )
         p = Peer(t)
         p.task = asyncio.create_task(t.run(handler or p._handle, p.ready))
         try:
@@ -260,6 +281,7 @@ def peer():
             p.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await p.task
+
     return run_peer
 
 

@@ -40,20 +40,29 @@ from collections import Counter
 
 import numpy as np
 
-np.seterr(all="ignore")     # overflow in the hostile values themselves is expected
+np.seterr(all="ignore")  # overflow in the hostile values themselves is expected
+
+from fuzz_codec import LIMITS, random_value
 
 from fedagent.errors import FedagentError
 from fedagent.protocols import gossip as G
 from fedagent.protocols import rounds as R
 from fedagent.protocols.aggregation import Strategy
 from fedagent.protocols.chunking import Reassembler, split
-from fedagent.protocols.codec import DTYPES, Envelope, encode, encode_weights
-from fedagent.protocols.messages import (GlobalModel, GossipAck, GossipModel, Presence, RoundResult, RoundStart,
-                                         TrainConfig, Update, body_of)
+from fedagent.protocols.codec import DTYPES, Envelope, encode
+from fedagent.protocols.messages import (
+    GlobalModel,
+    GossipAck,
+    GossipModel,
+    Presence,
+    RoundResult,
+    RoundStart,
+    TrainConfig,
+    Update,
+    body_of,
+)
 from fedagent.protocols.participant import Participant
 from fedagent.protocols.participant import TrainingDone as PTrainingDone
-
-from fuzz_codec import LIMITS, random_value
 
 AGENTS = ["a", "b", "c", "d", "e", "f"]
 REF = {"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32), "n": np.zeros((), np.int64)}
@@ -76,8 +85,11 @@ def random_tensor(rnd: random.Random) -> np.ndarray:
 
 
 def random_weights(rnd: random.Random) -> dict[str, np.ndarray]:
-    w = {"w": random_tensor(rnd), "b": np.asarray(np.float32(rnd.gauss(0, 1)) * np.ones(3, np.float32)),
-         "n": np.asarray(rnd.randrange(-5, 5), np.int64)}
+    w = {
+        "w": random_tensor(rnd),
+        "b": np.asarray(np.float32(rnd.gauss(0, 1)) * np.ones(3, np.float32)),
+        "n": np.asarray(rnd.randrange(-5, 5), np.int64),
+    }
     r = rnd.random()
     if r < 0.1:
         w.pop(rnd.choice(list(w)))
@@ -91,22 +103,42 @@ def random_weights(rnd: random.Random) -> dict[str, np.ndarray]:
 def valid_message(rnd: random.Random, kind: str, cur_round: int):
     rnd_round = rnd.choice([0, cur_round, cur_round + 1, max(0, cur_round - 1), 2**53 - 1])
     if kind == "presence":
-        return Presence(online=rnd.random() < 0.7, role=rnd.choice(["agent", "coordinator"]),
-                        num_samples=rnd.randrange(0, 1000))
+        return Presence(
+            online=rnd.random() < 0.7, role=rnd.choice(["agent", "coordinator"]), num_samples=rnd.randrange(0, 1000)
+        )
     if kind == "update":
-        return Update(rnd_round, rnd.randrange(0, 4), rnd.randrange(1, 1000),
-                      {"loss": rnd.random()}, random_weights(rnd), leaving=rnd.random() < 0.05)
+        return Update(
+            rnd_round,
+            rnd.randrange(0, 4),
+            rnd.randrange(1, 1000),
+            {"loss": rnd.random()},
+            random_weights(rnd),
+            leaving=rnd.random() < 0.05,
+        )
     if kind == "round_start":
-        return RoundStart(rnd_round, rnd.randrange(0, 4), tuple(rnd.sample(AGENTS, rnd.randrange(0, 4))), 30.0,
-                          TrainConfig(), random_weights(rnd))
+        return RoundStart(
+            rnd_round,
+            rnd.randrange(0, 4),
+            tuple(rnd.sample(AGENTS, rnd.randrange(0, 4))),
+            30.0,
+            TrainConfig(),
+            random_weights(rnd),
+        )
     if kind == "round_result":
-        return RoundResult(rnd_round, rnd.randrange(0, 4), tuple(rnd.sample(AGENTS, 2)), {"loss": 0.1},
-                           aggregated=rnd.random() < 0.8)
+        return RoundResult(
+            rnd_round, rnd.randrange(0, 4), tuple(rnd.sample(AGENTS, 2)), {"loss": 0.1}, aggregated=rnd.random() < 0.8
+        )
     if kind == "model":
         return GlobalModel(rnd.randrange(0, 4), rnd_round, rnd.random() < 0.3, random_weights(rnd))
     if kind == "gossip_model":
-        return GossipModel(f"x{rnd.randrange(20)}", rnd.randrange(100), rnd.choice([0.5, 1.0, 1e-300, 1e300, 7.0]),
-                           rnd.choice([0.0, 3.0, 1e300]), rnd.random() < 0.1, random_weights(rnd))
+        return GossipModel(
+            f"x{rnd.randrange(20)}",
+            rnd.randrange(100),
+            rnd.choice([0.5, 1.0, 1e-300, 1e300, 7.0]),
+            rnd.choice([0.0, 3.0, 1e300]),
+            rnd.random() < 0.1,
+            random_weights(rnd),
+        )
     return GossipAck(f"x{rnd.randrange(20)}", rnd.random() < 0.5, rnd.choice(["", "inbox-full", "x" * 50]))
 
 
@@ -137,24 +169,50 @@ class Harness:
     def __init__(self, rnd: random.Random) -> None:
         self.rnd = rnd
         robust = rnd.random() < 0.5
-        strategy = Strategy(rnd.choice(["median", "trimmed_mean", "krum"]), byzantine=1, trim=0.3,
-                            clip_norm=rnd.choice([None, 1.0])) if robust else Strategy("fedavg")
-        cfg = R.RoundConfig(rounds=rnd.randrange(1, 6), min_agents=2, min_updates=rnd.choice([1, 2]),
-                            round_timeout=10.0, start_grace=rnd.choice([0.0, 1.0]), max_norm=rnd.choice([None, 50.0]),
-                            strategy=strategy) if not robust else \
-            R.RoundConfig(rounds=rnd.randrange(1, 6), min_agents=5, min_updates=5, round_timeout=10.0,
-                          start_grace=0.0, strategy=strategy)
+        strategy = (
+            Strategy(
+                rnd.choice(["median", "trimmed_mean", "krum"]), byzantine=1, trim=0.3, clip_norm=rnd.choice([None, 1.0])
+            )
+            if robust
+            else Strategy("fedavg")
+        )
+        cfg = (
+            R.RoundConfig(
+                rounds=rnd.randrange(1, 6),
+                min_agents=2,
+                min_updates=rnd.choice([1, 2]),
+                round_timeout=10.0,
+                start_grace=rnd.choice([0.0, 1.0]),
+                max_norm=rnd.choice([None, 50.0]),
+                strategy=strategy,
+            )
+            if not robust
+            else R.RoundConfig(
+                rounds=rnd.randrange(1, 6),
+                min_agents=5,
+                min_updates=5,
+                round_timeout=10.0,
+                start_grace=0.0,
+                strategy=strategy,
+            )
+        )
         self.rounds = R.RoundMachine(cfg, {k: v.copy() for k, v in REF.items()})
         self.participant = Participant("a", leave_after=rnd.choice([0, 0, 2]))
         screening = rnd.random() < 0.3
-        gcfg = G.GossipConfig(period_steps=1, max_incoming=rnd.choice([1, 2]),
-                              create="mu" if screening else rnd.choice(G.CREATE_MODES),
-                              merge="pushsum" if screening else rnd.choice(G.MERGE_MODES), periods=rnd.choice([0, 5]),
-                              send_timeout=5.0, max_norm=rnd.choice([None, 100.0]),
-                              clip_norm=rnd.choice([None, 2.0]),
-                              aggregation=rnd.choice(G.AGGREGATIONS[1:]) if screening else "mean",
-                              byzantine=rnd.choice([0, 1]) if screening else 0, fanout=rnd.choice([1, 3]),
-                              neighbour_ttl=rnd.choice([1, 5]))
+        gcfg = G.GossipConfig(
+            period_steps=1,
+            max_incoming=rnd.choice([1, 2]),
+            create="mu" if screening else rnd.choice(G.CREATE_MODES),
+            merge="pushsum" if screening else rnd.choice(G.MERGE_MODES),
+            periods=rnd.choice([0, 5]),
+            send_timeout=5.0,
+            max_norm=rnd.choice([None, 100.0]),
+            clip_norm=rnd.choice([None, 2.0]),
+            aggregation=rnd.choice(G.AGGREGATIONS[1:]) if screening else "mean",
+            byzantine=rnd.choice([0, 1]) if screening else 0,
+            fanout=rnd.choice([1, 3]),
+            neighbour_ttl=rnd.choice([1, 5]),
+        )
         self.gossip = G.GossipMachine("a", gcfg, {k: v.copy() for k, v in REF.items()}, num_samples=3)
         self.reassembler = Reassembler(4096, 16384, 5.0)
         self.now = 0.0
@@ -188,30 +246,42 @@ class Harness:
         body = msg.to_body()
         if self.rnd.random() < 0.5:
             body = mutate_body(self.rnd, body)
-        return body_of(kind, body, self.rnd.choice(LIMITS))          # CodecError: fine
+        return body_of(kind, body, self.rnd.choice(LIMITS))  # CodecError: fine
 
     def _message(self) -> None:
         """A body through the messenger's validation, then to whichever machine takes it."""
-        kind = self.rnd.choice(["presence", "update", "round_start", "round_result", "model", "gossip_model",
-                                "gossip_ack"])
+        kind = self.rnd.choice(
+            ["presence", "update", "round_start", "round_result", "model", "gossip_model", "gossip_ack"]
+        )
         msg = self._body(kind)
         sender = self.rnd.choice(AGENTS)
         if isinstance(msg, Presence):
             ev = R.AgentOnline(sender, msg.num_samples) if msg.online else R.AgentOffline(sender)
             self.rounds.handle(ev, self.now)
         elif isinstance(msg, Update):
-            self.rounds.handle(R.UpdateReceived(sender, msg.round, msg.base_version, msg.num_samples, msg.weights,
-                                                msg.metrics, msg.leaving), self.now)
+            self.rounds.handle(
+                R.UpdateReceived(
+                    sender, msg.round, msg.base_version, msg.num_samples, msg.weights, msg.metrics, msg.leaving
+                ),
+                self.now,
+            )
         elif isinstance(msg, (RoundStart, RoundResult, GlobalModel)):
             for c in self.participant.handle(msg):
                 if hasattr(c, "round") and type(c).__name__ == "Train":
                     self.participant_rounds.append(c.round)
         elif isinstance(msg, GossipModel):
-            self._commands(self.gossip.handle(G.ModelReceived(sender, msg.exchange_id, msg.weights, mass=msg.mass,
-                                                              age=msg.age, returned=msg.returned), self.now))
+            self._commands(
+                self.gossip.handle(
+                    G.ModelReceived(
+                        sender, msg.exchange_id, msg.weights, mass=msg.mass, age=msg.age, returned=msg.returned
+                    ),
+                    self.now,
+                )
+            )
         elif isinstance(msg, GossipAck):
-            self._commands(self.gossip.handle(G.AckReceived(sender, msg.exchange_id, msg.accepted, msg.reason),
-                                              self.now))
+            self._commands(
+                self.gossip.handle(G.AckReceived(sender, msg.exchange_id, msg.accepted, msg.reason), self.now)
+            )
 
     def _round_machine(self) -> None:
         rnd = self.rnd
@@ -234,8 +304,9 @@ class Harness:
     def _participant(self) -> None:
         rnd = self.rnd
         r = rnd.choice(self.participant_rounds or [0]) + rnd.choice([0, 0, 1, -1])
-        self.participant.handle(PTrainingDone(r, rnd.randrange(3), rnd.randrange(1, 50), {"loss": 0.1},
-                                              random_weights(rnd)))
+        self.participant.handle(
+            PTrainingDone(r, rnd.randrange(3), rnd.randrange(1, 50), {"loss": 0.1}, random_weights(rnd))
+        )
 
     def _gossip(self) -> None:
         rnd = self.rnd
@@ -263,7 +334,7 @@ class Harness:
         for b in rnd.sample(bodies, rnd.randrange(1, len(bodies) + 1)):
             if rnd.random() < 0.3:
                 b = mutate_body(rnd, b)
-            self.reassembler.feed(rnd.choice(AGENTS), b, self.now)       # CodecError: fine
+            self.reassembler.feed(rnd.choice(AGENTS), b, self.now)  # CodecError: fine
         self.reassembler.expire(self.now)
 
     def _check(self) -> None:
@@ -288,8 +359,15 @@ def signed_frames(rnd: random.Random, verifier, identity) -> None:
     """Random mutations of a signed frame through the verifier: AuthError or accepted."""
     from fedagent.signing import sign
 
-    env = Envelope(kind=rnd.choice(["update", "chunk", "presence"]), federation="fed", sender=identity.name,
-                   round=rnd.randrange(5), seq=rnd.randrange(2**40), ts=time.time(), body={"x": rnd.randrange(9)})
+    env = Envelope(
+        kind=rnd.choice(["update", "chunk", "presence"]),
+        federation="fed",
+        sender=identity.name,
+        round=rnd.randrange(5),
+        seq=rnd.randrange(2**40),
+        ts=time.time(),
+        body={"x": rnd.randrange(9)},
+    )
     env = sign(env, identity)
     data = bytearray(encode(env))
     for _ in range(rnd.randrange(0, 3)):
@@ -332,11 +410,16 @@ def main() -> int:
                 traceback.print_exc(limit=6)
             h = Harness(rnd)
         if (n + 1) % 100_000 == 0:
-            print(f"{n + 1} events, {refused} refused with a FedagentError, {sum(failures.values())} escapes, "
-                  f"{time.monotonic() - start:.0f} s", flush=True)
+            print(
+                f"{n + 1} events, {refused} refused with a FedagentError, {sum(failures.values())} escapes, "
+                f"{time.monotonic() - start:.0f} s",
+                flush=True,
+            )
     elapsed = time.monotonic() - start
-    print(f"seed {seed}: {args.count} events in {elapsed:.1f} s; {refused} refused with a FedagentError, "
-          f"{sum(failures.values())} other exceptions or broken invariants")
+    print(
+        f"seed {seed}: {args.count} events in {elapsed:.1f} s; {refused} refused with a FedagentError, "
+        f"{sum(failures.values())} other exceptions or broken invariants"
+    )
     for key, count in failures.most_common():
         print(f"  {count} x {key}")
     return 1 if failures else 0

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from fedagent.agent.transport import TlsFiles, Transport
+from fedagent.node.transport import TlsFiles, Transport
 
 
 async def main(cfg: dict) -> int:
@@ -27,10 +27,14 @@ async def main(cfg: dict) -> int:
     async def ignore(_topic: str, _payload: bytes) -> None:
         return None
 
-    transport = Transport(uri=cfg["uri"], client_id=cfg["client_id"],
-                          tls=TlsFiles(Path(cfg["ca"]), Path(cfg["cert"]), Path(cfg["key"])),
-                          will=(topic, cfg["will"].encode()), on_connect=on_connect,
-                          keepalive=int(cfg.get("keepalive", 10)))
+    transport = Transport(
+        uri=cfg["uri"],
+        client_id=cfg["client_id"],
+        tls=TlsFiles(Path(cfg["ca"]), Path(cfg["cert"]), Path(cfg["key"])),
+        will=(topic, cfg["will"].encode()),
+        on_connect=on_connect,
+        keepalive=int(cfg.get("keepalive", 10)),
+    )
     ready = asyncio.Event()
     runner = asyncio.create_task(transport.run(ignore, ready))
     waiter = asyncio.create_task(ready.wait())

@@ -106,31 +106,66 @@ class Lab:
         Established TCP connections stay open on both ends and simply stop carrying data,
         as a real partition does (an interface going down would reset nothing either,
         but would also remove the route)."""
-        rules = ("table inet fault_partition {\n"
-                 " chain in { type filter hook input priority -100; policy accept; iif lo accept; drop; }\n"
-                 " chain out { type filter hook output priority -100; policy accept; oif lo accept; drop; }\n"
-                 "}\n")
+        rules = (
+            "table inet fault_partition {\n"
+            " chain in { type filter hook input priority -100; policy accept; iif lo accept; drop; }\n"
+            " chain out { type filter hook output priority -100; policy accept; oif lo accept; drop; }\n"
+            "}\n"
+        )
         self._nft(host, rules)
 
     def heal(self, host: str) -> None:
         self.run(host, "nft", "delete", "table", "inet", "fault_partition", check=False)
 
     def _nft(self, host: str, rules: str) -> None:
-        out = subprocess.run(["ip", "netns", "exec", self.ns(host), "nft", "-f", "-"], input=rules,
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["ip", "netns", "exec", self.ns(host), "nft", "-f", "-"],
+            input=rules,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if out.returncode != 0:
             raise FedagentError(f"nft in {host} failed: {out.stderr.strip()}")
 
     def loss(self, host: str, probability: float) -> None:
         """Drop each packet ``host`` receives or sends with this probability."""
         for chain in ("INPUT", "OUTPUT"):
-            self.run(host, "iptables", "-A", chain, "-i" if chain == "INPUT" else "-o", "eth0",
-                     "-m", "statistic", "--mode", "random", "--probability", f"{probability}", "-j", "DROP")
+            self.run(
+                host,
+                "iptables",
+                "-A",
+                chain,
+                "-i" if chain == "INPUT" else "-o",
+                "eth0",
+                "-m",
+                "statistic",
+                "--mode",
+                "random",
+                "--probability",
+                f"{probability}",
+                "-j",
+                "DROP",
+            )
 
     def rate(self, host: str, rate: str = "1mbit", burst: str = "32kbit", latency: str = "400ms") -> None:
         """Shape what ``host`` sends with a token bucket (tbf; netem is not in this kernel)."""
-        self.run(host, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate,
-                 "burst", burst, "latency", latency)
+        self.run(
+            host,
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            "eth0",
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            burst,
+            "latency",
+            latency,
+        )
 
     def delay(self, host: str, ms: float, queue_num: int) -> subprocess.Popen:
         """Hold every packet ``host`` sends for ``ms`` milliseconds (NFQUEUE + holder)."""
@@ -160,9 +195,13 @@ class Lab:
     # -- processes -----------------------------------------------------------------------
     def spawn(self, name: str, host: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         log = self.logs / f"{name}.log"
-        p = subprocess.Popen(["ip", "netns", "exec", self.ns(host), *argv], stdout=log.open("ab"),
-                             stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        p = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns(host), *argv],
+            stdout=log.open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
         self.procs.append((name, p))
         return p
 
@@ -196,7 +235,7 @@ class Lab:
         for _, p in self.procs:
             if p.poll() is None:
                 try:
-                    os.killpg(p.pid, signal.SIGCONT)     # a stopped process cannot act on SIGTERM
+                    os.killpg(p.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
                     os.killpg(p.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass

@@ -13,9 +13,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_quick_codec_bench_prints_a_ratio_table(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--only", "codec",
-                          "--repeats", "2", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "run.py"),
+            "--quick",
+            "--only",
+            "codec",
+            "--repeats",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ratio" in out.stdout
     # One row per measurement, each with a ratio printed as "N.NNx".
@@ -32,7 +46,12 @@ def test_quick_codec_bench_prints_a_ratio_table(tmp_path):
 
 
 def test_unknown_section_is_refused():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--only", "nosuch"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "run.py"), "--only", "nosuch"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert out.returncode == 2
     assert "unknown section" in out.stderr and "codec" in out.stderr

@@ -34,9 +34,11 @@ def test_interrupted_tree_ends_escaped_and_orphaned_descendants(tmp_path):
     escaped, orphan = tmp_path / "escaped.pid", tmp_path / "orphan.pid"
     # One child leaves the group and session (setsid), one is orphaned by its subshell
     # (re-parented away from the tree), the command itself keeps running.
-    script = (f"setsid sleep 300 & echo $! > {escaped}.tmp; mv {escaped}.tmp {escaped}; "
-              f"(sleep 300 & echo $! > {orphan}.tmp; mv {orphan}.tmp {orphan}); exec sleep 300")
-    bystander = subprocess.Popen(["sleep", "300"])       # not the tree's: must survive
+    script = (
+        f"setsid sleep 300 & echo $! > {escaped}.tmp; mv {escaped}.tmp {escaped}; "
+        f"(sleep 300 & echo $! > {orphan}.tmp; mv {orphan}.tmp {orphan}); exec sleep 300"
+    )
+    bystander = subprocess.Popen(["sleep", "300"])  # not the tree's: must survive
     try:
         pids: list[int] = []
         with pytest.raises(KeyboardInterrupt):
@@ -100,16 +102,21 @@ def test_an_interrupted_flower_deployment_leaves_no_process(tmp_path):
     import sys
 
     from bench import flower
+
     if not (flower.VENV / f".flwr-{flower.FLWR_VERSION}").exists():
         pytest.skip(f"Flower is not installed in {flower.VENV}: run `python bench/run.py --quick --only flower` once")
     root = str(Path(__file__).resolve().parent.parent)
-    child = subprocess.Popen([sys.executable, "-c", _DEPLOY_CHILD.format(root=root, work=str(tmp_path))],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _DEPLOY_CHILD.format(root=root, work=str(tmp_path))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     prefix = f"FEDAGENT_BENCH_TREE={child.pid}-".encode()
     try:
         _wait_for(lambda: any("flwr-serverapp" in c for c in _marked(prefix).values()), timeout=240)
         seen = _marked(prefix)
-        assert len(seen) >= 4, seen          # SuperLink, 2 SuperNodes, flwr-serverapp at least
+        assert len(seen) >= 4, seen  # SuperLink, 2 SuperNodes, flwr-serverapp at least
         child.send_signal(15)
         out, _ = child.communicate(timeout=60)
         assert "interrupted" in out, out
@@ -119,5 +126,5 @@ def test_an_interrupted_flower_deployment_leaves_no_process(tmp_path):
         if child.poll() is None:
             child.kill()
             child.wait()
-        for pid in _marked(prefix):          # a failed run must not leave them either
+        for pid in _marked(prefix):  # a failed run must not leave them either
             os.kill(pid, 9)

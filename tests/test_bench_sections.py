@@ -27,11 +27,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.env import BenchBroker, COORDINATOR, FEDERATION
+from bench.env import COORDINATOR, FEDERATION, BenchBroker
 from bench.registry import Context, Row
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = 4096           # parameters: 16 KB of float32 in 16 tensors
+TINY = 4096  # parameters: 16 KB of float32 in 16 tensors
 
 
 @pytest.fixture
@@ -47,14 +47,15 @@ def bench_ctx(tmp_path, pki, broker_factory):
         # The session PKI's coord certificate has the coordinator role already.
         for i in range(1, agents + 1):
             pki.issue(f"agent-{i}")
-        bb = BenchBroker(tmp_path / f"bb-{agents}", agents, external=broker.embedded,
-                         ca_dir=pki.ca_dir, certs=pki.certs)
+        bb = BenchBroker(
+            tmp_path / f"bb-{agents}", agents, external=broker.embedded, ca_dir=pki.ca_dir, certs=pki.certs
+        )
         made[str(agents)] = bb
         return bb
 
     logs: list[str] = []
     ctx = Context(quick=True, work=tmp_path, repeats=1, sizes=[TINY], log=logs.append, broker=on_fixture)
-    ctx.logs = logs            # type: ignore[attr-defined]  (for failure messages)
+    ctx.logs = logs  # type: ignore[attr-defined]  (for failure messages)
     return ctx
 
 
@@ -73,6 +74,7 @@ def well_formed(rows: list[Row], section: str, count: int, *, cpu_rows: tuple[st
 
 def test_codec_section_tiny(bench_ctx):
     from bench.codec import codec
+
     rows = codec(bench_ctx)
     well_formed(rows, "codec", 2)
     assert all(r.baseline == "memcpy" for r in rows)
@@ -80,6 +82,7 @@ def test_codec_section_tiny(bench_ctx):
 
 def test_round_section_tiny(bench_ctx):
     from bench.round import fedavg_round
+
     rows = fedavg_round(bench_ctx, agents=2)
     well_formed(rows, "round", 4, cpu_rows=("CPU",))
     assert "2 agents" in rows[0].subject
@@ -90,6 +93,7 @@ def test_round_section_tiny(bench_ctx):
 
 def test_gossip_section_tiny(bench_ctx):
     from bench.gossip import gossip_exchange
+
     rows = gossip_exchange(bench_ctx)
     well_formed(rows, "gossip", 1)
 
@@ -98,8 +102,20 @@ def test_syncopt_section_tiny(bench_ctx):
     """A real Sync-Opt federation (its own private Mosquitto with mutual TLS: the demo's
     Federation makes its CA and broker), 2 agents, a 300-term ProdLDA, 4 steps."""
     from bench.syncopt_step import syncopt_section
-    options = {"corpus": "synthetic", "vocab_size": 300, "true_topics": 4, "shared_topics": 2, "eta": 1.0,
-               "docs": 40, "val_docs": 4, "n_topics": 4, "batch_size": 8, "seed": 0, "data_seed": 0}
+
+    options = {
+        "corpus": "synthetic",
+        "vocab_size": 300,
+        "true_topics": 4,
+        "shared_topics": 2,
+        "eta": 1.0,
+        "docs": 40,
+        "val_docs": 4,
+        "n_topics": 4,
+        "batch_size": 8,
+        "seed": 0,
+        "data_seed": 0,
+    }
     rows = syncopt_section(bench_ctx, agents=2, options=options, steps=(4, 1))
     well_formed(rows, "syncopt", 1)
     assert "2 agents" in rows[0].subject and "V=300" in rows[0].subject, rows[0]
@@ -108,7 +124,8 @@ def test_syncopt_section_tiny(bench_ctx):
 
 def test_memory_section_tiny(bench_ctx):
     from bench.scaling import memory
-    rows = memory(bench_ctx, cases=[(2, TINY)], whole_too=False)      # one federation, not two
+
+    rows = memory(bench_ctx, cases=[(2, TINY)], whole_too=False)  # one federation, not two
     assert len(rows) == 1
     r = rows[0]
     assert r.section == "memory" and r.unit == "x model" and r.baseline_value == 3.0
@@ -119,6 +136,7 @@ def test_memory_section_tiny(bench_ctx):
 
 def test_replay_section_tiny(bench_ctx):
     from bench.replay_journal import replay_section
+
     rows = replay_section(bench_ctx, senders=(3, 50), messages=5)
     well_formed(rows, "replay", 2)
     assert "3 senders" in rows[0].subject and "50 senders" in rows[1].subject
@@ -134,9 +152,11 @@ def test_flower_apps_compile():
 @pytest.mark.slow
 def test_flower_section_tiny(tmp_path):
     from bench import flower
+
     py = flower.VENV / "bin" / "python"
     if not (flower.VENV / f".flwr-{flower.FLWR_VERSION}").exists():
-        pytest.skip(f"Flower is not installed: run `python bench/run.py --quick --only flower` once "
-                    f"(it makes {flower.VENV})")
+        pytest.skip(
+            f"Flower is not installed: run `python bench/run.py --quick --only flower` once (it makes {flower.VENV})"
+        )
     times = flower.run_grpc(py, tmp_path, TINY, 1, None, timeout=300, clients=2)
     assert len(times) == 1 and times[0] > 0

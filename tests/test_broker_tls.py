@@ -20,10 +20,10 @@ import paho.mqtt.client as paho
 import pytest
 from conftest import unique_id
 
-from fedagent.agent import transport as tr
-from fedagent.agent.transport import TlsFiles, Transport, parse_broker_uri, preflight
 from fedagent.broker import EmbeddedBroker, render_acl, render_config
 from fedagent.errors import CertificateRejected, ConfigError, NotAuthorized, TransportError
+from fedagent.node import transport as tr
+from fedagent.node.transport import TlsFiles, Transport, parse_broker_uri, preflight
 from fedagent.protocols import topics
 
 FED = "testfed"
@@ -49,6 +49,7 @@ async def noop(_topic: str, _payload: bytes) -> None:
 
 
 # --- configuration -----------------------------------------------------------------
+
 
 def test_acl_implements_the_topic_layout():
     acl = render_acl(["fed-1", "fed-2"], ["coord", "coord-2"])
@@ -77,40 +78,77 @@ def test_acl_implements_the_topic_layout():
     assert topics.inbox("fed-1", "x").replace("/x/", "/%u/") in acl
 
 
-@pytest.mark.parametrize("feds,coords", [(["fed/#"], []), (["fed"], ["a+b"]), (["fed"], ["Coord"]),
-                                         ([""], []), ("fed", [])])
+@pytest.mark.parametrize(
+    "feds,coords", [(["fed/#"], []), (["fed"], ["a+b"]), (["fed"], ["Coord"]), ([""], []), ("fed", [])]
+)
 def test_acl_refuses_names_that_would_escape_it(feds, coords):
     with pytest.raises((ConfigError, TypeError)):
         render_acl(feds, coords)
 
 
 def test_config_requires_certificates_and_limits_packets(tmp_path):
-    conf = render_config(port=18883, bind="127.0.0.1", ca=tmp_path / "ca.crt",
-                         cert=tmp_path / "b.crt", key=tmp_path / "b.key", acl=tmp_path / "acl",
-                         persistence_dir=tmp_path / "data", max_packet_size=2**20,
-                         log_path=tmp_path / "log")
+    conf = render_config(
+        port=18883,
+        bind="127.0.0.1",
+        ca=tmp_path / "ca.crt",
+        cert=tmp_path / "b.crt",
+        key=tmp_path / "b.key",
+        acl=tmp_path / "acl",
+        persistence_dir=tmp_path / "data",
+        max_packet_size=2**20,
+        log_path=tmp_path / "log",
+    )
     lines = conf.splitlines()
-    for expected in ["listener 18883 127.0.0.1", "require_certificate true",
-                     "use_identity_as_username true", "allow_anonymous false",
-                     "tls_version tlsv1.2", "max_packet_size 1048576", "persistence true",
-                     f"persistence_location {tmp_path / 'data'}/", f"acl_file {tmp_path / 'acl'}"]:
+    for expected in [
+        "listener 18883 127.0.0.1",
+        "require_certificate true",
+        "use_identity_as_username true",
+        "allow_anonymous false",
+        "tls_version tlsv1.2",
+        "max_packet_size 1048576",
+        "persistence true",
+        f"persistence_location {tmp_path / 'data'}/",
+        f"acl_file {tmp_path / 'acl'}",
+    ]:
         assert expected in lines
     assert any(line.startswith("persistent_client_expiration ") for line in lines)
     with pytest.raises(ConfigError, match="line break"):
-        render_config(port=1, bind="127.0.0.1", ca=tmp_path / "x\nallow_anonymous true",
-                      cert=tmp_path, key=tmp_path, acl=tmp_path, persistence_dir=None)
+        render_config(
+            port=1,
+            bind="127.0.0.1",
+            ca=tmp_path / "x\nallow_anonymous true",
+            cert=tmp_path,
+            key=tmp_path,
+            acl=tmp_path,
+            persistence_dir=None,
+        )
 
 
-@pytest.mark.parametrize("uri,expected", [("mqtts://127.0.0.1:8884", ("127.0.0.1", 8884)),
-                                          ("mqtts://broker.local", ("broker.local", 8883)),
-                                          ("mqtts://[::1]:9000", ("::1", 9000))])
+@pytest.mark.parametrize(
+    "uri,expected",
+    [
+        ("mqtts://127.0.0.1:8884", ("127.0.0.1", 8884)),
+        ("mqtts://broker.local", ("broker.local", 8883)),
+        ("mqtts://[::1]:9000", ("::1", 9000)),
+    ],
+)
 def test_parse_broker_uri(uri, expected):
     assert parse_broker_uri(uri) == expected
 
 
-@pytest.mark.parametrize("uri", ["mqtt://127.0.0.1:1883", "tcp://h:1", "127.0.0.1:8883",
-                                 "mqtts://", "mqtts://h:99999", "mqtts://h:1/path", "",
-                                 "mqtts://user:pw@h:1"])
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "mqtt://127.0.0.1:1883",
+        "tcp://h:1",
+        "127.0.0.1:8883",
+        "mqtts://",
+        "mqtts://h:99999",
+        "mqtts://h:1/path",
+        "",
+        "mqtts://user:pw@h:1",
+    ],
+)
 def test_parse_broker_uri_refuses_anything_else(uri):
     with pytest.raises(ConfigError):
         parse_broker_uri(uri)
@@ -128,15 +166,14 @@ def test_broker_start_failure_reports_mosquittos_log(pki, tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        b = EmbeddedBroker(tmp_path, federations=[FED], coordinators=[], ca_dir=pki.ca_dir,
-                           port=taken.getsockname()[1])
-        with pytest.raises(TransportError, match="(?s)mosquitto exited with code .*Address "
-                                                 "already in use"):
+        b = EmbeddedBroker(tmp_path, federations=[FED], coordinators=[], ca_dir=pki.ca_dir, port=taken.getsockname()[1])
+        with pytest.raises(TransportError, match="(?s)mosquitto exited with code .*Address already in use"):
             b.start()
         assert not b.running and b.pid is None
 
 
 # --- T1: certificates ---------------------------------------------------------------
+
 
 def test_t1_client_without_certificate_is_refused(broker, arun):
     no_cert = ssl.create_default_context(cafile=str(broker.pki.ca))
@@ -179,10 +216,16 @@ def test_t1_expired_certificate_is_refused(broker, arun):
 def test_t1_broker_itself_refuses_bad_certificates(broker, arun):
     """Without preflight or local checks, the broker must still refuse (0 accepted),
     and the MQTT client fails at once instead of waiting out its connect timeout."""
+
     async def attempt(tls: TlsFiles) -> None:
-        client = tr._Client(broker.host, broker.port, identifier=unique_id("raw"),
-                            protocol=tr.aiomqtt.ProtocolVersion.V5, timeout=8,
-                            tls_context=tr.make_ssl_context(tls))
+        client = tr._Client(
+            broker.host,
+            broker.port,
+            identifier=unique_id("raw"),
+            protocol=tr.aiomqtt.ProtocolVersion.V5,
+            timeout=8,
+            tls_context=tr.make_ssl_context(tls),
+        )
         async with client:
             pass
 
@@ -205,8 +248,9 @@ def test_t1_broker_with_a_certificate_from_another_ca_is_refused(broker, arun):
 
 def test_t1_broker_certificate_must_name_the_host(broker_factory, arun):
     b = broker_factory(sans=["broker.example"])
-    with pytest.raises(CertificateRejected, match="broker's certificate .* is not valid for "
-                                                  "'127.0.0.1'.*--san 127.0.0.1"):
+    with pytest.raises(
+        CertificateRejected, match="broker's certificate .* is not valid for '127.0.0.1'.*--san 127.0.0.1"
+    ):
         arun(preflight(b.uri, b.tls("agent-a")))
 
 
@@ -214,8 +258,7 @@ def test_t1_nothing_listening_is_a_transport_error(broker, arun):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
-    with pytest.raises(TransportError, match=f"cannot reach broker at 127.0.0.1:{free}: connection "
-                                             "refused") as err:
+    with pytest.raises(TransportError, match=f"cannot reach broker at 127.0.0.1:{free}: connection refused") as err:
         arun(preflight(f"mqtts://127.0.0.1:{free}", broker.tls("agent-a")))
     assert not isinstance(err.value, CertificateRejected)
 
@@ -231,18 +274,26 @@ def test_t1_valid_certificate_connects_as_its_common_name(broker, arun, peer):
             with pytest.raises(NotAuthorized):
                 await a.transport.publish(topics.direct(FED, "agent-b", "coord", "hello"), b"hi")
         await wait_for_log(broker, f"as {cid} (p5, c0, k10, u'agent-a')")
+
     arun(main())
 
 
 # --- T2: the ACL ----------------------------------------------------------------------
 
+
 def test_t2_agent_cannot_publish_as_another_node_or_as_coordinator(broker, arun, peer):
     async def main():
-        async with peer(broker, "coord", subscriptions=[f"{ROOT}/#", "fedagent/#"]) as coord, \
-                peer(broker, "agent-a") as a:
-            forged = [topics.presence(FED, "agent-b"), topics.broadcast(FED, "x"),
-                      topics.direct(FED, "agent-b", "coord", "update"),
-                      topics.presence("otherfed", "agent-a"), "fedagent/v1/testfed/evil"]
+        async with (
+            peer(broker, "coord", subscriptions=[f"{ROOT}/#", "fedagent/#"]) as coord,
+            peer(broker, "agent-a") as a,
+        ):
+            forged = [
+                topics.presence(FED, "agent-b"),
+                topics.broadcast(FED, "x"),
+                topics.direct(FED, "agent-b", "coord", "update"),
+                topics.presence("otherfed", "agent-a"),
+                "fedagent/v1/testfed/evil",
+            ]
             for topic in forged:
                 with pytest.raises(NotAuthorized) as err:
                     await a.transport.publish(topic, b"forged", retain=True)
@@ -254,25 +305,28 @@ def test_t2_agent_cannot_publish_as_another_node_or_as_coordinator(broker, arun,
             await a.transport.publish(marker, b"marker")
             seen = await coord.until(lambda t, p: t == marker)
             assert b"forged" not in payloads(seen)
-            assert a.transport.state == "connected"     # a refusal is not a disconnect
+            assert a.transport.state == "connected"  # a refusal is not a disconnect
+
     arun(main())
 
 
 def test_t2_agent_cannot_read_another_agents_inbox(broker, arun, peer):
     async def main():
-        async with peer(broker, "coord") as coord, \
-                peer(broker, "agent-a", subscriptions=["#", topics.inbox(FED, "agent-b"),
-                                                       "fedagent/v1/otherfed/#"]) as a, \
-                peer(broker, "agent-b", subscriptions=[topics.inbox(FED, "agent-b")]) as b:
+        async with (
+            peer(broker, "coord") as coord,
+            peer(broker, "agent-a", subscriptions=["#", topics.inbox(FED, "agent-b"), "fedagent/v1/otherfed/#"]) as a,
+            peer(broker, "agent-b", subscriptions=[topics.inbox(FED, "agent-b")]) as b,
+        ):
             c = coord.transport
             await c.publish(topics.direct(FED, "coord", "agent-b", "secret"), b"for-b")
             await c.publish(topics.broadcast(FED, "round"), b"for-all")
             await c.publish(topics.direct(FED, "coord", "agent-a", "marker"), b"for-a")
             seen = await a.until(lambda t, p: p == b"for-a")
             assert b"for-b" not in payloads(seen)
-            assert b"for-all" in payloads(seen)          # coordinators may write global/
+            assert b"for-all" in payloads(seen)  # coordinators may write global/
             assert all(not t.startswith("fedagent/v1/otherfed/") for t, _ in seen)
             assert (await b.until(lambda t, p: p == b"for-b"))[-1][0].endswith("/to/agent-b/secret")
+
     arun(main())
 
 
@@ -290,11 +344,11 @@ def test_t2_acl_reload_takes_effect_on_live_connections(broker_factory, arun, pe
             with pytest.raises(NotAuthorized):
                 await c.transport.publish(topic, b"3")
             assert c.transport.reconnects == 0
+
     arun(main())
 
 
-def test_subscriptions_added_at_runtime_deliver_and_survive_reconnects(broker_factory, arun,
-                                                                      peer):
+def test_subscriptions_added_at_runtime_deliver_and_survive_reconnects(broker_factory, arun, peer):
     b = broker_factory()
     other = "fed-2"
 
@@ -310,25 +364,42 @@ def test_subscriptions_added_at_runtime_deliver_and_survive_reconnects(broker_fa
             await asyncio.to_thread(b.restart)
             await c.transport.publish(topics.broadcast(other, "round"), b"again", timeout=15)
             await a.until(lambda t, p: p == b"again", timeout=15)
+
     arun(main(), timeout=40)
 
 
 # --- T6: Last Will and clean stop ----------------------------------------------------------
 
+
 def child_config(broker, name: str, token: str, keepalive: int) -> dict:
     tls = broker.tls(name)
-    return {"uri": broker.uri, "ca": str(tls.ca), "cert": str(tls.cert), "key": str(tls.key),
-            "client_id": unique_id(name), "presence": topics.presence(FED, name),
-            "online": f"online {token}", "will": f"offline-will {token}",
-            "final": f"offline-clean {token}", "keepalive": keepalive}
+    return {
+        "uri": broker.uri,
+        "ca": str(tls.ca),
+        "cert": str(tls.cert),
+        "key": str(tls.key),
+        "client_id": unique_id(name),
+        "presence": topics.presence(FED, name),
+        "online": f"online {token}",
+        "will": f"offline-will {token}",
+        "final": f"offline-clean {token}",
+        "keepalive": keepalive,
+    }
 
 
 async def start_child(cfg: dict) -> asyncio.subprocess.Process:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")]),
+    )
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(CHILD), json.dumps(cfg), stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, env=env)
+        sys.executable,
+        str(CHILD),
+        json.dumps(cfg),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        env=env,
+    )
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 15)
     except BaseException:
@@ -367,15 +438,16 @@ def test_t6_last_will_marks_a_dead_agent_offline(broker, arun, peer, how, record
                 # SIGKILL: the kernel closes the socket; SIGSTOP: silence, so only the
                 # broker's keep-alive timeout (1.5 x keep-alive) can notice.
                 proc.send_signal(getattr(signal, how))
-                seen = await coord.until(lambda t, p: token.encode() in p and b"offline" in p,
-                                         timeout=1.5 * keepalive + 8)
+                seen = await coord.until(
+                    lambda t, p: token.encode() in p and b"offline" in p, timeout=1.5 * keepalive + 8
+                )
                 took = time.monotonic() - started
             finally:
                 await stop_child(proc)
         assert seen[-1] == (cfg["presence"], f"offline-will {token}".encode())
         record_property("will_delay_s", round(took, 3))
         if how == "SIGKILL":
-            assert took < 1.5 * keepalive          # measured: 4-10 ms
+            assert took < 1.5 * keepalive  # measured: 4-10 ms
         else:
             # Mosquitto 2.0.x runs its keep-alive check only when more than 5 s have
             # passed since the last one (keepalive.c: `last_keepalive_check + 5 <
@@ -405,9 +477,13 @@ def test_t6_clean_close_publishes_offline_itself_and_no_will(broker, arun, peer)
             # delivered before this marker.
             marker = topics.direct(FED, "coord", "coord", "marker")
             await coord.transport.publish(marker, token.encode())
-            seen = [p for t, p in await coord.until(lambda t, p: t == marker)
-                    if token.encode() in p and t == cfg["presence"]]
+            seen = [
+                p
+                for t, p in await coord.until(lambda t, p: t == marker)
+                if token.encode() in p and t == cfg["presence"]
+            ]
         assert seen == [f"offline-clean {token}".encode()]
+
     arun(main())
 
 
@@ -417,8 +493,12 @@ def test_t6_cancelling_run_without_close_leaves_the_will(broker, arun, peer):
     async def main():
         presence = topics.presence(FED, "agent-a")
         async with peer(broker, "coord", subscriptions=[topics.all_presence(FED)]) as coord:
-            t = Transport(uri=broker.uri, client_id=unique_id("agent-a"), tls=broker.tls("agent-a"),
-                          will=(presence, f"will {token}".encode()))
+            t = Transport(
+                uri=broker.uri,
+                client_id=unique_id("agent-a"),
+                tls=broker.tls("agent-a"),
+                will=(presence, f"will {token}".encode()),
+            )
             ready = asyncio.Event()
             task = asyncio.create_task(t.run(noop, ready))
             await asyncio.wait_for(ready.wait(), 10)
@@ -426,10 +506,12 @@ def test_t6_cancelling_run_without_close_leaves_the_will(broker, arun, peer):
             with pytest.raises(asyncio.CancelledError):
                 await task
             await coord.until(lambda t_, p: p == f"will {token}".encode())
+
     arun(main())
 
 
 # --- T5: broker restart, persistent sessions ---------------------------------------------
+
 
 def test_t5_reconnect_after_broker_restart_and_queued_qos1_delivery(broker_factory, arun, peer):
     b = broker_factory()
@@ -442,14 +524,16 @@ def test_t5_reconnect_after_broker_restart_and_queued_qos1_delivery(broker_facto
         def counting(name):
             async def on_connect():
                 connects.put_nowait(name)
+
             return on_connect
 
         async def next_connects(n):
             return sorted([await asyncio.wait_for(connects.get(), 15) for _ in range(n)])
 
-        async with peer(b, "agent-b", client_id=b_id, subscriptions=[inbox],
-                        on_connect=counting("b")) as rb, \
-                peer(b, "agent-a", on_connect=counting("a")) as sa:
+        async with (
+            peer(b, "agent-b", client_id=b_id, subscriptions=[inbox], on_connect=counting("b")) as rb,
+            peer(b, "agent-a", on_connect=counting("a")) as sa,
+        ):
             assert await next_connects(2) == ["a", "b"]
             await asyncio.to_thread(b.restart)
             assert await next_connects(2) == ["a", "b"]
@@ -480,16 +564,19 @@ def test_qos1_message_is_redelivered_if_the_handler_never_finished(broker, arun,
             got.set()
             await asyncio.Event().wait()
 
-        async with peer(broker, "agent-b", client_id=cid, subscriptions=[inbox],
-                        handler=stuck) as first, peer(broker, "agent-a") as a:
+        async with (
+            peer(broker, "agent-b", client_id=cid, subscriptions=[inbox], handler=stuck) as first,
+            peer(broker, "agent-a") as a,
+        ):
             await a.transport.publish(topics.direct(FED, "agent-a", "agent-b", "update"), b"u1")
             await asyncio.wait_for(got.wait(), 5)
-            first.task.cancel()                 # "crash" while handling
+            first.task.cancel()  # "crash" while handling
             with pytest.raises(asyncio.CancelledError):
                 await first.task
             async with peer(broker, "agent-b", client_id=cid, subscriptions=[inbox]) as again:
                 assert again.transport.session_present
                 assert (await again.get())[1] == b"u1"
+
     arun(main())
 
 
@@ -505,10 +592,12 @@ def test_t5_publish_waits_for_the_connection(broker_factory, arun, peer):
             assert a.transport.last_error
             await asyncio.to_thread(b.start)
             await a.transport.publish(topics.presence(FED, "agent-a"), b"", retain=True, timeout=15)
+
     arun(main(), timeout=40)
 
 
 # --- large messages and the packet limit -------------------------------------------------
+
 
 def test_large_messages_arrive_promptly(broker, arun, peer, record_property):
     count, size = 20, 6 * 2**20
@@ -516,13 +605,15 @@ def test_large_messages_arrive_promptly(broker, arun, peer, record_property):
 
     async def main():
         arrivals: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
+
         async def on_message(topic, payload):
             assert len(payload) == size
             arrivals.put_nowait((int.from_bytes(payload[:4], "big"), time.monotonic()))
 
-        async with peer(broker, "agent-b", subscriptions=[topics.inbox(FED, "agent-b")],
-                        handler=on_message), \
-                peer(broker, "agent-a") as tx:
+        async with (
+            peer(broker, "agent-b", subscriptions=[topics.inbox(FED, "agent-b")], handler=on_message),
+            peer(broker, "agent-a") as tx,
+        ):
             took = []
             topic = topics.direct(FED, "agent-a", "agent-b", "model")
             for i in range(count):
@@ -549,8 +640,8 @@ class _FakeSocket:
     def recv(self, n: int) -> bytes:
         if not self.data:
             raise BlockingIOError
-        out = bytes(self.data[:min(n, self.chunk)])
-        del self.data[:len(out)]
+        out = bytes(self.data[: min(n, self.chunk)])
+        del self.data[: len(out)]
         return out
 
     def pending(self) -> int:
@@ -564,8 +655,8 @@ def test_reader_handles_a_packet_completed_by_pahos_last_read():
     """paho's loop_read() stops after 100 body reads; if the 100th completes the packet
     and nothing else arrives, it sits unhandled (NETWORK-FACTS "Large messages")."""
     topic = b"t/x"
-    body_len = 100 * 1000                     # 100 reads of 1000 bytes exactly
-    payload = bytes(body_len - 2 - len(topic) - 1)   # MQTT 5: topic, properties len, payload
+    body_len = 100 * 1000  # 100 reads of 1000 bytes exactly
+    payload = bytes(body_len - 2 - len(topic) - 1)  # MQTT 5: topic, properties len, payload
     remaining = 2 + len(topic) + 1 + len(payload)
     assert remaining == body_len
     length = bytearray()
@@ -581,12 +672,12 @@ def test_reader_handles_a_packet_completed_by_pahos_last_read():
         got = []
         c = paho.Client(paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
         c.on_message = lambda _c, _u, m: got.append(len(m.payload))
-        c._sock = _FakeSocket(data, 1000)        # noqa: SLF001
+        c._sock = _FakeSocket(data, 1000)
         return c, got
 
     stock, got = client_with(packet)
-    stock.loop_read()                             # what one readable event does in aiomqtt
-    assert got == []                              # the stall: complete but unhandled
+    stock.loop_read()  # what one readable event does in aiomqtt
+    assert got == []  # the stall: complete but unhandled
 
     ours, got = client_with(packet)
     tr.read_available(ours)
@@ -600,24 +691,27 @@ def test_publish_above_the_broker_packet_limit_is_a_clear_error(broker_factory, 
     async def main():
         async with peer(b, "agent-a") as a:
             t = a.transport
-            assert t.max_packet_size == limit          # announced in CONNACK
+            assert t.max_packet_size == limit  # announced in CONNACK
             topic = topics.direct(FED, "agent-a", "coord", "model")
             started = time.monotonic()
-            with pytest.raises(TransportError, match=r"exceeds the broker's maximum packet size "
-                                                     r"of 1048576 bytes; split it into chunks"):
+            with pytest.raises(
+                TransportError,
+                match=r"exceeds the broker's maximum packet size "
+                r"of 1048576 bytes; split it into chunks",
+            ):
                 await t.publish(topic, bytes(limit))
             assert time.monotonic() - started < 1
             fits = limit - tr.publish_packet_size(topic, 0, 1)
             while tr.publish_packet_size(topic, fits, 1) > limit:
                 fits -= 1
-            await t.publish(topic, bytes(fits))       # exactly at the limit: accepted
+            await t.publish(topic, bytes(fits))  # exactly at the limit: accepted
             assert t.state == "connected" and t.reconnects == 0
             # The broker enforces it too: a client that ignores CONNACK is dropped (no
             # PUBACK with a reason code: Mosquitto 2.0.11 disconnects, and it counts only
             # the fixed header's first byte plus the remaining length).
             with pytest.raises(tr._ConnectionLost):
-                await t._client.publish_acked(topic, bytes(limit), qos=1, retain=False,
-                                              timeout=5)
-            await t.publish(topic, b"small", timeout=15)   # and we come back
+                await t._client.publish_acked(topic, bytes(limit), qos=1, retain=False, timeout=5)
+            await t.publish(topic, b"small", timeout=15)  # and we come back
             assert t.reconnects == 1
+
     arun(main(), timeout=40)

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import functools
 
-import pytest
-
 import byzantine as B
+import pytest
 
 BUDGET = 0.10
 FAIL_MARGIN = 0.15
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def clean() -> float:
     return B.run("fedavg", None, 0).accuracy
 
@@ -43,8 +42,7 @@ def test_fedavg_fails_and_multi_krum_holds(fraction) -> None:
         assert plain.aggregated_rounds == robust.aggregated_rounds == B.ROUNDS
 
 
-@pytest.mark.parametrize("aggregator, attack", [("median", "sign_flip"), ("trimmed_mean", "noise"),
-                                                ("clip", "scaled")])
+@pytest.mark.parametrize("aggregator, attack", [("median", "sign_flip"), ("trimmed_mean", "noise"), ("clip", "scaled")])
 def test_other_robust_aggregators_hold_at_20_percent(aggregator, attack) -> None:
     assert B.run(aggregator, attack, 2).accuracy >= clean() - BUDGET
 
@@ -59,8 +57,12 @@ def test_nan_updates_are_refused_before_aggregation_and_named() -> None:
 @pytest.mark.slow
 def test_whole_byzantine_table() -> None:
     base = clean()
-    weak = {("median", "sign_flip", 3), ("trimmed_mean", "sign_flip", 3), ("clip", "sign_flip", 2),
-            ("clip", "sign_flip", 3)}
+    weak = {
+        ("median", "sign_flip", 3),
+        ("trimmed_mean", "sign_flip", 3),
+        ("clip", "sign_flip", 2),
+        ("clip", "sign_flip", 3),
+    }
     for k in (1, 2, 3):
         for attack in B.ATTACKS:
             for agg in B.AGGREGATORS:

@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from test_federation import coordinator_done, wait_for
 
 from fedagent.demo import SEED, Federation
@@ -25,13 +24,27 @@ def test_median_holds_against_a_sign_flipping_agent_process(tmp_path, monkeypatc
     fed = Federation(tmp_path, agents=HONEST, rounds=ROUNDS, alpha=5.0)
     try:
         fed.prepare()
-        fed.write_coordinator("digits", {"seed": SEED},
-                              {"rounds": ROUNDS, "min_agents": HONEST + 1, "expected_agents": HONEST + 1,
-                               "min_updates": HONEST + 1, "round_timeout": 60.0, "local_epochs": 2, "lr": 0.05,
-                               "batch_size": 32, "seed": SEED, "aggregation": "median", "byzantine": 1})
+        fed.write_coordinator(
+            "digits",
+            {"seed": SEED},
+            {
+                "rounds": ROUNDS,
+                "min_agents": HONEST + 1,
+                "expected_agents": HONEST + 1,
+                "min_updates": HONEST + 1,
+                "round_timeout": 60.0,
+                "local_epochs": 2,
+                "lr": 0.05,
+                "batch_size": 32,
+                "seed": SEED,
+                "aggregation": "median",
+                "byzantine": 1,
+            },
+        )
         fed.start_all()
-        fed.add_agent("mallory", "byzantine_task:make",
-                      {"shard": 0, "shards": HONEST, "alpha": 5.0, "seed": SEED}, broker="")
+        fed.add_agent(
+            "mallory", "byzantine_task:make", {"shard": 0, "shards": HONEST, "alpha": 5.0, "seed": SEED}, broker=""
+        )
         done = wait_for(lambda: coordinator_done(fed), 240, "the federation to finish", fed)
         assert done["completed_rounds"] == ROUNDS
         weights, meta = fed.final_weights()

@@ -33,6 +33,7 @@ def payload(n: int, seed: int = 0) -> bytes:
 
 # --- split ------------------------------------------------------------------------------
 
+
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=3000), st.integers(1, 700))
 def test_split_layout(data: bytes, max_chunk: int) -> None:
@@ -69,11 +70,10 @@ def test_empty_payload_is_one_empty_chunk() -> None:
 
 # --- round trips ---------------------------------------------------------------------
 
+
 @settings(max_examples=200, deadline=None)
-@given(st.binary(max_size=4000), st.integers(1, 500), st.randoms(use_true_random=False),
-       st.integers(0, 20))
-def test_reassembly_in_any_order_with_duplicates(data: bytes, max_chunk: int, rnd: random.Random,
-                                                 extra: int) -> None:
+@given(st.binary(max_size=4000), st.integers(1, 500), st.randoms(use_true_random=False), st.integers(0, 20))
+def test_reassembly_in_any_order_with_duplicates(data: bytes, max_chunk: int, rnd: random.Random, extra: int) -> None:
     bodies = split(data, max_chunk=max_chunk, transfer_id="tx")
     stream = bodies + [rnd.choice(bodies) for _ in range(extra)]
     rnd.shuffle(stream)
@@ -93,8 +93,10 @@ def test_chunks_travel_in_envelopes_under_wire_limits() -> None:
     data = payload(300_000)
     max_chunk = 64 * 1024
     wire_limits = Limits(max_message_bytes=max_chunk + 4096, max_bin_len=max_chunk + 4096)
-    frames = [encode(Envelope(kind="chunk", federation="fed", sender="agent-1", round=2, seq=i, ts=1.0, body=b))
-              for i, b in enumerate(split(data, max_chunk=max_chunk, transfer_id="abc-1"))]
+    frames = [
+        encode(Envelope(kind="chunk", federation="fed", sender="agent-1", round=2, seq=i, ts=1.0, body=b))
+        for i, b in enumerate(split(data, max_chunk=max_chunk, transfer_id="abc-1"))
+    ]
     assert all(len(f) <= max_chunk + 4096 for f in frames)
     r = reassembler()
     out = feed_all(r, "agent-1", [decode(f, wire_limits).body for f in reversed(frames)])
@@ -121,6 +123,7 @@ def test_interleaved_transfers_and_senders_never_mix() -> None:
 
 # --- corruption and inconsistency ----------------------------------------------------
 
+
 def test_digest_mismatch_drops_the_transfer() -> None:
     data = payload(1000)
     bodies = split(data, max_chunk=100, transfer_id="t")
@@ -138,8 +141,9 @@ def test_digest_mismatch_drops_the_transfer() -> None:
     assert r.feed("a", one, 0.0) == b"hello"  # the genuine one is still accepted
 
 
-@pytest.mark.parametrize("change", [{"n": 11, "size": 1100}, {"n": 11, "size": 1050}, {"size": 999},
-                                    {"sha256": bytes(32)}])
+@pytest.mark.parametrize(
+    "change", [{"n": 11, "size": 1100}, {"n": 11, "size": 1050}, {"size": 999}, {"sha256": bytes(32)}]
+)
 def test_chunks_that_disagree_drop_the_transfer(change: dict) -> None:
     # each of these chunks is self-consistent; it only contradicts the earlier ones
     bodies = split(payload(1000), max_chunk=100, transfer_id="t")
@@ -168,12 +172,34 @@ def test_chunk_lengths_must_fit_together() -> None:
     assert feed_all(r, "a", bodies[::-1]) == [payload(950)]
 
 
-@pytest.mark.parametrize("change", [
-    {"i": 10}, {"i": -1}, {"i": True}, {"i": 1.0}, {"n": 0}, {"n": 1001}, {"n": "10"}, {"size": -1},
-    {"size": 2**64}, {"sha256": b"\x00" * 31}, {"sha256": "0" * 32}, {"sha256": bytearray(32)}, {"tid": ""},
-    {"tid": "x" * 65}, {"tid": 5}, {"tid": "a\x00"}, {"data": "text"}, {"data": None}, {"data": [0] * 100},
-    {"data": b""}, {"data": b"x" * 112}, {"data": b"x" * 99}, {"extra": 1},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"i": 10},
+        {"i": -1},
+        {"i": True},
+        {"i": 1.0},
+        {"n": 0},
+        {"n": 1001},
+        {"n": "10"},
+        {"size": -1},
+        {"size": 2**64},
+        {"sha256": b"\x00" * 31},
+        {"sha256": "0" * 32},
+        {"sha256": bytearray(32)},
+        {"tid": ""},
+        {"tid": "x" * 65},
+        {"tid": 5},
+        {"tid": "a\x00"},
+        {"data": "text"},
+        {"data": None},
+        {"data": [0] * 100},
+        {"data": b""},
+        {"data": b"x" * 112},
+        {"data": b"x" * 99},
+        {"extra": 1},
+    ],
+)
 def test_bad_chunk_bodies(change: dict) -> None:
     body = split(payload(1000), max_chunk=100, transfer_id="t")[3] | change
     r = reassembler()
@@ -203,6 +229,7 @@ def test_single_chunk_must_hold_the_whole_payload() -> None:
 
 
 # --- limits: refused before allocation -------------------------------------------------
+
 
 def traced_peak(fn) -> int:  # type: ignore[no-untyped-def]
     tracemalloc.start()
@@ -259,6 +286,7 @@ def test_number_of_transfers_is_bounded() -> None:
 
 
 # --- time -----------------------------------------------------------------------------
+
 
 def test_expiry_frees_memory() -> None:
     bodies = split(payload(10_000), max_chunk=1000, transfer_id="slow")

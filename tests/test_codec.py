@@ -17,8 +17,18 @@ from hypothesis.extra import numpy as hnp
 from fedagent.errors import CodecError
 from fedagent.protocols import codec
 from fedagent.protocols.codec import (
-    DTYPES, PROTOCOL_VERSION, Envelope, Limits, check_finite, decode, decode_tensor, decode_weights,
-    encode, encode_tensor, encode_weights, weights_nbytes,
+    DTYPES,
+    PROTOCOL_VERSION,
+    Envelope,
+    Limits,
+    check_finite,
+    decode,
+    decode_tensor,
+    decode_weights,
+    encode,
+    encode_tensor,
+    encode_weights,
+    weights_nbytes,
 )
 
 # --- helpers ----------------------------------------------------------------------------
@@ -44,8 +54,7 @@ def wire_extra(pair: bytes) -> bytes:
 
 
 def env(**kw: object) -> Envelope:
-    args = {"kind": "update", "federation": "fed", "sender": "agent-1", "round": 3, "seq": 7,
-            "ts": 1.5, "body": {}}
+    args = {"kind": "update", "federation": "fed", "sender": "agent-1", "round": 3, "seq": 7, "ts": 1.5, "body": {}}
     args.update(kw)
     return Envelope(**args)  # type: ignore[arg-type]
 
@@ -72,22 +81,42 @@ def raw_bytes(a: np.ndarray) -> bytes:
     return a.astype(a.dtype.newbyteorder("<")).tobytes()
 
 
-WEIGHTS = {"layer.0/w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(4, np.int64),
-           "mask": np.array([True, False]), "h": np.array([], np.float16).reshape(0, 5)}
+WEIGHTS = {
+    "layer.0/w": np.arange(12, dtype=np.float32).reshape(3, 4),
+    "b": np.ones(4, np.int64),
+    "mask": np.array([True, False]),
+    "h": np.array([], np.float16).reshape(0, 5),
+}
 VALID = encode(env(body={"weights": encode_weights(WEIGHTS), "metrics": {"loss": 0.25}, "ids": ["a", "b"]}))
 
 # --- strategies ---------------------------------------------------------------------
 
 names = st.from_regex(r"[a-z0-9][a-z0-9-]{0,62}", fullmatch=True)
 kinds = st.from_regex(r"[a-z0-9_]{1,32}", fullmatch=True)
-scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False)
-           | st.text(max_size=20) | st.binary(max_size=20))
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                      | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=20)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20)
+    | st.binary(max_size=20)
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
 bodies = st.dictionaries(st.text(max_size=8), values, max_size=5)
-envelopes = st.builds(Envelope, kind=kinds, federation=names, sender=names,
-                      round=st.integers(0, 2**63 - 1), seq=st.integers(0, 2**63 - 1),
-                      ts=st.floats(allow_nan=False, allow_infinity=False), body=bodies)
+envelopes = st.builds(
+    Envelope,
+    kind=kinds,
+    federation=names,
+    sender=names,
+    round=st.integers(0, 2**63 - 1),
+    seq=st.integers(0, 2**63 - 1),
+    ts=st.floats(allow_nan=False, allow_infinity=False),
+    body=bodies,
+)
 
 
 @st.composite
@@ -102,10 +131,12 @@ def arrays(draw: st.DrawFn) -> np.ndarray:
     return a
 
 
-tensor_names = st.text(st.characters(codec="utf-8", categories=["L", "N", "P", "S"], include_characters=" "),
-                       min_size=1, max_size=200)
+tensor_names = st.text(
+    st.characters(codec="utf-8", categories=["L", "N", "P", "S"], include_characters=" "), min_size=1, max_size=200
+)
 
 # --- round trips -----------------------------------------------------------------
+
 
 @settings(max_examples=300, deadline=None)
 @given(envelopes)
@@ -178,18 +209,52 @@ def test_valid_fixture_decodes() -> None:
 
 # --- envelope validation -----------------------------------------------------------
 
-@pytest.mark.parametrize("field, value", [
-    ("kind", ""), ("kind", "Update"), ("kind", "a" * 33), ("kind", "round-start"), ("kind", "x\n"), ("kind", 5),
-    ("federation", "Fed"), ("federation", "a/b"), ("federation", "#"), ("federation", "fed\n"), ("federation", ""),
-    ("sender", "a+b"), ("sender", None), ("sender", "-x"), ("sender", "x" * 64),
-    ("round", -1), ("round", True), ("round", 1.0), ("round", 2**63),
-    ("seq", -1), ("seq", 2**63), ("seq", "1"),
-    ("ts", math.nan), ("ts", math.inf), ("ts", "1"), ("ts", None), ("ts", False),
-    ("body", []), ("body", None), ("body", {1: 2}), ("body", {"x": {b"k": 1}}), ("body", {"x": {1, 2}}),
-    ("body", {"x": np.float32(1)}), ("body", {"x": 2**64}), ("body", {"x": -(2**63) - 1}),
-    ("body", {"x": [object()]}), ("body", {"x": msgpack.ExtType(1, b"")}),
-    ("version", 2), ("version", True), ("version", "1"),
-])
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("kind", ""),
+        ("kind", "Update"),
+        ("kind", "a" * 33),
+        ("kind", "round-start"),
+        ("kind", "x\n"),
+        ("kind", 5),
+        ("federation", "Fed"),
+        ("federation", "a/b"),
+        ("federation", "#"),
+        ("federation", "fed\n"),
+        ("federation", ""),
+        ("sender", "a+b"),
+        ("sender", None),
+        ("sender", "-x"),
+        ("sender", "x" * 64),
+        ("round", -1),
+        ("round", True),
+        ("round", 1.0),
+        ("round", 2**63),
+        ("seq", -1),
+        ("seq", 2**63),
+        ("seq", "1"),
+        ("ts", math.nan),
+        ("ts", math.inf),
+        ("ts", "1"),
+        ("ts", None),
+        ("ts", False),
+        ("body", []),
+        ("body", None),
+        ("body", {1: 2}),
+        ("body", {"x": {b"k": 1}}),
+        ("body", {"x": {1, 2}}),
+        ("body", {"x": np.float32(1)}),
+        ("body", {"x": 2**64}),
+        ("body", {"x": -(2**63) - 1}),
+        ("body", {"x": [object()]}),
+        ("body", {"x": msgpack.ExtType(1, b"")}),
+        ("version", 2),
+        ("version", True),
+        ("version", "1"),
+    ],
+)
 def test_envelope_refuses_bad_fields(field: str, value: object) -> None:
     with pytest.raises(CodecError):
         env(**{field: value})
@@ -220,12 +285,23 @@ def test_unknown_version_is_named() -> None:
     assert PROTOCOL_VERSION == 1
 
 
-@pytest.mark.parametrize("data", [
-    pack({k: v for k, v in FIELDS.items() if k != "q"} | {"b": {}}),  # missing field
-    wire(x=1),  # unknown field
-    wire(k=b"update"), wire(f="FED"), wire(s="a/b"), wire(r=-1), wire(q=2**63), wire(t=math.nan),
-    wire(t="now"), wire(r=True), wire(body=pack([])), wire(body=pack(None)),
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        pack({k: v for k, v in FIELDS.items() if k != "q"} | {"b": {}}),  # missing field
+        wire(x=1),  # unknown field
+        wire(k=b"update"),
+        wire(f="FED"),
+        wire(s="a/b"),
+        wire(r=-1),
+        wire(q=2**63),
+        wire(t=math.nan),
+        wire(t="now"),
+        wire(r=True),
+        wire(body=pack([])),
+        wire(body=pack(None)),
+    ],
+)
 def test_wrong_envelope_fields(data: bytes) -> None:
     refused(data)
 
@@ -248,12 +324,17 @@ LYING_HEADERS = {
 def test_length_headers_that_lie(raw: bytes) -> None:
     refused(raw)  # alone: not even an envelope
     refused(wire(body=b"\x81\xa1x" + raw))  # inside a body
-    refused(wire(body=b"\x81\xa1x" + raw), Limits(max_array_len=2**32, max_map_len=2**32,
-                                                   max_str_len=2**32, max_bin_len=2**32))
+    refused(
+        wire(body=b"\x81\xa1x" + raw),
+        Limits(max_array_len=2**32, max_map_len=2**32, max_str_len=2**32, max_bin_len=2**32),
+    )
 
 
-@pytest.mark.parametrize("opener", [b"\x91", b"\x81\xa1k", b"\xdc\x00\x01", b"\xde\x00\x01\xa1k"],
-                         ids=["fixarray", "fixmap", "array16", "map16"])
+@pytest.mark.parametrize(
+    "opener",
+    [b"\x91", b"\x81\xa1k", b"\xdc\x00\x01", b"\xde\x00\x01\xa1k"],
+    ids=["fixarray", "fixmap", "array16", "map16"],
+)
 def test_ten_thousand_deep_nesting(opener: bytes) -> None:
     deep = opener * 10_000 + b"\x00"
     refused(wire(body=b"\x81\xa1x" + deep), match="nested deeper")
@@ -276,9 +357,16 @@ def test_depth_limit_is_exact() -> None:
 
 
 NON_STRING_KEYS = {
-    "int": b"\x01", "negative int": b"\xff", "NaN float64": b"\xcb\x7f\xf8\x00\x00\x00\x00\x00\x00",
-    "NaN float32": b"\xca\x7f\xc0\x00\x00", "inf": b"\xcb\x7f\xf0\x00\x00\x00\x00\x00\x00",
-    "bytes": b"\xc4\x01k", "nil": b"\xc0", "true": b"\xc3", "array": b"\x91\x00", "map": b"\x81\xa1a\x00",
+    "int": b"\x01",
+    "negative int": b"\xff",
+    "NaN float64": b"\xcb\x7f\xf8\x00\x00\x00\x00\x00\x00",
+    "NaN float32": b"\xca\x7f\xc0\x00\x00",
+    "inf": b"\xcb\x7f\xf0\x00\x00\x00\x00\x00\x00",
+    "bytes": b"\xc4\x01k",
+    "nil": b"\xc0",
+    "true": b"\xc3",
+    "array": b"\x91\x00",
+    "map": b"\x81\xa1a\x00",
 }
 
 
@@ -301,9 +389,11 @@ def test_duplicate_keys_are_refused() -> None:
     refused(wire(body=b"\x81\xa1w" + dup_tensor), match="duplicate")
 
 
-@pytest.mark.parametrize("raw", [b"\xa2\xff\xfe", b"\xa3\xed\xa0\x80", b"\xa2\xc0\x80", b"\xa1\x80",
-                                 b"\xd9\x02\xe2\x82", b"\xa4\xf4\x90\x80\x80"],
-                         ids=["ff-fe", "surrogate", "overlong-nul", "continuation", "truncated-seq", "above-10ffff"])
+@pytest.mark.parametrize(
+    "raw",
+    [b"\xa2\xff\xfe", b"\xa3\xed\xa0\x80", b"\xa2\xc0\x80", b"\xa1\x80", b"\xd9\x02\xe2\x82", b"\xa4\xf4\x90\x80\x80"],
+    ids=["ff-fe", "surrogate", "overlong-nul", "continuation", "truncated-seq", "above-10ffff"],
+)
 def test_invalid_utf8(raw: bytes) -> None:
     refused(wire(body=b"\x81\xa1x" + raw), match="UTF-8")  # as a value
     refused(wire(body=b"\x81" + raw + b"\x00"), match="UTF-8")  # as a key
@@ -311,11 +401,17 @@ def test_invalid_utf8(raw: bytes) -> None:
 
 
 EXTS = {
-    "fixext1 code 5": b"\xd4\x05\x00", "fixext2": b"\xd5\x01\x00\x00", "fixext4 timestamp": b"\xd6\xff\x00\x00\x00\x00",
-    "fixext8 timestamp": b"\xd7\xff" + b"\x00" * 8, "fixext16": b"\xd8\x7f" + b"\x00" * 16,
-    "ext8 empty code 5": b"\xc7\x00\x05", "ext8 empty timestamp": b"\xc7\x00\xff",
-    "ext8 timestamp96": b"\xc7\x0c\xff" + b"\x00" * 12, "ext16": b"\xc8\x00\x01\x80\x00",
-    "ext32": b"\xc9\x00\x00\x00\x01\x01\x00", "ext8 truncated": b"\xc7",
+    "fixext1 code 5": b"\xd4\x05\x00",
+    "fixext2": b"\xd5\x01\x00\x00",
+    "fixext4 timestamp": b"\xd6\xff\x00\x00\x00\x00",
+    "fixext8 timestamp": b"\xd7\xff" + b"\x00" * 8,
+    "fixext16": b"\xd8\x7f" + b"\x00" * 16,
+    "ext8 empty code 5": b"\xc7\x00\x05",
+    "ext8 empty timestamp": b"\xc7\x00\xff",
+    "ext8 timestamp96": b"\xc7\x0c\xff" + b"\x00" * 12,
+    "ext16": b"\xc8\x00\x01\x80\x00",
+    "ext32": b"\xc9\x00\x00\x00\x01\x01\x00",
+    "ext8 truncated": b"\xc7",
 }
 
 
@@ -344,8 +440,21 @@ def test_truncation_at_every_offset() -> None:
     assert decode(VALID)
 
 
-@pytest.mark.parametrize("data", [b"", b"\x00", b"\xc0", b"\x91\x80", b"\xa1x", b"\xc1", b"\xc4\x00",
-                                  b"\x80", b"\x81\xa1v\x01", wire(body=b"\x81\xa1x\xc1")])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\x00",
+        b"\xc0",
+        b"\x91\x80",
+        b"\xa1x",
+        b"\xc1",
+        b"\xc4\x00",
+        b"\x80",
+        b"\x81\xa1v\x01",
+        wire(body=b"\x81\xa1x\xc1"),
+    ],
+)
 def test_not_an_envelope(data: bytes) -> None:
     refused(data)
 
@@ -399,8 +508,13 @@ def test_huge_tensor_header_refused_without_allocating() -> None:
 # --- the second line of defence holds on its own --------------------------------
 
 SECOND_LINE = [
-    *LYING_HEADERS.values(), *(b"\x81" + k + b"\x00" for k in NON_STRING_KEYS.values()),
-    *EXTS.values(), b"\x91" * 10_000 + b"\x00", b"\x82\xa1a\x01\xa1a\x02", b"\xa2\xff\xfe", b"\xc1",
+    *LYING_HEADERS.values(),
+    *(b"\x81" + k + b"\x00" for k in NON_STRING_KEYS.values()),
+    *EXTS.values(),
+    b"\x91" * 10_000 + b"\x00",
+    b"\x82\xa1a\x01\xa1a\x02",
+    b"\xa2\xff\xfe",
+    b"\xc1",
 ]
 
 
@@ -420,9 +534,21 @@ def test_msgpack_layer_alone_refuses_deep_input_and_big_headers(monkeypatch: pyt
     assert peak_bytes(lambda: decode(data, Limits(max_message_bytes=len(data)))) < 1_000_000
 
 
-@pytest.mark.parametrize("exc", [RecursionError("deep"), MemoryError(), TypeError("t"), ValueError("v"),
-                                 msgpack.ExtraData(1, b"x"), msgpack.StackError(), msgpack.FormatError(),
-                                 UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"), OverflowError(), KeyError("k")])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RecursionError("deep"),
+        MemoryError(),
+        TypeError("t"),
+        ValueError("v"),
+        msgpack.ExtraData(1, b"x"),
+        msgpack.StackError(),
+        msgpack.FormatError(),
+        UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"),
+        OverflowError(),
+        KeyError("k"),
+    ],
+)
 def test_every_unpacker_error_becomes_codec_error(exc: Exception, monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*a: object, **k: object) -> None:
         raise exc
@@ -444,25 +570,49 @@ def test_pure_python_msgpack_fallback_is_refused_the_same(monkeypatch: pytest.Mo
 
 # --- tensors ------------------------------------------------------------------------
 
+
 def tensor(**kw: object) -> dict:
     return {"dtype": "float32", "shape": [2, 3], "data": b"\x00" * 24} | kw
 
 
-@pytest.mark.parametrize("obj, match", [
-    (tensor(dtype="object"), "dtype"), (tensor(dtype="O"), "dtype"), (tensor(dtype="V8"), "dtype"),
-    (tensor(dtype="<U4"), "dtype"), (tensor(dtype="<f4"), "dtype"), (tensor(dtype="float128"), "dtype"),
-    (tensor(dtype="complex64"), "dtype"), (tensor(dtype="float32 "), "dtype"), (tensor(dtype=None), "dtype"),
-    (tensor(dtype=b"float32"), "dtype"), (tensor(dtype="S8"), "dtype"), (tensor(dtype="M8"), "dtype"),
-    (tensor(shape=[-2, -3]), "negative"), (tensor(shape=[2, -3]), "negative"), (tensor(shape=[True, 3]), "not an int"),
-    (tensor(shape=[2.0, 3]), "not an int"), (tensor(shape="2,3"), "shape"), (tensor(shape=None), "shape"),
-    (tensor(shape=[7]), "needs 28"),
-    (tensor(shape=[1] * 9, data=b"\x00" * 4), "max_tensor_dims"), (tensor(shape=[2**63, 0]), "exceeds"),
-    (tensor(shape=[2**40] * 8), "exceeds"), (tensor(data=b"\x00" * 23), "needs 24"),
-    (tensor(data=b"\x00" * 25), "needs 24"), (tensor(data=b""), "needs 24"), (tensor(data="x" * 24), "binary"),
-    (tensor(data=[0] * 24), "binary"), (tensor(data=None), "binary"),
-    (tensor(dtype="bool", shape=[2], data=b"\x01\x02"), "bool"),
-    (tensor(extra=1), "exactly"), ({"dtype": "float32", "shape": [0]}, "exactly"), ([1, 2], "map"), (None, "map"),
-])
+@pytest.mark.parametrize(
+    "obj, match",
+    [
+        (tensor(dtype="object"), "dtype"),
+        (tensor(dtype="O"), "dtype"),
+        (tensor(dtype="V8"), "dtype"),
+        (tensor(dtype="<U4"), "dtype"),
+        (tensor(dtype="<f4"), "dtype"),
+        (tensor(dtype="float128"), "dtype"),
+        (tensor(dtype="complex64"), "dtype"),
+        (tensor(dtype="float32 "), "dtype"),
+        (tensor(dtype=None), "dtype"),
+        (tensor(dtype=b"float32"), "dtype"),
+        (tensor(dtype="S8"), "dtype"),
+        (tensor(dtype="M8"), "dtype"),
+        (tensor(shape=[-2, -3]), "negative"),
+        (tensor(shape=[2, -3]), "negative"),
+        (tensor(shape=[True, 3]), "not an int"),
+        (tensor(shape=[2.0, 3]), "not an int"),
+        (tensor(shape="2,3"), "shape"),
+        (tensor(shape=None), "shape"),
+        (tensor(shape=[7]), "needs 28"),
+        (tensor(shape=[1] * 9, data=b"\x00" * 4), "max_tensor_dims"),
+        (tensor(shape=[2**63, 0]), "exceeds"),
+        (tensor(shape=[2**40] * 8), "exceeds"),
+        (tensor(data=b"\x00" * 23), "needs 24"),
+        (tensor(data=b"\x00" * 25), "needs 24"),
+        (tensor(data=b""), "needs 24"),
+        (tensor(data="x" * 24), "binary"),
+        (tensor(data=[0] * 24), "binary"),
+        (tensor(data=None), "binary"),
+        (tensor(dtype="bool", shape=[2], data=b"\x01\x02"), "bool"),
+        (tensor(extra=1), "exactly"),
+        ({"dtype": "float32", "shape": [0]}, "exactly"),
+        ([1, 2], "map"),
+        (None, "map"),
+    ],
+)
 def test_bad_tensors(obj: object, match: str) -> None:
     with pytest.raises(CodecError, match=match):
         decode_tensor(obj)
@@ -480,11 +630,21 @@ def test_tensor_expectations() -> None:
     assert decode_tensor(t, Limits(max_tensor_bytes=24)).nbytes == 24
 
 
-@pytest.mark.parametrize("a", [np.array([object()]), np.array(["abcd"]), np.zeros(2, "V8"), np.zeros(2, np.complex64),
-                               np.zeros(2, [("a", "f4")]), np.zeros(2, "M8[s]"), np.zeros(2, np.uint64),
-                               np.zeros(2, np.uint32), np.zeros(2, "S4")],
-                         ids=["object", "unicode", "void", "complex", "structured", "datetime", "uint64", "uint32",
-                              "bytes"])
+@pytest.mark.parametrize(
+    "a",
+    [
+        np.array([object()]),
+        np.array(["abcd"]),
+        np.zeros(2, "V8"),
+        np.zeros(2, np.complex64),
+        np.zeros(2, [("a", "f4")]),
+        np.zeros(2, "M8[s]"),
+        np.zeros(2, np.uint64),
+        np.zeros(2, np.uint32),
+        np.zeros(2, "S4"),
+    ],
+    ids=["object", "unicode", "void", "complex", "structured", "datetime", "uint64", "uint32", "bytes"],
+)
 def test_encode_refuses_dtypes_outside_the_allow_list(a: np.ndarray) -> None:
     with pytest.raises(CodecError, match="cannot be sent"):
         encode_tensor(a)
@@ -498,6 +658,7 @@ def test_encode_tensor_refuses_non_arrays() -> None:
 
 
 # --- weights -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["", "x" * 201, "a\nb", "tab\there", "\x00", 5, b"w"])
 def test_bad_tensor_names(name: object) -> None:
@@ -564,6 +725,7 @@ def test_limits_validate_themselves() -> None:
 
 # --- fuzz ------------------------------------------------------------------------------
 
+
 def decodes_or_codec_error(data: bytes, limits: Limits = Limits()) -> None:
     try:
         result = decode(data, limits)
@@ -579,14 +741,47 @@ def test_fuzz_arbitrary_bytes(data: bytes) -> None:
     decodes_or_codec_error(b"\x88" + data)  # looks like the start of an envelope
 
 
-SEEDS = [VALID, encode(env(kind="chunk", body={"tid": "t", "i": 0, "n": 1, "size": 3, "sha256": b"\x00" * 32,
-                                               "data": b"abc"})),
-         encode(env(body={"deep": [[[{"a": [1, 2.5, None, True, "x", b"y"]}]]]}))]
+SEEDS = [
+    VALID,
+    encode(env(kind="chunk", body={"tid": "t", "i": 0, "n": 1, "size": 3, "sha256": b"\x00" * 32, "data": b"abc"})),
+    encode(env(body={"deep": [[[{"a": [1, 2.5, None, True, "x", b"y"]}]]]})),
+]
 
-mutations = st.lists(st.tuples(st.sampled_from(["set", "insert", "delete", "flip"]), st.integers(0, 10**6),
-                               st.sampled_from([0x00, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xC1, 0xC4,
-                                                0xC6, 0xC7, 0xCB, 0xD4, 0xD9, 0xDB, 0xDC, 0xDD, 0xDE, 0xDF, 0xFF])
-                               | st.integers(0, 255)), min_size=1, max_size=6)
+mutations = st.lists(
+    st.tuples(
+        st.sampled_from(["set", "insert", "delete", "flip"]),
+        st.integers(0, 10**6),
+        st.sampled_from(
+            [
+                0x00,
+                0x7F,
+                0x80,
+                0x8F,
+                0x90,
+                0x9F,
+                0xA0,
+                0xBF,
+                0xC0,
+                0xC1,
+                0xC4,
+                0xC6,
+                0xC7,
+                0xCB,
+                0xD4,
+                0xD9,
+                0xDB,
+                0xDC,
+                0xDD,
+                0xDE,
+                0xDF,
+                0xFF,
+            ]
+        )
+        | st.integers(0, 255),
+    ),
+    min_size=1,
+    max_size=6,
+)
 
 
 def mutate(seed: bytes, ops: list[tuple[str, int, int]]) -> bytes:
@@ -605,8 +800,11 @@ def mutate(seed: bytes, ops: list[tuple[str, int, int]]) -> bytes:
 
 
 @settings(max_examples=700, deadline=None)
-@given(st.sampled_from(SEEDS), mutations, st.sampled_from([Limits(), Limits(max_depth=3, max_objects=40,
-                                                                            max_array_len=4, max_str_len=8)]))
+@given(
+    st.sampled_from(SEEDS),
+    mutations,
+    st.sampled_from([Limits(), Limits(max_depth=3, max_objects=40, max_array_len=4, max_str_len=8)]),
+)
 def test_fuzz_mutated_valid_messages(seed: bytes, ops: list[tuple[str, int, int]], limits: Limits) -> None:
     data = mutate(seed, ops)
     decodes_or_codec_error(data, limits)

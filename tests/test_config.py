@@ -23,11 +23,19 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_render_then_load_roundtrip(tmp_path):
     tls = TlsConfig(ca=Path("ca.crt"), cert=Path("a.crt"), key=Path("a.key"))
-    p = write(tmp_path, config.render(node_id="agent-a", federation="fed-1", tls=tls, state_dir=Path("state"),
-                                      task_options={"shard": 1, "shards": 3}))
+    p = write(
+        tmp_path,
+        config.render(
+            node_id="agent-a",
+            federation="fed-1",
+            tls=tls,
+            state_dir=Path("state"),
+            task_options={"shard": 1, "shards": 3},
+        ),
+    )
     cfg = config.load(p, "agent")
     assert cfg.id == "agent-a" and cfg.federation == "fed-1" and cfg.broker == ""
-    assert cfg.tls.ca == tmp_path / "ca.crt"            # relative to the file
+    assert cfg.tls.ca == tmp_path / "ca.crt"  # relative to the file
     assert cfg.state_dir == tmp_path / "state"
     assert cfg.task == "digits" and cfg.task_options == {"shard": 1, "shards": 3}
     assert cfg.search.space == "joint"
@@ -35,25 +43,36 @@ def test_render_then_load_roundtrip(tmp_path):
 
 def test_search_section_roundtrip(tmp_path):
     tls = TlsConfig(ca=Path("ca.crt"), cert=Path("a.crt"), key=Path("a.key"))
-    p = write(tmp_path, config.render(node_id="agent-a", federation="fed-1", tls=tls, state_dir=Path("state"),
-                                      search={"space": "mapped", "public_docs": 40, "mapper_epochs": 20}))
+    p = write(
+        tmp_path,
+        config.render(
+            node_id="agent-a",
+            federation="fed-1",
+            tls=tls,
+            state_dir=Path("state"),
+            search={"space": "mapped", "public_docs": 40, "mapper_epochs": 20},
+        ),
+    )
     s = config.load(p, "agent").search
     assert (s.space, s.public_docs, s.mapper_epochs, s.mapper_hidden) == ("mapped", 40, 20, 1200)
 
 
-@pytest.mark.parametrize("text, words", [
-    ('id = "Agent_A"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "invalid id"),
-    ('id = "a"\nfederation = "x/#"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "invalid federation"),
-    ('id = "a"\nmode = "p2p"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "mode must be"),
-    ('id = "a"\ncolour = 1\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "unknown keys"),
-    ('id = "a"\n[broker]\nuri = "tcp://x:1"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "mqtts://"),
-    ('id = "a"\n[tls]\nca="a"\n', "tls.cert"),
-    ('id = "a"\n[rounds]\nbogus = 1\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "[rounds]"),
-    ('id = "a"\n[search]\nspace = "shared"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "space must be one of"),
-    ('id = "a"\n[search]\npublic_docs = 0\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "public_docs"),
-    ('id = "a"\n[search]\nbogus = 1\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "[search]"),
-    ('id = [', "cannot read config"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('id = "Agent_A"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "invalid id"),
+        ('id = "a"\nfederation = "x/#"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "invalid federation"),
+        ('id = "a"\nmode = "p2p"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "mode must be"),
+        ('id = "a"\ncolour = 1\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "unknown keys"),
+        ('id = "a"\n[broker]\nuri = "tcp://x:1"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "mqtts://"),
+        ('id = "a"\n[tls]\nca="a"\n', "tls.cert"),
+        ('id = "a"\n[rounds]\nbogus = 1\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "[rounds]"),
+        ('id = "a"\n[search]\nspace = "shared"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "space must be one of"),
+        ('id = "a"\n[search]\npublic_docs = 0\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "public_docs"),
+        ('id = "a"\n[search]\nbogus = 1\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "[search]"),
+        ("id = [", "cannot read config"),
+    ],
+)
 def test_bad_configs_name_the_problem(tmp_path, text, words):
     with pytest.raises(ConfigError) as err:
         config.load(write(tmp_path, text), "agent")

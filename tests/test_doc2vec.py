@@ -28,7 +28,7 @@ def test_only_the_word_head_is_shared_and_sites_split_the_documents():
     assert not set(a.titles) & set(b.titles)
     assert len(a.titles) + len(b.titles) == 60
     model = a.build_model()
-    assert list(get_weights(model)) == ["out_embed.weight"]      # no document vectors in the model
+    assert list(get_weights(model)) == ["out_embed.weight"]  # no document vectors in the model
     assert a.doc_vectors.shape == (len(a.titles), 24)
 
 
@@ -40,23 +40,22 @@ def test_training_then_inference_recovers_documents_with_the_head_frozen():
     head = get_weights(model)["out_embed.weight"].copy()
     v1, loss1 = task.infer_vectors(model, task.tokens, seed=1, epochs=15, lr=0.05)
     v2, _ = task.infer_vectors(model, task.tokens, seed=2, epochs=15, lr=0.05)
-    assert np.array_equal(get_weights(model)["out_embed.weight"], head)          # frozen
+    assert np.array_equal(get_weights(model)["out_embed.weight"], head)  # frozen
     again, _ = task.infer_vectors(model, task.tokens, seed=1, epochs=15, lr=0.05)
-    assert np.array_equal(again, v1)                                              # deterministic
+    assert np.array_equal(again, v1)  # deterministic
     # Two inferences of the same text from different random starts find each other:
     # the vector is a function of the shared head and the words, not of the start.
     hits = np.mean(nearest(v2, [], 1, query_vectors=v1)[:, 0] == np.arange(len(v1)))
     assert hits >= 0.8
-    assert loss1 < 4.0                                                            # below the untrained 6·log 2
+    assert loss1 < 4.0  # below the untrained 6·log 2
 
 
 def test_evaluate_reports_knn_accuracy_on_the_holdout():
-    task = load_task("doc2vec", {"corpus": "newsgroups", "limit": 50, "holdout": 0.2, "dim": 16,
-                                 "infer_epochs": 3})
+    task = load_task("doc2vec", {"corpus": "newsgroups", "limit": 50, "holdout": 0.2, "dim": 16, "infer_epochs": 3})
     assert len(task.test_tokens) == 10
     metrics = task.evaluate(task.build_model())
     assert 0.0 <= metrics["knn_accuracy"] <= 1.0
-    assert metrics["infer_loss"] == pytest.approx(6 * np.log(2), abs=0.01)      # zero head: every score 0
+    assert metrics["infer_loss"] == pytest.approx(6 * np.log(2), abs=0.01)  # zero head: every score 0
 
 
 @pytest.mark.slow

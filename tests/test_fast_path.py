@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from test_messaging import ident
 
-from fedagent.agent import transport as transport_mod
-from fedagent.agent.messaging import Messenger
 from fedagent.errors import TransportError
+from fedagent.node import transport as transport_mod
+from fedagent.node.messaging import Messenger
 from fedagent.protocols.chunking import Reassembler, split
 from fedagent.protocols.codec import Envelope, decode, decode_tensor, encode, encode_tensor, encode_view
 from fedagent.protocols.messages import Update
@@ -20,10 +20,19 @@ from fedagent.protocols.messages import Update
 
 def _update_envelope(n: int = 50_000) -> Envelope:
     rng = np.random.default_rng(1)
-    weights = {"w": rng.standard_normal(n, dtype=np.float32),
-               "t": np.arange(12, dtype=np.int64).reshape(3, 4).T}          # not C-contiguous
-    return Envelope(kind="update", federation="fed", sender="agent-a", round=1, seq=1, ts=0.0,
-                    body=Update(1, 0, 3, {"loss": 0.5}, weights).to_body())
+    weights = {
+        "w": rng.standard_normal(n, dtype=np.float32),
+        "t": np.arange(12, dtype=np.int64).reshape(3, 4).T,
+    }  # not C-contiguous
+    return Envelope(
+        kind="update",
+        federation="fed",
+        sender="agent-a",
+        round=1,
+        seq=1,
+        ts=0.0,
+        body=Update(1, 0, 3, {"loss": 0.5}, weights).to_body(),
+    )
 
 
 def test_encode_view_is_byte_identical_to_encode():
@@ -87,7 +96,7 @@ class _RecordingTransport:
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
         try:
-            await asyncio.sleep(0.001)       # the PUBACK round trip
+            await asyncio.sleep(0.001)  # the PUBACK round trip
             if self.fail_at is not None and len(self.frames) == self.fail_at:
                 raise TransportError("no PUBACK")
             self.frames.append(payload)
@@ -96,20 +105,26 @@ class _RecordingTransport:
 
 
 def _chunked_update(messenger: Messenger) -> None:
-    weights = {"w": np.arange(30_000, dtype=np.float32)}          # 120 kB: 30 chunks of 4 kB
-    return asyncio.run(messenger.send("fedagent/v1/fed/node/agent-a/to/coord/update",
-                                      Update(1, 0, 3, {}, weights), round_=1))
+    weights = {"w": np.arange(30_000, dtype=np.float32)}  # 120 kB: 30 chunks of 4 kB
+    return asyncio.run(
+        messenger.send("fedagent/v1/fed/node/agent-a/to/coord/update", Update(1, 0, 3, {}, weights), round_=1)
+    )
 
 
 def test_chunks_are_published_with_a_bounded_window_and_reassemble(pki):
     t = _RecordingTransport()
-    m = Messenger(federation="fed", node_id="agent-a", transport=t, max_chunk_bytes=4096, publish_window=5,
-                  identity=ident(pki, "agent-a"))
+    m = Messenger(
+        federation="fed",
+        node_id="agent-a",
+        transport=t,
+        max_chunk_bytes=4096,
+        publish_window=5,
+        identity=ident(pki, "agent-a"),
+    )
     _chunked_update(m)
     assert len(t.frames) > 25
     assert t.peak == 5
-    r = Messenger(federation="fed", node_id="coord", transport=None, max_chunk_bytes=4096,
-                  identity=ident(pki, "coord"))
+    r = Messenger(federation="fed", node_id="coord", transport=None, max_chunk_bytes=4096, identity=ident(pki, "coord"))
     got = []
 
     async def deliver(inc):
@@ -126,8 +141,14 @@ def test_chunks_are_published_with_a_bounded_window_and_reassemble(pki):
 
 def test_a_failed_chunk_publish_fails_the_send(pki):
     t = _RecordingTransport(fail_at=3)
-    m = Messenger(federation="fed", node_id="agent-a", transport=t, max_chunk_bytes=4096, publish_window=4,
-                  identity=ident(pki, "agent-a"))
+    m = Messenger(
+        federation="fed",
+        node_id="agent-a",
+        transport=t,
+        max_chunk_bytes=4096,
+        publish_window=4,
+        identity=ident(pki, "agent-a"),
+    )
     with pytest.raises(TransportError):
         _chunked_update(m)
     assert t.in_flight == 0

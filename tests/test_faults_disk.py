@@ -15,12 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_federation import wait_for
 
 from fedagent import checkpoint, statefile
 from fedagent.demo import Federation
 from fedagent.errors import EXIT_IOERR, StateWriteError
 from fedagent.statefile import TEMP_PREFIX, atomic_write, cleanup_temp_files
-from test_federation import wait_for
 
 # A process that has imported everything once and forks a fresh checkpoint writer on
 # request, so each kill costs a fork instead of an interpreter start.
@@ -47,8 +47,9 @@ ZYGOTE = textwrap.dedent("""
 def kill_during_checkpoint_writes(tmp_path: Path, kills: int) -> dict[str, int]:
     target = tmp_path / "state" / "global.ckpt"
     target.parent.mkdir(parents=True)
-    zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE, str(target)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    zygote = subprocess.Popen(
+        [sys.executable, "-c", ZYGOTE, str(target)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     rng = secrets.SystemRandom()
     seen = {"new": 0, "old": 0, "missing": 0, "temp_left": 0}
     last = -1
@@ -57,11 +58,11 @@ def kill_during_checkpoint_writes(tmp_path: Path, kills: int) -> dict[str, int]:
             zygote.stdin.write(f"{last + 1}\n")
             zygote.stdin.flush()
             pid = int(zygote.stdout.readline())
-            time.sleep(rng.uniform(0.0, 0.03))    # a random moment in the write loop, not synchronisation
+            time.sleep(rng.uniform(0.0, 0.03))  # a random moment in the write loop, not synchronisation
             os.kill(pid, signal.SIGKILL)
             # The zygote reaps the child before it reads the next line; a load now sees
             # exactly what the dead writer left.
-            loaded = checkpoint.load(target)       # raises on a torn or unreadable file
+            loaded = checkpoint.load(target)  # raises on a torn or unreadable file
             if loaded is None:
                 seen["missing"] += 1
                 assert last == -1, "a checkpoint that existed disappeared"
@@ -135,8 +136,11 @@ class SmallDisk:
     def __init__(self, path: Path, size_kib: int) -> None:
         self.path = path
         path.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k,mode=0700", "tmpfs", str(path)],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k,mode=0700", "tmpfs", str(path)],
+            check=True,
+            capture_output=True,
+        )
         self.filler = path / "filler"
 
     def fill(self) -> int:
@@ -225,8 +229,12 @@ def test_coordinator_on_a_full_disk_exits_74_and_resumes_when_space_returns(tmp_
         assert checkpoint.load(state / "global.ckpt")[1] == meta
         disk.free()
         fed.spawn("coordinator")
-        done = wait_for(lambda: (lambda s: s if s and s["phase"] == "done" else None)(fed.status("coordinator")),
-                        150, "the federation to finish after space returned", fed)
+        done = wait_for(
+            lambda: (lambda s: s if s and s["phase"] == "done" else None)(fed.status("coordinator")),
+            150,
+            "the federation to finish after space returned",
+            fed,
+        )
         assert done["completed_rounds"] == rounds
         records = [json.loads(line) for line in (state / "history.jsonl").read_text().splitlines()]
         rounds_rec = [r for r in records if r["event"] == "round"]

@@ -14,14 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from netns import Lab, requires_netns
 
 from fedagent import broker, checkpoint, config, pki
-from fedagent.agent.control import request
 from fedagent.config import TlsConfig
 from fedagent.demo import BATCH, LR, SEED
 from fedagent.errors import FedagentError
+from fedagent.node.control import request
 from fedagent.tasks.base import get_weights, load_task, set_weights
-from netns import Lab, requires_netns
 
 pytestmark = [pytest.mark.root, requires_netns]
 
@@ -32,7 +32,7 @@ PORT = 8883
 # cleanly (goodbye packets).
 PEER = textwrap.dedent("""
     import asyncio, json, sys
-    from fedagent.agent.discovery import Advert, Discovery
+    from fedagent.node.discovery import Advert, Discovery
     async def main():
         ip, fed, node = sys.argv[1:4]
         async with Discovery([ip]) as d:
@@ -55,9 +55,13 @@ PEER = textwrap.dedent("""
 class MdnsNode:
     def __init__(self, lab: Lab, host: str, fed: str) -> None:
         self.host = host
-        self.p = subprocess.Popen(["ip", "netns", "exec", lab.ns(host), sys.executable, "-c", PEER,
-                                   lab.ip[host], fed, host],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        self.p = subprocess.Popen(
+            ["ip", "netns", "exec", lab.ns(host), sys.executable, "-c", PEER, lab.ip[host], fed, host],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         lab.procs.append((f"mdns-{host}", self.p))
         assert self.p.stdout.readline() == "ready\n"
 
@@ -113,7 +117,7 @@ def test_mdns_goodbye_and_interfaces_down_and_up(lab_factory):
     timings["readded"] = poll_table(n1, ["n2", "n3"], 15)
 
     lab.link("n3", up=False)
-    assert n1.ask() == ["n2", "n3"]                  # no goodbye came: still cached
+    assert n1.ask() == ["n2", "n3"]  # no goodbye came: still cached
     started = time.monotonic()
     assert n1.ask("refresh") == ["n2"]
     timings["refresh_removes"] = time.monotonic() - started
@@ -124,9 +128,9 @@ def test_mdns_goodbye_and_interfaces_down_and_up(lab_factory):
     assert n3.ask("refresh") == ["n1", "n2"]
 
     lab.link("n1", up=False)
-    n2.quit()                                        # n1 cannot hear this goodbye
+    n2.quit()  # n1 cannot hear this goodbye
     lab.link("n1", up=True)
-    assert n1.ask() == ["n2", "n3"]                  # stale until asked
+    assert n1.ask() == ["n2", "n3"]  # stale until asked
     assert n1.ask("refresh") == ["n3"]
     assert n3.ask() == ["n1"]
     print("T9:", {k: round(v, 2) for k, v in timings.items()})
@@ -146,19 +150,36 @@ class LabFederation:
         d = work / "hub-broker"
         (d / "data").mkdir(parents=True)
         (d / "acl").write_text(broker.render_acl([fed], ["coordinator"]))
-        (d / "mosquitto.conf").write_text(broker.render_config(
-            port=PORT, bind=lab.ip["hub"], ca=self.ca / "ca.crt", cert=self.ca / "hub-broker.crt",
-            key=self.ca / "hub-broker.key", acl=d / "acl", persistence_dir=d / "data", log_path=d / "mosquitto.log"))
+        (d / "mosquitto.conf").write_text(
+            broker.render_config(
+                port=PORT,
+                bind=lab.ip["hub"],
+                ca=self.ca / "ca.crt",
+                cert=self.ca / "hub-broker.crt",
+                key=self.ca / "hub-broker.key",
+                acl=d / "acl",
+                persistence_dir=d / "data",
+                log_path=d / "mosquitto.log",
+            )
+        )
         lab.spawn("hub-broker", "hub", [broker.find_mosquitto(), "-c", str(d / "mosquitto.conf")])
         self.uri = f"mqtts://{lab.ip['hub']}:{PORT}"
 
     def write(self, name: str, host: str, options: dict, **extra) -> Path:
         p = self.work / f"{name}.toml"
-        p.write_text(config.render(
-            node_id=name, federation=self.fed, broker=self.uri, interfaces=(self.lab.ip[host],),
-            tls=TlsConfig(self.ca / "ca.crt", self.ca / f"{name}.crt", self.ca / f"{name}.key"),
-            state_dir=self.work / "state" / name, runtime_dir=self.work / "run" / name,
-            task_options=options, **extra))
+        p.write_text(
+            config.render(
+                node_id=name,
+                federation=self.fed,
+                broker=self.uri,
+                interfaces=(self.lab.ip[host],),
+                tls=TlsConfig(self.ca / "ca.crt", self.ca / f"{name}.crt", self.ca / f"{name}.key"),
+                state_dir=self.work / "state" / name,
+                runtime_dir=self.work / "run" / name,
+                task_options=options,
+                **extra,
+            )
+        )
         return p
 
     def start(self, name: str, host: str, role: str, cfg: Path) -> None:
@@ -187,7 +208,7 @@ def fedavg_reference(n: int, alpha: float, rounds: int, epochs: int) -> float:
     """The fault-free run, computed in process: FedAvg over the same shards, weighted by
     samples, every agent in every round, each trained with seed = round number exactly
     as the agents do."""
-    torch.set_num_threads(1)          # as the agents do; more threads only spin on a busy machine
+    torch.set_num_threads(1)  # as the agents do; more threads only spin on a busy machine
     tasks = [load_task("digits", {"shard": i, "shards": n, "alpha": alpha, "seed": SEED}) for i in range(n)]
     model = load_task("digits", {"seed": SEED}).build_model()
     global_w = get_weights(model)
@@ -225,31 +246,58 @@ def test_partition_of_a_third_of_the_agents_mid_round(lab_factory, tmp_path):
     lab = lab_factory(["hub", *agents])
     rounds, alpha, epochs, timeout = 16, 1.0, 8, 12
     lf = LabFederation(lab, tmp_path, "partition", agents)
-    coord_cfg = lf.write("coordinator", "hub", {"seed": SEED}, rounds={
-        "rounds": rounds, "min_agents": 4, "expected_agents": 6, "min_updates": 3, "round_timeout": timeout,
-        "local_epochs": epochs, "lr": LR, "batch_size": BATCH, "seed": SEED})
+    coord_cfg = lf.write(
+        "coordinator",
+        "hub",
+        {"seed": SEED},
+        rounds={
+            "rounds": rounds,
+            "min_agents": 4,
+            "expected_agents": 6,
+            "min_updates": 3,
+            "round_timeout": timeout,
+            "local_epochs": epochs,
+            "lr": LR,
+            "batch_size": BATCH,
+            "seed": SEED,
+        },
+    )
     lf.start("coordinator", "hub", "coordinator", coord_cfg)
     for i, a in enumerate(agents):
         lf.start(a, a, "agent", lf.write(a, a, {"shard": i, "shards": 6, "alpha": alpha, "seed": SEED}))
     cut = ["a5", "a6"]
-    coord = lambda: lf.status("coordinator") or {}                     # noqa: E731
-    mid = lab.wait_for(lambda: (lambda s: s if s.get("completed_rounds", 0) >= 2 and s["phase"] == "training"
-                                and not s["received"] else None)(coord()), 150, "round 3 in progress")
+    coord = lambda: lf.status("coordinator") or {}  # noqa: E731
+    mid = lab.wait_for(
+        lambda: (
+            lambda s: (
+                s if s.get("completed_rounds", 0) >= 2 and s["phase"] == "training" and not s["received"] else None
+            )
+        )(coord()),
+        150,
+        "round 3 in progress",
+    )
     for a in cut:
         lab.cut(a)
     cut_at = time.monotonic()
-    lab.wait_for(lambda: all(coord().get("peers", {}).get(a, {}).get("online") is False for a in cut), 60,
-                 "the broker to drop the cut agents (Last Will)")
+    lab.wait_for(
+        lambda: all(coord().get("peers", {}).get(a, {}).get("online") is False for a in cut),
+        60,
+        "the broker to drop the cut agents (Last Will)",
+    )
     dropped_after = time.monotonic() - cut_at
     during = coord()
     for a in cut:
         lab.heal(a)
     healed_at = time.monotonic()
-    lab.wait_for(lambda: all(coord().get("peers", {}).get(a, {}).get("online") for a in cut), 90,
-                 "the healed agents to reconnect")
+    lab.wait_for(
+        lambda: all(coord().get("peers", {}).get(a, {}).get("online") for a in cut),
+        90,
+        "the healed agents to reconnect",
+    )
     back_after = time.monotonic() - healed_at
-    done = lab.wait_for(lambda: (lambda s: s if s.get("phase") == "done" else None)(coord()), 240,
-                        "the federation to finish")
+    done = lab.wait_for(
+        lambda: (lambda s: s if s.get("phase") == "done" else None)(coord()), 240, "the federation to finish"
+    )
     records = lf.history()
     aggregated = [r for r in records if r["event"] == "round"]
     abandoned = [r for r in records if r["event"] == "abandoned"]
@@ -267,8 +315,11 @@ def test_partition_of_a_third_of_the_agents_mid_round(lab_factory, tmp_path):
     assert all(r["reason"] == "stale" for r in stale_refused)
     for a in cut:
         hist = tmp_path / "state" / a / "agent" / "partition" / "history.jsonl"
-        sent = {(u["round"], u["base_version"]) for u in map(json.loads, hist.read_text().splitlines())
-                if u["event"] == "update"}
+        sent = {
+            (u["round"], u["base_version"])
+            for u in map(json.loads, hist.read_text().splitlines())
+            if u["event"] == "update"
+        }
         # ... whenever a5/a6 are counted in a round, it is with an update trained for
         # that round on that round's model: nothing from an older round slipped in.
         for r in aggregated:
@@ -279,10 +330,12 @@ def test_partition_of_a_third_of_the_agents_mid_round(lab_factory, tmp_path):
     weights, _ = checkpoint.load(tmp_path / "state" / "coordinator" / "coordinator" / "partition" / "global.ckpt")
     got = accuracy(weights)
     want = fedavg_reference(6, alpha, rounds, epochs)
-    print(f"T7: cut during round {mid['round']}, which closed at its deadline after {cut_round['seconds']:.1f}s on 4 "
-          f"agents; broker dropped the cut agents after {dropped_after:.1f}s; {len(partitioned)} rounds without them; "
-          f"back {back_after:.1f}s after healing; {len(abandoned)} rounds abandoned, {len(stale_refused)} stale "
-          f"updates refused; accuracy {got:.3f} vs fault-free {want:.3f}")
+    print(
+        f"T7: cut during round {mid['round']}, which closed at its deadline after {cut_round['seconds']:.1f}s on 4 "
+        f"agents; broker dropped the cut agents after {dropped_after:.1f}s; {len(partitioned)} rounds without them; "
+        f"back {back_after:.1f}s after healing; {len(abandoned)} rounds abandoned, {len(stale_refused)} stale "
+        f"updates refused; accuracy {got:.3f} vs fault-free {want:.3f}"
+    )
     assert got >= want - PARTITION_TOLERANCE
 
 
@@ -298,8 +351,17 @@ FAULT_PERIODS = 20
 # periods last 40 s, eight timeouts, and the backlog is gone in a few. (A 3 s timeout
 # converged as well but timed out 30 % of the degraded sends: TCP under 20 % loss
 # each way needs longer than that to get a model through.)
-GOSSIP = {"periods": GOSSIP_PERIODS, "period_steps": 10, "lr": 0.1, "batch_size": BATCH, "seed": SEED,
-          "period_seconds": 1.0, "send_timeout": 5.0, "eval_every": 10, "min_peers": 3}
+GOSSIP = {
+    "periods": GOSSIP_PERIODS,
+    "period_steps": 10,
+    "lr": 0.1,
+    "batch_size": BATCH,
+    "seed": SEED,
+    "period_seconds": 1.0,
+    "send_timeout": 5.0,
+    "eval_every": 10,
+    "min_peers": 3,
+}
 # Stated budgets for T8: while the link is degraded at most this share of the models sent
 # may time out (no timeout storm); after it heals the agents end within these accuracy
 # points of the same federation run on a clean network (mean, worst agent), and agree
@@ -322,31 +384,54 @@ def run_gossip(lab_factory, work: Path, fed: str, faulty: bool) -> dict:
         lab.rate("hub", "1mbit")
         lab.delay("hub", 75, queue_num=7)
     for i, a in enumerate(agents):
-        lf.start(a, a, "agent", lf.write(a, a, {"shard": i, "shards": 4, "alpha": 0.3, "seed": SEED},
-                                         mode="gossip", gossip=GOSSIP))
-    status = lambda: {a: lf.status(a) or {} for a in agents}          # noqa: E731
-    keys = ("sent", "timeouts", "acked", "retries", "refused", "reclaimed", "late_acks", "merged", "dropped",
-            "returned")
+        lf.start(
+            a,
+            a,
+            "agent",
+            lf.write(a, a, {"shard": i, "shards": 4, "alpha": 0.3, "seed": SEED}, mode="gossip", gossip=GOSSIP),
+        )
+    status = lambda: {a: lf.status(a) or {} for a in agents}  # noqa: E731
+    keys = (
+        "sent",
+        "timeouts",
+        "acked",
+        "retries",
+        "refused",
+        "reclaimed",
+        "late_acks",
+        "merged",
+        "dropped",
+        "returned",
+    )
     # Start-up (processes, mDNS, min_peers) took ~50 s on the loaded machine, clean or
     # not: the degraded phase is timed from the first period on.
     lab.wait_for(lambda: all(s.get("period", 0) >= 1 for s in status().values()), 400, "the first period")
     started = time.monotonic()
-    first = lab.wait_for(lambda: (lambda ss: ss if all(s.get("period", 0) >= FAULT_PERIODS for s in ss.values())
-                                  else None)(status()), 400, f"{FAULT_PERIODS} periods")
+    first = lab.wait_for(
+        lambda: (lambda ss: ss if all(s.get("period", 0) >= FAULT_PERIODS for s in ss.values()) else None)(status()),
+        400,
+        f"{FAULT_PERIODS} periods",
+    )
     first_s = time.monotonic() - started
     if faulty:
         lab.clear("hub")
     healed_at = time.monotonic()
-    done = lab.wait_for(lambda: (lambda ss: ss if all(s.get("round_state") == "finished" for s in ss.values())
-                                 else None)(status()), 300, "the agents to finish")
-    out = {"first_s": round(first_s, 1), "rest_s": round(time.monotonic() - healed_at, 1),
-           "first": {k: sum(s["gossip"][k] for s in first.values()) for k in keys},
-           "total": {k: sum(s["gossip"][k] for s in done.values()) for k in keys},
-           "periods": [s["period"] for s in done.values()],
-           "acc_at_heal": {a: round(s.get("local_model_eval", {}).get("accuracy", 0.0), 3) for a, s in first.items()},
-           "disagreement_at_heal": [s.get("disagreement_rel") for s in first.values()],
-           "disagreement_end": [s.get("disagreement_rel") for s in done.values()],
-           "acc": {a: round(gossip_accuracy(work, fed, a), 3) for a in agents}}
+    done = lab.wait_for(
+        lambda: (lambda ss: ss if all(s.get("round_state") == "finished" for s in ss.values()) else None)(status()),
+        300,
+        "the agents to finish",
+    )
+    out = {
+        "first_s": round(first_s, 1),
+        "rest_s": round(time.monotonic() - healed_at, 1),
+        "first": {k: sum(s["gossip"][k] for s in first.values()) for k in keys},
+        "total": {k: sum(s["gossip"][k] for s in done.values()) for k in keys},
+        "periods": [s["period"] for s in done.values()],
+        "acc_at_heal": {a: round(s.get("local_model_eval", {}).get("accuracy", 0.0), 3) for a, s in first.items()},
+        "disagreement_at_heal": [s.get("disagreement_rel") for s in first.values()],
+        "disagreement_end": [s.get("disagreement_rel") for s in done.values()],
+        "acc": {a: round(gossip_accuracy(work, fed, a), 3) for a in agents},
+    }
     lab.close()
     return out
 
@@ -363,7 +448,7 @@ def test_gossip_under_loss_rate_limit_and_delay(lab_factory, tmp_path):
     models <= TIMEOUT_SHARE of those sent under the fault); after healing, gossip
     converges: every agent's final relative disagreement <= CONSENSUS and accuracy
     within MEAN_MARGIN / WORST_MARGIN of the clean run. Bounded: 400 s per phase wait."""
-    torch.set_num_threads(1)          # the accuracy evaluations below, on a busy machine
+    torch.set_num_threads(1)  # the accuracy evaluations below, on a busy machine
     clean = run_gossip(lab_factory, tmp_path / "clean", "clean", faulty=False)
     faulty = run_gossip(lab_factory, tmp_path / "faulty", "degraded", faulty=True)
     print(f"T8: clean {clean}\nT8: faulty {faulty}")
@@ -375,13 +460,15 @@ def test_gossip_under_loss_rate_limit_and_delay(lab_factory, tmp_path):
     # three runs, against 95-100 % clean.)
     assert under["acked"] / under["sent"] < clean["first"]["acked"] / clean["first"]["sent"], (under, clean)
     assert under["sent"] > 0 and under["timeouts"] <= TIMEOUT_SHARE * under["sent"], under
-    mean = lambda accs: sum(accs.values()) / len(accs)                 # noqa: E731
+    mean = lambda accs: sum(accs.values()) / len(accs)  # noqa: E731
     # ... not divergent: once healed, every agent's model got better, not worse.
     assert all(faulty["acc"][a] > faulty["acc_at_heal"][a] for a in faulty["acc"]), faulty
     gap_mean = mean(clean["acc"]) - mean(faulty["acc"])
     gap_worst = min(clean["acc"].values()) - min(faulty["acc"].values())
-    print(f"T8: accuracy gap to the clean run {gap_mean:.3f} mean (budget {MEAN_MARGIN}), {gap_worst:.3f} worst "
-          f"(budget {WORST_MARGIN}); final disagreement {faulty['disagreement_end']}")
+    print(
+        f"T8: accuracy gap to the clean run {gap_mean:.3f} mean (budget {MEAN_MARGIN}), {gap_worst:.3f} worst "
+        f"(budget {WORST_MARGIN}); final disagreement {faulty['disagreement_end']}"
+    )
     # ... and converged after the heal: the agents agree again, near the clean result.
     assert all(d is not None and d <= CONSENSUS for d in faulty["disagreement_end"]), faulty
     assert gap_mean <= MEAN_MARGIN and gap_worst <= WORST_MARGIN, (gap_mean, gap_worst)

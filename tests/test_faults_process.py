@@ -10,9 +10,9 @@ import signal
 import time
 
 import pytest
+from test_federation import wait_for
 
 from fedagent.demo import SEED, Federation
-from test_federation import wait_for
 
 # Long enough local training that a fault injected "mid-round" lands inside a round.
 SLOW_EPOCHS = 12
@@ -25,9 +25,21 @@ def history(fed: Federation) -> list[dict]:
 
 def slow_rounds(fed: Federation, rounds: int, timeout: float, epochs: int = SLOW_EPOCHS) -> None:
     n = len(fed.agent_ids)
-    fed.write_coordinator("digits", {"seed": SEED}, {
-        "rounds": rounds, "min_agents": n, "expected_agents": n, "min_updates": 1,
-        "round_timeout": timeout, "local_epochs": epochs, "lr": 0.05, "batch_size": 32, "seed": SEED})
+    fed.write_coordinator(
+        "digits",
+        {"seed": SEED},
+        {
+            "rounds": rounds,
+            "min_agents": n,
+            "expected_agents": n,
+            "min_updates": 1,
+            "round_timeout": timeout,
+            "local_epochs": epochs,
+            "lr": 0.05,
+            "batch_size": 32,
+            "seed": SEED,
+        },
+    )
 
 
 def finished(fed: Federation):
@@ -58,24 +70,40 @@ def test_broker_killed_and_restarted_mid_round(tmp_path):
         fed.prepare()
         slow_rounds(fed, rounds, 30, epochs=6)
         fed.start_all()
-        mid = wait_for(lambda: (lambda s: s if s and s["completed_rounds"] >= 1 and s["phase"] == "training"
-                                and not s["received"] else None)(fed.status("coordinator")), 120,
-                       "a round in progress after the first", fed)
+        mid = wait_for(
+            lambda: (
+                lambda s: (
+                    s if s and s["completed_rounds"] >= 1 and s["phase"] == "training" and not s["received"] else None
+                )
+            )(fed.status("coordinator")),
+            120,
+            "a round in progress after the first",
+            fed,
+        )
         fed.broker.kill()
         killed_at = time.monotonic()
-        time.sleep(2.0)                 # the outage: the fault's length, not a synchronisation
+        time.sleep(2.0)  # the outage: the fault's length, not a synchronisation
         fed.broker.start()
-        back = wait_for(lambda: all((fed.status(n) or {}).get("reconnects", 0) >= 1 and
-                                    (fed.status(n) or {}).get("connection") == "connected"
-                                    for n in ("coordinator", *fed.agent_ids)), 60, "everyone reconnected", fed)
+        back = wait_for(
+            lambda: all(
+                (fed.status(n) or {}).get("reconnects", 0) >= 1
+                and (fed.status(n) or {}).get("connection") == "connected"
+                for n in ("coordinator", *fed.agent_ids)
+            ),
+            60,
+            "everyone reconnected",
+            fed,
+        )
         reconnected_in = time.monotonic() - killed_at
         done = wait_for(lambda: finished(fed), 180, "the federation to finish after the broker restart", fed)
         assert back and done["completed_rounds"] == rounds
         aggregated, abandoned = check_history(history(fed), rounds)
         # Only the interrupted round may be lost (one abandoned before it is a slow start-up).
         assert [r["round"] for r in abandoned if r["round"] >= mid["round"]] in ([], [mid["round"]])
-        print(f"T5: broker down 2 s during round {mid['round']}; all reconnected {reconnected_in:.1f}s after the "
-              f"kill; interrupted round {'abandoned' if abandoned else 'completed'}; {rounds} rounds, versions 1..{rounds}")
+        print(
+            f"T5: broker down 2 s during round {mid['round']}; all reconnected {reconnected_in:.1f}s after the "
+            f"kill; interrupted round {'abandoned' if abandoned else 'completed'}; {rounds} rounds, versions 1..{rounds}"
+        )
     finally:
         fed.close()
 
@@ -93,17 +121,34 @@ def test_agent_paused_past_keepalive_is_dropped_and_its_stale_update_refused(tmp
         slow_rounds(fed, rounds, 60)
         fed.start_all()
         victim = next(p for p in fed.procs if p.name == "agent-3")
-        mid = wait_for(lambda: (lambda s: s if s and s["completed_rounds"] >= 1 and s["phase"] == "training"
-                                and "agent-3" not in s["received"] else None)(fed.status("coordinator")), 120,
-                       "agent-3 training a round", fed)
+        mid = wait_for(
+            lambda: (
+                lambda s: (
+                    s
+                    if s and s["completed_rounds"] >= 1 and s["phase"] == "training" and "agent-3" not in s["received"]
+                    else None
+                )
+            )(fed.status("coordinator")),
+            120,
+            "agent-3 training a round",
+            fed,
+        )
         os.killpg(victim.popen.pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
-            wait_for(lambda: (fed.status("coordinator") or {}).get("peers", {}).get("agent-3", {}).get("online") is False,
-                     40, "the broker to drop the paused agent (Last Will)", fed)
+            wait_for(
+                lambda: (fed.status("coordinator") or {}).get("peers", {}).get("agent-3", {}).get("online") is False,
+                40,
+                "the broker to drop the paused agent (Last Will)",
+                fed,
+            )
             dropped_after = time.monotonic() - stopped_at
-            wait_for(lambda: (fed.status("coordinator") or {}).get("completed_rounds", 0) > mid["completed_rounds"],
-                     60, "the round to be aggregated without agent-3", fed)
+            wait_for(
+                lambda: (fed.status("coordinator") or {}).get("completed_rounds", 0) > mid["completed_rounds"],
+                60,
+                "the round to be aggregated without agent-3",
+                fed,
+            )
         finally:
             os.killpg(victim.popen.pid, signal.SIGCONT)
         wait_for(lambda: (fed.status("agent-3") or {}).get("reconnects", 0) >= 1, 60, "agent-3 to reconnect", fed)
@@ -112,7 +157,7 @@ def test_agent_paused_past_keepalive_is_dropped_and_its_stale_update_refused(tmp
         aggregated, _ = check_history(history(fed), rounds)
         paused_round = next(r for r in aggregated if r["round"] == mid["round"])
         assert "agent-3" not in paused_round["participants"]
-        assert 10 <= dropped_after <= 35            # 1.5 x keep-alive of 10 s, plus polling on a busy machine
+        assert 10 <= dropped_after <= 35  # 1.5 x keep-alive of 10 s, plus polling on a busy machine
         # Whatever agent-3 trained for the paused round went nowhere: discarded by the
         # agent, or refused by the coordinator as stale.
         log3 = (fed.work / "logs" / "agent-3.log").read_text()
@@ -123,12 +168,17 @@ def test_agent_paused_past_keepalive_is_dropped_and_its_stale_update_refused(tmp
         later = [r for r in aggregated if r["round"] > mid["round"] and "agent-3" in r["participants"]]
         assert later
         agent_hist = fed.work / "state" / "agent-3" / "agent" / fed.fed / "history.jsonl"
-        sent = {(u["round"], u["base_version"]) for u in map(json.loads, agent_hist.read_text().splitlines())
-                if u["event"] == "update"}
+        sent = {
+            (u["round"], u["base_version"])
+            for u in map(json.loads, agent_hist.read_text().splitlines())
+            if u["event"] == "update"
+        }
         for r in aggregated:
             if "agent-3" in r["participants"]:
                 assert (r["round"], r["model_version"] - 1) in sent
-        print(f"T13: dropped {dropped_after:.1f}s after SIGSTOP; stale update "
-              f"{'refused by the coordinator' if refused else 'discarded by the agent'}; rejoined in round {later[0]['round']}")
+        print(
+            f"T13: dropped {dropped_after:.1f}s after SIGSTOP; stale update "
+            f"{'refused by the coordinator' if refused else 'discarded by the agent'}; rejoined in round {later[0]['round']}"
+        )
     finally:
         fed.close()

@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-
 from test_metrics import scrape, value
 
 from fedagent.demo import LOCAL_EPOCHS, SEED, Federation, train_reference
@@ -52,9 +51,16 @@ def coordinator_done(fed: Federation):
 def test_agents_discover_the_coordinator_and_share_rounds(federation):
     fed = federation
     # Agents were given no broker: they must have found it by mDNS.
-    statuses = wait_for(lambda: [s for s in (fed.status(a) for a in fed.agent_ids)
-                                 if s and s.get("connection") == "connected" and s.get("round", 0) >= 1],
-                        90, "agents in a round", fed)
+    statuses = wait_for(
+        lambda: [
+            s
+            for s in (fed.status(a) for a in fed.agent_ids)
+            if s and s.get("connection") == "connected" and s.get("round", 0) >= 1
+        ],
+        90,
+        "agents in a round",
+        fed,
+    )
     assert statuses
     done = wait_for(lambda: coordinator_done(fed), 120, "the federation to finish", fed)
     assert done["completed_rounds"] == ROUNDS and done["model_version"] == ROUNDS
@@ -69,9 +75,13 @@ def test_agents_discover_the_coordinator_and_share_rounds(federation):
 def test_status_json_against_a_running_agent(federation):
     fed = federation
     wait_for(lambda: coordinator_done(fed), 120, "the federation to finish", fed)
-    out = subprocess.run([sys.executable, "-m", "fedagent", "status", "--json",
-                          "--config", str(fed.config_path("agent-1"))],
-                         capture_output=True, text=True, timeout=30, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "fedagent", "status", "--json", "--config", str(fed.config_path("agent-1"))],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     s = json.loads(out.stdout)
     assert s["role"] == "agent" and s["id"] == "agent-1"
     assert s["federation"] == fed.fed and s["mode"] == "fedavg"
@@ -79,9 +89,13 @@ def test_status_json_against_a_running_agent(federation):
     assert s["model_version"] == ROUNDS
     assert {"coordinator", "agent-2", "agent-3"} <= set(s["peers"])
     assert "loss" in s["last_metrics"]
-    human = subprocess.run([sys.executable, "-m", "fedagent", "status", "--config",
-                            str(fed.config_path("coordinator"))],
-                           capture_output=True, text=True, timeout=30, check=True)
+    human = subprocess.run(
+        [sys.executable, "-m", "fedagent", "status", "--config", str(fed.config_path("coordinator"))],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     assert "coordinator" in human.stdout and fed.fed in human.stdout
 
 
@@ -94,8 +108,9 @@ def test_federated_model_beats_every_local_only_model(federation):
     set_weights(model, weights)
     federated = task.evaluate(model)["accuracy"]
     epochs = ROUNDS * LOCAL_EPOCHS
-    local = [train_reference({"shard": i, "shards": AGENTS, "alpha": ALPHA, "seed": SEED}, epochs)
-             for i in range(AGENTS)]
+    local = [
+        train_reference({"shard": i, "shards": AGENTS, "alpha": ALPHA, "seed": SEED}, epochs) for i in range(AGENTS)
+    ]
     assert federated > max(local), (federated, local)
     assert meta["participants"] == sorted(fed.agent_ids)
     history = (fed.work / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl").read_text()
@@ -104,8 +119,12 @@ def test_federated_model_beats_every_local_only_model(federation):
 
 
 def test_status_without_a_daemon_says_so(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "fedagent", "status", "--socket", str(tmp_path / "none.sock")],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "fedagent", "status", "--socket", str(tmp_path / "none.sock")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode != 0
     assert "no daemon" in out.stderr.lower() or "not running" in out.stderr.lower()
 

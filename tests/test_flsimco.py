@@ -14,12 +14,22 @@ from scipy import integrate, stats
 from fedagent.protocols.aggregation import Strategy, StrategyAggregator, UpdateRejected, WeightedMean
 from fedagent.protocols.messages import Limits, RoundResult, RoundStart, TrainConfig, Update
 from fedagent.protocols.mobility import (
-    blur_images, blur_level, motion_blur_kernel, sample_speeds, truncated_gaussian_moments,
+    blur_images,
+    blur_level,
+    motion_blur_kernel,
+    sample_speeds,
+    truncated_gaussian_moments,
     truncated_gaussian_pdf,
 )
 from fedagent.protocols.participant import Leave, Participant, SendUpdate, TrainingDone
 from fedagent.protocols.rounds import (
-    AgentOffline, AgentOnline, RoundAbandoned, RoundAggregated, RoundConfig, RoundMachine, StartRound,
+    AgentOffline,
+    AgentOnline,
+    RoundAbandoned,
+    RoundAggregated,
+    RoundConfig,
+    RoundMachine,
+    StartRound,
     UpdateReceived,
 )
 from fedagent.tasks.flsimco import dual_temperature_loss
@@ -33,8 +43,12 @@ def test_truncated_gaussian_support_and_moments(mob):
     v = sample_speeds(200_000, **mob, rng=np.random.default_rng(1))
     assert v.min() >= mob["v_min"] and v.max() <= mob["v_max"]
     mean, var = truncated_gaussian_moments(**mob)
-    ref = stats.truncnorm((mob["v_min"] - mob["mu"]) / mob["sigma"], (mob["v_max"] - mob["mu"]) / mob["sigma"],
-                          loc=mob["mu"], scale=mob["sigma"])
+    ref = stats.truncnorm(
+        (mob["v_min"] - mob["mu"]) / mob["sigma"],
+        (mob["v_max"] - mob["mu"]) / mob["sigma"],
+        loc=mob["mu"],
+        scale=mob["sigma"],
+    )
     assert mean == pytest.approx(ref.mean(), rel=1e-9) and var == pytest.approx(ref.var(), rel=1e-9)
     se = math.sqrt(var / len(v))
     assert abs(v.mean() - mean) < 5 * se
@@ -51,7 +65,7 @@ def test_truncated_gaussian_density_is_eq1_normalised():
     # The paper's normaliser (erf difference without the 1/2) integrates to exactly 1/2.
     paper = truncated_gaussian_pdf(75.0, **MOB) / 2
     z = math.erf((130 - 90) / (20 * math.sqrt(2))) - math.erf((50 - 90) / (20 * math.sqrt(2)))
-    assert paper == pytest.approx(math.exp(-(75 - 90) ** 2 / 800) / (math.sqrt(2 * math.pi * 400) * z))
+    assert paper == pytest.approx(math.exp(-((75 - 90) ** 2) / 800) / (math.sqrt(2 * math.pi * 400) * z))
     with pytest.raises(ValueError):
         sample_speeds(1, 90, 0, 50, 130, np.random.default_rng(0))
 
@@ -68,20 +82,26 @@ def test_blur_level_is_eq2():
 def test_motion_blur_kernel_has_the_length_it_is_asked_for(length):
     k = motion_blur_kernel(length)
     assert k.sum() == pytest.approx(1.0)
-    assert k.size % 2 == 1 and np.allclose(k, k[::-1])               # centred, symmetric
-    assert (k / k.max()).sum() == pytest.approx(length)              # line of `length` pixels
+    assert k.size % 2 == 1 and np.allclose(k, k[::-1])  # centred, symmetric
+    assert (k / k.max()).sum() == pytest.approx(length)  # line of `length` pixels
     assert k.size <= length + 2
 
 
 def test_kernel_grows_with_blur_and_identity_below_one_pixel():
     assert motion_blur_kernel(0.0).tolist() == [1.0] and motion_blur_kernel(1.0).tolist() == [1.0]
-    widths = [float(np.sum(motion_blur_kernel(L) * (np.arange(motion_blur_kernel(L).size) - motion_blur_kernel(L).size // 2) ** 2))
-              for L in (1.5, 2.5, 3.5, 5.0)]
+    widths = [
+        float(
+            np.sum(
+                motion_blur_kernel(L) * (np.arange(motion_blur_kernel(L).size) - motion_blur_kernel(L).size // 2) ** 2
+            )
+        )
+        for L in (1.5, 2.5, 3.5, 5.0)
+    ]
     assert widths == sorted(widths) and len(set(widths)) == 4
     img = np.zeros((1, 5, 9), np.float32)
-    img[0, 2, 4] = 1.0                                               # one bright pixel
+    img[0, 2, 4] = 1.0  # one bright pixel
     out = blur_images(img, 3.0)
-    np.testing.assert_allclose(out[0, 2, 3:6], [1 / 3] * 3, rtol=1e-6)   # smeared along the row only
+    np.testing.assert_allclose(out[0, 2, 3:6], [1 / 3] * 3, rtol=1e-6)  # smeared along the row only
     assert out[0, 1].sum() == 0 and out.sum() == pytest.approx(1.0)
     np.testing.assert_array_equal(blur_images(img, 0.5), img)
 
@@ -135,8 +155,9 @@ def test_simco_weight_ratio_is_not_differentiated():
     q2 = q.detach().clone().requires_grad_(True)
     qn = torch.nn.functional.normalize(q2, dim=1)
     kpn, knn = torch.nn.functional.normalize(kp, dim=1), torch.nn.functional.normalize(kn, dim=1)
-    logits = torch.cat([(qn * kpn).sum(1, keepdim=True),
-                        (qn @ knn.T).masked_fill(torch.eye(4, dtype=torch.bool), float("-inf"))], 1)
+    logits = torch.cat(
+        [(qn * kpn).sum(1, keepdim=True), (qn @ knn.T).masked_fill(torch.eye(4, dtype=torch.bool), float("-inf"))], 1
+    )
     lpa = torch.log_softmax(logits / 0.1, 1)[:, 0]
     # The ratio as a constant, computed in float64 so the float32 "1 - p" rounding does not count.
     l64 = logits.detach().double()
@@ -209,8 +230,9 @@ W0 = {"w": np.zeros(3, np.float32)}
 
 
 def upd(sender, round_, v, leaving=False, **metrics):
-    return UpdateReceived(sender, round_, round_ - 1, 10, {"w": np.full(3, v, np.float32)},
-                          {"loss": 1.0, **metrics}, leaving)
+    return UpdateReceived(
+        sender, round_, round_ - 1, 10, {"w": np.full(3, v, np.float32)}, {"loss": 1.0, **metrics}, leaving
+    )
 
 
 def test_leaving_vehicle_is_not_selected_again_and_newcomers_are():
@@ -221,11 +243,11 @@ def test_leaving_vehicle_is_not_selected_again_and_newcomers_are():
     m.handle(upd("v1", 1, 1.0, leaving=True), 1.0)
     cmds = m.handle(upd("v2", 1, 3.0), 1.0)
     assert [c for c in cmds if isinstance(c, RoundAggregated)]
-    assert not [c for c in cmds if isinstance(c, StartRound)]       # v1 is out of range: 1 < quorum
-    assert m.handle(AgentOnline("v1", 10), 1.5) == []              # a late retained "online" changes nothing
+    assert not [c for c in cmds if isinstance(c, StartRound)]  # v1 is out of range: 1 < quorum
+    assert m.handle(AgentOnline("v1", 10), 1.5) == []  # a late retained "online" changes nothing
     (start2,) = [c for c in m.handle(AgentOnline("v3", 10), 2.0) if isinstance(c, StartRound)]
     assert start2.selected == ("v2", "v3")
-    m.handle(AgentOffline("v1"), 2.5)                              # its goodbye; it may come back later
+    m.handle(AgentOffline("v1"), 2.5)  # its goodbye; it may come back later
     assert "v1" not in m.departed
 
 
@@ -253,8 +275,9 @@ def test_aggregated_round_reports_normalised_weights_and_drops():
 
 def test_cosine_learning_rate_per_round():
     cfg = RoundConfig(rounds=4, min_agents=1, expected_agents=1, lr_schedule="cosine", train=TrainConfig(lr=0.1))
-    assert [round(cfg.lr_for(r), 6) for r in (1, 2, 3, 4)] == \
-        [round(0.1 * 0.5 * (1 + math.cos(math.pi * (r - 1) / 4)), 6) for r in (1, 2, 3, 4)]
+    assert [round(cfg.lr_for(r), 6) for r in (1, 2, 3, 4)] == [
+        round(0.1 * 0.5 * (1 + math.cos(math.pi * (r - 1) / 4)), 6) for r in (1, 2, 3, 4)
+    ]
     m = RoundMachine(cfg, W0)
     (s1,) = [c for c in m.handle(AgentOnline("a", 1), 0.0) if isinstance(c, StartRound)]
     (s2,) = [c for c in m.handle(upd("a", 1, 1.0), 1.0) if isinstance(c, StartRound)]
@@ -295,6 +318,7 @@ def test_leaving_flag_travels_and_is_optional_on_the_wire():
     body = Update(3, 2, 10, {}, {"w": np.ones(2, np.float32)}).to_body()
     assert "leaving" not in body and Update.from_body(body, Limits()).leaving is False
     from fedagent.protocols.codec import CodecError
+
     with pytest.raises(CodecError):
         Update.from_body({**body, "leaving": 1}, Limits())
 

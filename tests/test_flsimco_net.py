@@ -22,7 +22,10 @@ def test_vehicles_join_and_leave_between_rounds_blur_weighted(tmp_path):
     speeds = {a["id"]: a["speed"] for a in res["arrivals"]}
     # The first two vehicles stay 1 and 2 rounds, later ones 2: a new vehicle every round.
     assert [sorted(r["participants"]) for r in rounds] == [
-        ["vehicle-001", "vehicle-002"], ["vehicle-002", "vehicle-003"], ["vehicle-003", "vehicle-004"]]
+        ["vehicle-001", "vehicle-002"],
+        ["vehicle-002", "vehicle-003"],
+        ["vehicle-003", "vehicle-004"],
+    ]
     for r in rounds:
         levels = {v: CAMERA * speeds[v] for v in r["participants"]}
         total = sum(levels.values())

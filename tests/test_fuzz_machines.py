@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import random
 
+import fuzz_machines as FM
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedagent.errors import FedagentError
-
-import fuzz_machines as FM
 
 _IDENTITY = FM._identity()
 
@@ -35,13 +34,17 @@ def test_event_sequences_raise_only_project_errors_and_keep_invariants(seed, len
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from(["presence", "update", "round_start", "round_result", "model", "gossip_model", "gossip_ack"]),
-       st.dictionaries(st.sampled_from(["round", "weights", "mass", "online", "selected", "x", "train"]),
-                       st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8)
-                                    | st.binary(max_size=16),
-                                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c,
-                                                                                         max_size=3),
-                                    max_leaves=10)))
+@given(
+    st.sampled_from(["presence", "update", "round_start", "round_result", "model", "gossip_model", "gossip_ack"]),
+    st.dictionaries(
+        st.sampled_from(["round", "weights", "mass", "online", "selected", "x", "train"]),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8) | st.binary(max_size=16),
+            lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+            max_leaves=10,
+        ),
+    ),
+)
 def test_arbitrary_bodies_are_refused_with_codec_errors_only(kind, body) -> None:
     from fedagent.protocols.messages import body_of
 

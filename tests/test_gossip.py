@@ -20,12 +20,26 @@ import numpy as np
 import pytest
 
 from fedagent.protocols.gossip import (
-    AckReceived, Dropped, Finished, GossipConfig, GossipMachine, ModelChanged, ModelReceived,
-    PeerDown, PeerUp, RequestWakeup, SendAck, SendFailed, SendModel, Start, Train, TrainingDone,
+    AckReceived,
+    Dropped,
+    Finished,
+    GossipConfig,
+    GossipMachine,
+    ModelChanged,
+    ModelReceived,
+    PeerDown,
+    PeerUp,
+    RequestWakeup,
+    SendAck,
+    SendFailed,
+    SendModel,
+    Start,
+    Train,
+    TrainingDone,
     Wakeup,
 )
 
-PERIODS_N20 = 60          # stated bound: N = 20, relative error <= 1e-3
+PERIODS_N20 = 60  # stated bound: N = 20, relative error <= 1e-3
 TOL = 1e-3
 
 
@@ -35,18 +49,31 @@ def of(cmds, kind):
 
 # ---- the in-memory harness ----------------------------------------------------------
 class Sim:
-    def __init__(self, n: int, config: GossipConfig, *, seed: int = 0, dim: int = 16,
-                 samples: list[int] | None = None, delay: tuple[float, float] = (0.01, 0.3),
-                 train=None) -> None:
+    def __init__(
+        self,
+        n: int,
+        config: GossipConfig,
+        *,
+        seed: int = 0,
+        dim: int = 16,
+        samples: list[int] | None = None,
+        delay: tuple[float, float] = (0.01, 0.3),
+        train=None,
+    ) -> None:
         self.rng = random.Random(seed)
         gen = np.random.default_rng(seed)
         self.ids = [f"n{i:02d}" for i in range(n)]
         self.samples = samples or [1] * n
-        self.initial = {a: {"w": (1.0 + gen.standard_normal((dim, 2))).astype(np.float32),
-                            "b": (1.0 + gen.standard_normal(dim)).astype(np.float32)}
-                        for a in self.ids}
-        self.nodes = {a: GossipMachine(a, config, self.initial[a], num_samples=s)
-                      for a, s in zip(self.ids, self.samples)}
+        self.initial = {
+            a: {
+                "w": (1.0 + gen.standard_normal((dim, 2))).astype(np.float32),
+                "b": (1.0 + gen.standard_normal(dim)).astype(np.float32),
+            }
+            for a in self.ids
+        }
+        self.nodes = {
+            a: GossipMachine(a, config, self.initial[a], num_samples=s) for a, s in zip(self.ids, self.samples)
+        }
         self.alive = set(self.ids)
         self.delay = delay
         self.train = train or (lambda w, steps: w)
@@ -69,15 +96,19 @@ class Sim:
             self.log.append((node, c))
             lag = self.rng.uniform(*self.delay)
             if isinstance(c, SendModel):
-                if c.peer in self.alive:       # a vanished peer's messages are simply lost
-                    self.at(self.now + lag, c.peer,
-                            ModelReceived(node, c.exchange_id, c.weights, c.mass, c.age, c.returned))
+                if c.peer in self.alive:  # a vanished peer's messages are simply lost
+                    self.at(
+                        self.now + lag, c.peer, ModelReceived(node, c.exchange_id, c.weights, c.mass, c.age, c.returned)
+                    )
             elif isinstance(c, SendAck):
                 if c.peer in self.alive:
                     self.at(self.now + lag, c.peer, AckReceived(node, c.exchange_id, c.accepted, c.reason))
             elif isinstance(c, Train):
-                self.at(self.now + self.rng.uniform(0.9, 1.1), node,
-                        TrainingDone(c.train_id, self.train(c.weights, c.steps)))
+                self.at(
+                    self.now + self.rng.uniform(0.9, 1.1),
+                    node,
+                    TrainingDone(c.train_id, self.train(c.weights, c.steps)),
+                )
             elif isinstance(c, RequestWakeup):
                 self.at(c.at, node, Wakeup())
 
@@ -95,14 +126,15 @@ class Sim:
 
     def mean(self, weighted: bool = True) -> dict[str, np.ndarray]:
         ws = self.samples if weighted else [1] * len(self.ids)
-        return {k: sum(np.float64(s) * self.initial[a][k] for a, s in zip(self.ids, ws)) / sum(ws)
-                for k in ("w", "b")}
+        return {k: sum(np.float64(s) * self.initial[a][k] for a, s in zip(self.ids, ws)) / sum(ws) for k in ("w", "b")}
 
     def error(self, target=None) -> float:
         target = target or self.mean()
         norm = math.sqrt(sum(float(np.square(v).sum()) for v in target.values()))
-        return max(math.sqrt(sum(float(np.square(self.nodes[a].model[k] - target[k]).sum())
-                                 for k in target)) / norm for a in self.alive)
+        return max(
+            math.sqrt(sum(float(np.square(self.nodes[a].model[k] - target[k]).sum()) for k in target)) / norm
+            for a in self.alive
+        )
 
     def spread(self) -> float:
         """Largest distance of a model from the models' own centroid (consensus measure)."""
@@ -126,18 +158,18 @@ class Sim:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_pushsum_reaches_global_mean_n20(seed):
     sim = Sim(20, GossipConfig(seed=seed), seed=seed)
-    assert sim.error() > 0.5                     # the models start far apart
+    assert sim.error() > 0.5  # the models start far apart
     periods = sim.periods_to_consensus(PERIODS_N20)
     assert periods is not None and periods <= PERIODS_N20, sim.error()
     # mass is conserved exactly: nothing in flight is lost, nothing counted twice
     assert sum(n.status()["late_acks"] for n in sim.nodes.values()) == 0
-    assert sum(n.status()["dropped"] for n in sim.nodes.values()) > 0   # the 2-model limit bit
+    assert sum(n.status()["dropped"] for n in sim.nodes.values()) > 0  # the 2-model limit bit
 
 
 def test_pushsum_reaches_sample_weighted_mean():
-    samples = [1 + 7 * (i % 4) for i in range(20)]          # 1, 8, 15, 22: up to 1:22
+    samples = [1 + 7 * (i % 4) for i in range(20)]  # 1, 8, 15, 22: up to 1:22
     sim = Sim(20, GossipConfig(), seed=3, samples=samples)
-    assert sim.error(sim.mean(weighted=False)) > 0.05       # the two means differ
+    assert sim.error(sim.mean(weighted=False)) > 0.05  # the two means differ
     periods = sim.periods_to_consensus(PERIODS_N20)
     assert periods is not None and periods <= PERIODS_N20, sim.error()
 
@@ -148,11 +180,11 @@ def test_thesis_literal_merge_reaches_consensus_but_not_the_mean():
     errors = {}
     for merge in ("pushsum", "thesis"):
         sim = Sim(20, GossipConfig(merge=merge, seed=4), seed=4)
-        sim.run(PERIODS_N20 if merge == "pushsum" else 150)   # thesis: consensus is slower
+        sim.run(PERIODS_N20 if merge == "pushsum" else 150)  # thesis: consensus is slower
         errors[merge] = sim.error()
         if merge == "thesis":
-            assert sim.spread() < TOL            # consensus is reached ...
-            assert errors[merge] > 0.02          # ... but not at the global mean
+            assert sim.spread() < TOL  # consensus is reached ...
+            assert errors[merge] > 0.02  # ... but not at the global mean
     assert errors["pushsum"] <= TOL
     assert errors["thesis"] > 20 * errors["pushsum"]
 
@@ -160,7 +192,7 @@ def test_thesis_literal_merge_reaches_consensus_but_not_the_mean():
 def test_mass_and_sum_conserved_exactly_at_quiescence():
     cfg = GossipConfig(periods=25, seed=5)
     sim = Sim(20, cfg, seed=5, samples=[1 + (i % 3) for i in range(20)])
-    sim.run(1000)                                # until every node finished and the bus is empty
+    sim.run(1000)  # until every node finished and the bus is empty
     assert all(n.finished for n in sim.nodes.values())
     total_mass, total_sum = 0.0, {k: 0.0 for k in ("w", "b")}
     for node in sim.nodes.values():
@@ -214,20 +246,20 @@ def test_more_than_max_incoming_dropped_at_random_mass_kept(seed):
     m, train = machine(GossipConfig(seed=seed), peers=())
     senders = [f"s{i}" for i in range(5)]
     cmds = []
-    for i, s in enumerate(senders):                  # values 1, 2, 4, 8, 16: the merge shows who was kept
-        cmds += m.handle(ModelReceived(s, "x1", model(float(2 ** i)), mass=1.0), 0.5)
+    for i, s in enumerate(senders):  # values 1, 2, 4, 8, 16: the merge shows who was kept
+        cmds += m.handle(ModelReceived(s, "x1", model(float(2**i)), mass=1.0), 0.5)
     dropped = of(cmds, Dropped)
     assert len(dropped) == 3 and {d.reason for d in dropped} == {"inbox-full"}
     assert m.status()["dropped"] == 3
     refused = [a for a in of(cmds, SendAck) if not a.accepted]
     bounced = [s for s in of(cmds, SendModel) if s.returned]
-    assert len(refused) + len(bounced) == 3          # every drop hands its mass back
+    assert len(refused) + len(bounced) == 3  # every drop hands its mass back
     assert {a.peer for a in refused} | {b.peer for b in bounced} == {d.sender for d in dropped}
-    after = done(m, train)                           # boundary: no peer, so no send; merge
+    after = done(m, train)  # boundary: no peer, so no send; merge
     assert not of(after, SendModel)
-    assert m.mass == 3.0                             # own + exactly two kept
+    assert m.mass == 3.0  # own + exactly two kept
     kept_sum = round(value(m.model) * 3.0)
-    kept = {s for i, s in enumerate(senders) if kept_sum & (2 ** i)}
+    kept = {s for i, s in enumerate(senders) if kept_sum & (2**i)}
     assert len(kept) == 2 and kept.isdisjoint(d.sender for d in dropped)
     # mass: 1 own + 5 received = 3 here + 3 handed back
     assert m.mass + sum(b.mass for b in bounced) + len(refused) * 1.0 == 6.0
@@ -238,11 +270,11 @@ def test_drops_are_uniform_not_first_come():
     for seed in range(300):
         m, train = machine(GossipConfig(seed=seed), peers=())
         for i in range(5):
-            m.handle(ModelReceived(f"s{i}", "x", model(float(2 ** i))), 0.5)
+            m.handle(ModelReceived(f"s{i}", "x", model(float(2**i))), 0.5)
         done(m, train)
         kept = int(round(value(m.model) * 3.0))
         for i in range(5):
-            counts[i] += bool(kept & (2 ** i))
+            counts[i] += bool(kept & (2**i))
     # each arrival is kept with probability 2/5 = 120 of 300, late ones as much as early ones
     assert all(90 <= c <= 150 for c in counts.values()), counts
 
@@ -260,9 +292,9 @@ def test_returned_model_is_folded_back_outside_the_inbox_limit():
     m, train = machine(GossipConfig(max_incoming=1), peers=("p",), v=0.0)
     cmds = done(m, train)
     (send,) = of(cmds, SendModel)
-    assert send.mass == 0.5 and m.mass == 0.5            # half sent, half kept, model unchanged
+    assert send.mass == 0.5 and m.mass == 0.5  # half sent, half kept, model unchanged
     (train,) = of(cmds, Train)
-    m.handle(ModelReceived("q", "y1", model(3.0), mass=1.0), 1.5)       # fills the inbox
+    m.handle(ModelReceived("q", "y1", model(3.0), mass=1.0), 1.5)  # fills the inbox
     assert m.handle(AckReceived("p", send.exchange_id, True), 1.6) == []
     cmds = m.handle(ModelReceived("p", "z9", model(0.0), mass=0.25, returned=True), 1.7)
     assert cmds == [SendAck("p", "z9", True)] and m.status()["returned"] == 1
@@ -289,14 +321,16 @@ def test_partial_exchange_only_named_parameters_travel_and_merge():
     m.handle(PeerUp("p"), 0.0)
     (train,) = m.handle(Start(), 0.0)
     m.handle(ModelReceived("q", "1", {"M2": np.full((3, 2), 3.0, np.float32)}), 0.5)
-    cmds = m.handle(TrainingDone(train.train_id, {"M1": np.full((3, 2), 1.0, np.float32),
-                                                  "M2": np.full((3, 2), 1.0, np.float32)}), 1.0)
+    cmds = m.handle(
+        TrainingDone(train.train_id, {"M1": np.full((3, 2), 1.0, np.float32), "M2": np.full((3, 2), 1.0, np.float32)}),
+        1.0,
+    )
     (send,) = of(cmds, SendModel)
-    assert set(send.weights) == {"M2"}                  # M1 never leaves the node
-    np.testing.assert_array_equal(m.model["M1"], 1.0)   # local, untouched by the merge
+    assert set(send.weights) == {"M2"}  # M1 never leaves the node
+    np.testing.assert_array_equal(m.model["M1"], 1.0)  # local, untouched by the merge
     np.testing.assert_allclose(m.model["M2"], (0.5 * 1.0 + 1.0 * 3.0) / 1.5)
     (train2,) = of(cmds, Train)
-    assert set(train2.weights) == {"M1", "M2"}          # training sees the whole model
+    assert set(train2.weights) == {"M1", "M2"}  # training sees the whole model
     # a model carrying the local-only parameter is refused
     bad = m.handle(ModelReceived("q", "2", {"M1": w0["M1"], "M2": w0["M2"]}), 1.5)
     (drop,) = of(bad, Dropped)
@@ -315,19 +349,22 @@ def test_partial_exchange_thesis_half_reaches_consensus_on_shared_part_only():
 # ---- create orderings (Alg. 2.4) -------------------------------------------------------
 # own model 0 (mass 1), one peer model 4 (mass 1) kept during the first period; local
 # training adds 1. At the boundary the node sends its trained model (value 1, mass 0.5).
-@pytest.mark.parametrize("merge, create, trains, final, mass", [
-    # MU: UPDATE(MERGE(own, m)): merge (0.5·1 + 1·4)/1.5 = 3, train -> 4
-    ("pushsum", "mu", [3.0], 4.0, 1.5),
-    # UM: MERGE(UPDATE(own), UPDATE(m)): train 1 -> 2, train 4 -> 5, merge (0.5·2 + 5)/1.5 = 4
-    ("pushsum", "um", [1.0, 4.0], 4.0, 1.5),
-    # RW: UPDATE(m): no merge, the received model walks on: train 4 -> 5
-    ("pushsum", "rw", [4.0], 5.0, 1.5),
-    # thesis MU: UPDATE(MERGE(m, lastModel = initial 0)) = train 2 -> 3; own model not used
-    ("thesis", "mu", [2.0], 3.0, 1.0),
-    # thesis UM: MERGE(UPDATE(m), UPDATE(lastModel)) = (5 + 1) / 2
-    ("thesis", "um", [4.0, 0.0], 3.0, 1.0),
-    ("thesis", "rw", [4.0], 5.0, 1.0),
-])
+@pytest.mark.parametrize(
+    "merge, create, trains, final, mass",
+    [
+        # MU: UPDATE(MERGE(own, m)): merge (0.5·1 + 1·4)/1.5 = 3, train -> 4
+        ("pushsum", "mu", [3.0], 4.0, 1.5),
+        # UM: MERGE(UPDATE(own), UPDATE(m)): train 1 -> 2, train 4 -> 5, merge (0.5·2 + 5)/1.5 = 4
+        ("pushsum", "um", [1.0, 4.0], 4.0, 1.5),
+        # RW: UPDATE(m): no merge, the received model walks on: train 4 -> 5
+        ("pushsum", "rw", [4.0], 5.0, 1.5),
+        # thesis MU: UPDATE(MERGE(m, lastModel = initial 0)) = train 2 -> 3; own model not used
+        ("thesis", "mu", [2.0], 3.0, 1.0),
+        # thesis UM: MERGE(UPDATE(m), UPDATE(lastModel)) = (5 + 1) / 2
+        ("thesis", "um", [4.0, 0.0], 3.0, 1.0),
+        ("thesis", "rw", [4.0], 5.0, 1.0),
+    ],
+)
 def test_create_orderings(merge, create, trains, final, mass):
     m, train = machine(GossipConfig(merge=merge, create=create))
     m.handle(ModelReceived("q", "1", model(4.0)), 0.5)
@@ -345,7 +382,7 @@ def test_create_orderings(merge, create, trains, final, mass):
         if of(out, ModelChanged):
             (changed,) = of(out, ModelChanged)
             break
-        assert [type(c).__name__ for c in out] == ["Train"]      # one job at a time
+        assert [type(c).__name__ for c in out] == ["Train"]  # one job at a time
         (job,) = jobs
     assert seen == trains
     assert value(changed.weights) == pytest.approx(final)
@@ -369,9 +406,9 @@ def test_newcomer_catches_up_instead_of_pulling_the_others_back(create):
     own (initial) values sit the merge out, its mass still counts."""
     m, train = machine(GossipConfig(period_steps=10, create=create), peers=(), num_samples=3)
     m.handle(ModelReceived("q", "1", model(4.0), mass=5.0, age=300.0), 0.5)
-    cmds = done(m, train, delta=1.0)                   # own model: 0 + 1 after its first period
+    cmds = done(m, train, delta=1.0)  # own model: 0 + 1 after its first period
     assert m.status()["caught_up"] == 1
-    assert m.mass == pytest.approx(3.0 + 5.0)          # no mass lost or made
+    assert m.mass == pytest.approx(3.0 + 5.0)  # no mass lost or made
     (train,) = of(cmds, Train)
     assert value(train.weights) == pytest.approx(4.0)  # trains on the old model, not on a blend
     # Later merges are ordinary mass-weighted means again.
@@ -382,7 +419,7 @@ def test_newcomer_catches_up_instead_of_pulling_the_others_back(create):
 
 def test_federation_start_is_not_a_catch_up():
     m, train = machine(GossipConfig(period_steps=10), peers=())
-    m.handle(ModelReceived("q", "1", model(4.0), mass=1.0, age=10.0), 0.5)   # a peer as young
+    m.handle(ModelReceived("q", "1", model(4.0), mass=1.0, age=10.0), 0.5)  # a peer as young
     cmds = done(m, train)
     assert m.status()["caught_up"] == 0
     assert value(of(cmds, Train)[0].weights) == pytest.approx(2.0)
@@ -395,9 +432,9 @@ def test_status_reports_counters_age_and_disagreement():
     st = m.status()
     assert st["sent"] == 1 and st["received"] == 1 and st["dropped"] == 0
     assert st["period"] == 1 and st["peers"] == ["p", "q"]
-    assert st["age"] == pytest.approx((0.5 * 10 + 1.0 * 0) / 1.5)     # mixed by mass
-    assert st["disagreement"] == pytest.approx(math.sqrt(6 * 16.0))   # own 0 vs received 4, 6 entries
-    assert st["disagreement_rel"] is None                              # own model is zero
+    assert st["age"] == pytest.approx((0.5 * 10 + 1.0 * 0) / 1.5)  # mixed by mass
+    assert st["disagreement"] == pytest.approx(math.sqrt(6 * 16.0))  # own 0 vs received 4, 6 entries
+    assert st["disagreement_rel"] is None  # own model is zero
 
 
 # ---- failures --------------------------------------------------------------------------
@@ -407,9 +444,9 @@ def test_peer_vanishing_mid_send_costs_a_timeout_and_a_new_choice(how):
     m, train = machine(cfg, peers=("p", "q", "r"))
     cmds = done(m, train, now=10.0)
     (send,) = of(cmds, SendModel)
-    assert RequestWakeup(40.0) in cmds and of(cmds, Train)          # training goes on at once
+    assert RequestWakeup(40.0) in cmds and of(cmds, Train)  # training goes on at once
     if how == "timeout":
-        assert m.handle(Wakeup(), 39.0) == []                       # early wake-up: nothing
+        assert m.handle(Wakeup(), 39.0) == []  # early wake-up: nothing
         out = m.handle(Wakeup(), 40.0)
     elif how == "peer-down":
         out = m.handle(PeerDown(send.peer), 12.0)
@@ -432,7 +469,7 @@ def test_retries_exhausted_mass_comes_home():
     (train,) = of(cmds, Train)
     (s1,) = of(cmds, SendModel)
     (s2,) = of(m.handle(Wakeup(), 6.0), SendModel)
-    assert m.handle(Wakeup(), 11.0) == []                # nobody left to try: folded back
+    assert m.handle(Wakeup(), 11.0) == []  # nobody left to try: folded back
     st = m.status()
     assert st["timeouts"] == 2 and st["retries"] == 1 and st["reclaimed"] == 1 and st["in_flight"] == 0
     cmds = done(m, train, now=12.0)
@@ -452,22 +489,25 @@ def test_peer_down_leaves_no_stall_in_a_running_federation():
     cfg = GossipConfig(send_timeout=2.0, seed=7)
     sim = Sim(20, cfg, seed=7)
     sim.run(5.0)
-    sim.alive.discard("n03")                             # vanishes without a word ...
+    sim.alive.discard("n03")  # vanishes without a word ...
     sim.run(15.0)
     for a in sim.alive:
-        sim.nodes[a].handle(PeerDown("n03"), 15.0)       # ... its Last Will arrives later
+        sim.nodes[a].handle(PeerDown("n03"), 15.0)  # ... its Last Will arrives later
     sim.run(80.0)
     assert all(sim.nodes[a].period >= 75 for a in sim.alive)
     assert sum(sim.nodes[a].status()["timeouts"] for a in sim.alive) > 0
-    assert sim.spread() < TOL                            # the 19 others still agree
+    assert sim.spread() < TOL  # the 19 others still agree
 
 
-@pytest.mark.parametrize("bad, reason", [
-    ({"w": np.zeros((3, 2), np.float32), "b": np.zeros(2, np.float32)}, "shape"),
-    ({"w": np.full((2, 2), np.nan, np.float32), "b": np.zeros(2, np.float32)}, "non-finite"),
-    ({"w": np.zeros((2, 2), np.float32), "b": np.zeros(2, np.float32), "x": np.zeros(1)}, "names"),
-    ({"w": np.zeros((2, 2), np.float64), "b": np.zeros(2, np.float32)}, "dtype"),
-])
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        ({"w": np.zeros((3, 2), np.float32), "b": np.zeros(2, np.float32)}, "shape"),
+        ({"w": np.full((2, 2), np.nan, np.float32), "b": np.zeros(2, np.float32)}, "non-finite"),
+        ({"w": np.zeros((2, 2), np.float32), "b": np.zeros(2, np.float32), "x": np.zeros(1)}, "names"),
+        ({"w": np.zeros((2, 2), np.float64), "b": np.zeros(2, np.float32)}, "dtype"),
+    ],
+)
 def test_bad_incoming_weights_are_dropped_model_unchanged(bad, reason):
     m, train = machine(GossipConfig(), peers=(), v=1.0)
     cmds = m.handle(ModelReceived("evil", "1", bad), 0.5)
@@ -497,12 +537,13 @@ def test_refused_send_comes_home():
 
 def test_diverged_training_result_is_not_adopted():
     m, train = machine(GossipConfig(), peers=(), v=1.0)
-    cmds = m.handle(TrainingDone(train.train_id, {"w": np.full((2, 2), np.inf, np.float32),
-                                                  "b": np.ones(2, np.float32)}), 1.0)
+    cmds = m.handle(
+        TrainingDone(train.train_id, {"w": np.full((2, 2), np.inf, np.float32), "b": np.ones(2, np.float32)}), 1.0
+    )
     (drop,) = of(cmds, Dropped)
     assert drop.sender == "me" and drop.reason == "training-non-finite"
     assert value(m.model) == 1.0 and of(cmds, Train)
-    assert m.handle(TrainingDone(999, model(5.0)), 1.1) == []          # unknown job: ignored
+    assert m.handle(TrainingDone(999, model(5.0)), 1.1) == []  # unknown job: ignored
 
 
 def test_periods_limit_finishes_and_refuses_late_models():
@@ -517,8 +558,16 @@ def test_periods_limit_finishes_and_refuses_late_models():
 
 
 def test_config_validation():
-    for bad in ({"period_steps": 0}, {"max_incoming": 0}, {"create": "x"}, {"merge": "avg"},
-                {"exchange": ()}, {"exchange": ("a", "a")}, {"send_timeout": 0}, {"max_retries": -1}):
+    for bad in (
+        {"period_steps": 0},
+        {"max_incoming": 0},
+        {"create": "x"},
+        {"merge": "avg"},
+        {"exchange": ()},
+        {"exchange": ("a", "a")},
+        {"send_timeout": 0},
+        {"max_retries": -1},
+    ):
         with pytest.raises(ValueError):
             GossipConfig(**bad)
     with pytest.raises(ValueError, match="not in the model"):
@@ -533,6 +582,6 @@ def test_redelivery_of_a_refused_model_is_refused_again():
             verdicts[a.peer] = a.accepted
     for s, accepted in verdicts.items():
         (again,) = m.handle(ModelReceived(s, "1", model(1.0)), 0.6)
-        if not accepted:          # its sender folded the mass back: never merge it now
+        if not accepted:  # its sender folded the mass back: never merge it now
             assert again == SendAck(s, "1", False, "duplicate")
     assert m.status()["duplicates"] == len(verdicts)

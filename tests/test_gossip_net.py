@@ -17,7 +17,6 @@ import subprocess
 import sys
 
 import pytest
-
 from test_federation import wait_for
 
 from fedagent import checkpoint
@@ -35,8 +34,16 @@ LR = 0.1
 # enters the average with its full sample weight. Measured: survivors 0.92-0.94 against
 # 0.976 centralized.
 MEAN_MARGIN, WORST_MARGIN = 0.06, 0.10
-GOSSIP = {"periods": PERIODS, "period_steps": STEPS, "lr": LR, "batch_size": BATCH, "seed": SEED,
-          "period_seconds": 0.1, "send_timeout": 3.0, "eval_every": 10}
+GOSSIP = {
+    "periods": PERIODS,
+    "period_steps": STEPS,
+    "lr": LR,
+    "batch_size": BATCH,
+    "seed": SEED,
+    "period_seconds": 0.1,
+    "send_timeout": 3.0,
+    "eval_every": 10,
+}
 # The kill test paces periods slower, so that the newcomer (a new process: imports,
 # mDNS, TLS) starts while the others still have a good part of their periods to go:
 # after the kill they have at least 95 x 0.4 s = 38 s left, while a newcomer is up in
@@ -60,15 +67,27 @@ def finished(fed: Federation, ids):
 
 @pytest.mark.timeout(300)
 def test_five_agents_no_coordinator_survive_a_kill_and_a_newcomer(tmp_path):
-    fed = Federation(tmp_path, agents=5, rounds=1, alpha=ALPHA, mode="gossip",
-                     gossip={**GOSSIP, "min_peers": 4, "period_seconds": SLOW_PERIOD})
+    fed = Federation(
+        tmp_path,
+        agents=5,
+        rounds=1,
+        alpha=ALPHA,
+        mode="gossip",
+        gossip={**GOSSIP, "min_peers": 4, "period_seconds": SLOW_PERIOD},
+    )
     try:
         fed.prepare()
         fed.start_all()
         first = list(fed.agent_ids)
         # Only agent-1 was given the broker: the others found it through its mDNS advert.
-        statuses = wait_for(lambda: (lambda ss: ss if all(s and s.get("period", 0) >= KILL_AT for s in ss.values())
-                                     else None)({a: fed.status(a) for a in first}), 120, "the kill period", fed)
+        statuses = wait_for(
+            lambda: (lambda ss: ss if all(s and s.get("period", 0) >= KILL_AT for s in ss.values()) else None)(
+                {a: fed.status(a) for a in first}
+            ),
+            120,
+            "the kill period",
+            fed,
+        )
         assert all(s["broker"] == fed.broker.uri and s["coordinator"] is None for s in statuses.values())
         assert all(set(s["peers"]) == set(first) - {a} for a, s in statuses.items())
 
@@ -77,19 +96,28 @@ def test_five_agents_no_coordinator_survive_a_kill_and_a_newcomer(tmp_path):
         victim.popen.wait(10)
         fed.procs.remove(victim)
         newcomer = "agent-6"
-        fed.add_gossip_agent(newcomer, shard=4, broker="")          # finds the broker by mDNS
+        fed.add_gossip_agent(newcomer, shard=4, broker="")  # finds the broker by mDNS
         survivors = first[:4]
-        wait_for(lambda: (fed.status(newcomer) or {}).get("round_state") == "training", 60,
-                 "the newcomer to start training", fed)
-        assert all(s["round_state"] == "training" for s in map(fed.status, survivors)), \
+        wait_for(
+            lambda: (fed.status(newcomer) or {}).get("round_state") == "training",
+            60,
+            "the newcomer to start training",
+            fed,
+        )
+        assert all(s["round_state"] == "training" for s in map(fed.status, survivors)), (
             "the survivors finished before the newcomer started: the test's pacing is too fast"
+        )
 
         # The broker publishes agent-5's Last Will: everybody marks it down and stops
         # choosing it; the newcomer shows up in every peer view.
         def views_updated():
             ss = {a: fed.status(a) for a in survivors}
-            ok = all(s and s["peers"].get("agent-5", {}).get("online") is False
-                     and s["peers"].get(newcomer, {}).get("online") for s in ss.values())
+            ok = all(
+                s
+                and s["peers"].get("agent-5", {}).get("online") is False
+                and s["peers"].get(newcomer, {}).get("online")
+                for s in ss.values()
+            )
             return ss if ok else None
 
         wait_for(views_updated, 60, "peer views without agent-5 and with agent-6", fed)
@@ -103,16 +131,21 @@ def test_five_agents_no_coordinator_survive_a_kill_and_a_newcomer(tmp_path):
             assert not s["rejected"], s["rejected"]
 
         # Human status of a gossip agent names the exchange counters.
-        human = subprocess.run([sys.executable, "-m", "fedagent", "status", "--config",
-                                str(fed.config_path("agent-1"))], capture_output=True, text=True, timeout=30)
+        human = subprocess.run(
+            [sys.executable, "-m", "fedagent", "status", "--config", str(fed.config_path("agent-1"))],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert human.returncode == 0, human.stderr
         assert "gossip (no coordinator)" in human.stdout and "exchanges" in human.stdout
 
         central = train_reference_steps({"seed": SEED}, PERIODS * STEPS * 5, LR, cosine=True)
         accs = {a: accuracy_of(fed, a) for a in survivors}
         for i, a in enumerate(survivors):
-            local = train_reference_steps({"shard": i, "shards": 5, "alpha": ALPHA, "seed": SEED},
-                                          PERIODS * STEPS, LR, cosine=True)
+            local = train_reference_steps(
+                {"shard": i, "shards": 5, "alpha": ALPHA, "seed": SEED}, PERIODS * STEPS, LR, cosine=True
+            )
             assert accs[a] > local, (a, accs[a], local)
         assert sum(accs.values()) / len(accs) >= central - MEAN_MARGIN, (accs, central)
         assert min(accs.values()) >= central - WORST_MARGIN, (accs, central)
@@ -122,8 +155,15 @@ def test_five_agents_no_coordinator_survive_a_kill_and_a_newcomer(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_each_agent_on_its_own_broker(tmp_path):
-    fed = Federation(tmp_path, agents=3, rounds=1, alpha=1.0, mode="gossip", broker_per_agent=True,
-                     gossip={**GOSSIP, "periods": 30, "min_peers": 2})
+    fed = Federation(
+        tmp_path,
+        agents=3,
+        rounds=1,
+        alpha=1.0,
+        mode="gossip",
+        broker_per_agent=True,
+        gossip={**GOSSIP, "periods": 30, "min_peers": 2},
+    )
     try:
         fed.prepare()
         fed.start_all()
@@ -149,9 +189,22 @@ def test_screening_gossip_over_the_broker(tmp_path):
     merge needed; ``min_peers`` 3), ``fanout`` 2. Pass: every agent finishes, screened at
     half of its boundaries or more, refused nothing, and reaches SCREEN_FLOOR."""
     periods = 40
-    fed = Federation(tmp_path, agents=4, rounds=1, alpha=1.0, mode="gossip",
-                     gossip={**GOSSIP, "periods": periods, "min_peers": 3, "aggregation": "median", "byzantine": 1,
-                             "fanout": 2, "period_seconds": 0.3})
+    fed = Federation(
+        tmp_path,
+        agents=4,
+        rounds=1,
+        alpha=1.0,
+        mode="gossip",
+        gossip={
+            **GOSSIP,
+            "periods": periods,
+            "min_peers": 3,
+            "aggregation": "median",
+            "byzantine": 1,
+            "fanout": 2,
+            "period_seconds": 0.3,
+        },
+    )
     try:
         fed.prepare()
         fed.start_all()

@@ -16,15 +16,27 @@ from __future__ import annotations
 
 import functools
 
+import byzantine_gossip as BG
 import numpy as np
 import pytest
 
-import byzantine_gossip as BG
 from fedagent.config import GossipSettings
 from fedagent.errors import ConfigError
 from fedagent.protocols.gossip import (
-    AckReceived, Finished, GossipConfig, GossipMachine, ModelReceived, PeerDown, PeerUp, SendAck, SendModel,
-    Start, Train, TrainingDone, neighbours_needed, screen,
+    AckReceived,
+    Finished,
+    GossipConfig,
+    GossipMachine,
+    ModelReceived,
+    PeerDown,
+    PeerUp,
+    SendAck,
+    SendModel,
+    Start,
+    Train,
+    TrainingDone,
+    neighbours_needed,
+    screen,
 )
 
 BUDGET = 0.10
@@ -43,8 +55,8 @@ def test_median_and_trimmed_mean_ignore_f_outliers_per_coordinate():
     med = screen("median", own, honest + evil, 2)
     assert med["w"].tolist() == [3.0, 12.0] and med["w"].dtype == np.float32
     tm = screen("trimmed_mean", own, honest + evil, 2)
-    assert tm["w"].tolist() == [3.0, 12.0]                       # the 2 largest and 2 smallest dropped
-    assert "step" not in med                                      # integers stay the node's own
+    assert tm["w"].tolist() == [3.0, 12.0]  # the 2 largest and 2 smallest dropped
+    assert "step" not in med  # integers stay the node's own
 
 
 def test_krum_selects_the_clustered_models():
@@ -60,26 +72,31 @@ def test_screen_refuses_to_run_outside_its_precondition():
     with pytest.raises(ValueError, match="cannot tolerate"):
         screen("median", vec(0, 0), [vec(1, 1)], 1)
     with pytest.raises(ValueError, match="cannot tolerate"):
-        screen("krum", vec(0, 0), [vec(1, 1)] * 3, 1)           # n = 4 is not > 2f + 2
+        screen("krum", vec(0, 0), [vec(1, 1)] * 3, 1)  # n = 4 is not > 2f + 2
     assert [neighbours_needed(a, 2) for a in ("median", "trimmed_mean", "krum")] == [4, 4, 6]
     assert neighbours_needed("median", 0) == 1
 
 
 # ---- configuration -------------------------------------------------------------------
-@pytest.mark.parametrize("kw, match", [
-    (dict(byzantine=1), "needs a screening aggregation"),
-    (dict(aggregation="krum", create="um"), "replaces the merge"),
-    (dict(aggregation="median", merge="thesis"), "replaces the merge"),
-    (dict(aggregation="mode"), "aggregation must be one of"),
-    (dict(aggregation="median", fanout=0), "fanout"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(byzantine=1), "needs a screening aggregation"),
+        (dict(aggregation="krum", create="um"), "replaces the merge"),
+        (dict(aggregation="median", merge="thesis"), "replaces the merge"),
+        (dict(aggregation="mode"), "aggregation must be one of"),
+        (dict(aggregation="median", fanout=0), "fanout"),
+    ],
+)
 def test_machine_config_refusals(kw, match):
     with pytest.raises(ValueError, match=match):
         GossipConfig(**kw)
 
 
-@pytest.mark.parametrize("aggregation, f, min_peers, need", [
-    ("krum", 1, 3, 4), ("krum", 2, 5, 6), ("median", 2, 3, 4), ("trimmed_mean", 1, 1, 2)])
+@pytest.mark.parametrize(
+    "aggregation, f, min_peers, need",
+    [("krum", 1, 3, 4), ("krum", 2, 5, 6), ("median", 2, 3, 4), ("trimmed_mean", 1, 1, 2)],
+)
 def test_settings_refuse_too_few_peers_for_the_rule_at_start(aggregation, f, min_peers, need):
     with pytest.raises(ConfigError, match=f"raise min_peers to {need}"):
         GossipSettings(aggregation=aggregation, byzantine=f, min_peers=min_peers).machine_config(None)
@@ -113,12 +130,12 @@ def test_one_slot_per_neighbour_and_screening_only_with_enough_of_them():
     assert m.counts["screen_short"] == 1 and m.counts["screened"] == 0
     assert m.model["w"].tolist() == [0.0, 0.0]
     sends = [c for c in cmds if isinstance(c, SendModel)]
-    assert len(sends) == 2 and len({c.peer for c in sends}) == 2            # fanout
+    assert len(sends) == 2 and len({c.peer for c in sends}) == 2  # fanout
     m.handle(ModelReceived("p1", "y", vec(1.0, 2.0)), 1.1)
     run_period(m, 2.0)
     # {own (0,0), p0 (104,100), p1 (1,2)}: the median of each coordinate.
     assert m.counts["screened"] == 1 and m.model["w"].tolist() == [1.0, 2.0]
-    assert m.mass == 1.0                                           # masses play no part
+    assert m.mass == 1.0  # masses play no part
 
 
 def test_stale_and_departed_neighbours_are_forgotten():
@@ -128,13 +145,13 @@ def test_stale_and_departed_neighbours_are_forgotten():
     m.handle(ModelReceived("p1", "b", vec(6.0, 6.0)), 0.1)
     m.handle(PeerDown("p1"), 0.2)
     run_period(m, 1.0)
-    assert m.counts["screened"] == 0                                # p1 left: one neighbour only
+    assert m.counts["screened"] == 0  # p1 left: one neighbour only
     m.handle(ModelReceived("p2", "c", vec(7.0, 7.0)), 1.1)
     for t in (2.0, 3.0, 4.0, 5.0):
         run_period(m, t)
     screened = m.counts["screened"]
     assert screened >= 1
-    run_period(m, 6.0)                                             # p0 and p2 older than the ttl now
+    run_period(m, 6.0)  # p0 and p2 older than the ttl now
     assert m.counts["screened"] == screened and m.counts["screen_short"] >= 2
 
 
@@ -161,7 +178,7 @@ def test_last_period_screens_without_training_and_finishes():
 
 
 # ---- Byzantine peers, real training ---------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def clean() -> float:
     return BG.run("mean", None, 0).mean_accuracy
 
@@ -200,6 +217,11 @@ def test_whole_gossip_byzantine_table():
 # each attacker's pull per merge, it does not remove it. trimmed_mean at 10 % sits on
 # the budget's edge (0.735 against 0.736).
 WEAK: tuple[tuple[str, str, int], ...] = (
-    ("median", "sign_flip", 2), ("median", "sign_flip", 3), ("trimmed_mean", "sign_flip", 1),
-    ("trimmed_mean", "sign_flip", 2), ("trimmed_mean", "sign_flip", 3), ("clip", "sign_flip", 2),
-    ("clip", "sign_flip", 3))
+    ("median", "sign_flip", 2),
+    ("median", "sign_flip", 3),
+    ("trimmed_mean", "sign_flip", 1),
+    ("trimmed_mean", "sign_flip", 2),
+    ("trimmed_mean", "sign_flip", 3),
+    ("clip", "sign_flip", 2),
+    ("clip", "sign_flip", 3),
+)

@@ -21,17 +21,19 @@ OFFERS = {
 
 def machine(node: str, n: int = 3, offers=OFFERS, deadline: float = 10.0, **kw) -> gv.VocabConsensus:
     own = offers[node]
-    return gv.VocabConsensus(node, gv.ConsensusConfig(expected_agents=n, deadline=deadline, **kw),
-                             tuple(own), tuple(own.values()))
+    return gv.VocabConsensus(
+        node, gv.ConsensusConfig(expected_agents=n, deadline=deadline, **kw), tuple(own), tuple(own.values())
+    )
 
 
-def run(machines: dict[str, gv.VocabConsensus], seed: int, *, drop_from: set[str] = frozenset(),
-        now: float = 0.0) -> dict[str, list]:
+def run(
+    machines: dict[str, gv.VocabConsensus], seed: int, *, drop_from: set[str] = frozenset(), now: float = 0.0
+) -> dict[str, list]:
     """Start every machine, announce every live peer to every machine, deliver the
     resulting messages in random order until quiet; returns each machine's commands."""
     rng = random.Random(seed)
     out: dict[str, list] = {n: [] for n in machines}
-    pending: list[tuple[str, str, object]] = []      # (receiver, sender, command)
+    pending: list[tuple[str, str, object]] = []  # (receiver, sender, command)
 
     def emit(node: str, cmds: list) -> None:
         out[node] += cmds
@@ -68,7 +70,7 @@ def test_three_agents_derive_and_confirm_the_same_vocabulary_whatever_the_order(
         assert list(zip(a.terms, a.counts)) == expected
         assert a.contributors == ("a1", "a2", "a3")
         assert a.digest == vocabulary_digest(a.terms)
-        assert a.dropped_terms == 1                      # "money": 1 < min_count
+        assert a.dropped_terms == 1  # "money": 1 < min_count
         assert m.phase is gv.Phase.AGREED
 
 
@@ -78,25 +80,26 @@ def test_a_missing_peer_fails_at_the_deadline_naming_it():
     assert not any(isinstance(c, gv.Agreed) for cmds in out.values() for c in cmds)
     for n, m in ms.items():
         other = "a2" if n == "a1" else "a1"
-        assert m.handle(gv.Wakeup(), 9.9) == [gv.RequestWakeup(10.0), gv.SendOffer(other)]   # not yet: re-send
+        assert m.handle(gv.Wakeup(), 9.9) == [gv.RequestWakeup(10.0), gv.SendOffer(other)]  # not yet: re-send
         (failed,) = m.handle(gv.Wakeup(), 10.0)
         assert isinstance(failed, gv.Failed) and failed.reason == "missing-offers"
         assert failed.missing == ("a3",) and "a3" in failed.detail
         assert m.status()["error"].startswith("missing-offers")
         # Failure is final: a late offer does not revive it.
         assert m.handle(gv.OfferReceived("a3", ("x",), (1,)), 11.0) == [
-            gv.OfferRejected("a3", "late", "vocabulary already failed without a3")]
+            gv.OfferRejected("a3", "late", "vocabulary already failed without a3")
+        ]
 
 
 def test_a_peer_that_offers_but_never_confirms_is_unconfirmed():
     ms = {n: machine(n) for n in OFFERS}
-    run(ms, 1, drop_from={"a3"})                            # a3 hears everything, sends nothing
+    run(ms, 1, drop_from={"a3"})  # a3 hears everything, sends nothing
     m, m2 = ms["a1"], ms["a2"]
     assert m.phase is gv.Phase.COLLECTING
     o3 = gv.OfferReceived("a3", tuple(OFFERS["a3"]), tuple(OFFERS["a3"].values()))
     m.handle(o3, 1.0)
     assert m.phase is gv.Phase.CONFIRMING
-    for c in m2.handle(o3, 1.0):                            # a2 confirms to a1, a3 stays silent
+    for c in m2.handle(o3, 1.0):  # a2 confirms to a1, a3 stays silent
         if isinstance(c, gv.SendDigest) and c.peer == "a1":
             assert m.handle(gv.DigestReceived("a2", c.digest, c.contributors), 1.0) == []
     assert m.status()["confirmed"] == ["a2"]
@@ -116,7 +119,7 @@ def test_agents_that_merged_different_sets_detect_the_mismatch():
         m4.handle(gv.OfferReceived(src, tuple(offers[src]), tuple(offers[src].values())), 0.0)
     d4 = m4.candidate
     out = m1.handle(gv.DigestReceived("a4", d4.digest, d4.contributors), 0.0)
-    assert out == []                                        # a4 is not among a1's contributors
+    assert out == []  # a4 is not among a1's contributors
     d1 = m1.candidate
     (failed,) = m4.handle(gv.DigestReceived("a1", d1.digest, d1.contributors), 0.0)
     assert failed.reason == "mismatch" and failed.missing == ("a1",)
@@ -142,10 +145,10 @@ def test_an_agreed_machine_still_serves_a_restarted_peer():
     assert cmds == [gv.SendOffer("a2"), gv.SendDigest("a2", a.digest, a.contributors, True)]
     # A peer still confirming asks again (agreed=False) and is answered; answers are not.
     assert ms["a1"].handle(gv.DigestReceived("a2", a.digest, a.contributors), 51.0) == [
-        gv.SendDigest("a2", a.digest, a.contributors, True)]
+        gv.SendDigest("a2", a.digest, a.contributors, True)
+    ]
     assert ms["a1"].handle(gv.DigestReceived("a2", a.digest, a.contributors, True), 51.0) == []
-    resumed = gv.VocabConsensus.resumed("a1", ms["a1"].config, tuple(OFFERS["a1"]),
-                                        tuple(OFFERS["a1"].values()), a)
+    resumed = gv.VocabConsensus.resumed("a1", ms["a1"].config, tuple(OFFERS["a1"]), tuple(OFFERS["a1"].values()), a)
     assert resumed.phase is gv.Phase.AGREED and resumed.start(0.0) == []
 
 
@@ -180,8 +183,11 @@ def test_lost_offers_and_digests_are_re_sent_until_everyone_agrees(seed):
     while now < 90.0 and not all(m.phase is gv.Phase.AGREED for m in ms.values()):
         while pending:
             receiver, sender, c = pending.pop(rng.randrange(len(pending)))
-            ev = gv.OfferReceived(sender, *ms[sender]._offers[sender]) if isinstance(c, gv.SendOffer) \
+            ev = (
+                gv.OfferReceived(sender, *ms[sender]._offers[sender])
+                if isinstance(c, gv.SendOffer)
                 else gv.DigestReceived(sender, c.digest, c.contributors, c.agreed)
+            )
             emit(receiver, ms[receiver].handle(ev, now))
         now += 2.0
         for n, m in ms.items():
@@ -197,8 +203,11 @@ def test_gossip_settings_validate_the_vocabulary_keys_and_the_linear_schedule():
     s = GossipSettings(vocab_agents=3, vocab_members=["a1", "a2", "a3"], vocab_min_count=5)
     cfg = s.consensus_config()
     assert cfg.expected_agents == 3 and cfg.members == ("a1", "a2", "a3") and cfg.min_count == 5
-    for bad in ({"vocab_agents": -1}, {"vocab_agents": 2, "vocab_members": ["a1"]}, {"vocab_agents": 2,
-                                                                                    "vocab_timeout": 0}):
+    for bad in (
+        {"vocab_agents": -1},
+        {"vocab_agents": 2, "vocab_members": ["a1"]},
+        {"vocab_agents": 2, "vocab_timeout": 0},
+    ):
         with pytest.raises(ConfigError):
             GossipSettings(**bad)
     lin = GossipSettings(lr=0.5, periods=10, lr_schedule="linear")

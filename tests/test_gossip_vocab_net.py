@@ -9,7 +9,6 @@ import json
 
 import numpy as np
 import pytest
-
 from test_federation import wait_for
 
 from fedagent import checkpoint
@@ -37,15 +36,44 @@ def federations(tmp_path_factory):
     """Both federations start at once, so their processes' start-up (importing torch,
     reading the dump) overlaps: a complete one of three agents, and one where the third
     of three expected agents never comes."""
-    complete = Federation(tmp_path_factory.mktemp("complete"), agents=3, rounds=1, alpha=0.0, mode="gossip",
-                          task="word2vec", task_options=OPTIONS,
-                          gossip={"vocab_agents": 3, "vocab_min_count": 3, "vocab_timeout": 60.0,
-                                  "periods": PERIODS, "period_steps": 5, "lr": 0.3, "batch_size": 128,
-                                  "min_peers": 2, "send_timeout": 5.0, "eval_every": 2})
-    missing = Federation(tmp_path_factory.mktemp("missing"), agents=2, rounds=1, alpha=0.0, mode="gossip",
-                         task="word2vec", task_options={**OPTIONS, "shards": 3},
-                         gossip={"vocab_agents": 3, "vocab_timeout": 8.0, "periods": 5, "period_steps": 2,
-                                 "min_peers": 1, "eval_every": 1})
+    complete = Federation(
+        tmp_path_factory.mktemp("complete"),
+        agents=3,
+        rounds=1,
+        alpha=0.0,
+        mode="gossip",
+        task="word2vec",
+        task_options=OPTIONS,
+        gossip={
+            "vocab_agents": 3,
+            "vocab_min_count": 3,
+            "vocab_timeout": 60.0,
+            "periods": PERIODS,
+            "period_steps": 5,
+            "lr": 0.3,
+            "batch_size": 128,
+            "min_peers": 2,
+            "send_timeout": 5.0,
+            "eval_every": 2,
+        },
+    )
+    missing = Federation(
+        tmp_path_factory.mktemp("missing"),
+        agents=2,
+        rounds=1,
+        alpha=0.0,
+        mode="gossip",
+        task="word2vec",
+        task_options={**OPTIONS, "shards": 3},
+        gossip={
+            "vocab_agents": 3,
+            "vocab_timeout": 8.0,
+            "periods": 5,
+            "period_steps": 2,
+            "min_peers": 1,
+            "eval_every": 1,
+        },
+    )
     try:
         for fed in (complete, missing):
             fed.prepare()
@@ -82,8 +110,9 @@ def test_three_gossip_agents_agree_on_one_vocabulary_then_their_word2vec_models_
     # The models drift apart between exchanges (the distance to the models merged at a
     # boundary peaks mid-run); as the step size decays and averaging takes over they end
     # close together: the final models' pairwise distance is well below that peak.
-    peak = max(r["disagreement"] for a in ids for r in history(fed, a)
-               if r["event"] == "gossip_eval" and r["disagreement"])
+    peak = max(
+        r["disagreement"] for a in ids for r in history(fed, a) if r["event"] == "gossip_eval" and r["disagreement"]
+    )
     final = {a: flat(checkpoint.load(fed.model_path(a))[0]) for a in ids}
     together = max(float(np.linalg.norm(final[a] - final[b])) for a in ids for b in ids if a < b)
     print(f"peak disagreement {peak:.3f}, final pairwise distance {together:.3f}")
@@ -98,8 +127,9 @@ def flat(weights) -> np.ndarray:
 def test_a_missing_peer_aborts_the_vocabulary_consensus_and_nothing_is_trained(federations):
     _, fed = federations
     ids = list(fed.agent_ids)
-    failed = wait_for(lambda: all_in_state(fed, "vocabulary failed"), 120,
-                      "both agents to give up on the vocabulary", fed)
+    failed = wait_for(
+        lambda: all_in_state(fed, "vocabulary failed"), 120, "both agents to give up on the vocabulary", fed
+    )
     for a, s in failed.items():
         v = s["vocabulary"]
         assert v["phase"] == "failed" and v["error"].startswith("missing-offers: 2 of 3 offers"), v

@@ -11,7 +11,6 @@ from fedagent.experiments.gossip_w2v import Scale, centralized, learning_curve
 from fedagent.tasks import text_metrics as tm
 from fedagent.tasks.base import load_task
 
-
 pytestmark = pytest.mark.usefixtures("text_cache_one_thread")
 
 
@@ -19,7 +18,7 @@ def test_centralized_run_depends_on_its_seed_only_and_the_curve_reuses_it():
     task = load_task("word2vec", {"limit": 12, "dim": 8, "min_count": 2, "seed": 0})
     scale = Scale(agents=2, dim=8, local_steps=6, batch_size=64, curve=(0.5, 1.0))
     first, _ = centralized(task, scale, seed=1)
-    task.stream.next(1000)                       # leave the stream mid-epoch, as a gossip run would
+    task.stream.next(1000)  # leave the stream mid-epoch, as a gossip run would
     again, _ = centralized(task, scale, seed=1)
     other, _ = centralized(task, scale, seed=2)
     np.testing.assert_array_equal(first.vectors, again.vectors)

@@ -8,15 +8,16 @@ import subprocess
 import sys
 
 import pytest
+from test_federation import wait_for
 
 from fedagent import config
 from fedagent.demo import Federation
-from test_federation import wait_for
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fedagent", *args], capture_output=True, text=True,
-                          timeout=60, check=check)
+    return subprocess.run(
+        [sys.executable, "-m", "fedagent", *args], capture_output=True, text=True, timeout=60, check=check
+    )
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +60,14 @@ def test_join_by_mdns_then_same_round(idle_federation):
 def test_peers_lists_coordinator_and_other_agent(idle_federation):
     fed = idle_federation
     wait_for(lambda: (fed.status("agent-1") or {}).get("connection") == "connected", 60, "agent-1 joined", fed)
-    peers = wait_for(lambda: (lambda p: p if {"coordinator", "agent-2"} <= set(p) else None)(
-        json.loads(cli("peers", "--json", "--config", str(fed.config_path("agent-1"))).stdout)["peers"]),
-        30, "peers of agent-1", fed)
+    peers = wait_for(
+        lambda: (lambda p: p if {"coordinator", "agent-2"} <= set(p) else None)(
+            json.loads(cli("peers", "--json", "--config", str(fed.config_path("agent-1"))).stdout)["peers"]
+        ),
+        30,
+        "peers of agent-1",
+        fed,
+    )
     assert peers["coordinator"]["role"] == "coordinator" and peers["coordinator"]["online"] is True
     assert peers["coordinator"]["broker"] == fed.broker.uri
     human = cli("peers", "--config", str(fed.config_path("agent-1"))).stdout
@@ -75,8 +81,12 @@ def test_leave_goes_offline_and_clears_membership(idle_federation):
     assert "left" in out.stdout
     assert config.load(fed.config_path("agent-1"), "agent").federation == ""
     assert fed.status("agent-1")["connection"] == "not joined"
-    wait_for(lambda: fed.status("coordinator")["peers"].get("agent-1", {}).get("online") is False,
-             30, "coordinator to see agent-1 offline", fed)
+    wait_for(
+        lambda: fed.status("coordinator")["peers"].get("agent-1", {}).get("online") is False,
+        30,
+        "coordinator to see agent-1 offline",
+        fed,
+    )
     again = cli("leave", "--config", str(fed.config_path("agent-1")), check=False)
     assert again.returncode == 78 and "nothing to leave" in again.stderr
 

@@ -17,10 +17,10 @@ import zlib
 
 import pytest
 
-from fedagent.agent import sdnotify
-from fedagent.agent.control import ControlServer, arequest, request
-from fedagent.agent.discovery import Advert, Discovery, parse_txt
 from fedagent.errors import ConfigError, FedagentError, TransportError
+from fedagent.node import sdnotify
+from fedagent.node.control import ControlServer, arequest, request
+from fedagent.node.discovery import Advert, Discovery, parse_txt
 from fedagent.statefile import atomic_write, cleanup_temp_files, read_bytes
 
 
@@ -67,7 +67,7 @@ def test_stale_socket_file_is_replaced(tmp_path, arun):
     path = tmp_path / "agent.sock"
     s = socket.socket(socket.AF_UNIX)
     s.bind(str(path))
-    s.close()                                   # a file nobody answers on
+    s.close()  # a file nobody answers on
 
     async def main():
         async with ControlServer(path, {"status": lambda a: asyncio.sleep(0, {"ok": 1})}):
@@ -106,7 +106,7 @@ def test_watchdog_pings_from_the_event_loop(tmp_path, monkeypatch, arun):
         return got
 
     assert arun(main()) == [b"WATCHDOG=1"] * 3
-    monkeypatch.setenv("WATCHDOG_PID", "1")        # pings meant for another process
+    monkeypatch.setenv("WATCHDOG_PID", "1")  # pings meant for another process
     assert sdnotify.watchdog_interval() is None
     sock.close()
 
@@ -118,15 +118,27 @@ def test_coordinator_daemon_notifies_ready_and_status(tmp_path, broker):
 
     tls = broker.tls("coord")
     cfg = tmp_path / "coordinator.toml"
-    cfg.write_text(config.render(node_id="coord", federation="testfed", broker=broker.uri,
-                                 tls=TlsConfig(tls.ca, tls.cert, tls.key), state_dir=tmp_path / "state",
-                                 runtime_dir=tmp_path / "run", rounds={"rounds": 1}))
+    cfg.write_text(
+        config.render(
+            node_id="coord",
+            federation="testfed",
+            broker=broker.uri,
+            tls=TlsConfig(tls.ca, tls.cert, tls.key),
+            state_dir=tmp_path / "state",
+            runtime_dir=tmp_path / "run",
+            rounds={"rounds": 1},
+        )
+    )
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(tmp_path / "notify"))
     sock.settimeout(60)
     env = {**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify"), "WATCHDOG_USEC": "2000000"}
-    proc = subprocess.Popen([sys.executable, "-m", "fedagent", "coordinator", "--config", str(cfg)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedagent", "coordinator", "--config", str(cfg)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         env.pop("WATCHDOG_PID", None)
         seen = []
@@ -150,8 +162,9 @@ def test_coordinator_daemon_notifies_ready_and_status(tmp_path, broker):
 def test_config_error_exits_78(tmp_path):
     cfg = tmp_path / "agent.toml"
     cfg.write_text('id = "Bad Id"\n')
-    out = subprocess.run([sys.executable, "-m", "fedagent", "agent", "--config", str(cfg)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "fedagent", "agent", "--config", str(cfg)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 78 and "invalid id" in out.stderr
 
 
@@ -172,7 +185,7 @@ def test_failed_write_keeps_the_old_file(tmp_path):
         atomic_write(tmp_path / "missing-dir" / "x", b"new")
     os.chmod(tmp_path, 0o500)
     try:
-        if os.geteuid() != 0:          # root ignores directory permissions
+        if os.geteuid() != 0:  # root ignores directory permissions
             with pytest.raises(FedagentError):
                 atomic_write(p, b"new")
     finally:
@@ -201,7 +214,7 @@ def test_kill_9_during_writes_never_tears_the_file(tmp_path):
     for _ in range(50):
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(target)], stdout=subprocess.PIPE)
         assert proc.stdout.readline() == b"ready\n"
-        time.sleep(rng.uniform(0.0, 0.05))      # a random moment to kill, not synchronisation
+        time.sleep(rng.uniform(0.0, 0.05))  # a random moment to kill, not synchronisation
         proc.kill()
         proc.wait()
         proc.stdout.close()
@@ -217,7 +230,7 @@ def test_kill_9_during_writes_never_tears_the_file(tmp_path):
 # -- mDNS ----------------------------------------------------------------------------------
 ADVERTISER = textwrap.dedent("""
     import asyncio, sys
-    from fedagent.agent.discovery import Advert, Discovery
+    from fedagent.node.discovery import Advert, Discovery
     async def main():
         async with Discovery(["127.0.0.1"]) as d:
             await d.register(Advert(federation=sys.argv[1], node_id="coord-x", role="coordinator",
@@ -232,13 +245,12 @@ def test_discovery_between_processes_add_remove_readd(arun):
     fed = f"disc-{secrets.token_hex(3)}"
 
     def advertiser():
-        p = subprocess.Popen([sys.executable, "-c", ADVERTISER, fed], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE)
+        p = subprocess.Popen([sys.executable, "-c", ADVERTISER, fed], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert p.stdout.readline() == b"registered\n"
         return p
 
     def stop(p):
-        p.stdin.write(b"\n")                      # clean exit: goodbye packets
+        p.stdin.write(b"\n")  # clean exit: goodbye packets
         p.stdin.flush()
         assert p.wait(20) == 0
         p.stdout.close()
@@ -257,7 +269,7 @@ def test_discovery_between_processes_add_remove_readd(arun):
                 if kind == "removed":
                     break
             assert "coord-x" not in d.peers
-            p = await asyncio.to_thread(advertiser)       # back again (RELIABILITY T9)
+            p = await asyncio.to_thread(advertiser)  # back again (RELIABILITY T9)
             while True:
                 kind, advert = await asyncio.wait_for(changes.get(), 15)
                 if kind == "added":
@@ -270,15 +282,18 @@ def test_discovery_between_processes_add_remove_readd(arun):
     arun(main(), timeout=90)
 
 
-@pytest.mark.parametrize("props", [
-    {b"fed": b"f", b"id": b"a", b"role": b"king", b"broker": b"mqtts://h:1"},
-    {b"fed": b"f", b"id": b"a/#", b"role": b"agent", b"broker": b"mqtts://h:1"},
-    {b"fed": b"F!", b"id": b"a", b"role": b"agent", b"broker": b""},
-    {b"fed": b"f", b"id": b"a", b"role": b"agent", b"broker": b"http://h:1"},
-    {b"fed": b"f", b"id": b"a", b"role": b"agent", b"broker": b"mqtts://h:1", b"proto": b"x"},
-    {b"fed": b"\xff", b"id": b"a", b"role": b"agent"},
-    {b"fed": b"f", b"id": b"a", b"role": b"agent", b"fp": b"zz"},
-])
+@pytest.mark.parametrize(
+    "props",
+    [
+        {b"fed": b"f", b"id": b"a", b"role": b"king", b"broker": b"mqtts://h:1"},
+        {b"fed": b"f", b"id": b"a/#", b"role": b"agent", b"broker": b"mqtts://h:1"},
+        {b"fed": b"F!", b"id": b"a", b"role": b"agent", b"broker": b""},
+        {b"fed": b"f", b"id": b"a", b"role": b"agent", b"broker": b"http://h:1"},
+        {b"fed": b"f", b"id": b"a", b"role": b"agent", b"broker": b"mqtts://h:1", b"proto": b"x"},
+        {b"fed": b"\xff", b"id": b"a", b"role": b"agent"},
+        {b"fed": b"f", b"id": b"a", b"role": b"agent", b"fp": b"zz"},
+    ],
+)
 def test_malformed_adverts_are_ignored(props):
     assert parse_txt(props) is None
 

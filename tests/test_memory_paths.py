@@ -12,7 +12,7 @@ import msgpack
 import numpy as np
 
 from fedagent import checkpoint
-from fedagent.agent.messaging import Messenger
+from fedagent.node.messaging import Messenger
 from fedagent.protocols.codec import encode_weights
 from fedagent.protocols.messages import GlobalModel
 from fedagent.signing import Identity
@@ -39,8 +39,14 @@ class _Sink:
 def test_a_broadcast_costs_one_payload_and_a_window_of_frames(pki) -> None:
     t = pki.tls("coord")
     sink = _Sink()
-    m = Messenger(federation="testfed", node_id="coord", transport=sink, identity=Identity.load(t.cert, t.key, t.ca),
-                  max_chunk_bytes=256 * 1024, publish_window=2)
+    m = Messenger(
+        federation="testfed",
+        node_id="coord",
+        transport=sink,
+        identity=Identity.load(t.cert, t.key, t.ca),
+        max_chunk_bytes=256 * 1024,
+        publish_window=2,
+    )
     weights = _model()
     tracemalloc.start()
     try:
@@ -54,8 +60,12 @@ def test_a_broadcast_costs_one_payload_and_a_window_of_frames(pki) -> None:
 
 
 def test_checkpoint_is_written_piece_by_piece_in_the_same_format(tmp_path) -> None:
-    weights = {**_model(), "small": np.arange(5, dtype=np.float32), "count": np.array(7, dtype=np.int64),
-               "mid": np.ones(20_000, dtype=np.float16)}
+    weights = {
+        **_model(),
+        "small": np.arange(5, dtype=np.float32),
+        "count": np.array(7, dtype=np.int64),
+        "mid": np.ones(20_000, dtype=np.float16),
+    }
     meta = {"model_version": 3, "participants": ["a", "b"]}
     path = tmp_path / "global.ckpt"
     tracemalloc.start()
@@ -65,8 +75,9 @@ def test_checkpoint_is_written_piece_by_piece_in_the_same_format(tmp_path) -> No
     finally:
         tracemalloc.stop()
     assert peak < 0.1 * MODEL_BYTES, f"peak {peak / MODEL_BYTES:.2f} models"
-    assert path.read_bytes() == msgpack.packb({"format": checkpoint.FORMAT, "meta": meta,
-                                               "weights": encode_weights(weights)}, use_bin_type=True)
+    assert path.read_bytes() == msgpack.packb(
+        {"format": checkpoint.FORMAT, "meta": meta, "weights": encode_weights(weights)}, use_bin_type=True
+    )
     back, meta_back = checkpoint.load(path)
     assert meta_back == meta
     for k, v in weights.items():

@@ -8,7 +8,15 @@ import pytest
 from fedagent.errors import CodecError
 from fedagent.protocols.codec import Envelope, Limits, decode, encode
 from fedagent.protocols.messages import (
-    GlobalModel, GossipAck, GossipModel, Presence, RoundResult, RoundStart, TrainConfig, Update, body_of,
+    GlobalModel,
+    GossipAck,
+    GossipModel,
+    Presence,
+    RoundResult,
+    RoundStart,
+    TrainConfig,
+    Update,
+    body_of,
 )
 
 W = {"layer.weight": np.arange(6, dtype=np.float32).reshape(2, 3), "layer.bias": np.ones(3, np.float32)}
@@ -20,23 +28,29 @@ def roundtrip(msg):
     return body_of(back.kind, back.body, Limits())
 
 
-@pytest.mark.parametrize("msg", [
-    Presence(online=True, role="agent", num_samples=12),
-    RoundResult(3, 4, ("agent-a", "agent-b"), {"loss": 0.5}),
-    RoundResult(3, 4, (), {}, aggregated=False, reason="deadline passed"),
-    GossipAck("s1.7", True),
-    GossipAck("s1.8", False, "inbox-full"),
-])
+@pytest.mark.parametrize(
+    "msg",
+    [
+        Presence(online=True, role="agent", num_samples=12),
+        RoundResult(3, 4, ("agent-a", "agent-b"), {"loss": 0.5}),
+        RoundResult(3, 4, (), {}, aggregated=False, reason="deadline passed"),
+        GossipAck("s1.7", True),
+        GossipAck("s1.8", False, "inbox-full"),
+    ],
+)
 def test_small_messages_roundtrip(msg):
     assert roundtrip(msg) == msg
 
 
-@pytest.mark.parametrize("msg", [
-    RoundStart(2, 1, ("agent-a",), 60.0, TrainConfig(epochs=2, lr=0.1, batch_size=16), W),
-    Update(2, 1, 50, {"loss": 1.25}, W),
-    GlobalModel(5, 5, True, W),
-    GossipModel("s1.7", 3, 12.5, 30.0, False, W),
-])
+@pytest.mark.parametrize(
+    "msg",
+    [
+        RoundStart(2, 1, ("agent-a",), 60.0, TrainConfig(epochs=2, lr=0.1, batch_size=16), W),
+        Update(2, 1, 50, {"loss": 1.25}, W),
+        GlobalModel(5, 5, True, W),
+        GossipModel("s1.7", 3, 12.5, 30.0, False, W),
+    ],
+)
 def test_weight_messages_roundtrip(msg):
     back = roundtrip(msg)
     assert type(back) is type(msg)
@@ -49,17 +63,20 @@ def good_update_body():
     return Update(2, 1, 50, {"loss": 1.25}, W).to_body()
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda b: b.pop("weights"),
-    lambda b: b.update(num_samples=0),
-    lambda b: b.update(num_samples=-3),
-    lambda b: b.update(num_samples=True),
-    lambda b: b.update(round="1"),
-    lambda b: b.update(metrics={"loss": float("nan")}),
-    lambda b: b.update(metrics={"x" * 100: 1.0}),
-    lambda b: b.update(metrics=[1, 2]),
-    lambda b: b.update(weights={"w": {"dtype": "object", "shape": [1], "data": b"x"}}),
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda b: b.pop("weights"),
+        lambda b: b.update(num_samples=0),
+        lambda b: b.update(num_samples=-3),
+        lambda b: b.update(num_samples=True),
+        lambda b: b.update(round="1"),
+        lambda b: b.update(metrics={"loss": float("nan")}),
+        lambda b: b.update(metrics={"x" * 100: 1.0}),
+        lambda b: b.update(metrics=[1, 2]),
+        lambda b: b.update(weights={"w": {"dtype": "object", "shape": [1], "data": b"x"}}),
+    ],
+)
 def test_bad_update_bodies_raise_codec_error(mutate):
     body = good_update_body()
     mutate(body)
@@ -86,21 +103,24 @@ def good_gossip_body():
     return GossipModel("s1.7", 3, 12.5, 30.0, False, W).to_body()
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda b: b.update(mass=0.0),
-    lambda b: b.update(mass=-1.0),
-    lambda b: b.update(mass=float("inf")),
-    lambda b: b.update(age=float("nan")),
-    lambda b: b.update(age=-2.0),
-    lambda b: b.update(exchange_id=""),
-    lambda b: b.update(exchange_id="x" * 65),
-    lambda b: b.update(returned=1),
-    lambda b: b.update(period=-1),
-    lambda b: b.pop("weights"),
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda b: b.update(mass=0.0),
+        lambda b: b.update(mass=-1.0),
+        lambda b: b.update(mass=float("inf")),
+        lambda b: b.update(age=float("nan")),
+        lambda b: b.update(age=-2.0),
+        lambda b: b.update(exchange_id=""),
+        lambda b: b.update(exchange_id="x" * 65),
+        lambda b: b.update(returned=1),
+        lambda b: b.update(period=-1),
+        lambda b: b.pop("weights"),
+    ],
+)
 def test_bad_gossip_bodies_raise_codec_error(mutate):
     body = good_gossip_body()
-    body_of("gossip_model", body, Limits())      # the unmutated body is fine
+    body_of("gossip_model", body, Limits())  # the unmutated body is fine
     mutate(body)
     with pytest.raises(CodecError):
         body_of("gossip_model", body, Limits())

@@ -31,7 +31,7 @@ def value(samples, metric, **labels):
 def test_node_metrics_endpoint_serves_its_own_registry(arun):
     async def main():
         a = NodeMetrics("agent", "agent-a", "fed")
-        b = NodeMetrics("agent", "agent-b", "fed")          # same process, no collision
+        b = NodeMetrics("agent", "agent-b", "fed")  # same process, no collision
         a.add_bytes(in_=100, out=40)
         a.rejected("codec")
         a.rejected("codec")

@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+from netns import Lab, requires_netns
 
 from fedagent import broker, config, pki
-from fedagent.agent.control import request
 from fedagent.config import TlsConfig
 from fedagent.errors import FedagentError
-from netns import Lab, requires_netns
+from fedagent.node.control import request
 
 pytestmark = [pytest.mark.root, requires_netns]
 
@@ -67,40 +67,72 @@ def test_two_bridged_sites_train_one_federation(sites, tmp_path):
         (d / "data").mkdir(parents=True)
         coords = ["coordinator", "bridge-s1", "bridge-s2"] if site == "hub" else ["coordinator"]
         (d / "acl").write_text(broker.render_acl([FED], coords))
-        conf = broker.render_config(port=PORT, bind=sites.ip[site], ca=ca / "ca.crt", cert=ca / f"{site}-broker.crt",
-                                    key=ca / f"{site}-broker.key", acl=d / "acl", persistence_dir=d / "data",
-                                    log_path=d / "mosquitto.log")
+        conf = broker.render_config(
+            port=PORT,
+            bind=sites.ip[site],
+            ca=ca / "ca.crt",
+            cert=ca / f"{site}-broker.crt",
+            key=ca / f"{site}-broker.key",
+            acl=d / "acl",
+            persistence_dir=d / "data",
+            log_path=d / "mosquitto.log",
+        )
         if site != "hub":
-            conf += broker.render_bridge(name=f"bridge-{site}", remote_host=sites.ip["hub"], remote_port=PORT,
-                                         federations=[FED], ca=ca / "ca.crt", cert=ca / f"bridge-{site}.crt",
-                                         key=ca / f"bridge-{site}.key")
+            conf += broker.render_bridge(
+                name=f"bridge-{site}",
+                remote_host=sites.ip["hub"],
+                remote_port=PORT,
+                federations=[FED],
+                ca=ca / "ca.crt",
+                cert=ca / f"bridge-{site}.crt",
+                key=ca / f"bridge-{site}.key",
+            )
         (d / "mosquitto.conf").write_text(conf)
         sites.spawn(f"{site}-broker", site, [broker.find_mosquitto(), "-c", str(d / "mosquitto.conf")])
     for site in ("s1", "s2"):
         hub_log = tmp_path / "hub-broker" / "mosquitto.log"
-        wait_for(lambda s=site: hub_log.exists() and f"as bridge-{s} " in hub_log.read_text(),
-                 20, f"the {site} bridge", sites)
+        wait_for(
+            lambda s=site: hub_log.exists() and f"as bridge-{s} " in hub_log.read_text(),
+            20,
+            f"the {site} bridge",
+            sites,
+        )
 
     def write(name: str, site: str, options: dict, rounds: dict | None) -> Path:
         p = tmp_path / f"{name}.toml"
-        p.write_text(config.render(
-            node_id=name, federation=FED, broker=f"mqtts://{sites.ip[site]}:{PORT}",
-            tls=TlsConfig(ca / "ca.crt", ca / f"{name}.crt", ca / f"{name}.key"),
-            state_dir=tmp_path / "state" / name, runtime_dir=tmp_path / "run" / name,
-            task_options=options, rounds=rounds))
+        p.write_text(
+            config.render(
+                node_id=name,
+                federation=FED,
+                broker=f"mqtts://{sites.ip[site]}:{PORT}",
+                tls=TlsConfig(ca / "ca.crt", ca / f"{name}.crt", ca / f"{name}.key"),
+                state_dir=tmp_path / "state" / name,
+                runtime_dir=tmp_path / "run" / name,
+                task_options=options,
+                rounds=rounds,
+            )
+        )
         return p
 
     rounds = 4
-    coord_cfg = write("coordinator", "hub", {}, {"rounds": rounds, "min_agents": 3, "expected_agents": 3,
-                                                 "round_timeout": 60, "local_epochs": 2})
+    coord_cfg = write(
+        "coordinator",
+        "hub",
+        {},
+        {"rounds": rounds, "min_agents": 3, "expected_agents": 3, "round_timeout": 60, "local_epochs": 2},
+    )
     sites.spawn("coordinator", "hub", [sys.executable, "-m", "fedagent", "coordinator", "--config", str(coord_cfg)])
     for i, (name, site) in enumerate(agents.items()):
         cfg = write(name, site, {"shard": i, "shards": 3, "alpha": 0.5}, None)
         sites.spawn(name, site, [sys.executable, "-m", "fedagent", "agent", "--config", str(cfg)])
 
     coord_sock = tmp_path / "run" / "coordinator" / "coordinator.sock"
-    done = wait_for(lambda: (lambda s: s if s and s["phase"] == "done" else None)(status(coord_sock)),
-                    150, "the two-site federation to finish", sites)
+    done = wait_for(
+        lambda: (lambda s: s if s and s["phase"] == "done" else None)(status(coord_sock)),
+        150,
+        "the two-site federation to finish",
+        sites,
+    )
     assert done["completed_rounds"] == rounds
     # Every agent, whichever site it is in, took part in every round.
     hist = tmp_path / "state" / "coordinator" / "coordinator" / FED / "history.jsonl"
@@ -109,4 +141,4 @@ def test_two_bridged_sites_train_one_federation(sites, tmp_path):
     # Agents reached the coordinator only through their own site's broker and the bridge.
     a3 = status(tmp_path / "run" / "agent-3" / "agent.sock")
     assert a3["broker"] == f"mqtts://{sites.ip['s2']}:{PORT}" and a3["coordinator"] == "coordinator"
-    assert a3["peers"]["coordinator"]["online"] and a3["peers"]["agent-1"]["online"]   # across both bridges
+    assert a3["peers"]["coordinator"]["online"] and a3["peers"]["agent-1"]["online"]  # across both bridges

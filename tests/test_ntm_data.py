@@ -10,8 +10,18 @@ from fedagent.errors import ConfigError
 from fedagent.tasks import ntm_data
 from fedagent.tasks.ntm_data import TopicStructure, bow_from_tokens, synthetic_node, true_topics
 
-GEN = {"vocab_size": 200, "true_topics_": 20, "shared_topics": 5, "eta": 0.05, "alpha": None,
-       "docs": 60, "val_docs": 12, "doc_length": (150, 250), "process": "lda", "data_seed": 7}
+GEN = {
+    "vocab_size": 200,
+    "true_topics_": 20,
+    "shared_topics": 5,
+    "eta": 0.05,
+    "alpha": None,
+    "docs": 60,
+    "val_docs": 12,
+    "doc_length": (150, 250),
+    "process": "lda",
+    "data_seed": 7,
+}
 
 
 def test_topic_structure_shared_and_private_blocks():
@@ -22,10 +32,10 @@ def test_topic_structure_shared_and_private_blocks():
     for n, b in enumerate(blocks):
         assert shared <= b and len(b) == 18
         for m in range(n + 1, 5):
-            assert blocks[n] & blocks[m] == shared        # private blocks are disjoint
+            assert blocks[n] & blocks[m] == shared  # private blocks are disjoint
     assert set().union(*blocks) == set(range(50))
     with pytest.raises(ConfigError):
-        TopicStructure(n_topics=50, shared=12, nodes=5)   # 38 private topics over 5 nodes
+        TopicStructure(n_topics=50, shared=12, nodes=5)  # 38 private topics over 5 nodes
 
 
 @pytest.mark.parametrize("process", ["prodlda", "lda"])
@@ -108,7 +118,8 @@ def test_projection_embedding_is_deterministic_and_normalised():
 
 @pytest.mark.slow
 def test_sbert_embeddings_offline_put_related_texts_closer():
-    emb = ntm_data.sbert_embed(["the space shuttle launched into orbit", "NASA rocket launch to orbit",
-                                "faith in god and religion"])
+    emb = ntm_data.sbert_embed(
+        ["the space shuttle launched into orbit", "NASA rocket launch to orbit", "faith in god and religion"]
+    )
     assert emb.shape == (3, 384)
     assert float(emb[0] @ emb[1]) > float(emb[0] @ emb[2]) + 0.2

@@ -19,8 +19,24 @@ torch.set_num_threads(1)
 
 def test_synthetic_report_through_the_cli(tmp_path):
     out = tmp_path / "report"
-    result = CliRunner().invoke(main, ["experiment", "gfedntm", "--corpus", "synthetic", "--scale", "tiny",
-                                       "--k-prime", "5", "--eta", "0.01", "--no-daemons", "--out", str(out)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "experiment",
+            "gfedntm",
+            "--corpus",
+            "synthetic",
+            "--scale",
+            "tiny",
+            "--k-prime",
+            "5",
+            "--eta",
+            "0.01",
+            "--no-daemons",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = (out / "report.md").read_text()
     assert "## A: shared topics K'" in report and "Done-criterion" in report
@@ -63,8 +79,9 @@ def test_early_stopping_keeps_the_best_epoch_of_every_model_kind():
     for m in gfedntm.MODELS:
         assert 1 <= res.best_epoch[m] <= res.epochs_run[m] <= scale.epochs
     assert res.steps["federated"] == res.best_epoch["federated"] * batches
-    assert res.steps["centralized"] == res.best_epoch["centralized"] * (scale.nodes * (scale.docs - round(
-        scale.docs * scale.holdout)) // scale.batch_size)
+    assert res.steps["centralized"] == res.best_epoch["centralized"] * (
+        scale.nodes * (scale.docs - round(scale.docs * scale.holdout)) // scale.batch_size
+    )
 
 
 def test_early_stopped_restores_the_weights_of_the_best_epoch():
@@ -74,7 +91,7 @@ def test_early_stopped_restores_the_weights_of_the_best_epoch():
 
     def step(i):
         with torch.no_grad():
-            model.weight += 1.0          # after epoch e (3 steps each) the weight is 3e
+            model.weight += 1.0  # after epoch e (3 steps each) the weight is 3e
 
     stop = gfedntm.early_stopped(model, step, lambda: next(losses), 3, gfedntm.PatienceStop(patience=2))
     assert (stop.best_epoch, stop.epochs, stop.steps, stop.best_loss) == (2, 4, 6, 1.0)

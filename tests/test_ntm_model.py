@@ -9,14 +9,24 @@ import torch
 
 from fedagent.errors import ConfigError
 from fedagent.tasks.base import SyncTask, load_task
-from fedagent.tasks.ntm import (ProdLDA, centralized_step, federated_step, laplace_prior,
-                                node_gradient)
+from fedagent.tasks.ntm import ProdLDA, centralized_step, federated_step, laplace_prior, node_gradient
 
 torch.set_num_threads(1)
 
-SMALL = {"corpus": "synthetic", "vocab_size": 120, "true_topics": 10, "shared_topics": 5,
-         "docs": 40, "val_docs": 10, "doc_length": (20, 40), "n_topics": 6, "batch_size": 8,
-         "hidden": 16, "shards": 5, "seed": 3}
+SMALL = {
+    "corpus": "synthetic",
+    "vocab_size": 120,
+    "true_topics": 10,
+    "shared_topics": 5,
+    "docs": 40,
+    "val_docs": 10,
+    "doc_length": (20, 40),
+    "n_topics": 6,
+    "batch_size": 8,
+    "hidden": 16,
+    "shards": 5,
+    "seed": 3,
+}
 
 
 def small_tasks(name: str = "prodlda", **extra):
@@ -79,7 +89,7 @@ def test_noise_differs_between_steps_with_the_same_batch():
     task = small_tasks()[0]
     model = task.build_model()
     fixed = task.batch_indices(0)
-    task.batch_indices = lambda step: fixed     # same documents at every step
+    task.batch_indices = lambda step: fixed  # same documents at every step
     losses = [float(task.step_loss(model, s)[0]) for s in range(5)]
     assert len(set(losses)) == 5
     assert float(task.step_loss(model, 2)[0]) == losses[2]
@@ -170,7 +180,7 @@ def test_float64_sync_opt_equals_centralized_for_any_seed(seed):
     diff = max(float((a - b).abs().max()) for a, b in zip(central.parameters(), fed.parameters()))
     moved = max(float((a - b).abs().max()) for a, b in zip(central.parameters(), tasks[0].build_model().parameters()))
     assert moved > 1e-2 and diff <= 1e-5, (diff, moved)
-    assert diff <= 1e-9          # the margin float64 buys: summation order only
+    assert diff <= 1e-9  # the margin float64 buys: summation order only
 
 
 def test_dtype_option_is_checked():
@@ -185,7 +195,7 @@ def test_decoder_topics_are_what_the_loss_sees_and_softmax_beta_is_not():
     task = small_tasks(dtype="float64")[0]
     model = task.build_model()
     with torch.no_grad():
-        model.beta.mul_(100.0)      # a spread well above the BatchNorm's eps, as training gives
+        model.beta.mul_(100.0)  # a spread well above the BatchNorm's eps, as training gives
     theta = task.infer_theta(model, "train")
     loss = task.step_loss(model, 0)[0].item()
     dec, soft = task.decoder_topic_word(model, theta), task.topic_word(model)
@@ -212,7 +222,7 @@ def test_holdout_option_splits_each_node_75_25_the_same_way_every_time():
     rows = {full.train[i].toarray().tobytes(): i for i in range(n)}
     kept = [rows[a.train[i].toarray().tobytes()] for i in range(a.train.shape[0])]
     held = [rows[a.val[i].toarray().tobytes()] for i in range(a.val.shape[0])]
-    assert sorted(kept + held) == list(range(n))            # disjoint, and nothing lost
+    assert sorted(kept + held) == list(range(n))  # disjoint, and nothing lost
     other = load_task("prodlda", {**SMALL, "shard": 3, "holdout": 0.25})
     assert other.val.shape == a.val.shape
     for bad in (0.0, 1.0, 0.99):

@@ -9,7 +9,7 @@ import pytest
 
 from fedagent.tasks.ntm_scores import doc_similarity_score, similarity, topic_similarity_score
 
-R = math.sqrt(0.5)   # sqrt(0.5 * 1): similarity of (1/2, 1/2) and (1, 0)
+R = math.sqrt(0.5)  # sqrt(0.5 * 1): similarity of (1/2, 1/2) and (1, 0)
 
 
 def test_similarity_is_one_minus_squared_hellinger():
@@ -17,10 +17,10 @@ def test_similarity_is_one_minus_squared_hellinger():
     q = np.array([[0.0, 1.0], [1.0, 0.0], [0.75, 0.25]])
     s = similarity(p, q)
     assert s.shape == (3, 3)
-    assert s[0, 0] == pytest.approx(0.0)            # disjoint
-    assert s[0, 1] == pytest.approx(1.0)            # identical
+    assert s[0, 0] == pytest.approx(0.0)  # disjoint
+    assert s[0, 1] == pytest.approx(1.0)  # identical
     assert s[1, 1] == pytest.approx(R)
-    assert s[2, 2] == pytest.approx(2 * math.sqrt(0.1875))   # 0.8660
+    assert s[2, 2] == pytest.approx(2 * math.sqrt(0.1875))  # 0.8660
     # 1 - H^2 with H^2 = 1/2 sum (sqrt p - sqrt q)^2, computed the long way
     h2 = 0.5 * ((math.sqrt(0.25) - math.sqrt(0.75)) ** 2 + (math.sqrt(0.75) - math.sqrt(0.25)) ** 2)
     assert s[2, 2] == pytest.approx(1 - h2)
@@ -43,7 +43,9 @@ def test_doc_similarity_score_sums_absolute_differences_over_pairs(chunk):
     expected = 1.0 + 2 * (1 - R)
     assert doc_similarity_score(theta_model, theta_true, chunk=chunk) == pytest.approx(expected)
     assert doc_similarity_score(theta_true, theta_true, chunk=chunk) == pytest.approx(0.0)
-    assert doc_similarity_score(theta_model, theta_true, chunk=chunk, per_document=True) == pytest.approx(2 * expected / 3)
+    assert doc_similarity_score(theta_model, theta_true, chunk=chunk, per_document=True) == pytest.approx(
+        2 * expected / 3
+    )
 
 
 def test_scores_refuse_mismatched_inputs():

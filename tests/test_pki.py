@@ -92,11 +92,9 @@ def test_broker_certificate_has_server_auth_and_default_sans(ca_dir, tmp_path):
 
 
 def test_broker_sans_are_ip_addresses_when_they_parse_as_one(ca_dir, tmp_path):
-    crt, _ = pk.issue(ca_dir, tmp_path, "broker", "broker",
-                       sans=["10.77.0.1", "::1", "broker.local"])
+    crt, _ = pk.issue(ca_dir, tmp_path, "broker", "broker", sans=["10.77.0.1", "::1", "broker.local"])
     san = load(crt).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.77.0.1"),
-                                                       ipaddress.ip_address("::1")]
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.77.0.1"), ipaddress.ip_address("::1")]
     assert san.get_values_for_type(x509.DNSName) == ["broker.local"]
 
 
@@ -130,21 +128,24 @@ def test_issue_without_a_ca_says_so(tmp_path):
 
 
 def test_expired_certificate_is_detected_with_an_actionable_message(ca_dir, tmp_path):
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     expired = now - dt.timedelta(days=1)
-    crt, key = pk.issue(ca_dir, tmp_path, "agent-b", "agent",
-                        not_before=now - dt.timedelta(days=10), not_after=expired)
+    crt, key = pk.issue(ca_dir, tmp_path, "agent-b", "agent", not_before=now - dt.timedelta(days=10), not_after=expired)
     with pytest.raises(ConfigError) as err:
         pk.check_certificate(crt, key, ca_dir / "ca.crt")
     assert str(err.value) == (
         f"certificate for agent-b expired on {expired:%Y-%m-%d}; issue a new one with "
-        "`fedagent ca issue agent-b --role agent`")
+        "`fedagent ca issue agent-b --role agent`"
+    )
 
 
 def test_the_expired_fixture_certificate(pki):
     tls = pki.tls("agent-old")
-    with pytest.raises(ConfigError, match=r"certificate for agent-old expired on \d{4}-\d\d-\d\d; "
-                       r"issue a new one with `fedagent ca issue agent-old --role agent`"):
+    with pytest.raises(
+        ConfigError,
+        match=r"certificate for agent-old expired on \d{4}-\d\d-\d\d; "
+        r"issue a new one with `fedagent ca issue agent-old --role agent`",
+    ):
         pki_check(tls)
 
 
@@ -153,15 +154,21 @@ def pki_check(tls):
 
 
 def test_not_yet_valid_certificate_is_detected(ca_dir, tmp_path):
-    now = dt.datetime.now(dt.timezone.utc)
-    crt, key = pk.issue(ca_dir, tmp_path, "agent-c", "agent",
-                         not_before=now + dt.timedelta(days=2), not_after=now + dt.timedelta(days=9))
+    now = dt.datetime.now(dt.UTC)
+    crt, key = pk.issue(
+        ca_dir,
+        tmp_path,
+        "agent-c",
+        "agent",
+        not_before=now + dt.timedelta(days=2),
+        not_after=now + dt.timedelta(days=9),
+    )
     with pytest.raises(ConfigError, match="not valid before .* check this machine's clock"):
         pk.check_certificate(crt, key, ca_dir / "ca.crt")
 
 
 def test_validity_window_must_not_be_empty(ca_dir, tmp_path):
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     with pytest.raises(ConfigError, match="would expire"):
         pk.issue(ca_dir, tmp_path, "agent-c", "agent", not_before=now, not_after=now)
 

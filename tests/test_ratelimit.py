@@ -10,7 +10,7 @@ from fedagent.protocols.ratelimit import RateLimiter
 
 
 def test_a_burst_then_one_request_per_refill_interval():
-    r = RateLimiter(rate=0.5, burst=3)                 # 30 a minute
+    r = RateLimiter(rate=0.5, burst=3)  # 30 a minute
     assert [r.allow("a", 0.0) for _ in range(5)] == [True, True, True, False, False]
     assert r.refused == 2 and r.retry_after("a", 0.0) == pytest.approx(2.0)
     assert not r.allow("a", 1.9)
@@ -44,8 +44,7 @@ def test_a_clock_going_back_refills_nothing():
     assert not r.allow("a", 5.0)
 
 
-@pytest.mark.parametrize("kw", [{"rate": -1, "burst": 1}, {"rate": float("nan"), "burst": 1},
-                                {"rate": 1, "burst": 0}])
+@pytest.mark.parametrize("kw", [{"rate": -1, "burst": 1}, {"rate": float("nan"), "burst": 1}, {"rate": 1, "burst": 0}])
 def test_bad_parameters_are_refused(kw):
     with pytest.raises(ValueError):
         RateLimiter(**kw)
@@ -55,7 +54,11 @@ def test_search_settings_default_and_validation():
     s = SearchSettings()
     assert s.requests_per_minute == 30.0 and s.request_burst == 10
     assert SearchSettings(requests_per_minute=0).requests_per_minute == 0
-    for bad in ({"requests_per_minute": -1}, {"request_burst": 0}, {"request_burst": 1.5},
-                {"requests_per_minute": "fast"}):
+    for bad in (
+        {"requests_per_minute": -1},
+        {"request_burst": 0},
+        {"request_burst": 1.5},
+        {"requests_per_minute": "fast"},
+    ):
         with pytest.raises(ConfigError, match="requests_per_minute"):
             SearchSettings(**bad)

@@ -50,7 +50,7 @@ def test_every_committed_number_is_a_replay_after_restart(tmp_path):
     accepted = [("a", s) for s in (1000, 1003, 1001, 1010, 1007, 1020, 1015, 1011, 1030, 1025)] + [("b", 5)]
     for sender, seq in accepted:
         accept(g, j, sender, seq)
-    assert j.appends == len(accepted) and j.compactions == 1     # the empty file made at start
+    assert j.appends == len(accepted) and j.compactions == 1  # the empty file made at start
     j.close()
     g2, _ = journal(path)
     assert all(refused(g2, s, q) for s, q in accepted)
@@ -97,11 +97,11 @@ def test_a_damaged_record_before_others_fences_off_older_frames(tmp_path):
     clock = Clock(NOW + 5)
     g2, j2 = journal(path, clock=clock)
     assert g2.fence == NOW + 5
-    assert refused(g2, "a", 10) and refused(g2, "a", 12)          # records that check out still count
+    assert refused(g2, "a", 10) and refused(g2, "a", 12)  # records that check out still count
     # Number 11 sat in the damaged record: it (or any frame signed before the restart) is refused by stamp.
     assert refused(g2, "a", 11, ts=NOW)
     assert refused(g2, "z", 1, ts=NOW + 5)
-    assert not refused(g2, "z", 2, ts=NOW + 6)                    # signed after the restart: fine
+    assert not refused(g2, "z", 2, ts=NOW + 6)  # signed after the restart: fine
     j2.close()
     # The file was compacted clean, fence included, so another crash keeps it.
     g3, j3 = journal(path, clock=Clock(NOW + 10))
@@ -117,15 +117,18 @@ def test_a_damaged_record_before_others_fences_off_older_frames(tmp_path):
     assert g5.fence == float("-inf") and refused(g5, "z", 3)
 
 
-@pytest.mark.parametrize("payload", [
-    msgpack.packb([1, 2]),                                    # not a map
-    msgpack.packb({"n": {"a": ["x"]}}),                       # not integers
-    msgpack.packb({"n": {"a": list(range(9))}}),              # more than keep numbers
-    msgpack.packb({"n": {}, "evil": 1}),                      # unknown key
-    msgpack.packb({"n": {"a": [1]}, "f": float("nan")}),      # fence not finite
-    b"\xc1",                                                  # not msgpack
-    msgpack.packb({"n": {"a": [b"x" * 10]}}, use_bin_type=True),
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        msgpack.packb([1, 2]),  # not a map
+        msgpack.packb({"n": {"a": ["x"]}}),  # not integers
+        msgpack.packb({"n": {"a": list(range(9))}}),  # more than keep numbers
+        msgpack.packb({"n": {}, "evil": 1}),  # unknown key
+        msgpack.packb({"n": {"a": [1]}, "f": float("nan")}),  # fence not finite
+        b"\xc1",  # not msgpack
+        msgpack.packb({"n": {"a": [b"x" * 10]}}, use_bin_type=True),
+    ],
+)
 def test_a_well_checksummed_record_with_bad_content_is_damage_not_trusted(tmp_path, payload):
     path = tmp_path / "j"
     g, j = journal(path)
@@ -193,7 +196,7 @@ def test_restarts_do_not_ratchet_the_compaction_limit_up(tmp_path, monkeypatch):
     g, j = journal(path)
     accept(g, j, "a", 1)
     j.close()
-    with open(path, "ab") as f:                # appends made before a crash
+    with open(path, "ab") as f:  # appends made before a crash
         for seq in range(2, 12):
             f.write(replaylog._record({"n": {"a": [seq]}}))
     g2, j2 = journal(path)
@@ -221,7 +224,7 @@ def test_a_failed_append_loses_nothing_and_the_next_commit_rewrites(tmp_path, mo
     g.check("a", 2, NOW, NOW)
     with pytest.raises(StateWriteError, match="No space left"):
         j.commit()
-    assert path.stat().st_size == size                     # the half record was cut off
+    assert path.stat().st_size == size  # the half record was cut off
     monkeypatch.setattr(replaylog.os, "fdatasync", real)
     compactions = j.compactions
     accept(g, j, "a", 3)

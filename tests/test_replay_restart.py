@@ -20,9 +20,9 @@ import time
 
 import pytest
 
-from fedagent.agent.transport import TlsFiles, Transport
 from fedagent.demo import Federation
 from fedagent.errors import FedagentError
+from fedagent.node.transport import TlsFiles, Transport
 from fedagent.protocols import topics
 from fedagent.protocols.codec import decode
 from fedagent.protocols.streaming import STREAM_KIND
@@ -84,7 +84,7 @@ def test_a_new_messenger_on_the_same_state_refuses_frames_its_predecessor_took(b
     below.)"""
     import numpy as np
 
-    from fedagent.agent.messaging import Messenger
+    from fedagent.node.messaging import Messenger
     from fedagent.protocols.messages import Update
     from fedagent.signing import Identity
 
@@ -96,22 +96,35 @@ def test_a_new_messenger_on_the_same_state_refuses_frames_its_predecessor_took(b
     async def main():
         got: asyncio.Queue = asyncio.Queue()
         handler = {"recv": None}
-        async with peer(broker, "coord", subscriptions=[topics.inbox(fed, "coord")],
-                        handler=lambda t, p: handler["recv"].receive(t, p, got.put)) as c, \
-                peer(broker, "agent-a") as a:
-            first = Messenger(federation=fed, node_id="coord", transport=c.transport, identity=ident("coord"),
-                              state_dir=tmp_path)
+        async with (
+            peer(
+                broker,
+                "coord",
+                subscriptions=[topics.inbox(fed, "coord")],
+                handler=lambda t, p: handler["recv"].receive(t, p, got.put),
+            ) as c,
+            peer(broker, "agent-a") as a,
+        ):
+            first = Messenger(
+                federation=fed, node_id="coord", transport=c.transport, identity=ident("coord"), state_dir=tmp_path
+            )
             handler["recv"] = first
-            send = Messenger(federation=fed, node_id="agent-a", transport=a.transport, identity=ident("agent-a"),
-                             state_dir=tmp_path / "agent-a")
+            send = Messenger(
+                federation=fed,
+                node_id="agent-a",
+                transport=a.transport,
+                identity=ident("agent-a"),
+                state_dir=tmp_path / "agent-a",
+            )
             frame = send.frame(Update(1, 0, 10, {}, weights))
             await a.transport.publish(topic, frame)
             assert (await asyncio.wait_for(got.get(), 10)).message.round == 1
-            second = Messenger(federation=fed, node_id="coord", transport=c.transport, identity=ident("coord"),
-                               state_dir=tmp_path)
+            second = Messenger(
+                federation=fed, node_id="coord", transport=c.transport, identity=ident("coord"), state_dir=tmp_path
+            )
             handler["recv"] = second
-            await a.transport.publish(topic, frame)                           # the captured frame
-            await send.send(topic, Update(2, 0, 10, {}, weights))            # then a fresh one
+            await a.transport.publish(topic, frame)  # the captured frame
+            await send.send(topic, Update(2, 0, 10, {}, weights))  # then a fresh one
             assert (await asyncio.wait_for(got.get(), 10)).message.round == 2 and got.empty()
             assert dict(second.rejected) == {"replay": 1}
 
@@ -152,17 +165,19 @@ async def _replay_after_restart(fed: Federation) -> None:
 
     # The coordinator's broker login reads every topic of the federation: it stands in
     # for a compromised broker here (a second client id, so the daemon is not kicked).
-    sniffer = Transport(uri=fed.broker.uri, client_id="hd-replayer",
-                        tls=TlsFiles(pki / "ca.crt", pki / "coordinator.crt", pki / "coordinator.key"),
-                        subscriptions=[topics.inbox(fed.fed, "coordinator")])
+    sniffer = Transport(
+        uri=fed.broker.uri,
+        client_id="hd-replayer",
+        tls=TlsFiles(pki / "ca.crt", pki / "coordinator.crt", pki / "coordinator.key"),
+        subscriptions=[topics.inbox(fed.fed, "coordinator")],
+    )
     ready = asyncio.Event()
     task = asyncio.create_task(sniffer.run(keep, ready))
     try:
         await asyncio.wait_for(ready.wait(), 30)
         fed.start_all()
         coord = fed.procs[0]
-        await _poll(lambda: (fed.status("coordinator") or {}).get("completed_rounds", 0) >= 1, 120,
-                    "a round", fed)
+        await _poll(lambda: (fed.status("coordinator") or {}).get("completed_rounds", 0) >= 1, 120, "a round", fed)
         # The newest update the coordinator took: inside the window and the skew, so
         # only the persisted numbers can refuse it.
         # Updates travel as streams (one ``ustream`` frame each for this small model) unless
@@ -175,15 +190,20 @@ async def _replay_after_restart(fed: Federation) -> None:
         coord.popen.wait(10)
         fed.procs.remove(coord)
         assert (fed.work / "state" / "coordinator" / "coordinator" / fed.fed / "replay-guard.msgpack").exists()
-        start = coord.log.stat().st_size          # the restarted process appends to the same log
+        start = coord.log.stat().st_size  # the restarted process appends to the same log
         restarted = fed.spawn("coordinator")
         await _poll(lambda: fed.status("coordinator"), 60, "the restarted coordinator", fed)
         await sniffer.publish(topic, frame)
         line = f"rejected message from {victim}: replay"
-        await _poll(lambda: line in restarted.log.read_text(errors="replace")[start:], 30,
-                    "the replay to be refused", fed)
-        await _poll(lambda: (lambda s: s if s and s["phase"] == "done" else None)(fed.status("coordinator")),
-                    150, "the federation to finish", fed)
+        await _poll(
+            lambda: line in restarted.log.read_text(errors="replace")[start:], 30, "the replay to be refused", fed
+        )
+        await _poll(
+            lambda: (lambda s: s if s and s["phase"] == "done" else None)(fed.status("coordinator")),
+            150,
+            "the federation to finish",
+            fed,
+        )
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -15,8 +15,13 @@ from fedagent.coordinator.daemon import round_config
 from fedagent.errors import ConfigError
 from fedagent.protocols import gossip as G
 from fedagent.protocols import rounds as R
-from fedagent.protocols.aggregation import (Strategy, StrategyAggregator, clip_to, coordinate_median,
-                                            robust_aggregate, trimmed_mean)
+from fedagent.protocols.aggregation import (
+    Strategy,
+    clip_to,
+    coordinate_median,
+    robust_aggregate,
+    trimmed_mean,
+)
 
 FINITE = st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False)
 HUGE = st.floats(-3.0e38, 3.0e38, allow_nan=False, allow_infinity=False).map(lambda x: float(np.float32(x)))
@@ -60,8 +65,11 @@ def far_byzantine(draw):
     honest = draw(hnp.arrays(np.float64, (n - f, d), elements=st.floats(-1, 1)))
     # Arbitrary magnitude and direction, possibly all equal (colluding): just not
     # within the honest cloud.
-    direction = draw(hnp.arrays(np.float64, (f, d), elements=st.floats(-1, 1)).filter(
-        lambda a: np.all(np.linalg.norm(a, axis=1) > 0.1)))
+    direction = draw(
+        hnp.arrays(np.float64, (f, d), elements=st.floats(-1, 1)).filter(
+            lambda a: np.all(np.linalg.norm(a, axis=1) > 0.1)
+        )
+    )
     scale = draw(st.floats(1e2, 1e15))
     return honest, direction / np.linalg.norm(direction, axis=1, keepdims=True) * scale, f
 
@@ -96,12 +104,16 @@ def test_robust_strategies_aggregate_through_the_round_machine() -> None:
     """Five agents, one sending a huge update: median/trimmed/Krum ignore it, FedAvg not."""
     ref = {"w": np.zeros(4, np.float32)}
     results = {}
-    for name, kw in (("fedavg", {}), ("median", {"byzantine": 1}), ("trimmed_mean", {"byzantine": 1, "trim": 0.2}),
-                     ("krum", {"byzantine": 1})):
+    for name, kw in (
+        ("fedavg", {}),
+        ("median", {"byzantine": 1}),
+        ("trimmed_mean", {"byzantine": 1, "trim": 0.2}),
+        ("krum", {"byzantine": 1}),
+    ):
         cfg = R.RoundConfig(rounds=1, min_agents=5, expected_agents=5, min_updates=5, strategy=Strategy(name, **kw))
         m = R.RoundMachine(cfg, dict(ref))
         for a in "abcde":
-            cmds = m.handle(R.AgentOnline(a, 10), 0.0)
+            m.handle(R.AgentOnline(a, 10), 0.0)
         out = []
         for i, a in enumerate("abcde"):
             w = np.full(4, 1e9 if a == "e" else 1.0 + 0.01 * i, np.float32)
@@ -116,22 +128,37 @@ def test_robust_strategies_aggregate_through_the_round_machine() -> None:
 
 def _cfg(tmp_path, **rounds) -> config_mod.NodeConfig:
     p = tmp_path / "coordinator.toml"
-    p.write_text(config_mod.render(node_id="coord", federation="fed", broker="mqtts://127.0.0.1:8883",
-                                   tls=config_mod.TlsConfig(tmp_path / "ca.crt", tmp_path / "c.crt", tmp_path / "c.key"),
-                                   state_dir=tmp_path, rounds=rounds))
+    p.write_text(
+        config_mod.render(
+            node_id="coord",
+            federation="fed",
+            broker="mqtts://127.0.0.1:8883",
+            tls=config_mod.TlsConfig(tmp_path / "ca.crt", tmp_path / "c.crt", tmp_path / "c.key"),
+            state_dir=tmp_path,
+            rounds=rounds,
+        )
+    )
     return config_mod.load(p, "coordinator")
 
 
-@pytest.mark.parametrize("rounds, message", [
-    ({"aggregation": "krum", "byzantine": 2, "min_agents": 6, "min_updates": 6}, r"Krum needs n > 2f \+ 2.*at least 7"),
-    ({"aggregation": "median", "byzantine": 3, "min_agents": 6, "min_updates": 6}, r"f < n/2.*at least 7"),
-    ({"aggregation": "trimmed_mean", "trim": 0.5, "min_agents": 4, "min_updates": 4}, r"0 <= trim < 0.5"),
-    ({"aggregation": "trimmed_mean", "trim": 0.1, "byzantine": 1, "min_agents": 5, "min_updates": 5},
-     r"drops 0 values.*fewer than byzantine = 1"),
-    ({"aggregation": "krum", "byzantine": 1, "krum_m": 9, "min_agents": 6, "min_updates": 6}, r"1 <= m <= n - f"),
-    ({"aggregation": "fedavg", "byzantine": 1}, r"needs a robust aggregation"),
-    ({"aggregation": "fedavg", "clip_norm": -1.0}, r"clip_norm must be a positive"),
-])
+@pytest.mark.parametrize(
+    "rounds, message",
+    [
+        (
+            {"aggregation": "krum", "byzantine": 2, "min_agents": 6, "min_updates": 6},
+            r"Krum needs n > 2f \+ 2.*at least 7",
+        ),
+        ({"aggregation": "median", "byzantine": 3, "min_agents": 6, "min_updates": 6}, r"f < n/2.*at least 7"),
+        ({"aggregation": "trimmed_mean", "trim": 0.5, "min_agents": 4, "min_updates": 4}, r"0 <= trim < 0.5"),
+        (
+            {"aggregation": "trimmed_mean", "trim": 0.1, "byzantine": 1, "min_agents": 5, "min_updates": 5},
+            r"drops 0 values.*fewer than byzantine = 1",
+        ),
+        ({"aggregation": "krum", "byzantine": 1, "krum_m": 9, "min_agents": 6, "min_updates": 6}, r"1 <= m <= n - f"),
+        ({"aggregation": "fedavg", "byzantine": 1}, r"needs a robust aggregation"),
+        ({"aggregation": "fedavg", "clip_norm": -1.0}, r"clip_norm must be a positive"),
+    ],
+)
 def test_configurations_violating_a_precondition_are_refused_at_start(tmp_path, rounds, message) -> None:
     cfg = _cfg(tmp_path, **rounds)
     with pytest.raises(ConfigError, match=message) as info:
@@ -146,14 +173,18 @@ def test_valid_robust_configuration_is_accepted(tmp_path) -> None:
 
 # ---- input limits before work (item 2) ----------------------------------------------
 
-@pytest.mark.parametrize("bad, reason", [
-    ({"w": np.full(4, np.nan, np.float32)}, "non-finite"),
-    ({"w": np.array([1, np.inf, 0, 0], np.float32)}, "non-finite"),
-    ({"w": np.zeros(5, np.float32)}, "shape"),
-    ({"w": np.zeros(4, np.float64)}, "dtype"),
-    ({"w": np.full(4, 100.0, np.float32)}, "norm"),
-    ({"v": np.zeros(4, np.float32)}, "names"),
-])
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        ({"w": np.full(4, np.nan, np.float32)}, "non-finite"),
+        ({"w": np.array([1, np.inf, 0, 0], np.float32)}, "non-finite"),
+        ({"w": np.zeros(5, np.float32)}, "shape"),
+        ({"w": np.zeros(4, np.float64)}, "dtype"),
+        ({"w": np.full(4, 100.0, np.float32)}, "norm"),
+        ({"v": np.zeros(4, np.float32)}, "names"),
+    ],
+)
 def test_bad_updates_are_refused_before_aggregation_with_the_sender_named(bad, reason) -> None:
     for strategy in (Strategy("fedavg"), Strategy("median", byzantine=0)):
         cfg = R.RoundConfig(rounds=1, min_agents=2, expected_agents=2, min_updates=1, max_norm=10.0, strategy=strategy)

@@ -8,8 +8,18 @@ import pytest
 from fedagent.protocols.messages import RoundStart, TrainConfig
 from fedagent.protocols.participant import Discarded, Participant, SendUpdate, Train, TrainingDone
 from fedagent.protocols.rounds import (
-    AgentOffline, AgentOnline, Finished, Rejected, RequestWakeup, RoundAbandoned, RoundAggregated,
-    RoundConfig, RoundMachine, StartRound, UpdateReceived, Wakeup,
+    AgentOffline,
+    AgentOnline,
+    Finished,
+    Rejected,
+    RequestWakeup,
+    RoundAbandoned,
+    RoundAggregated,
+    RoundConfig,
+    RoundMachine,
+    StartRound,
+    UpdateReceived,
+    Wakeup,
 )
 
 W0 = {"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)}
@@ -59,15 +69,18 @@ def test_weighted_mean_and_final():
     assert of(cmds, Finished) and m.phase.value == "done"
 
 
-@pytest.mark.parametrize("bad, reason", [
-    (UpdateReceived("a", 2, 0, 10, const(1), {}), "stale"),
-    (UpdateReceived("z", 1, 0, 10, const(1), {}), "unselected"),
-    (UpdateReceived("a", 1, 7, 10, const(1), {}), "stale"),
-    (UpdateReceived("a", 1, 0, 10, {**const(1), "w": np.full((2, 3), np.nan, np.float32)}, {}), "non-finite"),
-    (UpdateReceived("a", 1, 0, 10, {**const(1), "w": np.zeros((3, 2), np.float32)}, {}), "shape"),
-    (UpdateReceived("a", 1, 0, 10, {**const(1), "w": np.zeros((2, 3), np.float64)}, {}), "dtype"),
-    (UpdateReceived("a", 1, 0, 10, {"w": np.zeros((2, 3), np.float32)}, {}), "names"),
-])
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        (UpdateReceived("a", 2, 0, 10, const(1), {}), "stale"),
+        (UpdateReceived("z", 1, 0, 10, const(1), {}), "unselected"),
+        (UpdateReceived("a", 1, 7, 10, const(1), {}), "stale"),
+        (UpdateReceived("a", 1, 0, 10, {**const(1), "w": np.full((2, 3), np.nan, np.float32)}, {}), "non-finite"),
+        (UpdateReceived("a", 1, 0, 10, {**const(1), "w": np.zeros((3, 2), np.float32)}, {}), "shape"),
+        (UpdateReceived("a", 1, 0, 10, {**const(1), "w": np.zeros((2, 3), np.float64)}, {}), "dtype"),
+        (UpdateReceived("a", 1, 0, 10, {"w": np.zeros((2, 3), np.float32)}, {}), "names"),
+    ],
+)
 def test_bad_updates_are_rejected_and_named(bad, reason):
     m = RoundMachine(RoundConfig(min_agents=2, expected_agents=2), W0)
     started(m, ["a", "b"])
@@ -100,8 +113,7 @@ def test_agent_leaving_mid_round_does_not_stall():
 
 
 def test_deadline_without_enough_updates_abandons_and_renumbers():
-    m = RoundMachine(RoundConfig(rounds=3, min_agents=2, expected_agents=2, min_updates=2,
-                                 round_timeout=10), W0)
+    m = RoundMachine(RoundConfig(rounds=3, min_agents=2, expected_agents=2, min_updates=2, round_timeout=10), W0)
     started(m, ["a", "b"])
     m.handle(UpdateReceived("a", 1, 0, 10, const(1.0), {}), 1.0)
     assert of(m.handle(Wakeup(), 5.0), RoundAbandoned) == []
@@ -125,8 +137,13 @@ def test_deadline_with_quorum_aggregates_what_came():
 
 
 def test_resume_from_checkpoint_continues_numbering():
-    m = RoundMachine(RoundConfig(rounds=5, min_agents=1, expected_agents=1), const(2.0),
-                     model_version=3, completed_rounds=3, last_round=4)
+    m = RoundMachine(
+        RoundConfig(rounds=5, min_agents=1, expected_agents=1),
+        const(2.0),
+        model_version=3,
+        completed_rounds=3,
+        last_round=4,
+    )
     start = started(m, ["a"])
     assert start.round == 5 and start.model_version == 3
 
@@ -152,14 +169,14 @@ def test_participant_trains_once_per_round_and_discards_stale_work():
     p = Participant("a")
     (train,) = p.handle(rs(1))
     assert isinstance(train, Train) and train.round == 1
-    assert p.handle(rs(1)) == []                        # QoS 1 redelivery
-    assert p.handle(rs(2, selected=("b",))) == []       # a newer round started, not for us
+    assert p.handle(rs(1)) == []  # QoS 1 redelivery
+    assert p.handle(rs(2, selected=("b",))) == []  # a newer round started, not for us
     (disc,) = p.handle(TrainingDone(1, 0, 10, {}, const(1.0)))
     assert isinstance(disc, Discarded)
     (train3,) = p.handle(rs(3))
     (send,) = p.handle(TrainingDone(3, 0, 10, {"loss": 0.5}, const(1.0)))
     assert isinstance(send, SendUpdate) and send.update.round == 3 and train3.round == 3
-    assert p.handle(rs(2)) == []                        # old round start arriving late
+    assert p.handle(rs(2)) == []  # old round start arriving late
 
 
 def test_in_memory_federation_converges_to_weighted_optimum():
@@ -183,11 +200,12 @@ def test_in_memory_federation_converges_to_weighted_optimum():
             for a in agents:
                 for c in parts[a].handle(msg):
                     w = {k: v.copy() for k, v in c.weights.items()}
-                    w["w"] += 0.5 * (targets[a] - w["w"])   # one local "epoch"
+                    w["w"] += 0.5 * (targets[a] - w["w"])  # one local "epoch"
                     (send,) = parts[a].handle(TrainingDone(c.round, c.base_version, sizes[a], {}, w))
                     u = send.update
-                    pending += coord.handle(UpdateReceived(a, u.round, u.base_version, u.num_samples,
-                                                           u.weights, u.metrics), now)
+                    pending += coord.handle(
+                        UpdateReceived(a, u.round, u.base_version, u.num_samples, u.weights, u.metrics), now
+                    )
         elif isinstance(cmd, Finished):
             final = cmd
     assert final is not None and final.model_version == 60

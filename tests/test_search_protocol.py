@@ -47,7 +47,7 @@ def test_unasked_duplicate_oversized_and_refusing_answers():
     m = S.SearchMachine()
     m.handle(S.Start("q", ("b", "c", "d"), 1, 10.0), now=0.0)
     assert m.handle(S.AnswerReceived("q", "x", ()), 1.0) == [S.Ignored("q", "x", "not asked")]
-    assert m.handle(S.AnswerReceived("q", "b", (("1", 0.2), ("2", 0.1))), 1.0) == []   # k=1: refused
+    assert m.handle(S.AnswerReceived("q", "b", (("1", 0.2), ("2", 0.1))), 1.0) == []  # k=1: refused
     assert m.handle(S.AnswerReceived("q", "b", (("1", 0.2),)), 1.0) == [S.Ignored("q", "b", "duplicate answer")]
     assert m.handle(S.AnswerReceived("q", "c", (), error="space"), 1.0) == []
     done = m.handle(S.AnswerReceived("q", "d", (("d1", 0.4),)), 1.0)[0]
@@ -74,8 +74,12 @@ def test_top_k_ranks_by_cosine_and_checks_the_vector():
     hits = S.top_k(np.array([2.0, 0.1]), vectors, ["x", "y", "xy", "zero"], 2)
     assert [d for d, _ in hits] == ["x", "xy"] and hits[0][1] == pytest.approx(2 / np.hypot(2, 0.1))
     assert S.check_vector(np.ones(2, np.float32), 2).dtype == np.float64
-    for bad, reason in ((np.ones(3, np.float32), "dimension"), (np.ones((1, 2), np.float32), "shape"),
-                        (np.ones(2, np.int32), "dtype"), (np.array([np.nan, 1.0]), "finite")):
+    for bad, reason in (
+        (np.ones(3, np.float32), "dimension"),
+        (np.ones((1, 2), np.float32), "shape"),
+        (np.ones(2, np.int32), "dtype"),
+        (np.array([np.nan, 1.0]), "finite"),
+    ):
         with pytest.raises(S.SearchError) as e:
             S.check_vector(bad, 2)
         assert e.value.reason == reason
@@ -88,13 +92,16 @@ def test_search_messages_round_trip_and_refuse_bad_bodies():
     a = SearchAnswer("abc", ("doc 1", "doc 2"), (0.5, 0.25))
     assert body_of("search_answer", a.to_body(), Limits()) == a
     big = {**q.to_body(), "vector": encode_weights({"q": np.zeros(S.MAX_DIM + 1, np.float32)})}
-    bad_bodies = [("search_query", {**q.to_body(), "k": 0}), ("search_query", {**q.to_body(), "extra": 1}),
-                  ("search_query", big),
-                  ("search_query", {**q.to_body(), "vector": encode_weights({"q": np.zeros((2, 2), np.float32)})}),
-                  ("search_answer", {**a.to_body(), "scores": [0.5]}),
-                  ("search_answer", {**a.to_body(), "scores": [float("nan"), 0.1]}),
-                  ("search_answer", {**a.to_body(), "doc_ids": ["x" * 201, "y"]}),
-                  ("search_answer", {**a.to_body(), "error": "space"})]
+    bad_bodies = [
+        ("search_query", {**q.to_body(), "k": 0}),
+        ("search_query", {**q.to_body(), "extra": 1}),
+        ("search_query", big),
+        ("search_query", {**q.to_body(), "vector": encode_weights({"q": np.zeros((2, 2), np.float32)})}),
+        ("search_answer", {**a.to_body(), "scores": [0.5]}),
+        ("search_answer", {**a.to_body(), "scores": [float("nan"), 0.1]}),
+        ("search_answer", {**a.to_body(), "doc_ids": ["x" * 201, "y"]}),
+        ("search_answer", {**a.to_body(), "error": "space"}),
+    ]
     for kind, body in bad_bodies:
         with pytest.raises(CodecError):
             body_of(kind, body, Limits())
@@ -103,17 +110,21 @@ def test_search_messages_round_trip_and_refuse_bad_bodies():
 # ---- the public-vector exchange of a mapped federation ------------------------------
 def test_exchange_sorts_peers_into_current_train_failed_and_silent():
     m = S.ExchangeMachine(rows=40)
-    cmds = m.handle(S.ExchangeStart("x1", (("b", ""), ("c", "mapped:c1"), ("d", "mapped:d1"), ("e", ""),
-                                           ("f", "")), 5.0), now=10.0)
+    cmds = m.handle(
+        S.ExchangeStart("x1", (("b", ""), ("c", "mapped:c1"), ("d", "mapped:d1"), ("e", ""), ("f", "")), 5.0), now=10.0
+    )
     assert [c for c in cmds if isinstance(c, S.SendVectorsRequest)] == [
-        S.SendVectorsRequest("x1", "b", ""), S.SendVectorsRequest("x1", "c", "mapped:c1"),
-        S.SendVectorsRequest("x1", "d", "mapped:d1"), S.SendVectorsRequest("x1", "e", ""),
-        S.SendVectorsRequest("x1", "f", "")]
+        S.SendVectorsRequest("x1", "b", ""),
+        S.SendVectorsRequest("x1", "c", "mapped:c1"),
+        S.SendVectorsRequest("x1", "d", "mapped:d1"),
+        S.SendVectorsRequest("x1", "e", ""),
+        S.SendVectorsRequest("x1", "f", ""),
+    ]
     assert S.RequestWakeup(15.0) in cmds
-    assert m.handle(S.VectorsReceived("x1", "b", "mapped:b1", 40), 11.0) == []          # new vectors: train
-    assert m.handle(S.VectorsReceived("x1", "c", "mapped:c1", 0), 11.0) == []           # mapper still right
-    assert m.handle(S.VectorsReceived("x1", "d", "mapped:d2", 0), 11.0) == []           # changed, but no vectors
-    assert m.handle(S.VectorsReceived("x1", "e", "mapped:e1", 39), 11.0) == []          # wrong row count
+    assert m.handle(S.VectorsReceived("x1", "b", "mapped:b1", 40), 11.0) == []  # new vectors: train
+    assert m.handle(S.VectorsReceived("x1", "c", "mapped:c1", 0), 11.0) == []  # mapper still right
+    assert m.handle(S.VectorsReceived("x1", "d", "mapped:d2", 0), 11.0) == []  # changed, but no vectors
+    assert m.handle(S.VectorsReceived("x1", "e", "mapped:e1", 39), 11.0) == []  # wrong row count
     assert m.handle(S.VectorsReceived("x1", "z", "mapped:z", 40), 11.0) == [S.Ignored("x1", "z", "not asked")]
     assert m.handle(S.VectorsReceived("x1", "b", "mapped:b1", 40), 11.0) == [S.Ignored("x1", "b", "duplicate answer")]
     (done,) = m.handle(S.Wakeup(), 15.0)
@@ -121,7 +132,8 @@ def test_exchange_sorts_peers_into_current_train_failed_and_silent():
     assert done.train == (("b", "mapped:b1"),) and done.current == (("c", "mapped:c1"),)
     assert [p for p, _ in done.failed] == ["d", "e"] and done.silent == ("f",) and m.pending == {}
     assert m.handle(S.VectorsReceived("x1", "f", "mapped:f", 40), 16.0) == [
-        S.Ignored("x1", "f", "unknown or finished exchange")]
+        S.Ignored("x1", "f", "unknown or finished exchange")
+    ]
 
 
 def test_exchange_completes_when_all_answered_and_refuses_bad_starts():
@@ -147,11 +159,11 @@ def test_public_vector_messages_round_trip_and_refuse_oversized_bodies():
     assert body_of("public_vectors_request", req.to_body(), Limits()) == req
     good = PublicVectors("r1", "mapped:a", v).to_body()
     bad_bodies = [
-        {**good, "shape": [S.MAX_PUBLIC_DOCS + 1, 4]},                     # over the bound, before decoding
+        {**good, "shape": [S.MAX_PUBLIC_DOCS + 1, 4]},  # over the bound, before decoding
         {**good, "shape": [3, S.MAX_DIM + 1]},
-        {**good, "shape": [4, 4]},                                         # declared shape is not the data's
+        {**good, "shape": [4, 4]},  # declared shape is not the data's
         {**good, "shape": [3, 4], "vectors": encode_weights({"p": v.astype(np.float64)})},
-        {**good, "error": "public"},                                       # an error with vectors
+        {**good, "error": "public"},  # an error with vectors
         {**good, "text": "a query"},
         {**req.to_body(), "public": "x" * 65},
     ]

@@ -8,7 +8,7 @@ from fedagent.experiments.seec import others_top_k, query_text
 def test_query_text_cuts_long_articles_at_a_word_boundary():
     tokens = ["alpha", "beta", "gamma", "delta"]
     assert query_text(tokens, 100) == ("alpha beta gamma delta", False)
-    text, cut = query_text(tokens, 13)       # "alpha beta ga|mma ..." -> the last whole word goes
+    text, cut = query_text(tokens, 13)  # "alpha beta ga|mma ..." -> the last whole word goes
     assert cut and text == "alpha beta"
     assert query_text(tokens, len("alpha beta gamma delta")) == ("alpha beta gamma delta", False)
 

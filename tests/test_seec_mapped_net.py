@@ -17,14 +17,20 @@ import time
 
 import pytest
 
-from fedagent.agent.control import request
 from fedagent.demo import Federation
+from fedagent.node.control import request
 
 AGENTS = 3
 DIMS = (16, 12, 20)
 OPTIONS = {"corpus": "wiki", "limit": 30, "holdout": 0.0, "min_count": 1, "infer_epochs": 5, "seed": 0}
-SEARCH = {"space": "mapped", "local_epochs": 2, "public_docs": 40, "mapper_epochs": 20, "mapper_lr": 1e-3,
-          "mapper_hidden": 200}
+SEARCH = {
+    "space": "mapped",
+    "local_epochs": 2,
+    "public_docs": 40,
+    "mapper_epochs": 20,
+    "mapper_lr": 1e-3,
+    "mapper_hidden": 200,
+}
 
 
 def wait_for(predicate, timeout: float, what: str, fed: Federation):
@@ -40,18 +46,25 @@ def wait_for(predicate, timeout: float, what: str, fed: Federation):
 
 def start_mapped(work, options=OPTIONS, search=SEARCH, dims=DIMS) -> Federation:
     """Three agents of a mapped federation on one broker, each seeing both peers online."""
-    fed = Federation(work, agents=AGENTS, rounds=1, alpha=0.0, task="doc2vec", task_options=options,
-                     agent_broker_by_mdns=False)
+    fed = Federation(
+        work, agents=AGENTS, rounds=1, alpha=0.0, task="doc2vec", task_options=options, agent_broker_by_mdns=False
+    )
     fed.prepare()
     assert fed.broker is not None
     for i, aid in enumerate(fed.agent_ids):
-        fed._write(aid, aid, fed.broker.uri, {**fed.shard_options(i), "dim": dims[i]}, None, "doc2vec",
-                   search=search)
+        fed._write(aid, aid, fed.broker.uri, {**fed.shard_options(i), "dim": dims[i]}, None, "doc2vec", search=search)
         fed.spawn(aid)
     # Each agent must see both peers online before a search can ask them.
-    wait_for(lambda: all((p := request(fed.socket(a), "peers", timeout=2.0) if fed.status(a) else None)
-                         and sum(1 for r in p["peers"].values() if r.get("role") == "agent" and r.get("online"))
-                         >= AGENTS - 1 for a in fed.agent_ids), 60, "every agent to see its peers", fed)
+    wait_for(
+        lambda: all(
+            (p := request(fed.socket(a), "peers", timeout=2.0) if fed.status(a) else None)
+            and sum(1 for r in p["peers"].values() if r.get("role") == "agent" and r.get("online")) >= AGENTS - 1
+            for a in fed.agent_ids
+        ),
+        60,
+        "every agent to see its peers",
+        fed,
+    )
     return fed
 
 
@@ -69,14 +82,20 @@ def federation(tmp_path):
 def test_mapped_search_maps_the_query_into_each_peers_space(federation):
     fed = federation
     me, peers = fed.agent_ids[0], fed.agent_ids[1:]
-    out = request(fed.socket(me), "search", {"text": "the history of anarchism and the state", "k": 6,
-                                             "timeout": 30.0}, timeout=90)
+    out = request(
+        fed.socket(me),
+        "search",
+        {"text": "the history of anarchism and the state", "k": 6, "timeout": 30.0},
+        timeout=90,
+    )
     assert out["mode"] == "mapped" and out["asked"] == peers
     assert sorted(out["answered"]) == peers and out["silent"] == [] and out["failed"] == []
     # One mapper per peer, into that peer's own dimension and named space.
     statuses = {a: fed.status(a) for a in fed.agent_ids}
-    assert [(m["peer"], m["dim"], m["mapper"]) for m in out["mapped"]] == [(peers[0], DIMS[1], "trained"),
-                                                                          (peers[1], DIMS[2], "trained")]
+    assert [(m["peer"], m["dim"], m["mapper"]) for m in out["mapped"]] == [
+        (peers[0], DIMS[1], "trained"),
+        (peers[1], DIMS[2], "trained"),
+    ]
     assert [m["space"] for m in out["mapped"]] == [statuses[p]["search_space"] for p in peers]
     spaces = {s["search_space"] for s in statuses.values()}
     assert len(spaces) == AGENTS and all(sp.startswith("mapped:") for sp in spaces)
@@ -91,8 +110,9 @@ def test_mapped_search_maps_the_query_into_each_peers_space(federation):
     scores = [r["score"] for r in results]
     assert scores == sorted(scores, reverse=True) and all(-1 <= s <= 1 for s in scores)
     # A second search reuses the mappers: no vectors are sent again.
-    again = request(fed.socket(me), "search", {"text": "algorithms and mathematics", "k": 4, "timeout": 30.0},
-                    timeout=90)
+    again = request(
+        fed.socket(me), "search", {"text": "algorithms and mathematics", "k": 4, "timeout": 30.0}, timeout=90
+    )
     assert sorted(again["answered"]) == peers
     assert [m["mapper"] for m in again["mapped"]] == ["cached", "cached"]
     for p in peers:
@@ -111,8 +131,16 @@ def test_mapped_search_maps_the_query_into_each_peers_space(federation):
     proc.popen.wait(10)
     fed.procs.remove(proc)
     fed.spawn(victim)
-    wait_for(lambda: (p := request(fed.socket(me), "peers", timeout=2.0)) and p["peers"].get(victim, {}).get("online")
-             and fed.status(victim), 60, "the restarted peer to be online", fed)
+    wait_for(
+        lambda: (
+            (p := request(fed.socket(me), "peers", timeout=2.0))
+            and p["peers"].get(victim, {}).get("online")
+            and fed.status(victim)
+        ),
+        60,
+        "the restarted peer to be online",
+        fed,
+    )
     third = request(fed.socket(me), "search", {"text": "music and instruments", "k": 4, "timeout": 30.0}, timeout=90)
     assert sorted(third["answered"]) == peers, third
     after = fed.status(victim)

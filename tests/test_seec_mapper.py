@@ -21,8 +21,8 @@ def _one_thread():
 def test_mapper_recovers_a_linear_change_of_space_with_other_dimensions():
     rng = np.random.default_rng(0)
     public = rng.normal(size=(400, 12))
-    site_i = public @ rng.normal(size=(12, 16))           # site i: 16-d vectors
-    site_j = public @ rng.normal(size=(12, 10))           # site j: 10-d, another basis
+    site_i = public @ rng.normal(size=(12, 16))  # site i: 16-d vectors
+    site_j = public @ rng.normal(size=(12, 10))  # site j: 10-d, another basis
     train, test = slice(0, 300), slice(300, 400)
     mapper = train_mapper(site_i[train], site_j[train], hidden=128, lr=1e-3, epochs=60, seed=0)
     mapped = map_vectors(mapper, site_i[test])

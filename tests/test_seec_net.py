@@ -25,18 +25,34 @@ import time
 import numpy as np
 import pytest
 
-from fedagent.agent.control import request
 from fedagent.demo import Federation
+from fedagent.node.control import request
 from fedagent.protocols.vocab import merge_vocabularies, vocabulary_digest
 from fedagent.tasks.base import load_task
 
 AGENTS = 3
 ROUNDS = 3
-OPTIONS = {"corpus": "newsgroups", "limit": 90, "holdout": 0.0, "dim": 24, "min_count": 2, "infer_epochs": 10,
-           "seed": 0}
-ROUND_SETTINGS = {"rounds": ROUNDS, "min_agents": AGENTS, "expected_agents": AGENTS, "min_updates": AGENTS,
-                  "round_timeout": 60.0, "local_epochs": 1, "lr": 0.025, "batch_size": 256, "seed": 0,
-                  "vocab_timeout": 30.0}
+OPTIONS = {
+    "corpus": "newsgroups",
+    "limit": 90,
+    "holdout": 0.0,
+    "dim": 24,
+    "min_count": 2,
+    "infer_epochs": 10,
+    "seed": 0,
+}
+ROUND_SETTINGS = {
+    "rounds": ROUNDS,
+    "min_agents": AGENTS,
+    "expected_agents": AGENTS,
+    "min_updates": AGENTS,
+    "round_timeout": 60.0,
+    "local_epochs": 1,
+    "lr": 0.025,
+    "batch_size": 256,
+    "seed": 0,
+    "vocab_timeout": 30.0,
+}
 
 
 def wait_for(predicate, timeout: float, what: str, fed: Federation):
@@ -52,8 +68,15 @@ def wait_for(predicate, timeout: float, what: str, fed: Federation):
 
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory):
-    fed = Federation(tmp_path_factory.mktemp("seec"), agents=AGENTS, rounds=ROUNDS, alpha=0.0, task="doc2vec",
-                     task_options=OPTIONS, agent_broker_by_mdns=False)
+    fed = Federation(
+        tmp_path_factory.mktemp("seec"),
+        agents=AGENTS,
+        rounds=ROUNDS,
+        alpha=0.0,
+        task="doc2vec",
+        task_options=OPTIONS,
+        agent_broker_by_mdns=False,
+    )
     try:
         fed.prepare()
         fed.write_coordinator("doc2vec", OPTIONS, ROUND_SETTINGS)
@@ -65,8 +88,12 @@ def federation(tmp_path_factory):
 
 def test_joint_learning_agrees_on_a_vocabulary_and_trains(federation):
     fed = federation
-    done = wait_for(lambda: (s := fed.status("coordinator")) and s["phase"] == "done" and s, 120,
-                    "the joint-learning run to finish", fed)
+    done = wait_for(
+        lambda: (s := fed.status("coordinator")) and s["phase"] == "done" and s,
+        120,
+        "the joint-learning run to finish",
+        fed,
+    )
     assert done["completed_rounds"] == ROUNDS
     # The common vocabulary is the merge of the three shards' term counts, nothing else.
     shards = [load_task("doc2vec", {**OPTIONS, "shard": i, "shards": AGENTS}) for i in range(AGENTS)]
@@ -92,16 +119,23 @@ def test_joint_learning_agrees_on_a_vocabulary_and_trains(federation):
 
 def test_search_merges_live_peers_and_names_the_silent_one(federation):
     fed = federation
-    wait_for(lambda: all((s := fed.status(a)) and s.get("round_state") == "finished" for a in fed.agent_ids),
-             60, "every agent to hold the final model", fed)
+    wait_for(
+        lambda: all((s := fed.status(a)) and s.get("round_state") == "finished" for a in fed.agent_ids),
+        60,
+        "every agent to hold the final model",
+        fed,
+    )
     silent = next(p for p in fed.procs if p.name == fed.agent_ids[2])
     os.kill(silent.popen.pid, signal.SIGSTOP)
     try:
         timeout = 4.0
         started = time.monotonic()
-        out = request(fed.socket(fed.agent_ids[0]), "search",
-                      {"text": "the space shuttle launch and the orbit of the moon", "k": 5, "timeout": timeout},
-                      timeout=60)
+        out = request(
+            fed.socket(fed.agent_ids[0]),
+            "search",
+            {"text": "the space shuttle launch and the orbit of the moon", "k": 5, "timeout": timeout},
+            timeout=60,
+        )
         took = time.monotonic() - started
     finally:
         os.kill(silent.popen.pid, signal.SIGCONT)
@@ -117,9 +151,25 @@ def test_search_merges_live_peers_and_names_the_silent_one(federation):
     # scores below the asker's last one (the merge kept the best five of both).
     assert fed.status(fed.agent_ids[1])["search_queries_answered"] >= 1
     # The CLI prints the same over the control socket.
-    cli = subprocess.run([sys.executable, "-m", "fedagent", "search", "god and religion", "--k", "3",
-                          "--timeout", "5", "--socket", str(fed.socket(fed.agent_ids[0])), "--json"],
-                         capture_output=True, text=True, timeout=90)
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedagent",
+            "search",
+            "god and religion",
+            "--k",
+            "3",
+            "--timeout",
+            "5",
+            "--socket",
+            str(fed.socket(fed.agent_ids[0])),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert cli.returncode == 0, cli.stderr
     reply = json.loads(cli.stdout)
     assert sorted(reply["answered"]) == fed.agent_ids[1:] and reply["silent"] == [] and len(reply["results"]) == 3
@@ -133,8 +183,8 @@ def test_a_flood_of_search_queries_from_one_peer_is_rate_limited(federation):
     import asyncio
 
     from fedagent import pki
-    from fedagent.agent.messaging import Messenger
-    from fedagent.agent.transport import TlsFiles, Transport
+    from fedagent.node.messaging import Messenger
+    from fedagent.node.transport import TlsFiles, Transport
     from fedagent.protocols import topics
     from fedagent.protocols.messages import SearchAnswer, SearchQuery
     from fedagent.signing import Identity
@@ -149,10 +199,19 @@ def test_a_flood_of_search_queries_from_one_peer_is_rate_limited(federation):
     n = 25
 
     async def flood() -> tuple[list[SearchAnswer], float]:
-        transport = Transport(uri=fed.broker.uri, client_id=f"flood-{os.getpid()}", tls=tls,
-                              subscriptions=[topics.inbox(fed.fed, "agent-flood")], session_expiry=0)
-        m = Messenger(federation=fed.fed, node_id="agent-flood", transport=transport,
-                      identity=Identity.load(tls.cert, tls.key, tls.ca))
+        transport = Transport(
+            uri=fed.broker.uri,
+            client_id=f"flood-{os.getpid()}",
+            tls=tls,
+            subscriptions=[topics.inbox(fed.fed, "agent-flood")],
+            session_expiry=0,
+        )
+        m = Messenger(
+            federation=fed.fed,
+            node_id="agent-flood",
+            transport=transport,
+            identity=Identity.load(tls.cert, tls.key, tls.ca),
+        )
         answers: list[SearchAnswer] = []
 
         async def deliver(inc) -> None:
@@ -166,8 +225,10 @@ def test_a_flood_of_search_queries_from_one_peer_is_rate_limited(federation):
             vec = np.full(OPTIONS["dim"], 1.0 / np.sqrt(OPTIONS["dim"]), dtype=np.float32)
             started = time.monotonic()
             for i in range(n):
-                await m.send(topics.direct(fed.fed, "agent-flood", target, "search_query"),
-                             SearchQuery(f"flood-{i}", 3, space, vec))
+                await m.send(
+                    topics.direct(fed.fed, "agent-flood", target, "search_query"),
+                    SearchQuery(f"flood-{i}", 3, space, vec),
+                )
             deadline = time.monotonic() + 60
             while len(answers) < n and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from fedagent.agent.messaging import Messenger
 from fedagent.errors import ConfigError
 from fedagent.metrics import NodeMetrics
+from fedagent.node.messaging import Messenger
 from fedagent.protocols import topics
 from fedagent.protocols.codec import Envelope, decode, encode
 from fedagent.protocols.messages import Update
@@ -28,8 +28,15 @@ def ident(pki, name: str, *, foreign: bool = False) -> Identity:
 
 
 def env(sender: str = "agent-a", seq: int = 10, ts: float | None = None, **kw) -> Envelope:
-    return Envelope(kind=kw.pop("kind", "update"), federation=FED, sender=sender, round=kw.pop("round", 3),
-                    seq=seq, ts=time.time() if ts is None else ts, body=kw.pop("body", {"x": 1}))
+    return Envelope(
+        kind=kw.pop("kind", "update"),
+        federation=FED,
+        sender=sender,
+        round=kw.pop("round", 3),
+        seq=seq,
+        ts=time.time() if ts is None else ts,
+        body=kw.pop("body", {"x": 1}),
+    )
 
 
 def reason(verifier, e: Envelope) -> str:
@@ -77,7 +84,7 @@ def test_replays_and_stale_timestamps_are_refused(pki) -> None:
     v.check(sign(env(seq=1010), a))
     v.check(sign(env(seq=1005), a))
     assert reason(v, sign(env(seq=1005), a)) == "replay"
-    assert reason(v, sign(env(seq=1001), a)) == "replay"          # below 1010 - 8
+    assert reason(v, sign(env(seq=1001), a)) == "replay"  # below 1010 - 8
     assert reason(v, sign(env(seq=2000, ts=time.time() - 120), a)) == "stale"
     assert reason(v, sign(env(seq=2001, ts=time.time() + 120), a)) == "stale"
     # Presence is retained and its Last Will signed long before delivery: no freshness.
@@ -111,26 +118,39 @@ def test_tampered_replayed_and_relayed_frames_over_the_broker(broker, peer, arun
 
     async def main():
         got: asyncio.Queue = asyncio.Queue()
-        async with peer(broker, "coord", subscriptions=[topics.inbox(FED, "coord")],
-                        handler=lambda t, p: recv.receive(t, p, got.put)) as c, \
-                peer(broker, "agent-a") as a, peer(broker, "agent-b") as b:
-            recv = Messenger(federation=FED, node_id="coord", transport=c.transport,
-                             identity=ident(broker.pki, "coord"), metrics=metrics)
-            send = Messenger(federation=FED, node_id="agent-a", transport=a.transport,
-                             identity=ident(broker.pki, "agent-a"))
+        async with (
+            peer(
+                broker,
+                "coord",
+                subscriptions=[topics.inbox(FED, "coord")],
+                handler=lambda t, p: recv.receive(t, p, got.put),
+            ) as c,
+            peer(broker, "agent-a") as a,
+            peer(broker, "agent-b") as b,
+        ):
+            recv = Messenger(
+                federation=FED,
+                node_id="coord",
+                transport=c.transport,
+                identity=ident(broker.pki, "coord"),
+                metrics=metrics,
+            )
+            send = Messenger(
+                federation=FED, node_id="agent-a", transport=a.transport, identity=ident(broker.pki, "agent-a")
+            )
             frame = send.frame(Update(1, 0, 10, {}, weights))
             await a.transport.publish(topic, frame)
             inc = await asyncio.wait_for(got.get(), 10)
             np.testing.assert_array_equal(inc.message.weights["w"], weights["w"])
-            assert inc.role == "agent"          # from the certificate: what the daemons check
-            await a.transport.publish(topic, frame)                          # replay
+            assert inc.role == "agent"  # from the certificate: what the daemons check
+            await a.transport.publish(topic, frame)  # replay
             tampered = bytearray(frame)
             at = tampered.find(weights["w"].tobytes())
-            tampered[at + 5] ^= 0x40                                          # one bit of one weight
+            tampered[at + 5] ^= 0x40  # one bit of one weight
             await a.transport.publish(topic, bytes(tampered))
             relayed = dataclasses.replace(decode(frame), sender="agent-b", seq=decode(frame).seq + 1)
-            await b.transport.publish(b_topic, encode(relayed))               # relayed by agent-b
-            await send.send(topic, Update(2, 0, 10, {}, weights))             # the next honest one
+            await b.transport.publish(b_topic, encode(relayed))  # relayed by agent-b
+            await send.send(topic, Update(2, 0, 10, {}, weights))  # the next honest one
             inc = await asyncio.wait_for(got.get(), 10)
             assert inc.message.round == 2 and got.empty()
             assert dict(recv.rejected) == {"replay": 1, "signature": 1, "certificate": 1}
@@ -161,7 +181,7 @@ def test_receiver_refuses_a_signed_envelope_whose_body_names_another_round(pki, 
     async def deliver(inc):
         got.append(inc)
 
-    with caplog.at_level("WARNING", logger="fedagent.agent.messaging"):
+    with caplog.at_level("WARNING", logger="fedagent.node.messaging"):
         asyncio.run(recv.receive(topics.direct(FED, "agent-a", "coord", "update"), frame, deliver))
     assert got == [] and dict(recv.rejected) == {"round": 1}
     assert "rejected message from agent-a: round" in caplog.text

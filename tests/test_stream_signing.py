@@ -16,16 +16,24 @@ import time
 import numpy as np
 import pytest
 
-from fedagent.agent.messaging import Messenger
 from fedagent.errors import ConfigError
+from fedagent.node.messaging import Messenger
 from fedagent.protocols import topics
 from fedagent.protocols.aggregation import Strategy
 from fedagent.protocols.codec import Envelope, decode, encode
 from fedagent.protocols.compression import CompressionConfig, Compressor
 from fedagent.protocols.messages import TrainConfig, Update
 from fedagent.protocols.rounds import AgentOnline, Rejected, RoundConfig, RoundMachine, StartRound
-from fedagent.protocols.streaming import (HEAD_KIND, STREAM_KIND, UpdateEnd, UpdateHead, UpdatePart, encode_stream,
-                                          head_body, iter_stream_chunks)
+from fedagent.protocols.streaming import (
+    HEAD_KIND,
+    STREAM_KIND,
+    UpdateEnd,
+    UpdateHead,
+    UpdatePart,
+    encode_stream,
+    head_body,
+    iter_stream_chunks,
+)
 from fedagent.signing import Identity, sign
 
 FED = "testfed"
@@ -58,8 +66,9 @@ def streamed(pki, *, sender="agent-a", mode="none", round_=3) -> list[bytes]:
 
 
 def receiver(pki) -> tuple[Messenger, list]:
-    recv = Messenger(federation=FED, node_id="coord", transport=None, identity=ident(pki, "coord"),
-                     max_chunk_bytes=1024)
+    recv = Messenger(
+        federation=FED, node_id="coord", transport=None, identity=ident(pki, "coord"), max_chunk_bytes=1024
+    )
     events: list = []
 
     async def on_stream(evs):
@@ -76,6 +85,7 @@ def feed(recv: Messenger, frames: list[bytes], topic: str = TOPIC) -> None:
     async def run():
         for f in frames:
             await recv.receive(topic, f, deliver)
+
     asyncio.run(run())
 
 
@@ -89,7 +99,7 @@ def test_every_stream_chunk_is_signed_and_a_signed_stream_is_folded(pki) -> None
     feed(recv, frames)
     assert dict(recv.rejected) == {}
     assert isinstance(events[0], UpdateHead) and events[0].round == 3
-    assert any(isinstance(e, UpdatePart) and e.delta for e in events)    # int8 deltas, decoded by the intake
+    assert any(isinstance(e, UpdatePart) and e.delta for e in events)  # int8 deltas, decoded by the intake
     assert events[-1] == UpdateEnd("agent-a", events[0].tid, True)
 
 
@@ -129,21 +139,38 @@ def test_tampered_chunk_data_ends_the_stream_failed(pki) -> None:
 def test_stream_header_of_another_round_than_its_signed_chunks_is_refused(pki) -> None:
     a = ident(pki, "agent-a")
     tensors = Compressor().encode(MODEL, None)
-    head = Envelope(kind=HEAD_KIND, federation=FED, sender="agent-a", round=2, seq=1, ts=time.time(),
-                    body=head_body(2, 0, 10, {}, False, tensors))
+    head = Envelope(
+        kind=HEAD_KIND,
+        federation=FED,
+        sender="agent-a",
+        round=2,
+        seq=1,
+        ts=time.time(),
+        body=head_body(2, 0, 10, {}, False, tensors),
+    )
     payload = encode_stream(head, tensors)
     seq = time.time_ns() // 1000
-    frames = [encode(sign(Envelope(kind=STREAM_KIND, federation=FED, sender="agent-a", round=3, seq=seq + i,
-                                   ts=time.time(), body=body), a))
-              for i, body in enumerate(iter_stream_chunks(payload, max_chunk=2048, transfer_id="t"))]
+    frames = [
+        encode(
+            sign(
+                Envelope(
+                    kind=STREAM_KIND, federation=FED, sender="agent-a", round=3, seq=seq + i, ts=time.time(), body=body
+                ),
+                a,
+            )
+        )
+        for i, body in enumerate(iter_stream_chunks(payload, max_chunk=2048, transfer_id="t"))
+    ]
     recv, events = receiver(pki)
     feed(recv, frames)
     assert not any(isinstance(e, (UpdateHead, UpdatePart)) for e in events)
     assert len(events) == 1 and events[0].ok is False and "round" in events[0].reason
 
 
-@pytest.mark.parametrize("strategy", [Strategy("median"), Strategy("trimmed_mean", trim=0.2),
-                                      Strategy("krum"), Strategy("fedavg", clip_norm=1.0)])
+@pytest.mark.parametrize(
+    "strategy",
+    [Strategy("median"), Strategy("trimmed_mean", trim=0.2), Strategy("krum"), Strategy("fedavg", clip_norm=1.0)],
+)
 def test_whole_update_aggregators_ask_for_whole_updates_and_refuse_streams(strategy) -> None:
     sizes = dict(min_agents=3, min_updates=3, expected_agents=3)
     cfg = RoundConfig(rounds=1, start_grace=0.0, strategy=strategy, **sizes)
@@ -173,10 +200,12 @@ def _config(tmp_path, pki, aggregation: str, transfer: str) -> ConfigError | Non
 
     t = pki.tls("coord")
     p = tmp_path / f"{aggregation}.toml"
-    p.write_text(f'id = "coord"\nfederation = "{FED}"\nstate_dir = "{tmp_path}"\n'
-                 f'[broker]\nuri = "mqtts://127.0.0.1:1"\n[tls]\nca = "{t.ca}"\ncert = "{t.cert}"\nkey = "{t.key}"\n'
-                 f'[rounds]\naggregation = "{aggregation}"\nmin_agents = 5\nmin_updates = 5\n'
-                 f'[transfer]\n{transfer}\n')
+    p.write_text(
+        f'id = "coord"\nfederation = "{FED}"\nstate_dir = "{tmp_path}"\n'
+        f'[broker]\nuri = "mqtts://127.0.0.1:1"\n[tls]\nca = "{t.ca}"\ncert = "{t.cert}"\nkey = "{t.key}"\n'
+        f'[rounds]\naggregation = "{aggregation}"\nmin_agents = 5\nmin_updates = 5\n'
+        f"[transfer]\n{transfer}\n"
+    )
     try:
         round_config(load(p, role="coordinator"))
     except ConfigError as exc:
@@ -185,11 +214,11 @@ def _config(tmp_path, pki, aggregation: str, transfer: str) -> ConfigError | Non
 
 
 def test_config_refuses_streams_or_compression_with_a_whole_update_aggregator(tmp_path, pki) -> None:
-    err = _config(tmp_path, pki, "median", "compression = \"int8\"")
+    err = _config(tmp_path, pki, "median", 'compression = "int8"')
     assert err is not None and "compression" in str(err)
     err = _config(tmp_path, pki, "krum", "stream_updates = true")
     assert err is not None and "stream_updates" in str(err)
-    err = _config(tmp_path, pki, "fedavg", "stream_updates = false\ncompression = \"fp16\"")
+    err = _config(tmp_path, pki, "fedavg", 'stream_updates = false\ncompression = "fp16"')
     assert err is not None and "compression" in str(err)
     assert _config(tmp_path, pki, "median", "") is None
-    assert _config(tmp_path, pki, "fedavg", "compression = \"topk\"") is None
+    assert _config(tmp_path, pki, "fedavg", 'compression = "topk"') is None

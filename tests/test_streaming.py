@@ -14,22 +14,45 @@ from hypothesis import strategies as st
 
 from fedagent.errors import CodecError
 from fedagent.protocols.codec import Envelope
-from fedagent.protocols.compression import (CompressionConfig, Compressor, TensorSpec, decode_tensor,
-                                            spec_from_wire)
-from fedagent.protocols.rounds import (Rejected, RoundAbandoned, RoundAggregated, RoundConfig, RoundMachine,
-                                       AgentOnline, StartRound, UpdateReceived)
-from fedagent.protocols.streaming import (HEAD_KIND, StreamIntake, UpdateEnd, UpdateHead, UpdatePart,
-                                          encode_stream, head_body, iter_stream_chunks)
+from fedagent.protocols.compression import CompressionConfig, Compressor, TensorSpec, decode_tensor, spec_from_wire
+from fedagent.protocols.rounds import (
+    AgentOnline,
+    Rejected,
+    RoundAbandoned,
+    RoundAggregated,
+    RoundConfig,
+    RoundMachine,
+    StartRound,
+    UpdateReceived,
+)
+from fedagent.protocols.streaming import (
+    HEAD_KIND,
+    StreamIntake,
+    UpdateEnd,
+    UpdateHead,
+    UpdatePart,
+    encode_stream,
+    head_body,
+    iter_stream_chunks,
+)
 
 FED = "lab"
 
 
-def payload(sender, weights, *, base=None, mode="none", ratio=0.1, round_=1, base_version=0, n=10,
-            metrics=None, compressor=None):
+def payload(
+    sender, weights, *, base=None, mode="none", ratio=0.1, round_=1, base_version=0, n=10, metrics=None, compressor=None
+):
     comp = compressor or Compressor(CompressionConfig(mode, ratio))
     tensors = comp.encode(weights, base)
-    head = Envelope(kind=HEAD_KIND, federation=FED, sender=sender, round=round_, seq=1, ts=time.time(),
-                    body=head_body(round_, base_version, n, metrics or {"loss": 1.0}, False, tensors))
+    head = Envelope(
+        kind=HEAD_KIND,
+        federation=FED,
+        sender=sender,
+        round=round_,
+        seq=1,
+        ts=time.time(),
+        body=head_body(round_, base_version, n, metrics or {"loss": 1.0}, False, tensors),
+    )
     return encode_stream(head, tensors)
 
 
@@ -38,8 +61,13 @@ def chunks(data, size, tid="t1"):
 
 
 def intake(**kw):
-    return StreamIntake(FED, max_transfer_bytes=kw.pop("max_transfer_bytes", 2**24),
-                        max_pending_bytes=kw.pop("max_pending_bytes", 2**20), timeout=kw.pop("timeout", 30.0), **kw)
+    return StreamIntake(
+        FED,
+        max_transfer_bytes=kw.pop("max_transfer_bytes", 2**24),
+        max_pending_bytes=kw.pop("max_pending_bytes", 2**20),
+        timeout=kw.pop("timeout", 30.0),
+        **kw,
+    )
 
 
 def rebuild(events, shapes):
@@ -48,14 +76,17 @@ def rebuild(events, shapes):
     for ev in events:
         if isinstance(ev, UpdatePart):
             if ev.indices is None:
-                out[ev.name][ev.start:ev.start + ev.values.size] += ev.values
+                out[ev.name][ev.start : ev.start + ev.values.size] += ev.values
             else:
                 out[ev.name][ev.indices] += ev.values
     return {k: v.reshape(shapes[k]) for k, v in out.items()}
 
 
-MODEL = {"w": np.linspace(-1, 1, 300, dtype=np.float32).reshape(20, 15), "b": np.arange(7, dtype=np.float32),
-         "n": np.array(3, dtype=np.int64)}
+MODEL = {
+    "w": np.linspace(-1, 1, 300, dtype=np.float32).reshape(20, 15),
+    "b": np.arange(7, dtype=np.float32),
+    "n": np.array(3, dtype=np.int64),
+}
 SHAPES = {k: v.shape for k, v in MODEL.items()}
 
 
@@ -93,7 +124,7 @@ def test_topk_sends_the_largest_and_error_feedback_keeps_the_rest():
     assert spec.param == 2 and spec.nbytes == 2 * 8
     sent = decode_tensor(spec, data)
     np.testing.assert_array_equal(sent, [5, 0, 0, 4, 0, 0, 0, 0])
-    np.testing.assert_array_equal(comp.residual["x"], d1 - sent)     # residual = what was not sent
+    np.testing.assert_array_equal(comp.residual["x"], d1 - sent)  # residual = what was not sent
     # Next round: a zero delta still sends the largest residual entries (error feedback).
     ((spec2, data2),) = comp.encode({"x": np.zeros(8, np.float32)}, base)
     np.testing.assert_array_equal(decode_tensor(spec2, data2), [0, 0, 0, 0, 0, -3, 0, 2])
@@ -108,17 +139,20 @@ def test_integer_tensors_travel_raw_and_whole():
     assert encs == {"w": "int8", "b": "int8", "n": "raw"}
 
 
-@pytest.mark.parametrize("bad, match", [
-    (["w", "float32", [2, 2], "topk", 5, 40], "topk k"),
-    (["w", "float32", [2, 2], "int8", float("nan"), 4], "scale"),
-    (["w", "object", [2], "raw", 0, 16], "dtype"),
-    (["w", "int64", [2], "int8", 1.0, 2], "travel raw"),
-    (["w", "float32", [-1, 2], "raw", 0, 8], "shape"),
-    (["w", "float32", [2, 2], "raw", 0, 15], "nbytes"),
-    (["w", "float32", [2**20, 2**20], "raw", 0, 2**42], "exceed"),
-    (["w", "float32", [2], "zip", 0, 8], "encoding"),
-    ("w", "spec must be"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (["w", "float32", [2, 2], "topk", 5, 40], "topk k"),
+        (["w", "float32", [2, 2], "int8", float("nan"), 4], "scale"),
+        (["w", "object", [2], "raw", 0, 16], "dtype"),
+        (["w", "int64", [2], "int8", 1.0, 2], "travel raw"),
+        (["w", "float32", [-1, 2], "raw", 0, 8], "shape"),
+        (["w", "float32", [2, 2], "raw", 0, 15], "nbytes"),
+        (["w", "float32", [2**20, 2**20], "raw", 0, 2**42], "exceed"),
+        (["w", "float32", [2], "zip", 0, 8], "encoding"),
+        ("w", "spec must be"),
+    ],
+)
 def test_bad_tensor_specs_are_refused_before_allocation(bad, match):
     with pytest.raises(CodecError, match=match):
         spec_from_wire(bad)
@@ -138,8 +172,10 @@ def test_topk_indices_out_of_range_or_repeated_are_refused():
 def test_stream_parts_rebuild_the_update_whatever_the_chunking(mode, chunk):
     rng = np.random.default_rng(1)
     base = {k: v.copy() for k, v in MODEL.items()}
-    new = {k: (v + rng.normal(scale=0.1, size=v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v + 1
-           for k, v in MODEL.items()}
+    new = {
+        k: (v + rng.normal(scale=0.1, size=v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v + 1
+        for k, v in MODEL.items()
+    }
     data = payload("a", new, base=base, mode=mode, ratio=1.0)
     it = intake()
     events = []
@@ -180,9 +216,11 @@ def test_digest_mismatch_ends_the_stream_not_ok():
 
 def test_header_that_lies_about_sizes_is_refused_before_values():
     data = bytearray(payload("a", MODEL))
-    body = chunks(bytes(data) + b"\0" * 8, 1 << 20)[0]        # 8 bytes more than the header accounts for
+    body = chunks(bytes(data) + b"\0" * 8, 1 << 20)[0]  # 8 bytes more than the header accounts for
     events = intake().feed("a", body, 0.0)
-    assert events == [UpdateEnd("a", "t1", False, "stream header: tensor byte counts do not add up to the payload size")]
+    assert events == [
+        UpdateEnd("a", "t1", False, "stream header: tensor byte counts do not add up to the payload size")
+    ]
 
 
 def test_header_from_another_sender_is_refused():
@@ -219,8 +257,7 @@ SH = {k: v.shape for k, v in W.items()}
 
 def machine(agents, **cfg):
     cfg.setdefault("min_agents", len(agents))
-    m = RoundMachine(RoundConfig(rounds=3, expected_agents=len(agents), **cfg),
-                     {k: v.copy() for k, v in W.items()})
+    m = RoundMachine(RoundConfig(rounds=3, expected_agents=len(agents), **cfg), {k: v.copy() for k, v in W.items()})
     cmds = []
     for a in agents:
         cmds += m.handle(AgentOnline(a, 10), 0.0)
@@ -278,7 +315,7 @@ def test_header_rejections_cost_nothing():
 def test_nan_part_after_folded_parts_spoils_the_round_and_benches_the_sender():
     m = machine(["a", "b", "c"], min_updates=1, min_agents=2)
     bad = const(1.0)
-    bad["b"][3] = np.nan                                      # tensor b comes after w: w is folded already
+    bad["b"][3] = np.nan  # tensor b comes after w: w is folded already
     cmds = []
     for ev in stream_events("a", bad):
         cmds += m.handle(ev, 1.0)
@@ -309,6 +346,7 @@ def test_deadline_waits_for_a_half_folded_update():
     for ev in evs[:3]:
         cmds += m.handle(ev, 2.0)
     from fedagent.protocols.rounds import Wakeup
+
     assert not [c for c in m.handle(Wakeup(), 11.0) if isinstance(c, RoundAggregated)]
     for ev in evs[3:]:
         cmds += m.handle(ev, 12.0)

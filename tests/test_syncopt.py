@@ -17,8 +17,11 @@ F32 = np.float32
 
 
 def weights0() -> dict[str, np.ndarray]:
-    return {"w": np.array([0.5, -0.25, 1.0], dtype=F32), "b": np.array([0.1], dtype=F32),
-            "bn.count": np.array(0, dtype=np.int64)}          # a buffer: travels, has no gradient
+    return {
+        "w": np.array([0.5, -0.25, 1.0], dtype=F32),
+        "b": np.array([0.1], dtype=F32),
+        "bn.count": np.array(0, dtype=np.int64),
+    }  # a buffer: travels, has no gradient
 
 
 PARAMS = ("w", "b")
@@ -85,7 +88,7 @@ def test_stops_when_the_relative_change_falls_below_tol():
     m.handle(S.Begin(("a",)), 0.0)
     (apply,) = m.handle(gradient_event("a", 1, m=m, value=1.0), 0.0)
     out = m.handle(S.OptimizerApplied(1, sgd(m.weights, apply.gradient)), 0.0)
-    assert not out[0].final                                   # a big step: keep going
+    assert not out[0].final  # a big step: keep going
     (apply,) = m.handle(gradient_event("a", 2, m=m, value=1e-6), 0.0)
     done, fin = m.handle(S.OptimizerApplied(2, sgd(m.weights, apply.gradient)), 0.0)
     assert done.rel_change < 1e-3 and done.final and fin.reason == "converged"
@@ -126,14 +129,17 @@ def test_late_duplicate_stale_and_unselected_gradients_are_refused_by_name():
     assert (late.sender, late.reason) == ("a", "stale")
 
 
-@pytest.mark.parametrize("mutate,reason", [
-    (lambda g: {"w": g["w"]}, "names"),
-    (lambda g: {**g, "bn.count": np.array(1)}, "names"),
-    (lambda g: {**g, "w": np.zeros(4, F32)}, "shape"),
-    (lambda g: {**g, "w": g["w"].astype(np.float64)}, "dtype"),
-    (lambda g: {**g, "b": np.array([np.nan], F32)}, "non-finite"),
-    (lambda g: {**g, "w": np.array([np.inf, 0, 0], F32)}, "non-finite"),
-])
+@pytest.mark.parametrize(
+    "mutate,reason",
+    [
+        (lambda g: {"w": g["w"]}, "names"),
+        (lambda g: {**g, "bn.count": np.array(1)}, "names"),
+        (lambda g: {**g, "w": np.zeros(4, F32)}, "shape"),
+        (lambda g: {**g, "w": g["w"].astype(np.float64)}, "dtype"),
+        (lambda g: {**g, "b": np.array([np.nan], F32)}, "non-finite"),
+        (lambda g: {**g, "w": np.array([np.inf, 0, 0], F32)}, "non-finite"),
+    ],
+)
 def test_malformed_gradients_never_reach_the_aggregate(mutate, reason):
     m = machine()
     m.handle(S.Begin(("a", "b")), 0.0)
@@ -161,8 +167,8 @@ def test_continue_aggregates_without_a_vanished_agent_and_readmits_it():
     m.handle(S.Begin(("a", "b", "c")), 0.0)
     m.handle(gradient_event("a", 1, m=m, n=10, value=1.0), 1.0)
     m.handle(gradient_event("b", 1, m=m, n=10, value=3.0), 1.0)
-    assert m.handle(S.Wakeup(), 5.0) == []                     # before the deadline: wait for c
-    (apply,) = m.handle(S.AgentOffline("c"), 6.0)              # c is gone: no need to wait longer
+    assert m.handle(S.Wakeup(), 5.0) == []  # before the deadline: wait for c
+    (apply,) = m.handle(S.AgentOffline("c"), 6.0)  # c is gone: no need to wait longer
     np.testing.assert_allclose(apply.gradient["w"], 2.0)
     done, start, _ = m.handle(S.OptimizerApplied(1, sgd(m.weights, apply.gradient)), 7.0)
     assert done.missing == ("c",) and done.participants == ("a", "b") and not m.exact
@@ -188,7 +194,7 @@ def test_abort_policy_waits_for_the_deadline_then_stops():
     m = machine(on_fault="abort")
     m.handle(S.Begin(("a", "b")), 0.0)
     m.handle(gradient_event("a", 1, m=m), 1.0)
-    assert m.handle(S.AgentOffline("b"), 2.0) == []            # may reconnect: QoS 1 redelivers
+    assert m.handle(S.AgentOffline("b"), 2.0) == []  # may reconnect: QoS 1 redelivers
     (ab,) = m.handle(S.Wakeup(), 10.0)
     assert isinstance(ab, S.Aborted) and "b" in ab.reason and m.phase is S.Phase.ABORTED
     assert m.model_version == 0
@@ -203,8 +209,16 @@ def test_resume_never_reuses_a_step_number():
 
 
 def test_config_refuses_impossible_settings():
-    for kw in ({"steps": 0}, {"tol": -1}, {"tol": math.nan}, {"step_timeout": 0}, {"on_fault": "retry"},
-               {"aggregation": "median"}, {"max_norm": 0.0}, {"min_gradients": 0}):
+    for kw in (
+        {"steps": 0},
+        {"tol": -1},
+        {"tol": math.nan},
+        {"step_timeout": 0},
+        {"on_fault": "retry"},
+        {"aggregation": "median"},
+        {"max_norm": 0.0},
+        {"min_gradients": 0},
+    ):
         with pytest.raises(ValueError):
             S.SyncOptConfig(**kw)
 
@@ -228,7 +242,7 @@ class LinearAgent:
         x, y = self.x[idx].astype(np.float64), self.y[idx].astype(np.float64)
         r = x @ w["w"].astype(np.float64) + w["b"].astype(np.float64)[0] - y
         g = {"w": (2 * x.T @ r / len(idx)).astype(F32), "b": np.array([2 * r.mean()], F32)}
-        return g, len(idx), float((r ** 2).mean())
+        return g, len(idx), float((r**2).mean())
 
     def on_step(self, cmd: S.StartStep, m: S.SyncOptMachine) -> S.GradientReceived | None:
         if self.name not in cmd.participants:
@@ -281,8 +295,8 @@ def test_ten_agents_in_memory_equal_centralized_training_on_the_union_of_batches
     for n in PARAMS:
         assert np.max(np.abs(m.weights[n] - ref[n])) <= 1e-6
     losses = [c.loss for c in log if isinstance(c, S.StepDone)]
-    assert losses[-1] < losses[0] / 4                           # it learnt something
-    assert m.weights["bn.count"] == 0                          # buffers travel untouched
+    assert losses[-1] < losses[0] / 4  # it learnt something
+    assert m.weights["bn.count"] == 0  # buffers travel untouched
 
 
 def test_in_memory_fault_drops_one_agent_and_flags_the_run_inexact():
@@ -313,9 +327,16 @@ def test_step_and_gradient_messages_roundtrip():
     np.testing.assert_array_equal(g.gradient["w"], grad(2.0)["w"])
 
 
-@pytest.mark.parametrize("patch", [{"num_samples": 0}, {"loss": float("nan")}, {"step": -1},
-                                   {"gradient": {"w": {"dtype": "object", "shape": [1], "data": b"x"}}},
-                                   {"num_samples": True}])
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"num_samples": 0},
+        {"loss": float("nan")},
+        {"step": -1},
+        {"gradient": {"w": {"dtype": "object", "shape": [1], "data": b"x"}}},
+        {"num_samples": True},
+    ],
+)
 def test_bad_gradient_messages_are_codec_errors(patch):
     body = {**SyncGradient(1, 0, 4, 0.5, grad(1.0)).to_body(), **patch}
     with pytest.raises(CodecError):
@@ -331,19 +352,33 @@ def test_syncopt_section_is_read_and_checked(tmp_path):
 
     def load(section):
         p = tmp_path / "coordinator.toml"
-        p.write_text(config.render(node_id="coord", federation="fed", tls=tls, state_dir=tmp_path, mode="syncopt",
-                                   broker="mqtts://127.0.0.1:8883", syncopt=section))
+        p.write_text(
+            config.render(
+                node_id="coord",
+                federation="fed",
+                tls=tls,
+                state_dir=tmp_path,
+                mode="syncopt",
+                broker="mqtts://127.0.0.1:8883",
+                syncopt=section,
+            )
+        )
         return config.load(p, "coordinator")
 
-    cfg = load({"steps": 50, "tol": 1e-4, "expected_agents": 5, "min_count": 2, "max_size": 1000,
-                "on_fault": "abort"})
+    cfg = load({"steps": 50, "tol": 1e-4, "expected_agents": 5, "min_count": 2, "max_size": 1000, "on_fault": "abort"})
     assert cfg.mode == "syncopt"
     m = cfg.syncopt.machine_config()
     assert (m.steps, m.tol, m.on_fault) == (50, 1e-4, "abort")
     v = cfg.syncopt.vocab_config()
     assert (v.expected_agents, v.min_count, v.max_size) == (5, 2, 1000)
-    for bad in ({"stepz": 3}, {"on_fault": "retry"}, {"steps": 0}, {"expected_agents": 2, "min_agents": 3},
-                {"aggregation": "median"}, {"vocab_timeout": 0}):
+    for bad in (
+        {"stepz": 3},
+        {"on_fault": "retry"},
+        {"steps": 0},
+        {"expected_agents": 2, "min_agents": 3},
+        {"aggregation": "median"},
+        {"vocab_timeout": 0},
+    ):
         with pytest.raises(ConfigError, match="syncopt"):
             load(bad)
 
@@ -403,7 +438,7 @@ def test_patience_stop_delta_max_epochs_and_non_finite_losses():
     for x in (3.0, 2.0, 1.0):
         assert not rule.stopped
         rule.observe(x)
-    assert rule.stopped and rule.best_epoch == 2          # the cap ends an improving run
+    assert rule.stopped and rule.best_epoch == 2  # the cap ends an improving run
     rule = S.PatienceStop(patience=2)
     assert rule.observe(math.nan) is False and rule.best_epoch == -1
     assert rule.observe(math.inf) is False and rule.stopped

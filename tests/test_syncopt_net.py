@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.transport import TlsFiles, Transport
 from fedagent.demo import Federation
+from fedagent.node.messaging import Incoming, Messenger
+from fedagent.node.transport import TlsFiles, Transport
 from fedagent.protocols import topics
 from fedagent.protocols.messages import Presence, SyncGradient, VocabOffer, Vocabulary
 from fedagent.protocols.vocab import merge_vocabularies, vocabulary_digest
@@ -55,8 +55,9 @@ class Tap:
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
-        self.transport = Transport(uri=uri, client_id=f"tap-{os.getpid()}", tls=tls,
-                                   subscriptions=[f"{topics.federation_root(federation)}/#"])
+        self.transport = Transport(
+            uri=uri, client_id=f"tap-{os.getpid()}", tls=tls, subscriptions=[f"{topics.federation_root(federation)}/#"]
+        )
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     async def _handle(self, topic: str, payload: bytes) -> None:
@@ -76,6 +77,7 @@ class Tap:
                 await task
             except (asyncio.CancelledError, Exception):
                 pass
+
         self._loop.run_until_complete(main())
 
     def start(self) -> None:
@@ -102,6 +104,7 @@ class Tap:
             for topic, payload in self.payloads:
                 await m.receive(topic, payload, collect)
             assert not m.rejected, m.rejected
+
         asyncio.run(main())
         return out
 
@@ -109,16 +112,24 @@ class Tap:
 def run_federation(tmp: Path, task: str, options, syncopt: dict):
     fed = Federation(tmp, agents=AGENTS, rounds=1, alpha=0.0, agent_broker_by_mdns=False)
     fed.prepare()
-    fed.prepare_syncopt(task, options, options(0), {"expected_agents": AGENTS, "min_agents": AGENTS,
-                                                    "step_timeout": 30.0, "on_fault": "abort", **syncopt})
-    tap = Tap(fed.broker.uri, TlsFiles(ca=tmp / "pki" / "ca.crt", cert=tmp / "pki" / "coordinator.crt",
-                                       key=tmp / "pki" / "coordinator.key"), fed.fed)
+    fed.prepare_syncopt(
+        task,
+        options,
+        options(0),
+        {"expected_agents": AGENTS, "min_agents": AGENTS, "step_timeout": 30.0, "on_fault": "abort", **syncopt},
+    )
+    tap = Tap(
+        fed.broker.uri,
+        TlsFiles(ca=tmp / "pki" / "ca.crt", cert=tmp / "pki" / "coordinator.crt", key=tmp / "pki" / "coordinator.key"),
+        fed.fed,
+    )
     tap.start()
     return fed, tap
 
 
-def check_exact_and_private(fed: Federation, tap: Tap, make_tasks, centralized_step, steps: int,
-                            in_process_step=None) -> float:
+def check_exact_and_private(
+    fed: Federation, tap: Tap, make_tasks, centralized_step, steps: int, in_process_step=None
+) -> float:
     phases: set[str] = set()
 
     def finished():
@@ -131,8 +142,14 @@ def check_exact_and_private(fed: Federation, tap: Tap, make_tasks, centralized_s
     assert done["phase"] == "done", done
     assert done["steps_done"] == steps and done["model_version"] == steps and done["exact"]
     assert "steps" in phases and np.isfinite(done["last_loss"]) and done["mode"] == "syncopt"
-    statuses = wait_for(lambda: (ss := [fed.status(a) for a in fed.agent_ids]) and
-                        all(s and s["phase"] == "finished" for s in ss) and ss, 30, "agents to finish", fed)
+    statuses = wait_for(
+        lambda: (
+            (ss := [fed.status(a) for a in fed.agent_ids]) and all(s and s["phase"] == "finished" for s in ss) and ss
+        ),
+        30,
+        "agents to finish",
+        fed,
+    )
     weights, meta = fed.final_weights()
     assert meta["model_version"] == steps and meta["exact"]
     fed_weights = {k: v for k, v in weights.items() if not k.startswith("optim/")}
@@ -148,7 +165,7 @@ def check_exact_and_private(fed: Federation, tap: Tap, make_tasks, centralized_s
         assert dict(zip(offers[aid].terms, offers[aid].counts)) == tasks[i].term_counts()
     merged = merge_vocabularies([dict(zip(o.terms, o.counts)) for o in offers.values()])
     assert vocabs and all(v.terms == tuple(t for t, _ in merged) for v in vocabs)
-    assert all(len(o.terms) < len(merged) for o in offers.values())     # the union is bigger than any one
+    assert all(len(o.terms) < len(merged) for o in offers.values())  # the union is bigger than any one
     assert {s["vocab_digest"] for s in statuses} == {vocabulary_digest(vocabs[0].terms)}
     assert {s["vocabulary_size"] for s in statuses} == {len(merged)}
     # What agents put on the network: presence, one offer of terms+counts, gradients. Nothing else.
@@ -170,10 +187,11 @@ def check_exact_and_private(fed: Federation, tap: Tap, make_tasks, centralized_s
         centralized_step(model, opt, tasks, step)
     central = get_weights(model)
     assert central.keys() == fed_weights.keys()
-    diff = max(float(np.max(np.abs(fed_weights[k].astype(np.float64) - central[k].astype(np.float64))))
-               for k in central)
+    diff = max(
+        float(np.max(np.abs(fed_weights[k].astype(np.float64) - central[k].astype(np.float64)))) for k in central
+    )
     moved = max(float(np.max(np.abs(central[k] - get_weights(tasks[0].build_model())[k]))) for k in central)
-    assert moved > 100 * TOLERANCE          # training changed the weights: the comparison means something
+    assert moved > 100 * TOLERANCE  # training changed the weights: the comparison means something
     print(f"max |w_fed - w_central| = {diff:.3g} after {steps} steps (largest weight change {moved:.3g})")
     if in_process_step is not None:
         # The same Sync-Opt arithmetic in one process: the network path must add nothing.
@@ -201,8 +219,14 @@ def test_prodlda_five_agents_50_steps_equal_centralized(tmp_path):
     fed, tap = run_federation(tmp_path, "prodlda", options, {"steps": STEPS})
     try:
         fed.start_all()
-        check_exact_and_private(fed, tap, lambda: [load_task("prodlda", options(i)) for i in range(AGENTS)],
-                                ntm.centralized_step, STEPS, ntm.federated_step)
+        check_exact_and_private(
+            fed,
+            tap,
+            lambda: [load_task("prodlda", options(i)) for i in range(AGENTS)],
+            ntm.centralized_step,
+            STEPS,
+            ntm.federated_step,
+        )
     finally:
         tap.stop()
         fed.close()
@@ -216,9 +240,21 @@ def test_prodlda_five_agents_50_steps_equal_centralized(tmp_path):
 # holds whatever the seed. The federated run must equal the in-process one exactly.
 # A small synthetic corpus (paper Sec. 4.1 generator): 300 terms, 10 true topics of which
 # 5 shared (eta 0.1: ~170 terms per agent, ~230 in the union), 200 documents of 20-40 words per agent; ProdLDA with 10 topics, batches of 16.
-NTM_OPTIONS: dict = {"corpus": "synthetic", "vocab_size": 300, "true_topics": 10, "shared_topics": 5,
-                     "eta": 0.1, "docs": 200, "val_docs": 20, "doc_length": [20, 40], "data_seed": 1,
-                     "seed": 7, "n_topics": 10, "batch_size": 16, "dtype": "float64"}
+NTM_OPTIONS: dict = {
+    "corpus": "synthetic",
+    "vocab_size": 300,
+    "true_topics": 10,
+    "shared_topics": 5,
+    "eta": 0.1,
+    "docs": 200,
+    "val_docs": 20,
+    "doc_length": [20, 40],
+    "data_seed": 1,
+    "seed": 7,
+    "n_topics": 10,
+    "batch_size": 16,
+    "dtype": "float64",
+}
 
 
 @pytest.mark.slow
@@ -227,13 +263,18 @@ def test_an_agent_killed_mid_run_is_dropped_then_rejoins(tmp_path):
     """on_fault = "continue": kill -9 one agent during the steps; the step waits for its
     deadline, goes on with four, the run is flagged inexact; restarted, the agent gets the
     vocabulary and the weights again and takes part until the end."""
+
     def options(i):
         return {**NTM_OPTIONS, "shard": i, "shards": AGENTS}
 
     # Enough steps that the restarted process (a torch import: seconds) is back before the end.
     steps = 400
-    fed, tap = run_federation(tmp_path, "prodlda", options, {"steps": steps, "on_fault": "continue",
-                                                            "step_timeout": 5.0, "checkpoint_every": 50})
+    fed, tap = run_federation(
+        tmp_path,
+        "prodlda",
+        options,
+        {"steps": steps, "on_fault": "continue", "step_timeout": 5.0, "checkpoint_every": 50},
+    )
     tap.stop()
     try:
         fed.start_all()
@@ -242,10 +283,15 @@ def test_an_agent_killed_mid_run_is_dropped_then_rejoins(tmp_path):
         fed.stop(victim, signal.SIGKILL)
         fed.procs.remove(victim)
         fed.spawn("agent-5")
-        wait_for(lambda: (s := fed.status("coordinator")) and "agent-5" not in s["participants"], 60,
-                 "agent-5 dropped", fed)
-        done = wait_for(lambda: (s := fed.status("coordinator")) and s["phase"] in ("done", "aborted") and s,
-                        180, "the coordinator to finish", fed)
+        wait_for(
+            lambda: (s := fed.status("coordinator")) and "agent-5" not in s["participants"], 60, "agent-5 dropped", fed
+        )
+        done = wait_for(
+            lambda: (s := fed.status("coordinator")) and s["phase"] in ("done", "aborted") and s,
+            180,
+            "the coordinator to finish",
+            fed,
+        )
         assert done["phase"] == "done" and done["steps_done"] == steps and not done["exact"]
         assert "agent-5" in done["participants"]
         history = (tmp_path / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl").read_text()
@@ -285,16 +331,21 @@ def test_coordinator_killed_and_restarted_resumes_exactly(tmp_path):
         fed.stop(coord, signal.SIGKILL)
         fed.procs.remove(coord)
         fed.spawn("coordinator")
-        done = wait_for(lambda: (s := fed.status("coordinator")) and s["phase"] in ("done", "aborted") and s,
-                        180, "the restarted coordinator to finish", fed)
+        done = wait_for(
+            lambda: (s := fed.status("coordinator")) and s["phase"] in ("done", "aborted") and s,
+            180,
+            "the restarted coordinator to finish",
+            fed,
+        )
         assert done["phase"] == "done" and done["model_version"] == steps and done["exact"]
-        assert done["step"] > 100                    # step numbers continue after the reserved block
+        assert done["step"] > 100  # step numbers continue after the reserved block
         log = (tmp_path / "logs" / "coordinator.log").read_text()
         assert "resuming with the agreed vocabulary" in log and "resuming from" in log
         weights, _ = fed.final_weights()
         tasks = [load_task("prodlda", options(i)) for i in range(AGENTS)]
-        vocab = json.loads((tmp_path / "state" / "coordinator" / "coordinator" / fed.fed /
-                            "vocabulary.json").read_text())["terms"]
+        vocab = json.loads(
+            (tmp_path / "state" / "coordinator" / "coordinator" / fed.fed / "vocabulary.json").read_text()
+        )["terms"]
         for t in tasks:
             t.set_vocabulary(vocab)
         model = tasks[0].build_model()

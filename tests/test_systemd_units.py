@@ -41,8 +41,7 @@ def test_unit_verifies_without_any_output(unit, tmp_path):
 @pytest.mark.parametrize("unit", UNITS, ids=lambda u: u.name)
 def test_unit_hardening_score(unit, tmp_path):
     path = install(unit, tmp_path)
-    out = subprocess.run([ANALYZE, "security", "--offline=true", str(path)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([ANALYZE, "security", "--offline=true", str(path)], capture_output=True, text=True, timeout=60)
     m = re.search(r"Overall exposure level for \S+: ([0-9.]+)", out.stdout + out.stderr)
     assert m, out.stdout[-500:] + out.stderr[-500:]
     assert float(m.group(1)) <= 2.0
@@ -51,10 +50,17 @@ def test_unit_hardening_score(unit, tmp_path):
 @pytest.mark.parametrize("unit", UNITS, ids=lambda u: u.name)
 def test_unit_is_notify_with_watchdog_and_no_restart_loop_on_config_errors(unit):
     text = unit.read_text()
-    role = unit.name.removeprefix("fedagent-").removesuffix(".service")   # "fedagent-" itself contains "agent"
-    for line in ("Type=notify", "WatchdogSec=", "RestartPreventExitStatus=78", "DynamicUser=yes",
-                 f"StateDirectory=fedagent-{role}", f"RuntimeDirectory=fedagent-{role}",
-                 "ConfigurationDirectory=fedagent", "LoadCredential=node.key:"):
+    role = unit.name.removeprefix("fedagent-").removesuffix(".service")  # "fedagent-" itself contains "agent"
+    for line in (
+        "Type=notify",
+        "WatchdogSec=",
+        "RestartPreventExitStatus=78",
+        "DynamicUser=yes",
+        f"StateDirectory=fedagent-{role}",
+        f"RuntimeDirectory=fedagent-{role}",
+        "ConfigurationDirectory=fedagent",
+        "LoadCredential=node.key:",
+    ):
         assert line in text, line
 
 
@@ -63,10 +69,23 @@ def test_install_script_into_a_temporary_root(tmp_path):
     lint clean and score <= 2.0; the config template fails clearly until edited."""
     root = tmp_path / "root"
     fedagent = Path(sys.executable).with_name("fedagent")
-    subprocess.run([str(ROOT / "scripts" / "install-service.sh"), "--root", str(root), "--no-venv",
-                    "--fedagent-bin", str(fedagent)], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            str(ROOT / "scripts" / "install-service.sh"),
+            "--root",
+            str(root),
+            "--no-venv",
+            "--fedagent-bin",
+            str(fedagent),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     cli = root / "usr" / "bin" / "fedagent"
-    assert subprocess.run([str(cli), "--version"], capture_output=True, text=True, check=True).stdout.startswith("fedagent")
+    assert subprocess.run([str(cli), "--version"], capture_output=True, text=True, check=True).stdout.startswith(
+        "fedagent"
+    )
     assert oct((root / "etc" / "fedagent" / "tls").stat().st_mode & 0o777) == "0o700"
     for unit in ("fedagent-agent.service", "fedagent-coordinator.service"):
         path = root / "etc" / "systemd" / "system" / unit
@@ -80,15 +99,35 @@ def test_install_script_into_a_temporary_root(tmp_path):
     run = subprocess.run([str(cli), "agent", "--config", str(conf)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 78 and "invalid id 'CHANGE-ME'" in run.stderr
     from fedagent import config
+
     conf.write_text(conf.read_text().replace('id = "CHANGE-ME"', 'id = "site-a"'))
     creds = tmp_path / "creds"
-    env_cfg = subprocess.run([sys.executable, "-c", "import sys; from fedagent import config; "
-                              "c = config.load(sys.argv[1], 'agent'); print(c.tls.key)", str(conf)],
-                             env={**__import__("os").environ, "CREDENTIALS_DIRECTORY": str(creds)},
-                             capture_output=True, text=True, check=True)
+    env_cfg = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from fedagent import config; c = config.load(sys.argv[1], 'agent'); print(c.tls.key)",
+            str(conf),
+        ],
+        env={**__import__("os").environ, "CREDENTIALS_DIRECTORY": str(creds)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert env_cfg.stdout.strip() == str(creds / "node.key")
     # An existing config is never overwritten by a re-install.
-    subprocess.run([str(ROOT / "scripts" / "install-service.sh"), "--root", str(root), "--no-venv",
-                    "--fedagent-bin", str(fedagent)], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            str(ROOT / "scripts" / "install-service.sh"),
+            "--root",
+            str(root),
+            "--no-venv",
+            "--fedagent-bin",
+            str(fedagent),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     assert 'id = "site-a"' in conf.read_text()
     assert config.load(conf, "agent").id == "site-a"

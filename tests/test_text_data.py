@@ -15,10 +15,9 @@ def _private_cache(tmp_path, monkeypatch):
 
 
 def test_tokenize_lowercases_keeps_letters_and_drops_stop_words():
-    assert td.tokenize("The Quick-brown fox's 3 jumps, over 2020 a DOG!") == \
-        ["quick", "brown", "fox", "jumps", "dog"]
+    assert td.tokenize("The Quick-brown fox's 3 jumps, over 2020 a DOG!") == ["quick", "brown", "fox", "jumps", "dog"]
     assert td.tokenize("The fox", stop_words=False) == ["the", "fox"]
-    assert td.tokenize("x " + "a" * 21 + " ok") == ["ok"]        # 1 and 21 letters are not words
+    assert td.tokenize("x " + "a" * 21 + " ok") == ["ok"]  # 1 and 21 letters are not words
 
 
 def test_wiki_slice_strips_markup_and_is_cached(tmp_path):
@@ -72,9 +71,15 @@ def test_topic_split_recovers_the_two_topics():
     s = td.split_articles(docs, 2, "topic", seed=0)
     for shard in s.shards:
         parities = {i % 2 for i in shard}
-        assert len(parities) == 1            # each agent holds one topic only
-    assert {frozenset(t[:3]) <= (set(["goal", "match", "team", "league", "player", "coach", "season"]) |
-            set(["atom", "molecule", "bond", "electron", "acid", "reaction", "ion"])) for t in s.topic_terms} == {True}
+        assert len(parities) == 1  # each agent holds one topic only
+    assert {
+        frozenset(t[:3])
+        <= (
+            set(["goal", "match", "team", "league", "player", "coach", "season"])
+            | set(["atom", "molecule", "bond", "electron", "acid", "reaction", "ion"])
+        )
+        for t in s.topic_terms
+    } == {True}
     # Fewer topics than agents: agents t, t+topics, ... share topic t.
     s4 = td.split_articles(docs, 4, "topic", seed=0, topics=2)
     assert s4.topic_of_shard == (0, 1, 0, 1)

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from fedagent.tasks.text_metrics import (
-    WordVectors, nearest, neighbour_overlap, overlap_at_k, sim_k, similarity_benchmark, spearman)
+    WordVectors,
+    nearest,
+    neighbour_overlap,
+    overlap_at_k,
+    sim_k,
+    similarity_benchmark,
+    spearman,
+)
 
 
 def test_spearman_hand_computed():
@@ -20,8 +27,7 @@ def test_spearman_hand_computed():
 
 
 def test_similarity_benchmark_uses_covered_pairs_only():
-    v = WordVectors(["cat", "tiger", "car", "plane"],
-                    np.array([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.2, 1.0]]))
+    v = WordVectors(["cat", "tiger", "car", "plane"], np.array([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.2, 1.0]]))
     pairs = [("Cat", "Tiger", 9.0), ("car", "plane", 6.0), ("cat", "car", 1.0), ("cat", "unicorn", 5.0)]
     s = similarity_benchmark(pairs, v)
     # cosines: cat-tiger 0.994, car-plane 0.981, cat-car 0 -> same order as the human scores
@@ -63,7 +69,7 @@ def test_sim_k_on_vectors_is_one_for_a_rotation_and_lower_for_noise():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(60, 8))
     q, _ = np.linalg.qr(rng.normal(size=(8, 8)))
-    assert sim_k(x, x @ q, k=10) == pytest.approx(1.0)      # cosine neighbours survive a rotation
+    assert sim_k(x, x @ q, k=10) == pytest.approx(1.0)  # cosine neighbours survive a rotation
     noisy = sim_k(x, x + rng.normal(scale=1.0, size=x.shape), k=10)
     assert 0.0 < noisy < 0.9
     unrelated = sim_k(x, rng.normal(size=x.shape), k=10)
@@ -72,11 +78,15 @@ def test_sim_k_on_vectors_is_one_for_a_rotation_and_lower_for_noise():
 
 def test_analogy_accuracy_excludes_question_words_and_reports_coverage():
     # king - man + woman = (1, 1) -> queen (1, 1) wins over king itself (excluded)
-    v = WordVectors(["king", "man", "woman", "queen", "apple"],
-                    np.array([[1.0, 0.2], [1.0, 0.0], [0.8, 0.8], [0.75, 0.8], [-1.0, 0.1]]))
+    v = WordVectors(
+        ["king", "man", "woman", "queen", "apple"],
+        np.array([[1.0, 0.2], [1.0, 0.0], [0.8, 0.8], [0.75, 0.8], [-1.0, 0.1]]),
+    )
     from fedagent.tasks.text_metrics import analogy_accuracy
-    s = analogy_accuracy(v, [("man", "king", "woman", "queen"), ("man", "woman", "king", "apple"),
-                             ("man", "king", "woman", "princess")])
+
+    s = analogy_accuracy(
+        v, [("man", "king", "woman", "queen"), ("man", "woman", "king", "apple"), ("man", "king", "woman", "princess")]
+    )
     # question 2: woman - man + king = (0.8, 1.0) -> queen, not apple: wrong
     assert (s.pairs_used, s.pairs_total) == (2, 3)
     assert s.rho == pytest.approx(0.5)

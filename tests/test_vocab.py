@@ -33,8 +33,14 @@ def test_min_count_and_max_size_keep_the_most_frequent_terms():
     assert V.merge_vocabularies(offers, min_count=2, max_size=1) == [("c", 9)]
 
 
-@given(st.lists(st.dictionaries(st.sampled_from([f"t{i}" for i in range(30)]), st.integers(1, 50), max_size=20),
-                min_size=1, max_size=6), st.randoms())
+@given(
+    st.lists(
+        st.dictionaries(st.sampled_from([f"t{i}" for i in range(30)]), st.integers(1, 50), max_size=20),
+        min_size=1,
+        max_size=6,
+    ),
+    st.randoms(),
+)
 def test_merge_does_not_depend_on_arrival_order(offers, rnd):
     expected = V.merge_vocabularies(offers)
     shuffled = list(offers)
@@ -65,8 +71,8 @@ def test_deadline_merges_with_a_quorum_and_waits_without_one():
     m = V.VocabularyMerge(V.VocabConfig(expected_agents=4, min_agents=2, deadline=10))
     m.start(100.0)
     m.handle(offer("a", {"x": 1}), 101.0)
-    assert m.handle(V.Wakeup(), 110.0) == []            # one offer: below the quorum, keep waiting
-    (agreed,) = m.handle(offer("b", {"x": 2}), 120.0)    # quorum reached after the deadline
+    assert m.handle(V.Wakeup(), 110.0) == []  # one offer: below the quorum, keep waiting
+    (agreed,) = m.handle(offer("b", {"x": 2}), 120.0)  # quorum reached after the deadline
     assert agreed.terms == ("x",) and agreed.counts == (3,) and agreed.contributors == ("a", "b")
 
 
@@ -83,15 +89,18 @@ def test_duplicate_unexpected_and_malformed_offers_are_refused_naming_the_sender
     m.start(0.0)
     assert m.handle(offer("a", {"x": 1}), 1.0) == []
     assert m.handle(offer("a", {"x": 1}), 1.5)[0].reason == "duplicate"
-    assert m.handle(offer("eve", {"x": 1}), 2.0)[0] == V.OfferRejected("eve", "unexpected",
-                                                                        "eve is not an expected agent")
-    bad = [V.OfferReceived("b", ("x", "y"), (1,)),              # counts missing
-           V.OfferReceived("b", ("x", "x"), (1, 1)),            # duplicate term
-           V.OfferReceived("b", ("x",), (0,)),                  # zero count
-           V.OfferReceived("b", ("x",), (True,)),               # a bool is no count
-           V.OfferReceived("b", ("",), (1,)),                   # empty term
-           V.OfferReceived("b", ("a\nb",), (1,)),               # control character
-           V.OfferReceived("b", ("x" * 201,), (1,))]            # too long
+    assert m.handle(offer("eve", {"x": 1}), 2.0)[0] == V.OfferRejected(
+        "eve", "unexpected", "eve is not an expected agent"
+    )
+    bad = [
+        V.OfferReceived("b", ("x", "y"), (1,)),  # counts missing
+        V.OfferReceived("b", ("x", "x"), (1, 1)),  # duplicate term
+        V.OfferReceived("b", ("x",), (0,)),  # zero count
+        V.OfferReceived("b", ("x",), (True,)),  # a bool is no count
+        V.OfferReceived("b", ("",), (1,)),  # empty term
+        V.OfferReceived("b", ("a\nb",), (1,)),  # control character
+        V.OfferReceived("b", ("x" * 201,), (1,)),
+    ]  # too long
     reasons = [m.handle(ev, 3.0)[0] for ev in bad]
     assert all(isinstance(r, V.OfferRejected) and r.sender == "b" for r in reasons)
     assert [r.reason for r in reasons] == ["shape", "duplicate-term", "count", "count", "term", "term", "term"]
@@ -108,8 +117,14 @@ def test_an_offer_above_max_terms_is_refused():
 
 
 def test_config_refuses_impossible_settings():
-    for kw in ({"min_agents": 0}, {"expected_agents": 2, "min_agents": 3}, {"deadline": 0},
-               {"min_count": 0}, {"max_size": -1}, {"max_terms": V.MAX_TERMS + 1}):
+    for kw in (
+        {"min_agents": 0},
+        {"expected_agents": 2, "min_agents": 3},
+        {"deadline": 0},
+        {"min_count": 0},
+        {"max_size": -1},
+        {"max_terms": V.MAX_TERMS + 1},
+    ):
         with pytest.raises(ValueError):
             V.VocabConfig(**kw)
 
@@ -133,24 +148,31 @@ def test_an_offer_carries_only_terms_and_counts():
         VocabOffer.from_body({"terms": ["a"], "counts": [1], "documents": ["a secret text"]}, LIMITS)
 
 
-@pytest.mark.parametrize("body", [
-    {"terms": ["a", "b"], "counts": [1]},
-    {"terms": ["a"], "counts": [-1]},
-    {"terms": ["a"], "counts": [1.5]},
-    {"terms": [1], "counts": [1]},
-    {"terms": "a", "counts": [1]},
-    {"terms": ["a", "a"], "counts": [1, 1]},
-    {"terms": ["a"] * 100_001, "counts": [1] * 100_001},
-    {"terms": ["a"]},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"terms": ["a", "b"], "counts": [1]},
+        {"terms": ["a"], "counts": [-1]},
+        {"terms": ["a"], "counts": [1.5]},
+        {"terms": [1], "counts": [1]},
+        {"terms": "a", "counts": [1]},
+        {"terms": ["a", "a"], "counts": [1, 1]},
+        {"terms": ["a"] * 100_001, "counts": [1] * 100_001},
+        {"terms": ["a"]},
+    ],
+)
 def test_bad_offers_are_codec_errors(body):
     with pytest.raises(CodecError):
         VocabOffer.from_body(body, LIMITS)
 
 
 def test_a_vocabulary_whose_digest_lies_is_refused():
-    body = {"terms": ["a", "b"], "counts": [2, 1], "contributors": ["agent-a"],
-            "digest": V.vocabulary_digest(["b", "a"])}
+    body = {
+        "terms": ["a", "b"],
+        "counts": [2, 1],
+        "contributors": ["agent-a"],
+        "digest": V.vocabulary_digest(["b", "a"]),
+    }
     with pytest.raises(CodecError, match="digest"):
         Vocabulary.from_body(body, LIMITS)
     with pytest.raises(CodecError, match="invalid node id"):

@@ -11,7 +11,6 @@ from fedagent.errors import ConfigError
 from fedagent.tasks.base import get_weights, load_task, set_weights
 from fedagent.tasks.word2vec import SkipGram, Vocabulary, sgns_update, skipgram_pairs
 
-
 pytestmark = pytest.mark.usefixtures("text_cache_one_thread")
 
 
@@ -23,12 +22,14 @@ def test_hand_written_gradients_equal_autograd():
         model.in_embed.weight.normal_()
     centers = torch.tensor([0, 3, 3, 7, 11])
     contexts = torch.tensor([1, 4, 1, 7, 2])
-    noise = torch.tensor([[2, 5], [1, 4], [9, 9], [0, 7], [3, 3]])     # repeats and a masked hit
+    noise = torch.tensor([[2, 5], [1, 4], [9, 9], [0, 7], [3, 3]])  # repeats and a masked hit
     before = {k: v.clone() for k, v in model.state_dict().items()}
     losses = model.pair_losses(centers, contexts, noise)
     losses.sum().backward()
-    expected = {"in_embed.weight": before["in_embed.weight"] - 0.1 * model.in_embed.weight.grad,
-                "out_embed.weight": before["out_embed.weight"] - 0.1 * model.out_embed.weight.grad}
+    expected = {
+        "in_embed.weight": before["in_embed.weight"] - 0.1 * model.in_embed.weight.grad,
+        "out_embed.weight": before["out_embed.weight"] - 0.1 * model.out_embed.weight.grad,
+    }
     got = sgns_update(model.in_embed.weight.data, model.out_embed.weight.data, centers, contexts, noise, 0.1)
     torch.testing.assert_close(got, losses.detach())
     for k, v in expected.items():
@@ -80,14 +81,14 @@ SLICE = {"limit": 6, "shards": 2, "split": "random", "min_count": 3, "dim": 16, 
 def test_task_on_a_slice_shares_vocabulary_trains_and_averages():
     a = load_task("word2vec", {**SLICE, "shard": 0})
     b = load_task("word2vec", {**SLICE, "shard": 1})
-    assert a.vocab.terms == b.vocab.terms                      # one common vocabulary
-    assert set(a.term_counts()) != set(b.term_counts())        # different local data
+    assert a.vocab.terms == b.vocab.terms  # one common vocabulary
+    assert set(a.term_counts()) != set(b.term_counts())  # different local data
     ma, mb = a.build_model(), b.build_model()
     names = list(get_weights(ma))
     assert names == ["in_embed.weight", "out_embed.weight"]
-    assert resolve_exchange(("in_embed.*",), names) == ("in_embed.weight",)   # thesis "half"
+    assert resolve_exchange(("in_embed.*",), names) == ("in_embed.weight",)  # thesis "half"
     for k in names:
-        assert np.array_equal(get_weights(ma)[k], get_weights(mb)[k])          # same seeded start
+        assert np.array_equal(get_weights(ma)[k], get_weights(mb)[k])  # same seeded start
     first = a.fit_steps(ma, steps=5, lr=0.1, batch_size=256, seed=1)["loss"]
     a.fit_steps(ma, steps=100, lr=0.1, batch_size=256, seed=2)
     later = a.fit_steps(ma, steps=5, lr=0.1, batch_size=256, seed=3)["loss"]

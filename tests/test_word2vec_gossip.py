@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from test_federation import wait_for
 
 from fedagent import checkpoint
@@ -44,22 +43,42 @@ def test_three_word2vec_agents_gossip_and_agree(tmp_path, monkeypatch):
 def _run(tmp_path):
     # Parse the dump once here; the agent processes inherit the cache directory.
     local = [load_task("word2vec", {**OPTIONS, "seed": SEED, "shard": i, "shards": AGENTS}) for i in range(2)]
-    fed = Federation(tmp_path / "fed", agents=AGENTS, rounds=1, alpha=0.0, mode="gossip", task="word2vec",
-                     task_options=OPTIONS,
-                     gossip={"periods": PERIODS, "period_steps": STEPS, "lr": LR, "batch_size": BATCH,
-                             "min_peers": AGENTS - 1, "send_timeout": 5.0, "eval_every": 10})
+    fed = Federation(
+        tmp_path / "fed",
+        agents=AGENTS,
+        rounds=1,
+        alpha=0.0,
+        mode="gossip",
+        task="word2vec",
+        task_options=OPTIONS,
+        gossip={
+            "periods": PERIODS,
+            "period_steps": STEPS,
+            "lr": LR,
+            "batch_size": BATCH,
+            "min_peers": AGENTS - 1,
+            "send_timeout": 5.0,
+            "eval_every": 10,
+        },
+    )
     (tmp_path / "fed").mkdir()
     try:
         fed.prepare()
         fed.start_all()
         ids = list(fed.agent_ids)
-        done = wait_for(lambda: (lambda ss: ss if all(s and s.get("round_state") == "finished" for s in ss.values())
-                                 else None)({a: fed.status(a) for a in ids}), 240, "the agents to finish", fed)
+        done = wait_for(
+            lambda: (lambda ss: ss if all(s and s.get("round_state") == "finished" for s in ss.values()) else None)(
+                {a: fed.status(a) for a in ids}
+            ),
+            240,
+            "the agents to finish",
+            fed,
+        )
         for a, s in done.items():
             assert s["task"] == "word2vec" and s["period"] == PERIODS
             assert s["gossip"]["sent"] > 0 and s["gossip"]["received"] > 0, (a, s["gossip"])
             assert not s["rejected"], s["rejected"]
-            assert s["last_metrics"]["loss"] < 4.0                    # untrained: 6·log 2 = 4.16
+            assert s["last_metrics"]["loss"] < 4.0  # untrained: 6·log 2 = 4.16
             assert "wordsim353_rho" in s["local_model_eval"]
         final = {a: in_vectors(fed, a) for a in ids}
     finally:

@@ -37,18 +37,20 @@ DEFAULT_PORT = 8883
 # broker assigns one, so a probe never touches a real client's session).
 MQTT5_PROBE_CONNECT = bytes.fromhex("100d00044d5154540502000a000000")
 MQTT5_DISCONNECT = bytes.fromhex("e000")
-_INSTALL_HINT = ("install it with `apt-get install mosquitto` (Debian/Ubuntu), "
-                 "`dnf install mosquitto` (Fedora) or `brew install mosquitto` (macOS)")
+_INSTALL_HINT = (
+    "install it with `apt-get install mosquitto` (Debian/Ubuntu), "
+    "`dnf install mosquitto` (Fedora) or `brew install mosquitto` (macOS)"
+)
 
 
 def find_mosquitto() -> str:
     """Path of the ``mosquitto`` binary, or ConfigError saying how to install it."""
-    for candidate in (shutil.which("mosquitto"), "/usr/sbin/mosquitto",
-                      "/usr/local/sbin/mosquitto"):
+    for candidate in (shutil.which("mosquitto"), "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto"):
         if candidate and os.access(candidate, os.X_OK):
             return candidate
-    raise ConfigError(f"the Mosquitto broker is not installed (no `mosquitto` on PATH or in "
-                      f"/usr/sbin); {_INSTALL_HINT}")
+    raise ConfigError(
+        f"the Mosquitto broker is not installed (no `mosquitto` on PATH or in /usr/sbin); {_INSTALL_HINT}"
+    )
 
 
 def _unique(names: Sequence[str], what: str) -> list[str]:
@@ -99,11 +101,22 @@ def _conf_path(p: Path | str, what: str) -> str:
     return s
 
 
-def render_config(*, port: int, bind: str, ca: Path, cert: Path, key: Path, acl: Path,
-                  persistence_dir: Path | None, max_packet_size: int = DEFAULT_MAX_PACKET_SIZE,
-                  log_path: Path | None = None, log_dest: str | None = None,
-                  user: str | None = None, persistent_client_expiration: str = "14d",
-                  autosave_interval: int = 60) -> str:
+def render_config(
+    *,
+    port: int,
+    bind: str,
+    ca: Path,
+    cert: Path,
+    key: Path,
+    acl: Path,
+    persistence_dir: Path | None,
+    max_packet_size: int = DEFAULT_MAX_PACKET_SIZE,
+    log_path: Path | None = None,
+    log_dest: str | None = None,
+    user: str | None = None,
+    persistent_client_expiration: str = "14d",
+    autosave_interval: int = 60,
+) -> str:
     """The ``mosquitto.conf`` for one mutual-TLS listener.
 
     ``log_path`` logs to that file; otherwise ``log_dest`` (default ``stderr``).
@@ -151,7 +164,10 @@ def render_config(*, port: int, bind: str, ca: Path, cert: Path, key: Path, acl:
     else:
         lines.append(f"log_dest {log_dest or 'stderr'}")
     lines += [
-        "log_type error", "log_type warning", "log_type notice", "log_type information",
+        "log_type error",
+        "log_type warning",
+        "log_type notice",
+        "log_type information",
         "connection_messages true",
         "log_timestamp true",
         "log_timestamp_format %Y-%m-%dT%H:%M:%S",
@@ -196,11 +212,21 @@ class EmbeddedBroker:
     once; :meth:`restart` keeps it.
     """
 
-    def __init__(self, workdir: Path, *, federations: Sequence[str], coordinators: Sequence[str],
-                 ca_dir: Path, port: int | None = None, bind: str = "127.0.0.1",
-                 max_packet_size: int = DEFAULT_MAX_PACKET_SIZE, name: str = "broker",
-                 sans: Sequence[str] = (), binary: str | None = None,
-                 start_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        federations: Sequence[str],
+        coordinators: Sequence[str],
+        ca_dir: Path,
+        port: int | None = None,
+        bind: str = "127.0.0.1",
+        max_packet_size: int = DEFAULT_MAX_PACKET_SIZE,
+        name: str = "broker",
+        sans: Sequence[str] = (),
+        binary: str | None = None,
+        start_timeout: float = 10.0,
+    ) -> None:
         self.workdir = Path(workdir).absolute()
         self.federations = _unique(federations, "federation")
         self.coordinators = _unique(coordinators, "coordinator id")
@@ -208,8 +234,10 @@ class EmbeddedBroker:
         self.bind = bind
         self.max_packet_size = int(max_packet_size)
         self.name = check_name(name, "broker name")
-        self.sans = list(sans) or [*pki.DEFAULT_BROKER_SANS,
-                                   *([bind] if bind not in ("0.0.0.0", "::", "127.0.0.1") else [])]
+        self.sans = list(sans) or [
+            *pki.DEFAULT_BROKER_SANS,
+            *([bind] if bind not in ("0.0.0.0", "::", "127.0.0.1") else []),
+        ]
         self.binary = binary or find_mosquitto()
         self.start_timeout = start_timeout
         self._port = port
@@ -281,10 +309,19 @@ class EmbeddedBroker:
         self.persistence_dir.mkdir(exist_ok=True)
         self._ensure_certificate()
         self.acl_path.write_text(render_acl(self.federations, self.coordinators))
-        self.conf_path.write_text(render_config(
-            port=self.port, bind=self.bind, ca=self.ca, cert=self.cert, key=self.key,
-            acl=self.acl_path, persistence_dir=self.persistence_dir,
-            max_packet_size=self.max_packet_size, log_path=self.log_path))
+        self.conf_path.write_text(
+            render_config(
+                port=self.port,
+                bind=self.bind,
+                ca=self.ca,
+                cert=self.cert,
+                key=self.key,
+                acl=self.acl_path,
+                persistence_dir=self.persistence_dir,
+                max_packet_size=self.max_packet_size,
+                log_path=self.log_path,
+            )
+        )
 
     def log_tail(self, lines: int = 20) -> str:
         chunks = []
@@ -316,9 +353,13 @@ class EmbeddedBroker:
 
     def _spawn_and_wait(self) -> None:
         self._out = open(self.workdir / "mosquitto.out", "ab")
-        self._proc = subprocess.Popen([self.binary, "-c", str(self.conf_path)],
-                                      stdin=subprocess.DEVNULL, stdout=self._out,
-                                      stderr=subprocess.STDOUT, close_fds=True)
+        self._proc = subprocess.Popen(
+            [self.binary, "-c", str(self.conf_path)],
+            stdin=subprocess.DEVNULL,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            close_fds=True,
+        )
         # Never leave a broker behind, even if the owner forgets stop().
         self._finalizer = weakref.finalize(self, _terminate, self._proc, 2.0)
         deadline = time.monotonic() + self.start_timeout
@@ -327,8 +368,9 @@ class EmbeddedBroker:
             if self._proc.poll() is not None:
                 code = self._proc.returncode
                 self._cleanup()
-                raise TransportError(f"mosquitto exited with code {code} on start-up "
-                                     f"(config {self.conf_path}):\n{self.log_tail()}")
+                raise TransportError(
+                    f"mosquitto exited with code {code} on start-up (config {self.conf_path}):\n{self.log_tail()}"
+                )
             try:
                 self._probe()
                 return
@@ -338,9 +380,10 @@ class EmbeddedBroker:
                 self.stop()
                 raise TransportError(
                     f"mosquitto did not accept TLS connections on {self.host}:{self.port} "
-                    f"within {self.start_timeout:.0f}s ({last}):\n{self.log_tail()}")
+                    f"within {self.start_timeout:.0f}s ({last}):\n{self.log_tail()}"
+                )
             try:
-                self._proc.wait(0.02)       # poll interval that also notices a crash
+                self._proc.wait(0.02)  # poll interval that also notices a crash
             except subprocess.TimeoutExpired:
                 pass
 
@@ -351,7 +394,7 @@ class EmbeddedBroker:
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.load_verify_locations(self.ca)
         ctx.load_cert_chain(self.cert, self.key)
-        ctx.check_hostname = False     # readiness only; clients check the SANs
+        ctx.check_hostname = False  # readiness only; clients check the SANs
         with socket.create_connection((self.host, self.port), timeout=1.0) as raw:
             with ctx.wrap_socket(raw, server_hostname=self.host) as tls:
                 tls.sendall(MQTT5_PROBE_CONNECT)
@@ -387,8 +430,9 @@ class EmbeddedBroker:
         self.stop(timeout)
         self.start()
 
-    def reload_acl(self, federations: Sequence[str] | None = None,
-                   coordinators: Sequence[str] | None = None, timeout: float = 5.0) -> None:
+    def reload_acl(
+        self, federations: Sequence[str] | None = None, coordinators: Sequence[str] | None = None, timeout: float = 5.0
+    ) -> None:
         """Rewrite the ACL (if new lists are given) and make Mosquitto reload it (SIGHUP)."""
         if federations is not None:
             self.federations = _unique(federations, "federation")
@@ -427,10 +471,20 @@ class EmbeddedBroker:
         return f"<EmbeddedBroker {self.uri} {state}>"
 
 
-def write_site_config(out: Path, *, ca_dir: Path, broker_name: str, federations: Sequence[str],
-                      coordinators: Sequence[str], port: int = DEFAULT_PORT, bind: str = "127.0.0.1",
-                      max_packet_size: int = DEFAULT_MAX_PACKET_SIZE, trusted_bridges: Sequence[str] = (),
-                      bridge_to: str | None = None, bridge_name: str | None = None) -> Path:
+def write_site_config(
+    out: Path,
+    *,
+    ca_dir: Path,
+    broker_name: str,
+    federations: Sequence[str],
+    coordinators: Sequence[str],
+    port: int = DEFAULT_PORT,
+    bind: str = "127.0.0.1",
+    max_packet_size: int = DEFAULT_MAX_PACKET_SIZE,
+    trusted_bridges: Sequence[str] = (),
+    bridge_to: str | None = None,
+    bridge_name: str | None = None,
+) -> Path:
     """Write ``mosquitto.conf`` and ``acl`` for a site broker into ``out``.
 
     The broker certificate ``<broker_name>.crt``/``.key`` must already be issued in
@@ -444,17 +498,28 @@ def write_site_config(out: Path, *, ca_dir: Path, broker_name: str, federations:
     ca_dir, out = Path(ca_dir), Path(out)
     cert, key, ca = ca_dir / f"{broker_name}.crt", ca_dir / f"{broker_name}.key", ca_dir / "ca.crt"
     if not cert.exists() or not key.exists():
-        raise ConfigError(f"no broker certificate {cert}; issue one with "
-                          f"`fedagent ca issue {broker_name} --role broker --san HOSTNAME --dir {ca_dir}`")
+        raise ConfigError(
+            f"no broker certificate {cert}; issue one with "
+            f"`fedagent ca issue {broker_name} --role broker --san HOSTNAME --dir {ca_dir}`"
+        )
     pki.check_certificate(cert, key, ca)
     out.mkdir(parents=True, exist_ok=True)
     (out / "data").mkdir(exist_ok=True)
     acl = out / "acl"
     acl.write_text(render_acl(federations, [*coordinators, *trusted_bridges]))
     conf = out / "mosquitto.conf"
-    conf.write_text(render_config(port=port, bind=bind, ca=ca.resolve(), cert=cert.resolve(), key=key.resolve(),
-                                  acl=acl.resolve(), persistence_dir=(out / "data").resolve(),
-                                  max_packet_size=max_packet_size))
+    conf.write_text(
+        render_config(
+            port=port,
+            bind=bind,
+            ca=ca.resolve(),
+            cert=cert.resolve(),
+            key=key.resolve(),
+            acl=acl.resolve(),
+            persistence_dir=(out / "data").resolve(),
+            max_packet_size=max_packet_size,
+        )
+    )
     if bridge_to:
         if not bridge_name:
             raise ConfigError("a bridge needs a name: the CN of its certificate (--bridge-name)")
@@ -464,13 +529,23 @@ def write_site_config(out: Path, *, ca_dir: Path, broker_name: str, federations:
         bcert, bkey = ca_dir / f"{bridge_name}.crt", ca_dir / f"{bridge_name}.key"
         pki.check_certificate(bcert, bkey, ca)
         with conf.open("a") as f:
-            f.write(render_bridge(name=bridge_name, remote_host=host, remote_port=int(port_s),
-                                  federations=federations, ca=ca.resolve(), cert=bcert.resolve(), key=bkey.resolve()))
+            f.write(
+                render_bridge(
+                    name=bridge_name,
+                    remote_host=host,
+                    remote_port=int(port_s),
+                    federations=federations,
+                    ca=ca.resolve(),
+                    cert=bcert.resolve(),
+                    key=bkey.resolve(),
+                )
+            )
     return conf
 
 
-def render_bridge(*, name: str, remote_host: str, remote_port: int, federations: Sequence[str],
-                  ca: Path, cert: Path, key: Path) -> str:
+def render_bridge(
+    *, name: str, remote_host: str, remote_port: int, federations: Sequence[str], ca: Path, cert: Path, key: Path
+) -> str:
     """Config lines that bridge a site broker to a central one, both ways, QoS 1.
 
     The bridge logs in to the central broker with its own certificate (``name`` = its
@@ -481,12 +556,23 @@ def render_bridge(*, name: str, remote_host: str, remote_port: int, federations:
     Mosquittos recognise each other's bridge and avoid loops.
     """
     check_name(name, "bridge name")
-    lines = ["", "# bridge to the central broker, generated by fedagent.broker.render_bridge",
-             f"connection {name}", f"address {remote_host}:{int(remote_port)}",
-             "bridge_protocol_version mqttv311", "try_private true", "cleansession false",
-             "notifications false", f"remote_clientid {name}", f"local_clientid {name}-local",
-             "restart_timeout 1 10", "keepalive_interval 10",
-             f"bridge_cafile {_conf_path(ca, 'CA')}", f"bridge_certfile {_conf_path(cert, 'certificate')}",
-             f"bridge_keyfile {_conf_path(key, 'key')}", "bridge_insecure false"]
+    lines = [
+        "",
+        "# bridge to the central broker, generated by fedagent.broker.render_bridge",
+        f"connection {name}",
+        f"address {remote_host}:{int(remote_port)}",
+        "bridge_protocol_version mqttv311",
+        "try_private true",
+        "cleansession false",
+        "notifications false",
+        f"remote_clientid {name}",
+        f"local_clientid {name}-local",
+        "restart_timeout 1 10",
+        "keepalive_interval 10",
+        f"bridge_cafile {_conf_path(ca, 'CA')}",
+        f"bridge_certfile {_conf_path(cert, 'certificate')}",
+        f"bridge_keyfile {_conf_path(key, 'key')}",
+        "bridge_insecure false",
+    ]
     lines += [f"topic {PREFIX}/{check_name(f, 'federation')}/# both 1" for f in _unique(federations, "federation")]
     return "\n".join(lines) + "\n"

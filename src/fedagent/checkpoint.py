@@ -22,7 +22,7 @@ FORMAT = 1
 
 def save(path: Path, weights: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
     wire = encode_weights(weights)
-    meta_bytes = msgpack.packb(meta, use_bin_type=True)     # fails here, before any file is touched
+    meta_bytes = msgpack.packb(meta, use_bin_type=True)  # fails here, before any file is touched
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(f) -> None:
@@ -35,8 +35,16 @@ def save(path: Path, weights: dict[str, np.ndarray], meta: dict[str, Any]) -> No
         f.write(pk.pack("weights") + pk.pack_map_header(len(wire)))
         for name, t in wire.items():
             data = memoryview(t["data"]).cast("B")
-            f.write(pk.pack(name) + pk.pack_map_header(3) + pk.pack("dtype") + pk.pack(t["dtype"])
-                    + pk.pack("shape") + pk.pack(t["shape"]) + pk.pack("data") + _bin_header(data.nbytes))
+            f.write(
+                pk.pack(name)
+                + pk.pack_map_header(3)
+                + pk.pack("dtype")
+                + pk.pack(t["dtype"])
+                + pk.pack("shape")
+                + pk.pack(t["shape"])
+                + pk.pack("data")
+                + _bin_header(data.nbytes)
+            )
             f.write(data)
 
     atomic_write_with(path, write)
@@ -62,8 +70,9 @@ def load(path: Path, *, max_bytes: int = 2**31) -> tuple[dict[str, np.ndarray], 
     if len(data) > max_bytes:
         raise FedagentError(f"checkpoint {path} is larger than {max_bytes} bytes")
     try:
-        doc = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0,
-                              max_bin_len=max_bytes, max_str_len=2**20)
+        doc = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, max_ext_len=0, max_bin_len=max_bytes, max_str_len=2**20
+        )
         if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("meta"), dict):
             raise CodecError("not a fedagent checkpoint")
         limits = Limits(max_message_bytes=max_bytes, max_bin_len=max_bytes)

@@ -24,7 +24,7 @@ def _fail(exc: FedagentError) -> None:
 
 def _run_daemon(make) -> None:
     """Run a daemon's ``run()`` until SIGTERM/SIGINT, then let it shut down cleanly."""
-    from fedagent.agent.runtime import setup_logging
+    from fedagent.node.runtime import setup_logging
 
     setup_logging(os.environ.get("FEDAGENT_LOG_LEVEL", "INFO"))
 
@@ -68,8 +68,14 @@ def main() -> None:
 
 # -- daemons -----------------------------------------------------------------------------
 @main.command()
-@click.option("--config", "config_path", type=click.Path(path_type=Path), default=DEFAULT_AGENT_CONFIG,
-              show_default=True, help="agent config file (TOML)")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_AGENT_CONFIG,
+    show_default=True,
+    help="agent config file (TOML)",
+)
 def agent(config_path: Path) -> None:
     """Run the agent daemon (what systemd starts)."""
     from fedagent import config
@@ -83,9 +89,14 @@ def agent(config_path: Path) -> None:
 
 
 @main.command()
-@click.option("--config", "config_path", type=click.Path(path_type=Path),
-              default=Path("/etc/fedagent/coordinator.toml"), show_default=True,
-              help="coordinator config file (TOML)")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    default=Path("/etc/fedagent/coordinator.toml"),
+    show_default=True,
+    help="coordinator config file (TOML)",
+)
 def coordinator(config_path: Path) -> None:
     """Run the coordinator daemon."""
     from fedagent import config
@@ -107,7 +118,7 @@ def coordinator(config_path: Path) -> None:
 def _socket_for(config_path: Path | None, socket: Path | None, is_coord: bool) -> Path:
     """The control socket to ask: explicit, from a config's runtime_dir, or the default."""
     from fedagent import config
-    from fedagent.agent.control import default_socket_path
+    from fedagent.node.control import default_socket_path
 
     if socket is not None:
         return socket
@@ -126,14 +137,19 @@ def _socket_for(config_path: Path | None, socket: Path | None, is_coord: bool) -
 def _ask_daemon(name: str, cmd: str, doc: str, render_name: str):
     """A read-only command that asks the local daemon ``cmd`` and prints the reply."""
 
-    @click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
-                  help="config file of the daemon to ask (default: /etc/fedagent/agent.toml)")
+    @click.option(
+        "--config",
+        "config_path",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="config file of the daemon to ask (default: /etc/fedagent/agent.toml)",
+    )
     @click.option("--socket", type=click.Path(path_type=Path), default=None, help="control socket path")
     @click.option("--coordinator", "is_coord", is_flag=True, help="ask the coordinator daemon")
     @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
     def command(config_path: Path | None, socket: Path | None, is_coord: bool, as_json: bool) -> None:
         from fedagent import status as rendering
-        from fedagent.agent.control import request
+        from fedagent.node.control import request
 
         try:
             result = request(_socket_for(config_path, socket, is_coord), cmd)
@@ -149,27 +165,37 @@ def _ask_daemon(name: str, cmd: str, doc: str, render_name: str):
 
 
 status = _ask_daemon("status", "status", "Show what the local daemon is doing.", "render_status")
-peers = _ask_daemon("peers", "peers", "List the peers the local daemon knows: role, broker, online, last seen.",
-                    "render_peers")
+peers = _ask_daemon(
+    "peers", "peers", "List the peers the local daemon knows: role, broker, online, last seen.", "render_peers"
+)
 
 
 @main.command()
 @click.argument("text")
 @click.option("--k", "k", default=10, show_default=True, help="how many documents to list")
 @click.option("--timeout", default=5.0, show_default=True, help="seconds to wait for the peers' answers")
-@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
-              help="config file of the agent to ask (default: /etc/fedagent/agent.toml)")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="config file of the agent to ask (default: /etc/fedagent/agent.toml)",
+)
 @click.option("--socket", type=click.Path(path_type=Path), default=None, help="control socket path")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def search(text: str, k: int, timeout: float, config_path: Path | None, socket: Path | None, as_json: bool) -> None:
     """Semantic search across the federation (SEEC): the running agent vectorises TEXT
     with the shared model, sends only the vector to its peers and merges their top-k."""
     from fedagent import status as rendering
-    from fedagent.agent.control import request
+    from fedagent.node.control import request
 
     try:
-        result = request(_socket_for(config_path, socket, False), "search",
-                         {"text": text, "k": k, "timeout": timeout}, timeout=timeout + 60.0)
+        result = request(
+            _socket_for(config_path, socket, False),
+            "search",
+            {"text": text, "k": k, "timeout": timeout},
+            timeout=timeout + 60.0,
+        )
     except FedagentError as exc:
         _fail(exc)
     if as_json:
@@ -179,12 +205,18 @@ def search(text: str, k: int, timeout: float, config_path: Path | None, socket: 
 
 
 @main.command()
-@click.option("--config", "config_path", type=click.Path(path_type=Path), default=DEFAULT_AGENT_CONFIG,
-              show_default=True, help="agent config file to clear membership in")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_AGENT_CONFIG,
+    show_default=True,
+    help="agent config file to clear membership in",
+)
 def leave(config_path: Path) -> None:
     """Leave the current federation: the agent goes offline there and forgets it."""
     from fedagent import config
-    from fedagent.agent.control import request
+    from fedagent.node.control import request
 
     try:
         cfg = config.load(config_path, "agent")
@@ -205,15 +237,21 @@ def leave(config_path: Path) -> None:
 @main.command()
 @click.argument("federation")
 @click.option("--broker", default="", help="mqtts://HOST:PORT (default: find it by mDNS)")
-@click.option("--config", "config_path", type=click.Path(path_type=Path), default=DEFAULT_AGENT_CONFIG,
-              show_default=True, help="agent config file to record membership in")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_AGENT_CONFIG,
+    show_default=True,
+    help="agent config file to record membership in",
+)
 @click.option("--interface", "interfaces", multiple=True, help="address to run mDNS on (repeatable)")
 @click.option("--timeout", default=10.0, show_default=True, help="seconds to look for the federation")
 def join(federation: str, broker: str, config_path: Path, interfaces: tuple[str, ...], timeout: float) -> None:
     """Join FEDERATION: find its broker, record it, and tell the running agent."""
     from fedagent import config
-    from fedagent.agent.control import request
-    from fedagent.agent.discovery import Discovery
+    from fedagent.node.control import request
+    from fedagent.node.discovery import Discovery
     from fedagent.protocols.topics import check_name
 
     try:
@@ -236,9 +274,12 @@ def join(federation: str, broker: str, config_path: Path, interfaces: tuple[str,
         try:
             request(cfg.control_socket, "join", {"federation": federation, "broker": broker})
         except FedagentError as exc:
-            click.secho(f"no agent is running to take part now ({exc}).\n"
-                        "It will join when started: fedagent agent --config "
-                        f"{cfg.path}  (or: systemctl start fedagent-agent)", fg="yellow")
+            click.secho(
+                f"no agent is running to take part now ({exc}).\n"
+                "It will join when started: fedagent agent --config "
+                f"{cfg.path}  (or: systemctl start fedagent-agent)",
+                fg="yellow",
+            )
             return
         click.echo(f"the running agent {cfg.id} is joining {federation}")
     except FedagentError as exc:
@@ -268,8 +309,14 @@ def ca_init(federation: str, directory: Path) -> None:
 @ca.command("issue")
 @click.argument("name")
 @click.option("--role", type=click.Choice(["agent", "coordinator", "broker"]), required=True)
-@click.option("--dir", "directory", type=click.Path(path_type=Path), default=Path("pki"), show_default=True,
-              help="the CA directory")
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(path_type=Path),
+    default=Path("pki"),
+    show_default=True,
+    help="the CA directory",
+)
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="where to write (default: DIR)")
 @click.option("--san", "sans", multiple=True, help="broker DNS name or IP (repeatable)")
 @click.option("--days", default=825, show_default=True)
@@ -285,28 +332,56 @@ def ca_issue(name: str, role: str, directory: Path, out: Path | None, sans: tupl
 
 
 @ca.command("broker-config")
-@click.option("--dir", "directory", type=click.Path(path_type=Path), default=Path("pki"), show_default=True,
-              help="the CA directory (holds broker.crt/broker.key)")
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(path_type=Path),
+    default=Path("pki"),
+    show_default=True,
+    help="the CA directory (holds broker.crt/broker.key)",
+)
 @click.option("--federation", "federations", multiple=True, required=True)
 @click.option("--coordinator", "coordinators", multiple=True, required=True, help="coordinator identities")
 @click.option("--port", default=8883, show_default=True)
 @click.option("--bind", default="127.0.0.1", show_default=True)
 @click.option("--broker-name", default="broker", show_default=True)
-@click.option("--trust-bridge", "trusted_bridges", multiple=True,
-              help="central broker: a site bridge identity allowed to relay the federation (repeatable)")
+@click.option(
+    "--trust-bridge",
+    "trusted_bridges",
+    multiple=True,
+    help="central broker: a site bridge identity allowed to relay the federation (repeatable)",
+)
 @click.option("--bridge-to", default=None, help="site broker: HOST:PORT of the central broker to bridge to")
 @click.option("--bridge-name", default=None, help="site broker: the bridge's certificate name (CN)")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("mosquitto"), show_default=True)
-def ca_broker_config(directory: Path, federations, coordinators, port: int, bind: str, broker_name: str,
-                     trusted_bridges, bridge_to: str | None, bridge_name: str | None, out: Path) -> None:
+def ca_broker_config(
+    directory: Path,
+    federations,
+    coordinators,
+    port: int,
+    bind: str,
+    broker_name: str,
+    trusted_bridges,
+    bridge_to: str | None,
+    bridge_name: str | None,
+    out: Path,
+) -> None:
     """Write a Mosquitto config and ACL (mutual TLS, one subtree per identity)."""
     from fedagent import broker
 
     try:
-        conf = broker.write_site_config(out, ca_dir=directory, broker_name=broker_name,
-                                        federations=list(federations), coordinators=list(coordinators),
-                                        port=port, bind=bind, trusted_bridges=list(trusted_bridges),
-                                        bridge_to=bridge_to, bridge_name=bridge_name)
+        conf = broker.write_site_config(
+            out,
+            ca_dir=directory,
+            broker_name=broker_name,
+            federations=list(federations),
+            coordinators=list(coordinators),
+            port=port,
+            bind=bind,
+            trusted_bridges=list(trusted_bridges),
+            bridge_to=bridge_to,
+            bridge_name=bridge_name,
+        )
     except FedagentError as exc:
         _fail(exc)
     click.echo(f"wrote {conf}; run: mosquitto -c {conf}")
@@ -314,8 +389,12 @@ def ca_broker_config(directory: Path, federations, coordinators, port: int, bind
 
 @main.command()
 @click.argument("histories", nargs=-1, type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="collect every history.jsonl below this state directory")
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="collect every history.jsonl below this state directory",
+)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("fedagent-report"), show_default=True)
 @click.option("--title", default=None)
 def report(histories: tuple[Path, ...], state_dir: Path | None, out: Path, title: str | None) -> None:
@@ -339,22 +418,48 @@ def report(histories: tuple[Path, ...], state_dir: Path | None, out: Path, title
 
 # -- demo -------------------------------------------------------------------------------
 @main.command()
-@click.option("--mode", type=click.Choice(["fedavg", "gossip", "syncopt"]), default="fedavg", show_default=True,
-              help="fedavg: a coordinator runs rounds; gossip: no coordinator, agents merge each other's models; "
-                   "syncopt: gFedNTM, vocabulary consensus then one gradient per agent per step (ProdLDA)")
+@click.option(
+    "--mode",
+    type=click.Choice(["fedavg", "gossip", "syncopt"]),
+    default="fedavg",
+    show_default=True,
+    help="fedavg: a coordinator runs rounds; gossip: no coordinator, agents merge each other's models; "
+    "syncopt: gFedNTM, vocabulary consensus then one gradient per agent per step (ProdLDA)",
+)
 @click.option("--agents", type=int, default=None, help="number of agent processes [default: 3, gossip 5]")
 @click.option("--rounds", default=15, show_default=True, help="FedAvg rounds")
 @click.option("--steps", default=300, show_default=True, help="syncopt: Sync-Opt steps")
 @click.option("--periods", default=100, show_default=True, help="gossip exchange periods per agent")
 @click.option("--period-steps", default=10, show_default=True, help="gossip: local mini-batches per exchange")
-@click.option("--merge", type=click.Choice(["pushsum", "thesis"]), default="pushsum", show_default=True,
-              help="gossip merge rule (thesis = Alg. 3.1 as written)")
+@click.option(
+    "--merge",
+    type=click.Choice(["pushsum", "thesis"]),
+    default="pushsum",
+    show_default=True,
+    help="gossip merge rule (thesis = Alg. 3.1 as written)",
+)
 @click.option("--alpha", default=0.3, show_default=True, help="Dirichlet non-IID concentration")
 @click.option("--keep", is_flag=True, help="keep the work directory (logs, checkpoints)")
-@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=Path("demo-report"),
-              show_default=True, help="where to write the run's report (markdown + PNG plots)")
-def demo(mode: str, agents: int | None, rounds: int, steps: int, periods: int, period_steps: int, merge: str, alpha: float,
-         keep: bool, report_dir: Path) -> None:
+@click.option(
+    "--report",
+    "report_dir",
+    type=click.Path(path_type=Path),
+    default=Path("demo-report"),
+    show_default=True,
+    help="where to write the run's report (markdown + PNG plots)",
+)
+def demo(
+    mode: str,
+    agents: int | None,
+    rounds: int,
+    steps: int,
+    periods: int,
+    period_steps: int,
+    merge: str,
+    alpha: float,
+    keep: bool,
+    report_dir: Path,
+) -> None:
     """A whole federation on this machine: broker, coordinator (FedAvg), agents, mDNS."""
     from fedagent.demo import run_demo, run_gossip_demo, run_syncopt_demo
 
@@ -362,8 +467,15 @@ def demo(mode: str, agents: int | None, rounds: int, steps: int, periods: int, p
         if mode == "syncopt":
             code = run_syncopt_demo(agents=agents or 5, steps=steps, keep=keep)
         elif mode == "gossip":
-            code = run_gossip_demo(agents=agents or 5, periods=periods, period_steps=period_steps, alpha=alpha,
-                                   merge=merge, keep=keep, report_dir=report_dir)
+            code = run_gossip_demo(
+                agents=agents or 5,
+                periods=periods,
+                period_steps=period_steps,
+                alpha=alpha,
+                merge=merge,
+                keep=keep,
+                report_dir=report_dir,
+            )
         else:
             code = run_demo(agents=agents or 3, rounds=rounds, alpha=alpha, keep=keep, report_dir=report_dir)
     except FedagentError as exc:
@@ -393,16 +505,39 @@ def experiment() -> None:
 @click.option("--alpha", default=1.0, show_default=True, help="Dirichlet label skew over the shards (0 = IID)")
 @click.option("--threshold", default=100.0, show_default=True, help="km/h above which baseline 2 drops a model")
 @click.option("--local-epochs", default=2, show_default=True)
-@click.option("--speed", "speed", nargs=4, type=float, default=(90.0, 20.0, 50.0, 130.0), show_default=True,
-              metavar="MU SIGMA V_MIN V_MAX", help="eq. 1: truncated Gaussian of vehicle speeds (km/h)")
+@click.option(
+    "--speed",
+    "speed",
+    nargs=4,
+    type=float,
+    default=(90.0, 20.0, 50.0, 130.0),
+    show_default=True,
+    metavar="MU SIGMA V_MIN V_MAX",
+    help="eq. 1: truncated Gaussian of vehicle speeds (km/h)",
+)
 @click.option("--seed", default=0, show_default=True)
-@click.option("--strategy", "strategies", multiple=True, type=click.Choice(["blur", "fedavg", "drop_above"]),
-              help="run only these (default: all three)")
+@click.option(
+    "--strategy",
+    "strategies",
+    multiple=True,
+    type=click.Choice(["blur", "fedavg", "drop_above"]),
+    help="run only these (default: all three)",
+)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("flsimco-report"), show_default=True)
 @click.option("--keep", is_flag=True, help="keep the work directory (logs, checkpoints, histories)")
-def experiment_flsimco(rounds: int, coverage: int, stay: int, alpha: float, threshold: float, local_epochs: int,
-                       speed: tuple[float, float, float, float], seed: int, strategies: tuple[str, ...], out: Path,
-                       keep: bool) -> None:
+def experiment_flsimco(
+    rounds: int,
+    coverage: int,
+    stay: int,
+    alpha: float,
+    threshold: float,
+    local_epochs: int,
+    speed: tuple[float, float, float, float],
+    seed: int,
+    strategies: tuple[str, ...],
+    out: Path,
+    keep: bool,
+) -> None:
     """FLSimCo: vehicles join and leave an RSU; blur-weighted (eq. 11) vs FedAvg vs dropping fast vehicles."""
     from fedagent.experiments.flsimco import STRATEGIES, Setup, run_experiment
 
@@ -412,26 +547,44 @@ def experiment_flsimco(rounds: int, coverage: int, stay: int, alpha: float, thre
         mu, sigma, v_min, v_max = speed
         if not (sigma > 0 and 0 <= v_min < v_max):
             raise ConfigError("--speed: need SIGMA > 0 and 0 <= V_MIN < V_MAX")
-        setup = Setup(rounds=rounds, coverage=coverage, stay=stay, alpha=alpha, threshold=threshold,
-                      local_epochs=local_epochs, seed=seed,
-                      mobility={"mu": mu, "sigma": sigma, "v_min": v_min, "v_max": v_max})
+        setup = Setup(
+            rounds=rounds,
+            coverage=coverage,
+            stay=stay,
+            alpha=alpha,
+            threshold=threshold,
+            local_epochs=local_epochs,
+            seed=seed,
+            mobility={"mu": mu, "sigma": sigma, "v_min": v_min, "v_max": v_max},
+        )
         run_experiment(out, setup, strategies or STRATEGIES, keep=keep)
     except FedagentError as exc:
         _fail(exc)
 
 
 @experiment.command("gossip-w2v")
-@click.option("--scale", "scale_name", type=click.Choice(["default", "tiny"]), default="default", show_default=True,
-              help="default: 10 agents, ~45 min on 2 busy cores; tiny: 3 agents, a smoke test")
+@click.option(
+    "--scale",
+    "scale_name",
+    type=click.Choice(["default", "tiny"]),
+    default="default",
+    show_default=True,
+    help="default: 10 agents, ~45 min on 2 busy cores; tiny: 3 agents, a smoke test",
+)
 @click.option("--local-steps", type=int, default=None, help="batches per agent (centralized gets agents x this)")
 @click.option("--dim", type=int, default=None, help="embedding size")
-@click.option("--config", "configs", multiple=True,
-              help="run only these configurations (topic-frequent, random-frequent, imbalanced-frequent, "
-                   "half-frequent, topic-infrequent, random-infrequent, imbalanced-infrequent, local)")
+@click.option(
+    "--config",
+    "configs",
+    multiple=True,
+    help="run only these configurations (topic-frequent, random-frequent, imbalanced-frequent, "
+    "half-frequent, topic-infrequent, random-infrequent, imbalanced-infrequent, local)",
+)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("gossip-w2v-report"), show_default=True)
 @click.option("--keep", is_flag=True, help="keep the work directories (logs, checkpoints, histories)")
-def experiment_gossip_w2v(scale_name: str, local_steps: int | None, dim: int | None, configs: tuple[str, ...],
-                          out: Path, keep: bool) -> None:
+def experiment_gossip_w2v(
+    scale_name: str, local_steps: int | None, dim: int | None, configs: tuple[str, ...], out: Path, keep: bool
+) -> None:
     """Gossip Word2Vec (the thesis): 10 gossip agents, topic/random/imbalanced splits, frequent/infrequent/half
     exchange and local-only, against centralized training with the same number of batches."""
     from dataclasses import replace
@@ -454,34 +607,84 @@ def experiment_gossip_w2v(scale_name: str, local_steps: int | None, dim: int | N
 
 
 @experiment.command("gfedntm")
-@click.option("--corpus", type=click.Choice(["all", "synthetic", "newsgroups"]), default="all", show_default=True,
-              help="synthetic: Fig. 2 (Sec. 4.1); newsgroups: gensim's sample, one newsgroup per agent; all: both, "
-                   "in one report")
-@click.option("--scale", "scale_name", type=click.Choice(["default", "paper", "tiny"]), default="default",
-              show_default=True, help="synthetic sizes (default: under an hour on 2 busy cores; paper: Sec. 4.1's)")
-@click.option("--jobs", type=int, default=1, show_default=True,
-              help="synthetic: settings trained in this many worker processes at once")
-@click.option("--daemons/--no-daemons", default=True, show_default=True,
-              help="synthetic: also train K'=10, eta=0.01 through a coordinator and agent processes over Mosquitto")
-@click.option("--epochs", type=int, default=None,
-              help="passes of every node over its documents (synthetic: at most this many, with early stopping)")
+@click.option(
+    "--corpus",
+    type=click.Choice(["all", "synthetic", "newsgroups"]),
+    default="all",
+    show_default=True,
+    help="synthetic: Fig. 2 (Sec. 4.1); newsgroups: gensim's sample, one newsgroup per agent; all: both, in one report",
+)
+@click.option(
+    "--scale",
+    "scale_name",
+    type=click.Choice(["default", "paper", "tiny"]),
+    default="default",
+    show_default=True,
+    help="synthetic sizes (default: under an hour on 2 busy cores; paper: Sec. 4.1's)",
+)
+@click.option(
+    "--jobs",
+    type=int,
+    default=1,
+    show_default=True,
+    help="synthetic: settings trained in this many worker processes at once",
+)
+@click.option(
+    "--daemons/--no-daemons",
+    default=True,
+    show_default=True,
+    help="synthetic: also train K'=10, eta=0.01 through a coordinator and agent processes over Mosquitto",
+)
+@click.option(
+    "--epochs",
+    type=int,
+    default=None,
+    help="passes of every node over its documents (synthetic: at most this many, with early stopping)",
+)
 @click.option("--seeds", type=int, default=None, help="synthetic: seeds per setting (mean and spread reported)")
-@click.option("--patience", type=int, default=None,
-              help="synthetic: early-stopping patience in epochs (0: exactly --epochs passes, no split)")
+@click.option(
+    "--patience",
+    type=int,
+    default=None,
+    help="synthetic: early-stopping patience in epochs (0: exactly --epochs passes, no split)",
+)
 @click.option("--docs", type=int, default=None, help="synthetic: training documents per node")
 @click.option("--vocab-size", type=int, default=None, help="synthetic: V")
 @click.option("--k-prime", "k_primes", multiple=True, type=int, help="synthetic: shared topics (default 5 10 15 40)")
-@click.option("--eta", "etas", multiple=True, type=float,
-              help="synthetic: topic priors for setting B (default 0.01 0.02 0.03 0.04 0.08 1)")
-@click.option("--model", type=click.Choice(["prodlda", "combinedtm"]), default="combinedtm", show_default=True,
-              help="newsgroups: the topic model (combinedtm uses the offline SBERT model)")
+@click.option(
+    "--eta",
+    "etas",
+    multiple=True,
+    type=float,
+    help="synthetic: topic priors for setting B (default 0.01 0.02 0.03 0.04 0.08 1)",
+)
+@click.option(
+    "--model",
+    type=click.Choice(["prodlda", "combinedtm"]),
+    default="combinedtm",
+    show_default=True,
+    help="newsgroups: the topic model (combinedtm uses the offline SBERT model)",
+)
 @click.option("--n-topics", type=int, default=10, show_default=True, help="newsgroups: K")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("gfedntm-report"), show_default=True)
-def experiment_gfedntm(corpus: str, scale_name: str, epochs: int | None, seeds: int | None, patience: int | None,
-                       docs: int | None, vocab_size: int | None,
-                       jobs: int, daemons: bool, k_primes: tuple[int, ...], etas: tuple[float, ...], model: str, n_topics: int,
-                       seed: int, out: Path) -> None:
+def experiment_gfedntm(
+    corpus: str,
+    scale_name: str,
+    epochs: int | None,
+    seeds: int | None,
+    patience: int | None,
+    docs: int | None,
+    vocab_size: int | None,
+    jobs: int,
+    daemons: bool,
+    k_primes: tuple[int, ...],
+    etas: tuple[float, ...],
+    model: str,
+    n_topics: int,
+    seed: int,
+    out: Path,
+) -> None:
     """gFedNTM: centralized vs federated (Sync-Opt) vs non-collaborative topic models (Fig. 2)."""
     from dataclasses import replace
 
@@ -512,19 +715,26 @@ def experiment_gfedntm(corpus: str, scale_name: str, epochs: int | None, seeds: 
         setting = (10, 0.01) if 10 in k_primes else (k_primes[0], 0.01)
         if jobs < 1:
             raise ConfigError("--jobs must be at least 1")
-        gfedntm.run_synthetic(out, scale, k_primes, etas or gfedntm.ETAS, daemons=setting if daemons else None,
-                              jobs=jobs)
+        gfedntm.run_synthetic(
+            out, scale, k_primes, etas or gfedntm.ETAS, daemons=setting if daemons else None, jobs=jobs
+        )
         if corpus == "all":
             gfedntm.run_newsgroups(out, news)
-            gfedntm.report_from_json(out)       # the report now quotes the newsgroups run too
+            gfedntm.report_from_json(out)  # the report now quotes the newsgroups run too
     except FedagentError as exc:
         _fail(exc)
 
 
 @experiment.command("seec")
-@click.option("--scale", "scale_name", type=click.Choice(["default", "paper", "tiny"]), default="default",
-              show_default=True, help="default: all Wikipedia articles, 10 epochs (~30 min on 2 heavily shared "
-              "cores); paper: 40 epochs and a second centralized model; tiny: a smoke run")
+@click.option(
+    "--scale",
+    "scale_name",
+    type=click.Choice(["default", "paper", "tiny"]),
+    default="default",
+    show_default=True,
+    help="default: all Wikipedia articles, 10 epochs (~30 min on 2 heavily shared "
+    "cores); paper: 40 epochs and a second centralized model; tiny: a smoke run",
+)
 @click.option("--sites", type=int, default=None, help="agents / edge sites [default: 3]")
 @click.option("--epochs", type=int, default=None, help="passes over the data (FedAvg rounds of one local epoch)")
 @click.option("--seed", default=0, show_default=True)

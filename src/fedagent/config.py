@@ -43,18 +43,18 @@ class RoundsConfig:
     lr: float = 0.05
     batch_size: int = 32
     seed: int = 0
-    lr_schedule: str = "constant"     # "constant" | "cosine" over `rounds` (coordinator)
-    aggregation: str = "fedavg"       # "fedavg" | "metric" | "blur" (FLSimCo eq. 11) | "drop_above"
-    weight_key: str = ""              # the reported metric "metric"/"blur"/"drop_above" read
-    drop_above: float | None = None   # "drop_above": threshold on weight_key
-    leave_after: int = 0              # agent: leave after this many rounds (0 = stay)
-    byzantine: int = 0                # robust aggregations: Byzantine updates per round to tolerate (f)
-    trim: float = 0.1                 # "trimmed_mean": fraction β dropped at each end
-    krum_m: int = 0                   # "krum": updates averaged by multi-Krum (0 = n - f)
-    clip_norm: float | None = None    # cap each update's L2 distance from the global model (any aggregation)
-    vocab_timeout: float = 60.0       # tasks with a vocabulary: merge at this deadline with a quorum
-    vocab_min_count: int = 1          # keep terms counted at least this often over all agents
-    vocab_max_size: int = 0           # keep at most this many terms (0 = all)
+    lr_schedule: str = "constant"  # "constant" | "cosine" over `rounds` (coordinator)
+    aggregation: str = "fedavg"  # "fedavg" | "metric" | "blur" (FLSimCo eq. 11) | "drop_above"
+    weight_key: str = ""  # the reported metric "metric"/"blur"/"drop_above" read
+    drop_above: float | None = None  # "drop_above": threshold on weight_key
+    leave_after: int = 0  # agent: leave after this many rounds (0 = stay)
+    byzantine: int = 0  # robust aggregations: Byzantine updates per round to tolerate (f)
+    trim: float = 0.1  # "trimmed_mean": fraction β dropped at each end
+    krum_m: int = 0  # "krum": updates averaged by multi-Krum (0 = n - f)
+    clip_norm: float | None = None  # cap each update's L2 distance from the global model (any aggregation)
+    vocab_timeout: float = 60.0  # tasks with a vocabulary: merge at this deadline with a quorum
+    vocab_min_count: int = 1  # keep terms counted at least this often over all agents
+    vocab_max_size: int = 0  # keep at most this many terms (0 = all)
 
 
 _SCREEN_RULE = {"median": "n > 2f", "trimmed_mean": "n >= 2f + 1", "krum": "n > 2f + 2"}
@@ -65,36 +65,36 @@ class GossipSettings:
     """``[gossip]``: how an agent of a ``mode = "gossip"`` federation exchanges models
     (see :mod:`fedagent.protocols.gossip` for the meaning of each)."""
 
-    period_steps: int = 10            # local training steps per exchange (thesis: 10 or 500)
-    max_incoming: int = 2             # models kept per period; extra ones dropped at random
-    create: str = "mu"                # "mu" merge-then-update | "um" | "rw"
-    merge: str = "pushsum"            # "pushsum" (converges to the mean) | "thesis" (Alg. 3.1)
-    exchange: tuple[str, ...] | None = None   # parameter names or globs that travel; None = all
+    period_steps: int = 10  # local training steps per exchange (thesis: 10 or 500)
+    max_incoming: int = 2  # models kept per period; extra ones dropped at random
+    create: str = "mu"  # "mu" merge-then-update | "um" | "rw"
+    merge: str = "pushsum"  # "pushsum" (converges to the mean) | "thesis" (Alg. 3.1)
+    exchange: tuple[str, ...] | None = None  # parameter names or globs that travel; None = all
     send_timeout: float = 30.0
     max_retries: int = 2
-    periods: int = 0                  # stop after this many exchange periods; 0 = run forever
+    periods: int = 0  # stop after this many exchange periods; 0 = run forever
     lr: float = 0.05
     batch_size: int = 32
     seed: int = 0
-    eval_every: int = 10              # evaluate the local model every this many periods (0 = never)
-    min_peers: int = 1                # start training once this many peers are known
-    period_seconds: float = 0.0       # a period lasts at least this long (paces fast training)
-    lr_schedule: str = "cosine"       # "cosine" (to 0 at `periods`) | "linear" (word2vec's alpha decay) | "constant"
-    catch_up: bool = True             # a newcomer's first merge adopts far older models
-    max_norm: float | None = None     # refuse a received model whose L2 norm exceeds this
-    clip_norm: float | None = None    # cap a received model's L2 distance from ours
-    aggregation: str = "mean"         # "mean" (push-sum) | "median" | "trimmed_mean" | "krum" (screening)
-    byzantine: int = 0                # screening: Byzantine neighbours to tolerate per merge (f)
-    fanout: int = 1                   # peers the model is sent to per period
-    neighbour_ttl: int = 10           # screening: periods a neighbour's newest model stays usable
+    eval_every: int = 10  # evaluate the local model every this many periods (0 = never)
+    min_peers: int = 1  # start training once this many peers are known
+    period_seconds: float = 0.0  # a period lasts at least this long (paces fast training)
+    lr_schedule: str = "cosine"  # "cosine" (to 0 at `periods`) | "linear" (word2vec's alpha decay) | "constant"
+    catch_up: bool = True  # a newcomer's first merge adopts far older models
+    max_norm: float | None = None  # refuse a received model whose L2 norm exceeds this
+    clip_norm: float | None = None  # cap a received model's L2 distance from ours
+    aggregation: str = "mean"  # "mean" (push-sum) | "median" | "trimmed_mean" | "krum" (screening)
+    byzantine: int = 0  # screening: Byzantine neighbours to tolerate per merge (f)
+    fanout: int = 1  # peers the model is sent to per period
+    neighbour_ttl: int = 10  # screening: periods a neighbour's newest model stays usable
     # Coordinator-free vocabulary consensus (protocols/gossip_vocab.py) for tasks with a
     # vocabulary (term_counts/set_vocabulary): 0 = off, else the number of agents whose
     # offers make the vocabulary, this one included.
     vocab_agents: int = 0
-    vocab_members: tuple[str, ...] | None = None   # optional: exactly these agent ids
-    vocab_timeout: float = 120.0      # seconds for all offers and confirmations; then abort
-    vocab_min_count: int = 1          # merged count a term needs
-    vocab_max_size: int = 0           # keep at most this many terms (0 = all)
+    vocab_members: tuple[str, ...] | None = None  # optional: exactly these agent ids
+    vocab_timeout: float = 120.0  # seconds for all offers and confirmations; then abort
+    vocab_min_count: int = 1  # merged count a term needs
+    vocab_max_size: int = 0  # keep at most this many terms (0 = all)
 
     def lr_at(self, period: int) -> float:
         """The step size for ``period``: with a known end (``periods``) the default cosine
@@ -119,19 +119,23 @@ class GossipSettings:
             self.consensus_config()
         if self.lr_schedule not in ("cosine", "linear", "constant"):
             raise ConfigError(f"gossip.lr_schedule must be 'cosine', 'linear' or 'constant', not {self.lr_schedule!r}")
-        if self.lr <= 0 or self.batch_size < 1 or self.eval_every < 0 or self.min_peers < 0 \
-                or self.period_seconds < 0:
-            raise ConfigError("gossip: lr and batch_size must be positive; eval_every, min_peers and "
-                              "period_seconds non-negative")
+        if self.lr <= 0 or self.batch_size < 1 or self.eval_every < 0 or self.min_peers < 0 or self.period_seconds < 0:
+            raise ConfigError(
+                "gossip: lr and batch_size must be positive; eval_every, min_peers and period_seconds non-negative"
+            )
 
     def consensus_config(self):
         """The coordinator-free vocabulary consensus's configuration (``vocab_agents`` > 0)."""
         from fedagent.protocols.gossip_vocab import ConsensusConfig
 
         try:
-            return ConsensusConfig(expected_agents=self.vocab_agents, deadline=self.vocab_timeout,
-                                   min_count=self.vocab_min_count, max_size=self.vocab_max_size,
-                                   members=self.vocab_members)
+            return ConsensusConfig(
+                expected_agents=self.vocab_agents,
+                deadline=self.vocab_timeout,
+                min_count=self.vocab_min_count,
+                max_size=self.vocab_max_size,
+                members=self.vocab_members,
+            )
         except ValueError as exc:
             raise ConfigError(f"[gossip] vocabulary: {exc}") from None
 
@@ -140,12 +144,24 @@ class GossipSettings:
         from fedagent.protocols.gossip import GossipConfig
 
         try:
-            cfg = GossipConfig(period_steps=self.period_steps, max_incoming=self.max_incoming,
-                               create=self.create, merge=self.merge, exchange=names, catch_up=self.catch_up,
-                               send_timeout=self.send_timeout, max_retries=self.max_retries,
-                               periods=self.periods, seed=self.seed, max_norm=self.max_norm,
-                               clip_norm=self.clip_norm, aggregation=self.aggregation,
-                               byzantine=self.byzantine, fanout=self.fanout, neighbour_ttl=self.neighbour_ttl)
+            cfg = GossipConfig(
+                period_steps=self.period_steps,
+                max_incoming=self.max_incoming,
+                create=self.create,
+                merge=self.merge,
+                exchange=names,
+                catch_up=self.catch_up,
+                send_timeout=self.send_timeout,
+                max_retries=self.max_retries,
+                periods=self.periods,
+                seed=self.seed,
+                max_norm=self.max_norm,
+                clip_norm=self.clip_norm,
+                aggregation=self.aggregation,
+                byzantine=self.byzantine,
+                fanout=self.fanout,
+                neighbour_ttl=self.neighbour_ttl,
+            )
         except ValueError as exc:
             raise ConfigError(f"[gossip]: {exc}") from None
         if self.aggregation != "mean":
@@ -157,7 +173,8 @@ class GossipSettings:
                     f"[gossip]: aggregation = {self.aggregation} with byzantine = {self.byzantine} merges a node's "
                     f"own model with at least {need} neighbours' models ({_SCREEN_RULE[self.aggregation]}), "
                     f"but min_peers is {self.min_peers}: raise min_peers to {need} (and run that many "
-                    "peers) or lower byzantine")
+                    "peers) or lower byzantine"
+                )
         return cfg
 
 
@@ -166,21 +183,21 @@ class SyncOptSettings:
     """``[syncopt]``: gFedNTM's vocabulary consensus and Sync-Opt steps (coordinator side;
     see :mod:`fedagent.protocols.vocab` and :mod:`fedagent.protocols.syncopt`)."""
 
-    steps: int = 500                  # I in Algorithm 1
-    tol: float = 0.0                  # stop when ||W(t+1)-W(t)|| / ||W(t)|| < tol (0 = never)
-    step_timeout: float = 60.0        # seconds a step waits for its gradients
-    on_fault: str = "continue"        # "continue" without a vanished agent, or "abort"
-    min_gradients: int = 1            # "continue": aggregate a faulty step with at least this many
-    max_norm: float | None = None     # refuse gradients with a larger L2 norm
-    aggregation: str = "weighted"     # "weighted" (by samples) | "mean"
-    expected_agents: int = 0          # start (vocabulary, steps) once this many agents took part
-    min_agents: int = 1               # quorum at the vocabulary deadline / start_grace
-    vocab_timeout: float = 60.0       # vocabulary deadline: merge then with a quorum
-    min_count: int = 1                # keep terms counted at least this often over all agents
-    max_size: int = 0                 # keep at most this many terms (0 = all)
-    start_grace: float = 5.0          # tasks without a vocabulary: wait this long after quorum
-    checkpoint_every: int = 10        # steps between checkpoints (and always the last one)
-    seed: int = 0                     # torch seed for the model's initial weights on the coordinator
+    steps: int = 500  # I in Algorithm 1
+    tol: float = 0.0  # stop when ||W(t+1)-W(t)|| / ||W(t)|| < tol (0 = never)
+    step_timeout: float = 60.0  # seconds a step waits for its gradients
+    on_fault: str = "continue"  # "continue" without a vanished agent, or "abort"
+    min_gradients: int = 1  # "continue": aggregate a faulty step with at least this many
+    max_norm: float | None = None  # refuse gradients with a larger L2 norm
+    aggregation: str = "weighted"  # "weighted" (by samples) | "mean"
+    expected_agents: int = 0  # start (vocabulary, steps) once this many agents took part
+    min_agents: int = 1  # quorum at the vocabulary deadline / start_grace
+    vocab_timeout: float = 60.0  # vocabulary deadline: merge then with a quorum
+    min_count: int = 1  # keep terms counted at least this often over all agents
+    max_size: int = 0  # keep at most this many terms (0 = all)
+    start_grace: float = 5.0  # tasks without a vocabulary: wait this long after quorum
+    checkpoint_every: int = 10  # steps between checkpoints (and always the last one)
+    seed: int = 0  # torch seed for the model's initial weights on the coordinator
 
     def __post_init__(self) -> None:
         if self.expected_agents < 0 or self.min_agents < 1 or self.checkpoint_every < 1:
@@ -194,9 +211,15 @@ class SyncOptSettings:
         from fedagent.protocols.syncopt import SyncOptConfig
 
         try:
-            return SyncOptConfig(steps=self.steps, tol=self.tol, step_timeout=self.step_timeout,
-                                 on_fault=self.on_fault, min_gradients=self.min_gradients,
-                                 max_norm=self.max_norm, aggregation=self.aggregation)
+            return SyncOptConfig(
+                steps=self.steps,
+                tol=self.tol,
+                step_timeout=self.step_timeout,
+                on_fault=self.on_fault,
+                min_gradients=self.min_gradients,
+                max_norm=self.max_norm,
+                aggregation=self.aggregation,
+            )
         except ValueError as exc:
             raise ConfigError(f"[syncopt]: {exc}") from None
 
@@ -204,8 +227,13 @@ class SyncOptSettings:
         from fedagent.protocols.vocab import VocabConfig
 
         try:
-            return VocabConfig(expected_agents=self.expected_agents, min_agents=self.min_agents,
-                               deadline=self.vocab_timeout, min_count=self.min_count, max_size=self.max_size)
+            return VocabConfig(
+                expected_agents=self.expected_agents,
+                min_agents=self.min_agents,
+                deadline=self.vocab_timeout,
+                min_count=self.min_count,
+                max_size=self.max_size,
+            )
         except ValueError as exc:
             raise ConfigError(f"[syncopt]: {exc}") from None
 
@@ -222,11 +250,11 @@ class SearchSettings:
     mapper MLP trained on them. The same on every member of a federation."""
 
     space: str = "joint"
-    local_epochs: int = 10            # mapped: epochs of this site's own model
+    local_epochs: int = 10  # mapped: epochs of this site's own model
     lr: float = 0.025
     batch_size: int = 256
     public_docs: int = 200
-    mapper_epochs: int = 150          # see fedagent.tasks.seec: the 200-post sample needs more than 20
+    mapper_epochs: int = 150  # see fedagent.tasks.seec: the 200-post sample needs more than 20
     mapper_lr: float = 1e-3
     mapper_hidden: int = 1200
     seed: int = 0
@@ -241,17 +269,24 @@ class SearchSettings:
 
         if self.space not in SPACES:
             raise ConfigError(f"search: space must be one of {SPACES}, not {self.space!r}")
-        if not (1 <= self.local_epochs <= 10_000 and 1 <= self.mapper_epochs <= 100_000
-                and 1 <= self.batch_size and 1 <= self.mapper_hidden <= 100_000):
+        if not (
+            1 <= self.local_epochs <= 10_000
+            and 1 <= self.mapper_epochs <= 100_000
+            and 1 <= self.batch_size
+            and 1 <= self.mapper_hidden <= 100_000
+        ):
             raise ConfigError("search: local_epochs, mapper_epochs, batch_size, mapper_hidden must be positive")
         if not 1 <= self.public_docs <= MAX_PUBLIC_DOCS:
             raise ConfigError(f"search: public_docs must be in 1..{MAX_PUBLIC_DOCS}")
         if not (self.lr > 0 and self.mapper_lr > 0):
             raise ConfigError("search: lr and mapper_lr must be positive")
-        if not (isinstance(self.requests_per_minute, (int, float)) and 0 <= self.requests_per_minute <= 1e6
-                and isinstance(self.request_burst, int) and 1 <= self.request_burst <= 10_000):
-            raise ConfigError("search: requests_per_minute must be in 0..1e6 (0: no limit), "
-                              "request_burst in 1..10000")
+        if not (
+            isinstance(self.requests_per_minute, (int, float))
+            and 0 <= self.requests_per_minute <= 1e6
+            and isinstance(self.request_burst, int)
+            and 1 <= self.request_burst <= 10_000
+        ):
+            raise ConfigError("search: requests_per_minute must be in 0..1e6 (0: no limit), request_burst in 1..10000")
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,11 +294,11 @@ class NodeConfig:
     """Shared by ``fedagent agent`` and ``fedagent coordinator``."""
 
     path: Path
-    role: str                         # "agent" or "coordinator"
+    role: str  # "agent" or "coordinator"
     id: str
-    federation: str                   # "" for an agent that has not joined yet
+    federation: str  # "" for an agent that has not joined yet
     mode: str
-    broker: str                       # "" = find by mDNS
+    broker: str  # "" = find by mDNS
     tls: TlsConfig
     state_dir: Path
     runtime_dir: Path | None
@@ -277,17 +312,17 @@ class NodeConfig:
     search: SearchSettings = field(default_factory=SearchSettings)
     max_chunk_bytes: int = 4 * 2**20
     max_model_bytes: int = 1 * 2**30
-    compression: str = "none"         # coordinator: how agents send updates (none|fp16|int8|topk)
+    compression: str = "none"  # coordinator: how agents send updates (none|fp16|int8|topk)
     topk_ratio: float = 0.01
-    stream_updates: bool | None = None   # coordinator: True/False forces it; None: streamed when the aggregation allows
-    metrics_port: int = 0          # 0: a free loopback port (shown by status); -1: off
+    stream_updates: bool | None = None  # coordinator: True/False forces it; None: streamed when the aggregation allows
+    metrics_port: int = 0  # 0: a free loopback port (shown by status); -1: off
     metrics_host: str = "127.0.0.1"
     torch_threads: int = 1
     max_clock_skew: float = 300.0  # [security]: a message's timestamp may differ this much from ours
 
     @property
     def control_socket(self) -> Path:
-        from fedagent.agent.control import default_socket_path
+        from fedagent.node.control import default_socket_path
 
         if self.runtime_dir is not None:
             return self.runtime_dir / f"{self.role}.sock"
@@ -299,9 +334,26 @@ class NodeConfig:
         return replace(self, federation=federation, broker=broker)
 
 
-_TOP = {"id", "federation", "mode", "state_dir", "runtime_dir", "broker", "tls", "discovery",
-        "task", "rounds", "gossip", "syncopt", "transfer", "metrics_port", "metrics_host", "torch_threads",
-        "security", "search"}
+_TOP = {
+    "id",
+    "federation",
+    "mode",
+    "state_dir",
+    "runtime_dir",
+    "broker",
+    "tls",
+    "discovery",
+    "task",
+    "rounds",
+    "gossip",
+    "syncopt",
+    "transfer",
+    "metrics_port",
+    "metrics_host",
+    "torch_threads",
+    "security",
+    "search",
+}
 
 
 def _table(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
@@ -343,8 +395,11 @@ def load(path: Path | str, role: str) -> NodeConfig:
         if mode not in MODES:
             raise ConfigError(f"{where}: mode must be one of {MODES}, not {mode!r}")
         tls_raw = _table(raw, "tls", where)
-        tls = TlsConfig(ca=p(tls_raw.get("ca"), "tls.ca"), cert=p(tls_raw.get("cert"), "tls.cert"),
-                        key=p(tls_raw.get("key"), "tls.key"))
+        tls = TlsConfig(
+            ca=p(tls_raw.get("ca"), "tls.ca"),
+            cert=p(tls_raw.get("cert"), "tls.cert"),
+            key=p(tls_raw.get("key"), "tls.key"),
+        )
         broker = _table(raw, "broker", where).get("uri", "")
         if broker and not str(broker).startswith("mqtts://"):
             raise ConfigError(f"{where}: broker.uri must look like mqtts://HOST:PORT, not {broker!r}")
@@ -362,13 +417,13 @@ def load(path: Path | str, role: str) -> NodeConfig:
         gossip_raw = _table(raw, "gossip", where)
         try:
             gossip = GossipSettings(**gossip_raw)
-            gossip.machine_config(gossip.exchange)          # validates the rest now
+            gossip.machine_config(gossip.exchange)  # validates the rest now
         except TypeError as exc:
             raise ConfigError(f"{where}: [gossip]: {exc}") from None
         syncopt_raw = _table(raw, "syncopt", where)
         try:
             syncopt = SyncOptSettings(**syncopt_raw)
-            syncopt.machine_config()                       # validates the rest now
+            syncopt.machine_config()  # validates the rest now
             syncopt.vocab_config()
         except TypeError as exc:
             raise ConfigError(f"{where}: [syncopt]: {exc}") from None
@@ -387,10 +442,22 @@ def load(path: Path | str, role: str) -> NodeConfig:
         state_dir = p(raw.get("state_dir", os.environ.get("STATE_DIRECTORY", "/var/lib/fedagent")), "state_dir")
         rt = raw.get("runtime_dir") or os.environ.get("RUNTIME_DIRECTORY")
         return NodeConfig(
-            path=path, role=role, id=node_id, federation=federation, mode=mode, broker=broker,
-            tls=tls, state_dir=state_dir, runtime_dir=p(rt, "runtime_dir") if rt else None,
-            interfaces=interfaces, advertise=bool(disc.get("advertise", True)),
-            task=str(task.get("name", "digits")), task_options=options, rounds=rounds, gossip=gossip, syncopt=syncopt,
+            path=path,
+            role=role,
+            id=node_id,
+            federation=federation,
+            mode=mode,
+            broker=broker,
+            tls=tls,
+            state_dir=state_dir,
+            runtime_dir=p(rt, "runtime_dir") if rt else None,
+            interfaces=interfaces,
+            advertise=bool(disc.get("advertise", True)),
+            task=str(task.get("name", "digits")),
+            task_options=options,
+            rounds=rounds,
+            gossip=gossip,
+            syncopt=syncopt,
             search=search,
             max_chunk_bytes=int(transfer.get("max_chunk_bytes", 4 * 2**20)),
             max_model_bytes=int(transfer.get("max_model_bytes", 2**30)),
@@ -425,11 +492,23 @@ def _compression(transfer: dict[str, Any], where: str) -> str:
     return mode
 
 
-def render(*, node_id: str, federation: str, tls: TlsConfig, state_dir: Path, broker: str = "",
-           runtime_dir: Path | None = None, mode: str = "fedavg", interfaces: tuple[str, ...] = ("127.0.0.1",),
-           task: str = "digits", task_options: dict[str, Any] | None = None,
-           rounds: dict[str, Any] | None = None, gossip: dict[str, Any] | None = None,
-           syncopt: dict[str, Any] | None = None, search: dict[str, Any] | None = None) -> str:
+def render(
+    *,
+    node_id: str,
+    federation: str,
+    tls: TlsConfig,
+    state_dir: Path,
+    broker: str = "",
+    runtime_dir: Path | None = None,
+    mode: str = "fedavg",
+    interfaces: tuple[str, ...] = ("127.0.0.1",),
+    task: str = "digits",
+    task_options: dict[str, Any] | None = None,
+    rounds: dict[str, Any] | None = None,
+    gossip: dict[str, Any] | None = None,
+    syncopt: dict[str, Any] | None = None,
+    search: dict[str, Any] | None = None,
+) -> str:
     """A config file as TOML text (used by the demo, the tests and ``fedagent init``)."""
     doc: dict[str, Any] = {"id": node_id, "federation": federation, "mode": mode, "state_dir": str(state_dir)}
     if runtime_dir is not None:

@@ -25,10 +25,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fedagent import checkpoint, config, pki
-from fedagent.agent.control import request
 from fedagent.broker import EmbeddedBroker
 from fedagent.config import TlsConfig
 from fedagent.errors import FedagentError
+from fedagent.node.control import request
 
 LOCAL_EPOCHS = 2
 LR = 0.05
@@ -46,10 +46,22 @@ class Proc:
 class Federation:
     """Processes and files of one local federation; ``close()`` removes them all."""
 
-    def __init__(self, work: Path, *, agents: int, rounds: int, alpha: float, federation: str | None = None,
-                 round_timeout: float = 60.0, agent_broker_by_mdns: bool = True, mode: str = "fedavg",
-                 gossip: dict | None = None, broker_per_agent: bool = False, task: str = "digits",
-                 task_options: dict | None = None) -> None:
+    def __init__(
+        self,
+        work: Path,
+        *,
+        agents: int,
+        rounds: int,
+        alpha: float,
+        federation: str | None = None,
+        round_timeout: float = 60.0,
+        agent_broker_by_mdns: bool = True,
+        mode: str = "fedavg",
+        gossip: dict | None = None,
+        broker_per_agent: bool = False,
+        task: str = "digits",
+        task_options: dict | None = None,
+    ) -> None:
         self.work = work
         self.n = agents
         self.rounds = rounds
@@ -67,7 +79,7 @@ class Federation:
         # every agent; ``alpha`` is digits' own option and is then not passed.
         self.task = task
         self.task_options = task_options
-        self.broker_per_agent = broker_per_agent     # gossip: every agent on a broker of its own
+        self.broker_per_agent = broker_per_agent  # gossip: every agent on a broker of its own
         self.agent_brokers: dict[str, EmbeddedBroker] = {}
 
     # -- set-up ----------------------------------------------------------------------
@@ -76,15 +88,21 @@ class Federation:
         pki.create_ca(ca_dir, self.fed)
         for name in [self.coordinator_id, *self.agent_ids]:
             pki.issue(ca_dir, ca_dir, name, "coordinator" if name == self.coordinator_id else "agent")
-        self.broker = EmbeddedBroker(self.work / "broker", federations=[self.fed],
-                                     coordinators=[self.coordinator_id], ca_dir=ca_dir)
+        self.broker = EmbeddedBroker(
+            self.work / "broker", federations=[self.fed], coordinators=[self.coordinator_id], ca_dir=ca_dir
+        )
         self.broker.start()
         if self.mode == "gossip" and self.broker_per_agent:
             # Every agent on its own broker (same CA): a model goes to the receiver's
             # inbox on the receiver's broker, found through the receiver's mDNS advert.
             for i, aid in enumerate(self.agent_ids):
-                b = EmbeddedBroker(self.work / f"broker-{aid}", federations=[self.fed], coordinators=[],
-                                   ca_dir=ca_dir, name=f"broker-{aid}")
+                b = EmbeddedBroker(
+                    self.work / f"broker-{aid}",
+                    federations=[self.fed],
+                    coordinators=[],
+                    ca_dir=ca_dir,
+                    name=f"broker-{aid}",
+                )
                 b.start()
                 self.agent_brokers[aid] = b
                 self._write_gossip_agent(aid, i, b.uri)
@@ -95,11 +113,25 @@ class Federation:
             for i, aid in enumerate(self.agent_ids):
                 self._write_gossip_agent(aid, i, self.broker.uri if (i == 0 or not self.by_mdns) else "")
             return
-        rounds = {"rounds": self.rounds, "min_agents": self.n, "expected_agents": self.n,
-                  "min_updates": max(1, self.n // 2), "round_timeout": self.round_timeout,
-                  "local_epochs": LOCAL_EPOCHS, "lr": LR, "batch_size": BATCH, "seed": SEED}
-        self._write("coordinator", self.coordinator_id, self.broker.uri,
-                    {"seed": SEED, **(self.task_options or {})}, rounds, self.task)
+        rounds = {
+            "rounds": self.rounds,
+            "min_agents": self.n,
+            "expected_agents": self.n,
+            "min_updates": max(1, self.n // 2),
+            "round_timeout": self.round_timeout,
+            "local_epochs": LOCAL_EPOCHS,
+            "lr": LR,
+            "batch_size": BATCH,
+            "seed": SEED,
+        }
+        self._write(
+            "coordinator",
+            self.coordinator_id,
+            self.broker.uri,
+            {"seed": SEED, **(self.task_options or {})},
+            rounds,
+            self.task,
+        )
         for i, aid in enumerate(self.agent_ids):
             self._write(aid, aid, "" if self.by_mdns else self.broker.uri, self.shard_options(i), None, self.task)
 
@@ -107,20 +139,44 @@ class Federation:
         """Configs for a ``mode = "syncopt"`` federation (call after ``prepare()`` has made
         the PKI and the broker): ``agent_options(i)`` gives agent i's task options."""
         assert self.broker is not None
-        self._write("coordinator", self.coordinator_id, self.broker.uri, coordinator_options, None, task,
-                    mode="syncopt", syncopt=syncopt)
+        self._write(
+            "coordinator",
+            self.coordinator_id,
+            self.broker.uri,
+            coordinator_options,
+            None,
+            task,
+            mode="syncopt",
+            syncopt=syncopt,
+        )
         for i, aid in enumerate(self.agent_ids):
-            self._write(aid, aid, "" if self.by_mdns else self.broker.uri, agent_options(i), None, task,
-                        mode="syncopt")
+            self._write(aid, aid, "" if self.by_mdns else self.broker.uri, agent_options(i), None, task, mode="syncopt")
 
-    def _write(self, stem: str, node_id: str, broker: str, task_options: dict, rounds: dict | None,
-               task: str = "digits", **extra) -> Path:
+    def _write(
+        self,
+        stem: str,
+        node_id: str,
+        broker: str,
+        task_options: dict,
+        rounds: dict | None,
+        task: str = "digits",
+        **extra,
+    ) -> Path:
         """Write ``<stem>.toml``; ``extra`` goes to :func:`config.render` (mode, gossip)."""
         ca_dir = self.work / "pki"
         tls = TlsConfig(ca=ca_dir / "ca.crt", cert=ca_dir / f"{node_id}.crt", key=ca_dir / f"{node_id}.key")
-        text = config.render(node_id=node_id, federation=self.fed, tls=tls, broker=broker,
-                             state_dir=self.work / "state" / stem, runtime_dir=self.work / "run" / stem,
-                             task=task, task_options=task_options, rounds=rounds, **extra)
+        text = config.render(
+            node_id=node_id,
+            federation=self.fed,
+            tls=tls,
+            broker=broker,
+            state_dir=self.work / "state" / stem,
+            runtime_dir=self.work / "run" / stem,
+            task=task,
+            task_options=task_options,
+            rounds=rounds,
+            **extra,
+        )
         path = self.config_path(stem)
         path.write_text(text)
         return path
@@ -131,8 +187,16 @@ class Federation:
         return {"seed": SEED, **self.task_options, "shard": shard, "shards": self.n}
 
     def _write_gossip_agent(self, node_id: str, shard: int, broker: str) -> Path:
-        return self._write(node_id, node_id, broker, self.shard_options(shard), None, self.task,
-                           mode="gossip", gossip={"lr": LR, "batch_size": BATCH, "seed": SEED, **self.gossip})
+        return self._write(
+            node_id,
+            node_id,
+            broker,
+            self.shard_options(shard),
+            None,
+            self.task,
+            mode="gossip",
+            gossip={"lr": LR, "batch_size": BATCH, "seed": SEED, **self.gossip},
+        )
 
     def _enroll(self, node_id: str, write) -> Proc:
         """Issue ``node_id`` a certificate, ``write()`` its config, start it."""
@@ -147,8 +211,9 @@ class Federation:
         assert self.broker is not None
         return self._write("coordinator", self.coordinator_id, self.broker.uri, task_options, rounds, task)
 
-    def add_agent(self, node_id: str, task: str, task_options: dict, rounds: dict | None = None,
-                  broker: str | None = None) -> Proc:
+    def add_agent(
+        self, node_id: str, task: str, task_options: dict, rounds: dict | None = None, broker: str | None = None
+    ) -> Proc:
         """A new agent (its own certificate and config) started now; ``broker=None``
         gives it the broker's address, ``""`` makes it look the broker up by mDNS."""
         assert self.broker is not None
@@ -176,9 +241,13 @@ class Federation:
         log.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("NOTIFY_SOCKET", None)
-        popen = subprocess.Popen([sys.executable, "-m", "fedagent", role, "--config", str(self.config_path(stem))],
-                                 stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True)
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "fedagent", role, "--config", str(self.config_path(stem))],
+            stdout=log.open("ab"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         proc = Proc(stem, popen, log)
         self.procs.append(proc)
         return proc
@@ -289,9 +358,17 @@ PERIOD_SECONDS = 0.1
 GOSSIP_LR = 0.1
 
 
-def run_gossip_demo(*, agents: int = 5, periods: int = 100, period_steps: int = 10, alpha: float = 0.3,
-                    keep: bool = False, report_dir: Path | None = None, console: Console | None = None,
-                    merge: str = "pushsum") -> int:
+def run_gossip_demo(
+    *,
+    agents: int = 5,
+    periods: int = 100,
+    period_steps: int = 10,
+    alpha: float = 0.3,
+    keep: bool = False,
+    report_dir: Path | None = None,
+    console: Console | None = None,
+    merge: str = "pushsum",
+) -> int:
     import torch
 
     from fedagent.tasks.base import load_task, set_weights
@@ -301,19 +378,35 @@ def run_gossip_demo(*, agents: int = 5, periods: int = 100, period_steps: int = 
         raise FedagentError("the demo needs at least 2 agents")
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="fedagent-gossip-demo-"))
-    fed = Federation(work, agents=agents, rounds=1, alpha=alpha, mode="gossip",
-                     gossip={"periods": periods, "period_steps": period_steps, "merge": merge,
-                             "min_peers": agents - 1, "period_seconds": PERIOD_SECONDS, "lr": GOSSIP_LR})
+    fed = Federation(
+        work,
+        agents=agents,
+        rounds=1,
+        alpha=alpha,
+        mode="gossip",
+        gossip={
+            "periods": periods,
+            "period_steps": period_steps,
+            "merge": merge,
+            "min_peers": agents - 1,
+            "period_seconds": PERIOD_SECONDS,
+            "lr": GOSSIP_LR,
+        },
+    )
     started = time.monotonic()
     try:
-        console.print(f"[bold]fedagent demo --mode gossip[/]: federation [cyan]{fed.fed}[/], {agents} agents and "
-                      f"[bold]no coordinator[/]; each trains {period_steps} mini-batches, sends its model to a random "
-                      f"peer and merges what it received ({merge}), {periods} times; scikit-learn digits "
-                      f"(Dirichlet alpha={alpha}); work dir {work}")
+        console.print(
+            f"[bold]fedagent demo --mode gossip[/]: federation [cyan]{fed.fed}[/], {agents} agents and "
+            f"[bold]no coordinator[/]; each trains {period_steps} mini-batches, sends its model to a random "
+            f"peer and merges what it received ({merge}), {periods} times; scikit-learn digits "
+            f"(Dirichlet alpha={alpha}); work dir {work}"
+        )
         with console.status("creating a CA and certificates, starting a private Mosquitto ..."):
             fed.prepare()
-        console.print(f"broker [green]{fed.broker.uri}[/] (mutual TLS, per-agent ACL); {fed.agent_ids[0]} is given "
-                      f"the broker and advertises it, the others find it by mDNS on 127.0.0.1")
+        console.print(
+            f"broker [green]{fed.broker.uri}[/] (mutual TLS, per-agent ACL); {fed.agent_ids[0]} is given "
+            f"the broker and advertises it, the others find it by mDNS on 127.0.0.1"
+        )
         fed.start_all()
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         statuses: dict[str, dict | None] = {}
@@ -328,8 +421,10 @@ def run_gossip_demo(*, agents: int = 5, periods: int = 100, period_steps: int = 
                     sent = sum(s["gossip"]["sent"] for s in live)
                     dropped = sum(s["gossip"]["dropped"] for s in live)
                     dis = [s["disagreement_rel"] for s in live if s.get("disagreement_rel") is not None]
-                    desc = (f"slowest agent at period {slowest}, {len(live)}/{agents} gossiping, {sent} models sent, "
-                            f"{dropped} dropped" + (f", disagreement {max(dis):.1%}" if dis else ""))
+                    desc = (
+                        f"slowest agent at period {slowest}, {len(live)}/{agents} gossiping, {sent} models sent, "
+                        f"{dropped} dropped" + (f", disagreement {max(dis):.1%}" if dis else "")
+                    )
                     progress.update(bar, completed=slowest, description=desc)
                     if len(live) == agents and all(s["round_state"] == "finished" for s in live):
                         break
@@ -337,8 +432,10 @@ def run_gossip_demo(*, agents: int = 5, periods: int = 100, period_steps: int = 
                     raise FedagentError(f"the federation did not finish in 10 minutes; logs in {work / 'logs'}")
                 time.sleep(0.25)
         fed.close()
-        console.print(f"all agents finished {periods} periods in {time.monotonic() - started:.1f}s; evaluating each "
-                      "agent's own model against local-only and centralized training")
+        console.print(
+            f"all agents finished {periods} periods in {time.monotonic() - started:.1f}s; evaluating each "
+            "agent's own model against local-only and centralized training"
+        )
         task = load_task("digits", {"seed": SEED})
         table = Table(title="test accuracy on the held-out digits (450 images)", title_justify="left")
         for col, just in (("model", "left"), ("training data", "left"), ("accuracy", "right")):
@@ -355,10 +452,14 @@ def run_gossip_demo(*, agents: int = 5, periods: int = 100, period_steps: int = 
         local_acc: dict[str, float] = {}
         for i, aid in enumerate(fed.agent_ids):
             n = (statuses.get(aid) or {}).get("num_samples", "?")
-            table.add_row(f"[bold]gossip: {aid}'s own model[/]", f"{agents} agents, never pooled",
-                          f"[bold]{gossip_acc[aid]:.3f}[/]")
-            local_acc[aid] = train_reference_steps({"shard": i, "shards": agents, "alpha": alpha, "seed": SEED}, steps,
-                                                  GOSSIP_LR, cosine=True)
+            table.add_row(
+                f"[bold]gossip: {aid}'s own model[/]",
+                f"{agents} agents, never pooled",
+                f"[bold]{gossip_acc[aid]:.3f}[/]",
+            )
+            local_acc[aid] = train_reference_steps(
+                {"shard": i, "shards": agents, "alpha": alpha, "seed": SEED}, steps, GOSSIP_LR, cosine=True
+            )
             table.add_row(f"local only: {aid}", f"its own shard ({n} images), {steps} steps", f"{local_acc[aid]:.3f}")
         central = train_reference_steps({"seed": SEED}, steps * agents, GOSSIP_LR, cosine=True)
         table.add_row("centralized", f"union of all shards, {steps * agents} steps", f"{central:.3f}")
@@ -367,16 +468,27 @@ def run_gossip_demo(*, agents: int = 5, periods: int = 100, period_steps: int = 
         if report_dir is not None:
             from fedagent.report import write_gossip_report
 
-            md = write_gossip_report(sorted((work / "state").glob(f"*/agent/{fed.fed}/history.jsonl")), report_dir,
-                                     title=f"fedagent gossip demo: {agents} agents, {periods} periods of "
-                                           f"{period_steps} steps, digits (alpha={alpha}), merge={merge}",
-                                     final=gossip_acc, local=local_acc, centralized=central, margin=GOSSIP_MARGIN)
+            md = write_gossip_report(
+                sorted((work / "state").glob(f"*/agent/{fed.fed}/history.jsonl")),
+                report_dir,
+                title=f"fedagent gossip demo: {agents} agents, {periods} periods of "
+                f"{period_steps} steps, digits (alpha={alpha}), merge={merge}",
+                final=gossip_acc,
+                local=local_acc,
+                centralized=central,
+                margin=GOSSIP_MARGIN,
+            )
             console.print(f"report with plots: [cyan]{md}[/]")
         ok = central - worst <= GOSSIP_MARGIN
-        verdict = (f"[green]every agent within {GOSSIP_MARGIN} of centralized[/]" if ok else
-                   f"[red]an agent is more than {GOSSIP_MARGIN} below centralized[/]")
-        console.print(f"{verdict}: worst agent {worst:.3f}, centralized {central:.3f} "
-                      f"(gap {central - worst:+.3f}); total {time.monotonic() - started:.1f}s")
+        verdict = (
+            f"[green]every agent within {GOSSIP_MARGIN} of centralized[/]"
+            if ok
+            else f"[red]an agent is more than {GOSSIP_MARGIN} below centralized[/]"
+        )
+        console.print(
+            f"{verdict}: worst agent {worst:.3f}, centralized {central:.3f} "
+            f"(gap {central - worst:+.3f}); total {time.monotonic() - started:.1f}s"
+        )
         return 0 if ok else 1
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; stopping every process the demo started[/]")
@@ -385,8 +497,15 @@ def run_gossip_demo(*, agents: int = 5, periods: int = 100, period_steps: int = 
         _tidy(fed, work, keep, console)
 
 
-def run_demo(*, agents: int = 3, rounds: int = 15, alpha: float = 0.3, keep: bool = False,
-             report_dir: Path | None = None, console: Console | None = None) -> int:
+def run_demo(
+    *,
+    agents: int = 3,
+    rounds: int = 15,
+    alpha: float = 0.3,
+    keep: bool = False,
+    report_dir: Path | None = None,
+    console: Console | None = None,
+) -> int:
     import torch
 
     from fedagent.tasks.base import load_task, set_weights
@@ -399,12 +518,16 @@ def run_demo(*, agents: int = 3, rounds: int = 15, alpha: float = 0.3, keep: boo
     fed = Federation(work, agents=agents, rounds=rounds, alpha=alpha)
     started = time.monotonic()
     try:
-        console.print(f"[bold]fedagent demo[/]: federation [cyan]{fed.fed}[/], {agents} agents, {rounds} FedAvg "
-                      f"rounds on scikit-learn digits (Dirichlet alpha={alpha}); work dir {work}")
+        console.print(
+            f"[bold]fedagent demo[/]: federation [cyan]{fed.fed}[/], {agents} agents, {rounds} FedAvg "
+            f"rounds on scikit-learn digits (Dirichlet alpha={alpha}); work dir {work}"
+        )
         with console.status("creating a CA and certificates, starting a private Mosquitto ..."):
             fed.prepare()
-        console.print(f"broker [green]{fed.broker.uri}[/] (mutual TLS, per-agent ACL); starting the "
-                      f"coordinator and {agents} agents; agents find the coordinator by mDNS on 127.0.0.1")
+        console.print(
+            f"broker [green]{fed.broker.uri}[/] (mutual TLS, per-agent ACL); starting the "
+            f"coordinator and {agents} agents; agents find the coordinator by mDNS on 127.0.0.1"
+        )
         fed.start_all()
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         with Progress(*columns, console=console, transient=False) as progress:
@@ -415,8 +538,9 @@ def run_demo(*, agents: int = 3, rounds: int = 15, alpha: float = 0.3, keep: boo
                 if s is not None:
                     m = s.get("metrics") or {}
                     online = sum(1 for p in (s.get("peers") or {}).values() if p.get("online"))
-                    desc = (f"round {s['round']} ({s['phase']}), {online}/{agents} agents online"
-                            + (f", train loss {m['loss']:.3f}" if "loss" in m else ""))
+                    desc = f"round {s['round']} ({s['phase']}), {online}/{agents} agents online" + (
+                        f", train loss {m['loss']:.3f}" if "loss" in m else ""
+                    )
                     progress.update(bar, completed=s["completed_rounds"], description=desc)
                     if s["phase"] == "done":
                         break
@@ -426,8 +550,10 @@ def run_demo(*, agents: int = 3, rounds: int = 15, alpha: float = 0.3, keep: boo
         agent_status = {aid: fed.status(aid) for aid in fed.agent_ids}
         weights, meta = fed.final_weights()
         fed.close()
-        console.print(f"federation finished {meta['completed_rounds']} rounds in "
-                      f"{time.monotonic() - started:.1f}s; evaluating against local-only and centralized training")
+        console.print(
+            f"federation finished {meta['completed_rounds']} rounds in "
+            f"{time.monotonic() - started:.1f}s; evaluating against local-only and centralized training"
+        )
 
         task = load_task("digits", {"seed": SEED})
         model = task.build_model()
@@ -451,18 +577,28 @@ def run_demo(*, agents: int = 3, rounds: int = 15, alpha: float = 0.3, keep: boo
         if report_dir is not None:
             from fedagent.report import find_histories, write_report
 
-            md = write_report(find_histories(work / "state"), report_dir,
-                              title=f"fedagent demo: {agents} agents, {rounds} rounds, digits (alpha={alpha})")
+            md = write_report(
+                find_histories(work / "state"),
+                report_dir,
+                title=f"fedagent demo: {agents} agents, {rounds} rounds, digits (alpha={alpha})",
+            )
             with md.open("a") as f:
-                f.write("\n## Final test accuracy\n\n| model | accuracy |\n|---|---|\n"
-                        f"| federated (FedAvg) | {federated:.3f} |\n"
-                        + "".join(f"| local only: {aid} | {acc:.3f} |\n" for aid, acc in zip(fed.agent_ids, locals_))
-                        + f"| centralized | {central:.3f} |\n")
+                f.write(
+                    "\n## Final test accuracy\n\n| model | accuracy |\n|---|---|\n"
+                    f"| federated (FedAvg) | {federated:.3f} |\n"
+                    + "".join(f"| local only: {aid} | {acc:.3f} |\n" for aid, acc in zip(fed.agent_ids, locals_))
+                    + f"| centralized | {central:.3f} |\n"
+                )
             console.print(f"report with plots: [cyan]{md}[/]")
         ok = all(federated >= a for a in locals_)
-        verdict = "[green]federated >= every local-only model[/]" if ok else \
-            "[red]federated model is below a local-only model[/]"
-        console.print(f"{verdict}; gap to centralized {central - federated:+.3f}; total {time.monotonic() - started:.1f}s")
+        verdict = (
+            "[green]federated >= every local-only model[/]"
+            if ok
+            else "[red]federated model is below a local-only model[/]"
+        )
+        console.print(
+            f"{verdict}; gap to centralized {central - federated:+.3f}; total {time.monotonic() - started:.1f}s"
+        )
         return 0 if ok else 1
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; stopping every process the demo started[/]")
@@ -474,9 +610,20 @@ def run_demo(*, agents: int = 3, rounds: int = 15, alpha: float = 0.3, keep: boo
 # ---- Sync-Opt (gFedNTM) -----------------------------------------------------------------
 # ProdLDA on the paper's synthetic generator (Sec. 4.1), at a size that trains in about a
 # minute on 2 cores: 500 terms, 10 true topics of which 5 are shared by every agent.
-SYNCOPT_OPTIONS: dict = {"corpus": "synthetic", "vocab_size": 500, "true_topics": 10, "shared_topics": 5,
-                         "eta": 0.05, "docs": 400, "val_docs": 50, "doc_length": [50, 100], "data_seed": 0,
-                         "seed": 0, "n_topics": 10, "batch_size": 32}
+SYNCOPT_OPTIONS: dict = {
+    "corpus": "synthetic",
+    "vocab_size": 500,
+    "true_topics": 10,
+    "shared_topics": 5,
+    "eta": 0.05,
+    "docs": 400,
+    "val_docs": 50,
+    "doc_length": [50, 100],
+    "data_seed": 0,
+    "seed": 0,
+    "n_topics": 10,
+    "batch_size": 32,
+}
 
 
 def run_syncopt_demo(*, agents: int = 5, steps: int = 300, keep: bool = False, console: Console | None = None) -> int:
@@ -501,18 +648,32 @@ def run_syncopt_demo(*, agents: int = 5, steps: int = 300, keep: bool = False, c
 
     try:
         o = SYNCOPT_OPTIONS
-        console.print(f"[bold]fedagent demo --mode syncopt[/] (gFedNTM): federation [cyan]{fed.fed}[/], {agents} "
-                      f"agents with {o['docs']} synthetic documents each ({o['vocab_size']} terms, "
-                      f"{o['true_topics']} true topics, {o['shared_topics']} shared); ProdLDA with {o['n_topics']} "
-                      f"topics, {steps} Sync-Opt steps of {o['batch_size']} documents per agent; work dir {work}")
+        console.print(
+            f"[bold]fedagent demo --mode syncopt[/] (gFedNTM): federation [cyan]{fed.fed}[/], {agents} "
+            f"agents with {o['docs']} synthetic documents each ({o['vocab_size']} terms, "
+            f"{o['true_topics']} true topics, {o['shared_topics']} shared); ProdLDA with {o['n_topics']} "
+            f"topics, {steps} Sync-Opt steps of {o['batch_size']} documents per agent; work dir {work}"
+        )
         with console.status("creating a CA and certificates, starting a private Mosquitto ..."):
             fed.prepare()
-            fed.prepare_syncopt("prodlda", options, options(0),
-                                {"steps": steps, "expected_agents": agents, "min_agents": agents,
-                                 "step_timeout": 60.0, "on_fault": "continue", "checkpoint_every": 50})
-        console.print(f"broker [green]{fed.broker.uri}[/] (mutual TLS, per-agent ACL); agents find the coordinator "
-                      "by mDNS, send it their vocabularies (terms and counts, never a document), then one gradient "
-                      "per step")
+            fed.prepare_syncopt(
+                "prodlda",
+                options,
+                options(0),
+                {
+                    "steps": steps,
+                    "expected_agents": agents,
+                    "min_agents": agents,
+                    "step_timeout": 60.0,
+                    "on_fault": "continue",
+                    "checkpoint_every": 50,
+                },
+            )
+        console.print(
+            f"broker [green]{fed.broker.uri}[/] (mutual TLS, per-agent ACL); agents find the coordinator "
+            "by mDNS, send it their vocabularies (terms and counts, never a document), then one gradient "
+            "per step"
+        )
         fed.start_all()
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         with Progress(*columns, console=console, transient=False) as progress:
@@ -525,8 +686,9 @@ def run_syncopt_demo(*, agents: int = 5, steps: int = 300, keep: bool = False, c
                         desc = f"vocabulary: {len(s.get('vocabulary_offers') or [])}/{agents} offers"
                     else:
                         loss = s.get("last_loss")
-                        desc = (f"{s['phase']}: step {s['step']}, vocabulary {s.get('vocabulary_size')} terms"
-                                + (f", loss {loss:.2f}" if loss is not None else ""))
+                        desc = f"{s['phase']}: step {s['step']}, vocabulary {s.get('vocabulary_size')} terms" + (
+                            f", loss {loss:.2f}" if loss is not None else ""
+                        )
                     progress.update(bar, completed=s["steps_done"], description=desc)
                     if s["phase"] in ("done", "aborted"):
                         break
@@ -542,8 +704,10 @@ def run_syncopt_demo(*, agents: int = 5, steps: int = 300, keep: bool = False, c
 
         terms = json.loads(vocab)["terms"]
         fed.close()
-        console.print(f"federation finished {meta['model_version']} steps in {time.monotonic() - started:.1f}s "
-                      f"(exact: {meta['exact']}); training the same steps centralized in this process ...")
+        console.print(
+            f"federation finished {meta['model_version']} steps in {time.monotonic() - started:.1f}s "
+            f"(exact: {meta['exact']}); training the same steps centralized in this process ..."
+        )
         tasks = [load_task("prodlda", options(i)) for i in range(agents)]
         for t in tasks:
             t.set_vocabulary(terms)
@@ -558,7 +722,9 @@ def run_syncopt_demo(*, agents: int = 5, steps: int = 300, keep: bool = False, c
         # The true topics on the agreed vocabulary (terms nobody used are dropped).
         all_terms = ntm_data.synthetic_terms(o["vocab_size"])
         col = {t: j for j, t in enumerate(all_terms)}
-        beta = ntm_data.true_topics(o["vocab_size"], o["true_topics"], o["eta"], o["data_seed"])[:, [col[t] for t in terms]]
+        beta = ntm_data.true_topics(o["vocab_size"], o["true_topics"], o["eta"], o["data_seed"])[
+            :, [col[t] for t in terms]
+        ]
         beta = beta / beta.sum(axis=1, keepdims=True)
         tss_fed = ntm_scores.topic_similarity_score(beta, tasks[0].topic_word(federated))
         tss_central = ntm_scores.topic_similarity_score(beta, tasks[0].topic_word(central))
@@ -576,9 +742,14 @@ def run_syncopt_demo(*, agents: int = 5, steps: int = 300, keep: bool = False, c
         res.add_row("TSS centralized", f"{tss_central:.3f}")
         console.print(res)
         ok = diff <= 1e-3 and abs(tss_fed - tss_central) <= 0.01
-        console.print(("[green]federated training matches centralized training[/]" if ok else
-                       "[red]federated training differs from centralized training[/]")
-                      + f"; total {time.monotonic() - started:.1f}s")
+        console.print(
+            (
+                "[green]federated training matches centralized training[/]"
+                if ok
+                else "[red]federated training differs from centralized training[/]"
+            )
+            + f"; total {time.monotonic() - started:.1f}s"
+        )
         return 0 if ok else 1
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; stopping every process the demo started[/]")

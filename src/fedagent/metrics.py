@@ -41,10 +41,12 @@ class NodeMetrics:
         self.model_version = gauge("fedagent_model_version", "version of the latest global model")
         self.bytes = counter("fedagent_bytes", "payload bytes over MQTT", ("direction",))
         self.messages = counter("fedagent_messages", "protocol messages", ("direction",))
-        self.round_seconds = Histogram("fedagent_round_seconds", "round latency", [*labels],
-                                       buckets=ROUND_BUCKETS, registry=r)
-        self.train_seconds = Histogram("fedagent_training_seconds", "local training time per round", [*labels],
-                                       buckets=ROUND_BUCKETS, registry=r)
+        self.round_seconds = Histogram(
+            "fedagent_round_seconds", "round latency", [*labels], buckets=ROUND_BUCKETS, registry=r
+        )
+        self.train_seconds = Histogram(
+            "fedagent_training_seconds", "local training time per round", [*labels], buckets=ROUND_BUCKETS, registry=r
+        )
         self.peers = gauge("fedagent_peers_online", "peers seen online")
         self.rejected_total = counter("fedagent_rejected_messages", "messages refused", ("reason",))
         self.reconnects = counter("fedagent_reconnects", "reconnections to the broker")
@@ -116,15 +118,17 @@ class NodeMetrics:
         if self.before_scrape is not None:
             try:
                 self.before_scrape(self)
-            except Exception:  # noqa: BLE001 - a scrape must not take the daemon down
+            except Exception:
                 log.exception("updating metrics before a scrape failed")
         return generate_latest(self.registry)
 
     # -- HTTP endpoint ---------------------------------------------------------------------
     async def serve(self, host: str = "127.0.0.1", port: int = 0, *, allow_remote: bool = False) -> tuple[str, int]:
         if not allow_remote and not ipaddress.ip_address(host).is_loopback:
-            raise ConfigError(f"metrics endpoint on {host} would be reachable from the network; "
-                              "bind it to 127.0.0.1 or allow it explicitly")
+            raise ConfigError(
+                f"metrics endpoint on {host} would be reachable from the network; "
+                "bind it to 127.0.0.1 or allow it explicitly"
+            )
         self._server = await asyncio.start_server(self._handle, host, port)
         sock = self._server.sockets[0].getsockname()
         return sock[0], sock[1]
@@ -143,8 +147,16 @@ class NodeMetrics:
                 body, status, ctype = self.exposition(), b"200 OK", CONTENT_TYPE_LATEST.encode()
             else:
                 body, status, ctype = b"only GET /metrics here\n", b"404 Not Found", b"text/plain"
-            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype +
-                         b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+            writer.write(
+                b"HTTP/1.1 "
+                + status
+                + b"\r\nContent-Type: "
+                + ctype
+                + b"\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\nConnection: close\r\n\r\n"
+                + body
+            )
             await writer.drain()
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
             pass

@@ -47,7 +47,7 @@ _BACKDATE = _dt.timedelta(minutes=5)
 
 
 def _now() -> datetime:
-    return datetime.now(_dt.timezone.utc)
+    return datetime.now(_dt.UTC)
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -71,8 +71,9 @@ def _write_public(path: Path, data: bytes) -> None:
 
 
 def _key_pem(key) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _load_cert(path: Path) -> x509.Certificate:
@@ -109,11 +110,11 @@ def _attr(cert: x509.Certificate, oid) -> str:
 
 
 def _pubkey_bytes(key) -> bytes:
-    return key.public_bytes(serialization.Encoding.DER,
-                            serialization.PublicFormat.SubjectPublicKeyInfo)
+    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 # --- the CA ------------------------------------------------------------------------
+
 
 def create_ca(directory: Path, federation: str, *, days: int = 3650) -> Path:
     """Create ``ca.crt`` and ``ca.key`` (0600) for ``federation`` in ``directory``.
@@ -128,32 +129,46 @@ def create_ca(directory: Path, federation: str, *, days: int = 3650) -> Path:
     cert_path, key_path = directory / CA_CERT, directory / CA_KEY
     for p in (cert_path, key_path):
         if p.exists():
-            raise ConfigError(f"a CA already exists at {p}; refusing to overwrite it "
-                              "(every certificate it issued would become invalid)")
+            raise ConfigError(
+                f"a CA already exists at {p}; refusing to overwrite it "
+                "(every certificate it issued would become invalid)"
+            )
     directory.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([
-        x509.NameAttribute(NameOID.ORGANIZATION_NAME, _ORG),
-        x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, f"federation {federation}"),
-        x509.NameAttribute(NameOID.COMMON_NAME, f"fedagent CA {federation}"),
-    ])
+    name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, _ORG),
+            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, f"federation {federation}"),
+            x509.NameAttribute(NameOID.COMMON_NAME, f"fedagent CA {federation}"),
+        ]
+    )
     now = _now()
     ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
     cert = (
         x509.CertificateBuilder()
-        .subject_name(name).issuer_name(name)
+        .subject_name(name)
+        .issuer_name(name)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - _BACKDATE)
         .not_valid_after(now + _dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
-                                     key_encipherment=False, data_encipherment=False,
-                                     key_agreement=False, key_cert_sign=True, crl_sign=True,
-                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(ski, critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski),
-                       critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False)
         .sign(key, hashes.SHA256())
     )
     _write_private(key_path, _key_pem(key))
@@ -169,6 +184,7 @@ def ca_federation(ca_path: Path) -> str:
 
 # --- leaf certificates -------------------------------------------------------------
 
+
 def _san_entries(sans: Sequence[str]) -> list[x509.GeneralName]:
     out: list[x509.GeneralName] = []
     for entry in sans:
@@ -182,9 +198,17 @@ def _san_entries(sans: Sequence[str]) -> list[x509.GeneralName]:
     return out
 
 
-def issue(ca_dir: Path, out_dir: Path, name: str, role: str, *, sans: Sequence[str] = (),
-          days: int = 825, not_before: datetime | None = None,
-          not_after: datetime | None = None) -> tuple[Path, Path]:
+def issue(
+    ca_dir: Path,
+    out_dir: Path,
+    name: str,
+    role: str,
+    *,
+    sans: Sequence[str] = (),
+    days: int = 825,
+    not_before: datetime | None = None,
+    not_after: datetime | None = None,
+) -> tuple[Path, Path]:
     """Issue ``<out_dir>/<name>.crt`` and ``<name>.key`` (0600), signed by the CA in
     ``ca_dir``; returns ``(cert_path, key_path)``.
 
@@ -201,8 +225,7 @@ def issue(ca_dir: Path, out_dir: Path, name: str, role: str, *, sans: Sequence[s
         raise ConfigError(f"unknown role {role!r}: use one of {', '.join(ROLES)}")
     ca_dir, out_dir = Path(ca_dir), Path(out_dir)
     if not (ca_dir / CA_KEY).exists():
-        raise ConfigError(f"no CA key at {ca_dir / CA_KEY}; create the federation CA first "
-                          "with `fedagent ca init`")
+        raise ConfigError(f"no CA key at {ca_dir / CA_KEY}; create the federation CA first with `fedagent ca init`")
     ca_cert = _load_cert(ca_dir / CA_CERT)
     ca_key = _load_key(ca_dir / CA_KEY)
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
@@ -214,41 +237,55 @@ def issue(ca_dir: Path, out_dir: Path, name: str, role: str, *, sans: Sequence[s
     start = not_before if not_before is not None else now - _BACKDATE
     end = not_after if not_after is not None else now + _dt.timedelta(days=days)
     if end <= start:
-        raise ConfigError(f"certificate for {name} would expire ({end:%Y-%m-%d %H:%M}) "
-                          f"before it becomes valid ({start:%Y-%m-%d %H:%M})")
+        raise ConfigError(
+            f"certificate for {name} would expire ({end:%Y-%m-%d %H:%M}) "
+            f"before it becomes valid ({start:%Y-%m-%d %H:%M})"
+        )
     if role == "broker" and not sans:
         sans = DEFAULT_BROKER_SANS
 
     # Nodes that send messages sign them with their TLS key, so theirs is Ed25519.
     key = ec.generate_private_key(ec.SECP256R1()) if role == "broker" else ed25519.Ed25519PrivateKey.generate()
-    subject = x509.Name([
-        x509.NameAttribute(NameOID.ORGANIZATION_NAME, _ORG),
-        x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
-        x509.NameAttribute(NameOID.COMMON_NAME, name),
-    ])
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, _ORG),
+            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
+            x509.NameAttribute(NameOID.COMMON_NAME, name),
+        ]
+    )
     eku = [ExtendedKeyUsageOID.CLIENT_AUTH]
     if role == "broker":
         eku = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
     ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
     builder = (
         x509.CertificateBuilder()
-        .subject_name(subject).issuer_name(ca_cert.subject)
+        .subject_name(subject)
+        .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(start).not_valid_after(end)
+        .not_valid_before(start)
+        .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False,
-                                     key_encipherment=False, data_encipherment=False,
-                                     key_agreement=False, key_cert_sign=False, crl_sign=False,
-                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.ExtendedKeyUsage(eku), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
-                       critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
     )
     if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(_san_entries(sans)),
-                                        critical=False)
+        builder = builder.add_extension(x509.SubjectAlternativeName(_san_entries(sans)), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -259,6 +296,7 @@ def issue(ca_dir: Path, out_dir: Path, name: str, role: str, *, sans: Sequence[s
 
 
 # --- reading certificates ----------------------------------------------------------
+
 
 def fingerprint(cert_path: Path) -> str:
     """SHA-256 of the certificate's DER encoding, lower-case hex."""
@@ -292,14 +330,11 @@ def check_certificate(cert_path: Path, key_path: Path, ca_path: Path) -> None:
     cert_path, key_path, ca_path = Path(cert_path), Path(key_path), Path(ca_path)
     stem = cert_path.stem
     if not ca_path.exists():
-        raise ConfigError(f"the federation CA certificate {ca_path} is missing; copy the "
-                          "federation's ca.crt there")
+        raise ConfigError(f"the federation CA certificate {ca_path} is missing; copy the federation's ca.crt there")
     if not cert_path.exists():
-        raise ConfigError(f"no client certificate: {cert_path} is missing; "
-                          f"{_reissue_hint(stem, 'agent')}")
+        raise ConfigError(f"no client certificate: {cert_path} is missing; {_reissue_hint(stem, 'agent')}")
     if not key_path.exists():
-        raise ConfigError(f"the private key {key_path} for {cert_path.name} is missing; "
-                          f"{_reissue_hint(stem, 'agent')}")
+        raise ConfigError(f"the private key {key_path} for {cert_path.name} is missing; {_reissue_hint(stem, 'agent')}")
     ca = _load_cert(ca_path)
     cert = _load_cert(cert_path)
     key = _load_key(key_path)
@@ -309,8 +344,9 @@ def check_certificate(cert_path: Path, key_path: Path, ca_path: Path) -> None:
 
     now = _now()
     if now > ca.not_valid_after_utc:
-        raise ConfigError(f"the federation CA {ca_path} expired on "
-                          f"{ca.not_valid_after_utc:%Y-%m-%d}; the federation needs a new CA")
+        raise ConfigError(
+            f"the federation CA {ca_path} expired on {ca.not_valid_after_utc:%Y-%m-%d}; the federation needs a new CA"
+        )
     try:
         if cert.issuer != ca.subject:
             raise ValueError("issuer name differs")
@@ -322,12 +358,12 @@ def check_certificate(cert_path: Path, key_path: Path, ca_path: Path) -> None:
             f"{cert.issuer.rfc4514_string()}. {hint[0].upper()}{hint[1:]} using this CA"
         ) from None
     if now > cert.not_valid_after_utc:
-        raise ConfigError(f"certificate for {name} expired on "
-                          f"{cert.not_valid_after_utc:%Y-%m-%d}; {hint}")
+        raise ConfigError(f"certificate for {name} expired on {cert.not_valid_after_utc:%Y-%m-%d}; {hint}")
     if now < cert.not_valid_before_utc:
-        raise ConfigError(f"certificate for {name} is not valid before "
-                          f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC; check this "
-                          f"machine's clock or {hint}")
+        raise ConfigError(
+            f"certificate for {name} is not valid before "
+            f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC; check this "
+            f"machine's clock or {hint}"
+        )
     if _pubkey_bytes(key.public_key()) != _pubkey_bytes(cert.public_key()):
-        raise ConfigError(f"private key {key_path} does not match certificate {cert_path}; "
-                          f"{hint}")
+        raise ConfigError(f"private key {key_path} does not match certificate {cert_path}; {hint}")

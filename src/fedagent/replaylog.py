@@ -55,7 +55,7 @@ from fedagent.signing import ReplayGuard
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"\xc1fedagent replay journal 1\n"     # 0xc1 is never the first byte of msgpack
+MAGIC = b"\xc1fedagent replay journal 1\n"  # 0xc1 is never the first byte of msgpack
 HEADER = struct.Struct(">II")
 MAX_FILE = 64 * 2**20
 MIN_COMPACT = 2**20
@@ -72,8 +72,9 @@ def _record(doc: dict) -> bytes:
 
 def _valid_numbers(doc: object, keep: int) -> dict[str, list[int]]:
     if not isinstance(doc, dict) or not all(
-            isinstance(s, str) and s and isinstance(v, list) and 0 < len(v) <= keep
-            and all(type(x) is int for x in v) for s, v in doc.items()):
+        isinstance(s, str) and s and isinstance(v, list) and 0 < len(v) <= keep and all(type(x) is int for x in v)
+        for s, v in doc.items()
+    ):
         raise FedagentError("replay numbers are not {sender: [sequence numbers]}")
     return doc
 
@@ -97,7 +98,7 @@ def parse(data: bytes, guard: ReplayGuard) -> tuple[list[dict], int, str | None]
             # Longer than what is left (a crash mid-append), or a corrupted length: either
             # way nothing after it can be found, so it is the tail.
             return records, pos, f"record at byte {pos} claims {length} bytes, {end - body} left"
-        payload = view[body:body + length]
+        payload = view[body : body + length]
         if zlib.crc32(payload) != crc:
             if body + length == end:
                 return records, pos, f"torn record at byte {pos} (checksum)"
@@ -105,9 +106,16 @@ def parse(data: bytes, guard: ReplayGuard) -> tuple[list[dict], int, str | None]
             pos = body + length
             continue
         try:
-            doc = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_array_len=guard.keep,
-                                  max_map_len=max(guard.max_senders, 2), max_str_len=256, max_bin_len=0,
-                                  max_ext_len=0)
+            doc = msgpack.unpackb(
+                payload,
+                raw=False,
+                strict_map_key=True,
+                max_array_len=guard.keep,
+                max_map_len=max(guard.max_senders, 2),
+                max_str_len=256,
+                max_bin_len=0,
+                max_ext_len=0,
+            )
             if not isinstance(doc, dict) or set(doc) - {"n", "f"} or "n" not in doc:
                 raise FedagentError("not a journal record")
             numbers = _valid_numbers(doc["n"], guard.keep)
@@ -122,7 +130,7 @@ def parse(data: bytes, guard: ReplayGuard) -> tuple[list[dict], int, str | None]
         pos = body + length
     if damage is not None:
         err = JournalDamaged(damage)
-        err.records = records          # type: ignore[attr-defined]
+        err.records = records  # type: ignore[attr-defined]
         raise err
     return records, pos, None
 
@@ -156,7 +164,7 @@ class ReplayJournal:
         try:
             records, good, torn = parse(data, self.guard)
         except JournalDamaged as exc:
-            self._apply(exc.records)    # type: ignore[attr-defined]
+            self._apply(exc.records)  # type: ignore[attr-defined]
             self._fence(str(exc))
             return
         self._apply(records)
@@ -189,10 +197,15 @@ class ReplayJournal:
 
     def _fence(self, why: str) -> None:
         self.guard.fence = max(self.guard.fence, self.clock())
-        log.error("%s: %s. The records that check out are kept; every frame stamped before now "
-                  "(%.0f) is refused as a replay, since it may have been delivered before the restart "
-                  "(for the next %.0f s, after which they are stale anyway)", self.path, why,
-                  self.guard.fence, self.guard.max_skew)
+        log.error(
+            "%s: %s. The records that check out are kept; every frame stamped before now "
+            "(%.0f) is refused as a replay, since it may have been delivered before the restart "
+            "(for the next %.0f s, after which they are stale anyway)",
+            self.path,
+            why,
+            self.guard.fence,
+            self.guard.max_skew,
+        )
         self._compact()
 
     def _cut(self, size: int) -> None:
@@ -225,7 +238,7 @@ class ReplayJournal:
         try:
             view = memoryview(record)
             while view:
-                view = view[os.write(self._fd, view):]
+                view = view[os.write(self._fd, view) :]
             os.fdatasync(self._fd)
         except OSError as exc:
             # A half record would be read as a torn tail (and ignored), but appends after
@@ -238,8 +251,9 @@ class ReplayJournal:
             # next commit rewrites the whole state instead.
             self.guard.dirty = True
             self._failed = True
-            raise StateWriteError(f"cannot append to {self.path}: {exc.strerror or exc}; "
-                                  "earlier records are intact") from exc
+            raise StateWriteError(
+                f"cannot append to {self.path}: {exc.strerror or exc}; earlier records are intact"
+            ) from exc
         self._size += len(record)
         self.appends += 1
 

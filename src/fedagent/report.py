@@ -20,13 +20,13 @@ from fedagent.errors import FedagentError
 @dataclass
 class History:
     path: Path
-    role: str                      # "coordinator" or "agent"
+    role: str  # "coordinator" or "agent"
     name: str
     rounds: list[dict[str, Any]] = field(default_factory=list)
     abandoned: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     updates: list[dict[str, Any]] = field(default_factory=list)
-    gossip: list[dict[str, Any]] = field(default_factory=list)   # gossip-mode evaluations
+    gossip: list[dict[str, Any]] = field(default_factory=list)  # gossip-mode evaluations
     malformed: int = 0
 
 
@@ -71,8 +71,15 @@ def read_history(path: Path) -> History:
     return h
 
 
-def _plot(path: Path, title: str, xlabel: str, series: dict[str, tuple[list, list]], ylabel: str,
-          kind: str = "line", marks: list[float] | None = None) -> None:
+def _plot(
+    path: Path,
+    title: str,
+    xlabel: str,
+    series: dict[str, tuple[list, list]],
+    ylabel: str,
+    kind: str = "line",
+    marks: list[float] | None = None,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,37 +126,66 @@ def write_report(histories: Path | list[Path], out_dir: Path, *, title: str | No
         marks = [a["round"] for a in c.abandoned if isinstance(a.get("round"), int)]
         if keys:
             f = "metrics.png"
-            _plot(out_dir / f, "training metrics reported by the agents (sample-weighted)", "round",
-                  {k: ([r["round"] for r in rounds if k in r["metrics"]],
-                       [r["metrics"][k] for r in rounds if k in r["metrics"]]) for k in keys}, "value", marks=marks)
+            _plot(
+                out_dir / f,
+                "training metrics reported by the agents (sample-weighted)",
+                "round",
+                {
+                    k: (
+                        [r["round"] for r in rounds if k in r["metrics"]],
+                        [r["metrics"][k] for r in rounds if k in r["metrics"]],
+                    )
+                    for k in keys
+                },
+                "value",
+                marks=marks,
+            )
             plots.append((f, "Training metrics per round (dotted red: abandoned rounds)"))
         bytes_in = [r.get("bytes_in", 0) for r in rounds]
         bytes_out = [r.get("bytes_out", 0) for r in rounds]
         per_in = [b - a for a, b in zip([0] + bytes_in[:-1], bytes_in)]
         per_out = [b - a for a, b in zip([0] + bytes_out[:-1], bytes_out)]
         f = "bytes.png"
-        _plot(out_dir / f, "coordinator traffic per round", "round",
-              {"in (updates)": (xs, [b / 1e6 for b in per_in]), "out (models)": (xs, [b / 1e6 for b in per_out])},
-              "MB")
+        _plot(
+            out_dir / f,
+            "coordinator traffic per round",
+            "round",
+            {"in (updates)": (xs, [b / 1e6 for b in per_in]), "out (models)": (xs, [b / 1e6 for b in per_out])},
+            "MB",
+        )
         plots.append((f, "Bytes per round at the coordinator"))
         secs = [float(r.get("seconds", 0.0)) for r in rounds]
         f = "round_time.png"
         _plot(out_dir / f, "round duration", "round", {"seconds": (xs, secs)}, "seconds", marks=marks)
         plots.append((f, "Round duration"))
         f = "participation.png"
-        _plot(out_dir / f, "participants per round", "round", {"agents": (xs, [len(r["participants"]) for r in rounds])},
-              "agents", kind="bar", marks=marks)
+        _plot(
+            out_dir / f,
+            "participants per round",
+            "round",
+            {"agents": (xs, [len(r["participants"]) for r in rounds])},
+            "agents",
+            kind="bar",
+            marks=marks,
+        )
         plots.append((f, "Participation per round"))
         final = rounds[-1].get("metrics", {}) if rounds else {}
-        lines += ["## Summary", "", "| | |", "|---|---|",
-                  f"| rounds aggregated | {len(rounds)} |",
-                  f"| final model version | {rounds[-1].get('model_version', '-') if rounds else '-'} |",
-                  f"| final metrics | {', '.join(f'{k} = {v:.4f}' for k, v in final.items()) or '-'} |",
-                  f"| bytes in / out | {sum(per_in):,} / {sum(per_out):,} |",
-                  f"| round time median / max | {statistics.median(secs):.3f} s / {max(secs):.3f} s |" if secs else
-                  "| round time | - |",
-                  f"| agents seen | {', '.join(sorted({p for r in rounds for p in r['participants']})) or '-'} |",
-                  f"| abandoned rounds | {len(c.abandoned)} |", ""]
+        lines += [
+            "## Summary",
+            "",
+            "| | |",
+            "|---|---|",
+            f"| rounds aggregated | {len(rounds)} |",
+            f"| final model version | {rounds[-1].get('model_version', '-') if rounds else '-'} |",
+            f"| final metrics | {', '.join(f'{k} = {v:.4f}' for k, v in final.items()) or '-'} |",
+            f"| bytes in / out | {sum(per_in):,} / {sum(per_out):,} |",
+            f"| round time median / max | {statistics.median(secs):.3f} s / {max(secs):.3f} s |"
+            if secs
+            else "| round time | - |",
+            f"| agents seen | {', '.join(sorted({p for r in rounds for p in r['participants']})) or '-'} |",
+            f"| abandoned rounds | {len(c.abandoned)} |",
+            "",
+        ]
         if c.abandoned:
             lines += ["| abandoned round | reason |", "|---|---|"]
             lines += [f"| {a.get('round')} | {a.get('reason', '')} |" for a in c.abandoned]
@@ -159,12 +195,26 @@ def write_report(histories: Path | list[Path], out_dir: Path, *, title: str | No
         keys = sorted({k for a in agents for e in a.evals for k, v in e["metrics"].items() if _is_number(v)})
         for k in keys:
             f = f"agents_{k}.png"
-            _plot(out_dir / f, f"global model {k}, evaluated by each agent on its task's held-out data", "model version",
-                  {a.name: ([e["model_version"] for e in a.evals if k in e["metrics"]],
-                            [e["metrics"][k] for e in a.evals if k in e["metrics"]]) for a in agents}, k)
+            _plot(
+                out_dir / f,
+                f"global model {k}, evaluated by each agent on its task's held-out data",
+                "model version",
+                {
+                    a.name: (
+                        [e["model_version"] for e in a.evals if k in e["metrics"]],
+                        [e["metrics"][k] for e in a.evals if k in e["metrics"]],
+                    )
+                    for a in agents
+                },
+                k,
+            )
             plots.append((f, f"Global model {k}, evaluated by each agent"))
-        lines += ["## Agents", "", "| agent | updates sent | last local metrics | last global-model evaluation |",
-                  "|---|---|---|---|"]
+        lines += [
+            "## Agents",
+            "",
+            "| agent | updates sent | last local metrics | last global-model evaluation |",
+            "|---|---|---|---|",
+        ]
         for a in agents:
             lu = a.updates[-1].get("metrics", {}) if a.updates else {}
             le = a.evals[-1]["metrics"] if a.evals else {}
@@ -184,9 +234,16 @@ def write_report(histories: Path | list[Path], out_dir: Path, *, title: str | No
     return md
 
 
-def write_gossip_report(paths: list[Path], out_dir: Path, *, title: str | None = None,
-                        final: dict[str, float] | None = None, local: dict[str, float] | None = None,
-                        centralized: float | None = None, margin: float | None = None) -> Path:
+def write_gossip_report(
+    paths: list[Path],
+    out_dir: Path,
+    *,
+    title: str | None = None,
+    final: dict[str, float] | None = None,
+    local: dict[str, float] | None = None,
+    centralized: float | None = None,
+    margin: float | None = None,
+) -> Path:
     """Report of a gossip federation from its agents' histories: each agent's own model
     (accuracy, loss) per period, the disagreement between agents, traffic; with the
     demo's final comparison when given."""
@@ -199,28 +256,59 @@ def write_gossip_report(paths: list[Path], out_dir: Path, *, title: str | None =
     keys = sorted({k for h in loaded for e in h.gossip for k, v in e["metrics"].items() if _is_number(v)})
     for k in keys:
         f = f"gossip_{k}.png"
-        _plot(out_dir / f, f"each agent's own model: {k} on held-out data", "exchange period",
-              {h.name: ([e["period"] for e in h.gossip if k in e["metrics"]],
-                        [e["metrics"][k] for e in h.gossip if k in e["metrics"]]) for h in loaded}, k)
+        _plot(
+            out_dir / f,
+            f"each agent's own model: {k} on held-out data",
+            "exchange period",
+            {
+                h.name: (
+                    [e["period"] for e in h.gossip if k in e["metrics"]],
+                    [e["metrics"][k] for e in h.gossip if k in e["metrics"]],
+                )
+                for h in loaded
+            },
+            k,
+        )
         plots.append((f, f"{k} of each agent's model per exchange period"))
-    series = {h.name: ([e["period"] for e in h.gossip if _is_number(e.get("disagreement"))],
-                       [e["disagreement"] for e in h.gossip if _is_number(e.get("disagreement"))]) for h in loaded}
+    series = {
+        h.name: (
+            [e["period"] for e in h.gossip if _is_number(e.get("disagreement"))],
+            [e["disagreement"] for e in h.gossip if _is_number(e.get("disagreement"))],
+        )
+        for h in loaded
+    }
     if any(xs for xs, _ in series.values()):
         f = "gossip_disagreement.png"
-        _plot(out_dir / f, "distance of each agent's model from the models it last received", "exchange period",
-              series, "L2 distance")
+        _plot(
+            out_dir / f,
+            "distance of each agent's model from the models it last received",
+            "exchange period",
+            series,
+            "L2 distance",
+        )
         plots.append((f, "Disagreement between agents (L2 distance to the last received models)"))
     f = "gossip_bytes.png"
-    _plot(out_dir / f, "bytes sent by each agent (cumulative)", "exchange period",
-          {h.name: ([e["period"] for e in h.gossip], [e.get("bytes_out", 0) / 1e6 for e in h.gossip]) for h in loaded},
-          "MB")
+    _plot(
+        out_dir / f,
+        "bytes sent by each agent (cumulative)",
+        "exchange period",
+        {h.name: ([e["period"] for e in h.gossip], [e.get("bytes_out", 0) / 1e6 for e in h.gossip]) for h in loaded},
+        "MB",
+    )
     plots.append((f, "Traffic sent per agent"))
-    lines += ["## Agents", "", "| agent | periods | sent | received | dropped | last evaluation |", "|---|---|---|---|---|---|"]
+    lines += [
+        "## Agents",
+        "",
+        "| agent | periods | sent | received | dropped | last evaluation |",
+        "|---|---|---|---|---|---|",
+    ]
     for h in loaded:
         e = h.gossip[-1]
         m = ", ".join(f"{k} = {v:.4f}" for k, v in e["metrics"].items() if _is_number(v)) or "-"
-        lines.append(f"| {h.name} | {e['period']} | {e.get('sent', '-')} | {e.get('received', '-')} | "
-                     f"{e.get('dropped', '-')} | {m} |")
+        lines.append(
+            f"| {h.name} | {e['period']} | {e.get('sent', '-')} | {e.get('received', '-')} | "
+            f"{e.get('dropped', '-')} | {m} |"
+        )
     lines.append("")
     if final:
         lines += ["## Final test accuracy", "", "| model | accuracy |", "|---|---|"]
@@ -229,8 +317,11 @@ def write_gossip_report(paths: list[Path], out_dir: Path, *, title: str | None =
         if centralized is not None:
             lines.append(f"| centralized (same total mini-batches) | {centralized:.3f} |")
             worst = min(final.values())
-            lines += ["", f"Worst agent {worst:.3f}, {centralized - worst:+.3f} below centralized"
-                      + (f" (margin {margin})." if margin is not None else ".")]
+            lines += [
+                "",
+                f"Worst agent {worst:.3f}, {centralized - worst:+.3f} below centralized"
+                + (f" (margin {margin})." if margin is not None else "."),
+            ]
         lines.append("")
     lines += ["## Plots", ""]
     for f, caption in plots:

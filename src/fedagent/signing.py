@@ -59,7 +59,7 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import msgpack
@@ -72,12 +72,21 @@ from cryptography.x509.oid import NameOID
 from fedagent.errors import ConfigError, FedagentError
 from fedagent.protocols.codec import Envelope
 
-__all__ = ["AuthError", "Identity", "Verifier", "ReplayGuard", "SequenceCounter", "SteadyClock", "signing_digest",
-           "sign", "UNFRESH_KINDS"]
+__all__ = [
+    "UNFRESH_KINDS",
+    "AuthError",
+    "Identity",
+    "ReplayGuard",
+    "SequenceCounter",
+    "SteadyClock",
+    "Verifier",
+    "sign",
+    "signing_digest",
+]
 
 _DOMAIN = b"fedagent-envelope-signature/1"
 CHUNK_KIND = "chunk"
-STREAM_KIND = "ustream"      # fedagent.protocols.streaming.STREAM_KIND (a chunk of a streamed update)
+STREAM_KIND = "ustream"  # fedagent.protocols.streaming.STREAM_KIND (a chunk of a streamed update)
 # Frames whose ``data`` is bound by the signed SHA-256 of the whole transfer.
 DATA_BOUND_KINDS = frozenset({CHUNK_KIND, STREAM_KIND})
 # Kinds that are retained or sent as a Last Will: signed, but not subject to freshness.
@@ -105,8 +114,11 @@ def signing_digest(env: Envelope) -> bytes:
     if env.kind in DATA_BOUND_KINDS and "data" in body:
         # The data is bound by the transfer digest in the same (signed) body.
         body = {k: v for k, v in body.items() if k != "data"}
-    packed = msgpack.packb([_DOMAIN, env.version, env.kind, env.federation, env.sender, env.round,
-                            env.seq, env.ts, env.cert, body], use_bin_type=True, datetime=False)
+    packed = msgpack.packb(
+        [_DOMAIN, env.version, env.kind, env.federation, env.sender, env.round, env.seq, env.ts, env.cert, body],
+        use_bin_type=True,
+        datetime=False,
+    )
     return hashlib.sha256(packed).digest()
 
 
@@ -152,8 +164,9 @@ class SequenceCounter:
                 try:
                     start = max(start, int(raw.decode("ascii").strip()))
                 except ValueError:
-                    raise ConfigError(f"{self._path}: not a sequence reservation (remove it only if "
-                                      "the clock is known to be right)") from None
+                    raise ConfigError(
+                        f"{self._path}: not a sequence reservation (remove it only if the clock is known to be right)"
+                    ) from None
         self.value = start
         self._reserved = start
         self._reserve()
@@ -175,6 +188,7 @@ class SequenceCounter:
 
 # --- the sender's side ---------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class Identity:
     """A node's signing key and the certificate that binds it to the node id."""
@@ -192,15 +206,15 @@ class Identity:
             key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
             ca = x509.load_pem_x509_certificate(ca_path.read_bytes())
         except (OSError, ValueError, TypeError) as exc:
-            raise ConfigError(f"cannot load the signing identity ({cert_path}, {key_path}, {ca_path}): {exc}") \
-                from exc
+            raise ConfigError(f"cannot load the signing identity ({cert_path}, {key_path}, {ca_path}): {exc}") from exc
         names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
         name = str(names[0].value) if names else ""
         if not isinstance(key, ed25519.Ed25519PrivateKey):
             raise ConfigError(
                 f"{key_path} is a {type(key).__name__.lstrip('_')}, but messages are signed with Ed25519: "
                 f"issue a new certificate with `fedagent ca issue {name or cert_path.stem}` "
-                "(agent and coordinator keys are Ed25519 since message signing was added)")
+                "(agent and coordinator keys are Ed25519 since message signing was added)"
+            )
         if key.public_key().public_bytes_raw() != _raw_key(cert):
             raise ConfigError(f"private key {key_path} does not match certificate {cert_path}")
         return cls(name, key, cert.public_bytes(serialization.Encoding.DER), ca)
@@ -225,6 +239,7 @@ def _raw_key(cert: x509.Certificate) -> bytes:
 
 
 # --- the receiver's side -------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class _Signer:
@@ -256,8 +271,9 @@ class ReplayGuard:
     it is a replay (set when a damaged journal may have lost numbers; see there).
     """
 
-    def __init__(self, *, window: int = 4096, max_skew: float = 300.0, max_senders: int = 100_000,
-                 keep: int = 64) -> None:
+    def __init__(
+        self, *, window: int = 4096, max_skew: float = 300.0, max_senders: int = 100_000, keep: int = 64
+    ) -> None:
         if window < 1 or keep < 1 or not (max_skew > 0 and math.isfinite(max_skew)):
             raise ValueError("replay window and keep must be >= 1 and max_skew positive")
         self.window = window
@@ -266,28 +282,39 @@ class ReplayGuard:
         self.keep = keep
         self._highest: dict[str, int] = {}
         self._seen: dict[str, set[int]] = {}
-        self._floor: dict[str, int] = {}        # from a snapshot: this and below are replays
-        self._top: dict[str, list[int]] = {}     # the `keep` largest accepted, ascending
+        self._floor: dict[str, int] = {}  # from a snapshot: this and below are replays
+        self._top: dict[str, list[int]] = {}  # the `keep` largest accepted, ascending
         self.dirty = False
         self.track = False
-        self._fresh: dict[str, list[int]] = {}   # accepted since take_fresh(), when tracked
+        self._fresh: dict[str, list[int]] = {}  # accepted since take_fresh(), when tracked
         self.fence = -math.inf
 
     def check(self, sender: str, seq: int, ts: float, now: float) -> None:
         if abs(ts - now) > self.max_skew:
-            raise AuthError("stale", f"timestamp {ts:.0f} is {ts - now:+.0f} s from this node's clock "
-                                     f"(allowed ±{self.max_skew:.0f} s)")
+            raise AuthError(
+                "stale",
+                f"timestamp {ts:.0f} is {ts - now:+.0f} s from this node's clock (allowed ±{self.max_skew:.0f} s)",
+            )
         if ts <= self.fence:
-            raise AuthError("replay", f"stamped {ts:.0f}, before this node restarted from a damaged replay "
-                                      f"journal ({self.fence:.0f}): it may have been delivered already")
+            raise AuthError(
+                "replay",
+                f"stamped {ts:.0f}, before this node restarted from a damaged replay "
+                f"journal ({self.fence:.0f}): it may have been delivered already",
+            )
         if seq <= self._floor.get(sender, -1):
-            raise AuthError("replay", f"sequence number {seq} is not above {self._floor[sender]}, the oldest "
-                                      "this node kept across its restart (a replay)")
+            raise AuthError(
+                "replay",
+                f"sequence number {seq} is not above {self._floor[sender]}, the oldest "
+                "this node kept across its restart (a replay)",
+            )
         high = self._highest.get(sender)
         if high is not None:
             if seq <= high - self.window:
-                raise AuthError("replay", f"sequence number {seq} is older than the window "
-                                          f"(newest seen {high}; a replay, or the sender's clock went back)")
+                raise AuthError(
+                    "replay",
+                    f"sequence number {seq} is older than the window "
+                    f"(newest seen {high}; a replay, or the sender's clock went back)",
+                )
             if seq in self._seen[sender]:
                 raise AuthError("replay", f"sequence number {seq} already seen")
         elif len(self._highest) >= self.max_senders:
@@ -305,7 +332,7 @@ class ReplayGuard:
             fresh.append(seq)
             if len(fresh) > 2 * self.keep:
                 fresh.sort()
-                del fresh[:-self.keep]
+                del fresh[: -self.keep]
         if high is None or seq > high:
             self._highest[sender] = seq
             floor = seq - self.window
@@ -327,7 +354,7 @@ class ReplayGuard:
         sender, the largest; clears them and :attr:`dirty`."""
         fresh, self._fresh = self._fresh, {}
         self.dirty = False
-        return {s: sorted(v)[-self.keep:] for s, v in fresh.items()}
+        return {s: sorted(v)[-self.keep :] for s, v in fresh.items()}
 
     def merge(self, doc: dict[str, list[int]]) -> None:
         """Fold numbers in (validated ``{sender: [int, ...]}``, as :meth:`restore` checks):
@@ -336,7 +363,7 @@ class ReplayGuard:
         for sender, seqs in doc.items():
             if sender not in self._top and len(self._top) >= self.max_senders:
                 raise FedagentError(f"replay state names more than {self.max_senders} senders")
-            top = sorted(set(self._top.get(sender, ())) | set(seqs))[-self.keep:]
+            top = sorted(set(self._top.get(sender, ())) | set(seqs))[-self.keep :]
             self._floor[sender] = top[0] - 1
             self._seen[sender] = set(top)
             self._highest[sender] = top[-1]
@@ -345,16 +372,24 @@ class ReplayGuard:
     def restore(self, data: bytes) -> None:
         """Load a snapshot (validated: it is read from disk, not trusted blindly)."""
         try:
-            doc = msgpack.unpackb(data, raw=False, strict_map_key=True, max_array_len=self.keep,
-                                  max_map_len=self.max_senders, max_str_len=256, max_bin_len=0, max_ext_len=0)
+            doc = msgpack.unpackb(
+                data,
+                raw=False,
+                strict_map_key=True,
+                max_array_len=self.keep,
+                max_map_len=self.max_senders,
+                max_str_len=256,
+                max_bin_len=0,
+                max_ext_len=0,
+            )
         except (ValueError, msgpack.UnpackException) as exc:
             raise FedagentError(f"unreadable replay state: {exc}") from None
         if not isinstance(doc, dict) or not all(
-                isinstance(s, str) and isinstance(v, list) and v and all(type(x) is int for x in v)
-                for s, v in doc.items()):
+            isinstance(s, str) and isinstance(v, list) and v and all(type(x) is int for x in v) for s, v in doc.items()
+        ):
             raise FedagentError("replay state is not {sender: [sequence numbers]}")
         for sender, seqs in doc.items():
-            seqs = sorted(set(seqs))[-self.keep:]
+            seqs = sorted(set(seqs))[-self.keep :]
             self._floor[sender] = seqs[0] - 1
             self._seen[sender] = set(seqs)
             self._highest[sender] = seqs[-1]
@@ -364,8 +399,9 @@ class ReplayGuard:
 class Verifier:
     """Checks a frame's certificate, signature and freshness. Raises :class:`AuthError`."""
 
-    def __init__(self, ca: x509.Certificate, *, max_skew: float = 300.0, window: int = 4096,
-                 cache_size: int = 1024, clock=None) -> None:
+    def __init__(
+        self, ca: x509.Certificate, *, max_skew: float = 300.0, window: int = 4096, cache_size: int = 1024, clock=None
+    ) -> None:
         self.ca = ca
         self.clock = clock or SteadyClock()
         self.replay = ReplayGuard(window=window, max_skew=max_skew)
@@ -383,8 +419,10 @@ class Verifier:
         try:
             cert = x509.load_der_x509_certificate(cert_der)
             if cert.issuer != self.ca.subject:
-                raise AuthError("certificate", "certificate not issued by this federation's CA "
-                                               f"(issuer {cert.issuer.rfc4514_string()[:120]})")
+                raise AuthError(
+                    "certificate",
+                    f"certificate not issued by this federation's CA (issuer {cert.issuer.rfc4514_string()[:120]})",
+                )
             try:
                 cert.verify_directly_issued_by(self.ca)
             except InvalidSignature:
@@ -394,13 +432,17 @@ class Verifier:
                 raise AuthError("certificate", "certificate key is not Ed25519")
             cn = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
             ou = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
-            signer = _Signer(str(cn[0].value) if cn else "", str(ou[0].value) if ou else "", key,
-                             cert.not_valid_before_utc.timestamp(), cert.not_valid_after_utc.timestamp())
+            signer = _Signer(
+                str(cn[0].value) if cn else "",
+                str(ou[0].value) if ou else "",
+                key,
+                cert.not_valid_before_utc.timestamp(),
+                cert.not_valid_after_utc.timestamp(),
+            )
         except AuthError:
             raise
         except Exception as exc:  # noqa: BLE001 - a hostile DER blob; the parser's errors vary
-            raise AuthError("certificate", f"malformed certificate: {type(exc).__name__}: {str(exc)[:200]}") \
-                from None
+            raise AuthError("certificate", f"malformed certificate: {type(exc).__name__}: {str(exc)[:200]}") from None
         self._cache[digest] = signer
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
@@ -414,12 +456,11 @@ class Verifier:
             raise AuthError("unsigned", "frame carries no signature or no certificate")
         signer = self._signer(env.cert)
         if signer.name != env.sender:
-            raise AuthError("certificate", f"signed by the certificate of {signer.name!r}, "
-                                           f"not of the claimed sender")
+            raise AuthError("certificate", f"signed by the certificate of {signer.name!r}, not of the claimed sender")
         if signer.role not in SENDER_ROLES:
             raise AuthError("certificate", f"certificate role {signer.role!r} may not send messages")
         if not signer.not_before <= now <= signer.not_after:
-            when = datetime.fromtimestamp(signer.not_after, timezone.utc)
+            when = datetime.fromtimestamp(signer.not_after, UTC)
             raise AuthError("certificate", f"certificate not valid now (valid until {when:%Y-%m-%d %H:%M} UTC)")
         try:
             signer.key.verify(env.sig, signing_digest(env))

@@ -87,14 +87,15 @@ def append_line(path: Path, line: bytes) -> None:
         try:
             view = memoryview(line)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         except OSError as exc:
             try:
                 os.ftruncate(fd, size)
             except OSError:
                 pass
-            raise StateWriteError(f"cannot append to {path}: {exc.strerror or exc}; "
-                                  "earlier records are intact") from exc
+            raise StateWriteError(
+                f"cannot append to {path}: {exc.strerror or exc}; earlier records are intact"
+            ) from exc
     finally:
         os.close(fd)

@@ -19,25 +19,33 @@ import torch
 
 from fedagent import checkpoint
 from fedagent import config as config_mod
-from fedagent.agent import sdnotify
-from fedagent.agent.control import ControlServer
-from fedagent.agent.discovery import Advert, Discovery
+from fedagent.agent import vocabulary as vocab_mod
 from fedagent.agent.gossip import GossipSession
-from fedagent.agent.messaging import Incoming, Messenger
+from fedagent.agent.search import SearchService
 from fedagent.agent.syncopt import SyncOptSession
-from fedagent.agent.runtime import History, make_transport, node_identity, presence_payload
 from fedagent.config import NodeConfig
 from fedagent.errors import EXIT_CONFIG, ConfigError, FedagentError, TransportError
 from fedagent.metrics import NodeMetrics
+from fedagent.node import sdnotify
+from fedagent.node.control import ControlServer
+from fedagent.node.discovery import Advert, Discovery
+from fedagent.node.messaging import Incoming, Messenger
+from fedagent.node.runtime import History, make_transport, node_identity, presence_payload
 from fedagent.pki import fingerprint
 from fedagent.protocols import topics
-from fedagent.agent import vocabulary as vocab_mod
-from fedagent.agent.search import SearchService
 from fedagent.protocols.compression import CompressionConfig, Compressor
-from fedagent.protocols.messages import (GlobalModel, Presence, PublicVectors, PublicVectorsRequest, RoundResult,
-                                         RoundStart, SearchAnswer, SearchQuery, Vocabulary)
-from fedagent.protocols.participant import (AdoptModel, Discarded, Leave, Participant, SendUpdate, Train,
-                                            TrainingDone)
+from fedagent.protocols.messages import (
+    GlobalModel,
+    Presence,
+    PublicVectors,
+    PublicVectorsRequest,
+    RoundResult,
+    RoundStart,
+    SearchAnswer,
+    SearchQuery,
+    Vocabulary,
+)
+from fedagent.protocols.participant import AdoptModel, Discarded, Leave, Participant, SendUpdate, Train, TrainingDone
 from fedagent.statefile import cleanup_temp_files
 from fedagent.tasks.base import Task, get_weights, load_task, set_weights
 
@@ -79,24 +87,43 @@ class Session:
             self.global_weights, self.global_version = resumed[0], self.participant.model_version
         self.search = SearchService(self)
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=1000)
-        self.compressor = Compressor()      # keeps the top-k residual across rounds
-        self._base: tuple[int, Any, Any] | None = None   # (round, global weights, train config) being trained
+        self.compressor = Compressor()  # keeps the top-k residual across rounds
+        self._base: tuple[int, Any, Any] | None = None  # (round, global weights, train config) being trained
         self.transport = make_transport(
-            self.cfg, federation, broker,
-            subscriptions=[topics.all_broadcasts(federation), topics.inbox(federation, self.cfg.id),
-                           topics.all_presence(federation)],
-            on_connect=self._on_connect)
-        self.messenger = Messenger(federation=federation, node_id=self.cfg.id, transport=self.transport,
-                                   max_chunk_bytes=self.cfg.max_chunk_bytes,
-                                   max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics,
-                                   identity=node_identity(self.cfg), max_skew=self.cfg.max_clock_skew,
-                                   state_dir=self.dir)
+            self.cfg,
+            federation,
+            broker,
+            subscriptions=[
+                topics.all_broadcasts(federation),
+                topics.inbox(federation, self.cfg.id),
+                topics.all_presence(federation),
+            ],
+            on_connect=self._on_connect,
+        )
+        self.messenger = Messenger(
+            federation=federation,
+            node_id=self.cfg.id,
+            transport=self.transport,
+            max_chunk_bytes=self.cfg.max_chunk_bytes,
+            max_model_bytes=self.cfg.max_model_bytes,
+            metrics=agent.metrics,
+            identity=node_identity(self.cfg),
+            max_skew=self.cfg.max_clock_skew,
+            state_dir=self.dir,
+        )
 
     async def _on_connect(self) -> None:
         await self.transport.publish(
             topics.presence(self.fed, self.cfg.id),
-            presence_payload(self.cfg, self.fed, True, num_samples=self.agent.task.num_samples(),
-                             model_version=self.participant.model_version), retain=True)
+            presence_payload(
+                self.cfg,
+                self.fed,
+                True,
+                num_samples=self.agent.task.num_samples(),
+                model_version=self.participant.model_version,
+            ),
+            retain=True,
+        )
 
     async def _on_payload(self, topic: str, payload: bytes) -> None:
         await self.messenger.receive(topic, payload, self.queue.put)
@@ -119,8 +146,12 @@ class Session:
         msg = inc.message
         if isinstance(msg, Presence):
             if inc.sender != self.cfg.id:
-                self.peers[inc.sender] = {"role": msg.role, "online": msg.online, "last_seen": time.time(),
-                                          "model_version": msg.model_version}
+                self.peers[inc.sender] = {
+                    "role": msg.role,
+                    "online": msg.online,
+                    "last_seen": time.time(),
+                    "model_version": msg.model_version,
+                }
             if msg.role == "coordinator" and inc.role == "coordinator":
                 came_online = msg.online and not self.coordinator_online
                 self.coordinator_online = msg.online
@@ -153,10 +184,15 @@ class Session:
             if inc.role != "coordinator":
                 # The ACL keeps agents off global/, but the broker is not trusted with
                 # that: only a coordinator's certificate may sign what steers training.
-                return self.messenger._reject("role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-coordinator'}")
+                return self.messenger._reject(
+                    "role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-coordinator'}"
+                )
             self.coordinator = inc.sender
-            if isinstance(msg, (RoundStart, GlobalModel)) and msg.weights is not None and \
-                    msg.model_version >= (self.global_version or 0):
+            if (
+                isinstance(msg, (RoundStart, GlobalModel))
+                and msg.weights is not None
+                and msg.model_version >= (self.global_version or 0)
+            ):
                 self.global_weights, self.global_version = msg.weights, msg.model_version
             if isinstance(msg, RoundStart) and msg.round > self.current_round:
                 self.current_round = msg.round
@@ -211,8 +247,7 @@ class Session:
                         comp = CompressionConfig(train.compression, train.topk_ratio)
                         if comp != self.compressor.config:
                             self.compressor = Compressor(comp)
-                        n = await self.messenger.send_update(topic, cmd.update, base=base,
-                                                             compressor=self.compressor)
+                        n = await self.messenger.send_update(topic, cmd.update, base=base, compressor=self.compressor)
                     else:
                         # The round asked for a whole update (a robust aggregator or
                         # clip_norm reads it at once), or its settings are not known here:
@@ -224,24 +259,38 @@ class Session:
                     # Cut off from the broker for longer than the publish timeout (a
                     # partition): by the time we are back the round is over and the update
                     # stale, so it is dropped here instead of ending the daemon.
-                    log.warning("round %d: update not delivered (%s); the round goes on without it",
-                                cmd.update.round, exc)
+                    log.warning(
+                        "round %d: update not delivered (%s); the round goes on without it", cmd.update.round, exc
+                    )
                     self.round_state = "update not delivered"
                     continue
                 self.round_state = "update sent"
                 self.agent.metrics.round_completed(None, cmd.update.metrics)
-                self.history.append({"event": "update", "round": cmd.update.round,
-                                     "base_version": cmd.update.base_version, "metrics": cmd.update.metrics,
-                                     "num_samples": cmd.update.num_samples, "bytes": n,
-                                     "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out})
-                log.info("round %d: update sent (%d bytes, %s)", cmd.update.round, n,
-                         ", ".join(f"{k}={v:.4f}" for k, v in cmd.update.metrics.items()))
+                self.history.append(
+                    {
+                        "event": "update",
+                        "round": cmd.update.round,
+                        "base_version": cmd.update.base_version,
+                        "metrics": cmd.update.metrics,
+                        "num_samples": cmd.update.num_samples,
+                        "bytes": n,
+                        "bytes_in": self.messenger.bytes_in,
+                        "bytes_out": self.messenger.bytes_out,
+                    }
+                )
+                log.info(
+                    "round %d: update sent (%d bytes, %s)",
+                    cmd.update.round,
+                    n,
+                    ", ".join(f"{k}={v:.4f}" for k, v in cmd.update.metrics.items()),
+                )
             elif isinstance(cmd, Discarded):
                 log.info("discarded training of round %d: %s", cmd.round, cmd.reason)
             elif isinstance(cmd, Leave):
                 self.round_state = "left"
-                self.history.append({"event": "left", "reason": cmd.reason,
-                                     "rounds_trained": self.participant.rounds_done})
+                self.history.append(
+                    {"event": "left", "reason": cmd.reason, "rounds_trained": self.participant.rounds_done}
+                )
                 log.info("leaving federation %s: %s", self.fed, cmd.reason)
                 self.agent.request_exit(cmd.reason)
             elif isinstance(cmd, AdoptModel):
@@ -262,25 +311,41 @@ class Session:
             log.exception("training for round %d failed", cmd.round)
             self.round_state = "training failed"
             return
-        await self.queue.put(TrainingDone(cmd.round, cmd.base_version, self.agent.task.num_samples(),
-                                          metrics, weights))
+        await self.queue.put(TrainingDone(cmd.round, cmd.base_version, self.agent.task.num_samples(), metrics, weights))
 
     def status(self) -> dict[str, Any]:
         p = self.participant
-        return {"federation": self.fed, "broker": self.broker, "connection": self.transport.state,
-                "reconnects": self.transport.reconnects, "last_error": self.transport.last_error,
-                "coordinator": self.coordinator, "round": self.current_round, "round_state": self.round_state,
-                "rounds_trained": p.rounds_done, "model_version": p.model_version,
-                "last_metrics": p.last_metrics, "global_model_eval": self.last_eval,
-                "peers": dict(sorted(self.peers.items())), "rejected": dict(self.messenger.rejected),
-                "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out,
-                "vocabulary_size": self.vocabulary_size, "vocab_digest": self.vocab_digest or None,
-                "vocab_offers_sent": self.offers_sent, **self.search.status()}
+        return {
+            "federation": self.fed,
+            "broker": self.broker,
+            "connection": self.transport.state,
+            "reconnects": self.transport.reconnects,
+            "last_error": self.transport.last_error,
+            "coordinator": self.coordinator,
+            "round": self.current_round,
+            "round_state": self.round_state,
+            "rounds_trained": p.rounds_done,
+            "model_version": p.model_version,
+            "last_metrics": p.last_metrics,
+            "global_model_eval": self.last_eval,
+            "peers": dict(sorted(self.peers.items())),
+            "rejected": dict(self.messenger.rejected),
+            "bytes_in": self.messenger.bytes_in,
+            "bytes_out": self.messenger.bytes_out,
+            "vocabulary_size": self.vocabulary_size,
+            "vocab_digest": self.vocab_digest or None,
+            "vocab_offers_sent": self.offers_sent,
+            **self.search.status(),
+        }
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.transport.close(
-                (topics.presence(self.fed, self.cfg.id), presence_payload(self.cfg, self.fed, False))), 5)
+            await asyncio.wait_for(
+                self.transport.close(
+                    (topics.presence(self.fed, self.cfg.id), presence_payload(self.cfg, self.fed, False))
+                ),
+                5,
+            )
 
 
 class Agent:
@@ -310,8 +375,9 @@ class Agent:
     def train(self, cmd: Train):
         with self._thread_lock:
             set_weights(self.model, cmd.weights)
-            metrics = self.task.fit(self.model, epochs=cmd.train.epochs, lr=cmd.train.lr,
-                                    batch_size=cmd.train.batch_size, seed=cmd.round)
+            metrics = self.task.fit(
+                self.model, epochs=cmd.train.epochs, lr=cmd.train.lr, batch_size=cmd.train.batch_size, seed=cmd.round
+            )
             return get_weights(self.model), metrics
 
     def adopt_vocabulary(self, terms: list[str]) -> None:
@@ -330,8 +396,9 @@ class Agent:
             extra["lr_end"] = lr_end
         with self._thread_lock:
             set_weights(self.model, weights)
-            metrics = self.task.fit_steps(self.model, steps=steps, lr=lr, batch_size=self.cfg.gossip.batch_size,
-                                          seed=seed, **extra)
+            metrics = self.task.fit_steps(
+                self.model, steps=steps, lr=lr, batch_size=self.cfg.gossip.batch_size, seed=seed, **extra
+            )
             return get_weights(self.model), metrics
 
     @property
@@ -380,8 +447,13 @@ class Agent:
         if self.cfg.advertise and self._disc is not None:
             if self._advert is not None and self._advert.federation != federation:
                 await self._disc.unregister(self._advert)
-            self._advert = Advert(federation=federation, node_id=self.cfg.id, role="agent",
-                                  broker_uri=broker, fingerprint=fingerprint(self.cfg.tls.cert))
+            self._advert = Advert(
+                federation=federation,
+                node_id=self.cfg.id,
+                role="agent",
+                broker_uri=broker,
+                fingerprint=fingerprint(self.cfg.tls.cert),
+            )
             await self._disc.register(self._advert)
             self._disc.start_browsing(federation)
         try:
@@ -398,18 +470,25 @@ class Agent:
 
     # -- control -----------------------------------------------------------------------
     async def _status(self, _args: dict) -> dict:
-        out: dict[str, Any] = {"role": "agent", "id": self.cfg.id, "mode": self.cfg.mode,
-                               "task": self.cfg.task, "num_samples": self.task.num_samples(),
-                               "federation": self.cfg.federation or None, "connection": "not joined",
-                               "metrics_url": self.metrics_url}
+        out: dict[str, Any] = {
+            "role": "agent",
+            "id": self.cfg.id,
+            "mode": self.cfg.mode,
+            "task": self.cfg.task,
+            "num_samples": self.task.num_samples(),
+            "federation": self.cfg.federation or None,
+            "connection": "not joined",
+            "metrics_url": self.metrics_url,
+        }
         if self.session is not None:
             out.update(self.session.status())
         elif self.cfg.federation:
             out["connection"] = "discovering"
         if self._disc is not None:
-            out["mdns_peers"] = {k: {"role": a.role, "broker": a.broker_uri,
-                                     "last_seen": self._disc.last_seen.get(k)}
-                                 for k, a in sorted(self._disc.peers.items())}
+            out["mdns_peers"] = {
+                k: {"role": a.role, "broker": a.broker_uri, "last_seen": self._disc.last_seen.get(k)}
+                for k, a in sorted(self._disc.peers.items())
+            }
         return out
 
     def _refresh_metrics(self, m: NodeMetrics) -> None:
@@ -429,13 +508,21 @@ class Agent:
         if self._disc is not None:
             for pid, a in self._disc.peers.items():
                 if pid != self.cfg.id and (not self.cfg.federation or a.federation == self.cfg.federation):
-                    table[pid] = {"role": a.role, "broker": a.broker_uri, "mdns": True, "online": None,
-                                  "last_seen": self._disc.last_seen.get(pid)}
+                    table[pid] = {
+                        "role": a.role,
+                        "broker": a.broker_uri,
+                        "mdns": True,
+                        "online": None,
+                        "last_seen": self._disc.last_seen.get(pid),
+                    }
         if self.session is not None:
             for pid, info in self.session.peers.items():
                 row = table.setdefault(pid, {"role": info["role"], "broker": None, "mdns": False})
-                row.update(online=info["online"], last_seen=max(info["last_seen"], row.get("last_seen") or 0),
-                           model_version=info.get("model_version"))
+                row.update(
+                    online=info["online"],
+                    last_seen=max(info["last_seen"], row.get("last_seen") or 0),
+                    model_version=info.get("model_version"),
+                )
         return dict(sorted(table.items()))
 
     async def _peers(self, _args: dict) -> dict:
@@ -444,8 +531,10 @@ class Agent:
     async def _search(self, args: dict) -> dict:
         session = self.session
         if not isinstance(session, Session):
-            raise ConfigError(f"agent {self.cfg.id} is in no FedAvg federation: search needs a joint model "
-                              "(mode fedavg) and a running session")
+            raise ConfigError(
+                f"agent {self.cfg.id} is in no FedAvg federation: search needs a joint model "
+                "(mode fedavg) and a running session"
+            )
         return await session.search.search(args)
 
     async def _leave(self, _args: dict) -> dict:
@@ -478,16 +567,22 @@ class Agent:
 
         self._thread_lock = threading.Lock()
         self._exit = asyncio.Event()
-        control = ControlServer(self.cfg.control_socket, {"status": self._status, "join": self._join,
-                                                                 "leave": self._leave, "peers": self._peers,
-                                                                 "search": self._search})
+        control = ControlServer(
+            self.cfg.control_socket,
+            {
+                "status": self._status,
+                "join": self._join,
+                "leave": self._leave,
+                "peers": self._peers,
+                "search": self._search,
+            },
+        )
         await control.start()
         if self.cfg.metrics_port >= 0:
             host, port = await self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
             self.metrics_url = f"http://{host}:{port}/metrics"
         try:
-            async with Discovery(self.cfg.interfaces, on_change=self._on_advert) as disc, \
-                    asyncio.TaskGroup() as tg:
+            async with Discovery(self.cfg.interfaces, on_change=self._on_advert) as disc, asyncio.TaskGroup() as tg:
                 self._disc, self._tg = disc, tg
                 watchdog = tg.create_task(sdnotify.watchdog_loop())
                 if self.cfg.federation:

@@ -39,12 +39,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from fedagent import checkpoint
-from fedagent.agent import sdnotify
-from fedagent.agent.discovery import Advert
-from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.runtime import History, Timer, make_transport, node_identity, presence_payload, tls_files
-from fedagent.agent.transport import Transport
 from fedagent.errors import ConfigError
+from fedagent.node import sdnotify
+from fedagent.node.discovery import Advert
+from fedagent.node.messaging import Incoming, Messenger
+from fedagent.node.runtime import History, Timer, make_transport, node_identity, presence_payload, tls_files
+from fedagent.node.transport import Transport
 from fedagent.protocols import gossip as g
 from fedagent.protocols import gossip_vocab as gv
 from fedagent.protocols import topics
@@ -73,18 +73,20 @@ def resolve_exchange(patterns: tuple[str, ...] | None, names: list[str]) -> tupl
     chosen = tuple(n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns))
     unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
     if unmatched or not chosen:
-        raise ConfigError(f"gossip.exchange {list(unmatched or patterns)} matches no parameter of the model "
-                          f"(its parameters: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''})")
+        raise ConfigError(
+            f"gossip.exchange {list(unmatched or patterns)} matches no parameter of the model "
+            f"(its parameters: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''})"
+        )
     return chosen
 
 
 class _Peer:
-    __slots__ = ("broker", "mdns", "presence", "last_seen", "num_samples")
+    __slots__ = ("broker", "last_seen", "mdns", "num_samples", "presence")
 
     def __init__(self) -> None:
         self.broker = ""
         self.mdns = False
-        self.presence: bool | None = None     # None: no presence seen on our broker
+        self.presence: bool | None = None  # None: no presence seen on our broker
         self.last_seen = 0.0
         self.num_samples = 0
 
@@ -126,36 +128,55 @@ class GossipSession:
         self.timer = Timer(self.queue, g.Wakeup())
         self.vocab_timer = Timer(self.queue, _VocabWakeup())
         self.transport = make_transport(
-            self.cfg, federation, broker,
+            self.cfg,
+            federation,
+            broker,
             subscriptions=[topics.inbox(federation, self.cfg.id), topics.all_presence(federation)],
-            on_connect=self._on_connect)
-        self.messenger = Messenger(federation=federation, node_id=self.cfg.id, transport=self.transport,
-                                   max_chunk_bytes=self.cfg.max_chunk_bytes,
-                                   max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics,
-                                   identity=node_identity(self.cfg), max_skew=self.cfg.max_clock_skew,
-                                   state_dir=self.dir)
+            on_connect=self._on_connect,
+        )
+        self.messenger = Messenger(
+            federation=federation,
+            node_id=self.cfg.id,
+            transport=self.transport,
+            max_chunk_bytes=self.cfg.max_chunk_bytes,
+            max_model_bytes=self.cfg.max_model_bytes,
+            metrics=agent.metrics,
+            identity=node_identity(self.cfg),
+            max_skew=self.cfg.max_clock_skew,
+            state_dir=self.dir,
+        )
         self.links: dict[str, tuple[Transport, asyncio.Event]] = {}
         self._tg: asyncio.TaskGroup | None = None
 
     # -- the gossip machine and the vocabulary it is built on ------------------------------
     def _make_machine(self) -> None:
         agent = self.agent
-        weights = get_weights(agent.model)       # the task's seeded initial model
+        weights = get_weights(agent.model)  # the task's seeded initial model
         resumed = checkpoint.load(self.model_path)
-        if resumed is not None and resumed[0].keys() == weights.keys() \
-                and all(resumed[0][k].shape == v.shape for k, v in weights.items()) \
-                and resumed[1].get("vocab_digest", "") == self.vocab_digest:
+        if (
+            resumed is not None
+            and resumed[0].keys() == weights.keys()
+            and all(resumed[0][k].shape == v.shape for k, v in weights.items())
+            and resumed[1].get("vocab_digest", "") == self.vocab_digest
+        ):
             weights = resumed[0]
             log.info("resuming from %s (period %s)", self.model_path, resumed[1].get("period"))
         names = resolve_exchange(self.settings.exchange, list(weights))
-        self.machine = g.GossipMachine(self.cfg.id, self.settings.machine_config(names), weights,
-                                       num_samples=agent.task.num_samples(), session=secrets.token_hex(4))
+        self.machine = g.GossipMachine(
+            self.cfg.id,
+            self.settings.machine_config(names),
+            weights,
+            num_samples=agent.task.num_samples(),
+            session=secrets.token_hex(4),
+        )
 
     def _init_consensus(self) -> None:
         task = self.agent.task
         if not (callable(getattr(task, "term_counts", None)) and callable(getattr(task, "set_vocabulary", None))):
-            raise ConfigError(f"[gossip] vocab_agents is set but task {self.cfg.task!r} has no vocabulary "
-                              "(term_counts/set_vocabulary)")
+            raise ConfigError(
+                f"[gossip] vocab_agents is set but task {self.cfg.task!r} has no vocabulary "
+                "(term_counts/set_vocabulary)"
+            )
         own = task.term_counts()
         terms = sorted(own)
         counts = [int(own[t]) for t in terms]
@@ -210,22 +231,39 @@ class GossipSession:
                 self.vocab_timer.cancel()
                 self.state = "vocabulary failed"
                 log.error("vocabulary consensus failed (%s): %s; not training", cmd.reason, cmd.detail)
-                self.history.append({"event": "vocab_failed", "reason": cmd.reason, "detail": cmd.detail,
-                                     "missing": list(cmd.missing)})
+                self.history.append(
+                    {"event": "vocab_failed", "reason": cmd.reason, "detail": cmd.detail, "missing": list(cmd.missing)}
+                )
                 sdnotify.status(f"{self.fed}: vocabulary consensus failed: {cmd.reason}")
             elif isinstance(cmd, gv.Agreed):
                 self.vocab_timer.cancel()
                 await self._vocabulary_agreed(cmd)
 
     async def _vocabulary_agreed(self, cmd: gv.Agreed) -> None:
-        doc = {"terms": list(cmd.terms), "counts": list(cmd.counts), "contributors": list(cmd.contributors),
-               "digest": cmd.digest}
+        doc = {
+            "terms": list(cmd.terms),
+            "counts": list(cmd.counts),
+            "contributors": list(cmd.contributors),
+            "digest": cmd.digest,
+        }
         await asyncio.to_thread(atomic_write, self.vocab_path, json.dumps(doc).encode())
         await asyncio.to_thread(self._install_vocabulary, cmd)
-        self.history.append({"event": "vocabulary", "terms": len(cmd.terms), "contributors": list(cmd.contributors),
-                             "dropped_terms": cmd.dropped_terms, "digest": cmd.digest})
-        log.info("vocabulary agreed with %d peers: %d terms (digest %s, %d cut by min_count/max_size)",
-                 len(cmd.contributors) - 1, len(cmd.terms), cmd.digest[:12], cmd.dropped_terms)
+        self.history.append(
+            {
+                "event": "vocabulary",
+                "terms": len(cmd.terms),
+                "contributors": list(cmd.contributors),
+                "dropped_terms": cmd.dropped_terms,
+                "digest": cmd.digest,
+            }
+        )
+        log.info(
+            "vocabulary agreed with %d peers: %d terms (digest %s, %d cut by min_count/max_size)",
+            len(cmd.contributors) - 1,
+            len(cmd.terms),
+            cmd.digest[:12],
+            cmd.dropped_terms,
+        )
         self._make_machine()
         self.state = "waiting for peers"
         for pid, p in sorted(self._peers.items()):
@@ -248,15 +286,18 @@ class GossipSession:
     @property
     def peers(self) -> dict[str, dict[str, Any]]:
         """The peer view in the FedAvg session's shape (for ``fedagent peers``, metrics)."""
-        return {pid: {"role": "agent", "online": p.up, "last_seen": p.last_seen, "model_version": None}
-                for pid, p in self._peers.items()}
+        return {
+            pid: {"role": "agent", "online": p.up, "last_seen": p.last_seen, "model_version": None}
+            for pid, p in self._peers.items()
+        }
 
     # -- connections ---------------------------------------------------------------------
     async def _on_connect(self) -> None:
         await self.transport.publish(
             topics.presence(self.fed, self.cfg.id),
-            presence_payload(self.cfg, self.fed, True, num_samples=self.agent.task.num_samples(),
-                             broker=self.broker), retain=True)
+            presence_payload(self.cfg, self.fed, True, num_samples=self.agent.task.num_samples(), broker=self.broker),
+            retain=True,
+        )
 
     async def _link(self, broker: str) -> Transport:
         """The connection to ``broker``: the home one, or one opened on first use."""
@@ -330,8 +371,13 @@ class GossipSession:
                 self._tg = tg
                 tg.create_task(self.transport.run(self._on_payload, ready))
                 await ready.wait()
-                log.info("agent %s joined gossip federation %s via %s (%d samples)", self.cfg.id, self.fed,
-                         self.broker, self.agent.task.num_samples())
+                log.info(
+                    "agent %s joined gossip federation %s via %s (%d samples)",
+                    self.cfg.id,
+                    self.fed,
+                    self.broker,
+                    self.agent.task.num_samples(),
+                )
                 disc = self.agent.discovery
                 if disc is not None:
                     for advert in disc.peers.values():
@@ -369,8 +415,12 @@ class GossipSession:
         # Direct messages must come on our own inbox topic (the messenger already
         # checked that the topic's sender is the envelope's sender).
         _fed, _sender, receiver, kind = topics.parse(inc.topic)
-        expected = {GossipModel: "gossip", GossipAck: "gossip_ack", VocabOffer: "vocab_offer",
-                    VocabDigest: "vocab_digest"}.get(type(msg))
+        expected = {
+            GossipModel: "gossip",
+            GossipAck: "gossip_ack",
+            VocabOffer: "vocab_offer",
+            VocabDigest: "vocab_digest",
+        }.get(type(msg))
         if expected is None:
             return self.messenger._reject("mode", inc.sender, f"{msg.kind} in a gossip federation")
         if receiver != self.cfg.id or kind != expected:
@@ -378,8 +428,11 @@ class GossipSession:
         if isinstance(msg, (VocabOffer, VocabDigest)):
             if self.consensus is None:
                 return self.messenger._reject("mode", inc.sender, f"{msg.kind} but no vocabulary consensus here")
-            ev = (gv.OfferReceived(inc.sender, msg.terms, msg.counts) if isinstance(msg, VocabOffer)
-                  else gv.DigestReceived(inc.sender, msg.digest, msg.contributors, msg.agreed))
+            ev = (
+                gv.OfferReceived(inc.sender, msg.terms, msg.counts)
+                if isinstance(msg, VocabOffer)
+                else gv.DigestReceived(inc.sender, msg.digest, msg.contributors, msg.agreed)
+            )
             return await self._run_consensus(self.consensus.handle(ev, time.monotonic()))
         if self.machine is None:
             # Still agreeing on the vocabulary: refusing hands the model's mass back to
@@ -388,12 +441,16 @@ class GossipSession:
                 self.agent.spawn(self._send_ack(g.SendAck(inc.sender, msg.exchange_id, False, "not-ready")))
             return None
         if isinstance(msg, GossipModel):
-            event = g.ModelReceived(inc.sender, msg.exchange_id, msg.weights, mass=msg.mass, age=msg.age,
-                                    returned=msg.returned)
+            event = g.ModelReceived(
+                inc.sender, msg.exchange_id, msg.weights, mass=msg.mass, age=msg.age, returned=msg.returned
+            )
             await self._apply(self.machine.handle(event, time.monotonic()))
         else:
-            await self._apply(self.machine.handle(
-                g.AckReceived(inc.sender, msg.exchange_id, msg.accepted, msg.reason), time.monotonic()))
+            await self._apply(
+                self.machine.handle(
+                    g.AckReceived(inc.sender, msg.exchange_id, msg.accepted, msg.reason), time.monotonic()
+                )
+            )
 
     async def _apply(self, cmds: list) -> None:
         for cmd in cmds:
@@ -408,8 +465,7 @@ class GossipSession:
             elif isinstance(cmd, g.ModelChanged):
                 await self._model_changed(cmd)
             elif isinstance(cmd, g.Dropped):
-                log.info("dropped model %s from %s: %s %s", cmd.exchange_id or "-", cmd.sender, cmd.reason,
-                         cmd.detail)
+                log.info("dropped model %s from %s: %s %s", cmd.exchange_id or "-", cmd.sender, cmd.reason, cmd.detail)
             elif isinstance(cmd, g.Finished):
                 await self._finished(cmd)
 
@@ -420,8 +476,7 @@ class GossipSession:
             # The schedule's value at both ends of the period: a task that can (fit_steps
             # with lr_end) decays within the period instead of in steps of one period.
             lr, lr_end = self.settings.lr_at(self.machine.period), self.settings.lr_at(self.machine.period + 1)
-            weights, metrics = await asyncio.to_thread(self.agent.train_steps, cmd.weights, cmd.steps, seed, lr,
-                                                       lr_end)
+            weights, metrics = await asyncio.to_thread(self.agent.train_steps, cmd.weights, cmd.steps, seed, lr, lr_end)
         except Exception:
             log.exception("local training failed; keeping the model it started from")
             weights, metrics = cmd.weights, {}
@@ -444,8 +499,9 @@ class GossipSession:
         topic = topics.direct(self.fed, self.cfg.id, cmd.peer, "gossip")
         try:
             link = await self._link(self._peer_broker(cmd.peer))
-            n = await asyncio.wait_for(self.messenger.send(topic, msg, round_=self.machine.period, transport=link),
-                                       self.settings.send_timeout)
+            n = await asyncio.wait_for(
+                self.messenger.send(topic, msg, round_=self.machine.period, transport=link), self.settings.send_timeout
+            )
             log.debug("sent model %s to %s (%d bytes)", cmd.exchange_id, cmd.peer, n)
         except Exception as exc:  # noqa: BLE001 - any failure: the machine picks another peer
             log.warning("sending model %s to %s failed: %s", cmd.exchange_id, cmd.peer, exc or type(exc).__name__)
@@ -455,8 +511,10 @@ class GossipSession:
         topic = topics.direct(self.fed, self.cfg.id, cmd.peer, "gossip_ack")
         try:
             link = await self._link(self._peer_broker(cmd.peer))
-            await asyncio.wait_for(self.messenger.send(topic, GossipAck(cmd.exchange_id, cmd.accepted, cmd.reason),
-                                                       transport=link), self.settings.send_timeout)
+            await asyncio.wait_for(
+                self.messenger.send(topic, GossipAck(cmd.exchange_id, cmd.accepted, cmd.reason), transport=link),
+                self.settings.send_timeout,
+            )
         except Exception as exc:  # noqa: BLE001 - the sender's timeout covers a lost ack
             log.warning("acknowledging %s to %s failed: %s", cmd.exchange_id, cmd.peer, exc or type(exc).__name__)
 
@@ -468,8 +526,13 @@ class GossipSession:
         sdnotify.status(f"{self.fed}: gossip period {cmd.period}")
 
     async def _checkpoint(self, weights, period: int, *, final: bool) -> None:
-        meta = {"period": period, "age": self.machine.age, "mass": self.machine.mass, "final": final,
-                "vocab_digest": self.vocab_digest}
+        meta = {
+            "period": period,
+            "age": self.machine.age,
+            "mass": self.machine.mass,
+            "final": final,
+            "vocab_digest": self.vocab_digest,
+        }
         await asyncio.to_thread(checkpoint.save, self.model_path, weights, meta)
 
     async def _evaluate(self, weights, period: int) -> None:
@@ -477,11 +540,21 @@ class GossipSession:
         self.last_eval = {"period": period, **metrics}
         self.agent.metrics.report(metrics, prefix="local_")
         st = self.machine.status()
-        self.history.append({"event": "gossip_eval", "period": period, "metrics": metrics,
-                             "train": self.last_metrics, "disagreement": st["disagreement"],
-                             "age": st["age"], "sent": st["sent"], "received": st["received"],
-                             "dropped": st["dropped"], "bytes_in": self.messenger.bytes_in,
-                             "bytes_out": self.messenger.bytes_out})
+        self.history.append(
+            {
+                "event": "gossip_eval",
+                "period": period,
+                "metrics": metrics,
+                "train": self.last_metrics,
+                "disagreement": st["disagreement"],
+                "age": st["age"],
+                "sent": st["sent"],
+                "received": st["received"],
+                "dropped": st["dropped"],
+                "bytes_in": self.messenger.bytes_in,
+                "bytes_out": self.messenger.bytes_out,
+            }
+        )
         log.info("period %d: %s", period, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
 
     async def _finished(self, cmd: g.Finished) -> None:
@@ -497,35 +570,98 @@ class GossipSession:
         if self.consensus is not None:
             vocab = self.consensus.status()
         if self.machine is None:
-            return {"federation": self.fed, "broker": self.broker, "connection": self.transport.state,
-                    "reconnects": self.transport.reconnects, "last_error": self.transport.last_error,
-                    "coordinator": None, "round": 0, "period": 0, "round_state": self.state, "vocabulary": vocab,
-                    "peers": {pid: {"role": "agent", "online": p.up, "broker": p.broker or self.broker}
-                              for pid, p in sorted(self._peers.items())},
-                    "rejected": dict(self.messenger.rejected), "bytes_in": self.messenger.bytes_in,
-                    "bytes_out": self.messenger.bytes_out}
+            return {
+                "federation": self.fed,
+                "broker": self.broker,
+                "connection": self.transport.state,
+                "reconnects": self.transport.reconnects,
+                "last_error": self.transport.last_error,
+                "coordinator": None,
+                "round": 0,
+                "period": 0,
+                "round_state": self.state,
+                "vocabulary": vocab,
+                "peers": {
+                    pid: {"role": "agent", "online": p.up, "broker": p.broker or self.broker}
+                    for pid, p in sorted(self._peers.items())
+                },
+                "rejected": dict(self.messenger.rejected),
+                "bytes_in": self.messenger.bytes_in,
+                "bytes_out": self.messenger.bytes_out,
+            }
         st = self.machine.status()
-        peers = {pid: {"role": "agent", "online": p.up, "broker": p.broker or self.broker, "mdns": p.mdns,
-                       "presence": p.presence, "last_seen": p.last_seen, "num_samples": p.num_samples}
-                 for pid, p in sorted(self._peers.items())}
-        gossip = {k: st[k] for k in ("sent", "received", "dropped", "rejected", "refused", "acked", "timeouts",
-                                     "retries", "returned", "reclaimed", "late_acks", "duplicates", "merged",
-                                     "in_flight", "inbox", "mass", "merge", "create", "screened", "screen_short")}
-        return {"federation": self.fed, "broker": self.broker, "connection": self.transport.state,
-                "reconnects": self.transport.reconnects, "last_error": self.transport.last_error,
-                "coordinator": None, "round": self.machine.period, "period": self.machine.period,
-                "round_state": self.state, "model_age": st["age"], "disagreement": st["disagreement"],
-                "disagreement_rel": st["disagreement_rel"], "gossip": gossip,
-                "links": sorted([self.broker, *self.links]), "last_metrics": self.last_metrics,
-                "local_model_eval": self.last_eval, "peers": peers, "rejected": dict(self.messenger.rejected),
-                "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out,
-                "vocabulary": vocab}
+        peers = {
+            pid: {
+                "role": "agent",
+                "online": p.up,
+                "broker": p.broker or self.broker,
+                "mdns": p.mdns,
+                "presence": p.presence,
+                "last_seen": p.last_seen,
+                "num_samples": p.num_samples,
+            }
+            for pid, p in sorted(self._peers.items())
+        }
+        gossip = {
+            k: st[k]
+            for k in (
+                "sent",
+                "received",
+                "dropped",
+                "rejected",
+                "refused",
+                "acked",
+                "timeouts",
+                "retries",
+                "returned",
+                "reclaimed",
+                "late_acks",
+                "duplicates",
+                "merged",
+                "in_flight",
+                "inbox",
+                "mass",
+                "merge",
+                "create",
+                "screened",
+                "screen_short",
+            )
+        }
+        return {
+            "federation": self.fed,
+            "broker": self.broker,
+            "connection": self.transport.state,
+            "reconnects": self.transport.reconnects,
+            "last_error": self.transport.last_error,
+            "coordinator": None,
+            "round": self.machine.period,
+            "period": self.machine.period,
+            "round_state": self.state,
+            "model_age": st["age"],
+            "disagreement": st["disagreement"],
+            "disagreement_rel": st["disagreement_rel"],
+            "gossip": gossip,
+            "links": sorted([self.broker, *self.links]),
+            "last_metrics": self.last_metrics,
+            "local_model_eval": self.last_eval,
+            "peers": peers,
+            "rejected": dict(self.messenger.rejected),
+            "bytes_in": self.messenger.bytes_in,
+            "bytes_out": self.messenger.bytes_out,
+            "vocabulary": vocab,
+        }
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.transport.close(
-                (topics.presence(self.fed, self.cfg.id), presence_payload(self.cfg, self.fed, False,
-                                                                          broker=self.broker))), 5)
+            await asyncio.wait_for(
+                self.transport.close(
+                    (
+                        topics.presence(self.fed, self.cfg.id),
+                        presence_payload(self.cfg, self.fed, False, broker=self.broker),
+                    )
+                ),
+                5,
+            )
         for t, _ready in list(self.links.values()):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(t.close(), 5)

@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedagent import checkpoint
-from fedagent.agent.messaging import Incoming
 from fedagent.errors import ConfigError, FedagentError
+from fedagent.node.messaging import Incoming
 from fedagent.protocols import search as S
 from fedagent.protocols import topics
 from fedagent.protocols.messages import PublicVectors, PublicVectorsRequest, SearchAnswer, SearchQuery
@@ -75,7 +75,7 @@ class SearchService:
         self.waiting: dict[str, asyncio.Future] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._at = float("inf")
-        self._index: tuple[Any, np.ndarray, list[str]] | None = None   # (key, vectors, ids)
+        self._index: tuple[Any, np.ndarray, list[str]] | None = None  # (key, vectors, ids)
         self.answered = 0
         self.refused = 0
         self.settings = session.cfg.search
@@ -85,14 +85,14 @@ class SearchService:
         self._own_lock = threading.Lock()
         self._public: tuple[str, list[list[str]]] | None = None
         self.exchange = S.ExchangeMachine(self.settings.public_docs) if self.mapped else None
-        self._received: dict[tuple[str, str], np.ndarray] = {}      # (request id, peer) -> public vectors
-        self.mappers: dict[str, tuple[str, str, Any]] = {}         # peer -> (own space, peer space, mapper)
+        self._received: dict[tuple[str, str], np.ndarray] = {}  # (request id, peer) -> public vectors
+        self.mappers: dict[str, tuple[str, str, Any]] = {}  # peer -> (own space, peer space, mapper)
         self.vectors_sent = 0
         self.vectors_received = 0
         self.mappers_trained = 0
-        self.own_model_source = ""           # mapped: "trained" or "restored" (from the state directory)
+        self.own_model_source = ""  # mapped: "trained" or "restored" (from the state directory)
         self.limiter = RateLimiter(self.settings.requests_per_minute / 60.0, self.settings.request_burst)
-        self._limited: set[str] = set()      # peers refused since their last allowed request
+        self._limited: set[str] = set()  # peers refused since their last allowed request
 
     # -- the space and this site's index ---------------------------------------------------------
     @property
@@ -107,8 +107,9 @@ class SearchService:
         if self._public is None:
             posts = td.newsgroups()[: self.settings.public_docs]
             if len(posts) != self.settings.public_docs:
-                raise S.SearchError("public", f"the public corpus has {len(posts)} posts, "
-                                              f"{self.settings.public_docs} configured")
+                raise S.SearchError(
+                    "public", f"the public corpus has {len(posts)} posts, {self.settings.public_docs} configured"
+                )
             h = hashlib.sha256("\x00".join(p.text for p in posts).encode())
             self._public = (h.hexdigest()[:32], [td.tokenize(p.text) for p in posts])
         return self._public
@@ -126,8 +127,9 @@ class SearchService:
                 if callable(getattr(task, "set_vocabulary", None)) and callable(getattr(task, "term_counts", None)):
                     # Its own documents' terms only: no vocabulary consensus in a mapped federation.
                     o = getattr(task, "options", {})
-                    merged = td.merge_term_counts([task.term_counts()], min_count=int(o.get("min_count", 1)),
-                                                  max_size=int(o.get("max_vocab", 0)))
+                    merged = td.merge_term_counts(
+                        [task.term_counts()], min_count=int(o.get("min_count", 1)), max_size=int(o.get("max_vocab", 0))
+                    )
                     task.set_vocabulary([t for t, _ in merged], [c for _, c in merged])
                 key = self._own_key(task)
                 model = task.build_model()
@@ -156,9 +158,22 @@ class SearchService:
         does not expose them, its vocabulary counts), its vocabulary, the training
         settings, the public corpus, the task. A restored model must match all of it."""
         st = self.settings
-        h = hashlib.sha256(json.dumps([self.session.cfg.task, st.local_epochs, st.lr, "cosine", st.batch_size, st.seed,
-                                       self.public_corpus()[0], getattr(task, "options", {})],
-                                      sort_keys=True, default=str).encode())
+        h = hashlib.sha256(
+            json.dumps(
+                [
+                    self.session.cfg.task,
+                    st.local_epochs,
+                    st.lr,
+                    "cosine",
+                    st.batch_size,
+                    st.seed,
+                    self.public_corpus()[0],
+                    getattr(task, "options", {}),
+                ],
+                sort_keys=True,
+                default=str,
+            ).encode()
+        )
         docs = getattr(task, "tokens", None)
         if isinstance(docs, list):
             for doc in docs:
@@ -232,8 +247,9 @@ class SearchService:
     async def on_query(self, inc: Incoming) -> None:
         msg: SearchQuery = inc.message
         s = self.session
-        if not await self._admit(inc, "search query", "search_answer",
-                                 SearchAnswer(msg.query_id, (), (), error=RATE_LIMITED)):
+        if not await self._admit(
+            inc, "search query", "search_answer", SearchAnswer(msg.query_id, (), (), error=RATE_LIMITED)
+        ):
             return
 
         def answer() -> SearchAnswer:
@@ -280,22 +296,34 @@ class SearchService:
         self.session.messenger.count_rejected("rate")
         if peer not in self._limited:
             self._limited.add(peer)
-            log.warning("%s from %s refused: more than %g a minute (burst %d); next in %.1f s", what, peer,
-                        self.settings.requests_per_minute, self.settings.request_burst,
-                        self.limiter.retry_after(peer, now))
+            log.warning(
+                "%s from %s refused: more than %g a minute (burst %d); next in %.1f s",
+                what,
+                peer,
+                self.settings.requests_per_minute,
+                self.settings.request_burst,
+                self.limiter.retry_after(peer, now),
+            )
         return False
 
     def on_answer(self, inc: Incoming) -> None:
         msg: SearchAnswer = inc.message
-        self._apply(self.machine.handle(S.AnswerReceived(msg.query_id, inc.sender,
-                                                         tuple(zip(msg.doc_ids, msg.scores)), msg.error),
-                                        time.monotonic()))
+        self._apply(
+            self.machine.handle(
+                S.AnswerReceived(msg.query_id, inc.sender, tuple(zip(msg.doc_ids, msg.scores)), msg.error),
+                time.monotonic(),
+            )
+        )
 
     async def on_vectors_request(self, inc: Incoming) -> None:
         msg: PublicVectorsRequest = inc.message
         s = self.session
-        if not await self._admit(inc, "public-vector request", "public_vectors",
-                                 PublicVectors(msg.request_id, self.space, error=RATE_LIMITED)):
+        if not await self._admit(
+            inc,
+            "public-vector request",
+            "public_vectors",
+            PublicVectors(msg.request_id, self.space, error=RATE_LIMITED),
+        ):
             return
 
         def answer() -> PublicVectors:
@@ -326,11 +354,15 @@ class SearchService:
         rows = 0 if msg.vectors is None else msg.vectors.shape[0]
         if x is not None and inc.sender in x.have and msg.vectors is not None and not msg.error:
             self._received.setdefault((msg.request_id, inc.sender), msg.vectors)
-        self._apply(self.exchange.handle(S.VectorsReceived(msg.request_id, inc.sender, msg.space, rows, msg.error),
-                                         time.monotonic()))
+        self._apply(
+            self.exchange.handle(
+                S.VectorsReceived(msg.request_id, inc.sender, msg.space, rows, msg.error), time.monotonic()
+            )
+        )
 
-    async def _exchange(self, peers: tuple[str, ...], own_space: str, own_public: np.ndarray,
-                        timeout: float) -> tuple[S.Exchanged, dict[str, tuple[str, Any, str]]]:
+    async def _exchange(
+        self, peers: tuple[str, ...], own_space: str, own_public: np.ndarray, timeout: float
+    ) -> tuple[S.Exchanged, dict[str, tuple[str, Any, str]]]:
         """Public vectors from the peers, then a mapper per answering peer (trained or
         cached): (the exchange's outcome, peer -> (peer space, mapper, "trained"|"cached"))."""
         s = self.session
@@ -343,8 +375,10 @@ class SearchService:
         try:
             for cmd in self.exchange.handle(S.ExchangeStart(rid, have, timeout), time.monotonic()):
                 if isinstance(cmd, S.SendVectorsRequest):
-                    await s.messenger.send(topics.direct(s.fed, s.cfg.id, cmd.peer, "public_vectors_request"),
-                                           PublicVectorsRequest(rid, public_digest, cmd.have_space))
+                    await s.messenger.send(
+                        topics.direct(s.fed, s.cfg.id, cmd.peer, "public_vectors_request"),
+                        PublicVectorsRequest(rid, public_digest, cmd.have_space),
+                    )
                 else:
                     self._apply([cmd])
             done: S.Exchanged = await fut
@@ -364,8 +398,9 @@ class SearchService:
             def fit(target=target):
                 from fedagent.tasks.seec import train_mapper
 
-                return train_mapper(own_public, target, hidden=st.mapper_hidden, lr=st.mapper_lr,
-                                    epochs=st.mapper_epochs, seed=st.seed)
+                return train_mapper(
+                    own_public, target, hidden=st.mapper_hidden, lr=st.mapper_lr, epochs=st.mapper_epochs, seed=st.seed
+                )
 
             mapper = await asyncio.to_thread(fit)
             self.mappers[peer] = (own_space, space, mapper)
@@ -403,8 +438,11 @@ class SearchService:
             q, own = await asyncio.to_thread(local)
         except S.SearchError as exc:
             raise FedagentError(str(exc)) from None
-        peers = tuple(sorted(p for p, info in s.peers.items()
-                             if info.get("role") == "agent" and info.get("online") and p != s.cfg.id))
+        peers = tuple(
+            sorted(
+                p for p, info in s.peers.items() if info.get("role") == "agent" and info.get("online") and p != s.cfg.id
+            )
+        )
         # peer -> (the space its query is for, the vector sent there)
         sends: dict[str, tuple[str, np.ndarray]] = {p: (self.space, q) for p in peers}
         mapped: list[dict[str, Any]] = []
@@ -425,25 +463,34 @@ class SearchService:
         self.waiting[qid] = fut
         left = max(0.5, timeout - (time.monotonic() - started)) if self.mapped else timeout
         try:
-            for cmd in self.machine.handle(S.Start(qid, tuple(sorted(sends)), k, min(left, S.MAX_TIMEOUT)),
-                                           time.monotonic()):
+            for cmd in self.machine.handle(
+                S.Start(qid, tuple(sorted(sends)), k, min(left, S.MAX_TIMEOUT)), time.monotonic()
+            ):
                 if isinstance(cmd, S.SendQuery):
                     space, vec = sends[cmd.peer]
-                    await s.messenger.send(topics.direct(s.fed, s.cfg.id, cmd.peer, "search_query"),
-                                           SearchQuery(qid, cmd.k, space, vec))
+                    await s.messenger.send(
+                        topics.direct(s.fed, s.cfg.id, cmd.peer, "search_query"), SearchQuery(qid, cmd.k, space, vec)
+                    )
                 else:
                     self._apply([cmd])
             done: S.Completed = await fut
         finally:
             self.waiting.pop(qid, None)
         hits = S.merge([(s.cfg.id, own), *((h.site, [(h.doc_id, h.score)]) for h in done.hits)], k)
-        out = {"query_id": qid, "k": k, "space": self.space, "model_version": s.global_version,
-               "results": [{"site": h.site, "doc_id": h.doc_id, "score": round(h.score, 4)} for h in hits],
-               "asked": list(peers), "answered": list(done.answered),
-               "silent": sorted({*pre_silent, *done.silent}),
-               "failed": [{"peer": p, "error": e} for p, e in (*pre_failed, *done.failed)],
-               "timed_out": done.timed_out or bool(pre_silent),
-               "timeout": timeout, "seconds": round(time.monotonic() - started, 3)}
+        out = {
+            "query_id": qid,
+            "k": k,
+            "space": self.space,
+            "model_version": s.global_version,
+            "results": [{"site": h.site, "doc_id": h.doc_id, "score": round(h.score, 4)} for h in hits],
+            "asked": list(peers),
+            "answered": list(done.answered),
+            "silent": sorted({*pre_silent, *done.silent}),
+            "failed": [{"peer": p, "error": e} for p, e in (*pre_failed, *done.failed)],
+            "timed_out": done.timed_out or bool(pre_silent),
+            "timeout": timeout,
+            "seconds": round(time.monotonic() - started, 3),
+        }
         if self.mapped:
             out["mode"] = "mapped"
             out["mapped"] = mapped
@@ -481,12 +528,20 @@ class SearchService:
             self._apply(self.exchange.handle(S.Wakeup(), time.monotonic()))
 
     def status(self) -> dict[str, Any]:
-        out = {"search_space": self.space, "search_queries_answered": self.answered,
-               "search_queries_refused": self.refused, "searches_in_flight": len(self.machine.queries),
-               "search_requests_rate_limited": self.limiter.refused}
+        out = {
+            "search_space": self.space,
+            "search_queries_answered": self.answered,
+            "search_queries_refused": self.refused,
+            "searches_in_flight": len(self.machine.queries),
+            "search_requests_rate_limited": self.limiter.refused,
+        }
         if self.mapped:
-            out.update(search_mode="mapped", search_own_model=self.own_model_source or None,
-                       public_vectors_sent=self.vectors_sent,
-                       public_vectors_received=self.vectors_received, mappers_trained=self.mappers_trained,
-                       mappers={p: m[1] for p, m in sorted(self.mappers.items())})
+            out.update(
+                search_mode="mapped",
+                search_own_model=self.own_model_source or None,
+                public_vectors_sent=self.vectors_sent,
+                public_vectors_received=self.vectors_received,
+                mappers_trained=self.mappers_trained,
+                mappers={p: m[1] for p, m in sorted(self.mappers.items())},
+            )
         return out

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from fedagent import checkpoint
-from fedagent.agent import sdnotify
-from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.runtime import History, make_transport, node_identity, presence_payload
 from fedagent.agent.vocabulary import make_offer
+from fedagent.node import sdnotify
+from fedagent.node.messaging import Incoming, Messenger
+from fedagent.node.runtime import History, make_transport, node_identity, presence_payload
 from fedagent.protocols import topics
 from fedagent.protocols.messages import GlobalModel, Presence, SyncGradient, SyncStep, Vocabulary
 from fedagent.statefile import cleanup_temp_files
@@ -98,15 +98,27 @@ class SyncOptSession:
         self.history = History(self.dir / "history.jsonl")
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=1000)
         self.transport = make_transport(
-            self.cfg, federation, broker,
-            subscriptions=[topics.all_broadcasts(federation), topics.inbox(federation, self.cfg.id),
-                           topics.all_presence(federation)],
-            on_connect=self._on_connect)
-        self.messenger = Messenger(federation=federation, node_id=self.cfg.id, transport=self.transport,
-                                   max_chunk_bytes=self.cfg.max_chunk_bytes,
-                                   max_model_bytes=self.cfg.max_model_bytes, metrics=agent.metrics,
-                                   identity=node_identity(self.cfg), max_skew=self.cfg.max_clock_skew,
-                                   state_dir=self.dir)
+            self.cfg,
+            federation,
+            broker,
+            subscriptions=[
+                topics.all_broadcasts(federation),
+                topics.inbox(federation, self.cfg.id),
+                topics.all_presence(federation),
+            ],
+            on_connect=self._on_connect,
+        )
+        self.messenger = Messenger(
+            federation=federation,
+            node_id=self.cfg.id,
+            transport=self.transport,
+            max_chunk_bytes=self.cfg.max_chunk_bytes,
+            max_model_bytes=self.cfg.max_model_bytes,
+            metrics=agent.metrics,
+            identity=node_identity(self.cfg),
+            max_skew=self.cfg.max_clock_skew,
+            state_dir=self.dir,
+        )
         self._compute_lock = asyncio.Lock()
         self.pending_history: list[dict[str, Any]] = []
 
@@ -118,8 +130,11 @@ class SyncOptSession:
     async def _on_connect(self) -> None:
         await self.transport.publish(
             topics.presence(self.fed, self.cfg.id),
-            presence_payload(self.cfg, self.fed, True, num_samples=self.task.num_samples(),
-                             model_version=self.held_version or 0), retain=True)
+            presence_payload(
+                self.cfg, self.fed, True, num_samples=self.task.num_samples(), model_version=self.held_version or 0
+            ),
+            retain=True,
+        )
 
     async def _on_payload(self, topic: str, payload: bytes) -> None:
         await self.messenger.receive(topic, payload, self.queue.put)
@@ -142,7 +157,9 @@ class SyncOptSession:
         if inc.role != "coordinator":
             # The broker is not trusted with the ACL alone: only a coordinator's
             # certificate may sign a vocabulary, a step or a model.
-            self.messenger._reject("role", inc.sender, f"{inc.message.kind} signed by a {inc.role or 'non-coordinator'}")
+            self.messenger._reject(
+                "role", inc.sender, f"{inc.message.kind} signed by a {inc.role or 'non-coordinator'}"
+            )
             return False
         self.coordinator = inc.sender
         return True
@@ -152,8 +169,12 @@ class SyncOptSession:
         if isinstance(msg, Presence):
             if inc.sender == self.cfg.id:
                 return
-            self.peers[inc.sender] = {"role": msg.role, "online": msg.online, "last_seen": time.time(),
-                                      "model_version": msg.model_version}
+            self.peers[inc.sender] = {
+                "role": msg.role,
+                "online": msg.online,
+                "last_seen": time.time(),
+                "model_version": msg.model_version,
+            }
             if msg.role == "coordinator":
                 came_online = msg.online and not self.coordinator_online
                 self.coordinator_online = msg.online
@@ -174,8 +195,12 @@ class SyncOptSession:
             return
         if isinstance(msg, GlobalModel):
             if self._from_coordinator(inc) and msg.final:
-                meta = {"model_version": msg.model_version, "step": msg.round, "final": True,
-                        "vocab_digest": self.vocab_digest}
+                meta = {
+                    "model_version": msg.model_version,
+                    "step": msg.round,
+                    "final": True,
+                    "vocab_digest": self.vocab_digest,
+                }
                 await asyncio.to_thread(checkpoint.save, self.model_path, msg.weights, meta)
                 self.held_version = msg.model_version
                 self.state = "finished"
@@ -199,7 +224,7 @@ class SyncOptSession:
         if not self.needs_vocabulary:
             return
         if msg.digest == self.vocab_digest:
-            return                              # a re-broadcast of the one we have
+            return  # a re-broadcast of the one we have
         if self.cfg.id not in msg.contributors:
             log.warning("the vocabulary of %s does not include this agent's offer; using it anyway", self.coordinator)
 
@@ -219,15 +244,23 @@ class SyncOptSession:
     async def _step(self, msg: SyncStep, received_at: float) -> None:
         async with self._compute_lock:
             if msg.step != self.latest_step:
-                return                          # a newer step was announced meanwhile
+                return  # a newer step was announced meanwhile
             if self.model is None or msg.vocab_digest != self.vocab_digest:
-                log.warning("step %d: vocabulary %s, this agent has %s; not taking part", msg.step,
-                            msg.vocab_digest[:12] or "-", self.vocab_digest[:12] or "none")
+                log.warning(
+                    "step %d: vocabulary %s, this agent has %s; not taking part",
+                    msg.step,
+                    msg.vocab_digest[:12] or "-",
+                    self.vocab_digest[:12] or "none",
+                )
                 self.state = "vocabulary mismatch"
                 return
             if msg.weights is None and self.held_version != msg.model_version:
-                log.warning("step %d: version %d announced without weights, this agent holds %s", msg.step,
-                            msg.model_version, self.held_version)
+                log.warning(
+                    "step %d: version %d announced without weights, this agent holds %s",
+                    msg.step,
+                    msg.model_version,
+                    self.held_version,
+                )
                 return
             self.state = f"computing step {msg.step}"
             model = self.model
@@ -256,15 +289,26 @@ class SyncOptSession:
             if self.coordinator is None:
                 return
             out = SyncGradient(msg.step, msg.model_version, n, loss, grads)
-            await self.messenger.send(topics.direct(self.fed, self.cfg.id, self.coordinator, "sync_gradient"),
-                                      out, round_=msg.step)
+            await self.messenger.send(
+                topics.direct(self.fed, self.cfg.id, self.coordinator, "sync_gradient"), out, round_=msg.step
+            )
             self.steps_done += 1
             self.last_loss = loss
             self.state = f"gradient of step {msg.step} sent"
-            self.pending_history.append({"event": "gradient", "time": time.time(), "step": msg.step,
-                                         "model_version": msg.model_version, "loss": loss, "num_samples": n,
-                                         "compute_s": round(took, 5), "received_t": received_at,
-                                         "computed_t": computed_at, "sent_t": time.time()})
+            self.pending_history.append(
+                {
+                    "event": "gradient",
+                    "time": time.time(),
+                    "step": msg.step,
+                    "model_version": msg.model_version,
+                    "loss": loss,
+                    "num_samples": n,
+                    "compute_s": round(took, 5),
+                    "received_t": received_at,
+                    "computed_t": computed_at,
+                    "sent_t": time.time(),
+                }
+            )
             if len(self.pending_history) >= HISTORY_BATCH:
                 await self._flush_history()
 
@@ -277,20 +321,37 @@ class SyncOptSession:
             await asyncio.to_thread(lambda: [self.history.append(r) for r in records])
 
     def status(self) -> dict[str, Any]:
-        return {"federation": self.fed, "broker": self.broker, "connection": self.transport.state,
-                "reconnects": self.transport.reconnects, "last_error": self.transport.last_error,
-                "coordinator": self.coordinator, "phase": self.state, "round_state": self.state,
-                "step": self.latest_step, "round": self.latest_step, "steps_computed": self.steps_done,
-                "model_version": self.held_version, "last_loss": self.last_loss,
-                "last_metrics": {"loss": self.last_loss} if self.last_loss is not None else {},
-                "vocabulary_size": self.vocabulary_size, "vocab_digest": self.vocab_digest or None,
-                "vocab_offers_sent": self.offers_sent,
-                "compute_seconds": round(self.compute_seconds, 4),
-                "peers": dict(sorted(self.peers.items())), "rejected": dict(self.messenger.rejected),
-                "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out,
-                "messages_out": self.messenger.messages_out}
+        return {
+            "federation": self.fed,
+            "broker": self.broker,
+            "connection": self.transport.state,
+            "reconnects": self.transport.reconnects,
+            "last_error": self.transport.last_error,
+            "coordinator": self.coordinator,
+            "phase": self.state,
+            "round_state": self.state,
+            "step": self.latest_step,
+            "round": self.latest_step,
+            "steps_computed": self.steps_done,
+            "model_version": self.held_version,
+            "last_loss": self.last_loss,
+            "last_metrics": {"loss": self.last_loss} if self.last_loss is not None else {},
+            "vocabulary_size": self.vocabulary_size,
+            "vocab_digest": self.vocab_digest or None,
+            "vocab_offers_sent": self.offers_sent,
+            "compute_seconds": round(self.compute_seconds, 4),
+            "peers": dict(sorted(self.peers.items())),
+            "rejected": dict(self.messenger.rejected),
+            "bytes_in": self.messenger.bytes_in,
+            "bytes_out": self.messenger.bytes_out,
+            "messages_out": self.messenger.messages_out,
+        }
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.transport.close(
-                (topics.presence(self.fed, self.cfg.id), presence_payload(self.cfg, self.fed, False))), 5)
+            await asyncio.wait_for(
+                self.transport.close(
+                    (topics.presence(self.fed, self.cfg.id), presence_payload(self.cfg, self.fed, False))
+                ),
+                5,
+            )

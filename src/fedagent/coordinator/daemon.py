@@ -18,22 +18,20 @@ from typing import Any
 import torch
 
 from fedagent import checkpoint
-from fedagent.agent import sdnotify
-from fedagent.agent.control import ControlServer
-from fedagent.agent.discovery import Advert, Discovery
-from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.runtime import (History, Timer, make_transport, node_identity, presence_payload,
-                                    release_large_frees)
-from fedagent.coordinator.vocabstage import VocabStage, has_vocabulary, vocab_config
 from fedagent.config import NodeConfig
-from fedagent.errors import ConfigError, FedagentError
+from fedagent.coordinator.vocabstage import VocabStage, has_vocabulary, vocab_config
+from fedagent.errors import CodecError, ConfigError, FedagentError
 from fedagent.metrics import NodeMetrics
+from fedagent.node import sdnotify
+from fedagent.node.control import ControlServer
+from fedagent.node.discovery import Advert, Discovery
+from fedagent.node.messaging import Incoming, Messenger
+from fedagent.node.runtime import History, Timer, make_transport, node_identity, presence_payload, release_large_frees
 from fedagent.pki import fingerprint
 from fedagent.protocols import rounds as R
 from fedagent.protocols import topics
 from fedagent.protocols.aggregation import Strategy
-from fedagent.protocols.messages import (GlobalModel, Presence, RoundResult, RoundStart, TrainConfig, Update,
-                                        VocabOffer)
+from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart, TrainConfig, Update, VocabOffer
 from fedagent.protocols.streaming import UpdatePart
 from fedagent.statefile import atomic_write, cleanup_temp_files, read_bytes
 from fedagent.tasks.base import get_weights, load_task
@@ -58,22 +56,45 @@ class _VocabWakeup:
 def round_config(cfg: NodeConfig) -> R.RoundConfig:
     r = cfg.rounds
     try:
-        strategy = Strategy(r.aggregation, r.weight_key, r.drop_above, byzantine=r.byzantine, trim=r.trim,
-                            krum_m=r.krum_m, clip_norm=r.clip_norm)
+        strategy = Strategy(
+            r.aggregation,
+            r.weight_key,
+            r.drop_above,
+            byzantine=r.byzantine,
+            trim=r.trim,
+            krum_m=r.krum_m,
+            clip_norm=r.clip_norm,
+        )
         if cfg.stream_updates and not strategy.streams:
-            raise ValueError(f"[transfer] stream_updates = true, but aggregation {strategy.name!r}"
-                             f"{' with clip_norm' if strategy.clip_norm is not None else ''} needs whole "
-                             "updates (the median, trimmed mean and Krum read every update at once; clipping "
-                             "needs an update's norm before any of it is added): remove stream_updates")
+            raise ValueError(
+                f"[transfer] stream_updates = true, but aggregation {strategy.name!r}"
+                f"{' with clip_norm' if strategy.clip_norm is not None else ''} needs whole "
+                "updates (the median, trimmed mean and Krum read every update at once; clipping "
+                "needs an update's norm before any of it is added): remove stream_updates"
+            )
         stream = strategy.streams if cfg.stream_updates is None else cfg.stream_updates
         return R.RoundConfig(
-            rounds=r.rounds, min_agents=r.min_agents, expected_agents=r.expected_agents,
-            start_grace=r.start_grace, agents_per_round=r.agents_per_round, min_updates=r.min_updates,
-            round_timeout=r.round_timeout, max_norm=r.max_norm, seed=r.seed, lr_schedule=r.lr_schedule,
+            rounds=r.rounds,
+            min_agents=r.min_agents,
+            expected_agents=r.expected_agents,
+            start_grace=r.start_grace,
+            agents_per_round=r.agents_per_round,
+            min_updates=r.min_updates,
+            round_timeout=r.round_timeout,
+            max_norm=r.max_norm,
+            seed=r.seed,
+            lr_schedule=r.lr_schedule,
             strategy=strategy,
-            train=TrainConfig(epochs=r.local_epochs, lr=r.lr, batch_size=r.batch_size,
-                              compression=cfg.compression, topk_ratio=cfg.topk_ratio, stream=stream))
-    except (ValueError, Exception) as exc:
+            train=TrainConfig(
+                epochs=r.local_epochs,
+                lr=r.lr,
+                batch_size=r.batch_size,
+                compression=cfg.compression,
+                topk_ratio=cfg.topk_ratio,
+                stream=stream,
+            ),
+        )
+    except (ValueError, TypeError, CodecError) as exc:
         raise ConfigError(f"{cfg.path}: [rounds]/[transfer]: {exc}") from None
 
 
@@ -83,7 +104,7 @@ class Coordinator:
             raise ConfigError(f"{cfg.path}: mode {cfg.mode!r} is not available yet; use 'fedavg'")
         self.cfg = cfg
         self.fed = cfg.federation
-        release_large_frees()        # before the model is built: see its docstring for the measurement
+        release_large_frees()  # before the model is built: see its docstring for the measurement
         self.dir = cfg.state_dir / "coordinator" / self.fed
         self.dir.mkdir(parents=True, exist_ok=True)
         cleanup_temp_files(self.dir)
@@ -95,22 +116,32 @@ class Coordinator:
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=10_000)
         self.timer = Timer(self.queue, R.Wakeup())
         self.transport = make_transport(
-            cfg, self.fed, cfg.broker,
+            cfg,
+            self.fed,
+            cfg.broker,
             subscriptions=[topics.all_presence(self.fed), topics.inbox(self.fed, cfg.id)],
             on_connect=self._on_connect,
             # Backpressure: chunks arriving faster than they are folded wait at the broker,
             # not here (an unbounded inbox held ~17 models at 50 agents × 4.4 MB).
-            receive_maximum=max(4, min(256, STREAM_BUDGET // max(cfg.max_chunk_bytes, 1))))
-        self._stream_bytes = 0                   # values of streamed parts queued, not yet folded
+            receive_maximum=max(4, min(256, STREAM_BUDGET // max(cfg.max_chunk_bytes, 1))),
+        )
+        self._stream_bytes = 0  # values of streamed parts queued, not yet folded
         self._stream_room = asyncio.Event()
         self._stream_room.set()
         self.metrics = NodeMetrics("coordinator", cfg.id, self.fed)
         self.metrics.before_scrape = self._refresh_metrics
         self.metrics_url: str | None = None
-        self.messenger = Messenger(federation=self.fed, node_id=cfg.id, transport=self.transport,
-                                   max_chunk_bytes=cfg.max_chunk_bytes, max_model_bytes=cfg.max_model_bytes,
-                                   metrics=self.metrics, identity=node_identity(cfg),
-                                   max_skew=cfg.max_clock_skew, state_dir=self.dir)
+        self.messenger = Messenger(
+            federation=self.fed,
+            node_id=cfg.id,
+            transport=self.transport,
+            max_chunk_bytes=cfg.max_chunk_bytes,
+            max_model_bytes=cfg.max_model_bytes,
+            metrics=self.metrics,
+            identity=node_identity(cfg),
+            max_skew=cfg.max_clock_skew,
+            state_dir=self.dir,
+        )
         self.messenger.on_stream = self._on_stream
         self.peers: dict[str, dict[str, Any]] = {}
         self.rejections: list[dict[str, Any]] = []
@@ -122,9 +153,15 @@ class Coordinator:
         self.vocab: VocabStage | None = None
         self.machine: R.RoundMachine | None = None
         if has_vocabulary(self.task):
-            self.vocab = VocabStage(self.dir / "vocabulary.json", vocab_config(cfg.rounds, str(cfg.path)),
-                                    self.messenger, self.fed, Timer(self.queue, _VocabWakeup()), self.history,
-                                    self._vocab_rejected)
+            self.vocab = VocabStage(
+                self.dir / "vocabulary.json",
+                vocab_config(cfg.rounds, str(cfg.path)),
+                self.messenger,
+                self.fed,
+                Timer(self.queue, _VocabWakeup()),
+                self.history,
+                self._vocab_rejected,
+            )
         if self.vocab is None or self.vocab.agreed:
             self._build_machine()
         self.settled = self._snapshot()
@@ -143,8 +180,12 @@ class Coordinator:
             digest = self.vocab.vocabulary.digest if self.vocab and self.vocab.vocabulary else ""
             if meta.get("vocab_digest", "") != digest:
                 raise FedagentError(f"{self.ckpt_path} was trained on another vocabulary; move it away")
-            log.info("resuming from %s: model version %s after round %s", self.ckpt_path,
-                     meta.get("model_version"), meta.get("round"))
+            log.info(
+                "resuming from %s: model version %s after round %s",
+                self.ckpt_path,
+                meta.get("model_version"),
+                meta.get("round"),
+            )
             self._reconcile_history(meta)
         # A restart never reuses the number of a round it had started: agents ignore a
         # round start they have seen, and the updates of that round may already have been
@@ -152,10 +193,13 @@ class Coordinator:
         # (its late updates are stale) and a new one starts from the checkpointed model.
         started = read_bytes(self.round_path, 64)
         last_started = int(started) if started and started.strip().isdigit() else 0
-        self.machine = R.RoundMachine(round_config(cfg), weights,
-                                      model_version=int(meta.get("model_version", 0)),
-                                      completed_rounds=int(meta.get("completed_rounds", 0)),
-                                      last_round=max(int(meta.get("round", 0)), last_started))
+        self.machine = R.RoundMachine(
+            round_config(cfg),
+            weights,
+            model_version=int(meta.get("model_version", 0)),
+            completed_rounds=int(meta.get("completed_rounds", 0)),
+            last_round=max(int(meta.get("round", 0)), last_started),
+        )
 
     def _snapshot(self) -> dict[str, Any]:
         """What `status` shows: the machine's view once the commands of the last event have
@@ -163,15 +207,23 @@ class Coordinator:
         not caught up to. Before the vocabulary is agreed there is no round machine yet."""
         vs = self.vocab.status() if self.vocab is not None else {}
         if self.machine is None:
-            return {"phase": "vocabulary", "round": 0, "completed_rounds": 0, "rounds": self.cfg.rounds.rounds,
-                    "model_version": 0, "selected": [], "received": [], "metrics": {}, **vs}
+            return {
+                "phase": "vocabulary",
+                "round": 0,
+                "completed_rounds": 0,
+                "rounds": self.cfg.rounds.rounds,
+                "model_version": 0,
+                "selected": [],
+                "received": [],
+                "metrics": {},
+                **vs,
+            }
         return {**self.machine.status(), **vs}
 
     def _vocab_rejected(self, sender: str, reason: str, detail: str) -> None:
         log.warning("rejected vocabulary offer from %s: %s (%s)", sender, reason, detail)
         self.metrics.rejected(reason)
-        self.rejections = (self.rejections + [{"sender": sender, "round": 0, "reason": reason,
-                                               "detail": detail}])[-20:]
+        self.rejections = (self.rejections + [{"sender": sender, "round": 0, "reason": reason, "detail": detail}])[-20:]
 
     def _reconcile_history(self, meta: dict[str, Any]) -> None:
         """The checkpoint is written before the history line of its round; a crash or a
@@ -191,18 +243,35 @@ class Coordinator:
             pass
         version = int(meta.get("model_version", 0))
         if version == last + 1:
-            log.warning("history lacks model version %d (the process stopped between checkpoint and "
-                        "history); restored from the checkpoint", version)
-            self.history.append({"event": "round", "round": meta.get("round"), "model_version": version,
-                                 "participants": meta.get("participants", []), "metrics": meta.get("metrics", {}),
-                                 "recovered": True})
+            log.warning(
+                "history lacks model version %d (the process stopped between checkpoint and "
+                "history); restored from the checkpoint",
+                version,
+            )
+            self.history.append(
+                {
+                    "event": "round",
+                    "round": meta.get("round"),
+                    "model_version": version,
+                    "participants": meta.get("participants", []),
+                    "metrics": meta.get("metrics", {}),
+                    "recovered": True,
+                }
+            )
 
     # -- network -----------------------------------------------------------------------
     async def _on_connect(self) -> None:
-        await self.transport.publish(topics.presence(self.fed, self.cfg.id),
-                                     presence_payload(self.cfg, self.fed, True,
-                                                      model_version=self.machine.model_version if self.machine else 0,
-                                                      broker=self.cfg.broker), retain=True)
+        await self.transport.publish(
+            topics.presence(self.fed, self.cfg.id),
+            presence_payload(
+                self.cfg,
+                self.fed,
+                True,
+                model_version=self.machine.model_version if self.machine else 0,
+                broker=self.cfg.broker,
+            ),
+            retain=True,
+        )
         if self.vocab is not None and self.vocab.agreed:
             await self.vocab.publish()
 
@@ -239,16 +308,21 @@ class Coordinator:
         if isinstance(msg, Presence):
             if msg.role != "agent" or inc.sender == self.cfg.id:
                 return None
-            self.peers[inc.sender] = {"online": msg.online, "role": msg.role, "samples": msg.num_samples,
-                                      "last_seen": time.time()}
+            self.peers[inc.sender] = {
+                "online": msg.online,
+                "role": msg.role,
+                "samples": msg.num_samples,
+                "last_seen": time.time(),
+            }
             return R.AgentOnline(inc.sender, msg.num_samples) if msg.online else R.AgentOffline(inc.sender)
         if isinstance(msg, Update):
             if inc.role != "agent":
                 # As for streams (messaging): only an agent's certificate may submit an update.
                 self.messenger._reject("role", inc.sender, f"update signed by a {inc.role or 'non-agent'}")
                 return None
-            return R.UpdateReceived(inc.sender, msg.round, msg.base_version, msg.num_samples,
-                                    msg.weights, msg.metrics, msg.leaving)
+            return R.UpdateReceived(
+                inc.sender, msg.round, msg.base_version, msg.num_samples, msg.weights, msg.metrics, msg.leaving
+            )
         log.debug("ignoring %s from %s", type(msg).__name__, inc.sender)
         return None
 
@@ -285,49 +359,79 @@ class Coordinator:
             self.metrics.round_started(cmd.round)
             log.info("round %d: model version %d to %s", cmd.round, cmd.model_version, ", ".join(cmd.selected))
             sdnotify.status(f"round {cmd.round}: training on {len(cmd.selected)} agents")
-            await self.messenger.send(topics.broadcast(self.fed, "round_start"),
-                                      RoundStart(cmd.round, cmd.model_version, cmd.selected, cmd.deadline_s,
-                                                 cmd.train, cmd.weights), round_=cmd.round)
+            await self.messenger.send(
+                topics.broadcast(self.fed, "round_start"),
+                RoundStart(cmd.round, cmd.model_version, cmd.selected, cmd.deadline_s, cmd.train, cmd.weights),
+                round_=cmd.round,
+            )
         elif isinstance(cmd, R.RoundAggregated):
             took = time.monotonic() - (self.round_started_at or time.monotonic())
             self.last_round_seconds = took
             self.metrics.round_completed(took, cmd.metrics)
             self.metrics.set_model_version(cmd.model_version)
-            meta = {"model_version": cmd.model_version, "round": cmd.round,
-                    "completed_rounds": self.machine.completed, "federation": self.fed,
-                    "participants": list(cmd.participants), "metrics": cmd.metrics, "final": cmd.final,
-                    "vocab_digest": self.vocab.vocabulary.digest if self.vocab and self.vocab.vocabulary else ""}
+            meta = {
+                "model_version": cmd.model_version,
+                "round": cmd.round,
+                "completed_rounds": self.machine.completed,
+                "federation": self.fed,
+                "participants": list(cmd.participants),
+                "metrics": cmd.metrics,
+                "final": cmd.final,
+                "vocab_digest": self.vocab.vocabulary.digest if self.vocab and self.vocab.vocabulary else "",
+            }
             await asyncio.to_thread(checkpoint.save, self.ckpt_path, cmd.weights, meta)
-            self.history.append({"event": "round", "round": cmd.round, "model_version": cmd.model_version,
-                                 "participants": list(cmd.participants), "metrics": cmd.metrics,
-                                 "aggregation": self.machine.config.strategy.name,
-                                 "agg_weights": cmd.weights_used, "dropped": cmd.dropped,
-                                 "seconds": round(took, 4), "bytes_in": self.messenger.bytes_in,
-                                 "bytes_out": self.messenger.bytes_out})
-            log.info("round %d aggregated from %d agents in %.2fs: %s", cmd.round, len(cmd.participants),
-                     took, ", ".join(f"{k}={v:.4f}" for k, v in cmd.metrics.items()))
-            await self.messenger.send(topics.broadcast(self.fed, "round_result"),
-                                      RoundResult(cmd.round, cmd.model_version, cmd.participants, cmd.metrics),
-                                      round_=cmd.round)
+            self.history.append(
+                {
+                    "event": "round",
+                    "round": cmd.round,
+                    "model_version": cmd.model_version,
+                    "participants": list(cmd.participants),
+                    "metrics": cmd.metrics,
+                    "aggregation": self.machine.config.strategy.name,
+                    "agg_weights": cmd.weights_used,
+                    "dropped": cmd.dropped,
+                    "seconds": round(took, 4),
+                    "bytes_in": self.messenger.bytes_in,
+                    "bytes_out": self.messenger.bytes_out,
+                }
+            )
+            log.info(
+                "round %d aggregated from %d agents in %.2fs: %s",
+                cmd.round,
+                len(cmd.participants),
+                took,
+                ", ".join(f"{k}={v:.4f}" for k, v in cmd.metrics.items()),
+            )
+            await self.messenger.send(
+                topics.broadcast(self.fed, "round_result"),
+                RoundResult(cmd.round, cmd.model_version, cmd.participants, cmd.metrics),
+                round_=cmd.round,
+            )
         elif isinstance(cmd, R.RoundAbandoned):
             log.warning("round %d abandoned: %s", cmd.round, cmd.reason)
             self.history.append({"event": "abandoned", "round": cmd.round, "reason": cmd.reason})
-            await self.messenger.send(topics.broadcast(self.fed, "round_result"),
-                                      RoundResult(cmd.round, cmd.model_version, (), {}, aggregated=False,
-                                                  reason=cmd.reason), round_=cmd.round)
+            await self.messenger.send(
+                topics.broadcast(self.fed, "round_result"),
+                RoundResult(cmd.round, cmd.model_version, (), {}, aggregated=False, reason=cmd.reason),
+                round_=cmd.round,
+            )
         elif isinstance(cmd, R.Rejected):
             log.warning("rejected update from %s for round %d: %s (%s)", cmd.sender, cmd.round, cmd.reason, cmd.detail)
             self.metrics.rejected(cmd.reason)
-            self.rejections = (self.rejections + [{"sender": cmd.sender, "round": cmd.round,
-                                                   "reason": cmd.reason, "detail": cmd.detail}])[-20:]
+            self.rejections = (
+                self.rejections
+                + [{"sender": cmd.sender, "round": cmd.round, "reason": cmd.reason, "detail": cmd.detail}]
+            )[-20:]
         elif isinstance(cmd, R.RequestWakeup):
             self.timer.request(cmd.at)
         elif isinstance(cmd, R.Finished):
             log.info("training finished: model version %d", cmd.model_version)
             sdnotify.status(f"finished: model version {cmd.model_version}")
-            await self.messenger.send(topics.broadcast(self.fed, "model"),
-                                      GlobalModel(cmd.model_version, self.machine.round, True, cmd.weights),
-                                      round_=self.machine.round)
+            await self.messenger.send(
+                topics.broadcast(self.fed, "model"),
+                GlobalModel(cmd.model_version, self.machine.round, True, cmd.weights),
+                round_=self.machine.round,
+            )
             self.done.set()
 
     async def _process(self) -> None:
@@ -366,19 +470,35 @@ class Coordinator:
     # -- control -----------------------------------------------------------------------
     async def _status(self, _args: dict) -> dict:
         m = self.settled
-        return {"role": "coordinator", "id": self.cfg.id, "federation": self.fed, "mode": self.cfg.mode,
-                "broker": self.cfg.broker, "connection": self.transport.state,
-                "reconnects": self.transport.reconnects, "last_error": self.transport.last_error,
-                "phase": m["phase"], "round": m["round"], "completed_rounds": m["completed_rounds"],
-                "rounds": m["rounds"], "model_version": m["model_version"], "selected": m["selected"],
-                "received": m["received"], "metrics": m["metrics"],
-                "peers": {k: v for k, v in sorted(self.peers.items())},
-                "vocabulary_size": m.get("vocabulary_size"), "vocab_digest": m.get("vocab_digest"),
-                "vocabulary_offers": m.get("vocabulary_offers", []),
-                "last_round_seconds": self.last_round_seconds,
-                "rejected": dict(self.messenger.rejected), "recent_rejections": self.rejections,
-                "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out,
-                "checkpoint": str(self.ckpt_path), "metrics_url": self.metrics_url}
+        return {
+            "role": "coordinator",
+            "id": self.cfg.id,
+            "federation": self.fed,
+            "mode": self.cfg.mode,
+            "broker": self.cfg.broker,
+            "connection": self.transport.state,
+            "reconnects": self.transport.reconnects,
+            "last_error": self.transport.last_error,
+            "phase": m["phase"],
+            "round": m["round"],
+            "completed_rounds": m["completed_rounds"],
+            "rounds": m["rounds"],
+            "model_version": m["model_version"],
+            "selected": m["selected"],
+            "received": m["received"],
+            "metrics": m["metrics"],
+            "peers": {k: v for k, v in sorted(self.peers.items())},
+            "vocabulary_size": m.get("vocabulary_size"),
+            "vocab_digest": m.get("vocab_digest"),
+            "vocabulary_offers": m.get("vocabulary_offers", []),
+            "last_round_seconds": self.last_round_seconds,
+            "rejected": dict(self.messenger.rejected),
+            "recent_rejections": self.rejections,
+            "bytes_in": self.messenger.bytes_in,
+            "bytes_out": self.messenger.bytes_out,
+            "checkpoint": str(self.ckpt_path),
+            "metrics_url": self.metrics_url,
+        }
 
     def _refresh_metrics(self, m: NodeMetrics) -> None:
         m.set_connected(self.transport.connected)
@@ -389,8 +509,11 @@ class Coordinator:
             m.round_started(self.machine.round)
 
     async def _peers(self, _args: dict) -> dict:
-        return {"id": self.cfg.id, "federation": self.fed,
-                "peers": {k: {**v, "broker": self.cfg.broker, "mdns": False} for k, v in sorted(self.peers.items())}}
+        return {
+            "id": self.cfg.id,
+            "federation": self.fed,
+            "peers": {k: {**v, "broker": self.cfg.broker, "mdns": False} for k, v in sorted(self.peers.items())},
+        }
 
     # -- main --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -406,8 +529,15 @@ class Coordinator:
                 tg.create_task(sdnotify.watchdog_loop())
                 await ready.wait()
                 if self.cfg.advertise:
-                    await disc.register(Advert(federation=self.fed, node_id=self.cfg.id, role="coordinator",
-                                               broker_uri=self.cfg.broker, fingerprint=fingerprint(self.cfg.tls.cert)))
+                    await disc.register(
+                        Advert(
+                            federation=self.fed,
+                            node_id=self.cfg.id,
+                            role="coordinator",
+                            broker_uri=self.cfg.broker,
+                            fingerprint=fingerprint(self.cfg.tls.cert),
+                        )
+                    )
                 sdnotify.ready(f"coordinator of {self.fed}: waiting for agents")
                 log.info("coordinator %s of federation %s on %s", self.cfg.id, self.fed, self.cfg.broker)
                 tg.create_task(self._process())
@@ -419,8 +549,12 @@ class Coordinator:
             sdnotify.stopping()
             self.timer.cancel()
             try:
-                await asyncio.wait_for(self.transport.close(
-                    (topics.presence(self.fed, self.cfg.id), presence_payload(self.cfg, self.fed, False))), 5)
+                await asyncio.wait_for(
+                    self.transport.close(
+                        (topics.presence(self.fed, self.cfg.id), presence_payload(self.cfg, self.fed, False))
+                    ),
+                    5,
+                )
             except Exception as exc:  # noqa: BLE001 - best effort on the way out
                 log.debug("clean close failed: %s", exc)
             await control.close()

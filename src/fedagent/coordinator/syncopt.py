@@ -32,15 +32,15 @@ import numpy as np
 import torch
 
 from fedagent import checkpoint
-from fedagent.agent import sdnotify
-from fedagent.agent.control import ControlServer
-from fedagent.agent.discovery import Advert, Discovery
-from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.runtime import History, Timer, make_transport, node_identity, presence_payload
 from fedagent.config import NodeConfig
 from fedagent.coordinator.vocabstage import has_vocabulary, load_vocabulary, publish_vocabulary
 from fedagent.errors import ConfigError, FedagentError
 from fedagent.metrics import NodeMetrics
+from fedagent.node import sdnotify
+from fedagent.node.control import ControlServer
+from fedagent.node.discovery import Advert, Discovery
+from fedagent.node.messaging import Incoming, Messenger
+from fedagent.node.runtime import History, Timer, make_transport, node_identity, presence_payload
 from fedagent.pki import fingerprint
 from fedagent.protocols import syncopt as S
 from fedagent.protocols import topics
@@ -73,8 +73,10 @@ class _StartWakeup:
 def check_sync_task(task: Any, where: str) -> None:
     missing = [m for m in ("step_loss", "make_optimizer") if not callable(getattr(task, m, None))]
     if missing:
-        raise ConfigError(f"{where}: task {type(task).__name__} cannot run mode 'syncopt': it has no "
-                          f"{', '.join(missing)}() (see fedagent.tasks.base.SyncTask)")
+        raise ConfigError(
+            f"{where}: task {type(task).__name__} cannot run mode 'syncopt': it has no "
+            f"{', '.join(missing)}() (see fedagent.tasks.base.SyncTask)"
+        )
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -92,12 +94,13 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, np.ndar
     return arrays, scalars
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, arrays: dict[str, np.ndarray],
-                         scalars: dict[str, Any]) -> None:
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, arrays: dict[str, np.ndarray], scalars: dict[str, Any]
+) -> None:
     sd = optimizer.state_dict()
     state: dict[int, dict[str, Any]] = {}
     for key, arr in arrays.items():
-        idx, _, k = key[len(OPTIM_PREFIX):].partition("/")
+        idx, _, k = key[len(OPTIM_PREFIX) :].partition("/")
         state.setdefault(int(idx), {})[k] = torch.from_numpy(np.array(arr, copy=True))
     for key, v in scalars.items():
         idx, _, k = key.partition("/")
@@ -145,16 +148,26 @@ class SyncOptCoordinator:
         self.vocab_timer = Timer(self.queue, _VocabWakeup())
         self.start_timer = Timer(self.queue, _StartWakeup())
         self.transport = make_transport(
-            cfg, self.fed, cfg.broker,
+            cfg,
+            self.fed,
+            cfg.broker,
             subscriptions=[topics.all_presence(self.fed), topics.inbox(self.fed, cfg.id)],
-            on_connect=self._on_connect)
+            on_connect=self._on_connect,
+        )
         self.metrics = NodeMetrics("coordinator", cfg.id, self.fed)
         self.metrics.before_scrape = self._refresh_metrics
         self.metrics_url: str | None = None
-        self.messenger = Messenger(federation=self.fed, node_id=cfg.id, transport=self.transport,
-                                   max_chunk_bytes=cfg.max_chunk_bytes, max_model_bytes=cfg.max_model_bytes,
-                                   metrics=self.metrics, identity=node_identity(cfg),
-                                   max_skew=cfg.max_clock_skew, state_dir=self.dir)
+        self.messenger = Messenger(
+            federation=self.fed,
+            node_id=cfg.id,
+            transport=self.transport,
+            max_chunk_bytes=cfg.max_chunk_bytes,
+            max_model_bytes=cfg.max_model_bytes,
+            metrics=self.metrics,
+            identity=node_identity(cfg),
+            max_skew=cfg.max_clock_skew,
+            state_dir=self.dir,
+        )
         self.online: dict[str, int] = {}
         self.peers: dict[str, dict[str, Any]] = {}
         self.rejections: list[dict[str, Any]] = []
@@ -197,16 +210,24 @@ class SyncOptCoordinator:
             self._load_into(model, weights)
             weights = get_weights(model)
             load_optimizer_state(optimizer, opt_arrays, meta.get("optimizer", {}))
-            log.info("resuming from %s: model version %s after step %s", self.ckpt_path,
-                     meta.get("model_version"), meta.get("step"))
+            log.info(
+                "resuming from %s: model version %s after step %s",
+                self.ckpt_path,
+                meta.get("model_version"),
+                meta.get("step"),
+            )
         started = read_bytes(self.step_path, 64)
         last_started = int(started) if started and started.strip().isdigit() else 0
         self.model, self.optimizer = model, optimizer
         self.reserved_step = last_started
-        self.machine = S.SyncOptMachine(self.machine_config, weights, param_names,
-                                        model_version=int(meta.get("model_version", 0)),
-                                        steps_done=int(meta.get("steps_done", 0)),
-                                        last_step=max(int(meta.get("step", 0)), last_started))
+        self.machine = S.SyncOptMachine(
+            self.machine_config,
+            weights,
+            param_names,
+            model_version=int(meta.get("model_version", 0)),
+            steps_done=int(meta.get("steps_done", 0)),
+            last_step=max(int(meta.get("step", 0)), last_started),
+        )
         # A fault before the restart keeps the run inexact; the restart itself does not
         # break exactness (the steps after the checkpoint are recomputed identically).
         self.machine.exact = bool(meta.get("exact", True))
@@ -241,9 +262,11 @@ class SyncOptCoordinator:
     # -- network -------------------------------------------------------------------------
     async def _on_connect(self) -> None:
         version = self.machine.model_version if self.machine else 0
-        await self.transport.publish(topics.presence(self.fed, self.cfg.id),
-                                     presence_payload(self.cfg, self.fed, True, model_version=version,
-                                                      broker=self.cfg.broker), retain=True)
+        await self.transport.publish(
+            topics.presence(self.fed, self.cfg.id),
+            presence_payload(self.cfg, self.fed, True, model_version=version, broker=self.cfg.broker),
+            retain=True,
+        )
         if self.vocabulary is not None:
             await self._publish_vocabulary()
 
@@ -263,8 +286,12 @@ class SyncOptCoordinator:
         if isinstance(msg, Presence):
             if msg.role != "agent" or inc.sender == self.cfg.id:
                 return
-            self.peers[inc.sender] = {"online": msg.online, "role": msg.role, "samples": msg.num_samples,
-                                      "last_seen": time.time()}
+            self.peers[inc.sender] = {
+                "online": msg.online,
+                "role": msg.role,
+                "samples": msg.num_samples,
+                "last_seen": time.time(),
+            }
             if msg.online:
                 self.online[inc.sender] = msg.num_samples
             else:
@@ -287,8 +314,9 @@ class SyncOptCoordinator:
             if self.machine is None:
                 self._note_rejection(inc.sender, msg.step, "stale", "no step in progress (vocabulary stage)")
                 return
-            await self._run_machine(S.GradientReceived(inc.sender, msg.step, msg.base_version, msg.num_samples,
-                                                       msg.loss, msg.gradient), now)
+            await self._run_machine(
+                S.GradientReceived(inc.sender, msg.step, msg.base_version, msg.num_samples, msg.loss, msg.gradient), now
+            )
             return
         log.debug("ignoring %s from %s", type(msg).__name__, inc.sender)
 
@@ -304,18 +332,36 @@ class SyncOptCoordinator:
 
     async def _agreed(self, cmd: V.Agreed, now: float) -> None:
         self.vocabulary = Vocabulary(cmd.terms, cmd.counts, cmd.contributors, cmd.digest)
-        doc = {"terms": list(cmd.terms), "counts": list(cmd.counts), "contributors": list(cmd.contributors),
-               "digest": cmd.digest}
+        doc = {
+            "terms": list(cmd.terms),
+            "counts": list(cmd.counts),
+            "contributors": list(cmd.contributors),
+            "digest": cmd.digest,
+        }
         await asyncio.to_thread(atomic_write, self.vocab_path, json.dumps(doc).encode())
-        self.history.append({"event": "vocabulary", "terms": len(cmd.terms), "contributors": list(cmd.contributors),
-                             "dropped_terms": cmd.dropped_terms, "digest": cmd.digest})
-        log.info("vocabulary agreed: %d terms from %s (%d cut by min_count/max_size)", len(cmd.terms),
-                 ", ".join(cmd.contributors), cmd.dropped_terms)
+        self.history.append(
+            {
+                "event": "vocabulary",
+                "terms": len(cmd.terms),
+                "contributors": list(cmd.contributors),
+                "dropped_terms": cmd.dropped_terms,
+                "digest": cmd.digest,
+            }
+        )
+        log.info(
+            "vocabulary agreed: %d terms from %s (%d cut by min_count/max_size)",
+            len(cmd.terms),
+            ", ".join(cmd.contributors),
+            cmd.dropped_terms,
+        )
         await self._publish_vocabulary()
         t0 = time.perf_counter()
         await asyncio.to_thread(self._build)
-        log.info("model built on the vocabulary in %.2fs; starting Sync-Opt with %d agents",
-                 time.perf_counter() - t0, len(cmd.contributors))
+        log.info(
+            "model built on the vocabulary in %.2fs; starting Sync-Opt with %d agents",
+            time.perf_counter() - t0,
+            len(cmd.contributors),
+        )
         await self._run_machine(S.Begin(cmd.contributors), time.monotonic())
 
     async def _maybe_begin(self, now: float) -> None:
@@ -327,8 +373,9 @@ class SyncOptCoordinator:
         if self.vocabulary is not None and self.vocab_machine is None:
             # Resumed after the vocabulary stage: the same agents as before.
             expected = [a for a in self.vocabulary.contributors]
-            if all(a in self.online for a in expected) or (self.quorum_since is not None
-                                                           and now >= self.quorum_since + s.start_grace):
+            if all(a in self.online for a in expected) or (
+                self.quorum_since is not None and now >= self.quorum_since + s.start_grace
+            ):
                 await self._run_machine(S.Begin(tuple(expected)), now)
                 return
         if n < s.min_agents:
@@ -336,8 +383,9 @@ class SyncOptCoordinator:
             return
         if self.quorum_since is None:
             self.quorum_since = now
-        if (s.expected_agents and n >= s.expected_agents and self.vocabulary is None) or \
-                now >= self.quorum_since + s.start_grace:
+        if (
+            s.expected_agents and n >= s.expected_agents and self.vocabulary is None
+        ) or now >= self.quorum_since + s.start_grace:
             await self._run_machine(S.Begin(tuple(sorted(self.online))), now)
         else:
             self.start_timer.request(self.quorum_since + s.start_grace)
@@ -353,8 +401,9 @@ class SyncOptCoordinator:
     def _note_rejection(self, sender: str, step: int, reason: str, detail: str) -> None:
         log.warning("rejected from %s (step %d): %s (%s)", sender, step, reason, detail)
         self.metrics.rejected(reason)
-        self.rejections = (self.rejections + [{"sender": sender, "step": step, "reason": reason,
-                                               "detail": detail}])[-20:]
+        self.rejections = (self.rejections + [{"sender": sender, "step": step, "reason": reason, "detail": detail}])[
+            -20:
+        ]
 
     # -- commands ------------------------------------------------------------------------
     async def _execute(self, cmd: S.Command) -> list[S.Command]:
@@ -371,9 +420,11 @@ class SyncOptCoordinator:
             self.metrics.round_started(cmd.step)
             if cmd.step == 1 or cmd.step % 50 == 0:
                 sdnotify.status(f"Sync-Opt step {cmd.step}: {len(cmd.participants)} agents")
-            await self.messenger.send(topics.broadcast(self.fed, "sync_step"),
-                                      SyncStep(cmd.step, cmd.model_version, cmd.participants, cmd.deadline_s,
-                                               self.vocab_digest, cmd.weights), round_=cmd.step)
+            await self.messenger.send(
+                topics.broadcast(self.fed, "sync_step"),
+                SyncStep(cmd.step, cmd.model_version, cmd.participants, cmd.deadline_s, self.vocab_digest, cmd.weights),
+                round_=cmd.step,
+            )
         elif isinstance(cmd, S.ApplyGradient):
             self.last_gradient_t = time.time()
             t0 = time.perf_counter()
@@ -388,18 +439,31 @@ class SyncOptCoordinator:
             self.timings["step_s"] += took
             self.metrics.round_completed(took, {"loss": cmd.loss})
             self.metrics.set_model_version(cmd.model_version)
-            self.pending_history.append({
-                "event": "step", "time": time.time(), "step": cmd.step, "model_version": cmd.model_version,
-                "loss": cmd.loss, "rel_change": cmd.rel_change, "samples": cmd.samples,
-                "participants": list(cmd.participants), "missing": list(cmd.missing), "seconds": round(took, 5),
-                "optimizer_s": round(self.last_optimizer_s, 5), "started_t": self.step_started_t,
-                "last_gradient_t": self.last_gradient_t,
-                "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out})
+            self.pending_history.append(
+                {
+                    "event": "step",
+                    "time": time.time(),
+                    "step": cmd.step,
+                    "model_version": cmd.model_version,
+                    "loss": cmd.loss,
+                    "rel_change": cmd.rel_change,
+                    "samples": cmd.samples,
+                    "participants": list(cmd.participants),
+                    "missing": list(cmd.missing),
+                    "seconds": round(took, 5),
+                    "optimizer_s": round(self.last_optimizer_s, 5),
+                    "started_t": self.step_started_t,
+                    "last_gradient_t": self.last_gradient_t,
+                    "bytes_in": self.messenger.bytes_in,
+                    "bytes_out": self.messenger.bytes_out,
+                }
+            )
             if cmd.final or self.machine.steps_done % self.settings.checkpoint_every == 0:
                 await self._checkpoint(cmd.weights, cmd.step, cmd.final)
             if cmd.missing:
-                log.warning("step %d aggregated without %s: the run is no longer exact", cmd.step,
-                            ", ".join(cmd.missing))
+                log.warning(
+                    "step %d aggregated without %s: the run is no longer exact", cmd.step, ", ".join(cmd.missing)
+                )
             log.debug("step %d: loss %.4f, relative change %.3g", cmd.step, cmd.loss, cmd.rel_change)
         elif isinstance(cmd, S.StepRepeated):
             log.warning("step %d repeated: %s", cmd.step, cmd.reason)
@@ -411,14 +475,24 @@ class SyncOptCoordinator:
         elif isinstance(cmd, S.Finished):
             self.phase = "done"
             self.finished_reason = cmd.reason
-            log.info("Sync-Opt finished (%s) after %d steps: model version %d", cmd.reason, cmd.steps_done,
-                     cmd.model_version)
+            log.info(
+                "Sync-Opt finished (%s) after %d steps: model version %d", cmd.reason, cmd.steps_done, cmd.model_version
+            )
             sdnotify.status(f"finished: model version {cmd.model_version}")
-            self.history.append({"event": "finished", "reason": cmd.reason, "model_version": cmd.model_version,
-                                 "exact": self.machine.exact, **self._timing_summary()})
-            await self.messenger.send(topics.broadcast(self.fed, "model"),
-                                      GlobalModel(cmd.model_version, self.machine.step, True, cmd.weights),
-                                      round_=self.machine.step)
+            self.history.append(
+                {
+                    "event": "finished",
+                    "reason": cmd.reason,
+                    "model_version": cmd.model_version,
+                    "exact": self.machine.exact,
+                    **self._timing_summary(),
+                }
+            )
+            await self.messenger.send(
+                topics.broadcast(self.fed, "model"),
+                GlobalModel(cmd.model_version, self.machine.step, True, cmd.weights),
+                round_=self.machine.step,
+            )
         elif isinstance(cmd, S.Aborted):
             self.phase = "aborted"
             log.error("Sync-Opt aborted at step %d: %s", cmd.step, cmd.reason)
@@ -442,10 +516,18 @@ class SyncOptCoordinator:
     async def _checkpoint(self, weights: dict[str, np.ndarray], step: int, final: bool) -> None:
         assert self.machine is not None and self.optimizer is not None
         arrays, scalars = optimizer_state(self.optimizer)
-        meta = {"model_version": self.machine.model_version, "step": step, "steps_done": self.machine.steps_done,
-                "federation": self.fed, "final": final, "loss": self.machine.last_loss,
-                "exact": self.machine.exact, "vocab_digest": self.vocab_digest, "optimizer": scalars,
-                "mode": "syncopt"}
+        meta = {
+            "model_version": self.machine.model_version,
+            "step": step,
+            "steps_done": self.machine.steps_done,
+            "federation": self.fed,
+            "final": final,
+            "loss": self.machine.last_loss,
+            "exact": self.machine.exact,
+            "vocab_digest": self.vocab_digest,
+            "optimizer": scalars,
+            "mode": "syncopt",
+        }
         await asyncio.to_thread(checkpoint.save, self.ckpt_path, {**weights, **arrays}, meta)
         # Step records are written with the checkpoint that covers them: steps after the
         # last checkpoint are recomputed after a crash, and so are their records.
@@ -464,24 +546,46 @@ class SyncOptCoordinator:
     def status_snapshot(self) -> dict[str, Any]:
         m = self.machine.status() if self.machine is not None else {}
         vs = self.vocab_machine.status() if self.vocab_machine is not None else {}
-        return {"phase": self.phase, "step": m.get("step", 0), "steps_done": m.get("steps_done", 0),
-                "steps": self.settings.steps, "model_version": m.get("model_version", 0),
-                "participants": m.get("participants", []), "received": m.get("received", []),
-                "last_loss": m.get("last_loss"), "rel_change": m.get("rel_change"), "exact": m.get("exact", True),
-                "vocabulary_size": len(self.vocabulary.terms) if self.vocabulary is not None else None,
-                "vocabulary_offers": vs.get("offers", []), "finished_reason": self.finished_reason}
+        return {
+            "phase": self.phase,
+            "step": m.get("step", 0),
+            "steps_done": m.get("steps_done", 0),
+            "steps": self.settings.steps,
+            "model_version": m.get("model_version", 0),
+            "participants": m.get("participants", []),
+            "received": m.get("received", []),
+            "last_loss": m.get("last_loss"),
+            "rel_change": m.get("rel_change"),
+            "exact": m.get("exact", True),
+            "vocabulary_size": len(self.vocabulary.terms) if self.vocabulary is not None else None,
+            "vocabulary_offers": vs.get("offers", []),
+            "finished_reason": self.finished_reason,
+        }
 
     async def _status(self, _args: dict) -> dict:
         m = self.settled
-        return {"role": "coordinator", "id": self.cfg.id, "federation": self.fed, "mode": self.cfg.mode,
-                "broker": self.cfg.broker, "connection": self.transport.state,
-                "reconnects": self.transport.reconnects, "last_error": self.transport.last_error,
-                **m, "round": m["step"], "metrics": {"loss": m["last_loss"]} if m["last_loss"] is not None else {},
-                "peers": {k: v for k, v in sorted(self.peers.items())},
-                "last_step_seconds": self.last_step_seconds, "timings": self._timing_summary(),
-                "rejected": dict(self.messenger.rejected), "recent_rejections": self.rejections,
-                "bytes_in": self.messenger.bytes_in, "bytes_out": self.messenger.bytes_out,
-                "checkpoint": str(self.ckpt_path), "metrics_url": self.metrics_url}
+        return {
+            "role": "coordinator",
+            "id": self.cfg.id,
+            "federation": self.fed,
+            "mode": self.cfg.mode,
+            "broker": self.cfg.broker,
+            "connection": self.transport.state,
+            "reconnects": self.transport.reconnects,
+            "last_error": self.transport.last_error,
+            **m,
+            "round": m["step"],
+            "metrics": {"loss": m["last_loss"]} if m["last_loss"] is not None else {},
+            "peers": {k: v for k, v in sorted(self.peers.items())},
+            "last_step_seconds": self.last_step_seconds,
+            "timings": self._timing_summary(),
+            "rejected": dict(self.messenger.rejected),
+            "recent_rejections": self.rejections,
+            "bytes_in": self.messenger.bytes_in,
+            "bytes_out": self.messenger.bytes_out,
+            "checkpoint": str(self.ckpt_path),
+            "metrics_url": self.metrics_url,
+        }
 
     def _refresh_metrics(self, m: NodeMetrics) -> None:
         m.set_connected(self.transport.connected)
@@ -492,8 +596,11 @@ class SyncOptCoordinator:
             m.round_started(self.machine.step)
 
     async def _peers(self, _args: dict) -> dict:
-        return {"id": self.cfg.id, "federation": self.fed,
-                "peers": {k: {**v, "broker": self.cfg.broker, "mdns": False} for k, v in sorted(self.peers.items())}}
+        return {
+            "id": self.cfg.id,
+            "federation": self.fed,
+            "peers": {k: {**v, "broker": self.cfg.broker, "mdns": False} for k, v in sorted(self.peers.items())},
+        }
 
     # -- main ----------------------------------------------------------------------------
     async def _process(self) -> None:
@@ -529,11 +636,23 @@ class SyncOptCoordinator:
                 tg.create_task(sdnotify.watchdog_loop())
                 await ready.wait()
                 if self.cfg.advertise:
-                    await disc.register(Advert(federation=self.fed, node_id=self.cfg.id, role="coordinator",
-                                               broker_uri=self.cfg.broker, fingerprint=fingerprint(self.cfg.tls.cert)))
+                    await disc.register(
+                        Advert(
+                            federation=self.fed,
+                            node_id=self.cfg.id,
+                            role="coordinator",
+                            broker_uri=self.cfg.broker,
+                            fingerprint=fingerprint(self.cfg.tls.cert),
+                        )
+                    )
                 sdnotify.ready(f"Sync-Opt coordinator of {self.fed}: waiting for agents")
-                log.info("Sync-Opt coordinator %s of federation %s on %s (%s)", self.cfg.id, self.fed,
-                         self.cfg.broker, self.phase)
+                log.info(
+                    "Sync-Opt coordinator %s of federation %s on %s (%s)",
+                    self.cfg.id,
+                    self.fed,
+                    self.cfg.broker,
+                    self.phase,
+                )
                 tg.create_task(self._process())
                 await asyncio.Event().wait()
         finally:
@@ -541,8 +660,12 @@ class SyncOptCoordinator:
             for t in (self.timer, self.vocab_timer, self.start_timer):
                 t.cancel()
             try:
-                await asyncio.wait_for(self.transport.close(
-                    (topics.presence(self.fed, self.cfg.id), presence_payload(self.cfg, self.fed, False))), 5)
+                await asyncio.wait_for(
+                    self.transport.close(
+                        (topics.presence(self.fed, self.cfg.id), presence_payload(self.cfg, self.fed, False))
+                    ),
+                    5,
+                )
             except Exception as exc:  # noqa: BLE001 - best effort on the way out
                 log.debug("clean close failed: %s", exc)
             await control.close()

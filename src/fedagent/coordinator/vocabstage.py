@@ -60,9 +60,13 @@ def vocab_config(rounds: Any, where: str) -> V.VocabConfig:
     rounds (``expected_agents``, ``min_agents``), plus ``vocab_timeout``,
     ``vocab_min_count`` and ``vocab_max_size``."""
     try:
-        return V.VocabConfig(expected_agents=rounds.expected_agents, min_agents=rounds.min_agents,
-                             deadline=rounds.vocab_timeout, min_count=rounds.vocab_min_count,
-                             max_size=rounds.vocab_max_size)
+        return V.VocabConfig(
+            expected_agents=rounds.expected_agents,
+            min_agents=rounds.min_agents,
+            deadline=rounds.vocab_timeout,
+            min_count=rounds.vocab_min_count,
+            max_size=rounds.vocab_max_size,
+        )
     except ValueError as exc:
         raise ConfigError(f"{where}: [rounds]: {exc}") from None
 
@@ -73,8 +77,16 @@ class VocabStage:
     ``handle`` returns the agreed :class:`Vocabulary` once (then the caller builds its
     model); before that, and for every later offer, it returns None."""
 
-    def __init__(self, path: Path, config: V.VocabConfig, messenger: Any, federation: str, timer: Any,
-                 history: Any, on_reject: Any) -> None:
+    def __init__(
+        self,
+        path: Path,
+        config: V.VocabConfig,
+        messenger: Any,
+        federation: str,
+        timer: Any,
+        history: Any,
+        on_reject: Any,
+    ) -> None:
         self.path = path
         self.messenger = messenger
         self.fed = federation
@@ -100,8 +112,9 @@ class VocabStage:
         assert self.vocabulary is not None
         await publish_vocabulary(self.messenger, self.fed, self.vocabulary)
 
-    async def offer(self, sender: str, terms: tuple[str, ...], counts: tuple[int, ...],
-                    now: float) -> Vocabulary | None:
+    async def offer(
+        self, sender: str, terms: tuple[str, ...], counts: tuple[int, ...], now: float
+    ) -> Vocabulary | None:
         if self.vocabulary is not None:
             log.info("%s offered its vocabulary again; re-sending the agreed one", sender)
             await self.publish()
@@ -127,18 +140,35 @@ class VocabStage:
 
     async def _agreed(self, cmd: V.Agreed) -> Vocabulary:
         self.vocabulary = Vocabulary(cmd.terms, cmd.counts, cmd.contributors, cmd.digest)
-        doc = {"terms": list(cmd.terms), "counts": list(cmd.counts), "contributors": list(cmd.contributors),
-               "digest": cmd.digest}
+        doc = {
+            "terms": list(cmd.terms),
+            "counts": list(cmd.counts),
+            "contributors": list(cmd.contributors),
+            "digest": cmd.digest,
+        }
         await asyncio.to_thread(atomic_write, self.path, json.dumps(doc).encode())
-        self.history.append({"event": "vocabulary", "terms": len(cmd.terms), "contributors": list(cmd.contributors),
-                             "dropped_terms": cmd.dropped_terms, "digest": cmd.digest})
-        log.info("vocabulary agreed: %d terms from %s (%d cut by min_count/max_size)", len(cmd.terms),
-                 ", ".join(cmd.contributors), cmd.dropped_terms)
+        self.history.append(
+            {
+                "event": "vocabulary",
+                "terms": len(cmd.terms),
+                "contributors": list(cmd.contributors),
+                "dropped_terms": cmd.dropped_terms,
+                "digest": cmd.digest,
+            }
+        )
+        log.info(
+            "vocabulary agreed: %d terms from %s (%d cut by min_count/max_size)",
+            len(cmd.terms),
+            ", ".join(cmd.contributors),
+            cmd.dropped_terms,
+        )
         await self.publish()
         return self.vocabulary
 
     def status(self) -> dict[str, Any]:
         offers = self.machine.status()["offers"] if self.machine is not None else []
-        return {"vocabulary_size": len(self.vocabulary.terms) if self.vocabulary is not None else None,
-                "vocab_digest": self.vocabulary.digest if self.vocabulary is not None else None,
-                "vocabulary_offers": offers}
+        return {
+            "vocabulary_size": len(self.vocabulary.terms) if self.vocabulary is not None else None,
+            "vocab_digest": self.vocabulary.digest if self.vocabulary is not None else None,
+            "vocabulary_offers": offers,
+        }

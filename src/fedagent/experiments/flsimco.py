@@ -22,6 +22,7 @@ against speed) and ``results.json``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import secrets
@@ -29,9 +30,10 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -41,23 +43,26 @@ from fedagent.protocols.mobility import sample_speeds, truncated_gaussian_moment
 from fedagent.tasks.flsimco import DEFAULT_CAMERA, DEFAULT_MOBILITY
 
 STRATEGIES = ("blur", "fedavg", "drop_above")
-LABELS = {"blur": "FLSimCo (eq. 11, blur-weighted)", "fedavg": "FedAvg (baseline 1)",
-          "drop_above": "drop > threshold (baseline 2)"}
+LABELS = {
+    "blur": "FLSimCo (eq. 11, blur-weighted)",
+    "fedavg": "FedAvg (baseline 1)",
+    "drop_above": "drop > threshold (baseline 2)",
+}
 
 
 @dataclass(frozen=True)
 class Setup:
     rounds: int = 10
-    coverage: int = 4            # vehicles in range of the RSU in every round
-    stay: int = 2                # rounds a vehicle stays in range
-    shards: int = 10             # data shards (a vehicle drives with shard i % shards)
-    alpha: float = 1.0           # Dirichlet label skew; 0 = IID
-    threshold: float = 100.0     # km/h: baseline 2 drops models above it
+    coverage: int = 4  # vehicles in range of the RSU in every round
+    stay: int = 2  # rounds a vehicle stays in range
+    shards: int = 10  # data shards (a vehicle drives with shard i % shards)
+    alpha: float = 1.0  # Dirichlet label skew; 0 = IID
+    threshold: float = 100.0  # km/h: baseline 2 drops models above it
     local_epochs: int = 2
     lr: float = 0.05
     batch_size: int = 64
     seed: int = 0
-    round_timeout: float = 600.0   # generous: on busy cores a vehicle's round can take minutes
+    round_timeout: float = 600.0  # generous: on busy cores a vehicle's round can take minutes
     mobility: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_MOBILITY))
 
     def schedule(self) -> list[dict[str, Any]]:
@@ -69,26 +74,51 @@ class Setup:
         out = []
         for i in range(need):
             stay = 1 + i % self.stay if i < self.coverage else self.stay
-            out.append({"id": f"vehicle-{i + 1:03d}", "speed": round(float(speeds[i]), 2),
-                        "shard": i % self.shards, "stay": stay})
+            out.append(
+                {
+                    "id": f"vehicle-{i + 1:03d}",
+                    "speed": round(float(speeds[i]), 2),
+                    "shard": i % self.shards,
+                    "stay": stay,
+                }
+            )
         return out
 
 
 def _vehicle_options(setup: Setup, v: dict[str, Any]) -> dict[str, Any]:
-    return {"shard": v["shard"], "shards": setup.shards, "alpha": setup.alpha, "seed": setup.seed,
-            "speed": v["speed"]}
+    return {"shard": v["shard"], "shards": setup.shards, "alpha": setup.alpha, "seed": setup.seed, "speed": v["speed"]}
 
 
-def run_strategy(setup: Setup, strategy: str, work: Path,
-                 progress: Callable[[int, str], None] | None = None, time_limit: float = 1800.0) -> dict[str, Any]:
+def run_strategy(
+    setup: Setup,
+    strategy: str,
+    work: Path,
+    progress: Callable[[int, str], None] | None = None,
+    time_limit: float = 1800.0,
+) -> dict[str, Any]:
     """One federation under ``strategy``; returns the coordinator's round records and the
     vehicles' evaluations of each global model version."""
-    fed = Federation(work, agents=0, rounds=setup.rounds, alpha=setup.alpha, round_timeout=setup.round_timeout,
-                     federation=f"rsu-{strategy.replace('_', '-')}-{secrets.token_hex(2)}")
-    rounds = {"rounds": setup.rounds, "min_agents": setup.coverage, "expected_agents": setup.coverage,
-              "min_updates": 1, "round_timeout": setup.round_timeout, "local_epochs": setup.local_epochs,
-              "lr": setup.lr, "batch_size": setup.batch_size, "seed": setup.seed, "lr_schedule": "cosine",
-              "aggregation": strategy}
+    fed = Federation(
+        work,
+        agents=0,
+        rounds=setup.rounds,
+        alpha=setup.alpha,
+        round_timeout=setup.round_timeout,
+        federation=f"rsu-{strategy.replace('_', '-')}-{secrets.token_hex(2)}",
+    )
+    rounds = {
+        "rounds": setup.rounds,
+        "min_agents": setup.coverage,
+        "expected_agents": setup.coverage,
+        "min_updates": 1,
+        "round_timeout": setup.round_timeout,
+        "local_epochs": setup.local_epochs,
+        "lr": setup.lr,
+        "batch_size": setup.batch_size,
+        "seed": setup.seed,
+        "lr_schedule": "cosine",
+        "aggregation": strategy,
+    }
     if strategy == "drop_above":
         rounds.update(weight_key="speed", drop_above=setup.threshold)
     schedule = setup.schedule()
@@ -108,8 +138,9 @@ def run_strategy(setup: Setup, strategy: str, work: Path,
             if not queue:
                 raise FedagentError("the vehicle schedule ran out before the last round")
             v = queue.pop(0)
-            vehicles[v["id"]] = fed.add_agent(v["id"], "flsimco", _vehicle_options(setup, v),
-                                              {"leave_after": v["stay"]})
+            vehicles[v["id"]] = fed.add_agent(
+                v["id"], "flsimco", _vehicle_options(setup, v), {"leave_after": v["stay"]}
+            )
             arrivals.append({**v, "at": round(time.monotonic() - started, 2)})
 
         for _ in range(setup.coverage):
@@ -118,8 +149,9 @@ def run_strategy(setup: Setup, strategy: str, work: Path,
             st = fed.status("coordinator")
             if st is not None:
                 if progress is not None:
-                    progress(st["completed_rounds"], f"{strategy}: round {st['round']}, "
-                                                     f"{len(vehicles)} vehicles running")
+                    progress(
+                        st["completed_rounds"], f"{strategy}: round {st['round']}, {len(vehicles)} vehicles running"
+                    )
                 if st["phase"] == "done":
                     break
                 if st["phase"] == "training" and st["round"] > seen_round:
@@ -144,7 +176,7 @@ def run_strategy(setup: Setup, strategy: str, work: Path,
                 if code != 0:
                     tail = proc.log.read_text(errors="replace")[-1500:]
                     raise FedagentError(f"{vid} exited with code {code}:\n{tail}")
-                del vehicles[vid]                  # left the coverage
+                del vehicles[vid]  # left the coverage
             if time.monotonic() - started > time_limit:
                 raise FedagentError(f"{strategy}: not finished after {time_limit:.0f}s; logs in {work / 'logs'}")
             time.sleep(0.2)
@@ -153,7 +185,7 @@ def run_strategy(setup: Setup, strategy: str, work: Path,
         records = [json.loads(line) for line in hist.read_text().splitlines()]
         evals: dict[int, float] = {}
         heldout: dict[int, float] = {}
-        updates: dict[int, dict[str, float]] = {}          # round -> vehicle -> its uploaded model's loss
+        updates: dict[int, dict[str, float]] = {}  # round -> vehicle -> its uploaded model's loss
         lefts: list[dict[str, Any]] = []
         for vid in fed.agent_ids:
             h = work / "state" / vid / "agent" / fed.fed / "history.jsonl"
@@ -172,8 +204,17 @@ def run_strategy(setup: Setup, strategy: str, work: Path,
                     updates.setdefault(int(r["round"]), {})[vid] = float(r["metrics"]["loss"])
                 elif r["event"] == "left":
                     lefts.append({"vehicle": vid, **r})
-        return {"strategy": strategy, "seconds": seconds, "records": records, "evals": evals, "heldout": heldout,
-                "updates": updates, "left": lefts, "arrivals": arrivals, "final_weights": fed.final_weights()[0]}
+        return {
+            "strategy": strategy,
+            "seconds": seconds,
+            "records": records,
+            "evals": evals,
+            "heldout": heldout,
+            "updates": updates,
+            "left": lefts,
+            "arrivals": arrivals,
+            "final_weights": fed.final_weights()[0],
+        }
     finally:
         fed.close()
 
@@ -193,8 +234,8 @@ def _series_stats(values: list[float]) -> tuple[float, float, float]:
     """Last value, mean of the second half, variance of the round-to-round change."""
     if not values:
         return math.nan, math.nan, math.nan
-    diffs = [b - a for a, b in zip(values, values[1:])]
-    half = values[len(values) // 2:]
+    diffs = [b - a for a, b in itertools.pairwise(values)]
+    half = values[len(values) // 2 :]
     return values[-1], statistics.fmean(half), statistics.pvariance(diffs) if len(diffs) > 1 else math.nan
 
 
@@ -224,10 +265,15 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     train_last, train_half, train_var = _series_stats([v for _, v in series["train"]])
     held_last, held_half, held_var = _series_stats([v for _, v in series["heldout"]])
     return {
-        "rounds": len(rounds), "abandoned": sum(1 for r in result["records"] if r["event"] == "abandoned"),
-        "final_loss": train_last, "mean_loss_second_half": train_half, "var_round_to_round": train_var,
-        "heldout_rounds": len(series["heldout"]), "final_heldout_loss": held_last,
-        "mean_heldout_second_half": held_half, "var_heldout_round_to_round": held_var,
+        "rounds": len(rounds),
+        "abandoned": sum(1 for r in result["records"] if r["event"] == "abandoned"),
+        "final_loss": train_last,
+        "mean_loss_second_half": train_half,
+        "var_round_to_round": train_var,
+        "heldout_rounds": len(series["heldout"]),
+        "final_heldout_loss": held_last,
+        "mean_heldout_second_half": held_half,
+        "var_heldout_round_to_round": held_var,
         "models_aggregated": sum(len(r["participants"]) for r in rounds),
         "models_dropped": sum(len(r.get("dropped") or {}) for r in rounds),
         "seconds": result["seconds"],
@@ -247,15 +293,17 @@ def collapse_check(summary: dict[str, Any], baseline: dict[str, float]) -> list[
     bound = COLLAPSE_FRACTION * math.log(EVAL_BATCH)
     why = []
     if not summary["final_heldout_loss"] < bound:
-        why.append(f"held-out loss {summary['final_heldout_loss']:.3f} >= {COLLAPSE_FRACTION} log {EVAL_BATCH} "
-                   f"= {bound:.3f}")
+        why.append(
+            f"held-out loss {summary['final_heldout_loss']:.3f} >= {COLLAPSE_FRACTION} log {EVAL_BATCH} = {bound:.3f}"
+        )
     if not summary["final_knn"] > baseline["knn_accuracy"]:
         why.append(f"kNN accuracy {summary['final_knn']:.3f} <= untrained encoder's {baseline['knn_accuracy']:.3f}")
     return why
 
 
-def write_flsimco_report(setup: Setup, results: dict[str, dict[str, Any]], out: Path,
-                         baseline: dict[str, float]) -> Path:
+def write_flsimco_report(
+    setup: Setup, results: dict[str, dict[str, Any]], out: Path, baseline: dict[str, float]
+) -> Path:
     """``results[strategy]`` is :func:`run_strategy`'s answer plus ``final`` (the final
     global model's :func:`final_eval`); ``baseline`` is the untrained encoder's."""
     from fedagent.report import _plot
@@ -275,20 +323,37 @@ def write_flsimco_report(setup: Setup, results: dict[str, dict[str, Any]], out: 
     held_series, train_series, knn_series = {}, {}, {}
     for s, r in results.items():
         ls = loss_series(r)
-        held_series[LABELS[s]] = ([0] + [x for x, _ in ls["heldout"]],
-                                  [baseline["simco_loss"]] + [v for _, v in ls["heldout"]])
+        held_series[LABELS[s]] = (
+            [0] + [x for x, _ in ls["heldout"]],
+            [baseline["simco_loss"]] + [v for _, v in ls["heldout"]],
+        )
         train_series[LABELS[s]] = ([x for x, _ in ls["train"]], [v for _, v in ls["train"]])
         ev = sorted(r["evals"].items())
         knn_series[LABELS[s]] = ([v for v, _ in ev], [a for _, a in ev])
     log_m = math.log(EVAL_BATCH)
     held_series[f"log {EVAL_BATCH} (no discrimination)"] = ([0, setup.rounds], [log_m, log_m])
     knn_series["untrained encoder"] = ([0, setup.rounds], [baseline["knn_accuracy"]] * 2)
-    _plot(out / "loss.png", "SimCo loss of the global model after each round (fixed held-out batches)", "round",
-          held_series, "dual-temperature loss")
-    _plot(out / "train_loss.png", "SimCo loss of the models the vehicles uploaded (last local epoch)", "round",
-          train_series, "dual-temperature loss")
-    _plot(out / "knn.png", "kNN accuracy (k=10) of the global encoder, clean held-out digits",
-          "global model version (= rounds aggregated)", knn_series, "kNN accuracy")
+    _plot(
+        out / "loss.png",
+        "SimCo loss of the global model after each round (fixed held-out batches)",
+        "round",
+        held_series,
+        "dual-temperature loss",
+    )
+    _plot(
+        out / "train_loss.png",
+        "SimCo loss of the models the vehicles uploaded (last local epoch)",
+        "round",
+        train_series,
+        "dual-temperature loss",
+    )
+    _plot(
+        out / "knn.png",
+        "kNN accuracy (k=10) of the global encoder, clean held-out digits",
+        "global model version (= rounds aggregated)",
+        knn_series,
+        "kNN accuracy",
+    )
     if "blur" in results:
         xs, ys = [], []
         speeds = {a["id"]: a["speed"] for a in results["blur"]["arrivals"]}
@@ -297,8 +362,14 @@ def write_flsimco_report(setup: Setup, results: dict[str, dict[str, Any]], out: 
                 for vid, w in (x.get("agg_weights") or {}).items():
                     xs.append(speeds.get(vid, math.nan))
                     ys.append(w)
-        _plot(out / "weights.png", "eq. 11: a vehicle's aggregation weight against its speed",
-              "speed (km/h)", {"weight in its round": (xs, ys)}, "normalised weight", kind="scatter")
+        _plot(
+            out / "weights.png",
+            "eq. 11: a vehicle's aggregation weight against its speed",
+            "speed (km/h)",
+            {"weight in its round": (xs, ys)},
+            "normalised weight",
+            kind="scatter",
+        )
     mean, var = truncated_gaussian_moments(**setup.mobility)
     speeds_all = [a["speed"] for a in next(iter(results.values()))["arrivals"]]
     above = sum(1 for v in speeds_all if v > setup.threshold)
@@ -308,8 +379,9 @@ def write_flsimco_report(setup: Setup, results: dict[str, dict[str, Any]], out: 
         f"Scale: {setup.rounds} rounds, {setup.coverage} vehicles in range of the RSU per round, each vehicle "
         f"stays {setup.stay} rounds (a separate `fedagent agent` process that joins, trains and leaves), "
         f"{len(speeds_all)} vehicle visits per strategy; scikit-learn digits upsampled to 16x16, "
-        f"{setup.shards} shards split " + ("IID" if setup.alpha == 0 else f"by Dirichlet alpha={setup.alpha}") +
-        f"; SimCo (tau_alpha=0.1, tau_beta=1.0) on a small ResNet, {setup.local_epochs} local epochs, "
+        f"{setup.shards} shards split "
+        + ("IID" if setup.alpha == 0 else f"by Dirichlet alpha={setup.alpha}")
+        + f"; SimCo (tau_alpha=0.1, tau_beta=1.0) on a small ResNet, {setup.local_epochs} local epochs, "
         f"batch {setup.batch_size}, SGD lr {setup.lr} with cosine decay over the rounds.",
         "",
         f"Mobility (eq. 1): truncated Gaussian mu={setup.mobility['mu']}, sigma={setup.mobility['sigma']}, "
@@ -335,13 +407,22 @@ def write_flsimco_report(setup: Setup, results: dict[str, dict[str, Any]], out: 
             f"| {LABELS[s]} | {m['rounds']} | {m['final_heldout_loss']:.4f} | {m['mean_heldout_second_half']:.4f} | "
             f"{m['var_heldout_round_to_round']:.5f} | {m['final_loss']:.4f} | {m['mean_loss_second_half']:.4f} | "
             f"{m['var_round_to_round']:.5f} | {m['final_knn']:.3f} | {m['models_aggregated']} | "
-            f"{m['models_dropped']} | {m['seconds']:.0f} s | {'**yes**' if m['collapsed'] else 'no'} |")
-    lines += ["", f"Untrained encoder (same seed): held-out loss {baseline['simco_loss']:.4f}, kNN accuracy "
-              f"{baseline['knn_accuracy']:.3f}; log {EVAL_BATCH} = {log_m:.4f}.", ""]
-    lines += ["## Collapse check", "",
-              f"A strategy counts as collapsed if its final global model's held-out loss is at least "
-              f"{COLLAPSE_FRACTION} log {EVAL_BATCH} = {COLLAPSE_FRACTION * log_m:.3f} (it cannot tell images "
-              "apart) or its kNN accuracy is not above the untrained encoder's.", ""]
+            f"{m['models_dropped']} | {m['seconds']:.0f} s | {'**yes**' if m['collapsed'] else 'no'} |"
+        )
+    lines += [
+        "",
+        f"Untrained encoder (same seed): held-out loss {baseline['simco_loss']:.4f}, kNN accuracy "
+        f"{baseline['knn_accuracy']:.3f}; log {EVAL_BATCH} = {log_m:.4f}.",
+        "",
+    ]
+    lines += [
+        "## Collapse check",
+        "",
+        f"A strategy counts as collapsed if its final global model's held-out loss is at least "
+        f"{COLLAPSE_FRACTION} log {EVAL_BATCH} = {COLLAPSE_FRACTION * log_m:.3f} (it cannot tell images "
+        "apart) or its kNN accuracy is not above the untrained encoder's.",
+        "",
+    ]
     for s in results:
         why = summary[s]["collapsed"]
         lines.append(f"- {LABELS[s]}: " + ("**collapsed**: " + "; ".join(why) if why else "not collapsed"))
@@ -351,12 +432,23 @@ def write_flsimco_report(setup: Setup, results: dict[str, dict[str, Any]], out: 
     if "blur" in results:
         lines += ["![weights](weights.png)", ""]
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(json.dumps(
-        {"setup": {**setup.__dict__}, "baseline": baseline, "summary": summary,
-         "rounds": {s: [x for x in r["records"] if x["event"] in ("round", "abandoned")] for s, r in results.items()},
-         "uploaded_loss": {s: r["updates"] for s, r in results.items()},
-         "heldout_loss": {s: r["heldout"] for s, r in results.items()},
-         "evals": {s: r["evals"] for s, r in results.items()}}, indent=1, default=str))
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "setup": {**setup.__dict__},
+                "baseline": baseline,
+                "summary": summary,
+                "rounds": {
+                    s: [x for x in r["records"] if x["event"] in ("round", "abandoned")] for s, r in results.items()
+                },
+                "uploaded_loss": {s: r["updates"] for s, r in results.items()},
+                "heldout_loss": {s: r["heldout"] for s, r in results.items()},
+                "evals": {s: r["evals"] for s, r in results.items()},
+            },
+            indent=1,
+            default=str,
+        )
+    )
     return out / "report.md"
 
 
@@ -367,43 +459,62 @@ def _verdict(summary: dict[str, dict[str, Any]]) -> list[str]:
         return []
     b, f, d = summary["blur"], summary["fedavg"], summary["drop_above"]
     checks = []
-    for name, half, var in (("held-out", "mean_heldout_second_half", "var_heldout_round_to_round"),
-                            ("uploaded", "mean_loss_second_half", "var_round_to_round")):
+    for name, half, var in (
+        ("held-out", "mean_heldout_second_half", "var_heldout_round_to_round"),
+        ("uploaded", "mean_loss_second_half", "var_round_to_round"),
+    ):
         checks += [
-            (f"{name} loss: blur-weighted lower than FedAvg (2nd-half mean {b[half]:.4f} vs {f[half]:.4f})",
-             b[half] < f[half]),
-            (f"{name} loss: blur-weighted steadier than FedAvg (variance of change {b[var]:.5f} vs {f[var]:.5f})",
-             b[var] < f[var]),
-            (f"{name} loss: dropping blurred models worst (2nd-half mean {d[half]:.4f} vs "
-             f"max of the others {max(b[half], f[half]):.4f})", d[half] > max(b[half], f[half])),
+            (
+                f"{name} loss: blur-weighted lower than FedAvg (2nd-half mean {b[half]:.4f} vs {f[half]:.4f})",
+                b[half] < f[half],
+            ),
+            (
+                f"{name} loss: blur-weighted steadier than FedAvg (variance of change {b[var]:.5f} vs {f[var]:.5f})",
+                b[var] < f[var],
+            ),
+            (
+                f"{name} loss: dropping blurred models worst (2nd-half mean {d[half]:.4f} vs "
+                f"max of the others {max(b[half], f[half]):.4f})",
+                d[half] > max(b[half], f[half]),
+            ),
         ]
     out = ["## Does the paper's ordering hold here?", ""]
     out += [f"- {text}: **{'yes' if ok else 'no'}**" for text, ok in checks]
     if any(summary[s].get("collapsed") for s in ("blur", "fedavg", "drop_above")):
         out += ["", "**At least one strategy collapsed (see above): its ranking means nothing.**"]
-    out += ["", "The differences are between runs with the same vehicles, data and seeds; run-to-run "
-            "noise (floating-point order, which vehicle's update arrives first) is not measured by a "
-            "single run, so small gaps should not be over-read."]
+    out += [
+        "",
+        "The differences are between runs with the same vehicles, data and seeds; run-to-run "
+        "noise (floating-point order, which vehicle's update arrives first) is not measured by a "
+        "single run, so small gaps should not be over-read.",
+    ]
     return out
 
 
-def run_experiment(out: Path, setup: Setup, strategies: tuple[str, ...] = STRATEGIES, keep: bool = False,
-                   console=None) -> Path:
+def run_experiment(
+    out: Path, setup: Setup, strategies: tuple[str, ...] = STRATEGIES, keep: bool = False, console=None
+) -> Path:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = console or Console()
     work = Path(tempfile.mkdtemp(prefix="fedagent-flsimco-"))
     results: dict[str, dict[str, Any]] = {}
-    console.print(f"[bold]FLSimCo[/]: {len(strategies)} strategies x {setup.rounds} rounds, {setup.coverage} "
-                  f"vehicles per round, each staying {setup.stay}; work dir {work}")
+    console.print(
+        f"[bold]FLSimCo[/]: {len(strategies)} strategies x {setup.rounds} rounds, {setup.coverage} "
+        f"vehicles per round, each staying {setup.stay}; work dir {work}"
+    )
     try:
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         with Progress(*columns, console=console) as bar:
             for s in strategies:
                 task = bar.add_task(s, total=setup.rounds)
-                res = run_strategy(setup, s, work / s,
-                                   progress=lambda done, desc, t=task: bar.update(t, completed=done, description=desc))
+                res = run_strategy(
+                    setup,
+                    s,
+                    work / s,
+                    progress=lambda done, desc, t=task: bar.update(t, completed=done, description=desc),
+                )
                 bar.update(task, completed=setup.rounds, description=f"{s}: done in {res['seconds']:.0f}s")
                 res["final"] = final_eval(res.pop("final_weights"), setup)
                 results[s] = res

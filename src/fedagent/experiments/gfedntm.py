@@ -72,20 +72,30 @@ class Scale:
     vocab_size: int = 500
     true_topics: int = 50
     n_topics: int = 50
-    docs: int = 3000             # training documents per node (before the early-stopping split)
-    val_docs: int = 200          # validation documents per node (scored, never trained on)
-    epochs: int = 100            # at most this many passes of a node over its documents
+    docs: int = 3000  # training documents per node (before the early-stopping split)
+    val_docs: int = 200  # validation documents per node (scored, never trained on)
+    epochs: int = 100  # at most this many passes of a node over its documents
     batch_size: int = 64
-    seed: int = 0                # the first seed; the settings run with seeds seed .. seed + seeds - 1
-    patience: int = 5            # early stopping (0: train exactly ``epochs`` passes, no split)
-    holdout: float = 0.25        # share of the training documents held out for early stopping
+    seed: int = 0  # the first seed; the settings run with seeds seed .. seed + seeds - 1
+    patience: int = 5  # early stopping (0: train exactly ``epochs`` passes, no split)
+    holdout: float = 0.25  # share of the training documents held out for early stopping
     seeds: int = 3
 
     def options(self, **extra: Any) -> dict[str, Any]:
-        return {"corpus": "synthetic", "shards": self.nodes, "vocab_size": self.vocab_size,
-                "true_topics": self.true_topics, "n_topics": self.n_topics, "docs": self.docs,
-                "val_docs": self.val_docs, "batch_size": self.batch_size, "seed": self.seed,
-                "data_seed": self.seed, **({"holdout": self.holdout} if self.patience else {}), **extra}
+        return {
+            "corpus": "synthetic",
+            "shards": self.nodes,
+            "vocab_size": self.vocab_size,
+            "true_topics": self.true_topics,
+            "n_topics": self.n_topics,
+            "docs": self.docs,
+            "val_docs": self.val_docs,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "data_seed": self.seed,
+            **({"holdout": self.holdout} if self.patience else {}),
+            **extra,
+        }
 
 
 # Sec. 4.1: the authors' defaults (CTM package: at most 100 epochs, patience 5) with a
@@ -93,14 +103,15 @@ class Scale:
 SCALES = {
     "default": Scale(),
     "paper": Scale(vocab_size=5000, docs=10000, val_docs=1000, seeds=1),
-    "tiny": Scale(vocab_size=120, true_topics=10, n_topics=10, docs=64, val_docs=16, epochs=3, batch_size=16,
-                  patience=1, seeds=2),
+    "tiny": Scale(
+        vocab_size=120, true_topics=10, n_topics=10, docs=64, val_docs=16, epochs=3, batch_size=16, patience=1, seeds=2
+    ),
 }
 
 
 @dataclass
 class SettingResult:
-    group: str                   # "A" (K' varies) or "B" (eta varies)
+    group: str  # "A" (K' varies) or "B" (eta varies)
     shared: int
     eta: float
     tss: dict[str, float] = field(default_factory=dict)
@@ -111,7 +122,7 @@ class SettingResult:
     tss_decoder: dict[str, float] = field(default_factory=dict)
     tss_decoder_nodes: list[float] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)
-    steps: dict[str, float] = field(default_factory=dict)   # optimizer steps of the kept model
+    steps: dict[str, float] = field(default_factory=dict)  # optimizer steps of the kept model
     seed: int = 0
     # early stopping: the kept (best) epoch and the epochs trained, per model kind (the
     # non-collaborative figures are means over the nodes)
@@ -137,8 +148,13 @@ class Stopped:
     best_loss: float
 
 
-def early_stopped(model: nn.Module, step: Callable[[int], object], validation_loss: Callable[[], float],
-                  steps_per_epoch: int, rule: PatienceStop) -> Stopped:
+def early_stopped(
+    model: nn.Module,
+    step: Callable[[int], object],
+    validation_loss: Callable[[], float],
+    steps_per_epoch: int,
+    rule: PatienceStop,
+) -> Stopped:
     """Train ``model`` epoch by epoch (``step(i)`` runs optimizer step i) until ``rule``
     stops it, measuring ``validation_loss()`` after every epoch; the model ends with the
     weights of its best epoch. The same loop serves the local, the pooled and the
@@ -151,8 +167,12 @@ def early_stopped(model: nn.Module, step: Callable[[int], object], validation_lo
         if rule.observe(float(validation_loss())):
             best = get_weights(model)
     set_weights(model, best)
-    return Stopped(best_epoch=rule.best_epoch + 1, epochs=rule.epochs,
-                   steps=(rule.best_epoch + 1) * steps_per_epoch, best_loss=rule.best)
+    return Stopped(
+        best_epoch=rule.best_epoch + 1,
+        epochs=rule.epochs,
+        steps=(rule.best_epoch + 1) * steps_per_epoch,
+        best_loss=rule.best,
+    )
 
 
 def local_step(model: nn.Module, opt: torch.optim.Optimizer, task: NtmTask) -> Callable[[int], float]:
@@ -162,6 +182,7 @@ def local_step(model: nn.Module, opt: torch.optim.Optimizer, task: NtmTask) -> C
         loss.backward()
         opt.step()
         return float(loss.detach())
+
     return step
 
 
@@ -170,8 +191,13 @@ def train_local_early_stopped(task: NtmTask, scale: Scale) -> tuple[ProdLDA, Sto
     on the task's held-out documents."""
     model = task.build_model()
     opt = task.make_optimizer(model.parameters())
-    stop = early_stopped(model, local_step(model, opt, task), lambda: task.evaluate(model)["val_loss"],
-                         task.num_batches(), PatienceStop(patience=scale.patience, max_epochs=scale.epochs))
+    stop = early_stopped(
+        model,
+        local_step(model, opt, task),
+        lambda: task.evaluate(model)["val_loss"],
+        task.num_batches(),
+        PatienceStop(patience=scale.patience, max_epochs=scale.epochs),
+    )
     return model, stop
 
 
@@ -187,9 +213,13 @@ def syncopt_early_stopped(tasks: Sequence[NtmTask], scale: Scale) -> tuple[ProdL
     Sync-Opt steps as the smallest node has batches."""
     model = tasks[0].build_model()
     opt = tasks[0].make_optimizer(model.parameters())
-    stop = early_stopped(model, lambda i: federated_step(model, opt, tasks, i),
-                         lambda: federated_validation_loss(model, tasks), min(t.num_batches() for t in tasks),
-                         PatienceStop(patience=scale.patience, max_epochs=scale.epochs))
+    stop = early_stopped(
+        model,
+        lambda i: federated_step(model, opt, tasks, i),
+        lambda: federated_validation_loss(model, tasks),
+        min(t.num_batches() for t in tasks),
+        PatienceStop(patience=scale.patience, max_epochs=scale.epochs),
+    )
     return model, stop
 
 
@@ -219,14 +249,30 @@ def pooled_task(tasks: Sequence[NtmTask], terms: list[str]) -> NtmTask:
     first = tasks[0]
     ctx = None
     if first.combined:
-        ctx = (np.concatenate([t.corpus.train_context for t in tasks]),
-               np.concatenate([t.corpus.val_context for t in tasks]))
-    corpus = NodeCorpus(list(terms), sp.vstack([t.train for t in tasks]).tocsr(),
-                        sp.vstack([t.val for t in tasks]).tocsr(),
-                        None if ctx is None else ctx[0], None if ctx is None else ctx[1])
-    return NtmTask(corpus, combined=first.combined, shard=len(tasks), seed=first.seed, n_topics=first.n_topics,
-                   batch_size=first.batch_size, hidden=first.hidden, dropout=first.dropout, lr=first.lr,
-                   prior_alpha=first.prior_alpha, dtype=first.dtype_name)
+        ctx = (
+            np.concatenate([t.corpus.train_context for t in tasks]),
+            np.concatenate([t.corpus.val_context for t in tasks]),
+        )
+    corpus = NodeCorpus(
+        list(terms),
+        sp.vstack([t.train for t in tasks]).tocsr(),
+        sp.vstack([t.val for t in tasks]).tocsr(),
+        None if ctx is None else ctx[0],
+        None if ctx is None else ctx[1],
+    )
+    return NtmTask(
+        corpus,
+        combined=first.combined,
+        shard=len(tasks),
+        seed=first.seed,
+        n_topics=first.n_topics,
+        batch_size=first.batch_size,
+        hidden=first.hidden,
+        dropout=first.dropout,
+        lr=first.lr,
+        prior_alpha=first.prior_alpha,
+        dtype=first.dtype_name,
+    )
 
 
 def widen(topic_word: np.ndarray, terms: list[str], all_terms: list[str]) -> np.ndarray:
@@ -243,8 +289,10 @@ def theta_on(task: NtmTask, model: nn.Module, bow: sp.csr_matrix, terms: list[st
     counts over ``terms``."""
     index = {t: j for j, t in enumerate(task.terms)}
     src = [i for i, t in enumerate(terms) if t in index]
-    remap = sp.csr_matrix((np.ones(len(src), dtype=np.float32), (src, [index[terms[i]] for i in src])),
-                          shape=(len(terms), len(task.terms)))
+    remap = sp.csr_matrix(
+        (np.ones(len(src), dtype=np.float32), (src, [index[terms[i]] for i in src])),
+        shape=(len(terms), len(task.terms)),
+    )
     corpus = NodeCorpus(list(task.terms), task.train[: task.batch_size], (bow @ remap).tocsr())
     probe = NtmTask(corpus, shard=task.shard, seed=task.seed, n_topics=task.n_topics, batch_size=task.batch_size)
     return probe.infer_theta(model, "val")
@@ -266,9 +314,13 @@ def setting_data(scale: Scale, shared: int, eta: float) -> SettingData:
     opts = scale.options(shared_topics=shared, eta=eta)
     gen = ntm_data.synthetic_options(opts)
     nodes = [ntm_data.synthetic_node(n, scale.nodes, **gen) for n in range(scale.nodes)]
-    return SettingData(opts, ntm_data.synthetic_terms(scale.vocab_size),
-                       ntm_data.true_topics(scale.vocab_size, scale.true_topics, eta, scale.seed),
-                       sp.vstack([n.val for n in nodes]).tocsr(), np.concatenate([n.val_theta for n in nodes]))
+    return SettingData(
+        opts,
+        ntm_data.synthetic_terms(scale.vocab_size),
+        ntm_data.true_topics(scale.vocab_size, scale.true_topics, eta, scale.seed),
+        sp.vstack([n.val for n in nodes]).tocsr(),
+        np.concatenate([n.val_theta for n in nodes]),
+    )
 
 
 def score_model(data: SettingData, task: NtmTask, model: nn.Module) -> tuple[float, float, float]:
@@ -276,8 +328,9 @@ def score_model(data: SettingData, task: NtmTask, model: nn.Module) -> tuple[flo
     ``task.terms``, on the validation documents of every node."""
     theta = theta_on(task, model, data.val_bow, data.all_terms)
     tss = topic_similarity_score(data.beta, widen(task.topic_word(model), task.terms, data.all_terms))
-    tss_dec = topic_similarity_score(data.beta, widen(task.decoder_topic_word(model, theta), task.terms,
-                                                      data.all_terms))
+    tss_dec = topic_similarity_score(
+        data.beta, widen(task.decoder_topic_word(model, theta), task.terms, data.all_terms)
+    )
     return tss, tss_dec, doc_similarity_score(theta, data.val_theta, per_document=True)
 
 
@@ -292,9 +345,15 @@ def joint_tasks(scale: Scale, data: SettingData, **extra: Any) -> tuple[list[Ntm
     return tasks, terms
 
 
-def run_setting(scale: Scale, shared: int, eta: float, group: str,
-                trainer: FederatedTrainer = in_process_syncopt, progress=None,
-                keep: dict | None = None) -> SettingResult:
+def run_setting(
+    scale: Scale,
+    shared: int,
+    eta: float,
+    group: str,
+    trainer: FederatedTrainer = in_process_syncopt,
+    progress=None,
+    keep: dict | None = None,
+) -> SettingResult:
     """One Fig. 2 setting with the seed ``scale.seed`` (corpus, true topics, model
     initialisation and batches all follow it).
 
@@ -367,7 +426,8 @@ def run_setting(scale: Scale, shared: int, eta: float, group: str,
     model, stop = train_local_early_stopped(pooled, scale) if stopping else fixed(pooled)
     _record(res, "centralized", [stop])
     res.tss["centralized"], res.tss_decoder["centralized"], res.doc_sim["centralized"] = score_model(
-        data, pooled, model)
+        data, pooled, model
+    )
     res.phase_seconds["centralized"] = time.monotonic() - t2
 
     rng = np.random.default_rng(scale.seed + 1)
@@ -398,12 +458,13 @@ class DaemonResult:
     tss: dict[str, float] = field(default_factory=dict)
     tss_decoder: dict[str, float] = field(default_factory=dict)
     doc_sim: dict[str, float] = field(default_factory=dict)
-    max_abs_diff: dict[str, float] = field(default_factory=dict)    # weights vs the daemons' final ones
+    max_abs_diff: dict[str, float] = field(default_factory=dict)  # weights vs the daemons' final ones
     exact: bool = False
 
 
-def syncopt_through_daemons(options: dict[str, Any], agents: int, steps: int, console=None,
-                            timeout: float = 3600.0) -> tuple[dict[str, np.ndarray], list[str], dict]:
+def syncopt_through_daemons(
+    options: dict[str, Any], agents: int, steps: int, console=None, timeout: float = 3600.0
+) -> tuple[dict[str, np.ndarray], list[str], dict]:
     """Run ``steps`` Sync-Opt steps of ProdLDA on ``options`` (one shard per agent) through
     a private Mosquitto with mutual TLS, a coordinator process and ``agents`` agent
     processes that find it by mDNS (:class:`fedagent.demo.Federation`). Returns the
@@ -419,10 +480,19 @@ def syncopt_through_daemons(options: dict[str, Any], agents: int, steps: int, co
     started = time.monotonic()
     try:
         fed.prepare()
-        fed.prepare_syncopt("prodlda", lambda i: {**options, "shard": i, "shards": agents},
-                            {**options, "shard": 0, "shards": agents},
-                            {"steps": steps, "expected_agents": agents, "min_agents": agents,
-                             "step_timeout": 120.0, "on_fault": "abort", "checkpoint_every": 200})
+        fed.prepare_syncopt(
+            "prodlda",
+            lambda i: {**options, "shard": i, "shards": agents},
+            {**options, "shard": 0, "shards": agents},
+            {
+                "steps": steps,
+                "expected_agents": agents,
+                "min_agents": agents,
+                "step_timeout": 120.0,
+                "on_fault": "abort",
+                "checkpoint_every": 200,
+            },
+        )
         fed.start_all()
         last = -1
         while True:
@@ -450,8 +520,9 @@ def syncopt_through_daemons(options: dict[str, Any], agents: int, steps: int, co
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run_daemon_setting(scale: Scale, shared: int, eta: float, in_process: dict | None = None,
-                       console=None, steps: int | None = None) -> DaemonResult:
+def run_daemon_setting(
+    scale: Scale, shared: int, eta: float, in_process: dict | None = None, console=None, steps: int | None = None
+) -> DaemonResult:
     """The setting (``shared``, ``eta``, seed ``scale.seed``) through the real coordinator
     and agents, scored next to in-process Sync-Opt (``in_process``: the weights
     :func:`run_setting` kept, or recomputed) and centralized training on the
@@ -473,24 +544,28 @@ def run_daemon_setting(scale: Scale, shared: int, eta: float, in_process: dict |
     opt = tasks[0].make_optimizer(central.parameters())
     for step in range(steps):
         centralized_step(central, opt, tasks, step)
-    res = DaemonResult(shared=shared, eta=eta, steps=steps, vocabulary=len(terms), seconds=seconds,
-                       exact=bool(meta.get("exact")))
-    runs = {"daemons (Mosquitto)": weights, "in-process Sync-Opt": in_process["weights"],
-            "centralized, concatenated batches": get_weights(central)}
+    res = DaemonResult(
+        shared=shared, eta=eta, steps=steps, vocabulary=len(terms), seconds=seconds, exact=bool(meta.get("exact"))
+    )
+    runs = {
+        "daemons (Mosquitto)": weights,
+        "in-process Sync-Opt": in_process["weights"],
+        "centralized, concatenated batches": get_weights(central),
+    }
     for name, w in runs.items():
         model = tasks[0].build_model()
         set_weights(model, w)
         res.tss[name], res.tss_decoder[name], res.doc_sim[name] = score_model(data, tasks[0], model)
-        res.max_abs_diff[name] = max(float(np.max(np.abs(np.asarray(w[k], np.float64) - weights[k])))
-                                     for k in weights)
+        res.max_abs_diff[name] = max(float(np.max(np.abs(np.asarray(w[k], np.float64) - weights[k]))) for k in weights)
     return res
 
 
-Key = tuple[int, float, int]      # (K', eta, seed)
+Key = tuple[int, float, int]  # (K', eta, seed)
 
 
-def _settings_in_processes(scale: Scale, todo: list[Key], jobs: int, out: Path, console,
-                           on_done: Callable[[Key, SettingResult], None]) -> dict[Key, SettingResult]:
+def _settings_in_processes(
+    scale: Scale, todo: list[Key], jobs: int, out: Path, console, on_done: Callable[[Key, SettingResult], None]
+) -> dict[Key, SettingResult]:
     """Each setting and seed in a worker process of its own (``python -m
     fedagent.experiments.gfedntm``, results as JSON files), at most ``jobs`` at a time: on
     a machine shared with other work, N single-threaded processes get N shares of the CPU."""
@@ -509,8 +584,11 @@ def _settings_in_processes(scale: Scale, todo: list[Key], jobs: int, out: Path, 
             k, eta, seed = key
             path = work / f"k{k}-eta{eta}-seed{seed}.json"
             spec = json.dumps({"scale": asdict(replace(scale, seed=seed)), "shared": k, "eta": eta, "out": str(path)})
-            proc = subprocess.Popen([sys.executable, "-m", "fedagent.experiments.gfedntm", spec],
-                                    stdout=subprocess.DEVNULL, stderr=path.with_suffix(".log").open("w"))
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fedagent.experiments.gfedntm", spec],
+                stdout=subprocess.DEVNULL,
+                stderr=path.with_suffix(".log").open("w"),
+            )
             running.append((key, proc, path))
         for item in list(running):
             key, proc, path = item
@@ -519,8 +597,10 @@ def _settings_in_processes(scale: Scale, todo: list[Key], jobs: int, out: Path, 
                 continue
             running.remove(item)
             if code != 0:
-                raise RuntimeError(f"setting K'={key[0]} eta={key[1]} seed={key[2]} failed (exit {code}); "
-                                   f"see {path.with_suffix('.log')}")
+                raise RuntimeError(
+                    f"setting K'={key[0]} eta={key[1]} seed={key[2]} failed (exit {code}); "
+                    f"see {path.with_suffix('.log')}"
+                )
             done[key] = SettingResult(**json.loads(path.read_text()))
             on_done(key, done[key])
         time.sleep(1.0)
@@ -528,9 +608,16 @@ def _settings_in_processes(scale: Scale, todo: list[Key], jobs: int, out: Path, 
     return done
 
 
-def run_synthetic(out: Path, scale: Scale, k_primes: Sequence[int] = K_PRIME, etas: Sequence[float] = ETAS,
-                  trainer: FederatedTrainer = in_process_syncopt, console=None,
-                  daemons: tuple[int, float] | None = (10, 0.01), jobs: int = 1) -> Path:
+def run_synthetic(
+    out: Path,
+    scale: Scale,
+    k_primes: Sequence[int] = K_PRIME,
+    etas: Sequence[float] = ETAS,
+    trainer: FederatedTrainer = in_process_syncopt,
+    console=None,
+    daemons: tuple[int, float] | None = (10, 0.01),
+    jobs: int = 1,
+) -> Path:
     """Fig. 2: every setting with ``scale.seeds`` seeds, in this process or (``jobs`` > 1)
     in that many worker processes; then the setting ``daemons`` (K', eta) with the first
     seed once more through a real coordinator and agents over Mosquitto (None: skip),
@@ -544,8 +631,10 @@ def run_synthetic(out: Path, scale: Scale, k_primes: Sequence[int] = K_PRIME, et
     seeds = [scale.seed + i for i in range(scale.seeds)]
     # K'=10, eta=0.01 is in A and in B: trained once per seed
     todo: list[Key] = [(k, eta, seed) for k, eta in dict.fromkeys((k, eta) for _, k, eta in plan) for seed in seeds]
-    console.print(f"[bold]gFedNTM Fig. 2[/]: {len(plan)} settings x {len(seeds)} seeds ({len(todo)} trainings), "
-                  f"scale {asdict(scale)}")
+    console.print(
+        f"[bold]gFedNTM Fig. 2[/]: {len(plan)} settings x {len(seeds)} seeds ({len(todo)} trainings), "
+        f"scale {asdict(scale)}"
+    )
     t0 = time.monotonic()
     done: dict[Key, SettingResult] = {}
     kept: dict = {}
@@ -556,11 +645,14 @@ def run_synthetic(out: Path, scale: Scale, k_primes: Sequence[int] = K_PRIME, et
         def finished(key: Key, r: SettingResult) -> None:
             done[key] = r
             bar.advance(job)
-            console.print(f"K'={key[0]} eta={key[1]} seed={key[2]}: TSS softmax(beta) "
-                          + ", ".join(f"{m} {r.tss[m]:.3f}" for m in MODELS) + "; decoder "
-                          + ", ".join(f"{m} {r.tss_decoder[m]:.3f}" for m in MODELS)
-                          + f"; best epochs {r.best_epoch} ({r.seconds:.0f} s)")
-            out.mkdir(parents=True, exist_ok=True)      # partial results survive a crash
+            console.print(
+                f"K'={key[0]} eta={key[1]} seed={key[2]}: TSS softmax(beta) "
+                + ", ".join(f"{m} {r.tss[m]:.3f}" for m in MODELS)
+                + "; decoder "
+                + ", ".join(f"{m} {r.tss_decoder[m]:.3f}" for m in MODELS)
+                + f"; best epochs {r.best_epoch} ({r.seconds:.0f} s)"
+            )
+            out.mkdir(parents=True, exist_ok=True)  # partial results survive a crash
             (out / "partial.json").write_text(json.dumps([asdict(x) for x in done.values()]))
 
         if jobs > 1:
@@ -571,17 +663,30 @@ def run_synthetic(out: Path, scale: Scale, k_primes: Sequence[int] = K_PRIME, et
             for key in todo:
                 k, eta, seed = key
                 keep = kept if daemons is not None and (k, eta, seed) == (*daemons, scale.seed) else None
-                finished(key, run_setting(replace(scale, seed=seed), k, eta, "A", trainer,
-                                          progress=lambda m: bar.update(job, description=m), keep=keep))
+                finished(
+                    key,
+                    run_setting(
+                        replace(scale, seed=seed),
+                        k,
+                        eta,
+                        "A",
+                        trainer,
+                        progress=lambda m: bar.update(job, description=m),
+                        keep=keep,
+                    ),
+                )
     results = [replace(done[(k, eta, seed)], group=group) for group, k, eta in plan for seed in seeds]
     daemon = None
     if daemons is not None:
         steps = int(done[(*daemons, scale.seed)].steps["federated"])
-        console.print(f"[bold]K'={daemons[0]} eta={daemons[1]} seed={scale.seed} through a coordinator and "
-                      f"{scale.nodes} agent processes over Mosquitto (mutual TLS), {steps} steps[/]")
+        console.print(
+            f"[bold]K'={daemons[0]} eta={daemons[1]} seed={scale.seed} through a coordinator and "
+            f"{scale.nodes} agent processes over Mosquitto (mutual TLS), {steps} steps[/]"
+        )
         daemon = run_daemon_setting(scale, daemons[0], daemons[1], kept or None, console, steps=steps)
-        console.print(f"daemons: {daemon.steps} steps in {daemon.seconds:.0f} s; TSS {daemon.tss}; "
-                      f"max |dw| {daemon.max_abs_diff}")
+        console.print(
+            f"daemons: {daemon.steps} steps in {daemon.seconds:.0f} s; TSS {daemon.tss}; max |dw| {daemon.max_abs_diff}"
+        )
     report = write_synthetic_report(out, scale, results, time.monotonic() - t0, daemon)
     (out / "partial.json").unlink(missing_ok=True)
     console.print(report.read_text().split("\n## Plots")[0])
@@ -642,10 +747,12 @@ def _fmt(m: float, sd: float, digits: int) -> str:
 
 def _table(results: list[SettingResult], group: str) -> list[str]:
     key = "K'" if group == "A" else "eta"
-    lines = [f"| {key} | TSS softmax(beta): centr. / fed. / non-collab. | fed. − non-collab. (softmax) "
-             "| TSS decoder: centr. / fed. / non-collab. | fed. − non-collab. (decoder) | TSS random "
-             "| doc-sim centr. / fed. / non-collab. | best epoch centr. / fed. / non-collab. |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| {key} | TSS softmax(beta): centr. / fed. / non-collab. | fed. − non-collab. (softmax) "
+        "| TSS decoder: centr. / fed. / non-collab. | fed. − non-collab. (decoder) | TSS random "
+        "| doc-sim centr. / fed. / non-collab. | best epoch centr. / fed. / non-collab. |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for rs in _by_setting(results, group):
         r0 = rs[0]
         x = r0.shared if group == "A" else r0.eta
@@ -680,19 +787,31 @@ def _plots(out: Path, results: list[SettingResult]) -> list[str]:
             names = list(MODELS) + (["random topics"] if metric != "doc_sim" else [])
             for name in names:
                 stats = [_mean_sd(rs, metric, name) for rs in settings]
-                ax.errorbar(xs, [m for m, _ in stats], yerr=[0 if math.isnan(sd) else sd for _, sd in stats],
-                            fmt=styles[name], capsize=3, label=name)
+                ax.errorbar(
+                    xs,
+                    [m for m, _ in stats],
+                    yerr=[0 if math.isnan(sd) else sd for _, sd in stats],
+                    fmt=styles[name],
+                    capsize=3,
+                    label=name,
+                )
             if group == "B":
                 ax.set_xscale("log")
             ax.set_xlabel("shared topics K'" if group == "A" else "topic prior eta")
-            ax.set_ylabel({"doc_sim": "doc-similarity score (lower is better)",
-                           "tss": "TSS of softmax(beta) (higher is better)",
-                           "tss_decoder": "TSS of the decoder's topics (higher is better)"}[metric])
+            ax.set_ylabel(
+                {
+                    "doc_sim": "doc-similarity score (lower is better)",
+                    "tss": "TSS of softmax(beta) (higher is better)",
+                    "tss_decoder": "TSS of the decoder's topics (higher is better)",
+                }[metric]
+            )
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
     seeds = len(settings) and len(_by_setting(results)[0])
-    fig.suptitle("gFedNTM Fig. 2: centralized, federated (Sync-Opt) and non-collaborative ProdLDA "
-                 f"(mean ± sd over {seeds} seeds)")
+    fig.suptitle(
+        "gFedNTM Fig. 2: centralized, federated (Sync-Opt) and non-collaborative ProdLDA "
+        f"(mean ± sd over {seeds} seeds)"
+    )
     fig.tight_layout()
     fig.savefig(out / "fig2.png", dpi=100)
     plt.close(fig)
@@ -702,22 +821,33 @@ def _plots(out: Path, results: list[SettingResult]) -> list[str]:
 def _notes(results: list[SettingResult]) -> list[str]:
     """Observations the numbers force, stated with the report so no one over-reads it."""
     notes = []
-    unique = _by_setting(results)      # K'=10, eta=0.01 is in A and in B
+    unique = _by_setting(results)  # K'=10, eta=0.01 is in A and in B
     for metric, label in READINGS.items():
-        below = [rs for rs in unique
-                 if max(_mean_sd(rs, metric, m)[0] for m in MODELS) < _mean_sd(rs, "tss", "random topics")[0]]
+        below = [
+            rs
+            for rs in unique
+            if max(_mean_sd(rs, metric, m)[0] for m in MODELS) < _mean_sd(rs, "tss", "random topics")[0]
+        ]
         if below:
             where = ", ".join(f"K'={rs[0].shared}/eta={rs[0].eta}" for rs in below)
-            notes.append(f"- {label}: in {len(below)} of {len(unique)} settings ({where}) every trained model "
-                         "scores below random Dirichlet(eta) topics (means over the seeds).")
+            notes.append(
+                f"- {label}: in {len(below)} of {len(unique)} settings ({where}) every trained model "
+                "scores below random Dirichlet(eta) topics (means over the seeds)."
+            )
         else:
             notes.append(f"- {label}: in every setting at least one trained model scores above random topics.")
-    fed_docs = [rs for rs in unique if _mean_sd(rs, "doc_sim", "federated")[0]
-                <= _mean_sd(rs, "doc_sim", "non-collaborative")[0]]
-    central = sum(_mean_sd(rs, "doc_sim", "centralized")[0]
-                  <= min(_mean_sd(rs, "doc_sim", m)[0] for m in MODELS) for rs in unique)
-    notes.append(f"- Doc-similarity: federated <= non-collaborative in {len(fed_docs)} of {len(unique)} settings; "
-                 f"the pooled centralized model is lowest in {central}.")
+    fed_docs = [
+        rs
+        for rs in unique
+        if _mean_sd(rs, "doc_sim", "federated")[0] <= _mean_sd(rs, "doc_sim", "non-collaborative")[0]
+    ]
+    central = sum(
+        _mean_sd(rs, "doc_sim", "centralized")[0] <= min(_mean_sd(rs, "doc_sim", m)[0] for m in MODELS) for rs in unique
+    )
+    notes.append(
+        f"- Doc-similarity: federated <= non-collaborative in {len(fed_docs)} of {len(unique)} settings; "
+        f"the pooled centralized model is lowest in {central}."
+    )
     return ["", *notes]
 
 
@@ -727,8 +857,9 @@ def _verdicts(results: list[SettingResult]) -> list[str]:
         for group, key in (("A", "K'"), ("B", "eta")):
             settings = _by_setting(results, group)
             if settings:
-                cells = ", ".join(f"{key}={rs[0].shared if group == 'A' else rs[0].eta}: {_verdict(rs, metric)}"
-                                  for rs in settings)
+                cells = ", ".join(
+                    f"{key}={rs[0].shared if group == 'A' else rs[0].eta}: {_verdict(rs, metric)}" for rs in settings
+                )
                 lines.append(f"- {label}, {group}: {cells}")
     return lines
 
@@ -736,23 +867,29 @@ def _verdicts(results: list[SettingResult]) -> list[str]:
 def _daemon_section(d: DaemonResult | None) -> list[str]:
     if d is None:
         return []
-    lines = [f"## The real federated path: K' = {d.shared}, eta = {d.eta}", "",
-             f"One coordinator and 5 agent processes (`fedagent coordinator` / `fedagent agent`), a private "
-             f"Mosquitto with mutual TLS and per-agent ACLs, discovery by mDNS; vocabulary consensus "
-             f"({d.vocabulary} terms), then {d.steps} Sync-Opt steps (one gradient per agent per step over "
-             f"MQTT: as many as the early-stopped in-process federated model of the first seed kept; the agents "
-             f"train on the same 75 % of their documents, and the daemons do not run the validation-loss stop "
-             f"test themselves); {d.seconds:.0f} s wall time including start-up "
-             f"({d.seconds / max(d.steps, 1) * 1000:.0f} ms "
-             f"per step); the coordinator reports the run {'exact (no step missed an agent)' if d.exact else 'NOT exact'}. "
-             "The same steps in this process (Sync-Opt: per-node gradients, weighted mean, one Adam step) and "
-             "centralized training on the concatenation of each step's per-node batches start from the same "
-             "initial weights:", "",
-             "| run | TSS softmax(beta) | TSS decoder | doc-sim | max abs weight difference to the daemons' |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"## The real federated path: K' = {d.shared}, eta = {d.eta}",
+        "",
+        f"One coordinator and 5 agent processes (`fedagent coordinator` / `fedagent agent`), a private "
+        f"Mosquitto with mutual TLS and per-agent ACLs, discovery by mDNS; vocabulary consensus "
+        f"({d.vocabulary} terms), then {d.steps} Sync-Opt steps (one gradient per agent per step over "
+        f"MQTT: as many as the early-stopped in-process federated model of the first seed kept; the agents "
+        f"train on the same 75 % of their documents, and the daemons do not run the validation-loss stop "
+        f"test themselves); {d.seconds:.0f} s wall time including start-up "
+        f"({d.seconds / max(d.steps, 1) * 1000:.0f} ms "
+        f"per step); the coordinator reports the run {'exact (no step missed an agent)' if d.exact else 'NOT exact'}. "
+        "The same steps in this process (Sync-Opt: per-node gradients, weighted mean, one Adam step) and "
+        "centralized training on the concatenation of each step's per-node batches start from the same "
+        "initial weights:",
+        "",
+        "| run | TSS softmax(beta) | TSS decoder | doc-sim | max abs weight difference to the daemons' |",
+        "|---|---|---|---|---|",
+    ]
     for name in d.tss:
-        lines.append(f"| {name} | {d.tss[name]:.4f} | {d.tss_decoder[name]:.4f} | {d.doc_sim[name]:.3f} | "
-                     f"{d.max_abs_diff[name]:.2e} |")
+        lines.append(
+            f"| {name} | {d.tss[name]:.4f} | {d.tss_decoder[name]:.4f} | {d.doc_sim[name]:.3f} | "
+            f"{d.max_abs_diff[name]:.2e} |"
+        )
     return [*lines, ""]
 
 
@@ -762,12 +899,19 @@ def report_from_json(out: Path) -> Path:
     data = json.loads((out / "results.json").read_text())
     results = [SettingResult(**r) for r in data["results"]]
     daemon = DaemonResult(**data["daemon"]) if data.get("daemon") else None
-    return write_synthetic_report(out, Scale(**data["scale"]), results, data["seconds"], daemon,
-                                  data.get("run_note", ""))
+    return write_synthetic_report(
+        out, Scale(**data["scale"]), results, data["seconds"], daemon, data.get("run_note", "")
+    )
 
 
-def write_synthetic_report(out: Path, scale: Scale, results: list[SettingResult], seconds: float,
-                           daemon: DaemonResult | None = None, run_note: str = "") -> Path:
+def write_synthetic_report(
+    out: Path,
+    scale: Scale,
+    results: list[SettingResult],
+    seconds: float,
+    daemon: DaemonResult | None = None,
+    run_note: str = "",
+) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     a = _by_setting(results, "A")
     held = {metric: all(_criterion(rs, metric) for rs in a) for metric in READINGS}
@@ -791,12 +935,16 @@ def write_synthetic_report(out: Path, scale: Scale, results: list[SettingResult]
             "with ordinary shuffled batches, validation loss on the pooled held-out documents. So each model trains "
             "to its own convergence rather than for a fixed number of steps; the best epochs are in the tables. "
             "Sync-Opt runs in this process (the section on the real federated path shows the daemons give the same "
-            "weights).")
+            "weights)."
+        )
     else:
-        protocol = (f"Training protocol: every model trains exactly {scale.epochs} passes over its documents, "
-                    "no early stopping.")
+        protocol = (
+            f"Training protocol: every model trains exactly {scale.epochs} passes over its documents, "
+            "no early stopping."
+        )
     lines = [
-        "# gFedNTM: collaborative vs non-collaborative topic models (Fig. 2)", "",
+        "# gFedNTM: collaborative vs non-collaborative topic models (Fig. 2)",
+        "",
         f"Scale: N = {scale.nodes} nodes, V = {scale.vocab_size} terms, K = {scale.true_topics} true topics "
         f"({scale.n_topics} learnt), {scale.docs} training + {scale.val_docs} validation documents per node "
         f"(lengths uniform in [150, 250], alpha = 50/K; the paper: V = 5000, 10 000 + 1 000 documents per node), "
@@ -804,9 +952,12 @@ def write_synthetic_report(out: Path, scale: Scale, results: list[SettingResult]
         f"2e-3, beta1 0.99), float32; {len(seeds)} seeds per setting ({', '.join(map(str, seeds))}: the seed draws "
         "the true topics, the corpus, the splits, the initial weights and the batches). Wall time "
         f"{seconds / 60:.1f} min on 2 shared CPU cores (worker time per model kind: "
-        + ", ".join(f"{m} {phase[m] / 60:.1f} min" for m in MODELS) + ")."
-        + (f" {run_note}" if run_note else ""), "",
-        protocol, "",
+        + ", ".join(f"{m} {phase[m] / 60:.1f} min" for m in MODELS)
+        + ")."
+        + (f" {run_note}" if run_note else ""),
+        "",
+        protocol,
+        "",
         "Scores on the scoring documents of all nodes (never trained on, never used for stopping). TSS = sum over "
         "the true topics of the similarity (1 - squared Hellinger = Bhattacharyya coefficient) to the closest "
         f"learnt topic, at most {scale.true_topics}, higher is better; random = topics drawn from the same "
@@ -820,15 +971,26 @@ def write_synthetic_report(out: Path, scale: Scale, results: list[SettingResult]
         "sum over all pairs of scoring documents of |similarity(model) - similarity(truth)| divided by the "
         "number of documents, lower is better. Every figure is mean ± standard deviation over the seeds; "
         "'fed. − non-collab.' is the per-seed difference (same corpus and truth for both), its mean ± sd; "
-        "'gap > seed sd' says the mean difference is larger than that sd.", "",
+        "'gap > seed sd' says the mean difference is larger than that sd.",
+        "",
         "Done-criterion (mean federated TSS >= mean non-collaborative TSS for every K'), judged on the paper's "
         f"reading, softmax(beta): **{'met' if held['tss'] else 'NOT met'}**. The decoder's topics: "
         f"**{'met' if held['tss_decoder'] else 'NOT met'}**.",
-        "", *_verdicts(results), *_notes(results), "",
-        "## A: shared topics K' (eta = 0.01)", "", *_table(results, "A"), "",
-        "## B: topic prior eta (K' = 10)", "", *_table(results, "B"), "",
+        "",
+        *_verdicts(results),
+        *_notes(results),
+        "",
+        "## A: shared topics K' (eta = 0.01)",
+        "",
+        *_table(results, "A"),
+        "",
+        "## B: topic prior eta (K' = 10)",
+        "",
+        *_table(results, "B"),
+        "",
         "Per seed: TSS fed. − non-collab. (softmax(beta) | decoder), per-node TSS of the non-collaborative models "
-        "(softmax(beta) | decoder), best epochs and time:", "",
+        "(softmax(beta) | decoder), best epochs and time:",
+        "",
     ]
     for rs in unique:
         for r in rs:
@@ -836,20 +998,33 @@ def write_synthetic_report(out: Path, scale: Scale, results: list[SettingResult]
                 f"- K' = {r.shared}, eta = {r.eta}, seed {r.seed}: "
                 f"{r.tss['federated'] - r.tss['non-collaborative']:+.3f} | "
                 f"{r.tss_decoder['federated'] - r.tss_decoder['non-collaborative']:+.3f}; nodes "
-                + ", ".join(f"{x:.2f}" for x in r.tss_nodes) + " | " + ", ".join(f"{x:.2f}" for x in r.tss_decoder_nodes)
-                + "; best/trained epochs " + ", ".join(f"{m} {r.best_epoch.get(m, math.nan):.0f}/"
-                                                      f"{r.epochs_run.get(m, math.nan):.0f}" for m in MODELS)
-                + f" ({r.seconds:.0f} s)")
+                + ", ".join(f"{x:.2f}" for x in r.tss_nodes)
+                + " | "
+                + ", ".join(f"{x:.2f}" for x in r.tss_decoder_nodes)
+                + "; best/trained epochs "
+                + ", ".join(
+                    f"{m} {r.best_epoch.get(m, math.nan):.0f}/{r.epochs_run.get(m, math.nan):.0f}" for m in MODELS
+                )
+                + f" ({r.seconds:.0f} s)"
+            )
     lines += ["", *_daemon_section(daemon)]
     news = out / "newsgroups.md"
     if news.exists():
         body = news.read_text().split("\n", 1)[1] if "\n" in news.read_text() else ""
         lines += ["## Real text: the 20-newsgroups sample, one newsgroup per agent", body, ""]
     lines += ["## Plots", "", *_plots(out, results), ""]
-    (out / "results.json").write_text(json.dumps({"scale": asdict(scale), "seconds": seconds,
-                                                  "results": [asdict(r) for r in results],
-                                                  "daemon": asdict(daemon) if daemon else None,
-                                                  "run_note": run_note}, indent=1))
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "scale": asdict(scale),
+                "seconds": seconds,
+                "results": [asdict(r) for r in results],
+                "daemon": asdict(daemon) if daemon else None,
+                "run_note": run_note,
+            },
+            indent=1,
+        )
+    )
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
@@ -866,8 +1041,7 @@ class NewsScale:
     n_words: int = 8
 
 
-def run_newsgroups(out: Path, scale: NewsScale, trainer: FederatedTrainer = in_process_syncopt,
-                   console=None) -> Path:
+def run_newsgroups(out: Path, scale: NewsScale, trainer: FederatedTrainer = in_process_syncopt, console=None) -> Path:
     from rich.console import Console
 
     console = console or Console()
@@ -875,8 +1049,13 @@ def run_newsgroups(out: Path, scale: NewsScale, trainer: FederatedTrainer = in_p
     t0 = time.monotonic()
     groups = sorted({g for g, _ in ntm_data.load_newsgroups()})
     shards = len(groups)
-    opts = {"corpus": "newsgroups", "shards": shards, "n_topics": scale.n_topics, "batch_size": scale.batch_size,
-            "seed": scale.seed}
+    opts = {
+        "corpus": "newsgroups",
+        "shards": shards,
+        "n_topics": scale.n_topics,
+        "batch_size": scale.batch_size,
+        "seed": scale.seed,
+    }
     console.print(f"[bold]gFedNTM on 20-newsgroups[/]: {shards} agents ({', '.join(groups)}), {scale.model}")
     local_topics: list[list[list[str]]] = []
     for s in range(shards):
@@ -885,32 +1064,38 @@ def run_newsgroups(out: Path, scale: NewsScale, trainer: FederatedTrainer = in_p
         # Ranked in the decoder's topics: softmax(beta) is not identified under the
         # decoder BatchNorm (see ProdLDA.decoder_topic_word).
         local_topics.append(task.topics(model, scale.n_words, task.infer_theta(model, "train")))
-        console.print(f"  local model of agent {s} ({groups[s]}): {task.num_samples()} posts, "
-                      f"{len(task.terms)} terms, {task.evaluate(model)}")
+        console.print(
+            f"  local model of agent {s} ({groups[s]}): {task.num_samples()} posts, "
+            f"{len(task.terms)} terms, {task.evaluate(model)}"
+        )
     tasks = [load_task(scale.model, {**opts, "shard": s}) for s in range(shards)]
     terms = common_vocabulary(tasks)
     for t in tasks:
         t.set_vocabulary(terms)
     steps = scale.epochs * min(t.num_batches() for t in tasks)
     model = trainer(tasks, steps)
-    fed_topics = tasks[0].topics(model, scale.n_words,
-                                 np.concatenate([t.infer_theta(model, "train") for t in tasks]))
+    fed_topics = tasks[0].topics(model, scale.n_words, np.concatenate([t.infer_theta(model, "train") for t in tasks]))
     seconds = time.monotonic() - t0
 
     out.mkdir(parents=True, exist_ok=True)
-    lines = ["# gFedNTM on real text: the 20-newsgroups sample, one newsgroup per agent", "",
-             f"{scale.model}, K = {scale.n_topics}, {scale.epochs} passes, batch {scale.batch_size}; top words of the "
-             f"decoder's topics (documents: the agents' own posts); "
-             f"common vocabulary {len(terms)} terms (union of the agents'); {steps} Sync-Opt steps; "
-             f"wall time {seconds:.0f} s.", "",
-             "| topic | federated | " + " | ".join(f"agent {s} ({g}) local" for s, g in enumerate(groups)) + " |",
-             "|---|---|" + "---|" * shards]
+    lines = [
+        "# gFedNTM on real text: the 20-newsgroups sample, one newsgroup per agent",
+        "",
+        f"{scale.model}, K = {scale.n_topics}, {scale.epochs} passes, batch {scale.batch_size}; top words of the "
+        f"decoder's topics (documents: the agents' own posts); "
+        f"common vocabulary {len(terms)} terms (union of the agents'); {steps} Sync-Opt steps; "
+        f"wall time {seconds:.0f} s.",
+        "",
+        "| topic | federated | " + " | ".join(f"agent {s} ({g}) local" for s, g in enumerate(groups)) + " |",
+        "|---|---|" + "---|" * shards,
+    ]
     for k in range(scale.n_topics):
         cells = [" ".join(fed_topics[k])] + [" ".join(local_topics[s][k]) for s in range(shards)]
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     lines.append("")
-    (out / "newsgroups.json").write_text(json.dumps({"federated": fed_topics, "local": local_topics,
-                                                     "groups": groups, "scale": asdict(scale)}, indent=1))
+    (out / "newsgroups.json").write_text(
+        json.dumps({"federated": fed_topics, "local": local_topics, "groups": groups, "scale": asdict(scale)}, indent=1)
+    )
     path = out / "newsgroups.md"
     path.write_text("\n".join(lines))
     console.print("\n".join(lines))

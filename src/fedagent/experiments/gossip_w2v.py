@@ -70,7 +70,7 @@ class Scale:
     # frequent words (in-process, 20 epochs, averaging every 164k pairs: 4096-pair batches
     # scored wordsim353 0.41 / w2v_sim 10, 1024-pair batches 0.50 / 47).
     batch_size: int = 1024
-    lr: float = 0.025            # per training pair: word2vec's alpha
+    lr: float = 0.025  # per training pair: word2vec's alpha
     # Gossip agents' step = lr x this (= agents). Averaging N models moves their mean by
     # the mean of their updates, 1/N of what one model taking all those steps moves: with
     # the same step the federation makes 1/N of the centralized progress per batch
@@ -87,23 +87,42 @@ class Scale:
     # 40 / 200 (69 / 13 exchanges) is in results/gossip_w2v/exchange40/.
     frequent: int = 10
     infrequent: int = 50
-    eval_frequent: int = 5       # evaluate every this many periods
+    eval_frequent: int = 5  # evaluate every this many periods
     seed: int = 0
     gensim_epochs: int = 20
     # Budgets of the centralized learning curve, as fractions of agents x local_steps.
     curve: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0, 1.5)
 
     def task_options(self, split: str) -> dict[str, Any]:
-        opts = {"split": split, "shards": self.agents, "dim": self.dim, "window": self.window,
-                "negative": self.negative, "min_count": self.min_count, "seed": self.seed}
+        opts = {
+            "split": split,
+            "shards": self.agents,
+            "dim": self.dim,
+            "window": self.window,
+            "negative": self.negative,
+            "min_count": self.min_count,
+            "seed": self.seed,
+        }
         if split == "topic":
             opts["topics"] = self.topics
         return opts
 
 
-SCALES = {"default": Scale(), "tiny": Scale(agents=3, topics=3, dim=16, local_steps=60, frequent=5, infrequent=20,
-                                            eval_frequent=2, gensim_epochs=2, curve=(0.5, 1.0),
-                                            gossip_lr_factor=3.0)}
+SCALES = {
+    "default": Scale(),
+    "tiny": Scale(
+        agents=3,
+        topics=3,
+        dim=16,
+        local_steps=60,
+        frequent=5,
+        infrequent=20,
+        eval_frequent=2,
+        gensim_epochs=2,
+        curve=(0.5, 1.0),
+        gossip_lr_factor=3.0,
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -116,9 +135,11 @@ class Config:
 
 
 def configurations(s: Scale) -> list[Config]:
-    out = [Config(f"{split}-{how}", split, steps)
-           for how, steps in (("frequent", s.frequent), ("infrequent", s.infrequent))
-           for split in ("topic", "random", "imbalanced")]
+    out = [
+        Config(f"{split}-{how}", split, steps)
+        for how, steps in (("frequent", s.frequent), ("infrequent", s.infrequent))
+        for split in ("topic", "random", "imbalanced")
+    ]
     out.insert(3, Config("half-frequent", "topic", s.frequent, exchange=("in_embed.*",)))
     out.append(Config("local", "topic", s.local_steps, local=True))
     return out
@@ -158,9 +179,20 @@ def gensim_reference(task: Word2VecTask, scale: Scale, path: Path) -> tm.WordVec
         return load_vectors(path)
     from gensim.models import Word2Vec
 
-    g = Word2Vec([list(a.tokens) for a in task.documents], vector_size=100, window=scale.window,
-                 negative=scale.negative, sample=1e-3, min_count=scale.min_count, sg=1, alpha=0.025,
-                 min_alpha=0.0001, workers=1, epochs=scale.gensim_epochs, seed=1)
+    g = Word2Vec(
+        [list(a.tokens) for a in task.documents],
+        vector_size=100,
+        window=scale.window,
+        negative=scale.negative,
+        sample=1e-3,
+        min_count=scale.min_count,
+        sg=1,
+        alpha=0.025,
+        min_alpha=0.0001,
+        workers=1,
+        epochs=scale.gensim_epochs,
+        seed=1,
+    )
     vec = tm.WordVectors(list(g.wv.index_to_key), g.wv.vectors)
     save_vectors(path, vec)
     return vec
@@ -173,12 +205,25 @@ def gensim_same_settings(task: Word2VecTask, scale: Scale, epochs: float) -> dic
     from gensim.models import Word2Vec
 
     t0 = time.monotonic()
-    g = Word2Vec([list(a.tokens) for a in task.documents], vector_size=scale.dim, window=scale.window,
-                 negative=scale.negative, sample=1e-3, min_count=scale.min_count, sg=1, alpha=scale.lr,
-                 min_alpha=scale.lr * 1e-4, workers=1, epochs=max(1, round(epochs)), seed=1)
+    g = Word2Vec(
+        [list(a.tokens) for a in task.documents],
+        vector_size=scale.dim,
+        window=scale.window,
+        negative=scale.negative,
+        sample=1e-3,
+        min_count=scale.min_count,
+        sg=1,
+        alpha=scale.lr,
+        min_alpha=scale.lr * 1e-4,
+        workers=1,
+        epochs=max(1, round(epochs)),
+        seed=1,
+    )
     vec = tm.WordVectors(list(g.wv.index_to_key), g.wv.vectors)
-    out = {n: tm.similarity_benchmark(p, vec).rho for n, p in (("wordsim353", td.wordsim353()),
-                                                               ("simlex999", td.simlex999()))}
+    out = {
+        n: tm.similarity_benchmark(p, vec).rho
+        for n, p in (("wordsim353", td.wordsim353()), ("simlex999", td.simlex999()))
+    }
     return {**out, "epochs": float(max(1, round(epochs))), "seconds": time.monotonic() - t0}
 
 
@@ -193,13 +238,15 @@ def centralized(task: Word2VecTask, scale: Scale, seed: int) -> tuple[tm.WordVec
     fresh_stream(task, seed)
     model = task.build_model()
     t0 = time.monotonic()
-    train_centralized(task, model, steps=scale.agents * scale.local_steps, lr=scale.lr,
-                      batch_size=scale.batch_size, seed=seed)
+    train_centralized(
+        task, model, steps=scale.agents * scale.local_steps, lr=scale.lr, batch_size=scale.batch_size, seed=seed
+    )
     return task.word_vectors(model), time.monotonic() - t0
 
 
-def learning_curve(task: Word2VecTask, scale: Scale, central: tm.WordVectors,
-                   reference: tm.WordVectors) -> list[dict[str, float]]:
+def learning_curve(
+    task: Word2VecTask, scale: Scale, central: tm.WordVectors, reference: tm.WordVectors
+) -> list[dict[str, float]]:
     """Centralized quality against the total number of batches: one run per budget (each
     with its own linear decay to 0, as a run of that length would have), so the chosen
     budget can be seen to sit where the curve has flattened."""
@@ -208,34 +255,58 @@ def learning_curve(task: Word2VecTask, scale: Scale, central: tm.WordVectors,
     for fraction in scale.curve:
         steps = max(1, round(fraction * total))
         if steps == total:
-            vectors = central             # the same run (seed 1, same budget) as the reference
+            vectors = central  # the same run (seed 1, same budget) as the reference
         else:
             torch.manual_seed(1)
             fresh_stream(task, 1)
             model = task.build_model()
             train_centralized(task, model, steps=steps, lr=scale.lr, batch_size=scale.batch_size, seed=1)
             vectors = task.word_vectors(model)
-        rows.append({"fraction": fraction, "batches": steps,
-                     "epochs": steps * scale.batch_size / task.pairs_per_epoch(),
-                     **score(vectors, central, reference)})
+        rows.append(
+            {
+                "fraction": fraction,
+                "batches": steps,
+                "epochs": steps * scale.batch_size / task.pairs_per_epoch(),
+                **score(vectors, central, reference),
+            }
+        )
     return rows
 
 
 # ---- one gossip configuration through the daemons ----------------------------------------
-def run_config(cfg: Config, scale: Scale, work: Path, central_npz: Path, console: Console,
-               timeout: float = 1800.0) -> tuple[Result, list[tm.WordVectors], list[str]]:
+def run_config(
+    cfg: Config, scale: Scale, work: Path, central_npz: Path, console: Console, timeout: float = 1800.0
+) -> tuple[Result, list[tm.WordVectors], list[str]]:
     periods = 1 if cfg.local else max(1, scale.local_steps // cfg.period_steps)
     eval_every = periods if cfg.local else max(1, min(scale.eval_frequent, periods // 6 or 1))
     lr = scale.lr if cfg.local else scale.lr * scale.gossip_lr_factor
-    gossip = {"periods": periods, "period_steps": cfg.period_steps, "lr": lr, "lr_schedule": "linear",
-              "batch_size": scale.batch_size, "seed": scale.seed, "min_peers": scale.agents - 1,
-              "send_timeout": 60.0, "eval_every": eval_every, "vocab_agents": scale.agents,
-              "vocab_min_count": scale.min_count, "vocab_timeout": 600.0}
+    gossip = {
+        "periods": periods,
+        "period_steps": cfg.period_steps,
+        "lr": lr,
+        "lr_schedule": "linear",
+        "batch_size": scale.batch_size,
+        "seed": scale.seed,
+        "min_peers": scale.agents - 1,
+        "send_timeout": 60.0,
+        "eval_every": eval_every,
+        "vocab_agents": scale.agents,
+        "vocab_min_count": scale.min_count,
+        "vocab_timeout": 600.0,
+    }
     if cfg.exchange:
         gossip["exchange"] = list(cfg.exchange)
     options = {**scale.task_options(cfg.split), "reference": str(central_npz)}
-    fed = Federation(work, agents=scale.agents, rounds=1, alpha=0.0, mode="gossip", task="word2vec",
-                     task_options=options, gossip=gossip)
+    fed = Federation(
+        work,
+        agents=scale.agents,
+        rounds=1,
+        alpha=0.0,
+        mode="gossip",
+        task="word2vec",
+        task_options=options,
+        gossip=gossip,
+    )
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     try:
@@ -249,12 +320,16 @@ def run_config(cfg: Config, scale: Scale, work: Path, central_npz: Path, console
             st = {a: fed.status(a) for a in ids}
             states = [s.get("round_state", "?") if s else "starting" for s in st.values()]
             if any(x == "vocabulary failed" for x in states):
-                raise FedagentError(f"{cfg.name}: vocabulary consensus failed: "
-                                    f"{[s['vocabulary'] for s in st.values() if s]}")
+                raise FedagentError(
+                    f"{cfg.name}: vocabulary consensus failed: {[s['vocabulary'] for s in st.values() if s]}"
+                )
             if all(x == "finished" for x in states):
                 break
-            line = f"{cfg.name}: " + ", ".join(f"{x}" for x in sorted(set(states))) + \
-                f"; periods {min((s or {}).get('period', 0) for s in st.values())}/{periods}"
+            line = (
+                f"{cfg.name}: "
+                + ", ".join(f"{x}" for x in sorted(set(states)))
+                + f"; periods {min((s or {}).get('period', 0) for s in st.values())}/{periods}"
+            )
             if line != last:
                 console.log(line)
                 last = line
@@ -276,43 +351,62 @@ def run_config(cfg: Config, scale: Scale, work: Path, central_npz: Path, console
         for a in ids:
             path = work / "state" / a / "agent" / fed.fed / "history.jsonl"
             rows = [json.loads(x) for x in path.read_text().splitlines()]
-            curves[a] = [{"period": r["period"], "time": r["time"], **r["metrics"]}
-                         for r in rows if r.get("event") == "gossip_eval"]
-        res = Result(cfg.name, cfg.split, cfg.period_steps, 0 if cfg.local else periods, seconds, curves=curves,
-                     bytes_out=sum(int(s.get("bytes_out", 0)) for s in st.values()))
+            curves[a] = [
+                {"period": r["period"], "time": r["time"], **r["metrics"]}
+                for r in rows
+                if r.get("event") == "gossip_eval"
+            ]
+        res = Result(
+            cfg.name,
+            cfg.split,
+            cfg.period_steps,
+            0 if cfg.local else periods,
+            seconds,
+            curves=curves,
+            bytes_out=sum(int(s.get("bytes_out", 0)) for s in st.values()),
+        )
         return res, vectors, ids
     finally:
         fed.close()
 
 
 # ---- the experiment --------------------------------------------------------------------------
-def run_experiment(out: Path, scale: Scale, only: tuple[str, ...] = (), keep: bool = False,
-                   console: Console | None = None) -> dict[str, Any]:
+def run_experiment(
+    out: Path, scale: Scale, only: tuple[str, ...] = (), keep: bool = False, console: Console | None = None
+) -> dict[str, Any]:
     console = console or Console()
     torch.set_num_threads(1)
-    out = out.resolve()          # the agents' configs name their directories absolutely
+    out = out.resolve()  # the agents' configs name their directories absolutely
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
     t_start = time.monotonic()
     console.log(f"scale: {asdict(scale)}")
-    task = load_task("word2vec", {k: v for k, v in scale.task_options("random").items()
-                                  if k not in ("split", "shards")})
+    task = load_task(
+        "word2vec", {k: v for k, v in scale.task_options("random").items() if k not in ("split", "shards")}
+    )
     assert isinstance(task, Word2VecTask)
-    console.log(f"corpus: {len(task.documents)} articles, {task.num_samples()} tokens in the vocabulary of "
-                f"{len(task.vocab)} terms; {task.pairs_per_epoch() / 1e6:.2f} M pairs per epoch")
+    console.log(
+        f"corpus: {len(task.documents)} articles, {task.num_samples()} tokens in the vocabulary of "
+        f"{len(task.vocab)} terms; {task.pairs_per_epoch() / 1e6:.2f} M pairs per epoch"
+    )
     # The independent reference (gensim, ~0.5 min) first: the learning curve is scored on it.
     ref_path = out / "gensim_reference.npz"
     reference = gensim_reference(task, scale, ref_path)
-    ref_scores = {n: tm.similarity_benchmark(p, reference).rho
-                  for n, p in (("wordsim353", td.wordsim353()), ("simlex999", td.simlex999()))}
+    ref_scores = {
+        n: tm.similarity_benchmark(p, reference).rho
+        for n, p in (("wordsim353", td.wordsim353()), ("simlex999", td.simlex999()))
+    }
     console.log(f"gensim reference ({scale.gensim_epochs} epochs, d 100): {ref_scores}")
     central_npz, central2_npz, meta_path = out / "central.npz", out / "central_seed2.npz", out / "central.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     total_batches = scale.agents * scale.local_steps
     epochs = total_batches * scale.batch_size / task.pairs_per_epoch()
-    central_key = {k: v for k, v in asdict(scale).items() if k not in ("gossip_lr_factor", "frequent", "infrequent",
-                                                                     "eval_frequent")}
-    central_key = json.loads(json.dumps(central_key))       # tuples as lists, as read back
+    central_key = {
+        k: v
+        for k, v in asdict(scale).items()
+        if k not in ("gossip_lr_factor", "frequent", "infrequent", "eval_frequent")
+    }
+    central_key = json.loads(json.dumps(central_key))  # tuples as lists, as read back
     if meta.get("scale") == central_key and central_npz.exists() and central2_npz.exists() and "curve" in meta:
         # A previous run at this scale (interrupted later) trained them already.
         central, central2, central_s = load_vectors(central_npz), load_vectors(central2_npz), meta["seconds"]
@@ -326,17 +420,22 @@ def run_experiment(out: Path, scale: Scale, only: tuple[str, ...] = (), keep: bo
         same = gensim_same_settings(task, scale, epochs)
         console.log("centralized learning curve")
         curve = learning_curve(task, scale, central, reference)
-        meta_path.write_text(json.dumps({"scale": central_key, "seconds": central_s, "gensim_same": same,
-                                         "curve": curve}))
+        meta_path.write_text(
+            json.dumps({"scale": central_key, "seconds": central_s, "gensim_same": same, "curve": curve})
+        )
     for row in curve:
-        console.log(f"  {row['batches']} batches ({row['epochs']:.1f} epochs): wordsim353 {row['wordsim353']:.3f}, "
-                    f"simlex999 {row['simlex999']:.3f}, w2v_sim {row['w2v_sim']:.0f}, "
-                    f"overlap with the budget's model {row['overlap_central']:.0f}")
+        console.log(
+            f"  {row['batches']} batches ({row['epochs']:.1f} epochs): wordsim353 {row['wordsim353']:.3f}, "
+            f"simlex999 {row['simlex999']:.3f}, w2v_sim {row['w2v_sim']:.0f}, "
+            f"overlap with the budget's model {row['overlap_central']:.0f}"
+        )
     central_scores = score(central, central, reference)
     central2_scores = score(central2, central, reference)
     console.log(f"gensim at the centralized settings: {same}")
-    console.log(f"centralized: {total_batches} batches of {scale.batch_size} ({epochs:.1f} epochs) in "
-                f"{central_s:.0f} s: {central_scores}; second seed {central2_scores}")
+    console.log(
+        f"centralized: {total_batches} batches of {scale.batch_size} ({epochs:.1f} epochs) in "
+        f"{central_s:.0f} s: {central_scores}; second seed {central2_scores}"
+    )
 
     finals: dict[str, tuple[list[str], list[tm.WordVectors]]] = {}
     configs = [c for c in configurations(scale) if not only or c.name in only]
@@ -351,22 +450,55 @@ def run_experiment(out: Path, scale: Scale, only: tuple[str, ...] = (), keep: bo
         results.append(res)
         if cfg.split not in split_info:
             split_info[cfg.split] = describe_split(cfg.split, scale)
-        console.log(f"{cfg.name}: {res.seconds:.0f} s, wordsim353 {res.mean('wordsim353'):.3f}, "
-                    f"overlap with centralized {res.mean('overlap_central'):.1f}, w2v_sim {res.mean('w2v_sim'):.1f}")
-        write_report(out, scale, task, ref_scores, central_scores, central2_scores, central_s, epochs, results,
-                     split_info, time.monotonic() - t_start, same, curve)
+        console.log(
+            f"{cfg.name}: {res.seconds:.0f} s, wordsim353 {res.mean('wordsim353'):.3f}, "
+            f"overlap with centralized {res.mean('overlap_central'):.1f}, w2v_sim {res.mean('w2v_sim'):.1f}"
+        )
+        write_report(
+            out,
+            scale,
+            task,
+            ref_scores,
+            central_scores,
+            central2_scores,
+            central_s,
+            epochs,
+            results,
+            split_info,
+            time.monotonic() - t_start,
+            same,
+            curve,
+        )
         if not keep:
             shutil.rmtree(work / cfg.name, ignore_errors=True)
-    summary = write_report(out, scale, task, ref_scores, central_scores, central2_scores, central_s, epochs, results,
-                           split_info, time.monotonic() - t_start, same, curve)
+    summary = write_report(
+        out,
+        scale,
+        task,
+        ref_scores,
+        central_scores,
+        central2_scores,
+        central_s,
+        epochs,
+        results,
+        split_info,
+        time.monotonic() - t_start,
+        same,
+        curve,
+    )
     print_table(console, summary)
     return summary
 
 
 def describe_split(split: str, scale: Scale) -> dict[str, Any]:
     articles = td.wiki_articles()
-    s = td.split_articles([a.tokens for a in articles], scale.agents, split, seed=scale.seed,
-                          topics=scale.topics if split == "topic" else None)
+    s = td.split_articles(
+        [a.tokens for a in articles],
+        scale.agents,
+        split,
+        seed=scale.seed,
+        topics=scale.topics if split == "topic" else None,
+    )
     sizes = s.sizes([len(a.tokens) for a in articles])
     info: dict[str, Any] = {"tokens": sizes, "ratio": max(sizes) / max(1, min(sizes))}
     if s.topic_terms:
@@ -380,14 +512,30 @@ def loss_pct(central: float, value: float) -> float:
     return 100.0 * (central - value) / central if central else float("nan")
 
 
-def write_report(out: Path, scale: Scale, task: Word2VecTask, ref_scores, central, central2, central_s: float,
-                 epochs: float, results: list[Result], split_info, elapsed: float,
-                 gensim_same: dict[str, float] | None = None,
-                 curve: list[dict[str, float]] | None = None) -> dict[str, Any]:
+def write_report(
+    out: Path,
+    scale: Scale,
+    task: Word2VecTask,
+    ref_scores,
+    central,
+    central2,
+    central_s: float,
+    epochs: float,
+    results: list[Result],
+    split_info,
+    elapsed: float,
+    gensim_same: dict[str, float] | None = None,
+    curve: list[dict[str, float]] | None = None,
+) -> dict[str, Any]:
     rows = []
     for r in results:
-        row = {"config": r.name, "exchanges": r.exchanges, "period_steps": r.period_steps, "seconds": r.seconds,
-               "MB_sent": r.bytes_out / 1e6}
+        row = {
+            "config": r.name,
+            "exchanges": r.exchanges,
+            "period_steps": r.period_steps,
+            "seconds": r.seconds,
+            "MB_sent": r.bytes_out / 1e6,
+        }
         for k in ("wordsim353", "simlex999", "overlap_central", "w2v_sim"):
             row[k] = r.mean(k)
             row[k + "_range"] = r.spread(k)
@@ -399,10 +547,20 @@ def write_report(out: Path, scale: Scale, task: Word2VecTask, ref_scores, centra
         for k in ("wordsim353", "w2v_sim"):
             row[f"loss_{k}_mid_pct"] = loss_pct((central[k] + central2[k]) / 2, row[k])
         rows.append(row)
-    summary = {"scale": asdict(scale), "gensim": ref_scores, "central": central, "central_seed2": central2,
-               "central_seconds": central_s, "epochs": epochs, "rows": rows, "splits": split_info,
-               "elapsed_s": elapsed, "vocabulary": len(task.vocab),
-               "gensim_same": gensim_same or {}, "curve": curve or []}
+    summary = {
+        "scale": asdict(scale),
+        "gensim": ref_scores,
+        "central": central,
+        "central_seed2": central2,
+        "central_seconds": central_s,
+        "epochs": epochs,
+        "rows": rows,
+        "splits": split_info,
+        "elapsed_s": elapsed,
+        "vocabulary": len(task.vocab),
+        "gensim_same": gensim_same or {},
+        "curve": curve or [],
+    }
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=float))
     plots(out, results, central)
     curve_plot(out, curve or [], summary)
@@ -433,14 +591,21 @@ def plots(out: Path, results: list[Result], central: dict[str, float]) -> None:
             continue
         frac = [x / max(xs) for x in xs]
         axes[0].plot(frac, [np.mean([p.get("w2v_sim", np.nan) for p in by_period[x]]) for x in xs], label=r.name)
-        axes[1].plot([np.mean([p["time"] for p in by_period[x]]) - t0 for x in xs],
-                     [np.mean([p.get("wordsim353_rho", np.nan) for p in by_period[x]]) for x in xs], label=r.name)
+        axes[1].plot(
+            [np.mean([p["time"] for p in by_period[x]]) - t0 for x in xs],
+            [np.mean([p.get("wordsim353_rho", np.nan) for p in by_period[x]]) for x in xs],
+            label=r.name,
+        )
     axes[0].axhline(184, ls=":", c="grey")
-    axes[0].set(xlabel="fraction of exchanges done", ylabel="neighbour overlap with centralized (max 184)",
-                title="w2v_sim vs centralized, mean over agents")
+    axes[0].set(
+        xlabel="fraction of exchanges done",
+        ylabel="neighbour overlap with centralized (max 184)",
+        title="w2v_sim vs centralized, mean over agents",
+    )
     axes[1].axhline(central["wordsim353"], ls="--", c="k", label="centralized")
-    axes[1].set(xlabel="seconds since the first evaluation", ylabel="wordsim353 Spearman",
-                title="wordsim353, mean over agents")
+    axes[1].set(
+        xlabel="seconds since the first evaluation", ylabel="wordsim353 Spearman", title="wordsim353, mean over agents"
+    )
     for ax in axes:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
@@ -450,9 +615,11 @@ def plots(out: Path, results: list[Result], central: dict[str, float]) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     names = [r.name for r in results]
-    for ax, key, title, ref in ((axes[0], "wordsim353", "wordsim353 Spearman", central["wordsim353"]),
-                                (axes[1], "simlex999", "simlex999 Spearman", central["simlex999"]),
-                                (axes[2], "w2v_sim", "w2v_sim vs gensim reference (max 184)", central["w2v_sim"])):
+    for ax, key, title, ref in (
+        (axes[0], "wordsim353", "wordsim353 Spearman", central["wordsim353"]),
+        (axes[1], "simlex999", "simlex999 Spearman", central["simlex999"]),
+        (axes[2], "w2v_sim", "w2v_sim vs gensim reference (max 184)", central["w2v_sim"]),
+    ):
         means = [r.mean(key) for r in results]
         lo = [m - r.spread(key)[0] for m, r in zip(means, results)]
         hi = [r.spread(key)[1] - m for m, r in zip(means, results)]
@@ -479,15 +646,18 @@ def curve_plot(out: Path, curve: list[dict[str, float]], summary: dict[str, Any]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for key in ("wordsim353", "simlex999"):
         axes[0].plot(xs, [r[key] for r in curve], "o-", label=key)
-    axes[0].set(xlabel="total batches (each run decays its step to 0 at its own end)", ylabel="Spearman",
-                title="centralized: word similarity")
+    axes[0].set(
+        xlabel="total batches (each run decays its step to 0 at its own end)",
+        ylabel="Spearman",
+        title="centralized: word similarity",
+    )
     axes[1].plot(xs, [r["w2v_sim"] for r in curve], "o-", label="w2v_sim vs gensim reference")
     axes[1].plot(xs, [r["overlap_central"] for r in curve], "s--", label="overlap with the budget's model")
     axes[1].set(xlabel="total batches", ylabel="shared neighbours (max 184)", title="centralized: neighbour overlap")
     for ax in axes:
         ax.axvline(budget, ls=":", c="k", label="budget of every run")
         ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())   # minor labels overlap
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # minor labels overlap
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -498,9 +668,12 @@ def curve_plot(out: Path, curve: list[dict[str, float]], summary: dict[str, Any]
 def markdown(s: dict[str, Any]) -> str:
     sc, c, c2, g = s["scale"], s["central"], s["central_seed2"], s["gensim"]
     lines = [
-        "# Gossip Word2Vec (the gossip-learning thesis, Ch. 4-5) through real agents", "",
-        "Produced by `fedagent experiment gossip-w2v`; see `fedagent.experiments.gossip_w2v` for the method.", "",
-        "## Scale", "",
+        "# Gossip Word2Vec (the gossip-learning thesis, Ch. 4-5) through real agents",
+        "",
+        "Produced by `fedagent experiment gossip-w2v`; see `fedagent.experiments.gossip_w2v` for the method.",
+        "",
+        "## Scale",
+        "",
         f"{sc['agents']} agent processes per configuration (torch 1 thread each), one private Mosquitto with "
         f"mutual TLS, mDNS on loopback, no coordinator. Corpus: the {s.get('vocabulary')}-term common vocabulary "
         f"(merged count >= {sc['min_count']}, agreed over the network by every run's agents) of the 105 articles "
@@ -515,8 +688,10 @@ def markdown(s: dict[str, Any]) -> str:
         f"thesis every 10 batches of 2048, 50,000 exchanges), infrequent every {sc['infrequent']} "
         f"({sc['local_steps'] // sc['infrequent']} exchanges; thesis every 500, 1,000 exchanges: 50x fewer "
         f"would leave too few exchanges here for push-sum to mix 10 nodes). "
-        f"Wall time of the whole run: {s['elapsed_s'] / 60:.1f} min on 2 shared, busy cores.", "",
-        "## References", "",
+        f"Wall time of the whole run: {s['elapsed_s'] / 60:.1f} min on 2 shared, busy cores.",
+        "",
+        "## References",
+        "",
         "| model | wordsim353 | simlex999 | overlap with centralized (max 184) | w2v_sim vs gensim ref (max 184) |",
         "|---|---|---|---|---|",
         f"| centralized, same total batches (seed 1; the reference) | {c['wordsim353']:.3f} | {c['simlex999']:.3f} "
@@ -528,56 +703,97 @@ def markdown(s: dict[str, Any]) -> str:
     ]
     gs = s.get("gensim_same") or {}
     if gs:
-        lines.append(f"| gensim skip-gram at the centralized settings (d {sc['dim']}, {gs['epochs']:.0f} epochs, "
-                     f"start step {sc['lr']}, linear decay) | {gs['wordsim353']:.3f} | {gs['simlex999']:.3f} | | |")
-    lines += ["",
+        lines.append(
+            f"| gensim skip-gram at the centralized settings (d {sc['dim']}, {gs['epochs']:.0f} epochs, "
+            f"start step {sc['lr']}, linear decay) | {gs['wordsim353']:.3f} | {gs['simlex999']:.3f} | | |"
+        )
+    lines += [
+        "",
         f"Seed-to-seed differences of the centralized model: wordsim353 "
         f"{loss_pct(c['wordsim353'], c2['wordsim353']):+.1f} %, w2v_sim {loss_pct(c['w2v_sim'], c2['w2v_sim']):+.1f} %, "
-        f"overlap {c2['overlap_central']:.0f}/184: losses of this size are noise.", "",
-        "## Centralized learning curve (seed 1; one run per budget, each decaying to 0 at its end)", "",
+        f"overlap {c2['overlap_central']:.0f}/184: losses of this size are noise.",
+        "",
+        "## Centralized learning curve (seed 1; one run per budget, each decaying to 0 at its end)",
+        "",
         "| total batches | epochs | wordsim353 | simlex999 | w2v_sim vs gensim ref | overlap with the budget's model |",
         "|---|---|---|---|---|---|",
-        *[f"| {r['batches']} | {r['epochs']:.1f} | {r['wordsim353']:.3f} | {r['simlex999']:.3f} | {r['w2v_sim']:.0f} "
-          f"| {r['overlap_central']:.0f} |" for r in s.get("curve", [])],
-        "", "![learning curve](learning_curve.png)", "",
-        "## Results (mean over the agents' final models; range in brackets)", "",
+        *[
+            f"| {r['batches']} | {r['epochs']:.1f} | {r['wordsim353']:.3f} | {r['simlex999']:.3f} | {r['w2v_sim']:.0f} "
+            f"| {r['overlap_central']:.0f} |"
+            for r in s.get("curve", [])
+        ],
+        "",
+        "![learning curve](learning_curve.png)",
+        "",
+        "## Results (mean over the agents' final models; range in brackets)",
+        "",
         "Losses in % of the centralized value: against seed 1 (the reference model), and against the mean of "
-        "the two seeds (mid).", "",
+        "the two seeds (mid).",
+        "",
         "| configuration | exchanges | wordsim353 | loss % | loss % mid | simlex999 | loss % | "
         "overlap with centralized | w2v_sim vs gensim ref | loss % | loss % mid | MB sent | seconds |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in s["rows"]:
-        ws, sl, ov, w2 = (r[k + "_range"] for k in ("wordsim353", "simlex999", "overlap_central", "w2v_sim"))
+        ws, _sl, ov, w2 = (r[k + "_range"] for k in ("wordsim353", "simlex999", "overlap_central", "w2v_sim"))
         lines.append(
             f"| {r['config']} | {r['exchanges']} | {r['wordsim353']:.3f} [{ws[0]:.3f}, {ws[1]:.3f}] | "
             f"{r['loss_wordsim353_pct']:.1f} | {r['loss_wordsim353_mid_pct']:.1f} | {r['simlex999']:.3f} | "
             f"{r['loss_simlex999_pct']:.1f} | "
             f"{r['overlap_central']:.1f} [{ov[0]:.0f}, {ov[1]:.0f}] | {r['w2v_sim']:.1f} [{w2[0]:.0f}, {w2[1]:.0f}] | "
             f"{r['loss_w2v_sim_pct']:.1f} | {r['loss_w2v_sim_mid_pct']:.1f} | {r['MB_sent']:.0f} | "
-            f"{r['seconds']:.0f} |")
-    gossip = [r for r in s["rows"] if r["config"] in ("topic-frequent", "random-frequent", "imbalanced-frequent",
-                                                       "topic-infrequent", "random-infrequent",
-                                                       "imbalanced-infrequent")]
+            f"{r['seconds']:.0f} |"
+        )
+    gossip = [
+        r
+        for r in s["rows"]
+        if r["config"]
+        in (
+            "topic-frequent",
+            "random-frequent",
+            "imbalanced-frequent",
+            "topic-infrequent",
+            "random-infrequent",
+            "imbalanced-infrequent",
+        )
+    ]
     if gossip:
-        lines += ["", f"Average quality loss of the six full-exchange configurations (the thesis averaged its "
-                      f"comparable ones: 6.904 %): wordsim353 "
-                      f"{np.mean([r['loss_wordsim353_pct'] for r in gossip]):.1f} % "
-                      f"(mid {np.mean([r['loss_wordsim353_mid_pct'] for r in gossip]):.1f} %), w2v_sim vs the gensim "
-                      f"reference {np.mean([r['loss_w2v_sim_pct'] for r in gossip]):.1f} % "
-                      f"(mid {np.mean([r['loss_w2v_sim_mid_pct'] for r in gossip]):.1f} %; the thesis's own measure)."]
-    lines += ["", "Quality loss = (centralized - configuration) / centralized; negative = better than centralized. "
-              "`w2v_sim` is the thesis's eq. 3.5 (shared nearest neighbours of its 23 evaluation words, 8 each), "
-              "against gensim's model as the thesis used Google News vectors; `overlap with centralized` is the "
-              "same count against our centralized model.", "", "## Splits", ""]
+        lines += [
+            "",
+            f"Average quality loss of the six full-exchange configurations (the thesis averaged its "
+            f"comparable ones: 6.904 %): wordsim353 "
+            f"{np.mean([r['loss_wordsim353_pct'] for r in gossip]):.1f} % "
+            f"(mid {np.mean([r['loss_wordsim353_mid_pct'] for r in gossip]):.1f} %), w2v_sim vs the gensim "
+            f"reference {np.mean([r['loss_w2v_sim_pct'] for r in gossip]):.1f} % "
+            f"(mid {np.mean([r['loss_w2v_sim_mid_pct'] for r in gossip]):.1f} %; the thesis's own measure).",
+        ]
+    lines += [
+        "",
+        "Quality loss = (centralized - configuration) / centralized; negative = better than centralized. "
+        "`w2v_sim` is the thesis's eq. 3.5 (shared nearest neighbours of its 23 evaluation words, 8 each), "
+        "against gensim's model as the thesis used Google News vectors; `overlap with centralized` is the "
+        "same count against our centralized model.",
+        "",
+        "## Splits",
+        "",
+    ]
     for name, info in s["splits"].items():
         lines.append(f"* `{name}`: tokens per agent {info['tokens']} (largest/smallest {info['ratio']:.2f})")
         if "topics" in info:
-            lines.append("  topics (k-means on TF-IDF of the articles; top terms): " +
-                         "; ".join(f"{i}: {', '.join(t)}" for i, t in enumerate(info["topics"])) +
-                         f"; topic of each agent {info['topic_of_agent']}")
-    lines += ["", "## Plots", "", "![quality over exchanges](quality_over_exchanges.png)", "",
-              "![per configuration](per_config.png)", ""]
+            lines.append(
+                "  topics (k-means on TF-IDF of the articles; top terms): "
+                + "; ".join(f"{i}: {', '.join(t)}" for i, t in enumerate(info["topics"]))
+                + f"; topic of each agent {info['topic_of_agent']}"
+            )
+    lines += [
+        "",
+        "## Plots",
+        "",
+        "![quality over exchanges](quality_over_exchanges.png)",
+        "",
+        "![per configuration](per_config.png)",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -586,9 +802,15 @@ def print_table(console: Console, s: dict[str, Any]) -> None:
     for col in ("configuration", "wordsim353", "loss %", "overlap/184", "w2v_sim", "loss %"):
         t.add_column(col)
     for r in s["rows"]:
-        t.add_row(r["config"], f"{r['wordsim353']:.3f}", f"{r['loss_wordsim353_pct']:.1f}",
-                  f"{r['overlap_central']:.0f}", f"{r['w2v_sim']:.0f}", f"{r['loss_w2v_sim_pct']:.1f}")
+        t.add_row(
+            r["config"],
+            f"{r['wordsim353']:.3f}",
+            f"{r['loss_wordsim353_pct']:.1f}",
+            f"{r['overlap_central']:.0f}",
+            f"{r['w2v_sim']:.0f}",
+            f"{r['loss_w2v_sim_pct']:.1f}",
+        )
     console.print(t)
 
 
-__all__ = ["Scale", "SCALES", "Config", "configurations", "run_experiment", "replace"]
+__all__ = ["SCALES", "Config", "Scale", "configurations", "replace", "run_experiment"]

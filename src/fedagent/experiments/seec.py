@@ -65,23 +65,26 @@ QUERIES = ("anarchism and the political philosophy of the state", "the atomic nu
 @dataclass(frozen=True)
 class Scale:
     sites: int = 3
-    epochs: int = 10                # passes over the data (rounds x 1 local epoch when federated)
+    epochs: int = 10  # passes over the data (rounds x 1 local epoch when federated)
     dim: int = 50
     lr: float = 0.025
     batch_size: int = 1024
     infer_epochs: int = 10
-    agent_infer_epochs: int = 10    # the agents' per-round evaluation and search index
+    agent_infer_epochs: int = 10  # the agents' per-round evaluation and search index
     min_count: int = 2
     mapper_lr: float = 1e-3
     mapper_epochs: int = 150
-    ceiling: bool = False           # also train a second centralized model (run-to-run noise)
+    ceiling: bool = False  # also train a second centralized model (run-to-run noise)
     k: int = 10
     seed: int = 0
-    limit: int = 0                  # articles (0 = all)
+    limit: int = 0  # articles (0 = all)
 
 
-SCALES = {"default": Scale(), "paper": Scale(epochs=40, infer_epochs=40, agent_infer_epochs=10, ceiling=True),
-          "tiny": Scale(epochs=2, infer_epochs=3, agent_infer_epochs=3, mapper_epochs=20, limit=30)}
+SCALES = {
+    "default": Scale(),
+    "paper": Scale(epochs=40, infer_epochs=40, agent_infer_epochs=10, ceiling=True),
+    "tiny": Scale(epochs=2, infer_epochs=3, agent_infer_epochs=3, mapper_epochs=20, limit=30),
+}
 
 
 def cosine_lr(lr: float, epoch: int, epochs: int) -> float:
@@ -90,8 +93,16 @@ def cosine_lr(lr: float, epoch: int, epochs: int) -> float:
 
 
 def options(scale: Scale, **extra: Any) -> dict[str, Any]:
-    return {"corpus": "wiki", "holdout": 0.0, "dim": scale.dim, "min_count": scale.min_count, "seed": scale.seed,
-            "limit": scale.limit, "infer_epochs": scale.infer_epochs, **extra}
+    return {
+        "corpus": "wiki",
+        "holdout": 0.0,
+        "dim": scale.dim,
+        "min_count": scale.min_count,
+        "seed": scale.seed,
+        "limit": scale.limit,
+        "infer_epochs": scale.infer_epochs,
+        **extra,
+    }
 
 
 def train(task, scale: Scale, seed: int):
@@ -99,8 +110,15 @@ def train(task, scale: Scale, seed: int):
     model = task.build_model()
     losses = []
     for e in range(1, scale.epochs + 1):
-        losses.append(task.fit(model, epochs=1, lr=cosine_lr(scale.lr, e, scale.epochs),
-                               batch_size=scale.batch_size, seed=seed * 1000 + e)["loss"])
+        losses.append(
+            task.fit(
+                model,
+                epochs=1,
+                lr=cosine_lr(scale.lr, e, scale.epochs),
+                batch_size=scale.batch_size,
+                seed=seed * 1000 + e,
+            )["loss"]
+        )
     return model, losses
 
 
@@ -120,12 +138,29 @@ def run_joint(scale: Scale, work: Path, console: Console) -> tuple[dict[str, np.
     from fedagent.errors import FedagentError
 
     agent_opts = options(scale, infer_epochs=scale.agent_infer_epochs)
-    rounds = {"rounds": scale.epochs, "min_agents": scale.sites, "expected_agents": scale.sites,
-              "min_updates": scale.sites, "round_timeout": 600.0, "local_epochs": 1, "lr": scale.lr,
-              "batch_size": scale.batch_size, "seed": scale.seed, "lr_schedule": "cosine", "vocab_timeout": 300.0,
-              "vocab_min_count": scale.min_count}
-    fed = Federation(work, agents=scale.sites, rounds=scale.epochs, alpha=0.0, task="doc2vec",
-                     task_options=agent_opts, agent_broker_by_mdns=False)
+    rounds = {
+        "rounds": scale.epochs,
+        "min_agents": scale.sites,
+        "expected_agents": scale.sites,
+        "min_updates": scale.sites,
+        "round_timeout": 600.0,
+        "local_epochs": 1,
+        "lr": scale.lr,
+        "batch_size": scale.batch_size,
+        "seed": scale.seed,
+        "lr_schedule": "cosine",
+        "vocab_timeout": 300.0,
+        "vocab_min_count": scale.min_count,
+    }
+    fed = Federation(
+        work,
+        agents=scale.sites,
+        rounds=scale.epochs,
+        alpha=0.0,
+        task="doc2vec",
+        task_options=agent_opts,
+        agent_broker_by_mdns=False,
+    )
     search_text = ""
     try:
         fed.prepare()
@@ -143,8 +178,9 @@ def run_joint(scale: Scale, work: Path, console: Console) -> tuple[dict[str, np.
                         desc = f"vocabulary: {len(s.get('vocabulary_offers') or [])}/{scale.sites} offers"
                     else:
                         loss = (s.get("metrics") or {}).get("loss")
-                        desc = f"FedAvg round {s['round']}, {s.get('vocabulary_size')} terms" + \
-                            (f", loss {loss:.3f}" if loss is not None else "")
+                        desc = f"FedAvg round {s['round']}, {s.get('vocabulary_size')} terms" + (
+                            f", loss {loss:.3f}" if loss is not None else ""
+                        )
                     progress.update(bar, completed=s["completed_rounds"], description=desc)
                     if s["phase"] == "done":
                         break
@@ -164,14 +200,29 @@ def run_joint(scale: Scale, work: Path, console: Console) -> tuple[dict[str, np.
             time.sleep(0.5)
         digests = {a: (fed.status(a) or {}).get("vocab_digest") for a in fed.agent_ids}
         for q in QUERIES:
-            cmd = [sys.executable, "-m", "fedagent", "search", q, "--k", "10", "--timeout", "30",
-                   "--socket", str(fed.socket(fed.agent_ids[0]))]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={"COLUMNS": "120",
-                                                                                        **_env()})
+            cmd = [
+                sys.executable,
+                "-m",
+                "fedagent",
+                "search",
+                q,
+                "--k",
+                "10",
+                "--timeout",
+                "30",
+                "--socket",
+                str(fed.socket(fed.agent_ids[0])),
+            ]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={"COLUMNS": "120", **_env()})
             search_text += f"$ fedagent search {q!r} --k 10 --timeout 30   (on {fed.agent_ids[0]})\n"
             search_text += out.stdout + (out.stderr if out.returncode else "") + "\n"
-        meta = {**meta, "agent_vocab_digests": digests, "coordinator_digest": vocab["digest"],
-                "vocabulary_size": len(vocab["terms"]), "seconds": time.monotonic() - started}
+        meta = {
+            **meta,
+            "agent_vocab_digests": digests,
+            "coordinator_digest": vocab["digest"],
+            "vocabulary_size": len(vocab["terms"]),
+            "seconds": time.monotonic() - started,
+        }
         return weights, meta, history, search_text
     finally:
         fed.close()
@@ -198,8 +249,9 @@ def others_top_k(results: list[dict[str, Any]], row_of: dict[str, int], row: int
     return [r for r in (row_of[h["doc_id"]] for h in results) if r != row][:k]
 
 
-def run_live_mapped(scale: Scale, work: Path, console: Console, owner: list[int], titles: list[str],
-                    all_tokens: list[list[str]]) -> tuple[list[list[int]], dict[str, Any]]:
+def run_live_mapped(
+    scale: Scale, work: Path, console: Console, owner: list[int], titles: list[str], all_tokens: list[list[str]]
+) -> tuple[list[list[int]], dict[str, Any]]:
     """SEEC Algorithm 2 through real agent processes: ``[search] space = "mapped"`` on
     every site (its own articles, its own model and vocabulary, the newsgroups posts as
     the public corpus), a private Mosquitto with mutual TLS, no coordinator. Every
@@ -208,34 +260,53 @@ def run_live_mapped(scale: Scale, work: Path, console: Console, owner: list[int]
     (global rows, itself excluded) and what the run measured."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from fedagent.agent.control import request
     from fedagent.agent.search import MAX_QUERY_CHARS
     from fedagent.demo import Federation
     from fedagent.errors import FedagentError
+    from fedagent.node.control import request
 
     k = min(scale.k, len(titles) - 1)
     row_of = {t: r for r, t in enumerate(titles)}
-    fed = Federation(work, agents=scale.sites, rounds=1, alpha=0.0, task="doc2vec", task_options=options(scale),
-                     agent_broker_by_mdns=False)
+    fed = Federation(
+        work,
+        agents=scale.sites,
+        rounds=1,
+        alpha=0.0,
+        task="doc2vec",
+        task_options=options(scale),
+        agent_broker_by_mdns=False,
+    )
     started = time.monotonic()
     try:
         fed.prepare()
         assert fed.broker is not None
         for i, aid in enumerate(fed.agent_ids):
-            search = {"space": "mapped", "local_epochs": scale.epochs, "lr": scale.lr,
-                      "batch_size": scale.batch_size, "seed": scale.seed + 10 + i, "public_docs": 200,
-                      "mapper_epochs": scale.mapper_epochs, "mapper_lr": scale.mapper_lr, "mapper_hidden": 1200,
-                      # The evaluation sends every article as a query back to back; the
-                      # per-peer request limit (30 a minute by default) would refuse most.
-                      "requests_per_minute": 0}
+            search = {
+                "space": "mapped",
+                "local_epochs": scale.epochs,
+                "lr": scale.lr,
+                "batch_size": scale.batch_size,
+                "seed": scale.seed + 10 + i,
+                "public_docs": 200,
+                "mapper_epochs": scale.mapper_epochs,
+                "mapper_lr": scale.mapper_lr,
+                "mapper_hidden": 1200,
+                # The evaluation sends every article as a query back to back; the
+                # per-peer request limit (30 a minute by default) would refuse most.
+                "requests_per_minute": 0,
+            }
             fed._write(aid, aid, fed.broker.uri, fed.shard_options(i), None, "doc2vec", search=search)
             fed.spawn(aid)
         deadline = time.monotonic() + 180
         while True:
             fed.check_alive()
             tables = [request(fed.socket(a), "peers", timeout=5.0) if fed.status(a) else None for a in fed.agent_ids]
-            if all(t and sum(r.get("role") == "agent" and bool(r.get("online")) for r in t["peers"].values())
-                   == scale.sites - 1 for t in tables):
+            if all(
+                t
+                and sum(r.get("role") == "agent" and bool(r.get("online")) for r in t["peers"].values())
+                == scale.sites - 1
+                for t in tables
+            ):
                 break
             if time.monotonic() > deadline:
                 raise FedagentError(f"the mapped agents did not see each other in 180 s; logs in {work / 'logs'}")
@@ -246,9 +317,10 @@ def run_live_mapped(scale: Scale, work: Path, console: Console, owner: list[int]
         seconds: list[float] = []
         cols = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         with Progress(*cols, console=console) as progress:
-            bar = progress.add_task("live mapped search (the first one per site trains models and mappers)",
-                                    total=len(titles))
-            for row, title in enumerate(titles):
+            bar = progress.add_task(
+                "live mapped search (the first one per site trains models and mappers)", total=len(titles)
+            )
+            for row in range(len(titles)):
                 aid = fed.agent_ids[owner[row]]
                 text, cut = query_text(all_tokens[row], MAX_QUERY_CHARS)
                 truncated += cut
@@ -260,20 +332,28 @@ def run_live_mapped(scale: Scale, work: Path, console: Console, owner: list[int]
                     first_search[aid] = round(dt, 1)
                 else:
                     seconds.append(dt)
-                if sorted(out["answered"]) != sorted(out["asked"]) or out["failed"] or \
-                        len(out["asked"]) != scale.sites - 1:
+                if (
+                    sorted(out["answered"]) != sorted(out["asked"])
+                    or out["failed"]
+                    or len(out["asked"]) != scale.sites - 1
+                ):
                     incomplete += 1
                 result[row] = others_top_k(out["results"], row_of, row, k)
                 progress.update(bar, advance=1)
         statuses = {a: fed.status(a) or {} for a in fed.agent_ids}
-        meta = {"queries": len(titles), "truncated_queries": truncated, "incomplete_answers": incomplete,
-                "query_chars_limit": MAX_QUERY_CHARS, "first_search_seconds": first_search,
-                "median_search_seconds": round(float(np.median(seconds)), 3) if seconds else None,
-                "mappers_trained": {a: s.get("mappers_trained") for a, s in statuses.items()},
-                "public_vectors_sent": {a: s.get("public_vectors_sent") for a, s in statuses.items()},
-                "queries_answered": {a: s.get("search_queries_answered") for a, s in statuses.items()},
-                "spaces": {a: s.get("search_space") for a, s in statuses.items()},
-                "seconds": round(time.monotonic() - started, 1)}
+        meta = {
+            "queries": len(titles),
+            "truncated_queries": truncated,
+            "incomplete_answers": incomplete,
+            "query_chars_limit": MAX_QUERY_CHARS,
+            "first_search_seconds": first_search,
+            "median_search_seconds": round(float(np.median(seconds)), 3) if seconds else None,
+            "mappers_trained": {a: s.get("mappers_trained") for a, s in statuses.items()},
+            "public_vectors_sent": {a: s.get("public_vectors_sent") for a, s in statuses.items()},
+            "queries_answered": {a: s.get("search_queries_answered") for a, s in statuses.items()},
+            "spaces": {a: s.get("search_space") for a, s in statuses.items()},
+            "seconds": round(time.monotonic() - started, 1),
+        }
         return result, meta
     finally:
         fed.close()
@@ -291,8 +371,10 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
         timings[name] = round(time.monotonic() - t0, 1)
         console.print(f"  {name}: {timings[name]}s")
 
-    console.print(f"[bold]SEEC experiment[/]: {scale.sites} sites, Wikipedia articles split at random "
-                  f"(balanced tokens), {scale.epochs} epochs, d={scale.dim}")
+    console.print(
+        f"[bold]SEEC experiment[/]: {scale.sites} sites, Wikipedia articles split at random "
+        f"(balanced tokens), {scale.epochs} epochs, d={scale.dim}"
+    )
     t0 = time.monotonic()
     central_task = load_task("doc2vec", options(scale))
     all_tokens = central_task.tokens
@@ -358,8 +440,9 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
     for i in range(scale.sites):
         for j in range(scale.sites):
             if i != j:
-                mappers[i, j] = train_mapper(sites[i]["pub"], sites[j]["pub"], lr=scale.mapper_lr,
-                                             epochs=scale.mapper_epochs, seed=i * 10 + j)
+                mappers[i, j] = train_mapper(
+                    sites[i]["pub"], sites[j]["pub"], lr=scale.mapper_lr, epochs=scale.mapper_epochs, seed=i * 10 + j
+                )
                 paper_mappers[i, j] = train_mapper(sites[i]["pub"], sites[j]["pub"], seed=i * 10 + j)
 
     def global_search(how: str) -> list[list[int]]:
@@ -410,14 +493,19 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
     if ov_reseed is not None:
         rows["second centralized model (other seed)"] = ov_reseed
     results = {
-        "scale": asdict(scale), "documents": n, "k": k, "random_expectation": k / (n - 1),
+        "scale": asdict(scale),
+        "documents": n,
+        "k": k,
+        "random_expectation": k / (n - 1),
         "sim_k": {name: float(ov.mean() / k) for name, ov in rows.items()},
         "overlap_hist": {name: np.bincount(ov, minlength=k + 1).tolist() for name, ov in rows.items()},
-        "paper": PAPER, "joint_meta": {kk: v for kk, v in meta.items() if kk != "metrics"},
+        "paper": PAPER,
+        "joint_meta": {kk: v for kk, v in meta.items() if kk != "metrics"},
         "live_mapped_meta": live_meta,
         "central_losses": central_losses,
         "joint_losses": [r["metrics"].get("loss") for r in history if r.get("event") == "round"],
-        "site_vocab": [s["vocab"] for s in sites], "timings": timings,
+        "site_vocab": [s["vocab"] for s in sites],
+        "timings": timings,
         "seconds": round(time.monotonic() - t_all, 1),
     }
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
@@ -448,8 +536,18 @@ def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[st
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = names + ["random ranking"]
     vals = [r["sim_k"][n] for n in names] + [r["random_expectation"]]
-    colours = ["C0" if lab.startswith("joint") else "C3" if lab == LIVE_ROW else "C1" if lab.startswith("mapping")
-               else "C2" if lab.startswith("second") else "C7" for lab in labels]
+    colours = [
+        "C0"
+        if lab.startswith("joint")
+        else "C3"
+        if lab == LIVE_ROW
+        else "C1"
+        if lab.startswith("mapping")
+        else "C2"
+        if lab.startswith("second")
+        else "C7"
+        for lab in labels
+    ]
     ax.barh(range(len(vals)), vals, color=colours)
     ax.set_yticks(range(len(vals)), [lab[:60] for lab in labels], fontsize=8)
     for y, v in enumerate(vals):
@@ -465,7 +563,9 @@ def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[st
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(range(1, len(r["central_losses"]) + 1), r["central_losses"], label="centralized (per epoch)")
-    ax.plot(range(1, len(r["joint_losses"]) + 1), r["joint_losses"], label="joint learning (mean over agents, per round)")
+    ax.plot(
+        range(1, len(r["joint_losses"]) + 1), r["joint_losses"], label="joint learning (mean over agents, per round)"
+    )
     ax.set_xlabel("epoch / round")
     ax.set_ylabel("training pair loss")
     ax.legend()
@@ -500,7 +600,7 @@ def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[st
         f"embedding loss, Adam) for every ordered pair of sites. With 200 public posts the paper's settings "
         f"(lr 1e-5, 20 epochs, batch 64) make 80 Adam steps, so the main rows use lr {s['mapper_lr']:g} and "
         f"{s['mapper_epochs']} epochs; the paper's settings are reported too (in process).",
-        f"* Mapping through the agents (live): {s['sites']} agent processes with `[search] space = \"mapped\"` "
+        f'* Mapping through the agents (live): {s["sites"]} agent processes with `[search] space = "mapped"` '
         "on a private Mosquitto (mutual TLS), no coordinator; each has the same third of the articles as above, "
         f"trains its own model ({s['epochs']} epochs, the step decaying from {s['lr']} to 0 along a half cosine "
         "as in the in-process rows; no per-peer request limit, since every article is a query), gets every peer's vectors of the 200 public posts "
@@ -524,31 +624,53 @@ def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[st
         "|---|---|---|",
     ]
     for name, v in r["sim_k"].items():
-        paper = "0.609 (Slack, joint)" if name.startswith("joint") else \
-            "0.261 (Wikipedia) / 0.198 (Slack)" if name.startswith("mapping") else "-"
+        paper = (
+            "0.609 (Slack, joint)"
+            if name.startswith("joint")
+            else "0.261 (Wikipedia) / 0.198 (Slack)"
+            if name.startswith("mapping")
+            else "-"
+        )
         lines.append(f"| {name} | {v:.3f} | {paper} |")
     sk = r["sim_k"]
     joint_v = next(iter(sk.values()))
     mapped_v = next(v for name, v in sk.items() if name.startswith("mapping (Alg. 2, mapper lr"))
     live_v = sk.get(LIVE_ROW, float("nan"))
     unmapped_v = sk.get("no mapping (raw vector to every site)", float("nan"))
-    lines += [f"| random ranking | {r['random_expectation']:.3f} | - |", "",
-              "**Reading the numbers.** "
-              f"Joint learning keeps {joint_v * k:.1f} of the centralized top {k} on average (paper: 6.1 on "
-              "Slack). The corpus is small: a top 10 is a tenth of the collection, so every row here sits higher "
-              "above zero than on the paper's 1,576 users or 100 k articles (random ranking: "
-              f"{r['random_expectation']:.3f}). In the mapped search the asking site ranks its own articles in its "
-              "own space, which is right without any mapping; that alone is why the unmapped row is "
-              f"{unmapped_v:.3f} and not random. The mappers add what the other sites' articles contribute: "
-              f"{mapped_v:.3f} vs {unmapped_v:.3f}. The paper's mapper settings (80 Adam steps on 200 posts) "
-              "barely train the mapper, as expected. "
-              f"Through the agents the same mapping gives {live_v:.3f} (in process: {mapped_v:.3f}); the two differ "
-              "in the query vector (the agent infers it from the text with 100 passes instead of using the indexed "
-              "document vector; long articles cut to the query limit) and in the agents' own models (other seeds, "
-              "trained inside the agent). `scripts/seec_live_gap.py` repeats the in-process mapping with the "
-              "agent's query and with a constant step (what the agents used before their own models decayed it: "
-              "live row 0.276), one at a time, to show how much each one costs.", "",
-              "![sim_k](sim_k.png)", "", "![overlap histograms](overlap_hist.png)", "", "![loss](loss.png)", "",
-              "## Live `fedagent search` after joint learning (three agents)", "", "```", search_text.rstrip(), "```",
-              "", "## Timings", "", *[f"* {kk}: {v} s" for kk, v in r["timings"].items()], ""]
+    lines += [
+        f"| random ranking | {r['random_expectation']:.3f} | - |",
+        "",
+        "**Reading the numbers.** "
+        f"Joint learning keeps {joint_v * k:.1f} of the centralized top {k} on average (paper: 6.1 on "
+        "Slack). The corpus is small: a top 10 is a tenth of the collection, so every row here sits higher "
+        "above zero than on the paper's 1,576 users or 100 k articles (random ranking: "
+        f"{r['random_expectation']:.3f}). In the mapped search the asking site ranks its own articles in its "
+        "own space, which is right without any mapping; that alone is why the unmapped row is "
+        f"{unmapped_v:.3f} and not random. The mappers add what the other sites' articles contribute: "
+        f"{mapped_v:.3f} vs {unmapped_v:.3f}. The paper's mapper settings (80 Adam steps on 200 posts) "
+        "barely train the mapper, as expected. "
+        f"Through the agents the same mapping gives {live_v:.3f} (in process: {mapped_v:.3f}); the two differ "
+        "in the query vector (the agent infers it from the text with 100 passes instead of using the indexed "
+        "document vector; long articles cut to the query limit) and in the agents' own models (other seeds, "
+        "trained inside the agent). `scripts/seec_live_gap.py` repeats the in-process mapping with the "
+        "agent's query and with a constant step (what the agents used before their own models decayed it: "
+        "live row 0.276), one at a time, to show how much each one costs.",
+        "",
+        "![sim_k](sim_k.png)",
+        "",
+        "![overlap histograms](overlap_hist.png)",
+        "",
+        "![loss](loss.png)",
+        "",
+        "## Live `fedagent search` after joint learning (three agents)",
+        "",
+        "```",
+        search_text.rstrip(),
+        "```",
+        "",
+        "## Timings",
+        "",
+        *[f"* {kk}: {v} s" for kk, v in r["timings"].items()],
+        "",
+    ]
     (out / "report.md").write_text("\n".join(lines))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import itertools
 import json
 import os
 import resource
@@ -37,9 +38,9 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedagent import pki
-from fedagent.agent.messaging import Incoming, Messenger
-from fedagent.agent.transport import TlsFiles, Transport
 from fedagent.broker import EmbeddedBroker
+from fedagent.node.messaging import Incoming, Messenger
+from fedagent.node.transport import TlsFiles, Transport
 from fedagent.protocols import topics
 from fedagent.protocols.compression import CompressionConfig, Compressor
 from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart
@@ -58,23 +59,33 @@ def issue_many(ca_dir: Path, out_dir: Path, names: list[str], role: str = "agent
     out_dir.mkdir(parents=True, exist_ok=True)
     ca_cert = x509.load_pem_x509_certificate((ca_dir / pki.CA_CERT).read_bytes())
     ca_key = serialization.load_pem_private_key((ca_dir / pki.CA_KEY).read_bytes(), password=None)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     out: dict[str, TlsFiles] = {}
     for name in names:
         pki.check_name(name, "node id")
         key = ed25519.Ed25519PrivateKey.generate()
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name),
-                             x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role)])
-        cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=2))
-                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-                .sign(ca_key, hashes.SHA256()))
+        subject = x509.Name(
+            [x509.NameAttribute(NameOID.COMMON_NAME, name), x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role)]
+        )
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(ca_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=2))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
         crt, kf = out_dir / f"{name}.crt", out_dir / f"{name}.key"
         crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        kf.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                         serialization.NoEncryption()))
+        kf.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
         os.chmod(kf, 0o600)
         out[name] = TlsFiles(ca=ca_dir / pki.CA_CERT, cert=crt, key=kf)
     return out
@@ -91,8 +102,8 @@ class LightAgent:
     broker: str
     tls: TlsFiles
     samples: int = 100
-    step: float = 1e-3              # size of the fake training step (0: send the global model back)
-    whole: bool = False             # send the update as one whole message (the pre-streaming path)
+    step: float = 1e-3  # size of the fake training step (0: send the global model back)
+    whole: bool = False  # send the update as one whole message (the pre-streaming path)
     # A thousand connections share one event loop (and, here, two busy cores): the 10 s
     # default keep-alive then gets missed under load and the broker drops healthy agents.
     keepalive: int = 60
@@ -105,19 +116,28 @@ class LightAgent:
         self.participant = Participant(self.id)
         self.compressor = Compressor()
         self.coordinator: str | None = None
-        self.messenger = Messenger(federation=FEDERATION, node_id=self.id, transport=None,
-                                   identity=Identity.load(self.tls.cert, self.tls.key, self.tls.ca))
+        self.messenger = Messenger(
+            federation=FEDERATION,
+            node_id=self.id,
+            transport=None,
+            identity=Identity.load(self.tls.cert, self.tls.key, self.tls.ca),
+        )
         self.transport = Transport(
-            uri=self.broker, client_id=self.id, tls=self.tls,
+            uri=self.broker,
+            client_id=self.id,
+            tls=self.tls,
             will=(topics.presence(FEDERATION, self.id), _presence(self.messenger, False, self.samples)),
-            on_connect=self._on_connect, keepalive=self.keepalive,
-            subscriptions=[topics.all_broadcasts(FEDERATION), topics.inbox(FEDERATION, self.id)])
+            on_connect=self._on_connect,
+            keepalive=self.keepalive,
+            subscriptions=[topics.all_broadcasts(FEDERATION), topics.inbox(FEDERATION, self.id)],
+        )
         self.messenger.transport = self.transport
         self._tasks: set[asyncio.Task] = set()
 
     async def _on_connect(self) -> None:
-        await self.transport.publish(topics.presence(FEDERATION, self.id),
-                                     _presence(self.messenger, True, self.samples), retain=True)
+        await self.transport.publish(
+            topics.presence(FEDERATION, self.id), _presence(self.messenger, True, self.samples), retain=True
+        )
 
     async def _on_payload(self, topic: str, payload: bytes) -> None:
         await self.messenger.receive(topic, payload, self._deliver)
@@ -136,23 +156,34 @@ class LightAgent:
     async def _train(self, cmd: Train) -> None:
         try:
             rng = np.random.default_rng(hash((self.id, cmd.round)) & 0xFFFFFFFF)
-            new = {k: (v + rng.standard_normal(v.shape, dtype=np.float32) * np.float32(self.step)).astype(v.dtype)
-                   if v.dtype.kind == "f" and self.step else v for k, v in cmd.weights.items()}
-            for c in self.participant.handle(TrainingDone(cmd.round, cmd.base_version, self.samples,
-                                                          {"loss": 1.0}, new)):
+            new = {
+                k: (v + rng.standard_normal(v.shape, dtype=np.float32) * np.float32(self.step)).astype(v.dtype)
+                if v.dtype.kind == "f" and self.step
+                else v
+                for k, v in cmd.weights.items()
+            }
+            for c in self.participant.handle(
+                TrainingDone(cmd.round, cmd.base_version, self.samples, {"loss": 1.0}, new)
+            ):
                 if isinstance(c, SendUpdate) and self.coordinator:
                     comp = CompressionConfig(cmd.train.compression, cmd.train.topk_ratio)
                     if comp != self.compressor.config:
                         self.compressor = Compressor(comp)
                     del new
                     if self.whole or not cmd.train.stream:
-                        await self.messenger.send(topics.direct(FEDERATION, self.id, self.coordinator, "update"),
-                                                  c.update, round_=c.update.round)
+                        await self.messenger.send(
+                            topics.direct(FEDERATION, self.id, self.coordinator, "update"),
+                            c.update,
+                            round_=c.update.round,
+                        )
                         self.rounds_sent += 1
                         continue
                     await self.messenger.send_update(
-                        topics.direct(FEDERATION, self.id, self.coordinator, "update"), c.update,
-                        base=cmd.weights, compressor=self.compressor)
+                        topics.direct(FEDERATION, self.id, self.coordinator, "update"),
+                        c.update,
+                        base=cmd.weights,
+                        compressor=self.compressor,
+                    )
                     self.rounds_sent += 1
         except Exception as exc:  # noqa: BLE001 - counted and reported by the runner
             self.errors.append(f"{type(exc).__name__}: {exc}")
@@ -162,8 +193,12 @@ class LightAgent:
 
     async def close(self) -> None:
         try:
-            await asyncio.wait_for(self.transport.close(
-                (topics.presence(FEDERATION, self.id), _presence(self.messenger, False, self.samples))), 5)
+            await asyncio.wait_for(
+                self.transport.close(
+                    (topics.presence(FEDERATION, self.id), _presence(self.messenger, False, self.samples))
+                ),
+                5,
+            )
         except Exception:  # noqa: BLE001 - best effort at the end of a benchmark
             pass
 
@@ -174,15 +209,15 @@ class RunResult:
     agents: int
     params: int
     compression: str
-    rounds: list[dict]                 # the coordinator's history records
-    rss_samples: list[tuple[float, int]]   # (monotonic, coordinator RSS bytes)
-    rss_idle: int                      # coordinator RSS once connected, model loaded, before round 1
+    rounds: list[dict]  # the coordinator's history records
+    rss_samples: list[tuple[float, int]]  # (monotonic, coordinator RSS bytes)
+    rss_idle: int  # coordinator RSS once connected, model loaded, before round 1
     rss_peak: int
-    hwm: int                           # VmHWM of the coordinator at the end
+    hwm: int  # VmHWM of the coordinator at the end
     setup_seconds: float
-    round_cpu: list[float]             # coordinator CPU seconds (user+system) of each round after the first
-    round_cpu_broker: list[float]      # the same for Mosquitto
-    round_cpu_agents: list[float]      # the same for this process (all the agents)
+    round_cpu: list[float]  # coordinator CPU seconds (user+system) of each round after the first
+    round_cpu_broker: list[float]  # the same for Mosquitto
+    round_cpu_agents: list[float]  # the same for this process (all the agents)
     errors: list[str]
     coordinator_log: str
 
@@ -227,9 +262,19 @@ def _rss(pid: int) -> tuple[int, int]:
     return rss, hwm
 
 
-async def _federation(workdir: Path, n: int, params: int, rounds: int, compression: str, topk_ratio: float,
-                      tensors: int, max_chunk: int, progress: Callable[[str], None], timeout: float,
-                      whole: bool = False) -> RunResult:
+async def _federation(
+    workdir: Path,
+    n: int,
+    params: int,
+    rounds: int,
+    compression: str,
+    topk_ratio: float,
+    tensors: int,
+    max_chunk: int,
+    progress: Callable[[str], None],
+    timeout: float,
+    whole: bool = False,
+) -> RunResult:
     t0 = time.monotonic()
     workdir.mkdir(parents=True, exist_ok=True)
     _raise_nofile(2 * n + 256)
@@ -246,32 +291,59 @@ async def _federation(workdir: Path, n: int, params: int, rounds: int, compressi
     samples: list[tuple[float, int]] = []
     try:
         state = workdir / "state"
-        cfg = {"id": COORDINATOR, "federation": FEDERATION, "mode": "fedavg", "state_dir": str(state),
-               "runtime_dir": str(workdir / "run"), "metrics_port": -1, "torch_threads": 1,
-               "broker": {"uri": broker.uri},
-               "tls": {"ca": str(ca_dir / pki.CA_CERT), "cert": str(ca_dir / f"{COORDINATOR}.crt"),
-                       "key": str(ca_dir / f"{COORDINATOR}.key")},
-               "discovery": {"interfaces": ["127.0.0.1"], "advertise": False},
-               "task": {"name": "synthetic", "params": params, "tensors": tensors, "train": False},
-               "rounds": {"rounds": rounds, "min_agents": n, "expected_agents": n, "start_grace": 0.0,
-                          "round_timeout": max(120.0, timeout)},
-               "transfer": {"compression": compression, "topk_ratio": topk_ratio, "max_chunk_bytes": max_chunk}}
+        cfg = {
+            "id": COORDINATOR,
+            "federation": FEDERATION,
+            "mode": "fedavg",
+            "state_dir": str(state),
+            "runtime_dir": str(workdir / "run"),
+            "metrics_port": -1,
+            "torch_threads": 1,
+            "broker": {"uri": broker.uri},
+            "tls": {
+                "ca": str(ca_dir / pki.CA_CERT),
+                "cert": str(ca_dir / f"{COORDINATOR}.crt"),
+                "key": str(ca_dir / f"{COORDINATOR}.key"),
+            },
+            "discovery": {"interfaces": ["127.0.0.1"], "advertise": False},
+            "task": {"name": "synthetic", "params": params, "tensors": tensors, "train": False},
+            "rounds": {
+                "rounds": rounds,
+                "min_agents": n,
+                "expected_agents": n,
+                "start_grace": 0.0,
+                "round_timeout": max(120.0, timeout),
+            },
+            "transfer": {"compression": compression, "topk_ratio": topk_ratio, "max_chunk_bytes": max_chunk},
+        }
         (workdir / "coordinator.toml").write_text(tomli_w.dumps(cfg))
         log = open(workdir / "coordinator.log", "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # FEDAGENT_SWARM_PROFILE=FILE runs the coordinator under cProfile (for finding where a round goes).
         prof = os.environ.get("FEDAGENT_SWARM_PROFILE")
-        coord = subprocess.Popen([sys.executable, *(["-m", "cProfile", "-o", prof] if prof else []),
-                                  "-m", "fedagent", "coordinator", "--config",
-                                  str(workdir / "coordinator.toml")], stdout=log, stderr=subprocess.STDOUT, env=env)
+        coord = subprocess.Popen(
+            [
+                sys.executable,
+                *(["-m", "cProfile", "-o", prof] if prof else []),
+                "-m",
+                "fedagent",
+                "coordinator",
+                "--config",
+                str(workdir / "coordinator.toml"),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         history = state / "coordinator" / FEDERATION / "history.jsonl"
         # Wait until the coordinator is connected and idle (model loaded, no agent yet):
         # its RSS then is the baseline the rounds' memory is measured against.
         ready_line = b"coordinator " + COORDINATOR.encode() + b" of federation"
         while ready_line not in (workdir / "coordinator.log").read_bytes():
             if coord.poll() is not None or time.monotonic() - t0 > 120:
-                raise RuntimeError("coordinator did not start:\n" +
-                                   (workdir / "coordinator.log").read_text(errors="replace")[-3000:])
+                raise RuntimeError(
+                    "coordinator did not start:\n" + (workdir / "coordinator.log").read_text(errors="replace")[-3000:]
+                )
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)
         rss_idle = max(_rss(coord.pid)[0] for _ in range(5))
@@ -290,7 +362,7 @@ async def _federation(workdir: Path, n: int, params: int, rounds: int, compressi
             # Connect in waves so 1,000 TLS handshakes don't all time out against each other.
             for i in range(0, n, 50):
                 wave = []
-                for a in agents[i:i + 50]:
+                for a in agents[i : i + 50]:
                     ev = asyncio.Event()
                     wave.append(ev)
                     tg.create_task(a.run(ev))
@@ -299,7 +371,7 @@ async def _federation(workdir: Path, n: int, params: int, rounds: int, compressi
             progress(f"{n} agents online ({setup:.1f}s); waiting for {rounds} rounds")
             deadline = time.monotonic() + timeout
             done: list[dict] = []
-            cpu_marks: list[tuple[float, float, float]] = []   # (coordinator, broker, agents) CPU per round record
+            cpu_marks: list[tuple[float, float, float]] = []  # (coordinator, broker, agents) CPU per round record
             while time.monotonic() < deadline and coord.poll() is None:
                 if history.exists():
                     done = _records(history.read_text())
@@ -313,8 +385,13 @@ async def _federation(workdir: Path, n: int, params: int, rounds: int, compressi
             hwm = _rss(coord.pid)[1]
             sampler.cancel()
             await asyncio.gather(*(a.close() for a in agents))
-            raise _Stop(done, rss_idle, hwm, setup, [tuple(y - x for x, y in zip(a, b))
-                                                     for a, b in zip(cpu_marks, cpu_marks[1:])])
+            raise _Stop(
+                done,
+                rss_idle,
+                hwm,
+                setup,
+                [tuple(y - x for x, y in zip(a, b)) for a, b in itertools.pairwise(cpu_marks)],
+            )
     except* _Stop as eg:
         stop = eg.exceptions[0]
         done, rss_idle, hwm, setup, round_cpu = stop.args
@@ -327,11 +404,22 @@ async def _federation(workdir: Path, n: int, params: int, rounds: int, compressi
                 coord.kill()
                 coord.wait()
         broker.stop()
-    return RunResult(agents=n, params=params, compression=compression, rounds=done, rss_samples=samples,
-                     rss_idle=rss_idle, rss_peak=max((r for _, r in samples), default=0),
-                     hwm=hwm, setup_seconds=setup, round_cpu=[c[0] for c in round_cpu],
-                     round_cpu_broker=[c[1] for c in round_cpu], round_cpu_agents=[c[2] for c in round_cpu], errors=[e for a in agents for e in a.errors],
-                     coordinator_log=(workdir / "coordinator.log").read_text(errors="replace")[-3000:])
+    return RunResult(
+        agents=n,
+        params=params,
+        compression=compression,
+        rounds=done,
+        rss_samples=samples,
+        rss_idle=rss_idle,
+        rss_peak=max((r for _, r in samples), default=0),
+        hwm=hwm,
+        setup_seconds=setup,
+        round_cpu=[c[0] for c in round_cpu],
+        round_cpu_broker=[c[1] for c in round_cpu],
+        round_cpu_agents=[c[2] for c in round_cpu],
+        errors=[e for a in agents for e in a.errors],
+        coordinator_log=(workdir / "coordinator.log").read_text(errors="replace")[-3000:],
+    )
 
 
 def _records(text: str) -> list[dict]:
@@ -349,11 +437,24 @@ class _Stop(Exception):
     pass
 
 
-def run_federation(workdir: Path, *, agents: int, params: int = 1000, rounds: int = 3, compression: str = "none",
-                   topk_ratio: float = 0.01, tensors: int = 4, max_chunk: int = 4 * 2**20,
-                   progress: Callable[[str], None] = lambda s: None, timeout: float = 600.0,
-                   whole: bool = False) -> RunResult:
+def run_federation(
+    workdir: Path,
+    *,
+    agents: int,
+    params: int = 1000,
+    rounds: int = 3,
+    compression: str = "none",
+    topk_ratio: float = 0.01,
+    tensors: int = 4,
+    max_chunk: int = 4 * 2**20,
+    progress: Callable[[str], None] = lambda s: None,
+    timeout: float = 600.0,
+    whole: bool = False,
+) -> RunResult:
     """``whole``: agents send each update as one whole message (chunked and reassembled
     by the coordinator before it is aggregated) instead of a stream: the path streaming replaced."""
-    return asyncio.run(_federation(Path(workdir), agents, params, rounds, compression, topk_ratio, tensors,
-                                   max_chunk, progress, timeout, whole))
+    return asyncio.run(
+        _federation(
+            Path(workdir), agents, params, rounds, compression, topk_ratio, tensors, max_chunk, progress, timeout, whole
+        )
+    )

@@ -35,8 +35,9 @@ class UpdateRejected(ValueError):
         self.detail = detail
 
 
-def check_update(reference: Mapping[str, np.ndarray], update: Mapping[str, np.ndarray],
-                 *, max_norm: float | None = None) -> None:
+def check_update(
+    reference: Mapping[str, np.ndarray], update: Mapping[str, np.ndarray], *, max_norm: float | None = None
+) -> None:
     """Refuse an update whose tensors don't match ``reference`` or aren't finite."""
     if update.keys() != reference.keys():
         missing = sorted(set(reference) - set(update))
@@ -55,7 +56,7 @@ def check_update(reference: Mapping[str, np.ndarray], update: Mapping[str, np.nd
             if max_norm is not None:
                 sq += float(np.square(arr, dtype=np.float64).sum())
     if max_norm is not None and sq > max_norm * max_norm:
-        raise UpdateRejected("norm", f"norm {sq ** 0.5:.3g} above bound {max_norm:.3g}")
+        raise UpdateRejected("norm", f"norm {sq**0.5:.3g} above bound {max_norm:.3g}")
 
 
 class WeightedMean:
@@ -75,14 +76,17 @@ class WeightedMean:
     def __init__(self, reference: Mapping[str, np.ndarray], *, compact: bool = False) -> None:
         self._ref = reference
         self._dtypes = {k: v.dtype for k, v in reference.items()}
-        self._sum = {k: np.zeros(v.shape, dtype=np.float32 if compact and v.dtype in (np.float32, np.float16)
-                                 else np.float64) for k, v in reference.items()}
+        self._sum = {
+            k: np.zeros(v.shape, dtype=np.float32 if compact and v.dtype in (np.float32, np.float16) else np.float64)
+            for k, v in reference.items()
+        }
         self.total_weight = 0.0
         self.count = 0
         self._taken = False
 
-    def fold(self, name: str, start: int, values: np.ndarray, indices: np.ndarray | None, weight: float,
-             *, delta: bool) -> None:
+    def fold(
+        self, name: str, start: int, values: np.ndarray, indices: np.ndarray | None, weight: float, *, delta: bool
+    ) -> None:
         """Add ``weight ·`` (values − reference, unless ``delta``) to a flat slice from
         ``start`` (``indices`` None) or at ``indices`` (sorted, unique, in range)."""
         acc = self._sum[name].reshape(-1)
@@ -94,7 +98,7 @@ class WeightedMean:
         if indices is None:
             acc[where] += v * acc.dtype.type(weight)
         else:
-            acc[where] += v * acc.dtype.type(weight)   # indices are unique: no lost update
+            acc[where] += v * acc.dtype.type(weight)  # indices are unique: no lost update
 
     def count_in(self, weight: float) -> None:
         self.total_weight += weight
@@ -192,7 +196,7 @@ def trimmed_mean(stack: np.ndarray, k: int) -> np.ndarray:
     if k == 0:
         return stack.mean(axis=0)
     part = np.partition(stack, (k, n - k - 1), axis=0)
-    return part[k:n - k].mean(axis=0)
+    return part[k : n - k].mean(axis=0)
 
 
 def krum_scores(flat_sq_dists: np.ndarray, f: int) -> np.ndarray:
@@ -218,7 +222,7 @@ def pairwise_sq_distances(updates: list[Mapping[str, np.ndarray]], names: list[s
         stack = np.stack([np.asarray(u[name], np.float64).reshape(-1) for u in updates])
         sq = np.einsum("ij,ij->i", stack, stack)
         d += sq[:, None] + sq[None, :] - 2.0 * (stack @ stack.T)
-    np.maximum(d, 0.0, out=d)     # rounding can make a tiny distance negative
+    np.maximum(d, 0.0, out=d)  # rounding can make a tiny distance negative
     np.fill_diagonal(d, 0.0)
     return d
 
@@ -229,24 +233,37 @@ def robust_preconditions(name: str, n: int, f: int, trim: float, krum_m: int) ->
     if f < 0:
         raise ValueError("byzantine must be non-negative")
     if name == "median" and not 2 * f < n:
-        raise ValueError(f"the coordinate median tolerates f < n/2 Byzantine updates; byzantine = {f} "
-                         f"needs at least {2 * f + 1} updates per round but min_updates is {n}")
+        raise ValueError(
+            f"the coordinate median tolerates f < n/2 Byzantine updates; byzantine = {f} "
+            f"needs at least {2 * f + 1} updates per round but min_updates is {n}"
+        )
     if name == "trimmed_mean":
         if not 0 <= trim < 0.5:
             raise ValueError(f"trimmed_mean needs 0 <= trim < 0.5 (2·β·n < n), not {trim}")
         if math.floor(trim * n) < f:
-            raise ValueError(f"trimmed_mean with trim = {trim} drops {math.floor(trim * n)} values at each end "
-                             f"of {n} updates (min_updates), fewer than byzantine = {f}: raise trim or min_updates")
+            raise ValueError(
+                f"trimmed_mean with trim = {trim} drops {math.floor(trim * n)} values at each end "
+                f"of {n} updates (min_updates), fewer than byzantine = {f}: raise trim or min_updates"
+            )
     if name == "krum":
         if not n > 2 * f + 2:
-            raise ValueError(f"Krum needs n > 2f + 2: byzantine = {f} needs at least {2 * f + 3} updates per "
-                             f"round but min_updates is {n}: raise min_updates (and min_agents) or lower byzantine")
+            raise ValueError(
+                f"Krum needs n > 2f + 2: byzantine = {f} needs at least {2 * f + 3} updates per "
+                f"round but min_updates is {n}: raise min_updates (and min_agents) or lower byzantine"
+            )
         if krum_m and not 1 <= krum_m <= n - f:
             raise ValueError(f"multi-Krum selects 1 <= m <= n - f updates (n = {n}, f = {f}), not krum_m = {krum_m}")
 
 
-def robust_aggregate(name: str, reference: Mapping[str, np.ndarray], updates: list[Mapping[str, np.ndarray]],
-                     *, f: int = 0, trim: float = 0.1, krum_m: int = 0) -> tuple[Weights, list[int]]:
+def robust_aggregate(
+    name: str,
+    reference: Mapping[str, np.ndarray],
+    updates: list[Mapping[str, np.ndarray]],
+    *,
+    f: int = 0,
+    trim: float = 0.1,
+    krum_m: int = 0,
+) -> tuple[Weights, list[int]]:
     """Aggregate ``updates`` with ``name``; returns the model (reference dtypes) and the
     indices of the updates that entered it (all of them except for Krum)."""
     n = len(updates)
@@ -299,10 +316,10 @@ class Strategy:
     name: str = "fedavg"
     key: str = ""
     threshold: float | None = None
-    byzantine: int = 0                 # f: Byzantine updates the robust aggregators must tolerate
-    trim: float = 0.1                  # trimmed_mean: β, the fraction dropped at each end
-    krum_m: int = 0                    # multi-Krum: updates averaged (0 = n − f)
-    clip_norm: float | None = None     # every update's distance from the global model capped at this
+    byzantine: int = 0  # f: Byzantine updates the robust aggregators must tolerate
+    trim: float = 0.1  # trimmed_mean: β, the fraction dropped at each end
+    krum_m: int = 0  # multi-Krum: updates averaged (0 = n − f)
+    clip_norm: float | None = None  # every update's distance from the global model capped at this
 
     @property
     def robust(self) -> bool:
@@ -327,8 +344,10 @@ class Strategy:
         if type(self.byzantine) is not int or self.byzantine < 0:
             raise ValueError(f"byzantine must be a non-negative integer, not {self.byzantine!r}")
         if self.byzantine and not self.robust:
-            raise ValueError(f"byzantine = {self.byzantine} needs a robust aggregation ({', '.join(ROBUST)}); "
-                             f"{self.name!r} has no Byzantine tolerance")
+            raise ValueError(
+                f"byzantine = {self.byzantine} needs a robust aggregation ({', '.join(ROBUST)}); "
+                f"{self.name!r} has no Byzantine tolerance"
+            )
         if self.name in ("metric", "drop_above") and not self.key:
             raise ValueError(f"aggregation {self.name!r} needs the metric it reads (weight_key)")
         if self.name == "drop_above" and (self.threshold is None or not math.isfinite(self.threshold)):
@@ -343,8 +362,8 @@ class Strategy:
 class Plan:
     """How one update enters the aggregate, decided from its metadata before its tensors."""
 
-    weight: float                 # in the main sum (fedavg/metric/drop_above), 1 for blur
-    level: float = 0.0            # blur: L_n, the weight in the second sum
+    weight: float  # in the main sum (fedavg/metric/drop_above), 1 for blur
+    level: float = 0.0  # blur: L_n, the weight in the second sum
     dropped: float | None = None  # drop_above: the metric that dropped it
 
 
@@ -360,14 +379,14 @@ class StrategyAggregator:
     def __init__(self, strategy: Strategy, reference: Mapping[str, np.ndarray], *, compact: bool = False) -> None:
         self.strategy = strategy
         self._reference = reference
-        self._buffer: list[tuple[str, Mapping[str, np.ndarray]]] = []   # robust aggregators only
+        self._buffer: list[tuple[str, Mapping[str, np.ndarray]]] = []  # robust aggregators only
         # A robust aggregator never reads the running sums: not allocating them saves
         # one model's worth of memory next to the n buffered updates.
         self._plain = None if strategy.robust else WeightedMean(reference, compact=compact)  # Σ w Δ or Σ Δ (blur)
-        self._by_level = WeightedMean(reference, compact=compact) if strategy.name == "blur" else None   # Σ L Δ
-        self.levels: dict[str, float] = {}                   # blur: sender -> L
-        self.weights: dict[str, float] = {}                  # sender -> weight in the aggregate
-        self.dropped: dict[str, float] = {}                  # sender -> the value that dropped it
+        self._by_level = WeightedMean(reference, compact=compact) if strategy.name == "blur" else None  # Σ L Δ
+        self.levels: dict[str, float] = {}  # blur: sender -> L
+        self.weights: dict[str, float] = {}  # sender -> weight in the aggregate
+        self.dropped: dict[str, float] = {}  # sender -> the value that dropped it
 
     @property
     def count(self) -> int:
@@ -392,8 +411,10 @@ class StrategyAggregator:
     def plan(self, num_samples: int, metrics: Mapping[str, float]) -> Plan:
         s = self.strategy
         if not s.streams:
-            raise UpdateRejected("stream", f"aggregation {s.name!r}"
-                                 f"{' with clip_norm' if s.clip_norm is not None else ''} needs whole updates")
+            raise UpdateRejected(
+                "stream",
+                f"aggregation {s.name!r}{' with clip_norm' if s.clip_norm is not None else ''} needs whole updates",
+            )
         return self._plan(num_samples, metrics)
 
     def _plan(self, num_samples: int, metrics: Mapping[str, float]) -> Plan:
@@ -411,8 +432,9 @@ class StrategyAggregator:
             return Plan(float(num_samples), dropped=v if v > s.threshold else None)
         return Plan(1.0, level=self._value(metrics))
 
-    def fold(self, plan: Plan, name: str, start: int, values: np.ndarray, indices: np.ndarray | None,
-             *, delta: bool) -> None:
+    def fold(
+        self, plan: Plan, name: str, start: int, values: np.ndarray, indices: np.ndarray | None, *, delta: bool
+    ) -> None:
         self._plain.fold(name, start, values, indices, plan.weight, delta=delta)
         if plan.level > 0:
             assert self._by_level is not None
@@ -428,8 +450,9 @@ class StrategyAggregator:
         else:
             self.weights[sender] = plan.weight
 
-    def add(self, sender: str, update: Mapping[str, np.ndarray], num_samples: int,
-            metrics: Mapping[str, float]) -> bool:
+    def add(
+        self, sender: str, update: Mapping[str, np.ndarray], num_samples: int, metrics: Mapping[str, float]
+    ) -> bool:
         s = self.strategy
         if s.clip_norm is not None:
             update = clip_to(self._reference, update, s.clip_norm)
@@ -453,8 +476,9 @@ class StrategyAggregator:
         s = self.strategy
         if s.robust:
             senders = [a for a, _ in self._buffer]
-            model, chosen = robust_aggregate(s.name, self._reference, [u for _, u in self._buffer],
-                                             f=s.byzantine, trim=s.trim, krum_m=s.krum_m)
+            model, chosen = robust_aggregate(
+                s.name, self._reference, [u for _, u in self._buffer], f=s.byzantine, trim=s.trim, krum_m=s.krum_m
+            )
             kept = {senders[i] for i in chosen}
             self.weights = {a: 1.0 for a in senders if a in kept}
             # Krum's unselected updates are reported like drop_above's drops.

@@ -25,15 +25,16 @@ from typing import Any
 
 from fedagent.errors import CodecError
 
-__all__ = ["MAX_TID_LEN", "split", "Reassembler"]
+__all__ = ["MAX_TID_LEN", "Reassembler", "split"]
 
 MAX_TID_LEN = 64
 _DIGEST_LEN = 32
 _CHUNK_KEYS = frozenset(("tid", "i", "n", "size", "sha256", "data"))
 
 
-def split(payload: bytes | bytearray | memoryview, *, max_chunk: int, transfer_id: str,
-          copy: bool = True) -> list[dict[str, Any]]:
+def split(
+    payload: bytes | bytearray | memoryview, *, max_chunk: int, transfer_id: str, copy: bool = True
+) -> list[dict[str, Any]]:
     """Chunk bodies ``{"tid", "i", "n", "size", "sha256", "data"}`` for ``payload``.
 
     All chunks but the last hold exactly ``max_chunk`` bytes; an empty payload is one
@@ -50,8 +51,16 @@ def split(payload: bytes | bytearray | memoryview, *, max_chunk: int, transfer_i
     digest = hashlib.sha256(view).digest()
     n = max(1, -(-size // max_chunk))
     return [
-        {"tid": transfer_id, "i": i, "n": n, "size": size, "sha256": digest,
-         "data": bytes(view[i * max_chunk:(i + 1) * max_chunk]) if copy else view[i * max_chunk:(i + 1) * max_chunk]}
+        {
+            "tid": transfer_id,
+            "i": i,
+            "n": n,
+            "size": size,
+            "sha256": digest,
+            "data": bytes(view[i * max_chunk : (i + 1) * max_chunk])
+            if copy
+            else view[i * max_chunk : (i + 1) * max_chunk],
+        }
         for i in range(n)
     ]
 
@@ -73,10 +82,21 @@ class _Transfer:
 class Reassembler:
     """Reassemble chunked transfers, bounded in memory, count and time."""
 
-    def __init__(self, max_transfer_bytes: int, max_pending_bytes: int, timeout: float, *,
-                 max_transfers: int = 1024, remember_completed: int = 4096) -> None:
-        for name, value in (("max_transfer_bytes", max_transfer_bytes), ("max_pending_bytes", max_pending_bytes),
-                            ("max_transfers", max_transfers), ("remember_completed", remember_completed)):
+    def __init__(
+        self,
+        max_transfer_bytes: int,
+        max_pending_bytes: int,
+        timeout: float,
+        *,
+        max_transfers: int = 1024,
+        remember_completed: int = 4096,
+    ) -> None:
+        for name, value in (
+            ("max_transfer_bytes", max_transfer_bytes),
+            ("max_pending_bytes", max_pending_bytes),
+            ("max_transfers", max_transfers),
+            ("remember_completed", remember_completed),
+        ):
             if type(value) is not int or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, not {value!r}")
         if not timeout > 0:
@@ -120,11 +140,14 @@ class Reassembler:
             else:
                 fits = 1 <= length and (size - length) % (n - 1) == 0 and (size - length) // (n - 1) >= length
             if not fits:
-                raise CodecError(f"chunk {i}/{n} of transfer {tid!r}: last chunk of {length} bytes "
-                                 f"cannot end a {size}-byte payload")
+                raise CodecError(
+                    f"chunk {i}/{n} of transfer {tid!r}: last chunk of {length} bytes cannot end a {size}-byte payload"
+                )
         elif length < 1 or not (n - 1) * length < size <= n * length:
-            raise CodecError(f"chunk {i}/{n} of transfer {tid!r}: {length} bytes per chunk "
-                             f"cannot make {n} chunks of a {size}-byte payload")
+            raise CodecError(
+                f"chunk {i}/{n} of transfer {tid!r}: {length} bytes per chunk "
+                f"cannot make {n} chunks of a {size}-byte payload"
+            )
         if size > self.max_transfer_bytes:
             raise CodecError(f"transfer {tid!r} of {size} bytes exceeds the limit of {self.max_transfer_bytes}")
 
@@ -135,8 +158,9 @@ class Reassembler:
             t = self._start(key, tid, n, size, digest, now)
         elif (t.n, t.size, t.sha256) != (n, size, digest):
             self._drop(key)
-            raise CodecError(f"chunk {i}/{n} of transfer {tid!r} disagrees with earlier chunks "
-                             f"(n/size/sha256); transfer dropped")
+            raise CodecError(
+                f"chunk {i}/{n} of transfer {tid!r} disagrees with earlier chunks (n/size/sha256); transfer dropped"
+            )
 
         if t.seen[i >> 3] & (1 << (i & 7)):
             t.last_seen = now
@@ -144,23 +168,29 @@ class Reassembler:
         if last:
             if t.chunk_len and (n - 1) * t.chunk_len + length != size:
                 self._drop(key)
-                raise CodecError(f"last chunk of transfer {tid!r} has {length} bytes, inconsistent "
-                                 f"with {t.chunk_len}-byte chunks; transfer dropped")
+                raise CodecError(
+                    f"last chunk of transfer {tid!r} has {length} bytes, inconsistent "
+                    f"with {t.chunk_len}-byte chunks; transfer dropped"
+                )
             t.last_len = length
-            t.buffer[size - length:] = data
+            t.buffer[size - length :] = data
         else:
             if t.chunk_len == 0:
                 if t.last_len and (n - 1) * length + t.last_len != size:
                     self._drop(key)
-                    raise CodecError(f"chunk {i} of transfer {tid!r} has {length} bytes, inconsistent "
-                                     f"with its last chunk; transfer dropped")
+                    raise CodecError(
+                        f"chunk {i} of transfer {tid!r} has {length} bytes, inconsistent "
+                        f"with its last chunk; transfer dropped"
+                    )
                 t.chunk_len = length
             elif length != t.chunk_len:
                 self._drop(key)
-                raise CodecError(f"chunk {i} of transfer {tid!r} has {length} bytes where every chunk "
-                                 f"but the last has {t.chunk_len}; transfer dropped")
+                raise CodecError(
+                    f"chunk {i} of transfer {tid!r} has {length} bytes where every chunk "
+                    f"but the last has {t.chunk_len}; transfer dropped"
+                )
             start = i * length
-            t.buffer[start:start + length] = data
+            t.buffer[start : start + length] = data
         t.seen[i >> 3] |= 1 << (i & 7)
         t.received += 1
         t.last_seen = now
@@ -217,16 +247,26 @@ class Reassembler:
             raise CodecError(f"transfer {tid!r} refused: {len(self._transfers)} transfers already pending")
         cost = size + (n + 7) // 8
         if self._pending + cost > self.max_pending_bytes:
-            raise CodecError(f"transfer {tid!r} of {size} bytes refused: {self._pending} bytes already "
-                             f"pending, limit {self.max_pending_bytes}")
-        t = _Transfer(n=n, size=size, sha256=digest, cost=cost, buffer=bytearray(size),
-                      seen=bytearray((n + 7) // 8), last_seen=now)
+            raise CodecError(
+                f"transfer {tid!r} of {size} bytes refused: {self._pending} bytes already "
+                f"pending, limit {self.max_pending_bytes}"
+            )
+        t = _Transfer(
+            n=n,
+            size=size,
+            sha256=digest,
+            cost=cost,
+            buffer=bytearray(size),
+            seen=bytearray((n + 7) // 8),
+            last_seen=now,
+        )
         self._transfers[key] = t
         self._pending += cost
         return t
 
-    def _finish(self, key: tuple[str, str], tid: str, digest: bytes,
-                data: bytes | bytearray | memoryview, now: float) -> bytes | bytearray:
+    def _finish(
+        self, key: tuple[str, str], tid: str, digest: bytes, data: bytes | bytearray | memoryview, now: float
+    ) -> bytes | bytearray:
         if hashlib.sha256(data).digest() != digest:
             raise CodecError(f"transfer {tid!r}: sha256 mismatch; transfer dropped")
         if self.remember_completed:

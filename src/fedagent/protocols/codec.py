@@ -37,19 +37,19 @@ from fedagent.errors import CodecError
 from fedagent.protocols.topics import is_valid_name
 
 __all__ = [
-    "PROTOCOL_VERSION",
     "DTYPES",
-    "Limits",
+    "PROTOCOL_VERSION",
     "Envelope",
-    "encode",
-    "encode_view",
-    "decode",
-    "encode_tensor",
-    "decode_tensor",
-    "encode_weights",
-    "decode_weights",
-    "weights_nbytes",
+    "Limits",
     "check_finite",
+    "decode",
+    "decode_tensor",
+    "decode_weights",
+    "encode",
+    "encode_tensor",
+    "encode_view",
+    "encode_weights",
+    "weights_nbytes",
 ]
 
 PROTOCOL_VERSION = 1
@@ -80,8 +80,8 @@ _WIRE_KEYSET = frozenset(_WIRE_KEYS)
 # absent on the envelope inside a chunked transfer (its chunks carry them). Optional
 # for the codec; the messenger refuses a frame without them.
 _AUTH_KEYS = frozenset(("g", "c"))
-SIGNATURE_LEN = 64          # Ed25519
-MAX_CERT_LEN = 4096         # one DER certificate; an Ed25519 leaf is ~450 bytes
+SIGNATURE_LEN = 64  # Ed25519
+MAX_CERT_LEN = 4096  # one DER certificate; an Ed25519 leaf is ~450 bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +169,16 @@ def encode(env: Envelope) -> bytes:
 def _wire(env: Envelope) -> dict[str, Any]:
     """The envelope as the map that goes on the wire (both encoders use it, so neither
     can drop a field: the signature and certificate travel only when set)."""
-    wire = {"v": env.version, "k": env.kind, "f": env.federation, "s": env.sender,
-            "r": env.round, "q": env.seq, "t": env.ts, "b": env.body}
+    wire = {
+        "v": env.version,
+        "k": env.kind,
+        "f": env.federation,
+        "s": env.sender,
+        "r": env.round,
+        "q": env.seq,
+        "t": env.ts,
+        "b": env.body,
+    }
     if env.cert:
         wire["c"] = env.cert
     if env.sig:
@@ -186,8 +194,9 @@ def encode_view(env: Envelope) -> memoryview:
         raise TypeError(f"encode_view() takes an Envelope, not {type(env).__name__}")
     wire = _wire(env)
     # Sized up front: growing the buffer by doubling would copy a large model again.
-    packer = msgpack.Packer(use_bin_type=True, datetime=False, autoreset=False,
-                            buf_size=_binary_bytes(env.body) + 65536)
+    packer = msgpack.Packer(
+        use_bin_type=True, datetime=False, autoreset=False, buf_size=_binary_bytes(env.body) + 65536
+    )
     try:
         packer.pack(wire)
     except Exception as exc:  # TypeError, OverflowError, ValueError (depth), UnicodeEncodeError
@@ -289,8 +298,18 @@ def _decode(data: bytes | bytearray | memoryview, limits: Limits) -> Envelope:
     sig, cert = wire.get("g", b""), wire.get("c", b"")
     if type(sig) is not bytes or type(cert) is not bytes:
         raise CodecError("envelope: signature and certificate must be binary")
-    return Envelope(kind=wire["k"], federation=wire["f"], sender=wire["s"], round=wire["r"],
-                    seq=wire["q"], ts=wire["t"], body=body, version=version, sig=sig, cert=cert)
+    return Envelope(
+        kind=wire["k"],
+        federation=wire["f"],
+        sender=wire["s"],
+        round=wire["r"],
+        seq=wire["q"],
+        ts=wire["t"],
+        body=body,
+        version=version,
+        sig=sig,
+        cert=cert,
+    )
 
 
 def _version_message(version: object) -> str:
@@ -335,8 +354,9 @@ def _header_table() -> tuple[tuple[int, int], ...]:
         elif h in (0xC0, 0xC2, 0xC3):
             table.append((_SCALAR, 0))  # nil, false, true
         elif h in (0xCA, 0xCB, 0xCC, 0xCD, 0xCE, 0xCF, 0xD0, 0xD1, 0xD2, 0xD3):
-            table.append((_SCALAR, {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8,
-                                    0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}[h]))
+            table.append(
+                (_SCALAR, {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}[h])
+            )
         elif h in (0xC4, 0xC5, 0xC6):
             table.append((_BIN, {0xC4: 1, 0xC5: 2, 0xC6: 4}[h]))  # argument: width of the length
         elif h in (0xD9, 0xDA, 0xDB):
@@ -404,14 +424,14 @@ def _scan(buf: bytes | bytearray | memoryview, limits: Limits, max_depth: int) -
         elif op == _FIXARRAY:
             count = arg
         elif op == _EXT:
-            code = from_bytes(buf[pos + arg:pos + arg + 1], "big", signed=True) if pos + arg < end else None
+            code = from_bytes(buf[pos + arg : pos + arg + 1], "big", signed=True) if pos + arg < end else None
             raise CodecError(f"msgpack ext type {code} at byte {start} is not allowed")
         elif op == _INVALID:
             raise CodecError(f"invalid msgpack header 0x{buf[start]:02x} at byte {start}")
         else:
             if pos + arg > end:
                 raise CodecError(f"truncated message (length header at byte {start})")
-            n = from_bytes(buf[pos:pos + arg], "big")
+            n = from_bytes(buf[pos : pos + arg], "big")
             pos += arg
             if op == _STR:
                 if n > limits.max_str_len:
@@ -478,7 +498,9 @@ def _check_value(root: dict[str, Any], max_depth: int) -> None:
             elif t is dict or t is list or t is tuple:  # exact: ExtType is a tuple subclass
                 stack.append((value, depth + 1, (where, key)))
             else:
-                raise CodecError(f"{_path((where, key))}: {t.__module__}.{t.__qualname__} is not a msgpack-native value")
+                raise CodecError(
+                    f"{_path((where, key))}: {t.__module__}.{t.__qualname__} is not a msgpack-native value"
+                )
 
 
 def _path(where: Any) -> str:
@@ -533,8 +555,13 @@ def encode_tensor(a: np.ndarray) -> dict[str, Any]:
     return {"dtype": name, "shape": list(a.shape), "data": data}
 
 
-def decode_tensor(obj: object, limits: Limits = _DEFAULT_LIMITS, *, expect_dtype: str | None = None,
-                  expect_shape: tuple[int, ...] | None = None) -> np.ndarray:
+def decode_tensor(
+    obj: object,
+    limits: Limits = _DEFAULT_LIMITS,
+    *,
+    expect_dtype: str | None = None,
+    expect_shape: tuple[int, ...] | None = None,
+) -> np.ndarray:
     """The array described by ``obj`` (a read-only view of its bytes, no copy).
 
     The byte size is computed from the shape with Python ints and must equal the data
@@ -610,8 +637,9 @@ def encode_weights(w: Mapping[str, np.ndarray]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def decode_weights(obj: object, limits: Limits = _DEFAULT_LIMITS, *,
-                   expect: Mapping[str, tuple[str, tuple[int, ...]]] | None = None) -> dict[str, np.ndarray]:
+def decode_weights(
+    obj: object, limits: Limits = _DEFAULT_LIMITS, *, expect: Mapping[str, tuple[str, tuple[int, ...]]] | None = None
+) -> dict[str, np.ndarray]:
     """Decode a named set of tensors; with ``expect`` (name -> (dtype, shape)) the names,
     dtypes and shapes must match exactly. Errors name the tensor."""
     if not isinstance(obj, dict):
@@ -623,10 +651,15 @@ def decode_weights(obj: object, limits: Limits = _DEFAULT_LIMITS, *,
     if expect is not None:
         missing = sorted(expect.keys() - obj.keys())
         if missing:
-            raise CodecError(f"tensor {missing[0]!r} missing" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            raise CodecError(
+                f"tensor {missing[0]!r} missing" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            )
         unexpected = sorted(obj.keys() - expect.keys())
         if unexpected:
-            raise CodecError(f"unexpected tensor {unexpected[0]!r}" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+            raise CodecError(
+                f"unexpected tensor {unexpected[0]!r}"
+                + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+            )
     out: dict[str, np.ndarray] = {}
     for name, t in obj.items():
         want_dtype, want_shape = expect[name] if expect is not None else (None, None)
@@ -667,6 +700,6 @@ def check_finite(weights: Mapping[str, np.ndarray]) -> None:
         flat = a.reshape(-1)
         bad = 0
         for start in range(0, flat.size, _FINITE_BLOCK):
-            bad += int(np.count_nonzero(~np.isfinite(flat[start:start + _FINITE_BLOCK])))
+            bad += int(np.count_nonzero(~np.isfinite(flat[start : start + _FINITE_BLOCK])))
         if bad:
             raise CodecError(f"tensor {_short(name)} holds {bad} non-finite values (NaN or Inf)")

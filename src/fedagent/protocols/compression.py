@@ -38,11 +38,12 @@ Weights = dict[str, np.ndarray]
 MODES = ("none", "fp16", "int8", "topk")
 ENCODINGS = ("raw", "fp16", "int8", "topk")
 # Model dtypes an update may carry (a subset of the codec's allow-list: no float16 models).
-MODEL_DTYPES: dict[str, np.dtype] = {n: np.dtype(n).newbyteorder("<") for n in
-                                     ("float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")}
+MODEL_DTYPES: dict[str, np.dtype] = {
+    n: np.dtype(n).newbyteorder("<") for n in ("float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")
+}
 INDEX_DTYPE = np.dtype("<u4")
 VALUE_DTYPE = np.dtype("<f4")
-MAX_ELEMENTS = 2**32 - 1   # topk indices are uint32
+MAX_ELEMENTS = 2**32 - 1  # topk indices are uint32
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +132,9 @@ class Compressor:
         self.config = config or CompressionConfig()
         self.residual: Weights = {}
 
-    def encode(self, weights: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray] | None
-               ) -> list[tuple[TensorSpec, memoryview]]:
+    def encode(
+        self, weights: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray] | None
+    ) -> list[tuple[TensorSpec, memoryview]]:
         mode = self.config.mode
         if mode != "none" and base is None:
             raise ValueError(f"compression {mode!r} needs the round's global model")
@@ -140,7 +142,7 @@ class Compressor:
         for name, w in weights.items():
             w = np.asarray(w)
             if not w.flags.c_contiguous:
-                w = w.copy(order="C")           # not ascontiguousarray: it turns 0-d into 1-d
+                w = w.copy(order="C")  # not ascontiguousarray: it turns 0-d into 1-d
             dtype = w.dtype.name
             if dtype not in MODEL_DTYPES:
                 raise CodecError(f"tensor {name!r}: dtype {dtype} cannot be sent")
@@ -162,8 +164,8 @@ class Compressor:
                 k = max(1, math.ceil(self.config.topk_ratio * d.size)) if d.size else 0
                 idx, vals = top_k(d, k)
                 flat = d.reshape(-1)
-                flat[idx] = 0.0                      # what is sent leaves the residual
-                self.residual[name] = d              # error feedback: the rest waits for next time
+                flat[idx] = 0.0  # what is sent leaves the residual
+                self.residual[name] = d  # error feedback: the rest waits for next time
                 blob = np.concatenate([idx.view(np.uint8), vals.view(np.uint8)])
                 out.append((TensorSpec(name, dtype, w.shape, "topk", k, blob.nbytes), _bytes(blob)))
         return out
@@ -188,7 +190,7 @@ def top_k(d: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     if k >= flat.size:
         idx = np.arange(flat.size, dtype=np.int64)
     else:
-        idx = np.argpartition(np.abs(flat), flat.size - k)[flat.size - k:]
+        idx = np.argpartition(np.abs(flat), flat.size - k)[flat.size - k :]
         idx.sort()
     return idx.astype(INDEX_DTYPE), flat[idx].astype(VALUE_DTYPE)
 

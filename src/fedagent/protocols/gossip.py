@@ -129,19 +129,26 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fedagent.protocols.aggregation import (
-    ROBUST, UpdateRejected, WeightedMean, check_update, clip_to, coordinate_median, krum_scores,
-    pairwise_sq_distances, trimmed_mean,
+    ROBUST,
+    UpdateRejected,
+    WeightedMean,
+    check_update,
+    clip_to,
+    coordinate_median,
+    krum_scores,
+    pairwise_sq_distances,
+    trimmed_mean,
 )
 
 Weights = dict[str, np.ndarray]
 
 CREATE_MODES = ("mu", "um", "rw")
 MERGE_MODES = ("pushsum", "thesis")
-AGGREGATIONS = ("mean",) + ROBUST   # "mean": the merge above; the others: a screening merge
-FREQUENT_STEPS = 10        # thesis §4.2.2: exchange every 10 local batches
-INFREQUENT_STEPS = 500     # thesis §4.2.3: exchange every 500 local batches
-_SEEN_IDS = 4096           # (sender, exchange id) pairs remembered for deduplication
-_MAX_NEIGHBOURS = 1024     # latest models kept for a screening merge (senders hold certificates)
+AGGREGATIONS = ("mean",) + ROBUST  # "mean": the merge above; the others: a screening merge
+FREQUENT_STEPS = 10  # thesis §4.2.2: exchange every 10 local batches
+INFREQUENT_STEPS = 500  # thesis §4.2.3: exchange every 500 local batches
+_SEEN_IDS = 4096  # (sender, exchange id) pairs remembered for deduplication
+_MAX_NEIGHBOURS = 1024  # latest models kept for a screening merge (senders hold certificates)
 
 
 def neighbours_needed(aggregation: str, byzantine: int) -> int:
@@ -161,21 +168,21 @@ def neighbours_needed(aggregation: str, byzantine: int) -> int:
 @dataclass(frozen=True, slots=True)
 class GossipConfig:
     period_steps: int = FREQUENT_STEPS
-    max_incoming: int = 2           # models kept per period; extras dropped at random
-    create: str = "mu"              # "mu" | "um" | "rw" (Alg. 2.4)
-    merge: str = "pushsum"          # "pushsum" (conserves the mean) | "thesis" (Alg. 3.1)
+    max_incoming: int = 2  # models kept per period; extras dropped at random
+    create: str = "mu"  # "mu" | "um" | "rw" (Alg. 2.4)
+    merge: str = "pushsum"  # "pushsum" (conserves the mean) | "thesis" (Alg. 3.1)
     exchange: tuple[str, ...] | None = None  # names that travel; None = all
-    send_timeout: float = 30.0      # seconds without an ack before a new peer is chosen
-    max_retries: int = 2            # new peers tried for one payload before folding it back
-    periods: int = 0                # stop after this many exchanges (thesis GLsteps); 0 = never
+    send_timeout: float = 30.0  # seconds without an ack before a new peer is chosen
+    max_retries: int = 2  # new peers tried for one payload before folding it back
+    periods: int = 0  # stop after this many exchanges (thesis GLsteps); 0 = never
     seed: int = 0
-    catch_up: bool = True           # push-sum: a newcomer's first merge adopts far older models
-    max_norm: float | None = None   # refuse a received model whose L2 norm exceeds this
+    catch_up: bool = True  # push-sum: a newcomer's first merge adopts far older models
+    max_norm: float | None = None  # refuse a received model whose L2 norm exceeds this
     clip_norm: float | None = None  # cap a received model's distance from ours before it is kept
-    aggregation: str = "mean"       # "mean" (merge above) | "median" | "trimmed_mean" | "krum" (screening)
-    byzantine: int = 0              # screening: Byzantine neighbours tolerated among a merge's models
-    fanout: int = 1                 # peers the model is sent to per period
-    neighbour_ttl: int = 10         # screening: periods a neighbour's latest model stays usable
+    aggregation: str = "mean"  # "mean" (merge above) | "median" | "trimmed_mean" | "krum" (screening)
+    byzantine: int = 0  # screening: Byzantine neighbours tolerated among a merge's models
+    fanout: int = 1  # peers the model is sent to per period
+    neighbour_ttl: int = 10  # screening: periods a neighbour's latest model stays usable
 
     @property
     def robust(self) -> bool:
@@ -202,12 +209,16 @@ class GossipConfig:
         if self.fanout < 1 or self.neighbour_ttl < 1 or self.byzantine < 0:
             raise ValueError("fanout and neighbour_ttl must be at least 1, byzantine non-negative")
         if self.byzantine and not self.robust:
-            raise ValueError(f"byzantine = {self.byzantine} needs a screening aggregation "
-                             f"({', '.join(ROBUST)}): the mean tolerates no Byzantine peer (clip_norm only "
-                             "bounds each one's pull)")
+            raise ValueError(
+                f"byzantine = {self.byzantine} needs a screening aggregation "
+                f"({', '.join(ROBUST)}): the mean tolerates no Byzantine peer (clip_norm only "
+                "bounds each one's pull)"
+            )
         if self.robust and (self.create != "mu" or self.merge != "pushsum"):
-            raise ValueError(f"aggregation = {self.aggregation!r} replaces the merge: it works with "
-                             "create = 'mu' and the default merge only")
+            raise ValueError(
+                f"aggregation = {self.aggregation!r} replaces the merge: it works with "
+                "create = 'mu' and the default merge only"
+            )
 
     @classmethod
     def frequent(cls, **kw: object) -> GossipConfig:
@@ -238,17 +249,17 @@ class PeerDown:
 class TrainingDone:
     train_id: int
     weights: Weights = field(repr=False)
-    steps: int | None = None        # steps actually run; None = as requested
+    steps: int | None = None  # steps actually run; None = as requested
 
 
 @dataclass(frozen=True, slots=True)
 class ModelReceived:
     sender: str
     exchange_id: str
-    weights: Weights = field(repr=False)   # the exchanged parameters only
+    weights: Weights = field(repr=False)  # the exchanged parameters only
     mass: float = 1.0
     age: float = 0.0
-    returned: bool = False          # our own mass sent back by a peer that dropped it
+    returned: bool = False  # our own mass sent back by a peer that dropped it
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,7 +302,7 @@ class Train:
 class SendModel:
     peer: str
     exchange_id: str
-    weights: Weights = field(repr=False)   # the exchanged parameters only
+    weights: Weights = field(repr=False)  # the exchanged parameters only
     mass: float = 1.0
     age: float = 0.0
     returned: bool = False
@@ -317,9 +328,9 @@ class ModelChanged:
 
 @dataclass(frozen=True, slots=True)
 class Dropped:
-    sender: str          # who sent it (this node's id for a discarded training result)
+    sender: str  # who sent it (this node's id for a discarded training result)
     exchange_id: str
-    reason: str          # inbox-full, names, shape, dtype, non-finite, mass, finished, ...
+    reason: str  # inbox-full, names, shape, dtype, non-finite, mass, finished, ...
     detail: str = ""
 
 
@@ -340,7 +351,7 @@ Command = Train | SendModel | SendAck | ModelChanged | Dropped | RequestWakeup |
 # ---- internals ---------------------------------------------------------------------
 @dataclass(slots=True)
 class _Payload:
-    values: Weights      # exchanged parameters
+    values: Weights  # exchanged parameters
     mass: float
     age: float
 
@@ -371,7 +382,7 @@ def _mean(items: list[tuple[Mapping[str, np.ndarray], float]], names: tuple[str,
     # a claimed mass of 1e300 times a weight of 1e38 cannot overflow to inf.
     top = max(m for _, m in items)
     for w, m in items:
-        if m / top > 0:          # a mass 1e-300 beside 1e300 counts for nothing
+        if m / top > 0:  # a mass 1e-300 beside 1e300 counts for nothing
             acc.add(w, m / top)
     return acc.result()
 
@@ -384,8 +395,9 @@ def _distance(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], names: t
     return math.sqrt(sq)
 
 
-def screen(aggregation: str, own: Mapping[str, np.ndarray], others: list[Mapping[str, np.ndarray]],
-           byzantine: int) -> Weights:
+def screen(
+    aggregation: str, own: Mapping[str, np.ndarray], others: list[Mapping[str, np.ndarray]], byzantine: int
+) -> Weights:
     """The screening merge over ``own`` and ``others`` (same names, shapes, dtypes as
     ``own``, already validated): per floating coordinate the median, or the mean after
     dropping the ``byzantine`` largest and smallest values; or multi-Krum, the mean of
@@ -399,7 +411,7 @@ def screen(aggregation: str, own: Mapping[str, np.ndarray], others: list[Mapping
     chosen = list(range(n))
     if aggregation == "krum":
         scores = krum_scores(pairwise_sq_distances(models, floats), byzantine)
-        chosen = sorted(int(i) for i in np.argsort(scores, kind="stable")[:n - byzantine])
+        chosen = sorted(int(i) for i in np.argsort(scores, kind="stable")[: n - byzantine])
     out: Weights = {}
     for name in floats:
         ref = np.asarray(own[name])
@@ -417,8 +429,9 @@ def screen(aggregation: str, own: Mapping[str, np.ndarray], others: list[Mapping
 
 
 class GossipMachine:
-    def __init__(self, node_id: str, config: GossipConfig, weights: Weights, *,
-                 num_samples: int = 1, session: str = "0") -> None:
+    def __init__(
+        self, node_id: str, config: GossipConfig, weights: Weights, *, num_samples: int = 1, session: str = "0"
+    ) -> None:
         """``session`` must differ between process starts (exchange ids embed it)."""
         if not weights:
             raise ValueError("a gossip node needs a model")
@@ -448,11 +461,11 @@ class GossipMachine:
         # thesis lastModel (Alg. 3.1 starts with lastModel <- currentModel)
         self._last = _Payload({k: weights[k] for k in names}, 1.0, 0.0)
         self._inbox: list[_Kept] = []
-        self._arrivals = 0                       # this period, for reservoir sampling
-        self._home: list[_Payload] = []          # our own mass back: refused, returned, given up
+        self._arrivals = 0  # this period, for reservoir sampling
+        self._home: list[_Payload] = []  # our own mass back: refused, returned, given up
         self._in_flight: dict[str, _InFlight] = {}
         self._expired: deque[str] = deque(maxlen=_SEEN_IDS)
-        self._seen: dict[tuple[str, str], bool] = {}    # -> accepted
+        self._seen: dict[tuple[str, str], bool] = {}  # -> accepted
         self._seen_order: deque[tuple[str, str]] = deque()
         # screening: each neighbour's latest model and the period it arrived in
         self._latest: dict[str, tuple[Weights, int]] = {}
@@ -464,9 +477,28 @@ class GossipMachine:
         self.disagreement: float | None = None
         self.disagreement_rel: float | None = None
         self.counts = dict.fromkeys(
-            ("sent", "received", "dropped", "rejected", "refused", "returned", "bounced",
-             "acked", "timeouts", "retries", "reclaimed", "late_acks", "duplicates", "merged",
-             "train_rejected", "caught_up", "screened", "screen_short"), 0)
+            (
+                "sent",
+                "received",
+                "dropped",
+                "rejected",
+                "refused",
+                "returned",
+                "bounced",
+                "acked",
+                "timeouts",
+                "retries",
+                "reclaimed",
+                "late_acks",
+                "duplicates",
+                "merged",
+                "train_rejected",
+                "caught_up",
+                "screened",
+                "screen_short",
+            ),
+            0,
+        )
 
     # -- public ------------------------------------------------------------------------
     @property
@@ -516,11 +548,20 @@ class GossipMachine:
         ``late_acks``, ``duplicates``, ``merged``; ``age`` in local steps; ``disagreement``
         = mean L2 distance of our exchanged parameters from the models merged at the last
         boundary that had any (``disagreement_rel`` divides by our model's norm)."""
-        return {"period": self.period, "merge": self.config.merge, "create": self.config.create,
-                "age": self.age, "mass": self.mass, "peers": sorted(self.peers),
-                "in_flight": len(self._in_flight), "inbox": len(self._inbox),
-                "disagreement": self.disagreement, "disagreement_rel": self.disagreement_rel,
-                "finished": self.finished, **self.counts}
+        return {
+            "period": self.period,
+            "merge": self.config.merge,
+            "create": self.config.create,
+            "age": self.age,
+            "mass": self.mass,
+            "peers": sorted(self.peers),
+            "in_flight": len(self._in_flight),
+            "inbox": len(self._inbox),
+            "disagreement": self.disagreement,
+            "disagreement_rel": self.disagreement_rel,
+            "finished": self.finished,
+            **self.counts,
+        }
 
     # -- receiving ---------------------------------------------------------------------
     def _on_model(self, ev: ModelReceived, now: float) -> list[Command]:
@@ -533,8 +574,10 @@ class GossipMachine:
 
         def refuse(reason: str, detail: str) -> list[Command]:
             self.counts["rejected"] += 1
-            return [Dropped(ev.sender, ev.exchange_id, reason, detail),
-                    SendAck(ev.sender, ev.exchange_id, False, reason)]
+            return [
+                Dropped(ev.sender, ev.exchange_id, reason, detail),
+                SendAck(ev.sender, ev.exchange_id, False, reason),
+            ]
 
         if self.finished:
             return refuse("finished", f"{self.node_id} stopped after period {self.period}")
@@ -584,11 +627,20 @@ class GossipMachine:
         if slot >= k:
             # Dropped on arrival: refusing it hands the mass back without weights travelling.
             self._remember(key, False)
-            return [Dropped(ev.sender, ev.exchange_id, "inbox-full", f"{self._arrivals} arrivals this period"),
-                    SendAck(ev.sender, ev.exchange_id, False, "inbox-full")]
+            return [
+                Dropped(ev.sender, ev.exchange_id, "inbox-full", f"{self._arrivals} arrivals this period"),
+                SendAck(ev.sender, ev.exchange_id, False, "inbox-full"),
+            ]
         victim, self._inbox[slot] = self._inbox[slot], item
-        out: list[Command] = [ack, Dropped(victim.sender, victim.exchange_id, "inbox-full",
-                                           f"evicted by {ev.sender} ({self._arrivals} arrivals this period)")]
+        out: list[Command] = [
+            ack,
+            Dropped(
+                victim.sender,
+                victim.exchange_id,
+                "inbox-full",
+                f"evicted by {ev.sender} ({self._arrivals} arrivals this period)",
+            ),
+        ]
         if self._pushsum:
             # Already acknowledged, so its mass is ours to give back.
             self.counts["bounced"] += 1
@@ -607,7 +659,7 @@ class GossipMachine:
         if f is None or f.peer != ev.sender:
             if ev.accepted and ev.exchange_id in self._expired:
                 self._expired.remove(ev.exchange_id)
-                self.counts["late_acks"] += 1    # merged there *and* re-sent/folded here
+                self.counts["late_acks"] += 1  # merged there *and* re-sent/folded here
             return []
         del self._in_flight[ev.exchange_id]
         if ev.accepted:
@@ -619,15 +671,15 @@ class GossipMachine:
         return []
 
     # -- sending -----------------------------------------------------------------------
-    def _send(self, peer: str, payload: _Payload, now: float, *, returned: bool = False,
-              tried: set[str] | None = None) -> list[Command]:
+    def _send(
+        self, peer: str, payload: _Payload, now: float, *, returned: bool = False, tried: set[str] | None = None
+    ) -> list[Command]:
         self._next_xid += 1
         xid = f"{self._session}.{self._next_xid}"
         deadline = now + self.config.send_timeout
         self._in_flight[xid] = _InFlight(peer, payload, deadline, returned, (tried or set()) | {peer})
         self.counts["sent"] += 1
-        return [SendModel(peer, xid, payload.values, payload.mass, payload.age, returned),
-                RequestWakeup(deadline)]
+        return [SendModel(peer, xid, payload.values, payload.mass, payload.age, returned), RequestWakeup(deadline)]
 
     def _reroute(self, xid: str, now: float) -> list[Command]:
         """A send was lost (timeout, failure, peer down): a new peer, never a stall."""
@@ -686,8 +738,7 @@ class GossipMachine:
             # The node's own model (with the mass it kept) stands where lastModel stands.
             entries = [(self.model, self.mass, self.age)]
             entries += [(self._full(p.values), p.mass, p.age) for p in kept]
-            if (cfg.catch_up and kept and not self._merged_once
-                    and 2 * self.age < min(p.age for p in kept)):
+            if cfg.catch_up and kept and not self._merged_once and 2 * self.age < min(p.age for p in kept):
                 # Catch-up: a node that joins a running federation (its first merge, its
                 # model less than half as old as any it received) would pull everybody
                 # back towards its initial model with its full sample weight. Its values
@@ -714,7 +765,7 @@ class GossipMachine:
                 pool = entries if own_mass_only else entries[1:]
                 chosen = self._rng.choice(pool) if pool else entries[0]
             else:
-                chosen = entries[0]     # a random kept model, else lastModel
+                chosen = entries[0]  # a random kept model, else lastModel
             self.model, self.age = chosen[0], chosen[2]
             if pushsum:
                 self.mass = sum(m for _, m, _ in entries) + own_mass_only

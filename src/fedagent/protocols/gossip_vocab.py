@@ -50,18 +50,25 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from fedagent.protocols.vocab import (MAX_TERMS, OfferRejected, RequestWakeup, VocabError, check_counts, finalize,
-                                     vocabulary_digest)
+from fedagent.protocols.vocab import (
+    MAX_TERMS,
+    OfferRejected,
+    RequestWakeup,
+    VocabError,
+    check_counts,
+    finalize,
+    vocabulary_digest,
+)
 
 
 @dataclass(frozen=True, slots=True)
 class ConsensusConfig:
-    expected_agents: int               # offers needed, this agent's own included
-    deadline: float = 120.0            # seconds from start for offers and confirmations
+    expected_agents: int  # offers needed, this agent's own included
+    deadline: float = 120.0  # seconds from start for offers and confirmations
     min_count: int = 1
-    max_size: int = 0                  # keep at most this many terms (0 = all)
-    members: tuple[str, ...] | None = None   # if given: exactly these agents take part
-    resend: float = 2.0                # seconds between re-sends until agreed
+    max_size: int = 0  # keep at most this many terms (0 = all)
+    members: tuple[str, ...] | None = None  # if given: exactly these agents take part
+    resend: float = 2.0  # seconds between re-sends until agreed
 
     def __post_init__(self) -> None:
         if self.expected_agents < 1:
@@ -94,7 +101,7 @@ class DigestReceived:
     sender: str
     digest: str
     contributors: tuple[str, ...]
-    agreed: bool = False        # the sender has agreed already: no answer wanted
+    agreed: bool = False  # the sender has agreed already: no answer wanted
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +139,7 @@ class Agreed:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    reason: str              # missing-offers | unconfirmed | mismatch
+    reason: str  # missing-offers | unconfirmed | mismatch
     detail: str
     missing: tuple[str, ...] = ()
 
@@ -169,15 +176,16 @@ class VocabConsensus:
         self.deadline = math.inf
         self._offers: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {node_id: (terms, counts)}
         self._fingerprints: dict[str, str] = {node_id: offer_fingerprint(terms, counts)}
-        self.digests: dict[str, tuple[str, tuple[str, ...]]] = {}   # sender -> (digest, contributors)
+        self.digests: dict[str, tuple[str, tuple[str, ...]]] = {}  # sender -> (digest, contributors)
         self.candidate: Agreed | None = None
         self.result: Agreed | None = None
         self.failure: Failed | None = None
         self.peers_seen: set[str] = set()
 
     @classmethod
-    def resumed(cls, node_id: str, config: ConsensusConfig, own_terms: Iterable[str], own_counts: Iterable[int],
-                agreed: Agreed) -> VocabConsensus:
+    def resumed(
+        cls, node_id: str, config: ConsensusConfig, own_terms: Iterable[str], own_counts: Iterable[int], agreed: Agreed
+    ) -> VocabConsensus:
         """A machine that agreed in an earlier run: it only serves peers."""
         m = cls(node_id, config, own_terms, own_counts)
         m.candidate = m.result = agreed
@@ -208,10 +216,15 @@ class VocabConsensus:
 
     def status(self) -> dict[str, object]:
         done = self.result or self.candidate
-        return {"phase": self.phase.value, "expected": self.config.expected_agents, "offers": list(self.offers),
-                "confirmed": sorted(s for s, (d, _) in self.digests.items() if done and d == done.digest),
-                "digest": done.digest if done else None, "terms": len(done.terms) if done else None,
-                "error": f"{self.failure.reason}: {self.failure.detail}" if self.failure else None}
+        return {
+            "phase": self.phase.value,
+            "expected": self.config.expected_agents,
+            "offers": list(self.offers),
+            "confirmed": sorted(s for s, (d, _) in self.digests.items() if done and d == done.digest),
+            "digest": done.digest if done else None,
+            "terms": len(done.terms) if done else None,
+            "error": f"{self.failure.reason}: {self.failure.detail}" if self.failure else None,
+        }
 
     # -- events --------------------------------------------------------------------------
     def _on_peer(self, peer: str) -> list[Command]:
@@ -277,14 +290,22 @@ class VocabConsensus:
             missing: tuple[str, ...] = ()
             if self.config.members is not None:
                 missing = tuple(sorted(set(self.config.members) - set(have)))
-            detail = (f"{len(have)} of {self.config.expected_agents} offers after {self.config.deadline:g} s "
-                      f"(from {', '.join(have)})" + (f"; missing: {', '.join(missing)}" if missing else ""))
+            detail = (
+                f"{len(have)} of {self.config.expected_agents} offers after {self.config.deadline:g} s "
+                f"(from {', '.join(have)})" + (f"; missing: {', '.join(missing)}" if missing else "")
+            )
             return self._fail("missing-offers", detail, missing)
         assert self.candidate is not None
-        missing = tuple(sorted(c for c in self.candidate.contributors
-                               if c != self.node_id and self.digests.get(c, ("",))[0] != self.candidate.digest))
-        return self._fail("unconfirmed", f"no confirmation from {', '.join(missing)} after "
-                                         f"{self.config.deadline:g} s", missing)
+        missing = tuple(
+            sorted(
+                c
+                for c in self.candidate.contributors
+                if c != self.node_id and self.digests.get(c, ("",))[0] != self.candidate.digest
+            )
+        )
+        return self._fail(
+            "unconfirmed", f"no confirmation from {', '.join(missing)} after {self.config.deadline:g} s", missing
+        )
 
     # -- merge and confirmation ----------------------------------------------------------
     def _maybe_merge(self) -> list[Command]:
@@ -298,11 +319,13 @@ class VocabConsensus:
         merged = finalize(total, min_count=cfg.min_count, max_size=cfg.max_size or MAX_TERMS)
         terms = tuple(t for t, _ in merged)
         contributors = tuple(sorted(self._offers))
-        self.candidate = Agreed(terms, tuple(c for _, c in merged), contributors, vocabulary_digest(terms),
-                                len(total) - len(merged))
+        self.candidate = Agreed(
+            terms, tuple(c for _, c in merged), contributors, vocabulary_digest(terms), len(total) - len(merged)
+        )
         self.phase = Phase.CONFIRMING
-        out: list[Command] = [SendDigest(p, self.candidate.digest, contributors)
-                              for p in contributors if p != self.node_id]
+        out: list[Command] = [
+            SendDigest(p, self.candidate.digest, contributors) for p in contributors if p != self.node_id
+        ]
         return out + self._check_confirmations()
 
     def _check_confirmations(self) -> list[Command]:
@@ -310,9 +333,12 @@ class VocabConsensus:
         assert c is not None
         for peer, (digest, contributors) in sorted(self.digests.items()):
             if peer in c.contributors and (digest != c.digest or contributors != c.contributors):
-                return self._fail("mismatch", f"{peer} merged {digest[:12]} over [{', '.join(contributors)}], "
-                                              f"this agent {c.digest[:12]} over [{', '.join(c.contributors)}]",
-                                  (peer,))
+                return self._fail(
+                    "mismatch",
+                    f"{peer} merged {digest[:12]} over [{', '.join(contributors)}], "
+                    f"this agent {c.digest[:12]} over [{', '.join(c.contributors)}]",
+                    (peer,),
+                )
         if all(p == self.node_id or p in self.digests for p in c.contributors):
             self.result = c
             self.phase = Phase.AGREED
@@ -325,5 +351,19 @@ class VocabConsensus:
         return [self.failure]
 
 
-__all__ = ["ConsensusConfig", "PeerUp", "OfferReceived", "DigestReceived", "Wakeup", "SendOffer", "SendDigest",
-           "Agreed", "Failed", "OfferRejected", "RequestWakeup", "Phase", "VocabConsensus", "offer_fingerprint"]
+__all__ = [
+    "Agreed",
+    "ConsensusConfig",
+    "DigestReceived",
+    "Failed",
+    "OfferReceived",
+    "OfferRejected",
+    "PeerUp",
+    "Phase",
+    "RequestWakeup",
+    "SendDigest",
+    "SendOffer",
+    "VocabConsensus",
+    "Wakeup",
+    "offer_fingerprint",
+]

@@ -93,9 +93,14 @@ class Presence:
         _count(self.model_version, "model_version", "presence")
 
     def to_body(self) -> dict[str, Any]:
-        return {"online": self.online, "role": self.role, "mode": self.mode,
-                "num_samples": self.num_samples, "model_version": self.model_version,
-                "broker": self.broker}
+        return {
+            "online": self.online,
+            "role": self.role,
+            "mode": self.mode,
+            "num_samples": self.num_samples,
+            "model_version": self.model_version,
+            "broker": self.broker,
+        }
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> Presence:
@@ -103,11 +108,14 @@ class Presence:
         broker = body.get("broker", "")
         if not isinstance(broker, str) or len(broker) > 256:
             raise CodecError("presence: bad broker field")
-        return cls(online=_need(body, "online", bool, w), role=_need(body, "role", str, w),
-                   mode=_need(body, "mode", str, w),
-                   num_samples=_count(body.get("num_samples", 0), "num_samples", w),
-                   model_version=_count(body.get("model_version", 0), "model_version", w),
-                   broker=broker)
+        return cls(
+            online=_need(body, "online", bool, w),
+            role=_need(body, "role", str, w),
+            mode=_need(body, "mode", str, w),
+            num_samples=_count(body.get("num_samples", 0), "num_samples", w),
+            model_version=_count(body.get("model_version", 0), "model_version", w),
+            broker=broker,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +123,9 @@ class TrainConfig:
     epochs: int = 1
     lr: float = 0.05
     batch_size: int = 32
-    compression: str = "none"      # how agents send their update: none | fp16 | int8 | topk
+    compression: str = "none"  # how agents send their update: none | fp16 | int8 | topk
     topk_ratio: float = 0.01
-    stream: bool = True            # update as a stream folded on arrival; False: one whole update
+    stream: bool = True  # update as a stream folded on arrival; False: one whole update
 
     def __post_init__(self) -> None:
         if type(self.stream) is not bool:
@@ -147,13 +155,14 @@ class TrainConfig:
         if not isinstance(body, dict):
             raise CodecError("train config must be a map")
         w = "train config"
-        return cls(epochs=_count(_need(body, "epochs", int, w), "epochs", w),
-                   lr=float(_need(body, "lr", (int, float), w)),
-                   batch_size=_count(_need(body, "batch_size", int, w), "batch_size", w),
-                   compression=body.get("compression", "none") if isinstance(body.get("compression", "none"), str)
-                   else "?",
-                   topk_ratio=float(body["topk_ratio"]) if type(body.get("topk_ratio")) in (int, float) else 0.01,
-                   stream=body.get("stream", True) if type(body.get("stream", True)) is bool else None)
+        return cls(
+            epochs=_count(_need(body, "epochs", int, w), "epochs", w),
+            lr=float(_need(body, "lr", (int, float), w)),
+            batch_size=_count(_need(body, "batch_size", int, w), "batch_size", w),
+            compression=body.get("compression", "none") if isinstance(body.get("compression", "none"), str) else "?",
+            topk_ratio=float(body["topk_ratio"]) if type(body.get("topk_ratio")) in (int, float) else 0.01,
+            stream=body.get("stream", True) if type(body.get("stream", True)) is bool else None,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,9 +178,14 @@ class RoundStart:
     weights: Weights = field(repr=False)
 
     def to_body(self) -> dict[str, Any]:
-        return {"round": self.round, "model_version": self.model_version,
-                "selected": list(self.selected), "deadline_s": self.deadline_s,
-                "train": self.train.to_body(), "weights": encode_weights(self.weights)}
+        return {
+            "round": self.round,
+            "model_version": self.model_version,
+            "selected": list(self.selected),
+            "deadline_s": self.deadline_s,
+            "train": self.train.to_body(),
+            "weights": encode_weights(self.weights),
+        }
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> RoundStart:
@@ -179,12 +193,14 @@ class RoundStart:
         deadline = _need(body, "deadline_s", (int, float), w)
         if not (math.isfinite(deadline) and 0 < deadline <= 7 * 86400):
             raise CodecError("round_start: deadline out of range")
-        return cls(round=_count(_need(body, "round", int, w), "round", w),
-                   model_version=_count(_need(body, "model_version", int, w), "model_version", w),
-                   selected=_names(_need(body, "selected", list, w), w),
-                   deadline_s=float(deadline),
-                   train=TrainConfig.from_body(_need(body, "train", dict, w)),
-                   weights=decode_weights(_need(body, "weights", dict, w), limits))
+        return cls(
+            round=_count(_need(body, "round", int, w), "round", w),
+            model_version=_count(_need(body, "model_version", int, w), "model_version", w),
+            selected=_names(_need(body, "selected", list, w), w),
+            deadline_s=float(deadline),
+            train=TrainConfig.from_body(_need(body, "train", dict, w)),
+            weights=decode_weights(_need(body, "weights", dict, w), limits),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,12 +213,16 @@ class Update:
     num_samples: int
     metrics: dict[str, float]
     weights: Weights = field(repr=False)
-    leaving: bool = False      # the sender's last round: it leaves afterwards (a vehicle out of range)
+    leaving: bool = False  # the sender's last round: it leaves afterwards (a vehicle out of range)
 
     def to_body(self) -> dict[str, Any]:
-        body = {"round": self.round, "base_version": self.base_version,
-                "num_samples": self.num_samples, "metrics": dict(self.metrics),
-                "weights": encode_weights(self.weights)}
+        body = {
+            "round": self.round,
+            "base_version": self.base_version,
+            "num_samples": self.num_samples,
+            "metrics": dict(self.metrics),
+            "weights": encode_weights(self.weights),
+        }
         if self.leaving:
             body["leaving"] = True
         return body
@@ -213,11 +233,14 @@ class Update:
         n = _count(_need(body, "num_samples", int, w), "num_samples", w)
         if n == 0:
             raise CodecError("update: num_samples must be positive")
-        return cls(round=_count(_need(body, "round", int, w), "round", w),
-                   base_version=_count(_need(body, "base_version", int, w), "base_version", w),
-                   num_samples=n, metrics=_metrics(_need(body, "metrics", dict, w), w),
-                   weights=decode_weights(_need(body, "weights", dict, w), limits),
-                   leaving=_flag(body, "leaving", w))
+        return cls(
+            round=_count(_need(body, "round", int, w), "round", w),
+            base_version=_count(_need(body, "base_version", int, w), "base_version", w),
+            num_samples=n,
+            metrics=_metrics(_need(body, "metrics", dict, w), w),
+            weights=decode_weights(_need(body, "weights", dict, w), limits),
+            leaving=_flag(body, "leaving", w),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,9 +257,14 @@ class RoundResult:
     reason: str = ""
 
     def to_body(self) -> dict[str, Any]:
-        return {"round": self.round, "model_version": self.model_version,
-                "participants": list(self.participants), "metrics": dict(self.metrics),
-                "aggregated": self.aggregated, "reason": self.reason}
+        return {
+            "round": self.round,
+            "model_version": self.model_version,
+            "participants": list(self.participants),
+            "metrics": dict(self.metrics),
+            "aggregated": self.aggregated,
+            "reason": self.reason,
+        }
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> RoundResult:
@@ -244,11 +272,14 @@ class RoundResult:
         reason = body.get("reason", "")
         if not isinstance(reason, str) or len(reason) > 1000:
             raise CodecError("round_result: bad reason")
-        return cls(round=_count(_need(body, "round", int, w), "round", w),
-                   model_version=_count(_need(body, "model_version", int, w), "model_version", w),
-                   participants=_names(_need(body, "participants", list, w), w),
-                   metrics=_metrics(_need(body, "metrics", dict, w), w),
-                   aggregated=_need(body, "aggregated", bool, w), reason=reason)
+        return cls(
+            round=_count(_need(body, "round", int, w), "round", w),
+            model_version=_count(_need(body, "model_version", int, w), "model_version", w),
+            participants=_names(_need(body, "participants", list, w), w),
+            metrics=_metrics(_need(body, "metrics", dict, w), w),
+            aggregated=_need(body, "aggregated", bool, w),
+            reason=reason,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,16 +293,22 @@ class GlobalModel:
     weights: Weights = field(repr=False)
 
     def to_body(self) -> dict[str, Any]:
-        return {"model_version": self.model_version, "round": self.round,
-                "final": self.final, "weights": encode_weights(self.weights)}
+        return {
+            "model_version": self.model_version,
+            "round": self.round,
+            "final": self.final,
+            "weights": encode_weights(self.weights),
+        }
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> GlobalModel:
         w = "model"
-        return cls(model_version=_count(_need(body, "model_version", int, w), "model_version", w),
-                   round=_count(_need(body, "round", int, w), "round", w),
-                   final=_need(body, "final", bool, w),
-                   weights=decode_weights(_need(body, "weights", dict, w), limits))
+        return cls(
+            model_version=_count(_need(body, "model_version", int, w), "model_version", w),
+            round=_count(_need(body, "round", int, w), "round", w),
+            final=_need(body, "final", bool, w),
+            weights=decode_weights(_need(body, "weights", dict, w), limits),
+        )
 
 
 MAX_EXCHANGE_ID = 64
@@ -298,8 +335,14 @@ class GossipModel:
     weights: Weights = field(repr=False)
 
     def to_body(self) -> dict[str, Any]:
-        return {"exchange_id": self.exchange_id, "period": self.period, "mass": self.mass,
-                "age": self.age, "returned": self.returned, "weights": encode_weights(self.weights)}
+        return {
+            "exchange_id": self.exchange_id,
+            "period": self.period,
+            "mass": self.mass,
+            "age": self.age,
+            "returned": self.returned,
+            "weights": encode_weights(self.weights),
+        }
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> GossipModel:
@@ -308,10 +351,14 @@ class GossipModel:
         age = _need(body, "age", (int, float), w)
         if not (math.isfinite(mass) and mass > 0 and math.isfinite(age) and age >= 0):
             raise CodecError("gossip_model: mass must be positive and age non-negative, both finite")
-        return cls(exchange_id=_exchange_id(_need(body, "exchange_id", str, w), w),
-                   period=_count(_need(body, "period", int, w), "period", w),
-                   mass=float(mass), age=float(age), returned=_need(body, "returned", bool, w),
-                   weights=decode_weights(_need(body, "weights", dict, w), limits))
+        return cls(
+            exchange_id=_exchange_id(_need(body, "exchange_id", str, w), w),
+            period=_count(_need(body, "period", int, w), "period", w),
+            mass=float(mass),
+            age=float(age),
+            returned=_need(body, "returned", bool, w),
+            weights=decode_weights(_need(body, "weights", dict, w), limits),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,12 +380,15 @@ class GossipAck:
         reason = body.get("reason", "")
         if not isinstance(reason, str) or len(reason) > 200:
             raise CodecError("gossip_ack: bad reason")
-        return cls(exchange_id=_exchange_id(_need(body, "exchange_id", str, w), w),
-                   accepted=_need(body, "accepted", bool, w), reason=reason)
+        return cls(
+            exchange_id=_exchange_id(_need(body, "exchange_id", str, w), w),
+            accepted=_need(body, "accepted", bool, w),
+            reason=reason,
+        )
 
 
 # ---- gFedNTM: vocabulary consensus and Sync-Opt steps -----------------------------
-MAX_VOCAB_TERMS = 100_000        # the codec's default array limit; see protocols/vocab.py
+MAX_VOCAB_TERMS = 100_000  # the codec's default array limit; see protocols/vocab.py
 MAX_TERM_CHARS = 200
 MAX_DIGEST = 64
 
@@ -402,8 +452,12 @@ class Vocabulary:
             raise CodecError("vocabulary: invalid contributor id")
 
     def to_body(self) -> dict[str, Any]:
-        return {"terms": list(self.terms), "counts": list(self.counts),
-                "contributors": list(self.contributors), "digest": self.digest}
+        return {
+            "terms": list(self.terms),
+            "counts": list(self.counts),
+            "contributors": list(self.contributors),
+            "digest": self.digest,
+        }
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> Vocabulary:
@@ -424,7 +478,7 @@ class VocabDigest:
     kind: ClassVar[str] = "vocab_digest"
     digest: str
     contributors: tuple[str, ...]
-    agreed: bool = False          # the sender has agreed already (an answer; not to be answered)
+    agreed: bool = False  # the sender has agreed already (an answer; not to be answered)
 
     def __post_init__(self) -> None:
         if not isinstance(self.digest, str) or not 0 < len(self.digest) <= MAX_DIGEST:
@@ -438,8 +492,11 @@ class VocabDigest:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> VocabDigest:
         w = "vocab_digest"
-        return cls(_need(body, "digest", str, w), _names(_need(body, "contributors", list, w), w, limit=10_000),
-                   _flag(body, "agreed", w))
+        return cls(
+            _need(body, "digest", str, w),
+            _names(_need(body, "contributors", list, w), w, limit=10_000),
+            _flag(body, "agreed", w),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,9 +523,13 @@ class SyncStep:
             raise CodecError("sync_step: vocab_digest must be a string of at most 64 characters")
 
     def to_body(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"step": self.step, "model_version": self.model_version,
-                                "participants": list(self.participants), "deadline_s": self.deadline_s,
-                                "vocab_digest": self.vocab_digest}
+        body: dict[str, Any] = {
+            "step": self.step,
+            "model_version": self.model_version,
+            "participants": list(self.participants),
+            "deadline_s": self.deadline_s,
+            "vocab_digest": self.vocab_digest,
+        }
         if self.weights is not None:
             body["weights"] = encode_weights(self.weights)
         return body
@@ -477,11 +538,14 @@ class SyncStep:
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> SyncStep:
         w = "sync_step"
         deadline = _need(body, "deadline_s", (int, float), w)
-        return cls(step=_count(_need(body, "step", int, w), "step", w),
-                   model_version=_count(_need(body, "model_version", int, w), "model_version", w),
-                   participants=_names(_need(body, "participants", list, w), w),
-                   deadline_s=float(deadline), vocab_digest=_need(body, "vocab_digest", str, w),
-                   weights=decode_weights(body["weights"], limits) if "weights" in body else None)
+        return cls(
+            step=_count(_need(body, "step", int, w), "step", w),
+            model_version=_count(_need(body, "model_version", int, w), "model_version", w),
+            participants=_names(_need(body, "participants", list, w), w),
+            deadline_s=float(deadline),
+            vocab_digest=_need(body, "vocab_digest", str, w),
+            weights=decode_weights(body["weights"], limits) if "weights" in body else None,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -505,17 +569,24 @@ class SyncGradient:
             raise CodecError("sync_gradient: loss must be finite")
 
     def to_body(self) -> dict[str, Any]:
-        return {"step": self.step, "base_version": self.base_version, "num_samples": self.num_samples,
-                "loss": self.loss, "gradient": encode_weights(self.gradient)}
+        return {
+            "step": self.step,
+            "base_version": self.base_version,
+            "num_samples": self.num_samples,
+            "loss": self.loss,
+            "gradient": encode_weights(self.gradient),
+        }
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> SyncGradient:
         w = "sync_gradient"
-        return cls(step=_count(_need(body, "step", int, w), "step", w),
-                   base_version=_count(_need(body, "base_version", int, w), "base_version", w),
-                   num_samples=_count(_need(body, "num_samples", int, w), "num_samples", w),
-                   loss=float(_need(body, "loss", (int, float), w)),
-                   gradient=decode_weights(_need(body, "gradient", dict, w), limits))
+        return cls(
+            step=_count(_need(body, "step", int, w), "step", w),
+            base_version=_count(_need(body, "base_version", int, w), "base_version", w),
+            num_samples=_count(_need(body, "num_samples", int, w), "num_samples", w),
+            loss=float(_need(body, "loss", (int, float), w)),
+            gradient=decode_weights(_need(body, "gradient", dict, w), limits),
+        )
 
 
 # ---- SEEC: cross-site semantic search ----------------------------------------------
@@ -554,8 +625,12 @@ class SearchQuery:
             raise CodecError(f"search_query: vector must be a 1-D float array of 1..{MAX_DIM} entries")
 
     def to_body(self) -> dict[str, Any]:
-        return {"query_id": self.query_id, "k": self.k, "space": self.space,
-                "vector": encode_weights({"q": self.vector})}
+        return {
+            "query_id": self.query_id,
+            "k": self.k,
+            "space": self.space,
+            "vector": encode_weights({"q": self.vector}),
+        }
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> SearchQuery:
@@ -570,8 +645,9 @@ class SearchQuery:
         # A small budget: a query is one vector; a peer cannot make this site allocate more.
         small = Limits(max_tensor_bytes=8 * MAX_DIM, max_map_len=1)
         vec = decode_weights(raw, small)["q"]
-        return cls(_query_id(_need(body, "query_id", str, w), w), _need(body, "k", int, w),
-                   _need(body, "space", str, w), vec)
+        return cls(
+            _query_id(_need(body, "query_id", str, w), w), _need(body, "k", int, w), _need(body, "space", str, w), vec
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -601,8 +677,12 @@ class SearchAnswer:
             raise CodecError("search_answer: an error of at most 200 characters, and then no hits")
 
     def to_body(self) -> dict[str, Any]:
-        return {"query_id": self.query_id, "doc_ids": list(self.doc_ids), "scores": list(self.scores),
-                "error": self.error}
+        return {
+            "query_id": self.query_id,
+            "doc_ids": list(self.doc_ids),
+            "scores": list(self.scores),
+            "error": self.error,
+        }
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> SearchAnswer:
@@ -613,9 +693,12 @@ class SearchAnswer:
         scores = _need(body, "scores", list, w)
         if len(ids) > MAX_K or len(scores) > MAX_K:
             raise CodecError(f"search_answer: at most {MAX_K} hits")
-        return cls(_query_id(_need(body, "query_id", str, w), w), tuple(ids),
-                   tuple(float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x for x in scores),
-                   _need(body, "error", str, w))
+        return cls(
+            _query_id(_need(body, "query_id", str, w), w),
+            tuple(ids),
+            tuple(float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x for x in scores),
+            _need(body, "error", str, w),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -665,16 +748,26 @@ class PublicVectors:
         if not isinstance(self.space, str) or len(self.space) > MAX_DIGEST:
             raise CodecError(f"public_vectors: space must be a string of at most {MAX_DIGEST} characters")
         v = self.vectors
-        if v is not None and (not isinstance(v, np.ndarray) or v.ndim != 2 or v.dtype != np.float32
-                              or not 0 < v.shape[0] <= MAX_PUBLIC_DOCS or not 0 < v.shape[1] <= MAX_DIM):
+        if v is not None and (
+            not isinstance(v, np.ndarray)
+            or v.ndim != 2
+            or v.dtype != np.float32
+            or not 0 < v.shape[0] <= MAX_PUBLIC_DOCS
+            or not 0 < v.shape[1] <= MAX_DIM
+        ):
             raise CodecError(f"public_vectors: vectors must be float32 of at most {MAX_PUBLIC_DOCS} x {MAX_DIM}")
         if not isinstance(self.error, str) or len(self.error) > 200 or (self.error and v is not None):
             raise CodecError("public_vectors: an error of at most 200 characters, and then no vectors")
 
     def to_body(self) -> dict[str, Any]:
         shape = list(self.vectors.shape) if self.vectors is not None else [0, 0]
-        return {"request_id": self.request_id, "space": self.space, "error": self.error, "shape": shape,
-                "vectors": encode_weights({"p": self.vectors}) if self.vectors is not None else {}}
+        return {
+            "request_id": self.request_id,
+            "space": self.space,
+            "error": self.error,
+            "shape": shape,
+            "vectors": encode_weights({"p": self.vectors}) if self.vectors is not None else {},
+        }
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> PublicVectors:
@@ -696,18 +789,52 @@ class PublicVectors:
                 raise CodecError(f"{w}: at most {MAX_PUBLIC_DOCS} x {MAX_DIM} vectors")
             small = Limits(max_tensor_bytes=4 * n * d, max_map_len=1)
             vectors = decode_weights(raw, small, expect={"p": ("float32", (n, d))})["p"]
-        return cls(_need(body, "request_id", str, w), _need(body, "space", str, w), vectors, _need(body, "error", str, w))
+        return cls(
+            _need(body, "request_id", str, w), _need(body, "space", str, w), vectors, _need(body, "error", str, w)
+        )
 
 
-Message = (Presence | RoundStart | Update | RoundResult | GlobalModel | GossipModel | GossipAck | VocabOffer
-           | Vocabulary | SyncStep | SyncGradient | VocabDigest
-           | SearchQuery | SearchAnswer | PublicVectorsRequest | PublicVectors)
+Message = (
+    Presence
+    | RoundStart
+    | Update
+    | RoundResult
+    | GlobalModel
+    | GossipModel
+    | GossipAck
+    | VocabOffer
+    | Vocabulary
+    | SyncStep
+    | SyncGradient
+    | VocabDigest
+    | SearchQuery
+    | SearchAnswer
+    | PublicVectorsRequest
+    | PublicVectors
+)
 
 # The fixed table from an envelope kind to the class that validates its body.
-KINDS: dict[str, type] = {cls.kind: cls for cls in (Presence, RoundStart, Update, RoundResult, GlobalModel,
-                                                    GossipModel, GossipAck, VocabOffer, Vocabulary,
-                                                    SyncStep, SyncGradient, VocabDigest, SearchQuery, SearchAnswer,
-                                                    PublicVectorsRequest, PublicVectors)}
+KINDS: dict[str, type] = {
+    cls.kind: cls
+    for cls in (
+        Presence,
+        RoundStart,
+        Update,
+        RoundResult,
+        GlobalModel,
+        GossipModel,
+        GossipAck,
+        VocabOffer,
+        Vocabulary,
+        SyncStep,
+        SyncGradient,
+        VocabDigest,
+        SearchQuery,
+        SearchAnswer,
+        PublicVectorsRequest,
+        PublicVectors,
+    )
+}
 
 
 def body_of(kind: str, body: Mapping[str, Any], limits: Limits) -> Message:

@@ -25,22 +25,19 @@ from scipy.special import erf, ndtr, ndtri
 
 def _check(mu: float, sigma: float, v_min: float, v_max: float) -> None:
     if not (sigma > 0 and math.isfinite(mu) and v_min < v_max):
-        raise ValueError(f"need sigma > 0 and v_min < v_max, got mu={mu}, sigma={sigma}, "
-                         f"v_min={v_min}, v_max={v_max}")
+        raise ValueError(f"need sigma > 0 and v_min < v_max, got mu={mu}, sigma={sigma}, v_min={v_min}, v_max={v_max}")
 
 
-def truncated_gaussian_pdf(v: np.ndarray | float, mu: float, sigma: float, v_min: float,
-                           v_max: float) -> np.ndarray:
+def truncated_gaussian_pdf(v: np.ndarray | float, mu: float, sigma: float, v_min: float, v_max: float) -> np.ndarray:
     """Eq. 1 (normalised to integrate to 1; see the module docstring)."""
     _check(mu, sigma, v_min, v_max)
     v = np.asarray(v, dtype=np.float64)
     z = 0.5 * (erf((v_max - mu) / (sigma * math.sqrt(2))) - erf((v_min - mu) / (sigma * math.sqrt(2))))
-    dens = np.exp(-((v - mu) ** 2) / (2 * sigma ** 2)) / (math.sqrt(2 * math.pi * sigma ** 2) * z)
+    dens = np.exp(-((v - mu) ** 2) / (2 * sigma**2)) / (math.sqrt(2 * math.pi * sigma**2) * z)
     return np.where((v >= v_min) & (v <= v_max), dens, 0.0)
 
 
-def sample_speeds(n: int, mu: float, sigma: float, v_min: float, v_max: float,
-                  rng: np.random.Generator) -> np.ndarray:
+def sample_speeds(n: int, mu: float, sigma: float, v_min: float, v_max: float, rng: np.random.Generator) -> np.ndarray:
     """``n`` independent speeds from eq. 1, by inverting the truncated CDF."""
     _check(mu, sigma, v_min, v_max)
     lo, hi = ndtr((v_min - mu) / sigma), ndtr((v_max - mu) / sigma)
@@ -55,7 +52,7 @@ def truncated_gaussian_moments(mu: float, sigma: float, v_min: float, v_max: flo
     phi = lambda x: math.exp(-x * x / 2) / math.sqrt(2 * math.pi)  # noqa: E731
     z = float(ndtr(b) - ndtr(a))
     mean = mu + sigma * (phi(a) - phi(b)) / z
-    var = sigma ** 2 * (1 + (a * phi(a) - b * phi(b)) / z - ((phi(a) - phi(b)) / z) ** 2)
+    var = sigma**2 * (1 + (a * phi(a) - b * phi(b)) / z - ((phi(a) - phi(b)) / z) ** 2)
     return mean, var
 
 
@@ -78,7 +75,7 @@ def motion_blur_kernel(length: float) -> np.ndarray:
         return np.ones(1)
     full = int(math.floor(length))
     frac = length - full
-    if full % 2 == 0:           # keep the kernel odd-sized and centred
+    if full % 2 == 0:  # keep the kernel odd-sized and centred
         full -= 1
         frac += 1
     k = np.ones(full + 2)
@@ -98,5 +95,5 @@ def blur_images(images: np.ndarray, length: float) -> np.ndarray:
     padded = np.pad(images.astype(np.float64), ((0, 0), (0, 0), (r, r)), mode="edge")
     out = np.zeros(images.shape, dtype=np.float64)
     for i, w in enumerate(k):
-        out += w * padded[:, :, i:i + images.shape[2]]
+        out += w * padded[:, :, i : i + images.shape[2]]
     return out.astype(np.float32)

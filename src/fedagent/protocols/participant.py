@@ -76,9 +76,9 @@ class Participant:
             raise ValueError("leave_after must be >= 0")
         self.agent_id = agent_id
         self.leave_after = leave_after
-        self.leaving_round: int | None = None   # round of the update that said `leaving`
+        self.leaving_round: int | None = None  # round of the update that said `leaving`
         self.left = False
-        self.latest_round = 0          # newest round heard of
+        self.latest_round = 0  # newest round heard of
         self.training_round: int | None = None
         self.rounds_done = 0
         self.model_version = model_version
@@ -91,7 +91,7 @@ class Participant:
             return []
         if isinstance(event, RoundStart):
             if event.round <= self.latest_round:
-                return []                       # repeated or older: already handled
+                return []  # repeated or older: already handled
             self.latest_round = event.round
             if self.leaving_round is not None:  # the result of our last round was lost
                 return self._leave()
@@ -111,8 +111,18 @@ class Participant:
             leaving = bool(self.leave_after) and self.rounds_done >= self.leave_after
             if leaving:
                 self.leaving_round = event.round
-            return [SendUpdate(Update(event.round, event.base_version, event.num_samples,
-                                      dict(event.metrics), event.weights, leaving=leaving))]
+            return [
+                SendUpdate(
+                    Update(
+                        event.round,
+                        event.base_version,
+                        event.num_samples,
+                        dict(event.metrics),
+                        event.weights,
+                        leaving=leaving,
+                    )
+                )
+            ]
         if isinstance(event, RoundResult):
             if self.last_result is None or event.round >= self.last_result.round:
                 self.last_result = event

@@ -25,7 +25,7 @@ class RateLimiter:
         self.rate = float(rate)
         self.burst = int(burst)
         self.max_peers = max_peers
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()   # peer -> (tokens, at)
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (tokens, at)
         self.refused = 0
 
     def allow(self, peer: str, now: float) -> bool:

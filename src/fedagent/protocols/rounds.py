@@ -45,8 +45,14 @@ from enum import Enum
 
 import numpy as np
 
-from fedagent.protocols.aggregation import (Plan, Strategy, StrategyAggregator, UpdateRejected, check_update,
-                                            weighted_metrics)
+from fedagent.protocols.aggregation import (
+    Plan,
+    Strategy,
+    StrategyAggregator,
+    UpdateRejected,
+    check_update,
+    weighted_metrics,
+)
 from fedagent.protocols.messages import TrainConfig
 from fedagent.protocols.streaming import UpdateEnd, UpdateHead, UpdatePart
 
@@ -57,11 +63,11 @@ Weights = dict[str, np.ndarray]
 @dataclass(frozen=True, slots=True)
 class RoundConfig:
     rounds: int = 10
-    min_agents: int = 2            # quorum: no round starts with fewer agents online
-    expected_agents: int = 0       # start at once when this many are online (0 = unknown)
-    start_grace: float = 5.0       # after quorum, wait this long for more agents to show up
-    agents_per_round: int = 0      # sample this many per round (0 = every online agent)
-    min_updates: int = 1           # aggregate at the deadline only with at least this many
+    min_agents: int = 2  # quorum: no round starts with fewer agents online
+    expected_agents: int = 0  # start at once when this many are online (0 = unknown)
+    start_grace: float = 5.0  # after quorum, wait this long for more agents to show up
+    agents_per_round: int = 0  # sample this many per round (0 = every online agent)
+    min_updates: int = 1  # aggregate at the deadline only with at least this many
     round_timeout: float = 120.0
     max_norm: float | None = None  # reject updates whose L2 norm exceeds this
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -92,10 +98,12 @@ class RoundConfig:
             # A robust aggregator or clip_norm needs each update whole: the round tells
             # the agents so (an agent never guesses the coordinator's strategy).
             if self.train.compression != "none":
-                raise ValueError(f"compression = {self.train.compression!r} applies to streamed updates, and "
-                                 f"aggregation {self.strategy.name!r}"
-                                 f"{' with clip_norm' if self.strategy.clip_norm is not None else ''} "
-                                 f"takes whole updates: drop one of them")
+                raise ValueError(
+                    f"compression = {self.train.compression!r} applies to streamed updates, and "
+                    f"aggregation {self.strategy.name!r}"
+                    f"{' with clip_norm' if self.strategy.clip_norm is not None else ''} "
+                    f"takes whole updates: drop one of them"
+                )
             if self.train.stream:
                 object.__setattr__(self, "train", replace(self.train, stream=False))
 
@@ -120,7 +128,7 @@ class UpdateReceived:
     num_samples: int
     weights: Weights
     metrics: Mapping[str, float]
-    leaving: bool = False          # the sender's last round: don't select it again
+    leaving: bool = False  # the sender's last round: don't select it again
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +169,8 @@ class RoundAggregated:
     participants: tuple[str, ...]
     metrics: dict[str, float]
     final: bool
-    weights_used: dict[str, float] = field(default_factory=dict)   # participant -> aggregation weight
-    dropped: dict[str, float] = field(default_factory=dict)        # sender -> the metric that dropped it
+    weights_used: dict[str, float] = field(default_factory=dict)  # participant -> aggregation weight
+    dropped: dict[str, float] = field(default_factory=dict)  # sender -> the metric that dropped it
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +184,7 @@ class RoundAbandoned:
 class Rejected:
     sender: str
     round: int
-    reason: str     # short code: stale, duplicate, unselected, shape, non-finite, ...
+    reason: str  # short code: stale, duplicate, unselected, shape, non-finite, ...
     detail: str
 
 
@@ -195,22 +203,29 @@ Command = StartRound | RoundAggregated | RoundAbandoned | Rejected | RequestWake
 
 
 class Phase(str, Enum):
-    WAITING = "waiting"        # for a quorum of agents
-    TRAINING = "training"      # a round is in progress
+    WAITING = "waiting"  # for a quorum of agents
+    TRAINING = "training"  # a round is in progress
     DONE = "done"
 
 
 class RoundMachine:
-    def __init__(self, config: RoundConfig, weights: Weights, *, model_version: int = 0,
-                 completed_rounds: int = 0, last_round: int = 0) -> None:
+    def __init__(
+        self,
+        config: RoundConfig,
+        weights: Weights,
+        *,
+        model_version: int = 0,
+        completed_rounds: int = 0,
+        last_round: int = 0,
+    ) -> None:
         """``completed_rounds``/``last_round``/``model_version`` resume from a checkpoint."""
         self.config = config
         self.weights = weights
         self.model_version = model_version
         self.completed = completed_rounds
-        self.round = last_round            # number of the latest round started
+        self.round = last_round  # number of the latest round started
         self.phase = Phase.WAITING if completed_rounds < config.rounds else Phase.DONE
-        self.online: dict[str, int] = {}   # agent -> samples it announced
+        self.online: dict[str, int] = {}  # agent -> samples it announced
         self.selected: tuple[str, ...] = ()
         self.received: dict[str, tuple[int, dict[str, float]]] = {}
         self._outstanding: set[str] = set()
@@ -218,12 +233,12 @@ class RoundMachine:
         self.quorum_since: float | None = None
         self.last_metrics: dict[str, float] = {}
         self._acc: StrategyAggregator | None = None
-        self.departing: set[str] = set()   # sent their last update this round
-        self.departed: set[str] = set()    # left; ignored as online until their goodbye
-        self.inflight: dict[str, _Inflight] = {}      # sender -> its streamed update in progress
-        self.ignored: set[tuple[str, str]] = set()    # (sender, tid) of streams refused at their header
-        self.benched: set[str] = set()     # spoilt the last round: not selected for the next one
-        self._ref_sq = 0.0                 # squared norm of the global model (norm bound of deltas)
+        self.departing: set[str] = set()  # sent their last update this round
+        self.departed: set[str] = set()  # left; ignored as online until their goodbye
+        self.inflight: dict[str, _Inflight] = {}  # sender -> its streamed update in progress
+        self.ignored: set[tuple[str, str]] = set()  # (sender, tid) of streams refused at their header
+        self.benched: set[str] = set()  # spoilt the last round: not selected for the next one
+        self._ref_sq = 0.0  # squared norm of the global model (norm bound of deltas)
         self._rng = random.Random(config.seed)
 
     # -- public ------------------------------------------------------------------------
@@ -245,8 +260,7 @@ class RoundMachine:
             if self.phase is Phase.TRAINING:
                 fl = self.inflight.get(event.agent)
                 if fl is not None:
-                    return self._on_end(UpdateEnd(event.agent, fl.tid, False, "sender went offline mid-transfer"),
-                                        now)
+                    return self._on_end(UpdateEnd(event.agent, fl.tid, False, "sender went offline mid-transfer"), now)
                 return self._maybe_finish(now)
             if len(self.online) < self.config.min_agents:
                 self.quorum_since = None
@@ -265,10 +279,17 @@ class RoundMachine:
         raise TypeError(f"not a round event: {event!r}")
 
     def status(self) -> dict[str, object]:
-        return {"phase": self.phase.value, "round": self.round, "completed_rounds": self.completed,
-                "rounds": self.config.rounds, "model_version": self.model_version,
-                "online": sorted(self.online), "selected": list(self.selected),
-                "received": sorted(self.received), "metrics": dict(self.last_metrics)}
+        return {
+            "phase": self.phase.value,
+            "round": self.round,
+            "completed_rounds": self.completed,
+            "rounds": self.config.rounds,
+            "model_version": self.model_version,
+            "online": sorted(self.online),
+            "selected": list(self.selected),
+            "received": sorted(self.received),
+            "metrics": dict(self.last_metrics),
+        }
 
     # -- starting ----------------------------------------------------------------------
     def _maybe_start(self, now: float) -> list[Command]:
@@ -297,18 +318,27 @@ class RoundMachine:
         self.round += 1
         self.phase = Phase.TRAINING
         self.selected = tuple(agents)
-        self._outstanding = set(agents)    # selected, not yet answered
+        self._outstanding = set(agents)  # selected, not yet answered
         self.received = {}
         self.deadline = now + cfg.round_timeout
         self._acc = StrategyAggregator(cfg.strategy, self.weights, compact=True)
         self.inflight = {}
         self.ignored = set()
         if cfg.max_norm is not None:
-            self._ref_sq = sum(float(np.square(w, dtype=np.float64).sum()) for w in self.weights.values()
-                               if w.dtype.kind == "f")
-        return [StartRound(self.round, self.model_version, self.selected, self.weights,
-                           replace(cfg.train, lr=cfg.lr_for(self.round)), cfg.round_timeout),
-                RequestWakeup(self.deadline)]
+            self._ref_sq = sum(
+                float(np.square(w, dtype=np.float64).sum()) for w in self.weights.values() if w.dtype.kind == "f"
+            )
+        return [
+            StartRound(
+                self.round,
+                self.model_version,
+                self.selected,
+                self.weights,
+                replace(cfg.train, lr=cfg.lr_for(self.round)),
+                cfg.round_timeout,
+            ),
+            RequestWakeup(self.deadline),
+        ]
 
     # -- collecting --------------------------------------------------------------------
     def _on_update(self, ev: UpdateReceived, now: float) -> list[Command]:
@@ -382,11 +412,12 @@ class RoundMachine:
     def _on_part(self, ev: UpdatePart, now: float) -> list[Command]:
         fl = self.inflight.get(ev.sender)
         if fl is None or fl.tid != ev.tid:
-            return []                       # refused at its header, or from an ended round
+            return []  # refused at its header, or from an ended round
         vals = ev.values
         if vals.dtype.kind == "f" and not np.isfinite(vals).all():
-            return self._on_end(UpdateEnd(ev.sender, ev.tid, False, f"{ev.name} contains NaN or Inf"), now,
-                                reason="non-finite")
+            return self._on_end(
+                UpdateEnd(ev.sender, ev.tid, False, f"{ev.name} contains NaN or Inf"), now, reason="non-finite"
+            )
         # The bound covers floating tensors only, as check_update's does.
         if self.config.max_norm is not None and self.weights[ev.name].dtype.kind == "f":
             ref = self.weights[ev.name].reshape(-1)
@@ -406,17 +437,26 @@ class RoundMachine:
             return []
         del self.inflight[ev.sender]
         head = fl.head
-        if ev.ok and self.config.max_norm is not None and fl.sq_norm > self.config.max_norm ** 2:
-            ev, reason = UpdateEnd(ev.sender, ev.tid, False,
-                                   f"norm {max(fl.sq_norm, 0.0) ** 0.5:.3g} above bound {self.config.max_norm:.3g}"), "norm"
+        if ev.ok and self.config.max_norm is not None and fl.sq_norm > self.config.max_norm**2:
+            ev, reason = (
+                UpdateEnd(
+                    ev.sender,
+                    ev.tid,
+                    False,
+                    f"norm {max(fl.sq_norm, 0.0) ** 0.5:.3g} above bound {self.config.max_norm:.3g}",
+                ),
+                "norm",
+            )
         if not ev.ok:
             out: list[Command] = [Rejected(ev.sender, head.round, reason, ev.reason)]
             if not fl.folded:
                 return out + self._maybe_finish(now)
             # Parts of it are in the sums and cannot be taken out: the round is spoilt.
             self.benched = {ev.sender}
-            detail = (f"update from {ev.sender} failed after parts of it were aggregated ({ev.reason}); "
-                      f"round restarted without it")
+            detail = (
+                f"update from {ev.sender} failed after parts of it were aggregated ({ev.reason}); "
+                f"round restarted without it"
+            )
             out.append(RoundAbandoned(self.round, self.model_version, detail))
             self._end_round()
             self.phase = Phase.WAITING
@@ -437,12 +477,13 @@ class RoundMachine:
         if waiting and now < self.deadline:
             return []
         if any(fl.folded for fl in self.inflight.values()):
-            return []                       # half-folded updates still arriving: wait for their end
+            return []  # half-folded updates still arriving: wait for their end
         assert self._acc is not None
         if self._acc.count >= self.config.min_updates:
             return self._aggregate(now)
-        reason = ("deadline passed" if now >= self.deadline else "selected agents left") + \
-            f" with {len(self.received)} of {len(self.selected)} updates (need {self.config.min_updates})"
+        reason = (
+            "deadline passed" if now >= self.deadline else "selected agents left"
+        ) + f" with {len(self.received)} of {len(self.selected)} updates (need {self.config.min_updates})"
         if self._acc.dropped:
             reason += f", {len(self._acc.dropped)} dropped by {self.config.strategy.name}"
         out: list[Command] = [RoundAbandoned(self.round, self.model_version, reason)]
@@ -462,9 +503,18 @@ class RoundMachine:
         total = sum(acc.weights.values())
         used = {a: acc.weights[a] / total for a in participants}
         final = self.completed >= self.config.rounds
-        out: list[Command] = [RoundAggregated(self.round, self.model_version, self.weights,
-                                              participants, dict(self.last_metrics), final,
-                                              used, dict(acc.dropped))]
+        out: list[Command] = [
+            RoundAggregated(
+                self.round,
+                self.model_version,
+                self.weights,
+                participants,
+                dict(self.last_metrics),
+                final,
+                used,
+                dict(acc.dropped),
+            )
+        ]
         self._end_round()
         if final:
             self.phase = Phase.DONE

@@ -133,8 +133,8 @@ class Completed:
     query_id: str
     hits: tuple[Hit, ...]
     answered: tuple[str, ...]
-    silent: tuple[str, ...]          # asked, no answer by the deadline
-    failed: tuple[tuple[str, str], ...]   # answered with an error: (peer, error)
+    silent: tuple[str, ...]  # asked, no answer by the deadline
+    failed: tuple[tuple[str, str], ...]  # answered with an error: (peer, error)
     timed_out: bool
 
 
@@ -226,8 +226,14 @@ class SearchMachine:
         q = self.queries.pop(qid)
         answered = tuple(p for p in q.peers if p in q.answers)
         silent = tuple(p for p in q.peers if p not in q.answers and p not in q.errors)
-        return Completed(qid, tuple(merge(((p, q.answers[p]) for p in answered), q.k)), answered, silent,
-                         tuple((p, q.errors[p]) for p in q.peers if p in q.errors), timed_out)
+        return Completed(
+            qid,
+            tuple(merge(((p, q.answers[p]) for p in answered), q.k)),
+            answered,
+            silent,
+            tuple((p, q.errors[p]) for p in q.peers if p in q.errors),
+            timed_out,
+        )
 
 
 # ---- the asker's public-vector exchange (mapped federations, SEEC Algorithm 2) ----------
@@ -239,7 +245,7 @@ class SearchMachine:
 @dataclass(frozen=True, slots=True)
 class ExchangeStart:
     request_id: str
-    have: tuple[tuple[str, str], ...]     # (peer, space this site holds a mapper for, or "")
+    have: tuple[tuple[str, str], ...]  # (peer, space this site holds a mapper for, or "")
     timeout: float
 
 
@@ -248,7 +254,7 @@ class VectorsReceived:
     request_id: str
     sender: str
     space: str
-    rows: int          # 0: no vectors sent (the peer says the asker's mapper is current)
+    rows: int  # 0: no vectors sent (the peer says the asker's mapper is current)
     error: str = ""
 
 
@@ -262,8 +268,8 @@ class SendVectorsRequest:
 @dataclass(frozen=True, slots=True)
 class Exchanged:
     request_id: str
-    current: tuple[tuple[str, str], ...]   # (peer, space): the held mapper is still right
-    train: tuple[tuple[str, str], ...]     # (peer, space): new vectors arrived, train a mapper
+    current: tuple[tuple[str, str], ...]  # (peer, space): the held mapper is still right
+    train: tuple[tuple[str, str], ...]  # (peer, space): new vectors arrived, train a mapper
     silent: tuple[str, ...]
     failed: tuple[tuple[str, str], ...]
     timed_out: bool
@@ -345,8 +351,9 @@ class ExchangeMachine:
         return []
 
     def _expire(self, now: float) -> list[ExchangeCommand]:
-        out: list[ExchangeCommand] = [self._complete(r, timed_out=True)
-                                      for r in [r for r, x in self.pending.items() if now >= x.deadline]]
+        out: list[ExchangeCommand] = [
+            self._complete(r, timed_out=True) for r in [r for r, x in self.pending.items() if now >= x.deadline]
+        ]
         if self.pending:
             out.append(RequestWakeup(min(x.deadline for x in self.pending.values())))
         return out
@@ -354,11 +361,34 @@ class ExchangeMachine:
     def _complete(self, rid: str, *, timed_out: bool) -> Exchanged:
         x = self.pending.pop(rid)
         silent = tuple(p for p in x.have if p not in x.current and p not in x.train and p not in x.errors)
-        return Exchanged(rid, tuple(x.current.items()), tuple(x.train.items()), silent,
-                         tuple(x.errors.items()), timed_out)
+        return Exchanged(
+            rid, tuple(x.current.items()), tuple(x.train.items()), silent, tuple(x.errors.items()), timed_out
+        )
 
 
-__all__ = ["MAX_K", "MAX_DIM", "MAX_DOC_ID", "SearchError", "Hit", "check_k", "check_vector", "top_k", "merge",
-           "Start", "AnswerReceived", "Wakeup", "SendQuery", "Completed", "Ignored", "RequestWakeup",
-           "SearchMachine", "MAX_PUBLIC_DOCS", "SPACES", "ExchangeStart", "VectorsReceived", "SendVectorsRequest",
-           "Exchanged", "ExchangeMachine"]
+__all__ = [
+    "MAX_DIM",
+    "MAX_DOC_ID",
+    "MAX_K",
+    "MAX_PUBLIC_DOCS",
+    "SPACES",
+    "AnswerReceived",
+    "Completed",
+    "ExchangeMachine",
+    "ExchangeStart",
+    "Exchanged",
+    "Hit",
+    "Ignored",
+    "RequestWakeup",
+    "SearchError",
+    "SearchMachine",
+    "SendQuery",
+    "SendVectorsRequest",
+    "Start",
+    "VectorsReceived",
+    "Wakeup",
+    "check_k",
+    "check_vector",
+    "merge",
+    "top_k",
+]

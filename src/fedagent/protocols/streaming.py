@@ -39,11 +39,26 @@ import numpy as np
 from fedagent.errors import CodecError
 from fedagent.protocols.chunking import Reassembler
 from fedagent.protocols.codec import Envelope, Limits, decode, encode
-from fedagent.protocols.compression import (INDEX_DTYPE, MODEL_DTYPES, VALUE_DTYPE, TensorSpec, check_indices,
-                                            decode_dense, spec_from_wire)
+from fedagent.protocols.compression import (
+    INDEX_DTYPE,
+    MODEL_DTYPES,
+    VALUE_DTYPE,
+    TensorSpec,
+    check_indices,
+    decode_dense,
+    spec_from_wire,
+)
 
-__all__ = ["STREAM_KIND", "HEAD_KIND", "UpdateHead", "UpdatePart", "UpdateEnd", "encode_stream",
-           "iter_stream_chunks", "StreamIntake"]
+__all__ = [
+    "HEAD_KIND",
+    "STREAM_KIND",
+    "StreamIntake",
+    "UpdateEnd",
+    "UpdateHead",
+    "UpdatePart",
+    "encode_stream",
+    "iter_stream_chunks",
+]
 
 STREAM_KIND = "ustream"
 HEAD_KIND = "update_head"
@@ -97,26 +112,38 @@ def encode_stream(head: Envelope, tensors: list[tuple[TensorSpec, Any]]) -> byte
     total = 4 + len(header) + sum(s.nbytes for s, _ in tensors)
     out = bytearray(total)
     out[:4] = len(header).to_bytes(4, "big")
-    out[4:4 + len(header)] = header
+    out[4 : 4 + len(header)] = header
     pos = 4 + len(header)
     for spec, data in tensors:
         mv = memoryview(data).cast("B")
         if mv.nbytes != spec.nbytes:
             raise ValueError(f"tensor {spec.name}: {mv.nbytes} bytes, spec says {spec.nbytes}")
-        out[pos:pos + spec.nbytes] = mv
+        out[pos : pos + spec.nbytes] = mv
         pos += spec.nbytes
     return out
 
 
-def head_body(round_: int, base_version: int, num_samples: int, metrics: dict[str, float], leaving: bool,
-              tensors: list[tuple[TensorSpec, Any]]) -> dict[str, Any]:
-    return {"round": round_, "base_version": base_version, "num_samples": num_samples,
-            "metrics": {k: float(v) for k, v in metrics.items()}, "leaving": bool(leaving),
-            "tensors": [s.to_wire() for s, _ in tensors]}
+def head_body(
+    round_: int,
+    base_version: int,
+    num_samples: int,
+    metrics: dict[str, float],
+    leaving: bool,
+    tensors: list[tuple[TensorSpec, Any]],
+) -> dict[str, Any]:
+    return {
+        "round": round_,
+        "base_version": base_version,
+        "num_samples": num_samples,
+        "metrics": {k: float(v) for k, v in metrics.items()},
+        "leaving": bool(leaving),
+        "tensors": [s.to_wire() for s, _ in tensors],
+    }
 
 
-def iter_stream_chunks(payload: bytes | bytearray | memoryview, *, max_chunk: int, transfer_id: str,
-                       digest: bytes | None = None):
+def iter_stream_chunks(
+    payload: bytes | bytearray | memoryview, *, max_chunk: int, transfer_id: str, digest: bytes | None = None
+):
     """Chunk bodies for ``payload``, made one at a time; their data are views of it
     (the encoder copies them once, into the chunk envelope). ``digest``: its SHA-256
     if the caller computed it already."""
@@ -126,15 +153,42 @@ def iter_stream_chunks(payload: bytes | bytearray | memoryview, *, max_chunk: in
         digest = hashlib.sha256(view).digest()
     n = max(1, -(-size // max_chunk))
     for i in range(n):
-        yield {"tid": transfer_id, "i": i, "n": n, "size": size, "sha256": digest,
-               "data": view[i * max_chunk:(i + 1) * max_chunk]}
+        yield {
+            "tid": transfer_id,
+            "i": i,
+            "n": n,
+            "size": size,
+            "sha256": digest,
+            "data": view[i * max_chunk : (i + 1) * max_chunk],
+        }
 
 
 # ---- receiver side ---------------------------------------------------------------------
 class _Transfer:
-    __slots__ = ("sender", "tid", "n", "size", "sha256", "hasher", "next_i", "chunk_len", "held",
-                 "held_bytes", "pos", "hlen", "hbuf", "specs", "t", "toff", "elem", "carry", "idx_buf",
-                 "idx", "headed", "last_seen")
+    __slots__ = (
+        "carry",
+        "chunk_len",
+        "elem",
+        "hasher",
+        "hbuf",
+        "headed",
+        "held",
+        "held_bytes",
+        "hlen",
+        "idx",
+        "idx_buf",
+        "last_seen",
+        "n",
+        "next_i",
+        "pos",
+        "sender",
+        "sha256",
+        "size",
+        "specs",
+        "t",
+        "tid",
+        "toff",
+    )
 
     def __init__(self, sender: str, tid: str, n: int, size: int, digest: bytes, now: float) -> None:
         self.sender, self.tid, self.n, self.size, self.sha256 = sender, tid, n, size, digest
@@ -147,10 +201,10 @@ class _Transfer:
         self.hlen = -1
         self.hbuf = bytearray()
         self.specs: tuple[TensorSpec, ...] = ()
-        self.t = 0                  # tensor being read
-        self.toff = 0               # bytes of it read
-        self.elem = 0               # dense: next element index; topk: next value index
-        self.carry = bytearray()    # a partial element split across chunks
+        self.t = 0  # tensor being read
+        self.toff = 0  # bytes of it read
+        self.elem = 0  # dense: next element index; topk: next value index
+        self.carry = bytearray()  # a partial element split across chunks
         self.idx_buf = bytearray()
         self.idx: np.ndarray | None = None
         self.headed = False
@@ -160,20 +214,29 @@ class _Transfer:
 class StreamIntake:
     """Decode ``ustream`` chunks of any number of concurrent transfers into events."""
 
-    def __init__(self, federation: str, *, max_transfer_bytes: int, max_pending_bytes: int, timeout: float,
-                 max_transfers: int = 4096, remember_completed: int = 8192,
-                 max_header_bytes: int = MAX_HEADER_BYTES) -> None:
+    def __init__(
+        self,
+        federation: str,
+        *,
+        max_transfer_bytes: int,
+        max_pending_bytes: int,
+        timeout: float,
+        max_transfers: int = 4096,
+        remember_completed: int = 8192,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+    ) -> None:
         self.federation = federation
         self.max_transfer_bytes = max_transfer_bytes
         self.max_pending_bytes = max_pending_bytes
         self.timeout = timeout
         self.max_transfers = max_transfers
         self.remember_completed = remember_completed
-        self.header_limits = Limits(max_message_bytes=max_header_bytes, max_bin_len=1024,
-                                    max_array_len=max(MAX_TENSORS, 16), max_str_len=4096)
+        self.header_limits = Limits(
+            max_message_bytes=max_header_bytes, max_bin_len=1024, max_array_len=max(MAX_TENSORS, 16), max_str_len=4096
+        )
         self._transfers: dict[tuple[str, str], _Transfer] = {}
         self._completed: OrderedDict[tuple[str, str], float] = OrderedDict()
-        self.pending_bytes = 0      # chunks held because they arrived ahead of their turn
+        self.pending_bytes = 0  # chunks held because they arrived ahead of their turn
 
     @property
     def pending_transfers(self) -> int:
@@ -185,7 +248,7 @@ class StreamIntake:
         tid, i, n, size, digest, data = Reassembler._fields(body)
         key = (sender, tid)
         if key in self._completed:
-            return []                                   # QoS 1 redelivery of a finished transfer
+            return []  # QoS 1 redelivery of a finished transfer
         if size > self.max_transfer_bytes:
             raise CodecError(f"stream {tid!r} of {size} bytes exceeds the limit of {self.max_transfer_bytes}")
         t = self._transfers.get(key)
@@ -197,14 +260,16 @@ class StreamIntake:
             return self._fail(t, "chunk disagrees with earlier chunks (n/size/sha256)")
         t.last_seen = now
         if i < t.next_i or i in t.held:
-            return []                                   # duplicate
+            return []  # duplicate
         out: list[StreamEvent] = []
         try:
             if i != t.next_i:
                 length = len(data)
                 if self.pending_bytes + length > self.max_pending_bytes:
-                    raise CodecError(f"chunk {i} arrived ahead of {t.next_i} and the hold-back limit "
-                                     f"of {self.max_pending_bytes} bytes is reached")
+                    raise CodecError(
+                        f"chunk {i} arrived ahead of {t.next_i} and the hold-back limit "
+                        f"of {self.max_pending_bytes} bytes is reached"
+                    )
                 t.held[i] = bytes(data)
                 t.held_bytes += length
                 self.pending_bytes += length
@@ -237,7 +302,7 @@ class StreamIntake:
         """End transfer ``tid`` of ``sender`` as failed (a check above the intake refused
         it); it is remembered as finished, so its later chunks are ignored."""
         t = self._transfers.get((sender, tid))
-        if t is None:                                   # ended with this very chunk
+        if t is None:  # ended with this very chunk
             return [UpdateEnd(sender, tid, False, reason)]
         return self._fail(t, reason)
 
@@ -285,8 +350,8 @@ class StreamIntake:
             if t.t >= len(t.specs):
                 raise CodecError("bytes after the last tensor")
             spec = t.specs[t.t]
-            take = mv[:spec.nbytes - t.toff]
-            mv = mv[take.nbytes:]
+            take = mv[: spec.nbytes - t.toff]
+            mv = mv[take.nbytes :]
             if spec.enc == "topk":
                 self._topk_bytes(t, spec, take, out)
             else:
@@ -307,7 +372,7 @@ class StreamIntake:
         if t.hlen < 0:
             need = 4 - len(t.hbuf)
             t.hbuf += mv[:need]
-            mv = mv[min(need, mv.nbytes):]
+            mv = mv[min(need, mv.nbytes) :]
             if len(t.hbuf) < 4:
                 return mv
             t.hlen = int.from_bytes(t.hbuf, "big")
@@ -316,7 +381,7 @@ class StreamIntake:
                 raise CodecError(f"stream header of {t.hlen} bytes is too large")
         need = t.hlen - len(t.hbuf)
         t.hbuf += mv[:need]
-        mv = mv[min(need, mv.nbytes):]
+        mv = mv[min(need, mv.nbytes) :]
         if len(t.hbuf) == t.hlen:
             out.append(self._parse_header(t, bytes(t.hbuf)))
             t.hbuf = bytearray()
@@ -331,8 +396,9 @@ class StreamIntake:
             raise CodecError("stream header: wrong kind, sender or federation")
         b = env.body
         if set(b) != {"round", "base_version", "num_samples", "metrics", "leaving", "tensors"}:
-            raise CodecError("stream header: fields must be round, base_version, num_samples, metrics, "
-                             "leaving, tensors")
+            raise CodecError(
+                "stream header: fields must be round, base_version, num_samples, metrics, leaving, tensors"
+            )
         for k in ("round", "base_version", "num_samples"):
             if type(b[k]) is not int or b[k] < 0:
                 raise CodecError(f"stream header: {k} must be a non-negative int")
@@ -357,8 +423,7 @@ class StreamIntake:
         if 4 + len(raw) + sum(s.nbytes for s in specs) != t.size:
             raise CodecError("stream header: tensor byte counts do not add up to the payload size")
         t.specs = specs
-        return UpdateHead(t.sender, t.tid, b["round"], b["base_version"], b["num_samples"], clean,
-                          b["leaving"], specs)
+        return UpdateHead(t.sender, t.tid, b["round"], b["base_version"], b["num_samples"], clean, b["leaving"], specs)
 
     def _dense_bytes(self, t: _Transfer, spec: TensorSpec, take: memoryview, out: list[StreamEvent]) -> None:
         isz = {"raw": MODEL_DTYPES[spec.dtype].itemsize, "fp16": 2, "int8": 1}[spec.enc]
@@ -366,17 +431,19 @@ class StreamIntake:
         if t.carry:
             need = isz - len(t.carry)
             t.carry += take[:need]
-            take = take[min(need, take.nbytes):]
+            take = take[min(need, take.nbytes) :]
             if len(t.carry) < isz:
                 return
-            out.append(UpdatePart(t.sender, t.tid, spec.name, t.elem, decode_dense(spec, bytes(t.carry), t.elem),
-                                  None, delta))
+            out.append(
+                UpdatePart(t.sender, t.tid, spec.name, t.elem, decode_dense(spec, bytes(t.carry), t.elem), None, delta)
+            )
             t.elem += 1
             t.carry.clear()
         whole = (take.nbytes // isz) * isz
         if whole:
-            out.append(UpdatePart(t.sender, t.tid, spec.name, t.elem, decode_dense(spec, take[:whole], t.elem),
-                                  None, delta))
+            out.append(
+                UpdatePart(t.sender, t.tid, spec.name, t.elem, decode_dense(spec, take[:whole], t.elem), None, delta)
+            )
             t.elem += whole // isz
         t.carry += take[whole:]
 
@@ -384,9 +451,9 @@ class StreamIntake:
         k = int(spec.param)
         idx_bytes = k * INDEX_DTYPE.itemsize
         if t.toff < idx_bytes:
-            part = take[:idx_bytes - t.toff]
+            part = take[: idx_bytes - t.toff]
             t.idx_buf += part
-            take = take[part.nbytes:]
+            take = take[part.nbytes :]
             if len(t.idx_buf) == idx_bytes:
                 t.idx = np.frombuffer(bytes(t.idx_buf), dtype=INDEX_DTYPE)
                 t.idx_buf = bytearray()
@@ -398,17 +465,35 @@ class StreamIntake:
         if t.carry:
             need = isz - len(t.carry)
             t.carry += take[:need]
-            take = take[min(need, take.nbytes):]
+            take = take[min(need, take.nbytes) :]
             if len(t.carry) < isz:
                 return
-            out.append(UpdatePart(t.sender, t.tid, spec.name, 0, np.frombuffer(bytes(t.carry), VALUE_DTYPE),
-                                  t.idx[t.elem:t.elem + 1], True))
+            out.append(
+                UpdatePart(
+                    t.sender,
+                    t.tid,
+                    spec.name,
+                    0,
+                    np.frombuffer(bytes(t.carry), VALUE_DTYPE),
+                    t.idx[t.elem : t.elem + 1],
+                    True,
+                )
+            )
             t.elem += 1
             t.carry.clear()
         whole = (take.nbytes // isz) * isz
         if whole:
             m = whole // isz
-            out.append(UpdatePart(t.sender, t.tid, spec.name, 0, np.frombuffer(take[:whole], VALUE_DTYPE),
-                                  t.idx[t.elem:t.elem + m], True))
+            out.append(
+                UpdatePart(
+                    t.sender,
+                    t.tid,
+                    spec.name,
+                    0,
+                    np.frombuffer(take[:whole], VALUE_DTYPE),
+                    t.idx[t.elem : t.elem + m],
+                    True,
+                )
+            )
             t.elem += m
         t.carry += take[whole:]

@@ -88,11 +88,12 @@ class PlainMean(SampleWeightedMean):
 
 
 AGGREGATORS: dict[str, Callable[[Mapping[str, np.ndarray]], GradientAggregator]] = {
-    "weighted": SampleWeightedMean, "mean": PlainMean}
+    "weighted": SampleWeightedMean,
+    "mean": PlainMean,
+}
 
 
-def relative_change(new: Mapping[str, np.ndarray], old: Mapping[str, np.ndarray],
-                    names: tuple[str, ...]) -> float:
+def relative_change(new: Mapping[str, np.ndarray], old: Mapping[str, np.ndarray], names: tuple[str, ...]) -> float:
     """||W_new − W_old|| / ||W_old|| over the trained parameters (float64 sums).
 
     Element-wise squares, not ``np.dot``: a BLAS dot spins threads that fight the agents
@@ -118,7 +119,7 @@ def pooled_validation_loss(losses: Mapping[str, tuple[float, int]]) -> float:
     if total <= 0:
         raise ValueError("no validation documents")
     if not all(math.isfinite(float(loss)) for loss, n in losses.values() if int(n) > 0):
-        return math.inf          # a diverged node makes the epoch a non-improvement
+        return math.inf  # a diverged node makes the epoch a non-improvement
     return sum(float(loss) * int(n) for loss, n in losses.values() if int(n) > 0) / total
 
 
@@ -164,13 +165,13 @@ class PatienceStop:
 # ---- configuration -----------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class SyncOptConfig:
-    steps: int = 500                 # I in Algorithm 1
-    tol: float = 0.0                 # stop when the relative weight change is below this (0 = never)
-    step_timeout: float = 60.0       # seconds a step waits for its gradients
-    on_fault: str = "continue"       # "continue" | "abort" (see the module docstring)
-    min_gradients: int = 1           # "continue": aggregate a faulty step with at least this many
-    max_norm: float | None = None    # refuse gradients with a larger L2 norm
-    aggregation: str = "weighted"    # a key of AGGREGATORS
+    steps: int = 500  # I in Algorithm 1
+    tol: float = 0.0  # stop when the relative weight change is below this (0 = never)
+    step_timeout: float = 60.0  # seconds a step waits for its gradients
+    on_fault: str = "continue"  # "continue" | "abort" (see the module docstring)
+    min_gradients: int = 1  # "continue": aggregate a faulty step with at least this many
+    max_norm: float | None = None  # refuse gradients with a larger L2 norm
+    aggregation: str = "weighted"  # a key of AGGREGATORS
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.min_gradients < 1:
@@ -236,7 +237,7 @@ class StartStep:
     model_version: int
     participants: tuple[str, ...]
     deadline_s: float
-    weights: Weights | None = field(repr=False)   # None: every participant holds this version
+    weights: Weights | None = field(repr=False)  # None: every participant holds this version
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,13 +252,13 @@ class ApplyGradient:
 @dataclass(frozen=True, slots=True)
 class StepDone:
     step: int
-    model_version: int                 # the new version
+    model_version: int  # the new version
     weights: Weights = field(repr=False)
-    loss: float                        # sample-weighted mean of the participants' losses
+    loss: float  # sample-weighted mean of the participants' losses
     rel_change: float
-    participants: tuple[str, ...]      # whose gradients were aggregated
+    participants: tuple[str, ...]  # whose gradients were aggregated
     samples: int
-    missing: tuple[str, ...] = ()      # expected but absent (fault): the step is not exact
+    missing: tuple[str, ...] = ()  # expected but absent (fault): the step is not exact
     final: bool = False
 
 
@@ -272,7 +273,7 @@ class StepRepeated:
 class Rejected:
     sender: str
     step: int
-    reason: str     # stale, duplicate, unselected, names, shape, dtype, non-finite, norm, weight
+    reason: str  # stale, duplicate, unselected, names, shape, dtype, non-finite, norm, weight
     detail: str
 
 
@@ -285,7 +286,7 @@ class RequestWakeup:
 class Finished:
     model_version: int
     steps_done: int
-    reason: str                        # "max steps" | "converged"
+    reason: str  # "max steps" | "converged"
     weights: Weights = field(repr=False)
 
 
@@ -300,9 +301,9 @@ Command = StartStep | ApplyGradient | StepDone | StepRepeated | Rejected | Reque
 
 
 class Phase(str, Enum):
-    WAITING = "waiting"      # for Begin
+    WAITING = "waiting"  # for Begin
     COLLECTING = "collecting"
-    APPLYING = "applying"    # the daemon runs the optimizer
+    APPLYING = "applying"  # the daemon runs the optimizer
     DONE = "done"
     ABORTED = "aborted"
 
@@ -311,9 +312,17 @@ class SyncOptMachine:
     """See the module docstring. ``weights`` is the whole model state that travels;
     ``param_names`` the trained parameters, i.e. the tensors a gradient has."""
 
-    def __init__(self, config: SyncOptConfig, weights: Weights, param_names: tuple[str, ...], *,
-                 model_version: int = 0, steps_done: int = 0, last_step: int = 0,
-                 aggregator: Callable[[Mapping[str, np.ndarray]], GradientAggregator] | None = None) -> None:
+    def __init__(
+        self,
+        config: SyncOptConfig,
+        weights: Weights,
+        param_names: tuple[str, ...],
+        *,
+        model_version: int = 0,
+        steps_done: int = 0,
+        last_step: int = 0,
+        aggregator: Callable[[Mapping[str, np.ndarray]], GradientAggregator] | None = None,
+    ) -> None:
         """``model_version``/``steps_done``/``last_step`` resume from a checkpoint: a step
         number once started is never reused."""
         missing = [n for n in param_names if n not in weights]
@@ -328,11 +337,11 @@ class SyncOptMachine:
         self.steps_done = steps_done
         self.step = last_step
         self.phase = Phase.WAITING if steps_done < config.steps else Phase.DONE
-        self.participants: tuple[str, ...] = ()     # expected in the current/next step
+        self.participants: tuple[str, ...] = ()  # expected in the current/next step
         self.online: set[str] = set()
-        self.dropped: set[str] = set()              # participants lost to a fault
-        self.returning: set[str] = set()            # dropped ones announced online again since
-        self.holders: set[str] = set()              # agents that received W(model_version)
+        self.dropped: set[str] = set()  # participants lost to a fault
+        self.returning: set[str] = set()  # dropped ones announced online again since
+        self.holders: set[str] = set()  # agents that received W(model_version)
         self.received: dict[str, tuple[int, float]] = {}
         self.deadline = math.inf
         self.exact = True
@@ -375,10 +384,18 @@ class SyncOptMachine:
         raise TypeError(f"not a Sync-Opt event: {event!r}")
 
     def status(self) -> dict[str, object]:
-        return {"phase": self.phase.value, "step": self.step, "steps_done": self.steps_done,
-                "steps": self.config.steps, "model_version": self.model_version,
-                "participants": list(self.participants), "received": sorted(self.received),
-                "last_loss": self.last_loss, "rel_change": self.last_rel_change, "exact": self.exact}
+        return {
+            "phase": self.phase.value,
+            "step": self.step,
+            "steps_done": self.steps_done,
+            "steps": self.config.steps,
+            "model_version": self.model_version,
+            "participants": list(self.participants),
+            "received": sorted(self.received),
+            "last_loss": self.last_loss,
+            "rel_change": self.last_rel_change,
+            "exact": self.exact,
+        }
 
     # -- steps -------------------------------------------------------------------------
     def _start(self, now: float) -> list[Command]:
@@ -396,9 +413,16 @@ class SyncOptMachine:
         self._acc = self._aggregator(self._reference)
         everyone_holds = all(a in self.holders for a in self.participants)
         self.holders |= set(self.participants)
-        return [StartStep(self.step, self.model_version, self.participants, self.config.step_timeout,
-                          None if everyone_holds else self.weights),
-                RequestWakeup(self.deadline)]
+        return [
+            StartStep(
+                self.step,
+                self.model_version,
+                self.participants,
+                self.config.step_timeout,
+                None if everyone_holds else self.weights,
+            ),
+            RequestWakeup(self.deadline),
+        ]
 
     def _on_gradient(self, ev: GradientReceived, now: float) -> list[Command]:
         def reject(reason: str, detail: str) -> list[Command]:
@@ -440,8 +464,13 @@ class SyncOptMachine:
         if cfg.on_fault == "abort":
             self.phase = Phase.ABORTED
             self._acc = None
-            return [Aborted(self.step, self.model_version,
-                            f"step {self.step}: no gradient from {', '.join(missing)} by the deadline")]
+            return [
+                Aborted(
+                    self.step,
+                    self.model_version,
+                    f"step {self.step}: no gradient from {', '.join(missing)} by the deadline",
+                )
+            ]
         self.exact = False
         self.dropped |= set(missing)
         self.participants = tuple(a for a in self.participants if a not in missing)
@@ -466,7 +495,7 @@ class SyncOptMachine:
     def _on_applied(self, ev: OptimizerApplied, now: float) -> list[Command]:
         if self.phase is not Phase.APPLYING or ev.step != self.step:
             raise ValueError(f"OptimizerApplied for step {ev.step} while {self.phase.value} step {self.step}")
-        check_update(self.weights, ev.weights)      # the daemon's own output: a bug if this fails
+        check_update(self.weights, ev.weights)  # the daemon's own output: a bug if this fails
         old = self.weights
         self.weights = ev.weights
         self._reference = {n: ev.weights[n] for n in self.param_names}
@@ -478,12 +507,23 @@ class SyncOptMachine:
         self.last_rel_change = relative_change(ev.weights, old, self.param_names)
         converged = self.config.tol > 0 and self.last_rel_change < self.config.tol
         final = converged or self.steps_done >= self.config.steps
-        out: list[Command] = [StepDone(self.step, self.model_version, ev.weights, self.last_loss,
-                                       self.last_rel_change, tuple(sorted(self.received)), total,
-                                       self._missing_in_step, final)]
+        out: list[Command] = [
+            StepDone(
+                self.step,
+                self.model_version,
+                ev.weights,
+                self.last_loss,
+                self.last_rel_change,
+                tuple(sorted(self.received)),
+                total,
+                self._missing_in_step,
+                final,
+            )
+        ]
         self._missing_in_step = ()
         if final:
             self.phase = Phase.DONE
-            return out + [Finished(self.model_version, self.steps_done, "converged" if converged else "max steps",
-                                   ev.weights)]
+            return out + [
+                Finished(self.model_version, self.steps_done, "converged" if converged else "max steps", ev.weights)
+            ]
         return out + self._start(now)

@@ -33,8 +33,7 @@ def check_name(name: str, what: str = "name") -> str:
     """Return ``name`` if it is a valid federation/node id, else raise ConfigError."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ConfigError(
-            f"invalid {what} {name!r}: use 1-63 lower-case letters, digits or '-', "
-            "starting with a letter or digit"
+            f"invalid {what} {name!r}: use 1-63 lower-case letters, digits or '-', starting with a letter or digit"
         )
     return name
 

@@ -28,9 +28,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-MAX_TERMS = 100_000          # terms in one offer or in the agreed vocabulary (codec's array limit)
-MAX_TERM_CHARS = 200         # one term
-MAX_COUNT = 2**53 - 1        # counts stay exact in a float64 and in msgpack
+MAX_TERMS = 100_000  # terms in one offer or in the agreed vocabulary (codec's array limit)
+MAX_TERM_CHARS = 200  # one term
+MAX_COUNT = 2**53 - 1  # counts stay exact in a float64 and in msgpack
 
 
 class VocabError(ValueError):
@@ -69,8 +69,9 @@ def check_counts(terms: Iterable[object], counts: Iterable[object], *, max_terms
             raise VocabError("count", f"count of {t[:40]!r} must be a positive integer, got {c!r}")
 
 
-def merge_vocabularies(offers: Iterable[Mapping[str, int]], *, min_count: int = 1,
-                       max_size: int = 0) -> list[tuple[str, int]]:
+def merge_vocabularies(
+    offers: Iterable[Mapping[str, int]], *, min_count: int = 1, max_size: int = 0
+) -> list[tuple[str, int]]:
     """Union with summed counts, filtered and ordered as the module docstring says."""
     total: dict[str, int] = {}
     for offer in offers:
@@ -100,12 +101,12 @@ def vocabulary_digest(terms: Iterable[str]) -> str:
 # ---- the machine -------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class VocabConfig:
-    expected_agents: int = 0       # merge as soon as this many offered (0 = unknown: wait for the deadline)
-    min_agents: int = 1            # quorum: at the deadline, merge only with at least this many offers
-    deadline: float = 60.0         # seconds after start; with a quorum the merge happens then
+    expected_agents: int = 0  # merge as soon as this many offered (0 = unknown: wait for the deadline)
+    min_agents: int = 1  # quorum: at the deadline, merge only with at least this many offers
+    deadline: float = 60.0  # seconds after start; with a quorum the merge happens then
     min_count: int = 1
-    max_size: int = 0              # keep at most this many terms (0 = all)
-    max_terms: int = MAX_TERMS     # per offer and in the result
+    max_size: int = 0  # keep at most this many terms (0 = all)
+    max_terms: int = MAX_TERMS  # per offer and in the result
 
     def __post_init__(self) -> None:
         if self.expected_agents < 0 or self.min_agents < 1:
@@ -143,7 +144,7 @@ class Agreed:
     counts: tuple[int, ...]
     contributors: tuple[str, ...]
     digest: str
-    dropped_terms: int = 0         # terms offered but cut by min_count / max_size
+    dropped_terms: int = 0  # terms offered but cut by min_count / max_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +177,7 @@ class VocabularyMerge:
         self.phase = VocabPhase.IDLE
         self.deadline = math.inf
         self._total: dict[str, int] = {}
-        self.contributors: dict[str, int] = {}      # sender -> terms it offered
+        self.contributors: dict[str, int] = {}  # sender -> terms it offered
         self.result: Agreed | None = None
 
     def start(self, now: float) -> list[VocabCommand]:
@@ -194,9 +195,13 @@ class VocabularyMerge:
         raise TypeError(f"not a vocabulary event: {event!r}")
 
     def status(self) -> dict[str, object]:
-        return {"phase": self.phase.value, "offers": sorted(self.contributors),
-                "expected": self.config.expected_agents, "terms_so_far": len(self._total),
-                "terms": len(self.result.terms) if self.result else None}
+        return {
+            "phase": self.phase.value,
+            "offers": sorted(self.contributors),
+            "expected": self.config.expected_agents,
+            "terms_so_far": len(self._total),
+            "terms": len(self.result.terms) if self.result else None,
+        }
 
     def _on_offer(self, ev: OfferReceived, now: float) -> list[VocabCommand]:
         def reject(reason: str, detail: str) -> list[VocabCommand]:
@@ -229,14 +234,33 @@ class VocabularyMerge:
         size = cfg.max_size or cfg.max_terms
         merged = finalize(self._total, min_count=cfg.min_count, max_size=size)
         terms = tuple(t for t, _ in merged)
-        self.result = Agreed(terms, tuple(c for _, c in merged), tuple(sorted(self.contributors)),
-                             vocabulary_digest(terms), len(self._total) - len(merged))
+        self.result = Agreed(
+            terms,
+            tuple(c for _, c in merged),
+            tuple(sorted(self.contributors)),
+            vocabulary_digest(terms),
+            len(self._total) - len(merged),
+        )
         self.phase = VocabPhase.AGREED
         self._total = {}
         return [self.result]
 
 
-__all__ = ["MAX_TERMS", "MAX_TERM_CHARS", "VocabError", "check_term", "check_counts", "merge_vocabularies",
-           "finalize", "vocabulary_digest", "VocabConfig", "OfferReceived", "Wakeup", "Agreed", "OfferRejected",
-           "RequestWakeup", "VocabPhase", "VocabularyMerge"]
-
+__all__ = [
+    "MAX_TERMS",
+    "MAX_TERM_CHARS",
+    "Agreed",
+    "OfferReceived",
+    "OfferRejected",
+    "RequestWakeup",
+    "VocabConfig",
+    "VocabError",
+    "VocabPhase",
+    "VocabularyMerge",
+    "Wakeup",
+    "check_counts",
+    "check_term",
+    "finalize",
+    "merge_vocabularies",
+    "vocabulary_digest",
+]

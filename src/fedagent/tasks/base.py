@@ -33,16 +33,16 @@ class Task(abc.ABC):
         """How many local training samples (the FedAvg weight of this node)."""
 
     @abc.abstractmethod
-    def fit(self, model: torch.nn.Module, *, epochs: int, lr: float, batch_size: int,
-            seed: int) -> dict[str, float]:
+    def fit(self, model: torch.nn.Module, *, epochs: int, lr: float, batch_size: int, seed: int) -> dict[str, float]:
         """Train ``model`` in place on local data; return metrics (e.g. ``loss``)."""
 
     @abc.abstractmethod
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """Metrics of ``model`` on this node's held-out data (e.g. ``accuracy``)."""
 
-    def fit_steps(self, model: torch.nn.Module, *, steps: int, lr: float, batch_size: int,
-                  seed: int) -> dict[str, float]:
+    def fit_steps(
+        self, model: torch.nn.Module, *, steps: int, lr: float, batch_size: int, seed: int
+    ) -> dict[str, float]:
         """Train ``model`` in place for ``steps`` mini-batches (gossip mode exchanges every
         few steps, not every epoch). Tasks that support gossip mode override this."""
         raise ConfigError(f"task {type(self).__name__} does not support gossip mode: it has no fit_steps()")
@@ -125,7 +125,7 @@ def load_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
         task = factory(dict(options or {}))
     except ConfigError:
         raise
-    except Exception as exc:  # noqa: BLE001 - user code: report it as a config problem
+    except Exception as exc:
         raise ConfigError(f"task {name!r} could not be built: {type(exc).__name__}: {exc}") from exc
     if not isinstance(task, Task):
         raise ConfigError(f"task factory {name!r} returned {type(task).__name__}, not a fedagent Task")

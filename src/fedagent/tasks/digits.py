@@ -34,8 +34,7 @@ def train_test_split(x: np.ndarray, y: np.ndarray, seed: int = 0, test_fraction:
     return (x[train], y[train]), (x[test], y[test])
 
 
-def dirichlet_split(y: np.ndarray, shards: int, alpha: float, seed: int = 0,
-                    min_size: int = 10) -> list[np.ndarray]:
+def dirichlet_split(y: np.ndarray, shards: int, alpha: float, seed: int = 0, min_size: int = 10) -> list[np.ndarray]:
     """Indices of each shard: every class divided by proportions ~ Dirichlet(alpha)."""
     rng = np.random.default_rng(seed)
     for _ in range(100):
@@ -101,12 +100,11 @@ class DigitsTask(Task):
             for _ in range(epochs):
                 order = torch.randperm(n, generator=gen)
                 for start in range(0, n, batch_size):
-                    yield order[start:start + batch_size]
+                    yield order[start : start + batch_size]
 
         return self._train(model, lr, batches())
 
-    def fit_steps(self, model: nn.Module, *, steps: int, lr: float, batch_size: int,
-                  seed: int) -> dict[str, float]:
+    def fit_steps(self, model: nn.Module, *, steps: int, lr: float, batch_size: int, seed: int) -> dict[str, float]:
         """``steps`` mini-batches, each drawn without replacement within an epoch's
         permutation (a new permutation, from ``seed``, whenever one runs out)."""
         gen = torch.Generator().manual_seed(seed)
@@ -117,7 +115,7 @@ class DigitsTask(Task):
             for _ in range(steps):
                 if pos >= n:
                     order, pos = torch.randperm(n, generator=gen), 0
-                yield order[pos:pos + batch_size]
+                yield order[pos : pos + batch_size]
                 pos += batch_size
 
         return self._train(model, lr, batches())
@@ -139,5 +137,9 @@ def make(options: dict[str, Any]) -> DigitsTask:
     if unknown:
         raise ConfigError(f"digits: unknown options {sorted(unknown)}; known: {sorted(known)}")
     shard = options.get("shard")
-    return DigitsTask(shard=None if shard is None else int(shard), shards=int(options.get("shards", 1)),
-                      alpha=float(options.get("alpha", 0.5)), seed=int(options.get("seed", 0)))
+    return DigitsTask(
+        shard=None if shard is None else int(shard),
+        shards=int(options.get("shards", 1)),
+        alpha=float(options.get("alpha", 0.5)),
+        seed=int(options.get("seed", 0)),
+    )

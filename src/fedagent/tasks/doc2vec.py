@@ -58,9 +58,23 @@ from fedagent.tasks.base import Task
 from fedagent.tasks.word2vec import PairStream, Vocabulary, check_options, sgns_update
 
 DEFAULTS: dict[str, Any] = {
-    "corpus": "newsgroups", "split": "random", "shard": None, "shards": 1, "topics": None, "limit": 0,
-    "holdout": None, "seed": 0, "dim": 50, "negative": 5, "sample": 1e-3, "min_count": 2, "max_vocab": 0,
-    "ns_exponent": 0.75, "vocabulary": None, "infer_epochs": 20, "infer_lr": 0.025,
+    "corpus": "newsgroups",
+    "split": "random",
+    "shard": None,
+    "shards": 1,
+    "topics": None,
+    "limit": 0,
+    "holdout": None,
+    "seed": 0,
+    "dim": 50,
+    "negative": 5,
+    "sample": 1e-3,
+    "min_count": 2,
+    "max_vocab": 0,
+    "ns_exponent": 0.75,
+    "vocabulary": None,
+    "infer_epochs": 20,
+    "infer_lr": 0.025,
 }
 KNN = 5
 EVAL_DOCS = 20
@@ -110,7 +124,9 @@ class Doc2VecTask(Task):
         shards = int(o["shards"])
         shard = None if o["shard"] is None else int(o["shard"])
         if shards > 1:
-            split = td.split_articles([tokens[i] for i in train], shards, o["split"], seed=self.seed, topics=o["topics"])
+            split = td.split_articles(
+                [tokens[i] for i in train], shards, o["split"], seed=self.seed, topics=o["topics"]
+            )
             groups = [[train[j] for j in s] for s in split.shards]
         else:
             groups = [train]
@@ -124,8 +140,9 @@ class Doc2VecTask(Task):
             vocab = Vocabulary.read(o["vocabulary"])
         else:
             offers = [td.term_counts(tokens[i] for i in g) for g in groups]
-            vocab = Vocabulary.from_merge(td.merge_term_counts(offers, min_count=int(o["min_count"]),
-                                                               max_size=int(o["max_vocab"])))
+            vocab = Vocabulary.from_merge(
+                td.merge_term_counts(offers, min_count=int(o["min_count"]), max_size=int(o["max_vocab"]))
+            )
         self.set_vocabulary(vocab.terms, vocab.counts.astype(np.int64).tolist())
 
     @staticmethod
@@ -134,8 +151,11 @@ class Doc2VecTask(Task):
             posts = td.newsgroups()
             limit = int(o["limit"]) or len(posts)
             posts = posts[:limit]
-            return ([f"{p.group}: {p.subject}" for p in posts], [tuple(td.tokenize(p.text)) for p in posts],
-                    [p.group for p in posts])
+            return (
+                [f"{p.group}: {p.subject}" for p in posts],
+                [tuple(td.tokenize(p.text)) for p in posts],
+                [p.group for p in posts],
+            )
         if o["corpus"] == "wiki":
             arts = td.wiki_articles(limit=int(o["limit"]))
             return [a.title for a in arts], [a.tokens for a in arts], []
@@ -154,8 +174,10 @@ class Doc2VecTask(Task):
         self.noise = self.vocab.noise_table(self.ns_exponent)
         self.keep = self.vocab.keep_probabilities(self.sample)
         self.doc_vectors = _init_vectors(len(self.tokens), self.dim, self.seed * 7919 + int(self.options["shard"] or 0))
-        self.stream = PairStream(lambda rng: dbow_pairs(self.encoded, self.keep, rng),
-                                 seed=self.seed * 7919 + int(self.options["shard"] or 0))
+        self.stream = PairStream(
+            lambda rng: dbow_pairs(self.encoded, self.keep, rng),
+            seed=self.seed * 7919 + int(self.options["shard"] or 0),
+        )
 
     # -- Task ---------------------------------------------------------------------------------------
     def build_model(self) -> DocHead:
@@ -172,8 +194,7 @@ class Doc2VecTask(Task):
         steps = max(1, math.ceil(epochs * kept / batch_size))
         return self.fit_steps(model, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
 
-    def fit_steps(self, model: nn.Module, *, steps: int, lr: float, batch_size: int,
-                  seed: int) -> dict[str, float]:
+    def fit_steps(self, model: nn.Module, *, steps: int, lr: float, batch_size: int, seed: int) -> dict[str, float]:
         assert isinstance(model, DocHead)
         g = torch.Generator().manual_seed(seed)
         head = model.out_embed.weight.data
@@ -186,8 +207,16 @@ class Doc2VecTask(Task):
             count += len(rows)
         return {"loss": total / max(count, 1), "pairs": float(count)}
 
-    def infer_vectors(self, model: nn.Module, docs: Sequence[Sequence[str]], *, epochs: int | None = None,
-                      lr: float | None = None, seed: int = 0, batch_size: int = 512) -> tuple[np.ndarray, float]:
+    def infer_vectors(
+        self,
+        model: nn.Module,
+        docs: Sequence[Sequence[str]],
+        *,
+        epochs: int | None = None,
+        lr: float | None = None,
+        seed: int = 0,
+        batch_size: int = 512,
+    ) -> tuple[np.ndarray, float]:
         """Vectors for ``docs`` (token lists) with the head frozen; and the mean pair loss
         of the last pass. Words outside the vocabulary are ignored; a document with none
         keeps its random start."""
@@ -207,7 +236,7 @@ class Doc2VecTask(Task):
             order = rng.permutation(len(rows))
             total = 0.0
             for b in range(n_batches):
-                idx = order[b * batch_size:(b + 1) * batch_size]
+                idx = order[b * batch_size : (b + 1) * batch_size]
                 if len(idx) == 0:
                     continue
                 step_lr = lr * max(1e-4 / 0.025, 1.0 - (epoch * n_batches + b) / (epochs * n_batches))

@@ -45,30 +45,31 @@ from fedagent.tasks.base import Task
 from fedagent.tasks.digits import dirichlet_split, load_digits_arrays, train_test_split
 
 SIZE = 16
-DEFAULT_CAMERA = {"exposure": 0.01, "focal": 0.02, "pixel": 0.005}   # H s / Q = 0.04 px per km/h
+DEFAULT_CAMERA = {"exposure": 0.01, "focal": 0.02, "pixel": 0.005}  # H s / Q = 0.04 px per km/h
 DEFAULT_MOBILITY = {"mu": 90.0, "sigma": 20.0, "v_min": 50.0, "v_max": 130.0}
 
 
 # ---- the loss (eqs. 6-8) -----------------------------------------------------------
-def dual_temperature_loss(q: torch.Tensor, k_pos: torch.Tensor, k_neg: torch.Tensor,
-                          tau_alpha: float = 0.1, tau_beta: float = 1.0) -> torch.Tensor:
+def dual_temperature_loss(
+    q: torch.Tensor, k_pos: torch.Tensor, k_neg: torch.Tensor, tau_alpha: float = 0.1, tau_beta: float = 1.0
+) -> torch.Tensor:
     """Mean SimCo loss of a batch: ``q``, ``k_pos`` (M, D) anchors and their positives;
     ``k_neg`` (M, D) the negative keys, anchor i using every row j ≠ i (K = M − 1)."""
     if q.shape != k_pos.shape or q.shape != k_neg.shape or q.dim() != 2 or q.shape[0] < 2:
         raise ValueError("q, k_pos and k_neg must be (M, D) with M >= 2")
     q, k_pos, k_neg = F.normalize(q, dim=1), F.normalize(k_pos, dim=1), F.normalize(k_neg, dim=1)
-    pos = (q * k_pos).sum(1, keepdim=True)                              # (M, 1)
-    neg = q @ k_neg.T                                                   # (M, M)
+    pos = (q * k_pos).sum(1, keepdim=True)  # (M, 1)
+    neg = q @ k_neg.T  # (M, M)
     eye = torch.eye(q.shape[0], dtype=torch.bool, device=q.device)
-    neg = neg.masked_fill(eye, float("-inf"))                           # j ≠ i
-    logits = torch.cat([pos, neg], dim=1)                               # positive first
+    neg = neg.masked_fill(eye, float("-inf"))  # j ≠ i
+    logits = torch.cat([pos, neg], dim=1)  # positive first
     log_p_alpha = F.log_softmax(logits / tau_alpha, dim=1)[:, 0]
     # W = 1 - p is the negatives' share of the softmax mass, taken in log space: once an
     # easy positive rounds p_alpha to 1.0 in float32, "1 - p" is 0 and the ratio explodes.
-    log_w_alpha = torch.logsumexp(neg / tau_alpha, 1) - torch.logsumexp(logits / tau_alpha, 1)   # eq. 8
-    log_w_beta = torch.logsumexp(neg / tau_beta, 1) - torch.logsumexp(logits / tau_beta, 1)      # eq. 7
-    ratio = (log_w_beta - log_w_alpha).exp().detach()                  # sg[·]
-    return -(ratio * log_p_alpha).mean()                                # eqs. 6, 9
+    log_w_alpha = torch.logsumexp(neg / tau_alpha, 1) - torch.logsumexp(logits / tau_alpha, 1)  # eq. 8
+    log_w_beta = torch.logsumexp(neg / tau_beta, 1) - torch.logsumexp(logits / tau_beta, 1)  # eq. 7
+    ratio = (log_w_beta - log_w_alpha).exp().detach()  # sg[·]
+    return -(ratio * log_p_alpha).mean()  # eqs. 6, 9
 
 
 # ---- the encoder -------------------------------------------------------------------
@@ -87,8 +88,11 @@ class _Block(nn.Module):
         self.b1 = _norm(cout)
         self.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.b2 = _norm(cout)
-        self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), _norm(cout))
-                     if stride != 1 or cin != cout else nn.Identity())
+        self.skip = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), _norm(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.b1(self.c1(x)))
@@ -125,7 +129,7 @@ def augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     padded = F.pad(x, (2, 2, 2, 2))
     dx = torch.randint(0, 5, (n,), generator=gen).tolist()
     dy = torch.randint(0, 5, (n,), generator=gen).tolist()
-    out = torch.stack([padded[i, :, dy[i]:dy[i] + SIZE, dx[i]:dx[i] + SIZE] for i in range(n)])
+    out = torch.stack([padded[i, :, dy[i] : dy[i] + SIZE, dx[i] : dx[i] + SIZE] for i in range(n)])
     contrast = 0.6 + 0.8 * torch.rand((n, 1, 1, 1), generator=gen)
     bright = 0.2 * (torch.rand((n, 1, 1, 1), generator=gen) - 0.5)
     noise = 0.08 * torch.randn(out.shape, generator=gen)
@@ -139,8 +143,19 @@ def _to_images(x: np.ndarray) -> np.ndarray:
 
 
 class FLSimCoTask(Task):
-    def __init__(self, *, shard: int | None, shards: int, alpha: float, seed: int, speed: float,
-                 camera: dict[str, float], tau_alpha: float, tau_beta: float, negatives: str) -> None:
+    def __init__(
+        self,
+        *,
+        shard: int | None,
+        shards: int,
+        alpha: float,
+        seed: int,
+        speed: float,
+        camera: dict[str, float],
+        tau_alpha: float,
+        tau_beta: float,
+        negatives: str,
+    ) -> None:
         x, y = load_digits_arrays()
         (xtr, ytr), (xte, yte) = train_test_split(x, y, seed=seed)
         self.memory = torch.from_numpy(_to_images(xtr))[:, None]
@@ -152,7 +167,7 @@ class FLSimCoTask(Task):
                 raise ConfigError(f"flsimco: shard {shard} not in 0..{shards - 1}")
             if alpha > 0:
                 idx = dirichlet_split(ytr, shards, alpha, seed=seed, min_size=32)[shard]
-            else:                                   # IID: an even random split
+            else:  # IID: an even random split
                 idx = np.sort(np.array_split(np.random.default_rng(seed).permutation(len(ytr)), shards)[shard])
             xtr = xtr[idx]
         self.speed = float(speed)
@@ -179,8 +194,8 @@ class FLSimCoTask(Task):
             total, count = 0.0, 0
             order = torch.randperm(n, generator=gen)
             for start in range(0, n, batch_size):
-                b = order[start:start + batch_size]
-                if len(b) < 2:                       # a lone image has no negative
+                b = order[start : start + batch_size]
+                if len(b) < 2:  # a lone image has no negative
                     continue
                 x = self.images[b]
                 q = model(augment(x, gen))
@@ -196,17 +211,24 @@ class FLSimCoTask(Task):
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        return {"knn_accuracy": knn_accuracy(model, self.memory, self.memory_labels,
-                                             self.queries, self.query_labels),
-                "simco_loss": heldout_loss(model, self.queries, self.tau_alpha, self.tau_beta, self.negatives)}
+        return {
+            "knn_accuracy": knn_accuracy(model, self.memory, self.memory_labels, self.queries, self.query_labels),
+            "simco_loss": heldout_loss(model, self.queries, self.tau_alpha, self.tau_beta, self.negatives),
+        }
 
 
 EVAL_BATCH = 64
 
 
 @torch.no_grad()
-def heldout_loss(model: nn.Module, images: torch.Tensor, tau_alpha: float = 0.1, tau_beta: float = 1.0,
-                 negatives: str = "raw", seed: int = 12345) -> float:
+def heldout_loss(
+    model: nn.Module,
+    images: torch.Tensor,
+    tau_alpha: float = 0.1,
+    tau_beta: float = 1.0,
+    negatives: str = "raw",
+    seed: int = 12345,
+) -> float:
     """The SimCo loss of ``model`` on clean held-out images, with augmentations drawn from
     a fixed ``seed``: the same batches and views for every model, so two global models
     (two rounds, two strategies) are compared on exactly the same problem. Full batches
@@ -217,7 +239,7 @@ def heldout_loss(model: nn.Module, images: torch.Tensor, tau_alpha: float = 0.1,
     gen = torch.Generator().manual_seed(seed)
     losses = []
     for start in range(0, len(images) - EVAL_BATCH + 1, EVAL_BATCH):
-        x = images[start:start + EVAL_BATCH]
+        x = images[start : start + EVAL_BATCH]
         q, k = net(augment(x, gen)), net(augment(x, gen))
         neg = k if negatives == "keys" else net(x)
         losses.append(float(dual_temperature_loss(q, k, neg, tau_alpha, tau_beta)))
@@ -227,8 +249,15 @@ def heldout_loss(model: nn.Module, images: torch.Tensor, tau_alpha: float = 0.1,
 
 
 @torch.no_grad()
-def knn_accuracy(model: nn.Module, memory: torch.Tensor, memory_labels: torch.Tensor,
-                 queries: torch.Tensor, query_labels: torch.Tensor, k: int = 10, t: float = 0.1) -> float:
+def knn_accuracy(
+    model: nn.Module,
+    memory: torch.Tensor,
+    memory_labels: torch.Tensor,
+    queries: torch.Tensor,
+    query_labels: torch.Tensor,
+    k: int = 10,
+    t: float = 0.1,
+) -> float:
     """Weighted kNN (cosine similarity, weights exp(s/t)) on the backbone's features."""
     model.eval()
     feats = getattr(model, "features", model)
@@ -245,8 +274,19 @@ def make(options: dict[str, Any]) -> FLSimCoTask:
     (km/h; absent = drawn from eq. 1 with ``mu``, ``sigma``, ``v_min``, ``v_max`` and
     ``speed_seed``); camera ``exposure``, ``focal``, ``pixel`` (eq. 2); ``tau_alpha``,
     ``tau_beta`` (eqs. 6-8; default 0.1 and 1.0); ``negatives`` (``"raw"`` per eq. 5, or ``"keys"``)."""
-    known = {"shard", "shards", "alpha", "seed", "speed", "speed_seed", "tau_alpha", "tau_beta", "negatives",
-             *DEFAULT_CAMERA, *DEFAULT_MOBILITY}
+    known = {
+        "shard",
+        "shards",
+        "alpha",
+        "seed",
+        "speed",
+        "speed_seed",
+        "tau_alpha",
+        "tau_beta",
+        "negatives",
+        *DEFAULT_CAMERA,
+        *DEFAULT_MOBILITY,
+    }
     unknown = set(options) - known
     if unknown:
         raise ConfigError(f"flsimco: unknown options {sorted(unknown)}; known: {sorted(known)}")
@@ -265,9 +305,16 @@ def make(options: dict[str, Any]) -> FLSimCoTask:
         if not (tau_alpha > 0 and tau_beta > 0 and speed >= 0):
             raise ConfigError("flsimco: temperatures must be positive and speed non-negative")
         shard = options.get("shard")
-        return FLSimCoTask(shard=None if shard is None else int(shard), shards=int(options.get("shards", 1)),
-                           alpha=float(options.get("alpha", 0.1)), seed=int(options.get("seed", 0)),
-                           speed=speed, camera=camera, tau_alpha=tau_alpha, tau_beta=tau_beta,
-                           negatives=negatives)
+        return FLSimCoTask(
+            shard=None if shard is None else int(shard),
+            shards=int(options.get("shards", 1)),
+            alpha=float(options.get("alpha", 0.1)),
+            seed=int(options.get("seed", 0)),
+            speed=speed,
+            camera=camera,
+            tau_alpha=tau_alpha,
+            tau_beta=tau_beta,
+            negatives=negatives,
+        )
     except ValueError as exc:
         raise ConfigError(f"flsimco: {exc}") from None

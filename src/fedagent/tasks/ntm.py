@@ -98,7 +98,7 @@ def laplace_prior(n_topics: int, alpha: float = 1.0) -> tuple[torch.Tensor, torc
     a = torch.full((n_topics,), float(alpha), dtype=torch.float64)
     mean = torch.log(a) - torch.log(a).mean()
     var = (1.0 - 2.0 / n_topics) / a + (1.0 / a).sum() / n_topics**2
-    return mean, var          # float64; the model casts them to its own dtype
+    return mean, var  # float64; the model casts them to its own dtype
 
 
 def _dropout(x: torch.Tensor, p: float, gen: torch.Generator | None) -> torch.Tensor:
@@ -113,8 +113,16 @@ def _dropout(x: torch.Tensor, p: float, gen: torch.Generator | None) -> torch.Te
 class ProdLDA(nn.Module):
     """ProdLDA; with ``contextual_size > 0`` the inference network of CombinedTM."""
 
-    def __init__(self, vocab_size: int, n_topics: int, *, hidden: int = 100, dropout: float = 0.2,
-                 contextual_size: int = 0, prior_alpha: float = 1.0) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        n_topics: int,
+        *,
+        hidden: int = 100,
+        dropout: float = 0.2,
+        contextual_size: int = 0,
+        prior_alpha: float = 1.0,
+    ) -> None:
         super().__init__()
         if vocab_size < 1:
             raise ConfigError("the vocabulary is empty: set_vocabulary() first")
@@ -141,8 +149,9 @@ class ProdLDA(nn.Module):
         # Constants, not buffers: the state exchanged by Sync-Opt is the parameters only.
         self._prior_mean, self._prior_var = prior_mean, prior_var
 
-    def encode(self, bow: torch.Tensor, context: torch.Tensor | None,
-               gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(
+        self, bow: torch.Tensor, context: torch.Tensor | None, gen: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x = bow
         if self.contextual_size:
             if context is None:
@@ -153,8 +162,7 @@ class ProdLDA(nn.Module):
         h = _dropout(h, self.dropout, gen if self.training else None)
         return self.mu_bn(self.f_mu(h)), self.logvar_bn(self.f_logvar(h))
 
-    def document_losses(self, bow: torch.Tensor, context: torch.Tensor | None,
-                        gen: torch.Generator) -> torch.Tensor:
+    def document_losses(self, bow: torch.Tensor, context: torch.Tensor | None, gen: torch.Generator) -> torch.Tensor:
         """Negative ELBO of every document of a batch (noise and dropout from ``gen``)."""
         if bow.shape[0] < 2:
             raise ValueError("a batch needs >= 2 documents (BatchNorm over the batch)")
@@ -166,9 +174,13 @@ class ProdLDA(nn.Module):
         recon = -(bow * log_word).sum(1)
         var = torch.exp(logvar)
         prior_mean, prior_var = self._prior_mean.to(mu.dtype), self._prior_var.to(mu.dtype)
-        kl = 0.5 * ((var / prior_var).sum(1)
-                    + ((mu - prior_mean) ** 2 / prior_var).sum(1)
-                    - self.n_topics + torch.log(prior_var).sum() - logvar.sum(1))
+        kl = 0.5 * (
+            (var / prior_var).sum(1)
+            + ((mu - prior_mean) ** 2 / prior_var).sum(1)
+            - self.n_topics
+            + torch.log(prior_var).sum()
+            - logvar.sum(1)
+        )
         return recon + kl
 
     @torch.no_grad()
@@ -206,8 +218,9 @@ class ProdLDA(nn.Module):
 def _seed_of(*parts: int) -> int:
     """A 63-bit seed from integers; SeedSequence mixes them so that neighbouring steps or
     shards do not get correlated streams."""
-    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0]
-               >> np.uint64(1))
+    return int(
+        np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1)
+    )
 
 
 _BATCH_STREAM, _NOISE_STREAM = 1, 2
@@ -218,10 +231,10 @@ _BATCH_STREAM, _NOISE_STREAM = 1, 2
 class NodeCorpus:
     """One node's documents as counts over its own vocabulary (never shipped anywhere)."""
 
-    terms: list[str]                      # column names of ``train`` / ``val``
-    train: sp.csr_matrix                  # D x len(terms) term counts
-    val: sp.csr_matrix                    # held-out documents, same columns
-    train_context: np.ndarray | None = None   # D x E document embeddings (CombinedTM)
+    terms: list[str]  # column names of ``train`` / ``val``
+    train: sp.csr_matrix  # D x len(terms) term counts
+    val: sp.csr_matrix  # held-out documents, same columns
+    train_context: np.ndarray | None = None  # D x E document embeddings (CombinedTM)
     val_context: np.ndarray | None = None
 
     def __post_init__(self) -> None:
@@ -237,18 +250,29 @@ class NodeCorpus:
 class NtmTask(SyncTask):
     """A ProdLDA / CombinedTM workload on one node's corpus."""
 
-    def __init__(self, corpus: NodeCorpus, *, combined: bool = False, shard: int = 0, seed: int = 0,
-                 n_topics: int = DEFAULTS["n_topics"], batch_size: int = DEFAULTS["batch_size"],
-                 hidden: int = DEFAULTS["hidden"], dropout: float = DEFAULTS["dropout"],
-                 lr: float = DEFAULTS["lr"], prior_alpha: float = DEFAULTS["prior_alpha"],
-                 dtype: str = DEFAULTS["dtype"]) -> None:
+    def __init__(
+        self,
+        corpus: NodeCorpus,
+        *,
+        combined: bool = False,
+        shard: int = 0,
+        seed: int = 0,
+        n_topics: int = DEFAULTS["n_topics"],
+        batch_size: int = DEFAULTS["batch_size"],
+        hidden: int = DEFAULTS["hidden"],
+        dropout: float = DEFAULTS["dropout"],
+        lr: float = DEFAULTS["lr"],
+        prior_alpha: float = DEFAULTS["prior_alpha"],
+        dtype: str = DEFAULTS["dtype"],
+    ) -> None:
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if batch_size < 2:
             raise ConfigError("batch_size must be >= 2 (BatchNorm normalises over the batch)")
         if corpus.train.shape[0] < batch_size:
-            raise ConfigError(f"shard {shard} has {corpus.train.shape[0]} training documents, "
-                              f"fewer than batch_size={batch_size}")
+            raise ConfigError(
+                f"shard {shard} has {corpus.train.shape[0]} training documents, fewer than batch_size={batch_size}"
+            )
         if combined and corpus.train_context is None:
             raise ConfigError("combinedtm needs contextual embeddings of the documents")
         self.corpus, self.combined = corpus, combined
@@ -279,8 +303,9 @@ class NtmTask(SyncTask):
         src = [i for i, t in enumerate(self.corpus.terms) if t in index]
         dst = [index[self.corpus.terms[i]] for i in src]
         # A sparse selection matrix maps local columns to common ones; dropped terms vanish.
-        remap = sp.csr_matrix((np.ones(len(src), dtype=np.float32), (src, dst)),
-                              shape=(len(self.corpus.terms), len(terms)))
+        remap = sp.csr_matrix(
+            (np.ones(len(src), dtype=np.float32), (src, dst)), shape=(len(self.corpus.terms), len(terms))
+        )
         self._set_columns(terms, self.corpus.train @ remap, self.corpus.val @ remap)
 
     # -- model and optimizer ---------------------------------------------------
@@ -288,8 +313,14 @@ class NtmTask(SyncTask):
         context = self.corpus.train_context.shape[1] if self.combined else 0
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            model = ProdLDA(len(self.terms), self.n_topics, hidden=self.hidden, dropout=self.dropout,
-                            contextual_size=context, prior_alpha=self.prior_alpha)
+            model = ProdLDA(
+                len(self.terms),
+                self.n_topics,
+                hidden=self.hidden,
+                dropout=self.dropout,
+                contextual_size=context,
+                prior_alpha=self.prior_alpha,
+            )
         return model.to(self.dtype)
 
     def make_optimizer(self, params) -> torch.optim.Optimizer:
@@ -312,10 +343,11 @@ class NtmTask(SyncTask):
         if epoch != self._perm_epoch:
             rng = np.random.default_rng(_seed_of(self.seed, self.shard, epoch, _BATCH_STREAM))
             self._perm, self._perm_epoch = rng.permutation(self.num_samples()), epoch
-        return np.sort(self._perm[b * self.batch_size:(b + 1) * self.batch_size])
+        return np.sort(self._perm[b * self.batch_size : (b + 1) * self.batch_size])
 
-    def _batch(self, matrix: sp.csr_matrix, context: np.ndarray | None, idx: np.ndarray,
-               dtype: torch.dtype = torch.float32):
+    def _batch(
+        self, matrix: sp.csr_matrix, context: np.ndarray | None, idx: np.ndarray, dtype: torch.dtype = torch.float32
+    ):
         bow = torch.from_numpy(matrix[idx].toarray()).to(dtype)
         ctx = torch.from_numpy(np.asarray(context[idx])).to(dtype) if self.combined else None
         return bow, ctx
@@ -328,8 +360,15 @@ class NtmTask(SyncTask):
         return model.document_losses(bow, ctx, gen).mean(), len(idx)
 
     # -- local training (the non-collaborative baseline) ------------------------
-    def fit(self, model: nn.Module, *, epochs: int, lr: float | None = None, batch_size: int | None = None,
-            seed: int | None = None) -> dict[str, float]:
+    def fit(
+        self,
+        model: nn.Module,
+        *,
+        epochs: int,
+        lr: float | None = None,
+        batch_size: int | None = None,
+        seed: int | None = None,
+    ) -> dict[str, float]:
         """Train alone on this node's documents for ``epochs`` passes. The batch size is the
         task's own (``batch_size`` option) because Sync-Opt's steps are defined by it; an
         ``lr`` given here overrides the task's."""
@@ -352,8 +391,7 @@ class NtmTask(SyncTask):
         perplexity-style bound ``exp(sum loss / sum words)``."""
         if self.val.shape[0] < 2:
             return {}
-        bow, ctx = self._batch(self.val, self.corpus.val_context, np.arange(self.val.shape[0]),
-                               model.beta.dtype)
+        bow, ctx = self._batch(self.val, self.corpus.val_context, np.arange(self.val.shape[0]), model.beta.dtype)
         gen = torch.Generator().manual_seed(_seed_of(self.seed, self.shard, 0, 3))
         model.eval()
         losses = model.document_losses(bow, ctx, gen)
@@ -378,8 +416,9 @@ class NtmTask(SyncTask):
     def infer_theta(self, model: nn.Module, which: str = "val") -> np.ndarray:
         """Document-topic proportions of this node's ``val`` (or ``train``) documents,
         normalised in chunks of >= batch_size documents."""
-        matrix, context = ((self.val, self.corpus.val_context) if which == "val"
-                           else (self.train, self.corpus.train_context))
+        matrix, context = (
+            (self.val, self.corpus.val_context) if which == "val" else (self.train, self.corpus.train_context)
+        )
         model.eval()
         n = matrix.shape[0]
         chunk = max(self.batch_size, 1024)
@@ -394,8 +433,7 @@ class NtmTask(SyncTask):
 
 
 # ---- the centralized reference and the in-process Sync-Opt step -------------------
-def centralized_step(model: nn.Module, optimizer: torch.optim.Optimizer, tasks: Sequence[NtmTask],
-                     step: int) -> float:
+def centralized_step(model: nn.Module, optimizer: torch.optim.Optimizer, tasks: Sequence[NtmTask], step: int) -> float:
     """One optimizer step on the concatenation of every node's mini-batch of ``step``:
     loss = sum_i n_i loss_i / sum_i n_i (each node-batch normalised on its own, see the
     module docstring), one backward pass, one optimizer step. Returns the loss."""
@@ -404,7 +442,7 @@ def centralized_step(model: nn.Module, optimizer: torch.optim.Optimizer, tasks: 
     optimizer.zero_grad()
     losses, sizes = zip(*(t.step_loss(model, step) for t in tasks))
     total = sum(sizes)
-    loss = sum(n * l for n, l in zip(sizes, losses)) / total
+    loss = sum(n * part for n, part in zip(sizes, losses)) / total
     loss.backward()
     optimizer.step()
     return float(loss.detach())
@@ -421,8 +459,7 @@ def node_gradient(model: nn.Module, task: NtmTask, step: int) -> tuple[dict[str,
     return grads, n, float(loss.detach())
 
 
-def federated_step(model: nn.Module, optimizer: torch.optim.Optimizer, tasks: Sequence[NtmTask],
-                   step: int) -> float:
+def federated_step(model: nn.Module, optimizer: torch.optim.Optimizer, tasks: Sequence[NtmTask], step: int) -> float:
     """Sync-Opt in one process: every node's gradient on its own, their sample-weighted
     mean set as the model's gradient, one optimizer step (Algorithm 1, lines 9-12)."""
     results = [node_gradient(model, t, step) for t in tasks]
@@ -434,8 +471,7 @@ def federated_step(model: nn.Module, optimizer: torch.optim.Optimizer, tasks: Se
     return sum(loss * n for _, n, loss in results) / total
 
 
-def train_joint(tasks: Sequence[NtmTask], steps: int, *, federated: bool = False,
-                progress=None) -> ProdLDA:
+def train_joint(tasks: Sequence[NtmTask], steps: int, *, federated: bool = False, progress=None) -> ProdLDA:
     """A model trained jointly on ``tasks`` (all already on one common vocabulary) for
     ``steps`` Sync-Opt steps, centralized or with per-node gradients; ``progress`` is
     called with (step, loss) after each step."""
@@ -450,8 +486,20 @@ def train_joint(tasks: Sequence[NtmTask], steps: int, *, federated: bool = False
 
 
 # ---- factories -------------------------------------------------------------------
-_COMMON_OPTIONS = {"shard", "shards", "seed", "n_topics", "batch_size", "hidden", "dropout", "lr",
-                   "prior_alpha", "corpus", "dtype", "holdout"}
+_COMMON_OPTIONS = {
+    "shard",
+    "shards",
+    "seed",
+    "n_topics",
+    "batch_size",
+    "hidden",
+    "dropout",
+    "lr",
+    "prior_alpha",
+    "corpus",
+    "dtype",
+    "holdout",
+}
 
 _HOLDOUT_STREAM = 4
 
@@ -471,8 +519,13 @@ def split_holdout(corpus: NodeCorpus, fraction: float, seed: int, shard: int) ->
     perm = np.random.default_rng(_seed_of(seed, shard, _HOLDOUT_STREAM)).permutation(n)
     keep, hold = np.sort(perm[n_hold:]), np.sort(perm[:n_hold])
     ctx = corpus.train_context
-    return NodeCorpus(list(corpus.terms), corpus.train[keep], corpus.train[hold],
-                      None if ctx is None else ctx[keep], None if ctx is None else ctx[hold])
+    return NodeCorpus(
+        list(corpus.terms),
+        corpus.train[keep],
+        corpus.train[hold],
+        None if ctx is None else ctx[keep],
+        None if ctx is None else ctx[hold],
+    )
 
 
 def _make(options: dict[str, Any], combined: bool) -> NtmTask:
@@ -489,14 +542,19 @@ def _make(options: dict[str, Any], combined: bool) -> NtmTask:
     corpus = ntm_data.node_corpus(options, shard=shard, shards=shards, contextual=combined)
     if options.get("holdout") is not None:
         corpus = split_holdout(corpus, float(options["holdout"]), int(options.get("seed", 0)), shard)
-    return NtmTask(corpus, combined=combined, shard=shard, seed=int(options.get("seed", 0)),
-                   n_topics=int(options.get("n_topics", DEFAULTS["n_topics"])),
-                   batch_size=int(options.get("batch_size", DEFAULTS["batch_size"])),
-                   hidden=int(options.get("hidden", DEFAULTS["hidden"])),
-                   dropout=float(options.get("dropout", DEFAULTS["dropout"])),
-                   lr=float(options.get("lr", DEFAULTS["lr"])),
-                   prior_alpha=float(options.get("prior_alpha", DEFAULTS["prior_alpha"])),
-                   dtype=str(options.get("dtype", DEFAULTS["dtype"])))
+    return NtmTask(
+        corpus,
+        combined=combined,
+        shard=shard,
+        seed=int(options.get("seed", 0)),
+        n_topics=int(options.get("n_topics", DEFAULTS["n_topics"])),
+        batch_size=int(options.get("batch_size", DEFAULTS["batch_size"])),
+        hidden=int(options.get("hidden", DEFAULTS["hidden"])),
+        dropout=float(options.get("dropout", DEFAULTS["dropout"])),
+        lr=float(options.get("lr", DEFAULTS["lr"])),
+        prior_alpha=float(options.get("prior_alpha", DEFAULTS["prior_alpha"])),
+        dtype=str(options.get("dtype", DEFAULTS["dtype"])),
+    )
 
 
 def make_prodlda(options: dict[str, Any]) -> NtmTask:

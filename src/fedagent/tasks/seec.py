@@ -33,15 +33,24 @@ class Mapper(nn.Module):
         return self.net(x)
 
 
-def train_mapper(source: np.ndarray, target: np.ndarray, *, hidden: int = HIDDEN, dropout: float = DROPOUT,
-                 lr: float = LR, epochs: int = EPOCHS, batch_size: int = BATCH, seed: int = 0) -> Mapper:
+def train_mapper(
+    source: np.ndarray,
+    target: np.ndarray,
+    *,
+    hidden: int = HIDDEN,
+    dropout: float = DROPOUT,
+    lr: float = LR,
+    epochs: int = EPOCHS,
+    batch_size: int = BATCH,
+    seed: int = 0,
+) -> Mapper:
     """Fit a mapper from ``source`` rows to ``target`` rows (the same public documents)."""
     source = np.asarray(source, dtype=np.float32)
     target = np.asarray(target, dtype=np.float32)
     if source.ndim != 2 or target.ndim != 2 or len(source) != len(target) or not len(source):
         raise ValueError("source and target must be 2-D with one row per public document each")
     g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)               # dropout masks draw from the global generator
+    torch.manual_seed(seed)  # dropout masks draw from the global generator
     mapper = Mapper(source.shape[1], target.shape[1], hidden, dropout)
     x, y = torch.from_numpy(source), torch.from_numpy(target)
     opt = torch.optim.Adam(mapper.parameters(), lr=lr)
@@ -51,7 +60,7 @@ def train_mapper(source: np.ndarray, target: np.ndarray, *, hidden: int = HIDDEN
     for _ in range(epochs):
         order = torch.randperm(len(x), generator=g)
         for start in range(0, len(x), batch_size):
-            b = order[start:start + batch_size]
+            b = order[start : start + batch_size]
             opt.zero_grad()
             loss_fn(mapper(x[b]), y[b], ones[: len(b)]).backward()
             opt.step()

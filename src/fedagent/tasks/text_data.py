@@ -74,13 +74,14 @@ from fedagent.errors import ConfigError
 from fedagent.protocols.vocab import merge_vocabularies
 
 WIKI_DUMP = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
-PROCESSING_VERSION = 1          # bump when tokenisation changes: invalidates caches
+PROCESSING_VERSION = 1  # bump when tokenisation changes: invalidates caches
 MIN_ARTICLE_TOKENS = 50
 SPLITS = ("topic", "random", "imbalanced")
-IMBALANCE = 4.0                 # largest : smallest target share in the imbalanced split
+IMBALANCE = 4.0  # largest : smallest target share in the imbalanced split
 
 # The gossip-learning thesis's stop words (its Appendix A).
-STOP_WORDS = frozenset("""
+STOP_WORDS = frozenset(
+    """
 a about above after again against ain all am an and any are aren aren't as at be because been before
 being below between both but by can couldn couldn't d did didn didn't do does doesn doesn't doing don
 don't down during each few for from further had hadn hadn't has hasn hasn't have haven haven't having
@@ -90,7 +91,8 @@ only or other our ours ourselves out over own re s same shan shan't she she's sh
 shouldn shouldn't so some such t than that that'll the their theirs them themselves then there these
 they this those through to too under until up ve very was wasn wasn't we were weren weren't what when
 where which while who whom why will with won won't wouldn wouldn't y you you'd you'll you're you've
-your yours yourself yourselves""".split())
+your yours yourself yourselves""".split()
+)
 
 _WORD = re.compile(r"[^\W\d_]+")
 
@@ -101,7 +103,7 @@ def test_data_dir() -> Path:
     spec = importlib.util.find_spec("gensim")
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError("the text tasks need gensim's bundled data: pip install gensim")
-    path = Path(list(spec.submodule_search_locations)[0]) / "test" / "test_data"
+    path = Path(next(iter(spec.submodule_search_locations))) / "test" / "test_data"
     if not path.is_dir():
         raise ConfigError(f"gensim is installed but has no test data at {path}")
     return path
@@ -157,15 +159,16 @@ def wiki_articles(*, limit: int = 0, stop_words: bool = True, use_cache: bool = 
     stops after that many (tests use a small slice)."""
     path = data_file(WIKI_DUMP)
     st = path.stat()
-    key = hashlib.sha256(f"{st.st_size}:{int(st.st_mtime)}:{PROCESSING_VERSION}:{stop_words}:{limit}"
-                         .encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        f"{st.st_size}:{int(st.st_mtime)}:{PROCESSING_VERSION}:{stop_words}:{limit}".encode()
+    ).hexdigest()[:16]
     cache = cache_dir() / f"wiki-{key}.json"
     if use_cache and cache.is_file():
         try:
             raw = json.loads(cache.read_text())
             return [Article(t, tuple(toks)) for t, toks in raw]
         except (ValueError, TypeError):
-            pass       # a damaged cache is rebuilt below
+            pass  # a damaged cache is rebuilt below
     articles = _parse_wiki(path, stop_words, limit)
     if use_cache:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -182,9 +185,9 @@ def wiki_articles(*, limit: int = 0, stop_words: bool = True, use_cache: bool = 
 @dataclass(frozen=True, slots=True)
 class Split:
     how: str
-    shards: tuple[tuple[int, ...], ...]          # article indices of each agent, sorted
+    shards: tuple[tuple[int, ...], ...]  # article indices of each agent, sorted
     topic_of_shard: tuple[int, ...] | None = None
-    topic_terms: tuple[tuple[str, ...], ...] | None = None   # top terms of each topic
+    topic_terms: tuple[tuple[str, ...], ...] | None = None  # top terms of each topic
 
     def sizes(self, lengths: Sequence[int]) -> list[int]:
         return [sum(lengths[i] for i in s) for s in self.shards]
@@ -212,7 +215,7 @@ def _kmeans_topics(docs: Sequence[Sequence[str]], k: int, seed: int):
     # next to the agent's own work (or other agents on the same cores) cost seconds.
     with threadpool_limits(limits=1):
         km = KMeans(n_clusters=k, n_init=10, random_state=seed).fit(x)
-    dist = km.transform(x)                                   # articles x centroids
+    dist = km.transform(x)  # articles x centroids
     terms = vec.get_feature_names_out()
     top = tuple(tuple(str(terms[j]) for j in np.argsort(-c)[:6]) for c in km.cluster_centers_)
     return dist, top
@@ -229,15 +232,16 @@ def _balanced_topics(dist: np.ndarray, lengths: Sequence[int], slack: float = 0.
         if topic[d] < 0 and filled[t] + lengths[d] <= cap:
             topic[d] = t
             filled[t] += lengths[d]
-    for d in np.flatnonzero(topic < 0):          # too long for any topic's remaining room
+    for d in np.flatnonzero(topic < 0):  # too long for any topic's remaining room
         t = int(np.argmin(filled))
         topic[d] = t
         filled[t] += lengths[d]
     return [np.flatnonzero(topic == t).tolist() for t in range(k)]
 
 
-def split_articles(docs: Sequence[Sequence[str]], n: int, how: str, *, seed: int = 0,
-                   topics: int | None = None) -> Split:
+def split_articles(
+    docs: Sequence[Sequence[str]], n: int, how: str, *, seed: int = 0, topics: int | None = None
+) -> Split:
     """Divide documents (token lists) among ``n`` agents (module docstring)."""
     if how not in SPLITS:
         raise ConfigError(f"unknown split {how!r}: use one of {', '.join(SPLITS)}")
@@ -261,8 +265,9 @@ def split_articles(docs: Sequence[Sequence[str]], n: int, how: str, *, seed: int
         share = np.full(len(agents), sum(lengths[i] for i in members) / len(agents))
         for a, b in zip(agents, _fill(rng.permutation(members).tolist(), lengths, share)):
             shards[a] = b
-    return Split(how, tuple(tuple(sorted(s)) for s in shards),
-                 topic_of_shard=tuple(a % k for a in range(n)), topic_terms=top)
+    return Split(
+        how, tuple(tuple(sorted(s)) for s in shards), topic_of_shard=tuple(a % k for a in range(n)), topic_terms=top
+    )
 
 
 # ---- vocabulary ------------------------------------------------------------------------------
@@ -274,8 +279,9 @@ def term_counts(docs: Iterable[Sequence[str]]) -> dict[str, int]:
     return dict(c)
 
 
-def merge_term_counts(offers: Iterable[Mapping[str, int]], *, min_count: int = 1,
-                      max_size: int = 0) -> list[tuple[str, int]]:
+def merge_term_counts(
+    offers: Iterable[Mapping[str, int]], *, min_count: int = 1, max_size: int = 0
+) -> list[tuple[str, int]]:
     """The vocabulary the consensus stage agrees on for these offers: the consensus
     protocol's own merge (union with summed counts, terms with at least ``min_count``, at
     most ``max_size`` (0 = all), by descending count then term)."""
@@ -320,8 +326,11 @@ def newsgroups() -> list[Post]:
         raise ConfigError("mini_newsgroup decompresses to more than 8 MiB; refusing it")
     posts = []
     for op, arg, _pos in pickletools.genops(data):
-        if op.name in ("UNICODE", "BINUNICODE", "SHORT_BINUNICODE") and isinstance(arg, str) \
-                and re.search(r"^Newsgroups:", arg.partition("\n\n")[0], re.MULTILINE):
+        if (
+            op.name in ("UNICODE", "BINUNICODE", "SHORT_BINUNICODE")
+            and isinstance(arg, str)
+            and re.search(r"^Newsgroups:", arg.partition("\n\n")[0], re.MULTILINE)
+        ):
             posts.append(_split_post(arg))
     if not posts or any(p.group not in NEWSGROUPS for p in posts):
         raise ConfigError("mini_newsgroup does not look like the 20-newsgroups sample gensim ships")

@@ -36,16 +36,37 @@ from scipy.stats import spearmanr
 
 # The thesis's evaluation words (Sec. 4.1), chosen for the topics of its nodes.
 THESIS_EVAL_WORDS: tuple[str, ...] = (
-    "five", "war", "work", "year", "people", "location", "october", "state", "science", "rights",
-    "history", "money", "bank", "man", "woman", "growth", "spring", "life", "hard", "culture",
-    "medium", "family", "alien")
-THESIS_NEIGHBOURS = 8     # "eight of the nearest context words" per evaluation word
+    "five",
+    "war",
+    "work",
+    "year",
+    "people",
+    "location",
+    "october",
+    "state",
+    "science",
+    "rights",
+    "history",
+    "money",
+    "bank",
+    "man",
+    "woman",
+    "growth",
+    "spring",
+    "life",
+    "hard",
+    "culture",
+    "medium",
+    "family",
+    "alien",
+)
+THESIS_NEIGHBOURS = 8  # "eight of the nearest context words" per evaluation word
 
 
 class WordVectors:
     """Terms and their vectors (row ``i`` belongs to ``terms[i]``)."""
 
-    __slots__ = ("terms", "vectors", "index")
+    __slots__ = ("index", "terms", "vectors")
 
     def __init__(self, terms: Sequence[str], vectors: np.ndarray) -> None:
         vectors = np.asarray(vectors, dtype=np.float64)
@@ -83,7 +104,7 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 # ---- word similarity benchmarks -----------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class SimilarityScore:
-    rho: float          # Spearman correlation over the covered pairs (nan if fewer than 3)
+    rho: float  # Spearman correlation over the covered pairs (nan if fewer than 3)
     pairs_used: int
     pairs_total: int
 
@@ -103,8 +124,9 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     return float(spearmanr(x, y).statistic)
 
 
-def similarity_benchmark(pairs: Sequence[tuple[str, str, float]], vectors: WordVectors,
-                         *, lowercase: bool = True) -> SimilarityScore:
+def similarity_benchmark(
+    pairs: Sequence[tuple[str, str, float]], vectors: WordVectors, *, lowercase: bool = True
+) -> SimilarityScore:
     """Spearman correlation of human scores with model cosines over the known pairs."""
     human, model = [], []
     for w1, w2, score in pairs:
@@ -117,8 +139,14 @@ def similarity_benchmark(pairs: Sequence[tuple[str, str, float]], vectors: WordV
 
 
 # ---- nearest neighbours ------------------------------------------------------------------
-def nearest(matrix: np.ndarray, queries: np.ndarray | Sequence[int], n: int, *,
-            query_vectors: np.ndarray | None = None, include_self: bool = False) -> np.ndarray:
+def nearest(
+    matrix: np.ndarray,
+    queries: np.ndarray | Sequence[int],
+    n: int,
+    *,
+    query_vectors: np.ndarray | None = None,
+    include_self: bool = False,
+) -> np.ndarray:
     """Row indices of the ``n`` rows of ``matrix`` most cosine-similar to each query.
 
     ``queries`` are row indices of ``matrix``; their own row is excluded unless
@@ -127,8 +155,11 @@ def nearest(matrix: np.ndarray, queries: np.ndarray | Sequence[int], n: int, *,
     deterministic."""
     unit = normalize_rows(np.asarray(matrix, dtype=np.float64))
     rows = np.asarray(queries, dtype=np.int64)
-    q = normalize_rows(np.atleast_2d(np.asarray(query_vectors, dtype=np.float64))) if query_vectors is not None \
+    q = (
+        normalize_rows(np.atleast_2d(np.asarray(query_vectors, dtype=np.float64)))
+        if query_vectors is not None
         else unit[rows]
+    )
     sims = q @ unit.T
     if query_vectors is None and not include_self:
         sims[np.arange(len(rows)), rows] = -np.inf
@@ -139,7 +170,7 @@ def nearest(matrix: np.ndarray, queries: np.ndarray | Sequence[int], n: int, *,
 
 @dataclass(frozen=True, slots=True)
 class OverlapScore:
-    total: int                           # the thesis's w2v_sim: shared neighbours summed over words
+    total: int  # the thesis's w2v_sim: shared neighbours summed over words
     per_word: Mapping[str, int]
     words_used: int
     n: int
@@ -150,8 +181,9 @@ class OverlapScore:
         return self.total / (self.words_used * self.n) if self.words_used else 0.0
 
 
-def neighbour_overlap(model: WordVectors, reference: WordVectors, words: Sequence[str] = THESIS_EVAL_WORDS,
-                      n: int = THESIS_NEIGHBOURS) -> OverlapScore:
+def neighbour_overlap(
+    model: WordVectors, reference: WordVectors, words: Sequence[str] = THESIS_EVAL_WORDS, n: int = THESIS_NEIGHBOURS
+) -> OverlapScore:
     """The thesis's ``w2v_sim`` of ``model`` against ``reference`` (module docstring)."""
     common = [t for t in model.terms if t in reference]
     m, r = model.restrict(common), reference.restrict(common)
@@ -170,20 +202,22 @@ def neighbours_of(vectors: WordVectors, word: str, n: int = THESIS_NEIGHBOURS) -
 
 
 # ---- analogies ----------------------------------------------------------------------------
-def analogy_accuracy(vectors: WordVectors, questions: Sequence[tuple[str, str, str, str]],
-                     *, batch: int = 512) -> SimilarityScore:
+def analogy_accuracy(
+    vectors: WordVectors, questions: Sequence[tuple[str, str, str, str]], *, batch: int = 512
+) -> SimilarityScore:
     """3CosAdd accuracy (module docstring); ``rho`` holds the accuracy (nan if no question
     is covered)."""
     unit = normalize_rows(vectors.vectors)
     idx = vectors.index
-    covered = [(idx[a], idx[b], idx[c], idx[d]) for a, b, c, d in questions
-               if a in idx and b in idx and c in idx and d in idx]
+    covered = [
+        (idx[a], idx[b], idx[c], idx[d]) for a, b, c, d in questions if a in idx and b in idx and c in idx and d in idx
+    ]
     if not covered:
         return SimilarityScore(rho=float("nan"), pairs_used=0, pairs_total=len(questions))
     q = np.array(covered)
     correct = 0
     for start in range(0, len(q), batch):
-        part = q[start:start + batch]
+        part = q[start : start + batch]
         target = unit[part[:, 1]] - unit[part[:, 0]] + unit[part[:, 2]]
         sims = target @ unit.T
         rows = np.arange(len(part))
@@ -206,8 +240,14 @@ def overlap_at_k(central: Sequence[Sequence[Hashable]], federated: Sequence[Sequ
     return float(np.mean([len(set(c[:k]) & set(f[:k])) / k for c, f in zip(central, federated)]))
 
 
-def sim_k(central_vectors: np.ndarray, federated_vectors: np.ndarray, k: int = 10,
-          queries: Sequence[int] | None = None, *, include_self: bool = False) -> float:
+def sim_k(
+    central_vectors: np.ndarray,
+    federated_vectors: np.ndarray,
+    k: int = 10,
+    queries: Sequence[int] | None = None,
+    *,
+    include_self: bool = False,
+) -> float:
     """SEEC's sim_k when both models vectorise the same documents (row i = document i)."""
     central_vectors = np.asarray(central_vectors)
     federated_vectors = np.asarray(federated_vectors)

@@ -74,7 +74,7 @@ MAX_VOCAB = 1_000_000
 class Vocabulary:
     """Agreed terms (row order of the embedding tables) and their federation-wide counts."""
 
-    __slots__ = ("terms", "counts", "index")
+    __slots__ = ("counts", "index", "terms")
 
     def __init__(self, terms: Sequence[str], counts: Sequence[int]) -> None:
         if len(terms) != len(counts) or not terms:
@@ -110,8 +110,7 @@ class Vocabulary:
         return cls(terms, counts)
 
     def write(self, path: str | Path) -> None:
-        Path(path).write_text("".join(f"{t}\t{int(c)}\n" for t, c in zip(self.terms, self.counts)),
-                              encoding="utf-8")
+        Path(path).write_text("".join(f"{t}\t{int(c)}\n" for t, c in zip(self.terms, self.counts)), encoding="utf-8")
 
     def encode(self, tokens: Sequence[str]) -> np.ndarray:
         """Token ids; words outside the vocabulary are dropped (as word2vec does)."""
@@ -128,13 +127,14 @@ class Vocabulary:
     def noise_table(self, exponent: float = 0.75, size: int = NEG_TABLE_SIZE) -> torch.Tensor:
         """Word ids repeated in proportion to count**exponent: drawing a uniform index
         into it samples the noise distribution in O(1)."""
-        p = self.counts ** exponent
+        p = self.counts**exponent
         reps = np.maximum(1, np.round(p / p.sum() * size)).astype(np.int64)
         return torch.from_numpy(np.repeat(np.arange(len(self), dtype=np.int64), reps))
 
 
-def skipgram_pairs(docs: Sequence[np.ndarray], keep: np.ndarray, window: int,
-                   rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def skipgram_pairs(
+    docs: Sequence[np.ndarray], keep: np.ndarray, window: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """One shuffled epoch of (center, context) pairs: subsampling, then a dynamic window
     per kept token, never across documents."""
     if not docs:
@@ -147,8 +147,8 @@ def skipgram_pairs(docs: Sequence[np.ndarray], keep: np.ndarray, window: int,
     centers, contexts = [], []
     for d in range(1, window + 1):
         same = doc_of[:-d] == doc_of[d:]
-        fwd = same & (reach[:-d] >= d)          # center i, context i + d
-        bwd = same & (reach[d:] >= d)           # center i + d, context i
+        fwd = same & (reach[:-d] >= d)  # center i, context i + d
+        bwd = same & (reach[d:] >= d)  # center i + d, context i
         centers += [tokens[:-d][fwd], tokens[d:][bwd]]
         contexts += [tokens[d:][fwd], tokens[:-d][bwd]]
     c, x = np.concatenate(centers), np.concatenate(contexts)
@@ -162,8 +162,7 @@ class PairStream:
     The stream lives in the task, so gossip mode's many short ``fit_steps`` calls walk
     through the data instead of restarting at the top of an epoch each time."""
 
-    def __init__(self, make_epoch: Callable[[np.random.Generator], tuple[np.ndarray, np.ndarray]],
-                 seed: int) -> None:
+    def __init__(self, make_epoch: Callable[[np.random.Generator], tuple[np.ndarray, np.ndarray]], seed: int) -> None:
         self.make_epoch = make_epoch
         self.rng = np.random.default_rng(seed)
         self.centers = self.contexts = np.zeros(0, np.int64)
@@ -180,8 +179,8 @@ class PairStream:
             else:
                 raise ConfigError("the local corpus yields no training pairs (too few words in the vocabulary)")
             self.pos = 0
-        c = self.centers[self.pos:self.pos + n]
-        x = self.contexts[self.pos:self.pos + n]
+        c = self.centers[self.pos : self.pos + n]
+        x = self.contexts[self.pos : self.pos + n]
         self.pos += n
         return torch.from_numpy(c), torch.from_numpy(x)
 
@@ -203,9 +202,9 @@ class SkipGram(nn.Module):
 
     def pair_losses(self, centers: torch.Tensor, contexts: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """Negative-sampling loss of each (center, context) pair; ``noise`` is B x k."""
-        v = self.in_embed(centers)                                   # B x d
-        u = self.out_embed(contexts)                                 # B x d
-        n = self.out_embed(noise)                                    # B x k x d
+        v = self.in_embed(centers)  # B x d
+        u = self.out_embed(contexts)  # B x d
+        n = self.out_embed(noise)  # B x k x d
         pos = F.logsigmoid((v * u).sum(-1))
         neg = F.logsigmoid(-torch.bmm(n, v.unsqueeze(-1)).squeeze(-1))
         neg = neg * (noise != contexts.unsqueeze(-1))
@@ -213,8 +212,17 @@ class SkipGram(nn.Module):
 
 
 @torch.no_grad()
-def sgns_update(in_table: torch.Tensor, out_table: torch.Tensor, inputs: torch.Tensor, contexts: torch.Tensor,
-                noise: torch.Tensor, lr: float, *, update_in: bool = True, update_out: bool = True) -> torch.Tensor:
+def sgns_update(
+    in_table: torch.Tensor,
+    out_table: torch.Tensor,
+    inputs: torch.Tensor,
+    contexts: torch.Tensor,
+    noise: torch.Tensor,
+    lr: float,
+    *,
+    update_in: bool = True,
+    update_out: bool = True,
+) -> torch.Tensor:
     """One SGD step on the summed negative-sampling loss, gradients written by hand.
 
     The same step autograd would take on ``SkipGram.pair_losses(...).sum()`` (a test
@@ -230,27 +238,34 @@ def sgns_update(in_table: torch.Tensor, out_table: torch.Tensor, inputs: torch.T
     batch, k = noise.shape
     d = in_table.shape[1]
     targets = torch.cat([contexts.unsqueeze(1), noise], 1).reshape(-1)
-    v = in_table.index_select(0, inputs)                                    # B x d
-    u = out_table.index_select(0, targets).view(batch, k + 1, d)            # B x (k+1) x d
-    scores = (u * v.unsqueeze(1)).sum(-1)                                   # B x (k+1)
+    v = in_table.index_select(0, inputs)  # B x d
+    u = out_table.index_select(0, targets).view(batch, k + 1, d)  # B x (k+1) x d
+    scores = (u * v.unsqueeze(1)).sum(-1)  # B x (k+1)
     keep = torch.ones_like(scores)
-    keep[:, 1:] = noise != contexts.unsqueeze(-1)        # a noise word equal to the context is masked
+    keep[:, 1:] = noise != contexts.unsqueeze(-1)  # a noise word equal to the context is masked
     sign = torch.ones(k + 1, dtype=scores.dtype)
     sign[0] = -1.0
     losses = (F.softplus(scores * sign) * keep).sum(-1)  # -log σ(u_o·v) - Σ log σ(-u_k·v)
-    grad = torch.sigmoid(scores) * keep                  # dL/d(score): σ(s) - label
+    grad = torch.sigmoid(scores) * keep  # dL/d(score): σ(s) - label
     grad[:, 0] -= 1.0
     if update_in:
         in_table.index_put_((inputs,), (grad.unsqueeze(-1) * u).sum(1).mul_(-lr), accumulate=True)
     if update_out:
-        out_table.index_put_((targets,), (grad.unsqueeze(-1) * v.unsqueeze(1)).mul_(-lr).view(-1, d),
-                             accumulate=True)
+        out_table.index_put_((targets,), (grad.unsqueeze(-1) * v.unsqueeze(1)).mul_(-lr).view(-1, d), accumulate=True)
     return losses
 
 
-def sgns_steps(model: SkipGram, stream: PairStream, noise_table: torch.Tensor, *, steps: int,
-               batch_size: int, negative: int, lr_at: Callable[[int], float],
-               generator: torch.Generator) -> dict[str, float]:
+def sgns_steps(
+    model: SkipGram,
+    stream: PairStream,
+    noise_table: torch.Tensor,
+    *,
+    steps: int,
+    batch_size: int,
+    negative: int,
+    lr_at: Callable[[int], float],
+    generator: torch.Generator,
+) -> dict[str, float]:
     """``steps`` SGD steps on the summed pair loss; returns the mean pair loss."""
     if steps < 0 or batch_size < 1 or negative < 1:
         raise ConfigError("steps >= 0, batch_size >= 1 and negative >= 1 are required")
@@ -259,8 +274,9 @@ def sgns_steps(model: SkipGram, stream: PairStream, noise_table: torch.Tensor, *
     w_in, w_out = model.in_embed.weight.data, model.out_embed.weight.data
     for step in range(steps):
         centers, contexts = stream.next(batch_size)
-        noise = noise_table.index_select(0, torch.randint(len(noise_table), (len(centers) * negative,),
-                                                          generator=generator)).view(len(centers), negative)
+        noise = noise_table.index_select(
+            0, torch.randint(len(noise_table), (len(centers) * negative,), generator=generator)
+        ).view(len(centers), negative)
         losses = sgns_update(w_in, w_out, centers, contexts, noise, lr_at(step))
         total += float(losses.sum())
         count += len(centers)
@@ -269,9 +285,23 @@ def sgns_steps(model: SkipGram, stream: PairStream, noise_table: torch.Tensor, *
 
 # ---- the task -------------------------------------------------------------------------------------
 DEFAULTS: dict[str, Any] = {
-    "corpus": "wiki", "split": "random", "shard": None, "shards": 1, "topics": None, "limit": 0,
-    "seed": 0, "dim": 100, "window": 5, "negative": 5, "sample": 1e-3, "min_count": 5,
-    "max_vocab": 0, "ns_exponent": 0.75, "vocabulary": None, "reference": None, "analogies": False,
+    "corpus": "wiki",
+    "split": "random",
+    "shard": None,
+    "shards": 1,
+    "topics": None,
+    "limit": 0,
+    "seed": 0,
+    "dim": 100,
+    "window": 5,
+    "negative": 5,
+    "sample": 1e-3,
+    "min_count": 5,
+    "max_vocab": 0,
+    "ns_exponent": 0.75,
+    "vocabulary": None,
+    "reference": None,
+    "analogies": False,
 }
 
 
@@ -283,8 +313,9 @@ def load_corpus(options: Mapping[str, Any]) -> tuple[list[td.Article], td.Split 
     shards = int(options["shards"])
     if shards <= 1:
         return articles, None
-    split = td.split_articles([a.tokens for a in articles], shards, options["split"],
-                              seed=int(options["seed"]), topics=options["topics"])
+    split = td.split_articles(
+        [a.tokens for a in articles], shards, options["split"], seed=int(options["seed"]), topics=options["topics"]
+    )
     return articles, split
 
 
@@ -318,8 +349,9 @@ class Word2VecTask(Task):
         else:
             groups = [range(len(articles))] if split is None else split.shards
             offers = [td.term_counts(articles[i].tokens for i in g) for g in groups]
-            vocab = Vocabulary.from_merge(td.merge_term_counts(offers, min_count=int(o["min_count"]),
-                                                               max_size=int(o["max_vocab"])))
+            vocab = Vocabulary.from_merge(
+                td.merge_term_counts(offers, min_count=int(o["min_count"]), max_size=int(o["max_vocab"]))
+            )
         self.set_vocabulary(vocab.terms, vocab.counts.astype(np.int64).tolist())
         self._reference: tm.WordVectors | None = None
         if o["reference"]:
@@ -341,8 +373,10 @@ class Word2VecTask(Task):
         self.encoded = [self.vocab.encode(a.tokens) for a in self.documents]
         self.noise = self.vocab.noise_table(self.ns_exponent)
         keep = self.vocab.keep_probabilities(self.sample)
-        self.stream = PairStream(lambda rng: skipgram_pairs(self.encoded, keep, self.window, rng),
-                                 seed=self.seed * 7919 + int(self.options["shard"] or 0))
+        self.stream = PairStream(
+            lambda rng: skipgram_pairs(self.encoded, keep, self.window, rng),
+            seed=self.seed * 7919 + int(self.options["shard"] or 0),
+        )
 
     # -- Task ---------------------------------------------------------------------------------
     def build_model(self) -> SkipGram:
@@ -359,20 +393,28 @@ class Word2VecTask(Task):
         steps = max(1, math.ceil(epochs * self.pairs_per_epoch() / batch_size))
         return self.fit_steps(model, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
 
-    def fit_steps(self, model: nn.Module, *, steps: int, lr: float, batch_size: int,
-                  seed: int, lr_end: float | None = None) -> dict[str, float]:
+    def fit_steps(
+        self, model: nn.Module, *, steps: int, lr: float, batch_size: int, seed: int, lr_end: float | None = None
+    ) -> dict[str, float]:
         """``steps`` SGD steps; with ``lr_end`` the step size moves linearly from ``lr``
         to it over the steps (gossip mode's schedule inside one period)."""
         assert isinstance(model, SkipGram)
         end = lr if lr_end is None else float(lr_end)
-        return sgns_steps(model, self.stream, self.noise, steps=steps, batch_size=batch_size,
-                          negative=self.negative, lr_at=lambda s: lr + (end - lr) * s / max(steps, 1),
-                          generator=torch.Generator().manual_seed(seed))
+        return sgns_steps(
+            model,
+            self.stream,
+            self.noise,
+            steps=steps,
+            batch_size=batch_size,
+            negative=self.negative,
+            lr_at=lambda s: lr + (end - lr) * s / max(steps, 1),
+            generator=torch.Generator().manual_seed(seed),
+        )
 
     def pairs_per_epoch(self) -> float:
         keep = self.vocab.keep_probabilities(self.sample)
         kept = sum(float(keep[e].sum()) for e in self.encoded)
-        return kept * (self.window + 1)            # 2 sides x mean dynamic window (w+1)/2
+        return kept * (self.window + 1)  # 2 sides x mean dynamic window (w+1)/2
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
@@ -397,14 +439,31 @@ class Word2VecTask(Task):
         return tm.WordVectors(self.vocab.terms, model.in_embed.weight.detach().cpu().numpy())
 
 
-def train_centralized(task: Word2VecTask, model: SkipGram, *, steps: int, lr: float, batch_size: int,
-                      seed: int, min_lr_fraction: float = 1e-4) -> dict[str, float]:
+def train_centralized(
+    task: Word2VecTask,
+    model: SkipGram,
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    min_lr_fraction: float = 1e-4,
+) -> dict[str, float]:
     """The reference run: like word2vec, ``lr`` decays linearly to ``lr * min_lr_fraction``."""
+
     def lr_at(step: int) -> float:
         return lr * max(min_lr_fraction, 1.0 - step / max(steps, 1))
 
-    return sgns_steps(model, task.stream, task.noise, steps=steps, batch_size=batch_size,
-                      negative=task.negative, lr_at=lr_at, generator=torch.Generator().manual_seed(seed))
+    return sgns_steps(
+        model,
+        task.stream,
+        task.noise,
+        steps=steps,
+        batch_size=batch_size,
+        negative=task.negative,
+        lr_at=lr_at,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 def save_vectors(path: str | Path, vectors: tm.WordVectors) -> None:

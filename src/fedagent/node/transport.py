@@ -43,15 +43,19 @@ from urllib.parse import urlsplit
 
 import aiomqtt
 import paho.mqtt.client as mqtt
+from aiomqtt.exceptions import MqttConnectError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
-from aiomqtt.exceptions import MqttConnectError
 
 from fedagent import pki
 from fedagent.errors import (
-    CertificateRejected, ConfigError, FedagentError, NotAuthorized, TransportError,
+    CertificateRejected,
+    ConfigError,
+    FedagentError,
+    NotAuthorized,
+    TransportError,
 )
 
 log = logging.getLogger(__name__)
@@ -60,7 +64,7 @@ _paho_log = logging.getLogger("fedagent.mqtt")
 DEFAULT_PORT = 8883
 BACKOFF_INITIAL = 0.5
 BACKOFF_CAP = 30.0
-RC_NOT_AUTHORIZED = 0x87        # 135
+RC_NOT_AUTHORIZED = 0x87  # 135
 RC_DISCONNECT_WITH_WILL = 0x04
 # CONNACK reason codes that no amount of retrying will change.
 _FATAL_CONNACK = {0x84, 0x85, 0x86, 0x87, 0x8A, 0x8C}
@@ -76,10 +80,15 @@ def parse_broker_uri(uri: str) -> tuple[str, int]:
     except ValueError as exc:
         raise ConfigError(f"invalid broker URI {uri!r}: {exc}") from None
     if parts.scheme != "mqtts":
-        raise ConfigError(f"broker URI {uri!r} must use mqtts:// (fedagent only speaks MQTT over "
-                          "mutual TLS)")
-    if not parts.hostname or parts.path not in ("", "/") or parts.query or parts.fragment \
-            or parts.username or parts.password:
+        raise ConfigError(f"broker URI {uri!r} must use mqtts:// (fedagent only speaks MQTT over mutual TLS)")
+    if (
+        not parts.hostname
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or parts.username
+        or parts.password
+    ):
         raise ConfigError(f"broker URI must look like mqtts://HOST:PORT, not {uri!r}")
     return parts.hostname, port if port is not None else DEFAULT_PORT
 
@@ -101,30 +110,34 @@ def make_ssl_context(tls: TlsFiles) -> ssl.SSLContext:
     """A client context that presents our certificate and trusts only the federation
     CA, with hostname checking on (the broker certificate must name the host in the
     URI: ``fedagent ca issue broker --role broker --san HOST``)."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)       # CERT_REQUIRED, check_hostname
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED, check_hostname
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
         ctx.load_verify_locations(cafile=str(tls.ca))
     except FileNotFoundError:
-        raise ConfigError(f"the federation CA certificate {tls.ca} is missing; copy the "
-                          "federation's ca.crt there") from None
+        raise ConfigError(
+            f"the federation CA certificate {tls.ca} is missing; copy the federation's ca.crt there"
+        ) from None
     except ssl.SSLError as exc:
         raise ConfigError(f"{tls.ca} is not a PEM CA certificate ({exc.reason})") from exc
     for path, what in ((tls.cert, "certificate"), (tls.key, "private key")):
         if not path.exists():
-            raise ConfigError(f"no client certificate: the {what} file {path} is missing; "
-                              f"issue one with `fedagent ca issue {tls.cert.stem} --role agent`")
+            raise ConfigError(
+                f"no client certificate: the {what} file {path} is missing; "
+                f"issue one with `fedagent ca issue {tls.cert.stem} --role agent`"
+            )
     try:
         ctx.load_cert_chain(str(tls.cert), str(tls.key))
     except ssl.SSLError as exc:
-        raise ConfigError(f"cannot use {tls.cert} with {tls.key} ({exc.reason}): the key must "
-                          "be the certificate's, unencrypted PEM") from exc
+        raise ConfigError(
+            f"cannot use {tls.cert} with {tls.key} ({exc.reason}): the key must be the certificate's, unencrypted PEM"
+        ) from exc
     return ctx
 
 
 # --- preflight: a handshake of our own, to say *why* the broker won't have us --------
 
-_CONNECT_PROBE = bytes.fromhex("100d00044d5154540502000a000000")   # MQTT 5, clean, id ""
+_CONNECT_PROBE = bytes.fromhex("100d00044d5154540502000a000000")  # MQTT 5, clean, id ""
 _DISCONNECT = bytes.fromhex("e000")
 
 
@@ -151,13 +164,15 @@ def _client_cert_rejected(exc: ssl.SSLError, tls: TlsFiles | None, where: str) -
         return CertificateRejected(
             f"the broker at {where} requires a client certificate and we sent none "
             f"({short}): configure tls.cert and tls.key with this node's certificate, "
-            f"issued with `fedagent ca issue NAME --role agent`")
+            f"issued with `fedagent ca issue NAME --role agent`"
+        )
     if "UNKNOWN_CA" in reason:
         return CertificateRejected(
             f"the broker at {where} rejected our client certificate ({short}): {file} was not "
             f"issued by this federation's CA (the one the broker trusts); get a certificate "
             f"from the federation's CA with {cmd}, and check that tls.ca ({ca}) is that "
-            "federation's ca.crt")
+            "federation's ca.crt"
+        )
     if "EXPIRED" in reason:
         when = ""
         if tls is not None:
@@ -167,37 +182,45 @@ def _client_cert_rejected(exc: ssl.SSLError, tls: TlsFiles | None, where: str) -
                 pass
         return CertificateRejected(
             f"the broker at {where} rejected our client certificate ({short}): {file} for "
-            f"{name} expired{when}; issue a new one with {cmd}")
+            f"{name} expired{when}; issue a new one with {cmd}"
+        )
     if "REVOKED" in reason:
         return CertificateRejected(
             f"the broker at {where} rejected our client certificate ({short}): {file} for "
-            f"{name} has been revoked; ask the federation operator for a new one")
+            f"{name} has been revoked; ask the federation operator for a new one"
+        )
     if "PROTOCOL_VERSION" in reason or "VERSION" in reason:
-        return TransportError(f"the broker at {where} refused our TLS version ({short}); "
-                              "fedagent needs TLS 1.2 or newer on both sides")
+        return TransportError(
+            f"the broker at {where} refused our TLS version ({short}); fedagent needs TLS 1.2 or newer on both sides"
+        )
     if "ALERT" in reason or "CERTIFICATE" in reason:
         return CertificateRejected(
             f"the broker at {where} rejected our client certificate ({short}): check that "
-            f"{file} was issued for {name} by this federation's CA ({cmd})")
+            f"{file} was issued for {name} by this federation's CA ({cmd})"
+        )
     return TransportError(f"TLS with the broker at {where} failed: {exc}")
 
 
-def _server_cert_rejected(exc: ssl.SSLCertVerificationError, tls: TlsFiles | None,
-                          host: str, where: str) -> CertificateRejected:
+def _server_cert_rejected(
+    exc: ssl.SSLCertVerificationError, tls: TlsFiles | None, host: str, where: str
+) -> CertificateRejected:
     code, msg = exc.verify_code, exc.verify_message or str(exc)
     ca = tls.ca if tls is not None else "our CA"
     if code == 62 or "hostname" in msg.lower() or "IP address mismatch" in msg:
         return CertificateRejected(
             f"the broker's certificate at {where} is not valid for {host!r} ({msg}): issue the "
             f"broker a certificate naming it (`fedagent ca issue broker --role broker --san "
-            f"{host}`) or connect with the name in its certificate")
+            f"{host}`) or connect with the name in its certificate"
+        )
     if code == 10:
         return CertificateRejected(
             f"the broker's certificate at {where} has expired ({msg}): the broker needs a new "
-            "one (`fedagent ca issue broker --role broker`)")
+            "one (`fedagent ca issue broker --role broker`)"
+        )
     return CertificateRejected(
         f"the broker's certificate at {where} is not signed by our CA ({ca}): {msg}. Is "
-        f"{where} this federation's broker, and is {ca} the federation's ca.crt?")
+        f"{where} this federation's broker, and is {ca} the federation's ca.crt?"
+    )
 
 
 def _connack_refused(code: int, where: str) -> TransportError:
@@ -215,37 +238,40 @@ def _await_verdict(conn: ssl.SSLSocket, wait: float, tls: TlsFiles | None, where
     the TCP reset that follows it."""
     readable, _, _ = select.select([conn], [], [], wait)
     if not readable:
-        return                      # a server that sends no tickets: CONNECT will tell
+        return  # a server that sends no tickets: CONNECT will tell
     conn.setblocking(False)
     try:
         data = conn.recv(64)
     except ssl.SSLWantReadError:
-        return                      # only session tickets: our certificate was accepted
+        return  # only session tickets: our certificate was accepted
     except ssl.SSLEOFError as exc:
-        raise TransportError(f"the broker at {where} closed the connection right after the TLS "
-                             "handshake without saying why; see the broker's log") from exc
+        raise TransportError(
+            f"the broker at {where} closed the connection right after the TLS "
+            "handshake without saying why; see the broker's log"
+        ) from exc
     except ssl.SSLError as exc:
         raise _client_cert_rejected(exc, tls, where) from exc
     except OSError as exc:
-        raise TransportError(f"the broker at {where} dropped the connection after the TLS "
-                             f"handshake ({exc}); see the broker's log") from exc
+        raise TransportError(
+            f"the broker at {where} dropped the connection after the TLS handshake ({exc}); see the broker's log"
+        ) from exc
     if not data:
-        raise TransportError(f"the broker at {where} closed the connection right after the TLS "
-                             "handshake; see the broker's log")
+        raise TransportError(
+            f"the broker at {where} closed the connection right after the TLS handshake; see the broker's log"
+        )
     raise TransportError(f"the broker at {where} sent data before CONNECT ({data[:8].hex()})")
 
 
-def _probe(host: str, port: int, ctx: ssl.SSLContext, timeout: float,
-           tls: TlsFiles | None) -> None:
+def _probe(host: str, port: int, ctx: ssl.SSLContext, timeout: float, tls: TlsFiles | None) -> None:
     where = f"{host}:{port}"
     try:
         raw = socket.create_connection((host, port), timeout=timeout)
     except ConnectionRefusedError:
-        raise TransportError(f"cannot reach broker at {where}: connection refused (is it "
-                             "running and listening there?)") from None
+        raise TransportError(
+            f"cannot reach broker at {where}: connection refused (is it running and listening there?)"
+        ) from None
     except TimeoutError:
-        raise TransportError(f"cannot reach broker at {where}: no answer within "
-                             f"{timeout:g}s") from None
+        raise TransportError(f"cannot reach broker at {where}: no answer within {timeout:g}s") from None
     except OSError as exc:
         raise TransportError(f"cannot reach broker at {where}: {exc.strerror or exc}") from exc
     with raw:
@@ -253,7 +279,7 @@ def _probe(host: str, port: int, ctx: ssl.SSLContext, timeout: float,
             conn = ctx.wrap_socket(raw, server_hostname=host)
         except ssl.SSLCertVerificationError as exc:
             raise _server_cert_rejected(exc, tls, host, where) from exc
-        except ssl.SSLError as exc:      # TLS 1.2: the verdict on our certificate comes here
+        except ssl.SSLError as exc:  # TLS 1.2: the verdict on our certificate comes here
             raise _client_cert_rejected(exc, tls, where) from exc
         except TimeoutError:
             raise TransportError(f"TLS handshake with {where} timed out after {timeout:g}s") from None
@@ -274,15 +300,20 @@ def _probe(host: str, port: int, ctx: ssl.SSLContext, timeout: float,
             except ssl.SSLError as exc:
                 raise _client_cert_rejected(exc, tls, where) from exc
             except TimeoutError:
-                raise TransportError(f"the broker at {where} completed TLS but did not answer "
-                                     f"an MQTT CONNECT within {timeout:g}s") from None
+                raise TransportError(
+                    f"the broker at {where} completed TLS but did not answer an MQTT CONNECT within {timeout:g}s"
+                ) from None
             except OSError as exc:
-                raise TransportError(f"the broker at {where} dropped the connection after the "
-                                     f"TLS handshake ({exc}); see the broker's log") from exc
+                raise TransportError(
+                    f"the broker at {where} dropped the connection after the "
+                    f"TLS handshake ({exc}); see the broker's log"
+                ) from exc
             if len(data) < 4 or data[0] != 0x20:
-                raise TransportError(f"the broker at {where} closed the connection after the TLS "
-                                     "handshake without answering CONNECT (is it an MQTT 5 "
-                                     "broker?); see the broker's log")
+                raise TransportError(
+                    f"the broker at {where} closed the connection after the TLS "
+                    "handshake without answering CONNECT (is it an MQTT 5 "
+                    "broker?); see the broker's log"
+                )
             # 0x85 (client identifier not valid) refuses only the probe's empty id, on a
             # broker with allow_zero_length_clientid off: our certificate passed.
             if data[3] >= 0x80 and data[3] != 0x85:
@@ -293,8 +324,14 @@ def _probe(host: str, port: int, ctx: ssl.SSLContext, timeout: float,
                 pass
 
 
-async def preflight(uri: str, tls: TlsFiles, timeout: float = 5.0, *, check_local: bool = True,
-                    ssl_context: ssl.SSLContext | None = None) -> None:
+async def preflight(
+    uri: str,
+    tls: TlsFiles,
+    timeout: float = 5.0,
+    *,
+    check_local: bool = True,
+    ssl_context: ssl.SSLContext | None = None,
+) -> None:
     """Check that the broker at ``uri`` accepts our certificate, explaining if not.
 
     Checks the local files first (``check_local``), then does a TLS handshake and a
@@ -316,6 +353,7 @@ async def preflight(uri: str, tls: TlsFiles, timeout: float = 5.0, *, check_loca
 
 
 # --- the aiomqtt client, with what fedagent needs from paho below it ---------------
+
 
 class _ConnectionLost(Exception):
     pass
@@ -340,8 +378,12 @@ class _Client(aiomqtt.Client):
 
     @property
     def is_connected(self) -> bool:
-        return self._connected.done() and not self._connected.exception() \
-            and not self._disconnected.done() and self._client.is_connected()
+        return (
+            self._connected.done()
+            and not self._connected.exception()
+            and not self._disconnected.done()
+            and self._client.is_connected()
+        )
 
     @property
     def max_packet_size(self) -> int | None:
@@ -357,10 +399,11 @@ class _Client(aiomqtt.Client):
         # paho reports a connection that dies before CONNACK (a TLS 1.3 alert about our
         # certificate, a broker going down) only here; aiomqtt would wait out its timeout.
         if not self._connected.done():
+
             def fail() -> None:
                 if not self._connected.done():
-                    self._connected.set_exception(aiomqtt.MqttCodeError(
-                        reason_code, "Connection lost before CONNACK"))
+                    self._connected.set_exception(aiomqtt.MqttCodeError(reason_code, "Connection lost before CONNACK"))
+
             self._loop.call_soon_threadsafe(fail)
             return
         super()._on_disconnect(client, userdata, flags, reason_code, properties)
@@ -387,8 +430,9 @@ class _Client(aiomqtt.Client):
         self._loop.call_soon_threadsafe(self._loop.add_reader, sock.fileno(), on_readable)
         self._loop.call_soon_threadsafe(create_misc_task)
 
-    async def publish_acked(self, topic: str, payload: bytes, *, qos: int, retain: bool,
-                            timeout: float) -> ReasonCode | None:
+    async def publish_acked(
+        self, topic: str, payload: bytes, *, qos: int, retain: bool, timeout: float
+    ) -> ReasonCode | None:
         """Publish and wait for PUBACK; returns its reason code (None for QoS 0)."""
         info = self._client.publish(topic, payload, qos, retain)
         if info.rc != mqtt.MQTT_ERR_SUCCESS:
@@ -400,8 +444,7 @@ class _Client(aiomqtt.Client):
         fut: asyncio.Future[ReasonCode] = self._loop.create_future()
         self._acks[info.mid] = fut
         try:
-            await asyncio.wait((fut, self._disconnected), timeout=timeout,
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((fut, self._disconnected), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._acks.pop(info.mid, None)
         if fut.done():
@@ -432,7 +475,7 @@ def read_available(client: mqtt.Client) -> None:
         if s is None:
             return
         if hasattr(s, "pending") and s.pending() > 0:
-            continue                 # decrypted bytes the fd will never signal
+            continue  # decrypted bytes the fd will never signal
         if _holds_complete_packet(client):
             continue
         return
@@ -485,12 +528,20 @@ class Transport:
     is called; :meth:`publish` may be called from any task meanwhile.
     """
 
-    def __init__(self, *, uri: str, client_id: str, tls: TlsFiles,
-                 will: tuple[str, bytes] | None = None,
-                 on_connect: Callable[[], Awaitable[None]] | None = None,
-                 subscriptions: Sequence[str] = (), keepalive: int = 10,
-                 session_expiry: int = 3600, connect_timeout: float = 10,
-                 receive_maximum: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        uri: str,
+        client_id: str,
+        tls: TlsFiles,
+        will: tuple[str, bytes] | None = None,
+        on_connect: Callable[[], Awaitable[None]] | None = None,
+        subscriptions: Sequence[str] = (),
+        keepalive: int = 10,
+        session_expiry: int = 3600,
+        connect_timeout: float = 10,
+        receive_maximum: int | None = None,
+    ) -> None:
         """``receive_maximum``: QoS 1 messages the broker may have sent us unacknowledged
         (MQTT 5 Receive Maximum). A message is acknowledged once the handler is done
         with it, so this bounds what waits in this process; the rest waits at the broker."""
@@ -513,7 +564,7 @@ class Transport:
             if t not in self._subscriptions:
                 self._subscriptions.append(t)
 
-        self.state = "idle"             # idle, connecting, connected, backoff, closed, failed
+        self.state = "idle"  # idle, connecting, connected, backoff, closed, failed
         self.reconnects = 0
         self.last_error: str | None = None
         self.connected_since: float | None = None
@@ -538,10 +589,15 @@ class Transport:
         return tuple(self._subscriptions)
 
     def status(self) -> dict[str, Any]:
-        return {"broker": self.uri, "state": self.state, "reconnects": self.reconnects,
-                "last_error": self.last_error, "connected_since": self.connected_since,
-                "session_present": self.session_present,
-                "max_packet_size": self.max_packet_size}
+        return {
+            "broker": self.uri,
+            "state": self.state,
+            "reconnects": self.reconnects,
+            "last_error": self.last_error,
+            "connected_since": self.connected_since,
+            "session_present": self.session_present,
+            "max_packet_size": self.max_packet_size,
+        }
 
     # --- the connection loop ---------------------------------------------------------
     def _new_client(self) -> _Client:
@@ -553,10 +609,17 @@ class Transport:
         if self.will is not None:
             will = aiomqtt.Will(self.will[0], self.will[1], qos=1, retain=True)
         return _Client(
-            self.host, self.port, identifier=self.client_id,
-            protocol=aiomqtt.ProtocolVersion.V5, clean_start=False, properties=props,
-            keepalive=self.keepalive, timeout=self.connect_timeout, will=will,
-            tls_context=make_ssl_context(self.tls), logger=_paho_log,
+            self.host,
+            self.port,
+            identifier=self.client_id,
+            protocol=aiomqtt.ProtocolVersion.V5,
+            clean_start=False,
+            properties=props,
+            keepalive=self.keepalive,
+            timeout=self.connect_timeout,
+            will=will,
+            tls_context=make_ssl_context(self.tls),
+            logger=_paho_log,
         )
 
     async def run(self, handler: Handler, ready: asyncio.Event | None = None) -> None:
@@ -575,8 +638,7 @@ class Transport:
         self._closing = False
         self._stopped.clear()
         inbox: asyncio.Queue[tuple[_Client, aiomqtt.Message]] = asyncio.Queue()
-        dispatcher = asyncio.create_task(self._dispatch(handler, inbox),
-                                         name=f"mqtt-dispatch-{self.client_id}")
+        dispatcher = asyncio.create_task(self._dispatch(handler, inbox), name=f"mqtt-dispatch-{self.client_id}")
         try:
             await self._connection_loop(inbox, ready)
         except FedagentError:
@@ -628,8 +690,9 @@ class Transport:
                     self.max_packet_size = client.max_packet_size
                     self.connected_since = time.time()
                     self.last_error = None
-                    log.info("connected to %s as %s (session present: %s)", self.uri,
-                             self.client_id, client.session_present)
+                    log.info(
+                        "connected to %s as %s (session present: %s)", self.uri, self.client_id, client.session_present
+                    )
                     await self._subscribe(client, list(self._subscriptions))
                     self.state = "connected"
                     self._connected.set()
@@ -663,8 +726,7 @@ class Transport:
                 self.last_error = str(exc) or type(exc).__name__
                 if not connected_now:
                     check_first = True
-                log.warning("connection to %s %s: %s", self.uri,
-                            "lost" if connected_now else "failed", self.last_error)
+                log.warning("connection to %s %s: %s", self.uri, "lost" if connected_now else "failed", self.last_error)
             if self._closing:
                 break
             self.state = "backoff"
@@ -685,11 +747,13 @@ class Transport:
         try:
             await asyncio.shield(enter)
         except asyncio.CancelledError:
+
             def abandon(f: asyncio.Future) -> None:
                 if f.cancelled() or f.exception() is not None:
                     return
                 rc = ReasonCode(PacketTypes.DISCONNECT, identifier=RC_DISCONNECT_WITH_WILL)
                 client.paho.disconnect(reasoncode=rc)
+
             enter.add_done_callback(abandon)
             raise
 
@@ -703,7 +767,7 @@ class Transport:
             try:
                 await handler(topic, payload)
             except asyncio.CancelledError:
-                raise                         # not acked: the broker redelivers it
+                raise  # not acked: the broker redelivers it
             except Exception:
                 log.exception("handler failed on a message from %s", topic)
             client.ack(message.mid, message.qos)
@@ -711,8 +775,7 @@ class Transport:
     async def _subscribe(self, client: _Client, topics: list[str]) -> None:
         if not topics:
             return
-        granted = await client.subscribe([(t, SubscribeOptions(qos=1)) for t in topics],
-                                         timeout=self.connect_timeout)
+        granted = await client.subscribe([(t, SubscribeOptions(qos=1)) for t in topics], timeout=self.connect_timeout)
         for topic, rc in zip(topics, granted):
             value = getattr(rc, "value", rc)
             if isinstance(value, int) and value >= 0x80:
@@ -726,7 +789,7 @@ class Transport:
         if client.paho.disconnect(reasoncode=rc) == mqtt.MQTT_ERR_SUCCESS:
             await asyncio.wait((client._disconnected,), timeout=timeout)
         if client._disconnected.done():
-            client._disconnected.exception()      # retrieved: we are leaving either way
+            client._disconnected.exception()  # retrieved: we are leaving either way
         else:
             client._disconnected.set_result(None)
 
@@ -743,7 +806,8 @@ class Transport:
             if remaining <= 0:
                 raise TransportError(
                     f"cannot {what}: not connected to the broker at {self.uri} within "
-                    f"{timeout:g}s (state {self.state}; last error: {self.last_error or 'none'})")
+                    f"{timeout:g}s (state {self.state}; last error: {self.last_error or 'none'})"
+                )
             if client is not None and self._connected.is_set():
                 # The connection just died and the run loop has not noticed yet.
                 await asyncio.wait((client._disconnected,), timeout=min(remaining, 1.0))
@@ -753,8 +817,9 @@ class Transport:
             except TimeoutError:
                 pass
 
-    async def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
-                      timeout: float = 30) -> None:
+    async def publish(
+        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, timeout: float = 30
+    ) -> None:
         """Publish and, for QoS 1, wait for the broker's PUBACK.
 
         Raises :class:`NotAuthorized` if the broker ACL refuses it (reason code 135),
@@ -775,17 +840,19 @@ class Transport:
                 raise TransportError(
                     f"cannot publish {len(payload)} bytes to {topic}: the packet ({size} bytes) "
                     f"exceeds the broker's maximum packet size of {limit} bytes; split it into "
-                    "chunks below that limit")
+                    "chunks below that limit"
+                )
             try:
-                rc = await client.publish_acked(topic, payload, qos=qos, retain=retain,
-                                                timeout=max(0.0, deadline - loop.time()))
+                rc = await client.publish_acked(
+                    topic, payload, qos=qos, retain=retain, timeout=max(0.0, deadline - loop.time())
+                )
             except _ConnectionLost:
-                log.info("connection lost before PUBACK for %s; publishing again after "
-                         "reconnecting", topic)
+                log.info("connection lost before PUBACK for %s; publishing again after reconnecting", topic)
                 continue
             except TimeoutError:
-                raise TransportError(f"no PUBACK from the broker at {self.uri} for {topic} within "
-                                     f"{timeout:g}s") from None
+                raise TransportError(
+                    f"no PUBACK from the broker at {self.uri} for {topic} within {timeout:g}s"
+                ) from None
             if rc is not None and rc.value >= 0x80:
                 raise self._refused(topic, rc)
             return
@@ -796,9 +863,9 @@ class Transport:
             return NotAuthorized(
                 f"the broker refused our publish to {topic}: reason code {rc.value} "
                 f"({rc.getName()}) - not authorized by the broker ACL; {name} may publish only "
-                f"under fedagent/v1/<federation>/node/{name}/ (and global/ if a coordinator)")
-        return TransportError(f"the broker refused our publish to {topic}: reason code "
-                              f"{rc.value} ({rc.getName()})")
+                f"under fedagent/v1/<federation>/node/{name}/ (and global/ if a coordinator)"
+            )
+        return TransportError(f"the broker refused our publish to {topic}: reason code {rc.value} ({rc.getName()})")
 
     def update_subscriptions(self, add: Sequence[str]) -> asyncio.Task | None:
         """Add subscriptions (kept across reconnects). If connected, they are made at

@@ -29,7 +29,7 @@ def default_socket_path(role: str) -> Path:
     if rt:
         return Path(rt.split(":")[0]) / f"{role}.sock"
     if os.geteuid() == 0:
-        return Path(f"/run/fedagent-{role}") / f"{role}.sock"      # the unit's RuntimeDirectory
+        return Path(f"/run/fedagent-{role}") / f"{role}.sock"  # the unit's RuntimeDirectory
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg:
         return Path(xdg) / "fedagent" / f"{role}.sock"
@@ -110,7 +110,7 @@ class ControlServer:
             return {"ok": True, "result": await handler(args)}
         except FedagentError as exc:
             return {"ok": False, "error": str(exc)}
-        except Exception as exc:  # noqa: BLE001 - a bug in a handler must not kill the server
+        except Exception as exc:
             log.exception("control command %s failed", cmd)
             return {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}
 
@@ -123,7 +123,8 @@ class ControlServer:
 def _no_daemon(path: Path, exc: OSError) -> TransportError:
     return TransportError(
         f"no daemon is running at {path} ({exc.strerror or exc}); start one with "
-        "`fedagent agent --config FILE` (or `systemctl start fedagent-agent`)")
+        "`fedagent agent --config FILE` (or `systemctl start fedagent-agent`)"
+    )
 
 
 def _parse(path: Path, raw: bytes) -> dict[str, Any]:

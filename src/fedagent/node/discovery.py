@@ -46,8 +46,14 @@ class Advert:
         return f"{self.node_id}--{self.federation}.{SERVICE_TYPE}"
 
     def txt(self) -> dict[str, str]:
-        return {"fed": self.federation, "id": self.node_id, "role": self.role, "broker": self.broker_uri,
-                "fp": self.fingerprint, "proto": str(self.protocol)}
+        return {
+            "fed": self.federation,
+            "id": self.node_id,
+            "role": self.role,
+            "broker": self.broker_uri,
+            "fp": self.fingerprint,
+            "proto": str(self.protocol),
+        }
 
 
 def parse_txt(props: dict[bytes, bytes | None], port: int = 0, addresses: Sequence[str] = ()) -> Advert | None:
@@ -71,16 +77,23 @@ def parse_txt(props: dict[bytes, bytes | None], port: int = 0, addresses: Sequen
         proto = int(d.get("proto", "1"))
     except ValueError:
         return None
-    return Advert(federation=fed, node_id=node, role=role, broker_uri=broker, fingerprint=fp,
-                  protocol=proto, port=port, addresses=tuple(addresses))
+    return Advert(
+        federation=fed,
+        node_id=node,
+        role=role,
+        broker_uri=broker,
+        fingerprint=fp,
+        protocol=proto,
+        port=port,
+        addresses=tuple(addresses),
+    )
 
 
 ChangeCallback = Callable[[str, Advert], None]
 
 
 class Discovery:
-    def __init__(self, interfaces: Sequence[str] = ("127.0.0.1",), *,
-                 on_change: ChangeCallback | None = None) -> None:
+    def __init__(self, interfaces: Sequence[str] = ("127.0.0.1",), *, on_change: ChangeCallback | None = None) -> None:
         if not interfaces:
             raise FedagentError("mDNS needs at least one interface address")
         self.interfaces = list(interfaces)
@@ -123,8 +136,14 @@ class Discovery:
     def _info(self, advert: Advert) -> AsyncServiceInfo:
         port = advert.port or (urlsplit(advert.broker_uri).port if advert.broker_uri else 0) or 9
         host = f"{advert.node_id}-{advert.federation}.local."
-        return AsyncServiceInfo(SERVICE_TYPE, advert.instance_name, port=port, properties=advert.txt(),
-                                addresses=[socket.inet_aton(a) for a in self.interfaces], server=host)
+        return AsyncServiceInfo(
+            SERVICE_TYPE,
+            advert.instance_name,
+            port=port,
+            properties=advert.txt(),
+            addresses=[socket.inet_aton(a) for a in self.interfaces],
+            server=host,
+        )
 
     async def register(self, advert: Advert) -> None:
         assert self._aiozc is not None, "use Discovery as an async context manager"
@@ -150,8 +169,9 @@ class Discovery:
     @property
     def peers(self) -> dict[str, Advert]:
         """Adverts of the federation being browsed (all federations if none), by node id."""
-        return {a.node_id: a for a in self._by_name.values()
-                if self._federation is None or a.federation == self._federation}
+        return {
+            a.node_id: a for a in self._by_name.values() if self._federation is None or a.federation == self._federation
+        }
 
     def start_browsing(self, federation: str | None = None) -> None:
         self._federation = federation
@@ -159,8 +179,7 @@ class Discovery:
             assert self._aiozc is not None
             self._browser = AsyncServiceBrowser(self._aiozc.zeroconf, SERVICE_TYPE, handlers=[self._on_state])
 
-    def _on_state(self, zeroconf: Zeroconf, service_type: str, name: str,
-                  state_change: ServiceStateChange) -> None:
+    def _on_state(self, zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
         self._loop.call_soon_threadsafe(self._schedule, name, state_change)
 
     def _schedule(self, name: str, state_change: ServiceStateChange) -> None:
@@ -194,7 +213,7 @@ class Discovery:
         if self.on_change is not None and (self._federation is None or advert.federation == self._federation):
             try:
                 self.on_change(kind, advert)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("discovery callback failed")
 
     async def refresh(self, timeout: float = 2.0) -> dict[str, Advert]:
@@ -212,8 +231,11 @@ class Discovery:
         names = list(self._by_name)
         for name in names:
             stale = list(zc.cache.async_entries_with_name(name))
-            stale += [r for r in zc.cache.async_all_by_details(SERVICE_TYPE, 12, 1)   # PTR, IN
-                      if getattr(r, "alias", None) == name]
+            stale += [
+                r
+                for r in zc.cache.async_all_by_details(SERVICE_TYPE, 12, 1)  # PTR, IN
+                if getattr(r, "alias", None) == name
+            ]
             zc.cache.async_remove_records(stale)
 
         async def still_there(name: str) -> bool:
@@ -249,7 +271,8 @@ class Discovery:
             if left <= 0:
                 raise FedagentError(
                     f"no {' or '.join(roles)} for federation {federation} answered on mDNS within "
-                    f"{timeout:g} s (interfaces {', '.join(self.interfaces)}); pass --broker mqtts://HOST:PORT")
+                    f"{timeout:g} s (interfaces {', '.join(self.interfaces)}); pass --broker mqtts://HOST:PORT"
+                )
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), left)

@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedagent.agent.transport import TlsFiles, Transport
 from fedagent.config import NodeConfig
+from fedagent.node.transport import TlsFiles, Transport
 from fedagent.protocols import topics
-from fedagent.protocols.messages import Presence
 from fedagent.protocols.codec import Envelope, encode
-from fedagent.statefile import append_line
+from fedagent.protocols.messages import Presence
 from fedagent.signing import Identity, sign
+from fedagent.statefile import append_line
 
 _identities: dict[tuple[Path, Path, Path], Identity] = {}
 
@@ -39,8 +39,7 @@ def node_identity(cfg: NodeConfig) -> Identity:
 def setup_logging(level: str = "INFO") -> None:
     """One line per record on stderr; under systemd the journal adds the timestamp."""
     under_journal = bool(os.environ.get("JOURNAL_STREAM"))
-    fmt = "%(levelname)s %(name)s: %(message)s" if under_journal else \
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    fmt = "%(levelname)s %(name)s: %(message)s" if under_journal else "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt, stream=sys.stderr)
     for noisy in ("zeroconf", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -52,9 +51,20 @@ def tls_files(cfg: NodeConfig) -> TlsFiles:
 
 def presence_payload(cfg: NodeConfig, federation: str, online: bool, **fields: Any) -> bytes:
     msg = Presence(online=online, role=cfg.role, mode=cfg.mode, **fields)
-    return encode(sign(Envelope(kind=msg.kind, federation=federation, sender=cfg.id, round=0,
-                                seq=time.time_ns() // 1000, ts=time.time(), body=msg.to_body()),
-                       node_identity(cfg)))
+    return encode(
+        sign(
+            Envelope(
+                kind=msg.kind,
+                federation=federation,
+                sender=cfg.id,
+                round=0,
+                seq=time.time_ns() // 1000,
+                ts=time.time(),
+                body=msg.to_body(),
+            ),
+            node_identity(cfg),
+        )
+    )
 
 
 def release_large_frees() -> bool:
@@ -70,16 +80,29 @@ def release_large_frees() -> bool:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, 1 << 20))          # M_MMAP_THRESHOLD
+        return bool(libc.mallopt(-3, 1 << 20))  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         return False
 
 
-def make_transport(cfg: NodeConfig, federation: str, broker: str, subscriptions: list[str],
-                   on_connect=None, receive_maximum: int | None = None) -> Transport:
+def make_transport(
+    cfg: NodeConfig,
+    federation: str,
+    broker: str,
+    subscriptions: list[str],
+    on_connect=None,
+    receive_maximum: int | None = None,
+) -> Transport:
     will = (topics.presence(federation, cfg.id), presence_payload(cfg, federation, online=False))
-    return Transport(uri=broker, client_id=cfg.id, tls=tls_files(cfg), will=will,
-                     on_connect=on_connect, subscriptions=subscriptions, receive_maximum=receive_maximum)
+    return Transport(
+        uri=broker,
+        client_id=cfg.id,
+        tls=tls_files(cfg),
+        will=will,
+        on_connect=on_connect,
+        subscriptions=subscriptions,
+        receive_maximum=receive_maximum,
+    )
 
 
 class Timer:

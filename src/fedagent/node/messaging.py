@@ -39,8 +39,16 @@ from fedagent.protocols.chunking import Reassembler, split
 from fedagent.protocols.codec import Envelope, Limits, decode, encode, encode_view, weights_nbytes
 from fedagent.protocols.compression import Compressor
 from fedagent.protocols.messages import Message, Update, body_of
-from fedagent.protocols.streaming import (HEAD_KIND, STREAM_KIND, StreamEvent, StreamIntake,
-                                          UpdateHead, encode_stream, head_body, iter_stream_chunks)
+from fedagent.protocols.streaming import (
+    HEAD_KIND,
+    STREAM_KIND,
+    StreamEvent,
+    StreamIntake,
+    UpdateHead,
+    encode_stream,
+    head_body,
+    iter_stream_chunks,
+)
 from fedagent.replaylog import ReplayJournal
 from fedagent.signing import CHUNK_KIND, AuthError, Identity, SequenceCounter, SteadyClock, sign
 
@@ -56,14 +64,26 @@ class Incoming:
     envelope: Envelope
     message: Message
     nbytes: int
-    role: str = ""          # the signer's certificate role (OU): "agent" or "coordinator"
+    role: str = ""  # the signer's certificate role (OU): "agent" or "coordinator"
 
 
 class Messenger:
-    def __init__(self, *, federation: str, node_id: str, transport, identity: Identity,
-                 max_chunk_bytes: int = 4 * 2**20, max_model_bytes: int = 2**30,
-                 reassembly_timeout: float = 120.0, metrics=None, max_skew: float = 300.0,
-                 publish_window: int = 2, publish_timeout: float = 30.0, state_dir=None) -> None:
+    def __init__(
+        self,
+        *,
+        federation: str,
+        node_id: str,
+        transport,
+        identity: Identity,
+        max_chunk_bytes: int = 4 * 2**20,
+        max_model_bytes: int = 2**30,
+        reassembly_timeout: float = 120.0,
+        metrics=None,
+        max_skew: float = 300.0,
+        publish_window: int = 2,
+        publish_timeout: float = 30.0,
+        state_dir=None,
+    ) -> None:
         """``state_dir``: where the outgoing sequence reservation and the replay guard's
         state survive a restart (see :mod:`fedagent.signing`); None keeps both in memory."""
         if identity.name != node_id:
@@ -91,20 +111,27 @@ class Messenger:
         self._counter = SequenceCounter(None if state_dir is None else Path(state_dir) / SEQ_FILE)
         self._transfer = 0
         chunk_overhead = 4096
-        self.wire_limits = Limits(max_message_bytes=max_chunk_bytes + chunk_overhead,
-                                  max_bin_len=max_chunk_bytes + chunk_overhead)
-        self.model_limits = Limits(max_message_bytes=max_model_bytes, max_bin_len=max_model_bytes,
-                                   max_tensor_bytes=max_model_bytes)
-        self.reassembler = Reassembler(max_transfer_bytes=max_model_bytes,
-                                       max_pending_bytes=2 * max_model_bytes, timeout=reassembly_timeout)
+        self.wire_limits = Limits(
+            max_message_bytes=max_chunk_bytes + chunk_overhead, max_bin_len=max_chunk_bytes + chunk_overhead
+        )
+        self.model_limits = Limits(
+            max_message_bytes=max_model_bytes, max_bin_len=max_model_bytes, max_tensor_bytes=max_model_bytes
+        )
+        self.reassembler = Reassembler(
+            max_transfer_bytes=max_model_bytes, max_pending_bytes=2 * max_model_bytes, timeout=reassembly_timeout
+        )
         self.rejected: Counter[str] = Counter()
         # Streamed updates (coordinator side): set on_stream to receive their events. The
         # hold-back budget for chunks arriving out of turn is a few chunks, not N models.
         self.on_stream: Callable[[list[StreamEvent]], Awaitable[None]] | None = None
-        self.intake = StreamIntake(federation, max_transfer_bytes=max_model_bytes,
-                                   max_pending_bytes=8 * max_chunk_bytes, timeout=reassembly_timeout)
+        self.intake = StreamIntake(
+            federation,
+            max_transfer_bytes=max_model_bytes,
+            max_pending_bytes=8 * max_chunk_bytes,
+            timeout=reassembly_timeout,
+        )
         self._last_expiry = 0.0
-        self.metrics = metrics           # a fedagent.metrics.NodeMetrics, or None
+        self.metrics = metrics  # a fedagent.metrics.NodeMetrics, or None
         self.bytes_in = 0
         self.bytes_out = 0
         self.messages_in = 0
@@ -115,15 +142,23 @@ class Messenger:
         return self._counter.value
 
     def envelope(self, message: Message, round_: int = 0) -> Envelope:
-        return Envelope(kind=message.kind, federation=self.federation, sender=self.node_id,
-                        round=round_, seq=self._counter.take(), ts=self.clock(), body=message.to_body())
+        return Envelope(
+            kind=message.kind,
+            federation=self.federation,
+            sender=self.node_id,
+            round=round_,
+            seq=self._counter.take(),
+            ts=self.clock(),
+            body=message.to_body(),
+        )
 
     def frame(self, message: Message, round_: int | None = None) -> bytes:
         """One signed frame for a message that is never chunked (presence, a Last Will)."""
         return encode(sign(self.envelope(message, _round_of(message, round_)), self.identity))
 
-    async def send(self, topic: str, message: Message, *, round_: int | None = None, retain: bool = False,
-                   transport=None) -> int:
+    async def send(
+        self, topic: str, message: Message, *, round_: int | None = None, retain: bool = False, transport=None
+    ) -> int:
         """Publish ``message`` (chunked if needed) on ``transport`` (default: this
         messenger's own); returns the bytes put on the wire. ``round_`` defaults to the
         message's own ``round`` (the envelope's round is signed and must agree)."""
@@ -146,9 +181,20 @@ class Messenger:
             bodies = await asyncio.to_thread(split, payload, max_chunk=self.max_chunk, transfer_id=tid, copy=False)
 
             def frame(i: int) -> bytes:
-                return encode(sign(Envelope(kind=CHUNK_KIND, federation=self.federation, sender=self.node_id,
-                                            round=round_, seq=first + i, ts=self.clock(), body=bodies[i]),
-                                   self.identity))
+                return encode(
+                    sign(
+                        Envelope(
+                            kind=CHUNK_KIND,
+                            federation=self.federation,
+                            sender=self.node_id,
+                            round=round_,
+                            seq=first + i,
+                            ts=self.clock(),
+                            body=bodies[i],
+                        ),
+                        self.identity,
+                    )
+                )
 
             total = await self._publish_frames(transport, topic, n, frame)
         else:
@@ -208,18 +254,26 @@ class Messenger:
             raise
         return total
 
-    async def send_update(self, topic: str, update: Update, *, base=None, compressor: Compressor | None = None,
-                          transport=None) -> int:
+    async def send_update(
+        self, topic: str, update: Update, *, base=None, compressor: Compressor | None = None, transport=None
+    ) -> int:
         """Publish ``update`` as a stream the coordinator folds chunk by chunk, compressed
         by ``compressor`` (deltas to ``base``, the round's global model); returns the bytes
         put on the wire."""
         transport = transport or self.transport
         compressor = compressor or Compressor()
         tensors = await asyncio.to_thread(compressor.encode, update.weights, base)
-        head = Envelope(kind=HEAD_KIND, federation=self.federation, sender=self.node_id, round=update.round,
-                        seq=self._counter.take(), ts=self.clock(),
-                        body=head_body(update.round, update.base_version, update.num_samples, update.metrics,
-                                       update.leaving, tensors))
+        head = Envelope(
+            kind=HEAD_KIND,
+            federation=self.federation,
+            sender=self.node_id,
+            round=update.round,
+            seq=self._counter.take(),
+            ts=self.clock(),
+            body=head_body(
+                update.round, update.base_version, update.num_samples, update.metrics, update.leaving, tensors
+            ),
+        )
         payload, digest = await asyncio.to_thread(_stream_payload, head, tensors)
         del tensors
         self._transfer += 1
@@ -233,8 +287,20 @@ class Messenger:
         def frame(i: int) -> bytes:
             # Signed like a chunk: the data are bound by the payload's SHA-256 in the
             # signed body, and the intake treats every part as tentative until it matches.
-            return encode(sign(Envelope(kind=STREAM_KIND, federation=self.federation, sender=self.node_id,
-                                        round=round_, seq=first + i, ts=self.clock(), body=bodies[i]), self.identity))
+            return encode(
+                sign(
+                    Envelope(
+                        kind=STREAM_KIND,
+                        federation=self.federation,
+                        sender=self.node_id,
+                        round=round_,
+                        seq=first + i,
+                        ts=self.clock(),
+                        body=bodies[i],
+                    ),
+                    self.identity,
+                )
+            )
 
         # Frames go out in order (the coordinator folds a stream in order and holds back
         # only a few chunks that overtake others, so the sender must not reorder them).
@@ -271,9 +337,10 @@ class Messenger:
         the signed chunk that completed it, as for any message (round binding)."""
         for k, ev in enumerate(events):
             if isinstance(ev, UpdateHead) and ev.round != env.round:
-                tail = self.intake.abort(ev.sender, ev.tid, f"stream header for round {ev.round} in chunks "
-                                                             f"signed for round {env.round}")
-                kept = [e for e in events[k + 1:] if e.tid != ev.tid]
+                tail = self.intake.abort(
+                    ev.sender, ev.tid, f"stream header for round {ev.round} in chunks signed for round {env.round}"
+                )
+                kept = [e for e in events[k + 1 :] if e.tid != ev.tid]
                 return events[:k] + kept + tail
         return events
 
@@ -315,7 +382,7 @@ class Messenger:
         if fed != self.federation:
             return self._reject("federation", topic_sender, f"topic of federation {fed}")
         if not payload:
-            return None              # a cleared retained message
+            return None  # a cleared retained message
         try:
             env = decode(payload, self.wire_limits)
         except CodecError as exc:
