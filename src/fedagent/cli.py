@@ -286,6 +286,46 @@ def join(federation: str, broker: str, config_path: Path, interfaces: tuple[str,
         _fail(exc)
 
 
+@main.command("export")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="config file of the daemon whose model to export (default: /etc/fedagent/agent.toml)",
+)
+@click.option("--coordinator", "is_coord", is_flag=True, help="export the coordinator's global model")
+@click.option(
+    "--checkpoint",
+    "ckpt",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="read this checkpoint file instead of the daemon's",
+)
+@click.option(
+    "--format", "fmt", type=click.Choice(["pt", "safetensors"]), default=None, help="default: from OUT's suffix"
+)
+def export_model(out: Path, config_path: Path | None, is_coord: bool, ckpt: Path | None, fmt: str | None) -> None:
+    """Write the latest model to OUT as a PyTorch state_dict (*.pt, opened by
+    torch.load(OUT, weights_only=True)) or as safetensors (*.safetensors)."""
+    from fedagent import config
+    from fedagent import export as exporting
+
+    role = "coordinator" if is_coord else "agent"
+    try:
+        if ckpt is None:
+            path = config_path or (Path("/etc/fedagent/coordinator.toml") if is_coord else DEFAULT_AGENT_CONFIG)
+            ckpt = exporting.checkpoint_of(config.load(path, role), role)
+        summary = exporting.export(ckpt, out, fmt)
+    except FedagentError as exc:
+        _fail(exc)
+    click.echo(
+        f"wrote {summary['path']}: {summary['tensors']} tensors, {summary['parameters']:,} parameters, "
+        f"model version {summary['model_version']} ({summary['format']}, from {ckpt})"
+    )
+
+
 # -- certificates and broker --------------------------------------------------------
 @main.group()
 def ca() -> None:
