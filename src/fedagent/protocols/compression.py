@@ -151,6 +151,7 @@ class Compressor:
                 data = w.astype(MODEL_DTYPES[dtype], copy=False)
                 out.append((TensorSpec(name, dtype, w.shape, "raw", 0, data.nbytes), _bytes(data)))
                 continue
+            assert base is not None  # refused above for any mode but "none"
             d = w.astype(np.float32) - np.asarray(base[name], dtype=np.float32)
             if mode == "fp16":
                 q = d.astype("<f2")
@@ -172,7 +173,7 @@ class Compressor:
 
 
 def _bytes(a: np.ndarray) -> memoryview:
-    return memoryview(np.asarray(a).reshape(-1).view(np.uint8))
+    return np.asarray(a).reshape(-1).view(np.uint8).data
 
 
 def quantize_int8(d: np.ndarray) -> tuple[np.ndarray, float]:

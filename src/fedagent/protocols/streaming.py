@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,7 +144,7 @@ def head_body(
 
 def iter_stream_chunks(
     payload: bytes | bytearray | memoryview, *, max_chunk: int, transfer_id: str, digest: bytes | None = None
-):
+) -> Iterator[dict[str, Any]]:
     """Chunk bodies for ``payload``, made one at a time; their data are views of it
     (the encoder copies them once, into the chunk envelope). ``digest``: its SHA-256
     if the caller computed it already."""
@@ -257,7 +258,7 @@ class StreamIntake:
                 raise CodecError(f"stream {tid!r} refused: {len(self._transfers)} transfers in progress")
             t = self._transfers[key] = _Transfer(sender, tid, n, size, digest, now)
         elif (t.n, t.size, t.sha256) != (n, size, digest):
-            return self._fail(t, "chunk disagrees with earlier chunks (n/size/sha256)")
+            return [*self._fail(t, "chunk disagrees with earlier chunks (n/size/sha256)")]
         t.last_seen = now
         if i < t.next_i or i in t.held:
             return []  # duplicate
@@ -326,7 +327,7 @@ class StreamIntake:
         while len(self._completed) > self.remember_completed:
             self._completed.popitem(last=False)
 
-    def _chunk(self, t: _Transfer, i: int, data, out: list[StreamEvent]) -> None:
+    def _chunk(self, t: _Transfer, i: int, data: bytes | bytearray | memoryview, out: list[StreamEvent]) -> None:
         mv = memoryview(data).cast("B")
         length = mv.nbytes
         if i < t.n - 1:
