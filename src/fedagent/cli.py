@@ -791,13 +791,12 @@ def experiment_seec(scale_name: str, sites: int | None, epochs: int | None, seed
     from fedagent.experiments import seec
 
     try:
-        scale = seec.SCALES[scale_name]
+        scale = replace(seec.SCALES[scale_name], seed=seed)
         for name, value in (("sites", sites), ("epochs", epochs)):
             if value is not None and value < (2 if name == "sites" else 1):
                 raise ConfigError(f"--{name} is too small")
         scale = replace(
             scale,
-            seed=seed,
             sites=scale.sites if sites is None else sites,
             epochs=scale.epochs if epochs is None else epochs,
         )
