@@ -31,6 +31,7 @@ def _run_daemon(make) -> None:
     async def main() -> None:
         daemon = make()
         task = asyncio.current_task()
+        assert task is not None  # main() runs as asyncio.run's task
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
@@ -634,10 +635,13 @@ def experiment_gossip_w2v(
     try:
         scale = gossip_w2v.SCALES[scale_name]
         for name, value in (("local_steps", local_steps), ("dim", dim)):
-            if value is not None:
-                if value < 1:
-                    raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-                scale = replace(scale, **{name: value})
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        scale = replace(
+            scale,
+            local_steps=scale.local_steps if local_steps is None else local_steps,
+            dim=scale.dim if dim is None else dim,
+        )
         known = {c.name for c in gossip_w2v.configurations(scale)}
         if set(configs) - known:
             raise ConfigError(f"unknown configurations {sorted(set(configs) - known)}; known: {sorted(known)}")
@@ -789,10 +793,13 @@ def experiment_seec(scale_name: str, sites: int | None, epochs: int | None, seed
     try:
         scale = replace(seec.SCALES[scale_name], seed=seed)
         for name, value in (("sites", sites), ("epochs", epochs)):
-            if value is not None:
-                if value < (2 if name == "sites" else 1):
-                    raise ConfigError(f"--{name} is too small")
-                scale = replace(scale, **{name: value})
+            if value is not None and value < (2 if name == "sites" else 1):
+                raise ConfigError(f"--{name} is too small")
+        scale = replace(
+            scale,
+            sites=scale.sites if sites is None else sites,
+            epochs=scale.epochs if epochs is None else epochs,
+        )
         seec.run_experiment(out, scale, keep=keep)
     except FedagentError as exc:
         _fail(exc)

@@ -334,11 +334,21 @@ def score_model(data: SettingData, task: NtmTask, model: nn.Module) -> tuple[flo
     return tss, tss_dec, doc_similarity_score(theta, data.val_theta, per_document=True)
 
 
+def load_ntm(name: str, options: dict[str, Any]) -> NtmTask:
+    """A topic-model task (``prodlda``, ``combinedtm``) built as a config would build it."""
+    from fedagent.errors import ConfigError
+
+    task = load_task(name, options)
+    if not isinstance(task, NtmTask):
+        raise ConfigError(f"task {name!r} is not a topic model")
+    return task
+
+
 def joint_tasks(scale: Scale, data: SettingData, **extra: Any) -> tuple[list[NtmTask], list[str]]:
     """The nodes' tasks on the common vocabulary, merged the way the coordinator merges
     (union, most frequent first, ties by term), so that in-process Sync-Opt, the
     centralized references and the run through the daemons index the same terms alike."""
-    tasks = [load_task("prodlda", {**data.opts, **extra, "shard": n}) for n in range(scale.nodes)]
+    tasks = [load_ntm("prodlda", {**data.opts, **extra, "shard": n}) for n in range(scale.nodes)]
     terms = common_vocabulary(tasks)
     for t in tasks:
         t.set_vocabulary(terms)
@@ -387,16 +397,19 @@ def run_setting(
         return model, Stopped(scale.epochs, scale.epochs, scale.epochs * task.num_batches(), math.nan)
 
     # non-collaborative: each node on its own vocabulary
+    model: nn.Module
     tss_nodes, dec_nodes, ds_nodes, stops = [], [], [], []
     for n in range(scale.nodes):
         say(f"K'={shared} eta={eta} seed={scale.seed}: node {n} alone")
-        task = load_task("prodlda", {**data.opts, "shard": n})
+        task = load_ntm("prodlda", {**data.opts, "shard": n})
         local_terms = sorted(task.term_counts(), key=lambda t: int(t[4:]))
         task.set_vocabulary(local_terms)
         model, stop = train_local_early_stopped(task, scale) if stopping else fixed(task)
         stops.append(stop)
         tss, dec, ds = score_model(data, task, model)
-        tss_nodes.append(tss), dec_nodes.append(dec), ds_nodes.append(ds)
+        tss_nodes.append(tss)
+        dec_nodes.append(dec)
+        ds_nodes.append(ds)
     res.tss_nodes, res.tss_decoder_nodes = tss_nodes, dec_nodes
     res.tss["non-collaborative"] = float(np.mean(tss_nodes))
     res.tss_decoder["non-collaborative"] = float(np.mean(dec_nodes))
@@ -1058,8 +1071,9 @@ def run_newsgroups(out: Path, scale: NewsScale, trainer: FederatedTrainer = in_p
     }
     console.print(f"[bold]gFedNTM on 20-newsgroups[/]: {shards} agents ({', '.join(groups)}), {scale.model}")
     local_topics: list[list[list[str]]] = []
+    model: nn.Module
     for s in range(shards):
-        task = load_task(scale.model, {**opts, "shard": s})
+        task = load_ntm(scale.model, {**opts, "shard": s})
         model = train_local(task, scale.epochs)
         # Ranked in the decoder's topics: softmax(beta) is not identified under the
         # decoder BatchNorm (see ProdLDA.decoder_topic_word).
@@ -1068,7 +1082,7 @@ def run_newsgroups(out: Path, scale: NewsScale, trainer: FederatedTrainer = in_p
             f"  local model of agent {s} ({groups[s]}): {task.num_samples()} posts, "
             f"{len(task.terms)} terms, {task.evaluate(model)}"
         )
-    tasks = [load_task(scale.model, {**opts, "shard": s}) for s in range(shards)]
+    tasks = [load_ntm(scale.model, {**opts, "shard": s}) for s in range(shards)]
     terms = common_vocabulary(tasks)
     for t in tasks:
         t.set_vocabulary(terms)

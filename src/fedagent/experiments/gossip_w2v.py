@@ -337,7 +337,8 @@ def run_config(
                 raise FedagentError(f"{cfg.name}: not finished after {timeout:.0f} s")
             time.sleep(2.0)
         seconds = time.monotonic() - t0
-        vocabs = {s["vocabulary"]["digest"] for s in st.values()}
+        done = {a: s for a, s in st.items() if s is not None}  # all of them: every agent reported "finished"
+        vocabs = {s["vocabulary"]["digest"] for s in done.values()}
         if len(vocabs) != 1:
             raise FedagentError(f"{cfg.name}: agents ended on different vocabularies {vocabs}")
         terms = json.loads((work / "state" / ids[0] / "agent" / fed.fed / "vocabulary.json").read_text())["terms"]
@@ -363,7 +364,7 @@ def run_config(
             0 if cfg.local else periods,
             seconds,
             curves=curves,
-            bytes_out=sum(int(s.get("bytes_out", 0)) for s in st.values()),
+            bytes_out=sum(int(s.get("bytes_out", 0)) for s in done.values()),
         )
         return res, vectors, ids
     finally:
@@ -529,7 +530,7 @@ def write_report(
 ) -> dict[str, Any]:
     rows = []
     for r in results:
-        row = {
+        row: dict[str, Any] = {
             "config": r.name,
             "exchanges": r.exchanges,
             "period_steps": r.period_steps,
@@ -581,7 +582,7 @@ def plots(out: Path, results: list[Result], central: dict[str, float]) -> None:
         if r.exchanges == 0:
             continue
         # Mean over agents at each evaluated period.
-        by_period: dict[int, list[dict]] = {}
+        by_period: dict[float, list[dict[str, float]]] = {}
         t0 = min(p["time"] for c in r.curves.values() for p in c) if r.curves else 0
         for c in r.curves.values():
             for p in c:
