@@ -14,6 +14,11 @@ import textwrap
 import tomllib
 from pathlib import Path
 
+import pytest
+
+from fedagent.errors import EXIT_CONFIG
+from fedagent.extras import MissingExtra, package_dir, require
+
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
@@ -83,6 +88,22 @@ def test_core_dependencies_do_not_pull_them_in_either() -> None:
     assert not seen & HEAVY, sorted(seen & HEAVY)
 
 
+def test_require_names_the_extra_and_leaves_broken_installs_alone(tmp_path: Path, monkeypatch) -> None:
+    with pytest.raises(MissingExtra) as caught:
+        require("fedagent_absent_package.sub", "text", "frobbing")
+    assert str(caught.value) == "frobbing needs the 'text' extra: pip install 'fedagent[text]'"
+    assert caught.value.exit_code == EXIT_CONFIG  # a restart will not install it
+    with pytest.raises(MissingExtra):
+        package_dir("fedagent_absent_package", "text", "frobbing")
+    # An installed package whose own dependency is missing is not a missing extra.
+    (tmp_path / "fedagent_broken_pkg").mkdir()
+    (tmp_path / "fedagent_broken_pkg" / "__init__.py").write_text("import fedagent_absent_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="fedagent_absent_dependency"):
+        require("fedagent_broken_pkg", "text", "frobbing")
+    assert require("json", "text", "frobbing") is json
+
+
 def test_the_edge_machine_runs_without_the_extras(tmp_path: Path) -> None:
     """The daemons, the CLI, every mode and the digits task import and work with the heavy
     packages hidden; a text feature fails with the one-line error naming its extra; a
@@ -131,7 +152,7 @@ def test_the_edge_machine_runs_without_the_extras(tmp_path: Path) -> None:
     assert 0.0 <= out["digits"] <= 1.0
     assert out["flsimco"] == "FLSimCoTask"
     assert (
-        out["prodlda"] == "the topic models (ProdLDA, CombinedTM) needs the 'text' extra: pip install 'fedagent[text]'"
+        out["prodlda"] == "topic modelling (prodlda, combinedtm) needs the 'text' extra: pip install 'fedagent[text]'"
     )
     for name in ("word2vec", "doc2vec"):
         assert out[name].endswith("needs the 'text' extra: pip install 'fedagent[text]'"), out[name]

@@ -76,7 +76,7 @@ from fedagent.tasks.ntm_data import NodeCorpus
 if TYPE_CHECKING:
     import scipy.sparse as sp
 else:
-    sp = require("scipy.sparse", "text", "the topic models (ProdLDA, CombinedTM)")
+    sp = require("scipy.sparse", "text", "topic modelling (prodlda, combinedtm)")
 
 DEFAULTS: dict[str, Any] = {
     "n_topics": 50,

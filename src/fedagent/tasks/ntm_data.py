@@ -44,7 +44,7 @@ from fedagent.extras import require
 if TYPE_CHECKING:
     import scipy.sparse as sp
 else:
-    sp = require("scipy.sparse", "text", "the topic models (ProdLDA, CombinedTM)")
+    sp = require("scipy.sparse", "text", "topic modelling (prodlda, combinedtm)")
 
 CORPUS_OPTIONS = {
     # synthetic
@@ -328,7 +328,7 @@ def _sbert_model():
     # The weights are in site-packages; a hub lookup would fail here and must never be tried.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    return require(SBERT_PACKAGE, "text", "CombinedTM's SBERT embeddings").load_model(device="cpu")
+    return require(SBERT_PACKAGE, "text", "CombinedTM's SBERT embedding").load_model(device="cpu")
 
 
 def sbert_embed(texts: list[str], batch_size: int = 32) -> np.ndarray:

@@ -100,7 +100,7 @@ _WORD = re.compile(r"[^\W\d_]+")
 # ---- files ------------------------------------------------------------------------------
 def test_data_dir() -> Path:
     """gensim's bundled data directory, found without importing gensim (slow)."""
-    path = package_dir("gensim", "text", "the text corpora (gensim's bundled data)") / "test" / "test_data"
+    path = package_dir("gensim", "text", "the text data (gensim's bundled corpora)") / "test" / "test_data"
     if not path.is_dir():
         raise ConfigError(f"gensim is installed but has no test data at {path}")
     return path

@@ -117,7 +117,7 @@ class SimilarityScore:
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     """Spearman's rho with average ranks for ties (scipy); nan for fewer than 3 points
     or a constant side."""
-    stats = require("scipy.stats", "text", "the word-similarity benchmarks")
+    stats = require("scipy.stats", "text", "word-similarity scoring")
     xs, ys = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     if len(xs) != len(ys):
         raise ValueError("x and y differ in length")
