@@ -580,9 +580,9 @@ def experiment_flsimco(
     keep: bool,
 ) -> None:
     """FLSimCo: vehicles join and leave an RSU; blur-weighted (eq. 11) vs FedAvg vs dropping fast vehicles."""
-    from fedagent.experiments.flsimco import STRATEGIES, Setup, run_experiment
-
     try:
+        from fedagent.experiments.flsimco import STRATEGIES, Setup, run_experiment
+
         if rounds < 1 or coverage < 1 or stay < 1:
             raise ConfigError("--rounds, --coverage and --stay must be at least 1")
         mu, sigma, v_min, v_max = speed
@@ -630,9 +630,9 @@ def experiment_gossip_w2v(
     exchange and local-only, against centralized training with the same number of batches."""
     from dataclasses import replace
 
-    from fedagent.experiments import gossip_w2v
-
     try:
+        from fedagent.experiments import gossip_w2v
+
         scale = gossip_w2v.SCALES[scale_name]
         for name, value in (("local_steps", local_steps), ("dim", dim)):
             if value is not None and value < 1:
@@ -732,9 +732,9 @@ def experiment_gfedntm(
     """gFedNTM: centralized vs federated (Sync-Opt) vs non-collaborative topic models (Fig. 2)."""
     from dataclasses import replace
 
-    from fedagent.experiments import gfedntm
-
     try:
+        from fedagent.experiments import gfedntm
+
         news = gfedntm.NewsScale(model=model, n_topics=n_topics, seed=seed)
         if corpus == "newsgroups":
             if epochs is not None:
@@ -788,9 +788,9 @@ def experiment_seec(scale_name: str, sites: int | None, epochs: int | None, seed
     """SEEC: joint doc2vec learning (daemons) and vector-space mapping vs centralized (sim_10)."""
     from dataclasses import replace
 
-    from fedagent.experiments import seec
-
     try:
+        from fedagent.experiments import seec
+
         scale = replace(seec.SCALES[scale_name], seed=seed)
         for name, value in (("sites", sites), ("epochs", epochs)):
             if value is not None and value < (2 if name == "sites" else 1):

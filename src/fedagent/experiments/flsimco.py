@@ -39,8 +39,11 @@ import numpy as np
 
 from fedagent.demo import Federation, Proc
 from fedagent.errors import FedagentError
+from fedagent.extras import EXPERIMENTS, require_installed
 from fedagent.protocols.mobility import sample_speeds, truncated_gaussian_moments
 from fedagent.tasks.flsimco import DEFAULT_CAMERA, DEFAULT_MOBILITY
+
+require_installed(EXPERIMENTS, "experiments", "the FLSimCo experiment")
 
 STRATEGIES = ("blur", "fedavg", "drop_above")
 LABELS = {

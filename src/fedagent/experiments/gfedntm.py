@@ -43,18 +43,26 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import scipy.sparse as sp
 import torch
 from torch import nn
 
+from fedagent.extras import EXPERIMENTS, require, require_installed
 from fedagent.protocols.syncopt import PatienceStop, pooled_validation_loss
+from fedagent.report import pyplot
 from fedagent.tasks import ntm_data
 from fedagent.tasks.base import get_weights, load_task, set_weights
-from fedagent.tasks.ntm import NodeCorpus, NtmTask, ProdLDA, centralized_step, federated_step
+from fedagent.tasks.ntm import NtmTask, ProdLDA, centralized_step, federated_step
+from fedagent.tasks.ntm_data import NodeCorpus
 from fedagent.tasks.ntm_scores import doc_similarity_score, topic_similarity_score
+
+require_installed(EXPERIMENTS, "experiments", "the gfedntm experiment")
+if TYPE_CHECKING:
+    import scipy.sparse as sp
+else:
+    sp = require("scipy.sparse", "experiments", "the gfedntm experiment")
 
 K_PRIME = (5, 10, 15, 40)
 ETAS = (0.01, 0.02, 0.03, 0.04, 0.08, 1.0)
@@ -783,11 +791,7 @@ def _table(results: list[SettingResult], group: str) -> list[str]:
 
 
 def _plots(out: Path, results: list[SettingResult]) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     styles = {"centralized": "o-", "federated": "x--", "non-collaborative": "s-", "random topics": ":"}
     for row, group in enumerate(("A", "B")):

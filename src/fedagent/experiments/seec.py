@@ -52,11 +52,15 @@ import numpy as np
 import torch
 from rich.console import Console
 
+from fedagent.extras import EXPERIMENTS, require_installed
+from fedagent.report import pyplot
 from fedagent.tasks import text_data as td
 from fedagent.tasks import text_metrics as tm
 from fedagent.tasks.base import load_task, set_weights
 from fedagent.tasks.doc2vec import Doc2VecTask
 from fedagent.tasks.seec import map_vectors, train_mapper
+
+require_installed(EXPERIMENTS, "experiments", "the SEEC experiment")
 
 PAPER = {"joint": 0.609, "mapped_slack": 0.198, "mapped_wiki": 0.261}
 LIVE_ROW = "mapping through the agents (live mapped search)"
@@ -534,11 +538,7 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
 
 
 def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[str]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     k = r["k"]
     names = list(r["sim_k"])
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
