@@ -80,13 +80,13 @@ def main() -> None:
 def agent(config_path: Path) -> None:
     """Run the agent daemon (what systemd starts)."""
     from fedagent import config
-    from fedagent.agent.daemon import Agent
+    from fedagent.agent.daemon import build_agent
 
     try:
         cfg = config.load(config_path, "agent")
     except FedagentError as exc:
         _fail(exc)
-    _run_daemon(lambda: Agent(cfg))
+    _run_daemon(lambda: build_agent(cfg))
 
 
 @main.command()
@@ -119,7 +119,7 @@ def coordinator(config_path: Path) -> None:
 def _socket_for(config_path: Path | None, socket: Path | None, is_coord: bool) -> Path:
     """The control socket to ask: explicit, from a config's runtime_dir, or the default."""
     from fedagent import config
-    from fedagent.node.control import default_socket_path
+    from fedagent.config import default_socket_path
 
     if socket is not None:
         return socket

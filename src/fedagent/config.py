@@ -289,6 +289,19 @@ class SearchSettings:
             raise ConfigError("search: requests_per_minute must be in 0..1e6 (0: no limit), request_burst in 1..10000")
 
 
+def default_socket_path(role: str) -> Path:
+    """Where a daemon of ``role`` listens for ``fedagent status`` when no ``runtime_dir`` is set."""
+    rt = os.environ.get("RUNTIME_DIRECTORY")
+    if rt:
+        return Path(rt.split(":")[0]) / f"{role}.sock"
+    if os.geteuid() == 0:
+        return Path(f"/run/fedagent-{role}") / f"{role}.sock"  # the unit's RuntimeDirectory
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "fedagent" / f"{role}.sock"
+    return Path(f"/tmp/fedagent-{os.getuid()}") / f"{role}.sock"
+
+
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
     """Shared by ``fedagent agent`` and ``fedagent coordinator``."""
@@ -322,8 +335,6 @@ class NodeConfig:
 
     @property
     def control_socket(self) -> Path:
-        from fedagent.node.control import default_socket_path
-
         if self.runtime_dir is not None:
             return self.runtime_dir / f"{self.role}.sock"
         return default_socket_path(self.role)

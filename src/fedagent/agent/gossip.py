@@ -36,25 +36,24 @@ import json
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
 from fedagent import checkpoint
+from fedagent.agent.core import Agent, Session
+from fedagent.agent.vocabulary import VocabularyTask, needs_vocabulary, vocabulary_task
 from fedagent.errors import ConfigError
 from fedagent.node import sdnotify
 from fedagent.node.discovery import Advert
-from fedagent.node.messaging import Incoming, Messenger
-from fedagent.node.runtime import History, Timer, make_transport, node_identity, presence_payload, tls_files
+from fedagent.node.messaging import Incoming
+from fedagent.node.runtime import Timer, presence_payload, tls_files
 from fedagent.node.transport import Transport
 from fedagent.protocols import gossip as g
 from fedagent.protocols import gossip_vocab as gv
 from fedagent.protocols import topics
 from fedagent.protocols.messages import GossipAck, GossipModel, Presence, VocabDigest, VocabOffer
 from fedagent.protocols.vocab import vocabulary_digest
-from fedagent.statefile import atomic_write, cleanup_temp_files, read_bytes
-from fedagent.tasks.base import get_weights
-
-if TYPE_CHECKING:
-    from fedagent.agent.daemon import Agent
+from fedagent.statefile import atomic_write, read_bytes
+from fedagent.tasks.base import Weights, get_weights, set_weights
 
 log = logging.getLogger("fedagent.gossip")
 
@@ -97,28 +96,22 @@ class _Peer:
         return self.presence if self.presence is not None else self.mdns
 
 
-class GossipSession:
-    """Membership of one gossip federation; the same interface as the FedAvg session."""
+class GossipSession(Session):
+    """Membership of one gossip federation."""
+
+    # A gossip federation has no coordinator: any member's broker will do.
+    DISCOVERY_ROLES: ClassVar[tuple[str, ...]] = ("coordinator", "broker", "agent")
+    MODEL_FILE: ClassVar[str] = "model.ckpt"
+    QUEUE_SIZE: ClassVar[int] = 10_000
 
     def __init__(self, agent: Agent, federation: str, broker: str) -> None:
-        self.agent = agent
-        self.cfg = agent.cfg
+        super().__init__(agent, federation, broker)
         self.settings = self.cfg.gossip
-        self.fed = federation
-        self.broker = broker
-        self.coordinator = None
-        self.dir = self.cfg.state_dir / "agent" / federation
-        self.dir.mkdir(parents=True, exist_ok=True)
-        cleanup_temp_files(self.dir)
-        self.model_path = self.dir / "model.ckpt"
-        self.history = History(self.dir / "history.jsonl")
         self.vocab_path = self.dir / "vocabulary.json"
-        self.vocab_digest = ""
         self.consensus: gv.VocabConsensus | None = None
         self.machine: g.GossipMachine | None = None
         self._peers: dict[str, _Peer] = {}
         self.state = "starting"
-        self.queue: asyncio.Queue = asyncio.Queue(maxsize=10_000)
         if self.settings.vocab_agents:
             self._init_consensus()
         if self.consensus is None or self.consensus.phase is gv.Phase.AGREED:
@@ -127,29 +120,19 @@ class GossipSession:
         self.last_eval: dict[str, Any] = {}
         self.timer = Timer(self.queue, g.Wakeup())
         self.vocab_timer = Timer(self.queue, _VocabWakeup())
-        self.transport = make_transport(
-            self.cfg,
-            federation,
-            broker,
-            subscriptions=[topics.inbox(federation, self.cfg.id), topics.all_presence(federation)],
-            on_connect=self._on_connect,
-        )
-        self.messenger = Messenger(
-            federation=federation,
-            node_id=self.cfg.id,
-            transport=self.transport,
-            max_chunk_bytes=self.cfg.max_chunk_bytes,
-            max_model_bytes=self.cfg.max_model_bytes,
-            metrics=agent.metrics,
-            identity=node_identity(self.cfg),
-            max_skew=self.cfg.max_clock_skew,
-            state_dir=self.dir,
-        )
         self.links: dict[str, tuple[Transport, asyncio.Event]] = {}
         self._tg: asyncio.TaskGroup | None = None
 
+    def subscriptions(self) -> list[str]:
+        return [topics.inbox(self.fed, self.cfg.id), topics.all_presence(self.fed)]
+
+    def _running(self) -> g.GossipMachine:
+        """The gossip machine, once the vocabulary (if any) is agreed."""
+        assert self.machine is not None, "the gossip machine runs only after the vocabulary is agreed"
+        return self.machine
+
     # -- the gossip machine and the vocabulary it is built on ------------------------------
-    def _make_machine(self) -> None:
+    def _make_machine(self) -> g.GossipMachine:
         agent = self.agent
         weights = get_weights(agent.model)  # the task's seeded initial model
         resumed = checkpoint.load(self.model_path)
@@ -169,15 +152,15 @@ class GossipSession:
             num_samples=agent.task.num_samples(),
             session=secrets.token_hex(4),
         )
+        return self.machine
 
     def _init_consensus(self) -> None:
-        task = self.agent.task
-        if not (callable(getattr(task, "term_counts", None)) and callable(getattr(task, "set_vocabulary", None))):
+        if not needs_vocabulary(self.agent.task):
             raise ConfigError(
                 f"[gossip] vocab_agents is set but task {self.cfg.task!r} has no vocabulary "
                 "(term_counts/set_vocabulary)"
             )
-        own = task.term_counts()
+        own = vocabulary_task(self.agent.task).term_counts()
         terms = sorted(own)
         counts = [int(own[t]) for t in terms]
         cfg = self.settings.consensus_config()
@@ -206,14 +189,15 @@ class GossipSession:
 
     def _install_vocabulary(self, agreed: gv.Agreed) -> None:
         """Re-index the task's data on the agreed terms and rebuild the model on them."""
-        task = self.agent.task
+        agent = self.agent
+        task: VocabularyTask = vocabulary_task(agent.task)
         params = inspect.signature(task.set_vocabulary).parameters
-        with self.agent._thread_lock:
+        with agent.thread_lock:
             if "counts" in params:
                 task.set_vocabulary(list(agreed.terms), list(agreed.counts))
             else:
                 task.set_vocabulary(list(agreed.terms))
-            self.agent.model = task.build_model()
+            agent.model = agent.task.build_model()
         self.vocab_digest = agreed.digest
 
     async def _run_consensus(self, cmds: list) -> None:
@@ -264,13 +248,13 @@ class GossipSession:
             cmd.digest[:12],
             cmd.dropped_terms,
         )
-        self._make_machine()
+        machine = self._make_machine()
         self.state = "waiting for peers"
         for pid, p in sorted(self._peers.items()):
             if p.up:
-                await self._apply(self.machine.handle(g.PeerUp(pid), time.monotonic()))
+                await self._apply(machine.handle(g.PeerUp(pid), time.monotonic()))
 
-    async def _send_direct(self, peer: str, kind: str, msg) -> None:
+    async def _send_direct(self, peer: str, kind: str, msg: VocabOffer | VocabDigest) -> None:
         topic = topics.direct(self.fed, self.cfg.id, peer, kind)
         try:
             link = await self._link(self._peer_broker(peer))
@@ -278,14 +262,13 @@ class GossipSession:
         except Exception as exc:  # noqa: BLE001 - the peer gets it again when it comes back up
             log.warning("sending %s to %s failed: %s", kind, peer, exc or type(exc).__name__)
 
-    # The FedAvg session's names, so the agent's metrics and status code read both.
     @property
     def current_round(self) -> int:
         return self.machine.period if self.machine is not None else 0
 
     @property
     def peers(self) -> dict[str, dict[str, Any]]:
-        """The peer view in the FedAvg session's shape (for ``fedagent peers``, metrics)."""
+        """The peer view in the shape of the other modes' (for ``fedagent peers``, metrics)."""
         return {
             pid: {"role": "agent", "online": p.up, "last_seen": p.last_seen, "model_version": None}
             for pid, p in self._peers.items()
@@ -361,9 +344,6 @@ class GossipSession:
                 self.queue.put_nowait(gv.PeerUp(peer))
 
     # -- the loop ------------------------------------------------------------------------
-    async def _on_payload(self, topic: str, payload: bytes) -> None:
-        await self.messenger.receive(topic, payload, self.queue.put)
-
     async def run(self) -> None:
         ready = asyncio.Event()
         try:
@@ -445,14 +425,14 @@ class GossipSession:
                 inc.sender, msg.exchange_id, msg.weights, mass=msg.mass, age=msg.age, returned=msg.returned
             )
             await self._apply(self.machine.handle(event, time.monotonic()))
-        else:
+        elif isinstance(msg, GossipAck):
             await self._apply(
                 self.machine.handle(
                     g.AckReceived(inc.sender, msg.exchange_id, msg.accepted, msg.reason), time.monotonic()
                 )
             )
 
-    async def _apply(self, cmds: list) -> None:
+    async def _apply(self, cmds: list[g.Command]) -> None:
         for cmd in cmds:
             if isinstance(cmd, g.Train):
                 self.agent.spawn(self._train(cmd))
@@ -475,8 +455,9 @@ class GossipSession:
         try:
             # The schedule's value at both ends of the period: a task that can (fit_steps
             # with lr_end) decays within the period instead of in steps of one period.
-            lr, lr_end = self.settings.lr_at(self.machine.period), self.settings.lr_at(self.machine.period + 1)
-            weights, metrics = await asyncio.to_thread(self.agent.train_steps, cmd.weights, cmd.steps, seed, lr, lr_end)
+            period = self._running().period
+            lr, lr_end = self.settings.lr_at(period), self.settings.lr_at(period + 1)
+            weights, metrics = await asyncio.to_thread(self._fit_steps, cmd.weights, cmd.steps, seed, lr, lr_end)
         except Exception:
             log.exception("local training failed; keeping the model it started from")
             weights, metrics = cmd.weights, {}
@@ -490,17 +471,34 @@ class GossipSession:
             await asyncio.sleep(left)
         await self.queue.put(g.TrainingDone(cmd.train_id, weights, cmd.steps))
 
+    def _fit_steps(
+        self, weights: Weights, steps: int, seed: int, lr: float, lr_end: float | None = None
+    ) -> tuple[Weights, dict[str, float]]:
+        """``steps`` local mini-batches from ``weights`` (worker thread); a task whose
+        ``fit_steps`` takes ``lr_end`` moves the step size linearly to it."""
+        agent = self.agent
+        extra = {}
+        if lr_end is not None and "lr_end" in inspect.signature(agent.task.fit_steps).parameters:
+            extra["lr_end"] = lr_end
+        with agent.thread_lock:
+            set_weights(agent.model, weights)
+            metrics = agent.task.fit_steps(
+                agent.model, steps=steps, lr=lr, batch_size=self.settings.batch_size, seed=seed, **extra
+            )
+            return get_weights(agent.model), metrics
+
     def _peer_broker(self, peer: str) -> str:
         p = self._peers.get(peer)
         return p.broker if p is not None and p.broker else self.broker
 
     async def _send_model(self, cmd: g.SendModel) -> None:
-        msg = GossipModel(cmd.exchange_id, self.machine.period, cmd.mass, cmd.age, cmd.returned, cmd.weights)
+        period = self._running().period
+        msg = GossipModel(cmd.exchange_id, period, cmd.mass, cmd.age, cmd.returned, cmd.weights)
         topic = topics.direct(self.fed, self.cfg.id, cmd.peer, "gossip")
         try:
             link = await self._link(self._peer_broker(cmd.peer))
             n = await asyncio.wait_for(
-                self.messenger.send(topic, msg, round_=self.machine.period, transport=link), self.settings.send_timeout
+                self.messenger.send(topic, msg, round_=period, transport=link), self.settings.send_timeout
             )
             log.debug("sent model %s to %s (%d bytes)", cmd.exchange_id, cmd.peer, n)
         except Exception as exc:  # noqa: BLE001 - any failure: the machine picks another peer
@@ -525,21 +523,21 @@ class GossipSession:
             self.agent.spawn(self._evaluate(cmd.weights, cmd.period))
         sdnotify.status(f"{self.fed}: gossip period {cmd.period}")
 
-    async def _checkpoint(self, weights, period: int, *, final: bool) -> None:
+    async def _checkpoint(self, weights: Weights, period: int, *, final: bool) -> None:
         meta = {
             "period": period,
-            "age": self.machine.age,
-            "mass": self.machine.mass,
+            "age": self._running().age,
+            "mass": self._running().mass,
             "final": final,
             "vocab_digest": self.vocab_digest,
         }
         await asyncio.to_thread(checkpoint.save, self.model_path, weights, meta)
 
-    async def _evaluate(self, weights, period: int) -> None:
+    async def _evaluate(self, weights: Weights, period: int) -> None:
         metrics = await asyncio.to_thread(self.agent.evaluate, weights)
         self.last_eval = {"period": period, **metrics}
         self.agent.metrics.report(metrics, prefix="local_")
-        st = self.machine.status()
+        st = self._running().status()
         self.history.append(
             {
                 "event": "gossip_eval",
@@ -565,18 +563,13 @@ class GossipSession:
         sdnotify.status(f"{self.fed}: gossip finished after {cmd.period} periods")
 
     # -- status --------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
+    def mode_status(self) -> dict[str, Any]:
         vocab = None
         if self.consensus is not None:
             vocab = self.consensus.status()
         if self.machine is None:
             return {
-                "federation": self.fed,
-                "broker": self.broker,
-                "connection": self.transport.state,
-                "reconnects": self.transport.reconnects,
-                "last_error": self.transport.last_error,
-                "coordinator": None,
+                **self.connection_status(),
                 "round": 0,
                 "period": 0,
                 "round_state": self.state,
@@ -628,12 +621,7 @@ class GossipSession:
             )
         }
         return {
-            "federation": self.fed,
-            "broker": self.broker,
-            "connection": self.transport.state,
-            "reconnects": self.transport.reconnects,
-            "last_error": self.transport.last_error,
-            "coordinator": None,
+            **self.connection_status(),
             "round": self.machine.period,
             "period": self.machine.period,
             "round_state": self.state,
@@ -651,17 +639,11 @@ class GossipSession:
             "vocabulary": vocab,
         }
 
+    def offline_presence(self) -> bytes:
+        return presence_payload(self.cfg, self.fed, False, broker=self.broker)
+
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(
-                self.transport.close(
-                    (
-                        topics.presence(self.fed, self.cfg.id),
-                        presence_payload(self.cfg, self.fed, False, broker=self.broker),
-                    )
-                ),
-                5,
-            )
+        await super().close()
         for t, _ready in list(self.links.values()):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(t.close(), 5)

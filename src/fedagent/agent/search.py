@@ -37,23 +37,23 @@ import math
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Protocol, cast
 
 import numpy as np
+import torch
 
 from fedagent import checkpoint
+from fedagent.agent.core import Service, ServiceSpec, Session
+from fedagent.agent.vocabulary import needs_vocabulary, vocabulary_task
 from fedagent.errors import ConfigError, FedagentError
 from fedagent.node.messaging import Incoming
 from fedagent.protocols import search as S
 from fedagent.protocols import topics
 from fedagent.protocols.messages import PublicVectors, PublicVectorsRequest, SearchAnswer, SearchQuery
 from fedagent.protocols.ratelimit import RateLimiter
-from fedagent.tasks import text_data as td
 from fedagent.tasks.base import get_weights, set_weights
-
-if TYPE_CHECKING:
-    from fedagent.agent.daemon import Session
 
 log = logging.getLogger("fedagent.search")
 
@@ -64,15 +64,37 @@ PUBLIC_VECTORS = "__public_vectors__"
 DEFAULT_TIMEOUT = 5.0
 
 
+class SearchTask(Protocol):
+    """What a task with document search has (``infer_vectors``: mapped spaces only)."""
+
+    def search_ids(self) -> Sequence[str]: ...
+
+    def embed_documents(self, model: torch.nn.Module) -> Any: ...
+
+    def embed_text(self, model: torch.nn.Module, text: str) -> Any: ...
+
+    def infer_vectors(self, model: torch.nn.Module, docs: list[list[str]], *, seed: int) -> Any: ...
+
+
 def can_search(task: Any) -> bool:
     return all(callable(getattr(task, m, None)) for m in ("search_ids", "embed_documents", "embed_text"))
 
 
-class SearchService:
+def search_task(task: Any) -> SearchTask:
+    """``task`` as a task with document search (callers check :func:`can_search` first)."""
+    return cast(SearchTask, task)
+
+
+class SearchService(Service):
+    """The search service of one session (hosted by the FedAvg mode: it needs the
+    federation's joint model, or with ``space = "mapped"`` trains its own)."""
+
+    message_types: ClassVar[tuple[type, ...]] = (SearchQuery, SearchAnswer, PublicVectorsRequest, PublicVectors)
+
     def __init__(self, session: Session) -> None:
         self.session = session
         self.machine = S.SearchMachine()
-        self.waiting: dict[str, asyncio.Future] = {}
+        self.waiting: dict[str, asyncio.Future[Any]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._at = float("inf")
         self._index: tuple[Any, np.ndarray, list[str]] | None = None  # (key, vectors, ids)
@@ -105,6 +127,8 @@ class SearchService:
     def public_corpus(self) -> tuple[str, list[list[str]]]:
         """(digest, token lists) of the public documents every site vectorises."""
         if self._public is None:
+            from fedagent.tasks import text_data as td
+
             posts = td.newsgroups()[: self.settings.public_docs]
             if len(posts) != self.settings.public_docs:
                 raise S.SearchError(
@@ -120,17 +144,20 @@ class SearchService:
         with self._own_lock:
             if self._own is not None:
                 return self._own
+            from fedagent.tasks import text_data as td
+
             st, agent = self.settings, self.session.agent
             task = agent.task
             _, public = self.public_corpus()
-            with agent._thread_lock:
-                if callable(getattr(task, "set_vocabulary", None)) and callable(getattr(task, "term_counts", None)):
+            with agent.thread_lock:
+                if needs_vocabulary(task):
                     # Its own documents' terms only: no vocabulary consensus in a mapped federation.
                     o = getattr(task, "options", {})
+                    vocab = vocabulary_task(task)
                     merged = td.merge_term_counts(
-                        [task.term_counts()], min_count=int(o.get("min_count", 1)), max_size=int(o.get("max_vocab", 0))
+                        [vocab.term_counts()], min_count=int(o.get("min_count", 1)), max_size=int(o.get("max_vocab", 0))
                     )
-                    task.set_vocabulary([t for t, _ in merged], [c for _, c in merged])
+                    vocab.set_vocabulary([t for t, _ in merged], [c for _, c in merged])
                 key = self._own_key(task)
                 model = task.build_model()
                 pub = self._restore_own(model, key)
@@ -142,7 +169,8 @@ class SearchService:
                     for e in range(st.local_epochs):
                         lr = st.lr * 0.5 * (1.0 + math.cos(math.pi * e / st.local_epochs))
                         task.fit(model, epochs=1, lr=lr, batch_size=st.batch_size, seed=st.seed * 1000 + e + 1)
-                    pub = np.asarray(task.infer_vectors(model, public, seed=st.seed + 5)[0], dtype=np.float32)
+                    vectors = search_task(task).infer_vectors(model, public, seed=st.seed + 5)[0]
+                    pub = np.asarray(vectors, dtype=np.float32)
             head = b"".join(np.ascontiguousarray(t.detach().numpy()).tobytes() for t in model.state_dict().values())
             space = "mapped:" + hashlib.sha256(head).hexdigest()[:32]
             if self.own_model_source == "":
@@ -153,7 +181,7 @@ class SearchService:
             return self._own
 
     # -- the own model across restarts ----------------------------------------------------------
-    def _own_key(self, task) -> str:
+    def _own_key(self, task: Any) -> str:
         """What the own model is a function of: the site's documents (or, for a task that
         does not expose them, its vocabulary counts), its vocabulary, the training
         settings, the public corpus, the task. A restored model must match all of it."""
@@ -186,7 +214,7 @@ class SearchService:
     def _own_path(self) -> Path:
         return self.session.dir / OWN_MODEL_FILE
 
-    def _restore_own(self, model, key: str) -> np.ndarray | None:
+    def _restore_own(self, model: torch.nn.Module, key: str) -> np.ndarray | None:
         """The public vectors of a model saved for ``key`` (loaded into ``model``), or None."""
         try:
             saved = checkpoint.load(self._own_path, max_bytes=2**31)
@@ -210,20 +238,20 @@ class SearchService:
         self.own_model_source = "restored"
         return pub
 
-    def _save_own(self, model, pub: np.ndarray, key: str, space: str) -> None:
+    def _save_own(self, model: torch.nn.Module, pub: np.ndarray, key: str, space: str) -> None:
         try:
             checkpoint.save(self._own_path, {**get_weights(model), PUBLIC_VECTORS: pub}, {"key": key, "space": space})
         except (FedagentError, OSError, ValueError) as exc:
             # Only a cost: the next start trains it again.
             log.warning("search: cannot save the own model: %s", exc)
 
-    def _model(self):
+    def _model(self) -> torch.nn.Module | None:
         """The global model this site holds (the latest broadcast one), or None."""
         s = self.session
         if s.global_weights is None:
             return None
         agent = s.agent
-        with agent._thread_lock:
+        with agent.thread_lock:
             model = agent.task.build_model()
             set_weights(model, s.global_weights)
         return model
@@ -237,15 +265,30 @@ class SearchService:
         model = self.own_model()[1] if self.mapped else self._model()
         if model is None:
             raise S.SearchError("no-model", "this site holds no global model yet")
-        with s.agent._thread_lock:
-            vectors = np.asarray(s.agent.task.embed_documents(model), dtype=np.float64)
-            ids = list(s.agent.task.search_ids())
+        with s.agent.thread_lock:
+            task = search_task(s.agent.task)
+            vectors = np.asarray(task.embed_documents(model), dtype=np.float64)
+            ids = list(task.search_ids())
         self._index = (key, vectors, ids)
         return vectors, ids
 
+    # -- the service's hooks --------------------------------------------------------------------
+    def on_message(self, inc: Incoming) -> None:
+        msg = inc.message
+        if isinstance(msg, SearchQuery):
+            self.session.agent.spawn(self.on_query(inc, msg))
+        elif isinstance(msg, SearchAnswer):
+            self.on_answer(inc, msg)
+        elif isinstance(msg, PublicVectorsRequest):
+            self.session.agent.spawn(self.on_vectors_request(inc, msg))
+        elif isinstance(msg, PublicVectors):
+            self.on_vectors(inc, msg)
+
+    async def command(self, args: dict[str, Any]) -> dict[str, Any]:
+        return await self.search(args)
+
     # -- answering ----------------------------------------------------------------------------
-    async def on_query(self, inc: Incoming) -> None:
-        msg: SearchQuery = inc.message
+    async def on_query(self, inc: Incoming, msg: SearchQuery) -> None:
         s = self.session
         if not await self._admit(
             inc, "search query", "search_answer", SearchAnswer(msg.query_id, (), (), error=RATE_LIMITED)
@@ -306,8 +349,7 @@ class SearchService:
             )
         return False
 
-    def on_answer(self, inc: Incoming) -> None:
-        msg: SearchAnswer = inc.message
+    def on_answer(self, inc: Incoming, msg: SearchAnswer) -> None:
         self._apply(
             self.machine.handle(
                 S.AnswerReceived(msg.query_id, inc.sender, tuple(zip(msg.doc_ids, msg.scores)), msg.error),
@@ -315,8 +357,7 @@ class SearchService:
             )
         )
 
-    async def on_vectors_request(self, inc: Incoming) -> None:
-        msg: PublicVectorsRequest = inc.message
+    async def on_vectors_request(self, inc: Incoming, msg: PublicVectorsRequest) -> None:
         s = self.session
         if not await self._admit(
             inc,
@@ -346,8 +387,7 @@ class SearchService:
             reply = PublicVectors(msg.request_id, self.space, error=exc.reason)
         await s.messenger.send(topics.direct(s.fed, s.cfg.id, inc.sender, "public_vectors"), reply)
 
-    def on_vectors(self, inc: Incoming) -> None:
-        msg: PublicVectors = inc.message
+    def on_vectors(self, inc: Incoming, msg: PublicVectors) -> None:
         if self.exchange is None:
             return
         x = self.exchange.pending.get(msg.request_id)
@@ -395,7 +435,7 @@ class SearchService:
                 continue
             self.vectors_received += 1
 
-            def fit(target=target):
+            def fit(target: np.ndarray = target) -> Any:
                 from fedagent.tasks.seec import train_mapper
 
                 return train_mapper(
@@ -409,7 +449,7 @@ class SearchService:
         return done, out
 
     # -- asking -------------------------------------------------------------------------------
-    async def search(self, args: dict) -> dict[str, Any]:
+    async def search(self, args: dict[str, Any]) -> dict[str, Any]:
         s = self.session
         text = args.get("text")
         if not isinstance(text, str) or not text.strip() or len(text) > MAX_QUERY_CHARS:
@@ -429,8 +469,8 @@ class SearchService:
             model = self.own_model()[1] if self.mapped else self._model()
             if model is None:
                 raise S.SearchError("no-model", "this agent holds no global model yet")
-            with s.agent._thread_lock:
-                q = np.asarray(s.agent.task.embed_text(model, text), dtype=np.float32)
+            with s.agent.thread_lock:
+                q = np.asarray(search_task(s.agent.task).embed_text(model, text), dtype=np.float32)
             vectors, ids = self._index_now()
             return q, S.top_k(q.astype(np.float64), vectors, ids, k)
 
@@ -496,7 +536,7 @@ class SearchService:
             out["mapped"] = mapped
         return out
 
-    def _apply(self, cmds: list[S.SearchCommand]) -> None:
+    def _apply(self, cmds: Sequence[S.SearchCommand | S.ExchangeCommand]) -> None:
         for cmd in cmds:
             if isinstance(cmd, S.Exchanged):
                 fut = self.waiting.get(cmd.request_id)
@@ -545,3 +585,10 @@ class SearchService:
                 mappers={p: m[1] for p, m in sorted(self.mappers.items())},
             )
         return out
+
+
+SEARCH = ServiceSpec(
+    "search",
+    SearchService,
+    "agent {id} is in no FedAvg federation: search needs a joint model (mode fedavg) and a running session",
+)

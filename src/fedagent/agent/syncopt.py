@@ -16,26 +16,22 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from fedagent import checkpoint
-from fedagent.agent.vocabulary import make_offer
+from fedagent.agent.core import Agent, Session
+from fedagent.agent.vocabulary import make_offer, vocabulary_task
 from fedagent.node import sdnotify
-from fedagent.node.messaging import Incoming, Messenger
-from fedagent.node.runtime import History, make_transport, node_identity, presence_payload
+from fedagent.node.messaging import Incoming
+from fedagent.node.runtime import presence_payload
 from fedagent.protocols import topics
 from fedagent.protocols.messages import GlobalModel, Presence, SyncGradient, SyncStep, Vocabulary
-from fedagent.statefile import cleanup_temp_files
-
-if TYPE_CHECKING:
-    from fedagent.agent.daemon import Agent
 
 log = logging.getLogger("fedagent.syncopt")
 
@@ -63,24 +59,24 @@ def compute_gradient(task: Any, model: torch.nn.Module, batch: int) -> tuple[dic
     model.zero_grad(set_to_none=True)
     loss, n = task.step_loss(model, batch)
     loss.backward()
-    grads = {name: p.grad.detach().numpy() for name, p in model.named_parameters() if p.requires_grad}
+    grads: dict[str, np.ndarray] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                raise ValueError(f"parameter {name} has no gradient from the step's loss")
+            grads[name] = p.grad.detach().numpy()
     model.zero_grad(set_to_none=True)
     return grads, int(n), float(loss.detach())
 
 
-class SyncOptSession:
-    """Membership of one Sync-Opt federation; the same interface as the FedAvg session."""
+class SyncOptSession(Session):
+    """Membership of one Sync-Opt federation."""
 
     def __init__(self, agent: Agent, federation: str, broker: str) -> None:
-        self.agent = agent
-        self.cfg = agent.cfg
-        self.fed = federation
-        self.broker = broker
-        self.coordinator: str | None = None
+        super().__init__(agent, federation, broker)
         self.coordinator_online = False
         self.task = agent.task
         self.needs_vocabulary = callable(getattr(self.task, "term_counts", None))
-        self.vocab_digest = ""
         self.vocabulary_size: int | None = None
         self.offers_sent = 0
         self.model: torch.nn.Module | None = None if self.needs_vocabulary else agent.model
@@ -90,39 +86,14 @@ class SyncOptSession:
         self.state = "waiting for the coordinator"
         self.last_loss: float | None = None
         self.compute_seconds = 0.0
-        self.peers: dict[str, dict[str, Any]] = {}
-        self.dir = self.cfg.state_dir / "agent" / federation
-        self.dir.mkdir(parents=True, exist_ok=True)
-        cleanup_temp_files(self.dir)
-        self.model_path = self.dir / "global.ckpt"
-        self.history = History(self.dir / "history.jsonl")
-        self.queue: asyncio.Queue = asyncio.Queue(maxsize=1000)
-        self.transport = make_transport(
-            self.cfg,
-            federation,
-            broker,
-            subscriptions=[
-                topics.all_broadcasts(federation),
-                topics.inbox(federation, self.cfg.id),
-                topics.all_presence(federation),
-            ],
-            on_connect=self._on_connect,
-        )
-        self.messenger = Messenger(
-            federation=federation,
-            node_id=self.cfg.id,
-            transport=self.transport,
-            max_chunk_bytes=self.cfg.max_chunk_bytes,
-            max_model_bytes=self.cfg.max_model_bytes,
-            metrics=agent.metrics,
-            identity=node_identity(self.cfg),
-            max_skew=self.cfg.max_clock_skew,
-            state_dir=self.dir,
-        )
+        self._peer_info: dict[str, dict[str, Any]] = {}
         self._compute_lock = asyncio.Lock()
         self.pending_history: list[dict[str, Any]] = []
 
-    # The FedAvg session's names, so the agent's metrics and status code read both.
+    @property
+    def peers(self) -> dict[str, dict[str, Any]]:
+        return self._peer_info
+
     @property
     def current_round(self) -> int:
         return self.latest_step
@@ -135,9 +106,6 @@ class SyncOptSession:
             ),
             retain=True,
         )
-
-    async def _on_payload(self, topic: str, payload: bytes) -> None:
-        await self.messenger.receive(topic, payload, self.queue.put)
 
     async def run(self) -> None:
         ready = asyncio.Event()
@@ -169,7 +137,7 @@ class SyncOptSession:
         if isinstance(msg, Presence):
             if inc.sender == self.cfg.id:
                 return
-            self.peers[inc.sender] = {
+            self._peer_info[inc.sender] = {
                 "role": msg.role,
                 "online": msg.online,
                 "last_seen": time.time(),
@@ -229,8 +197,8 @@ class SyncOptSession:
             log.warning("the vocabulary of %s does not include this agent's offer; using it anyway", self.coordinator)
 
         def adopt() -> torch.nn.Module:
-            with self.agent._thread_lock:
-                self.task.set_vocabulary(list(msg.terms))
+            with self.agent.thread_lock:
+                vocabulary_task(self.task).set_vocabulary(list(msg.terms))
                 return self.task.build_model()
 
         self.model = await asyncio.to_thread(adopt)
@@ -266,8 +234,8 @@ class SyncOptSession:
             model = self.model
             started = time.perf_counter()
 
-            def work():
-                with self.agent._thread_lock:
+            def work() -> tuple[dict[str, np.ndarray], int, float]:
+                with self.agent.thread_lock:
                     if msg.weights is not None:
                         load_weights(model, msg.weights)
                     return compute_gradient(self.task, model, msg.model_version)
@@ -318,16 +286,16 @@ class SyncOptSession:
         # the coordinator's checkpoint and history do not hold.
         records, self.pending_history = self.pending_history, []
         if records:
-            await asyncio.to_thread(lambda: [self.history.append(r) for r in records])
 
-    def status(self) -> dict[str, Any]:
+            def write() -> None:
+                for r in records:
+                    self.history.append(r)
+
+            await asyncio.to_thread(write)
+
+    def mode_status(self) -> dict[str, Any]:
         return {
-            "federation": self.fed,
-            "broker": self.broker,
-            "connection": self.transport.state,
-            "reconnects": self.transport.reconnects,
-            "last_error": self.transport.last_error,
-            "coordinator": self.coordinator,
+            **self.connection_status(),
             "phase": self.state,
             "round_state": self.state,
             "step": self.latest_step,
@@ -346,12 +314,3 @@ class SyncOptSession:
             "bytes_out": self.messenger.bytes_out,
             "messages_out": self.messenger.messages_out,
         }
-
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(
-                self.transport.close(
-                    (topics.presence(self.fed, self.cfg.id), presence_payload(self.cfg, self.fed, False))
-                ),
-                5,
-            )

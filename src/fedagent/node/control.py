@@ -24,18 +24,6 @@ MAX_LINE = 64 * 1024
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
-def default_socket_path(role: str) -> Path:
-    rt = os.environ.get("RUNTIME_DIRECTORY")
-    if rt:
-        return Path(rt.split(":")[0]) / f"{role}.sock"
-    if os.geteuid() == 0:
-        return Path(f"/run/fedagent-{role}") / f"{role}.sock"  # the unit's RuntimeDirectory
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg:
-        return Path(xdg) / "fedagent" / f"{role}.sock"
-    return Path(f"/tmp/fedagent-{os.getuid()}") / f"{role}.sock"
-
-
 def _alive(path: Path) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(1.0)

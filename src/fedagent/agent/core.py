@@ -1,0 +1,417 @@
+"""The agent daemon's core, the same whatever the federation's mode.
+
+One TaskGroup owns everything: the control socket (status, join, leave, peers and the
+services' commands), mDNS, the systemd watchdog, the metrics endpoint and the *session*
+of the federation the agent belongs to. ``join`` replaces the session without
+restarting the process. Training runs in a worker thread so the event loop keeps
+answering ``status``, MQTT keep-alives and the watchdog.
+
+A mode (FedAvg participant, Sync-Opt, gossip) is a :class:`Session` subclass; a service
+(search) is a :class:`Service` registered on the :class:`Agent` with a
+:class:`ServiceSpec` and hosted by the sessions whose mode names it in ``SERVICES``.
+Nothing here imports a mode or a service: :mod:`fedagent.agent.daemon` puts them together.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from fedagent.config import NodeConfig
+from fedagent.errors import ConfigError, FedagentError
+from fedagent.metrics import NodeMetrics
+from fedagent.node import sdnotify
+from fedagent.node.control import ControlServer, Handler
+from fedagent.node.discovery import Advert, Discovery
+from fedagent.node.messaging import Incoming, Messenger
+from fedagent.node.runtime import History, make_transport, node_identity, presence_payload
+from fedagent.pki import fingerprint
+from fedagent.protocols import topics
+from fedagent.statefile import cleanup_temp_files
+from fedagent.tasks.base import Task, Weights, load_task, set_weights
+
+log = logging.getLogger("fedagent.agent")
+
+DISCOVERY_TIMEOUT = 10.0
+
+
+class Service(abc.ABC):
+    """A capability a session hosts beside its mode's protocol (search).
+
+    It receives the messages of the types it names (on the event loop: long work is
+    spawned), answers the control command of its name and adds fields to the status."""
+
+    message_types: ClassVar[tuple[type, ...]] = ()
+
+    @abc.abstractmethod
+    def on_message(self, inc: Incoming) -> None:
+        """A message of one of ``message_types``, already verified by the messenger."""
+
+    @abc.abstractmethod
+    async def command(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The control socket's command of the service's name."""
+
+    def status(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """A service registered on the agent: ``name`` is also its control command;
+    ``unavailable`` is that command's error while no session hosts it ({id}: this agent)."""
+
+    name: str
+    make: Callable[[Session], Service]
+    unavailable: str
+
+
+class Session(abc.ABC):
+    """Membership of one federation: its connection, messenger, state directory, history
+    and the services its mode hosts. A mode subclasses it."""
+
+    SERVICES: ClassVar[frozenset[str]] = frozenset()  # the services (by name) this mode hosts
+    DISCOVERY_ROLES: ClassVar[tuple[str, ...]] = ("coordinator", "broker")  # whose mDNS advert names the broker
+    MODEL_FILE: ClassVar[str] = "global.ckpt"  # the model's checkpoint in the session's directory
+    QUEUE_SIZE: ClassVar[int] = 1000
+
+    def __init__(self, agent: Agent, federation: str, broker: str) -> None:
+        self.agent = agent
+        self.cfg = agent.cfg
+        self.fed = federation
+        self.broker = broker
+        self.coordinator: str | None = None
+        # The vocabulary this member uses ("" while none is agreed), and the latest global
+        # model it holds: what services vectorise with. Modes without one leave them empty.
+        self.vocab_digest = ""
+        self.global_weights: Weights | None = None
+        self.global_version: int | None = None
+        self.dir = self.cfg.state_dir / "agent" / federation
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cleanup_temp_files(self.dir)
+        self.model_path = self.dir / self.MODEL_FILE
+        self.history = History(self.dir / "history.jsonl")
+        self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=self.QUEUE_SIZE)
+        self.transport = make_transport(
+            self.cfg, federation, broker, subscriptions=self.subscriptions(), on_connect=self._on_connect
+        )
+        self.messenger = Messenger(
+            federation=federation,
+            node_id=self.cfg.id,
+            transport=self.transport,
+            max_chunk_bytes=self.cfg.max_chunk_bytes,
+            max_model_bytes=self.cfg.max_model_bytes,
+            metrics=agent.metrics,
+            identity=node_identity(self.cfg),
+            max_skew=self.cfg.max_clock_skew,
+            state_dir=self.dir,
+        )
+        self.services: dict[str, Service] = {
+            spec.name: spec.make(self) for spec in agent.service_specs if spec.name in self.SERVICES
+        }
+
+    # -- what a mode provides ---------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def peers(self) -> dict[str, dict[str, Any]]:
+        """Peers seen over MQTT: id -> role, online, last_seen, model_version."""
+
+    @property
+    @abc.abstractmethod
+    def current_round(self) -> int:
+        """The round (step, period) the federation is in, as far as this member knows."""
+
+    @abc.abstractmethod
+    async def run(self) -> None:
+        """Connect and take part until cancelled."""
+
+    @abc.abstractmethod
+    async def _on_connect(self) -> None:
+        """Publish this member's retained presence (each time the connection is made)."""
+
+    @abc.abstractmethod
+    def mode_status(self) -> dict[str, Any]:
+        """The mode's fields of ``fedagent status``."""
+
+    def subscriptions(self) -> list[str]:
+        return [
+            topics.all_broadcasts(self.fed),
+            topics.inbox(self.fed, self.cfg.id),
+            topics.all_presence(self.fed),
+        ]
+
+    def on_advert(self, kind: str, advert: Advert) -> None:
+        """mDNS news ("added", "updated", "removed"); only gossip listens."""
+        return None
+
+    def metrics_model_version(self) -> int | None:
+        """The model version the metrics endpoint shows (None: not shown)."""
+        return None
+
+    # -- shared by every mode ---------------------------------------------------------------
+    def connection_status(self) -> dict[str, Any]:
+        return {
+            "federation": self.fed,
+            "broker": self.broker,
+            "connection": self.transport.state,
+            "reconnects": self.transport.reconnects,
+            "last_error": self.transport.last_error,
+            "coordinator": self.coordinator,
+        }
+
+    def status(self) -> dict[str, Any]:
+        out = self.mode_status()
+        for service in self.services.values():
+            out.update(service.status())
+        return out
+
+    def to_service(self, inc: Incoming) -> bool:
+        """Hand ``inc`` to the hosted service that takes its type; False if none does."""
+        for service in self.services.values():
+            if isinstance(inc.message, service.message_types):
+                service.on_message(inc)
+                return True
+        return False
+
+    async def _on_payload(self, topic: str, payload: bytes) -> None:
+        await self.messenger.receive(topic, payload, self.queue.put)
+
+    def offline_presence(self) -> bytes:
+        return presence_payload(self.cfg, self.fed, False)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                self.transport.close((topics.presence(self.fed, self.cfg.id), self.offline_presence())), 5
+            )
+
+
+SessionClass = type[Session]
+
+
+class Agent:
+    """The daemon: one node's task and model, its control socket, mDNS and metrics, and
+    the session of the mode ``session_class`` while it is in a federation."""
+
+    def __init__(self, cfg: NodeConfig, session_class: SessionClass, services: Sequence[ServiceSpec] = ()) -> None:
+        self.cfg = cfg
+        self.session_class = session_class
+        self.service_specs = tuple(services)
+        torch.set_num_threads(cfg.torch_threads)
+        self.task: Task = load_task(cfg.task, cfg.task_options)
+        self.model = self.task.build_model()
+        # Training, evaluation and re-indexing run in worker threads, one at a time on the task.
+        self.thread_lock = threading.Lock()
+        self.session: Session | None = None
+        self._session_task: asyncio.Task[None] | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self._disc: Discovery | None = None
+        self._advert: Advert | None = None
+        self.metrics = NodeMetrics("agent", cfg.id, cfg.federation)
+        self.metrics.before_scrape = self._refresh_metrics
+        self.metrics_url: str | None = None
+        self._exit: asyncio.Event | None = None
+        self.exit_reason: str | None = None
+
+    def request_exit(self, reason: str) -> None:
+        """Stop the daemon cleanly (goodbye on MQTT and mDNS, exit status 0)."""
+        self.exit_reason = reason
+        if self._exit is not None:
+            self._exit.set()
+
+    def evaluate(self, weights: Weights) -> dict[str, float]:
+        """The task's metrics of ``weights`` on the local held-out data (worker thread)."""
+        with self.thread_lock:
+            model = self.task.build_model()
+            set_weights(model, weights)
+            return self.task.evaluate(model)
+
+    @property
+    def discovery(self) -> Discovery | None:
+        return self._disc
+
+    def _on_advert(self, kind: str, advert: Advert) -> None:
+        session = self.session
+        if session is not None:
+            session.on_advert(kind, advert)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        assert self._tg is not None
+        self._tg.create_task(coro)
+
+    async def _find_broker(self, federation: str) -> str:
+        assert self._disc is not None
+        while True:
+            try:
+                advert = await self._disc.find(federation, self.session_class.DISCOVERY_ROLES, DISCOVERY_TIMEOUT)
+                return advert.broker_uri
+            except FedagentError as exc:
+                log.warning("%s; still looking", exc)
+                sdnotify.status(f"looking for federation {federation} on mDNS")
+
+    async def _run_session(self, federation: str, broker: str) -> None:
+        if not broker:
+            broker = await self._find_broker(federation)
+            log.info("found federation %s on mDNS: broker %s", federation, broker)
+        session = self.session_class(self, federation, broker)
+        self.session = session
+        if self.cfg.advertise and self._disc is not None:
+            if self._advert is not None and self._advert.federation != federation:
+                await self._disc.unregister(self._advert)
+            self._advert = Advert(
+                federation=federation,
+                node_id=self.cfg.id,
+                role="agent",
+                broker_uri=broker,
+                fingerprint=fingerprint(self.cfg.tls.cert),
+            )
+            await self._disc.register(self._advert)
+            self._disc.start_browsing(federation)
+        try:
+            await session.run()
+        finally:
+            await session.close()
+
+    def _start_session(self, federation: str, broker: str) -> None:
+        assert self._tg is not None
+        if self._session_task is not None:
+            self._session_task.cancel()
+        self.session = None
+        self._session_task = self._tg.create_task(self._run_session(federation, broker))
+
+    # -- control -----------------------------------------------------------------------
+    async def _status(self, _args: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "role": "agent",
+            "id": self.cfg.id,
+            "mode": self.cfg.mode,
+            "task": self.cfg.task,
+            "num_samples": self.task.num_samples(),
+            "federation": self.cfg.federation or None,
+            "connection": "not joined",
+            "metrics_url": self.metrics_url,
+        }
+        if self.session is not None:
+            out.update(self.session.status())
+        elif self.cfg.federation:
+            out["connection"] = "discovering"
+        if self._disc is not None:
+            out["mdns_peers"] = {
+                k: {"role": a.role, "broker": a.broker_uri, "last_seen": self._disc.last_seen.get(k)}
+                for k, a in sorted(self._disc.peers.items())
+            }
+        return out
+
+    def _refresh_metrics(self, m: NodeMetrics) -> None:
+        m.set_federation(self.cfg.federation)
+        session = self.session
+        m.set_connected(session is not None and session.transport.connected)
+        if session is not None:
+            m.set_reconnects(session.transport.reconnects)
+            m.set_peers(sum(1 for p in session.peers.values() if p.get("online")))
+            m.round_started(session.current_round)
+            version = session.metrics_model_version()
+            if version is not None:
+                m.set_model_version(version)
+
+    def _peer_table(self) -> dict[str, dict[str, Any]]:
+        """Peers from both sources: retained presence over MQTT and mDNS adverts."""
+        table: dict[str, dict[str, Any]] = {}
+        if self._disc is not None:
+            for pid, a in self._disc.peers.items():
+                if pid != self.cfg.id and (not self.cfg.federation or a.federation == self.cfg.federation):
+                    table[pid] = {
+                        "role": a.role,
+                        "broker": a.broker_uri,
+                        "mdns": True,
+                        "online": None,
+                        "last_seen": self._disc.last_seen.get(pid),
+                    }
+        if self.session is not None:
+            for pid, info in self.session.peers.items():
+                row = table.setdefault(pid, {"role": info["role"], "broker": None, "mdns": False})
+                row.update(
+                    online=info["online"],
+                    last_seen=max(info["last_seen"], row.get("last_seen") or 0),
+                    model_version=info.get("model_version"),
+                )
+        return dict(sorted(table.items()))
+
+    async def _peers(self, _args: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.cfg.id, "federation": self.cfg.federation or None, "peers": self._peer_table()}
+
+    def _service_command(self, spec: ServiceSpec) -> Handler:
+        async def handle(args: dict[str, Any]) -> dict[str, Any]:
+            service = self.session.services.get(spec.name) if self.session is not None else None
+            if service is None:
+                raise ConfigError(spec.unavailable.format(id=self.cfg.id))
+            return await service.command(args)
+
+        return handle
+
+    async def _leave(self, _args: dict[str, Any]) -> dict[str, Any]:
+        left = self.cfg.federation
+        if not left:
+            raise ConfigError(f"agent {self.cfg.id} is not in a federation")
+        if self._session_task is not None:
+            self._session_task.cancel()
+            self._session_task = None
+        self.session = None
+        if self._disc is not None and self._advert is not None:
+            await self._disc.unregister(self._advert)
+            self._advert = None
+        self.cfg = self.cfg.with_membership("", "")
+        sdnotify.status(f"agent {self.cfg.id}: left {left}; run `fedagent join NAME`")
+        log.info("left federation %s", left)
+        return {"left": left}
+
+    async def _join(self, args: dict[str, Any]) -> dict[str, Any]:
+        federation = topics.check_name(str(args.get("federation", "")), "federation")
+        broker = str(args.get("broker", ""))
+        if broker and not broker.startswith("mqtts://"):
+            raise ConfigError(f"broker must look like mqtts://HOST:PORT, not {broker!r}")
+        self.cfg = self.cfg.with_membership(federation, broker)
+        self._start_session(federation, broker)
+        return {"federation": federation, "broker": broker or "(mDNS)"}
+
+    async def run(self) -> None:
+        self._exit = asyncio.Event()
+        handlers: dict[str, Handler] = {
+            "status": self._status,
+            "join": self._join,
+            "leave": self._leave,
+            "peers": self._peers,
+        }
+        for spec in self.service_specs:
+            handlers[spec.name] = self._service_command(spec)
+        control = ControlServer(self.cfg.control_socket, handlers)
+        await control.start()
+        if self.cfg.metrics_port >= 0:
+            host, port = await self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
+            self.metrics_url = f"http://{host}:{port}/metrics"
+        try:
+            async with Discovery(self.cfg.interfaces, on_change=self._on_advert) as disc, asyncio.TaskGroup() as tg:
+                self._disc, self._tg = disc, tg
+                watchdog = tg.create_task(sdnotify.watchdog_loop())
+                if self.cfg.federation:
+                    self._start_session(self.cfg.federation, self.cfg.broker)
+                    sdnotify.ready(f"agent {self.cfg.id}: joining {self.cfg.federation}")
+                else:
+                    sdnotify.ready(f"agent {self.cfg.id}: not in a federation; run `fedagent join NAME`")
+                    log.info("agent %s is not in a federation yet: run `fedagent join FEDERATION`", self.cfg.id)
+                await self._exit.wait()
+                log.info("agent %s stopping: %s", self.cfg.id, self.exit_reason)
+                if self._session_task is not None:
+                    self._session_task.cancel()
+                watchdog.cancel()
+        finally:
+            sdnotify.stopping()
+            await control.close()
+            await self.metrics.close()

@@ -1,0 +1,304 @@
+"""The agent's session in a ``mode = "fedavg"`` federation: a round participant.
+
+The pure :class:`~fedagent.protocols.participant.Participant` decides what to do with a
+round start, a round result and a global model; this session feeds it what the
+coordinator broadcasts, trains in the agent's worker thread when it says so and sends
+the update (streamed and compressed as the round asks, or whole). It also offers the
+task's vocabulary to the coordinator and adopts the agreed one (SEEC joint learning),
+evaluates every global model it receives, and hosts the search service, which
+vectorises with the latest global model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, ClassVar
+
+from fedagent import checkpoint
+from fedagent.agent import vocabulary as vocab_mod
+from fedagent.agent.core import Agent, Session
+from fedagent.errors import EXIT_CONFIG, TransportError
+from fedagent.node import sdnotify
+from fedagent.node.messaging import Incoming
+from fedagent.node.runtime import presence_payload
+from fedagent.protocols import topics
+from fedagent.protocols.compression import CompressionConfig, Compressor
+from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart, TrainConfig, Vocabulary
+from fedagent.protocols.participant import (
+    AdoptModel,
+    Command,
+    Discarded,
+    Leave,
+    Participant,
+    SendUpdate,
+    Train,
+    TrainingDone,
+)
+from fedagent.tasks.base import Weights, get_weights, set_weights
+
+log = logging.getLogger("fedagent.agent")
+
+
+class FedAvgSession(Session):
+    """Membership of one FedAvg federation: a connection, a participant machine, peers."""
+
+    SERVICES: ClassVar[frozenset[str]] = frozenset({"search"})
+
+    def __init__(self, agent: Agent, federation: str, broker: str) -> None:
+        super().__init__(agent, federation, broker)
+        self.participant = Participant(self.cfg.id, leave_after=self.cfg.rounds.leave_after)
+        self._peer_info: dict[str, dict[str, Any]] = {}
+        self.round_state = "idle"
+        self.latest_round = 0
+        self.last_eval: dict[str, float] = {}
+        self.needs_vocabulary = vocab_mod.needs_vocabulary(agent.task)
+        self.vocabulary_size: int | None = None
+        self.coordinator_online = False
+        self.offers_sent = 0
+        resumed = checkpoint.load(self.model_path)
+        if resumed is not None:
+            self.participant.model_version = int(resumed[1].get("model_version", 0))
+            self.global_weights, self.global_version = resumed[0], self.participant.model_version
+        self.compressor = Compressor()  # keeps the top-k residual across rounds
+        # (round, global weights, train config) being trained
+        self._base: tuple[int, Weights, TrainConfig] | None = None
+
+    @property
+    def peers(self) -> dict[str, dict[str, Any]]:
+        return self._peer_info
+
+    @property
+    def current_round(self) -> int:
+        return self.latest_round
+
+    def metrics_model_version(self) -> int | None:
+        return self.participant.model_version
+
+    async def _on_connect(self) -> None:
+        await self.transport.publish(
+            topics.presence(self.fed, self.cfg.id),
+            presence_payload(
+                self.cfg,
+                self.fed,
+                True,
+                num_samples=self.agent.task.num_samples(),
+                model_version=self.participant.model_version,
+            ),
+            retain=True,
+        )
+
+    async def run(self) -> None:
+        ready = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.transport.run(self._on_payload, ready))
+            await ready.wait()
+            log.info("agent %s joined federation %s via %s", self.cfg.id, self.fed, self.broker)
+            sdnotify.status(f"member of {self.fed}: waiting for a round")
+            while True:
+                item = await self.queue.get()
+                if isinstance(item, Incoming):
+                    await self._on_message(item)
+                else:
+                    await self._apply(self.participant.handle(item))
+
+    async def _on_message(self, inc: Incoming) -> None:
+        msg = inc.message
+        if isinstance(msg, Presence):
+            if inc.sender != self.cfg.id:
+                self._peer_info[inc.sender] = {
+                    "role": msg.role,
+                    "online": msg.online,
+                    "last_seen": time.time(),
+                    "model_version": msg.model_version,
+                }
+            if msg.role == "coordinator" and inc.role == "coordinator":
+                came_online = msg.online and not self.coordinator_online
+                self.coordinator_online = msg.online
+                if msg.online:
+                    self.coordinator = inc.sender
+                if came_online and self.needs_vocabulary and not self.vocab_digest:
+                    await self._offer_vocabulary()
+            return
+        if self.to_service(inc):
+            return
+        if isinstance(msg, Vocabulary):
+            if not inc.topic.startswith(topics.federation_root(self.fed) + "/global/") or inc.role != "coordinator":
+                return self.messenger._reject("role", inc.sender, "a vocabulary not broadcast by a coordinator")
+            self.coordinator = inc.sender
+            await self._adopt_vocabulary(msg)
+            return
+        if isinstance(msg, (RoundStart, RoundResult, GlobalModel)):
+            if not inc.topic.startswith(topics.federation_root(self.fed) + "/global/"):
+                return self.messenger._reject("topic", inc.sender, f"{msg.kind} outside global/")
+            if inc.role != "coordinator":
+                # The ACL keeps agents off global/, but the broker is not trusted with
+                # that: only a coordinator's certificate may sign what steers training.
+                return self.messenger._reject(
+                    "role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-coordinator'}"
+                )
+            self.coordinator = inc.sender
+            if (
+                isinstance(msg, (RoundStart, GlobalModel))
+                and msg.weights is not None
+                and msg.model_version >= (self.global_version or 0)
+            ):
+                self.global_weights, self.global_version = msg.weights, msg.model_version
+            if isinstance(msg, RoundStart) and msg.round > self.latest_round:
+                self.latest_round = msg.round
+                self.round_state = "training" if self.cfg.id in msg.selected else "not selected"
+                self.agent.spawn(self._evaluate_global(msg.weights, msg.model_version))
+            if isinstance(msg, RoundResult) and msg.round >= self.latest_round:
+                self.round_state = "aggregated" if msg.aggregated else f"abandoned: {msg.reason}"
+            await self._apply(self.participant.handle(msg))
+
+    async def _offer_vocabulary(self) -> None:
+        if self.coordinator is None:
+            return
+        offer = await asyncio.to_thread(vocab_mod.make_offer, self.agent.task)
+        n = await self.messenger.send(topics.direct(self.fed, self.cfg.id, self.coordinator, "vocab_offer"), offer)
+        self.offers_sent += 1
+        self.round_state = "vocabulary offered"
+        self.history.append({"event": "vocab_offer", "terms": len(offer.terms), "bytes": n})
+        log.info("offered %d terms (%d bytes) to %s", len(offer.terms), n, self.coordinator)
+
+    async def _adopt_vocabulary(self, msg: Vocabulary) -> None:
+        if not self.needs_vocabulary or msg.digest == self.vocab_digest:
+            return
+        if self.cfg.id not in msg.contributors:
+            log.warning("the vocabulary does not include this agent's offer; using it anyway")
+        await asyncio.to_thread(self._set_vocabulary, list(msg.terms))
+        self.vocab_digest = msg.digest
+        self.vocabulary_size = len(msg.terms)
+        self.round_state = "vocabulary agreed"
+        self.history.append({"event": "vocabulary", "terms": len(msg.terms), "digest": msg.digest})
+        log.info("adopted the common vocabulary: %d terms (digest %s)", len(msg.terms), msg.digest[:12])
+
+    def _set_vocabulary(self, terms: list[str]) -> None:
+        """Re-index the local data on the common vocabulary and rebuild the model on it
+        (worker thread)."""
+        agent = self.agent
+        with agent.thread_lock:
+            vocab_mod.vocabulary_task(agent.task).set_vocabulary(terms)
+            agent.model = agent.task.build_model()
+
+    def _fit(self, cmd: Train) -> tuple[Weights, dict[str, float]]:
+        """Local training of one round from the round's global weights (worker thread)."""
+        agent = self.agent
+        with agent.thread_lock:
+            set_weights(agent.model, cmd.weights)
+            metrics = agent.task.fit(
+                agent.model, epochs=cmd.train.epochs, lr=cmd.train.lr, batch_size=cmd.train.batch_size, seed=cmd.round
+            )
+            return get_weights(agent.model), metrics
+
+    async def _evaluate_global(self, weights: Weights, version: int) -> None:
+        metrics = await asyncio.to_thread(self.agent.evaluate, weights)
+        self.last_eval = {"model_version": version, **metrics}
+        self.agent.metrics.report(metrics, prefix="global_")
+        self.history.append({"event": "global_eval", "model_version": version, "metrics": metrics})
+
+    async def _apply(self, cmds: list[Command]) -> None:
+        for cmd in cmds:
+            if isinstance(cmd, Train):
+                self.agent.spawn(self._train(cmd))
+            elif isinstance(cmd, SendUpdate):
+                await self._send_update(cmd)
+            elif isinstance(cmd, Discarded):
+                log.info("discarded training of round %d: %s", cmd.round, cmd.reason)
+            elif isinstance(cmd, Leave):
+                self.round_state = "left"
+                self.history.append(
+                    {"event": "left", "reason": cmd.reason, "rounds_trained": self.participant.rounds_done}
+                )
+                log.info("leaving federation %s: %s", self.fed, cmd.reason)
+                self.agent.request_exit(cmd.reason)
+            elif isinstance(cmd, AdoptModel):
+                meta = {"model_version": cmd.model_version, "round": cmd.round, "final": cmd.final}
+                await asyncio.to_thread(checkpoint.save, self.model_path, cmd.weights, meta)
+                if cmd.final:
+                    self.round_state = "finished"
+                    sdnotify.status(f"{self.fed}: training finished (model version {cmd.model_version})")
+
+    async def _send_update(self, cmd: SendUpdate) -> None:
+        if self.coordinator is None:
+            log.warning("no coordinator known; update for round %d dropped", cmd.update.round)
+            return
+        topic = topics.direct(self.fed, self.cfg.id, self.coordinator, "update")
+        base: Weights | None = None
+        train: TrainConfig | None = None
+        if self._base is not None and self._base[0] == cmd.update.round:
+            _, base, train = self._base
+        try:
+            if train is not None and train.stream:
+                comp = CompressionConfig(train.compression, train.topk_ratio)
+                if comp != self.compressor.config:
+                    self.compressor = Compressor(comp)
+                n = await self.messenger.send_update(topic, cmd.update, base=base, compressor=self.compressor)
+            else:
+                # The round asked for a whole update (a robust aggregator or clip_norm
+                # reads it at once), or its settings are not known here: a whole update
+                # is what every coordinator accepts.
+                n = await self.messenger.send(topic, cmd.update, round_=cmd.update.round)
+        except TransportError as exc:
+            if exc.exit_code == EXIT_CONFIG:
+                raise
+            # Cut off from the broker for longer than the publish timeout (a partition):
+            # by the time we are back the round is over and the update stale, so it is
+            # dropped here instead of ending the daemon.
+            log.warning("round %d: update not delivered (%s); the round goes on without it", cmd.update.round, exc)
+            self.round_state = "update not delivered"
+            return
+        self.round_state = "update sent"
+        self.agent.metrics.round_completed(None, cmd.update.metrics)
+        self.history.append(
+            {
+                "event": "update",
+                "round": cmd.update.round,
+                "base_version": cmd.update.base_version,
+                "metrics": cmd.update.metrics,
+                "num_samples": cmd.update.num_samples,
+                "bytes": n,
+                "bytes_in": self.messenger.bytes_in,
+                "bytes_out": self.messenger.bytes_out,
+            }
+        )
+        log.info(
+            "round %d: update sent (%d bytes, %s)",
+            cmd.update.round,
+            n,
+            ", ".join(f"{k}={v:.4f}" for k, v in cmd.update.metrics.items()),
+        )
+
+    async def _train(self, cmd: Train) -> None:
+        self._base = (cmd.round, cmd.weights, cmd.train)
+        sdnotify.status(f"{self.fed}: training round {cmd.round}")
+        started = time.monotonic()
+        try:
+            weights, metrics = await asyncio.to_thread(self._fit, cmd)
+            self.agent.metrics.training_seconds(time.monotonic() - started)
+        except Exception:
+            log.exception("training for round %d failed", cmd.round)
+            self.round_state = "training failed"
+            return
+        await self.queue.put(TrainingDone(cmd.round, cmd.base_version, self.agent.task.num_samples(), metrics, weights))
+
+    def mode_status(self) -> dict[str, Any]:
+        p = self.participant
+        return {
+            **self.connection_status(),
+            "round": self.latest_round,
+            "round_state": self.round_state,
+            "rounds_trained": p.rounds_done,
+            "model_version": p.model_version,
+            "last_metrics": p.last_metrics,
+            "global_model_eval": self.last_eval,
+            "peers": dict(sorted(self.peers.items())),
+            "rejected": dict(self.messenger.rejected),
+            "bytes_in": self.messenger.bytes_in,
+            "bytes_out": self.messenger.bytes_out,
+            "vocabulary_size": self.vocabulary_size,
+            "vocab_digest": self.vocab_digest or None,
+            "vocab_offers_sent": self.offers_sent,
+        }
