@@ -18,10 +18,10 @@
     (returned) or ``timeout`` seconds pass (AssertionError naming ``what``). With ``fed``,
     a daemon that exits meanwhile fails the wait at once, with its last log lines.
 
-``coordinator_in(fed, *phases)`` / ``agents_in(fed, *states)``
-    The coordinator's status if its phase is one of ``phases``; every agent's status if
-    each one's ``phase`` or ``round_state`` is one of ``states``; None otherwise (for
-    ``wait_for``).
+``coordinator_in(fed, *phases)`` / ``agents_in(fed, key, *values)``
+    The coordinator's status if its ``phase`` is one of ``phases``; every agent's status
+    if each one's ``key`` (``"phase"``, ``"round_state"``) is one of ``values``; None
+    otherwise (for ``wait_for``).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def coordinator_in(fed: Federation, *phases: str) -> dict[str, Any] | None:
     return s if s and s["phase"] in phases else None
 
 
-def agents_in(fed: Federation, *states: str) -> list[dict[str, Any]] | None:
+def agents_in(fed: Federation, key: str, *values: str) -> list[dict[str, Any]] | None:
     statuses = [fed.status(a) for a in fed.agent_ids]
-    done = [s for s in statuses if s and (s.get("phase") in states or s.get("round_state") in states)]
+    done = [s for s in statuses if s and s.get(key) in values]
     return done if len(done) == len(statuses) else None

@@ -264,6 +264,21 @@ class Federation:
         self.procs.append(proc)
         return proc
 
+    def proc(self, stem: str) -> Proc:
+        """The running process of ``stem`` (``"coordinator"``, ``"agent-1"``, ...)."""
+        for p in self.procs:
+            if p.name == stem:
+                return p
+        raise FedagentError(f"{stem} is not running in this federation")
+
+    def restart(self, stem: str, sig: int = signal.SIGKILL) -> Proc:
+        """Stop ``stem`` with ``sig`` (SIGKILL: a crash, nothing saved on the way out) and
+        start it again on the same config and state directory."""
+        old = self.proc(stem)
+        self.stop(old, sig)
+        self.procs.remove(old)
+        return self.spawn(stem)
+
     def start_all(self) -> None:
         if self.mode != "gossip":
             self.spawn("coordinator")
