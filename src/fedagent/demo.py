@@ -130,6 +130,7 @@ def run(fed: Federation, plan: Plan[T], *, keep: bool = False, console: Console 
     console = console or Console()
     work = fed.work
     started = time.monotonic()
+    stopped_by = ""
     try:
         with _signals(_raise_interrupted):
             try:
@@ -145,9 +146,11 @@ def run(fed: Federation, plan: Plan[T], *, keep: bool = False, console: Console 
                 fed.close()
                 return plan.evaluate(collected)
             except KeyboardInterrupt:
+                stopped_by = "interrupted"
                 console.print("[yellow]interrupted; stopping every process the demo started[/]")
                 return 128 + signal.SIGINT
             except Interrupted as exc:
+                stopped_by = f"received {exc}"
                 console.print(f"[yellow]received {exc}; stopping every process the demo started[/]")
                 return 128 + exc.signum
     finally:
@@ -158,6 +161,12 @@ def run(fed: Federation, plan: Plan[T], *, keep: bool = False, console: Console 
                 console.print(f"kept {work}")
             else:
                 shutil.rmtree(work, ignore_errors=True)
+            if stopped_by:
+                console.print(
+                    f"[yellow]demo stopped ({stopped_by}): every process it started has exited"
+                    + ("" if keep else f", {work} removed")
+                    + "[/]"
+                )
 
 
 def _follow(fed: Federation, plan: Plan[Any], started: float, console: Console) -> None:
