@@ -35,7 +35,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
   # torch first and pinned: a bare 'torch' requirement would pull a multi-GB CUDA build.
   .venv/bin/pip install -q "torch==2.13.0"
-  .venv/bin/pip install -q -e ".[test]"
+  .venv/bin/pip install -q -e ".[experiments,test]"
   touch "$stamp"
 fi
 # Only the slow T8 test needs it (added delay); a failed build must not stop the set-up.

@@ -4,7 +4,7 @@ the real round machine, 10/20/30 % of the agents attacking (see tests/byzantine.
 The budget: a robust aggregator keeps the final test accuracy within
 ``BUDGET`` (0.10 absolute) of FedAvg without attackers; plain FedAvg under the same
 attack visibly fails, ending at least ``FAIL_MARGIN`` (0.15) below it. Measured table
-(README "Security"): Krum holds every cell; the coordinate-wise median and trimmed
+(docs/security.md): Krum holds every cell; the coordinate-wise median and trimmed
 mean hold everything except the ×10 sign flip at 30 % (0.58 / 0.55: three colluding
 agents pushing every coordinate the same way shift the order statistics on non-IID
 data); norm clipping holds scaled and noisy updates but not the sign flip at 20-30 %.

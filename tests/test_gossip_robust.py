@@ -8,7 +8,7 @@ The budget (issue 7 item 7, in gossip mode): with 10/20/30 % of the agents attac
 a screening rule keeps the honest agents' mean final accuracy within ``BUDGET`` (0.10)
 of plain push-sum gossip without attackers, while plain gossip under the same attack
 ends at least ``FAIL_MARGIN`` (0.15) below it. The ``slow`` test checks every fraction
-and attack, with the cells the README reports as not holding; CI checks two cells
+and attack, with the cells docs/security.md reports as not holding; CI checks two cells
 (median at 20 % scaled, Krum at 30 % sign flip).
 """
 
@@ -211,7 +211,7 @@ def test_whole_gossip_byzantine_table():
                     assert acc >= base - BUDGET, (rule, attack, k, acc)
 
 
-# Cells the README table reports as not holding: the x10 sign flip of 2-3 colluding
+# Cells the docs/security.md table reports as not holding: the x10 sign flip of 2-3 colluding
 # peers moves every coordinate the same way, which shifts the median and the trimmed
 # mean on non-IID models (as in coordinated mode, where it takes 3); clipping bounds
 # each attacker's pull per merge, it does not remove it. trimmed_mean at 10 % sits on

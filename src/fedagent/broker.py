@@ -26,6 +26,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from fedagent import pki
 from fedagent.errors import ConfigError, TransportError
@@ -242,8 +243,8 @@ class EmbeddedBroker:
         self.start_timeout = start_timeout
         self._port = port
         self._port_fixed = port is not None
-        self._proc: subprocess.Popen | None = None
-        self._out = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._out: BinaryIO | None = None
         self._finalizer: weakref.finalize | None = None
 
     # --- paths and addresses ---------------------------------------------------------
@@ -291,11 +292,16 @@ class EmbeddedBroker:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self.running else None
+        proc = self._live()
+        return proc.pid if proc is not None else None
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._live() is not None
+
+    def _live(self) -> subprocess.Popen[bytes] | None:
+        """The Mosquitto process if it is still running."""
+        return self._proc if self._proc is not None and self._proc.poll() is None else None
 
     # --- files -----------------------------------------------------------------------
     def _ensure_certificate(self) -> None:
@@ -439,17 +445,18 @@ class EmbeddedBroker:
         if coordinators is not None:
             self.coordinators = _unique(coordinators, "coordinator id")
         self.acl_path.write_text(render_acl(self.federations, self.coordinators))
-        if not self.running:
+        proc = self._live()
+        if proc is None:
             return
         marker = "Reloading config"
         before = self._log_text().count(marker)
-        os.kill(self._proc.pid, signal.SIGHUP)
+        os.kill(proc.pid, signal.SIGHUP)
         deadline = time.monotonic() + timeout
         while self._log_text().count(marker) <= before:
             if time.monotonic() > deadline or not self.running:
                 raise TransportError(f"mosquitto did not reload its ACL:\n{self.log_tail()}")
             try:
-                self._proc.wait(0.02)
+                proc.wait(0.02)
             except subprocess.TimeoutExpired:
                 pass
 

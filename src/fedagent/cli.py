@@ -31,6 +31,7 @@ def _run_daemon(make) -> None:
     async def main() -> None:
         daemon = make()
         task = asyncio.current_task()
+        assert task is not None  # main() runs as asyncio.run's task
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
@@ -579,9 +580,9 @@ def experiment_flsimco(
     keep: bool,
 ) -> None:
     """FLSimCo: vehicles join and leave an RSU; blur-weighted (eq. 11) vs FedAvg vs dropping fast vehicles."""
-    from fedagent.experiments.flsimco import STRATEGIES, Setup, run_experiment
-
     try:
+        from fedagent.experiments.flsimco import STRATEGIES, Setup, run_experiment
+
         if rounds < 1 or coverage < 1 or stay < 1:
             raise ConfigError("--rounds, --coverage and --stay must be at least 1")
         mu, sigma, v_min, v_max = speed
@@ -629,15 +630,18 @@ def experiment_gossip_w2v(
     exchange and local-only, against centralized training with the same number of batches."""
     from dataclasses import replace
 
-    from fedagent.experiments import gossip_w2v
-
     try:
+        from fedagent.experiments import gossip_w2v
+
         scale = gossip_w2v.SCALES[scale_name]
         for name, value in (("local_steps", local_steps), ("dim", dim)):
-            if value is not None:
-                if value < 1:
-                    raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-                scale = replace(scale, **{name: value})
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        scale = replace(
+            scale,
+            local_steps=scale.local_steps if local_steps is None else local_steps,
+            dim=scale.dim if dim is None else dim,
+        )
         known = {c.name for c in gossip_w2v.configurations(scale)}
         if set(configs) - known:
             raise ConfigError(f"unknown configurations {sorted(set(configs) - known)}; known: {sorted(known)}")
@@ -728,9 +732,9 @@ def experiment_gfedntm(
     """gFedNTM: centralized vs federated (Sync-Opt) vs non-collaborative topic models (Fig. 2)."""
     from dataclasses import replace
 
-    from fedagent.experiments import gfedntm
-
     try:
+        from fedagent.experiments import gfedntm
+
         news = gfedntm.NewsScale(model=model, n_topics=n_topics, seed=seed)
         if corpus == "newsgroups":
             if epochs is not None:
@@ -784,15 +788,18 @@ def experiment_seec(scale_name: str, sites: int | None, epochs: int | None, seed
     """SEEC: joint doc2vec learning (daemons) and vector-space mapping vs centralized (sim_10)."""
     from dataclasses import replace
 
-    from fedagent.experiments import seec
-
     try:
+        from fedagent.experiments import seec
+
         scale = replace(seec.SCALES[scale_name], seed=seed)
         for name, value in (("sites", sites), ("epochs", epochs)):
-            if value is not None:
-                if value < (2 if name == "sites" else 1):
-                    raise ConfigError(f"--{name} is too small")
-                scale = replace(scale, **{name: value})
+            if value is not None and value < (2 if name == "sites" else 1):
+                raise ConfigError(f"--{name} is too small")
+        scale = replace(
+            scale,
+            sites=scale.sites if sites is None else sites,
+            epochs=scale.epochs if epochs is None else epochs,
+        )
         seec.run_experiment(out, scale, keep=keep)
     except FedagentError as exc:
         _fail(exc)

@@ -3,18 +3,24 @@
 Reads the ``history.jsonl`` files daemons keep in their state directories (the
 coordinator's rounds; each agent's updates and evaluations of the global models) and
 plots loss/accuracy per round, bytes per round, round duration and participation.
-Malformed lines are counted and skipped, never fatal.
+Malformed lines are counted and skipped, never fatal. The plots need matplotlib (the
+``report`` extra); without it the report has its tables and says how to get the plots.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from fedagent.errors import FedagentError
+from fedagent.extras import MissingExtra, require
+
+PLOTS_FEATURE = "plotting"
 
 
 @dataclass
@@ -71,20 +77,43 @@ def read_history(path: Path) -> History:
     return h
 
 
+def pyplot(feature: str = PLOTS_FEATURE) -> ModuleType:
+    """``matplotlib.pyplot`` drawing to files only (the Agg backend: no display needed)."""
+    require("matplotlib", "report", feature).use("Agg")
+    return require("matplotlib.pyplot", "report", feature)
+
+
+@functools.cache
+def _pyplot_or_reason() -> ModuleType | str:
+    """pyplot, or why there are no plots (the one-line missing-extra message)."""
+    try:
+        return pyplot()
+    except MissingExtra as exc:
+        return str(exc)
+
+
+def _plots_section(plots: list[tuple[str, str]]) -> list[str]:
+    plt = _pyplot_or_reason()
+    if isinstance(plt, str):
+        return ["## Plots", "", f"Not drawn: {plt}.", ""]
+    lines = ["## Plots", ""]
+    for f, caption in plots:
+        lines += [f"### {caption}", "", f"![{caption}]({f})", ""]
+    return lines
+
+
 def _plot(
     path: Path,
     title: str,
     xlabel: str,
-    series: dict[str, tuple[list, list]],
+    series: dict[str, tuple[list[Any], list[Any]]],
     ylabel: str,
     kind: str = "line",
     marks: list[float] | None = None,
 ) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot_or_reason()
+    if isinstance(plt, str):
+        return  # the report's Plots section says once how to get them
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     for label, (xs, ys) in series.items():
         if kind == "bar":
@@ -222,9 +251,7 @@ def write_report(histories: Path | list[Path], out_dir: Path, *, title: str | No
             lines.append(f"| {a.name} | {len(a.updates)} | {fmt(lu)} | {fmt(le)} |")
         lines.append("")
 
-    lines += ["## Plots", ""]
-    for f, caption in plots:
-        lines += [f"### {caption}", "", f"![{caption}]({f})", ""]
+    lines += _plots_section(plots)
     skipped = sum(h.malformed for h in loaded)
     lines += ["## Sources", ""] + [f"- `{h.path}` ({h.role})" for h in loaded]
     if skipped:
@@ -323,9 +350,7 @@ def write_gossip_report(
                 + (f" (margin {margin})." if margin is not None else "."),
             ]
         lines.append("")
-    lines += ["## Plots", ""]
-    for f, caption in plots:
-        lines += [f"### {caption}", "", f"![{caption}]({f})", ""]
+    lines += _plots_section(plots)
     lines += ["## Sources", ""] + [f"- `{h.path}`" for h in loaded]
     md = out_dir / "report.md"
     md.write_text("\n".join(lines) + "\n")

@@ -38,9 +38,12 @@ from typing import Any
 import numpy as np
 
 from fedagent.errors import FedagentError
+from fedagent.extras import EXPERIMENTS, require_installed
 from fedagent.localfed import Federation, Proc
 from fedagent.protocols.mobility import sample_speeds, truncated_gaussian_moments
 from fedagent.tasks.flsimco import DEFAULT_CAMERA, DEFAULT_MOBILITY
+
+require_installed(EXPERIMENTS, "experiments", "the FLSimCo experiment")
 
 STRATEGIES = ("blur", "fedavg", "drop_above")
 LABELS = {
@@ -495,7 +498,7 @@ def run_experiment(
     out: Path, setup: Setup, strategies: tuple[str, ...] = STRATEGIES, keep: bool = False, console=None
 ) -> Path:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
     console = console or Console()
     work = Path(tempfile.mkdtemp(prefix="fedagent-flsimco-"))
@@ -509,12 +512,11 @@ def run_experiment(
         with Progress(*columns, console=console) as bar:
             for s in strategies:
                 task = bar.add_task(s, total=setup.rounds)
-                res = run_strategy(
-                    setup,
-                    s,
-                    work / s,
-                    progress=lambda done, desc, t=task: bar.update(t, completed=done, description=desc),
-                )
+
+                def advance(done: int, desc: str, t: TaskID = task) -> None:
+                    bar.update(t, completed=done, description=desc)
+
+                res = run_strategy(setup, s, work / s, progress=advance)
                 bar.update(task, completed=setup.rounds, description=f"{s}: done in {res['seconds']:.0f}s")
                 res["final"] = final_eval(res.pop("final_weights"), setup)
                 results[s] = res

@@ -43,18 +43,26 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import scipy.sparse as sp
 import torch
 from torch import nn
 
+from fedagent.extras import EXPERIMENTS, require, require_installed
 from fedagent.protocols.syncopt import PatienceStop, pooled_validation_loss
+from fedagent.report import pyplot
 from fedagent.tasks import ntm_data
 from fedagent.tasks.base import get_weights, load_task, set_weights
-from fedagent.tasks.ntm import NodeCorpus, NtmTask, ProdLDA, centralized_step, federated_step
+from fedagent.tasks.ntm import NtmTask, ProdLDA, centralized_step, federated_step
+from fedagent.tasks.ntm_data import NodeCorpus
 from fedagent.tasks.ntm_scores import doc_similarity_score, topic_similarity_score
+
+require_installed(EXPERIMENTS, "experiments", "the gfedntm experiment")
+if TYPE_CHECKING:
+    import scipy.sparse as sp
+else:
+    sp = require("scipy.sparse", "experiments", "the gfedntm experiment")
 
 K_PRIME = (5, 10, 15, 40)
 ETAS = (0.01, 0.02, 0.03, 0.04, 0.08, 1.0)
@@ -334,11 +342,21 @@ def score_model(data: SettingData, task: NtmTask, model: nn.Module) -> tuple[flo
     return tss, tss_dec, doc_similarity_score(theta, data.val_theta, per_document=True)
 
 
+def load_ntm(name: str, options: dict[str, Any]) -> NtmTask:
+    """A topic-model task (``prodlda``, ``combinedtm``) built as a config would build it."""
+    from fedagent.errors import ConfigError
+
+    task = load_task(name, options)
+    if not isinstance(task, NtmTask):
+        raise ConfigError(f"task {name!r} is not a topic model")
+    return task
+
+
 def joint_tasks(scale: Scale, data: SettingData, **extra: Any) -> tuple[list[NtmTask], list[str]]:
     """The nodes' tasks on the common vocabulary, merged the way the coordinator merges
     (union, most frequent first, ties by term), so that in-process Sync-Opt, the
     centralized references and the run through the daemons index the same terms alike."""
-    tasks = [load_task("prodlda", {**data.opts, **extra, "shard": n}) for n in range(scale.nodes)]
+    tasks = [load_ntm("prodlda", {**data.opts, **extra, "shard": n}) for n in range(scale.nodes)]
     terms = common_vocabulary(tasks)
     for t in tasks:
         t.set_vocabulary(terms)
@@ -387,16 +405,19 @@ def run_setting(
         return model, Stopped(scale.epochs, scale.epochs, scale.epochs * task.num_batches(), math.nan)
 
     # non-collaborative: each node on its own vocabulary
+    model: nn.Module
     tss_nodes, dec_nodes, ds_nodes, stops = [], [], [], []
     for n in range(scale.nodes):
         say(f"K'={shared} eta={eta} seed={scale.seed}: node {n} alone")
-        task = load_task("prodlda", {**data.opts, "shard": n})
+        task = load_ntm("prodlda", {**data.opts, "shard": n})
         local_terms = sorted(task.term_counts(), key=lambda t: int(t[4:]))
         task.set_vocabulary(local_terms)
         model, stop = train_local_early_stopped(task, scale) if stopping else fixed(task)
         stops.append(stop)
         tss, dec, ds = score_model(data, task, model)
-        tss_nodes.append(tss), dec_nodes.append(dec), ds_nodes.append(ds)
+        tss_nodes.append(tss)
+        dec_nodes.append(dec)
+        ds_nodes.append(ds)
     res.tss_nodes, res.tss_decoder_nodes = tss_nodes, dec_nodes
     res.tss["non-collaborative"] = float(np.mean(tss_nodes))
     res.tss_decoder["non-collaborative"] = float(np.mean(dec_nodes))
@@ -770,11 +791,7 @@ def _table(results: list[SettingResult], group: str) -> list[str]:
 
 
 def _plots(out: Path, results: list[SettingResult]) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     styles = {"centralized": "o-", "federated": "x--", "non-collaborative": "s-", "random topics": ":"}
     for row, group in enumerate(("A", "B")):
@@ -1058,8 +1075,9 @@ def run_newsgroups(out: Path, scale: NewsScale, trainer: FederatedTrainer = in_p
     }
     console.print(f"[bold]gFedNTM on 20-newsgroups[/]: {shards} agents ({', '.join(groups)}), {scale.model}")
     local_topics: list[list[list[str]]] = []
+    model: nn.Module
     for s in range(shards):
-        task = load_task(scale.model, {**opts, "shard": s})
+        task = load_ntm(scale.model, {**opts, "shard": s})
         model = train_local(task, scale.epochs)
         # Ranked in the decoder's topics: softmax(beta) is not identified under the
         # decoder BatchNorm (see ProdLDA.decoder_topic_word).
@@ -1068,7 +1086,7 @@ def run_newsgroups(out: Path, scale: NewsScale, trainer: FederatedTrainer = in_p
             f"  local model of agent {s} ({groups[s]}): {task.num_samples()} posts, "
             f"{len(task.terms)} terms, {task.evaluate(model)}"
         )
-    tasks = [load_task(scale.model, {**opts, "shard": s}) for s in range(shards)]
+    tasks = [load_ntm(scale.model, {**opts, "shard": s}) for s in range(shards)]
     terms = common_vocabulary(tasks)
     for t in tasks:
         t.set_vocabulary(terms)

@@ -51,10 +51,14 @@ from rich.table import Table
 from fedagent import checkpoint
 from fedagent.demo import Federation
 from fedagent.errors import FedagentError
+from fedagent.extras import EXPERIMENTS, require, require_installed
+from fedagent.report import pyplot
 from fedagent.tasks import text_data as td
 from fedagent.tasks import text_metrics as tm
 from fedagent.tasks.base import load_task
 from fedagent.tasks.word2vec import PairStream, Word2VecTask, load_vectors, save_vectors, train_centralized
+
+require_installed(EXPERIMENTS, "experiments", "the gossip-w2v experiment")
 
 
 @dataclass(frozen=True)
@@ -177,8 +181,7 @@ def score(vectors: tm.WordVectors, central: tm.WordVectors, reference: tm.WordVe
 def gensim_reference(task: Word2VecTask, scale: Scale, path: Path) -> tm.WordVectors:
     if path.exists():
         return load_vectors(path)
-    from gensim.models import Word2Vec
-
+    Word2Vec = require("gensim.models", "text", "the gensim reference model").Word2Vec
     g = Word2Vec(
         [list(a.tokens) for a in task.documents],
         vector_size=100,
@@ -202,8 +205,7 @@ def gensim_same_settings(task: Word2VecTask, scale: Scale, epochs: float) -> dic
     """gensim's skip-gram at our centralized model's settings (d, window, negatives,
     subsampling, min_count, start step, linear decay, the nearest whole number of
     epochs): is our torch SGNS as good as the reference implementation?"""
-    from gensim.models import Word2Vec
-
+    Word2Vec = require("gensim.models", "text", "the gensim reference model").Word2Vec
     t0 = time.monotonic()
     g = Word2Vec(
         [list(a.tokens) for a in task.documents],
@@ -337,7 +339,8 @@ def run_config(
                 raise FedagentError(f"{cfg.name}: not finished after {timeout:.0f} s")
             time.sleep(2.0)
         seconds = time.monotonic() - t0
-        vocabs = {s["vocabulary"]["digest"] for s in st.values()}
+        done = {a: s for a, s in st.items() if s is not None}  # all of them: every agent reported "finished"
+        vocabs = {s["vocabulary"]["digest"] for s in done.values()}
         if len(vocabs) != 1:
             raise FedagentError(f"{cfg.name}: agents ended on different vocabularies {vocabs}")
         terms = json.loads((work / "state" / ids[0] / "agent" / fed.fed / "vocabulary.json").read_text())["terms"]
@@ -363,7 +366,7 @@ def run_config(
             0 if cfg.local else periods,
             seconds,
             curves=curves,
-            bytes_out=sum(int(s.get("bytes_out", 0)) for s in st.values()),
+            bytes_out=sum(int(s.get("bytes_out", 0)) for s in done.values()),
         )
         return res, vectors, ids
     finally:
@@ -529,7 +532,7 @@ def write_report(
 ) -> dict[str, Any]:
     rows = []
     for r in results:
-        row = {
+        row: dict[str, Any] = {
             "config": r.name,
             "exchanges": r.exchanges,
             "period_steps": r.period_steps,
@@ -569,11 +572,7 @@ def write_report(
 
 
 def plots(out: Path, results: list[Result], central: dict[str, float]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     if not results:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -581,7 +580,7 @@ def plots(out: Path, results: list[Result], central: dict[str, float]) -> None:
         if r.exchanges == 0:
             continue
         # Mean over agents at each evaluated period.
-        by_period: dict[int, list[dict]] = {}
+        by_period: dict[float, list[dict[str, float]]] = {}
         t0 = min(p["time"] for c in r.curves.values() for p in c) if r.curves else 0
         for c in r.curves.values():
             for p in c:
@@ -634,11 +633,7 @@ def plots(out: Path, results: list[Result], central: dict[str, float]) -> None:
 
 
 def curve_plot(out: Path, curve: list[dict[str, float]], summary: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     if not curve:
         return
     budget = summary["scale"]["agents"] * summary["scale"]["local_steps"]
@@ -657,7 +652,7 @@ def curve_plot(out: Path, curve: list[dict[str, float]], summary: dict[str, Any]
     for ax in axes:
         ax.axvline(budget, ls=":", c="k", label="budget of every run")
         ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # minor labels overlap
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())  # minor labels overlap
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

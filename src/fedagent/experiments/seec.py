@@ -46,16 +46,21 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
 from rich.console import Console
 
+from fedagent.extras import EXPERIMENTS, require_installed
+from fedagent.report import pyplot
 from fedagent.tasks import text_data as td
 from fedagent.tasks import text_metrics as tm
 from fedagent.tasks.base import load_task, set_weights
+from fedagent.tasks.doc2vec import Doc2VecTask
 from fedagent.tasks.seec import map_vectors, train_mapper
+
+require_installed(EXPERIMENTS, "experiments", "the SEEC experiment")
 
 PAPER = {"joint": 0.609, "mapped_slack": 0.198, "mapped_wiki": 0.261}
 LIVE_ROW = "mapping through the agents (live mapped search)"
@@ -103,6 +108,13 @@ def options(scale: Scale, **extra: Any) -> dict[str, Any]:
         "infer_epochs": scale.infer_epochs,
         **extra,
     }
+
+
+def load_doc2vec(scale: Scale, **extra: Any) -> Doc2VecTask:
+    """The doc2vec task over this experiment's corpus: :func:`options` and ``extra``."""
+    task = load_task("doc2vec", options(scale, **extra))
+    assert isinstance(task, Doc2VecTask)  # the built-in "doc2vec" is always one
+    return task
 
 
 def train(task, scale: Scale, seed: int):
@@ -360,6 +372,16 @@ def run_live_mapped(
 
 
 # ---- the experiment ---------------------------------------------------------------------------
+class Site(TypedDict):
+    """One site's independent local model in the vector-space mapping."""
+
+    task: Doc2VecTask
+    vec: np.ndarray  # its articles' vectors
+    pub: np.ndarray  # the public posts' vectors (what the mappers are trained on)
+    rows: list[int]  # its articles' rows in the whole corpus
+    vocab: int  # terms in its own vocabulary
+
+
 def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep: bool = False) -> dict[str, Any]:
     console = console or Console()
     torch.set_num_threads(1)
@@ -376,7 +398,7 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
         f"(balanced tokens), {scale.epochs} epochs, d={scale.dim}"
     )
     t0 = time.monotonic()
-    central_task = load_task("doc2vec", options(scale))
+    central_task = load_doc2vec(scale)
     all_tokens = central_task.tokens
     titles = central_task.search_ids()
     n = len(all_tokens)
@@ -389,7 +411,7 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
     ov_reseed = None
     if scale.ceiling:
         t0 = time.monotonic()
-        reseed_task = load_task("doc2vec", options(scale, seed=scale.seed + 1))
+        reseed_task = load_doc2vec(scale, seed=scale.seed + 1)
         if reseed_task.search_ids() != titles:
             raise RuntimeError("the second centralized model must see the articles in the same order")
         reseed, _ = train(reseed_task, scale, seed=scale.seed + 1)
@@ -401,10 +423,10 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
     t0 = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="fedagent-seec-"))
     weights, meta, history, search_text = run_joint(scale, work, console)
-    joint_task = load_task("doc2vec", options(scale))
+    joint_task = load_doc2vec(scale)
     # The coordinator's vocabulary is the merge of the sites' offers; rebuild it here the
     # same way (identical digest is checked below) to index the head's rows.
-    shard_tasks = [load_task("doc2vec", options(scale, shard=i, shards=scale.sites)) for i in range(scale.sites)]
+    shard_tasks = [load_doc2vec(scale, shard=i, shards=scale.sites) for i in range(scale.sites)]
     merged = td.merge_term_counts([t.term_counts() for t in shard_tasks], min_count=scale.min_count)
     joint_task.set_vocabulary([t for t, _ in merged], [c for _, c in merged])
     from fedagent.protocols.vocab import vocabulary_digest
@@ -425,16 +447,16 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
     t0 = time.monotonic()
     index = {tuple(t): i for i, t in enumerate(all_tokens)}
     public = [td.tokenize(p.text) for p in td.newsgroups()]
-    sites = []
+    sites: list[Site] = []
     for i, task in enumerate(shard_tasks):
         own = td.merge_term_counts([task.term_counts()], min_count=scale.min_count)
         task.set_vocabulary([t for t, _ in own], [c for _, c in own])
         model, _ = train(task, scale, seed=scale.seed + 10 + i)
         docs_vec, _ = task.infer_vectors(model, task.tokens, seed=404 + i)
         pub_vec, _ = task.infer_vectors(model, public, seed=505 + i)
-        rows = [index[tuple(t)] for t in task.tokens]
-        sites.append({"task": task, "vec": docs_vec, "pub": pub_vec, "rows": rows, "vocab": len(own)})
-        console.print(f"  site {i + 1}: {len(rows)} articles, {len(own)} terms of its own")
+        site_rows = [index[tuple(t)] for t in task.tokens]
+        sites.append({"task": task, "vec": docs_vec, "pub": pub_vec, "rows": site_rows, "vocab": len(own)})
+        console.print(f"  site {i + 1}: {len(site_rows)} articles, {len(own)} terms of its own")
     mappers = {}
     paper_mappers = {}
     for i in range(scale.sites):
@@ -516,11 +538,7 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
 
 
 def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[str]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     k = r["k"]
     names = list(r["sim_k"])
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))

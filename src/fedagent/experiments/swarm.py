@@ -34,11 +34,12 @@ import numpy as np
 import tomli_w
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedagent import pki
 from fedagent.broker import EmbeddedBroker
+from fedagent.errors import ConfigError
 from fedagent.node.messaging import Incoming, Messenger
 from fedagent.node.transport import TlsFiles, Transport
 from fedagent.protocols import topics
@@ -59,6 +60,8 @@ def issue_many(ca_dir: Path, out_dir: Path, names: list[str], role: str = "agent
     out_dir.mkdir(parents=True, exist_ok=True)
     ca_cert = x509.load_pem_x509_certificate((ca_dir / pki.CA_CERT).read_bytes())
     ca_key = serialization.load_pem_private_key((ca_dir / pki.CA_KEY).read_bytes(), password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise ConfigError(f"{ca_dir / pki.CA_KEY} is not an ECDSA key")
     now = dt.datetime.now(dt.UTC)
     out: dict[str, TlsFiles] = {}
     for name in names:

@@ -44,6 +44,7 @@ from fedagent.protocols.streaming import (
     STREAM_KIND,
     StreamEvent,
     StreamIntake,
+    UpdateEnd,
     UpdateHead,
     encode_stream,
     head_body,
@@ -322,7 +323,7 @@ class Messenger:
             events += self.intake.expire(now)
         events = self._bind_round(env, events)
         for ev in events:
-            if getattr(ev, "ok", True) is False:
+            if isinstance(ev, UpdateEnd) and not ev.ok:
                 self._reject("stream", ev.sender, ev.reason)
         if events:
             if any(isinstance(ev, UpdateHead) for ev in events):

@@ -494,12 +494,14 @@ def _bound_reads(client: mqtt.Client) -> None:
     def bounded(bufsize: int) -> bytes:
         return recv(min(bufsize, READ_SIZE))
 
-    client._sock_recv = bounded
+    client._sock_recv = bounded  # type: ignore[method-assign]  # on purpose: this client's reads only
 
 
 def _holds_complete_packet(client: mqtt.Client) -> bool:
     p = getattr(client, "_in_packet", None)
-    return bool(p) and p["command"] != 0 and p["have_remaining"] and p["to_process"] == 0
+    if not p:
+        return False
+    return bool(p["command"] != 0 and p["have_remaining"] and p["to_process"] == 0)
 
 
 def _varint_len(n: int) -> int:

@@ -389,8 +389,14 @@ class StrategyAggregator:
         self.dropped: dict[str, float] = {}  # sender -> the value that dropped it
 
     @property
+    def _sums(self) -> WeightedMean:
+        """The running sums; only a robust aggregator has none (it buffers whole updates)."""
+        assert self._plain is not None, f"aggregation {self.strategy.name!r} keeps no running sums"
+        return self._plain
+
+    @property
     def count(self) -> int:
-        return len(self._buffer) if self.strategy.robust else self._plain.count
+        return len(self._buffer) if self.strategy.robust else self._sums.count
 
     def _value(self, metrics: Mapping[str, float]) -> float:
         key = self.strategy.metric
@@ -435,13 +441,13 @@ class StrategyAggregator:
     def fold(
         self, plan: Plan, name: str, start: int, values: np.ndarray, indices: np.ndarray | None, *, delta: bool
     ) -> None:
-        self._plain.fold(name, start, values, indices, plan.weight, delta=delta)
+        self._sums.fold(name, start, values, indices, plan.weight, delta=delta)
         if plan.level > 0:
             assert self._by_level is not None
             self._by_level.fold(name, start, values, indices, plan.level, delta=delta)
 
     def commit(self, sender: str, plan: Plan) -> None:
-        self._plain.count_in(plan.weight)
+        self._sums.count_in(plan.weight)
         if self.strategy.name == "blur":
             if plan.level > 0:
                 assert self._by_level is not None
@@ -466,8 +472,7 @@ class StrategyAggregator:
             return False
         if not (plan.weight > 0 and math.isfinite(plan.weight)):
             raise UpdateRejected("weight", f"weight must be positive, got {plan.weight!r}")
-        assert self._plain is not None
-        for name in self._plain._sum:
+        for name in self._sums._sum:
             self.fold(plan, name, 0, np.asarray(update[name]).reshape(-1), None, delta=False)
         self.commit(sender, plan)
         return True
@@ -486,19 +491,19 @@ class StrategyAggregator:
             self._buffer = []
             return model
         if self.strategy.name != "blur":
-            return self._plain.result()
+            return self._sums.result()
         n, total = len(self.levels), sum(self.levels.values())
         if n == 1 or total == 0:
             self.weights = {a: 1.0 / n for a in self.levels}
-            return self._plain.result()
+            return self._sums.result()
         self.weights = {a: (total - lv) / ((n - 1) * total) for a, lv in self.levels.items()}
         assert self._by_level is not None
         # Σ_n (S − L_n) θ_n / ((n−1)·S) is an affine combination (weights sum to 1), so in
         # differences to the reference: (n·mean(Δ) − mean_L(Δ)) / (n − 1), in place.
         level = self._by_level.mean_delta()
-        plain = self._plain.mean_delta()
+        plain = self._sums.mean_delta()
         for name, d in plain.items():
             d *= d.dtype.type(n)
             d -= level[name]
             d /= d.dtype.type(n - 1)
-        return self._plain.cast_delta(plain)
+        return self._sums.cast_delta(plain)

@@ -513,7 +513,7 @@ def _path(where: Any) -> str:
 
 def _valid_name(name: object) -> bool:
     # topics._NAME ends in "$", which also matches before a final "\n": refuse that here.
-    return is_valid_name(name) and not name.endswith("\n")  # type: ignore[union-attr]
+    return is_valid_name(name) and not name.endswith("\n")
 
 
 def _finite(x: int | float) -> bool:
@@ -549,7 +549,7 @@ def encode_tensor(a: np.ndarray) -> dict[str, Any]:
     if a.flags.c_contiguous:
         # A view of the array, not a copy: the encoder copies the bytes once, into the
         # message (a.tobytes() here was one more pass over every model byte).
-        data: bytes | memoryview = memoryview(a.reshape(-1).view(np.uint8))
+        data: bytes | memoryview = a.reshape(-1).view(np.uint8).data
     else:
         data = a.tobytes(order="C")
     return {"dtype": name, "shape": list(a.shape), "data": data}

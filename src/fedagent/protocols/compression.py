@@ -151,6 +151,7 @@ class Compressor:
                 data = w.astype(MODEL_DTYPES[dtype], copy=False)
                 out.append((TensorSpec(name, dtype, w.shape, "raw", 0, data.nbytes), _bytes(data)))
                 continue
+            assert base is not None  # refused above for any mode but "none"
             d = w.astype(np.float32) - np.asarray(base[name], dtype=np.float32)
             if mode == "fp16":
                 q = d.astype("<f2")
@@ -172,7 +173,7 @@ class Compressor:
 
 
 def _bytes(a: np.ndarray) -> memoryview:
-    return memoryview(np.asarray(a).reshape(-1).view(np.uint8))
+    return np.asarray(a).reshape(-1).view(np.uint8).data
 
 
 def quantize_int8(d: np.ndarray) -> tuple[np.ndarray, float]:
@@ -196,9 +197,25 @@ def top_k(d: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---- receiver side -------------------------------------------------------------------
-def decode_dense(spec: TensorSpec, data: bytes | memoryview, start: int) -> np.ndarray:
-    """Float values of a dense (raw/fp16/int8) tensor segment starting at element ``start``;
-    ``data`` holds whole elements only."""
+def value_itemsize(spec: TensorSpec) -> int:
+    """Bytes per value of ``spec``'s encoding (a top-k tensor's values follow its indices)."""
+    if spec.enc == "raw":
+        return MODEL_DTYPES[spec.dtype].itemsize
+    if spec.enc == "fp16":
+        return 2
+    if spec.enc == "int8":
+        return 1
+    if spec.enc == "topk":
+        return VALUE_DTYPE.itemsize
+    raise CodecError(f"unknown tensor encoding {spec.enc!r}")
+
+
+def decode_values(spec: TensorSpec, data: bytes | bytearray | memoryview) -> np.ndarray:
+    """The values in ``data``, which holds whole values of ``spec``'s encoding only: a run
+    of a dense (raw/fp16/int8) tensor's elements, or of a top-k tensor's values. Floats,
+    except a raw integer tensor's, which come as float64."""
+    if spec.enc == "topk":
+        return np.frombuffer(data, dtype=VALUE_DTYPE)
     if spec.enc == "raw":
         dt = MODEL_DTYPES[spec.dtype]
         a = np.frombuffer(data, dtype=dt)
@@ -207,7 +224,7 @@ def decode_dense(spec: TensorSpec, data: bytes | memoryview, start: int) -> np.n
         return np.frombuffer(data, dtype="<f2").astype(np.float32)
     if spec.enc == "int8":
         return np.frombuffer(data, dtype="<i1").astype(np.float32) * np.float32(spec.param)
-    raise CodecError(f"tensor {spec.name!r}: {spec.enc} is not dense")
+    raise CodecError(f"tensor {spec.name!r}: unknown encoding {spec.enc!r}")
 
 
 def check_indices(idx: np.ndarray, size: int, name: str) -> None:
@@ -226,11 +243,11 @@ def decode_tensor(spec: TensorSpec, data: bytes | memoryview) -> np.ndarray:
     if len(data) != spec.nbytes:
         raise CodecError(f"tensor {spec.name!r}: {len(data)} bytes, expected {spec.nbytes}")
     if spec.enc != "topk":
-        return decode_dense(spec, data, 0).reshape(spec.shape)
+        return decode_values(spec, data).reshape(spec.shape)
     k = int(spec.param)
     idx = np.frombuffer(data, dtype=INDEX_DTYPE, count=k)
     check_indices(idx, spec.size, spec.name)
-    vals = np.frombuffer(data, dtype=VALUE_DTYPE, offset=k * INDEX_DTYPE.itemsize, count=k)
+    vals = decode_values(spec, memoryview(data)[k * INDEX_DTYPE.itemsize :])
     out = np.zeros(spec.size, np.float32)
     out[idx] = vals
     return out.reshape(spec.shape)

@@ -123,7 +123,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -372,7 +372,7 @@ class _Kept:
     payload: _Payload
 
 
-def _mean(items: list[tuple[Mapping[str, np.ndarray], float]], names: tuple[str, ...]) -> Weights:
+def _mean(items: Sequence[tuple[Mapping[str, np.ndarray], float]], names: tuple[str, ...]) -> Weights:
     """Weighted mean over ``names`` (float64 accumulation, original dtypes back)."""
     items = [(w, m) for w, m in items if m > 0]
     if len(items) == 1:
@@ -396,7 +396,7 @@ def _distance(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], names: t
 
 
 def screen(
-    aggregation: str, own: Mapping[str, np.ndarray], others: list[Mapping[str, np.ndarray]], byzantine: int
+    aggregation: str, own: Mapping[str, np.ndarray], others: Sequence[Mapping[str, np.ndarray]], byzantine: int
 ) -> Weights:
     """The screening merge over ``own`` and ``others`` (same names, shapes, dtypes as
     ``own``, already validated): per floating coordinate the median, or the mean after
@@ -732,7 +732,6 @@ class GossipMachine:
         self.counts["merged"] += len(kept)
         if kept:
             self._measure_disagreement(kept)
-        entries: list[tuple[Weights, float, float]]
         own_mass_only = 0.0
         if pushsum:
             # The node's own model (with the mass it kept) stands where lastModel stands.
@@ -810,7 +809,7 @@ class GossipMachine:
             return out + [Finished(self.period, self.model)]
         return out + self._plan([(self.model, 1.0)], merge_all=False)
 
-    def _fold(self, entries: list[tuple[Mapping[str, np.ndarray], float, float]]) -> None:
+    def _fold(self, entries: Sequence[tuple[Mapping[str, np.ndarray], float, float]]) -> None:
         """MERGE: mass-weighted mean of the exchanged parameters (masses are all 1 in
         thesis mode); the others keep the node's own values."""
         total = sum(m for _, m, _ in entries)

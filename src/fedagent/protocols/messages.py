@@ -155,13 +155,16 @@ class TrainConfig:
         if not isinstance(body, dict):
             raise CodecError("train config must be a map")
         w = "train config"
+        stream = body.get("stream", True)
+        if type(stream) is not bool:
+            raise CodecError("train config: stream must be a bool")
         return cls(
             epochs=_count(_need(body, "epochs", int, w), "epochs", w),
             lr=float(_need(body, "lr", (int, float), w)),
             batch_size=_count(_need(body, "batch_size", int, w), "batch_size", w),
             compression=body.get("compression", "none") if isinstance(body.get("compression", "none"), str) else "?",
             topk_ratio=float(body["topk_ratio"]) if type(body.get("topk_ratio")) in (int, float) else 0.01,
-            stream=body.get("stream", True) if type(body.get("stream", True)) is bool else None,
+            stream=stream,
         )
 
 
@@ -814,7 +817,7 @@ Message = (
 )
 
 # The fixed table from an envelope kind to the class that validates its body.
-KINDS: dict[str, type] = {
+KINDS: dict[str, type[Message]] = {
     cls.kind: cls
     for cls in (
         Presence,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,12 +42,11 @@ from fedagent.protocols.chunking import Reassembler
 from fedagent.protocols.codec import Envelope, Limits, decode, encode
 from fedagent.protocols.compression import (
     INDEX_DTYPE,
-    MODEL_DTYPES,
-    VALUE_DTYPE,
     TensorSpec,
     check_indices,
-    decode_dense,
+    decode_values,
     spec_from_wire,
+    value_itemsize,
 )
 
 __all__ = [
@@ -143,7 +143,7 @@ def head_body(
 
 def iter_stream_chunks(
     payload: bytes | bytearray | memoryview, *, max_chunk: int, transfer_id: str, digest: bytes | None = None
-):
+) -> Iterator[dict[str, Any]]:
     """Chunk bodies for ``payload``, made one at a time; their data are views of it
     (the encoder copies them once, into the chunk envelope). ``digest``: its SHA-256
     if the caller computed it already."""
@@ -257,7 +257,7 @@ class StreamIntake:
                 raise CodecError(f"stream {tid!r} refused: {len(self._transfers)} transfers in progress")
             t = self._transfers[key] = _Transfer(sender, tid, n, size, digest, now)
         elif (t.n, t.size, t.sha256) != (n, size, digest):
-            return self._fail(t, "chunk disagrees with earlier chunks (n/size/sha256)")
+            return [*self._fail(t, "chunk disagrees with earlier chunks (n/size/sha256)")]
         t.last_seen = now
         if i < t.next_i or i in t.held:
             return []  # duplicate
@@ -326,7 +326,7 @@ class StreamIntake:
         while len(self._completed) > self.remember_completed:
             self._completed.popitem(last=False)
 
-    def _chunk(self, t: _Transfer, i: int, data, out: list[StreamEvent]) -> None:
+    def _chunk(self, t: _Transfer, i: int, data: bytes | bytearray | memoryview, out: list[StreamEvent]) -> None:
         mv = memoryview(data).cast("B")
         length = mv.nbytes
         if i < t.n - 1:
@@ -352,10 +352,7 @@ class StreamIntake:
             spec = t.specs[t.t]
             take = mv[: spec.nbytes - t.toff]
             mv = mv[take.nbytes :]
-            if spec.enc == "topk":
-                self._topk_bytes(t, spec, take, out)
-            else:
-                self._dense_bytes(t, spec, take, out)
+            self._tensor_bytes(t, spec, take, out)
             t.toff += take.nbytes
             t.pos += take.nbytes
             if t.toff == spec.nbytes:
@@ -425,31 +422,29 @@ class StreamIntake:
         t.specs = specs
         return UpdateHead(t.sender, t.tid, b["round"], b["base_version"], b["num_samples"], clean, b["leaving"], specs)
 
-    def _dense_bytes(self, t: _Transfer, spec: TensorSpec, take: memoryview, out: list[StreamEvent]) -> None:
-        isz = {"raw": MODEL_DTYPES[spec.dtype].itemsize, "fp16": 2, "int8": 1}[spec.enc]
-        delta = spec.enc != "raw"
+    def _tensor_bytes(self, t: _Transfer, spec: TensorSpec, take: memoryview, out: list[StreamEvent]) -> None:
+        """The next bytes of tensor ``spec`` (every encoding): a top-k tensor's indices are
+        kept until all have come; values become parts as soon as whole values are in (a
+        value split across chunks waits in ``t.carry``)."""
+        if spec.enc == "topk":
+            take = self._topk_indices(t, spec, take)
+        isz = value_itemsize(spec)
         if t.carry:
             need = isz - len(t.carry)
             t.carry += take[:need]
             take = take[min(need, take.nbytes) :]
             if len(t.carry) < isz:
                 return
-            out.append(
-                UpdatePart(t.sender, t.tid, spec.name, t.elem, decode_dense(spec, bytes(t.carry), t.elem), None, delta)
-            )
-            t.elem += 1
+            out.append(self._part(t, spec, bytes(t.carry)))
             t.carry.clear()
         whole = (take.nbytes // isz) * isz
         if whole:
-            out.append(
-                UpdatePart(t.sender, t.tid, spec.name, t.elem, decode_dense(spec, take[:whole], t.elem), None, delta)
-            )
-            t.elem += whole // isz
+            out.append(self._part(t, spec, take[:whole]))
         t.carry += take[whole:]
 
-    def _topk_bytes(self, t: _Transfer, spec: TensorSpec, take: memoryview, out: list[StreamEvent]) -> None:
-        k = int(spec.param)
-        idx_bytes = k * INDEX_DTYPE.itemsize
+    def _topk_indices(self, t: _Transfer, spec: TensorSpec, take: memoryview) -> memoryview:
+        """Collect a top-k tensor's indices (they precede its values); the rest of ``take``."""
+        idx_bytes = int(spec.param) * INDEX_DTYPE.itemsize
         if t.toff < idx_bytes:
             part = take[: idx_bytes - t.toff]
             t.idx_buf += part
@@ -458,42 +453,16 @@ class StreamIntake:
                 t.idx = np.frombuffer(bytes(t.idx_buf), dtype=INDEX_DTYPE)
                 t.idx_buf = bytearray()
                 check_indices(t.idx, spec.size, spec.name)
-        if not take.nbytes:
-            return
-        assert t.idx is not None
-        isz = VALUE_DTYPE.itemsize
-        if t.carry:
-            need = isz - len(t.carry)
-            t.carry += take[:need]
-            take = take[min(need, take.nbytes) :]
-            if len(t.carry) < isz:
-                return
-            out.append(
-                UpdatePart(
-                    t.sender,
-                    t.tid,
-                    spec.name,
-                    0,
-                    np.frombuffer(bytes(t.carry), VALUE_DTYPE),
-                    t.idx[t.elem : t.elem + 1],
-                    True,
-                )
-            )
-            t.elem += 1
-            t.carry.clear()
-        whole = (take.nbytes // isz) * isz
-        if whole:
-            m = whole // isz
-            out.append(
-                UpdatePart(
-                    t.sender,
-                    t.tid,
-                    spec.name,
-                    0,
-                    np.frombuffer(take[:whole], VALUE_DTYPE),
-                    t.idx[t.elem : t.elem + m],
-                    True,
-                )
-            )
-            t.elem += m
-        t.carry += take[whole:]
+        return take
+
+    def _part(self, t: _Transfer, spec: TensorSpec, data: bytes | memoryview) -> UpdatePart:
+        """The part for ``data`` (whole values), from value ``t.elem`` on."""
+        values = decode_values(spec, data)
+        n = values.size
+        if spec.enc == "topk":
+            assert t.idx is not None  # values come after all the indices
+            part = UpdatePart(t.sender, t.tid, spec.name, 0, values, t.idx[t.elem : t.elem + n], True)
+        else:
+            part = UpdatePart(t.sender, t.tid, spec.name, t.elem, values, None, spec.enc != "raw")
+        t.elem += n
+        return part

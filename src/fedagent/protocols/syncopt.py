@@ -55,7 +55,8 @@ FAULT_POLICIES = ("continue", "abort")
 class GradientAggregator(Protocol):
     """A streaming aggregate of one step's gradients (pluggable)."""
 
-    count: int
+    @property
+    def count(self) -> int: ...
 
     def add(self, sender: str, gradient: Mapping[str, np.ndarray], num_samples: int) -> None: ...
 

@@ -21,6 +21,7 @@ in an id would let a client escape its ACL subtree (Mosquitto CVE-2017-7650).
 from __future__ import annotations
 
 import re
+from typing import TypeGuard
 
 from fedagent.errors import ConfigError
 
@@ -38,7 +39,7 @@ def check_name(name: str, what: str = "name") -> str:
     return name
 
 
-def is_valid_name(name: object) -> bool:
+def is_valid_name(name: object) -> TypeGuard[str]:
     return isinstance(name, str) and bool(_NAME.fullmatch(name))
 
 

@@ -60,8 +60,8 @@ def check_counts(terms: Iterable[object], counts: Iterable[object], *, max_terms
     if len(terms) > max_terms:
         raise VocabError("size", f"{len(terms)} terms, at most {max_terms} allowed")
     seen: set[str] = set()
-    for t, c in zip(terms, counts):
-        check_term(t)
+    for term, c in zip(terms, counts):
+        t = check_term(term)
         if t in seen:
             raise VocabError("duplicate-term", f"term {t[:40]!r} appears twice")
         seen.add(t)

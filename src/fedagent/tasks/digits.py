@@ -1,6 +1,8 @@
-"""Built-in task: scikit-learn's 1,797 real 8x8 digit images, split non-IID.
+"""Built-in task: 1,797 real 8x8 digit images (UCI optdigits' test set), split non-IID.
 
-The data set ships inside scikit-learn, so this runs offline. A fixed 25 % test split
+The data set ships inside fedagent (``tasks/data/digits.csv.gz``, the file scikit-learn's
+``load_digits`` reads; see the README next to it), so this runs offline and needs
+nothing beyond numpy and torch. A fixed 25 % test split
 is held out (the same on every node); the rest is split across ``shards`` nodes by a
 Dirichlet(``alpha``) draw over each class, the usual label-skew non-IID split: with a
 small alpha a node sees few classes, and its local-only model is poor on the others.
@@ -8,6 +10,9 @@ small alpha a node sees few classes, and its local-only model is poor on the oth
 
 from __future__ import annotations
 
+import gzip
+from collections.abc import Iterator
+from importlib import resources
 from typing import Any
 
 import numpy as np
@@ -17,16 +22,20 @@ from torch import nn
 from fedagent.errors import ConfigError
 from fedagent.tasks.base import Task
 
+DIGITS_FILE = "digits.csv.gz"
+
 
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits
+    """Pixels scaled to [0, 1] (N x 64, float32) and digits (N, int64)."""
+    with resources.files("fedagent.tasks").joinpath("data", DIGITS_FILE).open("rb") as raw, gzip.open(raw) as f:
+        data = np.loadtxt(f, delimiter=",")
+    x = (data[:, :-1] / 16.0).astype(np.float32)
+    return x, data[:, -1].astype(np.int64)
 
-    data = load_digits()
-    x = (data.data / 16.0).astype(np.float32)
-    return x, data.target.astype(np.int64)
 
-
-def train_test_split(x: np.ndarray, y: np.ndarray, seed: int = 0, test_fraction: float = 0.25):
+def train_test_split(
+    x: np.ndarray, y: np.ndarray, seed: int = 0, test_fraction: float = 0.25
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(y))
     n_test = int(len(y) * test_fraction)
@@ -78,7 +87,7 @@ class DigitsTask(Task):
     def num_samples(self) -> int:
         return len(self.y_train)
 
-    def _train(self, model: nn.Module, lr: float, batches) -> dict[str, float]:
+    def _train(self, model: nn.Module, lr: float, batches: Iterator[torch.Tensor]) -> dict[str, float]:
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         loss_fn = nn.CrossEntropyLoss()
         model.train()
@@ -96,7 +105,7 @@ class DigitsTask(Task):
         gen = torch.Generator().manual_seed(seed)
         n = len(self.y_train)
 
-        def batches():
+        def batches() -> Iterator[torch.Tensor]:
             for _ in range(epochs):
                 order = torch.randperm(n, generator=gen)
                 for start in range(0, n, batch_size):
@@ -110,7 +119,7 @@ class DigitsTask(Task):
         gen = torch.Generator().manual_seed(seed)
         n = len(self.y_train)
 
-        def batches():
+        def batches() -> Iterator[torch.Tensor]:
             order, pos = torch.randperm(n, generator=gen), 0
             for _ in range(steps):
                 if pos >= n:

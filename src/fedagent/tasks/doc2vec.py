@@ -44,7 +44,7 @@ vectors of this site's training posts, labelled by their group.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -99,6 +99,11 @@ def dbow_pairs(docs: Sequence[np.ndarray], keep: np.ndarray, rng: np.random.Gene
     rows, words = rows[mask], words[mask]
     order = rng.permutation(len(rows))
     return rows[order], words[order]
+
+
+def _majority(labels: list[Hashable]) -> Hashable:
+    """The most frequent label; a tie goes to the one seen first (the nearest neighbour's)."""
+    return max(set(labels), key=lambda lab: (labels.count(lab), -labels.index(lab)))
 
 
 def _init_vectors(n: int, dim: int, seed: int) -> torch.Tensor:
@@ -286,7 +291,7 @@ class Doc2VecTask(Task):
             base, _ = self.infer_vectors(model, self.tokens, seed=self.seed + 2)
             nn_idx = tm.nearest(base, [], min(KNN, len(base)), query_vectors=q)
             votes = [[self.labels[j] for j in row] for row in nn_idx]
-            predicted = [max(set(v), key=lambda lab, v=v: (v.count(lab), -v.index(lab))) for v in votes]
+            predicted = [_majority(v) for v in votes]
             out["knn_accuracy"] = float(np.mean([p == t for p, t in zip(predicted, self.test_labels)]))
         return out
 

@@ -60,17 +60,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import scipy.sparse as sp
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from fedagent.errors import ConfigError
+from fedagent.extras import require
+from fedagent.tasks import ntm_data
 from fedagent.tasks.base import SyncTask
+from fedagent.tasks.ntm_data import NodeCorpus
+
+if TYPE_CHECKING:
+    import scipy.sparse as sp
+else:
+    sp = require("scipy.sparse", "text", "topic modelling (prodlda, combinedtm)")
 
 DEFAULTS: dict[str, Any] = {
     "n_topics": 50,
@@ -215,6 +221,13 @@ class ProdLDA(nn.Module):
 
 
 # ---- seeding ---------------------------------------------------------------------
+def _prodlda(model: nn.Module) -> ProdLDA:
+    """The Task interface passes a plain module; these tasks only ever build ProdLDA."""
+    if not isinstance(model, ProdLDA):
+        raise TypeError(f"expected the task's ProdLDA model, got {type(model).__name__}")
+    return model
+
+
 def _seed_of(*parts: int) -> int:
     """A 63-bit seed from integers; SeedSequence mixes them so that neighbouring steps or
     shards do not get correlated streams."""
@@ -227,26 +240,6 @@ _BATCH_STREAM, _NOISE_STREAM = 1, 2
 
 
 # ---- the task --------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class NodeCorpus:
-    """One node's documents as counts over its own vocabulary (never shipped anywhere)."""
-
-    terms: list[str]  # column names of ``train`` / ``val``
-    train: sp.csr_matrix  # D x len(terms) term counts
-    val: sp.csr_matrix  # held-out documents, same columns
-    train_context: np.ndarray | None = None  # D x E document embeddings (CombinedTM)
-    val_context: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        if self.train.shape[1] != len(self.terms) or self.val.shape[1] != len(self.terms):
-            raise ValueError("corpus matrices do not match the term list")
-        if len(set(self.terms)) != len(self.terms):
-            raise ValueError("duplicate terms in the vocabulary")
-        for ctx, m in ((self.train_context, self.train), (self.val_context, self.val)):
-            if ctx is not None and ctx.shape[0] != m.shape[0]:
-                raise ValueError("one contextual embedding per document is needed")
-
-
 class NtmTask(SyncTask):
     """A ProdLDA / CombinedTM workload on one node's corpus."""
 
@@ -310,7 +303,8 @@ class NtmTask(SyncTask):
 
     # -- model and optimizer ---------------------------------------------------
     def build_model(self) -> ProdLDA:
-        context = self.corpus.train_context.shape[1] if self.combined else 0
+        ctx = self.corpus.train_context
+        context = ctx.shape[1] if self.combined and ctx is not None else 0
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             model = ProdLDA(
@@ -347,12 +341,13 @@ class NtmTask(SyncTask):
 
     def _batch(
         self, matrix: sp.csr_matrix, context: np.ndarray | None, idx: np.ndarray, dtype: torch.dtype = torch.float32
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         bow = torch.from_numpy(matrix[idx].toarray()).to(dtype)
-        ctx = torch.from_numpy(np.asarray(context[idx])).to(dtype) if self.combined else None
+        ctx = torch.from_numpy(np.asarray(context[idx])).to(dtype) if self.combined and context is not None else None
         return bow, ctx
 
     def step_loss(self, model: nn.Module, step: int) -> tuple[torch.Tensor, int]:
+        model = _prodlda(model)
         idx = self.batch_indices(step)
         bow, ctx = self._batch(self.train, self.corpus.train_context, idx, model.beta.dtype)
         gen = torch.Generator().manual_seed(_seed_of(self.seed, self.shard, step, _NOISE_STREAM))
@@ -389,6 +384,7 @@ class NtmTask(SyncTask):
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """Mean negative ELBO per held-out document (noise from a fixed seed) and its
         perplexity-style bound ``exp(sum loss / sum words)``."""
+        model = _prodlda(model)
         if self.val.shape[0] < 2:
             return {}
         bow, ctx = self._batch(self.val, self.corpus.val_context, np.arange(self.val.shape[0]), model.beta.dtype)
@@ -400,12 +396,12 @@ class NtmTask(SyncTask):
 
     # -- what the model says ----------------------------------------------------
     def topic_word(self, model: nn.Module) -> np.ndarray:
-        return model.topic_word().double().numpy()
+        return _prodlda(model).topic_word().double().numpy()
 
     def decoder_topic_word(self, model: nn.Module, theta: np.ndarray) -> np.ndarray:
         """:meth:`ProdLDA.decoder_topic_word` with the BatchNorm statistics of documents
         whose proportions (as :meth:`infer_theta` gives them) are ``theta``."""
-        return model.decoder_topic_word(torch.from_numpy(np.asarray(theta))).double().numpy()
+        return _prodlda(model).decoder_topic_word(torch.from_numpy(np.asarray(theta))).double().numpy()
 
     def topics(self, model: nn.Module, n_words: int = 10, theta: np.ndarray | None = None) -> list[list[str]]:
         """Each topic's most probable terms: in softmax(beta), or with ``theta`` (documents'
@@ -416,6 +412,7 @@ class NtmTask(SyncTask):
     def infer_theta(self, model: nn.Module, which: str = "val") -> np.ndarray:
         """Document-topic proportions of this node's ``val`` (or ``train``) documents,
         normalised in chunks of >= batch_size documents."""
+        model = _prodlda(model)
         matrix, context = (
             (self.val, self.corpus.val_context) if which == "val" else (self.train, self.corpus.train_context)
         )
@@ -454,7 +451,11 @@ def node_gradient(model: nn.Module, task: NtmTask, step: int) -> tuple[dict[str,
     model.zero_grad()
     loss, n = task.step_loss(model, step)
     loss.backward()
-    grads = {name: p.grad.detach().double().numpy().copy() for name, p in model.named_parameters()}
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            raise ValueError(f"parameter {name} got no gradient")
+        grads[name] = p.grad.detach().double().numpy().copy()
     model.zero_grad()
     return grads, n, float(loss.detach())
 
@@ -529,8 +530,6 @@ def split_holdout(corpus: NodeCorpus, fraction: float, seed: int, shard: int) ->
 
 
 def _make(options: dict[str, Any], combined: bool) -> NtmTask:
-    from fedagent.tasks import ntm_data
-
     name = "combinedtm" if combined else "prodlda"
     known = _COMMON_OPTIONS | ntm_data.CORPUS_OPTIONS
     unknown = set(options) - known

