@@ -38,11 +38,8 @@ from fedagent.errors import FedagentError
 from fedagent.localfed import BATCH, LOCAL_EPOCHS, LR, SEED, Federation
 
 __all__ = [
-    "BATCH",
-    "LOCAL_EPOCHS",
-    "LR",
-    "SEED",
-    "Federation",
+    "Plan",
+    "Watch",
     "run",
     "run_demo",
     "run_gossip_demo",
