@@ -1,5 +1,6 @@
 """``fedagent demo`` ended by SIGTERM (``timeout``, systemd, CI) or SIGHUP (the terminal
-went away) stops every process it started and removes its work directory, like Ctrl-C.
+went away) stops every process it started and removes its work directory, as Ctrl-C
+(SIGINT, the third case) does.
 
 The demo runs as a real subprocess in a session of its own. Once it reports the
 federation running, the test collects every process below it from /proc (Mosquitto, the
@@ -93,7 +94,9 @@ class Output:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=["SIGTERM", "SIGHUP", "SIGINT (Ctrl-C)"]
+)
 def test_a_signal_stops_everything_the_demo_started(tmp_path, request, sig):
     # The demo's work directory is made here (tempfile honours TMPDIR); a short path, as
     # the daemons' control sockets below it must fit a Unix socket address.
@@ -124,7 +127,8 @@ def test_a_signal_stops_everything_the_demo_started(tmp_path, request, sig):
         code = demo.wait(60)
         text = out.drain()
         assert code == 128 + sig, text
-        assert f"received {signal.Signals(sig).name}" in text, text
+        said = "interrupted" if sig == signal.SIGINT else f"received {signal.Signals(sig).name}"
+        assert f"demo stopped ({said}): every process it started has exited" in text, text
         wait_for(lambda: not alive(started), 10, "every process the demo started to be gone")
         assert not work.exists()
         assert list(tmp.iterdir()) == []
