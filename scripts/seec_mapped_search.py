@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fedagent.demo import Federation
+from fedagent.localfed import Federation
 from fedagent.node.control import request
 
 DIMS = (50, 40, 60)

@@ -46,6 +46,10 @@
     A client id no other test uses.
 
 Every process a fixture starts is stopped in its finalizer, also when a test fails.
+
+A whole federation (a broker, a coordinator and N agent processes) and the one
+``wait_for`` the network tests use are in ``netfed.py`` (``from netfed import running,
+wait_for``).
 """
 
 from __future__ import annotations

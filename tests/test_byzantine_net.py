@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
-from test_federation import coordinator_done, wait_for
+from netfed import coordinator_in, running, wait_for
 
-from fedagent.demo import SEED, Federation
+from fedagent.localfed import SEED
 from fedagent.tasks.base import load_task, set_weights
 
 HONEST = 3
@@ -21,31 +21,28 @@ ROUNDS = 4
 @pytest.mark.slow
 def test_median_holds_against_a_sign_flipping_agent_process(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
-    fed = Federation(tmp_path, agents=HONEST, rounds=ROUNDS, alpha=5.0)
-    try:
-        fed.prepare()
-        fed.write_coordinator(
-            "digits",
-            {"seed": SEED},
-            {
-                "rounds": ROUNDS,
-                "min_agents": HONEST + 1,
-                "expected_agents": HONEST + 1,
-                "min_updates": HONEST + 1,
-                "round_timeout": 60.0,
-                "local_epochs": 2,
-                "lr": 0.05,
-                "batch_size": 32,
-                "seed": SEED,
-                "aggregation": "median",
-                "byzantine": 1,
-            },
-        )
-        fed.start_all()
+    settings = {
+        "rounds": ROUNDS,
+        "min_agents": HONEST + 1,
+        "expected_agents": HONEST + 1,
+        "min_updates": HONEST + 1,
+        "round_timeout": 60.0,
+        "local_epochs": 2,
+        "lr": 0.05,
+        "batch_size": 32,
+        "seed": SEED,
+        "aggregation": "median",
+        "byzantine": 1,
+    }
+
+    def configure(fed) -> None:
+        fed.write_coordinator("digits", {"seed": SEED}, settings)
+
+    with running(tmp_path, configure=configure, agents=HONEST, rounds=ROUNDS, alpha=5.0) as fed:
         fed.add_agent(
             "mallory", "byzantine_task:make", {"shard": 0, "shards": HONEST, "alpha": 5.0, "seed": SEED}, broker=""
         )
-        done = wait_for(lambda: coordinator_done(fed), 240, "the federation to finish", fed)
+        done = wait_for(lambda: coordinator_in(fed, "done"), 240, "the federation to finish", fed)
         assert done["completed_rounds"] == ROUNDS
         weights, meta = fed.final_weights()
         # Mallory's updates were valid, signed and aggregated: the median outvoted them.
@@ -57,5 +54,3 @@ def test_median_holds_against_a_sign_flipping_agent_process(tmp_path, monkeypatc
         assert accuracy > 0.75, accuracy
         history = (fed.work / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl").read_text()
         assert all(r["aggregation"] == "median" for r in map(json.loads, history.splitlines()) if r["event"] == "round")
-    finally:
-        fed.close()

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from test_federation import wait_for
+from netfed import wait_for
 
 import fedagent
-from fedagent.demo import Federation
+from fedagent.localfed import Federation
 
 SRC = Path(fedagent.__file__).parent
 FAKETIME_LIB = next(

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_federation import wait_for
+from netfed import wait_for
 
 from fedagent import checkpoint, statefile
-from fedagent.demo import Federation
 from fedagent.errors import EXIT_IOERR, StateWriteError
+from fedagent.localfed import Federation
 from fedagent.statefile import TEMP_PREFIX, atomic_write, cleanup_temp_files
 
 # A process that has imported everything once and forks a fresh checkpoint writer on

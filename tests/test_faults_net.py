@@ -18,8 +18,8 @@ from netns import Lab, requires_netns
 
 from fedagent import broker, checkpoint, config, pki
 from fedagent.config import TlsConfig
-from fedagent.demo import BATCH, LR, SEED
 from fedagent.errors import FedagentError
+from fedagent.localfed import BATCH, LR, SEED
 from fedagent.node.control import request
 from fedagent.tasks.base import get_weights, load_task, set_weights
 

@@ -10,9 +10,9 @@ import signal
 import time
 
 import pytest
-from test_federation import wait_for
+from netfed import wait_for
 
-from fedagent.demo import SEED, Federation
+from fedagent.localfed import SEED, Federation
 
 # Long enough local training that a fault injected "mid-round" lands inside a round.
 SLOW_EPOCHS = 12

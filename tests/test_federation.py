@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
+from netfed import coordinator_in, running, wait_for
 from test_metrics import scrape, value
 
-from fedagent.demo import LOCAL_EPOCHS, SEED, Federation, train_reference
+from fedagent.demo import train_reference
+from fedagent.localfed import LOCAL_EPOCHS, SEED
 from fedagent.tasks.base import load_task, set_weights
 
 AGENTS = 3
@@ -19,33 +20,10 @@ ROUNDS = 6
 ALPHA = 0.3
 
 
-def wait_for(predicate, timeout: float, what: str, fed: Federation | None = None):
-    """Poll a condition on live processes until it holds or the deadline passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if fed is not None:
-            fed.check_alive()
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory):
-    fed = Federation(tmp_path_factory.mktemp("fed"), agents=AGENTS, rounds=ROUNDS, alpha=ALPHA)
-    try:
-        fed.prepare()
-        fed.start_all()
+    with running(tmp_path_factory.mktemp("fed"), agents=AGENTS, rounds=ROUNDS, alpha=ALPHA) as fed:
         yield fed
-    finally:
-        fed.close()
-
-
-def coordinator_done(fed: Federation):
-    s = fed.status("coordinator")
-    return s if s and s["phase"] == "done" else None
 
 
 def test_agents_discover_the_coordinator_and_share_rounds(federation):
@@ -62,7 +40,7 @@ def test_agents_discover_the_coordinator_and_share_rounds(federation):
         fed,
     )
     assert statuses
-    done = wait_for(lambda: coordinator_done(fed), 120, "the federation to finish", fed)
+    done = wait_for(lambda: coordinator_in(fed, "done"), 120, "the federation to finish", fed)
     assert done["completed_rounds"] == ROUNDS and done["model_version"] == ROUNDS
     for aid in fed.agent_ids:
         s = fed.status(aid)
@@ -74,7 +52,7 @@ def test_agents_discover_the_coordinator_and_share_rounds(federation):
 
 def test_status_json_against_a_running_agent(federation):
     fed = federation
-    wait_for(lambda: coordinator_done(fed), 120, "the federation to finish", fed)
+    wait_for(lambda: coordinator_in(fed, "done"), 120, "the federation to finish", fed)
     out = subprocess.run(
         [sys.executable, "-m", "fedagent", "status", "--json", "--config", str(fed.config_path("agent-1"))],
         capture_output=True,
@@ -101,7 +79,7 @@ def test_status_json_against_a_running_agent(federation):
 
 def test_federated_model_beats_every_local_only_model(federation):
     fed = federation
-    wait_for(lambda: coordinator_done(fed), 120, "the federation to finish", fed)
+    wait_for(lambda: coordinator_in(fed, "done"), 120, "the federation to finish", fed)
     weights, meta = fed.final_weights()
     task = load_task("digits", {"seed": SEED})
     model = task.build_model()
@@ -131,7 +109,7 @@ def test_status_without_a_daemon_says_so(tmp_path):
 
 def test_scrape_a_running_federation(federation):
     fed = federation
-    done = wait_for(lambda: coordinator_done(fed), 120, "the federation to finish", fed)
+    done = wait_for(lambda: coordinator_in(fed, "done"), 120, "the federation to finish", fed)
     c = scrape(done["metrics_url"])
     assert value(c, "fedagent_rounds_completed_total") == done["completed_rounds"]
     assert value(c, "fedagent_model_version") == done["model_version"]
@@ -150,7 +128,7 @@ def test_report_from_the_federation_run(federation, tmp_path):
     from fedagent.report import find_histories, write_report
 
     fed = federation
-    wait_for(lambda: coordinator_done(fed), 120, "the federation to finish", fed)
+    wait_for(lambda: coordinator_in(fed, "done"), 120, "the federation to finish", fed)
     histories = find_histories(fed.work / "state")
     assert len(histories) == 1 + AGENTS
     md = write_report(histories, tmp_path / "report")

@@ -17,10 +17,11 @@ import subprocess
 import sys
 
 import pytest
-from test_federation import wait_for
+from netfed import wait_for
 
 from fedagent import checkpoint
-from fedagent.demo import BATCH, SEED, Federation, train_reference_steps
+from fedagent.demo import train_reference_steps
+from fedagent.localfed import BATCH, SEED, Federation
 from fedagent.tasks.base import load_task, set_weights
 
 ALPHA = 0.3

@@ -9,10 +9,10 @@ import json
 
 import numpy as np
 import pytest
-from test_federation import wait_for
+from netfed import wait_for
 
 from fedagent import checkpoint
-from fedagent.demo import SEED, Federation
+from fedagent.localfed import SEED, Federation
 from fedagent.protocols.vocab import merge_vocabularies, vocabulary_digest
 from fedagent.tasks import text_data as td
 

@@ -8,10 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from test_federation import wait_for
+from netfed import running, wait_for
 
 from fedagent import config
-from fedagent.demo import Federation
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -22,15 +21,14 @@ def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def idle_federation(tmp_path_factory):
-    fed = Federation(tmp_path_factory.mktemp("join"), agents=2, rounds=10_000, alpha=0.5)
-    try:
-        fed.prepare()
+    def outside_any_federation(fed) -> None:
         for aid in fed.agent_ids:
             config.update_membership(fed.config_path(aid), "", "")
-        fed.start_all()
+
+    with running(
+        tmp_path_factory.mktemp("join"), configure=outside_any_federation, agents=2, rounds=10_000, alpha=0.5
+    ) as fed:
         yield fed
-    finally:
-        fed.close()
 
 
 def test_join_by_mdns_then_same_round(idle_federation):

@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from fedagent.demo import Federation
 from fedagent.errors import FedagentError
+from fedagent.localfed import Federation
 from fedagent.node.transport import TlsFiles, Transport
 from fedagent.protocols import topics
 from fedagent.protocols.codec import decode

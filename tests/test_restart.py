@@ -7,28 +7,14 @@ from __future__ import annotations
 import json
 import signal
 
-from test_federation import wait_for
-
-from fedagent.demo import Federation
+from netfed import coordinator_in, running, wait_for
 
 
 def test_coordinator_killed_and_restarted_continues(tmp_path):
-    fed = Federation(tmp_path, agents=2, rounds=12, alpha=0.5, round_timeout=20)
-    try:
-        fed.prepare()
-        fed.start_all()
-        coord = fed.procs[0]
+    with running(tmp_path, agents=2, rounds=12, alpha=0.5, round_timeout=20) as fed:
         wait_for(lambda: (fed.status("coordinator") or {}).get("completed_rounds", 0) >= 3, 90, "three rounds", fed)
-        coord.popen.send_signal(signal.SIGKILL)
-        coord.popen.wait(10)
-        fed.procs.remove(coord)
-        fed.spawn("coordinator")
-        done = wait_for(
-            lambda: (lambda s: s if s and s["phase"] == "done" else None)(fed.status("coordinator")),
-            120,
-            "the restarted coordinator to finish",
-            fed,
-        )
+        fed.restart("coordinator")  # kill -9 and start again
+        done = wait_for(lambda: coordinator_in(fed, "done"), 120, "the restarted coordinator to finish", fed)
         assert done["completed_rounds"] == 12 and done["model_version"] == 12
         hist = fed.work / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl"
         records = [json.loads(line) for line in hist.read_text().splitlines()]
@@ -38,19 +24,13 @@ def test_coordinator_killed_and_restarted_continues(tmp_path):
         assert versions == list(range(1, 13))  # no version lost or repeated
         # A reused round number would be ignored by agents and time out: none did.
         assert not [r for r in records if r["event"] == "abandoned"]
-    finally:
-        fed.close()
 
 
 def test_agent_killed_and_restarted_rejoins_without_double_counting(tmp_path):
-    fed = Federation(tmp_path, agents=3, rounds=10, alpha=0.5, round_timeout=20)
-    try:
-        fed.prepare()
-        fed.start_all()
-        victim = next(p for p in fed.procs if p.name == "agent-2")
+    with running(tmp_path, agents=3, rounds=10, alpha=0.5, round_timeout=20) as fed:
+        victim = fed.proc("agent-2")
         wait_for(lambda: (fed.status("coordinator") or {}).get("completed_rounds", 0) >= 2, 90, "two rounds", fed)
-        victim.popen.send_signal(signal.SIGKILL)
-        victim.popen.wait(10)
+        fed.stop(victim, signal.SIGKILL)
         fed.procs.remove(victim)
         # The Last Will tells the coordinator at once; quorum (3) is lost, so it waits.
         wait_for(
@@ -60,12 +40,7 @@ def test_agent_killed_and_restarted_rejoins_without_double_counting(tmp_path):
             fed,
         )
         fed.spawn("agent-2")
-        done = wait_for(
-            lambda: (lambda s: s if s and s["phase"] == "done" else None)(fed.status("coordinator")),
-            120,
-            "the federation to finish",
-            fed,
-        )
+        done = wait_for(lambda: coordinator_in(fed, "done"), 120, "the federation to finish", fed)
         assert done["completed_rounds"] == 10
         hist = fed.work / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl"
         records = [json.loads(line) for line in hist.read_text().splitlines() if '"round"' in line]
@@ -75,5 +50,3 @@ def test_agent_killed_and_restarted_rejoins_without_double_counting(tmp_path):
         # the restarted agent is back in the last rounds.
         assert all(len(r["participants"]) == len(set(r["participants"])) for r in rounds)
         assert "agent-2" in rounds[-1]["participants"]
-    finally:
-        fed.close()

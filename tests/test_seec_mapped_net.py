@@ -13,11 +13,10 @@ with their space alone and send no vectors again.
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from netfed import running, wait_for
 
-from fedagent.demo import Federation
+from fedagent.localfed import Federation
 from fedagent.node.control import request
 
 AGENTS = 3
@@ -33,28 +32,8 @@ SEARCH = {
 }
 
 
-def wait_for(predicate, timeout: float, what: str, fed: Federation):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        fed.check_alive()
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def start_mapped(work, options=OPTIONS, search=SEARCH, dims=DIMS) -> Federation:
-    """Three agents of a mapped federation on one broker, each seeing both peers online."""
-    fed = Federation(
-        work, agents=AGENTS, rounds=1, alpha=0.0, task="doc2vec", task_options=options, agent_broker_by_mdns=False
-    )
-    fed.prepare()
-    assert fed.broker is not None
-    for i, aid in enumerate(fed.agent_ids):
-        fed._write(aid, aid, fed.broker.uri, {**fed.shard_options(i), "dim": dims[i]}, None, "doc2vec", search=search)
-        fed.spawn(aid)
-    # Each agent must see both peers online before a search can ask them.
+def see_each_other(fed: Federation) -> None:
+    """Each agent must see both peers online before a search can ask them."""
     wait_for(
         lambda: all(
             (p := request(fed.socket(a), "peers", timeout=2.0) if fed.status(a) else None)
@@ -65,18 +44,33 @@ def start_mapped(work, options=OPTIONS, search=SEARCH, dims=DIMS) -> Federation:
         "every agent to see its peers",
         fed,
     )
-    return fed
 
 
 @pytest.fixture
 def federation(tmp_path):
-    fed = None
-    try:
-        fed = start_mapped(tmp_path)
+    """Three agents of a mapped federation on one broker (no coordinator), each with a
+    model of its own dimension, each seeing both peers online."""
+
+    def configure(fed: Federation) -> None:
+        for i, aid in enumerate(fed.agent_ids):
+            options = {**fed.shard_options(i), "dim": DIMS[i]}
+            fed._write(aid, aid, fed.broker_uri, options, None, "doc2vec", search=SEARCH)
+
+    with running(
+        tmp_path,
+        configure=configure,
+        start=False,
+        agents=AGENTS,
+        rounds=1,
+        alpha=0.0,
+        task="doc2vec",
+        task_options=OPTIONS,
+        agent_broker_by_mdns=False,
+    ) as fed:
+        for aid in fed.agent_ids:
+            fed.spawn(aid)
+        see_each_other(fed)
         yield fed
-    finally:
-        if fed is not None:
-            fed.close()
 
 
 def test_mapped_search_maps_the_query_into_each_peers_space(federation):
@@ -122,15 +116,10 @@ def test_mapped_search_maps_the_query_into_each_peers_space(federation):
     assert all(fed.status(a)["search_own_model"] == "trained" for a in fed.agent_ids)
     # kill -9 of a peer and a restart: its own model comes back from its state directory
     # (not trained again), so its space is unchanged and the asker's mapper stays valid.
-    import signal
 
     victim = peers[0]
     space_before = fed.status(victim)["search_space"]
-    proc = next(p for p in fed.procs if p.name == victim)
-    proc.popen.send_signal(signal.SIGKILL)
-    proc.popen.wait(10)
-    fed.procs.remove(proc)
-    fed.spawn(victim)
+    fed.restart(victim)  # kill -9 and start again
     wait_for(
         lambda: (
             (p := request(fed.socket(me), "peers", timeout=2.0))

@@ -24,8 +24,8 @@ import time
 
 import numpy as np
 import pytest
+from netfed import agents_in, coordinator_in, running, wait_for
 
-from fedagent.demo import Federation
 from fedagent.node.control import request
 from fedagent.protocols.vocab import merge_vocabularies, vocabulary_digest
 from fedagent.tasks.base import load_task
@@ -55,45 +55,24 @@ ROUND_SETTINGS = {
 }
 
 
-def wait_for(predicate, timeout: float, what: str, fed: Federation):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        fed.check_alive()
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory):
-    fed = Federation(
+    with running(
         tmp_path_factory.mktemp("seec"),
+        configure=lambda fed: fed.write_coordinator("doc2vec", OPTIONS, ROUND_SETTINGS),
         agents=AGENTS,
         rounds=ROUNDS,
         alpha=0.0,
         task="doc2vec",
         task_options=OPTIONS,
         agent_broker_by_mdns=False,
-    )
-    try:
-        fed.prepare()
-        fed.write_coordinator("doc2vec", OPTIONS, ROUND_SETTINGS)
-        fed.start_all()
+    ) as fed:
         yield fed
-    finally:
-        fed.close()
 
 
 def test_joint_learning_agrees_on_a_vocabulary_and_trains(federation):
     fed = federation
-    done = wait_for(
-        lambda: (s := fed.status("coordinator")) and s["phase"] == "done" and s,
-        120,
-        "the joint-learning run to finish",
-        fed,
-    )
+    done = wait_for(lambda: coordinator_in(fed, "done"), 120, "the joint-learning run to finish", fed)
     assert done["completed_rounds"] == ROUNDS
     # The common vocabulary is the merge of the three shards' term counts, nothing else.
     shards = [load_task("doc2vec", {**OPTIONS, "shard": i, "shards": AGENTS}) for i in range(AGENTS)]
@@ -119,13 +98,8 @@ def test_joint_learning_agrees_on_a_vocabulary_and_trains(federation):
 
 def test_search_merges_live_peers_and_names_the_silent_one(federation):
     fed = federation
-    wait_for(
-        lambda: all((s := fed.status(a)) and s.get("round_state") == "finished" for a in fed.agent_ids),
-        60,
-        "every agent to hold the final model",
-        fed,
-    )
-    silent = next(p for p in fed.procs if p.name == fed.agent_ids[2])
+    wait_for(lambda: agents_in(fed, "round_state", "finished"), 60, "every agent to hold the final model", fed)
+    silent = fed.proc(fed.agent_ids[2])
     os.kill(silent.popen.pid, signal.SIGSTOP)
     try:
         timeout = 4.0
@@ -197,10 +171,11 @@ def test_a_flood_of_search_queries_from_one_peer_is_rate_limited(federation):
     cert, key = pki.issue(ca_dir, ca_dir, "agent-flood", "agent")
     tls = TlsFiles(ca_dir / pki.CA_CERT, cert, key)
     n = 25
+    uri = fed.broker_uri
 
     async def flood() -> tuple[list[SearchAnswer], float]:
         transport = Transport(
-            uri=fed.broker.uri,
+            uri=uri,
             client_id=f"flood-{os.getpid()}",
             tls=tls,
             subscriptions=[topics.inbox(fed.fed, "agent-flood")],

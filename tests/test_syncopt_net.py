@@ -9,18 +9,19 @@ presence, one vocabulary offer of terms and counts, and gradients."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
-import signal
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from netfed import agents_in, coordinator_in, running, wait_for
 
-from fedagent.demo import Federation
+from fedagent.localfed import Federation
 from fedagent.node.messaging import Incoming, Messenger
 from fedagent.node.transport import TlsFiles, Transport
 from fedagent.protocols import topics
@@ -32,17 +33,6 @@ from fedagent.tasks.base import get_weights, load_task
 AGENTS = 5
 STEPS = 50
 TOLERANCE = 1e-5
-
-
-def wait_for(predicate, timeout: float, what: str, fed: Federation):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        fed.check_alive()
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class Tap:
@@ -109,22 +99,35 @@ class Tap:
         return out
 
 
-def run_federation(tmp: Path, task: str, options, syncopt: dict):
-    fed = Federation(tmp, agents=AGENTS, rounds=1, alpha=0.0, agent_broker_by_mdns=False)
-    fed.prepare()
-    fed.prepare_syncopt(
-        task,
-        options,
-        options(0),
-        {"expected_agents": AGENTS, "min_agents": AGENTS, "step_timeout": 30.0, "on_fault": "abort", **syncopt},
-    )
-    tap = Tap(
-        fed.broker.uri,
-        TlsFiles(ca=tmp / "pki" / "ca.crt", cert=tmp / "pki" / "coordinator.crt", key=tmp / "pki" / "coordinator.key"),
-        fed.fed,
-    )
-    tap.start()
-    return fed, tap
+@contextlib.contextmanager
+def syncopt_federation(tmp: Path, task: str, options, syncopt: dict, *, record: bool = True) -> Iterator[tuple]:
+    """A running Sync-Opt federation of AGENTS agents; with ``record``, a Tap started
+    before any daemon, so it holds every message of the run."""
+
+    def configure(fed: Federation) -> None:
+        fed.prepare_syncopt(
+            task,
+            options,
+            options(0),
+            {"expected_agents": AGENTS, "min_agents": AGENTS, "step_timeout": 30.0, "on_fault": "abort", **syncopt},
+        )
+
+    with running(
+        tmp, configure=configure, start=False, agents=AGENTS, rounds=1, alpha=0.0, agent_broker_by_mdns=False
+    ) as fed:
+        tap = None
+        if record:
+            pki = tmp / "pki"
+            tap = Tap(
+                fed.broker_uri, TlsFiles(pki / "ca.crt", pki / "coordinator.crt", pki / "coordinator.key"), fed.fed
+            )
+            tap.start()
+        try:
+            fed.start_all()
+            yield fed, tap
+        finally:
+            if tap is not None:
+                tap.stop()
 
 
 def check_exact_and_private(
@@ -142,14 +145,7 @@ def check_exact_and_private(
     assert done["phase"] == "done", done
     assert done["steps_done"] == steps and done["model_version"] == steps and done["exact"]
     assert "steps" in phases and np.isfinite(done["last_loss"]) and done["mode"] == "syncopt"
-    statuses = wait_for(
-        lambda: (
-            (ss := [fed.status(a) for a in fed.agent_ids]) and all(s and s["phase"] == "finished" for s in ss) and ss
-        ),
-        30,
-        "agents to finish",
-        fed,
-    )
+    statuses = wait_for(lambda: agents_in(fed, "phase", "finished"), 30, "agents to finish", fed)
     weights, meta = fed.final_weights()
     assert meta["model_version"] == steps and meta["exact"]
     fed_weights = {k: v for k, v in weights.items() if not k.startswith("optim/")}
@@ -216,9 +212,7 @@ def test_prodlda_five_agents_50_steps_equal_centralized(tmp_path):
     def options(i):
         return {**opts, "shard": i, "shards": AGENTS}
 
-    fed, tap = run_federation(tmp_path, "prodlda", options, {"steps": STEPS})
-    try:
-        fed.start_all()
+    with syncopt_federation(tmp_path, "prodlda", options, {"steps": STEPS}) as (fed, tap):
         check_exact_and_private(
             fed,
             tap,
@@ -227,9 +221,6 @@ def test_prodlda_five_agents_50_steps_equal_centralized(tmp_path):
             STEPS,
             ntm.federated_step,
         )
-    finally:
-        tap.stop()
-        fed.close()
 
 
 # Float32 rounding differs between one backward pass over the concatenated batch and five
@@ -269,25 +260,15 @@ def test_an_agent_killed_mid_run_is_dropped_then_rejoins(tmp_path):
 
     # Enough steps that the restarted process (a torch import: seconds) is back before the end.
     steps = 400
-    fed, tap = run_federation(
-        tmp_path,
-        "prodlda",
-        options,
-        {"steps": steps, "on_fault": "continue", "step_timeout": 5.0, "checkpoint_every": 50},
-    )
-    tap.stop()
-    try:
-        fed.start_all()
+    syncopt = {"steps": steps, "on_fault": "continue", "step_timeout": 5.0, "checkpoint_every": 50}
+    with syncopt_federation(tmp_path, "prodlda", options, syncopt, record=False) as (fed, _):
         wait_for(lambda: (s := fed.status("coordinator")) and s["step"] >= 10, 120, "step 10", fed)
-        victim = next(p for p in fed.procs if p.name == "agent-5")
-        fed.stop(victim, signal.SIGKILL)
-        fed.procs.remove(victim)
-        fed.spawn("agent-5")
+        fed.restart("agent-5")  # kill -9 and start again
         wait_for(
             lambda: (s := fed.status("coordinator")) and "agent-5" not in s["participants"], 60, "agent-5 dropped", fed
         )
         done = wait_for(
-            lambda: (s := fed.status("coordinator")) and s["phase"] in ("done", "aborted") and s,
+            lambda: coordinator_in(fed, "done", "aborted"),
             180,
             "the coordinator to finish",
             fed,
@@ -303,8 +284,6 @@ def test_an_agent_killed_mid_run_is_dropped_then_rejoins(tmp_path):
         assert rejoined and rejoined[-1]["model_version"] == steps
         s5 = wait_for(lambda: (s := fed.status("agent-5")) and s["phase"] == "finished" and s, 30, "agent-5", fed)
         assert s5["vocabulary_size"] == done["vocabulary_size"] and s5["steps_computed"] >= 1
-    finally:
-        fed.close()
 
 
 @pytest.mark.slow
@@ -322,17 +301,12 @@ def test_coordinator_killed_and_restarted_resumes_exactly(tmp_path):
         return {**NTM_OPTIONS, "shard": i, "shards": AGENTS}
 
     steps = 60
-    fed, tap = run_federation(tmp_path, "prodlda", options, {"steps": steps, "checkpoint_every": 5})
-    tap.stop()
-    try:
-        fed.start_all()
+    syncopt = {"steps": steps, "checkpoint_every": 5}
+    with syncopt_federation(tmp_path, "prodlda", options, syncopt, record=False) as (fed, _):
         wait_for(lambda: (s := fed.status("coordinator")) and s["step"] >= 12, 120, "step 12", fed)
-        coord = next(p for p in fed.procs if p.name == "coordinator")
-        fed.stop(coord, signal.SIGKILL)
-        fed.procs.remove(coord)
-        fed.spawn("coordinator")
+        fed.restart("coordinator")  # kill -9 and start again
         done = wait_for(
-            lambda: (s := fed.status("coordinator")) and s["phase"] in ("done", "aborted") and s,
+            lambda: coordinator_in(fed, "done", "aborted"),
             180,
             "the restarted coordinator to finish",
             fed,
@@ -354,5 +328,3 @@ def test_coordinator_killed_and_restarted_resumes_exactly(tmp_path):
             ntm.federated_step(model, opt, tasks, step)
         local = get_weights(model)
         assert max(float(np.max(np.abs(weights[k] - local[k]))) for k in local) == 0.0
-    finally:
-        fed.close()

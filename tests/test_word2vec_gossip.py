@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_federation import wait_for
+from netfed import wait_for
 
 from fedagent import checkpoint
-from fedagent.demo import SEED, Federation
+from fedagent.localfed import SEED, Federation
 from fedagent.tasks.base import load_task
 
 AGENTS = 3

@@ -2,317 +2,206 @@
 
 A private Mosquitto (its own CA, certificates, ACL, a free loopback port), a
 coordinator and N agents as separate processes that find the coordinator by mDNS on
-loopback, FedAvg rounds on the built-in digits task split non-IID, and at the end
-the accuracy of the federated model next to each agent's local-only model and a
-centralized model trained on the union of the data.
+loopback (:class:`fedagent.localfed.Federation`), then one of three modes: FedAvg rounds
+on the built-in digits task split non-IID, gossip without a coordinator, or Sync-Opt
+(gFedNTM) on synthetic documents. At the end the federated result is compared with
+local-only and centralized training.
+
+Every mode goes through one runner, :func:`run`. Ctrl-C, SIGTERM (``timeout``, systemd,
+CI) and SIGHUP (the terminal went away) all end a demo the same way: every process it
+started is stopped and its work directory removed (unless ``--keep``), and the exit status
+is 128 + the signal's number (130, 143, 129).
 """
 
 from __future__ import annotations
 
-import os
-import secrets
+import json
+import math
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import Any, Generic, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fedagent import checkpoint, config, pki
-from fedagent.broker import EmbeddedBroker
-from fedagent.config import TlsConfig
+from fedagent import checkpoint
 from fedagent.errors import FedagentError
-from fedagent.node.control import request
+from fedagent.localfed import BATCH, LOCAL_EPOCHS, LR, SEED, Federation
 
-LOCAL_EPOCHS = 2
-LR = 0.05
-BATCH = 32
-SEED = 0
+__all__ = [
+    "Plan",
+    "Watch",
+    "run",
+    "run_demo",
+    "run_gossip_demo",
+    "run_syncopt_demo",
+    "train_reference",
+    "train_reference_steps",
+]
+
+T = TypeVar("T")
+
+
+# ---- the runner -----------------------------------------------------------------------
+class Interrupted(BaseException):
+    """A signal asked the demo to stop. A BaseException like KeyboardInterrupt, so no
+    ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# SIGINT is Python's KeyboardInterrupt already; these two otherwise end the process
+# without running a single ``finally``.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(signum)
+
+
+@contextmanager
+def _signals(handler: Callable[[int, FrameType | None], Any] | int, *, interrupt_too: bool = False) -> Iterator[None]:
+    """``handler`` for SIGTERM and SIGHUP (and SIGINT if asked) inside the block, the
+    previous handlers after it. Only the main thread may set handlers; elsewhere (a
+    test calling a demo from a thread) the block runs with the handlers as they are."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (*_STOP_SIGNALS, signal.SIGINT) if interrupt_too else _STOP_SIGNALS
+    previous = {s: signal.signal(s, handler) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 @dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    log: Path
+class Watch:
+    """One look at a running federation: progress so far, and whether it is over."""
+
+    completed: int
+    description: str
+    finished: bool
 
 
-class Federation:
-    """Processes and files of one local federation; ``close()`` removes them all."""
+@dataclass
+class Plan(Generic[T]):
+    """One demo mode, as the runner needs it.
 
-    def __init__(
-        self,
-        work: Path,
-        *,
-        agents: int,
-        rounds: int,
-        alpha: float,
-        federation: str | None = None,
-        round_timeout: float = 60.0,
-        agent_broker_by_mdns: bool = True,
-        mode: str = "fedavg",
-        gossip: dict | None = None,
-        broker_per_agent: bool = False,
-        task: str = "digits",
-        task_options: dict | None = None,
-    ) -> None:
-        self.work = work
-        self.n = agents
-        self.rounds = rounds
-        self.alpha = alpha
-        self.fed = federation or f"demo-{secrets.token_hex(3)}"
-        self.round_timeout = round_timeout
-        self.by_mdns = agent_broker_by_mdns
-        self.procs: list[Proc] = []
-        self.broker: EmbeddedBroker | None = None
-        self.agent_ids = [f"agent-{i + 1}" for i in range(agents)]
-        self.coordinator_id = "coordinator"
-        self.mode = mode
-        self.gossip = dict(gossip or {})
-        # Another built-in task than digits: its options (plus shard/shards/seed) for
-        # every agent; ``alpha`` is digits' own option and is then not passed.
-        self.task = task
-        self.task_options = task_options
-        self.broker_per_agent = broker_per_agent  # gossip: every agent on a broker of its own
-        self.agent_brokers: dict[str, EmbeddedBroker] = {}
+    ``configure`` writes the mode's configs after the PKI and broker exist; ``watch``
+    polls the daemons (None while they do not answer yet); ``collect`` reads what the
+    evaluation needs while they still run; ``evaluate`` runs after they have stopped
+    and returns the exit status."""
 
-    # -- set-up ----------------------------------------------------------------------
-    def prepare(self) -> None:
-        ca_dir = self.work / "pki"
-        pki.create_ca(ca_dir, self.fed)
-        for name in [self.coordinator_id, *self.agent_ids]:
-            pki.issue(ca_dir, ca_dir, name, "coordinator" if name == self.coordinator_id else "agent")
-        self.broker = EmbeddedBroker(
-            self.work / "broker", federations=[self.fed], coordinators=[self.coordinator_id], ca_dir=ca_dir
-        )
-        self.broker.start()
-        if self.mode == "gossip" and self.broker_per_agent:
-            # Every agent on its own broker (same CA): a model goes to the receiver's
-            # inbox on the receiver's broker, found through the receiver's mDNS advert.
-            for i, aid in enumerate(self.agent_ids):
-                b = EmbeddedBroker(
-                    self.work / f"broker-{aid}",
-                    federations=[self.fed],
-                    coordinators=[],
-                    ca_dir=ca_dir,
-                    name=f"broker-{aid}",
-                )
-                b.start()
-                self.agent_brokers[aid] = b
-                self._write_gossip_agent(aid, i, b.uri)
-            return
-        if self.mode == "gossip":
-            # No coordinator: the first agent is told the broker and advertises it on
-            # mDNS; the others find it there (unless mDNS is switched off).
-            for i, aid in enumerate(self.agent_ids):
-                self._write_gossip_agent(aid, i, self.broker.uri if (i == 0 or not self.by_mdns) else "")
-            return
-        rounds = {
-            "rounds": self.rounds,
-            "min_agents": self.n,
-            "expected_agents": self.n,
-            "min_updates": max(1, self.n // 2),
-            "round_timeout": self.round_timeout,
-            "local_epochs": LOCAL_EPOCHS,
-            "lr": LR,
-            "batch_size": BATCH,
-            "seed": SEED,
-        }
-        self._write(
-            "coordinator",
-            self.coordinator_id,
-            self.broker.uri,
-            {"seed": SEED, **(self.task_options or {})},
-            rounds,
-            self.task,
-        )
-        for i, aid in enumerate(self.agent_ids):
-            self._write(aid, aid, "" if self.by_mdns else self.broker.uri, self.shard_options(i), None, self.task)
+    title: str
+    started: Callable[[Federation], str]
+    total: int
+    limit: float
+    watch: Callable[[Federation], Watch | None]
+    collect: Callable[[Federation], T]
+    evaluate: Callable[[T], int]
+    configure: Callable[[Federation], None] | None = None
 
-    def prepare_syncopt(self, task: str, agent_options, coordinator_options: dict, syncopt: dict) -> None:
-        """Configs for a ``mode = "syncopt"`` federation (call after ``prepare()`` has made
-        the PKI and the broker): ``agent_options(i)`` gives agent i's task options."""
-        assert self.broker is not None
-        self._write(
-            "coordinator",
-            self.coordinator_id,
-            self.broker.uri,
-            coordinator_options,
-            None,
-            task,
-            mode="syncopt",
-            syncopt=syncopt,
-        )
-        for i, aid in enumerate(self.agent_ids):
-            self._write(aid, aid, "" if self.by_mdns else self.broker.uri, agent_options(i), None, task, mode="syncopt")
 
-    def _write(
-        self,
-        stem: str,
-        node_id: str,
-        broker: str,
-        task_options: dict,
-        rounds: dict | None,
-        task: str = "digits",
-        **extra,
-    ) -> Path:
-        """Write ``<stem>.toml``; ``extra`` goes to :func:`config.render` (mode, gossip)."""
-        ca_dir = self.work / "pki"
-        tls = TlsConfig(ca=ca_dir / "ca.crt", cert=ca_dir / f"{node_id}.crt", key=ca_dir / f"{node_id}.key")
-        text = config.render(
-            node_id=node_id,
-            federation=self.fed,
-            tls=tls,
-            broker=broker,
-            state_dir=self.work / "state" / stem,
-            runtime_dir=self.work / "run" / stem,
-            task=task,
-            task_options=task_options,
-            rounds=rounds,
-            **extra,
-        )
-        path = self.config_path(stem)
-        path.write_text(text)
-        return path
+def _work_dir(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix))
 
-    def shard_options(self, shard: int) -> dict:
-        if self.task_options is None:
-            return {"shard": shard, "shards": self.n, "alpha": self.alpha, "seed": SEED}
-        return {"seed": SEED, **self.task_options, "shard": shard, "shards": self.n}
 
-    def _write_gossip_agent(self, node_id: str, shard: int, broker: str) -> Path:
-        return self._write(
-            node_id,
-            node_id,
-            broker,
-            self.shard_options(shard),
-            None,
-            self.task,
-            mode="gossip",
-            gossip={"lr": LR, "batch_size": BATCH, "seed": SEED, **self.gossip},
-        )
+def run(fed: Federation, plan: Plan[T], *, keep: bool = False, console: Console | None = None) -> int:
+    """Start ``fed``, watch it until ``plan`` says it is over, evaluate, tidy up.
 
-    def _enroll(self, node_id: str, write) -> Proc:
-        """Issue ``node_id`` a certificate, ``write()`` its config, start it."""
-        ca_dir = self.work / "pki"
-        pki.issue(ca_dir, ca_dir, node_id, "agent")
-        write()
-        self.agent_ids.append(node_id)
-        return self.spawn(node_id)
-
-    def write_coordinator(self, task: str, task_options: dict, rounds: dict) -> Path:
-        """Replace the coordinator's config (another task, other round settings)."""
-        assert self.broker is not None
-        return self._write("coordinator", self.coordinator_id, self.broker.uri, task_options, rounds, task)
-
-    def add_agent(
-        self, node_id: str, task: str, task_options: dict, rounds: dict | None = None, broker: str | None = None
-    ) -> Proc:
-        """A new agent (its own certificate and config) started now; ``broker=None``
-        gives it the broker's address, ``""`` makes it look the broker up by mDNS."""
-        assert self.broker is not None
-        uri = self.broker.uri if broker is None else broker
-        return self._enroll(node_id, lambda: self._write(node_id, node_id, uri, task_options, rounds, task))
-
-    def add_gossip_agent(self, node_id: str, shard: int, broker: str = "") -> Proc:
-        """A new member (its own certificate and config) started mid-training."""
-        return self._enroll(node_id, lambda: self._write_gossip_agent(node_id, shard, broker))
-
-    def model_path(self, stem: str) -> Path:
-        """A gossip agent's own model checkpoint."""
-        return self.work / "state" / stem / "agent" / self.fed / "model.ckpt"
-
-    def config_path(self, stem: str) -> Path:
-        return self.work / f"{stem}.toml"
-
-    def socket(self, stem: str) -> Path:
-        role = "coordinator" if stem == "coordinator" else "agent"
-        return self.work / "run" / stem / f"{role}.sock"
-
-    def spawn(self, stem: str) -> Proc:
-        role = "coordinator" if stem == "coordinator" else "agent"
-        log = self.work / "logs" / f"{stem}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("NOTIFY_SOCKET", None)
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "fedagent", role, "--config", str(self.config_path(stem))],
-            stdout=log.open("ab"),
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-        proc = Proc(stem, popen, log)
-        self.procs.append(proc)
-        return proc
-
-    def start_all(self) -> None:
-        if self.mode != "gossip":
-            self.spawn("coordinator")
-        for aid in self.agent_ids:
-            self.spawn(aid)
-
-    # -- watching --------------------------------------------------------------------
-    def status(self, stem: str) -> dict | None:
-        try:
-            return request(self.socket(stem), "status", timeout=2.0)
-        except FedagentError:
-            return None
-
-    def check_alive(self) -> None:
-        for p in self.procs:
-            code = p.popen.poll()
-            if code is not None:
-                tail = p.log.read_text(errors="replace")[-2000:] if p.log.exists() else ""
-                raise FedagentError(f"{p.name} exited with code {code}; last log lines:\n{tail}")
-
-    def final_weights(self):
-        loaded = checkpoint.load(self.work / "state" / "coordinator" / "coordinator" / self.fed / "global.ckpt")
-        if loaded is None:
-            raise FedagentError("the coordinator wrote no checkpoint")
-        return loaded
-
-    # -- tear-down -------------------------------------------------------------------
-    def stop(self, proc: Proc, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
-        if proc.popen.poll() is None:
-            proc.popen.send_signal(sig)
+    Whatever ends the run (the end, an error, Ctrl-C, SIGTERM, SIGHUP) every process the
+    federation started is stopped, and its work directory is removed unless ``keep``."""
+    console = console or Console()
+    work = fed.work
+    started = time.monotonic()
+    stopped_by = ""
+    try:
+        with _signals(_raise_interrupted):
             try:
-                proc.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait()
+                console.print(f"{plan.title}; work dir {work}")
+                with console.status("creating a CA and certificates, starting a private Mosquitto ..."):
+                    fed.prepare()
+                    if plan.configure is not None:
+                        plan.configure(fed)
+                console.print(plan.started(fed))
+                fed.start_all()
+                _follow(fed, plan, started, console)
+                collected = plan.collect(fed)
+                fed.close()
+                return plan.evaluate(collected)
+            except KeyboardInterrupt:
+                stopped_by = "interrupted"
+                console.print("[yellow]interrupted; stopping every process the demo started[/]")
+                return 128 + signal.SIGINT
+            except Interrupted as exc:
+                stopped_by = f"received {exc}"
+                console.print(f"[yellow]received {exc}; stopping every process the demo started[/]")
+                return 128 + exc.signum
+    finally:
+        # A second signal must not cut the clean-up short (SIGKILL still can).
+        with _signals(signal.SIG_IGN, interrupt_too=True):
+            fed.close()
+            if keep:
+                console.print(f"kept {work}")
+            else:
+                shutil.rmtree(work, ignore_errors=True)
+            if stopped_by:
+                console.print(
+                    f"[yellow]demo stopped ({stopped_by}): every process it started has exited"
+                    + ("" if keep else f", {work} removed")
+                    + "[/]"
+                )
 
-    def close(self) -> None:
-        for p in self.procs:
-            if p.popen.poll() is None:
-                p.popen.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            self.stop(p)
-        self.procs.clear()
-        if self.broker is not None:
-            self.broker.stop()
-            self.broker = None
-        for b in self.agent_brokers.values():
-            b.stop()
-        self.agent_brokers.clear()
+
+def _follow(fed: Federation, plan: Plan[Any], started: float, console: Console) -> None:
+    """Progress bar until ``plan.watch`` reports the end; a daemon that dies or a run
+    past ``plan.limit`` seconds is an error."""
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    running = False
+    with Progress(*columns, console=console, transient=False) as progress:
+        bar = progress.add_task("waiting for agents", total=plan.total)
+        while True:
+            fed.check_alive()
+            w = plan.watch(fed)
+            if w is not None:
+                if not running:
+                    running = True
+                    progress.console.print(
+                        f"federation running: {len(fed.procs)} daemons started, answering on their sockets"
+                    )
+                progress.update(bar, completed=w.completed, description=w.description)
+                if w.finished:
+                    return
+            if time.monotonic() - started > plan.limit:
+                raise FedagentError(
+                    f"the federation did not finish in {plan.limit / 60:.0f} minutes; logs in {fed.work / 'logs'}"
+                )
+            time.sleep(0.25)
 
 
-def _tidy(fed: Federation, work: Path, keep: bool, console: Console) -> None:
-    """Stop everything a demo started; keep or remove its work directory."""
-    fed.close()
-    if keep:
-        console.print(f"kept {work}")
-    else:
-        shutil.rmtree(work, ignore_errors=True)
+def _elapsed(started: float) -> str:
+    return f"{time.monotonic() - started:.1f}s"
 
 
-def train_reference(options: dict, epochs: int) -> float:
+def _need_agents(agents: int) -> None:
+    if agents < 2:
+        raise FedagentError("the demo needs at least 2 agents")
+
+
+def train_reference(options: dict[str, Any], epochs: int) -> float:
     """Accuracy of a model trained with plain local SGD on the data ``options`` selects."""
     import torch
 
@@ -326,10 +215,9 @@ def train_reference(options: dict, epochs: int) -> float:
     return task.evaluate(model)["accuracy"]
 
 
-def train_reference_steps(options: dict, steps: int, lr: float = LR, cosine: bool = False) -> float:
+def train_reference_steps(options: dict[str, Any], steps: int, lr: float = LR, cosine: bool = False) -> float:
     """Accuracy after ``steps`` plain local SGD mini-batches (gossip's local-only and
     centralized baselines), with the gossip agents' cosine step-size decay if asked."""
-    import math
 
     import torch
 
@@ -358,6 +246,120 @@ PERIOD_SECONDS = 0.1
 GOSSIP_LR = 0.1
 
 
+# ---- FedAvg -----------------------------------------------------------------------------
+def run_demo(
+    *,
+    agents: int = 3,
+    rounds: int = 15,
+    alpha: float = 0.3,
+    keep: bool = False,
+    report_dir: Path | None = None,
+    console: Console | None = None,
+) -> int:
+    import torch
+
+    from fedagent.tasks.base import load_task, set_weights
+
+    console = console or Console()
+    _need_agents(agents)
+    torch.set_num_threads(1)
+    fed = Federation(_work_dir("fedagent-demo-"), agents=agents, rounds=rounds, alpha=alpha)
+    started = time.monotonic()
+
+    def watch(fed: Federation) -> Watch | None:
+        s = fed.status("coordinator")
+        if s is None:
+            return None
+        m = s.get("metrics") or {}
+        online = sum(1 for p in (s.get("peers") or {}).values() if p.get("online"))
+        desc = f"round {s['round']} ({s['phase']}), {online}/{agents} agents online" + (
+            f", train loss {m['loss']:.3f}" if "loss" in m else ""
+        )
+        return Watch(s["completed_rounds"], desc, s["phase"] == "done")
+
+    def collect(fed: Federation) -> tuple[dict[str, dict[str, Any] | None], dict[str, Any], dict[str, Any]]:
+        agent_status = {aid: fed.status(aid) for aid in fed.agent_ids}
+        weights, meta = fed.final_weights()
+        return agent_status, weights, meta
+
+    def evaluate(collected: tuple[dict[str, dict[str, Any] | None], dict[str, Any], dict[str, Any]]) -> int:
+        agent_status, weights, meta = collected
+        console.print(
+            f"federation finished {meta['completed_rounds']} rounds in {_elapsed(started)}; "
+            "evaluating against local-only and centralized training"
+        )
+        task = load_task("digits", {"seed": SEED})
+        model = task.build_model()
+        set_weights(model, weights)
+        federated = task.evaluate(model)["accuracy"]
+        epochs = rounds * LOCAL_EPOCHS
+        table = Table(title="test accuracy on the held-out digits (450 images)", title_justify="left")
+        table.add_column("model")
+        table.add_column("training data")
+        table.add_column("accuracy", justify="right")
+        table.add_row("[bold]federated (FedAvg)[/]", f"{agents} agents, never pooled", f"[bold]{federated:.3f}[/]")
+        locals_ = []
+        for i, aid in enumerate(fed.agent_ids):
+            n = (agent_status.get(aid) or {}).get("num_samples", "?")
+            acc = train_reference({"shard": i, "shards": agents, "alpha": alpha, "seed": SEED}, epochs)
+            locals_.append(acc)
+            table.add_row(f"local only: {aid}", f"its own shard ({n} images)", f"{acc:.3f}")
+        central = train_reference({"seed": SEED}, epochs)
+        table.add_row("centralized", "union of all shards", f"{central:.3f}")
+        console.print(table)
+        if report_dir is not None:
+            from fedagent.report import find_histories, write_report
+
+            md = write_report(
+                find_histories(fed.work / "state"),
+                report_dir,
+                title=f"fedagent demo: {agents} agents, {rounds} rounds, digits (alpha={alpha})",
+            )
+            with md.open("a") as f:
+                f.write(
+                    "\n## Final test accuracy\n\n| model | accuracy |\n|---|---|\n"
+                    f"| federated (FedAvg) | {federated:.3f} |\n"
+                    + "".join(f"| local only: {aid} | {acc:.3f} |\n" for aid, acc in zip(fed.agent_ids, locals_))
+                    + f"| centralized | {central:.3f} |\n"
+                )
+            console.print(f"report with plots: [cyan]{md}[/]")
+        ok = all(federated >= a for a in locals_)
+        verdict = (
+            "[green]federated >= every local-only model[/]"
+            if ok
+            else "[red]federated model is below a local-only model[/]"
+        )
+        console.print(f"{verdict}; gap to centralized {central - federated:+.3f}; total {_elapsed(started)}")
+        return 0 if ok else 1
+
+    plan = Plan(
+        title=f"[bold]fedagent demo[/]: federation [cyan]{fed.fed}[/], {agents} agents, {rounds} FedAvg "
+        f"rounds on scikit-learn digits (Dirichlet alpha={alpha})",
+        started=lambda fed: (
+            f"broker [green]{fed.broker_uri}[/] (mutual TLS, per-agent ACL); starting the "
+            f"coordinator and {agents} agents; agents find the coordinator by mDNS on 127.0.0.1"
+        ),
+        total=rounds,
+        limit=600,
+        watch=watch,
+        collect=collect,
+        evaluate=evaluate,
+    )
+    return run(fed, plan, keep=keep, console=console)
+
+
+# ---- gossip -----------------------------------------------------------------------------
+# Gossip demo margin: every agent's own model ends within this much of centralized
+# training on the union of the data with the same total number of mini-batches.
+GOSSIP_MARGIN = 0.05
+# Training 10 mini-batches of the tiny digits MLP takes milliseconds; a period of at
+# least this long gives models time to travel, as a real model's training would.
+PERIOD_SECONDS = 0.1
+# The peak step size of the cosine schedule (gossip.lr_schedule): it decays to 0 at the
+# last period, so the agents end in consensus.
+GOSSIP_LR = 0.1
+
+
 def run_gossip_demo(
     *,
     agents: int = 5,
@@ -374,12 +376,10 @@ def run_gossip_demo(
     from fedagent.tasks.base import load_task, set_weights
 
     console = console or Console()
-    if agents < 2:
-        raise FedagentError("the demo needs at least 2 agents")
+    _need_agents(agents)
     torch.set_num_threads(1)
-    work = Path(tempfile.mkdtemp(prefix="fedagent-gossip-demo-"))
     fed = Federation(
-        work,
+        _work_dir("fedagent-gossip-demo-"),
         agents=agents,
         rounds=1,
         alpha=alpha,
@@ -394,52 +394,32 @@ def run_gossip_demo(
         },
     )
     started = time.monotonic()
-    try:
-        console.print(
-            f"[bold]fedagent demo --mode gossip[/]: federation [cyan]{fed.fed}[/], {agents} agents and "
-            f"[bold]no coordinator[/]; each trains {period_steps} mini-batches, sends its model to a random "
-            f"peer and merges what it received ({merge}), {periods} times; scikit-learn digits "
-            f"(Dirichlet alpha={alpha}); work dir {work}"
+    statuses: dict[str, dict[str, Any] | None] = {}
+
+    def watch(fed: Federation) -> Watch | None:
+        statuses.update({aid: fed.status(aid) for aid in fed.agent_ids})
+        live = [s for s in statuses.values() if s is not None and "gossip" in s]
+        if not live:
+            return None
+        slowest = min(s["period"] for s in live)
+        sent = sum(s["gossip"]["sent"] for s in live)
+        dropped = sum(s["gossip"]["dropped"] for s in live)
+        dis = [s["disagreement_rel"] for s in live if s.get("disagreement_rel") is not None]
+        desc = f"slowest agent at period {slowest}, {len(live)}/{agents} gossiping, {sent} models sent, " + (
+            f"{dropped} dropped" + (f", disagreement {max(dis):.1%}" if dis else "")
         )
-        with console.status("creating a CA and certificates, starting a private Mosquitto ..."):
-            fed.prepare()
+        return Watch(slowest, desc, len(live) == agents and all(s["round_state"] == "finished" for s in live))
+
+    def evaluate(_: None) -> int:
         console.print(
-            f"broker [green]{fed.broker.uri}[/] (mutual TLS, per-agent ACL); {fed.agent_ids[0]} is given "
-            f"the broker and advertises it, the others find it by mDNS on 127.0.0.1"
-        )
-        fed.start_all()
-        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-        statuses: dict[str, dict | None] = {}
-        with Progress(*columns, console=console, transient=False) as progress:
-            bar = progress.add_task("waiting for agents", total=periods)
-            while True:
-                fed.check_alive()
-                statuses = {aid: fed.status(aid) for aid in fed.agent_ids}
-                live = [s for s in statuses.values() if s is not None and "gossip" in s]
-                if live:
-                    slowest = min(s["period"] for s in live)
-                    sent = sum(s["gossip"]["sent"] for s in live)
-                    dropped = sum(s["gossip"]["dropped"] for s in live)
-                    dis = [s["disagreement_rel"] for s in live if s.get("disagreement_rel") is not None]
-                    desc = (
-                        f"slowest agent at period {slowest}, {len(live)}/{agents} gossiping, {sent} models sent, "
-                        f"{dropped} dropped" + (f", disagreement {max(dis):.1%}" if dis else "")
-                    )
-                    progress.update(bar, completed=slowest, description=desc)
-                    if len(live) == agents and all(s["round_state"] == "finished" for s in live):
-                        break
-                if time.monotonic() - started > 600:
-                    raise FedagentError(f"the federation did not finish in 10 minutes; logs in {work / 'logs'}")
-                time.sleep(0.25)
-        fed.close()
-        console.print(
-            f"all agents finished {periods} periods in {time.monotonic() - started:.1f}s; evaluating each "
+            f"all agents finished {periods} periods in {_elapsed(started)}; evaluating each "
             "agent's own model against local-only and centralized training"
         )
         task = load_task("digits", {"seed": SEED})
         table = Table(title="test accuracy on the held-out digits (450 images)", title_justify="left")
-        for col, just in (("model", "left"), ("training data", "left"), ("accuracy", "right")):
-            table.add_column(col, justify=just)
+        table.add_column("model")
+        table.add_column("training data")
+        table.add_column("accuracy", justify="right")
         steps = periods * period_steps
         gossip_acc: dict[str, float] = {}
         for aid in fed.agent_ids:
@@ -469,7 +449,7 @@ def run_gossip_demo(
             from fedagent.report import write_gossip_report
 
             md = write_gossip_report(
-                sorted((work / "state").glob(f"*/agent/{fed.fed}/history.jsonl")),
+                sorted((fed.work / "state").glob(f"*/agent/{fed.fed}/history.jsonl")),
                 report_dir,
                 title=f"fedagent gossip demo: {agents} agents, {periods} periods of "
                 f"{period_steps} steps, digits (alpha={alpha}), merge={merge}",
@@ -487,130 +467,32 @@ def run_gossip_demo(
         )
         console.print(
             f"{verdict}: worst agent {worst:.3f}, centralized {central:.3f} "
-            f"(gap {central - worst:+.3f}); total {time.monotonic() - started:.1f}s"
+            f"(gap {central - worst:+.3f}); total {_elapsed(started)}"
         )
         return 0 if ok else 1
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted; stopping every process the demo started[/]")
-        return 130
-    finally:
-        _tidy(fed, work, keep, console)
 
-
-def run_demo(
-    *,
-    agents: int = 3,
-    rounds: int = 15,
-    alpha: float = 0.3,
-    keep: bool = False,
-    report_dir: Path | None = None,
-    console: Console | None = None,
-) -> int:
-    import torch
-
-    from fedagent.tasks.base import load_task, set_weights
-
-    console = console or Console()
-    if agents < 2:
-        raise FedagentError("the demo needs at least 2 agents")
-    torch.set_num_threads(1)
-    work = Path(tempfile.mkdtemp(prefix="fedagent-demo-"))
-    fed = Federation(work, agents=agents, rounds=rounds, alpha=alpha)
-    started = time.monotonic()
-    try:
-        console.print(
-            f"[bold]fedagent demo[/]: federation [cyan]{fed.fed}[/], {agents} agents, {rounds} FedAvg "
-            f"rounds on scikit-learn digits (Dirichlet alpha={alpha}); work dir {work}"
-        )
-        with console.status("creating a CA and certificates, starting a private Mosquitto ..."):
-            fed.prepare()
-        console.print(
-            f"broker [green]{fed.broker.uri}[/] (mutual TLS, per-agent ACL); starting the "
-            f"coordinator and {agents} agents; agents find the coordinator by mDNS on 127.0.0.1"
-        )
-        fed.start_all()
-        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-        with Progress(*columns, console=console, transient=False) as progress:
-            bar = progress.add_task("waiting for agents", total=rounds)
-            while True:
-                fed.check_alive()
-                s = fed.status("coordinator")
-                if s is not None:
-                    m = s.get("metrics") or {}
-                    online = sum(1 for p in (s.get("peers") or {}).values() if p.get("online"))
-                    desc = f"round {s['round']} ({s['phase']}), {online}/{agents} agents online" + (
-                        f", train loss {m['loss']:.3f}" if "loss" in m else ""
-                    )
-                    progress.update(bar, completed=s["completed_rounds"], description=desc)
-                    if s["phase"] == "done":
-                        break
-                if time.monotonic() - started > 600:
-                    raise FedagentError(f"the federation did not finish in 10 minutes; logs in {work / 'logs'}")
-                time.sleep(0.25)
-        agent_status = {aid: fed.status(aid) for aid in fed.agent_ids}
-        weights, meta = fed.final_weights()
-        fed.close()
-        console.print(
-            f"federation finished {meta['completed_rounds']} rounds in "
-            f"{time.monotonic() - started:.1f}s; evaluating against local-only and centralized training"
-        )
-
-        task = load_task("digits", {"seed": SEED})
-        model = task.build_model()
-        set_weights(model, weights)
-        federated = task.evaluate(model)["accuracy"]
-        epochs = rounds * LOCAL_EPOCHS
-        table = Table(title="test accuracy on the held-out digits (450 images)", title_justify="left")
-        table.add_column("model")
-        table.add_column("training data")
-        table.add_column("accuracy", justify="right")
-        table.add_row("[bold]federated (FedAvg)[/]", f"{agents} agents, never pooled", f"[bold]{federated:.3f}[/]")
-        locals_ = []
-        for i, aid in enumerate(fed.agent_ids):
-            n = (agent_status.get(aid) or {}).get("num_samples", "?")
-            acc = train_reference({"shard": i, "shards": agents, "alpha": alpha, "seed": SEED}, epochs)
-            locals_.append(acc)
-            table.add_row(f"local only: {aid}", f"its own shard ({n} images)", f"{acc:.3f}")
-        central = train_reference({"seed": SEED}, epochs)
-        table.add_row("centralized", "union of all shards", f"{central:.3f}")
-        console.print(table)
-        if report_dir is not None:
-            from fedagent.report import find_histories, write_report
-
-            md = write_report(
-                find_histories(work / "state"),
-                report_dir,
-                title=f"fedagent demo: {agents} agents, {rounds} rounds, digits (alpha={alpha})",
-            )
-            with md.open("a") as f:
-                f.write(
-                    "\n## Final test accuracy\n\n| model | accuracy |\n|---|---|\n"
-                    f"| federated (FedAvg) | {federated:.3f} |\n"
-                    + "".join(f"| local only: {aid} | {acc:.3f} |\n" for aid, acc in zip(fed.agent_ids, locals_))
-                    + f"| centralized | {central:.3f} |\n"
-                )
-            console.print(f"report with plots: [cyan]{md}[/]")
-        ok = all(federated >= a for a in locals_)
-        verdict = (
-            "[green]federated >= every local-only model[/]"
-            if ok
-            else "[red]federated model is below a local-only model[/]"
-        )
-        console.print(
-            f"{verdict}; gap to centralized {central - federated:+.3f}; total {time.monotonic() - started:.1f}s"
-        )
-        return 0 if ok else 1
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted; stopping every process the demo started[/]")
-        return 130
-    finally:
-        _tidy(fed, work, keep, console)
+    plan: Plan[None] = Plan(
+        title=f"[bold]fedagent demo --mode gossip[/]: federation [cyan]{fed.fed}[/], {agents} agents and "
+        f"[bold]no coordinator[/]; each trains {period_steps} mini-batches, sends its model to a random "
+        f"peer and merges what it received ({merge}), {periods} times; scikit-learn digits "
+        f"(Dirichlet alpha={alpha})",
+        started=lambda fed: (
+            f"broker [green]{fed.broker_uri}[/] (mutual TLS, per-agent ACL); {fed.agent_ids[0]} "
+            "is given the broker and advertises it, the others find it by mDNS on 127.0.0.1"
+        ),
+        total=periods,
+        limit=600,
+        watch=watch,
+        collect=lambda fed: None,
+        evaluate=evaluate,
+    )
+    return run(fed, plan, keep=keep, console=console)
 
 
 # ---- Sync-Opt (gFedNTM) -----------------------------------------------------------------
 # ProdLDA on the paper's synthetic generator (Sec. 4.1), at a size that trains in about a
 # minute on 2 cores: 500 terms, 10 true topics of which 5 are shared by every agent.
-SYNCOPT_OPTIONS: dict = {
+SYNCOPT_OPTIONS: dict[str, Any] = {
     "corpus": "synthetic",
     "vocab_size": 500,
     "true_topics": 10,
@@ -636,79 +518,63 @@ def run_syncopt_demo(*, agents: int = 5, steps: int = 300, keep: bool = False, c
     from fedagent.tasks.base import get_weights, load_task, set_weights
 
     console = console or Console()
-    if agents < 2:
-        raise FedagentError("the demo needs at least 2 agents")
+    _need_agents(agents)
     torch.set_num_threads(1)
-    work = Path(tempfile.mkdtemp(prefix="fedagent-syncopt-demo-"))
-    fed = Federation(work, agents=agents, rounds=1, alpha=0.0)
+    fed = Federation(_work_dir("fedagent-syncopt-demo-"), agents=agents, rounds=1, alpha=0.0)
     started = time.monotonic()
+    o = SYNCOPT_OPTIONS
 
-    def options(i: int) -> dict:
+    def options(i: int) -> dict[str, Any]:
         return {**SYNCOPT_OPTIONS, "shard": i, "shards": agents}
 
-    try:
-        o = SYNCOPT_OPTIONS
-        console.print(
-            f"[bold]fedagent demo --mode syncopt[/] (gFedNTM): federation [cyan]{fed.fed}[/], {agents} "
-            f"agents with {o['docs']} synthetic documents each ({o['vocab_size']} terms, "
-            f"{o['true_topics']} true topics, {o['shared_topics']} shared); ProdLDA with {o['n_topics']} "
-            f"topics, {steps} Sync-Opt steps of {o['batch_size']} documents per agent; work dir {work}"
-        )
-        with console.status("creating a CA and certificates, starting a private Mosquitto ..."):
-            fed.prepare()
-            fed.prepare_syncopt(
-                "prodlda",
-                options,
-                options(0),
-                {
-                    "steps": steps,
-                    "expected_agents": agents,
-                    "min_agents": agents,
-                    "step_timeout": 60.0,
-                    "on_fault": "continue",
-                    "checkpoint_every": 50,
-                },
+    def configure(fed: Federation) -> None:
+        syncopt = {
+            "steps": steps,
+            "expected_agents": agents,
+            "min_agents": agents,
+            "step_timeout": 60.0,
+            "on_fault": "continue",
+            "checkpoint_every": 50,
+        }
+        fed.prepare_syncopt("prodlda", options, options(0), syncopt)
+
+    last: dict[str, Any] = {}
+
+    def watch(fed: Federation) -> Watch | None:
+        s = fed.status("coordinator")
+        if s is None:
+            return None
+        last.update(s)
+        if s["phase"] == "vocabulary":
+            desc = f"vocabulary: {len(s.get('vocabulary_offers') or [])}/{agents} offers"
+        else:
+            loss = s.get("last_loss")
+            desc = f"{s['phase']}: step {s['step']}, vocabulary {s.get('vocabulary_size')} terms" + (
+                f", loss {loss:.2f}" if loss is not None else ""
             )
-        console.print(
-            f"broker [green]{fed.broker.uri}[/] (mutual TLS, per-agent ACL); agents find the coordinator "
-            "by mDNS, send it their vocabularies (terms and counts, never a document), then one gradient "
-            "per step"
-        )
-        fed.start_all()
-        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-        with Progress(*columns, console=console, transient=False) as progress:
-            bar = progress.add_task("waiting for agents", total=steps)
-            while True:
-                fed.check_alive()
-                s = fed.status("coordinator")
-                if s is not None:
-                    if s["phase"] == "vocabulary":
-                        desc = f"vocabulary: {len(s.get('vocabulary_offers') or [])}/{agents} offers"
-                    else:
-                        loss = s.get("last_loss")
-                        desc = f"{s['phase']}: step {s['step']}, vocabulary {s.get('vocabulary_size')} terms" + (
-                            f", loss {loss:.2f}" if loss is not None else ""
-                        )
-                    progress.update(bar, completed=s["steps_done"], description=desc)
-                    if s["phase"] in ("done", "aborted"):
-                        break
-                if time.monotonic() - started > 900:
-                    raise FedagentError(f"the federation did not finish in 15 minutes; logs in {work / 'logs'}")
-                time.sleep(0.25)
-        if s["phase"] != "done":
-            raise FedagentError(f"Sync-Opt aborted; logs in {work / 'logs'}")
+        return Watch(s["steps_done"], desc, s["phase"] in ("done", "aborted"))
+
+    def collect(fed: Federation) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+        if last.get("phase") != "done":
+            raise FedagentError(f"Sync-Opt aborted; logs in {fed.work / 'logs'}")
         weights, meta = fed.final_weights()
         weights = {k: v for k, v in weights.items() if not k.startswith("optim/")}
-        vocab = (work / "state" / "coordinator" / "coordinator" / fed.fed / "vocabulary.json").read_text()
-        import json
+        vocab = (fed.work / "state" / "coordinator" / "coordinator" / fed.fed / "vocabulary.json").read_text()
+        return weights, meta, json.loads(vocab)["terms"]
 
-        terms = json.loads(vocab)["terms"]
-        fed.close()
+    def ntm_task(i: int) -> ntm.NtmTask:
+        task = load_task("prodlda", options(i))
+        if not isinstance(task, ntm.NtmTask):
+            raise FedagentError(f"prodlda is not a topic-model task ({type(task).__name__})")
+        return task
+
+    def evaluate(collected: tuple[dict[str, Any], dict[str, Any], list[str]]) -> int:
+        weights, meta, terms = collected
         console.print(
-            f"federation finished {meta['model_version']} steps in {time.monotonic() - started:.1f}s "
+            f"federation finished {meta['model_version']} steps in {_elapsed(started)} "
             f"(exact: {meta['exact']}); training the same steps centralized in this process ..."
         )
-        tasks = [load_task("prodlda", options(i)) for i in range(agents)]
+        tasks = [ntm_task(i) for i in range(agents)]
         for t in tasks:
             t.set_vocabulary(terms)
         central = tasks[0].build_model()
@@ -748,11 +614,25 @@ def run_syncopt_demo(*, agents: int = 5, steps: int = 300, keep: bool = False, c
                 if ok
                 else "[red]federated training differs from centralized training[/]"
             )
-            + f"; total {time.monotonic() - started:.1f}s"
+            + f"; total {_elapsed(started)}"
         )
         return 0 if ok else 1
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted; stopping every process the demo started[/]")
-        return 130
-    finally:
-        _tidy(fed, work, keep, console)
+
+    plan = Plan(
+        title=f"[bold]fedagent demo --mode syncopt[/] (gFedNTM): federation [cyan]{fed.fed}[/], {agents} "
+        f"agents with {o['docs']} synthetic documents each ({o['vocab_size']} terms, "
+        f"{o['true_topics']} true topics, {o['shared_topics']} shared); ProdLDA with {o['n_topics']} "
+        f"topics, {steps} Sync-Opt steps of {o['batch_size']} documents per agent",
+        started=lambda fed: (
+            f"broker [green]{fed.broker_uri}[/] (mutual TLS, per-agent ACL); agents find the "
+            "coordinator by mDNS, send it their vocabularies (terms and counts, never a document), then one "
+            "gradient per step"
+        ),
+        total=steps,
+        limit=900,
+        watch=watch,
+        collect=collect,
+        evaluate=evaluate,
+        configure=configure,
+    )
+    return run(fed, plan, keep=keep, console=console)

@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from fedagent.demo import Federation, Proc
 from fedagent.errors import FedagentError
 from fedagent.extras import EXPERIMENTS, require_installed
+from fedagent.localfed import Federation, Proc
 from fedagent.protocols.mobility import sample_speeds, truncated_gaussian_moments
 from fedagent.tasks.flsimco import DEFAULT_CAMERA, DEFAULT_MOBILITY
 

@@ -488,13 +488,13 @@ def syncopt_through_daemons(
 ) -> tuple[dict[str, np.ndarray], list[str], dict]:
     """Run ``steps`` Sync-Opt steps of ProdLDA on ``options`` (one shard per agent) through
     a private Mosquitto with mutual TLS, a coordinator process and ``agents`` agent
-    processes that find it by mDNS (:class:`fedagent.demo.Federation`). Returns the
+    processes that find it by mDNS (:class:`fedagent.localfed.Federation`). Returns the
     coordinator's final weights, the agreed vocabulary and the checkpoint's metadata."""
     import shutil
     import tempfile
 
-    from fedagent.demo import Federation
     from fedagent.errors import FedagentError
+    from fedagent.localfed import Federation
 
     work = Path(tempfile.mkdtemp(prefix="fedagent-gfedntm-"))
     fed = Federation(work, agents=agents, rounds=1, alpha=0.0)

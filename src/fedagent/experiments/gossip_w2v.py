@@ -49,9 +49,9 @@ from rich.console import Console
 from rich.table import Table
 
 from fedagent import checkpoint
-from fedagent.demo import Federation
 from fedagent.errors import FedagentError
 from fedagent.extras import EXPERIMENTS, require, require_installed
+from fedagent.localfed import Federation
 from fedagent.report import pyplot
 from fedagent.tasks import text_data as td
 from fedagent.tasks import text_metrics as tm

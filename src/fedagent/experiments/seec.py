@@ -146,8 +146,8 @@ def overlaps(central: list[list[int]], other: list[list[int]], k: int) -> np.nda
 def run_joint(scale: Scale, work: Path, console: Console) -> tuple[dict[str, np.ndarray], dict, list, str]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from fedagent.demo import Federation
     from fedagent.errors import FedagentError
+    from fedagent.localfed import Federation
 
     agent_opts = options(scale, infer_epochs=scale.agent_infer_epochs)
     rounds = {
@@ -273,8 +273,8 @@ def run_live_mapped(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from fedagent.agent.search import MAX_QUERY_CHARS
-    from fedagent.demo import Federation
     from fedagent.errors import FedagentError
+    from fedagent.localfed import Federation
     from fedagent.node.control import request
 
     k = min(scale.k, len(titles) - 1)

@@ -1,0 +1,76 @@
+"""A broker, a coordinator and N agents for the network tests: ``from netfed import ...``.
+
+``running(work, configure=None, start=True, **kw)``
+    A :class:`~fedagent.localfed.Federation` (keyword arguments as its constructor: agents,
+    rounds, alpha, mode, task, task_options, agent_broker_by_mdns, ...) in ``work``: a CA
+    and certificates, a private Mosquitto with mutual TLS, every config written
+    (``configure(fed)`` may rewrite them before anything starts), the coordinator and
+    agent processes started unless ``start=False``. Everything is stopped when the block
+    ends, also when a test fails::
+
+        @pytest.fixture(scope="module")
+        def federation(tmp_path_factory):
+            with running(tmp_path_factory.mktemp("fed"), agents=3, rounds=6, alpha=0.3) as fed:
+                yield fed
+
+``wait_for(predicate, timeout, what, fed=None)``
+    The one way these tests wait: poll ``predicate()`` until it returns something true
+    (returned) or ``timeout`` seconds pass (AssertionError naming ``what``). With ``fed``,
+    a daemon that exits meanwhile fails the wait at once, with its last log lines.
+
+``coordinator_in(fed, *phases)`` / ``agents_in(fed, key, *values)``
+    The coordinator's status if its ``phase`` is one of ``phases``; every agent's status
+    if each one's ``key`` (``"phase"``, ``"round_state"``) is one of ``values``; None
+    otherwise (for ``wait_for``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fedagent.localfed import Federation
+
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, fed: Federation | None = None) -> T:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if fed is not None:
+            fed.check_alive()
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@contextlib.contextmanager
+def running(
+    work: Path, *, configure: Callable[[Federation], None] | None = None, start: bool = True, **kw: Any
+) -> Iterator[Federation]:
+    fed = Federation(work, **kw)
+    try:
+        fed.prepare()
+        if configure is not None:
+            configure(fed)
+        if start:
+            fed.start_all()
+        yield fed
+    finally:
+        fed.close()
+
+
+def coordinator_in(fed: Federation, *phases: str) -> dict[str, Any] | None:
+    s = fed.status("coordinator")
+    return s if s and s["phase"] in phases else None
+
+
+def agents_in(fed: Federation, key: str, *values: str) -> list[dict[str, Any]] | None:
+    statuses = [fed.status(a) for a in fed.agent_ids]
+    done = [s for s in statuses if s and s.get(key) in values]
+    return done if len(done) == len(statuses) else None
