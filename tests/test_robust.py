@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from fedagent import config as config_mod
-from fedagent.coordinator.daemon import round_config
+from fedagent.coordinator.fedavg import round_config
 from fedagent.errors import ConfigError
 from fedagent.protocols import gossip as G
 from fedagent.protocols import rounds as R

@@ -196,7 +196,7 @@ def test_fedavg_streams_by_default() -> None:
 
 def _config(tmp_path, pki, aggregation: str, transfer: str) -> ConfigError | None:
     from fedagent.config import load
-    from fedagent.coordinator.daemon import round_config
+    from fedagent.coordinator.fedavg import round_config
 
     t = pki.tls("coord")
     p = tmp_path / f"{aggregation}.toml"

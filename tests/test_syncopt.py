@@ -389,7 +389,7 @@ def test_optimizer_state_survives_a_checkpoint(tmp_path):
     import torch
 
     from fedagent import checkpoint
-    from fedagent.coordinator.syncopt import OPTIM_PREFIX, load_optimizer_state, optimizer_state
+    from fedagent.coordinator.syncopt import OPTIMIZER_PREFIX, load_optimizer_state, optimizer_state
     from fedagent.tasks.base import get_weights
 
     def model_and_opt():
@@ -407,13 +407,15 @@ def test_optimizer_state_survives_a_checkpoint(tmp_path):
     for k in range(3):
         step(m, opt, k)
     arrays, scalars = optimizer_state(opt)
-    assert arrays and all(k.startswith(OPTIM_PREFIX) for k in arrays)
+    assert arrays and all(k.startswith(OPTIMIZER_PREFIX) for k in arrays)
     checkpoint.save(tmp_path / "c.ckpt", {**get_weights(m), **arrays}, {"optimizer": scalars})
     saved, meta = checkpoint.load(tmp_path / "c.ckpt")
 
     m2, opt2 = model_and_opt()
-    m2.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in saved.items() if not k.startswith(OPTIM_PREFIX)})
-    load_optimizer_state(opt2, {k: v for k, v in saved.items() if k.startswith(OPTIM_PREFIX)}, meta["optimizer"])
+    m2.load_state_dict(
+        {k: torch.from_numpy(np.array(v)) for k, v in saved.items() if not k.startswith(OPTIMIZER_PREFIX)}
+    )
+    load_optimizer_state(opt2, {k: v for k, v in saved.items() if k.startswith(OPTIMIZER_PREFIX)}, meta["optimizer"])
     step(m, opt, 3)
     step(m2, opt2, 3)
     for (n, a), b in zip(get_weights(m).items(), get_weights(m2).values()):

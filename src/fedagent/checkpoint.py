@@ -18,6 +18,8 @@ from fedagent.protocols.codec import Limits, decode_weights, encode_weights
 from fedagent.statefile import atomic_write_with
 
 FORMAT = 1
+#: Key prefix of optimizer state saved next to the weights (a Sync-Opt coordinator's).
+OPTIMIZER_PREFIX = "optim/"
 
 
 def save(path: Path, weights: dict[str, np.ndarray], meta: dict[str, Any]) -> None:

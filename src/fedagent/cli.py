@@ -101,18 +101,13 @@ def agent(config_path: Path) -> None:
 def coordinator(config_path: Path) -> None:
     """Run the coordinator daemon."""
     from fedagent import config
-    from fedagent.coordinator.daemon import Coordinator
+    from fedagent.coordinator.daemon import build_coordinator
 
     try:
         cfg = config.load(config_path, "coordinator")
     except FedagentError as exc:
         _fail(exc)
-    if cfg.mode == "syncopt":
-        from fedagent.coordinator.syncopt import SyncOptCoordinator
-
-        _run_daemon(lambda: SyncOptCoordinator(cfg))
-        return
-    _run_daemon(lambda: Coordinator(cfg))
+    _run_daemon(lambda: build_coordinator(cfg))
 
 
 # -- operator commands ---------------------------------------------------------------

@@ -20,11 +20,10 @@ from typing import Any
 import numpy as np
 
 from fedagent import checkpoint
+from fedagent.checkpoint import OPTIMIZER_PREFIX
 from fedagent.config import NodeConfig
 from fedagent.errors import FedagentError
 
-#: Key prefix of the optimizer state a Sync-Opt coordinator saves with the weights.
-OPTIMIZER_PREFIX = "optim/"
 FORMATS = ("pt", "safetensors")
 
 _SAFETENSORS_DTYPES = {

@@ -1,4 +1,4 @@
-"""``fedagent coordinator`` in a ``mode = "syncopt"`` federation (gFedNTM Algorithm 1).
+"""Sync-Opt steps: the coordinator mode of a ``mode = "syncopt"`` federation (gFedNTM Algorithm 1).
 
 Two stages, each a pure machine fed from one event queue:
 
@@ -25,6 +25,7 @@ import json
 import logging
 import time
 import warnings
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,32 +33,24 @@ import numpy as np
 import torch
 
 from fedagent import checkpoint
-from fedagent.config import NodeConfig
+from fedagent.checkpoint import OPTIMIZER_PREFIX
+from fedagent.coordinator.core import CoordinatorCore
 from fedagent.coordinator.vocabstage import has_vocabulary, load_vocabulary, publish_vocabulary
 from fedagent.errors import ConfigError, FedagentError
 from fedagent.metrics import NodeMetrics
 from fedagent.node import sdnotify
-from fedagent.node.control import ControlServer
-from fedagent.node.discovery import Advert, Discovery
-from fedagent.node.messaging import Incoming, Messenger
-from fedagent.node.runtime import History, Timer, make_transport, node_identity, presence_payload
-from fedagent.pki import fingerprint
+from fedagent.node.messaging import Incoming
+from fedagent.node.runtime import Timer
 from fedagent.protocols import syncopt as S
 from fedagent.protocols import topics
 from fedagent.protocols import vocab as V
-from fedagent.protocols.messages import GlobalModel, Presence, SyncGradient, SyncStep, VocabOffer, Vocabulary
-from fedagent.statefile import atomic_write, cleanup_temp_files, read_bytes
-from fedagent.tasks.base import get_weights, load_task
+from fedagent.protocols.messages import GlobalModel, SyncGradient, SyncStep, VocabOffer, Vocabulary
+from fedagent.statefile import atomic_write, read_bytes
+from fedagent.tasks.base import get_weights
 
 log = logging.getLogger("fedagent.coordinator.syncopt")
 
-OPTIM_PREFIX = "optim/"
 STEP_RESERVATION = 100
-
-
-@dataclass(frozen=True, slots=True)
-class _Net:
-    incoming: Incoming
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +81,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, np.ndar
     for idx, st in sd["state"].items():
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
-                arrays[f"{OPTIM_PREFIX}{idx}/{k}"] = v.detach().cpu().numpy().copy()
+                arrays[f"{OPTIMIZER_PREFIX}{idx}/{k}"] = v.detach().cpu().numpy().copy()
             else:
                 scalars[f"{idx}/{k}"] = v
     return arrays, scalars
@@ -100,7 +93,7 @@ def load_optimizer_state(
     sd = optimizer.state_dict()
     state: dict[int, dict[str, Any]] = {}
     for key, arr in arrays.items():
-        idx, _, k = key[len(OPTIM_PREFIX) :].partition("/")
+        idx, _, k = key[len(OPTIMIZER_PREFIX) :].partition("/")
         state.setdefault(int(idx), {})[k] = torch.from_numpy(np.array(arr, copy=True))
     for key, v in scalars.items():
         idx, _, k = key.partition("/")
@@ -109,23 +102,23 @@ def load_optimizer_state(
     optimizer.load_state_dict(sd)
 
 
-class SyncOptCoordinator:
-    def __init__(self, cfg: NodeConfig) -> None:
+class SyncOptMode:
+    title = "Sync-Opt coordinator"
+
+    def __init__(self, core: CoordinatorCore) -> None:
+        cfg = core.cfg
         if cfg.mode != "syncopt":
-            raise ConfigError(f"{cfg.path}: SyncOptCoordinator needs mode = 'syncopt'")
+            raise ConfigError(f"{cfg.path}: the Sync-Opt coordinator needs mode = 'syncopt'")
+        self.core = core
         self.cfg = cfg
         self.settings = cfg.syncopt
-        self.fed = cfg.federation
-        self.dir = cfg.state_dir / "coordinator" / self.fed
-        self.dir.mkdir(parents=True, exist_ok=True)
-        cleanup_temp_files(self.dir)
-        self.ckpt_path = self.dir / "global.ckpt"
-        self.vocab_path = self.dir / "vocabulary.json"
-        self.step_path = self.dir / "last_step_started"
-        self.history = History(self.dir / "history.jsonl")
-        torch.set_num_threads(cfg.torch_threads)
+        self.fed = core.fed
+        self.ckpt_path = core.ckpt_path
+        self.vocab_path = core.dir / "vocabulary.json"
+        self.step_path = core.dir / "last_step_started"
+        self.history = core.history
         self.machine_config = self.settings.machine_config()
-        self.task = load_task(cfg.task, cfg.task_options)
+        self.task: Any = core.task
         check_sync_task(self.task, str(cfg.path))
         self.vocabulary: Vocabulary | None = None
         self.vocab_machine: V.VocabularyMerge | None = None
@@ -143,34 +136,10 @@ class SyncOptCoordinator:
         else:
             # Before going online: agents offer their vocabularies when they see us.
             self._warm_up()
-        self.queue: asyncio.Queue = asyncio.Queue(maxsize=10_000)
-        self.timer = Timer(self.queue, S.Wakeup())
-        self.vocab_timer = Timer(self.queue, _VocabWakeup())
-        self.start_timer = Timer(self.queue, _StartWakeup())
-        self.transport = make_transport(
-            cfg,
-            self.fed,
-            cfg.broker,
-            subscriptions=[topics.all_presence(self.fed), topics.inbox(self.fed, cfg.id)],
-            on_connect=self._on_connect,
-        )
-        self.metrics = NodeMetrics("coordinator", cfg.id, self.fed)
-        self.metrics.before_scrape = self._refresh_metrics
-        self.metrics_url: str | None = None
-        self.messenger = Messenger(
-            federation=self.fed,
-            node_id=cfg.id,
-            transport=self.transport,
-            max_chunk_bytes=cfg.max_chunk_bytes,
-            max_model_bytes=cfg.max_model_bytes,
-            metrics=self.metrics,
-            identity=node_identity(cfg),
-            max_skew=cfg.max_clock_skew,
-            state_dir=self.dir,
-        )
+        self.timer = Timer(core.queue, S.Wakeup())
+        self.vocab_timer = Timer(core.queue, _VocabWakeup())
+        self.start_timer = Timer(core.queue, _StartWakeup())
         self.online: dict[str, int] = {}
-        self.peers: dict[str, dict[str, Any]] = {}
-        self.rejections: list[dict[str, Any]] = []
         self.quorum_since: float | None = None
         self.step_started_at: float | None = None
         self.timings = {"optimizer_s": 0.0, "steps": 0, "step_s": 0.0}
@@ -179,7 +148,6 @@ class SyncOptCoordinator:
         self.last_optimizer_s = 0.0
         self.step_started_t = self.last_gradient_t = 0.0
         self.finished_reason: str | None = None
-        self.settled = self.status_snapshot()
 
     # -- vocabulary and model ------------------------------------------------------------
     def _load_vocabulary(self) -> Vocabulary | None:
@@ -205,8 +173,8 @@ class SyncOptCoordinator:
             saved, meta = resumed
             if meta.get("vocab_digest", "") != self.vocab_digest:
                 raise FedagentError(f"{self.ckpt_path} was trained on another vocabulary; move it away")
-            opt_arrays = {k: v for k, v in saved.items() if k.startswith(OPTIM_PREFIX)}
-            weights = {k: v for k, v in saved.items() if not k.startswith(OPTIM_PREFIX)}
+            opt_arrays = {k: v for k, v in saved.items() if k.startswith(OPTIMIZER_PREFIX)}
+            weights = {k: v for k, v in saved.items() if not k.startswith(OPTIMIZER_PREFIX)}
             self._load_into(model, weights)
             weights = get_weights(model)
             load_optimizer_state(optimizer, opt_arrays, meta.get("optimizer", {}))
@@ -259,49 +227,36 @@ class SyncOptCoordinator:
     def vocab_digest(self) -> str:
         return self.vocabulary.digest if self.vocabulary is not None else ""
 
-    # -- network -------------------------------------------------------------------------
-    async def _on_connect(self) -> None:
-        version = self.machine.model_version if self.machine else 0
-        await self.transport.publish(
-            topics.presence(self.fed, self.cfg.id),
-            presence_payload(self.cfg, self.fed, True, model_version=version, broker=self.cfg.broker),
-            retain=True,
-        )
+    # -- Mode ----------------------------------------------------------------------------
+    def model_version(self) -> int:
+        return self.machine.model_version if self.machine is not None else 0
+
+    async def on_connect(self) -> None:
         if self.vocabulary is not None:
             await self._publish_vocabulary()
 
     async def _publish_vocabulary(self) -> None:
         assert self.vocabulary is not None
-        await publish_vocabulary(self.messenger, self.fed, self.vocabulary)
+        await publish_vocabulary(self.core.messenger, self.fed, self.vocabulary)
 
-    async def _on_payload(self, topic: str, payload: bytes) -> None:
-        await self.messenger.receive(topic, payload, self._deliver)
+    async def start(self, now: float) -> None:
+        if self.vocab_machine is not None:
+            for cmd in self.vocab_machine.start(now):
+                if isinstance(cmd, V.RequestWakeup):
+                    self.vocab_timer.request(cmd.at)
 
-    async def _deliver(self, inc: Incoming) -> None:
-        await self.queue.put(_Net(inc))
+    async def on_presence(self, agent: str, online: bool, samples: int, now: float) -> None:
+        if online:
+            self.online[agent] = samples
+        else:
+            self.online.pop(agent, None)
+        if self.machine is not None and self.machine.phase is not S.Phase.WAITING:
+            await self._run_machine(S.AgentOnline(agent) if online else S.AgentOffline(agent), now)
+        elif self.machine is not None:
+            await self._maybe_begin(now)
 
-    # -- events --------------------------------------------------------------------------
-    async def _on_net(self, inc: Incoming, now: float) -> None:
+    async def on_message(self, inc: Incoming, now: float) -> None:
         msg = inc.message
-        if isinstance(msg, Presence):
-            if msg.role != "agent" or inc.sender == self.cfg.id:
-                return
-            self.peers[inc.sender] = {
-                "online": msg.online,
-                "role": msg.role,
-                "samples": msg.num_samples,
-                "last_seen": time.time(),
-            }
-            if msg.online:
-                self.online[inc.sender] = msg.num_samples
-            else:
-                self.online.pop(inc.sender, None)
-            if self.machine is not None and self.machine.phase is not S.Phase.WAITING:
-                ev = S.AgentOnline(inc.sender) if msg.online else S.AgentOffline(inc.sender)
-                await self._run_machine(ev, now)
-            elif self.machine is not None:
-                await self._maybe_begin(now)
-            return
         if isinstance(msg, VocabOffer):
             if self.vocab_machine is not None and self.vocab_machine.phase is not V.VocabPhase.AGREED:
                 await self._run_vocab(V.OfferReceived(inc.sender, msg.terms, msg.counts), now)
@@ -319,6 +274,23 @@ class SyncOptCoordinator:
             )
             return
         log.debug("ignoring %s from %s", type(msg).__name__, inc.sender)
+
+    async def on_item(self, item: Any, now: float) -> None:
+        if isinstance(item, _VocabWakeup):
+            if self.vocab_machine is not None:
+                await self._run_vocab(V.Wakeup(), now)
+        elif isinstance(item, _StartWakeup):
+            if self.machine is not None:
+                await self._maybe_begin(now)
+        elif self.machine is not None:
+            await self._run_machine(item, now)
+
+    def background(self) -> list[Coroutine[Any, Any, None]]:
+        return []
+
+    def close(self) -> None:
+        for t in (self.timer, self.vocab_timer, self.start_timer):
+            t.cancel()
 
     async def _run_vocab(self, ev, now: float) -> None:
         assert self.vocab_machine is not None
@@ -399,11 +371,7 @@ class SyncOptCoordinator:
             pending.extend(more)
 
     def _note_rejection(self, sender: str, step: int, reason: str, detail: str) -> None:
-        log.warning("rejected from %s (step %d): %s (%s)", sender, step, reason, detail)
-        self.metrics.rejected(reason)
-        self.rejections = (self.rejections + [{"sender": sender, "step": step, "reason": reason, "detail": detail}])[
-            -20:
-        ]
+        self.core.reject(sender, reason, detail, step=step)
 
     # -- commands ------------------------------------------------------------------------
     async def _execute(self, cmd: S.Command) -> list[S.Command]:
@@ -417,10 +385,10 @@ class SyncOptCoordinator:
                 # so a number once broadcast is never reused, at one fsync per block.
                 self.reserved_step = cmd.step + STEP_RESERVATION
                 await asyncio.to_thread(atomic_write, self.step_path, str(self.reserved_step).encode())
-            self.metrics.round_started(cmd.step)
+            self.core.metrics.round_started(cmd.step)
             if cmd.step == 1 or cmd.step % 50 == 0:
                 sdnotify.status(f"Sync-Opt step {cmd.step}: {len(cmd.participants)} agents")
-            await self.messenger.send(
+            await self.core.messenger.send(
                 topics.broadcast(self.fed, "sync_step"),
                 SyncStep(cmd.step, cmd.model_version, cmd.participants, cmd.deadline_s, self.vocab_digest, cmd.weights),
                 round_=cmd.step,
@@ -437,8 +405,8 @@ class SyncOptCoordinator:
             self.last_step_seconds = took
             self.timings["steps"] += 1
             self.timings["step_s"] += took
-            self.metrics.round_completed(took, {"loss": cmd.loss})
-            self.metrics.set_model_version(cmd.model_version)
+            self.core.metrics.round_completed(took, {"loss": cmd.loss})
+            self.core.metrics.set_model_version(cmd.model_version)
             self.pending_history.append(
                 {
                     "event": "step",
@@ -454,8 +422,8 @@ class SyncOptCoordinator:
                     "optimizer_s": round(self.last_optimizer_s, 5),
                     "started_t": self.step_started_t,
                     "last_gradient_t": self.last_gradient_t,
-                    "bytes_in": self.messenger.bytes_in,
-                    "bytes_out": self.messenger.bytes_out,
+                    "bytes_in": self.core.messenger.bytes_in,
+                    "bytes_out": self.core.messenger.bytes_out,
                 }
             )
             if cmd.final or self.machine.steps_done % self.settings.checkpoint_every == 0:
@@ -488,7 +456,7 @@ class SyncOptCoordinator:
                     **self._timing_summary(),
                 }
             )
-            await self.messenger.send(
+            await self.core.messenger.send(
                 topics.broadcast(self.fed, "model"),
                 GlobalModel(cmd.model_version, self.machine.step, True, cmd.weights),
                 round_=self.machine.step,
@@ -543,9 +511,10 @@ class SyncOptCoordinator:
         return {"mean_step_s": self.timings["step_s"] / n, "mean_optimizer_s": self.timings["optimizer_s"] / n}
 
     # -- status --------------------------------------------------------------------------
-    def status_snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
         m = self.machine.status() if self.machine is not None else {}
         vs = self.vocab_machine.status() if self.vocab_machine is not None else {}
+        last_loss = m.get("last_loss")
         return {
             "phase": self.phase,
             "step": m.get("step", 0),
@@ -554,119 +523,19 @@ class SyncOptCoordinator:
             "model_version": m.get("model_version", 0),
             "participants": m.get("participants", []),
             "received": m.get("received", []),
-            "last_loss": m.get("last_loss"),
+            "last_loss": last_loss,
             "rel_change": m.get("rel_change"),
             "exact": m.get("exact", True),
             "vocabulary_size": len(self.vocabulary.terms) if self.vocabulary is not None else None,
             "vocabulary_offers": vs.get("offers", []),
             "finished_reason": self.finished_reason,
-        }
-
-    async def _status(self, _args: dict) -> dict:
-        m = self.settled
-        return {
-            "role": "coordinator",
-            "id": self.cfg.id,
-            "federation": self.fed,
-            "mode": self.cfg.mode,
-            "broker": self.cfg.broker,
-            "connection": self.transport.state,
-            "reconnects": self.transport.reconnects,
-            "last_error": self.transport.last_error,
-            **m,
-            "round": m["step"],
-            "metrics": {"loss": m["last_loss"]} if m["last_loss"] is not None else {},
-            "peers": {k: v for k, v in sorted(self.peers.items())},
+            "round": m.get("step", 0),
+            "metrics": {"loss": last_loss} if last_loss is not None else {},
             "last_step_seconds": self.last_step_seconds,
             "timings": self._timing_summary(),
-            "rejected": dict(self.messenger.rejected),
-            "recent_rejections": self.rejections,
-            "bytes_in": self.messenger.bytes_in,
-            "bytes_out": self.messenger.bytes_out,
-            "checkpoint": str(self.ckpt_path),
-            "metrics_url": self.metrics_url,
         }
 
-    def _refresh_metrics(self, m: NodeMetrics) -> None:
-        m.set_connected(self.transport.connected)
-        m.set_reconnects(self.transport.reconnects)
-        m.set_peers(sum(1 for p in self.peers.values() if p.get("online")))
+    def refresh_metrics(self, m: NodeMetrics) -> None:
         if self.machine is not None:
             m.set_model_version(self.machine.model_version)
             m.round_started(self.machine.step)
-
-    async def _peers(self, _args: dict) -> dict:
-        return {
-            "id": self.cfg.id,
-            "federation": self.fed,
-            "peers": {k: {**v, "broker": self.cfg.broker, "mdns": False} for k, v in sorted(self.peers.items())},
-        }
-
-    # -- main ----------------------------------------------------------------------------
-    async def _process(self) -> None:
-        if self.vocab_machine is not None:
-            for cmd in self.vocab_machine.start(time.monotonic()):
-                if isinstance(cmd, V.RequestWakeup):
-                    self.vocab_timer.request(cmd.at)
-        while True:
-            item = await self.queue.get()
-            now = time.monotonic()
-            if isinstance(item, _Net):
-                await self._on_net(item.incoming, now)
-            elif isinstance(item, _VocabWakeup):
-                if self.vocab_machine is not None:
-                    await self._run_vocab(V.Wakeup(), now)
-            elif isinstance(item, _StartWakeup):
-                if self.machine is not None:
-                    await self._maybe_begin(now)
-            elif self.machine is not None:
-                await self._run_machine(item, now)
-            self.settled = self.status_snapshot()
-
-    async def run(self) -> None:
-        ready = asyncio.Event()
-        control = ControlServer(self.cfg.control_socket, {"status": self._status, "peers": self._peers})
-        await control.start()
-        if self.cfg.metrics_port >= 0:
-            host, port = await self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
-            self.metrics_url = f"http://{host}:{port}/metrics"
-        try:
-            async with asyncio.TaskGroup() as tg, Discovery(self.cfg.interfaces) as disc:
-                tg.create_task(self.transport.run(self._on_payload, ready))
-                tg.create_task(sdnotify.watchdog_loop())
-                await ready.wait()
-                if self.cfg.advertise:
-                    await disc.register(
-                        Advert(
-                            federation=self.fed,
-                            node_id=self.cfg.id,
-                            role="coordinator",
-                            broker_uri=self.cfg.broker,
-                            fingerprint=fingerprint(self.cfg.tls.cert),
-                        )
-                    )
-                sdnotify.ready(f"Sync-Opt coordinator of {self.fed}: waiting for agents")
-                log.info(
-                    "Sync-Opt coordinator %s of federation %s on %s (%s)",
-                    self.cfg.id,
-                    self.fed,
-                    self.cfg.broker,
-                    self.phase,
-                )
-                tg.create_task(self._process())
-                await asyncio.Event().wait()
-        finally:
-            sdnotify.stopping()
-            for t in (self.timer, self.vocab_timer, self.start_timer):
-                t.cancel()
-            try:
-                await asyncio.wait_for(
-                    self.transport.close(
-                        (topics.presence(self.fed, self.cfg.id), presence_payload(self.cfg, self.fed, False))
-                    ),
-                    5,
-                )
-            except Exception as exc:  # noqa: BLE001 - best effort on the way out
-                log.debug("clean close failed: %s", exc)
-            await control.close()
-            await self.metrics.close()

@@ -1,0 +1,310 @@
+"""The coordinator daemon's core, shared by every coordinated mode.
+
+The core owns what does not depend on how a federation trains: the state directory and
+its history file, the task, the broker connection and the signed messenger, presence
+(the coordinator's own, retained, and the table of agents it has heard from), the
+control socket (``status``, ``peers``), the Prometheus metrics, the mDNS advert,
+sd_notify and a clean shutdown. One event queue feeds everything to the mode one item
+at a time, in arrival order: network messages, presence changes, timer wake-ups and
+streamed update parts.
+
+A mode is the round logic: a pure machine from :mod:`fedagent.protocols` plus an adapter
+(:class:`Mode`) that turns queue items into the machine's events and carries out its
+commands through the core (``core.messenger.send``, ``core.history``, ``core.reject``,
+timers on ``core.queue``). FedAvg (:mod:`.fedavg`) and Sync-Opt (:mod:`.syncopt`) are
+the two modes; :mod:`.daemon` maps ``mode = "..."`` in the config to one of them.
+
+Adding a third coordinated mode means:
+
+1. its pure machine in ``protocols/`` (events in, commands out, no I/O; trace-tested);
+2. an adapter class here in ``coordinator/`` implementing :class:`Mode`, usually a
+   constructor that builds the machine (resuming from ``core.ckpt_path``), ``on_message``
+   and ``on_item`` that feed it, an ``_execute`` for its commands and ``snapshot`` for
+   ``fedagent status``;
+3. one line in :data:`fedagent.coordinator.daemon.MODES` and the mode name in
+   :data:`fedagent.config.MODES`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from fedagent.config import NodeConfig
+from fedagent.metrics import NodeMetrics
+from fedagent.node import sdnotify
+from fedagent.node.control import ControlServer
+from fedagent.node.discovery import Advert, Discovery
+from fedagent.node.messaging import Incoming, Messenger
+from fedagent.node.runtime import History, make_transport, node_identity, presence_payload
+from fedagent.pki import fingerprint
+from fedagent.protocols import topics
+from fedagent.protocols.messages import Presence
+from fedagent.statefile import cleanup_temp_files
+from fedagent.tasks.base import Task, load_task
+
+log = logging.getLogger("fedagent.coordinator")
+
+#: Recent rejections kept for ``fedagent status``.
+RECENT_REJECTIONS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Net:
+    """A verified message from the broker, as a queue item."""
+
+    incoming: Incoming
+
+
+class Mode(Protocol):
+    """The round logic of one coordinated mode, driven by :class:`CoordinatorCore`.
+
+    Every method runs on the core's event loop, one queue item at a time; a mode never
+    reads the network itself. ``snapshot`` is what ``fedagent status`` shows of the mode
+    and must describe a state the disk has caught up to (checkpoint and history written)."""
+
+    #: The daemon's name in log lines and sd_notify ("coordinator", "Sync-Opt coordinator").
+    title: str
+
+    def model_version(self) -> int:
+        """The version in the coordinator's retained presence."""
+        ...
+
+    async def on_connect(self) -> None:
+        """After every (re)connection, once the core's presence is out: re-publish what an
+        agent needs on arrival (the agreed vocabulary)."""
+        ...
+
+    async def start(self, now: float) -> None:
+        """When the event loop starts, before the first queue item."""
+        ...
+
+    async def on_presence(self, agent: str, online: bool, samples: int, now: float) -> None:
+        """An agent's presence changed (already recorded in ``core.peers``)."""
+        ...
+
+    async def on_message(self, inc: Incoming, now: float) -> None:
+        """Any other verified message addressed to the coordinator."""
+        ...
+
+    async def on_item(self, item: Any, now: float) -> None:
+        """A queue item that is not a network message: the mode's timer wake-ups, streamed
+        update parts."""
+        ...
+
+    def snapshot(self) -> dict[str, Any]:
+        """The mode's part of ``fedagent status``."""
+        ...
+
+    def refresh_metrics(self, m: NodeMetrics) -> None:
+        """Mode gauges, before a Prometheus scrape."""
+        ...
+
+    def background(self) -> list[Coroutine[Any, Any, None]]:
+        """Extra tasks to run next to the event loop (e.g. expiring stalled streams)."""
+        ...
+
+    def close(self) -> None:
+        """On shutdown: cancel the mode's timers."""
+        ...
+
+
+class CoordinatorCore:
+    """One coordinator process: connection, presence, control, metrics and the event loop;
+    ``make_mode(core)`` builds the round logic once the core's parts exist."""
+
+    def __init__(
+        self,
+        cfg: NodeConfig,
+        make_mode: Callable[[CoordinatorCore], Mode],
+        *,
+        receive_maximum: int | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.fed = cfg.federation
+        self.dir = cfg.state_dir / "coordinator" / self.fed
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cleanup_temp_files(self.dir)
+        self.ckpt_path = self.dir / "global.ckpt"
+        self.history = History(self.dir / "history.jsonl")
+        torch.set_num_threads(cfg.torch_threads)
+        self.task: Task = load_task(cfg.task, cfg.task_options)
+        self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=10_000)
+        extra: dict[str, Any] = {} if receive_maximum is None else {"receive_maximum": receive_maximum}
+        self.transport = make_transport(
+            cfg,
+            self.fed,
+            cfg.broker,
+            subscriptions=[topics.all_presence(self.fed), topics.inbox(self.fed, cfg.id)],
+            on_connect=self._on_connect,
+            **extra,
+        )
+        self.metrics = NodeMetrics("coordinator", cfg.id, self.fed)
+        self.metrics.before_scrape = self._refresh_metrics
+        self.metrics_url: str | None = None
+        self.messenger = Messenger(
+            federation=self.fed,
+            node_id=cfg.id,
+            transport=self.transport,
+            max_chunk_bytes=cfg.max_chunk_bytes,
+            max_model_bytes=cfg.max_model_bytes,
+            metrics=self.metrics,
+            identity=node_identity(cfg),
+            max_skew=cfg.max_clock_skew,
+            state_dir=self.dir,
+        )
+        self.peers: dict[str, dict[str, Any]] = {}
+        self.rejections: list[dict[str, Any]] = []
+        self.mode: Mode = make_mode(self)
+        self.settled: dict[str, Any] = self.mode.snapshot()
+
+    # -- for the modes -----------------------------------------------------------------
+    def reject(self, sender: str, reason: str, detail: str, **where: int) -> None:
+        """Count and keep a refused message; ``where`` names the round or step it was for."""
+        at = ", ".join(f"{k} {v}" for k, v in where.items())
+        log.warning("rejected from %s%s: %s (%s)", sender, f" ({at})" if at else "", reason, detail)
+        self.metrics.rejected(reason)
+        entry: dict[str, Any] = {"sender": sender, **where, "reason": reason, "detail": detail}
+        self.rejections = [*self.rejections, entry][-RECENT_REJECTIONS:]
+
+    def online_agents(self) -> dict[str, int]:
+        """Agents whose last presence said online, with the samples they announced."""
+        return {a: int(p.get("samples", 0)) for a, p in sorted(self.peers.items()) if p.get("online")}
+
+    # -- network -----------------------------------------------------------------------
+    async def _on_connect(self) -> None:
+        await self.transport.publish(
+            topics.presence(self.fed, self.cfg.id),
+            presence_payload(self.cfg, self.fed, True, model_version=self.mode.model_version(), broker=self.cfg.broker),
+            retain=True,
+        )
+        await self.mode.on_connect()
+
+    async def _on_payload(self, topic: str, payload: bytes) -> None:
+        await self.messenger.receive(topic, payload, self._deliver)
+
+    async def _deliver(self, inc: Incoming) -> None:
+        await self.queue.put(Net(inc))
+
+    # -- the event loop ----------------------------------------------------------------
+    async def _process(self) -> None:
+        mode = self.mode
+        await mode.start(time.monotonic())
+        while True:
+            item = await self.queue.get()
+            now = time.monotonic()
+            if isinstance(item, Net):
+                inc = item.incoming
+                msg = inc.message
+                if isinstance(msg, Presence):
+                    if msg.role == "agent" and inc.sender != self.cfg.id:
+                        self.peers[inc.sender] = {
+                            "online": msg.online,
+                            "role": msg.role,
+                            "samples": msg.num_samples,
+                            "last_seen": time.time(),
+                        }
+                        await mode.on_presence(inc.sender, msg.online, msg.num_samples, now)
+                else:
+                    await mode.on_message(inc, now)
+                del inc, msg
+            else:
+                await mode.on_item(item, now)
+            # Streamed parts are chunk-sized views: dropped as soon as they are folded.
+            del item
+            # A snapshot sorts the agent lists: O(N) per event would make a round of N
+            # updates O(N²). Refreshed when the burst is over, it is still never ahead of the disk.
+            if self.queue.empty():
+                self.settled = mode.snapshot()
+
+    # -- control -----------------------------------------------------------------------
+    async def _status(self, _args: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "role": "coordinator",
+            "id": self.cfg.id,
+            "federation": self.fed,
+            "mode": self.cfg.mode,
+            "broker": self.cfg.broker,
+            "connection": self.transport.state,
+            "reconnects": self.transport.reconnects,
+            "last_error": self.transport.last_error,
+            **self.settled,
+            "peers": {k: v for k, v in sorted(self.peers.items())},
+            "rejected": dict(self.messenger.rejected),
+            "recent_rejections": self.rejections,
+            "bytes_in": self.messenger.bytes_in,
+            "bytes_out": self.messenger.bytes_out,
+            "checkpoint": str(self.ckpt_path),
+            "metrics_url": self.metrics_url,
+        }
+
+    async def _peers(self, _args: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": self.cfg.id,
+            "federation": self.fed,
+            "peers": {k: {**v, "broker": self.cfg.broker, "mdns": False} for k, v in sorted(self.peers.items())},
+        }
+
+    def _refresh_metrics(self, m: NodeMetrics) -> None:
+        m.set_connected(self.transport.connected)
+        m.set_reconnects(self.transport.reconnects)
+        m.set_peers(sum(1 for p in self.peers.values() if p.get("online")))
+        self.mode.refresh_metrics(m)
+
+    # -- main --------------------------------------------------------------------------
+    async def run(self) -> None:
+        ready = asyncio.Event()
+        control = ControlServer(self.cfg.control_socket, {"status": self._status, "peers": self._peers})
+        await control.start()
+        if self.cfg.metrics_port >= 0:
+            host, port = await self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
+            self.metrics_url = f"http://{host}:{port}/metrics"
+        title = self.mode.title
+        try:
+            async with asyncio.TaskGroup() as tg, Discovery(self.cfg.interfaces) as disc:
+                tg.create_task(self.transport.run(self._on_payload, ready))
+                tg.create_task(sdnotify.watchdog_loop())
+                await ready.wait()
+                if self.cfg.advertise:
+                    await disc.register(
+                        Advert(
+                            federation=self.fed,
+                            node_id=self.cfg.id,
+                            role="coordinator",
+                            broker_uri=self.cfg.broker,
+                            fingerprint=fingerprint(self.cfg.tls.cert),
+                        )
+                    )
+                sdnotify.ready(f"{title} of {self.fed}: waiting for agents")
+                log.info(
+                    "%s %s of federation %s on %s (%s)",
+                    title,
+                    self.cfg.id,
+                    self.fed,
+                    self.cfg.broker,
+                    self.settled.get("phase"),
+                )
+                tg.create_task(self._process())
+                for job in self.mode.background():
+                    tg.create_task(job)
+                await asyncio.Event().wait()
+        finally:
+            sdnotify.stopping()
+            self.mode.close()
+            try:
+                await asyncio.wait_for(
+                    self.transport.close(
+                        (topics.presence(self.fed, self.cfg.id), presence_payload(self.cfg, self.fed, False))
+                    ),
+                    5,
+                )
+            except Exception as exc:  # noqa: BLE001 - best effort on the way out
+                log.debug("clean close failed: %s", exc)
+            await control.close()
+            await self.metrics.close()

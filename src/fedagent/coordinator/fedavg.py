@@ -1,0 +1,427 @@
+"""FedAvg rounds: the coordinator mode over the pure :class:`~fedagent.protocols.rounds.RoundMachine`.
+
+Queue items become the machine's events (agents online/offline, whole updates, streamed
+update parts, wake-ups); its commands are carried out here: broadcast a round,
+checkpoint and announce an aggregate, schedule a wake-up. A task with a vocabulary
+(SEEC Algorithm 1) first agrees on it with the agents (:class:`VocabStage`); the round
+machine, and the initial model, exist only after that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fedagent import checkpoint
+from fedagent.config import NodeConfig
+from fedagent.coordinator.core import CoordinatorCore
+from fedagent.coordinator.vocabstage import VocabStage, has_vocabulary, vocab_config
+from fedagent.errors import CodecError, ConfigError, FedagentError
+from fedagent.metrics import NodeMetrics
+from fedagent.node import sdnotify
+from fedagent.node.messaging import Incoming
+from fedagent.node.runtime import Timer, release_large_frees
+from fedagent.protocols import rounds as R
+from fedagent.protocols import topics
+from fedagent.protocols.aggregation import Strategy
+from fedagent.protocols.messages import GlobalModel, RoundResult, RoundStart, TrainConfig, Update, VocabOffer
+from fedagent.protocols.streaming import StreamEvent, UpdatePart
+from fedagent.statefile import atomic_write, read_bytes
+from fedagent.tasks.base import get_weights
+
+log = logging.getLogger("fedagent.coordinator")
+
+# Bytes of streamed update values allowed to wait in the coordinator before it stops
+# acknowledging chunks (the broker then holds the rest): a few chunks, not N models.
+STREAM_BUDGET = 16 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class _VocabWakeup:
+    pass
+
+
+def round_config(cfg: NodeConfig) -> R.RoundConfig:
+    r = cfg.rounds
+    try:
+        strategy = Strategy(
+            r.aggregation,
+            r.weight_key,
+            r.drop_above,
+            byzantine=r.byzantine,
+            trim=r.trim,
+            krum_m=r.krum_m,
+            clip_norm=r.clip_norm,
+        )
+        if cfg.stream_updates and not strategy.streams:
+            raise ValueError(
+                f"[transfer] stream_updates = true, but aggregation {strategy.name!r}"
+                f"{' with clip_norm' if strategy.clip_norm is not None else ''} needs whole "
+                "updates (the median, trimmed mean and Krum read every update at once; clipping "
+                "needs an update's norm before any of it is added): remove stream_updates"
+            )
+        stream = strategy.streams if cfg.stream_updates is None else cfg.stream_updates
+        return R.RoundConfig(
+            rounds=r.rounds,
+            min_agents=r.min_agents,
+            expected_agents=r.expected_agents,
+            start_grace=r.start_grace,
+            agents_per_round=r.agents_per_round,
+            min_updates=r.min_updates,
+            round_timeout=r.round_timeout,
+            max_norm=r.max_norm,
+            seed=r.seed,
+            lr_schedule=r.lr_schedule,
+            strategy=strategy,
+            train=TrainConfig(
+                epochs=r.local_epochs,
+                lr=r.lr,
+                batch_size=r.batch_size,
+                compression=cfg.compression,
+                topk_ratio=cfg.topk_ratio,
+                stream=stream,
+            ),
+        )
+    except (ValueError, TypeError, CodecError) as exc:
+        raise ConfigError(f"{cfg.path}: [rounds]/[transfer]: {exc}") from None
+
+
+def receive_maximum(cfg: NodeConfig) -> int:
+    """Backpressure: chunks arriving faster than they are folded wait at the broker, not
+    here (an unbounded inbox held ~17 models at 50 agents × 4.4 MB)."""
+    return max(4, min(256, STREAM_BUDGET // max(cfg.max_chunk_bytes, 1)))
+
+
+class FedAvgMode:
+    title = "coordinator"
+
+    def __init__(self, core: CoordinatorCore) -> None:
+        release_large_frees()  # before the model is built: see its docstring for the measurement
+        self.core = core
+        cfg = core.cfg
+        self.cfg = cfg
+        self.task = core.task
+        self.round_path = core.dir / "last_round_started"
+        self.timer = Timer(core.queue, R.Wakeup())
+        self._stream_bytes = 0  # values of streamed parts queued, not yet folded
+        self._stream_room = asyncio.Event()
+        self._stream_room.set()
+        core.messenger.on_stream = self._on_stream
+        self.round_started_at: float | None = None
+        self.last_round_seconds: float | None = None
+        self.done = asyncio.Event()
+        self.vocab: VocabStage | None = None
+        self.machine: R.RoundMachine | None = None
+        if has_vocabulary(self.task):
+            self.vocab = VocabStage(
+                core.dir / "vocabulary.json",
+                vocab_config(cfg.rounds, str(cfg.path)),
+                core.messenger,
+                core.fed,
+                Timer(core.queue, _VocabWakeup()),
+                core.history,
+                self._vocab_rejected,
+            )
+        if self.vocab is None or self.vocab.agreed:
+            self._build_machine()
+
+    @property
+    def _vocab_digest(self) -> str:
+        return self.vocab.vocabulary.digest if self.vocab is not None and self.vocab.vocabulary is not None else ""
+
+    def _build_machine(self) -> None:
+        cfg, core = self.cfg, self.core
+        if self.vocab is not None:
+            assert self.vocab.vocabulary is not None
+            self.task.set_vocabulary(list(self.vocab.vocabulary.terms))  # type: ignore[attr-defined]
+            torch.manual_seed(cfg.rounds.seed)
+        weights = get_weights(self.task.build_model())
+        resumed = checkpoint.load(core.ckpt_path)
+        meta: dict[str, Any] = {}
+        if resumed is not None:
+            weights, meta = resumed
+            if meta.get("vocab_digest", "") != self._vocab_digest:
+                raise FedagentError(f"{core.ckpt_path} was trained on another vocabulary; move it away")
+            log.info(
+                "resuming from %s: model version %s after round %s",
+                core.ckpt_path,
+                meta.get("model_version"),
+                meta.get("round"),
+            )
+            self._reconcile_history(meta)
+        # A restart never reuses the number of a round it had started: agents ignore a
+        # round start they have seen, and the updates of that round may already have been
+        # acknowledged by this process before it died. The unfinished round is abandoned
+        # (its late updates are stale) and a new one starts from the checkpointed model.
+        started = read_bytes(self.round_path, 64)
+        last_started = int(started) if started and started.strip().isdigit() else 0
+        self.machine = R.RoundMachine(
+            round_config(cfg),
+            weights,
+            model_version=int(meta.get("model_version", 0)),
+            completed_rounds=int(meta.get("completed_rounds", 0)),
+            last_round=max(int(meta.get("round", 0)), last_started),
+        )
+
+    def _reconcile_history(self, meta: dict[str, Any]) -> None:
+        """The checkpoint is written before the history line of its round; a crash or a
+        full disk between the two leaves a model version the history lacks. Restore the
+        line from the checkpoint's own record so the history stays one line per version."""
+        history = self.core.history
+        last = 0
+        try:
+            with history.path.open("rb") as f:
+                f.seek(max(0, f.seek(0, 2) - 65536))
+                for line in f.read().splitlines():
+                    if b'"event": "round"' in line:
+                        try:
+                            last = max(last, int(json.loads(line).get("model_version", 0)))
+                        except (ValueError, AttributeError):
+                            continue
+        except FileNotFoundError:
+            pass
+        version = int(meta.get("model_version", 0))
+        if version == last + 1:
+            log.warning(
+                "history lacks model version %d (the process stopped between checkpoint and "
+                "history); restored from the checkpoint",
+                version,
+            )
+            history.append(
+                {
+                    "event": "round",
+                    "round": meta.get("round"),
+                    "model_version": version,
+                    "participants": meta.get("participants", []),
+                    "metrics": meta.get("metrics", {}),
+                    "recovered": True,
+                }
+            )
+
+    def _vocab_rejected(self, sender: str, reason: str, detail: str) -> None:
+        self.core.reject(sender, reason, detail, round=0)
+
+    # -- Mode ----------------------------------------------------------------------------
+    def model_version(self) -> int:
+        return self.machine.model_version if self.machine is not None else 0
+
+    async def on_connect(self) -> None:
+        if self.vocab is not None and self.vocab.agreed:
+            await self.vocab.publish()
+
+    async def start(self, now: float) -> None:
+        if self.vocab is not None:
+            self.vocab.start(now)
+        if self.machine is not None and self.machine.phase is R.Phase.DONE:
+            log.info("checkpoint says training already finished; serving status only")
+
+    async def on_presence(self, agent: str, online: bool, samples: int, now: float) -> None:
+        # Before the vocabulary is agreed there is no machine: the core's peer table keeps
+        # the presence and it is replayed to the machine once it exists.
+        if self.machine is not None:
+            await self._handle(R.AgentOnline(agent, samples) if online else R.AgentOffline(agent))
+
+    async def on_message(self, inc: Incoming, now: float) -> None:
+        msg = inc.message
+        if isinstance(msg, VocabOffer) and self.vocab is not None:
+            if inc.role != "agent":
+                self._vocab_rejected(inc.sender, "role", f"a vocabulary offer signed by a {inc.role or 'non-agent'}")
+                return
+            await self._vocab_agreed(await self.vocab.offer(inc.sender, msg.terms, msg.counts, now))
+        elif isinstance(msg, Update):
+            if inc.role != "agent":
+                # As for streams (messaging): only an agent's certificate may submit an update.
+                self.core.messenger._reject("role", inc.sender, f"update signed by a {inc.role or 'non-agent'}")
+                return
+            if self.machine is not None:
+                event = R.UpdateReceived(
+                    inc.sender, msg.round, msg.base_version, msg.num_samples, msg.weights, msg.metrics, msg.leaving
+                )
+                await self._handle(event)
+        else:
+            log.debug("ignoring %s from %s", type(msg).__name__, inc.sender)
+
+    async def on_item(self, item: Any, now: float) -> None:
+        if isinstance(item, _VocabWakeup):
+            if self.vocab is not None:
+                await self._vocab_agreed(await self.vocab.wakeup(now))
+            return
+        if isinstance(item, UpdatePart):
+            self._stream_bytes -= item.values.nbytes
+            if self._stream_bytes <= STREAM_BUDGET:
+                self._stream_room.set()
+        if self.machine is not None:
+            await self._handle(item)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What `status` shows: the machine's view once the commands of the last event have
+        been carried out (checkpoint saved, history appended), never a state the disk has
+        not caught up to. Before the vocabulary is agreed there is no round machine yet."""
+        vs = self.vocab.status() if self.vocab is not None else {}
+        if self.machine is None:
+            m: dict[str, Any] = {
+                "phase": "vocabulary",
+                "round": 0,
+                "completed_rounds": 0,
+                "rounds": self.cfg.rounds.rounds,
+                "model_version": 0,
+                "selected": [],
+                "received": [],
+                "metrics": {},
+            }
+        else:
+            m = self.machine.status()
+        return {
+            "phase": m["phase"],
+            "round": m["round"],
+            "completed_rounds": m["completed_rounds"],
+            "rounds": m["rounds"],
+            "model_version": m["model_version"],
+            "selected": m["selected"],
+            "received": m["received"],
+            "metrics": m["metrics"],
+            "vocabulary_size": vs.get("vocabulary_size"),
+            "vocab_digest": vs.get("vocab_digest"),
+            "vocabulary_offers": vs.get("vocabulary_offers", []),
+            "last_round_seconds": self.last_round_seconds,
+        }
+
+    def refresh_metrics(self, m: NodeMetrics) -> None:
+        if self.machine is not None:
+            m.set_model_version(self.machine.model_version)
+            m.round_started(self.machine.round)
+
+    def background(self) -> list[Coroutine[Any, Any, None]]:
+        return [self._expire_streams()]
+
+    def close(self) -> None:
+        self.timer.cancel()
+
+    # -- streams -------------------------------------------------------------------------
+    async def _on_stream(self, events: list[StreamEvent]) -> None:
+        # Parts go through the same queue as everything else, so the machine sees an
+        # update's parts in order with presence changes and timer wake-ups; each part is
+        # a chunk-sized view, folded and dropped when its turn comes.
+        for ev in events:
+            if isinstance(ev, UpdatePart):
+                self._stream_bytes += ev.values.nbytes
+            await self.core.queue.put(ev)
+        # The chunk is acknowledged when this returns: holding it while too many parts
+        # wait keeps the backlog at the broker (Receive Maximum), bounding this process.
+        while self._stream_bytes > STREAM_BUDGET:
+            self._stream_room.clear()
+            await self._stream_room.wait()
+
+    async def _expire_streams(self) -> None:
+        messenger = self.core.messenger
+        while True:
+            await asyncio.sleep(5.0)
+            events = messenger.intake.expire(time.monotonic())
+            for ev in events:
+                messenger._reject("stream", ev.sender, ev.reason)
+            await self._on_stream(list(events))
+
+    # -- machine -------------------------------------------------------------------------
+    async def _vocab_agreed(self, agreed: Any) -> None:
+        """Once the vocabulary is agreed the round machine is built and told which agents
+        are online."""
+        if agreed is None or self.machine is not None:
+            return
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self._build_machine)
+        log.info("model built on the vocabulary (%d terms) in %.2fs", len(agreed.terms), time.perf_counter() - t0)
+        for aid, samples in self.core.online_agents().items():
+            await self._handle(R.AgentOnline(aid, samples))
+
+    async def _handle(self, event: Any) -> None:
+        assert self.machine is not None
+        cmds = self.machine.handle(event, time.monotonic())
+        del event
+        for cmd in cmds:
+            await self._execute(cmd)
+
+    async def _execute(self, cmd: R.Command) -> None:
+        core, fed = self.core, self.core.fed
+        assert self.machine is not None
+        if isinstance(cmd, R.StartRound):
+            self.round_started_at = time.monotonic()
+            await asyncio.to_thread(atomic_write, self.round_path, str(cmd.round).encode())
+            core.metrics.round_started(cmd.round)
+            log.info("round %d: model version %d to %s", cmd.round, cmd.model_version, ", ".join(cmd.selected))
+            sdnotify.status(f"round {cmd.round}: training on {len(cmd.selected)} agents")
+            await core.messenger.send(
+                topics.broadcast(fed, "round_start"),
+                RoundStart(cmd.round, cmd.model_version, cmd.selected, cmd.deadline_s, cmd.train, cmd.weights),
+                round_=cmd.round,
+            )
+        elif isinstance(cmd, R.RoundAggregated):
+            took = time.monotonic() - (self.round_started_at or time.monotonic())
+            self.last_round_seconds = took
+            core.metrics.round_completed(took, cmd.metrics)
+            core.metrics.set_model_version(cmd.model_version)
+            meta = {
+                "model_version": cmd.model_version,
+                "round": cmd.round,
+                "completed_rounds": self.machine.completed,
+                "federation": fed,
+                "participants": list(cmd.participants),
+                "metrics": cmd.metrics,
+                "final": cmd.final,
+                "vocab_digest": self._vocab_digest,
+            }
+            await asyncio.to_thread(checkpoint.save, core.ckpt_path, cmd.weights, meta)
+            core.history.append(
+                {
+                    "event": "round",
+                    "round": cmd.round,
+                    "model_version": cmd.model_version,
+                    "participants": list(cmd.participants),
+                    "metrics": cmd.metrics,
+                    "aggregation": self.machine.config.strategy.name,
+                    "agg_weights": cmd.weights_used,
+                    "dropped": cmd.dropped,
+                    "seconds": round(took, 4),
+                    "bytes_in": core.messenger.bytes_in,
+                    "bytes_out": core.messenger.bytes_out,
+                }
+            )
+            log.info(
+                "round %d aggregated from %d agents in %.2fs: %s",
+                cmd.round,
+                len(cmd.participants),
+                took,
+                ", ".join(f"{k}={v:.4f}" for k, v in cmd.metrics.items()),
+            )
+            await core.messenger.send(
+                topics.broadcast(fed, "round_result"),
+                RoundResult(cmd.round, cmd.model_version, cmd.participants, cmd.metrics),
+                round_=cmd.round,
+            )
+        elif isinstance(cmd, R.RoundAbandoned):
+            log.warning("round %d abandoned: %s", cmd.round, cmd.reason)
+            core.history.append({"event": "abandoned", "round": cmd.round, "reason": cmd.reason})
+            await core.messenger.send(
+                topics.broadcast(fed, "round_result"),
+                RoundResult(cmd.round, cmd.model_version, (), {}, aggregated=False, reason=cmd.reason),
+                round_=cmd.round,
+            )
+        elif isinstance(cmd, R.Rejected):
+            core.reject(cmd.sender, cmd.reason, cmd.detail, round=cmd.round)
+        elif isinstance(cmd, R.RequestWakeup):
+            self.timer.request(cmd.at)
+        elif isinstance(cmd, R.Finished):
+            log.info("training finished: model version %d", cmd.model_version)
+            sdnotify.status(f"finished: model version {cmd.model_version}")
+            await core.messenger.send(
+                topics.broadcast(fed, "model"),
+                GlobalModel(cmd.model_version, self.machine.round, True, cmd.weights),
+                round_=self.machine.round,
+            )
+            self.done.set()
