@@ -15,8 +15,10 @@
 
 ``wait_for(predicate, timeout, what, fed=None)``
     The one way these tests wait: poll ``predicate()`` until it returns something true
-    (returned) or ``timeout`` seconds pass (AssertionError naming ``what``). With ``fed``,
-    a daemon that exits meanwhile fails the wait at once, with its last log lines.
+    (returned) or ``timeout`` seconds pass (AssertionError naming ``what``). With ``fed``
+    (a Federation, or any set-up with ``check_alive()``, e.g. the multi-site lab), a
+    daemon that exits meanwhile fails the wait at once, with its last log lines. Async
+    tests wait with ``await asyncio.to_thread(wait_for, ...)``.
 
 ``coordinator_in(fed, *phases)`` / ``agents_in(fed, key, *values)``
     The coordinator's status if its ``phase`` is one of ``phases``; every agent's status
@@ -30,14 +32,18 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fedagent.localfed import Federation
 
 T = TypeVar("T")
 
 
-def wait_for(predicate: Callable[[], T], timeout: float, what: str, fed: Federation | None = None) -> T:
+class Watched(Protocol):
+    def check_alive(self) -> None: ...
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, fed: Watched | None = None) -> T:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if fed is not None:

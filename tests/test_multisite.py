@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from netfed import wait_for
 from netns import Lab, requires_netns
 
 from fedagent import broker, config, pki
@@ -21,17 +21,6 @@ pytestmark = [pytest.mark.root, requires_netns]
 
 PORT = 8883
 FED = "sites"
-
-
-def wait_for(predicate, timeout: float, what: str, sites: Lab):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        sites.check_alive()
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def status(path: Path) -> dict | None:

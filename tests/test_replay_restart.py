@@ -19,6 +19,7 @@ import signal
 import time
 
 import pytest
+from netfed import running, wait_for
 
 from fedagent.errors import FedagentError
 from fedagent.localfed import Federation
@@ -134,26 +135,15 @@ def test_a_new_messenger_on_the_same_state_refuses_frames_its_predecessor_took(b
 # ---- real processes, real broker ------------------------------------------------------
 @pytest.mark.slow
 def test_restarted_coordinator_refuses_a_frame_replayed_from_before_its_crash(tmp_path):
-    fed = Federation(tmp_path, agents=2, rounds=4, alpha=0.5, round_timeout=20)
-    try:
-        fed.prepare()
+    with running(tmp_path, start=False, agents=2, rounds=4, alpha=0.5, round_timeout=20) as fed:
         asyncio.run(asyncio.wait_for(_replay_after_restart(fed), 240))
         hist = fed.work / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl"
         rounds = [json.loads(line) for line in hist.read_text().splitlines()]
         assert [r["model_version"] for r in rounds if r["event"] == "round"] == list(range(1, 5))
-    finally:
-        fed.close()
 
 
 async def _poll(predicate, timeout: float, what: str, fed: Federation):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        fed.check_alive()
-        value = await asyncio.to_thread(predicate)
-        if value:
-            return value
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return await asyncio.to_thread(wait_for, predicate, timeout, what, fed)
 
 
 async def _replay_after_restart(fed: Federation) -> None:
