@@ -322,7 +322,7 @@ def run_demo(
                     + "".join(f"| local only: {aid} | {acc:.3f} |\n" for aid, acc in zip(fed.agent_ids, locals_))
                     + f"| centralized | {central:.3f} |\n"
                 )
-            console.print(f"report with plots: [cyan]{md}[/]")
+            console.print(f"{_report_label()}: [cyan]{md}[/]")
         ok = all(federated >= a for a in locals_)
         verdict = (
             "[green]federated >= every local-only model[/]"
@@ -334,7 +334,7 @@ def run_demo(
 
     plan = Plan(
         title=f"[bold]fedagent demo[/]: federation [cyan]{fed.fed}[/], {agents} agents, {rounds} FedAvg "
-        f"rounds on scikit-learn digits (Dirichlet alpha={alpha})",
+        f"rounds on UCI digits (Dirichlet alpha={alpha})",
         started=lambda fed: (
             f"broker [green]{fed.broker_uri}[/] (mutual TLS, per-agent ACL); starting the "
             f"coordinator and {agents} agents; agents find the coordinator by mDNS on 127.0.0.1"
@@ -458,7 +458,7 @@ def run_gossip_demo(
                 centralized=central,
                 margin=GOSSIP_MARGIN,
             )
-            console.print(f"report with plots: [cyan]{md}[/]")
+            console.print(f"{_report_label()}: [cyan]{md}[/]")
         ok = central - worst <= GOSSIP_MARGIN
         verdict = (
             f"[green]every agent within {GOSSIP_MARGIN} of centralized[/]"
@@ -474,7 +474,7 @@ def run_gossip_demo(
     plan: Plan[None] = Plan(
         title=f"[bold]fedagent demo --mode gossip[/]: federation [cyan]{fed.fed}[/], {agents} agents and "
         f"[bold]no coordinator[/]; each trains {period_steps} mini-batches, sends its model to a random "
-        f"peer and merges what it received ({merge}), {periods} times; scikit-learn digits "
+        f"peer and merges what it received ({merge}), {periods} times; UCI digits "
         f"(Dirichlet alpha={alpha})",
         started=lambda fed: (
             f"broker [green]{fed.broker_uri}[/] (mutual TLS, per-agent ACL); {fed.agent_ids[0]} "
@@ -636,3 +636,9 @@ def run_syncopt_demo(*, agents: int = 5, steps: int = 300, keep: bool = False, c
         configure=configure,
     )
     return run(fed, plan, keep=keep, console=console)
+
+
+def _report_label() -> str:
+    from fedagent.report import plots_available
+
+    return "report with plots" if plots_available() else "report (no plots: install the 'report' extra)"

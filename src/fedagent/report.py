@@ -92,6 +92,11 @@ def _pyplot_or_reason() -> ModuleType | str:
         return str(exc)
 
 
+def plots_available() -> bool:
+    """Whether reports get their plots (the ``report`` extra is installed)."""
+    return not isinstance(_pyplot_or_reason(), str)
+
+
 def _plots_section(plots: list[tuple[str, str]]) -> list[str]:
     plt = _pyplot_or_reason()
     if isinstance(plt, str):

@@ -381,7 +381,7 @@ def write_flsimco_report(
         "",
         f"Scale: {setup.rounds} rounds, {setup.coverage} vehicles in range of the RSU per round, each vehicle "
         f"stays {setup.stay} rounds (a separate `fedagent agent` process that joins, trains and leaves), "
-        f"{len(speeds_all)} vehicle visits per strategy; scikit-learn digits upsampled to 16x16, "
+        f"{len(speeds_all)} vehicle visits per strategy; UCI digits upsampled to 16x16, "
         f"{setup.shards} shards split "
         + ("IID" if setup.alpha == 0 else f"by Dirichlet alpha={setup.alpha}")
         + f"; SimCo (tau_alpha=0.1, tau_beta=1.0) on a small ResNet, {setup.local_epochs} local epochs, "

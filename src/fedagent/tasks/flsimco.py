@@ -1,7 +1,7 @@
 """Built-in task ``flsimco``: a vehicle's self-supervised SimCo encoder on motion-blurred
 images (FLSimCo, Gu et al.; shared/seeds/001).
 
-Data: scikit-learn's 1,797 real 8×8 digits (offline), upsampled to 16×16 so that a
+Data: the 1,797 real 8×8 UCI digits (shipped in fedagent), upsampled to 16×16 so that a
 motion-blur kernel of a few pixels means something. A fixed 25 % is held out; the rest
 is split over ``shards`` by Dirichlet(``alpha``) label skew (``alpha = 0`` = IID).
 
