@@ -14,8 +14,10 @@ from netfed import wait_for
 
 from fedagent.localfed import SEED, Federation
 
-# Long enough local training that a fault injected "mid-round" lands inside a round.
-SLOW_EPOCHS = 12
+# Long enough local training that a fault injected "mid-round" lands inside a round:
+# one digits epoch on a third of the data takes about 13 ms here, so 240 epochs keep an
+# agent training for ~3 s, far longer than the status poll that decides when to strike.
+SLOW_EPOCHS = 240
 
 
 def history(fed: Federation) -> list[dict]:
