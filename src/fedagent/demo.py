@@ -491,7 +491,8 @@ def run_gossip_demo(
 
 # ---- Sync-Opt (gFedNTM) -----------------------------------------------------------------
 # ProdLDA on the paper's synthetic generator (Sec. 4.1), at a size that trains in about a
-# minute on 2 cores: 500 terms, 10 true topics of which 5 are shared by every agent.
+# minute on 2 cores: 500 terms, 5 true topics shared by every agent and private ones
+# (with the default 5 agents, one each: 10 true topics). See syncopt_options.
 SYNCOPT_OPTIONS: dict[str, Any] = {
     "corpus": "synthetic",
     "vocab_size": 500,
@@ -508,6 +509,15 @@ SYNCOPT_OPTIONS: dict[str, Any] = {
 }
 
 
+def syncopt_options(agents: int) -> dict[str, Any]:
+    """The demo's corpus for this many agents: every agent gets the same number of private
+    topics (the generator needs the private ones to split evenly), 5 // agents of them but at
+    least one; the model has as many topics as the corpus."""
+    shared = SYNCOPT_OPTIONS["shared_topics"]
+    true_topics = shared + agents * max(1, (SYNCOPT_OPTIONS["true_topics"] - shared) // agents)
+    return {**SYNCOPT_OPTIONS, "true_topics": true_topics, "n_topics": true_topics}
+
+
 def run_syncopt_demo(*, agents: int = 5, steps: int = 300, keep: bool = False, console: Console | None = None) -> int:
     """Vocabulary consensus and Sync-Opt steps over the network, then the same steps
     centralized in this process: the two models must agree and find the true topics."""
@@ -522,10 +532,10 @@ def run_syncopt_demo(*, agents: int = 5, steps: int = 300, keep: bool = False, c
     torch.set_num_threads(1)
     fed = Federation(_work_dir("fedagent-syncopt-demo-"), agents=agents, rounds=1, alpha=0.0)
     started = time.monotonic()
-    o = SYNCOPT_OPTIONS
+    o = syncopt_options(agents)
 
     def options(i: int) -> dict[str, Any]:
-        return {**SYNCOPT_OPTIONS, "shard": i, "shards": agents}
+        return {**o, "shard": i, "shards": agents}
 
     def configure(fed: Federation) -> None:
         syncopt = {

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +82,13 @@ class Federation:
         self.task_options = task_options
         self.broker_per_agent = broker_per_agent  # gossip: every agent on a broker of its own
         self.agent_brokers: dict[str, EmbeddedBroker] = {}
+        # Control sockets: a Unix socket path holds at most 107 bytes, so under a long
+        # TMPDIR they go to a short private directory of their own, removed by close().
+        self.run_root = work / "run"
+        self._short_run: Path | None = None
+        if len(str(self.run_root / "coordinator" / "coordinator.sock").encode()) > 100:
+            self._short_run = Path(tempfile.mkdtemp(prefix="fedagent-run-", dir="/tmp"))
+            self.run_root = self._short_run
 
     # -- set-up ----------------------------------------------------------------------
     @property
@@ -176,7 +185,7 @@ class Federation:
             tls=tls,
             broker=broker,
             state_dir=self.work / "state" / stem,
-            runtime_dir=self.work / "run" / stem,
+            runtime_dir=self.run_root / stem,
             task=task,
             task_options=task_options,
             rounds=rounds,
@@ -241,7 +250,7 @@ class Federation:
 
     def socket(self, stem: str) -> Path:
         role = "coordinator" if stem == "coordinator" else "agent"
-        return self.work / "run" / stem / f"{role}.sock"
+        return self.run_root / stem / f"{role}.sock"
 
     def spawn(self, stem: str) -> Proc:
         role = "coordinator" if stem == "coordinator" else "agent"
@@ -336,3 +345,5 @@ class Federation:
         for b in self.agent_brokers.values():
             b.stop()
         self.agent_brokers.clear()
+        if self._short_run is not None:
+            shutil.rmtree(self._short_run, ignore_errors=True)
