@@ -78,7 +78,7 @@ def test_step_loss_is_a_function_of_seed_shard_and_step():
     assert n1 == n2 == SMALL["batch_size"]
     assert float(l1.detach()) == float(l2.detach())
     # Same documents, other noise: steps 0 and num_batches() are different epochs.
-    assert float(a[2].step_loss(model, 0)[0]) != float(a[2].step_loss(model, 1)[0])
+    assert float(a[2].step_loss(model, 0)[0].detach()) != float(a[2].step_loss(model, 1)[0].detach())
     assert float(a[2].step_loss(model, 7)[0]) != float(a[3].step_loss(model, 7)[0])
     # The global torch RNG plays no part.
     torch.manual_seed(999)

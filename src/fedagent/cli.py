@@ -519,10 +519,6 @@ def demo(
     sys.exit(code)
 
 
-if __name__ == "__main__":
-    main()
-
-
 # -- experiments ------------------------------------------------------------------------
 @main.group()
 def experiment() -> None:
@@ -798,3 +794,7 @@ def experiment_seec(scale_name: str, sites: int | None, epochs: int | None, seed
         seec.run_experiment(out, scale, keep=keep)
     except FedagentError as exc:
         _fail(exc)
+
+
+if __name__ == "__main__":
+    main()
