@@ -79,7 +79,7 @@ def test_step_loss_is_a_function_of_seed_shard_and_step():
     assert float(l1.detach()) == float(l2.detach())
     # Same documents, other noise: steps 0 and num_batches() are different epochs.
     assert float(a[2].step_loss(model, 0)[0].detach()) != float(a[2].step_loss(model, 1)[0].detach())
-    assert float(a[2].step_loss(model, 7)[0]) != float(a[3].step_loss(model, 7)[0])
+    assert float(a[2].step_loss(model, 7)[0].detach()) != float(a[3].step_loss(model, 7)[0].detach())
     # The global torch RNG plays no part.
     torch.manual_seed(999)
     assert float(a[2].step_loss(model, 7)[0]) == float(l1)
