@@ -45,13 +45,17 @@ def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 class Lab:
     """Hosts on one bridge, addressed 10.77.<net>.<i+1>/24 (``net`` random per run)."""
 
-    def __init__(self, work: Path, hosts: list[str], *, subnet: str | None = None) -> None:
+    def __init__(
+        self, work: Path, hosts: list[str], *, subnet: str | None = None, addresses: dict[str, str] | None = None
+    ) -> None:
+        """``addresses`` gives each host its own address instead (all in one /24), e.g.
+        the ones a README example uses: they exist only inside the namespaces."""
         self.work = work
         # FEDAGENT_NETNS_PREFIX: parallel runs on one machine can tell their namespaces apart.
         self.tag = f"{os.environ.get('FEDAGENT_NETNS_PREFIX', 'fa')[:4]}{secrets.token_hex(3)}"
         prefix = subnet or f"10.77.{secrets.randbelow(250) + 1}"
         self.hosts = list(hosts)
-        self.ip = {h: f"{prefix}.{i + 1}" for i, h in enumerate(self.hosts)}
+        self.ip = dict(addresses) if addresses else {h: f"{prefix}.{i + 1}" for i, h in enumerate(self.hosts)}
         self.index = {h: i for i, h in enumerate(self.hosts)}
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.made: list[str] = []

@@ -241,7 +241,12 @@ def leave(config_path: Path) -> None:
     show_default=True,
     help="agent config file to record membership in",
 )
-@click.option("--interface", "interfaces", multiple=True, help="address to run mDNS on (repeatable)")
+@click.option(
+    "--interface",
+    "interfaces",
+    multiple=True,
+    help="this machine's address to run mDNS on (repeatable); recorded as [discovery] interfaces",
+)
 @click.option("--timeout", default=10.0, show_default=True, help="seconds to look for the federation")
 def join(federation: str, broker: str, config_path: Path, interfaces: tuple[str, ...], timeout: float) -> None:
     """Join FEDERATION: find its broker, record it, and tell the running agent."""
@@ -255,8 +260,9 @@ def join(federation: str, broker: str, config_path: Path, interfaces: tuple[str,
         cfg = config.load(config_path, "agent")
         if broker and not broker.startswith("mqtts://"):
             raise ConfigError(f"--broker must look like mqtts://HOST:PORT, not {broker!r}")
+        chosen = config.check_interfaces(list(interfaces), "--interface") if interfaces else None
         if not broker:
-            ifaces = interfaces or cfg.interfaces
+            ifaces = chosen or cfg.interfaces
 
             async def find() -> str:
                 async with Discovery(ifaces) as disc:
@@ -265,14 +271,18 @@ def join(federation: str, broker: str, config_path: Path, interfaces: tuple[str,
             click.echo(f"looking for federation {federation} on mDNS ({', '.join(ifaces)}) ...")
             broker = asyncio.run(find())
             click.echo(f"found broker {broker}")
-        config.update_membership(cfg.path, federation, broker)
-        click.echo(f"recorded membership of {federation} in {cfg.path}")
+        config.update_membership(cfg.path, federation, broker, chosen)
+        recorded = f" and mDNS interfaces {', '.join(chosen)}" if chosen else ""
+        click.echo(f"recorded membership of {federation}{recorded} in {cfg.path}")
+        args: dict[str, object] = {"federation": federation, "broker": broker}
+        if chosen:
+            args["interfaces"] = list(chosen)
         try:
-            request(cfg.control_socket, "join", {"federation": federation, "broker": broker})
+            request(cfg.control_socket, "join", args)
         except FedagentError as exc:
             click.secho(
-                f"no agent is running to take part now ({exc}).\n"
-                "It will join when started: fedagent agent --config "
+                f"no agent is running yet ({exc}).\n"
+                f"It joins {federation} when started: fedagent agent --config "
                 f"{cfg.path}  (or: systemctl start fedagent-agent)",
                 fg="yellow",
             )

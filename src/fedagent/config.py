@@ -7,6 +7,7 @@ raises :class:`ConfigError` naming the file and the key.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import tomllib
@@ -339,10 +340,32 @@ class NodeConfig:
             return self.runtime_dir / f"{self.role}.sock"
         return default_socket_path(self.role)
 
-    def with_membership(self, federation: str, broker: str) -> NodeConfig:
+    def with_membership(self, federation: str, broker: str, interfaces: tuple[str, ...] | None = None) -> NodeConfig:
         if federation:
             check_name(federation, "federation")
-        return replace(self, federation=federation, broker=broker)
+        if interfaces is None:
+            return replace(self, federation=federation, broker=broker)
+        return replace(self, federation=federation, broker=broker, interfaces=check_interfaces(interfaces))
+
+
+DEFAULT_INTERFACES = ("127.0.0.1",)
+
+
+def check_interfaces(value: Any, where: str = "discovery.interfaces") -> tuple[str, ...]:
+    """mDNS interfaces: a non-empty list of this machine's IPv4 addresses (zeroconf binds
+    to addresses, never to interface names; fedagent never picks one by itself)."""
+    if isinstance(value, str) or not isinstance(value, list | tuple) or not value:
+        raise ConfigError(f'{where} must be a non-empty list of IPv4 addresses, such as ["192.168.1.11"]')
+    out = []
+    for item in value:
+        try:
+            out.append(str(ipaddress.IPv4Address(item)))
+        except (ipaddress.AddressValueError, ValueError, TypeError):
+            raise ConfigError(
+                f"{where}: {item!r} is not an IPv4 address (give this machine's address on the LAN, "
+                "such as 192.168.1.11, not an interface name)"
+            ) from None
+    return tuple(dict.fromkeys(out))
 
 
 _TOP = {
@@ -417,7 +440,10 @@ def load(path: Path | str, role: str) -> NodeConfig:
         if role == "coordinator" and not broker:
             raise ConfigError(f"{where}: a coordinator needs broker.uri (it advertises it to agents)")
         disc = _table(raw, "discovery", where)
-        interfaces = tuple(disc.get("interfaces", ["127.0.0.1"]))
+        unknown_disc = set(disc) - {"interfaces", "advertise"}
+        if unknown_disc:
+            raise ConfigError(f"{where}: [discovery]: unknown keys {sorted(unknown_disc)}")
+        interfaces = check_interfaces(disc.get("interfaces", list(DEFAULT_INTERFACES)))
         task = _table(raw, "task", where)
         options = {k: v for k, v in task.items() if k != "name"}
         rounds_raw = _table(raw, "rounds", where)
@@ -539,9 +565,10 @@ def render(
     return tomli_w.dumps(doc)
 
 
-def update_membership(path: Path, federation: str, broker: str) -> None:
+def update_membership(path: Path, federation: str, broker: str, interfaces: tuple[str, ...] | None = None) -> None:
     """Record ``fedagent join`` (or, with an empty federation, ``leave``) in the config
-    file, keeping everything else."""
+    file, keeping everything else; ``interfaces`` (``join --interface``) replaces
+    ``[discovery] interfaces`` so the daemon browses there after a restart too."""
     from fedagent.statefile import atomic_write
 
     if federation:
@@ -549,4 +576,6 @@ def update_membership(path: Path, federation: str, broker: str) -> None:
     raw = tomllib.loads(path.read_text())
     raw["federation"] = federation
     raw.setdefault("broker", {})["uri"] = broker
+    if interfaces:
+        raw.setdefault("discovery", {})["interfaces"] = list(check_interfaces(interfaces, "--interface"))
     atomic_write(path, tomli_w.dumps(raw).encode(), mode=path.stat().st_mode & 0o777)

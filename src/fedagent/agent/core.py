@@ -25,7 +25,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from fedagent.config import NodeConfig
+from fedagent.config import NodeConfig, check_interfaces
+from fedagent.config import load as load_config
 from fedagent.errors import ConfigError, FedagentError
 from fedagent.metrics import NodeMetrics
 from fedagent.node import sdnotify
@@ -377,9 +378,42 @@ class Agent:
         broker = str(args.get("broker", ""))
         if broker and not broker.startswith("mqtts://"):
             raise ConfigError(f"broker must look like mqtts://HOST:PORT, not {broker!r}")
-        self.cfg = self.cfg.with_membership(federation, broker)
+        raw_ifaces = args.get("interfaces")
+        interfaces = check_interfaces(raw_ifaces, "interfaces") if raw_ifaces is not None else None
+        old = self.cfg.interfaces
+        self.cfg = self.cfg.with_membership(federation, broker, interfaces)
+        if self.cfg.interfaces != old:
+            await self._rebind_discovery()
         self._start_session(federation, broker)
-        return {"federation": federation, "broker": broker or "(mDNS)"}
+        return {"federation": federation, "broker": broker or "(mDNS)", "interfaces": list(self.cfg.interfaces)}
+
+    async def _rebind_discovery(self) -> None:
+        """Run mDNS on ``cfg.interfaces`` from now on (``join --interface``): goodbye on
+        the old addresses, then the session being started advertises and browses anew."""
+        old, self._disc, self._advert = self._disc, None, None
+        if old is not None:
+            await old.close()
+        disc = Discovery(self.cfg.interfaces, on_change=self._on_advert)
+        await disc.__aenter__()
+        self._disc = disc
+        log.info("mDNS now runs on %s", ", ".join(self.cfg.interfaces))
+
+    def _membership_on_disk(self) -> NodeConfig | None:
+        """The config file's membership when it differs from the one this process started
+        with: a `fedagent join` that wrote the file before our control socket existed
+        could not tell us, so we read what it recorded once the socket is up."""
+        try:
+            fresh = load_config(self.cfg.path, "agent")
+        except FedagentError as exc:
+            log.warning("cannot re-read %s: %s", self.cfg.path, exc)
+            return None
+        if (fresh.federation, fresh.broker, fresh.interfaces) == (
+            self.cfg.federation,
+            self.cfg.broker,
+            self.cfg.interfaces,
+        ):
+            return None
+        return self.cfg.with_membership(fresh.federation, fresh.broker, fresh.interfaces)
 
     async def run(self) -> None:
         self._exit = asyncio.Event()
@@ -393,12 +427,19 @@ class Agent:
             handlers[spec.name] = self._service_command(spec)
         control = ControlServer(self.cfg.control_socket, handlers)
         await control.start()
+        changed = self._membership_on_disk()
+        if changed is not None:
+            log.info("the config file records federation %r now; using it", changed.federation)
+            self.cfg = changed
         if self.cfg.metrics_port >= 0:
             host, port = await self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
             self.metrics_url = f"http://{host}:{port}/metrics"
         try:
-            async with Discovery(self.cfg.interfaces, on_change=self._on_advert) as disc, asyncio.TaskGroup() as tg:
-                self._disc, self._tg = disc, tg
+            disc = Discovery(self.cfg.interfaces, on_change=self._on_advert)
+            await disc.__aenter__()
+            self._disc = disc
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
                 watchdog = tg.create_task(sdnotify.watchdog_loop())
                 if self.cfg.federation:
                     self._start_session(self.cfg.federation, self.cfg.broker)
@@ -413,5 +454,7 @@ class Agent:
                 watchdog.cancel()
         finally:
             sdnotify.stopping()
+            if self._disc is not None:
+                await self._disc.close()
             await control.close()
             await self.metrics.close()

@@ -92,6 +92,20 @@ def parse_txt(props: dict[bytes, bytes | None], port: int = 0, addresses: Sequen
 ChangeCallback = Callable[[str, Advert], None]
 
 
+def not_found_message(federation: str, roles: Sequence[str], timeout: float, interfaces: Sequence[str]) -> str:
+    """What to tell an operator when nothing answered: where mDNS looked and how to look
+    elsewhere (mDNS runs only on the addresses it is given and never crosses a router)."""
+    where = ", ".join(interfaces)
+    hint = "; 127.0.0.1 reaches only this machine" if all(a.startswith("127.") for a in interfaces) else ""
+    return (
+        f"no {' or '.join(roles)} for federation {federation} answered on mDNS within {timeout:g} s "
+        f"(searched on {where}{hint}). Search on this machine's LAN address instead: "
+        f"`fedagent join {federation} --interface ADDRESS` (recorded in the config) or "
+        '`[discovery] interfaces = ["ADDRESS"]` in the config; across routers, where mDNS '
+        f"does not reach, pass `--broker mqtts://HOST:PORT`"
+    )
+
+
 class Discovery:
     def __init__(self, interfaces: Sequence[str] = ("127.0.0.1",), *, on_change: ChangeCallback | None = None) -> None:
         if not interfaces:
@@ -269,10 +283,7 @@ class Discovery:
                     return a
             left = deadline - time.monotonic()
             if left <= 0:
-                raise FedagentError(
-                    f"no {' or '.join(roles)} for federation {federation} answered on mDNS within "
-                    f"{timeout:g} s (interfaces {', '.join(self.interfaces)}); pass --broker mqtts://HOST:PORT"
-                )
+                raise FedagentError(not_found_message(federation, roles, timeout, self.interfaces))
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), left)
