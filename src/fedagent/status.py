@@ -25,6 +25,101 @@ def _ago(ts: float | None) -> str:
     return "-" if not ts else f"{max(0.0, time.time() - ts):.0f}s ago"
 
 
+def _rounds_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Round and model version, each with its meaning: a round number is used by every
+    round started (also one abandoned, or cut short by a restart); the model version
+    counts aggregations, so the two drift apart after faults."""
+    if s.get("mode") == "syncopt":
+        return [("step", s.get("step")), ("model version", s.get("model_version"))]
+    rnd, version = s.get("round"), s.get("model_version")
+    rows: list[tuple[str, Any]] = [("round", None if rnd is None else f"{rnd} (the latest round started)")]
+    if s.get("role") == "coordinator":
+        done, target = s.get("completed_rounds"), s.get("rounds")
+        if done is not None:
+            in_progress = 1 if s.get("phase") == "training" else 0
+            lost = max(0, int(rnd or 0) - int(done) - in_progress)
+            text = f"{done} aggregated" + (f" of {target}" if target else "")
+            if lost:
+                text += f"; {lost} not aggregated (abandoned, or cut short by a restart)"
+            rows.append(("rounds", text))
+    elif s.get("rounds_trained") is not None:
+        rows.append(("rounds trained", f"{s['rounds_trained']} (by this agent)"))
+    if version is not None:
+        meaning = "aggregations so far" if s.get("role") == "coordinator" else "of the global model held"
+        rows.append(("model version", f"{version} ({meaning})"))
+    return rows
+
+
+def _eval_text(ev: dict[str, Any] | None, final: int | None = None) -> str | None:
+    """``metrics (model version V[, final])`` for an agent's evaluation of a global model."""
+    if not ev:
+        return None
+    metrics = {k: v for k, v in ev.items() if k != "model_version"}
+    version = ev.get("model_version")
+    tag = ", the final model" if final is not None and version == final else ""
+    return f"{_fmt(metrics)} (model version {version}{tag})"
+
+
+def _held_out_text(h: dict[str, Any] | None) -> str | None:
+    if not h:
+        return None
+    agents = h.get("agents") or []
+    return (
+        f"{_fmt(h.get('metrics'))} (model version {h.get('model_version')}, "
+        f"{len(agents)} agents, {h.get('samples')} samples, weighted by samples)"
+    )
+
+
+def _connection_text(s: dict[str, Any]) -> str | None:
+    conn = s.get("connection")
+    if conn == "unresponsive":
+        return (
+            f"unresponsive: nothing from the broker for {_fmt(s.get('broker_silent_s'))} s "
+            "(link down?); peers' online state unknown"
+        )
+    return conn
+
+
+def _rejected_text(s: dict[str, Any]) -> str | None:
+    counts = s.get("rejected") or {}
+    if not counts:
+        return None
+    text = _fmt(counts)
+    recent = s.get("recent_rejections") or []
+    if recent:
+        r = recent[-1]
+        where = ", ".join(f"{k} {r[k]}" for k in ("round", "step") if k in r)
+        text += f"; latest: {r.get('sender')}{' (' + where + ')' if where else ''} {r.get('reason')}"
+    return text
+
+
+def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """The rows of `fedagent status` for a FedAvg or Sync-Opt node (label, text)."""
+    coordinator = s.get("role") == "coordinator"
+    final = s.get("model_version") if s.get("round_state") == "finished" or s.get("phase") == "done" else None
+    rows: list[tuple[str, Any]] = [
+        ("federation", s.get("federation")),
+        ("mode", s.get("mode")),
+        ("role", s.get("role")),
+        ("connection", _connection_text(s)),
+        ("broker", s.get("broker")),
+        ("coordinator", s.get("coordinator") or "-" if not coordinator else None),
+        ("mDNS on", s.get("mdns_interfaces")),
+        ("phase", s.get("phase") or s.get("round_state")),
+        *_rounds_rows(s),
+        ("vocabulary", f"{s['vocabulary_size']} terms" if s.get("vocabulary_size") else None),
+        ("last loss", s.get("last_loss")),
+        ("training metrics" if coordinator else "last training metrics", s.get("metrics") or s.get("last_metrics")),
+        ("held-out (agents)", _held_out_text(s.get("held_out")) if coordinator else None),
+        ("global model eval", _eval_text(s.get("global_model_eval"), final)),
+        ("reconnects", s.get("reconnects")),
+        ("last error", s.get("last_error")),
+        ("rejected", _rejected_text(s) or ("-" if "rejected" in s else None)),
+        ("bytes in / out", f"{s.get('bytes_in', 0):,} / {s.get('bytes_out', 0):,}"),
+    ]
+    return [(k, _fmt(v)) for k, v in rows if v is not None]
+
+
 def render_status(s: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     t = Table(title=f"fedagent {s.get('role', '?')} {s.get('id', '')}", show_header=False, title_justify="left")
@@ -32,30 +127,8 @@ def render_status(s: dict[str, Any], console: Console | None = None) -> None:
     t.add_column()
     if s.get("mode") == "gossip" and "gossip" in s:
         return _render_gossip(s, t, console)
-    rows = [
-        ("federation", s.get("federation")),
-        ("mode", s.get("mode")),
-        ("role", s.get("role")),
-        ("connection", s.get("connection")),
-        ("broker", s.get("broker")),
-        ("coordinator", s.get("coordinator")),
-        ("phase", s.get("phase") or s.get("round_state")),
-        ("round", s.get("round") if s.get("mode") != "syncopt" else None),
-        ("step", s.get("step") if s.get("mode") == "syncopt" else None),
-        ("vocabulary", f"{s['vocabulary_size']} terms" if s.get("vocabulary_size") else None),
-        ("last loss", s.get("last_loss")),
-        ("rounds done", s.get("completed_rounds", s.get("rounds_trained"))),
-        ("model version", s.get("model_version")),
-        ("last metrics", s.get("metrics") or s.get("last_metrics")),
-        ("global model eval", s.get("global_model_eval")),
-        ("reconnects", s.get("reconnects")),
-        ("last error", s.get("last_error")),
-        ("rejected", s.get("rejected")),
-        ("bytes in / out", f"{s.get('bytes_in', 0):,} / {s.get('bytes_out', 0):,}"),
-    ]
-    for k, v in rows:
-        if (v is not None and k not in ("coordinator",)) or (k == "coordinator" and s.get("role") == "agent"):
-            t.add_row(k, _fmt(v))
+    for k, v in status_rows(s):
+        t.add_row(k, v)
     console.print(t)
     if s.get("peers"):
         render_peers(s, console)
@@ -68,7 +141,7 @@ def _render_gossip(s: dict[str, Any], t: Table, console: Console) -> None:
     rows = [
         ("federation", s.get("federation")),
         ("mode", "gossip (no coordinator)"),
-        ("connection", s.get("connection")),
+        ("connection", _connection_text(s)),
         ("broker", s.get("broker")),
         ("links", s.get("links")),
         ("state", s.get("round_state")),
@@ -97,7 +170,8 @@ def _render_gossip(s: dict[str, Any], t: Table, console: Console) -> None:
 
 
 def _online(value: Any) -> str:
-    return "-" if value is None else ("yes" if value else "no")
+    """None: not known (never seen over MQTT, or this node's own broker link is down)."""
+    return "?" if value is None else ("yes" if value else "no")
 
 
 def render_peers(s: dict[str, Any], console: Console | None = None) -> None:
@@ -106,7 +180,10 @@ def render_peers(s: dict[str, Any], console: Console | None = None) -> None:
     if not peers:
         console.print(f"no peers known in federation {s.get('federation') or '(none)'}")
         return
-    p = Table(title=f"peers in {s.get('federation') or '?'}", title_justify="left")
+    p = Table(
+        title=f"peers in {s.get('federation') or '?'} (last seen: their last message of any kind or mDNS answer)",
+        title_justify="left",
+    )
     for col in ("id", "role", "online", "broker", "mDNS", "last seen"):
         p.add_column(col)
     for pid, info in peers.items():

@@ -36,6 +36,7 @@ from fedagent.node.messaging import Incoming, Messenger
 from fedagent.node.runtime import History, make_transport, node_identity, presence_payload
 from fedagent.pki import fingerprint
 from fedagent.protocols import topics
+from fedagent.protocols.peerview import online_count, peer_table
 from fedagent.statefile import cleanup_temp_files
 from fedagent.tasks.base import Task, Weights, load_task, set_weights
 
@@ -158,10 +159,12 @@ class Session(abc.ABC):
 
     # -- shared by every mode ---------------------------------------------------------------
     def connection_status(self) -> dict[str, Any]:
+        silent = self.transport.silent_for()
         return {
             "federation": self.fed,
             "broker": self.broker,
-            "connection": self.transport.state,
+            "connection": self.transport.link_state,
+            "broker_silent_s": None if silent is None else round(silent, 1),
             "reconnects": self.transport.reconnects,
             "last_error": self.transport.last_error,
             "coordinator": self.coordinator,
@@ -171,6 +174,8 @@ class Session(abc.ABC):
         out = self.mode_status()
         for service in self.services.values():
             out.update(service.status())
+        out["rejected"] = dict(self.messenger.rejected)
+        out["recent_rejections"] = list(self.messenger.recent_rejections)
         return out
 
     def to_service(self, inc: Incoming) -> bool:
@@ -303,11 +308,9 @@ class Agent:
             out.update(self.session.status())
         elif self.cfg.federation:
             out["connection"] = "discovering"
-        if self._disc is not None:
-            out["mdns_peers"] = {
-                k: {"role": a.role, "broker": a.broker_uri, "last_seen": self._disc.last_seen.get(k)}
-                for k, a in sorted(self._disc.peers.items())
-            }
+        out["mdns_interfaces"] = list(self.cfg.interfaces)
+        # The same table as `fedagent peers`: one source for both commands.
+        out["peers"] = self._peer_table()
         return out
 
     def _refresh_metrics(self, m: NodeMetrics) -> None:
@@ -316,34 +319,31 @@ class Agent:
         m.set_connected(session is not None and session.transport.connected)
         if session is not None:
             m.set_reconnects(session.transport.reconnects)
-            m.set_peers(sum(1 for p in session.peers.values() if p.get("online")))
+            m.set_peers(online_count(self._peer_table()))
             m.round_started(session.current_round)
             version = session.metrics_model_version()
             if version is not None:
                 m.set_model_version(version)
 
     def _peer_table(self) -> dict[str, dict[str, Any]]:
-        """Peers from both sources: retained presence over MQTT and mDNS adverts."""
-        table: dict[str, dict[str, Any]] = {}
+        """Every peer this agent knows of, from its retained presence, its mDNS advert and
+        the last message of any kind it sent (:func:`fedagent.protocols.peerview.peer_table`)."""
+        adverts: dict[str, dict[str, Any]] = {}
         if self._disc is not None:
             for pid, a in self._disc.peers.items():
-                if pid != self.cfg.id and (not self.cfg.federation or a.federation == self.cfg.federation):
-                    table[pid] = {
-                        "role": a.role,
-                        "broker": a.broker_uri,
-                        "mdns": True,
-                        "online": None,
-                        "last_seen": self._disc.last_seen.get(pid),
-                    }
-        if self.session is not None:
-            for pid, info in self.session.peers.items():
-                row = table.setdefault(pid, {"role": info["role"], "broker": None, "mdns": False})
-                row.update(
-                    online=info["online"],
-                    last_seen=max(info["last_seen"], row.get("last_seen") or 0),
-                    model_version=info.get("model_version"),
-                )
-        return dict(sorted(table.items()))
+                if not self.cfg.federation or a.federation == self.cfg.federation:
+                    adverts[pid] = {"role": a.role, "broker": a.broker_uri, "last_seen": self._disc.last_seen.get(pid)}
+        session = self.session
+        if session is None:
+            return peer_table(self.cfg.id, presence={}, heard={}, adverts=adverts, broker="", link_ok=False)
+        return peer_table(
+            self.cfg.id,
+            presence=session.peers,
+            heard=session.messenger.last_heard,
+            adverts=adverts,
+            broker=session.broker,
+            link_ok=session.transport.link_state == "connected",
+        )
 
     async def _peers(self, _args: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.cfg.id, "federation": self.cfg.federation or None, "peers": self._peer_table()}

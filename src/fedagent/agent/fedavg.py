@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any, ClassVar
 
@@ -25,7 +26,15 @@ from fedagent.node.messaging import Incoming
 from fedagent.node.runtime import presence_payload
 from fedagent.protocols import topics
 from fedagent.protocols.compression import CompressionConfig, Compressor
-from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart, TrainConfig, Vocabulary
+from fedagent.protocols.messages import (
+    Evaluation,
+    GlobalModel,
+    Presence,
+    RoundResult,
+    RoundStart,
+    TrainConfig,
+    Vocabulary,
+)
 from fedagent.protocols.participant import (
     AdoptModel,
     Command,
@@ -53,6 +62,7 @@ class FedAvgSession(Session):
         self.round_state = "idle"
         self.latest_round = 0
         self.last_eval: dict[str, float] = {}
+        self._evaluated: set[int] = set()  # model versions evaluated (or being evaluated)
         self.needs_vocabulary = vocab_mod.needs_vocabulary(agent.task)
         self.vocabulary_size: int | None = None
         self.coordinator_online = False
@@ -148,7 +158,11 @@ class FedAvgSession(Session):
             if isinstance(msg, RoundStart) and msg.round > self.latest_round:
                 self.latest_round = msg.round
                 self.round_state = "training" if self.cfg.id in msg.selected else "not selected"
-                self.agent.spawn(self._evaluate_global(msg.weights, msg.model_version))
+                self._evaluate_once(msg.weights, msg.model_version)
+            if isinstance(msg, GlobalModel) and msg.weights is not None:
+                # The final model (or the latest, retained for a newcomer) comes only this
+                # way: no round starts from it, so it is evaluated here.
+                self._evaluate_once(msg.weights, msg.model_version)
             if isinstance(msg, RoundResult) and msg.round >= self.latest_round:
                 self.round_state = "aggregated" if msg.aggregated else f"abandoned: {msg.reason}"
             await self._apply(self.participant.handle(msg))
@@ -193,11 +207,32 @@ class FedAvgSession(Session):
             )
             return get_weights(agent.model), metrics
 
+    def _evaluate_once(self, weights: Weights, version: int) -> None:
+        if version in self._evaluated:
+            return
+        self._evaluated = {v for v in self._evaluated if v > version - 4} | {version}
+        self.agent.spawn(self._evaluate_global(weights, version))
+
     async def _evaluate_global(self, weights: Weights, version: int) -> None:
         metrics = await asyncio.to_thread(self.agent.evaluate, weights)
-        self.last_eval = {"model_version": version, **metrics}
-        self.agent.metrics.report(metrics, prefix="global_")
+        if version >= int(self.last_eval.get("model_version", -1)):
+            self.last_eval = {"model_version": version, **metrics}
+            self.agent.metrics.report(metrics, prefix="global_")
         self.history.append({"event": "global_eval", "model_version": version, "metrics": metrics})
+        samples = self.agent.task.num_samples()
+        finite = {k: float(v) for k, v in metrics.items() if math.isfinite(v)}
+        if self.coordinator is not None and samples > 0 and finite:
+            # The coordinator shows the federation's held-out metrics: every agent's
+            # evaluation of the same global model, weighted by samples.
+            try:
+                await self.messenger.send(
+                    topics.direct(self.fed, self.cfg.id, self.coordinator, "evaluation"),
+                    Evaluation(version, samples, finite),
+                )
+            except TransportError as exc:
+                if exc.exit_code == EXIT_CONFIG:
+                    raise
+                log.info("evaluation of model version %d not delivered: %s", version, exc)
 
     async def _apply(self, cmds: list[Command]) -> None:
         for cmd in cmds:

@@ -45,14 +45,13 @@ from fedagent.node.messaging import Incoming, Messenger
 from fedagent.node.runtime import History, make_transport, node_identity, presence_payload
 from fedagent.pki import fingerprint
 from fedagent.protocols import topics
-from fedagent.protocols.messages import Presence
+from fedagent.protocols.evaluation import HeldOut
+from fedagent.protocols.messages import Evaluation, Presence
+from fedagent.protocols.peerview import peer_table
 from fedagent.statefile import cleanup_temp_files
 from fedagent.tasks.base import Task, load_task
 
 log = logging.getLogger("fedagent.coordinator")
-
-#: Recent rejections kept for ``fedagent status``.
-RECENT_REJECTIONS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,18 +159,22 @@ class CoordinatorCore:
             state_dir=self.dir,
         )
         self.peers: dict[str, dict[str, Any]] = {}
-        self.rejections: list[dict[str, Any]] = []
+        self.held_out = HeldOut()  # the agents' evaluations of the global model
+        self._disc: Discovery | None = None
         self.mode: Mode = make_mode(self)
         self.settled: dict[str, Any] = self.mode.snapshot()
 
     # -- for the modes -----------------------------------------------------------------
     def reject(self, sender: str, reason: str, detail: str, **where: int) -> None:
-        """Count and keep a refused message; ``where`` names the round or step it was for."""
+        """Count and keep a refused message; ``where`` names the round or step it was for.
+        Kept by the messenger with its own refusals: one count, one list, in ``status``."""
         at = ", ".join(f"{k} {v}" for k, v in where.items())
         log.warning("rejected from %s%s: %s (%s)", sender, f" ({at})" if at else "", reason, detail)
-        self.metrics.rejected(reason)
-        entry: dict[str, Any] = {"sender": sender, **where, "reason": reason, "detail": detail}
-        self.rejections = [*self.rejections, entry][-RECENT_REJECTIONS:]
+        self.messenger.record_rejection(sender, reason, detail, **where)
+
+    @property
+    def rejections(self) -> list[dict[str, Any]]:
+        return self.messenger.recent_rejections
 
     def online_agents(self) -> dict[str, int]:
         """Agents whose last presence said online, with the samples they announced."""
@@ -208,9 +211,17 @@ class CoordinatorCore:
                             "online": msg.online,
                             "role": msg.role,
                             "samples": msg.num_samples,
+                            "model_version": msg.model_version,
                             "last_seen": time.time(),
                         }
                         await mode.on_presence(inc.sender, msg.online, msg.num_samples, now)
+                elif isinstance(msg, Evaluation):
+                    if inc.role != "agent":
+                        self.messenger._reject(
+                            "role", inc.sender, f"an evaluation signed by a {inc.role or 'non-agent'}"
+                        )
+                    else:
+                        self.held_out.add(inc.sender, msg.model_version, msg.num_samples, msg.metrics)
                 else:
                     await mode.on_message(inc, now)
                 del inc, msg
@@ -225,31 +236,46 @@ class CoordinatorCore:
 
     # -- control -----------------------------------------------------------------------
     async def _status(self, _args: dict[str, Any]) -> dict[str, Any]:
+        silent = self.transport.silent_for()
         return {
             "role": "coordinator",
             "id": self.cfg.id,
             "federation": self.fed,
             "mode": self.cfg.mode,
             "broker": self.cfg.broker,
-            "connection": self.transport.state,
+            "connection": self.transport.link_state,
+            "broker_silent_s": None if silent is None else round(silent, 1),
             "reconnects": self.transport.reconnects,
             "last_error": self.transport.last_error,
             **self.settled,
-            "peers": {k: v for k, v in sorted(self.peers.items())},
+            "held_out": self.held_out.summary(),
+            "mdns_interfaces": list(self.cfg.interfaces),
+            "peers": self.peer_table(),
             "rejected": dict(self.messenger.rejected),
-            "recent_rejections": self.rejections,
+            "recent_rejections": list(self.messenger.recent_rejections),
             "bytes_in": self.messenger.bytes_in,
             "bytes_out": self.messenger.bytes_out,
             "checkpoint": str(self.ckpt_path),
             "metrics_url": self.metrics_url,
         }
 
+    def peer_table(self) -> dict[str, dict[str, Any]]:
+        """The agents as `status` and `peers` both show them (:mod:`fedagent.protocols.peerview`)."""
+        adverts: dict[str, dict[str, Any]] = {}
+        if self._disc is not None:
+            for pid, a in self._disc.peers.items():
+                adverts[pid] = {"role": a.role, "broker": a.broker_uri, "last_seen": self._disc.last_seen.get(pid)}
+        return peer_table(
+            self.cfg.id,
+            presence=self.peers,
+            heard=self.messenger.last_heard,
+            adverts=adverts,
+            broker=self.cfg.broker,
+            link_ok=self.transport.link_state == "connected",
+        )
+
     async def _peers(self, _args: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "id": self.cfg.id,
-            "federation": self.fed,
-            "peers": {k: {**v, "broker": self.cfg.broker, "mdns": False} for k, v in sorted(self.peers.items())},
-        }
+        return {"id": self.cfg.id, "federation": self.fed, "peers": self.peer_table()}
 
     def _refresh_metrics(self, m: NodeMetrics) -> None:
         m.set_connected(self.transport.connected)
@@ -271,6 +297,8 @@ class CoordinatorCore:
                 tg.create_task(self.transport.run(self._on_payload, ready))
                 tg.create_task(sdnotify.watchdog_loop())
                 await ready.wait()
+                self._disc = disc
+                disc.start_browsing(self.fed)  # the agents' adverts, for the peer table
                 if self.cfg.advertise:
                     await disc.register(
                         Advert(

@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fedagent.errors import CodecError
 from fedagent.protocols import topics
@@ -56,6 +57,8 @@ from fedagent.signing import CHUNK_KIND, AuthError, Identity, SequenceCounter, S
 log = logging.getLogger(__name__)
 SEQ_FILE = "signing-seq"
 REPLAY_FILE = "replay-guard.msgpack"
+#: Refusals kept for ``fedagent status``.
+RECENT_REJECTIONS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +125,11 @@ class Messenger:
             max_transfer_bytes=max_model_bytes, max_pending_bytes=2 * max_model_bytes, timeout=reassembly_timeout
         )
         self.rejected: Counter[str] = Counter()
+        # The latest refusals (messages here, or updates the round logic refused through
+        # record_rejection): `status` shows these next to the counts, from one source.
+        self.recent_rejections: list[dict[str, Any]] = []
+        # Sender -> time.time() of its last verified message of any kind ("last seen").
+        self.last_heard: dict[str, float] = {}
         # Streamed updates (coordinator side): set on_stream to receive their events. The
         # hold-back budget for chunks arriving out of turn is a few chunks, not N models.
         self.on_stream: Callable[[list[StreamEvent]], Awaitable[None]] | None = None
@@ -368,8 +376,21 @@ class Messenger:
         if self.metrics is not None:
             self.metrics.rejected(reason)
 
-    def _reject(self, reason: str, sender: str, detail: str) -> None:
+    def record_rejection(self, sender: str, reason: str, detail: str, **where: Any) -> None:
+        """Count a refusal and keep it among the recent ones (the round logic's refusals
+        come here too, so `rejected` and `recent_rejections` always agree)."""
         self.count_rejected(reason)
+        entry: dict[str, Any] = {
+            "sender": sender or "?",
+            **where,
+            "reason": reason,
+            "detail": detail,
+            "at": time.time(),
+        }
+        self.recent_rejections = [*self.recent_rejections, entry][-RECENT_REJECTIONS:]
+
+    def _reject(self, reason: str, sender: str, detail: str) -> None:
+        self.record_rejection(sender, reason, detail)
         log.warning("rejected message from %s: %s (%s)", sender or "?", reason, detail)
 
     async def receive(self, topic: str, payload: bytes, deliver: Callable[[Incoming], Awaitable[None]]) -> None:
@@ -397,6 +418,7 @@ class Messenger:
             role = self.verifier.check(env)
         except AuthError as exc:
             return self._reject(exc.reason, env.sender, exc.detail)
+        self.last_heard[env.sender] = time.time()
         if env.kind == STREAM_KIND:
             if role != "agent":
                 # Only agents train: a stream from another role (a coordinator's

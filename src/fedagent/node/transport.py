@@ -57,6 +57,7 @@ from fedagent.errors import (
     NotAuthorized,
     TransportError,
 )
+from fedagent.protocols.peerview import PROBE_AFTER, link_state
 
 log = logging.getLogger(__name__)
 _paho_log = logging.getLogger("fedagent.mqtt")
@@ -371,6 +372,8 @@ class _Client(aiomqtt.Client):
         # QoS1 messages are acknowledged once the handler is done with them.
         self._client.manual_ack_set(True)
         _bound_reads(self._client)
+        # time.monotonic() of the last bytes from the broker (any packet: PINGRESP too).
+        self.last_rx = time.monotonic()
 
     @property
     def paho(self) -> mqtt.Client:
@@ -417,6 +420,7 @@ class _Client(aiomqtt.Client):
     def _on_socket_open(self, client: mqtt.Client, userdata: Any, sock: Any) -> None:
         # aiomqtt's own version, with read_available() as the reader.
         def on_readable() -> None:
+            self.last_rx = time.monotonic()
             try:
                 read_available(client)
             except Exception as exc:  # noqa: BLE001 - a broken socket: report as disconnect
@@ -456,6 +460,13 @@ class _Client(aiomqtt.Client):
     def ack(self, mid: int, qos: int) -> None:
         if qos > 0 and self.is_connected:
             self._client.ack(mid, qos)
+
+    def probe(self) -> None:
+        """Ask the broker for a PINGRESP now. paho's own keep-alive bookkeeping
+        (``_ping_t``) is left alone, so when paho gives up on the connection is unchanged;
+        the answer only refreshes :attr:`last_rx`."""
+        if self.is_connected:
+            self._client._send_simple_command(mqtt.PINGREQ)
 
 
 def read_available(client: mqtt.Client) -> None:
@@ -590,10 +601,42 @@ class Transport:
     def subscriptions(self) -> tuple[str, ...]:
         return tuple(self._subscriptions)
 
+    def silent_for(self) -> float | None:
+        """Seconds since the broker last sent anything on the current connection (None
+        while there is none)."""
+        c = self._client
+        if c is None or not self.connected:
+            return None
+        return max(0.0, time.monotonic() - c.last_rx)
+
+    @property
+    def link_state(self) -> str:
+        """``state``, or ``"unresponsive"`` while a connection hears nothing from the
+        broker for longer than a live one can (see :mod:`fedagent.protocols.peerview`)."""
+        return link_state(self.state, self.silent_for(), self.keepalive)
+
+    async def _watch_link(self, client: _Client) -> None:
+        """Probe a silent broker early: after half a keep-alive without a packet, one
+        PINGREQ (again whenever something arrived since), so a partition shows in
+        ``link_state`` well within the keep-alive."""
+        probed_at = -1.0
+        step = max(0.2, min(1.0, self.keepalive / 8))
+        while True:
+            await asyncio.sleep(step)
+            now = time.monotonic()
+            if now - client.last_rx >= PROBE_AFTER * self.keepalive and probed_at < client.last_rx:
+                probed_at = now
+                try:
+                    client.probe()
+                except Exception as exc:  # noqa: BLE001 - paho reports the broken socket itself
+                    log.debug("link probe failed: %s", exc)
+
     def status(self) -> dict[str, Any]:
         return {
             "broker": self.uri,
             "state": self.state,
+            "link": self.link_state,
+            "silent_for": self.silent_for(),
             "reconnects": self.reconnects,
             "last_error": self.last_error,
             "connected_since": self.connected_since,
@@ -698,12 +741,16 @@ class Transport:
                     await self._subscribe(client, list(self._subscriptions))
                     self.state = "connected"
                     self._connected.set()
-                    if self.on_connect is not None:
-                        await self.on_connect()
-                    if ready is not None:
-                        ready.set()
-                    async for message in client.messages:
-                        inbox.put_nowait((client, message))
+                    watch = asyncio.create_task(self._watch_link(client), name=f"mqtt-link-{self.client_id}")
+                    try:
+                        if self.on_connect is not None:
+                            await self.on_connect()
+                        if ready is not None:
+                            ready.set()
+                        async for message in client.messages:
+                            inbox.put_nowait((client, message))
+                    finally:
+                        watch.cancel()
                 finally:
                     self._connected.clear()
                     self._client = None

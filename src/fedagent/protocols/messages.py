@@ -314,6 +314,33 @@ class GlobalModel:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """Agent → coordinator: this agent's metrics of global model ``model_version`` on its
+    own held-out data, with the samples its mean is weighted by."""
+
+    kind: ClassVar[str] = "evaluation"
+    model_version: int
+    num_samples: int
+    metrics: dict[str, float]
+
+    def __post_init__(self) -> None:
+        _count(self.model_version, "model_version", "evaluation")
+        _count(self.num_samples, "num_samples", "evaluation")
+
+    def to_body(self) -> dict[str, Any]:
+        return {"model_version": self.model_version, "num_samples": self.num_samples, "metrics": dict(self.metrics)}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> Evaluation:
+        w = "evaluation"
+        return cls(
+            model_version=_count(_need(body, "model_version", int, w), "model_version", w),
+            num_samples=_count(_need(body, "num_samples", int, w), "num_samples", w),
+            metrics=_metrics(_need(body, "metrics", dict, w), w),
+        )
+
+
 MAX_EXCHANGE_ID = 64
 
 
@@ -803,6 +830,7 @@ Message = (
     | Update
     | RoundResult
     | GlobalModel
+    | Evaluation
     | GossipModel
     | GossipAck
     | VocabOffer
@@ -825,6 +853,7 @@ KINDS: dict[str, type[Message]] = {
         Update,
         RoundResult,
         GlobalModel,
+        Evaluation,
         GossipModel,
         GossipAck,
         VocabOffer,
