@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import shutil
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -80,6 +81,11 @@ class QuickStart:
             return text.replace(f"shard = {self.first_shard},", f"shard = {shard},")
 
         return sub(self.site_toml), sub(self.site_sh)
+
+
+def _facts(peers: dict) -> dict:
+    """A peer table without its clock readings (two requests are a moment apart)."""
+    return {pid: {k: v for k, v in row.items() if k != "last_seen"} for pid, row in peers.items()}
 
 
 def _status(sock: Path) -> dict | None:
@@ -154,14 +160,34 @@ def test_lan_quick_start_verbatim(lan, quick, tmp_path):
         s = _status(socks[name])
         assert s is not None and s["federation"] == quick.federation and s["connection"] == "connected"
         assert s["rounds_trained"] >= 1
-        # The running agent browses on its LAN address: it sees the coordinator's advert.
-        assert "coordinator" in s["mdns_peers"], s["mdns_peers"]
+        # The running agent browses on its LAN address: it sees the coordinator's advert,
+        # and `status` and `peers` show the same table.
+        assert s["peers"]["coordinator"]["mdns"] is True and s["peers"]["coordinator"]["online"] is True
+        peers = request(socks[name], "peers", timeout=5)["peers"]
+        assert _facts(peers) == _facts(s["peers"])
+        # The final model is evaluated, not only the one each round started from.
+        assert s["global_model_eval"]["model_version"] == rounds
         recorded = config.load(tmp_path / name / f"{name}.toml", "agent")
         assert recorded.federation == quick.federation and recorded.interfaces == (ip,)
     log = lan.log(by_interface)
     assert f"and mDNS interfaces {sites[by_interface][0]}" in log
     assert f"the running agent {by_interface} is joining {quick.federation}" in log
     assert f"mDNS now runs on {sites[by_interface][0]}" in log
+
+    # The coordinator: the federation's held-out accuracy of the final model (every agent's
+    # evaluation, weighted), its agents seen over MQTT and on mDNS, refusals in one place.
+    c = lan.wait_for(
+        lambda: (lambda s: s if s and len(s["held_out"].get("agents", [])) == len(sites) else None)(
+            _status(coord_sock)
+        ),
+        20,
+        "every agent's evaluation of the final model at the coordinator",
+    )
+    assert c["held_out"]["model_version"] == rounds and 0.5 < c["held_out"]["metrics"]["accuracy"] <= 1
+    assert set(c["peers"]) == set(sites)
+    assert all(row["online"] is True and row["mdns"] is True for row in c["peers"].values()), c["peers"]
+    assert _facts(request(coord_sock, "peers", timeout=5)["peers"]) == _facts(c["peers"])
+    assert {r["reason"] for r in c["recent_rejections"]} <= set(c["rejected"])
 
     # The README's status command, on the first site, as an operator types it.
     out = lan.run(
@@ -172,3 +198,18 @@ def test_lan_quick_start_verbatim(lan, quick, tmp_path):
     )
     print(out.stdout)
     assert f"fedagent agent {quick.first}" in out.stdout and "connected" in out.stdout
+
+    # Cut site-a1 off (TCP stays open, as in a real partition): its own status says the
+    # broker is unresponsive within the keep-alive, and no longer claims peers online.
+    keepalive = 10.0  # fedagent's MQTT keep-alive (Transport default)
+    lan.cut(quick.first)
+    t0 = time.monotonic()
+    cut = lan.wait_for(
+        lambda: (lambda s: s if s and s["connection"] == "unresponsive" else None)(_status(socks[quick.first])),
+        3 * keepalive,
+        "the cut-off agent to notice",
+    )
+    noticed = time.monotonic() - t0
+    print(f"cut-off agent reported its broker unresponsive after {noticed:.1f} s")
+    assert noticed <= keepalive
+    assert all(row["online"] is None for row in cut["peers"].values()), cut["peers"]
