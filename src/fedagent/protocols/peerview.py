@@ -19,7 +19,7 @@ from typing import Any
 #: broker is unreachable, well before the keep-alive itself runs out.
 PROBE_AFTER = 0.5
 PROBE_GRACE = 0.25
-MIN_GRACE = 1.0
+MIN_GRACE = 0.5
 
 
 def silence_limit(keepalive: float) -> float:
