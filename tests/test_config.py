@@ -71,6 +71,9 @@ def test_search_section_roundtrip(tmp_path):
         ('id = "a"\n[search]\npublic_docs = 0\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "public_docs"),
         ('id = "a"\n[search]\nbogus = 1\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "[search]"),
         ("id = [", "cannot read config"),
+        ('id = "a"\n[discovery]\ninterfaces = ["eth0"]\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "not an interface name"),
+        ('id = "a"\n[discovery]\ninterfaces = "10.0.0.1"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "non-empty list"),
+        ('id = "a"\n[discovery]\ninterface = ["10.0.0.1"]\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "[discovery]"),
     ],
 )
 def test_bad_configs_name_the_problem(tmp_path, text, words):
@@ -121,3 +124,37 @@ def test_digits_split_is_non_iid_and_disjoint():
     assert sum(sizes) == full.num_samples()
     # label skew: some shard lacks at least one class entirely
     assert any(len(set(t.y_train.tolist())) < 10 for t in tasks)
+
+
+def test_join_interface_is_recorded_with_the_membership(tmp_path):
+    tls = TlsConfig(ca=Path("ca.crt"), cert=Path("a.crt"), key=Path("a.key"))
+    p = write(tmp_path, config.render(node_id="agent-a", federation="", tls=tls, state_dir=Path("s")))
+    assert config.load(p, "agent").interfaces == ("127.0.0.1",)
+    config.update_membership(p, "lab", "mqtts://192.168.1.10:8883", ("192.168.1.11",))
+    cfg = config.load(p, "agent")
+    assert (cfg.federation, cfg.interfaces) == ("lab", ("192.168.1.11",))
+    config.update_membership(p, "", "")  # leave keeps the interfaces: they belong to the machine
+    assert config.load(p, "agent").interfaces == ("192.168.1.11",)
+    with pytest.raises(ConfigError, match="--interface: 'eth0' is not an IPv4 address"):
+        config.update_membership(p, "lab", "", ("eth0",))
+
+
+def test_join_cli_refuses_an_interface_name_before_searching(tmp_path):
+    from click.testing import CliRunner
+
+    from fedagent.cli import main
+
+    tls = TlsConfig(ca=Path("ca.crt"), cert=Path("a.crt"), key=Path("a.key"))
+    p = write(tmp_path, config.render(node_id="agent-a", federation="", tls=tls, state_dir=Path("s")))
+    out = CliRunner().invoke(main, ["join", "lab", "--interface", "eth0", "--config", str(p)])
+    assert out.exit_code != 0 and "not an IPv4 address" in out.output and "looking for" not in out.output
+    assert config.load(p, "agent").federation == ""
+
+
+def test_mdns_not_found_says_where_it_searched_and_how_to_search_elsewhere():
+    from fedagent.node.discovery import not_found_message
+
+    msg = not_found_message("lab", ("coordinator", "broker"), 10, ["127.0.0.1"])
+    assert "searched on 127.0.0.1" in msg and "reaches only this machine" in msg
+    assert "fedagent join lab --interface ADDRESS" in msg and "[discovery] interfaces" in msg and "--broker" in msg
+    assert "only this machine" not in not_found_message("lab", ("coordinator",), 10, ["192.168.1.11"])

@@ -189,12 +189,16 @@ def test_lan_quick_start_verbatim(lan, quick, tmp_path):
     assert _facts(request(coord_sock, "peers", timeout=5)["peers"]) == _facts(c["peers"])
     assert {r["reason"] for r in c["recent_rejections"]} <= set(c["rejected"])
 
-    # The README's status command, on the first site, as an operator types it.
+    # The README's status commands, as an operator types them (shown with -s).
+    path = f"PATH={Path(sys.executable).parent}:$PATH"
+    out = lan.run("hub", "bash", "-c", f"cd {hub} && COLUMNS=120 {path} fedagent status --config coordinator.toml")
+    print(out.stdout)
+    assert "held-out (agents)" in out.stdout and f"{rounds} aggregated of {rounds}" in out.stdout
     out = lan.run(
         quick.first,
         "bash",
         "-c",
-        f"cd {tmp_path / quick.first} && PATH={Path(sys.executable).parent}:$PATH {quick.status}",
+        f"cd {tmp_path / quick.first} && COLUMNS=120 {path} {quick.status}",
     )
     print(out.stdout)
     assert f"fedagent agent {quick.first}" in out.stdout and "connected" in out.stdout
