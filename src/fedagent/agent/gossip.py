@@ -270,7 +270,13 @@ class GossipSession(Session):
     def peers(self) -> dict[str, dict[str, Any]]:
         """The peer view in the shape of the other modes' (for ``fedagent peers``, metrics)."""
         return {
-            pid: {"role": "agent", "online": p.up, "last_seen": p.last_seen, "model_version": None}
+            pid: {
+                "role": "agent",
+                "online": p.up,
+                "broker": p.broker or self.broker,
+                "last_seen": p.last_seen,
+                "samples": p.num_samples,
+            }
             for pid, p in self._peers.items()
         }
 
