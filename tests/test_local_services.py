@@ -276,7 +276,7 @@ def test_discovery_between_processes_add_remove_readd(arun):
                     break
             assert d.peers["coord-x"].role == "coordinator"
             await asyncio.to_thread(stop, p)
-            with pytest.raises(FedagentError, match="pass --broker"):
+            with pytest.raises(FedagentError, match=r"searched on 127\.0\.0\.1.*--interface.*--broker"):
                 await d.find(f"other-{fed}", "coordinator", 0.5)
 
     arun(main(), timeout=90)
