@@ -206,3 +206,12 @@ def test_agent_rows_show_the_final_model_eval_and_a_lost_broker():
     # The peers part of `status` is the `peers` table: the same row twice.
     line = next(ln for ln in text.splitlines() if "mqtts://h:1" in ln)
     assert text.count(line) == 2 and "│ ?" in line
+
+
+def test_syncopt_rows_count_steps():
+    rows = _rows(
+        {"role": "coordinator", "mode": "syncopt", "step": 55, "steps_done": 54, "steps": 300, "model_version": 54}
+    )
+    assert rows["step"] == "55" and rows["steps done"] == "54 of 300" and rows["model version"] == "54"
+    rows = _rows({"role": "agent", "mode": "syncopt", "step": 55, "steps_computed": 40, "model_version": 54})
+    assert rows["steps done"] == "40 (by this agent)"

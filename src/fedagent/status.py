@@ -30,7 +30,12 @@ def _rounds_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
     round started (also one abandoned, or cut short by a restart); the model version
     counts aggregations, so the two drift apart after faults."""
     if s.get("mode") == "syncopt":
-        return [("step", s.get("step")), ("model version", s.get("model_version"))]
+        done = (
+            f"{s['steps_done']} of {s.get('steps')}"
+            if s.get("steps_done") is not None
+            else (f"{s['steps_computed']} (by this agent)" if s.get("steps_computed") is not None else None)
+        )
+        return [("step", s.get("step")), ("steps done", done), ("model version", s.get("model_version"))]
     rnd, version = s.get("round"), s.get("model_version")
     rows: list[tuple[str, Any]] = [("round", None if rnd is None else f"{rnd} (the latest round started)")]
     if s.get("role") == "coordinator":
