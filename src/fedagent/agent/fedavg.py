@@ -194,6 +194,10 @@ class FedAvgSession(Session):
                     "role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-coordinator'}"
                 )
             self.coordinator = inc.sender
+            if answer:
+                assert isinstance(msg, GlobalModel)
+                self.history.append({"event": "model_fetched", "model_version": msg.model_version, "round": msg.round})
+                log.info("received the current model (version %d) from %s", msg.model_version, inc.sender)
             if (
                 isinstance(msg, (RoundStart, GlobalModel))
                 and msg.weights is not None

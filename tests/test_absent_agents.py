@@ -1,0 +1,170 @@
+"""Absent agents cost the broker no model broadcasts (issue 17, item 4; RELIABILITY T6).
+
+Agents are stopped (SIGTERM: a clean goodbye, the persistent session stays; SIGKILL: the
+Last Will) while the others train on a 4 MiB model for many rounds, then started again.
+The broker queues no round start for them while they are away (those are QoS 0
+subscriptions), so its peak RSS during the absence stays within its peak while every
+agent was online plus at most 2× the model per absent agent. Back, each agent asks the
+coordinator for the current model, gets it on its inbox (signed, verified like a
+broadcast), never sees a stale round start, and takes part in the next round.
+
+``scenario()`` returns the figures; run it under another checkout's interpreter for a
+before/after comparison (the report in results/ does).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from netfed import running, wait_for
+
+PARAMS = 1_048_576  # float32: a 4 MiB model
+
+
+def _rss_kb(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} for pid {pid}")
+
+
+def _history(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def scenario(work: Path, *, agents: int, absent: int, rounds_away: int, warmup: int = 3) -> dict[str, Any]:
+    """Run the federation through warm-up, absence and return; the measured figures."""
+    total_rounds = warmup + rounds_away + 30
+    task_options = {"params": PARAMS, "tensors": 4, "samples": 100}
+
+    def configure(fed) -> None:
+        for i, aid in enumerate(fed.agent_ids):
+            fed._write(aid, aid, fed.broker_uri, {**task_options, "shard": i}, None, "synthetic")
+        fed.write_coordinator(
+            "synthetic",
+            task_options,
+            {
+                "rounds": total_rounds,
+                "min_agents": agents - absent,
+                "expected_agents": agents,
+                "start_grace": 60,
+                "min_updates": 1,
+                "round_timeout": 60,
+                "local_epochs": 1,
+                "lr": 0.05,
+            },
+        )
+
+    out: dict[str, Any] = {"agents": agents, "absent": absent, "model_bytes": PARAMS * 4}
+    with running(
+        work, agents=agents, rounds=total_rounds, alpha=0.5, agent_broker_by_mdns=False, configure=configure
+    ) as fed:
+        assert fed.broker is not None and fed.broker.pid is not None
+        bpid = fed.broker.pid
+
+        def coord() -> dict[str, Any]:
+            return fed.status("coordinator") or {}
+
+        out["rss_idle_kb"] = _rss_kb(bpid, "VmRSS")
+        wait_for(lambda: coord().get("completed_rounds", 0) >= warmup, 300, f"{warmup} rounds with everyone", fed)
+        out["hwm_all_online_kb"] = _rss_kb(bpid, "VmHWM")
+        out["rss_all_online_kb"] = _rss_kb(bpid, "VmRSS")
+        gone = fed.agent_ids[-absent:]
+        hist = {a: fed.work / "state" / a / "agent" / fed.fed / "history.jsonl" for a in gone}
+        for i, aid in enumerate(gone):
+            proc = fed.proc(aid)
+            fed.stop(proc, signal.SIGKILL if i % 2 else signal.SIGTERM)
+            fed.procs.remove(proc)
+        wait_for(
+            lambda: all(coord().get("peers", {}).get(a, {}).get("online") is False for a in gone),
+            60,
+            "the coordinator to see the absent agents offline",
+            fed,
+        )
+        # Peak RSS from here on: Linux resets VmHWM to the current RSS on "5".
+        Path(f"/proc/{bpid}/clear_refs").write_text("5")
+        start = coord()["completed_rounds"]
+        t0 = time.monotonic()
+        rss_max = 0
+        while coord().get("completed_rounds", 0) < start + rounds_away:
+            fed.check_alive()
+            rss_max = max(rss_max, _rss_kb(bpid, "VmRSS"))
+            assert time.monotonic() - t0 < 60 + 10 * rounds_away, "rounds stopped while agents were away"
+            time.sleep(0.2)
+        out["rounds_away"] = coord()["completed_rounds"] - start
+        out["seconds_away"] = round(time.monotonic() - t0, 1)
+        out["hwm_away_kb"] = _rss_kb(bpid, "VmHWM")
+        out["rss_away_max_sampled_kb"] = rss_max
+        out["rss_end_of_absence_kb"] = _rss_kb(bpid, "VmRSS")
+
+        seen = {a: len(_history(hist[a])) for a in gone}
+        at_return = coord()
+        out["version_at_return"], round_at_return = at_return["model_version"], at_return["round"]
+        for aid in gone:
+            fed.spawn(aid)
+        # Back: each takes part in a round that starts after its return.
+        last = wait_for(
+            lambda: next(
+                (
+                    r
+                    for r in reversed(
+                        _history(fed.work / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl")
+                    )
+                    if r.get("event") == "round"
+                    and r["round"] > round_at_return
+                    and set(gone) <= set(r["participants"])
+                ),
+                None,
+            ),
+            180,
+            "a round with the returning agents in it",
+            fed,
+        )
+        out["joined_round"], out["joined_version"] = last["round"], last["model_version"]
+        out["returned"] = {a: _history(hist[a])[seen[a] :] for a in gone}
+        out["returned_status"] = {a: fed.status(a) or {} for a in gone}
+        out["coordinator"] = coord()
+        out["hwm_total_kb"] = _rss_kb(bpid, "VmHWM")
+    return out
+
+
+def check(out: dict[str, Any]) -> None:
+    model_kb = out["model_bytes"] // 1024
+    bound = out["hwm_all_online_kb"] + 2 * model_kb * out["absent"]
+    assert out["rounds_away"] >= 1
+    assert out["hwm_away_kb"] <= bound, (
+        f"broker peak RSS {out['hwm_away_kb']} kB while {out['absent']} agents were away, above "
+        f"{bound} kB (its peak with everyone online + 2 models per absent agent)"
+    )
+    for aid, records in out["returned"].items():
+        fetched = [r for r in records if r.get("event") == "model_fetched"]
+        assert fetched and fetched[0]["model_version"] >= out["version_at_return"], (aid, records[:5])
+        # No stale round start reached it: every model it evaluated or trained on after
+        # its return is at least the one it fetched, and it sent updates again.
+        evals = [r["model_version"] for r in records if r.get("event") == "global_eval"]
+        assert evals and min(evals) >= fetched[0]["model_version"], (aid, evals)
+        updates = [r for r in records if r.get("event") == "update"]
+        assert updates and min(u["base_version"] for u in updates) >= fetched[0]["model_version"]
+    answered = out["coordinator"]["model_requests"]["answered"]
+    assert answered >= out["absent"]
+
+
+def test_absent_agent_costs_no_broadcasts_and_catches_up(tmp_path):
+    """CI variant: 4 agents, one away for 8 rounds of a 4 MiB model."""
+    out = scenario(tmp_path, agents=4, absent=1, rounds_away=8)
+    print(json.dumps({k: v for k, v in out.items() if k not in ("returned", "coordinator", "returned_status")}))
+    check(out)
+
+
+@pytest.mark.slow
+def test_three_of_ten_agents_away_for_fifty_rounds(tmp_path):
+    out = scenario(tmp_path, agents=10, absent=3, rounds_away=50)
+    print(json.dumps({k: v for k, v in out.items() if k not in ("returned", "coordinator", "returned_status")}))
+    check(out)
