@@ -39,7 +39,7 @@ def _history(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def scenario(work: Path, *, agents: int, absent: int, rounds_away: int, warmup: int = 3) -> dict[str, Any]:
+def scenario(work: Path, *, agents: int, absent: int, rounds_away: int, warmup: int = 5) -> dict[str, Any]:
     """Run the federation through warm-up, absence and return; the measured figures."""
     total_rounds = warmup + rounds_away + 30
     task_options = {"params": PARAMS, "tensors": 4, "samples": 100}
@@ -152,6 +152,9 @@ def check(out: dict[str, Any]) -> None:
         assert evals and min(evals) >= fetched[0]["model_version"], (aid, evals)
         updates = [r for r in records if r.get("event") == "update"]
         assert updates and min(u["base_version"] for u in updates) >= fetched[0]["model_version"]
+        # The answer names the round in progress when it was sent: the agent trained in
+        # the very next one (its presence came before its request, so it was selected).
+        assert updates[0]["round"] == fetched[0]["round"] + 1, (aid, fetched[0], updates[0])
     answered = out["coordinator"]["model_requests"]["answered"]
     assert answered >= out["absent"]
 

@@ -4,6 +4,8 @@ version left in its persistent session. Real Mosquitto, mutual TLS."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from conftest import unique_id
 
@@ -139,3 +141,43 @@ def test_queue_limits_are_checked_before_the_broker_starts(tmp_path, pki):
     with pytest.raises(ConfigError, match="max_queued_bytes"):
         EmbeddedBroker(tmp_path, federations=[FED], coordinators=["coord"], ca_dir=pki.ca_dir, max_queued_bytes=1024)
     assert not (tmp_path / "mosquitto.conf").exists()
+
+
+def test_the_limit_also_applies_to_a_connected_client_behind_on_its_acks(broker_factory, arun, peer):
+    """Why the limit must fit the coordinator's backlog of a round (docs/operators.md): a
+    connected client that acknowledges slowly (Receive Maximum 1, a stalled handler)
+    has the rest queued, and what exceeds the limit is dropped, logged by Mosquitto."""
+    b = broker_factory(max_packet_size=2**20, max_queued_bytes=2**20)
+    inbox, to_b = topics.inbox(FED, "agent-b"), topics.direct(FED, "agent-a", "agent-b", "x")
+    size = 256 * 1024
+    release = asyncio.Event()
+    got: list[bytes] = []
+
+    async def slow(_topic: str, payload: bytes) -> None:
+        got.append(payload)
+        await release.wait()
+
+    async def main():
+        async with (
+            peer(b, "agent-b", subscriptions=[inbox], receive_maximum=1, handler=slow),
+            peer(b, "agent-a") as a,
+        ):
+            for i in range(10):
+                await a.transport.publish(to_b, bytes([i]) * size)
+            await a.transport.publish(to_b, b"last")
+            deadline = asyncio.get_running_loop().time() + 10
+            while "dropped" not in b.log_path.read_text(errors="replace"):
+                assert asyncio.get_running_loop().time() < deadline, b.log_tail()
+                await asyncio.sleep(0.05)
+            release.set()
+            # Once the backlog has drained a new message gets through again.
+            while not got or got[-1] != b"after":
+                assert asyncio.get_running_loop().time() < deadline + 10, [len(p) for p in got]
+                await a.transport.publish(to_b, b"after")
+                await asyncio.sleep(0.2)
+        # In flight (1) + what fits in 1 MiB were delivered in order; the rest was dropped.
+        firsts = [p[0] for p in got if len(p) == size]
+        assert b"last" not in got
+        assert firsts == list(range(len(firsts))) and 2 <= len(firsts) <= 6
+
+    arun(main(), timeout=60)
