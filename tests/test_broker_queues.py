@@ -102,10 +102,11 @@ def test_an_absent_clients_queue_stops_at_max_queued_bytes(broker_factory, arun,
     arun(main(), timeout=60)
 
 
-def test_a_qos0_subscription_is_not_queued_and_retired_filters_are_removed(broker, arun, peer):
+def test_a_qos0_subscription_is_not_queued_and_retired_filters_are_removed(broker_factory, arun, peer):
     """The agent's round starts (QoS 0) are delivered while it is connected and never
     queued while it is away; its inbox (QoS 1) is. A session left by an earlier version
     that subscribed to all of global/ with QoS 1 loses that subscription."""
+    broker = broker_factory()  # its own: no other test's session or queue for agent-b
     cid = unique_id("agent-b")
     old = [topics.all_broadcasts(FED), topics.inbox(FED, "agent-b")]
     new = [(topics.broadcast(FED, "round_start"), 0), topics.inbox(FED, "agent-b")]
