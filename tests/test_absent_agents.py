@@ -197,6 +197,9 @@ def check(out: dict[str, Any]) -> None:
         # The answer names the round in progress when it was sent; the agent's presence
         # came before its request, so it trained in that round or the next one.
         assert updates[0]["round"] <= fetched[0]["round"] + 1, (aid, fetched[0], updates[0])
+    for aid, status in out["returned_status"].items():
+        # One request per connection made.
+        assert status["model_requests_sent"] == 1 + status["reconnects"], (aid, status)
     answered = out["coordinator"]["model_requests"]["answered"]
     assert answered >= out["absent"]
 

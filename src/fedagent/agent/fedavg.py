@@ -360,4 +360,5 @@ class FedAvgSession(Session):
             "vocabulary_size": self.vocabulary_size,
             "vocab_digest": self.vocab_digest or None,
             "vocab_offers_sent": self.offers_sent,
+            "model_requests_sent": self.catchup.requests,
         }
