@@ -34,6 +34,14 @@ from fedagent.protocols.topics import PREFIX, check_name
 
 DEFAULT_MAX_PACKET_SIZE = 16 * 2**20
 DEFAULT_PORT = 8883
+# Per client, beyond the QoS 1 messages in flight to it (Mosquitto applies both limits to
+# every client; past either one it drops what would be queued, and says so in its log).
+# Agents do not have the global model queued for them while they are away (they fetch
+# the current one when they come back), so what these bound is the coordinator's
+# backlog of one round: the updates of the agents it selected, waiting at the broker
+# while it folds them a few chunks at a time. The operators' guide gives the sizing.
+DEFAULT_MAX_QUEUED_BYTES = 1024 * 2**20
+DEFAULT_MAX_QUEUED_MESSAGES = 100_000
 # MQTT 5 CONNECT: clean start, keep-alive 10 s, no properties, empty client id (the
 # broker assigns one, so a probe never touches a real client's session).
 MQTT5_PROBE_CONNECT = bytes.fromhex("100d00044d5154540502000a000000")
@@ -117,6 +125,8 @@ def render_config(
     user: str | None = None,
     persistent_client_expiration: str = "14d",
     autosave_interval: int = 60,
+    max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES,
+    max_queued_messages: int = DEFAULT_MAX_QUEUED_MESSAGES,
 ) -> str:
     """The ``mosquitto.conf`` for one mutual-TLS listener.
 
@@ -124,11 +134,14 @@ def render_config(
     ``user`` is the account Mosquitto switches to when started as root (default: the
     current user, so it can read the key it was given). ``persistence_dir`` None
     turns persistence off (sessions and QoS1 queues then die with the broker).
+    ``max_queued_bytes``/``max_queued_messages`` bound what Mosquitto queues for one
+    client (see :func:`check_queue_limits`).
     """
     if not 0 < port < 65536:
         raise ConfigError(f"invalid broker port {port}")
     if max_packet_size < 1024:
         raise ConfigError(f"max_packet_size {max_packet_size} is too small")
+    check_queue_limits(max_queued_bytes, max_queued_messages, max_packet_size)
     if user is None:
         user = pwd.getpwuid(os.getuid()).pw_name
     lines = [
@@ -143,10 +156,13 @@ def render_config(
         f"max_packet_size {int(max_packet_size)}",
         f"persistent_client_expiration {persistent_client_expiration}",
         "set_tcp_nodelay true",
-        # The default queue of 1000 QoS1 messages per client is what a coordinator of more
-        # than ~1000 agents would overflow in one round (updates, presence): past it
-        # Mosquitto drops messages silently.
-        "max_queued_messages 1000000",
+        # What waits for one client beyond its in-flight window: the coordinator's backlog
+        # of a round's updates (the sizing rule is in docs/operators.md), small control
+        # messages for an absent agent. Past either limit Mosquitto drops what would be
+        # queued. Mosquitto's default of 1000 messages would be overflowed by a
+        # coordinator of more than ~1000 agents in one round (updates, presence).
+        f"max_queued_messages {int(max_queued_messages)}",
+        f"max_queued_bytes {int(max_queued_bytes)}",
         f"user {user}",
     ]
     if persistence_dir is not None:
@@ -185,6 +201,18 @@ def render_config(
         "",
     ]
     return "\n".join(lines)
+
+
+def check_queue_limits(max_queued_bytes: int, max_queued_messages: int, max_packet_size: int) -> None:
+    """Refuse queue limits Mosquitto would read as "no limit" (0) or that could not hold
+    one message of the largest size the broker accepts."""
+    if int(max_queued_messages) < 1:
+        raise ConfigError(f"max_queued_messages must be at least 1, not {max_queued_messages}")
+    if int(max_queued_bytes) < int(max_packet_size):
+        raise ConfigError(
+            f"max_queued_bytes {max_queued_bytes} is below max_packet_size {max_packet_size}: "
+            "not even one chunk of a model could wait for a client"
+        )
 
 
 def free_port(bind: str = "127.0.0.1") -> int:
@@ -227,6 +255,8 @@ class EmbeddedBroker:
         sans: Sequence[str] = (),
         binary: str | None = None,
         start_timeout: float = 10.0,
+        max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES,
+        max_queued_messages: int = DEFAULT_MAX_QUEUED_MESSAGES,
     ) -> None:
         self.workdir = Path(workdir).absolute()
         self.federations = _unique(federations, "federation")
@@ -234,6 +264,9 @@ class EmbeddedBroker:
         self.ca_dir = Path(ca_dir).absolute()
         self.bind = bind
         self.max_packet_size = int(max_packet_size)
+        check_queue_limits(max_queued_bytes, max_queued_messages, self.max_packet_size)
+        self.max_queued_bytes = int(max_queued_bytes)
+        self.max_queued_messages = int(max_queued_messages)
         self.name = check_name(name, "broker name")
         self.sans = list(sans) or [
             *pki.DEFAULT_BROKER_SANS,
@@ -326,6 +359,8 @@ class EmbeddedBroker:
                 persistence_dir=self.persistence_dir,
                 max_packet_size=self.max_packet_size,
                 log_path=self.log_path,
+                max_queued_bytes=self.max_queued_bytes,
+                max_queued_messages=self.max_queued_messages,
             )
         )
 
@@ -491,6 +526,8 @@ def write_site_config(
     trusted_bridges: Sequence[str] = (),
     bridge_to: str | None = None,
     bridge_name: str | None = None,
+    max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES,
+    max_queued_messages: int = DEFAULT_MAX_QUEUED_MESSAGES,
 ) -> Path:
     """Write ``mosquitto.conf`` and ``acl`` for a site broker into ``out``.
 
@@ -525,6 +562,8 @@ def write_site_config(
             acl=acl.resolve(),
             persistence_dir=(out / "data").resolve(),
             max_packet_size=max_packet_size,
+            max_queued_bytes=max_queued_bytes,
+            max_queued_messages=max_queued_messages,
         )
     )
     if bridge_to:

@@ -399,6 +399,20 @@ def ca_issue(name: str, role: str, directory: Path, out: Path | None, sans: tupl
 )
 @click.option("--bridge-to", default=None, help="site broker: HOST:PORT of the central broker to bridge to")
 @click.option("--bridge-name", default=None, help="site broker: the bridge's certificate name (CN)")
+@click.option(
+    "--max-queued-bytes",
+    type=int,
+    default=1024 * 2**20,
+    show_default=True,
+    help="bytes Mosquitto may queue for one client beyond its in-flight window (see docs/operators.md)",
+)
+@click.option(
+    "--max-queued-messages",
+    type=int,
+    default=100_000,
+    show_default=True,
+    help="messages Mosquitto may queue for one client beyond its in-flight window",
+)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("mosquitto"), show_default=True)
 def ca_broker_config(
     directory: Path,
@@ -410,6 +424,8 @@ def ca_broker_config(
     trusted_bridges,
     bridge_to: str | None,
     bridge_name: str | None,
+    max_queued_bytes: int,
+    max_queued_messages: int,
     out: Path,
 ) -> None:
     """Write a Mosquitto config and ACL (mutual TLS, one subtree per identity)."""
@@ -427,6 +443,8 @@ def ca_broker_config(
             trusted_bridges=list(trusted_bridges),
             bridge_to=bridge_to,
             bridge_name=bridge_name,
+            max_queued_bytes=max_queued_bytes,
+            max_queued_messages=max_queued_messages,
         )
     except FedagentError as exc:
         _fail(exc)

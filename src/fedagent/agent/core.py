@@ -34,6 +34,7 @@ from fedagent.node.control import ControlServer, Handler
 from fedagent.node.discovery import Advert, Discovery
 from fedagent.node.messaging import Incoming, Messenger
 from fedagent.node.runtime import History, make_transport, node_identity, presence_payload
+from fedagent.node.transport import Subscription
 from fedagent.pki import fingerprint
 from fedagent.protocols import topics
 from fedagent.protocols.peerview import online_count, peer_table
@@ -102,7 +103,12 @@ class Session(abc.ABC):
         self.history = History(self.dir / "history.jsonl")
         self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=self.QUEUE_SIZE)
         self.transport = make_transport(
-            self.cfg, federation, broker, subscriptions=self.subscriptions(), on_connect=self._on_connect
+            self.cfg,
+            federation,
+            broker,
+            subscriptions=self.subscriptions(),
+            on_connect=self._on_connect,
+            retired_subscriptions=self.retired_subscriptions(),
         )
         self.messenger = Messenger(
             federation=federation,
@@ -142,12 +148,18 @@ class Session(abc.ABC):
     def mode_status(self) -> dict[str, Any]:
         """The mode's fields of ``fedagent status``."""
 
-    def subscriptions(self) -> list[str]:
+    def subscriptions(self) -> list[Subscription]:
+        """Filters (QoS 1: queued in the persistent session while the member is away) or
+        ``(filter, 0)`` for what must not be queued for it (see Transport)."""
         return [
             topics.all_broadcasts(self.fed),
             topics.inbox(self.fed, self.cfg.id),
             topics.all_presence(self.fed),
         ]
+
+    def retired_subscriptions(self) -> list[str]:
+        """Filters an earlier version of this mode subscribed to in its persistent session."""
+        return []
 
     def on_advert(self, kind: str, advert: Advert) -> None:
         """mDNS news ("added", "updated", "removed"); only gossip listens."""

@@ -24,11 +24,14 @@ from fedagent.errors import EXIT_CONFIG, TransportError
 from fedagent.node import sdnotify
 from fedagent.node.messaging import Incoming
 from fedagent.node.runtime import presence_payload
+from fedagent.node.transport import Subscription
 from fedagent.protocols import topics
+from fedagent.protocols.catchup import CatchUp
 from fedagent.protocols.compression import CompressionConfig, Compressor
 from fedagent.protocols.messages import (
     Evaluation,
     GlobalModel,
+    ModelRequest,
     Presence,
     RoundResult,
     RoundStart,
@@ -66,6 +69,7 @@ class FedAvgSession(Session):
         self.needs_vocabulary = vocab_mod.needs_vocabulary(agent.task)
         self.vocabulary_size: int | None = None
         self.coordinator_online = False
+        self.catchup = CatchUp()
         self.offers_sent = 0
         resumed = checkpoint.load(self.model_path)
         if resumed is not None:
@@ -86,6 +90,24 @@ class FedAvgSession(Session):
     def metrics_model_version(self) -> int | None:
         return self.participant.model_version
 
+    def subscriptions(self) -> list[Subscription]:
+        # Round starts carry the global model: QoS 0, so the broker never queues them for
+        # an agent that is away (an hour out of range would be an hour of models held for
+        # it). A returning agent asks for the current model instead (CatchUp). What stays
+        # QoS 1 in the persistent session is small (round results, the vocabulary,
+        # presence, messages addressed to this agent), plus the final model, sent once.
+        return [
+            (topics.broadcast(self.fed, "round_start"), 0),
+            topics.broadcast(self.fed, "round_result"),
+            topics.broadcast(self.fed, "model"),
+            topics.broadcast(self.fed, "vocabulary"),
+            topics.inbox(self.fed, self.cfg.id),
+            topics.all_presence(self.fed),
+        ]
+
+    def retired_subscriptions(self) -> list[str]:
+        return [topics.all_broadcasts(self.fed)]
+
     async def _on_connect(self) -> None:
         await self.transport.publish(
             topics.presence(self.fed, self.cfg.id),
@@ -98,6 +120,24 @@ class FedAvgSession(Session):
             ),
             retain=True,
         )
+        # The coordinator's retained presence may have been handled before this runs (it
+        # comes with the subscription) or arrive after it: one request either way.
+        request = self.catchup.connected(self.coordinator_online, self.participant.model_version)
+        if request is not None:
+            await self._request_model(request)
+
+    async def _request_model(self, request: ModelRequest) -> None:
+        if self.coordinator is None:
+            return
+        topic = topics.direct(self.fed, self.cfg.id, self.coordinator, "model_request")
+        try:
+            await self.messenger.send(topic, request)
+        except TransportError as exc:
+            if exc.exit_code == EXIT_CONFIG:
+                raise
+            log.warning("could not ask %s for the current model: %s", self.coordinator, exc)
+            return
+        log.info("asked %s for the current model (this agent has version %d)", self.coordinator, request.have_version)
 
     async def run(self) -> None:
         ready = asyncio.Event()
@@ -130,6 +170,10 @@ class FedAvgSession(Session):
                     self.coordinator = inc.sender
                 if came_online and self.needs_vocabulary and not self.vocab_digest:
                     await self._offer_vocabulary()
+                if msg.online:
+                    request = self.catchup.coordinator_known(self.participant.model_version)
+                    if request is not None:
+                        await self._request_model(request)
             return
         if self.to_service(inc):
             return
@@ -140,7 +184,11 @@ class FedAvgSession(Session):
             await self._adopt_vocabulary(msg)
             return
         if isinstance(msg, (RoundStart, RoundResult, GlobalModel)):
-            if not inc.topic.startswith(topics.federation_root(self.fed) + "/global/"):
+            # The model also comes on this agent's inbox, as the answer to its request.
+            answer = isinstance(msg, GlobalModel) and inc.topic == topics.direct(
+                self.fed, inc.sender, self.cfg.id, "model"
+            )
+            if not answer and not inc.topic.startswith(topics.federation_root(self.fed) + "/global/"):
                 return self.messenger._reject("topic", inc.sender, f"{msg.kind} outside global/")
             if inc.role != "coordinator":
                 # The ACL keeps agents off global/, but the broker is not trusted with
@@ -149,6 +197,10 @@ class FedAvgSession(Session):
                     "role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-coordinator'}"
                 )
             self.coordinator = inc.sender
+            if answer:
+                assert isinstance(msg, GlobalModel)
+                self.history.append({"event": "model_fetched", "model_version": msg.model_version, "round": msg.round})
+                log.info("received the current model (version %d) from %s", msg.model_version, inc.sender)
             if (
                 isinstance(msg, (RoundStart, GlobalModel))
                 and msg.weights is not None
@@ -336,4 +388,5 @@ class FedAvgSession(Session):
             "vocabulary_size": self.vocabulary_size,
             "vocab_digest": self.vocab_digest or None,
             "vocab_offers_sent": self.offers_sent,
+            "model_requests_sent": self.catchup.requests,
         }

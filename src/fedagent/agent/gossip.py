@@ -46,7 +46,7 @@ from fedagent.node import sdnotify
 from fedagent.node.discovery import Advert
 from fedagent.node.messaging import Incoming
 from fedagent.node.runtime import Timer, presence_payload, tls_files
-from fedagent.node.transport import Transport
+from fedagent.node.transport import Subscription, Transport
 from fedagent.protocols import gossip as g
 from fedagent.protocols import gossip_vocab as gv
 from fedagent.protocols import topics
@@ -123,7 +123,7 @@ class GossipSession(Session):
         self.links: dict[str, tuple[Transport, asyncio.Event]] = {}
         self._tg: asyncio.TaskGroup | None = None
 
-    def subscriptions(self) -> list[str]:
+    def subscriptions(self) -> list[Subscription]:
         return [topics.inbox(self.fed, self.cfg.id), topics.all_presence(self.fed)]
 
     def _running(self) -> g.GossipMachine:

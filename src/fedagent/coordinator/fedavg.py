@@ -23,7 +23,7 @@ from fedagent import checkpoint
 from fedagent.config import NodeConfig
 from fedagent.coordinator.core import CoordinatorCore
 from fedagent.coordinator.vocabstage import VocabStage, has_vocabulary, vocab_config
-from fedagent.errors import CodecError, ConfigError, FedagentError
+from fedagent.errors import CodecError, ConfigError, FedagentError, TransportError
 from fedagent.metrics import NodeMetrics
 from fedagent.node import sdnotify
 from fedagent.node.messaging import Incoming
@@ -31,7 +31,16 @@ from fedagent.node.runtime import Timer, release_large_frees
 from fedagent.protocols import rounds as R
 from fedagent.protocols import topics
 from fedagent.protocols.aggregation import Strategy
-from fedagent.protocols.messages import GlobalModel, RoundResult, RoundStart, TrainConfig, Update, VocabOffer
+from fedagent.protocols.catchup import ModelServer
+from fedagent.protocols.messages import (
+    GlobalModel,
+    ModelRequest,
+    RoundResult,
+    RoundStart,
+    TrainConfig,
+    Update,
+    VocabOffer,
+)
 from fedagent.protocols.streaming import StreamEvent, UpdatePart
 from fedagent.statefile import atomic_write, read_bytes
 from fedagent.tasks.base import get_weights
@@ -117,6 +126,11 @@ class FedAvgMode:
         self.round_started_at: float | None = None
         self.last_round_seconds: float | None = None
         self.done = asyncio.Event()
+        # A returning agent asks for the model it missed (round starts are not queued for
+        # absent agents): answered one at a time, off the event loop's queue.
+        self.model_server = ModelServer()
+        self._answering = asyncio.Lock()
+        self._answers: set[asyncio.Task[None]] = set()
         self.vocab: VocabStage | None = None
         self.machine: R.RoundMachine | None = None
         if has_vocabulary(self.task):
@@ -245,8 +259,34 @@ class FedAvgMode:
                     inc.sender, msg.round, msg.base_version, msg.num_samples, msg.weights, msg.metrics, msg.leaving
                 )
                 await self._handle(event)
+        elif isinstance(msg, ModelRequest):
+            self._model_request(inc, msg, now)
         else:
             log.debug("ignoring %s from %s", type(msg).__name__, inc.sender)
+
+    def _model_request(self, inc: Incoming, msg: ModelRequest, now: float) -> None:
+        core = self.core
+        if inc.role != "agent":
+            core.messenger._reject("role", inc.sender, f"model request signed by a {inc.role or 'non-agent'}")
+            return
+        m = self.machine
+        if m is None or not self.model_server.answer(inc.sender, msg.have_version, m.model_version, now):
+            return
+        model = GlobalModel(m.model_version, m.round, m.phase is R.Phase.DONE, m.weights)
+        task = asyncio.get_running_loop().create_task(self._send_model(inc.sender, model, msg.have_version))
+        self._answers.add(task)
+        task.add_done_callback(self._answers.discard)
+
+    async def _send_model(self, agent: str, model: GlobalModel, had: int) -> None:
+        # One answer at a time: each holds an encoded copy of the model while it is sent.
+        async with self._answering:
+            topic = topics.direct(self.core.fed, self.core.cfg.id, agent, "model")
+            try:
+                n = await self.core.messenger.send(topic, model, round_=model.round)
+            except TransportError as exc:
+                log.warning("model version %d for %s not sent: %s", model.model_version, agent, exc)
+                return
+            log.info("sent model version %d to %s (it had %d): %d bytes", model.model_version, agent, had, n)
 
     async def on_item(self, item: Any, now: float) -> None:
         if isinstance(item, _VocabWakeup):
@@ -291,6 +331,7 @@ class FedAvgMode:
             "vocab_digest": vs.get("vocab_digest"),
             "vocabulary_offers": vs.get("vocabulary_offers", []),
             "last_round_seconds": self.last_round_seconds,
+            "model_requests": {"answered": self.model_server.answered, "refused": dict(self.model_server.refused)},
         }
 
     def refresh_metrics(self, m: NodeMetrics) -> None:
@@ -303,6 +344,8 @@ class FedAvgMode:
 
     def close(self) -> None:
         self.timer.cancel()
+        for task in self._answers:
+            task.cancel()
 
     # -- streams -------------------------------------------------------------------------
     async def _on_stream(self, events: list[StreamEvent]) -> None:

@@ -9,11 +9,12 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fedagent.config import NodeConfig
-from fedagent.node.transport import TlsFiles, Transport
+from fedagent.node.transport import Subscription, TlsFiles, Transport
 from fedagent.protocols import topics
 from fedagent.protocols.codec import Envelope, encode
 from fedagent.protocols.messages import Presence
@@ -89,9 +90,10 @@ def make_transport(
     cfg: NodeConfig,
     federation: str,
     broker: str,
-    subscriptions: list[str],
+    subscriptions: Sequence[Subscription],
     on_connect=None,
     receive_maximum: int | None = None,
+    retired_subscriptions: Sequence[str] = (),
 ) -> Transport:
     will = (topics.presence(federation, cfg.id), presence_payload(cfg, federation, online=False))
     return Transport(
@@ -102,6 +104,7 @@ def make_transport(
         on_connect=on_connect,
         subscriptions=subscriptions,
         receive_maximum=receive_maximum,
+        retired_subscriptions=retired_subscriptions,
     )
 
 

@@ -532,6 +532,14 @@ def publish_packet_size(topic: str, payload_len: int, qos: int) -> int:
 # --- the transport ------------------------------------------------------------------
 
 Handler = Callable[[str, bytes], Awaitable[None]]
+Subscription = str | tuple[str, int]
+
+
+def _subscription(sub: Subscription) -> tuple[str, int]:
+    topic, qos = (sub, 1) if isinstance(sub, str) else sub
+    if qos not in (0, 1):
+        raise ValueError(f"fedagent subscribes with QoS 0 or 1, not {qos!r} ({topic})")
+    return topic, qos
 
 
 class Transport:
@@ -549,15 +557,23 @@ class Transport:
         tls: TlsFiles,
         will: tuple[str, bytes] | None = None,
         on_connect: Callable[[], Awaitable[None]] | None = None,
-        subscriptions: Sequence[str] = (),
+        subscriptions: Sequence[Subscription] = (),
         keepalive: int = 10,
         session_expiry: int = 3600,
         connect_timeout: float = 10,
         receive_maximum: int | None = None,
+        retired_subscriptions: Sequence[str] = (),
     ) -> None:
         """``receive_maximum``: QoS 1 messages the broker may have sent us unacknowledged
         (MQTT 5 Receive Maximum). A message is acknowledged once the handler is done
-        with it, so this bounds what waits in this process; the rest waits at the broker."""
+        with it, so this bounds what waits in this process; the rest waits at the broker.
+
+        ``subscriptions``: topic filters, subscribed with QoS 1, or ``(filter, qos)``
+        pairs. A QoS 0 subscription is delivered while we are connected and never queued
+        for us while we are away (Mosquitto's ``queue_qos0_messages`` is off): for
+        broadcasts that a returning node replaces by fetching the current state.
+        ``retired_subscriptions``: filters an earlier version subscribed to, removed from
+        a persistent session found on the broker (MQTT keeps a session's subscriptions)."""
         self.uri = uri
         self.host, self.port = parse_broker_uri(uri)
         if not client_id or any(c in client_id for c in "#+/\0"):
@@ -572,10 +588,11 @@ class Transport:
         if receive_maximum is not None and not 1 <= receive_maximum <= 65535:
             raise ValueError("receive_maximum must be 1..65535")
         self.receive_maximum = receive_maximum
-        self._subscriptions: list[str] = []
-        for t in subscriptions:
-            if t not in self._subscriptions:
-                self._subscriptions.append(t)
+        self._subscriptions: dict[str, int] = {}
+        for sub in subscriptions:
+            topic, qos = _subscription(sub)
+            self._subscriptions.setdefault(topic, qos)
+        self._retired = [t for t in retired_subscriptions if t not in self._subscriptions]
 
         self.state = "idle"  # idle, connecting, connected, backoff, closed, failed
         self.reconnects = 0
@@ -630,6 +647,10 @@ class Transport:
                     client.probe()
                 except Exception as exc:  # noqa: BLE001 - paho reports the broken socket itself
                     log.debug("link probe failed: %s", exc)
+
+    def subscription_qos(self, topic: str) -> int | None:
+        """The QoS ``topic`` (a filter as given) is subscribed with; None if it is not."""
+        return self._subscriptions.get(topic)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -738,7 +759,9 @@ class Transport:
                     log.info(
                         "connected to %s as %s (session present: %s)", self.uri, self.client_id, client.session_present
                     )
-                    await self._subscribe(client, list(self._subscriptions))
+                    await self._subscribe(client, list(self._subscriptions.items()))
+                    if client.session_present and self._retired:
+                        await client.unsubscribe(self._retired, timeout=self.connect_timeout)
                     self.state = "connected"
                     self._connected.set()
                     watch = asyncio.create_task(self._watch_link(client), name=f"mqtt-link-{self.client_id}")
@@ -821,11 +844,13 @@ class Transport:
                 log.exception("handler failed on a message from %s", topic)
             client.ack(message.mid, message.qos)
 
-    async def _subscribe(self, client: _Client, topics: list[str]) -> None:
+    async def _subscribe(self, client: _Client, topics: list[tuple[str, int]]) -> None:
         if not topics:
             return
-        granted = await client.subscribe([(t, SubscribeOptions(qos=1)) for t in topics], timeout=self.connect_timeout)
-        for topic, rc in zip(topics, granted):
+        granted = await client.subscribe(
+            [(t, SubscribeOptions(qos=qos)) for t, qos in topics], timeout=self.connect_timeout
+        )
+        for (topic, _qos), rc in zip(topics, granted):
             value = getattr(rc, "value", rc)
             if isinstance(value, int) and value >= 0x80:
                 raise NotAuthorized(f"the broker refused our subscription to {topic}: {rc}")
@@ -916,11 +941,12 @@ class Transport:
             )
         return TransportError(f"the broker refused our publish to {topic}: reason code {rc.value} ({rc.getName()})")
 
-    def update_subscriptions(self, add: Sequence[str]) -> asyncio.Task | None:
-        """Add subscriptions (kept across reconnects). If connected, they are made at
-        once; the returned task finishes on SUBACK (await it to be sure)."""
-        new = [t for t in add if t not in self._subscriptions]
-        self._subscriptions.extend(new)
+    def update_subscriptions(self, add: Sequence[Subscription]) -> asyncio.Task | None:
+        """Add subscriptions (kept across reconnects; filters or ``(filter, qos)`` as in
+        the constructor). If connected, they are made at once; the returned task
+        finishes on SUBACK (await it to be sure)."""
+        new = [(t, q) for t, q in map(_subscription, add) if t not in self._subscriptions]
+        self._subscriptions.update(new)
         client = self._client
         if not new or client is None or not self.connected:
             return None

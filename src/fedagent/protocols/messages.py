@@ -341,6 +341,26 @@ class Evaluation:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class ModelRequest:
+    """Agent → coordinator, on each (re)connection: the agent has ``have_version`` and
+    asks for the current global model, answered with a ``GlobalModel`` on its inbox when
+    it is behind (see :mod:`fedagent.protocols.catchup`)."""
+
+    kind: ClassVar[str] = "model_request"
+    have_version: int
+
+    def to_body(self) -> dict[str, Any]:
+        return {"have_version": self.have_version}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> ModelRequest:
+        w = "model_request"
+        if set(body) != {"have_version"}:
+            raise CodecError(f"{w}: exactly the field have_version is allowed")
+        return cls(have_version=_count(_need(body, "have_version", int, w), "have_version", w))
+
+
 MAX_EXCHANGE_ID = 64
 
 
@@ -831,6 +851,7 @@ Message = (
     | RoundResult
     | GlobalModel
     | Evaluation
+    | ModelRequest
     | GossipModel
     | GossipAck
     | VocabOffer
@@ -854,6 +875,7 @@ KINDS: dict[str, type[Message]] = {
         RoundResult,
         GlobalModel,
         Evaluation,
+        ModelRequest,
         GossipModel,
         GossipAck,
         VocabOffer,
