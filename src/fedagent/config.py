@@ -290,6 +290,64 @@ class SearchSettings:
             raise ConfigError("search: requests_per_minute must be in 0..1e6 (0: no limit), request_burst in 1..10000")
 
 
+@dataclass(frozen=True, slots=True)
+class PrivacySettings:
+    """``[privacy]``: differential privacy of the updates (see docs/privacy.md and
+    :mod:`fedagent.protocols.dp`). ``mode`` is "central" or "distributed" on a FedAvg
+    coordinator (agents learn it from each round), "local" on a gossip agent."""
+
+    mode: str = "central"
+    noise_multiplier: float | None = None  # z; or let target_epsilon choose it
+    target_epsilon: float | None = None  # choose z so that the configured rounds/periods spend this
+    clip_norm: float = 1.0
+    adaptive_clip: bool = False
+    target_quantile: float = 0.5
+    clip_lr: float = 0.2
+    count_stddev: float | None = None
+    delta: float = 1e-5
+    epsilon_budget: float | None = None  # stop before ε passes this (default: target_epsilon)
+
+    def __post_init__(self) -> None:
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ConfigError("privacy: set exactly one of noise_multiplier and target_epsilon")
+        if self.target_epsilon is not None and not (
+            isinstance(self.target_epsilon, int | float)
+            and math.isfinite(self.target_epsilon)
+            and self.target_epsilon > 0
+        ):
+            raise ConfigError(f"privacy: target_epsilon must be a positive number, not {self.target_epsilon!r}")
+        self.dp_config(self.noise_multiplier or 1.0)  # validates the rest now
+
+    def dp_config(self, noise_multiplier: float):
+        from fedagent.protocols.dp import DPConfig
+
+        budget = self.epsilon_budget if self.epsilon_budget is not None else self.target_epsilon
+        try:
+            return DPConfig(
+                mode=self.mode,
+                noise_multiplier=noise_multiplier,
+                clip_norm=self.clip_norm,
+                delta=self.delta,
+                epsilon_budget=budget,
+                adaptive=self.adaptive_clip,
+                target_quantile=self.target_quantile,
+                clip_lr=self.clip_lr,
+                count_stddev=self.count_stddev,
+            )
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"[privacy]: {exc}") from None
+
+    def resolve(self, releases: int, q: float = 1.0):
+        """The DPConfig, with ``target_epsilon`` turned into a noise multiplier for
+        ``releases`` rounds (or gossip periods) sampled at ``q`` (needs the privacy extra)."""
+        if self.noise_multiplier is not None:
+            return self.dp_config(self.noise_multiplier)
+        from fedagent.protocols.dp import calibrate
+
+        assert self.target_epsilon is not None
+        return self.dp_config(calibrate(self.target_epsilon, max(releases, 1), self.delta, q))
+
+
 def default_socket_path(role: str) -> Path:
     """Where a daemon of ``role`` listens for ``fedagent status`` when no ``runtime_dir`` is set."""
     rt = os.environ.get("RUNTIME_DIRECTORY")
@@ -324,6 +382,7 @@ class NodeConfig:
     gossip: GossipSettings = field(default_factory=GossipSettings)
     syncopt: SyncOptSettings = field(default_factory=SyncOptSettings)
     search: SearchSettings = field(default_factory=SearchSettings)
+    privacy: PrivacySettings | None = None
     max_chunk_bytes: int = 4 * 2**20
     max_model_bytes: int = 1 * 2**30
     compression: str = "none"  # coordinator: how agents send updates (none|fp16|int8|topk)
@@ -387,6 +446,7 @@ _TOP = {
     "torch_threads",
     "security",
     "search",
+    "privacy",
 }
 
 
@@ -468,6 +528,19 @@ def load(path: Path | str, role: str) -> NodeConfig:
             search = SearchSettings(**_table(raw, "search", where))
         except TypeError as exc:
             raise ConfigError(f"{where}: [search]: {exc}") from None
+        privacy = None
+        if "privacy" in raw:
+            try:
+                privacy = PrivacySettings(**_table(raw, "privacy", where))
+            except TypeError as exc:
+                raise ConfigError(f"{where}: [privacy]: {exc}") from None
+            expected = "local" if mode == "gossip" else ("central", "distributed")
+            if (mode == "gossip") != (privacy.mode == "local"):
+                raise ConfigError(
+                    f"{where}: [privacy] mode = {privacy.mode!r} does not fit mode = {mode!r} (use {expected!r})"
+                )
+            if mode == "syncopt":
+                raise ConfigError(f"{where}: [privacy] is for mode = 'fedavg' or 'gossip', not 'syncopt'")
         transfer = _table(raw, "transfer", where)
         security = _table(raw, "security", where)
         unknown_sec = set(security) - {"max_clock_skew"}
@@ -496,6 +569,7 @@ def load(path: Path | str, role: str) -> NodeConfig:
             gossip=gossip,
             syncopt=syncopt,
             search=search,
+            privacy=privacy,
             max_chunk_bytes=int(transfer.get("max_chunk_bytes", 4 * 2**20)),
             max_model_bytes=int(transfer.get("max_model_bytes", 2**30)),
             compression=_compression(transfer, where),
@@ -545,6 +619,7 @@ def render(
     gossip: dict[str, Any] | None = None,
     syncopt: dict[str, Any] | None = None,
     search: dict[str, Any] | None = None,
+    privacy: dict[str, Any] | None = None,
 ) -> str:
     """A config file as TOML text (used by the demo, the tests and ``fedagent init``)."""
     doc: dict[str, Any] = {"id": node_id, "federation": federation, "mode": mode, "state_dir": str(state_dir)}
@@ -562,6 +637,8 @@ def render(
         doc["syncopt"] = syncopt
     if search:
         doc["search"] = search
+    if privacy:
+        doc["privacy"] = privacy
     return tomli_w.dumps(doc)
 
 

@@ -62,8 +62,11 @@ class Federation:
         broker_per_agent: bool = False,
         task: str = "digits",
         task_options: dict[str, Any] | None = None,
+        privacy: dict[str, Any] | None = None,
     ) -> None:
         self.work = work
+        # [privacy] of the coordinator (fedavg) or of every agent (gossip: local DP).
+        self.privacy = dict(privacy) if privacy else None
         self.n = agents
         self.rounds = rounds
         self.alpha = alpha
@@ -146,6 +149,7 @@ class Federation:
             {"seed": SEED, **(self.task_options or {})},
             rounds,
             self.task,
+            privacy=self.privacy,
         )
         for i, aid in enumerate(self.agent_ids):
             self._write(aid, aid, "" if self.by_mdns else self.broker.uri, self.shard_options(i), None, self.task)
@@ -210,6 +214,7 @@ class Federation:
             self.task,
             mode="gossip",
             gossip={"lr": LR, "batch_size": BATCH, "seed": SEED, **self.gossip},
+            privacy=self.privacy,
         )
 
     def _enroll(self, node_id: str, write: Callable[[], Path]) -> Proc:

@@ -52,6 +52,10 @@ class NodeMetrics:
         self.reconnects = counter("fedagent_reconnects", "reconnections to the broker")
         self.connected = gauge("fedagent_connected", "1 while connected to the broker")
         self.last = gauge("fedagent_last_metric", "last reported training/evaluation metric", ("name",))
+        self.dp_epsilon = gauge("fedagent_dp_epsilon", "differential privacy: epsilon spent so far at dp_delta")
+        self.dp_delta = gauge("fedagent_dp_delta", "differential privacy: the delta epsilon is reported at")
+        self.dp_budget = gauge("fedagent_dp_epsilon_budget", "differential privacy: epsilon at which training stops")
+        self.dp_clip = gauge("fedagent_dp_clip_norm", "differential privacy: the current clipping bound")
         # An agent can change federation at run time (join/leave): it is an info label.
         self.federation = gauge("fedagent_federation", "the federation this node is in (value 1)", ("federation",))
         self.set_federation(federation)
@@ -77,6 +81,13 @@ class NodeMetrics:
     def report(self, metrics: dict[str, float], prefix: str = "") -> None:
         for name, value in metrics.items():
             self.last.labels(**self._labels, name=prefix + name).set(value)
+
+    def set_privacy(self, privacy: dict[str, float]) -> None:
+        self.dp_epsilon.labels(**self._labels).set(privacy["epsilon"])
+        self.dp_delta.labels(**self._labels).set(privacy["delta"])
+        self.dp_clip.labels(**self._labels).set(privacy["clip_norm"])
+        if "epsilon_budget" in privacy:
+            self.dp_budget.labels(**self._labels).set(privacy["epsilon_budget"])
 
     def set_model_version(self, version: int) -> None:
         self.model_version.labels(**self._labels).set(version)

@@ -25,6 +25,22 @@ def _ago(ts: float | None) -> str:
     return "-" if not ts else f"{max(0.0, time.time() - ts):.0f}s ago"
 
 
+def _privacy(p: Any) -> str | None:
+    """ε spent at δ, against the budget, and how: one line for operators."""
+    if not isinstance(p, dict) or "epsilon" not in p:
+        return None
+    line = f"ε = {p['epsilon']:.3f} at δ = {p.get('delta', 0):g}"
+    if p.get("epsilon_budget") is not None:
+        line += f" (budget {p['epsilon_budget']:g})"
+    parts = [f"{p['mode']}" if p.get("mode") else None]
+    if p.get("noise_multiplier") is not None:
+        parts.append(f"noise ×{p['noise_multiplier']:.3g}")
+    if p.get("clip_norm") is not None:
+        parts.append(f"clip {p['clip_norm']:.3g}")
+    extra = ", ".join(x for x in parts if x)
+    return f"{line}; {extra}" if extra else line
+
+
 def _rounds_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
     """Round and model version, each with its meaning: a round number is used by every
     round started (also one abandoned, or cut short by a restart); the model version
@@ -117,6 +133,8 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("training metrics" if coordinator else "last training metrics", s.get("metrics") or s.get("last_metrics")),
         ("held-out (agents)", _held_out_text(s.get("held_out")) if coordinator else None),
         ("global model eval", _eval_text(s.get("global_model_eval"), final)),
+        ("privacy", _privacy(s.get("privacy"))),
+        ("stopped", s.get("stop_reason")),
         ("reconnects", s.get("reconnects")),
         ("last error", s.get("last_error")),
         ("rejected", _rejected_text(s) or ("-" if "rejected" in s else None)),

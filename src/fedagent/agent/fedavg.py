@@ -17,6 +17,8 @@ import math
 import time
 from typing import Any, ClassVar
 
+import numpy as np
+
 from fedagent import checkpoint
 from fedagent.agent import vocabulary as vocab_mod
 from fedagent.agent.core import Agent, Session
@@ -25,7 +27,7 @@ from fedagent.node import sdnotify
 from fedagent.node.messaging import Incoming
 from fedagent.node.runtime import presence_payload
 from fedagent.node.transport import Subscription
-from fedagent.protocols import topics
+from fedagent.protocols import dp, topics
 from fedagent.protocols.catchup import CatchUp
 from fedagent.protocols.compression import CompressionConfig, Compressor
 from fedagent.protocols.messages import (
@@ -76,6 +78,8 @@ class FedAvgSession(Session):
             self.participant.model_version = int(resumed[1].get("model_version", 0))
             self.global_weights, self.global_version = resumed[0], self.participant.model_version
         self.compressor = Compressor()  # keeps the top-k residual across rounds
+        self._dp_rng = np.random.default_rng()  # distributed DP noise, seeded by the OS
+        self.dp_rounds = 0  # rounds whose update left with this agent's share of DP noise
         # (round, global weights, train config) being trained
         self._base: tuple[int, Weights, TrainConfig] | None = None
 
@@ -257,7 +261,13 @@ class FedAvgSession(Session):
             metrics = agent.task.fit(
                 agent.model, epochs=cmd.train.epochs, lr=cmd.train.lr, batch_size=cmd.train.batch_size, seed=cmd.round
             )
-            return get_weights(agent.model), metrics
+            weights = get_weights(agent.model)
+        if cmd.train.dp_clip is not None:
+            # Distributed DP: this agent's share of the round's noise goes on before the
+            # update leaves (and before masking, under secure aggregation).
+            weights, _ = dp.noise_share(cmd.weights, weights, cmd.train.dp_clip, cmd.train.dp_noise_std, self._dp_rng)
+            self.dp_rounds += 1
+        return weights, metrics
 
     def _evaluate_once(self, weights: Weights, version: int) -> None:
         if version in self._evaluated:
@@ -389,4 +399,5 @@ class FedAvgSession(Session):
             "vocab_digest": self.vocab_digest or None,
             "vocab_offers_sent": self.offers_sent,
             "model_requests_sent": self.catchup.requests,
+            "dp_noised_updates": self.dp_rounds,
         }

@@ -77,6 +77,17 @@ def round_config(cfg: NodeConfig) -> R.RoundConfig:
                 "needs an update's norm before any of it is added): remove stream_updates"
             )
         stream = strategy.streams if cfg.stream_updates is None else cfg.stream_updates
+        dp = None
+        if cfg.privacy is not None:
+            if cfg.stream_updates:
+                raise ValueError(
+                    "[transfer] stream_updates = true, but differential privacy needs whole updates "
+                    "(an update is clipped by its norm before any of it is added): remove stream_updates"
+                )
+            # Sampling amplification only counts when the population is known.
+            q = r.agents_per_round / r.expected_agents if r.agents_per_round and r.expected_agents else 1.0
+            dp = cfg.privacy.resolve(r.rounds, min(q, 1.0))
+            stream = False
         return R.RoundConfig(
             rounds=r.rounds,
             min_agents=r.min_agents,
@@ -89,6 +100,7 @@ def round_config(cfg: NodeConfig) -> R.RoundConfig:
             seed=r.seed,
             lr_schedule=r.lr_schedule,
             strategy=strategy,
+            dp=dp,
             train=TrainConfig(
                 epochs=r.local_epochs,
                 lr=r.lr,
@@ -182,7 +194,19 @@ class FedAvgMode:
             model_version=int(meta.get("model_version", 0)),
             completed_rounds=int(meta.get("completed_rounds", 0)),
             last_round=max(int(meta.get("round", 0)), last_started),
+            privacy_state=meta.get("privacy") if isinstance(meta.get("privacy"), dict) else None,
         )
+        privacy = self.machine.privacy()
+        if privacy is not None:
+            log.info(
+                "differential privacy (%s): noise multiplier %.4g, clip norm %.4g, delta %g, epsilon spent %.4g%s",
+                cfg.privacy.mode if cfg.privacy is not None else "?",
+                privacy["noise_multiplier"],
+                privacy["clip_norm"],
+                privacy["delta"],
+                privacy["epsilon"],
+                f" of a budget of {privacy['epsilon_budget']:g}" if "epsilon_budget" in privacy else "",
+            )
 
     def _reconcile_history(self, meta: dict[str, Any]) -> None:
         """The checkpoint is written before the history line of its round; a crash or a
@@ -332,12 +356,19 @@ class FedAvgMode:
             "vocabulary_offers": vs.get("vocabulary_offers", []),
             "last_round_seconds": self.last_round_seconds,
             "model_requests": {"answered": self.model_server.answered, "refused": dict(self.model_server.refused)},
+            "privacy": {"mode": self.cfg.privacy.mode, **m["privacy"]}
+            if m.get("privacy") and self.cfg.privacy is not None
+            else None,
+            "stop_reason": m.get("stop_reason") or None,
         }
 
     def refresh_metrics(self, m: NodeMetrics) -> None:
         if self.machine is not None:
             m.set_model_version(self.machine.model_version)
             m.round_started(self.machine.round)
+            privacy = self.machine.privacy()
+            if privacy is not None:
+                m.set_privacy(privacy)
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
         return [self._expire_streams()]
@@ -419,6 +450,9 @@ class FedAvgMode:
                 "final": cmd.final,
                 "vocab_digest": self._vocab_digest,
             }
+            privacy_state = self.machine.privacy_state()
+            if privacy_state is not None:
+                meta["privacy"] = privacy_state
             await asyncio.to_thread(checkpoint.save, core.ckpt_path, cmd.weights, meta)
             core.history.append(
                 {
@@ -433,15 +467,19 @@ class FedAvgMode:
                     "seconds": round(took, 4),
                     "bytes_in": core.messenger.bytes_in,
                     "bytes_out": core.messenger.bytes_out,
+                    **({"privacy": cmd.privacy} if cmd.privacy is not None else {}),
                 }
             )
             log.info(
-                "round %d aggregated from %d agents in %.2fs: %s",
+                "round %d aggregated from %d agents in %.2fs: %s%s",
                 cmd.round,
                 len(cmd.participants),
                 took,
                 ", ".join(f"{k}={v:.4f}" for k, v in cmd.metrics.items()),
+                f"; epsilon {cmd.privacy['epsilon']:.4g} spent (delta {cmd.privacy['delta']:g})" if cmd.privacy else "",
             )
+            if cmd.privacy is not None:
+                core.metrics.set_privacy(cmd.privacy)
             await core.messenger.send(
                 topics.broadcast(fed, "round_result"),
                 RoundResult(cmd.round, cmd.model_version, cmd.participants, cmd.metrics),
@@ -460,6 +498,9 @@ class FedAvgMode:
         elif isinstance(cmd, R.RequestWakeup):
             self.timer.request(cmd.at)
         elif isinstance(cmd, R.Finished):
+            if cmd.reason:
+                log.warning("training stopped after %d rounds: %s", self.machine.completed, cmd.reason)
+                core.history.append({"event": "stopped", "reason": cmd.reason, "privacy": self.machine.privacy()})
             log.info("training finished: model version %d", cmd.model_version)
             sdnotify.status(f"finished: model version {cmd.model_version}")
             await core.messenger.send(
