@@ -114,7 +114,7 @@ def test_adaptive_clip_follows_the_median_norm() -> None:
     rng = np.random.default_rng(2)
     norms = np.arange(1, 22, dtype=float)
     for start in (0.1, 500.0):
-        bound = dp.ClipBound(dp.DPConfig(clip_norm=start, adaptive=True, clip_lr=0.2, count_stddev=0.5))
+        bound = dp.ClipBound(dp.DPConfig(noise_multiplier=0.5, clip_norm=start, adaptive=True, clip_lr=0.2, count_stddev=0.5))
         for _ in range(300):
             bound.update(int((norms <= bound.value).sum()), len(norms), len(norms), rng)
         assert 8.0 < bound.value < 14.0, (start, bound.value)
@@ -125,8 +125,12 @@ def test_adaptive_noise_split_keeps_the_total_multiplier() -> None:
     z_delta = cfg.update_noise_multiplier(100)
     assert z_delta > 1.0
     assert (z_delta**-2 + (2 * cfg.count_std(100)) ** -2) ** -0.5 == pytest.approx(1.0)
+    # Few agents: σ_b is raised to z, so the count costs at most a quarter of the budget.
+    assert dp.DPConfig(noise_multiplier=1.0, adaptive=True).update_noise_multiplier(5) == pytest.approx(
+        (1 - 0.25) ** -0.5
+    )
     with pytest.raises(ValueError, match="count_stddev"):
-        dp.DPConfig(noise_multiplier=1.0, adaptive=True).update_noise_multiplier(5)  # σ_b = 0.25
+        dp.DPConfig(noise_multiplier=1.0, adaptive=True, count_stddev=0.4)
 
 
 # ---- accounting ------------------------------------------------------------------------
