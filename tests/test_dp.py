@@ -114,7 +114,9 @@ def test_adaptive_clip_follows_the_median_norm() -> None:
     rng = np.random.default_rng(2)
     norms = np.arange(1, 22, dtype=float)
     for start in (0.1, 500.0):
-        bound = dp.ClipBound(dp.DPConfig(noise_multiplier=0.5, clip_norm=start, adaptive=True, clip_lr=0.2, count_stddev=0.5))
+        bound = dp.ClipBound(
+            dp.DPConfig(noise_multiplier=0.5, clip_norm=start, adaptive=True, clip_lr=0.2, count_stddev=0.5)
+        )
         for _ in range(300):
             bound.update(int((norms <= bound.value).sum()), len(norms), len(norms), rng)
         assert 8.0 < bound.value < 14.0, (start, bound.value)

@@ -348,6 +348,90 @@ def run_demo(
     return run(fed, plan, keep=keep, console=console)
 
 
+def run_dp_demo(
+    *,
+    epsilon: float,
+    agents: int = 3,
+    rounds: int = 15,
+    alpha: float = 0.3,
+    keep: bool = False,
+    console: Console | None = None,
+) -> int:
+    """The FedAvg demo twice, plain and with central DP-FedAvg calibrated to ``epsilon``
+    (δ = 1e-5, adaptive clipping), and their accuracies side by side with ε spent."""
+    import torch
+
+    from fedagent.tasks.base import load_task, set_weights
+
+    console = console or Console()
+    _need_agents(agents)
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    results: dict[str, Any] = {}
+
+    def plan_for(fed: Federation, label: str) -> Plan[Any]:
+        def watch(fed: Federation) -> Watch | None:
+            s = fed.status("coordinator")
+            if s is None:
+                return None
+            p = s.get("privacy") or {}
+            desc = f"{label}: round {s['round']} ({s['phase']})" + (f", ε {p['epsilon']:.2f}" if p else "")
+            return Watch(s["completed_rounds"], desc, s["phase"] == "done")
+
+        def collect(fed: Federation) -> tuple[dict[str, Any], dict[str, Any]]:
+            return fed.status("coordinator") or {}, fed.final_weights()[0]
+
+        def evaluate(collected: tuple[dict[str, Any], dict[str, Any]]) -> int:
+            status, weights = collected
+            task = load_task("digits", {"seed": SEED})
+            model = task.build_model()
+            set_weights(model, weights)
+            results[label] = (task.evaluate(model)["accuracy"], status)
+            return 0
+
+        return Plan(
+            title=f"[bold]fedagent demo[/] ({label}): federation [cyan]{fed.fed}[/], {agents} agents, "
+            f"up to {rounds} FedAvg rounds on UCI digits",
+            started=lambda fed: f"broker [green]{fed.broker_uri}[/]; starting the coordinator and {agents} agents",
+            total=rounds,
+            limit=600,
+            watch=watch,
+            collect=collect,
+            evaluate=evaluate,
+        )
+
+    privacy = {"mode": "central", "target_epsilon": epsilon, "clip_norm": 1.0, "adaptive_clip": True}
+    runs: tuple[tuple[str, dict[str, Any] | None], ...] = (("plain", None), (f"DP ε={epsilon:g}", privacy))
+    for label, dp_options in runs:
+        fed = Federation(_work_dir("fedagent-demo-"), agents=agents, rounds=rounds, alpha=alpha, privacy=dp_options)
+        code = run(fed, plan_for(fed, label), keep=keep, console=console)
+        if code:
+            return code
+    (plain, _), (private, status) = results["plain"], results[f"DP ε={epsilon:g}"]
+    p = status.get("privacy") or {}
+    table = Table(title="test accuracy on the held-out digits (450 images)", title_justify="left")
+    table.add_column("model")
+    table.add_column("rounds", justify="right")
+    table.add_column("privacy")
+    table.add_column("accuracy", justify="right")
+    table.add_row("federated (FedAvg)", str(rounds), "none", f"{plain:.3f}")
+    table.add_row(
+        "[bold]federated, central DP[/]",
+        str(status.get("completed_rounds", "?")),
+        f"ε = {p.get('epsilon', float('nan')):.3f} spent at δ = {p.get('delta', 0):g} "
+        f"(noise ×{p.get('noise_multiplier', float('nan')):.3g}, clip {p.get('clip_norm', float('nan')):.3g})",
+        f"[bold]{private:.3f}[/]",
+    )
+    console.print(table)
+    console.print(
+        f"DP costs {plain - private:+.3f} accuracy here. The guarantee covers each agent's whole data set, so the "
+        f"noise on the average shrinks only with the number of agents: with {agents} agents it swamps the updates. "
+        "`fedagent experiment dp-digits` measures the same mechanism with 300 simulated agents. "
+        f"Total {_elapsed(started)}."
+    )
+    return 0
+
+
 # ---- gossip -----------------------------------------------------------------------------
 # Gossip demo margin: every agent's own model ends within this much of centralized
 # training on the union of the data with the same total number of mini-batches.

@@ -64,6 +64,7 @@ def run_one(setup: Setup, epsilon: float, seed: int) -> dict[str, Any]:
     from fedagent.tasks.digits import DigitsMLP
 
     started = time.perf_counter()
+    torch.set_num_threads(1)  # tiny tensors: more threads only contend
     torch.manual_seed(seed)
     model = DigitsMLP()
     names = [n for n, _ in model.named_parameters()]
@@ -109,6 +110,7 @@ def run_one(setup: Setup, epsilon: float, seed: int) -> dict[str, Any]:
             grads = torch.autograd.grad(loss / x.shape[1], ps)
             params = [p.detach() - setup.local_lr * g for p, g in zip(ps, grads, strict=True)]
         return params
+
     out: list[Any] = []
     for a in agents:
         out += machine.handle(AgentOnline(a, len(shards[0][1])), 0.0)
