@@ -260,3 +260,40 @@ def test_dp_refuses_what_it_cannot_combine_with() -> None:
         dp.DPConfig(mode="distributed", adaptive=True)
     with pytest.raises(ValueError, match="gossip"):
         RoundConfig(dp=dp.DPConfig(mode="local"))
+
+
+# ---- local DP (gossip) ---------------------------------------------------------------------
+def test_local_release_clips_the_change_since_the_last_release_and_accounts_each() -> None:
+    z, c = 2.0, 0.3
+    cfg = dp.DPConfig(mode="local", noise_multiplier=z, clip_norm=c, epsilon_budget=4.0)
+    local = dp.LocalRelease(cfg, REF, np.random.default_rng(8))
+    rng = np.random.default_rng(6)
+    sent = []
+    while not local.over_budget():
+        before = {k: v.copy() for k, v in local.reference.items()}
+        model = random_update(rng, 5.0)
+        exchanged = {"w": model["w"], "b": model["b"]}  # [gossip] exchange: a subset of the names
+        out = local.release(exchanged)
+        assert set(out) == {"w", "b"}
+        # What left is the last release plus a change of norm <= C plus N(0, (zC)²) noise.
+        noise = np.concatenate([(out[k] - before[k]).ravel() for k in out]).astype(np.float64)
+        assert noise.std() == pytest.approx(z * c, rel=0.05)
+        sent.append(out)
+        assert local.reference["w"] is not before["w"] and np.array_equal(local.reference["w"], out["w"])
+    # Replacement sensitivity 2C: each release is a Gaussian of multiplier z/2.
+    assert local.accountant.releases == [dp.Release(1.0, (z / 2,))] * len(sent)
+    assert local.accountant.epsilon == pytest.approx(dp.epsilon_for(z / 2, len(sent), 1e-5))
+    assert local.accountant.epsilon <= 4.0 < dp.epsilon_for(z / 2, len(sent) + 1, 1e-5)
+    assert "privacy budget reached" in local.over_budget()
+    again = dp.LocalRelease(cfg, REF, np.random.default_rng(0), local.accountant.to_state())
+    assert again.accountant.epsilon == local.accountant.epsilon
+
+
+def test_local_clip_bounds_the_released_change_without_noise_influence() -> None:
+    cfg = dp.DPConfig(mode="local", noise_multiplier=1e-12, clip_norm=0.25)
+    local = dp.LocalRelease(cfg, REF, np.random.default_rng(0))
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        before = dict(local.reference)
+        out = local.release({k: v for k, v in random_update(rng, 3.0).items() if k != "steps"})
+        assert dp.delta_norm({k: before[k] for k in out}, out) <= 0.25 * (1 + 1e-5)

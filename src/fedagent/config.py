@@ -345,7 +345,9 @@ class PrivacySettings:
         from fedagent.protocols.dp import calibrate
 
         assert self.target_epsilon is not None
-        return self.dp_config(calibrate(self.target_epsilon, max(releases, 1), self.delta, q))
+        z = calibrate(self.target_epsilon, max(releases, 1), self.delta, q)
+        # A local release's sensitivity is 2C (see protocols/dp.LocalRelease): twice the noise.
+        return self.dp_config(2 * z if self.mode == "local" else z)
 
 
 def default_socket_path(role: str) -> Path:

@@ -179,6 +179,8 @@ def _render_gossip(s: dict[str, Any], t: Table, console: Console) -> None:
         ("disagreement", "-" if dis is None else f"{dis:.4g}" + ("" if rel is None else f" ({rel:.2%} of |model|)")),
         ("last metrics", s.get("last_metrics")),
         ("local model eval", s.get("local_model_eval")),
+        ("privacy", _privacy(s.get("privacy"))),
+        ("stopped sending", s.get("stop_reason")),
         ("reconnects", s.get("reconnects")),
         ("last error", s.get("last_error")),
         ("rejected", s.get("rejected")),

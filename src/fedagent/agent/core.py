@@ -169,6 +169,10 @@ class Session(abc.ABC):
         """The model version the metrics endpoint shows (None: not shown)."""
         return None
 
+    def metrics_privacy(self) -> dict[str, float] | None:
+        """ε spent and the rest of the privacy figures the metrics show (None: no DP here)."""
+        return None
+
     # -- shared by every mode ---------------------------------------------------------------
     def connection_status(self) -> dict[str, Any]:
         silent = self.transport.silent_for()
@@ -336,6 +340,9 @@ class Agent:
             version = session.metrics_model_version()
             if version is not None:
                 m.set_model_version(version)
+            privacy = session.metrics_privacy()
+            if privacy is not None:
+                m.set_privacy(privacy)
 
     def _peer_table(self) -> dict[str, dict[str, Any]]:
         """Every peer this agent knows of, from its retained presence, its mDNS advert and

@@ -38,6 +38,8 @@ import secrets
 import time
 from typing import Any, ClassVar
 
+import numpy as np
+
 from fedagent import checkpoint
 from fedagent.agent.core import Agent, Session
 from fedagent.agent.vocabulary import VocabularyTask, needs_vocabulary, vocabulary_task
@@ -47,9 +49,9 @@ from fedagent.node.discovery import Advert
 from fedagent.node.messaging import Incoming
 from fedagent.node.runtime import Timer, presence_payload, tls_files
 from fedagent.node.transport import Subscription, Transport
+from fedagent.protocols import dp, topics
 from fedagent.protocols import gossip as g
 from fedagent.protocols import gossip_vocab as gv
-from fedagent.protocols import topics
 from fedagent.protocols.messages import GossipAck, GossipModel, Presence, VocabDigest, VocabOffer
 from fedagent.protocols.vocab import vocabulary_digest
 from fedagent.statefile import atomic_write, read_bytes
@@ -122,6 +124,7 @@ class GossipSession(Session):
         self.vocab_timer = Timer(self.queue, _VocabWakeup())
         self.links: dict[str, tuple[Transport, asyncio.Event]] = {}
         self._tg: asyncio.TaskGroup | None = None
+        self.dp_stopped = ""  # why this agent no longer sends models (its privacy budget)
 
     def subscriptions(self) -> list[Subscription]:
         return [topics.inbox(self.fed, self.cfg.id), topics.all_presence(self.fed)]
@@ -136,6 +139,19 @@ class GossipSession(Session):
         agent = self.agent
         weights = get_weights(agent.model)  # the task's seeded initial model
         resumed = checkpoint.load(self.model_path)
+        self.local_dp: dp.LocalRelease | None = None
+        privacy = self.cfg.privacy
+        if privacy is not None:
+            if privacy.target_epsilon is not None and not self.settings.periods:
+                raise ConfigError("[privacy] target_epsilon needs [gossip] periods (the releases it is spread over)")
+            # The seeded initial model is public (every agent builds it alike): the first
+            # reference. After a restart ε goes on from the checkpoint's record.
+            self.local_dp = dp.LocalRelease(
+                privacy.resolve(self.settings.periods * self.settings.fanout),
+                weights,
+                np.random.default_rng(),
+                (resumed[1].get("privacy") if resumed is not None else None) or [],
+            )
         if (
             resumed is not None
             and resumed[0].keys() == weights.keys()
@@ -499,7 +515,20 @@ class GossipSession(Session):
 
     async def _send_model(self, cmd: g.SendModel) -> None:
         period = self._running().period
-        msg = GossipModel(cmd.exchange_id, period, cmd.mass, cmd.age, cmd.returned, cmd.weights)
+        weights = cmd.weights
+        if self.local_dp is not None and not cmd.returned:
+            # Local DP: every model of ours leaves clipped and noised, and is accounted.
+            why = self.dp_stopped or self.local_dp.over_budget()
+            if why:
+                if not self.dp_stopped:
+                    self.dp_stopped = why
+                    self.state = "privacy budget reached: no longer sending"
+                    log.warning("%s; this agent keeps training and merging but sends no more models", why)
+                    self.history.append({"event": "stopped_sending", "reason": why, "privacy": self.local_dp.status()})
+                await self.queue.put(g.SendFailed(cmd.exchange_id, "privacy budget reached"))
+                return
+            weights = await asyncio.to_thread(self.local_dp.release, cmd.weights)
+        msg = GossipModel(cmd.exchange_id, period, cmd.mass, cmd.age, cmd.returned, weights)
         topic = topics.direct(self.fed, self.cfg.id, cmd.peer, "gossip")
         try:
             link = await self._link(self._peer_broker(cmd.peer))
@@ -537,6 +566,8 @@ class GossipSession(Session):
             "final": final,
             "vocab_digest": self.vocab_digest,
         }
+        if self.local_dp is not None:
+            meta["privacy"] = self.local_dp.accountant.to_state()
         await asyncio.to_thread(checkpoint.save, self.model_path, weights, meta)
 
     async def _evaluate(self, weights: Weights, period: int) -> None:
@@ -643,7 +674,13 @@ class GossipSession(Session):
             "bytes_in": self.messenger.bytes_in,
             "bytes_out": self.messenger.bytes_out,
             "vocabulary": vocab,
+            "privacy": self.metrics_privacy(),
+            "stop_reason": self.dp_stopped or None,
         }
+
+    def metrics_privacy(self) -> dict[str, Any] | None:
+        local_dp = getattr(self, "local_dp", None)
+        return None if local_dp is None else {"mode": "local", **local_dp.status()}
 
     def offline_presence(self) -> bytes:
         return presence_payload(self.cfg, self.fed, False, broker=self.broker)

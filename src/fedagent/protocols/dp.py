@@ -408,3 +408,71 @@ def calibrate(target_epsilon: float, rounds: int, delta: float, q: float = 1.0) 
 def round_metrics(received: Mapping[str, tuple[int, Mapping[str, float]]]) -> dict[str, float]:
     """Metrics of a DP round: each participant counts once, as in the aggregate."""
     return weighted_metrics([(dict(m), 1) for _, m in received.values()])
+
+
+# ---- local DP: what a gossip agent sends ------------------------------------------------
+class LocalRelease:
+    """Local differential privacy of one gossip agent's outgoing models.
+
+    Each model sent is ``r + clip(w − r, C) + N(0, (z·C)²)`` where ``w`` is the agent's own
+    model and ``r`` the last model it released (at first the task's seeded initial model,
+    which every agent builds alike): ``r`` is public already, so only the clipped change
+    carries private data. Two data sets of this agent give clipped changes at most ``2C``
+    apart (a replacement, not an addition: local DP protects the whole data set), so
+    each release is a Gaussian mechanism of multiplier ``z/2``, composed by the
+    accountant over every release (retries and fan-out included). Models sent back to
+    their origin (push-sum returns) are another agent's release and cost nothing."""
+
+    def __init__(
+        self,
+        config: DPConfig,
+        reference: Mapping[str, np.ndarray],
+        rng: np.random.Generator,
+        releases: Any = None,
+    ) -> None:
+        if config.mode != "local":
+            raise ValueError("LocalRelease is for privacy mode 'local'")
+        self.config = config
+        self.reference = {k: np.array(v, copy=True) for k, v in reference.items()}
+        self._rng = rng
+        self.accountant = Accountant.from_state(config.delta, releases or [])
+
+    @property
+    def cost(self) -> Release:
+        return Release(1.0, (self.config.noise_multiplier / 2.0,))
+
+    def over_budget(self) -> str:
+        """Why the next release must not happen, or ''."""
+        budget = self.config.epsilon_budget
+        if budget is None:
+            return ""
+        after = self.accountant.epsilon_after(self.cost)
+        if after <= budget:
+            return ""
+        return (
+            f"privacy budget reached: epsilon {self.accountant.epsilon:.3f} spent at delta {self.config.delta:g}; "
+            f"one more model sent would make it {after:.3f}, above the budget {budget:g}"
+        )
+
+    def release(self, weights: Mapping[str, np.ndarray]) -> Weights:
+        """The noised model to send for ``weights`` (a subset of the reference's names);
+        the release is accounted and becomes the next reference."""
+        ref = {k: self.reference[k] for k in weights}
+        delta, _ = clipped_delta(ref, weights, self.config.clip_norm)
+        add_gaussian(delta, self.config.noise_multiplier * self.config.clip_norm, self._rng)
+        out = rebuild(ref, delta)
+        self.reference.update(out)
+        self.accountant.spend(self.cost)
+        return out
+
+    def status(self) -> dict[str, float]:
+        out = {
+            "epsilon": self.accountant.epsilon,
+            "delta": self.config.delta,
+            "noise_multiplier": self.config.noise_multiplier,
+            "clip_norm": self.config.clip_norm,
+            "releases": float(len(self.accountant.releases)),
+        }
+        if self.config.epsilon_budget is not None:
+            out["epsilon_budget"] = self.config.epsilon_budget
+        return out
