@@ -12,6 +12,7 @@ from netfed import coordinator_in, running, wait_for
 from test_metrics import scrape, value
 
 from fedagent.protocols import dp
+from fedagent.report import find_histories, write_report
 
 Z = 3.0  # noise multiplier
 BUDGET = 2.6  # ε at δ = 1e-5: three rounds fit (2.54), a fourth would make it 2.99
@@ -54,3 +55,6 @@ def test_the_privacy_budget_stops_the_federation_cleanly(tmp_path):
         assert len(rounds) == fits
         assert [h["privacy"]["epsilon"] for h in rounds] == sorted(h["privacy"]["epsilon"] for h in rounds)
         assert any(h.get("event") == "stopped" and "privacy budget" in h["reason"] for h in history)
+        md = write_report(find_histories(fed.work / "state"), tmp_path / "report").read_text()
+        assert f"ε = {p['epsilon']:.3f} spent at δ = 1e-05 of a budget of {BUDGET:g}" in md
+        assert "| stopped early | privacy budget reached" in md and "malformed" not in md

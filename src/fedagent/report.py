@@ -33,6 +33,7 @@ class History:
     evals: list[dict[str, Any]] = field(default_factory=list)
     updates: list[dict[str, Any]] = field(default_factory=list)
     gossip: list[dict[str, Any]] = field(default_factory=list)  # gossip-mode evaluations
+    stopped: list[dict[str, Any]] = field(default_factory=list)  # stopped early (privacy budget)
     malformed: int = 0
 
 
@@ -67,6 +68,9 @@ def read_history(path: Path) -> History:
             elif event == "update":
                 assert isinstance(rec["round"], int)
                 h.updates.append(rec)
+            elif event in ("stopped", "stopped_sending"):
+                assert isinstance(rec["reason"], str)
+                h.stopped.append(rec)
             elif event == "gossip_eval":
                 assert isinstance(rec["period"], int) and isinstance(rec["metrics"], dict)
                 h.gossip.append(rec)
@@ -203,6 +207,15 @@ def write_report(histories: Path | list[Path], out_dir: Path, *, title: str | No
             marks=marks,
         )
         plots.append((f, "Participation per round"))
+        private = [r for r in rounds if isinstance(r.get("privacy"), dict) and _is_number(r["privacy"].get("epsilon"))]
+        if private:
+            f = "privacy.png"
+            budget = private[-1]["privacy"].get("epsilon_budget")
+            series = {"ε spent": ([r["round"] for r in private], [r["privacy"]["epsilon"] for r in private])}
+            if _is_number(budget):
+                series["budget"] = ([private[0]["round"], private[-1]["round"]], [budget, budget])
+            _plot(out_dir / f, f"privacy spent (δ = {private[-1]['privacy'].get('delta', 0):g})", "round", series, "ε")
+            plots.append((f, "Differential privacy: ε spent after each round"))
         final = rounds[-1].get("metrics", {}) if rounds else {}
         lines += [
             "## Summary",
@@ -218,8 +231,18 @@ def write_report(histories: Path | list[Path], out_dir: Path, *, title: str | No
             else "| round time | - |",
             f"| agents seen | {', '.join(sorted({p for r in rounds for p in r['participants']})) or '-'} |",
             f"| abandoned rounds | {len(c.abandoned)} |",
-            "",
         ]
+        if private:
+            p = private[-1]["privacy"]
+            budget = p.get("epsilon_budget")
+            lines.append(
+                f"| differential privacy | ε = {p['epsilon']:.3f} spent at δ = {p.get('delta', 0):g}"
+                + (f" of a budget of {budget:g}" if _is_number(budget) else "")
+                + f"; noise multiplier {p.get('noise_multiplier', float('nan')):.3g}, "
+                f"clip norm {p.get('clip_norm', float('nan')):.3g} |"
+            )
+        lines += [f"| stopped early | {s['reason']} |" for s in c.stopped]
+        lines.append("")
         if c.abandoned:
             lines += ["| abandoned round | reason |", "|---|---|"]
             lines += [f"| {a.get('round')} | {a.get('reason', '')} |" for a in c.abandoned]
@@ -331,15 +354,21 @@ def write_gossip_report(
     lines += [
         "## Agents",
         "",
-        "| agent | periods | sent | received | dropped | last evaluation |",
-        "|---|---|---|---|---|---|",
+        "| agent | periods | sent | received | dropped | last evaluation | ε spent (local DP) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for h in loaded:
         e = h.gossip[-1]
         m = ", ".join(f"{k} = {v:.4f}" for k, v in e["metrics"].items() if _is_number(v)) or "-"
+        p = e.get("privacy")
+        eps = (
+            f"{p['epsilon']:.3f} at δ = {p.get('delta', 0):g}" + (" (budget reached)" if h.stopped else "")
+            if isinstance(p, dict) and _is_number(p.get("epsilon"))
+            else "-"
+        )
         lines.append(
             f"| {h.name} | {e['period']} | {e.get('sent', '-')} | {e.get('received', '-')} | "
-            f"{e.get('dropped', '-')} | {m} |"
+            f"{e.get('dropped', '-')} | {m} | {eps} |"
         )
     lines.append("")
     if final:

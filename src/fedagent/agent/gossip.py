@@ -588,6 +588,7 @@ class GossipSession(Session):
                 "dropped": st["dropped"],
                 "bytes_in": self.messenger.bytes_in,
                 "bytes_out": self.messenger.bytes_out,
+                **({"privacy": self.local_dp.status()} if self.local_dp is not None else {}),
             }
         )
         log.info("period %d: %s", period, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
