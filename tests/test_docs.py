@@ -190,6 +190,7 @@ _SECTIONS = {
     "gossip": config.GossipSettings,
     "syncopt": config.SyncOptSettings,
     "search": config.SearchSettings,
+    "privacy": config.PrivacySettings,
 }
 
 
@@ -220,7 +221,14 @@ def _table_keys(page: Path) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize(
-    "page", [ROOT / "docs/operators.md", ROOT / "docs/modes/gossip.md", ROOT / "docs/modes/syncopt.md"], ids=str
+    "page",
+    [
+        ROOT / "docs/operators.md",
+        ROOT / "docs/modes/gossip.md",
+        ROOT / "docs/modes/syncopt.md",
+        ROOT / "docs/privacy.md",
+    ],
+    ids=str,
 )
 def test_configuration_keys_in_docs_exist(page: Path) -> None:
     source = Path(config.__file__).read_text()
