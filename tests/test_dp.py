@@ -297,3 +297,59 @@ def test_local_clip_bounds_the_released_change_without_noise_influence() -> None
         before = dict(local.reference)
         out = local.release({k: v for k, v in random_update(rng, 3.0).items() if k != "steps"})
         assert dp.delta_norm({k: before[k] for k in out}, out) <= 0.25 * (1 + 1e-5)
+
+
+# ---- configuration -------------------------------------------------------------------------
+def _coordinator_config(tmp_path, privacy: dict, mode: str = "fedavg", rounds: dict | None = None, **transfer):
+    from pathlib import Path
+
+    from fedagent import config
+
+    tls = config.TlsConfig(ca=Path("ca.crt"), cert=Path("c.crt"), key=Path("c.key"))
+    text = config.render(
+        node_id="coordinator",
+        federation="fed-1",
+        tls=tls,
+        state_dir=Path("state"),
+        broker="mqtts://127.0.0.1:8883",
+        mode=mode,
+        rounds=rounds or {"rounds": 12},
+        privacy=privacy,
+    )
+    if transfer:
+        text += "[transfer]\n" + "".join(f"{k} = {str(v).lower()}\n" for k, v in transfer.items())
+    path = tmp_path / "coordinator.toml"
+    path.write_text(text)
+    return config.load(path, "coordinator")
+
+
+def test_privacy_config_reaches_the_round_machine(tmp_path) -> None:
+    from fedagent.coordinator.fedavg import round_config
+
+    cfg = _coordinator_config(tmp_path, {"mode": "distributed", "target_epsilon": 3.0, "delta": 1e-6})
+    rc = round_config(cfg)
+    assert rc.dp is not None and rc.dp.mode == "distributed" and rc.dp.epsilon_budget == 3.0
+    assert rc.dp.noise_multiplier == pytest.approx(dp.calibrate(3.0, 12, 1e-6))
+    assert dp.epsilon_for(rc.dp.noise_multiplier, 12, 1e-6) <= 3.0
+    assert rc.train.stream is False
+
+
+@pytest.mark.parametrize(
+    ("privacy", "mode", "transfer", "words"),
+    [
+        ({"noise_multiplier": 1.0, "target_epsilon": 3.0}, "fedavg", {}, "exactly one of"),
+        ({"mode": "local", "noise_multiplier": 1.0}, "fedavg", {}, "does not fit mode = 'fedavg'"),
+        ({"mode": "central", "noise_multiplier": 1.0}, "syncopt", {}, "not 'syncopt'"),
+        ({"noise_multiplier": -1.0}, "fedavg", {}, "noise_multiplier must be a positive"),
+        ({"noise_multiplier": 1.0, "delta": 2.0}, "fedavg", {}, "delta must be in (0, 1)"),
+        ({"noise_multiplier": 1.0, "wrong": 1}, "fedavg", {}, "[privacy]"),
+        ({"noise_multiplier": 1.0}, "fedavg", {"stream_updates": True}, "needs whole updates"),
+    ],
+)
+def test_privacy_config_errors_name_the_problem(tmp_path, privacy, mode, transfer, words) -> None:
+    from fedagent.coordinator.fedavg import round_config
+    from fedagent.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        round_config(_coordinator_config(tmp_path, privacy, mode, **transfer))
+    assert words in str(info.value)

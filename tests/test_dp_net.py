@@ -58,3 +58,23 @@ def test_the_privacy_budget_stops_the_federation_cleanly(tmp_path):
         md = write_report(find_histories(fed.work / "state"), tmp_path / "report").read_text()
         assert f"ε = {p['epsilon']:.3f} spent at δ = 1e-05 of a budget of {BUDGET:g}" in md
         assert "| stopped early | privacy budget reached" in md and "malformed" not in md
+
+
+def test_distributed_dp_agents_noise_their_own_updates(tmp_path):
+    """Each agent clips and noises its update before it leaves; the coordinator adds no
+    noise and charges each round with the shares that arrived."""
+    z, rounds = 0.5, 3
+    privacy = {"mode": "distributed", "noise_multiplier": z, "clip_norm": 1.0}
+    with running(tmp_path, agents=3, rounds=rounds, alpha=1.0, agent_broker_by_mdns=False, privacy=privacy) as fed:
+        done = wait_for(lambda: coordinator_in(fed, "done"), 240, "the federation to finish", fed)
+        assert done["completed_rounds"] == rounds and done["privacy"]["mode"] == "distributed"
+        history_file = next((fed.work / "state" / "coordinator").rglob("history.jsonl"))
+        history = [json.loads(x) for x in history_file.read_text().splitlines()]
+        arrived = [len(h["participants"]) for h in history if h.get("event") == "round"]
+        expected = dp.Accountant(1e-5)
+        for k in arrived:
+            expected.spend(dp.Release(1.0, (z * (k / 3) ** 0.5,)))
+        assert abs(done["privacy"]["epsilon"] - expected.epsilon) < 1e-9
+        for aid in fed.agent_ids:
+            s = wait_for(lambda aid=aid: fed.status(aid), 30, f"{aid}'s status", fed)
+            assert s["dp_noised_updates"] == s["rounds_trained"] >= 1
