@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from fedagent.protocols.aggregation import Plan, UpdateRejected, weighted_metrics
+from fedagent.protocols.aggregation import Plan, UpdateRejected
 
 Weights = dict[str, np.ndarray]
 
@@ -402,12 +402,6 @@ def calibrate(target_epsilon: float, rounds: int, delta: float, q: float = 1.0) 
             tol=1e-4,
         )
     )
-
-
-# ---- the round's privacy, as status and history report it ---------------------------
-def round_metrics(received: Mapping[str, tuple[int, Mapping[str, float]]]) -> dict[str, float]:
-    """Metrics of a DP round: each participant counts once, as in the aggregate."""
-    return weighted_metrics([(dict(m), 1) for _, m in received.values()])
 
 
 # ---- local DP: what a gossip agent sends ------------------------------------------------

@@ -19,7 +19,11 @@ Invariants this machine guards:
   unit's coverage), even before its goodbye arrives;
 * how updates are weighted is a :class:`~fedagent.protocols.aggregation.Strategy`
   (FedAvg by samples, by a reported metric, FLSimCo's eq. 11, or dropping updates whose
-  metric is above a threshold), always aggregated as a stream.
+  metric is above a threshold), always aggregated as a stream;
+* with differential privacy (``RoundConfig.dp``, :mod:`~fedagent.protocols.dp`) every
+  update counts once and is clipped (central) or arrives clipped and noised by its agent
+  (distributed); every aggregate is charged to the accountant, and no round starts whose
+  release would take ε past the budget: the machine finishes instead, saying why.
 
 Streamed updates (:mod:`~fedagent.protocols.streaming`) arrive as ``UpdateHead``, any
 number of ``UpdatePart`` and one ``UpdateEnd``. All checks that need only the header
