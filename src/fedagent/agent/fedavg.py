@@ -15,6 +15,7 @@ import asyncio
 import logging
 import math
 import time
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -82,6 +83,17 @@ class FedAvgSession(Session):
         self.dp_rounds = 0  # rounds whose update left with this agent's share of DP noise
         # (round, global weights, train config) being trained
         self._base: tuple[int, Weights, TrainConfig] | None = None
+
+    def prepare_update(self, weights: Weights, base: Weights, train: TrainConfig) -> Weights:
+        """The trained weights as they are about to leave this agent (plain, or before
+        masking in a secure round); ``base`` is the round's global model. Distributed DP:
+        when the round asks for it, the update's difference from ``base`` is clipped and
+        this agent's share of the round's noise goes on here, so nothing un-noised leaves."""
+        if train.dp_clip is None:
+            return weights
+        noised, _ = dp.noise_share(base, weights, train.dp_clip, train.dp_noise_std, self._dp_rng)
+        self.dp_rounds += 1
+        return noised
 
     @property
     def peers(self) -> dict[str, dict[str, Any]]:
@@ -261,13 +273,7 @@ class FedAvgSession(Session):
             metrics = agent.task.fit(
                 agent.model, epochs=cmd.train.epochs, lr=cmd.train.lr, batch_size=cmd.train.batch_size, seed=cmd.round
             )
-            weights = get_weights(agent.model)
-        if cmd.train.dp_clip is not None:
-            # Distributed DP: this agent's share of the round's noise goes on before the
-            # update leaves (and before masking, under secure aggregation).
-            weights, _ = dp.noise_share(cmd.weights, weights, cmd.train.dp_clip, cmd.train.dp_noise_std, self._dp_rng)
-            self.dp_rounds += 1
-        return weights, metrics
+            return get_weights(agent.model), metrics
 
     def _evaluate_once(self, weights: Weights, version: int) -> None:
         if version in self._evaluated:
@@ -327,6 +333,13 @@ class FedAvgSession(Session):
         train: TrainConfig | None = None
         if self._base is not None and self._base[0] == cmd.update.round:
             _, base, train = self._base
+        if (base is None or train is None) and self._base is not None and self._base[2].dp_clip is not None:
+            # Under distributed DP nothing leaves un-noised: without its round's model and
+            # settings the update cannot be clipped and noised, so it is not sent.
+            log.warning("round %d: update without its round's DP settings; not sent", cmd.update.round)
+            return
+        if base is not None and train is not None:
+            cmd = SendUpdate(replace(cmd.update, weights=self.prepare_update(cmd.update.weights, base, train)))
         try:
             if train is not None and train.stream:
                 comp = CompressionConfig(train.compression, train.topk_ratio)
