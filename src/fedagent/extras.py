@@ -8,7 +8,7 @@ FedAvg, Sync-Opt, gossip and the ``digits`` task. The rest comes with extras:
   model package;
 * ``privacy``: differential privacy's accountant (dp-accounting, with scipy);
 * ``report``: the PNG plots of ``fedagent report`` and the demo's report (matplotlib);
-* ``experiments``: both, for ``fedagent experiment ...``;
+* ``experiments``: text, report and privacy, for ``fedagent experiment ...``;
 * ``test``: the test suite's tools and everything it exercises.
 
 Every import of an optional package goes through :func:`require`, so a missing extra is
