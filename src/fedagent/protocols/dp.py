@@ -201,8 +201,10 @@ class ClipBound:
         cfg = self.config
         if not cfg.adaptive or updates <= 0:
             return None
-        noised = unclipped + rng.normal(0.0, cfg.count_std(expected))
-        frac = noised / updates
+        # Centred as in the paper: each agent adds b − ½ ∈ {−½, ½}, so one agent more or
+        # less moves the sum by at most ½ (the accountant's multiplier is 2·σ_b).
+        noised = (unclipped - updates / 2.0) + rng.normal(0.0, cfg.count_std(expected))
+        frac = noised / updates + 0.5
         self.value *= math.exp(-cfg.clip_lr * (frac - cfg.target_quantile))
         return float(frac)
 
