@@ -394,6 +394,7 @@ class NodeConfig:
     metrics_host: str = "127.0.0.1"
     torch_threads: int = 1
     max_clock_skew: float = 300.0  # [security]: a message's timestamp may differ this much from ours
+    keepalive: int = 10  # [broker]: MQTT keep-alive in seconds; agents send heartbeats every keepalive / 4
 
     @property
     def control_socket(self) -> Path:
@@ -496,7 +497,11 @@ def load(path: Path | str, role: str) -> NodeConfig:
             cert=p(tls_raw.get("cert"), "tls.cert"),
             key=p(tls_raw.get("key"), "tls.key"),
         )
-        broker = _table(raw, "broker", where).get("uri", "")
+        broker_raw = _table(raw, "broker", where)
+        broker = broker_raw.get("uri", "")
+        keepalive = broker_raw.get("keepalive", 10)
+        if isinstance(keepalive, bool) or not isinstance(keepalive, int) or not 2 <= keepalive <= 65535:
+            raise ConfigError(f"{where}: broker.keepalive must be 2..65535 seconds, not {keepalive!r}")
         if broker and not str(broker).startswith("mqtts://"):
             raise ConfigError(f"{where}: broker.uri must look like mqtts://HOST:PORT, not {broker!r}")
         if role == "coordinator" and not broker:
@@ -581,6 +586,7 @@ def load(path: Path | str, role: str) -> NodeConfig:
             metrics_host=str(raw.get("metrics_host", "127.0.0.1")),
             torch_threads=int(raw.get("torch_threads", 1)),
             max_clock_skew=float(skew),
+            keepalive=keepalive,
         )
     except ConfigError as exc:
         if where in str(exc):

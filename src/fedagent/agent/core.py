@@ -27,7 +27,7 @@ import torch
 
 from fedagent.config import NodeConfig, check_interfaces
 from fedagent.config import load as load_config
-from fedagent.errors import ConfigError, FedagentError
+from fedagent.errors import EXIT_CONFIG, ConfigError, FedagentError, TransportError
 from fedagent.metrics import NodeMetrics
 from fedagent.node import sdnotify
 from fedagent.node.control import ControlServer, Handler
@@ -37,6 +37,8 @@ from fedagent.node.runtime import History, make_transport, node_identity, presen
 from fedagent.node.transport import Subscription
 from fedagent.pki import fingerprint
 from fedagent.protocols import topics
+from fedagent.protocols.liveness import heartbeat_interval
+from fedagent.protocols.messages import Heartbeat
 from fedagent.protocols.peerview import online_count, peer_table
 from fedagent.statefile import cleanup_temp_files
 from fedagent.tasks.base import Task, Weights, load_task, set_weights
@@ -204,6 +206,31 @@ class Session(abc.ABC):
 
     async def _on_payload(self, topic: str, payload: bytes) -> None:
         await self.messenger.receive(topic, payload, self.queue.put)
+
+    async def heartbeats(self) -> None:
+        """Tell the coordinator "still here" every keep-alive / 4 seconds, so that it can
+        take a silent member out of a round before the broker's keep-alive would (see
+        :mod:`fedagent.protocols.liveness`). Runs beside the mode's loop; training is in a
+        worker thread, so a busy agent still beats."""
+        loop = asyncio.get_running_loop()
+        interval = heartbeat_interval(self.cfg.keepalive)
+        beat = Heartbeat(interval)
+        due = loop.time()
+        while True:
+            due += interval
+            now = loop.time()
+            if due < now:  # this loop was held up: beat now, and keep the period from here
+                due = now
+            await asyncio.sleep(due - now)
+            coordinator = self.coordinator
+            if coordinator is None or not self.transport.connected:
+                continue
+            try:
+                await self.messenger.send(topics.direct(self.fed, self.cfg.id, coordinator, "heartbeat"), beat)
+            except TransportError as exc:
+                if exc.exit_code == EXIT_CONFIG:
+                    raise
+                log.debug("heartbeat not sent: %s", exc)
 
     def offline_presence(self) -> bytes:
         return presence_payload(self.cfg, self.fed, False)

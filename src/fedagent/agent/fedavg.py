@@ -160,6 +160,7 @@ class FedAvgSession(Session):
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.transport.run(self._on_payload, ready))
             await ready.wait()
+            tg.create_task(self.heartbeats())
             log.info("agent %s joined federation %s via %s", self.cfg.id, self.fed, self.broker)
             sdnotify.status(f"member of {self.fed}: waiting for a round")
             while True:

@@ -46,7 +46,8 @@ from fedagent.node.runtime import History, make_transport, node_identity, presen
 from fedagent.pki import fingerprint
 from fedagent.protocols import topics
 from fedagent.protocols.evaluation import HeldOut
-from fedagent.protocols.messages import Evaluation, Presence
+from fedagent.protocols.liveness import Liveness
+from fedagent.protocols.messages import Evaluation, Heartbeat, Presence
 from fedagent.protocols.peerview import peer_table
 from fedagent.statefile import cleanup_temp_files
 from fedagent.tasks.base import Task, load_task
@@ -59,6 +60,13 @@ class Net:
     """A verified message from the broker, as a queue item."""
 
     incoming: Incoming
+
+
+@dataclass(frozen=True, slots=True)
+class LivenessCheck:
+    """Time to look for agents whose heartbeats stopped (asked for at monotonic ``at``)."""
+
+    at: float
 
 
 class Mode(Protocol):
@@ -161,6 +169,12 @@ class CoordinatorCore:
         self.peers: dict[str, dict[str, Any]] = {}
         self.held_out = HeldOut()  # the agents' evaluations of the global model
         self._disc: Discovery | None = None
+        # Agents that send heartbeats are taken out of a round when they fall silent,
+        # before the broker's keep-alive notices (protocols/liveness.py).
+        self.liveness = Liveness()
+        self.silent_since: dict[str, float] = {}  # agent -> wall time it was declared silent
+        self._liveness_at = float("inf")
+        self._liveness_handle: asyncio.TimerHandle | None = None
         self.mode: Mode = make_mode(self)
         self.settled: dict[str, Any] = self.mode.snapshot()
 
@@ -195,6 +209,41 @@ class CoordinatorCore:
     async def _deliver(self, inc: Incoming) -> None:
         await self.queue.put(Net(inc))
 
+    # -- liveness ----------------------------------------------------------------------
+    def _schedule_liveness(self) -> None:
+        at = self.liveness.next_check()
+        if at >= self._liveness_at or at == float("inf"):
+            return
+        if self._liveness_handle is not None:
+            self._liveness_handle.cancel()
+        self._liveness_at = at
+        loop = asyncio.get_running_loop()
+        self._liveness_handle = loop.call_later(max(0.0, at - time.monotonic()), self._liveness_due, at)
+
+    def _liveness_due(self, at: float) -> None:
+        self._liveness_handle = None
+        self._liveness_at = float("inf")
+        self.queue.put_nowait(LivenessCheck(at))
+
+    async def _heard(self, agent: str, back: bool, now: float) -> None:
+        """``agent`` was heard; ``back``: after it had been declared silent."""
+        if not back:
+            return
+        silent_for = time.time() - self.silent_since.pop(agent, time.time())
+        peer = self.peers.get(agent, {})
+        log.info("%s is heard again after %.1f s of silence", agent, silent_for)
+        if peer.get("online"):
+            await self.mode.on_presence(agent, True, int(peer.get("samples", 0)), now)
+
+    async def _check_liveness(self, item: LivenessCheck, now: float) -> None:
+        for agent in self.liveness.expire(now, late=max(0.0, now - item.at)):
+            self.silent_since[agent] = time.time()
+            timeout = self.liveness.status(now)[agent]["timeout"]
+            log.warning("%s is silent: no heartbeat for %.1f s; taken out of the round", agent, timeout)
+            if self.peers.get(agent, {}).get("online"):
+                await self.mode.on_presence(agent, False, 0, now)
+        self._schedule_liveness()
+
     # -- the event loop ----------------------------------------------------------------
     async def _process(self) -> None:
         mode = self.mode
@@ -214,18 +263,38 @@ class CoordinatorCore:
                             "model_version": msg.model_version,
                             "last_seen": time.time(),
                         }
-                        await mode.on_presence(inc.sender, msg.online, msg.num_samples, now)
+                        if not msg.online:
+                            self.liveness.forget(inc.sender)
+                            self.silent_since.pop(inc.sender, None)
+                        # A retained "online" of an agent that is silent (delivered again
+                        # after a reconnection) does not bring it back; a heartbeat does.
+                        if not self.liveness.is_silent(inc.sender):
+                            await mode.on_presence(inc.sender, msg.online, msg.num_samples, now)
                 elif isinstance(msg, Evaluation):
                     if inc.role != "agent":
                         self.messenger._reject(
                             "role", inc.sender, f"an evaluation signed by a {inc.role or 'non-agent'}"
                         )
                     else:
+                        await self._heard(inc.sender, self.liveness.heard(inc.sender, now), now)
                         self.held_out.add(inc.sender, msg.model_version, msg.num_samples, msg.metrics)
+                elif isinstance(msg, Heartbeat):
+                    if inc.role == "agent":
+                        await self._heard(inc.sender, self.liveness.heartbeat(inc.sender, msg.interval, now), now)
+                        self._schedule_liveness()
                 else:
+                    if inc.role == "agent":
+                        await self._heard(inc.sender, self.liveness.heard(inc.sender, now), now)
                     await mode.on_message(inc, now)
                 del inc, msg
+            elif isinstance(item, LivenessCheck):
+                await self._check_liveness(item, now)
             else:
+                sender = getattr(item, "sender", None)
+                if isinstance(sender, str):
+                    # A streamed update's parts: its sender is alive, whatever its
+                    # heartbeats (queued behind the update on the same connection) say.
+                    await self._heard(sender, self.liveness.heard(sender, now), now)
                 await mode.on_item(item, now)
             # Streamed parts are chunk-sized views: dropped as soon as they are folded.
             del item
@@ -253,6 +322,10 @@ class CoordinatorCore:
             "peers": self.peer_table(),
             "rejected": dict(self.messenger.rejected),
             "recent_rejections": list(self.messenger.recent_rejections),
+            "heartbeats": {
+                a: {**v, "silent_since": self.silent_since.get(a)}
+                for a, v in self.liveness.status(time.monotonic()).items()
+            },
             "bytes_in": self.messenger.bytes_in,
             "bytes_out": self.messenger.bytes_out,
             "checkpoint": str(self.ckpt_path),
@@ -324,6 +397,8 @@ class CoordinatorCore:
                 await asyncio.Event().wait()
         finally:
             sdnotify.stopping()
+            if self._liveness_handle is not None:
+                self._liveness_handle.cancel()
             self.mode.close()
             try:
                 await asyncio.wait_for(

@@ -105,6 +105,7 @@ def make_transport(
         subscriptions=subscriptions,
         receive_maximum=receive_maximum,
         retired_subscriptions=retired_subscriptions,
+        keepalive=cfg.keepalive,
     )
 
 

@@ -119,6 +119,28 @@ class Presence:
 
 
 @dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Agent → coordinator, every ``interval`` seconds: "still here". The coordinator
+    declares an agent that has been silent for a few intervals gone from the round long
+    before the broker's keep-alive does (see :mod:`fedagent.protocols.liveness`)."""
+
+    kind: ClassVar[str] = "heartbeat"
+    interval: float
+
+    def __post_init__(self) -> None:
+        v = self.interval
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.05 <= v <= 3600):
+            raise CodecError("heartbeat: interval must be 0.05..3600 seconds")
+
+    def to_body(self) -> dict[str, Any]:
+        return {"interval": float(self.interval)}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> Heartbeat:
+        return cls(float(_need(body, "interval", (int, float), "heartbeat")))
+
+
+@dataclass(frozen=True, slots=True)
 class TrainConfig:
     epochs: int = 1
     lr: float = 0.05
@@ -882,6 +904,7 @@ Message = (
     | SearchAnswer
     | PublicVectorsRequest
     | PublicVectors
+    | Heartbeat
 )
 
 # The fixed table from an envelope kind to the class that validates its body.
@@ -889,6 +912,7 @@ KINDS: dict[str, type[Message]] = {
     cls.kind: cls
     for cls in (
         Presence,
+        Heartbeat,
         RoundStart,
         Update,
         RoundResult,
