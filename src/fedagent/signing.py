@@ -319,6 +319,21 @@ class ReplayGuard:
                 raise AuthError("replay", f"sequence number {seq} already seen")
         elif len(self._highest) >= self.max_senders:
             raise AuthError("replay", "too many senders tracked")
+        self._accept(sender, seq)
+
+    def record(self, sender: str, seq: int) -> None:
+        """Count ``seq`` as seen without checking it: a frame this node accepted before a
+        restart, read back from its own round journal (:mod:`fedagent.roundjournal`), so
+        that the broker's redelivery of the same frame is refused. Idempotent."""
+        high = self._highest.get(sender)
+        if seq <= self._floor.get(sender, -1) or (
+            high is not None and (seq <= high - self.window or seq in self._seen[sender])
+        ):
+            return
+        self._accept(sender, seq)
+
+    def _accept(self, sender: str, seq: int) -> None:
+        high = self._highest.get(sender)
         seen = self._seen.setdefault(sender, set())
         seen.add(seq)
         top = self._top.setdefault(sender, [])
@@ -448,9 +463,12 @@ class Verifier:
             self._cache.popitem(last=False)
         return signer
 
-    def check(self, env: Envelope, now: float | None = None) -> str:
+    def check(self, env: Envelope, now: float | None = None, *, journaled: bool = False) -> str:
         """Authenticate ``env`` (a frame as received); returns the signer's role. ``now``
-        defaults to this node's :class:`SteadyClock` (certificate validity and timestamps)."""
+        defaults to this node's :class:`SteadyClock` (certificate validity and timestamps).
+        ``journaled``: a frame this node accepted before it restarted, read back from its
+        round journal: certificate and signature are checked again, freshness is not (it
+        was fresh when it came) and its sequence number is recorded as seen."""
         now = self.clock() if now is None else now
         if not env.sig or not env.cert:
             raise AuthError("unsigned", "frame carries no signature or no certificate")
@@ -466,6 +484,8 @@ class Verifier:
             signer.key.verify(env.sig, signing_digest(env))
         except InvalidSignature:
             raise AuthError("signature", "signature does not match the message (altered in transit?)") from None
-        if env.kind not in UNFRESH_KINDS:
+        if journaled:
+            self.replay.record(env.sender, env.seq)
+        elif env.kind not in UNFRESH_KINDS:
             self.replay.check(env.sender, env.seq, env.ts, now)
         return signer.role

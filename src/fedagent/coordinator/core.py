@@ -173,6 +173,7 @@ class CoordinatorCore:
         # before the broker's keep-alive notices (protocols/liveness.py).
         self.liveness = Liveness()
         self.silent_since: dict[str, float] = {}  # agent -> wall time it was declared silent
+        self.last_silenced: dict[str, float] = {}  # the same, kept after the agent is back
         self._liveness_at = float("inf")
         self._liveness_handle: asyncio.TimerHandle | None = None
         self.mode: Mode = make_mode(self)
@@ -237,7 +238,7 @@ class CoordinatorCore:
 
     async def _check_liveness(self, item: LivenessCheck, now: float) -> None:
         for agent in self.liveness.expire(now, late=max(0.0, now - item.at)):
-            self.silent_since[agent] = time.time()
+            self.silent_since[agent] = self.last_silenced[agent] = time.time()
             timeout = self.liveness.status(now)[agent]["timeout"]
             log.warning("%s is silent: no heartbeat for %.1f s; taken out of the round", agent, timeout)
             if self.peers.get(agent, {}).get("online"):
@@ -326,6 +327,7 @@ class CoordinatorCore:
                 a: {**v, "silent_since": self.silent_since.get(a)}
                 for a, v in self.liveness.status(time.monotonic()).items()
             },
+            "last_silenced": dict(sorted(self.last_silenced.items())),
             "bytes_in": self.messenger.bytes_in,
             "bytes_out": self.messenger.bytes_out,
             "checkpoint": str(self.ckpt_path),

@@ -1,0 +1,263 @@
+"""The round in flight on disk: what a restarted coordinator needs to finish it.
+
+A coordinator acknowledges an update frame to the broker (MQTT PUBACK) once its handler
+returns; from then on the broker forgets it. Before this journal, a crash or a restart
+between that moment and the round's aggregation lost the update, and the restarted
+coordinator started a new round, refusing the late updates of the old one as stale. Now:
+
+* when a round starts, the journal is rewritten atomically with a *start* record: the
+  round number, the model version it trains from and the agents selected;
+* every frame of an update for that round (a whole update, a chunk of one, a streamed
+  update's chunk) is appended as a *frame* record and made durable (``fdatasync``)
+  **before** the frame is handed on, and so before it is acknowledged;
+* when the round ends (aggregated and checkpointed, or abandoned) the journal is emptied.
+
+A coordinator that starts with a journal whose start record trains from the version of
+its checkpoint takes that round up again under the same number: it feeds the journaled
+frames through the same decoding and signature checks as network input (their
+sequence numbers go into the replay guard, so a broker's redelivery of one is refused)
+and accepts the outstanding agents' updates as usual. Each update thus reaches the round
+machine once, which aggregates it once.
+
+File layout: :data:`MAGIC`, then records; a record is a 4-byte big-endian length, the
+CRC-32 of the payload (4 bytes) and the payload, a msgpack map:
+``{"t": "start", "round": int, "version": int, "selected": [str, ...]}`` (first and only
+once) or ``{"t": "frame", "topic": str, "data": bytes}``. Reading validates before it
+allocates: each length against the frame limit and the bytes left, the CRC before the
+payload is unpacked, the payload with msgpack limits, then its fields. A torn tail (a
+crash during an append: that frame was never acknowledged, so the broker sends it again)
+is cut off; a damaged record in the middle is skipped with an error in the log (the
+frame it held cannot be recovered; the round goes on without it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+
+from fedagent import statefile
+from fedagent.errors import FedagentError, StateWriteError
+from fedagent.protocols.topics import is_valid_name
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"\xc1fedagent round journal 1\n"  # 0xc1 is never the first byte of msgpack
+HEADER = struct.Struct(">II")
+MAX_SELECTED = 100_000
+MAX_TOPIC = 512
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """The round a journal describes."""
+
+    round: int
+    model_version: int
+    selected: tuple[str, ...]
+
+
+def _record(doc: dict) -> bytes:
+    payload = msgpack.packb(doc, use_bin_type=True)
+    return HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def _start(doc: object) -> InFlight:
+    if not isinstance(doc, dict) or doc.get("t") != "start" or set(doc) != {"t", "round", "version", "selected"}:
+        raise FedagentError("the first record is not a round start")
+    rnd, version, selected = doc["round"], doc["version"], doc["selected"]
+    if type(rnd) is not int or type(version) is not int or not (rnd > 0 and version >= 0):
+        raise FedagentError("round and version must be non-negative integers")
+    if not isinstance(selected, list) or not all(is_valid_name(a) for a in selected):
+        raise FedagentError("selected must be a list of node ids")
+    return InFlight(rnd, version, tuple(selected))
+
+
+def _frame(doc: object) -> tuple[str, bytes]:
+    if not isinstance(doc, dict) or doc.get("t") != "frame" or set(doc) != {"t", "topic", "data"}:
+        raise FedagentError("not a frame record")
+    topic, data = doc["topic"], doc["data"]
+    if not isinstance(topic, str) or not isinstance(data, bytes):
+        raise FedagentError("a frame is a topic and bytes")
+    return topic, data
+
+
+class RoundJournal:
+    """The journal at ``path``; frames of at most ``max_frame`` bytes."""
+
+    def __init__(self, path: Path, *, max_frame: int) -> None:
+        self.path = Path(path)
+        self.max_frame = max_frame
+        self.round: InFlight | None = None  # the round being journaled, None when idle
+        self.frames = 0
+        self.bytes = 0
+        self._fd: int | None = None
+        self._size = 0
+
+    # -- reading -------------------------------------------------------------------
+    def _unpack(self, payload: memoryview) -> object:
+        return msgpack.unpackb(
+            payload,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=self.max_frame,
+            max_str_len=max(MAX_TOPIC, 64),
+            max_array_len=MAX_SELECTED,
+            max_map_len=8,
+            max_ext_len=0,
+        )
+
+    def _records(self, f) -> Iterator[tuple[int, memoryview | None, str | None]]:
+        """(offset, payload or None, damage) per record; a torn tail ends the walk."""
+        end = os.fstat(f.fileno()).st_size
+        pos = len(MAGIC)
+        while pos < end:
+            head = f.read(HEADER.size)
+            if len(head) < HEADER.size:
+                yield pos, None, "torn"
+                return
+            length, crc = HEADER.unpack(head)
+            body = pos + HEADER.size
+            if length > max(self.max_frame + 4096, 8 * 2**20) or length > end - body:
+                yield pos, None, "torn"
+                return
+            payload = memoryview(f.read(length))
+            if zlib.crc32(payload) != crc:
+                if body + length == end:
+                    yield pos, None, "torn"
+                    return
+                yield pos, None, f"record at byte {pos} fails its checksum"
+            else:
+                yield pos, payload, None
+            pos = body + length
+
+    def recover(self) -> InFlight | None:
+        """The round the journal holds (None: empty, absent or unreadable). Opens the file
+        for appending after its last good record; :meth:`frames_of` reads the frames."""
+        self.close()
+        self.round = None
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StateWriteError(f"cannot read {self.path}: {exc.strerror or exc}") from exc
+        with f:
+            if f.read(len(MAGIC)) != MAGIC:
+                log.error("%s is not a round journal; the round in flight (if any) cannot be resumed", self.path)
+                return None
+            good = len(MAGIC)
+            frames = nbytes = 0
+            for pos, payload, damage in self._records(f):
+                if damage == "torn":
+                    log.warning("%s: a record cut short at byte %d (an append interrupted): cut off", self.path, pos)
+                    break
+                good = f.tell()
+                if payload is None:
+                    log.error("%s: %s; skipped (its update is lost)", self.path, damage)
+                    continue
+                try:
+                    doc = self._unpack(payload)
+                    if self.round is None:
+                        self.round = _start(doc)
+                    else:
+                        _frame(doc)
+                        frames += 1
+                        nbytes += len(payload)
+                except (ValueError, msgpack.UnpackException, FedagentError) as exc:
+                    if self.round is None:
+                        log.error("%s: unreadable round start (%s); not resumed", self.path, exc)
+                        return None
+                    log.error("%s: record at byte %d is not a frame (%s); skipped", self.path, pos, exc)
+        if self.round is None:
+            return None
+        if good < os.path.getsize(self.path):
+            with open(self.path, "r+b") as f:
+                f.truncate(good)
+                os.fsync(f.fileno())
+        self._open(good)
+        self.frames, self.bytes = frames, nbytes
+        return self.round
+
+    def frames_of(self) -> Iterator[tuple[str, bytes]]:
+        """The frames of the recovered round, in the order they were received (read one
+        at a time: a journal of N model-sized updates is never in memory at once)."""
+        with open(self.path, "rb") as f:
+            if f.read(len(MAGIC)) != MAGIC:
+                return
+            first = True
+            for _pos, payload, damage in self._records(f):
+                if damage == "torn":
+                    return
+                if payload is None:
+                    continue
+                if first:
+                    first = False
+                    continue
+                try:
+                    yield _frame(self._unpack(payload))
+                except (ValueError, msgpack.UnpackException, FedagentError):
+                    continue
+
+    # -- writing -------------------------------------------------------------------
+    def begin(self, round_: int, model_version: int, selected: tuple[str, ...]) -> None:
+        """A round starts: the journal becomes its start record alone."""
+        data = MAGIC + _record({"t": "start", "round": round_, "version": model_version, "selected": list(selected)})
+        statefile.atomic_write(self.path, data)
+        self._open(len(data))
+        self.round = InFlight(round_, model_version, tuple(selected))
+        self.frames = self.bytes = 0
+
+    def end(self) -> None:
+        """The round is aggregated (and checkpointed) or abandoned: nothing to resume."""
+        self.close()
+        if self.round is None and not self.path.exists():
+            return
+        statefile.atomic_write(self.path, MAGIC)
+        self.round = None
+        self.frames = self.bytes = 0
+
+    def append(self, topic: str, data: bytes) -> None:
+        """Make one received frame durable (append + fdatasync)."""
+        if self._fd is None or self.round is None:
+            raise StateWriteError(f"{self.path}: no round is being journaled")
+        record = _record({"t": "frame", "topic": topic, "data": data})
+        try:
+            view = memoryview(record)
+            while view:
+                view = view[os.write(self._fd, view) :]
+            os.fdatasync(self._fd)
+        except OSError as exc:
+            try:
+                os.ftruncate(self._fd, self._size)
+            except OSError:
+                pass
+            raise StateWriteError(f"cannot append to {self.path}: {exc.strerror or exc}") from exc
+        self._size += len(record)
+        self.frames += 1
+        self.bytes += len(record)
+
+    def _open(self, size: int) -> None:
+        self.close()
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        except OSError as exc:
+            raise StateWriteError(f"cannot open {self.path}: {exc.strerror or exc}") from exc
+        self._size = size
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def status(self) -> dict[str, int | None]:
+        return {"round": self.round.round if self.round else None, "frames": self.frames, "bytes": self.bytes}
