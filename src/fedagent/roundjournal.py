@@ -178,9 +178,9 @@ class RoundJournal:
         if self.round is None:
             return None
         if good < os.path.getsize(self.path):
-            with open(self.path, "r+b") as f:
-                f.truncate(good)
-                os.fsync(f.fileno())
+            with open(self.path, "r+b") as tail:
+                tail.truncate(good)
+                os.fsync(tail.fileno())
         self._open(good)
         self.frames, self.bytes = frames, nbytes
         return self.round

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -113,6 +113,11 @@ class Mode(Protocol):
         """Mode gauges, before a Prometheus scrape."""
         ...
 
+    def recovered_frames(self) -> Iterator[tuple[str, bytes]]:
+        """(topic, frame) received and made durable before a restart, to be handed on
+        again before any new network input (the round in flight: fedagent.roundjournal)."""
+        ...
+
     def background(self) -> list[Coroutine[Any, Any, None]]:
         """Extra tasks to run next to the event loop (e.g. expiring stalled streams)."""
         ...
@@ -176,6 +181,8 @@ class CoordinatorCore:
         self.last_silenced: dict[str, float] = {}  # the same, kept after the agent is back
         self._liveness_at = float("inf")
         self._liveness_handle: asyncio.TimerHandle | None = None
+        # Network input waits until the journaled frames have been handed on again.
+        self._recovered = asyncio.Event()
         self.mode: Mode = make_mode(self)
         self.settled: dict[str, Any] = self.mode.snapshot()
 
@@ -205,7 +212,18 @@ class CoordinatorCore:
         await self.mode.on_connect()
 
     async def _on_payload(self, topic: str, payload: bytes) -> None:
+        # Held (and so not acknowledged: the broker keeps it) until the journal is replayed:
+        # a redelivered frame must meet the sequence numbers the journal restores.
+        await self._recovered.wait()
         await self.messenger.receive(topic, payload, self._deliver)
+
+    async def _replay_journal(self) -> None:
+        n = 0
+        for topic, payload in self.mode.recovered_frames():
+            await self.messenger.receive(topic, payload, self._deliver, journaled=True)
+            n += 1
+        if n:
+            log.info("handed on %d update frames from the round journal", n)
 
     async def _deliver(self, inc: Incoming) -> None:
         await self.queue.put(Net(inc))
@@ -394,6 +412,8 @@ class CoordinatorCore:
                     self.settled.get("phase"),
                 )
                 tg.create_task(self._process())
+                await self._replay_journal()
+                self._recovered.set()
                 for job in self.mode.background():
                     tg.create_task(job)
                 await asyncio.Event().wait()

@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from fedagent import checkpoint
 from fedagent.config import NodeConfig
 from fedagent.coordinator.core import CoordinatorCore
 from fedagent.coordinator.vocabstage import VocabStage, has_vocabulary, vocab_config
-from fedagent.errors import CodecError, ConfigError, FedagentError, TransportError
+from fedagent.errors import CodecError, ConfigError, FedagentError, StateWriteError, TransportError
 from fedagent.metrics import NodeMetrics
 from fedagent.node import sdnotify
 from fedagent.node.messaging import Incoming
@@ -32,6 +32,7 @@ from fedagent.protocols import rounds as R
 from fedagent.protocols import topics
 from fedagent.protocols.aggregation import Strategy
 from fedagent.protocols.catchup import ModelServer
+from fedagent.protocols.codec import Envelope
 from fedagent.protocols.messages import (
     GlobalModel,
     ModelRequest,
@@ -41,7 +42,9 @@ from fedagent.protocols.messages import (
     Update,
     VocabOffer,
 )
-from fedagent.protocols.streaming import StreamEvent, UpdatePart
+from fedagent.protocols.streaming import STREAM_KIND, StreamEvent, UpdatePart
+from fedagent.roundjournal import InFlight, RoundJournal
+from fedagent.signing import CHUNK_KIND
 from fedagent.statefile import atomic_write, read_bytes
 from fedagent.tasks.base import get_weights
 
@@ -50,6 +53,9 @@ log = logging.getLogger("fedagent.coordinator")
 # Bytes of streamed update values allowed to wait in the coordinator before it stops
 # acknowledging chunks (the broker then holds the rest): a few chunks, not N models.
 STREAM_BUDGET = 16 * 2**20
+
+# Frames that carry (part of) an agent's update: journaled before they are acknowledged.
+JOURNALED_KINDS = frozenset({Update.kind, CHUNK_KIND, STREAM_KIND})
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +136,12 @@ class FedAvgMode:
         self.cfg = cfg
         self.task = core.task
         self.round_path = core.dir / "last_round_started"
+        # The round in flight, durable before any of its updates is acknowledged; a
+        # restart takes that round up again (fedagent.roundjournal).
+        self.journal = RoundJournal(core.dir / "round-journal", max_frame=core.messenger.wire_limits.max_message_bytes)
+        self._journal_lock = asyncio.Lock()
+        self._resume: InFlight | None = None
+        core.messenger.journal = self._journal_frame
         self.timer = Timer(core.queue, R.Wakeup())
         self._stream_bytes = 0  # values of streamed parts queued, not yet folded
         self._stream_room = asyncio.Event()
@@ -207,6 +219,25 @@ class FedAvgMode:
                 privacy["epsilon"],
                 f" of a budget of {privacy['epsilon_budget']:g}" if "epsilon_budget" in privacy else "",
             )
+        inflight = self.journal.recover()
+        m = self.machine
+        if (
+            inflight is not None
+            and m.phase is R.Phase.WAITING
+            and inflight.round == m.round
+            and inflight.model_version == m.model_version
+        ):
+            # Started from the checkpointed model and never aggregated: resumed in start().
+            self._resume = inflight
+        elif inflight is not None:
+            log.info(
+                "round journal of round %d (from version %d) is past: the checkpoint has version %d after round %d",
+                inflight.round,
+                inflight.model_version,
+                m.model_version,
+                int(meta.get("round", 0)),
+            )
+            self.journal.end()
 
     def _reconcile_history(self, meta: dict[str, Any]) -> None:
         """The checkpoint is written before the history line of its round; a crash or a
@@ -259,6 +290,23 @@ class FedAvgMode:
             self.vocab.start(now)
         if self.machine is not None and self.machine.phase is R.Phase.DONE:
             log.info("checkpoint says training already finished; serving status only")
+        if self.machine is not None and self._resume is not None:
+            r = self._resume
+            log.info(
+                "resuming round %d from model version %d with %s: %d update frames in the journal",
+                r.round,
+                r.model_version,
+                ", ".join(r.selected),
+                self.journal.frames,
+            )
+            for cmd in self.machine.resume(r.round, r.selected, now):
+                await self._execute(cmd)
+
+    def recovered_frames(self) -> Iterator[tuple[str, bytes]]:
+        if self._resume is None:
+            return iter(())
+        self._resume = None
+        return self.journal.frames_of()
 
     async def on_presence(self, agent: str, online: bool, samples: int, now: float) -> None:
         # Before the vocabulary is agreed there is no machine: the core's peer table keeps
@@ -360,6 +408,7 @@ class FedAvgMode:
             if m.get("privacy") and self.cfg.privacy is not None
             else None,
             "stop_reason": m.get("stop_reason") or None,
+            "journal": self.journal.status(),
         }
 
     def refresh_metrics(self, m: NodeMetrics) -> None:
@@ -372,6 +421,30 @@ class FedAvgMode:
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
         return [self._expire_streams()]
+
+    # -- journal -------------------------------------------------------------------------
+    async def _journal_frame(self, topic: str, payload: bytes, env: Envelope) -> None:
+        """A verified frame from an agent, before it is handed on (and acknowledged)."""
+        inflight = self.journal.round
+        if inflight is None or env.round != inflight.round or env.kind not in JOURNALED_KINDS:
+            return
+        try:
+            async with self._journal_lock:
+                if len(payload) > 65536:
+                    await asyncio.to_thread(self.journal.append, topic, payload)
+                else:
+                    self.journal.append(topic, payload)
+        except StateWriteError as exc:
+            # Handed on all the same: the round can still use it, but a crash before the
+            # aggregation would lose it.
+            log.error("round %d: update frame from %s not journaled: %s", inflight.round, env.sender, exc)
+
+    async def _journal(self, begin: R.StartRound | None) -> None:
+        async with self._journal_lock:
+            if begin is None:
+                await asyncio.to_thread(self.journal.end)
+            else:
+                await asyncio.to_thread(self.journal.begin, begin.round, begin.model_version, begin.selected)
 
     def close(self) -> None:
         self.timer.cancel()
@@ -426,9 +499,17 @@ class FedAvgMode:
         assert self.machine is not None
         if isinstance(cmd, R.StartRound):
             self.round_started_at = time.monotonic()
-            await asyncio.to_thread(atomic_write, self.round_path, str(cmd.round).encode())
+            if not cmd.resumed:
+                await asyncio.to_thread(atomic_write, self.round_path, str(cmd.round).encode())
+                await self._journal(cmd)
             core.metrics.round_started(cmd.round)
-            log.info("round %d: model version %d to %s", cmd.round, cmd.model_version, ", ".join(cmd.selected))
+            log.info(
+                "round %d%s: model version %d to %s",
+                cmd.round,
+                " (resumed after a restart)" if cmd.resumed else "",
+                cmd.model_version,
+                ", ".join(cmd.selected),
+            )
             sdnotify.status(f"round {cmd.round}: training on {len(cmd.selected)} agents")
             await core.messenger.send(
                 topics.broadcast(fed, "round_start"),
@@ -470,6 +551,7 @@ class FedAvgMode:
                     **({"privacy": cmd.privacy} if cmd.privacy is not None else {}),
                 }
             )
+            await self._journal(None)  # after the checkpoint: its updates are in the model now
             log.info(
                 "round %d aggregated from %d agents in %.2fs: %s%s",
                 cmd.round,
@@ -487,6 +569,7 @@ class FedAvgMode:
             )
         elif isinstance(cmd, R.RoundAbandoned):
             log.warning("round %d abandoned: %s", cmd.round, cmd.reason)
+            await self._journal(None)
             core.history.append({"event": "abandoned", "round": cmd.round, "reason": cmd.reason})
             await core.messenger.send(
                 topics.broadcast(fed, "round_result"),

@@ -25,7 +25,7 @@ import json
 import logging
 import time
 import warnings
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -284,6 +284,10 @@ class SyncOptMode:
                 await self._maybe_begin(now)
         elif self.machine is not None:
             await self._run_machine(item, now)
+
+    def recovered_frames(self) -> Iterator[tuple[str, bytes]]:
+        # A step is short and its gradients are not journaled: a restart starts a new step.
+        return iter(())
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
         return []

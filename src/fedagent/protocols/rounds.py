@@ -181,6 +181,7 @@ class StartRound:
     weights: Weights
     train: TrainConfig
     deadline_s: float
+    resumed: bool = False  # the same round again after a restart (see RoundMachine.resume)
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,6 +413,25 @@ class RoundMachine:
             return [Finished(self.model_version, self.weights, why)]
         self._round_q = q
         self.round += 1
+        return self._open_round(tuple(agents), now)
+
+    def resume(self, round_: int, selected: tuple[str, ...], now: float) -> list[Command]:
+        """Take round ``round_`` up again after a restart, under the same number, from the
+        model this machine was built with (the checkpoint it started from), with the same
+        selection. The caller then feeds it the updates it had already received (from its
+        journal) like any others, and the outstanding agents' updates are accepted when
+        they come. The selected agents count as online until their presence says
+        otherwise: the round waits for them rather than aggregating without them."""
+        if self.phase is not Phase.WAITING or round_ != self.round or not selected:
+            raise ValueError(
+                f"cannot resume round {round_}: the machine is {self.phase.value} after round {self.round}"
+            )
+        for agent in selected:
+            self.online.setdefault(agent, 0)
+        return self._open_round(selected, now, resumed=True)
+
+    def _open_round(self, agents: tuple[str, ...], now: float, *, resumed: bool = False) -> list[Command]:
+        cfg = self.config
         self.phase = Phase.TRAINING
         self.selected = tuple(agents)
         self._outstanding = set(agents)  # selected, not yet answered
@@ -442,6 +462,7 @@ class RoundMachine:
                 self.weights,
                 train,
                 cfg.round_timeout,
+                resumed,
             ),
             RequestWakeup(self.deadline),
         ]
