@@ -299,13 +299,14 @@ class FedAvgMode:
                 ", ".join(r.selected),
                 self.journal.frames,
             )
+            self._resume = None
             for cmd in self.machine.resume(r.round, r.selected, now):
                 await self._execute(cmd)
 
     def recovered_frames(self) -> Iterator[tuple[str, bytes]]:
+        # Called before start() has run (the frames are queued behind the resumption).
         if self._resume is None:
             return iter(())
-        self._resume = None
         return self.journal.frames_of()
 
     async def on_presence(self, agent: str, online: bool, samples: int, now: float) -> None:
