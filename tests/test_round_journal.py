@@ -34,6 +34,7 @@ def test_frames_of_the_round_in_flight_survive_a_restart_in_order(tmp_path):
     again = journal(tmp_path)
     assert again.recover() == InFlight(7, 6, ("agent-1", "agent-2"))
     assert again.frames == 5
+    assert list(again.by_sender) == ["agent-1"] and again.by_sender["agent-1"] == j.by_sender["agent-1"]
     assert list(again.frames_of()) == frames
     again.append(TOPIC, b"late")  # appending goes on after the recovered records
     assert list(journal(tmp_path).frames_of())[-1] == (TOPIC, b"late")

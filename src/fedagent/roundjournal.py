@@ -44,6 +44,7 @@ import msgpack
 
 from fedagent import statefile
 from fedagent.errors import FedagentError, StateWriteError
+from fedagent.protocols import topics
 from fedagent.protocols.topics import is_valid_name
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,13 @@ def _frame(doc: object) -> tuple[str, bytes]:
     return topic, data
 
 
+def _sender(topic: str) -> str:
+    try:
+        return topics.parse(topic)[1]
+    except ValueError:
+        return ""
+
+
 class RoundJournal:
     """The journal at ``path``; frames of at most ``max_frame`` bytes."""
 
@@ -97,6 +105,7 @@ class RoundJournal:
         self.round: InFlight | None = None  # the round being journaled, None when idle
         self.frames = 0
         self.bytes = 0
+        self.by_sender: dict[str, int] = {}  # bytes journaled per sender (a bound per member)
         self._fd: int | None = None
         self._size = 0
 
@@ -154,6 +163,7 @@ class RoundJournal:
                 return None
             good = len(MAGIC)
             frames = nbytes = 0
+            by_sender: dict[str, int] = {}
             for pos, payload, damage in self._records(f):
                 if damage == "torn":
                     log.warning("%s: a record cut short at byte %d (an append interrupted): cut off", self.path, pos)
@@ -167,9 +177,11 @@ class RoundJournal:
                     if self.round is None:
                         self.round = _start(doc)
                     else:
-                        _frame(doc)
+                        topic, _data = _frame(doc)
                         frames += 1
                         nbytes += len(payload)
+                        sender = _sender(topic)
+                        by_sender[sender] = by_sender.get(sender, 0) + len(payload)
                 except (ValueError, msgpack.UnpackException, FedagentError) as exc:
                     if self.round is None:
                         log.error("%s: unreadable round start (%s); not resumed", self.path, exc)
@@ -182,7 +194,7 @@ class RoundJournal:
                 tail.truncate(good)
                 os.fsync(tail.fileno())
         self._open(good)
-        self.frames, self.bytes = frames, nbytes
+        self.frames, self.bytes, self.by_sender = frames, nbytes, by_sender
         return self.round
 
     def frames_of(self) -> Iterator[tuple[str, bytes]]:
@@ -213,6 +225,7 @@ class RoundJournal:
         self._open(len(data))
         self.round = InFlight(round_, model_version, tuple(selected))
         self.frames = self.bytes = 0
+        self.by_sender = {}
 
     def end(self) -> None:
         """The round is aggregated (and checkpointed) or abandoned: nothing to resume."""
@@ -222,6 +235,7 @@ class RoundJournal:
         statefile.atomic_write(self.path, MAGIC)
         self.round = None
         self.frames = self.bytes = 0
+        self.by_sender = {}
 
     def append(self, topic: str, data: bytes) -> None:
         """Make one received frame durable (append + fdatasync)."""
@@ -241,7 +255,9 @@ class RoundJournal:
             raise StateWriteError(f"cannot append to {self.path}: {exc.strerror or exc}") from exc
         self._size += len(record)
         self.frames += 1
-        self.bytes += len(record)
+        self.bytes += len(record) - HEADER.size
+        sender = _sender(topic)
+        self.by_sender[sender] = self.by_sender.get(sender, 0) + len(record) - HEADER.size
 
     def _open(self, size: int) -> None:
         self.close()

@@ -140,6 +140,8 @@ class FedAvgMode:
         # restart takes that round up again (fedagent.roundjournal).
         self.journal = RoundJournal(core.dir / "round-journal", max_frame=core.messenger.wire_limits.max_message_bytes)
         self._journal_lock = asyncio.Lock()
+        # An update (whole, chunked or streamed: a header, values, a little framing per chunk).
+        self._journal_cap = 2 * cfg.max_model_bytes + 2**20
         self._resume: InFlight | None = None
         core.messenger.journal = self._journal_frame
         self.timer = Timer(core.queue, R.Wakeup())
@@ -426,11 +428,18 @@ class FedAvgMode:
     # -- journal -------------------------------------------------------------------------
     async def _journal_frame(self, topic: str, payload: bytes, env: Envelope) -> None:
         """A verified frame from an agent, before it is handed on (and acknowledged)."""
-        inflight = self.journal.round
-        if inflight is None or env.round != inflight.round or env.kind not in JOURNALED_KINDS:
+        if env.kind not in JOURNALED_KINDS:
             return
         try:
             async with self._journal_lock:
+                inflight = self.journal.round
+                if inflight is None or env.round != inflight.round or env.sender not in inflight.selected:
+                    return  # refused when its turn comes: stale, or not selected
+                if self.journal.by_sender.get(env.sender, 0) + len(payload) > self._journal_cap:
+                    # More than an update's worth from one member: a bug or a flood. The
+                    # disk is not the place to find out which; the round machine will.
+                    log.warning("round %d: %s sent more than an update's worth; not journaled", env.round, env.sender)
+                    return
                 if len(payload) > 65536:
                     await asyncio.to_thread(self.journal.append, topic, payload)
                 else:
@@ -438,7 +447,7 @@ class FedAvgMode:
         except StateWriteError as exc:
             # Handed on all the same: the round can still use it, but a crash before the
             # aggregation would lose it.
-            log.error("round %d: update frame from %s not journaled: %s", inflight.round, env.sender, exc)
+            log.error("round %d: update frame from %s not journaled: %s", env.round, env.sender, exc)
 
     async def _journal(self, begin: R.StartRound | None) -> None:
         async with self._journal_lock:
