@@ -167,7 +167,7 @@ def test_continue_aggregates_without_a_vanished_agent_and_readmits_it():
     m.handle(S.Begin(("a", "b", "c")), 0.0)
     m.handle(gradient_event("a", 1, m=m, n=10, value=1.0), 1.0)
     m.handle(gradient_event("b", 1, m=m, n=10, value=3.0), 1.0)
-    assert m.handle(S.Wakeup(), 5.0) == []  # before the deadline: wait for c
+    assert m.handle(S.Wakeup(), 5.0) == [S.RequestWakeup(10.0)]  # before the deadline: wait for c
     (apply,) = m.handle(S.AgentOffline("c"), 6.0)  # c is gone: no need to wait longer
     np.testing.assert_allclose(apply.gradient["w"], 2.0)
     done, start, _ = m.handle(S.OptimizerApplied(1, sgd(m.weights, apply.gradient)), 7.0)
@@ -185,9 +185,26 @@ def test_continue_waits_for_a_silent_but_online_agent_until_the_deadline():
     m = machine(on_fault="continue")
     m.handle(S.Begin(("a", "b")), 0.0)
     m.handle(gradient_event("a", 1, m=m), 1.0)
-    assert m.handle(S.Wakeup(), 9.9) == []
+    assert m.handle(S.Wakeup(), 9.9) == [S.RequestWakeup(10.0)]  # early: the deadline asked for again
     (apply,) = m.handle(S.Wakeup(), 10.0)
     assert isinstance(apply, S.ApplyGradient)
+
+
+def test_an_earlier_steps_wakeup_re_requests_the_current_deadline():
+    """Found by the slow agent-restart test: the daemon's one Timer keeps the soonest
+    wake-up, so step 1's deadline fires during step 2 and step 2's own request was
+    dropped. That early wake-up must ask for step 2's deadline again, or a participant
+    that never answers stalls step 2 for ever."""
+    m = machine(on_fault="continue")
+    m.handle(S.Begin(("a", "b")), 0.0)  # step 1, deadline 10
+    m.handle(gradient_event("a", 1, m=m), 1.0)
+    (apply,) = m.handle(gradient_event("b", 1, m=m), 2.0)
+    _done, start2, wake2 = m.handle(S.OptimizerApplied(1, sgd(m.weights, apply.gradient)), 3.0)
+    assert isinstance(start2, S.StartStep) and wake2 == S.RequestWakeup(13.0)
+    m.handle(gradient_event("a", 2, m=m), 4.0)  # b stays silent (online)
+    assert m.handle(S.Wakeup(), 10.0) == [S.RequestWakeup(13.0)]  # step 1's wake-up
+    (apply2,) = m.handle(S.Wakeup(), 13.0)
+    assert isinstance(apply2, S.ApplyGradient) and apply2.step == 2
 
 
 def test_abort_policy_waits_for_the_deadline_then_stops():

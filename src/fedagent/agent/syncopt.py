@@ -88,6 +88,10 @@ class SyncOptSession(Session):
         self.compute_seconds = 0.0
         self._peer_info: dict[str, dict[str, Any]] = {}
         self._compute_lock = asyncio.Lock()
+        # The latest step, when it came before this agent had the vocabulary (a restarted
+        # agent: the retained vocabulary is a replay to it, and comes again only after its
+        # new offer): computed once the vocabulary is adopted, if still the latest.
+        self._waiting_step: SyncStep | None = None
         self.pending_history: list[dict[str, Any]] = []
 
     @property
@@ -154,6 +158,9 @@ class SyncOptSession(Session):
         if isinstance(msg, Vocabulary):
             if self._from_coordinator(inc):
                 await self._adopt_vocabulary(msg)
+                step, self._waiting_step = self._waiting_step, None
+                if step is not None and step.step == self.latest_step and step.vocab_digest == self.vocab_digest:
+                    tg.create_task(self._step(step, time.time()))
             return
         if isinstance(msg, SyncStep):
             if self._from_coordinator(inc) and msg.step > self.latest_step:
@@ -214,6 +221,7 @@ class SyncOptSession(Session):
             if msg.step != self.latest_step:
                 return  # a newer step was announced meanwhile
             if self.model is None or msg.vocab_digest != self.vocab_digest:
+                self._waiting_step = msg
                 log.warning(
                     "step %d: vocabulary %s, this agent has %s; not taking part",
                     msg.step,

@@ -380,7 +380,13 @@ class SyncOptMachine:
             return self._on_applied(event, now)
         if isinstance(event, Wakeup):
             if self.phase is Phase.COLLECTING:
-                return self._maybe_aggregate(now)
+                out = self._maybe_aggregate(now)
+                if self.phase is Phase.COLLECTING and not any(isinstance(c, RequestWakeup) for c in out):
+                    # Woken early (by the deadline of an earlier step, which the daemon's
+                    # one timer kept because it was sooner): ask again for this step's
+                    # deadline, or a silent participant stalls the step for ever.
+                    out.append(RequestWakeup(self.deadline))
+                return out
             return []
         raise TypeError(f"not a Sync-Opt event: {event!r}")
 
