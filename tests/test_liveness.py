@@ -83,3 +83,32 @@ def test_heartbeat_message_is_validated():
     for bad in ({}, {"interval": True}, {"interval": "1"}, {"interval": 0.0}, {"interval": float("nan")}):
         with pytest.raises(CodecError):
             body_of("heartbeat", bad, limits)
+
+
+def test_status_table_names_the_agents_a_round_waits_for_and_the_silent_ones():
+    from rich.console import Console
+
+    from fedagent.status import render_status
+
+    console = Console(record=True, width=120)
+    render_status(
+        {
+            "role": "coordinator",
+            "id": "coordinator",
+            "mode": "fedavg",
+            "phase": "training",
+            "round": 4,
+            "selected": ["a1", "a2", "a3"],
+            "received": ["a1"],
+            "heartbeats": {
+                "a1": {"age": 0.4, "timeout": 10.0, "silent": False},
+                "a3": {"age": 12.3, "timeout": 10.0, "silent": True},
+            },
+            "journal": {"round": 4, "frames": 1, "bytes": 2345},
+        },
+        console,
+    )
+    text = console.export_text()
+    assert "1 of 3; waiting for a2, a3" in text
+    assert "a3 (12s)" in text and "a1 (" not in text
+    assert "round 4: 1 frames, 2,345 bytes" in text

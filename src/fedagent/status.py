@@ -139,6 +139,7 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("last error", s.get("last_error")),
         ("rejected", _rejected_text(s) or ("-" if "rejected" in s else None)),
         ("bytes in / out", f"{s.get('bytes_in', 0):,} / {s.get('bytes_out', 0):,}"),
+        *_round_rows(s),
     ]
     return [(k, _fmt(v)) for k, v in rows if v is not None]
 
@@ -155,6 +156,29 @@ def render_status(s: dict[str, Any], console: Console | None = None) -> None:
     console.print(t)
     if s.get("peers"):
         render_peers(s, console)
+
+
+def _round_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
+    """A FedAvg coordinator mid-round: who it still waits for, who is silent (no
+    heartbeat for a keep-alive: out of the round), and what its round journal holds."""
+    if s.get("role") != "coordinator" or "journal" not in s:
+        return []
+    rows: list[tuple[str, Any]] = []
+    if s.get("phase") == "training":
+        selected, received = s.get("selected") or [], set(s.get("received") or [])
+        waiting = [a for a in selected if a not in received]
+        rows.append(
+            (
+                "received",
+                f"{len(received)} of {len(selected)}" + (f"; waiting for {', '.join(waiting)}" if waiting else ""),
+            )
+        )
+    silent = [f"{a} ({h['age']:.0f}s)" for a, h in (s.get("heartbeats") or {}).items() if h.get("silent")]
+    rows.append(("silent", silent or None))
+    j = s.get("journal") or {}
+    if j.get("round"):
+        rows.append(("journal", f"round {j['round']}: {j.get('frames', 0)} frames, {j.get('bytes', 0):,} bytes"))
+    return rows
 
 
 def _render_gossip(s: dict[str, Any], t: Table, console: Console) -> None:
