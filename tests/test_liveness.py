@@ -77,6 +77,11 @@ def test_timeouts_are_clamped_and_status_reports_age():
     assert st["slow"]["timeout"] == 60.0
 
 
+def test_every_configurable_keepalive_gives_a_valid_heartbeat():
+    for keepalive in (2, 10, 3600, 65535):
+        assert Heartbeat(heartbeat_interval(keepalive)).interval <= keepalive / BEATS
+
+
 def test_heartbeat_message_is_validated():
     limits = Limits()
     assert body_of("heartbeat", Heartbeat(1.0).to_body(), limits) == Heartbeat(1.0)

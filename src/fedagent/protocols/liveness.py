@@ -31,9 +31,13 @@ from dataclasses import dataclass
 BEATS = 4
 
 
+# The longest heartbeat interval (a keep-alive of hours still beats every 15 minutes).
+MAX_INTERVAL = 900.0
+
+
 def heartbeat_interval(keepalive: float) -> float:
     """How often an agent with MQTT keep-alive ``keepalive`` sends a heartbeat."""
-    return keepalive / BEATS
+    return min(keepalive / BEATS, MAX_INTERVAL)
 
 
 @dataclass(slots=True)
