@@ -14,13 +14,17 @@ commands through the core (``core.messenger.send``, ``core.history``, ``core.rej
 timers on ``core.queue``). FedAvg (:mod:`.fedavg`) and Sync-Opt (:mod:`.syncopt`) are
 the two modes; :mod:`.daemon` maps ``mode = "..."`` in the config to one of them.
 
+Liveness is the core's too: agents that send heartbeats are tracked
+(:mod:`fedagent.protocols.liveness`), and one silent for its keep-alive is reported to the
+mode as offline (``on_presence``) until it is heard again.
+
 Adding a third coordinated mode means:
 
 1. its pure machine in ``protocols/`` (events in, commands out, no I/O; trace-tested);
 2. an adapter class here in ``coordinator/`` implementing :class:`Mode`, usually a
    constructor that builds the machine (resuming from ``core.ckpt_path``), ``on_message``
-   and ``on_item`` that feed it, an ``_execute`` for its commands and ``snapshot`` for
-   ``fedagent status``;
+   and ``on_item`` that feed it, an ``_execute`` for its commands, ``snapshot`` for
+   ``fedagent status`` and ``recovered_frames`` (what it journaled before a restart);
 3. one line in :data:`fedagent.coordinator.daemon.MODES` and the mode name in
    :data:`fedagent.config.MODES`.
 """
