@@ -142,3 +142,89 @@ def test_resume_refuses_a_round_the_machine_is_not_at():
     m = RoundMachine(RoundConfig(rounds=3, min_agents=1), W0, model_version=1, completed_rounds=1, last_round=2)
     with pytest.raises(ValueError):
         m.resume(3, ("a",), now=0.0)
+
+
+# ---- through the messenger ------------------------------------------------------------
+class Capture:
+    """A transport that keeps what is published (no broker: the frames are fed by hand)."""
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[str, bytes]] = []
+
+    async def publish(self, topic: str, payload: bytes, **_kw) -> None:
+        self.frames.append((topic, bytes(payload)))
+
+
+def test_a_chunked_update_journaled_before_a_crash_is_handed_on_once_after_it(pki, tmp_path):
+    """An agent's whole update, chunked: every chunk is journaled before it is handed on;
+    a new messenger on the same state (the restarted coordinator) hands the update on
+    from the journal, and the broker's redelivery of the same chunks is refused."""
+    import asyncio
+
+    from conftest import COORDINATOR, FEDERATION
+
+    from fedagent.node.messaging import Messenger
+    from fedagent.protocols import topics
+    from fedagent.protocols.messages import Update
+    from fedagent.signing import Identity
+
+    def ident(name: str) -> Identity:
+        tls = pki.issue(name, "coordinator" if name == COORDINATOR else "agent")
+        return Identity.load(tls.cert, tls.key, tls.ca)
+
+    state = tmp_path / "coord"
+    state.mkdir()
+    weights = {"w": np.arange(3000, dtype=np.float32)}
+
+    def receiver(journal: RoundJournal | None) -> Messenger:
+        m = Messenger(
+            federation=FEDERATION,
+            node_id=COORDINATOR,
+            transport=Capture(),
+            identity=ident(COORDINATOR),
+            max_chunk_bytes=4096,
+            state_dir=state,
+        )
+        if journal is not None:
+
+            async def keep(topic, payload, env) -> None:
+                journal.append(topic, payload)
+
+            m.journal = keep
+        return m
+
+    async def run() -> None:
+        wire = Capture()
+        sender = Messenger(
+            federation=FEDERATION, node_id="agent-a", transport=wire, identity=ident("agent-a"), max_chunk_bytes=4096
+        )
+        topic = topics.direct(FEDERATION, "agent-a", COORDINATOR, "update")
+        await sender.send(topic, Update(3, 2, 10, {"loss": 0.5}, weights), round_=3)
+        assert len(wire.frames) == 3  # chunked
+
+        journal = RoundJournal(state / "round-journal", max_frame=1 << 20)
+        journal.begin(3, 2, ("agent-a",))
+        got: list[Update] = []
+
+        async def deliver(inc) -> None:
+            got.append(inc.message)
+
+        first = receiver(journal)
+        for t, p in wire.frames:
+            await first.receive(t, p, deliver)
+        assert len(got) == 1 and journal.frames == len(wire.frames)
+        del first  # the crash: only the state directory survives
+
+        again = RoundJournal(state / "round-journal", max_frame=1 << 20)
+        assert again.recover() == InFlight(3, 2, ("agent-a",))
+        restarted = receiver(None)
+        got.clear()
+        for t, p in again.frames_of():
+            await restarted.receive(t, p, deliver, journaled=True)
+        assert len(got) == 1 and got[0].round == 3
+        np.testing.assert_array_equal(got[0].weights["w"], weights["w"])
+        for t, p in wire.frames:  # the broker sends the chunks again
+            await restarted.receive(t, p, deliver)
+        assert len(got) == 1 and restarted.rejected["replay"] == len(wire.frames)
+
+    asyncio.run(run())
