@@ -68,6 +68,19 @@ def test_a_late_wakeup_postpones_evictions_by_one_interval():
     assert lv.expire(11.0) == ["b"]
 
 
+def test_excuse_gives_everyone_a_fresh_timeout_but_keeps_the_silent_silent():
+    """The coordinator's own broker connection was down from 1 to 30: hearing nobody then
+    says nothing about the agents."""
+    lv = Liveness()
+    lv.heartbeat("a", 1.0, 0.0)
+    lv.heartbeat("b", 1.0, 0.0)
+    assert lv.expire(4.0) == ["a", "b"]
+    lv.heartbeat("a", 1.0, 5.0)
+    lv.excuse(30.0)
+    assert lv.is_silent("b") and lv.expire(33.9) == []
+    assert lv.expire(34.0) == ["a"]
+
+
 def test_timeouts_are_clamped_and_status_reports_age():
     lv = Liveness(min_timeout=0.5, max_timeout=60.0)
     lv.heartbeat("fast", 0.05, 0.0)

@@ -208,6 +208,8 @@ class CoordinatorCore:
 
     # -- network -----------------------------------------------------------------------
     async def _on_connect(self) -> None:
+        # Nobody could be heard while this connection was down: not their silence.
+        self.liveness.excuse(time.monotonic())
         await self.transport.publish(
             topics.presence(self.fed, self.cfg.id),
             presence_payload(self.cfg, self.fed, True, model_version=self.mode.model_version(), broker=self.cfg.broker),
@@ -233,8 +235,8 @@ class CoordinatorCore:
         await self.queue.put(Net(inc))
 
     # -- liveness ----------------------------------------------------------------------
-    def _schedule_liveness(self) -> None:
-        at = self.liveness.next_check()
+    def _schedule_liveness(self, at: float | None = None) -> None:
+        at = self.liveness.next_check() if at is None else at
         if at >= self._liveness_at or at == float("inf"):
             return
         if self._liveness_handle is not None:
@@ -259,6 +261,11 @@ class CoordinatorCore:
             await self.mode.on_presence(agent, True, int(peer.get("samples", 0)), now)
 
     async def _check_liveness(self, item: LivenessCheck, now: float) -> None:
+        if not self.transport.connected:
+            # Our own connection is down: we hear nobody, which says nothing about them
+            # (excused on reconnection). Look again a little later.
+            self._schedule_liveness(now + 1.0)
+            return
         for agent in self.liveness.expire(now, late=max(0.0, now - item.at)):
             self.silent_since[agent] = self.last_silenced[agent] = time.time()
             timeout = self.liveness.status(now)[agent]["timeout"]

@@ -15,7 +15,9 @@ update in transit can hold its heartbeats back on the same connection).
 A wake-up that comes late means this process was not reading its input either (a
 stalled event loop, a paused coordinator); nodes are then given ``grace`` seconds to be
 heard before any is declared silent, so a coordinator's own stall never evicts the
-agents it failed to listen to.
+agents it failed to listen to. For the same reason the caller does not look for silent
+nodes while its own broker connection is down, and :meth:`Liveness.excuse` gives every
+node a fresh timeout when it is back.
 
 No clock or I/O here: the caller passes the monotonic time and asks for a wake-up at
 :meth:`Liveness.next_check`.
@@ -79,6 +81,13 @@ class Liveness:
             n.silent = False
             return True
         return False
+
+    def excuse(self, now: float) -> None:
+        """This listener could not hear anyone until ``now`` (its own connection was down):
+        every live node gets a full timeout from now before it can be declared silent."""
+        for n in self._nodes.values():
+            if not n.silent:
+                n.heard = max(n.heard, now)
 
     def forget(self, node: str) -> None:
         """The node went offline (its presence said so): stop tracking it until it beats again."""
