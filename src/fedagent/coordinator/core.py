@@ -182,6 +182,7 @@ class CoordinatorCore:
         # before the broker's keep-alive notices (protocols/liveness.py).
         self.liveness = Liveness()
         self.silent_since: dict[str, float] = {}  # agent -> wall time it was declared silent
+        self._silent_at: dict[str, float] = {}  # the same on the monotonic clock (durations)
         self.last_silenced: dict[str, float] = {}  # the same, kept after the agent is back
         self._liveness_at = float("inf")
         self._liveness_handle: asyncio.TimerHandle | None = None
@@ -254,7 +255,8 @@ class CoordinatorCore:
         """``agent`` was heard; ``back``: after it had been declared silent."""
         if not back:
             return
-        silent_for = time.time() - self.silent_since.pop(agent, time.time())
+        self.silent_since.pop(agent, None)
+        silent_for = now - self._silent_at.pop(agent, now)
         peer = self.peers.get(agent, {})
         log.info("%s is heard again after %.1f s of silence", agent, silent_for)
         if peer.get("online"):
@@ -268,6 +270,7 @@ class CoordinatorCore:
             return
         for agent in self.liveness.expire(now, late=max(0.0, now - item.at)):
             self.silent_since[agent] = self.last_silenced[agent] = time.time()
+            self._silent_at[agent] = now
             timeout = self.liveness.status(now)[agent]["timeout"]
             log.warning("%s is silent: no heartbeat for %.1f s; taken out of the round", agent, timeout)
             if self.peers.get(agent, {}).get("online"):
@@ -296,6 +299,7 @@ class CoordinatorCore:
                         if not msg.online:
                             self.liveness.forget(inc.sender)
                             self.silent_since.pop(inc.sender, None)
+                            self._silent_at.pop(inc.sender, None)
                         # A retained "online" of an agent that is silent (delivered again
                         # after a reconnection) does not bring it back; a heartbeat does.
                         if not self.liveness.is_silent(inc.sender):
