@@ -428,7 +428,8 @@ class Messenger:
             role = self.verifier.check(env, journaled=journaled)
         except AuthError as exc:
             return self._reject(exc.reason, env.sender, exc.detail)
-        self.last_heard[env.sender] = time.time()
+        if not journaled:  # a frame read back from the journal says nothing about its sender now
+            self.last_heard[env.sender] = time.time()
         if self.journal is not None and not journaled and role == "agent":
             await self.journal(topic, payload, env)
         if env.kind == STREAM_KIND:
