@@ -428,6 +428,11 @@ class RoundMachine:
             )
         for agent in selected:
             self.online.setdefault(agent, 0)
+        # The population the round was sampled from is not known after a restart: with
+        # differential privacy it counts as sampling everyone (q = 1), which spends at
+        # least as much of the budget as the round really did. The budget was checked
+        # when the round first started.
+        self._round_q = 1.0
         return self._open_round(selected, now, resumed=True)
 
     def _open_round(self, agents: tuple[str, ...], now: float, *, resumed: bool = False) -> list[Command]:
