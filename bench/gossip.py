@@ -40,7 +40,6 @@ class _Peer:
         self.weights = weights
         self.transport = Transport(
             uri=bb.uri,
-            client_id=f"g-{name}",
             tls=tls,
             keepalive=KEEPALIVE,
             subscriptions=[topics.inbox(FEDERATION, name)],

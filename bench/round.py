@@ -199,7 +199,6 @@ class FedRounds:
         self.procs: list[subprocess.Popen] = []
         self.transport = Transport(
             uri=bb.uri,
-            client_id="bench-coord",
             tls=bb.tls(COORDINATOR),
             subscriptions=[topics.inbox(FEDERATION, COORDINATOR), topics.all_presence(FEDERATION)],
             session_expiry=0,

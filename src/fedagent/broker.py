@@ -42,8 +42,9 @@ DEFAULT_PORT = 8883
 # while it folds them a few chunks at a time. The operators' guide gives the sizing.
 DEFAULT_MAX_QUEUED_BYTES = 1024 * 2**20
 DEFAULT_MAX_QUEUED_MESSAGES = 100_000
-# MQTT 5 CONNECT: clean start, keep-alive 10 s, no properties, empty client id (the
-# broker assigns one, so a probe never touches a real client's session).
+# MQTT 5 CONNECT: clean start, keep-alive 10 s, no properties, empty client id. The
+# broker replaces the id with the certificate's CN (use_username_as_clientid), so the
+# readiness probe logs in as the broker's own identity, which no node uses.
 MQTT5_PROBE_CONNECT = bytes.fromhex("100d00044d5154540502000a000000")
 MQTT5_DISCONNECT = bytes.fromhex("e000")
 _INSTALL_HINT = (
@@ -196,6 +197,9 @@ def render_config(
         f"keyfile {_conf_path(key, 'key')}",
         "require_certificate true",
         "use_identity_as_username true",
+        # The client id is the certificate's CN too: no certificate can connect under
+        # another node's id and take over (disconnect) its connection or session.
+        "use_username_as_clientid true",
         # Minimum version: TLS 1.2 and 1.3 are accepted.
         "tls_version tlsv1.2",
         "",
