@@ -53,23 +53,21 @@ async def noop(_topic: str, _payload: bytes) -> None:
 
 
 def test_acl_implements_the_topic_layout():
-    acl = render_acl(["fed-1", "fed-2"], ["coord", "coord-2"])
+    acl = render_acl(["fed-1"], ["coord", "coord-2"], bridges=["bridge-s1"])
     rules = [line for line in acl.splitlines() if line and not line.startswith("#")]
     assert rules == [
         "pattern write fedagent/v1/fed-1/node/%u/#",
         "pattern read fedagent/v1/fed-1/node/+/presence",
         "pattern read fedagent/v1/fed-1/node/+/to/%u/#",
         "pattern read fedagent/v1/fed-1/global/#",
-        "pattern write fedagent/v1/fed-2/node/%u/#",
-        "pattern read fedagent/v1/fed-2/node/+/presence",
-        "pattern read fedagent/v1/fed-2/node/+/to/%u/#",
-        "pattern read fedagent/v1/fed-2/global/#",
         "user coord",
         "topic readwrite fedagent/v1/fed-1/#",
-        "topic readwrite fedagent/v1/fed-2/#",
         "user coord-2",
         "topic readwrite fedagent/v1/fed-1/#",
-        "topic readwrite fedagent/v1/fed-2/#",
+        # A bridge relays nodes' traffic up and broadcasts down; it cannot broadcast.
+        "user bridge-s1",
+        "topic write fedagent/v1/fed-1/node/#",
+        "topic read fedagent/v1/fed-1/global/#",
     ]
     # A `topic` line before the first `user` line would apply to anonymous clients only.
     first_user = next(i for i, r in enumerate(rules) if r.startswith("user "))
@@ -77,6 +75,31 @@ def test_acl_implements_the_topic_layout():
     # The rules agree with the topic helpers.
     assert topics.all_presence("fed-1") in acl and topics.all_broadcasts("fed-1") in acl
     assert topics.inbox("fed-1", "x").replace("/x/", "/%u/") in acl
+
+
+def test_acl_of_several_federations_gives_each_identity_its_own_federation():
+    members = {"coord": ("coordinator", "fed-1"), "a1": ("agent", "fed-1"), "b1": ("agent", "fed-2")}
+    with pytest.raises(ConfigError, match="several federations on one broker need per-identity rules"):
+        render_acl(["fed-1", "fed-2"], ["coord"])
+    acl = render_acl(["fed-1", "fed-2"], ["coord"], members={**members, "c1": ("agent", "fed-3")})
+    rules = [line for line in acl.splitlines() if line and not line.startswith("#")]
+    assert rules == [
+        "user a1",
+        "topic write fedagent/v1/fed-1/node/a1/#",
+        "topic read fedagent/v1/fed-1/node/+/presence",
+        "topic read fedagent/v1/fed-1/node/+/to/a1/#",
+        "topic read fedagent/v1/fed-1/global/#",
+        "user b1",
+        "topic write fedagent/v1/fed-2/node/b1/#",
+        "topic read fedagent/v1/fed-2/node/+/presence",
+        "topic read fedagent/v1/fed-2/node/+/to/b1/#",
+        "topic read fedagent/v1/fed-2/global/#",
+        "user coord",
+        "topic readwrite fedagent/v1/fed-1/#",
+    ]
+    assert not any(r.startswith("pattern") for r in rules)  # nothing for everyone
+    with pytest.raises(ConfigError, match="not in the CA's register"):
+        render_acl(["fed-1", "fed-2"], ["coord-9"], members=members)
 
 
 @pytest.mark.parametrize(
@@ -351,10 +374,9 @@ def test_t2_acl_reload_takes_effect_on_live_connections(broker_factory, arun, pe
 
 def test_subscriptions_added_at_runtime_deliver_and_survive_reconnects(broker_factory, arun, peer):
     b = broker_factory()
-    other = "fed-2"
+    other = FED  # a filter the peer did not start with
 
     async def main():
-        await asyncio.to_thread(b.reload_acl, federations=[FED, other])
         # Persistent sessions (a private broker): the subscription must outlive the restart.
         async with peer(b, "coord", session_expiry=3600) as c, peer(b, "agent-a", session_expiry=3600) as a:
             assert a.transport.update_subscriptions([]) is None

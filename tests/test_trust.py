@@ -4,11 +4,15 @@ certificate's identity (no takeover), federations on one broker are isolated."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from attacker import takeovers
 from conftest import unique_id
 
+from fedagent import pki
+from fedagent.broker import EmbeddedBroker
+from fedagent.errors import NotAuthorized
 from fedagent.node import transport as tr
 from fedagent.protocols import topics
 
@@ -60,3 +64,82 @@ def test_no_certificate_takes_over_another_nodes_client_id(broker, arun, peer, r
         assert f"Client {victim} already connected" not in log()
 
     arun(main(), timeout=300)
+
+
+def test_two_federations_on_one_broker_are_isolated(tmp_path, arun, peer, record_property):
+    """One CA issues for fed-a and fed-b, one broker serves both: each federation's
+    coordinator and agent try the other federation's topics, publishing (broadcast,
+    presence, an update, a forged peer's presence and inbox) and subscribing: 0 accepted."""
+    ca = tmp_path / "ca"
+    pki.create_ca(ca, "fed-a")
+    names = {"fed-a": ("coord-a", "agent-a1"), "fed-b": ("coord-b", "agent-b1")}
+    tls = {}
+    for fed, (coord, agent) in names.items():
+        for name, role in ((coord, "coordinator"), (agent, "agent")):
+            cert, key = pki.issue(ca, ca, name, role, federation=fed)
+            tls[name] = tr.TlsFiles(ca / pki.CA_CERT, cert, key)
+    other = {"fed-a": "fed-b", "fed-b": "fed-a"}
+    fed_of = {name: fed for fed, pair in names.items() for name in pair}
+    b = EmbeddedBroker(tmp_path / "broker", federations=list(names), coordinators=["coord-a", "coord-b"], ca_dir=ca)
+    b.start()
+    attempts = {"publish": 0, "subscribe": 0}
+    accepted = {"publish": 0, "subscribe": 0}
+
+    def filters(name: str) -> list[str]:
+        g = other[fed_of[name]]
+        gc, ga = names[g]
+        return [
+            "#",
+            f"fedagent/v1/{g}/#",
+            topics.all_broadcasts(g),
+            topics.all_presence(g),
+            topics.inbox(g, ga),
+            topics.inbox(g, name),
+        ]
+
+    async def main() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            peers = {n: await stack.enter_async_context(peer(b, n, tls=tls[n], subscriptions=filters(n))) for n in tls}
+            for name, p in peers.items():
+                g = other[fed_of[name]]
+                gc, ga = names[g]
+                for topic in (
+                    topics.broadcast(g, "model"),
+                    topics.presence(g, name),
+                    topics.direct(g, name, gc, "update"),
+                    topics.presence(g, ga),
+                    topics.direct(g, gc, ga, "update"),
+                    topics.direct(g, ga, gc, "update"),
+                ):
+                    attempts["publish"] += 1
+                    try:
+                        await p.transport.publish(topic, b"cross " + name.encode())
+                        accepted["publish"] += 1
+                    except NotAuthorized:
+                        pass
+            # Each federation's own traffic, which the other federation must not see.
+            for fed, (coord, agent) in names.items():
+                secret = f"secret of {fed}".encode()
+                await peers[coord].transport.publish(topics.broadcast(fed, "model"), secret)
+                await peers[agent].transport.publish(topics.presence(fed, agent), secret, retain=True)
+                await peers[agent].transport.publish(topics.direct(fed, agent, coord, "update"), secret)
+                await peers[coord].transport.publish(topics.direct(fed, coord, agent, "answer"), secret)
+            for fed, (coord, _agent) in names.items():
+                await peers[coord].transport.publish(topics.broadcast(fed, "marker"), b"marker")
+            for name, p in peers.items():
+                seen = await p.until(lambda t, pl: pl == b"marker")
+                g = other[fed_of[name]]
+                attempts["subscribe"] += len(filters(name))
+                leaked = {t for t, pl in seen if t.startswith(f"fedagent/v1/{g}/") or pl.startswith(b"cross ")}
+                accepted["subscribe"] += len(leaked)
+                # ... while its own federation works.
+                assert any(pl == f"secret of {fed_of[name]}".encode() for _, pl in seen), name
+
+    try:
+        arun(main(), timeout=60)
+    finally:
+        b.stop()
+    print(f"cross-federation attempts {attempts}, accepted {accepted}")
+    record_property("cross_federation", {"attempts": attempts, "accepted": accepted})
+    assert attempts == {"publish": 24, "subscribe": 24}
+    assert accepted == {"publish": 0, "subscribe": 0}

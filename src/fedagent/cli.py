@@ -365,14 +365,26 @@ def ca_init(federation: str, directory: Path) -> None:
     help="the CA directory",
 )
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="where to write (default: DIR)")
-@click.option("--san", "sans", multiple=True, help="broker DNS name or IP (repeatable)")
+@click.option(
+    "--san",
+    "sans",
+    multiple=True,
+    help="broker: a DNS name or IP it is reached by, in addition to localhost and 127.0.0.1 (repeatable)",
+)
+@click.option(
+    "--federation",
+    default=None,
+    help="agent/coordinator: the federation the certificate is for (default: the CA's own)",
+)
 @click.option("--days", default=825, show_default=True)
-def ca_issue(name: str, role: str, directory: Path, out: Path | None, sans: tuple[str, ...], days: int) -> None:
-    """Issue a certificate for NAME (its MQTT identity)."""
+def ca_issue(
+    name: str, role: str, directory: Path, out: Path | None, sans: tuple[str, ...], federation: str | None, days: int
+) -> None:
+    """Issue a certificate for NAME (its MQTT identity and client id)."""
     from fedagent import pki
 
     try:
-        cert, key = pki.issue(directory, out or directory, name, role, sans=sans, days=days)
+        cert, key = pki.issue(directory, out or directory, name, role, sans=sans, federation=federation, days=days)
     except FedagentError as exc:
         _fail(exc)
     click.echo(f"issued {cert} and {key}")
