@@ -610,7 +610,8 @@ def write_site_config(
     ``ca_dir`` (``fedagent ca issue NAME --role broker --san HOST``). Returns the
     config path; run it with ``mosquitto -c PATH``.
 
-    A central broker lists the bridge identities of its sites in ``trusted_bridges``;
+    A central broker lists the bridge identities of its sites in ``trusted_bridges``
+    (they may relay nodes' traffic up and read ``global/``, not write it);
     a site broker names the central one in ``bridge_to`` (``HOST:PORT``) and its own
     bridge identity in ``bridge_name`` (certificate ``<bridge_name>.crt`` in ca_dir).
     """
@@ -669,12 +670,17 @@ def write_site_config(
 def render_bridge(
     *, name: str, remote_host: str, remote_port: int, federations: Sequence[str], ca: Path, cert: Path, key: Path
 ) -> str:
-    """Config lines that bridge a site broker to a central one, both ways, QoS 1.
+    """Config lines that bridge a site broker to a central one, QoS 1.
 
-    The bridge logs in to the central broker with its own certificate (``name`` = its
-    CN), which the central ACL must trust like a coordinator (``render_acl(...,
-    coordinators=[..., name])``): it relays every node's traffic of the federation.
-    The session is persistent (``cleansession false``) so QoS 1 messages queued while
+    Each direction carries only what it should: up (``out``) the nodes' subtrees of
+    each federation (the site's agents' updates, presence and Last Wills), down
+    (``in``) only ``global/`` (the coordinator's round starts, models and results).
+    Whatever else the hub has (another site's traffic, anything a compromised hub
+    publishes under a node's subtree) never reaches the site, where messages arriving
+    over a bridge bypass the site's ACL. The bridge logs in to the central broker with
+    its own certificate (``name`` = its CN), which the central ACL lists as a bridge
+    (``render_acl(..., bridges=[name])``): it may write nodes' subtrees and read
+    ``global/`` there, and may not broadcast. The session is persistent (``cleansession false``) so QoS 1 messages queued while
     the site link is down are delivered when it comes back; ``try_private`` lets two
     Mosquittos recognise each other's bridge and avoid loops.
     """
@@ -697,5 +703,6 @@ def render_bridge(
         f"bridge_keyfile {_conf_path(key, 'key')}",
         "bridge_insecure false",
     ]
-    lines += [f"topic {PREFIX}/{check_name(f, 'federation')}/# both 1" for f in _unique(federations, "federation")]
+    for fed in _unique(federations, "federation"):
+        lines += [f"topic {PREFIX}/{fed}/node/# out 1", f"topic {PREFIX}/{fed}/global/# in 1"]
     return "\n".join(lines) + "\n"

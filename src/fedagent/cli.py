@@ -408,7 +408,7 @@ def ca_issue(
     "--trust-bridge",
     "trusted_bridges",
     multiple=True,
-    help="central broker: a site bridge identity allowed to relay the federation (repeatable)",
+    help="central broker: a site bridge identity, allowed to relay nodes' traffic up and read global/ (repeatable)",
 )
 @click.option("--bridge-to", default=None, help="site broker: HOST:PORT of the central broker to bridge to")
 @click.option("--bridge-name", default=None, help="site broker: the bridge's certificate name (CN)")
