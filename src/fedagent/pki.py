@@ -304,10 +304,10 @@ def issue(
     already registered for another federation is refused, since the name is the
     node's client id on the broker. A broker gets serverAuth and clientAuth and SANs:
     ``localhost`` and ``127.0.0.1`` plus ``sans`` (each an IP address if it parses as
-    one, else a DNS name), or only ``sans`` with ``default_sans=False``. ``not_before``/``not_after`` override the
-    validity window (tests use them to make an expired certificate). An existing
-    certificate of the same name is replaced (re-issuing is how an expired one is
-    renewed).
+    one, else a DNS name), or only ``sans`` with ``default_sans=False``.
+    ``not_before``/``not_after`` override the validity window (tests use them to make
+    an expired certificate). An existing certificate of the same name is replaced
+    (re-issuing is how an expired one is renewed).
     """
     check_name(name, "node id")
     if role not in ROLES:
