@@ -255,3 +255,20 @@ def test_fixture_identities(pki):
         assert pk.role_of(tls.cert) == role
         pki_check(tls)
     assert pk.common_name(pki.tls("agent-a", foreign=True).cert) == "agent-a"
+
+
+def test_join_refuses_a_federation_the_certificate_is_not_for(ca_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from fedagent import config
+    from fedagent.cli import main
+
+    cert, key = pk.issue(ca_dir, tmp_path, "agent-a", "agent")
+    cfg = tmp_path / "agent.toml"
+    tls = config.TlsConfig(ca_dir / pk.CA_CERT, cert, key)
+    cfg.write_text(config.render(node_id="agent-a", federation="", tls=tls, state_dir=tmp_path / "state"))
+    result = CliRunner().invoke(main, ["join", "fed-2", "--broker", "mqtts://127.0.0.1:1", "--config", str(cfg)])
+    assert result.exit_code != 0
+    assert "makes agent-a a member of federation fed-1, not fed-2" in result.output
+    assert "--federation fed-2" in result.output
+    assert config.load(cfg, "agent").federation == ""  # nothing recorded

@@ -251,7 +251,7 @@ def leave(config_path: Path) -> None:
 @click.option("--timeout", default=10.0, show_default=True, help="seconds to look for the federation")
 def join(federation: str, broker: str, config_path: Path, interfaces: tuple[str, ...], timeout: float) -> None:
     """Join FEDERATION: find its broker, record it, and tell the running agent."""
-    from fedagent import config
+    from fedagent import config, pki
     from fedagent.node.control import request
     from fedagent.node.discovery import Discovery
     from fedagent.protocols.topics import check_name
@@ -259,6 +259,7 @@ def join(federation: str, broker: str, config_path: Path, interfaces: tuple[str,
     try:
         check_name(federation, "federation")
         cfg = config.load(config_path, "agent")
+        pki.check_member_of(cfg.tls.cert, cfg.tls.ca, federation)
         if broker and not broker.startswith("mqtts://"):
             raise ConfigError(f"--broker must look like mqtts://HOST:PORT, not {broker!r}")
         chosen = config.check_interfaces(list(interfaces), "--interface") if interfaces else None

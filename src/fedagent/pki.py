@@ -223,6 +223,19 @@ def federation_of(cert_path: Path, ca_path: Path | None = None) -> str:
     return ca_federation(ca_path) if ca_path is not None else ""
 
 
+def check_member_of(cert_path: Path, ca_path: Path, federation: str) -> None:
+    """ConfigError unless the certificate is a member certificate of ``federation``."""
+    fed = federation_of(cert_path, ca_path)
+    if fed != federation:
+        name = common_name(cert_path) or Path(cert_path).stem
+        raise ConfigError(
+            f"certificate {cert_path} makes {name} a member of federation {fed}, not {federation}: the "
+            f"broker and the other members would refuse it there; get one for {federation} "
+            f"(`fedagent ca issue {name} --role {role_of(cert_path) or 'agent'} --federation {federation}` "
+            "with the CA that serves it)"
+        )
+
+
 def members(ca_dir: Path) -> dict[str, tuple[str, str]]:
     """``{name: (role, federation)}`` of every agent and coordinator certificate the CA
     in ``ca_dir`` issued (its register; the newest entry of a name wins). Empty for a CA
