@@ -124,7 +124,9 @@ def test_chunks_are_published_with_a_bounded_window_and_reassemble(pki):
     _chunked_update(m)
     assert len(t.frames) > 25
     assert t.peak == 5
-    r = Messenger(federation="testfed", node_id="coord", transport=None, max_chunk_bytes=4096, identity=ident(pki, "coord"))
+    r = Messenger(
+        federation="testfed", node_id="coord", transport=None, max_chunk_bytes=4096, identity=ident(pki, "coord")
+    )
     got = []
 
     async def deliver(inc):
