@@ -1,5 +1,9 @@
 """Issue 17.1 over a running federation: a member's certificate cannot take over the
-coordinator's or another agent's MQTT connection, whatever client id it asks for."""
+coordinator's or another agent's MQTT connection, whatever client id it asks for.
+
+The attacker holds a member certificate that no running daemon uses (agent-3): every
+login is one as agent-3, so the only connection it could replace is its own, and the
+rounds measured are those of the coordinator, agent-1 and agent-2."""
 
 from __future__ import annotations
 

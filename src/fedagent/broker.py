@@ -4,13 +4,18 @@ fedagent starts and owns.
 The security model lives in two places that must agree:
 
 * TLS: the listener requires a client certificate signed by the federation CA and
-  takes the certificate's CN as the MQTT username (``use_identity_as_username``).
-  There are no passwords and no anonymous clients.
+  takes the certificate's CN as the MQTT username (``use_identity_as_username``) and
+  as the client id (``use_username_as_clientid``), so no certificate can log in
+  under another node's id and take over its connection or session. There are no
+  passwords and no anonymous clients.
 * The ACL (:func:`render_acl`) implements the topic layout of
-  :mod:`fedagent.protocols.topics` with ``pattern`` rules, where ``%u`` is that CN:
-  a node writes only under its own ``node/<id>/`` subtree and reads presence, what
-  is addressed to it, and the coordinators' ``global/`` broadcasts. Only
-  coordinator identities get a ``user`` block that may write ``global/``.
+  :mod:`fedagent.protocols.topics`: a node writes only under its own ``node/<id>/``
+  subtree and reads presence, what is addressed to it, and the coordinators'
+  ``global/`` broadcasts, in its own federation. With one federation whose CA issued
+  for no other, ``pattern`` rules (``%u`` = the CN) say that for every certificate;
+  otherwise every identity in the CA's register gets rules of its own
+  (:func:`acl_members`). Only coordinator identities may write ``global/``; bridges
+  relay nodes' traffic up and read ``global/``.
 """
 
 from __future__ import annotations
