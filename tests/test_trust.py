@@ -82,6 +82,7 @@ def test_two_federations_on_one_broker_are_isolated(tmp_path, arun, peer, record
     fed_of = {name: fed for fed, pair in names.items() for name in pair}
     b = EmbeddedBroker(tmp_path / "broker", federations=list(names), coordinators=["coord-a", "coord-b"], ca_dir=ca)
     b.start()
+    assert "\npattern " not in b.acl_path.read_text()  # rules per identity, from the register
     attempts = {"publish": 0, "subscribe": 0}
     accepted = {"publish": 0, "subscribe": 0}
 

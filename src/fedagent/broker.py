@@ -143,7 +143,11 @@ def render_acl(
     else:
         for coord in coords:
             if coord not in members:
-                raise ConfigError(f"coordinator {coord} is not in the CA's register; issue its certificate first")
+                raise ConfigError(
+                    f"coordinator {coord} is not in the CA's register ({pki.REGISTER}): issue its certificate "
+                    f"with `fedagent ca issue {coord} --role coordinator` (certificates issued before the "
+                    "register existed need issuing again for a broker of several federations)"
+                )
             if members[coord][1] not in feds:
                 raise ConfigError(
                     f"coordinator {coord} belongs to federation {members[coord][1]}, "
