@@ -40,7 +40,9 @@ LAB_IDS = {
     "agent-2": "agent",
     "agent-3": "agent",
 }
-OTHER_IDS = {"other-coord": "coordinator", "other-agent": "agent"}
+# other-agent publishes, other-spy subscribes: one identity is one connection, so a
+# publisher with the subscriber's certificate would disconnect it.
+OTHER_IDS = {"other-coord": "coordinator", "other-agent": "agent", "other-spy": "agent"}
 TRIES = 3
 
 
@@ -169,7 +171,7 @@ def test_outside_attacks_are_all_refused(lab, tmp_path):
             b.count("client-id takeover", taken)
 
     # -- a member of another federation on the same broker ------------------------------
-    spy, spy_out = b.sub("other-agent", "#", f"{root}/#", topics.all_broadcasts(LAB), topics.inbox(LAB, "other-agent"))
+    spy, spy_out = b.sub("other-spy", "#", f"{root}/#", topics.all_broadcasts(LAB), topics.inbox(LAB, "other-spy"))
     for topic in (
         topics.presence(LAB, "other-agent"),
         topics.direct(LAB, "other-agent", "coordinator", "update"),
@@ -209,7 +211,7 @@ def test_outside_attacks_are_all_refused(lab, tmp_path):
     wait_output(spy_out, "other-model")
     assert b.pub("ops", topics.direct(LAB, "ops", "agent-2", "model"), "secret-for-agent-2")
     assert b.pub("ops", topics.broadcast(LAB, "round_result"), "lab-result")
-    b.pub("ops", topics.direct(LAB, "ops", "other-agent", "marker"), "marker")
+    b.pub("ops", topics.direct(LAB, "ops", "other-spy", "marker"), "marker")
     b.pub("ops", topics.direct(LAB, "ops", "agent-3", "marker"), "marker")
     b.pub("ops", topics.direct(LAB, "ops", "coordinator", "marker"), "marker")
     b.pub("agent-1", topics.direct(LAB, "agent-1", "coordinator", "marker"), "marker")
