@@ -144,3 +144,34 @@ def test_two_federations_on_one_broker_are_isolated(tmp_path, arun, peer, record
     record_property("cross_federation", {"attempts": attempts, "accepted": accepted})
     assert attempts == {"publish": 24, "subscribe": 24}
     assert accepted == {"publish": 0, "subscribe": 0}
+
+
+def test_a_certificate_issued_later_needs_the_acl_written_again(tmp_path, arun, peer):
+    """On a broker of several federations the ACL lists every identity: one issued after
+    it was written can do nothing until the ACL is written again and reloaded."""
+    ca = tmp_path / "ca"
+    pki.create_ca(ca, "fed-a")
+    pki.issue(ca, ca, "coord-a", "coordinator")
+    pki.issue(ca, ca, "coord-b", "coordinator", federation="fed-b")
+    b = EmbeddedBroker(
+        tmp_path / "broker", federations=["fed-a", "fed-b"], coordinators=["coord-a", "coord-b"], ca_dir=ca
+    )
+    b.start()
+    cert, key = pki.issue(ca, ca, "late", "agent", federation="fed-b")
+    tls = tr.TlsFiles(ca / pki.CA_CERT, cert, key)
+
+    async def publish() -> bool:
+        async with peer(b, "late", tls=tls) as p:
+            try:
+                await p.transport.publish(topics.presence("fed-b", "late"), b"here")
+                return True
+            except NotAuthorized:
+                return False
+
+    try:
+        assert arun(publish()) is False
+        b.reload_acl()
+        assert "user late" in b.acl_path.read_text()
+        assert arun(publish()) is True
+    finally:
+        b.stop()
