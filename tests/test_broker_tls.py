@@ -64,10 +64,13 @@ def test_acl_implements_the_topic_layout():
         "topic readwrite fedagent/v1/fed-1/#",
         "user coord-2",
         "topic readwrite fedagent/v1/fed-1/#",
-        # A bridge relays nodes' traffic up and broadcasts down; it cannot broadcast.
+        # A bridge relays nodes' traffic up and the coordinators' messages down; it
+        # cannot broadcast.
         "user bridge-s1",
         "topic write fedagent/v1/fed-1/node/#",
         "topic read fedagent/v1/fed-1/global/#",
+        "topic read fedagent/v1/fed-1/node/coord/to/#",
+        "topic read fedagent/v1/fed-1/node/coord-2/to/#",
     ]
     # A `topic` line before the first `user` line would apply to anonymous clients only.
     first_user = next(i for i, r in enumerate(rules) if r.startswith("user "))

@@ -1,8 +1,8 @@
 """Two sites, one federation: each site runs its own Mosquitto bridged to a central
 one; agents talk only to their site broker; the coordinator sits at the hub. Built
 from network namespaces joined by veth pairs to a bridge (RELIABILITY/NETWORK-FACTS).
-The bridges carry agents' traffic up and only ``global/`` down, and a bridge identity
-cannot broadcast at the hub."""
+The bridges carry agents' traffic up and only ``global/`` and the coordinator's own
+messages down, and a bridge identity cannot broadcast at the hub."""
 
 from __future__ import annotations
 
@@ -82,6 +82,7 @@ def test_two_bridged_sites_train_one_federation(sites, tmp_path):
                 ca=ca / "ca.crt",
                 cert=ca / f"bridge-{site}.crt",
                 key=ca / f"bridge-{site}.key",
+                coordinators=["coordinator"],
             )
         (d / "mosquitto.conf").write_text(conf)
         sites.spawn(f"{site}-broker", site, [broker.find_mosquitto(), "-c", str(d / "mosquitto.conf")])
@@ -137,8 +138,9 @@ def test_two_bridged_sites_train_one_federation(sites, tmp_path):
     # Agents reached the coordinator only through their own site's broker and the bridge.
     a3 = status(tmp_path / "run" / "agent-3" / "agent.sock")
     assert a3["broker"] == f"mqtts://{sites.ip['s2']}:{PORT}" and a3["coordinator"] == "coordinator"
-    # Only global/ comes down a bridge: agent-3 knows its coordinator from the broadcasts,
-    # and no presence of the hub or the other site reaches it over MQTT (mDNS may list them).
+    # Only global/ and the coordinator's messages come down a bridge: agent-3 knows its
+    # coordinator from the broadcasts, and no presence of the hub or the other site
+    # reaches it over MQTT (mDNS may list them).
     assert a3["peers"].get("agent-2", {}).get("online") is None
     assert a3["peers"].get("coordinator", {}).get("online") is None
 
@@ -154,12 +156,14 @@ def test_two_bridged_sites_train_one_federation(sites, tmp_path):
     # A bridge identity at the hub (bridge-s1's certificate, from site s1) cannot broadcast.
     forged = sites.run("s1", *mqtt("hub", "bridge-s1", "pub", "-t", f"{root}/global/model", "-m", "forged", "-q", "1"))
     assert "Not authorized" in forged.stderr
-    # What the hub has under nodes' subtrees does not come down to a site.
+    # What the hub has under other nodes' subtrees does not come down to a site; what
+    # the coordinator addresses to a node there does.
     watch = sites.spawn("watch-s2", "s2", mqtt("s2", "watch-s2", "sub", "-t", f"{root}/#", "-v", "-W", "60"))
     wait_for(lambda: "as watch-s2 " in (tmp_path / "s2-broker" / "mosquitto.log").read_text(), 20, "the watcher", sites)
     for topic, payload in (
         (f"{root}/node/agent-1/to/watch-s2/update", "forged-inbox"),
         (f"{root}/node/ghost/presence", "forged-presence"),
+        (f"{root}/node/coordinator/to/watch-s2/model", "from-the-coordinator"),
         (f"{root}/global/marker", "marker"),
     ):
         sites.run("hub", *mqtt("hub", "hub-op", "pub", "-t", topic, "-m", payload, "-q", "1"))
@@ -167,3 +171,4 @@ def test_two_bridged_sites_train_one_federation(sites, tmp_path):
     watch.terminate()
     sites.forget("watch-s2")
     assert "forged" not in seen
+    assert f"{root}/node/coordinator/to/watch-s2/model from-the-coordinator" in seen

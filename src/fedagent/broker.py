@@ -15,7 +15,7 @@ The security model lives in two places that must agree:
   for no other, ``pattern`` rules (``%u`` = the CN) say that for every certificate;
   otherwise every identity in the CA's register gets rules of its own
   (:func:`acl_members`). Only coordinator identities may write ``global/``; bridges
-  relay nodes' traffic up and read ``global/``.
+  relay nodes' traffic up and carry only the coordinators' messages down.
 """
 
 from __future__ import annotations
@@ -105,9 +105,10 @@ def render_acl(
     identity to ``(role, federation)`` and every identity gets its own rules, in its own
     federation only; a certificate missing from it can do nothing. Coordinators may
     write ``global/`` of their federation. A bridge (a site broker's identity at the
-    hub) may write nodes' subtrees and read ``global/`` of every federation served,
-    and nothing else: it relays agents' traffic up and the coordinator's broadcasts
-    down, and cannot broadcast.
+    hub) may write nodes' subtrees and read ``global/`` and what coordinators address
+    to nodes, in every federation served, and nothing else: it relays agents' traffic
+    up and the coordinators' messages down (:func:`render_bridge`), and cannot
+    broadcast.
     """
     feds = _unique(federations, "federation")
     coords = _unique(coordinators, "coordinator id")
@@ -173,6 +174,7 @@ def render_acl(
         lines.append(f"user {bridge}")
         for fed in feds:
             lines += [f"topic write {PREFIX}/{fed}/node/#", f"topic read {PREFIX}/{fed}/global/#"]
+            lines += [f"topic read {PREFIX}/{fed}/node/{c}/to/#" for c in coords]
         lines.append("")
     return "\n".join(lines)
 
@@ -620,7 +622,8 @@ def write_site_config(
     config path; run it with ``mosquitto -c PATH``.
 
     A central broker lists the bridge identities of its sites in ``trusted_bridges``
-    (they may relay nodes' traffic up and read ``global/``, not write it);
+    (they may relay nodes' traffic up and read the coordinators' messages, not
+    broadcast);
     a site broker names the central one in ``bridge_to`` (``HOST:PORT``) and its own
     bridge identity in ``bridge_name`` (certificate ``<bridge_name>.crt`` in ca_dir).
     """
@@ -671,27 +674,38 @@ def write_site_config(
                     ca=ca.resolve(),
                     cert=bcert.resolve(),
                     key=bkey.resolve(),
+                    coordinators=coordinators,
                 )
             )
     return conf
 
 
 def render_bridge(
-    *, name: str, remote_host: str, remote_port: int, federations: Sequence[str], ca: Path, cert: Path, key: Path
+    *,
+    name: str,
+    remote_host: str,
+    remote_port: int,
+    federations: Sequence[str],
+    ca: Path,
+    cert: Path,
+    key: Path,
+    coordinators: Sequence[str] = (),
 ) -> str:
     """Config lines that bridge a site broker to a central one, QoS 1.
 
     Each direction carries only what it should: up (``out``) the nodes' subtrees of
     each federation (the site's agents' updates, presence and Last Wills), down
-    (``in``) only ``global/`` (the coordinator's round starts, models and results).
-    Whatever else the hub has (another site's traffic, anything a compromised hub
-    publishes under a node's subtree) never reaches the site, where messages arriving
-    over a bridge bypass the site's ACL. The bridge logs in to the central broker with
-    its own certificate (``name`` = its CN), which the central ACL lists as a bridge
-    (``render_acl(..., bridges=[name])``): it may write nodes' subtrees and read
-    ``global/`` there, and may not broadcast. The session is persistent (``cleansession false``) so QoS 1 messages queued while
-    the site link is down are delivered when it comes back; ``try_private`` lets two
-    Mosquittos recognise each other's bridge and avoid loops.
+    (``in``) only ``global/`` (the coordinators' round starts, models and results) and
+    what the ``coordinators`` address to a node (``node/<coordinator>/to/…``: the
+    current model for an agent that asks for it). Whatever else the hub has (another
+    site's traffic, anything a compromised hub publishes under another node's
+    subtree) never reaches the site, where messages arriving over a bridge bypass the
+    site's ACL. The bridge logs in to the central broker with its own certificate
+    (``name`` = its CN), which the central ACL lists as a bridge (``render_acl(...,
+    bridges=[name])``): it may write nodes' subtrees and read what it carries down,
+    and may not broadcast. The session is persistent (``cleansession false``) so QoS 1
+    messages queued while the site link is down are delivered when it comes back;
+    ``try_private`` lets two Mosquittos recognise each other's bridge and avoid loops.
     """
     check_name(name, "bridge name")
     lines = [
@@ -712,6 +726,8 @@ def render_bridge(
         f"bridge_keyfile {_conf_path(key, 'key')}",
         "bridge_insecure false",
     ]
+    coords = _unique(coordinators, "coordinator id")
     for fed in _unique(federations, "federation"):
         lines += [f"topic {PREFIX}/{fed}/node/# out 1", f"topic {PREFIX}/{fed}/global/# in 1"]
+        lines += [f"topic {PREFIX}/{fed}/node/{c}/to/# in 1" for c in coords]
     return "\n".join(lines) + "\n"
