@@ -409,7 +409,7 @@ def ca_issue(
     "--trust-bridge",
     "trusted_bridges",
     multiple=True,
-    help="central broker: a site bridge identity, allowed to relay nodes' traffic up and read global/ (repeatable)",
+    help="central broker: a site bridge identity, which relays nodes' traffic up and the coordinators' messages down (repeatable)",
 )
 @click.option("--bridge-to", default=None, help="site broker: HOST:PORT of the central broker to bridge to")
 @click.option("--bridge-name", default=None, help="site broker: the bridge's certificate name (CN)")
