@@ -49,7 +49,6 @@ async def main(args: argparse.Namespace) -> None:
     identity = Identity.load(tls.cert, tls.key, tls.ca)
     transport = Transport(
         uri=args.uri,
-        client_id=f"bench-{me}",
         tls=tls,
         will=(topics.presence(fed, me), presence(fed, identity, False)),
         subscriptions=[topics.broadcast(fed, "round_start")],

@@ -40,7 +40,6 @@ class _Peer:
         self.weights = weights
         self.transport = Transport(
             uri=bb.uri,
-            client_id=f"g-{name}",
             tls=tls,
             keepalive=KEEPALIVE,
             subscriptions=[topics.inbox(FEDERATION, name)],
@@ -117,11 +116,18 @@ def _c_exchange(cc: CClients, payload: Path) -> float:
     import subprocess
 
     x, y = C_PAIR
-    subs = cc._subs([y], topics.inbox(FEDERATION, y), 2) + cc._subs([x], topics.inbox(FEDERATION, x), 2)
+    subs = cc._subs([y], topics.inbox(FEDERATION, cc.c(y)), 2) + cc._subs([x], topics.inbox(FEDERATION, cc.c(x)), 2)
     t0 = time.perf_counter()
     pubs = [
         subprocess.Popen(
-            ["mosquitto_pub", *cc._common(s), "-t", topics.direct(FEDERATION, s, d, "gossip"), "-f", str(payload)]
+            [
+                "mosquitto_pub",
+                *cc._common(s, tx=True),
+                "-t",
+                topics.direct(FEDERATION, cc.c(s, tx=True), cc.c(d), "gossip"),
+                "-f",
+                str(payload),
+            ]
         )
         for s, d in ((x, y), (y, x))
     ]

@@ -31,13 +31,12 @@ async def pipe(bb: BenchBroker, params: int, times: int, chunk: int, window: int
     got: asyncio.Queue[Update] = asyncio.Queue()
     rx = Transport(
         uri=bb.uri,
-        client_id="pipe-rx",
         tls=bb.tls(COORDINATOR),
         keepalive=30,
         subscriptions=[topics.inbox(FEDERATION, COORDINATOR)],
         session_expiry=0,
     )
-    tx = Transport(uri=bb.uri, client_id="pipe-tx", tls=bb.tls("agent-1"), keepalive=30, session_expiry=0)
+    tx = Transport(uri=bb.uri, tls=bb.tls("agent-1"), keepalive=30, session_expiry=0)
     extra = {} if window is None else {"publish_window": window}
     rt, tt = bb.tls(COORDINATOR), bb.tls("agent-1")
     mrx = Messenger(

@@ -6,7 +6,8 @@ model; ten agent processes (``bench/fed_agent.py``) each answer with an Update o
 same size; the coordinator validates each update and folds it into the running
 FedAvg mean as it arrives. The round ends when the mean is computed.
 
-The C clients' round, through the same broker with the same certificates and topics:
+The C clients' round, through the same broker, each client with a certificate of its own
+(``c-<name>``: one identity, one connection) and the same kind of topics:
 fan-out (one ``mosquitto_pub`` of the encoded RoundStart, ten ``mosquitto_sub`` that
 are already subscribed) followed by fan-in (ten ``mosquitto_pub`` of the encoded
 Update at once, one ``mosquitto_sub``), QoS 1, each model as one MQTT message. It
@@ -30,6 +31,7 @@ import numpy as np
 
 from bench.env import COORDINATOR, FEDERATION, BenchBroker, bench_broker, mb, model_sizes, model_weights
 from bench.registry import Context, Row, section, summary
+from fedagent import pki
 from fedagent.node.messaging import Incoming, Messenger
 from fedagent.node.transport import Transport
 from fedagent.protocols import topics
@@ -76,6 +78,11 @@ def children_cpu() -> float:
 
 
 class CClients:
+    """The C clients, each under an identity of its own (``c-<name>``, certificate and
+    ACL entry made here): the broker takes the client id from the certificate, so a C
+    client holding a fedagent process's certificate would log in as that process and
+    disconnect it."""
+
     def __init__(self, bb: BenchBroker, work: Path) -> None:
         for tool in ("mosquitto_pub", "mosquitto_sub"):
             if shutil.which(tool) is None:
@@ -83,12 +90,21 @@ class CClients:
         self.bb = bb
         self.work = work
         self.port = str(bb.broker.port)
-        self._ids = 0
+        for name, tx in [(COORDINATOR, False), *((a, tx) for a in bb.agent_ids for tx in (False, True))]:
+            if not (bb.certs / f"{self.c(name, tx)}.crt").exists():
+                pki.issue(bb.ca_dir, bb.certs, self.c(name, tx), "coordinator" if name == COORDINATOR else "agent")
+        if self.c(COORDINATOR) not in bb.broker.coordinators:
+            bb.broker.reload_acl(coordinators=[*bb.broker.coordinators, self.c(COORDINATOR)])
         self._pub(COORDINATOR, READY_TOPIC, ["-m", "ready", "-r"])
 
-    def _common(self, name: str) -> list[str]:
-        tls = self.bb.tls(name)
-        self._ids += 1
+    @staticmethod
+    def c(name: str, tx: bool = False) -> str:
+        """The C clients' identity standing in for ``name`` (``tx``: a second one, for a
+        publisher running while ``name``'s subscriber is connected)."""
+        return f"c-{name}-tx" if tx else f"c-{name}"
+
+    def _common(self, name: str, tx: bool = False) -> list[str]:
+        tls = self.bb.tls(self.c(name, tx))
         return [
             "-h",
             "127.0.0.1",
@@ -104,8 +120,6 @@ class CClients:
             str(tls.cert),
             "--key",
             str(tls.key),
-            "-i",
-            f"c-{name}-{os.getpid()}-{self._ids}",
         ]
 
     def _pub(self, name: str, topic: str, what: list[str]) -> None:
@@ -168,7 +182,7 @@ class CClients:
                     "mosquitto_pub",
                     *self._common(a),
                     "-t",
-                    topics.direct(FEDERATION, a, C_RECEIVER, "update"),
+                    topics.direct(FEDERATION, self.c(a), C_RECEIVER, "update"),
                     "-f",
                     str(up),
                 ]
@@ -199,7 +213,6 @@ class FedRounds:
         self.procs: list[subprocess.Popen] = []
         self.transport = Transport(
             uri=bb.uri,
-            client_id="bench-coord",
             tls=bb.tls(COORDINATOR),
             subscriptions=[topics.inbox(FEDERATION, COORDINATOR), topics.all_presence(FEDERATION)],
             session_expiry=0,

@@ -119,13 +119,10 @@ async def over_broker(model, d: Path, a: Identity, c: Identity) -> float | None:
 
         tc = Transport(
             uri=broker.uri,
-            client_id="coord-bench",
             tls=TlsFiles(d / pki.CA_CERT, d / "coord.crt", d / "coord.key"),
             subscriptions=[topics.inbox(FED, "coord")],
         )
-        ta = Transport(
-            uri=broker.uri, client_id="agent-bench", tls=TlsFiles(d / pki.CA_CERT, d / "agent-1.crt", d / "agent-1.key")
-        )
+        ta = Transport(uri=broker.uri, tls=TlsFiles(d / pki.CA_CERT, d / "agent-1.crt", d / "agent-1.key"))
         rc, ra = asyncio.Event(), asyncio.Event()
         tasks = [asyncio.create_task(tc.run(handler, rc)), asyncio.create_task(ta.run(lambda t, p: None, ra))]
         await rc.wait()

@@ -20,8 +20,10 @@
     ``broker.tls(name)`` (same as ``pki.tls``), ``broker.pki``, and everything of
     EmbeddedBroker (``log_path``, ``reload_acl()``, ...). Tests that restart or kill
     a broker should use ``broker_factory`` so they don't disturb the shared one.
-    Persistent sessions live as long as the broker: give every Transport a fresh
-    client id (``unique_id("agent-a")``) unless a test is about session resumption.
+    The broker takes the client id from the certificate's CN, so a session belongs to
+    an identity: ``peer`` connects with Session Expiry 0 by default (nothing a test
+    leaves behind reaches the next one); a test about session resumption connects as a
+    fresh identity of its own (``peer(..., client_id=unique_id("agent-b"))``).
 
 ``broker_factory`` (function)
     ``broker_factory(federations=("testfed",), coordinators=("coord",), **kw)`` starts a
@@ -37,13 +39,15 @@
     until the block ends (then closes it cleanly) and collects what it receives:
     ``await p.get(timeout)`` → ``(topic, payload)``, ``await p.until(pred)`` returns
     the messages received until one matches, ``p.transport.publish(...)``. Keyword
-    arguments go to Transport (``will``, ``on_connect``, ``keepalive``); ``client_id``
-    (default: a fresh one), ``tls`` (default: the identity's), ``handler`` (instead of
+    arguments go to Transport (``will``, ``on_connect``, ``keepalive``,
+    ``session_expiry``, default 0); ``client_id`` (default: NAME; another id is a fresh
+    identity with NAME's role, issued on first use, whose session the test owns), ``tls``
+    (default: the identity's), ``handler`` (instead of
     collecting), ``final`` (published by the clean close at the end), ``wait=False``
     (don't wait for the first connection).
 
 ``unique_id(prefix)`` (plain function: ``from conftest import unique_id``)
-    A client id no other test uses.
+    A node id (and so a client id) no other test uses.
 
 Every process a fixture starts is stopped in its finalizer, also when a test fails.
 
@@ -266,13 +270,14 @@ def peer():
         wait: bool = True,
         **kw,
     ) -> AsyncIterator[Peer]:
-        t = Transport(
-            uri=broker.uri,
-            client_id=client_id or unique_id(name),
-            tls=tls or broker.pki.tls(name),
-            subscriptions=subscriptions,
-            **kw,
-        )
+        if tls is None:
+            if client_id is not None and client_id != name:
+                tls = broker.pki.issue(client_id, pki_mod.role_of(broker.pki.tls(name).cert))
+            else:
+                tls = broker.pki.tls(name)
+        if client_id is None:
+            kw.setdefault("session_expiry", 0)
+        t = Transport(uri=broker.uri, tls=tls, subscriptions=subscriptions, **kw)
         p = Peer(t)
         p.task = asyncio.create_task(t.run(handler or p._handle, p.ready))
         try:

@@ -1,7 +1,7 @@
 """A real agent-side process for tests that kill or stop one.
 
 Usage: ``python tests/mqtt_child.py '<json>'`` with keys uri, ca, cert, key,
-client_id, presence (topic), online, will, final (payloads as text), keepalive.
+presence (topic), online, will, final (payloads as text), keepalive.
 Connects with a Last Will (``will``, retained) and publishes ``online`` retained on
 every connect, then prints ``READY`` on stdout. A line ``close`` on stdin makes it
 stop cleanly (publishing ``final`` itself) and exit 0; otherwise it runs until killed.
@@ -29,7 +29,6 @@ async def main(cfg: dict) -> int:
 
     transport = Transport(
         uri=cfg["uri"],
-        client_id=cfg["client_id"],
         tls=TlsFiles(Path(cfg["ca"]), Path(cfg["cert"]), Path(cfg["key"])),
         will=(topic, cfg["will"].encode()),
         on_connect=on_connect,

@@ -20,6 +20,12 @@
     daemon that exits meanwhile fails the wait at once, with its last log lines. Async
     tests wait with ``await asyncio.to_thread(wait_for, ...)``.
 
+``observer(fed, name)``
+    TlsFiles for a second coordinator-level identity ``name`` (a certificate of its own,
+    added to the broker's ACL): a test's tap that reads every topic of the federation.
+    The broker takes the client id from the certificate, so a tap holding the
+    coordinator's own certificate would log in as the coordinator and disconnect it.
+
 ``coordinator_in(fed, *phases)`` / ``agents_in(fed, key, *values)``
     The coordinator's status if its ``phase`` is one of ``phases``; every agent's status
     if each one's ``key`` (``"phase"``, ``"round_state"``) is one of ``values``; None
@@ -34,7 +40,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from fedagent import pki
 from fedagent.localfed import Federation
+from fedagent.node.transport import TlsFiles
 
 T = TypeVar("T")
 
@@ -69,6 +77,14 @@ def running(
         yield fed
     finally:
         fed.close()
+
+
+def observer(fed: Federation, name: str) -> TlsFiles:
+    ca_dir = fed.work / "pki"
+    cert, key = pki.issue(ca_dir, ca_dir, name, "coordinator")
+    assert fed.broker is not None
+    fed.broker.reload_acl(coordinators=[*fed.broker.coordinators, name])
+    return TlsFiles(ca_dir / pki.CA_CERT, cert, key)
 
 
 def coordinator_in(fed: Federation, *phases: str) -> dict[str, Any] | None:

@@ -3,8 +3,8 @@
 The ``round`` section was broken for days once (its Messenger needed a signing identity)
 and nothing noticed: a benchmark only runs when someone measures. Here each section's
 own measuring function runs at a tiny size — the broker sections against the suite's
-real Mosquitto with mutual TLS (``broker_factory``, federation ``bench``, identities from
-the session PKI) — and its rows must be well formed: a subject, a baseline, finite
+real Mosquitto with mutual TLS (a private one for federation ``bench``, with that
+federation's CA) — and its rows must be well formed: a subject, a baseline, finite
 values, positive wall times, the ratio being value / baseline.
 
 What is not run here, and why:
@@ -29,34 +29,41 @@ import pytest
 
 from bench.env import COORDINATOR, FEDERATION, BenchBroker
 from bench.registry import Context, Row
+from fedagent import pki
+from fedagent.broker import EmbeddedBroker
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = 4096  # parameters: 16 KB of float32 in 16 tensors
 
 
 @pytest.fixture
-def bench_ctx(tmp_path, pki, broker_factory):
-    """A Context whose broker sections run on a fixture broker for federation ``bench``."""
+def bench_ctx(tmp_path):
+    """A Context whose broker sections run on a private broker for federation ``bench``,
+    with a CA of that federation (certificates name their federation, and the shared
+    test CA's are ``testfed``'s)."""
     made: dict[str, BenchBroker] = {}
-    broker = None
+    ca_dir, certs = tmp_path / "bench-ca", tmp_path / "bench-certs"
+    pki.create_ca(ca_dir, FEDERATION)
+    pki.issue(ca_dir, certs, COORDINATOR, "coordinator")
+    broker = EmbeddedBroker(
+        tmp_path / "bench-broker", federations=[FEDERATION], coordinators=[COORDINATOR], ca_dir=ca_dir
+    )
 
     def on_fixture(agents: int) -> BenchBroker:
-        nonlocal broker
-        if broker is None:
-            broker = broker_factory(federations=(FEDERATION,), coordinators=(COORDINATOR,))
-        # The session PKI's coord certificate has the coordinator role already.
-        for i in range(1, agents + 1):
-            pki.issue(f"agent-{i}")
-        bb = BenchBroker(
-            tmp_path / f"bb-{agents}", agents, external=broker.embedded, ca_dir=pki.ca_dir, certs=pki.certs
-        )
+        if not broker.running:
+            broker.start()
+        # BenchBroker issues the agents' certificates it misses.
+        bb = BenchBroker(tmp_path / f"bb-{agents}", agents, external=broker, ca_dir=ca_dir, certs=certs)
         made[str(agents)] = bb
         return bb
 
     logs: list[str] = []
     ctx = Context(quick=True, work=tmp_path, repeats=1, sizes=[TINY], log=logs.append, broker=on_fixture)
     ctx.logs = logs  # type: ignore[attr-defined]  (for failure messages)
-    return ctx
+    try:
+        yield ctx
+    finally:
+        broker.stop()
 
 
 def well_formed(rows: list[Row], section: str, count: int, *, cpu_rows: tuple[str, ...] = ()) -> None:

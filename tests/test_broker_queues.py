@@ -80,8 +80,8 @@ def test_an_absent_clients_queue_stops_at_max_queued_bytes(broker_factory, arun,
     """Eight 256 KiB messages for a client that is away, with a 1 MiB limit: the broker
     keeps what fits and drops the rest; what is sent after it is back arrives."""
     b = broker_factory(max_packet_size=2**20, max_queued_bytes=2**20)
-    cid, inbox = unique_id("agent-b"), topics.inbox(FED, "agent-b")
-    to_b = topics.direct(FED, "agent-a", "agent-b", "x")
+    cid = unique_id("agent-b")  # an identity of its own: a fresh persistent session
+    inbox, to_b = topics.inbox(FED, cid), topics.direct(FED, "agent-a", cid, "x")
     size = 256 * 1024
 
     async def main():
@@ -108,10 +108,10 @@ def test_a_qos0_subscription_is_not_queued_and_retired_filters_are_removed(broke
     that subscribed to all of global/ with QoS 1 loses that subscription."""
     broker = broker_factory()  # its own: no other test's session or queue for agent-b
     cid = unique_id("agent-b")
-    old = [topics.all_broadcasts(FED), topics.inbox(FED, "agent-b")]
-    new = [(topics.broadcast(FED, "round_start"), 0), topics.inbox(FED, "agent-b")]
+    old = [topics.all_broadcasts(FED), topics.inbox(FED, cid)]
+    new = [(topics.broadcast(FED, "round_start"), 0), topics.inbox(FED, cid)]
     retired = [topics.all_broadcasts(FED)]
-    start, to_b = topics.broadcast(FED, "round_start"), topics.direct(FED, "coord", "agent-b", "x")
+    start, to_b = topics.broadcast(FED, "round_start"), topics.direct(FED, "coord", cid, "x")
 
     async def away_then_back(coord, subscriptions, **kw) -> list[bytes]:
         await coord.transport.publish(start, b"missed")

@@ -35,10 +35,11 @@ def payloads(messages):
     return [p for _, p in messages]
 
 
-async def wait_for_log(broker, text: str, timeout: float = 5.0) -> None:
-    """Wait until the broker's log contains ``text`` (Mosquitto's own account)."""
+async def wait_for_log(broker, text: str, timeout: float = 5.0, *, after: int = 0) -> None:
+    """Wait until the broker's log contains ``text`` (Mosquitto's own account) more than
+    ``after`` times."""
     deadline = time.monotonic() + timeout
-    while text not in broker.log_path.read_text(errors="replace"):
+    while broker.log_path.read_text(errors="replace").count(text) <= after:
         if time.monotonic() > deadline:
             raise AssertionError(f"broker log never said {text!r}:\n{broker.log_tail()}")
         await asyncio.sleep(0.02)
@@ -52,23 +53,24 @@ async def noop(_topic: str, _payload: bytes) -> None:
 
 
 def test_acl_implements_the_topic_layout():
-    acl = render_acl(["fed-1", "fed-2"], ["coord", "coord-2"])
+    acl = render_acl(["fed-1"], ["coord", "coord-2"], bridges=["bridge-s1"])
     rules = [line for line in acl.splitlines() if line and not line.startswith("#")]
     assert rules == [
         "pattern write fedagent/v1/fed-1/node/%u/#",
         "pattern read fedagent/v1/fed-1/node/+/presence",
         "pattern read fedagent/v1/fed-1/node/+/to/%u/#",
         "pattern read fedagent/v1/fed-1/global/#",
-        "pattern write fedagent/v1/fed-2/node/%u/#",
-        "pattern read fedagent/v1/fed-2/node/+/presence",
-        "pattern read fedagent/v1/fed-2/node/+/to/%u/#",
-        "pattern read fedagent/v1/fed-2/global/#",
         "user coord",
         "topic readwrite fedagent/v1/fed-1/#",
-        "topic readwrite fedagent/v1/fed-2/#",
         "user coord-2",
         "topic readwrite fedagent/v1/fed-1/#",
-        "topic readwrite fedagent/v1/fed-2/#",
+        # A bridge relays nodes' traffic up and the coordinators' messages down; it
+        # cannot broadcast.
+        "user bridge-s1",
+        "topic write fedagent/v1/fed-1/node/#",
+        "topic read fedagent/v1/fed-1/global/#",
+        "topic read fedagent/v1/fed-1/node/coord/to/#",
+        "topic read fedagent/v1/fed-1/node/coord-2/to/#",
     ]
     # A `topic` line before the first `user` line would apply to anonymous clients only.
     first_user = next(i for i, r in enumerate(rules) if r.startswith("user "))
@@ -76,6 +78,31 @@ def test_acl_implements_the_topic_layout():
     # The rules agree with the topic helpers.
     assert topics.all_presence("fed-1") in acl and topics.all_broadcasts("fed-1") in acl
     assert topics.inbox("fed-1", "x").replace("/x/", "/%u/") in acl
+
+
+def test_acl_of_several_federations_gives_each_identity_its_own_federation():
+    members = {"coord": ("coordinator", "fed-1"), "a1": ("agent", "fed-1"), "b1": ("agent", "fed-2")}
+    with pytest.raises(ConfigError, match="several federations on one broker need per-identity rules"):
+        render_acl(["fed-1", "fed-2"], ["coord"])
+    acl = render_acl(["fed-1", "fed-2"], ["coord"], members={**members, "c1": ("agent", "fed-3")})
+    rules = [line for line in acl.splitlines() if line and not line.startswith("#")]
+    assert rules == [
+        "user a1",
+        "topic write fedagent/v1/fed-1/node/a1/#",
+        "topic read fedagent/v1/fed-1/node/+/presence",
+        "topic read fedagent/v1/fed-1/node/+/to/a1/#",
+        "topic read fedagent/v1/fed-1/global/#",
+        "user b1",
+        "topic write fedagent/v1/fed-2/node/b1/#",
+        "topic read fedagent/v1/fed-2/node/+/presence",
+        "topic read fedagent/v1/fed-2/node/+/to/b1/#",
+        "topic read fedagent/v1/fed-2/global/#",
+        "user coord",
+        "topic readwrite fedagent/v1/fed-1/#",
+    ]
+    assert not any(r.startswith("pattern") for r in rules)  # nothing for everyone
+    with pytest.raises(ConfigError, match="not in the CA's register"):
+        render_acl(["fed-1", "fed-2"], ["coord-9"], members=members)
 
 
 @pytest.mark.parametrize(
@@ -193,7 +220,7 @@ def test_t1_certificate_from_another_ca_is_refused(broker, arun):
     assert "rejected our client certificate (UNKNOWN_CA)" in msg
     assert "agent-a.crt was not issued by this federation's CA" in msg
     # What an agent sees (local check first), and run() gives up instead of retrying.
-    t = Transport(uri=broker.uri, client_id=unique_id("intruder"), tls=foreign)
+    t = Transport(uri=broker.uri, tls=foreign)
     started = time.monotonic()
     with pytest.raises(CertificateRejected, match="not issued by this federation's CA"):
         arun(t.run(noop), timeout=10)
@@ -210,7 +237,7 @@ def test_t1_expired_certificate_is_refused(broker, arun):
     assert "agent-old.crt for agent-old expired on" in msg
     assert "`fedagent ca issue agent-old --role agent`" in msg
     with pytest.raises(CertificateRejected, match="certificate for agent-old expired on"):
-        arun(Transport(uri=broker.uri, client_id=unique_id("old"), tls=old).run(noop), timeout=10)
+        arun(Transport(uri=broker.uri, tls=old).run(noop), timeout=10)
 
 
 def test_t1_broker_itself_refuses_bad_certificates(broker, arun):
@@ -265,15 +292,15 @@ def test_t1_nothing_listening_is_a_transport_error(broker, arun):
 
 def test_t1_valid_certificate_connects_as_its_common_name(broker, arun, peer):
     async def main():
-        cid = unique_id("agent-a")
-        async with peer(broker, "agent-a", client_id=cid) as a:
+        async with peer(broker, "agent-a") as a:
+            assert a.transport.client_id == "agent-a"
             assert a.transport.state == "connected"
             await a.transport.publish(topics.presence(FED, "agent-a"), b"", retain=True)
             await a.transport.publish(topics.direct(FED, "agent-a", "coord", "hello"), b"hi")
             # %u is "agent-a": the neighbouring subtree is someone else's.
             with pytest.raises(NotAuthorized):
                 await a.transport.publish(topics.direct(FED, "agent-b", "coord", "hello"), b"hi")
-        await wait_for_log(broker, f"as {cid} (p5, c0, k10, u'agent-a')")
+        await wait_for_log(broker, "as agent-a (p5, c0, k10, u'agent-a')")
 
     arun(main())
 
@@ -350,11 +377,11 @@ def test_t2_acl_reload_takes_effect_on_live_connections(broker_factory, arun, pe
 
 def test_subscriptions_added_at_runtime_deliver_and_survive_reconnects(broker_factory, arun, peer):
     b = broker_factory()
-    other = "fed-2"
+    other = FED  # a filter the peer did not start with
 
     async def main():
-        await asyncio.to_thread(b.reload_acl, federations=[FED, other])
-        async with peer(b, "coord") as c, peer(b, "agent-a") as a:
+        # Persistent sessions (a private broker): the subscription must outlive the restart.
+        async with peer(b, "coord", session_expiry=3600) as c, peer(b, "agent-a", session_expiry=3600) as a:
             assert a.transport.update_subscriptions([]) is None
             task = a.transport.update_subscriptions([topics.all_broadcasts(other)])
             await asyncio.wait_for(task, 5)
@@ -378,7 +405,6 @@ def child_config(broker, name: str, token: str, keepalive: int) -> dict:
         "ca": str(tls.ca),
         "cert": str(tls.cert),
         "key": str(tls.key),
-        "client_id": unique_id(name),
         "presence": topics.presence(FED, name),
         "online": f"online {token}",
         "will": f"offline-will {token}",
@@ -467,12 +493,13 @@ def test_t6_clean_close_publishes_offline_itself_and_no_will(broker, arun, peer)
             proc = await start_child(cfg)
             try:
                 await coord.until(lambda t, p: p == f"online {token}".encode())
+                before = broker.log_path.read_text(errors="replace").count("Client agent-b disconnected.")
                 proc.stdin.write(b"close\n")
                 await proc.stdin.drain()
                 assert await asyncio.wait_for(proc.wait(), 10) == 0
             finally:
                 await stop_child(proc)
-            await wait_for_log(broker, f"Client {cfg['client_id']} disconnected.")
+            await wait_for_log(broker, "Client agent-b disconnected.", after=before)
             # Anything the broker did about that disconnect is done: a Will would be
             # delivered before this marker.
             marker = topics.direct(FED, "coord", "coord", "marker")
@@ -495,7 +522,6 @@ def test_t6_cancelling_run_without_close_leaves_the_will(broker, arun, peer):
         async with peer(broker, "coord", subscriptions=[topics.all_presence(FED)]) as coord:
             t = Transport(
                 uri=broker.uri,
-                client_id=unique_id("agent-a"),
                 tls=broker.tls("agent-a"),
                 will=(presence, f"will {token}".encode()),
             )
@@ -515,8 +541,8 @@ def test_t6_cancelling_run_without_close_leaves_the_will(broker, arun, peer):
 
 def test_t5_reconnect_after_broker_restart_and_queued_qos1_delivery(broker_factory, arun, peer):
     b = broker_factory()
-    inbox = topics.inbox(FED, "agent-b")
     b_id = unique_id("agent-b")
+    inbox = topics.inbox(FED, b_id)
 
     async def main():
         connects: asyncio.Queue[str] = asyncio.Queue()
@@ -539,12 +565,12 @@ def test_t5_reconnect_after_broker_restart_and_queued_qos1_delivery(broker_facto
             assert await next_connects(2) == ["a", "b"]
             assert rb.transport.reconnects == 1 and sa.transport.reconnects == 1
             assert rb.transport.session_present
-            await sa.transport.publish(topics.direct(FED, "agent-a", "agent-b", "x"), b"after")
+            await sa.transport.publish(topics.direct(FED, "agent-a", b_id, "x"), b"after")
             await rb.until(lambda t, p: p == b"after")
         # agent-b is gone (cleanly) but its session stays; a QoS1 message to it is
         # queued, survives a broker restart, and is delivered when it comes back.
         async with peer(b, "agent-a") as sa:
-            await sa.transport.publish(topics.direct(FED, "agent-a", "agent-b", "x"), b"queued")
+            await sa.transport.publish(topics.direct(FED, "agent-a", b_id, "x"), b"queued")
         await asyncio.to_thread(b.restart)
         async with peer(b, "agent-b", client_id=b_id, subscriptions=[inbox]) as rb:
             assert rb.transport.session_present
@@ -555,7 +581,8 @@ def test_t5_reconnect_after_broker_restart_and_queued_qos1_delivery(broker_facto
 
 def test_qos1_message_is_redelivered_if_the_handler_never_finished(broker, arun, peer):
     """Acks go out after the handler returns: a crash in between loses nothing."""
-    cid, inbox = unique_id("agent-b"), topics.inbox(FED, "agent-b")
+    cid = unique_id("agent-b")
+    inbox = topics.inbox(FED, cid)
 
     async def main():
         got = asyncio.Event()
@@ -568,7 +595,7 @@ def test_qos1_message_is_redelivered_if_the_handler_never_finished(broker, arun,
             peer(broker, "agent-b", client_id=cid, subscriptions=[inbox], handler=stuck) as first,
             peer(broker, "agent-a") as a,
         ):
-            await a.transport.publish(topics.direct(FED, "agent-a", "agent-b", "update"), b"u1")
+            await a.transport.publish(topics.direct(FED, "agent-a", cid, "update"), b"u1")
             await asyncio.wait_for(got.wait(), 5)
             first.task.cancel()  # "crash" while handling
             with pytest.raises(asyncio.CancelledError):

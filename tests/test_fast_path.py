@@ -26,7 +26,7 @@ def _update_envelope(n: int = 50_000) -> Envelope:
     }  # not C-contiguous
     return Envelope(
         kind="update",
-        federation="fed",
+        federation="testfed",
         sender="agent-a",
         round=1,
         seq=1,
@@ -107,14 +107,14 @@ class _RecordingTransport:
 def _chunked_update(messenger: Messenger) -> None:
     weights = {"w": np.arange(30_000, dtype=np.float32)}  # 120 kB: 30 chunks of 4 kB
     return asyncio.run(
-        messenger.send("fedagent/v1/fed/node/agent-a/to/coord/update", Update(1, 0, 3, {}, weights), round_=1)
+        messenger.send("fedagent/v1/testfed/node/agent-a/to/coord/update", Update(1, 0, 3, {}, weights), round_=1)
     )
 
 
 def test_chunks_are_published_with_a_bounded_window_and_reassemble(pki):
     t = _RecordingTransport()
     m = Messenger(
-        federation="fed",
+        federation="testfed",
         node_id="agent-a",
         transport=t,
         max_chunk_bytes=4096,
@@ -124,7 +124,9 @@ def test_chunks_are_published_with_a_bounded_window_and_reassemble(pki):
     _chunked_update(m)
     assert len(t.frames) > 25
     assert t.peak == 5
-    r = Messenger(federation="fed", node_id="coord", transport=None, max_chunk_bytes=4096, identity=ident(pki, "coord"))
+    r = Messenger(
+        federation="testfed", node_id="coord", transport=None, max_chunk_bytes=4096, identity=ident(pki, "coord")
+    )
     got = []
 
     async def deliver(inc):
@@ -132,7 +134,7 @@ def test_chunks_are_published_with_a_bounded_window_and_reassemble(pki):
 
     async def receive_all():
         for f in t.frames:
-            await r.receive("fedagent/v1/fed/node/agent-a/to/coord/update", f, deliver)
+            await r.receive("fedagent/v1/testfed/node/agent-a/to/coord/update", f, deliver)
 
     asyncio.run(receive_all())
     assert len(got) == 1 and not r.rejected
@@ -142,7 +144,7 @@ def test_chunks_are_published_with_a_bounded_window_and_reassemble(pki):
 def test_a_failed_chunk_publish_fails_the_send(pki):
     t = _RecordingTransport(fail_at=3)
     m = Messenger(
-        federation="fed",
+        federation="testfed",
         node_id="agent-a",
         transport=t,
         max_chunk_bytes=4096,

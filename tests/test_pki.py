@@ -92,10 +92,64 @@ def test_broker_certificate_has_server_auth_and_default_sans(ca_dir, tmp_path):
 
 
 def test_broker_sans_are_ip_addresses_when_they_parse_as_one(ca_dir, tmp_path):
-    crt, _ = pk.issue(ca_dir, tmp_path, "broker", "broker", sans=["10.77.0.1", "::1", "broker.local"])
+    crt, _ = pk.issue(
+        ca_dir, tmp_path, "broker", "broker", sans=["10.77.0.1", "::1", "broker.local"], default_sans=False
+    )
     san = load(crt).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.77.0.1"), ipaddress.ip_address("::1")]
     assert san.get_values_for_type(x509.DNSName) == ["broker.local"]
+
+
+def test_broker_sans_add_to_localhost_and_127_0_0_1(ca_dir, tmp_path):
+    crt, _ = pk.issue(ca_dir, tmp_path, "broker", "broker", sans=["10.77.0.1", "hub.lan", "127.0.0.1"])
+    san = load(crt).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    ips = [ipaddress.ip_address(a) for a in ("127.0.0.1", "10.77.0.1")]
+    assert san.get_values_for_type(x509.IPAddress) == ips  # no duplicate
+    assert san.get_values_for_type(x509.DNSName) == ["localhost", "hub.lan"]
+
+
+def test_cli_san_adds_to_the_defaults(ca_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from fedagent.cli import main
+
+    args = ["ca", "issue", "hub", "--role", "broker", "--dir", str(ca_dir), "--out", str(tmp_path)]
+    result = CliRunner().invoke(main, [*args, "--san", "10.77.0.1", "--san", "hub.lan"])
+    assert result.exit_code == 0, result.output
+    san = load(tmp_path / "hub.crt").extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert set(map(str, san.get_values_for_type(x509.IPAddress))) == {"127.0.0.1", "10.77.0.1"}
+    assert set(san.get_values_for_type(x509.DNSName)) == {"localhost", "hub.lan"}
+
+
+def test_member_certificates_name_their_federation_and_are_registered(ca_dir, tmp_path):
+    crt, _ = pk.issue(ca_dir, tmp_path, "agent-a", "agent")
+    san = load(crt).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["fedagent://fed-1/agent/agent-a"]
+    assert pk.federation_of(crt) == "fed-1"
+    other, _ = pk.issue(ca_dir, tmp_path, "coord-2", "coordinator", federation="fed-2")
+    assert pk.federation_of(other) == "fed-2"
+    assert pk.members(ca_dir) == {"agent-a": ("agent", "fed-1"), "coord-2": ("coordinator", "fed-2")}
+    # Re-issuing in the same federation renews; the name is its client id on the broker,
+    # so it cannot belong to a second federation of the same CA.
+    pk.issue(ca_dir, tmp_path, "agent-a", "agent")
+    with pytest.raises(ConfigError, match="already a member of federation fed-1"):
+        pk.issue(ca_dir, tmp_path, "agent-a", "agent", federation="fed-2")
+    broker, _ = pk.issue(ca_dir, tmp_path, "broker", "broker")
+    assert pk.federation_in(load(broker)) is None and "broker" not in pk.members(ca_dir)
+
+
+def test_cli_issue_takes_the_federation_from_the_ca_or_an_option(ca_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from fedagent.cli import main
+
+    base = ["ca", "issue", "--role", "agent", "--dir", str(ca_dir), "--out", str(tmp_path)]
+    assert CliRunner().invoke(main, [*base, "a1"]).exit_code == 0
+    assert CliRunner().invoke(main, [*base, "b1", "--federation", "fed-b"]).exit_code == 0
+    assert pk.federation_of(tmp_path / "a1.crt") == "fed-1"
+    assert pk.federation_of(tmp_path / "b1.crt") == "fed-b"
+    refused = CliRunner().invoke(main, [*base, "b1"])
+    assert refused.exit_code != 0 and "already a member of federation fed-b" in refused.output
 
 
 def test_each_certificate_is_distinct(ca_dir, tmp_path):
@@ -201,3 +255,20 @@ def test_fixture_identities(pki):
         assert pk.role_of(tls.cert) == role
         pki_check(tls)
     assert pk.common_name(pki.tls("agent-a", foreign=True).cert) == "agent-a"
+
+
+def test_join_refuses_a_federation_the_certificate_is_not_for(ca_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from fedagent import config
+    from fedagent.cli import main
+
+    cert, key = pk.issue(ca_dir, tmp_path, "agent-a", "agent")
+    cfg = tmp_path / "agent.toml"
+    tls = config.TlsConfig(ca_dir / pk.CA_CERT, cert, key)
+    cfg.write_text(config.render(node_id="agent-a", federation="", tls=tls, state_dir=tmp_path / "state"))
+    result = CliRunner().invoke(main, ["join", "fed-2", "--broker", "mqtts://127.0.0.1:1", "--config", str(cfg)])
+    assert result.exit_code != 0
+    assert "makes agent-a a member of federation fed-1, not fed-2" in result.output
+    assert "--federation fed-2" in result.output
+    assert config.load(cfg, "agent").federation == ""  # nothing recorded

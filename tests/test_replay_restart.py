@@ -19,11 +19,11 @@ import signal
 import time
 
 import pytest
-from netfed import running, wait_for
+from netfed import observer, running, wait_for
 
 from fedagent.errors import FedagentError
 from fedagent.localfed import Federation
-from fedagent.node.transport import TlsFiles, Transport
+from fedagent.node.transport import Transport
 from fedagent.protocols import topics
 from fedagent.protocols.codec import decode
 from fedagent.protocols.streaming import STREAM_KIND
@@ -147,18 +147,17 @@ async def _poll(predicate, timeout: float, what: str, fed: Federation):
 
 
 async def _replay_after_restart(fed: Federation) -> None:
-    pki = fed.work / "pki"
     captured: list[tuple[str, bytes]] = []
 
     async def keep(topic: str, payload: bytes) -> None:
         captured.append((topic, payload))
 
-    # The coordinator's broker login reads every topic of the federation: it stands in
-    # for a compromised broker here (a second client id, so the daemon is not kicked).
+    # A coordinator-level login reads every topic of the federation: it stands in for a
+    # compromised broker here (an identity of its own: the broker takes the client id
+    # from the certificate, so the coordinator's would log in as the daemon and kick it).
     sniffer = Transport(
         uri=fed.broker.uri,
-        client_id="hd-replayer",
-        tls=TlsFiles(pki / "ca.crt", pki / "coordinator.crt", pki / "coordinator.key"),
+        tls=await asyncio.to_thread(observer, fed, "hd-replayer"),
         subscriptions=[topics.inbox(fed.fed, "coordinator")],
     )
     ready = asyncio.Event()

@@ -176,7 +176,6 @@ def test_a_flood_of_search_queries_from_one_peer_is_rate_limited(federation):
     async def flood() -> tuple[list[SearchAnswer], float]:
         transport = Transport(
             uri=uri,
-            client_id=f"flood-{os.getpid()}",
             tls=tls,
             subscriptions=[topics.inbox(fed.fed, "agent-flood")],
             session_expiry=0,

@@ -74,6 +74,24 @@ def test_unsigned_foreign_relayed_and_expired_frames_are_refused(pki) -> None:
     assert reason(v, sign(env(sender="agent-old"), old)) == "certificate"
 
 
+def test_a_member_of_another_federation_of_the_same_ca_is_refused(tmp_path) -> None:
+    """One CA may issue for several federations sharing a broker: the certificate names
+    its federation, and a frame for any other federation is refused."""
+    from fedagent import pki as pk
+
+    ca = tmp_path / "ca"  # a CA of its own: the shared one stays single-federation
+    pk.create_ca(ca, FED)
+    coord = pk.issue(ca, ca, "coord", "coordinator")
+    v = Identity.load(*coord, ca / pk.CA_CERT).verifier()
+    o = Identity.load(*pk.issue(ca, ca, "agent-of-fed-2", "agent", federation="fed-2"), ca / pk.CA_CERT)
+    e = dataclasses.replace(env(sender="agent-of-fed-2", seq=30))
+    with pytest.raises(AuthError, match="member of federation 'fed-2', not of 'testfed'") as info:
+        v.check(sign(e, o))
+    assert info.value.reason == "certificate"
+    # Its own federation's frames verify.
+    assert v.check(sign(dataclasses.replace(e, federation="fed-2", seq=31), o)) == "agent"
+
+
 def test_replays_and_stale_timestamps_are_refused(pki) -> None:
     a = ident(pki, "agent-a")
     v = ident(pki, "coord").verifier(max_skew=60, window=8)

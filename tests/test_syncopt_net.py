@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from netfed import agents_in, coordinator_in, running, wait_for
+from netfed import agents_in, coordinator_in, observer, running, wait_for
 
 from fedagent.localfed import Federation
 from fedagent.node.messaging import Incoming, Messenger
@@ -45,9 +44,7 @@ class Tap:
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
-        self.transport = Transport(
-            uri=uri, client_id=f"tap-{os.getpid()}", tls=tls, subscriptions=[f"{topics.federation_root(federation)}/#"]
-        )
+        self.transport = Transport(uri=uri, tls=tls, subscriptions=[f"{topics.federation_root(federation)}/#"])
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     async def _handle(self, topic: str, payload: bytes) -> None:
@@ -117,10 +114,7 @@ def syncopt_federation(tmp: Path, task: str, options, syncopt: dict, *, record: 
     ) as fed:
         tap = None
         if record:
-            pki = tmp / "pki"
-            tap = Tap(
-                fed.broker_uri, TlsFiles(pki / "ca.crt", pki / "coordinator.crt", pki / "coordinator.key"), fed.fed
-            )
+            tap = Tap(fed.broker_uri, observer(fed, "tap"), fed.fed)
             tap.start()
         try:
             fed.start_all()

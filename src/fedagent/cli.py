@@ -251,7 +251,7 @@ def leave(config_path: Path) -> None:
 @click.option("--timeout", default=10.0, show_default=True, help="seconds to look for the federation")
 def join(federation: str, broker: str, config_path: Path, interfaces: tuple[str, ...], timeout: float) -> None:
     """Join FEDERATION: find its broker, record it, and tell the running agent."""
-    from fedagent import config
+    from fedagent import config, pki
     from fedagent.node.control import request
     from fedagent.node.discovery import Discovery
     from fedagent.protocols.topics import check_name
@@ -259,6 +259,7 @@ def join(federation: str, broker: str, config_path: Path, interfaces: tuple[str,
     try:
         check_name(federation, "federation")
         cfg = config.load(config_path, "agent")
+        pki.check_member_of(cfg.tls.cert, cfg.tls.ca, federation)
         if broker and not broker.startswith("mqtts://"):
             raise ConfigError(f"--broker must look like mqtts://HOST:PORT, not {broker!r}")
         chosen = config.check_interfaces(list(interfaces), "--interface") if interfaces else None
@@ -365,14 +366,26 @@ def ca_init(federation: str, directory: Path) -> None:
     help="the CA directory",
 )
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="where to write (default: DIR)")
-@click.option("--san", "sans", multiple=True, help="broker DNS name or IP (repeatable)")
+@click.option(
+    "--san",
+    "sans",
+    multiple=True,
+    help="broker: a DNS name or IP it is reached by, in addition to localhost and 127.0.0.1 (repeatable)",
+)
+@click.option(
+    "--federation",
+    default=None,
+    help="agent/coordinator: the federation the certificate is for (default: the CA's own)",
+)
 @click.option("--days", default=825, show_default=True)
-def ca_issue(name: str, role: str, directory: Path, out: Path | None, sans: tuple[str, ...], days: int) -> None:
-    """Issue a certificate for NAME (its MQTT identity)."""
+def ca_issue(
+    name: str, role: str, directory: Path, out: Path | None, sans: tuple[str, ...], federation: str | None, days: int
+) -> None:
+    """Issue a certificate for NAME (its MQTT identity and client id)."""
     from fedagent import pki
 
     try:
-        cert, key = pki.issue(directory, out or directory, name, role, sans=sans, days=days)
+        cert, key = pki.issue(directory, out or directory, name, role, sans=sans, federation=federation, days=days)
     except FedagentError as exc:
         _fail(exc)
     click.echo(f"issued {cert} and {key}")
@@ -396,7 +409,7 @@ def ca_issue(name: str, role: str, directory: Path, out: Path | None, sans: tupl
     "--trust-bridge",
     "trusted_bridges",
     multiple=True,
-    help="central broker: a site bridge identity allowed to relay the federation (repeatable)",
+    help="central broker: a site bridge identity, which relays nodes' traffic up and the coordinators' messages down (repeatable)",
 )
 @click.option("--bridge-to", default=None, help="site broker: HOST:PORT of the central broker to bridge to")
 @click.option("--bridge-name", default=None, help="site broker: the bridge's certificate name (CN)")

@@ -1,8 +1,15 @@
 """The federation's certificate authority and the certificates it issues.
 
-One CA per federation: the broker trusts exactly that CA, so holding a certificate
-from it *is* membership. The certificate's CN is the node id and becomes the MQTT
-username (``use_identity_as_username``), which the broker ACL substitutes for ``%u``.
+A CA is created for a federation and issues its members' certificates; it may also
+issue for further federations that share its broker (``issue(..., federation=...)``).
+Every agent or coordinator certificate names its federation in a SAN URI
+``fedagent://<federation>/<role>/<name>``: receivers refuse messages signed by a
+member of another federation (:mod:`fedagent.signing`), and the broker ACL is written
+from the CA's register of what it issued (``issued.jsonl``, :func:`members`), so a
+certificate may act only in its own federation's topics. The certificate's CN is the
+node id and becomes the MQTT username (``use_identity_as_username``) and client id
+(``use_username_as_clientid``), which the broker ACL substitutes for ``%u``; a name
+therefore belongs to one federation per CA.
 That is why a name is validated with :func:`fedagent.protocols.topics.check_name`
 before anything is signed: a CN containing ``#``, ``+`` or ``/`` would let its holder
 escape its ACL subtree (Mosquitto CVE-2017-7650).
@@ -21,6 +28,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import ipaddress
+import json
 import os
 import tempfile
 from collections.abc import Sequence
@@ -40,6 +48,8 @@ ROLES = ("agent", "coordinator", "broker")
 DEFAULT_BROKER_SANS = ("localhost", "127.0.0.1")
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
+REGISTER = "issued.jsonl"
+URI_SCHEME = "fedagent"
 _ORG = "fedagent"
 # Certificates start a little in the past so a peer whose clock runs a few minutes
 # behind does not reject a certificate issued a second ago.
@@ -178,8 +188,95 @@ def create_ca(directory: Path, federation: str, *, days: int = 3650) -> Path:
 
 def ca_federation(ca_path: Path) -> str:
     """The federation a CA created by :func:`create_ca` belongs to."""
-    ou = _attr(_load_cert(ca_path), NameOID.ORGANIZATIONAL_UNIT_NAME)
-    return ou.removeprefix("federation ")
+    return _ca_federation(_load_cert(ca_path))
+
+
+def _ca_federation(ca: x509.Certificate) -> str:
+    return _attr(ca, NameOID.ORGANIZATIONAL_UNIT_NAME).removeprefix("federation ")
+
+
+def member_uri(federation: str, role: str, name: str) -> str:
+    """The SAN URI that binds a member certificate to its federation."""
+    return f"{URI_SCHEME}://{check_name(federation, 'federation')}/{role}/{check_name(name, 'node id')}"
+
+
+def federation_in(cert: x509.Certificate) -> str | None:
+    """The federation named in ``cert``'s ``fedagent://`` SAN URI; None if it has none
+    (a certificate issued before federations were bound into certificates)."""
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    for uri in san.get_values_for_type(x509.UniformResourceIdentifier):
+        scheme, sep, rest = uri.partition("://")
+        if scheme == URI_SCHEME and sep:
+            return rest.split("/", 1)[0]
+    return None
+
+
+def federation_of(cert_path: Path, ca_path: Path | None = None) -> str:
+    """The federation of a member certificate; one without a ``fedagent://`` URI
+    belongs to its CA's own federation (``ca_path``), or "" when that is not given."""
+    fed = federation_in(_load_cert(cert_path))
+    if fed is not None:
+        return fed
+    return ca_federation(ca_path) if ca_path is not None else ""
+
+
+def check_member_of(cert_path: Path, ca_path: Path, federation: str) -> None:
+    """ConfigError unless the certificate is a member certificate of ``federation``."""
+    fed = federation_of(cert_path, ca_path)
+    if fed != federation:
+        name = common_name(cert_path) or Path(cert_path).stem
+        raise ConfigError(
+            f"certificate {cert_path} makes {name} a member of federation {fed}, not {federation}: the "
+            f"broker and the other members would refuse it there; get one for {federation} "
+            f"(`fedagent ca issue {name} --role {role_of(cert_path) or 'agent'} --federation {federation}` "
+            "with the CA that serves it)"
+        )
+
+
+def members(ca_dir: Path) -> dict[str, tuple[str, str]]:
+    """``{name: (role, federation)}`` of every agent and coordinator certificate the CA
+    in ``ca_dir`` issued (its register; the newest entry of a name wins). Empty for a CA
+    without a register."""
+    path = Path(ca_dir) / REGISTER
+    out: dict[str, tuple[str, str]] = {}
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return out
+    except OSError as exc:
+        raise ConfigError(f"cannot read the CA register {path}: {exc.strerror}") from exc
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            name, role, fed = rec["name"], rec["role"], rec["federation"]
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{path} line {n} is not a register entry") from None
+        check_name(name, "node id")
+        check_name(fed, "federation")
+        if role not in ROLES:
+            raise ConfigError(f"{path} line {n}: unknown role {role!r}")
+        out[name] = (role, fed)
+    return out
+
+
+def _register(ca_dir: Path, name: str, role: str, federation: str, cert: x509.Certificate) -> None:
+    rec = {
+        "name": name,
+        "role": role,
+        "federation": federation,
+        "serial": format(cert.serial_number, "x"),
+        "not_after": cert.not_valid_after_utc.isoformat(),
+    }
+    fd = os.open(Path(ca_dir) / REGISTER, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    with os.fdopen(fd, "a") as f:
+        f.write(json.dumps(rec, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # --- leaf certificates -------------------------------------------------------------
@@ -205,6 +302,8 @@ def issue(
     role: str,
     *,
     sans: Sequence[str] = (),
+    default_sans: bool = True,
+    federation: str | None = None,
     days: int = 825,
     not_before: datetime | None = None,
     not_after: datetime | None = None,
@@ -213,12 +312,15 @@ def issue(
     ``ca_dir``; returns ``(cert_path, key_path)``.
 
     ``role`` is one of :data:`ROLES` and is recorded as the subject's OU. Agents and
-    coordinators get clientAuth; a broker gets serverAuth and clientAuth and SANs
-    (each entry an IP address if it parses as one, else a DNS name; by default
-    ``localhost`` and ``127.0.0.1``). ``not_before``/``not_after`` override the
-    validity window (tests use them to make an expired certificate). An existing
-    certificate of the same name is replaced (re-issuing is how an expired one is
-    renewed).
+    coordinators get clientAuth and a SAN URI naming their ``federation`` (default:
+    the CA's own), and are recorded in the CA's register (:func:`members`); a name
+    already registered for another federation is refused, since the name is the
+    node's client id on the broker. A broker gets serverAuth and clientAuth and SANs:
+    ``localhost`` and ``127.0.0.1`` plus ``sans`` (each an IP address if it parses as
+    one, else a DNS name), or only ``sans`` with ``default_sans=False``.
+    ``not_before``/``not_after`` override the validity window (tests use them to make
+    an expired certificate). An existing certificate of the same name is replaced
+    (re-issuing is how an expired one is renewed).
     """
     check_name(name, "node id")
     if role not in ROLES:
@@ -241,8 +343,19 @@ def issue(
             f"certificate for {name} would expire ({end:%Y-%m-%d %H:%M}) "
             f"before it becomes valid ({start:%Y-%m-%d %H:%M})"
         )
-    if role == "broker" and not sans:
-        sans = DEFAULT_BROKER_SANS
+    fed = ""
+    if role == "broker":
+        listed = [*(DEFAULT_BROKER_SANS if default_sans or not sans else ()), *(x.strip() for x in sans)]
+        sans = list(dict.fromkeys(listed))
+    else:
+        fed = check_name(federation or _ca_federation(ca_cert), "federation")
+        earlier = members(ca_dir).get(name)
+        if earlier is not None and earlier[1] != fed:
+            raise ConfigError(
+                f"{name} is already a member of federation {earlier[1]} in this CA ({ca_dir / REGISTER}); "
+                "a node id is its client id on the broker, so pick another name for federation "
+                f"{fed}"
+            )
 
     # Nodes that send messages sign them with their TLS key, so theirs is Ed25519.
     key = ec.generate_private_key(ec.SECP256R1()) if role == "broker" else ed25519.Ed25519PrivateKey.generate()
@@ -284,14 +397,19 @@ def issue(
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
     )
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(_san_entries(sans)), critical=False)
+    alt = _san_entries(sans) if sans else []
+    if fed:
+        alt.append(x509.UniformResourceIdentifier(member_uri(fed, role, name)))
+    if alt:
+        builder = builder.add_extension(x509.SubjectAlternativeName(alt), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())
 
     out_dir.mkdir(parents=True, exist_ok=True)
     cert_path, key_path = out_dir / f"{name}.crt", out_dir / f"{name}.key"
     _write_private(key_path, _key_pem(key))
     _write_public(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+    if fed:
+        _register(ca_dir, name, role, fed, cert)
     return cert_path, key_path
 
 

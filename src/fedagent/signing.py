@@ -70,6 +70,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.x509.oid import NameOID
 
 from fedagent.errors import ConfigError, FedagentError
+from fedagent.pki import federation_in
 from fedagent.protocols.codec import Envelope
 
 __all__ = [
@@ -245,6 +246,7 @@ def _raw_key(cert: x509.Certificate) -> bytes:
 class _Signer:
     name: str
     role: str
+    federation: str
     key: ed25519.Ed25519PublicKey
     not_before: float
     not_after: float
@@ -418,6 +420,10 @@ class Verifier:
         self, ca: x509.Certificate, *, max_skew: float = 300.0, window: int = 4096, cache_size: int = 1024, clock=None
     ) -> None:
         self.ca = ca
+        # A member certificate without a fedagent:// URI (issued before federations were
+        # bound into certificates) belongs to its CA's own federation.
+        ou = ca.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+        self.ca_federation = str(ou[0].value).removeprefix("federation ") if ou else ""
         self.clock = clock or SteadyClock()
         self.replay = ReplayGuard(window=window, max_skew=max_skew)
         self._cache: OrderedDict[bytes, _Signer] = OrderedDict()
@@ -447,9 +453,11 @@ class Verifier:
                 raise AuthError("certificate", "certificate key is not Ed25519")
             cn = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
             ou = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+            fed = federation_in(cert)
             signer = _Signer(
                 str(cn[0].value) if cn else "",
                 str(ou[0].value) if ou else "",
+                self.ca_federation if fed is None else fed,
                 key,
                 cert.not_valid_before_utc.timestamp(),
                 cert.not_valid_after_utc.timestamp(),
@@ -477,6 +485,11 @@ class Verifier:
             raise AuthError("certificate", f"signed by the certificate of {signer.name!r}, not of the claimed sender")
         if signer.role not in SENDER_ROLES:
             raise AuthError("certificate", f"certificate role {signer.role!r} may not send messages")
+        if signer.federation != env.federation:
+            raise AuthError(
+                "certificate",
+                f"certificate of a member of federation {signer.federation!r}, not of {env.federation!r}"[:200],
+            )
         if not signer.not_before <= now <= signer.not_after:
             when = datetime.fromtimestamp(signer.not_after, UTC)
             raise AuthError("certificate", f"certificate not valid now (valid until {when:%Y-%m-%d %H:%M} UTC)")

@@ -107,6 +107,15 @@ class TlsFiles:
             object.__setattr__(self, field, Path(getattr(self, field)))
 
 
+def identity_of(tls: TlsFiles) -> str:
+    """The CN of our certificate, which the broker takes as username and client id;
+    "" when the file is missing or unreadable (the connection then says why)."""
+    try:
+        return pki.common_name(tls.cert)
+    except ConfigError:
+        return ""
+
+
 def make_ssl_context(tls: TlsFiles) -> ssl.SSLContext:
     """A client context that presents our certificate and trusts only the federation
     CA, with hostname checking on (the broker certificate must name the host in the
@@ -137,9 +146,6 @@ def make_ssl_context(tls: TlsFiles) -> ssl.SSLContext:
 
 
 # --- preflight: a handshake of our own, to say *why* the broker won't have us --------
-
-_CONNECT_PROBE = bytes.fromhex("100d00044d5154540502000a000000")  # MQTT 5, clean, id ""
-_DISCONNECT = bytes.fromhex("e000")
 
 
 def _describe_client_cert(tls: TlsFiles | None) -> tuple[str, str, str]:
@@ -287,42 +293,13 @@ def _probe(host: str, port: int, ctx: ssl.SSLContext, timeout: float, tls: TlsFi
         except OSError as exc:
             raise TransportError(f"TLS handshake with {where} failed: {exc}") from exc
         with conn:
+            # No MQTT CONNECT: the broker takes the client id from our certificate
+            # (use_username_as_clientid), so any CONNECT, even with an empty id, would
+            # log in as this node, take over its live connection and, with clean start,
+            # end its persistent session. The TLS verdict is all a preflight needs; a
+            # refused CONNECT is reported by the real connection (_connack_refused).
             if conn.version() == "TLSv1.3":
                 _await_verdict(conn, min(timeout, 2.0), tls, where)
-                conn.settimeout(timeout)
-            try:
-                conn.sendall(_CONNECT_PROBE)
-                data = b""
-                while len(data) < 4:
-                    more = conn.recv(64)
-                    if not more:
-                        break
-                    data += more
-            except ssl.SSLError as exc:
-                raise _client_cert_rejected(exc, tls, where) from exc
-            except TimeoutError:
-                raise TransportError(
-                    f"the broker at {where} completed TLS but did not answer an MQTT CONNECT within {timeout:g}s"
-                ) from None
-            except OSError as exc:
-                raise TransportError(
-                    f"the broker at {where} dropped the connection after the "
-                    f"TLS handshake ({exc}); see the broker's log"
-                ) from exc
-            if len(data) < 4 or data[0] != 0x20:
-                raise TransportError(
-                    f"the broker at {where} closed the connection after the TLS "
-                    "handshake without answering CONNECT (is it an MQTT 5 "
-                    "broker?); see the broker's log"
-                )
-            # 0x85 (client identifier not valid) refuses only the probe's empty id, on a
-            # broker with allow_zero_length_clientid off: our certificate passed.
-            if data[3] >= 0x80 and data[3] != 0x85:
-                raise _connack_refused(data[3], where)
-            try:
-                conn.sendall(_DISCONNECT)
-            except OSError:
-                pass
 
 
 async def preflight(
@@ -335,10 +312,11 @@ async def preflight(
 ) -> None:
     """Check that the broker at ``uri`` accepts our certificate, explaining if not.
 
-    Checks the local files first (``check_local``), then does a TLS handshake and a
-    tiny MQTT CONNECT/CONNACK exchange of its own (with a broker-assigned client id,
-    so no session is touched). Raises :class:`CertificateRejected` for certificate
-    problems on either side, :class:`NotAuthorized` for a refused CONNECT, and
+    Checks the local files first (``check_local``), then does a TLS handshake of its
+    own and waits for the broker's verdict on our certificate (TLS 1.3 gives it after
+    the handshake). It sends no MQTT packet: the broker would take the connection for
+    this node's (the client id is the certificate's CN) and drop the real one. Raises
+    :class:`CertificateRejected` for certificate problems on either side and
     :class:`TransportError` when the broker cannot be reached. ``ssl_context``
     replaces the context built from ``tls`` (diagnostics and tests).
     """
@@ -553,8 +531,8 @@ class Transport:
         self,
         *,
         uri: str,
-        client_id: str,
         tls: TlsFiles,
+        client_id: str | None = None,
         will: tuple[str, bytes] | None = None,
         on_connect: Callable[[], Awaitable[None]] | None = None,
         subscriptions: Sequence[Subscription] = (),
@@ -564,9 +542,12 @@ class Transport:
         receive_maximum: int | None = None,
         retired_subscriptions: Sequence[str] = (),
     ) -> None:
-        """``receive_maximum``: QoS 1 messages the broker may have sent us unacknowledged
-        (MQTT 5 Receive Maximum). A message is acknowledged once the handler is done
-        with it, so this bounds what waits in this process; the rest waits at the broker.
+        """``client_id`` is the certificate's CN (the default): the broker replaces any
+        other id with it (``use_username_as_clientid``), so a different one is refused
+        here rather than silently changed there. ``receive_maximum``: QoS 1 messages the
+        broker may have sent us unacknowledged (MQTT 5 Receive Maximum). A message is
+        acknowledged once the handler is done with it, so this bounds what waits in this
+        process; the rest waits at the broker.
 
         ``subscriptions``: topic filters, subscribed with QoS 1, or ``(filter, qos)``
         pairs. A QoS 0 subscription is delivered while we are connected and never queued
@@ -576,6 +557,14 @@ class Transport:
         a persistent session found on the broker (MQTT keeps a session's subscriptions)."""
         self.uri = uri
         self.host, self.port = parse_broker_uri(uri)
+        cn = identity_of(tls)
+        if client_id is None:
+            client_id = cn or tls.cert.stem
+        elif cn and client_id != cn:
+            raise ConfigError(
+                f"client id {client_id!r} differs from the identity in {tls.cert} ({cn!r}); the broker "
+                "uses the certificate's CN as the client id, so connect as that (or with another certificate)"
+            )
         if not client_id or any(c in client_id for c in "#+/\0"):
             raise ConfigError(f"invalid MQTT client id {client_id!r}")
         self.client_id = client_id
