@@ -259,10 +259,10 @@ def join(federation: str, broker: str, config_path: Path, interfaces: tuple[str,
     try:
         check_name(federation, "federation")
         cfg = config.load(config_path, "agent")
-        pki.check_member_of(cfg.tls.cert, cfg.tls.ca, federation)
         if broker and not broker.startswith("mqtts://"):
             raise ConfigError(f"--broker must look like mqtts://HOST:PORT, not {broker!r}")
         chosen = config.check_interfaces(list(interfaces), "--interface") if interfaces else None
+        pki.check_member_of(cfg.tls.cert, cfg.tls.ca, federation)
         if not broker:
             ifaces = chosen or cfg.interfaces
 
