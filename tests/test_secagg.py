@@ -481,3 +481,37 @@ def test_coordinator_config_refuses_what_cannot_work(tmp_path, rounds, extra, wo
     path.write_text(text + extra)
     with pytest.raises(ConfigError, match=words):
         round_config(load(path, "coordinator"))
+
+
+def test_secure_rounds_with_distributed_dp_are_charged_and_weigh_equally():
+    from fedagent.protocols.dp import DPConfig
+
+    dp = DPConfig(mode="distributed", noise_multiplier=1.0, clip_norm=1.0)
+    m = R.RoundMachine(secure_config(dp=dp), W0)
+    starts = [c for a in ("a0", "a1", "a2", "a3") for c in m.handle(R.AgentOnline(a, 10 * (len(a) + ord(a[1]))), 0.0)]
+    (start,) = [c for c in starts if isinstance(c, R.StartRound)]
+    assert start.secagg is not None and start.secagg.max_weight == 1  # equal weights, as DP-FedAvg
+    assert start.train.dp_clip == 1.0 and start.train.dp_noise_std > 0  # each agent's share of the noise
+    agents = {a: S.SecAggAgent(a, random_bytes=det_bytes(i)) for i, a in enumerate(start.selected)}
+    out: list = []
+    pending = [(a, agents[a].on_round_start(1, start.selected, start.secagg)) for a in agents]
+    for a in agents:
+        pending.append((a, agents[a].on_trained(1, np.full(25, 0.01), base_version=0, num_samples=5, metrics={})))
+    while pending:
+        a, msgs = pending.pop(0)
+        for msg in msgs:
+            for c in m.handle(R.SecAggReceived(a, msg), 1.0):
+                out.append(c)
+                if isinstance(c, R.SendSecAgg):
+                    pending.append((c.to, agents[c.to].on_message(c.message)))
+    (agg,) = [c for c in out if isinstance(c, R.RoundAggregated)]
+    assert agg.privacy is not None and agg.privacy["epsilon"] > 0
+    assert set(agg.weights_used.values()) == {0.25}
+
+
+@pytest.mark.parametrize("kw", [dict(mode="central"), dict(mode="central", adaptive=True)])
+def test_secure_aggregation_refuses_dp_that_clips_at_the_coordinator(kw):
+    from fedagent.protocols.dp import DPConfig
+
+    with pytest.raises(ValueError, match="distributed' with a fixed clip"):
+        secure_config(dp=DPConfig(noise_multiplier=1.0, clip_norm=1.0, **kw))
