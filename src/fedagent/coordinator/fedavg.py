@@ -43,12 +43,11 @@ from fedagent.protocols.messages import (
     Update,
     VocabOffer,
 )
-from fedagent.protocols.streaming import STREAM_KIND, StreamEvent, UpdatePart
-from fedagent.roundjournal import InFlight, RoundJournal
-from fedagent.signing import CHUNK_KIND
 from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
 from fedagent.protocols.secagg import SecAggMasked, SecAggParams, SecAggStart
-from fedagent.protocols.streaming import StreamEvent, UpdateHead, UpdatePart
+from fedagent.protocols.streaming import STREAM_KIND, StreamEvent, UpdateHead, UpdatePart
+from fedagent.roundjournal import InFlight, RoundJournal
+from fedagent.signing import CHUNK_KIND
 from fedagent.statefile import atomic_write, read_bytes
 from fedagent.tasks.base import get_weights
 
@@ -299,7 +298,7 @@ class FedAvgMode:
                 }
             )
 
-    def _journal(self, inc: Incoming) -> None:
+    def _record_received(self, inc: Incoming) -> None:
         """In a secure federation, a line of history per update-bearing message received:
         what the coordinator held (kind, size and, for a masked vector, the share of its
         values inside the quantised range: about 2^(bits-32) when masked, 1 when not)."""
@@ -381,11 +380,11 @@ class FedAvgMode:
             if inc.role != "agent":
                 self.core.messenger._reject("role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-agent'}")
                 return
-            self._journal(inc)
+            self._record_received(inc)
             if self.machine is not None:
                 await self._handle(R.SecAggReceived(inc.sender, msg))
         elif isinstance(msg, Update):
-            self._journal(inc)
+            self._record_received(inc)
             if inc.role != "agent":
                 # As for streams (messaging): only an agent's certificate may submit an update.
                 self.core.messenger._reject("role", inc.sender, f"update signed by a {inc.role or 'non-agent'}")
