@@ -2,7 +2,9 @@
 
 It answers every RoundStart with an Update carrying the weights it received, so a
 round costs exactly what fedagent's framework costs: envelope encode/decode and
-validation, chunking with SHA-256, MQTT 5 over mutual TLS, reassembly.
+validation, chunking with SHA-256, MQTT 5 over mutual TLS, reassembly. A RoundStart with
+a secure-aggregation setup is answered through the SecAgg stages instead (keys, sealed
+shares, an update of 0.001 in every coordinate masked, shares at unmasking).
 
     python -m bench.fed_agent --uri mqtts://127.0.0.1:PORT --id agent-1 --certs DIR --ca CA
 """
@@ -17,12 +19,25 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
+
 from fedagent.node.messaging import Incoming, Messenger
 from fedagent.node.transport import TlsFiles, Transport
 from fedagent.protocols import topics
 from fedagent.protocols.codec import Envelope, encode
 from fedagent.protocols.messages import Presence, RoundStart, Update
-from fedagent.signing import Identity, sign
+from fedagent.protocols.secagg import (
+    SecAggAgent,
+    SecAggError,
+    SecAggRoster,
+    SecAggShareBox,
+    SecAggStart,
+    SecAggUnmask,
+    layout_size,
+)
+from fedagent.signing import AuthError, Identity, sign, sign_statement
+
+BENCH_DELTA = 0.001  # what every benchmark agent's secure update adds to each coordinate
 
 
 def presence(fed: str, identity: Identity, online: bool) -> bytes:
@@ -51,7 +66,11 @@ async def main(args: argparse.Namespace) -> None:
         uri=args.uri,
         tls=tls,
         will=(topics.presence(fed, me), presence(fed, identity, False)),
-        subscriptions=[topics.broadcast(fed, "round_start")],
+        subscriptions=[
+            topics.broadcast(fed, "round_start"),
+            topics.broadcast(fed, "secagg_start"),
+            topics.inbox(fed, me),
+        ],
         session_expiry=0,
         keepalive=args.keepalive,
     )
@@ -59,8 +78,41 @@ async def main(args: argparse.Namespace) -> None:
         federation=fed, node_id=me, transport=transport, identity=identity, max_chunk_bytes=args.chunk
     )
 
+    def verify(name: str, data: bytes, cert: bytes, sig: bytes) -> None:
+        try:
+            messenger.verifier.check_statement(name, data, cert, sig)
+        except AuthError as exc:
+            raise SecAggError(str(exc)) from None
+
+    secagg = SecAggAgent(me, sign=lambda data: sign_statement(identity, data), verify=verify)
+
+    async def to_coordinator(msgs) -> None:
+        for m in msgs:
+            await messenger.send(topics.direct(fed, me, args.coordinator, m.kind), m, round_=m.round)
+
     async def deliver(inc: Incoming) -> None:
         msg = inc.message
+        if isinstance(msg, (SecAggRoster, SecAggShareBox, SecAggUnmask)):
+            await to_coordinator(await asyncio.to_thread(secagg.on_message, msg))
+            return
+        if isinstance(msg, SecAggStart):
+            await to_coordinator(secagg.on_round_start(msg.round, msg.selected, msg.setup))
+            return
+        if isinstance(msg, RoundStart) and me in msg.selected and msg.secagg is not None:
+            await to_coordinator(secagg.on_round_start(msg.round, msg.selected, msg.secagg))
+            size = layout_size(msg.weights)
+            await to_coordinator(
+                await asyncio.to_thread(
+                    lambda: secagg.on_trained(
+                        msg.round,
+                        np.full(size, BENCH_DELTA),
+                        base_version=msg.model_version,
+                        num_samples=1,
+                        metrics={},
+                    )
+                )
+            )
+            return
         if isinstance(msg, RoundStart) and me in msg.selected:
             update = Update(
                 round=msg.round, base_version=msg.model_version, num_samples=1, metrics={}, weights=msg.weights

@@ -19,6 +19,7 @@ from pathlib import Path
 MODULES = [
     "bench.codec",
     "bench.round",
+    "bench.secagg",
     "bench.flower",
     "bench.syncopt_step",
     "bench.gossip",

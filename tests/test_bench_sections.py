@@ -98,6 +98,16 @@ def test_round_section_tiny(bench_ctx):
     assert len(bench_ctx.shared[("fedagent_round", TINY)]) == 1
 
 
+def test_secagg_section_tiny(bench_ctx):
+    """Secure rounds through the stages with 3 agent processes; the section itself checks
+    the unmasked mean against the bound and raises if it is off."""
+    from bench.secagg import secure_aggregation
+
+    rows = secure_aggregation(bench_ctx, agents=3)
+    well_formed(rows, "secagg", 3, cpu_rows=("CPU",))
+    assert "3 agents" in rows[0].subject and "unmask" in rows[0].note
+
+
 def test_gossip_section_tiny(bench_ctx):
     from bench.gossip import gossip_exchange
 

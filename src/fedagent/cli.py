@@ -524,6 +524,12 @@ def report(histories: tuple[Path, ...], state_dir: Path | None, out: Path, title
     help="fedavg: also run with central differential privacy calibrated to this epsilon (delta 1e-5) and "
     "compare (needs the 'privacy' extra)",
 )
+@click.option(
+    "--secure-aggregation",
+    is_flag=True,
+    help="fedavg: mask every update (SecAgg+) so the coordinator sees only their sum; runs plain FedAvg "
+    "first and prints both accuracies and the masking overhead",
+)
 @click.option("--keep", is_flag=True, help="keep the work directory (logs, checkpoints)")
 @click.option(
     "--report",
@@ -543,6 +549,7 @@ def demo(
     merge: str,
     alpha: float,
     dp_epsilon: float | None,
+    secure_aggregation: bool,
     keep: bool,
     report_dir: Path,
 ) -> None:
@@ -550,6 +557,13 @@ def demo(
     from fedagent.demo import run_demo, run_dp_demo, run_gossip_demo, run_syncopt_demo
 
     try:
+        if secure_aggregation and mode != "fedavg":
+            raise FedagentError(f"--secure-aggregation works with --mode fedavg, not {mode}")
+        if secure_aggregation and dp_epsilon is not None:
+            raise FedagentError(
+                "--dp-epsilon runs central DP, which clips each update at the coordinator; under "
+                "--secure-aggregation the coordinator sees only the sum (distributed DP works: see docs/privacy.md)"
+            )
         if dp_epsilon is not None and mode != "fedavg":
             raise FedagentError("--dp-epsilon runs the fedavg demo (central DP); drop --mode")
         if dp_epsilon is not None:
@@ -569,7 +583,14 @@ def demo(
                 report_dir=report_dir,
             )
         else:
-            code = run_demo(agents=agents or 3, rounds=rounds, alpha=alpha, keep=keep, report_dir=report_dir)
+            code = run_demo(
+                agents=agents or 3,
+                rounds=rounds,
+                alpha=alpha,
+                keep=keep,
+                report_dir=report_dir,
+                secure=secure_aggregation,
+            )
     except FedagentError as exc:
         _fail(exc)
     sys.exit(code)

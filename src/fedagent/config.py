@@ -56,6 +56,13 @@ class RoundsConfig:
     vocab_timeout: float = 60.0  # tasks with a vocabulary: merge at this deadline with a quorum
     vocab_min_count: int = 1  # keep terms counted at least this often over all agents
     vocab_max_size: int = 0  # keep at most this many terms (0 = all)
+    # Secure aggregation (FedAvg; coordinator): see docs/privacy.md
+    secure_aggregation: bool = False
+    secure_clip: float = 1.0  # each coordinate of a weighted update is clipped to ±this
+    secure_bits: int = 20  # quantisation bits (sums mod 2^32: at most 4096 agents a round at 20)
+    secure_neighbours: int = 0  # masking neighbours per agent (0 = 2⌈log₂ n⌉)
+    secure_threshold: float = 0.5  # shares to rebuild a secret: more than this fraction of its holders
+    secure_stage_timeout: float = 0.0  # seconds for each key, share and unmasking stage (0: min(30, round_timeout/6))
 
 
 _SCREEN_RULE = {"median": "n > 2f", "trimmed_mean": "n >= 2f + 1", "krum": "n > 2f + 2"}

@@ -255,16 +255,35 @@ def run_demo(
     keep: bool = False,
     report_dir: Path | None = None,
     console: Console | None = None,
+    secure: bool = False,
+    figures: dict[str, Any] | None = None,
 ) -> int:
+    """FedAvg on digits. ``secure``: with secure aggregation, after a plain run of the
+    same federation, and both side by side (accuracy, seconds and bytes per round).
+    ``figures`` receives this run's accuracy and per-round cost."""
     import torch
 
     from fedagent.tasks.base import load_task, set_weights
 
     console = console or Console()
     _need_agents(agents)
+    plain: dict[str, Any] = {}
+    mine: dict[str, Any] = figures if figures is not None else {}
+    if secure:
+        console.print("[bold]secure aggregation[/]: the same federation runs twice, plain FedAvg first")
+        code = run_demo(agents=agents, rounds=rounds, alpha=alpha, keep=keep, console=console, figures=plain)
+        if code != 0:
+            return code
     torch.set_num_threads(1)
-    fed = Federation(_work_dir("fedagent-demo-"), agents=agents, rounds=rounds, alpha=alpha)
+    fed = Federation(
+        _work_dir("fedagent-demo-"),
+        agents=agents,
+        rounds=rounds,
+        alpha=alpha,
+        rounds_options={"secure_aggregation": True} if secure else None,
+    )
     started = time.monotonic()
+    title = "FedAvg, secure aggregation" if secure else "FedAvg"
 
     def watch(fed: Federation) -> Watch | None:
         s = fed.status("coordinator")
@@ -280,6 +299,7 @@ def run_demo(
     def collect(fed: Federation) -> tuple[dict[str, dict[str, Any] | None], dict[str, Any], dict[str, Any]]:
         agent_status = {aid: fed.status(aid) for aid in fed.agent_ids}
         weights, meta = fed.final_weights()
+        round_costs(fed, mine)
         return agent_status, weights, meta
 
     def evaluate(collected: tuple[dict[str, dict[str, Any] | None], dict[str, Any], dict[str, Any]]) -> int:
@@ -292,12 +312,15 @@ def run_demo(
         model = task.build_model()
         set_weights(model, weights)
         federated = task.evaluate(model)["accuracy"]
+        mine["accuracy"] = federated
         epochs = rounds * LOCAL_EPOCHS
         table = Table(title="test accuracy on the held-out digits (450 images)", title_justify="left")
         table.add_column("model")
         table.add_column("training data")
         table.add_column("accuracy", justify="right")
-        table.add_row("[bold]federated (FedAvg)[/]", f"{agents} agents, never pooled", f"[bold]{federated:.3f}[/]")
+        if plain:
+            table.add_row("federated (FedAvg)", f"{agents} agents, never pooled", f"{plain['accuracy']:.3f}")
+        table.add_row(f"[bold]federated ({title})[/]", f"{agents} agents, never pooled", f"[bold]{federated:.3f}[/]")
         locals_ = []
         for i, aid in enumerate(fed.agent_ids):
             n = (agent_status.get(aid) or {}).get("num_samples", "?")
@@ -307,6 +330,8 @@ def run_demo(
         central = train_reference({"seed": SEED}, epochs)
         table.add_row("centralized", "union of all shards", f"{central:.3f}")
         console.print(table)
+        if plain:
+            console.print(masking_overhead(plain, mine))
         if report_dir is not None:
             from fedagent.report import find_histories, write_report
 
@@ -333,7 +358,7 @@ def run_demo(
         return 0 if ok else 1
 
     plan = Plan(
-        title=f"[bold]fedagent demo[/]: federation [cyan]{fed.fed}[/], {agents} agents, {rounds} FedAvg "
+        title=f"[bold]fedagent demo[/]: federation [cyan]{fed.fed}[/], {agents} agents, {rounds} {title} "
         f"rounds on UCI digits (Dirichlet alpha={alpha})",
         started=lambda fed: (
             f"broker [green]{fed.broker_uri}[/] (mutual TLS, per-agent ACL); starting the "
@@ -430,6 +455,43 @@ def run_dp_demo(
         f"Total {_elapsed(started)}."
     )
     return 0
+
+
+def round_costs(fed: Federation, into: dict[str, Any]) -> dict[str, Any]:
+    """Mean seconds and coordinator bytes (in + out) per aggregated round, from the
+    coordinator's history (read while the federation's files exist)."""
+    path = fed.work / "state" / "coordinator" / fed.coordinator_id / fed.fed / "history.jsonl"
+    rounds = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if ev.get("event") == "round" and "seconds" in ev:
+            rounds.append(ev)
+    if rounds:
+        into["round_seconds"] = sum(r["seconds"] for r in rounds) / len(rounds)
+        last = rounds[-1]
+        into["round_bytes"] = (last.get("bytes_in", 0) + last.get("bytes_out", 0)) / len(rounds)
+        bounds = [r["secure"]["error_bound"] for r in rounds if "secure" in r]
+        if bounds:
+            into["error_bound"] = max(bounds)
+    return into
+
+
+def masking_overhead(plain: dict[str, Any], secure: dict[str, Any]) -> str:
+    if "round_seconds" not in plain or "round_seconds" not in secure:
+        return "masking overhead: no round figures"
+    t = secure["round_seconds"] / max(plain["round_seconds"], 1e-9)
+    b = secure["round_bytes"] / max(plain["round_bytes"], 1.0)
+    line = (
+        f"masking overhead per round: {secure['round_seconds']:.2f}s vs {plain['round_seconds']:.2f}s "
+        f"({t:.2f}x), {secure['round_bytes'] / 1e6:.2f} MB vs {plain['round_bytes'] / 1e6:.2f} MB "
+        f"through the coordinator ({b:.2f}x)"
+    )
+    if "error_bound" in secure:
+        line += f"; quantisation error per coordinate at most {secure['error_bound']:.2g}"
+    return line
 
 
 # ---- gossip -----------------------------------------------------------------------------

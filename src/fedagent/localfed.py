@@ -63,10 +63,14 @@ class Federation:
         task: str = "digits",
         task_options: dict[str, Any] | None = None,
         privacy: dict[str, Any] | None = None,
+        rounds_options: dict[str, Any] | None = None,
     ) -> None:
+        """``rounds_options``: more ``[rounds]`` keys for the coordinator (e.g.
+        ``secure_aggregation``), over the defaults written here."""
         self.work = work
         # [privacy] of the coordinator (fedavg) or of every agent (gossip: local DP).
         self.privacy = dict(privacy) if privacy else None
+        self.rounds_options = dict(rounds_options or {})
         self.n = agents
         self.rounds = rounds
         self.alpha = alpha
@@ -141,6 +145,7 @@ class Federation:
             "lr": LR,
             "batch_size": BATCH,
             "seed": SEED,
+            **self.rounds_options,
         }
         self._write(
             "coordinator",

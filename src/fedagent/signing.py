@@ -82,6 +82,7 @@ __all__ = [
     "SteadyClock",
     "Verifier",
     "sign",
+    "sign_statement",
     "signing_digest",
 ]
 
@@ -230,6 +231,20 @@ def sign(env: Envelope, identity: Identity) -> Envelope:
         raise ValueError(f"cannot sign a message from {env.sender} as {identity.name}")
     unsigned = replace(env, cert=identity.cert_der, sig=b"")
     return replace(unsigned, sig=identity.key.sign(signing_digest(unsigned)))
+
+
+_STATEMENT_DOMAIN = b"fedagent-statement/1"
+
+
+def _statement_digest(data: bytes) -> bytes:
+    return hashlib.sha256(_STATEMENT_DOMAIN + data).digest()
+
+
+def sign_statement(identity: Identity, data: bytes) -> tuple[bytes, bytes]:
+    """``(cert, sig)`` binding ``data`` to this node, for a third party to check after a
+    relay (secure aggregation's public keys pass through the coordinator, which must not
+    be able to swap them for its own)."""
+    return identity.cert_der, identity.key.sign(_statement_digest(data))
 
 
 def _raw_key(cert: x509.Certificate) -> bytes:
@@ -502,3 +517,22 @@ class Verifier:
         elif env.kind not in UNFRESH_KINDS:
             self.replay.check(env.sender, env.seq, env.ts, now)
         return signer.role
+
+    def check_statement(self, sender: str, data: bytes, cert: bytes, sig: bytes, now: float | None = None) -> None:
+        """Raise :class:`AuthError` unless ``sig`` is ``sender``'s signature of ``data``
+        (:func:`sign_statement`) under a certificate of this federation valid now. Not a
+        frame: no freshness check (``data`` binds its own context)."""
+        now = self.clock() if now is None else now
+        if not sig or not cert:
+            raise AuthError("unsigned", f"statement of {sender} carries no signature or no certificate")
+        signer = self._signer(cert)
+        if signer.name != sender:
+            raise AuthError("certificate", f"statement signed by the certificate of {signer.name!r}, not of {sender!r}")
+        if signer.role not in SENDER_ROLES:
+            raise AuthError("certificate", f"certificate role {signer.role!r} may not sign statements")
+        if not signer.not_before <= now <= signer.not_after:
+            raise AuthError("certificate", "certificate not valid now")
+        try:
+            signer.key.verify(sig, _statement_digest(data))
+        except InvalidSignature:
+            raise AuthError("signature", f"statement of {sender} does not match its signature") from None

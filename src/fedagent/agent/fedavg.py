@@ -51,6 +51,19 @@ from fedagent.protocols.participant import (
     Train,
     TrainingDone,
 )
+from fedagent.protocols.secagg import (
+    SecAggAgent,
+    SecAggError,
+    SecAggMasked,
+    SecAggMessage,
+    SecAggReveal,
+    SecAggRoster,
+    SecAggShareBox,
+    SecAggStart,
+    SecAggUnmask,
+    flatten,
+)
+from fedagent.signing import AuthError, sign_statement
 from fedagent.tasks.base import Weights, get_weights, set_weights
 
 log = logging.getLogger("fedagent.agent")
@@ -83,6 +96,17 @@ class FedAvgSession(Session):
         self.dp_rounds = 0  # rounds whose update left with this agent's share of DP noise
         # (round, global weights, train config) being trained
         self._base: tuple[int, Weights, TrainConfig] | None = None
+        identity = self.messenger.identity
+        self.secagg = SecAggAgent(
+            self.cfg.id, sign=lambda data: sign_statement(identity, data), verify=self._verify_statement
+        )
+        self.secure_round = 0  # the latest round that asked for secure aggregation
+
+    def _verify_statement(self, name: str, data: bytes, cert: bytes, sig: bytes) -> None:
+        try:
+            self.messenger.verifier.check_statement(name, data, cert, sig)
+        except AuthError as exc:
+            raise SecAggError(f"the keys of {name} are not signed by {name}: {exc}") from None
 
     def prepare_update(self, weights: Weights, base: Weights, train: TrainConfig) -> Weights:
         """The trained weights as they are about to leave this agent (plain, or before
@@ -117,6 +141,7 @@ class FedAvgSession(Session):
             topics.broadcast(self.fed, "round_result"),
             topics.broadcast(self.fed, "model"),
             topics.broadcast(self.fed, "vocabulary"),
+            topics.broadcast(self.fed, "secagg_start"),
             topics.inbox(self.fed, self.cfg.id),
             topics.all_presence(self.fed),
         ]
@@ -194,6 +219,19 @@ class FedAvgSession(Session):
             return
         if self.to_service(inc):
             return
+        if isinstance(msg, SecAggStart):
+            if inc.role != "coordinator" or not inc.topic.startswith(topics.federation_root(self.fed) + "/global/"):
+                return self.messenger._reject("role", inc.sender, "secagg_start not broadcast by a coordinator")
+            self.coordinator = inc.sender
+            if msg.round > self.secure_round:
+                self.secure_round = msg.round
+            await self._secagg_send(self.secagg.on_round_start(msg.round, msg.selected, msg.setup))
+            return
+        if isinstance(msg, (SecAggRoster, SecAggShareBox, SecAggUnmask)):
+            if inc.role != "coordinator" or inc.sender != self.coordinator:
+                return self.messenger._reject("role", inc.sender, f"{msg.kind} not from the coordinator")
+            await self._secagg_send(await asyncio.to_thread(self.secagg.on_message, msg))
+            return
         if isinstance(msg, Vocabulary):
             if not inc.topic.startswith(topics.federation_root(self.fed) + "/global/") or inc.role != "coordinator":
                 return self.messenger._reject("role", inc.sender, "a vocabulary not broadcast by a coordinator")
@@ -234,7 +272,43 @@ class FedAvgSession(Session):
                 self._evaluate_once(msg.weights, msg.model_version)
             if isinstance(msg, RoundResult) and msg.round >= self.latest_round:
                 self.round_state = "aggregated" if msg.aggregated else f"abandoned: {msg.reason}"
+            if isinstance(msg, RoundStart) and msg.secagg is not None and msg.round > self.secure_round:
+                # Keys are exchanged while the model trains.
+                self.secure_round = msg.round
+                await self._secagg_send(self.secagg.on_round_start(msg.round, msg.selected, msg.secagg))
             await self._apply(self.participant.handle(msg))
+
+    async def _secagg_send(self, msgs: list[SecAggMessage]) -> None:
+        if self.secagg.error:
+            log.warning("round %d: secure aggregation stopped here: %s", self.secagg.round, self.secagg.error)
+            self.round_state = f"secure aggregation stopped: {self.secagg.error}"
+            self.secagg.error = ""
+        if self.coordinator is None:
+            return
+        for m in msgs:
+            topic = topics.direct(self.fed, self.cfg.id, self.coordinator, m.kind)
+            try:
+                n = await self.messenger.send(topic, m, round_=m.round)
+            except TransportError as exc:
+                if exc.exit_code == EXIT_CONFIG:
+                    raise
+                log.warning("round %d: %s not delivered (%s)", m.round, m.kind, exc)
+                return
+            if isinstance(m, SecAggReveal) and m.refused:
+                log.warning("round %d: refused to reveal shares: %s", m.round, m.refused)
+            if isinstance(m, SecAggMasked):
+                self.round_state = "masked update sent"
+                self.history.append(
+                    {
+                        "event": "update",
+                        "round": m.round,
+                        "secure": True,
+                        "bytes": n,
+                        "bytes_in": self.messenger.bytes_in,
+                        "bytes_out": self.messenger.bytes_out,
+                    }
+                )
+                log.info("round %d: masked update sent (%d bytes)", m.round, n)
 
     async def _offer_vocabulary(self) -> None:
         if self.coordinator is None:
@@ -339,6 +413,14 @@ class FedAvgSession(Session):
             # settings the update cannot be clipped and noised, so it is not sent.
             log.warning("round %d: update without its round's DP settings; not sent", cmd.update.round)
             return
+        if cmd.update.round == self.secure_round:
+            # Never sent in the clear: masked, or not at all.
+            if base is None or train is None:
+                log.warning("round %d: no base model for the masked update; not sent", cmd.update.round)
+                return
+            self.agent.metrics.round_completed(None, cmd.update.metrics)
+            await self._secagg_send(await asyncio.to_thread(self._secure_input, cmd, base, train))
+            return
         if base is not None and train is not None:
             cmd = SendUpdate(replace(cmd.update, weights=self.prepare_update(cmd.update.weights, base, train)))
         try:
@@ -380,6 +462,20 @@ class FedAvgSession(Session):
             cmd.update.round,
             n,
             ", ".join(f"{k}={v:.4f}" for k, v in cmd.update.metrics.items()),
+        )
+
+    def _secure_input(self, cmd: SendUpdate, base: Weights, train: TrainConfig) -> list[SecAggMessage]:
+        """The masked update, if the share box is in (else held until it is): worker thread."""
+        u = cmd.update
+        _, new = flatten(self.prepare_update(u.weights, base, train))
+        _, old = flatten(base)
+        return self.secagg.on_trained(
+            u.round,
+            new - old,
+            base_version=u.base_version,
+            num_samples=u.num_samples,
+            metrics=u.metrics,
+            leaving=u.leaving,
         )
 
     async def _train(self, cmd: Train) -> None:

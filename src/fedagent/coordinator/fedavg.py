@@ -17,6 +17,7 @@ from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedagent import checkpoint
@@ -42,7 +43,9 @@ from fedagent.protocols.messages import (
     Update,
     VocabOffer,
 )
-from fedagent.protocols.streaming import STREAM_KIND, StreamEvent, UpdatePart
+from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
+from fedagent.protocols.secagg import SecAggMasked, SecAggParams, SecAggStart
+from fedagent.protocols.streaming import STREAM_KIND, StreamEvent, UpdateHead, UpdatePart
 from fedagent.roundjournal import InFlight, RoundJournal
 from fedagent.signing import CHUNK_KIND
 from fedagent.statefile import atomic_write, read_bytes
@@ -82,6 +85,20 @@ def round_config(cfg: NodeConfig) -> R.RoundConfig:
                 "updates (the median, trimmed mean and Krum read every update at once; clipping "
                 "needs an update's norm before any of it is added): remove stream_updates"
             )
+        secure = None
+        if r.secure_aggregation:
+            if cfg.stream_updates:
+                raise ValueError(
+                    "[transfer] stream_updates = true, but secure aggregation sends each update as one "
+                    "masked vector (a part of it means nothing until every mask is off): remove stream_updates"
+                )
+            secure = SecAggParams(
+                clip=r.secure_clip,
+                bits=r.secure_bits,
+                neighbours=r.secure_neighbours,
+                threshold=r.secure_threshold,
+                min_survivors=max(2, r.min_updates),
+            )
         stream = strategy.streams if cfg.stream_updates is None else cfg.stream_updates
         dp = None
         if cfg.privacy is not None:
@@ -107,6 +124,8 @@ def round_config(cfg: NodeConfig) -> R.RoundConfig:
             lr_schedule=r.lr_schedule,
             strategy=strategy,
             dp=dp,
+            secure=secure,
+            secure_stage_timeout=r.secure_stage_timeout,
             train=TrainConfig(
                 epochs=r.local_epochs,
                 lr=r.lr,
@@ -225,6 +244,9 @@ class FedAvgMode:
         m = self.machine
         if (
             inflight is not None
+            # A secure round's keys and shares died with the process: it is not resumed
+            # (a new round starts, with new keys).
+            and m.config.secure is None
             and m.phase is R.Phase.WAITING
             and inflight.round == m.round
             and inflight.model_version == m.model_version
@@ -276,6 +298,36 @@ class FedAvgMode:
                 }
             )
 
+    def _record_received(self, inc: Incoming) -> None:
+        """In a secure federation, a line of history per update-bearing message received:
+        what the coordinator held (kind, size and, for a masked vector, the share of its
+        values inside the quantised range: about 2^(bits-32) when masked, 1 when not)."""
+        if self.machine is None or self.machine.config.secure is None:
+            return
+        msg = inc.message
+        line: dict[str, Any] = {
+            "event": "received",
+            "kind": msg.kind,
+            "sender": inc.sender,
+            "round": getattr(msg, "round", None),
+            "bytes": inc.nbytes,
+        }
+        if isinstance(msg, SecAggMasked) and msg.masked.size:
+            line["in_quantised_range"] = round(float(np.mean(msg.masked <= self.machine.config.secure.levels)), 6)
+        self.core.history.append(line)
+
+    def _secure_record(self) -> dict[str, Any]:
+        res = self.machine.secure_result if self.machine is not None else None
+        if res is None:
+            return {}
+        return {
+            "secure": {
+                "error_bound": res.error_bound,
+                "dropped_before_input": list(res.dropped_before_input),
+                "silent_at_unmask": list(res.silent_at_unmask),
+            }
+        }
+
     def _vocab_rejected(self, sender: str, reason: str, detail: str) -> None:
         self.core.reject(sender, reason, detail, round=0)
 
@@ -324,7 +376,15 @@ class FedAvgMode:
                 self._vocab_rejected(inc.sender, "role", f"a vocabulary offer signed by a {inc.role or 'non-agent'}")
                 return
             await self._vocab_agreed(await self.vocab.offer(inc.sender, msg.terms, msg.counts, now))
+        elif isinstance(msg, SECAGG_MESSAGES) and not isinstance(msg, SecAggStart):
+            if inc.role != "agent":
+                self.core.messenger._reject("role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-agent'}")
+                return
+            self._record_received(inc)
+            if self.machine is not None:
+                await self._handle(R.SecAggReceived(inc.sender, msg))
         elif isinstance(msg, Update):
+            self._record_received(inc)
             if inc.role != "agent":
                 # As for streams (messaging): only an agent's certificate may submit an update.
                 self.core.messenger._reject("role", inc.sender, f"update signed by a {inc.role or 'non-agent'}")
@@ -412,6 +472,11 @@ class FedAvgMode:
             else None,
             "stop_reason": m.get("stop_reason") or None,
             "journal": self.journal.status(),
+            "secure_aggregation": (
+                self.machine.secagg.status()
+                if self.machine is not None and self.machine.secagg is not None
+                else (self.machine is not None and self.machine.config.secure is not None) or None
+            ),
         }
 
     def refresh_metrics(self, m: NodeMetrics) -> None:
@@ -469,6 +534,10 @@ class FedAvgMode:
         for ev in events:
             if isinstance(ev, UpdatePart):
                 self._stream_bytes += ev.values.nbytes
+            elif isinstance(ev, UpdateHead) and self.machine is not None and self.machine.config.secure is not None:
+                self.core.history.append(
+                    {"event": "received", "kind": "ustream", "sender": ev.sender, "round": ev.round}
+                )
             await self.core.queue.put(ev)
         # The chunk is acknowledged when this returns: holding it while too many parts
         # wait keeps the backlog at the broker (Receive Maximum), bounding this process.
@@ -521,10 +590,25 @@ class FedAvgMode:
                 ", ".join(cmd.selected),
             )
             sdnotify.status(f"round {cmd.round}: training on {len(cmd.selected)} agents")
+            if cmd.secagg is not None:
+                await core.messenger.send(
+                    topics.broadcast(fed, "secagg_start"),
+                    SecAggStart(cmd.round, cmd.selected, cmd.secagg),
+                    round_=cmd.round,
+                )
             await core.messenger.send(
                 topics.broadcast(fed, "round_start"),
-                RoundStart(cmd.round, cmd.model_version, cmd.selected, cmd.deadline_s, cmd.train, cmd.weights),
+                RoundStart(
+                    cmd.round, cmd.model_version, cmd.selected, cmd.deadline_s, cmd.train, cmd.weights, cmd.secagg
+                ),
                 round_=cmd.round,
+            )
+        elif isinstance(cmd, R.SendSecAgg):
+            await core.messenger.send(
+                # The message's own round: the machine may have started the next one already.
+                topics.direct(fed, self.cfg.id, cmd.to, cmd.message.kind),
+                cmd.message,
+                round_=cmd.message.round,
             )
         elif isinstance(cmd, R.RoundAggregated):
             took = time.monotonic() - (self.round_started_at or time.monotonic())
@@ -559,6 +643,7 @@ class FedAvgMode:
                     "bytes_in": core.messenger.bytes_in,
                     "bytes_out": core.messenger.bytes_out,
                     **({"privacy": cmd.privacy} if cmd.privacy is not None else {}),
+                    **self._secure_record(),
                 }
             )
             await self._journal(None)  # after the checkpoint: its updates are in the model now

@@ -18,6 +18,8 @@ import numpy as np
 
 from fedagent.errors import CodecError
 from fedagent.protocols.codec import Limits, decode_weights, encode_weights
+from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
+from fedagent.protocols.secagg import SecAggMessage, SecAggSetup
 from fedagent.protocols.topics import is_valid_name
 from fedagent.protocols.vocab import VocabError, check_counts, vocabulary_digest
 
@@ -220,9 +222,10 @@ class RoundStart:
     deadline_s: float
     train: TrainConfig
     weights: Weights = field(repr=False)
+    secagg: SecAggSetup | None = None  # a secure round (protocols/secagg.py)
 
     def to_body(self) -> dict[str, Any]:
-        return {
+        body = {
             "round": self.round,
             "model_version": self.model_version,
             "selected": list(self.selected),
@@ -230,6 +233,9 @@ class RoundStart:
             "train": self.train.to_body(),
             "weights": encode_weights(self.weights),
         }
+        if self.secagg is not None:
+            body["secagg"] = self.secagg.to_body()
+        return body
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> RoundStart:
@@ -244,6 +250,7 @@ class RoundStart:
             deadline_s=float(deadline),
             train=TrainConfig.from_body(_need(body, "train", dict, w)),
             weights=decode_weights(_need(body, "weights", dict, w), limits),
+            secagg=SecAggSetup.from_body(body["secagg"]) if "secagg" in body else None,
         )
 
 
@@ -905,6 +912,7 @@ Message = (
     | PublicVectorsRequest
     | PublicVectors
     | Heartbeat
+    | SecAggMessage
 )
 
 # The fixed table from an envelope kind to the class that validates its body.
@@ -930,6 +938,7 @@ KINDS: dict[str, type[Message]] = {
         SearchAnswer,
         PublicVectorsRequest,
         PublicVectors,
+        *SECAGG_MESSAGES,
     )
 }
 

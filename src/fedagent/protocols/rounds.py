@@ -49,6 +49,7 @@ from enum import Enum
 
 import numpy as np
 
+from fedagent.protocols import secagg as SA
 from fedagent.protocols.aggregation import (
     Plan,
     Strategy,
@@ -80,6 +81,12 @@ class RoundConfig:
     strategy: Strategy = field(default_factory=Strategy)
     lr_schedule: str = "constant"  # "constant" | "cosine": lr·½(1+cos(π(r−1)/rounds)) in round r
     dp: DPConfig | None = None  # differential privacy ("central" or "distributed"), see protocols/dp.py
+    secure: SA.SecAggParams | None = None  # secure aggregation (protocols/secagg.py)
+    secure_stage_timeout: float = 0.0  # each key/share/unmask stage of a secure round (0: auto)
+
+    @property
+    def stage_timeout(self) -> float:
+        return self.secure_stage_timeout or min(30.0, self.round_timeout / 6)
 
     def lr_for(self, round_: int) -> float:
         if self.lr_schedule == "constant":
@@ -116,6 +123,10 @@ class RoundConfig:
                 )
             if self.train.stream:
                 object.__setattr__(self, "train", replace(self.train, stream=False))
+        if self.secure is not None:
+            check_secure(self)
+            if self.train.stream:
+                object.__setattr__(self, "train", replace(self.train, stream=False))
         if not self.strategy.streams:
             # A robust aggregator or clip_norm needs each update whole: the round tells
             # the agents so (an agent never guesses the coordinator's strategy).
@@ -128,6 +139,44 @@ class RoundConfig:
                 )
             if self.train.stream:
                 object.__setattr__(self, "train", replace(self.train, stream=False))
+
+
+def check_secure(cfg: RoundConfig) -> None:
+    """Refuse (ValueError) what cannot be combined with secure aggregation: the
+    coordinator sees only the sum, so nothing that reads one update can run."""
+    st = cfg.strategy
+    if st.robust:
+        raise ValueError(
+            f"secure aggregation hides each update, and aggregation {st.name!r} reads every update "
+            "(a median, trimmed mean or Krum needs them one by one): use aggregation = 'fedavg'"
+        )
+    if st.name != "fedavg":
+        raise ValueError(
+            f"secure aggregation weighs updates by their samples; aggregation {st.name!r} weighs or drops "
+            "them by a metric the sum no longer shows: use aggregation = 'fedavg'"
+        )
+    if st.clip_norm is not None or cfg.max_norm is not None:
+        raise ValueError(
+            "secure aggregation hides each update's norm: clip_norm and max_norm cannot be checked by the "
+            "coordinator (clip on the agents instead: the privacy clipping stage runs before masking)"
+        )
+    if cfg.train.compression != "none":
+        raise ValueError(
+            f"compression = {cfg.train.compression!r} cannot be combined with secure aggregation: masked "
+            "values are uniform 32-bit integers (nothing to compress), and top-k updates with different "
+            "supports cannot be summed under masks; the quantisation (secure_bits) is the compression"
+        )
+    if cfg.dp is not None and (cfg.dp.mode != "distributed" or cfg.dp.adaptive):
+        raise ValueError(
+            "secure aggregation combines with differential privacy in mode 'distributed' with a fixed clip "
+            "only: central DP and adaptive clipping clip each update at the coordinator, which sees only the "
+            "sum (set [privacy] mode = 'distributed', adaptive = false)"
+        )
+    if cfg.secure_stage_timeout < 0 or cfg.stage_timeout * 3 > cfg.round_timeout:
+        raise ValueError(
+            "secure_stage_timeout must be at most a third of round_timeout (keys, shares and unmasking "
+            "each get one; training gets the rest), or 0 for min(30 s, round_timeout / 6)"
+        )
 
 
 # ---- events ------------------------------------------------------------------------
@@ -158,7 +207,15 @@ class Wakeup:
     pass
 
 
-Event = AgentOnline | AgentOffline | UpdateReceived | Wakeup | UpdateHead | UpdatePart | UpdateEnd
+@dataclass(frozen=True, slots=True)
+class SecAggReceived:
+    """A secure-aggregation message from an agent (its certificate's name)."""
+
+    sender: str
+    message: SA.SecAggMessage
+
+
+Event = AgentOnline | AgentOffline | UpdateReceived | Wakeup | UpdateHead | UpdatePart | UpdateEnd | SecAggReceived
 
 
 @dataclass(slots=True)
@@ -182,6 +239,7 @@ class StartRound:
     train: TrainConfig
     deadline_s: float
     resumed: bool = False  # the same round again after a restart (see RoundMachine.resume)
+    secagg: SA.SecAggSetup | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +282,15 @@ class Finished:
     reason: str = ""  # why before the configured rounds (the privacy budget)
 
 
-Command = StartRound | RoundAggregated | RoundAbandoned | Rejected | RequestWakeup | Finished
+@dataclass(frozen=True, slots=True)
+class SendSecAgg:
+    """Send a secure-aggregation message to one agent's inbox."""
+
+    to: str
+    message: SA.SecAggMessage
+
+
+Command = StartRound | RoundAggregated | RoundAbandoned | Rejected | RequestWakeup | Finished | SendSecAgg
 
 
 class Phase(str, Enum):
@@ -279,6 +345,8 @@ class RoundMachine:
             self.accountant = Accountant.from_state(config.dp.delta, state.get("releases", []))
             clip = state.get("clip_norm")
             self.clip = ClipBound(config.dp, float(clip) if isinstance(clip, int | float) and clip > 0 else 0.0)
+        self.secagg: SA.SecAggServer | None = None  # the secure round in progress
+        self.secure_result: SA.Unmasked | None = None  # of the last secure round aggregated
 
     # -- public ------------------------------------------------------------------------
     def handle(self, event: Event, now: float) -> list[Command]:
@@ -296,6 +364,8 @@ class RoundMachine:
         if isinstance(event, AgentOffline):
             self.online.pop(event.agent, None)
             self.departed.discard(event.agent)
+            if self.phase is Phase.TRAINING and self.secagg is not None:
+                return self._secure(self.secagg.handle(SA.Gone(event.agent), now), now)
             if self.phase is Phase.TRAINING:
                 fl = self.inflight.get(event.agent)
                 if fl is not None:
@@ -306,7 +376,17 @@ class RoundMachine:
             return []
         if isinstance(event, UpdateReceived):
             return self._on_update(event, now)
+        if isinstance(event, SecAggReceived):
+            if self.secagg is None:
+                msg = event.message
+                return [Rejected(event.sender, getattr(msg, "round", 0), "stale", f"{msg.kind} outside a secure round")]
+            return self._secure(self.secagg.handle(SA.Received(event.sender, event.message), now), now)
         if isinstance(event, Wakeup):
+            if self.phase is Phase.TRAINING and self.secagg is not None:
+                out = self._secure(self.secagg.handle(SA.Tick(), now), now)
+                if self.secagg is not None and not any(isinstance(c, RequestWakeup) for c in out):
+                    out.append(RequestWakeup(self.secagg.deadline))
+                return out
             if self.phase is Phase.TRAINING:
                 out = self._maybe_finish(now)
                 if self.phase is Phase.TRAINING and not any(isinstance(c, RequestWakeup) for c in out):
@@ -403,8 +483,11 @@ class RoundMachine:
             agents = [a for a in agents if a not in self.benched]
         self.benched = set()
         population = len(agents)
-        if cfg.agents_per_round and cfg.agents_per_round < len(agents):
-            agents = sorted(self._rng.sample(agents, cfg.agents_per_round))
+        limit = cfg.agents_per_round
+        if cfg.secure is not None:  # more inputs than this would wrap the masked sum
+            limit = min(limit or cfg.secure.max_agents, cfg.secure.max_agents)
+        if limit and limit < len(agents):
+            agents = sorted(self._rng.sample(agents, limit))
         q = len(agents) / population
         why = self._over_budget(len(agents), q)
         if why:
@@ -459,6 +542,26 @@ class RoundMachine:
             self._ref_sq = sum(
                 float(np.square(w, dtype=np.float64).sum()) for w in self.weights.values() if w.dtype.kind == "f"
             )
+        setup = None
+        wake = self.deadline
+        if cfg.secure is not None:
+            # The secure round ends itself (every stage has a deadline); the round's own
+            # deadline is the masked inputs'.
+            # DP-FedAvg weighs every update equally (its noise is calibrated so): W = 1.
+            top = 1 if cfg.dp is not None else max(1, *(self.online[a] for a in agents))
+            setup = SA.SecAggSetup(cfg.secure, self._rng.randbytes(16), top)
+            self.secagg = SA.SecAggServer(
+                self.round,
+                agents,
+                setup,
+                SA.layout_size(self.weights),
+                now=now,
+                stage_timeout=cfg.stage_timeout,
+                input_deadline=now + cfg.round_timeout - cfg.stage_timeout,
+                online=set(self.online),
+            )
+            self.deadline = math.inf
+            wake = self.secagg.deadline
         return [
             StartRound(
                 self.round,
@@ -468,8 +571,9 @@ class RoundMachine:
                 train,
                 cfg.round_timeout,
                 resumed,
+                setup,
             ),
-            RequestWakeup(self.deadline),
+            RequestWakeup(wake),
         ]
 
     # -- collecting --------------------------------------------------------------------
@@ -477,6 +581,8 @@ class RoundMachine:
         def reject(reason: str, detail: str) -> list[Command]:
             return [Rejected(ev.sender, ev.round, reason, detail)]
 
+        if self.config.secure is not None:
+            return reject("secure", "plain update in a federation with secure aggregation (never aggregated)")
         if self.phase is not Phase.TRAINING or ev.round != self.round:
             return reject("stale", f"update for round {ev.round}, current round {self.round} ({self.phase.value})")
         if ev.sender not in self.selected:
@@ -505,6 +611,8 @@ class RoundMachine:
             self.ignored.add((ev.sender, ev.tid))
             return [Rejected(ev.sender, ev.round, reason, detail)]
 
+        if self.config.secure is not None:
+            return reject("secure", "plain update in a federation with secure aggregation (never aggregated)")
         if self.phase is not Phase.TRAINING or ev.round != self.round:
             return reject("stale", f"update for round {ev.round}, current round {self.round} ({self.phase.value})")
         if ev.sender not in self.selected:
@@ -603,6 +711,8 @@ class RoundMachine:
         return self._maybe_finish(now)
 
     def _maybe_finish(self, now: float) -> list[Command]:
+        if self.secagg is not None:
+            return []  # a secure round ends by its own stages
         # Set-based and stopping at the first agent still owed: O(1) per update in the
         # usual case instead of a scan of every selected agent (O(N²) per round).
         waiting = any(a in self.online for a in self._outstanding)
@@ -669,7 +779,87 @@ class RoundMachine:
             out += self._maybe_start(now)
         return out
 
+    # -- secure rounds -----------------------------------------------------------------
+    def _secure(self, cmds: list[SA.ServerCommand], now: float) -> list[Command]:
+        out: list[Command] = []
+        for c in cmds:
+            if isinstance(c, SA.Send):
+                out.append(SendSecAgg(c.to, c.message))
+            elif isinstance(c, SA.Refused):
+                out.append(Rejected(c.sender, self.round, c.reason, c.detail))
+            elif isinstance(c, SA.Wake):
+                out.append(RequestWakeup(c.at))
+            elif isinstance(c, SA.Unmasked):
+                out += self._aggregate_secure(c, now)
+            elif isinstance(c, SA.Failed):
+                out.append(RoundAbandoned(self.round, self.model_version, f"secure aggregation: {c.reason}"))
+                self._end_round()
+                self.phase = Phase.WAITING
+                self.quorum_since = None
+                out += self._maybe_start(now)
+        return out
+
+    def after_unmask(self, mean: np.ndarray, result: SA.Unmasked) -> np.ndarray:
+        """Hook: the unmasked mean update (flat, :func:`~fedagent.protocols.secagg.flatten`
+        order) before it is added to the model. The identity here; a privacy stage
+        (noise, accounting) applies itself to the sum at this point."""
+        return mean
+
+    def _aggregate_secure(self, res: SA.Unmasked, now: float) -> list[Command]:
+        """The unmasked mean update becomes the next model: global + mean of the deltas
+        (floating tensors; the others keep the global model's values)."""
+        layout, base = SA.flatten(self.weights)
+        mean = self.after_unmask(res.mean, res)
+        new = dict(self.weights)
+        new.update(SA.unflatten(layout, base + mean, self.weights))
+        self.weights = new
+        self.model_version += 1
+        self.completed += 1
+        self.secure_result = res
+        self.received = {a: (c.num_samples, dict(c.metrics)) for a, c in res.contributors.items()}
+        for a, c in res.contributors.items():
+            if c.leaving:
+                self.departing.add(a)
+        self.last_metrics = weighted_metrics([(m, n) for n, m in self.received.values()])
+        participants = tuple(sorted(res.contributors))
+        assert self.secagg is not None
+        setup = self.secagg.setup
+        used = {a: setup.ratio(res.contributors[a].num_samples) / res.weight_sum for a in participants}
+        final = self.completed >= self.config.rounds
+        why = ""
+        if self.config.dp is not None:
+            # Distributed DP (check_secure allows no other): the agents noised their
+            # updates before masking; the release is charged as for a plain round.
+            assert self.accountant is not None
+            self.accountant.spend(self._release(len(self.selected), len(res.contributors), self._round_q))
+            if not final:
+                why = self._over_budget(len(self.selected), self._round_q)
+                final = bool(why)
+        out: list[Command] = [
+            RoundAggregated(
+                self.round,
+                self.model_version,
+                self.weights,
+                participants,
+                dict(self.last_metrics),
+                final,
+                used,
+                privacy=self.privacy(),
+            )
+        ]
+        self._end_round()
+        if final:
+            self.phase = Phase.DONE
+            self.stop_reason = why
+            out.append(Finished(self.model_version, self.weights, why))
+        else:
+            self.phase = Phase.WAITING
+            self.quorum_since = -math.inf
+            out += self._maybe_start(now)
+        return out
+
     def _end_round(self) -> None:
+        self.secagg = None
         self._acc = None
         self.inflight = {}
         self.deadline = math.inf

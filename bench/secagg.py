@@ -1,0 +1,190 @@
+"""Secure aggregation against plain FedAvg: per-round time and bytes, same run.
+
+The ``round`` section's set-up (a private Mosquitto with mutual TLS, this process as
+the coordinator, ten ``bench/fed_agent.py`` processes, training off), and rounds that
+alternate between plain FedAvg (the ``round`` section's round) and a secure round:
+the coordinator runs :class:`~fedagent.protocols.secagg.SecAggServer` and relays the
+stages over the agents' inboxes; each agent (``fed_agent.py``) advertises signed keys,
+seals its shares, masks an update of 0.001 per coordinate and reveals shares. The
+round ends when the unmasked mean is known; it is checked against 0.001 within the
+stated quantisation bound. Bytes are the coordinator's (in + out) for the round: every
+byte of a round passes through it.
+
+    .venv/bin/python bench/run.py --only secagg [--quick] [--params 1.1e6] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import numpy as np
+
+from bench.env import COORDINATOR, FEDERATION, bench_broker, mb, model_sizes
+from bench.fed_agent import BENCH_DELTA
+from bench.registry import Context, Row, section, summary
+from bench.round import ROUND_TIMEOUT, FedRounds, proc_cpu
+from fedagent.node.messaging import Incoming
+from fedagent.protocols import secagg as SA
+from fedagent.protocols import topics
+from fedagent.protocols.messages import RoundStart, TrainConfig
+
+AGENTS = 10
+
+
+class SecureRounds(FedRounds):
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.secagg_in: asyncio.Queue[tuple[str, SA.SecAggMessage]] = asyncio.Queue()
+
+    async def _deliver(self, inc: Incoming) -> None:
+        if isinstance(inc.message, SA.MESSAGES):
+            self.secagg_in.put_nowait((inc.sender, inc.message))
+        else:
+            await super()._deliver(inc)
+
+    def _bytes(self) -> int:
+        return self.messenger.bytes_in + self.messenger.bytes_out
+
+    def _cpu(self) -> float:
+        return time.process_time() + proc_cpu([p.pid for p in self.procs])
+
+    async def plain_round(self, r: int) -> tuple[float, int, float]:
+        """(seconds, coordinator bytes, CPU seconds of coordinator + agents)."""
+        b0 = self._bytes()
+        t, cpu, _ = await self.round(r)
+        return t, self._bytes() - b0, cpu
+
+    async def secure_round(self, r: int, params: SA.SecAggParams) -> tuple[float, int, float, dict[str, float]]:
+        """(seconds, coordinator bytes, CPU seconds, seconds per stage) of one secure round."""
+        b0 = self._bytes()
+        c0 = self._cpu()
+        t0 = time.perf_counter()
+        setup = SA.SecAggSetup(params, os.urandom(16), 1)
+        server = SA.SecAggServer(
+            r,
+            self.agents,
+            setup,
+            SA.layout_size(self.weights),
+            now=time.monotonic(),
+            stage_timeout=ROUND_TIMEOUT / 3,
+            input_deadline=time.monotonic() + ROUND_TIMEOUT,
+        )
+        start = RoundStart(
+            round=r,
+            model_version=r - 1,
+            selected=tuple(self.agents),
+            deadline_s=600,
+            train=TrainConfig(stream=False),
+            weights=self.weights,
+            secagg=setup,
+        )
+        # As the coordinator daemon does: the small setup first, so the key and share
+        # stages run while the model is on its way.
+        await self.messenger.send(
+            topics.broadcast(FEDERATION, "secagg_start"), SA.SecAggStart(r, tuple(self.agents), setup), round_=r
+        )
+        sending = asyncio.create_task(self.messenger.send(topics.broadcast(FEDERATION, "round_start"), start, round_=r))
+        cmds: list[SA.ServerCommand] = server.start()
+        stages: dict[str, float] = {}
+        stage, since = server.stage, time.perf_counter()
+        result: SA.Unmasked | None = None
+        while result is None:
+            for c in cmds:
+                if isinstance(c, SA.Send):
+                    await self.messenger.send(
+                        topics.direct(FEDERATION, COORDINATOR, c.to, c.message.kind), c.message, round_=r
+                    )
+                elif isinstance(c, SA.Unmasked):
+                    result = c
+                elif isinstance(c, SA.Failed):
+                    raise RuntimeError(f"secure round {r} failed: {c.reason}")
+                elif isinstance(c, SA.Refused) and c.reason != "stale":
+                    # (stale: shares of an earlier round, sent after its masks were off)
+                    self.log(f"secure round {r}: {c.sender} {c.reason}: {c.detail}")
+            if server.stage != stage:
+                stages[stage] = time.perf_counter() - since
+                stage, since = server.stage, time.perf_counter()
+            if result is not None:
+                break
+            try:
+                sender, msg = await asyncio.wait_for(self.secagg_in.get(), ROUND_TIMEOUT)
+            except TimeoutError:
+                cmds = server.handle(SA.Tick(), time.monotonic())
+                continue
+            cmds = await asyncio.to_thread(server.handle, SA.Received(sender, msg), time.monotonic())
+        await sending
+        elapsed = time.perf_counter() - t0
+        err = float(np.abs(result.mean - BENCH_DELTA).max())
+        if err > result.error_bound + 1e-12:
+            raise RuntimeError(f"unmasked mean off by {err:.3g}, bound {result.error_bound:.3g}")
+        return elapsed, self._bytes() - b0, self._cpu() - c0, stages
+
+
+async def _measure(bb, params: int, repeats: int, log) -> dict:
+    fed = SecureRounds(bb, params, log)
+    sp = SA.SecAggParams()
+    try:
+        await fed.start()
+        await fed.plain_round(1)  # warm-up
+        await fed.secure_round(2, sp)
+        keys = ("plain", "secure", "plain_bytes", "secure_bytes", "plain_cpu", "secure_cpu", "stages")
+        res: dict[str, list] = {k: [] for k in keys}
+        r = 3
+        for i in range(repeats):
+            t, b, c = await fed.plain_round(r)
+            ts, bs, cs, stages = await fed.secure_round(r + 1, sp)
+            r += 2
+            for k, v in zip(keys, (t, ts, b, bs, c, cs, stages), strict=True):
+                res[k].append(v)
+            log(
+                f"{mb(params)} round {i + 1}/{repeats}: plain {t:.2f} s {b / 1e6:.1f} MB CPU {c:.2f} s, secure "
+                f"{ts:.2f} s {bs / 1e6:.1f} MB CPU {cs:.2f} s ({', '.join(f'{k} {v:.2f} s' for k, v in stages.items())})"
+            )
+        return res
+    finally:
+        await fed.stop()
+
+
+@section("secagg")
+def secure_aggregation(ctx: Context, agents: int = AGENTS) -> list[Row]:
+    rows = []
+    with bench_broker(ctx, ctx.work / "secagg", agents) as bb:
+        for params in model_sizes(ctx):
+            res = asyncio.run(_measure(bb, params, ctx.repeats, ctx.log))
+            sec_med, sec_max = summary(res["secure"])
+            pl_med, pl_max = summary(res["plain"])
+            stage_med = {k: summary([s.get(k, 0.0) for s in res["stages"]])[0] for k in res["stages"][0]}
+            rows.append(
+                Row(
+                    "secagg",
+                    f"secure FedAvg round (SecAgg+), TLS, {agents} agents, {mb(params)} (median)",
+                    sec_med,
+                    "plain fedagent FedAvg round (median)",
+                    pl_med,
+                    note=f"goal <= 1.5x; max {sec_max:.2f} s vs {pl_max:.2f} s; n={len(res['secure'])}; stages "
+                    + ", ".join(f"{k} {v:.2f} s" for k, v in stage_med.items()),
+                )
+            )
+            rows.append(
+                Row(
+                    "secagg",
+                    f"CPU of coordinator + {agents} agents per secure round, {mb(params)} (median)",
+                    summary(res["secure_cpu"])[0],
+                    "per plain round (median)",
+                    summary(res["plain_cpu"])[0],
+                    note="client side only (excludes the broker); less disturbed by other work than wall time",
+                )
+            )
+            rows.append(
+                Row(
+                    "secagg",
+                    f"coordinator bytes per secure round, {mb(params)} (median)",
+                    summary(res["secure_bytes"])[0],
+                    "per plain round (median)",
+                    summary(res["plain_bytes"])[0],
+                    unit="B",
+                )
+            )
+    return rows
