@@ -474,3 +474,181 @@ def test_pooled_validation_loss_is_the_sample_weighted_mean_of_the_nodes_losses(
     for bad in ({}, {"a": (1.0, 0)}, {"a": (1.0, -3), "b": (1.0, 10)}):
         with pytest.raises(ValueError):
             S.pooled_validation_loss(bad)
+
+
+# ---- arrival order does not change the aggregate ("ordered") ------------------------
+def f64_grads(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.normal(size=3) * 10.0 ** rng.integers(-8, 8, size=3), "b": rng.normal(size=1)}
+
+
+def test_ordered_aggregate_is_the_in_process_sum_whatever_the_arrival_order():
+    order = ("a", "b", "c", "d", "e")
+    ref = {"w": np.zeros(3), "b": np.zeros(1)}
+    grads = {a: (f64_grads(i), 8 + i) for i, a in enumerate(order)}
+    # what an in-process Sync-Opt step computes (fedagent.tasks.ntm.federated_step)
+    total = sum(n for _, n in grads.values())
+    expected = {k: sum(g[k] * n for g, n in grads.values()) / total for k in ref}
+    results = []
+    for perm in (order, order[::-1], ("c", "a", "e", "b", "d")):
+        acc = S.OrderedWeightedMean(ref, order)
+        for a in perm:
+            acc.add(a, *grads[a])
+        results.append(acc.result())
+    for r in results:
+        for k in ref:
+            assert np.array_equal(r[k], expected[k]) and r[k].dtype == np.float64
+    # the streaming mean's last bits depend on the order (why "ordered" exists)
+    streamed = []
+    for perm in (order, order[::-1], ("c", "a", "e", "b", "d")):
+        acc2 = S.SampleWeightedMean(ref)
+        for a in perm:
+            acc2.add(a, *grads[a])
+        streamed.append(acc2.result())
+    assert any(not np.array_equal(s["w"], expected["w"]) for s in streamed)
+
+
+def test_ordered_aggregate_skips_the_missing_and_refuses_strangers():
+    ref = {"w": np.zeros(3, dtype=F32), "b": np.zeros(1, dtype=F32)}
+    acc = S.OrderedWeightedMean(ref, ("a", "b", "c"))
+    acc.add("c", grad(3.0), 10)  # held until a and b are in or known missing
+    acc.add("a", grad(1.0), 30)
+    with pytest.raises(ValueError):
+        acc.add("a", grad(1.0), 30)
+    with pytest.raises(ValueError):
+        acc.add("z", grad(1.0), 30)
+    out = acc.result()  # b never came
+    np.testing.assert_allclose(out["w"], (30 * 1.0 + 10 * 3.0) / 40)
+    assert out["w"].dtype == F32 and acc.count == 2
+
+
+def test_machine_with_ordered_aggregation_folds_in_participant_order():
+    m = machine(aggregation="ordered")
+    m.handle(S.Begin(("b", "a")), 0.0)
+    assert m.handle(gradient_event("b", 1, n=30, value=5.0, m=m), 1.0) == []
+    (apply,) = m.handle(gradient_event("a", 1, n=10, value=1.0, m=m), 2.0)
+    np.testing.assert_allclose(apply.gradient["w"], 4.0)
+    assert apply.gradient["w"].dtype == F32
+
+
+# ---- early stopping inside the machine -------------------------------------------------
+def stopping_machine(**kw) -> S.SyncOptMachine:
+    cfg = {"steps": 100, "step_timeout": 10.0, "patience": 2, "epoch_steps": 2, **kw}
+    return S.SyncOptMachine(S.SyncOptConfig(**cfg), weights0(), PARAMS)
+
+
+def run_epochs(m: S.SyncOptMachine, agents: tuple[str, ...], val_losses: list[float]):
+    """Drive ``m``: every step gets a gradient from every agent; the k-th validation gets
+    val_losses[k] from every agent. Returns every command."""
+    seen: list = []
+    pending = m.handle(S.Begin(agents), 0.0)
+    losses = iter(val_losses)
+    while pending:
+        cmd = pending.pop(0)
+        seen.append(cmd)
+        if isinstance(cmd, S.StartStep):
+            for a in cmd.participants:
+                pending += m.handle(gradient_event(a, cmd.step, m=m), 0.0)
+        elif isinstance(cmd, S.ApplyGradient):
+            pending += m.handle(S.OptimizerApplied(cmd.step, sgd(m.weights, cmd.gradient)), 0.0)
+        elif isinstance(cmd, S.StartValidation):
+            loss = next(losses)
+            for a in cmd.participants:
+                pending += m.handle(S.ValidationReceived(a, cmd.step, cmd.model_version, loss, 5), 0.0)
+    return seen
+
+
+def test_the_machine_validates_every_epoch_and_stops_on_patience_with_the_best_model():
+    m = stopping_machine()
+    seen = run_epochs(m, ("a", "b"), [3.0, 2.0, 2.5, 2.6])
+    epochs = [c for c in seen if isinstance(c, S.EpochDone)]
+    assert [(e.epoch, e.model_version, e.loss, e.improved, e.best_epoch) for e in epochs] == [
+        (1, 2, 3.0, True, 1),
+        (2, 4, 2.0, True, 2),
+        (3, 6, 2.5, False, 2),
+        (4, 8, 2.6, False, 2),
+    ]
+    assert [e.final for e in epochs] == [False, False, False, True] and epochs[-1].documents == 10
+    fin = seen[-1]
+    assert isinstance(fin, S.Finished) and fin.reason == "early stopped" and fin.steps_done == 8
+    # the kept model is the best epoch's (after 4 steps), not the last one
+    assert fin.model_version == 4 and fin.weights is m.best_weights and m.model_version == 8
+    # every validation follows exactly two steps and carries the new weights; the step after
+    # a validation sends only the version (every participant holds it)
+    kinds = [type(c).__name__ for c in seen if isinstance(c, (S.StartStep, S.StartValidation))]
+    assert kinds == ["StartStep", "StartStep", "StartValidation"] * 4
+    vals = [c for c in seen if isinstance(c, S.StartValidation)]
+    assert all(v.weights is not None for v in vals)
+    after = [seen[i + 2] for i, c in enumerate(seen) if isinstance(c, S.StartValidation) and i + 2 < len(seen)]
+    assert all(isinstance(c, S.StartStep) and c.weights is None for c in after if isinstance(c, S.StartStep))
+    assert len({c.step for c in seen if isinstance(c, (S.StartStep, S.StartValidation))}) == 12  # never reused
+    assert m.status()["best_epoch"] == 2 and m.status()["epochs"] == 4
+
+
+def test_max_epochs_and_max_steps_end_an_improving_run_with_its_best_model():
+    m = stopping_machine(max_epochs=3)
+    seen = run_epochs(m, ("a",), [3.0, 2.0, 1.0])
+    assert seen[-1].reason == "max epochs" and seen[-1].model_version == 6
+    m = stopping_machine(steps=5)
+    seen = run_epochs(m, ("a",), [3.0, 2.0])
+    # step 5 ends mid-epoch: the model kept is the best validated one (after 4 steps)
+    assert isinstance(seen[-1], S.Finished) and seen[-1].reason == "max steps"
+    assert seen[-1].model_version == 4 and seen[-1].steps_done == 5
+
+
+def test_validation_answers_are_checked_and_a_missing_one_is_a_fault():
+    m = stopping_machine(on_fault="abort")
+    m.handle(S.Begin(("a", "b")), 0.0)
+    for step in (1, 2):
+        m.handle(gradient_event("a", step, m=m), 0.0)
+        (apply,) = m.handle(gradient_event("b", step, m=m), 0.0)
+        out = m.handle(S.OptimizerApplied(step, sgd(m.weights, apply.gradient)), 0.0)
+    start = out[1]
+    assert isinstance(start, S.StartValidation) and start.step == 3 and start.epoch == 1
+    assert m.phase is S.Phase.VALIDATING
+    (g,) = m.handle(gradient_event("a", 3, m=m), 0.5)
+    assert g.reason == "stale"  # a gradient is not a validation loss
+    (old,) = m.handle(S.ValidationReceived("a", 3, 1, 2.0, 5), 0.5)
+    assert old.reason == "stale"
+    (neg,) = m.handle(S.ValidationReceived("a", 3, 2, 2.0, -1), 0.5)
+    assert neg.reason == "weight"
+    assert m.handle(S.ValidationReceived("a", 3, 2, 2.0, 5), 0.5) == []
+    (dup,) = m.handle(S.ValidationReceived("a", 3, 2, 2.0, 5), 0.6)
+    assert dup.reason == "duplicate"
+    assert m.handle(S.Wakeup(), 5.0) == []  # before the deadline
+    (aborted,) = m.handle(S.Wakeup(), 10.5)
+    assert isinstance(aborted, S.Aborted) and "no validation loss from b" in aborted.reason
+
+    m = stopping_machine(on_fault="continue")
+    m.handle(S.Begin(("a", "b")), 0.0)
+    for step in (1, 2):
+        m.handle(gradient_event("a", step, m=m), 0.0)
+        (apply,) = m.handle(gradient_event("b", step, m=m), 0.0)
+        m.handle(S.OptimizerApplied(step, sgd(m.weights, apply.gradient)), 0.0)
+    m.handle(S.ValidationReceived("a", 3, 2, 2.0, 5), 0.5)
+    epoch, start, _ = m.handle(S.AgentOffline("b"), 1.0)
+    assert isinstance(epoch, S.EpochDone) and epoch.missing == ("b",) and epoch.loss == 2.0
+    assert isinstance(start, S.StartStep) and start.participants == ("a",) and not m.exact
+
+
+def test_a_resumed_machine_validates_a_finished_epoch_first_and_keeps_its_best():
+    rule = S.PatienceStop(patience=2, best=2.0, best_epoch=0, epochs=1, bad_epochs=0)
+    best = {k: v + 1 if v.dtype.kind == "f" else v for k, v in weights0().items()}
+    cfg = S.SyncOptConfig(steps=100, step_timeout=10.0, patience=2, epoch_steps=2)
+    m = S.SyncOptMachine(
+        cfg, weights0(), PARAMS, model_version=4, steps_done=4, last_step=9, stopper=rule, best=(2, best)
+    )
+    start, _ = m.handle(S.Begin(("a",)), 0.0)
+    assert isinstance(start, S.StartValidation) and start.epoch == 2 and start.step == 10
+    epoch, step, _ = m.handle(S.ValidationReceived("a", 10, 4, 2.5, 5), 0.0)
+    assert not epoch.improved and epoch.best_epoch == 1 and isinstance(step, S.StartStep)
+    assert m.stopper_state() == {"best": 2.0, "best_epoch": 0, "epochs": 2, "bad_epochs": 1, "stopped": False}
+    done = S.SyncOptMachine(cfg, weights0(), PARAMS, steps_done=8, stopper=S.PatienceStop(patience=2, stopped=True))
+    assert done.phase is S.Phase.DONE
+
+
+def test_early_stopping_settings_are_checked():
+    for kw in ({"patience": 2}, {"patience": -1}, {"epoch_steps": -1}, {"max_epochs": 0}, {"delta": -0.1}):
+        with pytest.raises(ValueError):
+            S.SyncOptConfig(**kw)
+    assert S.SyncOptConfig(patience=5, epoch_steps=10).max_epochs == 100

@@ -17,6 +17,21 @@ no clock, socket, thread or torch here. One step:
    then the next ``StartStep`` — or ``Finished`` after ``steps`` steps or when the
    relative change falls below ``tol``.
 
+Early stopping (``patience`` > 0, gFedNTM Sec. 4.1: the rule of the package the paper's
+authors train with). Every ``epoch_steps`` steps the machine sends ``StartValidation``
+(the new weights, a step number of its own) instead of the next step; every participant
+evaluates them on its own held-out documents and answers one scalar and a count
+(``ValidationReceived``); their sample-weighted mean (:func:`pooled_validation_loss`,
+summed in the participants' order) feeds :class:`PatienceStop`. ``EpochDone`` reports the
+epoch; when the rule stops, ``Finished`` carries the best epoch's weights and version.
+
+Order. ``aggregation = "ordered"`` sums the gradients in the participants' (sorted) order
+from zero, Σ n_ℓ G_ℓ / Σ n_ℓ, holding a gradient that arrives before its predecessors
+until they are in: the aggregate no longer depends on the order the network delivered
+the gradients in, so in float64 a federated run repeats an in-process one bit for bit
+(the streaming ``"weighted"`` mean keeps one model's worth of sums but its last bits
+depend on the arrival order).
+
 Faults. Exactness (federated = centralized on the union of the mini-batches) holds only
 when every participant contributes to every step. When a participant is missing at the
 step deadline (silent, or its presence went offline):
@@ -88,9 +103,65 @@ class PlainMean(SampleWeightedMean):
         self._mean.add(gradient, 1.0)
 
 
-AGGREGATORS: dict[str, Callable[[Mapping[str, np.ndarray]], GradientAggregator]] = {
-    "weighted": SampleWeightedMean,
-    "mean": PlainMean,
+class OrderedWeightedMean:
+    """Σ n_ℓ G_ℓ / Σ n_ℓ summed in float64 in the fixed order of ``order`` (not the
+    arrival order), from zero, then cast to each tensor's dtype: the arithmetic of an
+    in-process Sync-Opt step that loops over the nodes in that order
+    (``fedagent.tasks.ntm.federated_step``). A gradient that arrives before its
+    predecessors is held (at most ``len(order) − 1`` of them) until they are in or known
+    to be missing."""
+
+    def __init__(self, reference: Mapping[str, np.ndarray], order: tuple[str, ...]) -> None:
+        self._dtypes = {k: np.asarray(v).dtype for k, v in reference.items()}
+        self._order = tuple(order)
+        self._next = 0  # index in ``order`` of the next gradient to fold
+        self._held: dict[str, tuple[Mapping[str, np.ndarray], int]] = {}
+        self._sum: dict[str, np.ndarray] | None = None
+        self._total = 0
+        self._count = 0
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def add(self, sender: str, gradient: Mapping[str, np.ndarray], num_samples: int) -> None:
+        if sender not in self._order[self._next :] or sender in self._held:
+            raise ValueError(f"{sender} is not awaited in this aggregate")
+        self._held[sender] = (gradient, int(num_samples))
+        self._count += 1
+        self._fold(skip_absent=False)
+
+    def _fold(self, *, skip_absent: bool) -> None:
+        while self._next < len(self._order):
+            who = self._order[self._next]
+            if who not in self._held:
+                if not skip_absent:
+                    return
+                self._next += 1
+                continue
+            gradient, n = self._held.pop(who)
+            if self._sum is None:
+                self._sum = {k: np.asarray(gradient[k], dtype=np.float64) * n for k in self._dtypes}
+            else:
+                for k in self._dtypes:
+                    self._sum[k] += np.asarray(gradient[k], dtype=np.float64) * n
+            self._total += n
+            self._next += 1
+
+    def result(self) -> Weights:
+        # Whoever has not sent a gradient by now is missing (a fault): fold past them.
+        self._fold(skip_absent=True)
+        if self._sum is None or self._total <= 0:
+            raise ValueError("no gradient to aggregate")
+        return {k: (v / self._total).astype(self._dtypes[k], copy=False) for k, v in self._sum.items()}
+
+
+AggregatorFactory = Callable[[Mapping[str, np.ndarray], tuple[str, ...]], GradientAggregator]
+
+AGGREGATORS: dict[str, AggregatorFactory] = {
+    "weighted": lambda reference, order: SampleWeightedMean(reference),
+    "mean": lambda reference, order: PlainMean(reference),
+    "ordered": OrderedWeightedMean,
 }
 
 
@@ -173,10 +244,21 @@ class SyncOptConfig:
     min_gradients: int = 1  # "continue": aggregate a faulty step with at least this many
     max_norm: float | None = None  # refuse gradients with a larger L2 norm
     aggregation: str = "weighted"  # a key of AGGREGATORS
+    # early stopping on the pooled validation loss (0 = off; see the module docstring)
+    patience: int = 0
+    delta: float = 0.0
+    max_epochs: int = 100
+    epoch_steps: int = 0  # Sync-Opt steps in one epoch (needed when patience > 0)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.min_gradients < 1:
             raise ValueError("steps and min_gradients must be at least 1")
+        if self.patience < 0 or self.max_epochs < 1 or self.epoch_steps < 0:
+            raise ValueError("patience and epoch_steps must be >= 0 and max_epochs >= 1")
+        if self.patience > 0 and self.epoch_steps < 1:
+            raise ValueError("early stopping (patience > 0) needs epoch_steps >= 1")
+        if not (math.isfinite(self.delta) and self.delta >= 0):
+            raise ValueError("delta must be a finite non-negative number")
         if not (math.isfinite(self.tol) and self.tol >= 0):
             raise ValueError("tol must be a finite non-negative number")
         if not (math.isfinite(self.step_timeout) and self.step_timeout > 0):
@@ -228,7 +310,19 @@ class Wakeup:
     pass
 
 
-Event = Begin | AgentOnline | AgentOffline | GradientReceived | OptimizerApplied | Wakeup
+@dataclass(frozen=True, slots=True)
+class ValidationReceived:
+    """A participant's mean validation loss of W(base_version) over its ``num_docs``
+    held-out documents (0 documents: it has none; its loss is then ignored)."""
+
+    sender: str
+    step: int
+    base_version: int
+    loss: float
+    num_docs: int
+
+
+Event = Begin | AgentOnline | AgentOffline | GradientReceived | OptimizerApplied | ValidationReceived | Wakeup
 
 
 # ---- commands ----------------------------------------------------------------------
@@ -284,10 +378,40 @@ class RequestWakeup:
 
 
 @dataclass(frozen=True, slots=True)
+class StartValidation:
+    """Send W(model_version) (None: every participant holds it) to be evaluated on each
+    participant's held-out documents; answers are ValidationReceived for ``step``."""
+
+    step: int
+    model_version: int
+    epoch: int  # 1-based: the epoch that just ended
+    participants: tuple[str, ...]
+    deadline_s: float
+    weights: Weights | None = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class EpochDone:
+    """The pooled validation loss of the epoch's model; checkpoint with the stop state."""
+
+    epoch: int  # 1-based
+    step: int
+    model_version: int
+    loss: float
+    improved: bool
+    best_epoch: int  # 1-based; 0: none yet
+    best_loss: float
+    participants: tuple[str, ...]  # whose losses were pooled
+    documents: int
+    missing: tuple[str, ...] = ()
+    final: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Finished:
     model_version: int
     steps_done: int
-    reason: str  # "max steps" | "converged"
+    reason: str  # "max steps" | "converged" | "early stopped" | "max epochs"
     weights: Weights = field(repr=False)
 
 
@@ -298,13 +422,25 @@ class Aborted:
     reason: str
 
 
-Command = StartStep | ApplyGradient | StepDone | StepRepeated | Rejected | RequestWakeup | Finished | Aborted
+Command = (
+    StartStep
+    | ApplyGradient
+    | StepDone
+    | StepRepeated
+    | StartValidation
+    | EpochDone
+    | Rejected
+    | RequestWakeup
+    | Finished
+    | Aborted
+)
 
 
 class Phase(str, Enum):
     WAITING = "waiting"  # for Begin
     COLLECTING = "collecting"
     APPLYING = "applying"  # the daemon runs the optimizer
+    VALIDATING = "validating"  # collecting the participants' validation losses
     DONE = "done"
     ABORTED = "aborted"
 
@@ -322,10 +458,13 @@ class SyncOptMachine:
         model_version: int = 0,
         steps_done: int = 0,
         last_step: int = 0,
-        aggregator: Callable[[Mapping[str, np.ndarray]], GradientAggregator] | None = None,
+        aggregator: AggregatorFactory | None = None,
+        stopper: PatienceStop | None = None,
+        best: tuple[int, Weights] | None = None,
     ) -> None:
         """``model_version``/``steps_done``/``last_step`` resume from a checkpoint: a step
-        number once started is never reused."""
+        number once started is never reused; so do ``stopper`` (the early-stopping state)
+        and ``best`` (the best epoch's model version and weights)."""
         missing = [n for n in param_names if n not in weights]
         if missing or not param_names:
             raise ValueError(f"param_names must name tensors of the weights (missing {missing[:3]})")
@@ -337,7 +476,10 @@ class SyncOptMachine:
         self.model_version = model_version
         self.steps_done = steps_done
         self.step = last_step
-        self.phase = Phase.WAITING if steps_done < config.steps else Phase.DONE
+        if stopper is None and config.patience > 0:
+            stopper = PatienceStop(patience=config.patience, delta=config.delta, max_epochs=config.max_epochs)
+        self.stopper = stopper
+        self.best_version, self.best_weights = best if best is not None else (None, None)
         self.participants: tuple[str, ...] = ()  # expected in the current/next step
         self.online: set[str] = set()
         self.dropped: set[str] = set()  # participants lost to a fault
@@ -348,8 +490,12 @@ class SyncOptMachine:
         self.exact = True
         self.last_loss: float | None = None
         self.last_rel_change: float | None = None
+        self.last_val_loss: float | None = None
+        self.converged = False
         self._acc: GradientAggregator | None = None
         self._missing_in_step: tuple[str, ...] = ()
+        more = steps_done < config.steps and not (stopper is not None and stopper.stopped)
+        self.phase = Phase.WAITING if more or self._validation_due() else Phase.DONE
 
     # -- public ------------------------------------------------------------------------
     def handle(self, event: Event, now: float) -> list[Command]:
@@ -371,17 +517,20 @@ class SyncOptMachine:
         if isinstance(event, AgentOffline):
             self.online.discard(event.agent)
             self.holders.discard(event.agent)
-            if self.phase is Phase.COLLECTING and event.agent in self.participants:
+            if self.phase in (Phase.COLLECTING, Phase.VALIDATING) and event.agent in self.participants:
                 return self._maybe_aggregate(now)
             return []
         if isinstance(event, GradientReceived):
             return self._on_gradient(event, now)
+        if isinstance(event, ValidationReceived):
+            return self._on_validation(event, now)
         if isinstance(event, OptimizerApplied):
             return self._on_applied(event, now)
         if isinstance(event, Wakeup):
-            if self.phase is Phase.COLLECTING:
+            if self.phase in (Phase.COLLECTING, Phase.VALIDATING):
+                waiting = self.phase
                 out = self._maybe_aggregate(now)
-                if self.phase is Phase.COLLECTING and not any(isinstance(c, RequestWakeup) for c in out):
+                if self.phase is waiting and not any(isinstance(c, RequestWakeup) for c in out):
                     # Woken early (by the deadline of an earlier step, which the daemon's
                     # one timer kept because it was sooner): ask again for this step's
                     # deadline, or a silent participant stalls the step for ever.
@@ -391,7 +540,7 @@ class SyncOptMachine:
         raise TypeError(f"not a Sync-Opt event: {event!r}")
 
     def status(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "phase": self.phase.value,
             "step": self.step,
             "steps_done": self.steps_done,
@@ -403,9 +552,40 @@ class SyncOptMachine:
             "rel_change": self.last_rel_change,
             "exact": self.exact,
         }
+        if self.stopper is not None:
+            out["epochs"] = self.stopper.epochs
+            out["best_epoch"] = self.stopper.best_epoch + 1
+            out["best_version"] = self.best_version
+            out["last_val_loss"] = self.last_val_loss
+        return out
+
+    def stopper_state(self) -> dict[str, float | int | bool] | None:
+        """The early-stopping state for a checkpoint (None: early stopping is off)."""
+        r = self.stopper
+        if r is None:
+            return None
+        return {
+            "best": r.best,
+            "best_epoch": r.best_epoch,
+            "epochs": r.epochs,
+            "bad_epochs": r.bad_epochs,
+            "stopped": r.stopped,
+        }
 
     # -- steps -------------------------------------------------------------------------
-    def _start(self, now: float) -> list[Command]:
+    def _validation_due(self) -> bool:
+        r = self.stopper
+        return r is not None and not r.stopped and self.steps_done >= (r.epochs + 1) * self.config.epoch_steps
+
+    def _kept(self) -> tuple[int, Weights]:
+        """The model training ends with: the best validated epoch's, else the last."""
+        if self.best_weights is not None and self.best_version is not None:
+            return self.best_version, self.best_weights
+        return self.model_version, self.weights
+
+    def _open(self, now: float) -> bool:
+        """A new step number and deadline for the current participants; True when every
+        one of them already holds W(model_version)."""
         # Agents lost to a fault come back once they announce themselves online again (a
         # silent agent that never went offline stays out: it would stall every step).
         back = {a for a in self.returning if a in self.online}
@@ -414,12 +594,31 @@ class SyncOptMachine:
             self.dropped -= back
             self.participants = tuple(sorted(set(self.participants) | back))
         self.step += 1
-        self.phase = Phase.COLLECTING
         self.received = {}
         self.deadline = now + self.config.step_timeout
-        self._acc = self._aggregator(self._reference)
         everyone_holds = all(a in self.holders for a in self.participants)
         self.holders |= set(self.participants)
+        return everyone_holds
+
+    def _start(self, now: float) -> list[Command]:
+        if self._validation_due():
+            assert self.stopper is not None
+            everyone_holds = self._open(now)
+            self.phase = Phase.VALIDATING
+            return [
+                StartValidation(
+                    self.step,
+                    self.model_version,
+                    self.stopper.epochs + 1,
+                    self.participants,
+                    self.config.step_timeout,
+                    None if everyone_holds else self.weights,
+                ),
+                RequestWakeup(self.deadline),
+            ]
+        everyone_holds = self._open(now)
+        self.phase = Phase.COLLECTING
+        self._acc = self._aggregator(self._reference, self.participants)
         return [
             StartStep(
                 self.step,
@@ -456,18 +655,38 @@ class SyncOptMachine:
         self.received[ev.sender] = (ev.num_samples, float(ev.loss))
         return self._maybe_aggregate(now)
 
+    def _on_validation(self, ev: ValidationReceived, now: float) -> list[Command]:
+        def reject(reason: str, detail: str) -> list[Command]:
+            return [Rejected(ev.sender, ev.step, reason, detail)]
+
+        if self.phase is not Phase.VALIDATING or ev.step != self.step:
+            return reject("stale", f"validation loss for step {ev.step}, current step {self.step} ({self.phase.value})")
+        if ev.sender not in self.participants:
+            return reject("unselected", f"{ev.sender} is not a participant of step {self.step}")
+        if ev.sender in self.received:
+            return reject("duplicate", f"second validation loss from {ev.sender} for step {self.step}")
+        if ev.base_version != self.model_version:
+            return reject("stale", f"evaluated version {ev.base_version}, current {self.model_version}")
+        if ev.num_docs < 0:
+            return reject("weight", "num_docs must be non-negative")
+        # A non-finite loss is accepted: the pooled loss is then infinite, a non-improvement.
+        self.received[ev.sender] = (int(ev.num_docs), float(ev.loss))
+        return self._maybe_aggregate(now)
+
     def _missing(self) -> list[str]:
         return [a for a in self.participants if a not in self.received]
 
     def _maybe_aggregate(self, now: float) -> list[Command]:
+        validating = self.phase is Phase.VALIDATING
         missing = self._missing()
         if not missing:
-            return self._aggregate()
+            return self._epoch_done(now) if validating else self._aggregate()
         cfg = self.config
         offline = [a for a in missing if a not in self.online]
         if now < self.deadline and (cfg.on_fault == "abort" or len(offline) < len(missing)):
             return []
         # A fault: at the deadline, or under "continue" every missing participant is offline.
+        what = "validation loss" if validating else "gradient"
         if cfg.on_fault == "abort":
             self.phase = Phase.ABORTED
             self._acc = None
@@ -475,16 +694,20 @@ class SyncOptMachine:
                 Aborted(
                     self.step,
                     self.model_version,
-                    f"step {self.step}: no gradient from {', '.join(missing)} by the deadline",
+                    f"step {self.step}: no {what} from {', '.join(missing)} by the deadline",
                 )
             ]
         self.exact = False
         self.dropped |= set(missing)
         self.participants = tuple(a for a in self.participants if a not in missing)
-        assert self._acc is not None
-        if self._acc.count >= cfg.min_gradients:
-            return self._aggregate(missing=tuple(missing))
-        reason = f"{len(self.received)} gradients (need {cfg.min_gradients}); missing {', '.join(missing)}"
+        if validating and self.received:
+            return self._epoch_done(now, missing=tuple(missing))
+        if not validating:
+            assert self._acc is not None
+            if self._acc.count >= cfg.min_gradients:
+                return self._aggregate(missing=tuple(missing))
+        need = 1 if validating else cfg.min_gradients
+        reason = f"{len(self.received)} {what}s (need {need}); missing {', '.join(missing)}"
         out: list[Command] = [StepRepeated(self.step, self.model_version, reason)]
         if not self.participants:
             self.phase = Phase.ABORTED
@@ -499,6 +722,50 @@ class SyncOptMachine:
         self.phase = Phase.APPLYING
         return [ApplyGradient(self.step, self.model_version, gradient)]
 
+    def _epoch_done(self, now: float, missing: tuple[str, ...] = ()) -> list[Command]:
+        rule = self.stopper
+        assert rule is not None
+        # Summed in the participants' order: the same number whatever the arrival order.
+        losses = {a: (self.received[a][1], self.received[a][0]) for a in sorted(self.received)}
+        try:
+            loss = pooled_validation_loss(losses)
+        except ValueError as exc:
+            self.phase = Phase.ABORTED
+            return [Aborted(self.step, self.model_version, f"early stopping: {exc}")]
+        improved = rule.observe(loss)
+        self.last_val_loss = loss
+        if improved:
+            self.best_version, self.best_weights = self.model_version, self.weights
+        final = rule.stopped or self.converged or self.steps_done >= self.config.steps
+        out: list[Command] = [
+            EpochDone(
+                rule.epochs,
+                self.step,
+                self.model_version,
+                loss,
+                improved,
+                rule.best_epoch + 1,
+                rule.best,
+                tuple(sorted(self.received)),
+                sum(n for n, _ in self.received.values()),
+                missing,
+                final,
+            )
+        ]
+        if not final:
+            return out + self._start(now)
+        self.phase = Phase.DONE
+        if rule.bad_epochs >= rule.patience:
+            reason = "early stopped"
+        elif rule.epochs >= rule.max_epochs:
+            reason = "max epochs"
+        elif self.converged:
+            reason = "converged"
+        else:
+            reason = "max steps"
+        version, weights = self._kept()
+        return out + [Finished(version, self.steps_done, reason, weights)]
+
     def _on_applied(self, ev: OptimizerApplied, now: float) -> list[Command]:
         if self.phase is not Phase.APPLYING or ev.step != self.step:
             raise ValueError(f"OptimizerApplied for step {ev.step} while {self.phase.value} step {self.step}")
@@ -512,8 +779,9 @@ class SyncOptMachine:
         total = sum(n for n, _ in self.received.values())
         self.last_loss = sum(n * loss for n, loss in self.received.values()) / total
         self.last_rel_change = relative_change(ev.weights, old, self.param_names)
-        converged = self.config.tol > 0 and self.last_rel_change < self.config.tol
-        final = converged or self.steps_done >= self.config.steps
+        converged = self.converged = self.config.tol > 0 and self.last_rel_change < self.config.tol
+        # At an epoch's end the model is validated first; the validation decides the end.
+        final = (converged or self.steps_done >= self.config.steps) and not self._validation_due()
         out: list[Command] = [
             StepDone(
                 self.step,
@@ -530,7 +798,6 @@ class SyncOptMachine:
         self._missing_in_step = ()
         if final:
             self.phase = Phase.DONE
-            return out + [
-                Finished(self.model_version, self.steps_done, "converged" if converged else "max steps", ev.weights)
-            ]
+            version, weights = self._kept()
+            return out + [Finished(version, self.steps_done, "converged" if converged else "max steps", weights)]
         return out + self._start(now)
