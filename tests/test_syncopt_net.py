@@ -295,7 +295,7 @@ def test_coordinator_killed_and_restarted_resumes_exactly(tmp_path):
         return {**NTM_OPTIONS, "shard": i, "shards": AGENTS}
 
     steps = 60
-    syncopt = {"steps": steps, "checkpoint_every": 5}
+    syncopt = {"steps": steps, "checkpoint_every": 5, "float64": True}
     with syncopt_federation(tmp_path, "prodlda", options, syncopt, record=False) as (fed, _):
         wait_for(lambda: (s := fed.status("coordinator")) and s["step"] >= 12, 120, "step 12", fed)
         fed.restart("coordinator")  # kill -9 and start again
@@ -322,3 +322,61 @@ def test_coordinator_killed_and_restarted_resumes_exactly(tmp_path):
             ntm.federated_step(model, opt, tasks, step)
         local = get_weights(model)
         assert max(float(np.max(np.abs(weights[k] - local[k]))) for k in local) == 0.0
+
+
+def test_the_coordinator_stops_on_the_agents_validation_loss_like_the_in_process_run(tmp_path):
+    """Early stopping in the daemons (gFedNTM Sec. 4.1): every epoch the coordinator asks
+    the agents for their held-out loss of the new model, pools it and applies the patience
+    rule itself; in float64 mode the run repeats the in-process early-stopped Sync-Opt
+    loop bit for bit: the same validation losses, the same stop, the same kept model."""
+    from fedagent.experiments.gfedntm import early_stopped, federated_validation_loss
+    from fedagent.protocols.syncopt import PatienceStop
+    from fedagent.tasks import ntm
+
+    torch.set_num_threads(1)
+    # lr 0.1 and delta 0.4: the validation loss improves by less than delta in epoch 8
+    # (then by more again), so patience 1 stops there and keeps epoch 7's model.
+    opts = {**NTM_OPTIONS, "holdout": 0.25, "lr": 0.1}
+
+    def options(i):
+        return {**opts, "shard": i, "shards": AGENTS}
+
+    tasks = [load_task("prodlda", options(i)) for i in range(AGENTS)]
+    epoch_steps = min(t.num_batches() for t in tasks)
+    rule = {"patience": 1, "delta": 0.4, "max_epochs": 20}
+    syncopt = {"steps": 10_000, "epoch_steps": epoch_steps, "float64": True, "checkpoint_every": 20, **rule}
+    with syncopt_federation(tmp_path, "prodlda", options, syncopt, record=False) as (fed, _):
+        done = wait_for(lambda: coordinator_in(fed, "done", "aborted"), 240, "the coordinator to stop", fed)
+        weights, meta = fed.final_weights()
+        history = (tmp_path / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl").read_text()
+        vocab = json.loads(
+            (tmp_path / "state" / "coordinator" / "coordinator" / fed.fed / "vocabulary.json").read_text()
+        )["terms"]
+    assert done["phase"] == "done" and done["finished_reason"] == "early stopped" and done["exact"]
+    records = [json.loads(line) for line in history.splitlines()]
+    epochs = [r for r in records if r["event"] == "epoch"]
+    steps = [r for r in records if r["event"] == "step"]
+
+    # The same loop in this process.
+    for t in tasks:
+        t.set_vocabulary(vocab)
+    model = tasks[0].build_model()
+    opt = tasks[0].make_optimizer(model.parameters())
+    losses: list[float] = []
+
+    def validation_loss() -> float:
+        losses.append(federated_validation_loss(model, tasks))
+        return losses[-1]
+
+    stop = early_stopped(
+        model, lambda i: ntm.federated_step(model, opt, tasks, i), validation_loss, epoch_steps, PatienceStop(**rule)
+    )
+    assert 1 < stop.best_epoch < stop.epochs < rule["max_epochs"]  # it did stop early, on an older epoch
+    assert [r["val_loss"] for r in epochs] == losses  # pooled from the agents' scalars, bit for bit
+    assert [r["epoch"] for r in epochs] == list(range(1, stop.epochs + 1))
+    assert epochs[-1]["best_epoch"] == stop.best_epoch and len(steps) == stop.epochs * epoch_steps
+    assert meta["final"] and meta["model_version"] == stop.steps and done["best_version"] == stop.steps
+    local = get_weights(model)
+    fed_weights = {k: v for k, v in weights.items() if not k.startswith("optim/")}
+    assert fed_weights.keys() == local.keys()
+    assert max(float(np.max(np.abs(fed_weights[k] - local[k]))) for k in local) == 0.0

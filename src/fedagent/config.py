@@ -206,6 +206,14 @@ class SyncOptSettings:
     start_grace: float = 5.0  # tasks without a vocabulary: wait this long after quorum
     checkpoint_every: int = 10  # steps between checkpoints (and always the last one)
     seed: int = 0  # torch seed for the model's initial weights on the coordinator
+    # early stopping on the agents' pooled validation loss, checked every epoch_steps steps
+    patience: int = 0  # epochs without improvement before stopping (0 = off)
+    delta: float = 0.0  # an epoch improves when its loss <= best - delta
+    max_epochs: int = 100
+    epoch_steps: int = 0  # steps in one epoch (required with patience)
+    # float64 mode: the model must be float64 ([task] dtype = "float64" on every node) and
+    # gradients are summed in participant order, so runs repeat bit for bit
+    float64: bool = False
 
     def __post_init__(self) -> None:
         if self.expected_agents < 0 or self.min_agents < 1 or self.checkpoint_every < 1:
@@ -226,7 +234,11 @@ class SyncOptSettings:
                 on_fault=self.on_fault,
                 min_gradients=self.min_gradients,
                 max_norm=self.max_norm,
-                aggregation=self.aggregation,
+                aggregation="ordered" if self.float64 else self.aggregation,
+                patience=self.patience,
+                delta=self.delta,
+                max_epochs=self.max_epochs,
+                epoch_steps=self.epoch_steps,
             )
         except ValueError as exc:
             raise ConfigError(f"[syncopt]: {exc}") from None

@@ -10,6 +10,9 @@
   thread and sends it with the batch size and loss. The mini-batch is the one of the
   model version the step starts from, so a repeated step (after a fault) uses the same
   documents and a centralized run with the same seeds computes the same thing.
+* **Validation** (early stopping): a ``SyncStep`` with ``validate`` asks for the mean
+  validation loss of that model over the agent's held-out documents instead of a
+  gradient; the agent answers one scalar and the count (``SyncValidation``).
 * A gradient finished after a newer step was announced is dropped, never sent stale.
 """
 
@@ -31,7 +34,7 @@ from fedagent.node import sdnotify
 from fedagent.node.messaging import Incoming
 from fedagent.node.runtime import presence_payload
 from fedagent.protocols import topics
-from fedagent.protocols.messages import GlobalModel, Presence, SyncGradient, SyncStep, Vocabulary
+from fedagent.protocols.messages import GlobalModel, Presence, SyncGradient, SyncStep, SyncValidation, Vocabulary
 
 log = logging.getLogger("fedagent.syncopt")
 
@@ -238,6 +241,9 @@ class SyncOptSession(Session):
                     self.held_version,
                 )
                 return
+            if msg.validate:
+                await self._validate(msg)
+                return
             self.state = f"computing step {msg.step}"
             model = self.model
             started = time.perf_counter()
@@ -287,6 +293,47 @@ class SyncOptSession(Session):
             )
             if len(self.pending_history) >= HISTORY_BATCH:
                 await self._flush_history()
+
+    async def _validate(self, msg: SyncStep) -> None:
+        """An epoch's end: the step's model on this node's held-out documents."""
+        self.state = f"validating (step {msg.step})"
+        model = self.model
+        assert model is not None
+
+        def work() -> tuple[float, int]:
+            with self.agent.thread_lock:
+                if msg.weights is not None:
+                    load_weights(model, msg.weights)
+                measure = getattr(self.task, "validation_loss", None)
+                if measure is None:
+                    raise NotImplementedError(f"{type(self.task).__name__} has no validation_loss()")
+                loss, n = measure(model)
+                return float(loss), int(n)
+
+        try:
+            loss, n = await asyncio.to_thread(work)
+        except Exception:
+            log.exception("validation of step %d failed", msg.step)
+            self.state = "validation failed"
+            return
+        self.held_version = msg.model_version
+        if msg.step != self.latest_step or self.coordinator is None:
+            return
+        out = SyncValidation(msg.step, msg.model_version, float(loss), int(n))
+        await self.messenger.send(
+            topics.direct(self.fed, self.cfg.id, self.coordinator, "sync_validation"), out, round_=msg.step
+        )
+        self.state = f"validation of step {msg.step} sent"
+        self.pending_history.append(
+            {
+                "event": "validation",
+                "time": time.time(),
+                "step": msg.step,
+                "model_version": msg.model_version,
+                "val_loss": float(loss),
+                "num_docs": int(n),
+            }
+        )
 
     async def _flush_history(self) -> None:
         # One fsync per batch of steps instead of one per step: a step is a round trip

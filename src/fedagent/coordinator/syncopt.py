@@ -44,13 +44,14 @@ from fedagent.node.runtime import Timer
 from fedagent.protocols import syncopt as S
 from fedagent.protocols import topics
 from fedagent.protocols import vocab as V
-from fedagent.protocols.messages import GlobalModel, SyncGradient, SyncStep, VocabOffer, Vocabulary
+from fedagent.protocols.messages import GlobalModel, SyncGradient, SyncStep, SyncValidation, VocabOffer, Vocabulary
 from fedagent.statefile import atomic_write, read_bytes
 from fedagent.tasks.base import get_weights
 
 log = logging.getLogger("fedagent.coordinator.syncopt")
 
 STEP_RESERVATION = 100
+BEST_PREFIX = "best/"  # the best epoch's weights in a checkpoint taken mid-run (early stopping)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,16 +166,30 @@ class SyncOptMode:
         torch.manual_seed(self.settings.seed)
         model = self.task.build_model()
         optimizer = self.task.make_optimizer(model.parameters())
+        if self.settings.float64:
+            wrong = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float64})
+            if wrong:
+                raise ConfigError(
+                    f"{self.cfg.path}: [syncopt] float64 = true needs a float64 model (the task built {', '.join(wrong)}); "
+                    'set [task] dtype = "float64" on the coordinator and on every agent'
+                )
         weights = get_weights(model)
         param_names = tuple(n for n, p in model.named_parameters() if p.requires_grad)
         meta: dict[str, Any] = {}
+        best: tuple[int, dict[str, np.ndarray]] | None = None
         resumed = checkpoint.load(self.ckpt_path)
         if resumed is not None:
             saved, meta = resumed
             if meta.get("vocab_digest", "") != self.vocab_digest:
                 raise FedagentError(f"{self.ckpt_path} was trained on another vocabulary; move it away")
             opt_arrays = {k: v for k, v in saved.items() if k.startswith(OPTIMIZER_PREFIX)}
-            weights = {k: v for k, v in saved.items() if not k.startswith(OPTIMIZER_PREFIX)}
+            best_arrays = {k[len(BEST_PREFIX) :]: v for k, v in saved.items() if k.startswith(BEST_PREFIX)}
+            weights = {k: v for k, v in saved.items() if not k.startswith((OPTIMIZER_PREFIX, BEST_PREFIX))}
+            best_version = meta.get("best_version")
+            if best_version is not None and best_arrays:
+                best = (int(best_version), best_arrays)
+            elif best_version is not None and int(best_version) == int(meta.get("model_version", 0)):
+                best = (int(best_version), weights)  # the checkpointed model is the best one
             self._load_into(model, weights)
             weights = get_weights(model)
             load_optimizer_state(optimizer, opt_arrays, meta.get("optimizer", {}))
@@ -188,13 +203,34 @@ class SyncOptMode:
         last_started = int(started) if started and started.strip().isdigit() else 0
         self.model, self.optimizer = model, optimizer
         self.reserved_step = last_started
+        stopper = None
+        saved_rule = meta.get("stopper")
+        if self.machine_config.patience > 0 and isinstance(saved_rule, dict):
+            c = self.machine_config
+            stopper = S.PatienceStop(
+                patience=c.patience,
+                delta=c.delta,
+                max_epochs=c.max_epochs,
+                best=float(saved_rule["best"]),
+                best_epoch=int(saved_rule["best_epoch"]),
+                epochs=int(saved_rule["epochs"]),
+                bad_epochs=int(saved_rule["bad_epochs"]),
+                stopped=bool(saved_rule["stopped"]),
+            )
         self.machine = S.SyncOptMachine(
             self.machine_config,
             weights,
             param_names,
-            model_version=int(meta.get("model_version", 0)),
+            # A final checkpoint holds the kept model; a mid-run one the last step's.
+            model_version=int(
+                meta.get("model_version", 0)
+                if meta.get("final")
+                else meta.get("trained_version", meta.get("model_version", 0))
+            ),
             steps_done=int(meta.get("steps_done", 0)),
             last_step=max(int(meta.get("step", 0)), last_started),
+            stopper=stopper,
+            best=best,
         )
         # A fault before the restart keeps the run inexact; the restart itself does not
         # break exactness (the steps after the checkpoint are recomputed identically).
@@ -271,6 +307,14 @@ class SyncOptMode:
                 return
             await self._run_machine(
                 S.GradientReceived(inc.sender, msg.step, msg.base_version, msg.num_samples, msg.loss, msg.gradient), now
+            )
+            return
+        if isinstance(msg, SyncValidation):
+            if self.machine is None:
+                self._note_rejection(inc.sender, msg.step, "stale", "no validation in progress (vocabulary stage)")
+                return
+            await self._run_machine(
+                S.ValidationReceived(inc.sender, msg.step, msg.base_version, msg.loss, msg.num_docs), now
             )
             return
         log.debug("ignoring %s from %s", type(msg).__name__, inc.sender)
@@ -397,6 +441,52 @@ class SyncOptMode:
                 SyncStep(cmd.step, cmd.model_version, cmd.participants, cmd.deadline_s, self.vocab_digest, cmd.weights),
                 round_=cmd.step,
             )
+        elif isinstance(cmd, S.StartValidation):
+            self.phase = "validating"
+            if cmd.step > self.reserved_step:
+                self.reserved_step = cmd.step + STEP_RESERVATION
+                await asyncio.to_thread(atomic_write, self.step_path, str(self.reserved_step).encode())
+            sdnotify.status(f"Sync-Opt: validating epoch {cmd.epoch}")
+            await self.core.messenger.send(
+                topics.broadcast(self.fed, "sync_step"),
+                SyncStep(
+                    cmd.step,
+                    cmd.model_version,
+                    cmd.participants,
+                    cmd.deadline_s,
+                    self.vocab_digest,
+                    cmd.weights,
+                    validate=True,
+                ),
+                round_=cmd.step,
+            )
+        elif isinstance(cmd, S.EpochDone):
+            self.pending_history.append(
+                {
+                    "event": "epoch",
+                    "time": time.time(),
+                    "epoch": cmd.epoch,
+                    "step": cmd.step,
+                    "model_version": cmd.model_version,
+                    "val_loss": cmd.loss,
+                    "improved": cmd.improved,
+                    "best_epoch": cmd.best_epoch,
+                    "best_val_loss": cmd.best_loss,
+                    "documents": cmd.documents,
+                    "participants": list(cmd.participants),
+                    "missing": list(cmd.missing),
+                }
+            )
+            log.info(
+                "epoch %d: validation loss %.6g%s (best: epoch %d)",
+                cmd.epoch,
+                cmd.loss,
+                " (improved)" if cmd.improved else "",
+                cmd.best_epoch,
+            )
+            if not cmd.final:
+                # The stop state and the best epoch's weights survive a restart.
+                await self._checkpoint(self.machine.weights, cmd.step, False)
         elif isinstance(cmd, S.ApplyGradient):
             self.last_gradient_t = time.time()
             t0 = time.perf_counter()
@@ -430,8 +520,8 @@ class SyncOptMode:
                     "bytes_out": self.core.messenger.bytes_out,
                 }
             )
-            if cmd.final or self.machine.steps_done % self.settings.checkpoint_every == 0:
-                await self._checkpoint(cmd.weights, cmd.step, cmd.final)
+            if not cmd.final and self.machine.steps_done % self.settings.checkpoint_every == 0:
+                await self._checkpoint(cmd.weights, cmd.step, False)
             if cmd.missing:
                 log.warning(
                     "step %d aggregated without %s: the run is no longer exact", cmd.step, ", ".join(cmd.missing)
@@ -451,11 +541,15 @@ class SyncOptMode:
                 "Sync-Opt finished (%s) after %d steps: model version %d", cmd.reason, cmd.steps_done, cmd.model_version
             )
             sdnotify.status(f"finished: model version {cmd.model_version}")
+            # The final checkpoint holds the model training ends with (early stopping: the
+            # best epoch's, which may be older than the last step's).
+            await self._checkpoint(cmd.weights, self.machine.step, True, model_version=cmd.model_version)
             self.history.append(
                 {
                     "event": "finished",
                     "reason": cmd.reason,
                     "model_version": cmd.model_version,
+                    "steps_done": cmd.steps_done,
                     "exact": self.machine.exact,
                     **self._timing_summary(),
                 }
@@ -485,11 +579,21 @@ class SyncOptMode:
         # weights are still being broadcast and compared with the next ones.
         return get_weights(self.model)
 
-    async def _checkpoint(self, weights: dict[str, np.ndarray], step: int, final: bool) -> None:
+    async def _checkpoint(
+        self, weights: dict[str, np.ndarray], step: int, final: bool, model_version: int | None = None
+    ) -> None:
+        """``model_version``: that of ``weights`` when they are not the last step's (the
+        best epoch's model at the end of an early-stopped run)."""
         assert self.machine is not None and self.optimizer is not None
         arrays, scalars = optimizer_state(self.optimizer)
+        m = self.machine
+        if not final and m.best_weights is not None and m.best_version != m.model_version:
+            arrays.update({BEST_PREFIX + k: v for k, v in m.best_weights.items()})
         meta = {
-            "model_version": self.machine.model_version,
+            "model_version": m.model_version if model_version is None else model_version,
+            "trained_version": m.model_version,
+            "best_version": m.best_version,
+            "stopper": m.stopper_state(),
             "step": step,
             "steps_done": self.machine.steps_done,
             "federation": self.fed,
@@ -519,7 +623,9 @@ class SyncOptMode:
         m = self.machine.status() if self.machine is not None else {}
         vs = self.vocab_machine.status() if self.vocab_machine is not None else {}
         last_loss = m.get("last_loss")
+        early: dict[str, Any] = {k: m[k] for k in ("epochs", "best_epoch", "best_version", "last_val_loss") if k in m}
         return {
+            **early,
             "phase": self.phase,
             "step": m.get("step", 0),
             "steps_done": m.get("steps_done", 0),

@@ -602,7 +602,9 @@ class SyncStep:
     """Coordinator → all (Sync-Opt): compute the gradient of your mini-batch ``step`` at
     model ``model_version`` if you are among ``participants``. ``weights`` is None when
     every participant already holds that version (a repeated step): then only the
-    version travels."""
+    version travels. ``validate`` (an epoch's end, early stopping): instead of a
+    gradient, evaluate that model on your held-out documents and answer
+    :class:`SyncValidation`."""
 
     kind: ClassVar[str] = "sync_step"
     step: int
@@ -611,6 +613,7 @@ class SyncStep:
     deadline_s: float
     vocab_digest: str
     weights: Weights | None = field(default=None, repr=False)
+    validate: bool = False
 
     def __post_init__(self) -> None:
         _count(self.step, "step", "sync_step")
@@ -630,6 +633,8 @@ class SyncStep:
         }
         if self.weights is not None:
             body["weights"] = encode_weights(self.weights)
+        if self.validate:
+            body["validate"] = True
         return body
 
     @classmethod
@@ -643,6 +648,7 @@ class SyncStep:
             deadline_s=float(deadline),
             vocab_digest=_need(body, "vocab_digest", str, w),
             weights=decode_weights(body["weights"], limits) if "weights" in body else None,
+            validate=_flag(body, "validate", w),
         )
 
 
@@ -684,6 +690,40 @@ class SyncGradient:
             num_samples=_count(_need(body, "num_samples", int, w), "num_samples", w),
             loss=float(_need(body, "loss", (int, float), w)),
             gradient=decode_weights(_need(body, "gradient", dict, w), limits),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SyncValidation:
+    """Agent → coordinator (Sync-Opt early stopping): the mean validation loss of model
+    ``base_version`` over the agent's ``num_docs`` held-out documents (one scalar and a
+    count; no document leaves the node). ``num_docs`` = 0: it has none (``loss`` is then
+    ignored). A non-finite loss is allowed: a diverged model is a non-improvement."""
+
+    kind: ClassVar[str] = "sync_validation"
+    step: int
+    base_version: int
+    loss: float
+    num_docs: int
+
+    def __post_init__(self) -> None:
+        _count(self.step, "step", "sync_validation")
+        _count(self.base_version, "base_version", "sync_validation")
+        _count(self.num_docs, "num_docs", "sync_validation")
+        if not isinstance(self.loss, float):
+            raise CodecError("sync_validation: loss must be a number")
+
+    def to_body(self) -> dict[str, Any]:
+        return {"step": self.step, "base_version": self.base_version, "loss": self.loss, "num_docs": self.num_docs}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits) -> SyncValidation:
+        w = "sync_validation"
+        return cls(
+            step=_count(_need(body, "step", int, w), "step", w),
+            base_version=_count(_need(body, "base_version", int, w), "base_version", w),
+            loss=float(_need(body, "loss", (int, float), w)),
+            num_docs=_count(_need(body, "num_docs", int, w), "num_docs", w),
         )
 
 
@@ -906,6 +946,7 @@ Message = (
     | Vocabulary
     | SyncStep
     | SyncGradient
+    | SyncValidation
     | VocabDigest
     | SearchQuery
     | SearchAnswer
@@ -933,6 +974,7 @@ KINDS: dict[str, type[Message]] = {
         Vocabulary,
         SyncStep,
         SyncGradient,
+        SyncValidation,
         VocabDigest,
         SearchQuery,
         SearchAnswer,

@@ -479,7 +479,8 @@ class SyncOptMachine:
         if stopper is None and config.patience > 0:
             stopper = PatienceStop(patience=config.patience, delta=config.delta, max_epochs=config.max_epochs)
         self.stopper = stopper
-        self.best_version, self.best_weights = best if best is not None else (None, None)
+        self.best_version: int | None = best[0] if best is not None else None
+        self.best_weights: Weights | None = best[1] if best is not None else None
         self.participants: tuple[str, ...] = ()  # expected in the current/next step
         self.online: set[str] = set()
         self.dropped: set[str] = set()  # participants lost to a fault

@@ -79,6 +79,12 @@ class SyncTask(Task):
     def make_optimizer(self, params) -> torch.optim.Optimizer:
         """The optimizer the coordinator applies to aggregated gradients."""
 
+    def validation_loss(self, model: torch.nn.Module) -> tuple[float, int]:
+        """Mean loss of ``model`` over this node's held-out documents and their number,
+        for early stopping (``[syncopt] patience``); tasks without held-out data keep
+        this default and cannot run with early stopping."""
+        raise NotImplementedError(f"{type(self).__name__} has no validation_loss(): set [syncopt] patience = 0")
+
     @abc.abstractmethod
     def topics(self, model: torch.nn.Module, n_words: int = 10) -> list[list[str]]:
         """Top words of every topic."""

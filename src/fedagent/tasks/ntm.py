@@ -394,6 +394,15 @@ class NtmTask(SyncTask):
         words = float(bow.sum())
         return {"val_loss": float(losses.mean()), "perplexity": math.exp(float(losses.sum()) / max(words, 1.0))}
 
+    def validation_loss(self, model: nn.Module) -> tuple[float, int]:
+        """What an agent answers at a Sync-Opt epoch's end (early stopping): the mean
+        validation loss over its held-out documents and their number (0: it has fewer
+        than two, and its loss does not count)."""
+        n = int(self.val.shape[0])
+        if n < 2:
+            return 0.0, 0
+        return float(self.evaluate(model)["val_loss"]), n
+
     # -- what the model says ----------------------------------------------------
     def topic_word(self, model: nn.Module) -> np.ndarray:
         return _prodlda(model).topic_word().double().numpy()
