@@ -118,13 +118,17 @@ def test_newsgroups_report_lists_federated_and_local_topics(tmp_path):
 @pytest.mark.timeout(600)
 def test_one_setting_through_coordinator_and_agent_processes_equals_in_process(tmp_path):
     """The real federated path of the experiment: a coordinator and five agent processes
-    over a private Mosquitto with mutual TLS give the weights of in-process Sync-Opt and
-    of centralized training on the concatenated batches, hence the same scores."""
+    over a private Mosquitto with mutual TLS, the coordinator stopping by the agents'
+    validation losses itself, keep the model in-process early-stopped Sync-Opt keeps: the
+    same steps, the weights of in-process Sync-Opt and of centralized training on the
+    concatenated batches, hence the same scores."""
     scale = gfedntm.SCALES["tiny"]
     kept: dict = {}
     gfedntm.run_setting(scale, 5, 0.05, "A", keep=kept)
-    d = gfedntm.run_daemon_setting(scale, 5, 0.05, kept, steps=kept["steps"])
-    assert d.exact and d.steps == kept["steps"]
+    d = gfedntm.run_daemon_setting(scale, 5, 0.05, kept, in_process_steps=kept["steps"])
+    assert d.exact and d.steps == kept["steps"] and d.in_process_steps == kept["steps"]
+    assert d.finished_reason in ("early stopped", "max epochs") and 1 <= d.best_epoch <= d.epochs <= scale.epochs
+    assert len(d.val_losses) == d.epochs and d.steps_trained >= d.steps
     names = ["daemons (Mosquitto)", "in-process Sync-Opt", "centralized, concatenated batches"]
     assert list(d.tss) == names
     for name in names[1:]:
@@ -132,3 +136,4 @@ def test_one_setting_through_coordinator_and_agent_processes_equals_in_process(t
         assert abs(d.tss[name] - d.tss[names[0]]) <= 1e-4 and abs(d.doc_sim[name] - d.doc_sim[names[0]]) <= 1e-3
     report = gfedntm.write_synthetic_report(tmp_path, scale, [gfedntm.run_setting(scale, 5, 0.05, "A")], 1.0, d)
     assert "## The real federated path" in report.read_text()
+    assert f"kept epoch {d.best_epoch}'s model" in report.read_text()

@@ -11,7 +11,7 @@ import pytest
 from fedagent.errors import CodecError
 from fedagent.protocols import syncopt as S
 from fedagent.protocols.codec import Envelope, Limits, decode, encode
-from fedagent.protocols.messages import SyncGradient, SyncStep, body_of
+from fedagent.protocols.messages import SyncGradient, SyncStep, SyncValidation, body_of
 
 F32 = np.float32
 
@@ -342,6 +342,17 @@ def test_step_and_gradient_messages_roundtrip():
     g = roundtrip(SyncGradient(3, 2, 16, 1.5, grad(2.0)))
     assert (g.step, g.base_version, g.num_samples, g.loss) == (3, 2, 16, 1.5)
     np.testing.assert_array_equal(g.gradient["w"], grad(2.0)["w"])
+    assert not roundtrip(SyncStep(3, 2, ("a",), 30.0, "")).validate
+    assert roundtrip(SyncStep(4, 2, ("a",), 30.0, "", validate=True)).validate
+    v = roundtrip(SyncValidation(4, 2, 181.5, 37))
+    assert (v.step, v.base_version, v.loss, v.num_docs) == (4, 2, 181.5, 37)
+    assert math.isinf(roundtrip(SyncValidation(4, 2, math.inf, 3)).loss)  # a diverged model may say so
+    for patch in ({"num_docs": -1}, {"loss": "x"}, {"step": True}, {"validate": 1}):
+        body = {**SyncValidation(4, 2, 1.0, 3).to_body(), **patch}
+        with pytest.raises(CodecError):
+            (SyncStep if "validate" in patch else SyncValidation).from_body(
+                {**SyncStep(4, 2, ("a",), 30.0, "").to_body(), **patch} if "validate" in patch else body, LIMITS
+            )
 
 
 @pytest.mark.parametrize(
@@ -388,7 +399,11 @@ def test_syncopt_section_is_read_and_checked(tmp_path):
     assert (m.steps, m.tol, m.on_fault) == (50, 1e-4, "abort")
     v = cfg.syncopt.vocab_config()
     assert (v.expected_agents, v.min_count, v.max_size) == (5, 2, 1000)
+    m = load({"patience": 5, "epoch_steps": 35, "delta": 0.1, "float64": True}).syncopt.machine_config()
+    assert (m.patience, m.epoch_steps, m.delta, m.max_epochs, m.aggregation) == (5, 35, 0.1, 100, "ordered")
     for bad in (
+        {"patience": 5},  # no epoch_steps
+        {"max_epochs": 0},
         {"stepz": 3},
         {"on_fault": "retry"},
         {"steps": 0},

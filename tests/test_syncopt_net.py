@@ -160,7 +160,7 @@ def check_exact_and_private(
     assert {s["vocabulary_size"] for s in statuses} == {len(merged)}
     # What agents put on the network: presence, one offer of terms+counts, gradients. Nothing else.
     from_agents = [m for m in msgs if m.sender in fed.agent_ids]
-    assert {type(m.message) for m in from_agents} == {Presence, VocabOffer, SyncGradient}
+    assert {type(m.message) for m in from_agents} == {Presence, VocabOffer, SyncGradient}  # no validation asked
     for m in from_agents:
         if isinstance(m.message, VocabOffer):
             assert set(m.envelope.body) == {"terms", "counts"}
@@ -192,7 +192,8 @@ def check_exact_and_private(
         local = get_weights(model)
         net_vs_local = max(float(np.max(np.abs(fed_weights[k].astype(np.float64) - local[k]))) for k in local)
         print(f"max |w_fed - w_in_process_syncopt| = {net_vs_local:.3g}")
-        assert net_vs_local <= 1e-7, net_vs_local
+        # float64 mode: gradients summed in participant order, whatever the arrival order
+        assert net_vs_local == 0.0, net_vs_local
     assert diff <= TOLERANCE, diff
     return diff
 
@@ -206,7 +207,7 @@ def test_prodlda_five_agents_50_steps_equal_centralized(tmp_path):
     def options(i):
         return {**opts, "shard": i, "shards": AGENTS}
 
-    with syncopt_federation(tmp_path, "prodlda", options, {"steps": STEPS}) as (fed, tap):
+    with syncopt_federation(tmp_path, "prodlda", options, {"steps": STEPS, "float64": True}) as (fed, tap):
         check_exact_and_private(
             fed,
             tap,

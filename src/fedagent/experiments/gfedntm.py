@@ -481,15 +481,31 @@ class DaemonResult:
     doc_sim: dict[str, float] = field(default_factory=dict)
     max_abs_diff: dict[str, float] = field(default_factory=dict)  # weights vs the daemons' final ones
     exact: bool = False
+    # early stopping run by the coordinator itself (patience > 0): how it ended, and the
+    # in-process early-stopped federated model's kept steps to compare with
+    finished_reason: str = ""
+    best_epoch: int = 0
+    epochs: int = 0
+    steps_trained: int = 0
+    in_process_steps: int | None = None
+    val_losses: list[float] = field(default_factory=list)
 
 
 def syncopt_through_daemons(
-    options: dict[str, Any], agents: int, steps: int, console=None, timeout: float = 3600.0
+    options: dict[str, Any],
+    agents: int,
+    steps: int,
+    console=None,
+    timeout: float = 3600.0,
+    syncopt: dict[str, Any] | None = None,
 ) -> tuple[dict[str, np.ndarray], list[str], dict]:
-    """Run ``steps`` Sync-Opt steps of ProdLDA on ``options`` (one shard per agent) through
-    a private Mosquitto with mutual TLS, a coordinator process and ``agents`` agent
-    processes that find it by mDNS (:class:`fedagent.localfed.Federation`). Returns the
-    coordinator's final weights, the agreed vocabulary and the checkpoint's metadata."""
+    """Run at most ``steps`` Sync-Opt steps of ProdLDA on ``options`` (one shard per
+    agent) through a private Mosquitto with mutual TLS, a coordinator process and
+    ``agents`` agent processes that find it by mDNS (:class:`fedagent.localfed.Federation`);
+    ``syncopt``: more ``[syncopt]`` settings (early stopping: ``patience``,
+    ``epoch_steps``, ``max_epochs``). Returns the coordinator's final weights, the agreed
+    vocabulary and the checkpoint's metadata with the history's ``epoch`` records
+    (``meta["epochs"]``)."""
     import shutil
     import tempfile
 
@@ -512,6 +528,7 @@ def syncopt_through_daemons(
                 "step_timeout": 120.0,
                 "on_fault": "abort",
                 "checkpoint_every": 200,
+                **(syncopt or {}),
             },
         )
         fed.start_all()
@@ -533,30 +550,57 @@ def syncopt_through_daemons(
             raise FedagentError(f"Sync-Opt aborted; logs in {work / 'logs'}")
         weights, meta = fed.final_weights()
         weights = {k: v for k, v in weights.items() if not k.startswith("optim/")}
-        vocab = work / "state" / "coordinator" / "coordinator" / fed.fed / "vocabulary.json"
-        terms = json.loads(vocab.read_text())["terms"]
-        return weights, terms, dict(meta)
+        state = work / "state" / "coordinator" / "coordinator" / fed.fed
+        terms = json.loads((state / "vocabulary.json").read_text())["terms"]
+        records = [json.loads(line) for line in (state / "history.jsonl").read_text().splitlines() if line]
+        finished = [r for r in records if r.get("event") == "finished"]
+        return (
+            weights,
+            terms,
+            {
+                **meta,
+                "epochs": [r for r in records if r.get("event") == "epoch"],
+                "finished_reason": finished[-1]["reason"] if finished else "",
+            },
+        )
     finally:
         fed.close()
         shutil.rmtree(work, ignore_errors=True)
 
 
 def run_daemon_setting(
-    scale: Scale, shared: int, eta: float, in_process: dict | None = None, console=None, steps: int | None = None
+    scale: Scale,
+    shared: int,
+    eta: float,
+    in_process: dict | None = None,
+    console=None,
+    steps: int | None = None,
+    in_process_steps: int | None = None,
 ) -> DaemonResult:
     """The setting (``shared``, ``eta``, seed ``scale.seed``) through the real coordinator
     and agents, scored next to in-process Sync-Opt (``in_process``: the weights
     :func:`run_setting` kept, or recomputed) and centralized training on the
-    concatenated per-step batches. ``steps``: the Sync-Opt steps to run (default: those
-    of ``scale.epochs`` passes; pass the early-stopped federated model's steps to
-    reproduce it: the daemons train on the same 75 % of each node's documents)."""
+    concatenated per-step batches. With ``scale.patience`` the coordinator stops by the
+    agents' validation losses itself (one epoch = the smallest node's batches, at most
+    ``scale.epochs``), and the model compared is the one it kept; ``in_process_steps``:
+    the steps the in-process early-stopped federated model kept, for the report.
+    ``steps`` (no early stopping): the Sync-Opt steps to run (default: ``scale.epochs``
+    passes)."""
     t0 = time.monotonic()
     data = setting_data(scale, shared, eta)
     tasks, terms = joint_tasks(scale, data)
-    if steps is None:
-        steps = scale.epochs * min(t.num_batches() for t in tasks)
-    weights, agreed, meta = syncopt_through_daemons(data.opts, scale.nodes, steps, console)
+    epoch_steps = min(t.num_batches() for t in tasks)
+    extra: dict[str, Any] = {}
+    if scale.patience > 0:
+        extra = {"patience": scale.patience, "max_epochs": scale.epochs, "epoch_steps": epoch_steps}
+        steps = scale.epochs * epoch_steps
+    elif steps is None:
+        steps = scale.epochs * epoch_steps
+    weights, agreed, meta = syncopt_through_daemons(data.opts, scale.nodes, steps, console, syncopt=extra)
     seconds = time.monotonic() - t0
+    epochs = meta.get("epochs", [])
+    trained = int(meta.get("trained_version", meta.get("model_version", steps)))
+    steps = int(meta.get("model_version", steps))  # the kept model's steps
     if agreed != terms:
         raise RuntimeError("the coordinator agreed on another vocabulary than the union the experiment computes")
     if in_process is None or in_process.get("terms") != terms or in_process.get("steps") != steps:
@@ -566,7 +610,18 @@ def run_daemon_setting(
     for step in range(steps):
         centralized_step(central, opt, tasks, step)
     res = DaemonResult(
-        shared=shared, eta=eta, steps=steps, vocabulary=len(terms), seconds=seconds, exact=bool(meta.get("exact"))
+        shared=shared,
+        eta=eta,
+        steps=steps,
+        vocabulary=len(terms),
+        seconds=seconds,
+        exact=bool(meta.get("exact")),
+        finished_reason=str(meta.get("finished_reason", "")),
+        best_epoch=int(epochs[-1]["best_epoch"]) if epochs else 0,
+        epochs=len(epochs),
+        steps_trained=trained,
+        in_process_steps=in_process_steps,
+        val_losses=[float(r["val_loss"]) for r in epochs],
     )
     runs = {
         "daemons (Mosquitto)": weights,
@@ -700,11 +755,14 @@ def run_synthetic(
     daemon = None
     if daemons is not None:
         steps = int(done[(*daemons, scale.seed)].steps["federated"])
+        how = "stopping by validation loss itself" if scale.patience else f"{steps} steps"
         console.print(
             f"[bold]K'={daemons[0]} eta={daemons[1]} seed={scale.seed} through a coordinator and "
-            f"{scale.nodes} agent processes over Mosquitto (mutual TLS), {steps} steps[/]"
+            f"{scale.nodes} agent processes over Mosquitto (mutual TLS), {how}[/]"
         )
-        daemon = run_daemon_setting(scale, daemons[0], daemons[1], kept or None, console, steps=steps)
+        daemon = run_daemon_setting(
+            scale, daemons[0], daemons[1], kept or None, console, steps=steps, in_process_steps=steps
+        )
         console.print(
             f"daemons: {daemon.steps} steps in {daemon.seconds:.0f} s; TSS {daemon.tss}; max |dw| {daemon.max_abs_diff}"
         )
@@ -889,11 +947,8 @@ def _daemon_section(d: DaemonResult | None) -> list[str]:
         "",
         f"One coordinator and 5 agent processes (`fedagent coordinator` / `fedagent agent`), a private "
         f"Mosquitto with mutual TLS and per-agent ACLs, discovery by mDNS; vocabulary consensus "
-        f"({d.vocabulary} terms), then {d.steps} Sync-Opt steps (one gradient per agent per step over "
-        f"MQTT: as many as the early-stopped in-process federated model of the first seed kept; the agents "
-        f"train on the same 75 % of their documents, and the daemons do not run the validation-loss stop "
-        f"test themselves); {d.seconds:.0f} s wall time including start-up "
-        f"({d.seconds / max(d.steps, 1) * 1000:.0f} ms "
+        f"({d.vocabulary} terms), then {_daemon_steps(d)}; {d.seconds:.0f} s wall time including start-up "
+        f"({d.seconds / max(d.steps_trained or d.steps, 1) * 1000:.0f} ms "
         f"per step); the coordinator reports the run {'exact (no step missed an agent)' if d.exact else 'NOT exact'}. "
         "The same steps in this process (Sync-Opt: per-node gradients, weighted mean, one Adam step) and "
         "centralized training on the concatenation of each step's per-node batches start from the same "
@@ -908,6 +963,28 @@ def _daemon_section(d: DaemonResult | None) -> list[str]:
             f"{d.max_abs_diff[name]:.2e} |"
         )
     return [*lines, ""]
+
+
+def _daemon_steps(d: DaemonResult) -> str:
+    if not d.finished_reason or not d.epochs:
+        return (
+            f"{d.steps} Sync-Opt steps (one gradient per agent per step over MQTT: as many as the early-stopped "
+            "in-process federated model of the first seed kept; the agents train on the same 75 % of their "
+            "documents, and the daemons do not run the validation-loss stop test themselves)"
+        )
+    same = (
+        f"the in-process early-stopped federated model kept {d.in_process_steps} steps: "
+        + ("the same" if d.in_process_steps == d.steps else "**a different count**")
+        if d.in_process_steps is not None
+        else ""
+    )
+    return (
+        f"Sync-Opt steps (one gradient per agent per step over MQTT) with the coordinator running the "
+        f"early stop itself: after every epoch it asks each agent for its held-out loss of the new model "
+        f"(one scalar and a count), pools them and applies the patience rule; it trained {d.epochs} epochs "
+        f"({d.steps_trained} steps), stopped ({d.finished_reason}) and kept epoch {d.best_epoch}'s model "
+        f"({d.steps} steps; {same})"
+    )
 
 
 def report_from_json(out: Path) -> Path:
