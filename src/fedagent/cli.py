@@ -868,7 +868,24 @@ def experiment_dp_digits(rounds: int, seeds: int, fixed_clip: bool, out: Path) -
 @click.option("--seed", default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("seec-report"), show_default=True)
 @click.option("--keep", is_flag=True, help="keep the federation's work directory (logs, checkpoints)")
-def experiment_seec(scale_name: str, sites: int | None, epochs: int | None, seed: int, out: Path, keep: bool) -> None:
+@click.option(
+    "--corpus",
+    type=click.Choice(["wiki", "manpages"]),
+    default="wiki",
+    show_default=True,
+    help="private data: gensim's Wikipedia articles (105) or the Linux manual pages (2,512)",
+)
+@click.option("--limit", type=int, default=None, help="use only the corpus's first N documents (0: all)")
+def experiment_seec(
+    scale_name: str,
+    sites: int | None,
+    epochs: int | None,
+    seed: int,
+    out: Path,
+    keep: bool,
+    corpus: str,
+    limit: int | None,
+) -> None:
     """SEEC: joint doc2vec learning (daemons) and vector-space mapping vs centralized (sim_10)."""
     from dataclasses import replace
 
@@ -883,7 +900,11 @@ def experiment_seec(scale_name: str, sites: int | None, epochs: int | None, seed
             scale,
             sites=scale.sites if sites is None else sites,
             epochs=scale.epochs if epochs is None else epochs,
+            corpus=corpus,
+            limit=scale.limit if limit is None else limit,
         )
+        if scale.limit < 0:
+            raise ConfigError("--limit must be at least 0")
         seec.run_experiment(out, scale, keep=keep)
     except FedagentError as exc:
         _fail(exc)

@@ -65,6 +65,14 @@ require_installed(EXPERIMENTS, "experiments", "the SEEC experiment")
 PAPER = {"joint": 0.609, "mapped_slack": 0.198, "mapped_wiki": 0.261}
 LIVE_ROW = "mapping through the agents (live mapped search)"
 QUERIES = ("anarchism and the political philosophy of the state", "the atomic number and chemical elements")
+CORPORA = {
+    "wiki": "Wikipedia articles of gensim's shortened dump",
+    "manpages": "Linux manual pages (Debian's manpages and manpages-dev)",
+}
+CORPUS_QUERIES = {
+    "wiki": QUERIES,
+    "manpages": ("open a file and return a file descriptor", "lock a mutex shared between threads"),
+}
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,7 @@ class Scale:
     k: int = 10
     seed: int = 0
     limit: int = 0  # articles (0 = all)
+    corpus: str = "wiki"  # a key of CORPORA
 
 
 SCALES = {
@@ -99,7 +108,7 @@ def cosine_lr(lr: float, epoch: int, epochs: int) -> float:
 
 def options(scale: Scale, **extra: Any) -> dict[str, Any]:
     return {
-        "corpus": "wiki",
+        "corpus": scale.corpus,
         "holdout": 0.0,
         "dim": scale.dim,
         "min_count": scale.min_count,
@@ -211,7 +220,7 @@ def run_joint(scale: Scale, work: Path, console: Console) -> tuple[dict[str, np.
                 break
             time.sleep(0.5)
         digests = {a: (fed.status(a) or {}).get("vocab_digest") for a in fed.agent_ids}
-        for q in QUERIES:
+        for q in CORPUS_QUERIES[scale.corpus]:
             cmd = [
                 sys.executable,
                 "-m",
@@ -394,7 +403,7 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
         console.print(f"  {name}: {timings[name]}s")
 
     console.print(
-        f"[bold]SEEC experiment[/]: {scale.sites} sites, Wikipedia articles split at random "
+        f"[bold]SEEC experiment[/]: {scale.sites} sites, {CORPORA[scale.corpus]} split at random "
         f"(balanced tokens), {scale.epochs} epochs, d={scale.dim}"
     )
     t0 = time.monotonic()
@@ -597,11 +606,12 @@ def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[st
     lines = [
         "# SEEC: joint learning and vector-space mapping (shared/seeds/002, Sec. V)",
         "",
-        f"Command: `fedagent experiment seec --out {out}` ({r['seconds']:.0f} s on this machine, 2 shared cores).",
+        f"Command: `fedagent experiment seec{'' if s.get('corpus', 'wiki') == 'wiki' else ' --corpus ' + s['corpus']} "
+        f"--out {out}` ({r['seconds']:.0f} s on this machine, 2 shared cores).",
         "",
         "## Set-up and scale",
         "",
-        f"* Private data: the {r['documents']} Wikipedia articles of gensim's shortened dump, split over "
+        f"* Private data: the {r['documents']} {CORPORA[s.get('corpus', 'wiki')]}, split over "
         f"**{s['sites']} sites** at random with balanced token counts (the paper: two sites, users distributed "
         "uniformly; its joint result is on Slack data, which is not public, its 0.261 mapping result on Wikipedia).",
         "* Public data for the mappers: the 200 posts of gensim's 20-newsgroups sample (the paper: 18,846).",

@@ -31,7 +31,8 @@ over its words with the head frozen and the step decaying linearly from ``infer_
 
 **Data.** ``corpus = "newsgroups"`` (SEEC's public corpus, the 200-post sample of
 alt.atheism and sci.space; a fixed ``holdout`` fraction, default 0.2, is the same test set
-on every site) or ``corpus = "wiki"`` (the Wikipedia dump; no hold-out by default).
+on every site), ``corpus = "wiki"`` (the Wikipedia dump; no hold-out by default) or
+``corpus = "manpages"`` (the Linux manual pages, :func:`fedagent.tasks.text_data.manpages`).
 Splits, vocabulary and options as in :mod:`fedagent.tasks.word2vec`; SEEC's settings are
 d = 50, 40 epochs, alpha 0.025 (``dim`` defaults to 50 here).
 
@@ -164,7 +165,10 @@ class Doc2VecTask(Task):
         if o["corpus"] == "wiki":
             arts = td.wiki_articles(limit=int(o["limit"]))
             return [a.title for a in arts], [a.tokens for a in arts], []
-        raise ConfigError(f"doc2vec: unknown corpus {o['corpus']!r} (available: newsgroups, wiki)")
+        if o["corpus"] == "manpages":
+            pages = td.manpages(limit=int(o["limit"]))
+            return [a.title for a in pages], [a.tokens for a in pages], []
+        raise ConfigError(f"doc2vec: unknown corpus {o['corpus']!r} (available: newsgroups, wiki, manpages)")
 
     # -- vocabulary consensus -------------------------------------------------------------------
     def term_counts(self) -> dict[str, int]:
@@ -297,7 +301,7 @@ class Doc2VecTask(Task):
 
 
 def make(options: dict[str, Any]) -> Doc2VecTask:
-    """Options (all optional): ``corpus`` (newsgroups, wiki), ``split``, ``shard``,
+    """Options (all optional): ``corpus`` (newsgroups, wiki, manpages), ``split``, ``shard``,
     ``shards``, ``topics``, ``limit``, ``holdout``, ``seed``, ``dim``, ``negative``,
     ``sample``, ``min_count``, ``max_vocab``, ``ns_exponent``, ``vocabulary``,
     ``infer_epochs``, ``infer_lr``."""

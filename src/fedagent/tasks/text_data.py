@@ -46,6 +46,16 @@ a ``Newsgroups:`` line); each post's group is the first of the two sample groups
 ``simlex999.txt`` (word pairs with mean human scores) and ``questions-words.txt``
 (Mikolov's analogies) are plain text.
 
+**Linux manual pages.** :func:`manpages`: the pages of Debian's ``manpages`` and
+``manpages-dev`` packages (Linux man-pages 6.03 in bookworm: system calls, C library
+functions, file formats, overviews: 2,533 pages with text; 2,512 distinct ones with at
+least 50 tokens, 1.5 M tokens), read from ``/usr/share/man`` as the package lists them (``dpkg -L``), so the
+same files on every machine with the same package version. ``scripts/bootstrap.sh``
+installs the two packages when they are missing. The roff source is turned into text by
+dropping comments and layout requests and keeping the text of the font macros (``.B``,
+``.BR``, ``.I``...) and of headings, with escapes (``\fB``, ``\\-``, ``\\(em``...) removed;
+pages that only point to another one (``.so``) are skipped. Titles are ``name(section)``.
+
 **Vocabulary.** :func:`term_counts` is what an agent offers in the vocabulary consensus
 (terms and counts, never documents); :func:`merge_term_counts` is the merge the
 consensus stage computes (``protocols.vocab.merge_vocabularies``), so a task that
@@ -175,6 +185,100 @@ def wiki_articles(*, limit: int = 0, stop_words: bool = True, use_cache: bool = 
             json.dump([[a.title, list(a.tokens)] for a in articles], f)
         os.replace(tmp, cache)
     return articles
+
+
+# ---- Linux manual pages -------------------------------------------------------------------
+MANPAGE_PACKAGES = ("manpages", "manpages-dev")
+MANPAGE_DIR = Path("/usr/share/man")
+# Requests whose arguments are running text (font changes, headings, tagged paragraphs).
+_ROFF_TEXT = frozenset("B I BR BI IB IR RB RI SB SM SH SS IP UR MT".split())
+_ROFF_ESCAPE = re.compile(r"\\f(?:\[[^]]*\]|\(..|.)|\\\*(?:\[[^]]*\]|\(..|.)|\\\((..)|\\\[[^]]*\]|\\.")
+
+
+def roff_text(source: str) -> str:
+    """The running text of a man page's roff source (see the module docstring)."""
+    out = []
+    for line in source.splitlines():
+        if line.startswith(('.\\"', "'\\\"", '\\"')):
+            continue
+        if line.startswith((".", "'")):
+            request, _, args = line[1:].strip().partition(" ")
+            if request not in _ROFF_TEXT:
+                continue
+            line = args.replace('"', " ")
+        out.append(_ROFF_ESCAPE.sub(lambda m: "-" if m.group(0) == "\\-" else " ", line))
+    return "\n".join(out)
+
+
+def manpage_files() -> list[Path]:
+    """The man pages of :data:`MANPAGE_PACKAGES`, sorted; a missing package is an error
+    that names the fix."""
+    import subprocess
+
+    files: set[Path] = set()
+    for pkg in MANPAGE_PACKAGES:
+        try:
+            listing = subprocess.run(["dpkg", "-L", pkg], capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            raise ConfigError(
+                f"the Debian package {pkg} is not installed: run ./scripts/bootstrap.sh "
+                f"(or apt-get install {' '.join(MANPAGE_PACKAGES)})"
+            ) from None
+        for name in listing.splitlines():
+            path = Path(name)
+            if path.suffix == ".gz" and path.parent.parent == MANPAGE_DIR and path.parent.name.startswith("man"):
+                files.add(path)
+    return sorted(files)
+
+
+def _parse_manpages(paths: Sequence[Path], stop_words: bool, limit: int) -> list[Article]:
+    import gzip
+
+    pages: list[Article] = []
+    seen: set[tuple[str, ...]] = set()
+    for path in paths:
+        try:
+            source = gzip.decompress(path.read_bytes()).decode("utf-8", "replace")
+        except OSError:
+            continue  # listed by the package but removed (e.g. a slimmed image)
+        if source.lstrip().startswith(".so "):
+            continue  # an alias of another page
+        tokens = tuple(tokenize(roff_text(source), stop_words=stop_words))
+        if len(tokens) >= MIN_ARTICLE_TOKENS and tokens not in seen:  # a page installed twice: once
+            seen.add(tokens)
+            name = path.name[: -len(".gz")]
+            stem, _, section = name.rpartition(".")
+            pages.append(Article(f"{stem}({section})", tokens))
+            if len(pages) == limit:
+                break
+    return pages
+
+
+def manpages(*, limit: int = 0, stop_words: bool = True, use_cache: bool = True) -> list[Article]:
+    """The Linux manual pages (module docstring), tokenised, sorted by file name;
+    ``limit`` > 0 stops after that many."""
+    paths = manpage_files()
+    if not paths:
+        raise ConfigError(f"the packages {', '.join(MANPAGE_PACKAGES)} list no man page under {MANPAGE_DIR}")
+    digest = hashlib.sha256()
+    for path in paths:
+        st = path.stat() if path.exists() else None
+        digest.update(f"{path}:{st.st_size if st else -1}\n".encode())
+    key = hashlib.sha256(f"{digest.hexdigest()}:{PROCESSING_VERSION}:{stop_words}:{limit}".encode()).hexdigest()[:16]
+    cache = cache_dir() / f"manpages-{key}.json"
+    if use_cache and cache.is_file():
+        try:
+            return [Article(t, tuple(toks)) for t, toks in json.loads(cache.read_text())]
+        except (ValueError, TypeError):
+            pass
+    pages = _parse_manpages(paths, stop_words, limit)
+    if use_cache:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=".manpages-", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump([[a.title, list(a.tokens)] for a in pages], f)
+        os.replace(tmp, cache)
+    return pages
 
 
 # ---- splits ---------------------------------------------------------------------------------
