@@ -17,7 +17,7 @@ command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || need_apt+=(i
 command -v nft >/dev/null 2>&1 || [ -x /usr/sbin/nft ] || need_apt+=(nftables)
 command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)
 [ -e /usr/include/libnetfilter_queue/libnetfilter_queue.h ] || need_apt+=(libnetfilter-queue-dev)
-# The Linux manual pages: the offline corpus of 2,500 documents for SEEC and Word2Vec
+# The Linux manual pages: the offline corpus of 1,083 documents for SEEC and Word2Vec
 # (doc2vec corpus = "manpages"; fedagent.tasks.text_data.manpages).
 for pkg in manpages manpages-dev; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")

@@ -873,7 +873,7 @@ def experiment_dp_digits(rounds: int, seeds: int, fixed_clip: bool, out: Path) -
     type=click.Choice(["wiki", "manpages"]),
     default="wiki",
     show_default=True,
-    help="private data: gensim's Wikipedia articles (105) or the Linux manual pages (2,512)",
+    help="private data: gensim's Wikipedia articles (105) or the Linux manual pages (1,083)",
 )
 @click.option("--limit", type=int, default=None, help="use only the corpus's first N documents (0: all)")
 def experiment_seec(
