@@ -381,3 +381,53 @@ def test_the_coordinator_stops_on_the_agents_validation_loss_like_the_in_process
     fed_weights = {k: v for k, v in weights.items() if not k.startswith("optim/")}
     assert fed_weights.keys() == local.keys()
     assert max(float(np.max(np.abs(fed_weights[k] - local[k]))) for k in local) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_early_stopping_survives_a_coordinator_restart(tmp_path):
+    """kill -9 the coordinator of an early-stopping run after its best epoch was kept and
+    start it again: the stop state and the best epoch's weights come back from the
+    checkpoint, and the run ends exactly as the uninterrupted in-process loop does."""
+    from fedagent.experiments.gfedntm import early_stopped, federated_validation_loss
+    from fedagent.protocols.syncopt import PatienceStop
+    from fedagent.tasks import ntm
+
+    torch.set_num_threads(1)
+    opts = {**NTM_OPTIONS, "holdout": 0.25, "lr": 0.1}
+
+    def options(i):
+        return {**opts, "shard": i, "shards": AGENTS}
+
+    tasks = [load_task("prodlda", options(i)) for i in range(AGENTS)]
+    epoch_steps = min(t.num_batches() for t in tasks)
+    rule = {"patience": 1, "delta": 0.4, "max_epochs": 20}
+    syncopt = {"steps": 10_000, "epoch_steps": epoch_steps, "float64": True, "checkpoint_every": 4, **rule}
+    state = tmp_path / "state" / "coordinator" / "coordinator"
+    with syncopt_federation(tmp_path, "prodlda", options, syncopt, record=False) as (fed, _):
+        # past epoch 3's validation (a checkpoint holds the stop state), before the stop at epoch 8
+        wait_for(lambda: (s := fed.status("coordinator")) and (s.get("epochs") or 0) >= 3, 240, "epoch 3", fed)
+        fed.restart("coordinator")
+        done = wait_for(lambda: coordinator_in(fed, "done", "aborted"), 240, "the restarted coordinator", fed)
+        weights, meta = fed.final_weights()
+        vocab = json.loads((state / fed.fed / "vocabulary.json").read_text())["terms"]
+        history = (state / fed.fed / "history.jsonl").read_text()
+    assert done["phase"] == "done" and done["finished_reason"] == "early stopped" and done["exact"]
+    assert "resuming from" in (tmp_path / "logs" / "coordinator.log").read_text()
+    epochs = [r["epoch"] for r in map(json.loads, history.splitlines()) if r["event"] == "epoch"]
+    for t in tasks:
+        t.set_vocabulary(vocab)
+    model = tasks[0].build_model()
+    opt = tasks[0].make_optimizer(model.parameters())
+    stop = early_stopped(
+        model,
+        lambda i: ntm.federated_step(model, opt, tasks, i),
+        lambda: federated_validation_loss(model, tasks),
+        epoch_steps,
+        PatienceStop(**rule),
+    )
+    assert meta["model_version"] == stop.steps and done["best_epoch"] == stop.best_epoch
+    # every epoch validated once: the restart carried on from the checkpointed stop state
+    assert epochs == list(range(1, stop.epochs + 1))
+    local = get_weights(model)
+    assert max(float(np.max(np.abs(weights[k] - local[k]))) for k in local) == 0.0
