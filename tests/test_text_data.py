@@ -72,6 +72,15 @@ def test_manpages_are_the_packages_pages_with_text_and_cached(tmp_path):
     assert len({p.tokens for p in every}) == len(every)  # a page installed twice counts once
 
 
+def test_word2vec_and_doc2vec_read_the_manpages_corpus():
+    from fedagent.tasks.base import load_task
+
+    w2v = load_task("word2vec", {"corpus": "manpages", "limit": 60, "shards": 2, "shard": 0, "split": "random"})
+    d2v = load_task("doc2vec", {"corpus": "manpages", "limit": 60})
+    assert 0 < w2v.num_samples() and "descriptor" in w2v.term_counts()
+    assert len(d2v.search_ids()) == 60 and d2v.search_ids()[0].endswith(")")
+
+
 def _synthetic(n_docs: int = 40, seed: int = 0) -> list[list[str]]:
     """Two obvious topics (sport / chemistry) with varied lengths, equal in total (so the
     size-balanced topic split has no reason to move a document)."""

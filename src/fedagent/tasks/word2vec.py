@@ -31,7 +31,8 @@ Defaults are word2vec's/gensim's published ones: d = 100, window 5, 5 negatives,
 ``sample`` 1e-3, min_count 5, alpha 0.025. The thesis used d = 200, span 25 (window 12),
 64 negatives, words seen more than 10 times, batches of 2048; all are options.
 
-**Data.** ``corpus = "wiki"``: the Wikipedia dump shipped with gensim, split across
+**Data.** ``corpus = "wiki"``: the Wikipedia dump shipped with gensim (or ``"manpages"``:
+the Linux manual pages, :func:`fedagent.tasks.text_data.manpages`), split across
 ``shards`` agents by ``split`` (``topic``, ``random``, ``imbalanced``; see
 :mod:`fedagent.tasks.text_data`); this agent trains on shard ``shard`` (absent: all).
 
@@ -307,9 +308,12 @@ DEFAULTS: dict[str, Any] = {
 
 def load_corpus(options: Mapping[str, Any]) -> tuple[list[td.Article], td.Split | None]:
     """All documents of the corpus and, with ``shards`` > 1, their split."""
-    if options["corpus"] != "wiki":
-        raise ConfigError(f"word2vec: unknown corpus {options['corpus']!r} (available: wiki)")
-    articles = td.wiki_articles(limit=int(options["limit"]))
+    if options["corpus"] == "wiki":
+        articles = td.wiki_articles(limit=int(options["limit"]))
+    elif options["corpus"] == "manpages":
+        articles = td.manpages(limit=int(options["limit"]))
+    else:
+        raise ConfigError(f"word2vec: unknown corpus {options['corpus']!r} (available: wiki, manpages)")
     shards = int(options["shards"])
     if shards <= 1:
         return articles, None
@@ -479,7 +483,7 @@ def load_vectors(path: str | Path) -> tm.WordVectors:
 
 
 def make(options: dict[str, Any]) -> Word2VecTask:
-    """Options (all optional): ``corpus`` (wiki), ``split`` (topic/random/imbalanced),
+    """Options (all optional): ``corpus`` (wiki, manpages), ``split`` (topic/random/imbalanced),
     ``shard``, ``shards``, ``topics``, ``limit`` (first N articles), ``seed``, ``dim``,
     ``window``, ``negative``, ``sample``, ``min_count``, ``max_vocab``, ``ns_exponent``,
     ``vocabulary`` (file of agreed terms), ``reference`` (.npz of centralized vectors),
