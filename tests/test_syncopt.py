@@ -219,6 +219,22 @@ def test_abort_policy_waits_for_the_deadline_then_stops():
     assert r.reason == "stale"
 
 
+def test_an_early_wakeup_re_arms_the_current_steps_deadline():
+    """The daemon's timer keeps only the soonest wake-up: step 1's deadline replaces step
+    2's request, fires while step 2 still waits, and must not be the last word on it."""
+    m = machine(steps=5, on_fault="continue")
+    m.handle(S.Begin(("a", "b")), 0.0)
+    m.handle(gradient_event("a", 1, m=m), 1.0)
+    (apply,) = m.handle(gradient_event("b", 1, m=m), 2.0)
+    _, start2, wake2 = m.handle(S.OptimizerApplied(1, sgd(m.weights, apply.gradient)), 3.0)
+    assert start2.step == 2 and wake2 == S.RequestWakeup(13.0)
+    m.handle(gradient_event("a", 2, m=m), 4.0)
+    # step 1's wake-up (due at 10) arrives first: step 2 waits for b and asks again
+    assert m.handle(S.Wakeup(), 10.0) == [S.RequestWakeup(13.0)]
+    (apply2,) = m.handle(S.Wakeup(), 13.0)
+    assert isinstance(apply2, S.ApplyGradient) and apply2.step == 2
+
+
 def test_resume_never_reuses_a_step_number():
     m = S.SyncOptMachine(S.SyncOptConfig(steps=10), weights0(), PARAMS, model_version=4, steps_done=4, last_step=6)
     start, _ = m.handle(S.Begin(("a",)), 0.0)
@@ -630,7 +646,7 @@ def test_validation_answers_are_checked_and_a_missing_one_is_a_fault():
     assert m.handle(S.ValidationReceived("a", 3, 2, 2.0, 5), 0.5) == []
     (dup,) = m.handle(S.ValidationReceived("a", 3, 2, 2.0, 5), 0.6)
     assert dup.reason == "duplicate"
-    assert m.handle(S.Wakeup(), 5.0) == []  # before the deadline
+    assert m.handle(S.Wakeup(), 5.0) == [S.RequestWakeup(10.0)]  # before the deadline: re-armed
     (aborted,) = m.handle(S.Wakeup(), 10.5)
     assert isinstance(aborted, S.Aborted) and "no validation loss from b" in aborted.reason
 
