@@ -324,10 +324,14 @@ async def _federation(
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # FEDAGENT_SWARM_PROFILE=FILE runs the coordinator under cProfile (for finding where a round goes).
         prof = os.environ.get("FEDAGENT_SWARM_PROFILE")
+        # FEDAGENT_SWARM_MEMRAY=FILE records its allocations with memray (``memray
+        # flamegraph FILE`` then shows what was held at the peak); memray is not a dependency.
+        memray = os.environ.get("FEDAGENT_SWARM_MEMRAY")
         coord = subprocess.Popen(
             [
                 sys.executable,
                 *(["-m", "cProfile", "-o", prof] if prof else []),
+                *(["-m", "memray", "run", "--native", "-q", "-o", memray] if memray else []),
                 "-m",
                 "fedagent",
                 "coordinator",

@@ -36,7 +36,7 @@ from typing import Any
 
 from fedagent.errors import CodecError
 from fedagent.protocols import topics
-from fedagent.protocols.chunking import Reassembler, split
+from fedagent.protocols.chunking import Reassembler, chunk_size, split
 from fedagent.protocols.codec import Envelope, Limits, decode, encode, encode_view, weights_nbytes
 from fedagent.protocols.compression import Compressor
 from fedagent.protocols.messages import Heartbeat, Message, Update, body_of
@@ -189,10 +189,11 @@ class Messenger:
                 raise ValueError("a message larger than one chunk cannot be retained")
             self._transfer += 1
             tid = f"{self._seq:x}-{self._transfer}"
-            n = -(-len(payload) // self.max_chunk)
+            chunk = chunk_size(len(payload), self.max_chunk)
+            n = -(-len(payload) // chunk)
             first = self._counter.take(n)  # reserved here: another send may run meanwhile
             round_ = env.round
-            bodies = await asyncio.to_thread(split, payload, max_chunk=self.max_chunk, transfer_id=tid, copy=False)
+            bodies = await asyncio.to_thread(split, payload, max_chunk=chunk, transfer_id=tid, copy=False)
 
             def frame(i: int) -> bytes:
                 return encode(
@@ -210,14 +211,16 @@ class Messenger:
                     )
                 )
 
-            total = await self._publish_frames(transport, topic, n, frame)
+            total = await self._publish_frames(transport, topic, n, frame, threaded=chunk >= 256 * 1024)
         else:
             data = bytes(payload) if big else payload
             await transport.publish(topic, data, qos=1, retain=retain, timeout=self.publish_timeout)
             total = len(data)
         return self._sent(total)
 
-    async def _publish_frames(self, transport, topic: str, n: int, frame: Callable[[int], bytes]) -> int:
+    async def _publish_frames(
+        self, transport, topic: str, n: int, frame: Callable[[int], bytes], *, threaded: bool
+    ) -> int:
         """Publish frames ``frame(0) … frame(n-1)`` in order, with up to
         ``publish_window`` of them awaiting PUBACK at once; returns their bytes.
 
@@ -233,9 +236,8 @@ class Messenger:
         # the wait allows for the whole window (with 8 chunks of 4 MiB in flight on a
         # loaded machine, a fixed 30 s expired and the update was lost).
         timeout = self.publish_timeout * self.publish_window
-        # Signing and encoding a large chunk (a copy of its bytes) go off the event loop;
-        # small ones are cheaper than the thread hop.
-        threaded = self.max_chunk >= 256 * 1024
+        # Signing and encoding a large chunk (``threaded``: a copy of its bytes) go off the
+        # event loop; small ones are cheaper than the thread hop.
         tasks: list[asyncio.Future] = []
         total = 0
 
@@ -292,11 +294,12 @@ class Messenger:
         del tensors
         self._transfer += 1
         tid = f"u{self._seq:x}-{self._transfer}"
-        n = max(1, -(-len(payload) // self.max_chunk))
+        chunk = chunk_size(len(payload), self.max_chunk)
+        n = max(1, -(-len(payload) // chunk))
         first = self._counter.take(n)  # reserved here: another send may run meanwhile
         round_ = update.round
 
-        bodies = list(iter_stream_chunks(payload, max_chunk=self.max_chunk, transfer_id=tid, digest=digest))
+        bodies = list(iter_stream_chunks(payload, max_chunk=chunk, transfer_id=tid, digest=digest))
 
         def frame(i: int) -> bytes:
             # Signed like a chunk: the data are bound by the payload's SHA-256 in the
@@ -318,7 +321,7 @@ class Messenger:
 
         # Frames go out in order (the coordinator folds a stream in order and holds back
         # only a few chunks that overtake others, so the sender must not reorder them).
-        total = await self._publish_frames(transport, topic, n, frame)
+        total = await self._publish_frames(transport, topic, n, frame, threaded=chunk >= 256 * 1024)
         return self._sent(total)
 
     async def _receive_stream(self, env: Envelope) -> None:

@@ -342,7 +342,7 @@ class _Client(aiomqtt.Client):
     """aiomqtt.Client plus PUBACK reason codes, CONNACK properties, manual acks, fast
     failure when the connection dies before CONNACK, and a stall-free read loop."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, hold_limit: int | None = None, max_pause: float = 2.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._acks: dict[int, asyncio.Future[ReasonCode]] = {}
         self.connack_properties: Properties | None = None
@@ -352,6 +352,15 @@ class _Client(aiomqtt.Client):
         _bound_reads(self._client)
         # time.monotonic() of the last bytes from the broker (any packet: PINGRESP too).
         self.last_rx = time.monotonic()
+        # Read pausing (see Transport's hold_limit): bytes of messages handed over and not
+        # yet acknowledged, and the socket's reader while it is registered.
+        self.hold_limit = hold_limit
+        self.max_pause = max_pause
+        self.held_bytes = 0
+        self.pauses = 0
+        self._reader: tuple[int, Callable[[], None]] | None = None
+        self._paused = False
+        self._pause_timer: asyncio.TimerHandle | None = None
 
     @property
     def paho(self) -> mqtt.Client:
@@ -400,7 +409,7 @@ class _Client(aiomqtt.Client):
         def on_readable() -> None:
             self.last_rx = time.monotonic()
             try:
-                read_available(client)
+                read_available(client, lambda: self._paused)
             except Exception as exc:  # noqa: BLE001 - a broken socket: report as disconnect
                 if not self._disconnected.done():
                     self._disconnected.set_exception(exc)
@@ -408,9 +417,57 @@ class _Client(aiomqtt.Client):
         def create_misc_task() -> None:
             self._misc_task = self._loop.create_task(self._misc_loop())
 
+        self._reader = (sock.fileno(), on_readable)
         # Called from the executor thread that runs paho's connect().
         self._loop.call_soon_threadsafe(self._loop.add_reader, sock.fileno(), on_readable)
         self._loop.call_soon_threadsafe(create_misc_task)
+
+    def _on_socket_close(self, client: mqtt.Client, userdata: Any, sock: Any) -> None:
+        self._reader = None
+        self._paused = False
+        if self._pause_timer is not None:
+            self._pause_timer.cancel()
+            self._pause_timer = None
+        super()._on_socket_close(client, userdata, sock)
+
+    # -- read pausing ----------------------------------------------------------------------
+    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        self.held_bytes += len(message.payload)
+        super()._on_message(client, userdata, message)
+        # Never while a PUBACK is awaited: it may be queued behind the messages not read,
+        # and the handler may be waiting for whatever awaits it.
+        if self.hold_limit is not None and self.held_bytes >= self.hold_limit and not self._acks:
+            self._pause_reading()
+
+    def _pause_reading(self) -> None:
+        if self._paused or self._reader is None:
+            return
+        self._paused = True
+        self.pauses += 1
+        self._loop.remove_reader(self._reader[0])
+        # Bounded, so that a handler stuck for long cannot starve the keep-alive: paho
+        # drops a connection from which nothing was read for a keep-alive interval.
+        self._pause_timer = self._loop.call_later(self.max_pause, self._resume_reading)
+
+    def _resume_reading(self) -> None:
+        if not self._paused:
+            return
+        self._paused = False
+        if self._pause_timer is not None:
+            self._pause_timer.cancel()
+            self._pause_timer = None
+        if self._reader is None:
+            return
+        fd, on_readable = self._reader
+        self._loop.add_reader(fd, on_readable)
+        # TLS may hold decrypted bytes already: the descriptor would not signal them.
+        self._loop.call_soon(on_readable)
+
+    def release(self, nbytes: int) -> None:
+        """A handed-over message of ``nbytes`` is done with (acknowledged or not)."""
+        self.held_bytes = max(0, self.held_bytes - nbytes)
+        if self._paused and (self.hold_limit is None or self.held_bytes < self.hold_limit):
+            self._resume_reading()
 
     async def publish_acked(
         self, topic: str, payload: bytes, *, qos: int, retain: bool, timeout: float
@@ -425,6 +482,7 @@ class _Client(aiomqtt.Client):
             return None
         fut: asyncio.Future[ReasonCode] = self._loop.create_future()
         self._acks[info.mid] = fut
+        self._resume_reading()  # the PUBACK must be read, whatever is held
         try:
             await asyncio.wait((fut, self._disconnected), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -447,8 +505,9 @@ class _Client(aiomqtt.Client):
             self._client._send_simple_command(mqtt.PINGREQ)
 
 
-def read_available(client: mqtt.Client) -> None:
-    """Let paho read until it has handled everything the socket has delivered.
+def read_available(client: mqtt.Client, paused: Callable[[], bool] = lambda: False) -> None:
+    """Let paho read until it has handled everything the socket has delivered, or
+    until ``paused()`` (checked after each packet).
 
     paho reads a packet body with at most 100 recv() calls per loop_read(); when the
     100th completes a large message, paho returns with the packet read but not
@@ -461,7 +520,7 @@ def read_available(client: mqtt.Client) -> None:
     while True:
         client.loop_read()
         s = client._sock
-        if s is None:
+        if s is None or paused():
             return
         if hasattr(s, "pending") and s.pending() > 0:
             continue  # decrypted bytes the fd will never signal
@@ -541,13 +600,25 @@ class Transport:
         connect_timeout: float = 10,
         receive_maximum: int | None = None,
         retired_subscriptions: Sequence[str] = (),
+        hold_limit: int | None = None,
     ) -> None:
         """``client_id`` is the certificate's CN (the default): the broker replaces any
         other id with it (``use_username_as_clientid``), so a different one is refused
         here rather than silently changed there. ``receive_maximum``: QoS 1 messages the
         broker may have sent us unacknowledged (MQTT 5 Receive Maximum). A message is
-        acknowledged once the handler is done with it, so this bounds what waits in this
-        process; the rest waits at the broker.
+        acknowledged once the handler is done with it, so this would bound what waits in
+        this process, but Mosquitto 2.0.11 does not keep to it: each in-order PUBACK
+        releases up to Receive Maximum more messages (``db__message_delete_outgoing``
+        counts only the messages in flight ahead of the acknowledged one), so a steady
+        stream piles up here (measured: 76 unacknowledged with Receive Maximum 4; 31
+        chunks of 4 MiB in the coordinator).
+
+        ``hold_limit``: stop reading from the socket while the messages handed to the
+        handler and not yet done with hold at least this many bytes (1: one message at a
+        time), so the rest waits in the kernel's socket buffer and at the broker, whatever
+        the broker does with Receive Maximum. Reading resumes while a PUBACK is awaited
+        (it may be queued behind them) and after at most a quarter of the keep-alive
+        (the keep-alive needs bytes read). None: read everything as it comes.
 
         ``subscriptions``: topic filters, subscribed with QoS 1, or ``(filter, qos)``
         pairs. A QoS 0 subscription is delivered while we are connected and never queued
@@ -577,6 +648,9 @@ class Transport:
         if receive_maximum is not None and not 1 <= receive_maximum <= 65535:
             raise ValueError("receive_maximum must be 1..65535")
         self.receive_maximum = receive_maximum
+        if hold_limit is not None and hold_limit < 1:
+            raise ValueError("hold_limit must be at least 1 byte")
+        self.hold_limit = hold_limit
         self._subscriptions: dict[str, int] = {}
         for sub in subscriptions:
             topic, qos = _subscription(sub)
@@ -675,6 +749,8 @@ class Transport:
             will=will,
             tls_context=make_ssl_context(self.tls),
             logger=_paho_log,
+            hold_limit=self.hold_limit,
+            max_pause=max(0.5, self.keepalive / 4),
         )
 
     async def run(self, handler: Handler, ready: asyncio.Event | None = None) -> None:
@@ -832,6 +908,7 @@ class Transport:
             except Exception:
                 log.exception("handler failed on a message from %s", topic)
             client.ack(message.mid, message.qos)
+            client.release(len(payload))
 
     async def _subscribe(self, client: _Client, topics: list[tuple[str, int]]) -> None:
         if not topics:

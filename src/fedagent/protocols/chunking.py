@@ -25,11 +25,23 @@ from typing import Any
 
 from fedagent.errors import CodecError
 
-__all__ = ["MAX_TID_LEN", "Reassembler", "split"]
+__all__ = ["MAX_TID_LEN", "Reassembler", "chunk_size", "split"]
 
 MAX_TID_LEN = 64
+#: A model-sized payload is cut into at least this many chunks (unless they would be
+#: smaller than MIN_CHUNK): what a receiver holds at once is a chunk or two, so chunks
+#: of a fixed 4 MiB cost a 4.4 MB model's receiver about a model each.
+CHUNKS_PER_PAYLOAD = 8
+MIN_CHUNK = 256 * 1024
 _DIGEST_LEN = 32
 _CHUNK_KEYS = frozenset(("tid", "i", "n", "size", "sha256", "data"))
+
+
+def chunk_size(total: int, max_chunk: int) -> int:
+    """Chunk size for a payload of ``total`` bytes: ``max_chunk`` at most, small enough for
+    :data:`CHUNKS_PER_PAYLOAD` chunks, but not below :data:`MIN_CHUNK` (each chunk costs a
+    signature, a check and an MQTT message: measured ~0.15 ms of the receiver's CPU)."""
+    return max(1, min(max_chunk, max(MIN_CHUNK, -(-total // CHUNKS_PER_PAYLOAD))))
 
 
 def split(
