@@ -613,6 +613,7 @@ class FedAvgMode:
                     cmd.round, cmd.model_version, cmd.selected, cmd.deadline_s, cmd.train, cmd.weights, cmd.secagg
                 ),
                 round_=cmd.round,
+                stable=True,  # the machine replaces its model, never changes it in place
             )
         elif isinstance(cmd, R.SendSecAgg):
             await core.messenger.send(

@@ -29,15 +29,24 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedagent.errors import CodecError
 from fedagent.protocols import topics
-from fedagent.protocols.chunking import Reassembler, chunk_size, split
-from fedagent.protocols.codec import Envelope, Limits, decode, encode, encode_view, weights_nbytes
+from fedagent.protocols.chunking import LazyChunks, Reassembler, chunk_size, split
+from fedagent.protocols.codec import (
+    Envelope,
+    Limits,
+    Segments,
+    decode,
+    encode,
+    encode_segments,
+    encode_view,
+    weights_nbytes,
+)
 from fedagent.protocols.compression import Compressor
 from fedagent.protocols.messages import Heartbeat, Message, Update, body_of
 from fedagent.protocols.streaming import (
@@ -171,11 +180,22 @@ class Messenger:
         return encode(sign(self.envelope(message, _round_of(message, round_)), self.identity))
 
     async def send(
-        self, topic: str, message: Message, *, round_: int | None = None, retain: bool = False, transport=None
+        self,
+        topic: str,
+        message: Message,
+        *,
+        round_: int | None = None,
+        retain: bool = False,
+        transport=None,
+        stable: bool = False,
     ) -> int:
         """Publish ``message`` (chunked if needed) on ``transport`` (default: this
         messenger's own); returns the bytes put on the wire. ``round_`` defaults to the
-        message's own ``round`` (the envelope's round is signed and must agree)."""
+        message's own ``round`` (the envelope's round is signed and must agree).
+
+        ``stable``: the message's tensors do not change until this returns (a model the
+        caller never modifies in place), so its chunks are cut from them directly instead
+        of from an encoded copy of the whole message made first."""
         transport = transport or self.transport
         env = self.envelope(message, _round_of(message, round_))
         big = _is_big(message)
@@ -183,7 +203,11 @@ class Messenger:
         # inner envelope too would cost one more pass over the model.
         if not (big and weights_nbytes(_tensors(message)) > self.max_chunk):
             env = sign(env, self.identity)
-        payload = await asyncio.to_thread(encode_view, env) if big else encode(env)
+        payload: bytes | memoryview | Segments
+        if not big:
+            payload = encode(env)
+        else:
+            payload = await asyncio.to_thread(encode_segments if stable else encode_view, env)
         if len(payload) > self.max_chunk:
             if retain:
                 raise ValueError("a message larger than one chunk cannot be retained")
@@ -193,7 +217,11 @@ class Messenger:
             n = -(-len(payload) // chunk)
             first = self._counter.take(n)  # reserved here: another send may run meanwhile
             round_ = env.round
-            bodies = await asyncio.to_thread(split, payload, max_chunk=chunk, transfer_id=tid, copy=False)
+            bodies: Sequence[dict[str, Any]]
+            if isinstance(payload, Segments):
+                bodies = await asyncio.to_thread(LazyChunks, payload, max_chunk=chunk, transfer_id=tid)
+            else:
+                bodies = await asyncio.to_thread(split, payload, max_chunk=chunk, transfer_id=tid, copy=False)
 
             def frame(i: int) -> bytes:
                 return encode(
@@ -213,7 +241,7 @@ class Messenger:
 
             total = await self._publish_frames(transport, topic, n, frame, threaded=chunk >= 256 * 1024)
         else:
-            data = bytes(payload) if big else payload
+            data = b"".join(payload) if isinstance(payload, Segments) else bytes(payload) if big else payload
             await transport.publish(topic, data, qos=1, retain=retain, timeout=self.publish_timeout)
             total = len(data)
         return self._sent(total)

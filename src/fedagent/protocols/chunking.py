@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from fedagent.errors import CodecError
+from fedagent.protocols.codec import Segments
 
-__all__ = ["MAX_TID_LEN", "Reassembler", "chunk_size", "split"]
+__all__ = ["MAX_TID_LEN", "LazyChunks", "Reassembler", "chunk_size", "split"]
 
 MAX_TID_LEN = 64
 #: A model-sized payload is cut into at least this many chunks (unless they would be
@@ -75,6 +77,50 @@ def split(
         }
         for i in range(n)
     ]
+
+
+class LazyChunks(Sequence[dict[str, Any]]):
+    """The chunk bodies :func:`split` would make for the joined ``payload``
+    (:class:`~fedagent.protocols.codec.Segments`), each made when it is asked for: its
+    data is a view of the caller's buffers, or a copy of one chunk where it spans two.
+    The SHA-256 is computed here, in one pass over the runs."""
+
+    def __init__(self, payload: Segments, *, max_chunk: int, transfer_id: str) -> None:
+        if type(max_chunk) is not int or max_chunk < 1:
+            raise ValueError(f"max_chunk must be a positive int, not {max_chunk!r}")
+        if not _valid_tid(transfer_id):
+            raise ValueError(f"transfer id must be 1-{MAX_TID_LEN} printable characters, not {transfer_id!r}")
+        h = hashlib.sha256()
+        for part in payload:
+            h.update(part)
+        self.payload = payload
+        self.max_chunk = max_chunk
+        self.tid = transfer_id
+        self.size = payload.nbytes
+        self.sha256 = h.digest()
+        self.n = max(1, -(-self.size // max_chunk))
+
+    def __len__(self) -> int:
+        return self.n
+
+    @overload
+    def __getitem__(self, i: int) -> dict[str, Any]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[dict[str, Any]]: ...
+    def __getitem__(self, i: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self.n))]
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        c = self.max_chunk
+        return {
+            "tid": self.tid,
+            "i": i,
+            "n": self.n,
+            "size": self.size,
+            "sha256": self.sha256,
+            "data": self.payload.read(i * c, (i + 1) * c),
+        }
 
 
 @dataclass(slots=True)

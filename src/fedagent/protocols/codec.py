@@ -24,9 +24,10 @@ been computed with Python ints and checked against the data actually received.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -41,11 +42,13 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Envelope",
     "Limits",
+    "Segments",
     "check_finite",
     "decode",
     "decode_tensor",
     "decode_weights",
     "encode",
+    "encode_segments",
     "encode_tensor",
     "encode_view",
     "encode_weights",
@@ -202,6 +205,98 @@ def encode_view(env: Envelope) -> memoryview:
     except Exception as exc:  # TypeError, OverflowError, ValueError (depth), UnicodeEncodeError
         raise CodecError(f"cannot encode envelope: {exc}") from exc
     return packer.getbuffer()
+
+
+class Segments:
+    """An encoded envelope as a list of byte runs whose concatenation is exactly what
+    :func:`encode` returns: msgpack's headers and small values as bytes, and every large
+    binary value (a tensor's data) as the caller's own buffer, not copied. A sender that
+    cuts a model into chunks copies each chunk out of it once (:meth:`read`) instead of
+    first copying the whole model into one payload (a second model in memory for as
+    long as the send takes). The buffers must not change until the last chunk is read."""
+
+    __slots__ = ("_ends", "_parts", "nbytes")
+
+    #: Binary values from this size on are referenced, not copied.
+    VIEW_FROM = 64 * 1024
+
+    def __init__(self, parts: list[bytes | memoryview]) -> None:
+        self._parts = [memoryview(p).cast("B") for p in parts]
+        self._ends: list[int] = []
+        total = 0
+        for p in self._parts:
+            total += p.nbytes
+            self._ends.append(total)
+        self.nbytes = total
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __iter__(self) -> Iterator[memoryview]:
+        return iter(self._parts)
+
+    def read(self, start: int, end: int) -> bytes | memoryview:
+        """Bytes ``[start, end)``: a view when they lie in one run, else a copy."""
+        end = min(end, self.nbytes)
+        if start >= end:
+            return b""
+        k = bisect.bisect_right(self._ends, start)
+        base = self._ends[k] - self._parts[k].nbytes
+        if end <= self._ends[k]:
+            return self._parts[k][start - base : end - base]
+        out = bytearray()
+        while start < end:
+            base = self._ends[k] - self._parts[k].nbytes
+            out += self._parts[k][start - base : min(end, self._ends[k]) - base]
+            start = self._ends[k]
+            k += 1
+        return bytes(out)
+
+
+def encode_segments(env: Envelope) -> Segments:
+    """:func:`encode` as :class:`Segments` (byte-identical when joined)."""
+    if not isinstance(env, Envelope):
+        raise TypeError(f"encode_segments() takes an Envelope, not {type(env).__name__}")
+    parts: list[bytes | memoryview] = []
+    small = bytearray()
+    packer = msgpack.Packer(use_bin_type=True, datetime=False)
+
+    def walk(v: Any, depth: int) -> None:
+        nonlocal small
+        if depth > MAX_DEPTH_CAP:
+            raise CodecError("cannot encode envelope: nested too deeply")
+        t = type(v)
+        if t is dict:
+            small += packer.pack_map_header(len(v))
+            for k, item in v.items():
+                small += packer.pack(k)
+                walk(item, depth + 1)
+        elif t is list or t is tuple:
+            small += packer.pack_array_header(len(v))
+            for item in v:
+                walk(item, depth + 1)
+        elif t is memoryview or t is bytes or t is bytearray:
+            mv = memoryview(v)
+            n = mv.nbytes
+            if n < Segments.VIEW_FROM or not mv.c_contiguous:
+                small += packer.pack(v)
+                return
+            small += (b"\xc6" + n.to_bytes(4, "big")) if n > 0xFFFF else (b"\xc5" + n.to_bytes(2, "big"))
+            parts.append(bytes(small))
+            small = bytearray()
+            parts.append(mv.cast("B"))
+        else:
+            small += packer.pack(v)
+
+    try:
+        walk(_wire(env), 0)
+    except CodecError:
+        raise
+    except Exception as exc:  # TypeError, OverflowError, ValueError, UnicodeEncodeError
+        raise CodecError(f"cannot encode envelope: {exc}") from exc
+    if small:
+        parts.append(bytes(small))
+    return Segments(parts)
 
 
 def _binary_bytes(root: Any) -> int:
