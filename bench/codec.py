@@ -21,7 +21,7 @@ def _best(fn, repeats: int) -> list[float]:
     return times
 
 
-@section("codec")
+@section("codec", rows=lambda ctx: 2 * len(model_sizes(ctx)))
 def codec(ctx: Context) -> list[Row]:
     rows = []
     for params in model_sizes(ctx):

@@ -211,7 +211,14 @@ def _ours(ctx: Context, params: int) -> list[float] | None:
     return ctx.shared.get(("fedagent_round", params))
 
 
-@section("flower")
+def _expected_rows(ctx: Context) -> int:
+    """One row per model size and Flower mode (gRPC without TLS; with TLS and deployment
+    mode unless --quick). Each is a ratio to the ``round`` section's fedagent round, so
+    a run of ``flower`` without ``round`` measures none of them and fails."""
+    return len(model_sizes(ctx)) * (1 if ctx.quick else 3)
+
+
+@section("flower", rows=_expected_rows)
 def flower(ctx: Context) -> list[Row]:
     py = flower_python(ctx.log)
     version = subprocess.run(

@@ -139,7 +139,7 @@ def _c_exchange(cc: CClients, payload: Path) -> float:
     return took
 
 
-@section("gossip")
+@section("gossip", rows=lambda ctx: len(model_sizes(ctx)))
 def gossip_exchange(ctx: Context) -> list[Row]:
     rows = []
     with bench_broker(ctx, ctx.work / "gossip", 4) as bb:

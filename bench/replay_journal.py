@@ -100,7 +100,7 @@ def measure(senders: int, messages: int, work: Path) -> dict:
     }
 
 
-@section("replay")
+@section("replay", rows=lambda ctx: 2)
 def replay_section(ctx: Context, senders: tuple[int, ...] = (10, 1000), messages: int | None = None) -> list[Row]:
     """The journal's cost per delivered message against the snapshot rewrite."""
     messages = messages or (50 if ctx.quick else 200)

@@ -402,7 +402,7 @@ async def _measure(bb: BenchBroker, cc: CClients, params: int, repeats: int, wor
         await fed.stop()
 
 
-@section("round")
+@section("round", rows=lambda ctx: 4 * len(model_sizes(ctx)))
 def fedavg_round(ctx: Context, agents: int = AGENTS) -> list[Row]:
     rows = []
     with bench_broker(ctx, ctx.work / "round", agents) as bb:

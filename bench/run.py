@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.registry import MODULES, SECTIONS, Context, Row  # noqa: E402
+from bench.registry import MODULES, SECTIONS, Context, Row, check_rows  # noqa: E402
 
 
 def machine() -> dict[str, str]:
@@ -75,6 +75,8 @@ def markdown(rows: list[Row]) -> str:
 
 
 def _fmt(v: float, unit: str) -> str:
+    if not isinstance(v, (int, float)):
+        return repr(v)
     if unit == "s":
         return f"{v * 1e3:.1f} ms" if v < 1 else f"{v:.2f} s"
     return f"{v:.3g} {unit}"
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {info['cpus']} CPUs, {info['cpu']}; {info['mosquitto']}; load {info['loadavg']}", flush=True)
     rows: list[Row] = []
     failures: dict[str, str] = {}
+    missing: list[str] = []
     with tempfile.TemporaryDirectory(prefix="fedagent-bench-") as tmp:
         ctx = Context(
             quick=args.quick,
@@ -152,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{name}]", flush=True)
             t0 = time.monotonic()
             try:
-                rows += SECTIONS[name](ctx)
+                got = SECTIONS[name](ctx)
+                rows += got
+                missing += check_rows(name, ctx, got)
             except Exception as exc:
                 failures[name] = f"{type(exc).__name__}: {exc}"
                 print(f"  section {name} failed: {failures[name]}", flush=True)
@@ -165,13 +170,18 @@ def main(argv: list[str] | None = None) -> int:
         not_measured = list(ctx.shared.get("failures", []))
     info["loadavg_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     print_table(rows)
+    if not rows:
+        print("(no rows)")
     for what in not_measured:
         print(f"NOT MEASURED: {what}")
     for name, why in failures.items():
         print(f"FAILED section {name}: {why}")
+    for what in missing:
+        print(f"MISSING: {what}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         notes = "".join(f"\nNot measured: {w}\n" for w in not_measured)
+        notes += "".join(f"\nMissing: {w}\n" for w in missing)
         (args.out / "table.md").write_text(markdown(rows) + "\n" + notes)
         (args.out / "results.json").write_text(
             json.dumps(
@@ -181,12 +191,15 @@ def main(argv: list[str] | None = None) -> int:
                     "repeats": repeats,
                     "failures": failures,
                     "not_measured": not_measured,
+                    "missing": missing,
                     "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
                 },
                 indent=2,
             )
         )
-    return 1 if failures else 0
+    # A row that should have been measured and was not fails the run, whatever the reason
+    # (a section that raised, one that gave up on a case, one that returned fewer rows).
+    return 1 if failures or not_measured or missing else 0
 
 
 if __name__ == "__main__":

@@ -23,7 +23,13 @@ class _Log:
         self.ctx.log(" ".join(str(p) for p in parts))
 
 
-@section("memory")
+def _memory_cases(ctx: Context) -> list[tuple[int, int]]:
+    from bench import memory as memory_bench
+
+    return [(10, 1_100_000)] if ctx.quick else list(memory_bench.DEFAULT_CASES)
+
+
+@section("memory", rows=lambda ctx: len(_memory_cases(ctx)))
 def memory(ctx: Context, cases: list[tuple[int, int]] | None = None, whole_too: bool = True) -> list[Row]:
     """Coordinator peak RSS as a multiple of the model, against issue 9's target (3x).
     Whole-message updates (the path streaming replaced; robust aggregators still use it)
@@ -32,13 +38,19 @@ def memory(ctx: Context, cases: list[tuple[int, int]] | None = None, whole_too: 
     from bench import memory as memory_bench
 
     if cases is None:
-        cases = [(10, 1_100_000)] if ctx.quick else memory_bench.DEFAULT_CASES
+        cases = _memory_cases(ctx)
     rows: list[dict] = []
     for n, params in cases:
         rows += memory_bench.measure(
             [(n, params)], rounds=2, whole_too=whole_too and params <= 1_100_000, console=_Log(ctx)
         )
     out = []
+    for r in rows:
+        if r["rounds"] < 2 or r["errors"]:
+            what = f"memory {r['agents']} agents x {r['params'] * 4 / 1e6:.1f} MB, {r['path']}"
+            ctx.shared.setdefault("failures", []).append(
+                f"{what}: {r['rounds']} of 2 rounds{'; ' + '; '.join(r['errors']) if r['errors'] else ''}"
+            )
     for n, params in cases:
         s = next(r for r in rows if (r["agents"], r["params"], r["path"]) == (n, params, "stream"))
         w = next((r for r in rows if (r["agents"], r["params"], r["path"]) == (n, params, "whole")), None)
@@ -58,7 +70,7 @@ def memory(ctx: Context, cases: list[tuple[int, int]] | None = None, whole_too: 
     return out
 
 
-@section("scale")
+@section("scale", rows=lambda ctx: 2 if ctx.quick else 3)
 def scale(ctx: Context) -> list[Row]:
     from bench import scale as scale_bench
 
@@ -80,7 +92,7 @@ def scale(ctx: Context) -> list[Row]:
     ]
 
 
-@section("compression")
+@section("compression", rows=lambda ctx: 4)  # fp16, int8, top-k 0.1 and 0.01
 def compression(ctx: Context) -> list[Row]:
     from bench import compression as compression_bench
 

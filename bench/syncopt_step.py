@@ -151,7 +151,7 @@ def measure(
         fed.close()
 
 
-@section("syncopt")
+@section("syncopt", rows=lambda ctx: 1)
 def syncopt_section(
     ctx: Context, agents: int = AGENTS, options: dict | None = None, steps: tuple[int, int] | None = None
 ) -> list[Row]:

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from bench.env import COORDINATOR, FEDERATION, BenchBroker
-from bench.registry import Context, Row
+from bench.registry import Context, Row, check_rows
 from fedagent import pki
 from fedagent.broker import EmbeddedBroker
 
@@ -66,8 +66,11 @@ def bench_ctx(tmp_path):
         broker.stop()
 
 
-def well_formed(rows: list[Row], section: str, count: int, *, cpu_rows: tuple[str, ...] = ()) -> None:
+def well_formed(rows: list[Row], section: str, count: int, *, cpu_rows: tuple[str, ...] = (), ctx=None) -> None:
     assert len(rows) == count, rows
+    if ctx is not None:
+        # What bench/run.py checks: as many rows as the section declares, all measurements.
+        assert check_rows(section, ctx, rows) == []
     for r in rows:
         assert r.section == section and r.subject and r.baseline, r
         assert math.isfinite(r.value) and math.isfinite(r.baseline_value), r
@@ -83,7 +86,7 @@ def test_codec_section_tiny(bench_ctx):
     from bench.codec import codec
 
     rows = codec(bench_ctx)
-    well_formed(rows, "codec", 2)
+    well_formed(rows, "codec", 2, ctx=bench_ctx)
     assert all(r.baseline == "memcpy" for r in rows)
 
 
@@ -91,7 +94,7 @@ def test_round_section_tiny(bench_ctx):
     from bench.round import fedavg_round
 
     rows = fedavg_round(bench_ctx, agents=2)
-    well_formed(rows, "round", 4, cpu_rows=("CPU",))
+    well_formed(rows, "round", 4, cpu_rows=("CPU",), ctx=bench_ctx)
     assert "2 agents" in rows[0].subject
     # No round may have timed out (a lost update is reported, not raised).
     assert not bench_ctx.shared.get("failures"), bench_ctx.shared["failures"]
@@ -112,7 +115,7 @@ def test_gossip_section_tiny(bench_ctx):
     from bench.gossip import gossip_exchange
 
     rows = gossip_exchange(bench_ctx)
-    well_formed(rows, "gossip", 1)
+    well_formed(rows, "gossip", 1, ctx=bench_ctx)
 
 
 def test_syncopt_section_tiny(bench_ctx):
@@ -134,7 +137,7 @@ def test_syncopt_section_tiny(bench_ctx):
         "data_seed": 0,
     }
     rows = syncopt_section(bench_ctx, agents=2, options=options, steps=(4, 1))
-    well_formed(rows, "syncopt", 1)
+    well_formed(rows, "syncopt", 1, ctx=bench_ctx)
     assert "2 agents" in rows[0].subject and "V=300" in rows[0].subject, rows[0]
     assert "3 steps" in rows[0].note, rows[0]
 
@@ -149,13 +152,16 @@ def test_memory_section_tiny(bench_ctx):
     # (peak - idle + model) / model: at least the model itself is held.
     assert math.isfinite(r.value) and r.value >= 1.0, r
     assert "whole-message" not in r.note
+    assert check_rows("memory", bench_ctx, rows) == []
+    # Both rounds completed, nothing reported as not measured.
+    assert not bench_ctx.shared.get("failures"), bench_ctx.shared["failures"]
 
 
 def test_replay_section_tiny(bench_ctx):
     from bench.replay_journal import replay_section
 
     rows = replay_section(bench_ctx, senders=(3, 50), messages=5)
-    well_formed(rows, "replay", 2)
+    well_formed(rows, "replay", 2, ctx=bench_ctx)
     assert "3 senders" in rows[0].subject and "50 senders" in rows[1].subject
 
 
