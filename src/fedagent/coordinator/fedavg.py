@@ -424,11 +424,12 @@ class FedAvgMode:
         task.add_done_callback(self._answers.discard)
 
     async def _send_model(self, agent: str, model: GlobalModel, had: int) -> None:
-        # One answer at a time: each holds an encoded copy of the model while it is sent.
+        # One answer at a time. The model is the machine's, which replaces it and never
+        # changes it in place: its chunks are cut from it without an encoded copy.
         async with self._answering:
             topic = topics.direct(self.core.fed, self.core.cfg.id, agent, "model")
             try:
-                n = await self.core.messenger.send(topic, model, round_=model.round)
+                n = await self.core.messenger.send(topic, model, round_=model.round, stable=True)
             except TransportError as exc:
                 log.warning("model version %d for %s not sent: %s", model.model_version, agent, exc)
                 return
