@@ -147,7 +147,7 @@ async def _measure(bb, params: int, repeats: int, log) -> dict:
         await fed.stop()
 
 
-@section("secagg")
+@section("secagg", rows=lambda ctx: 3 * len(model_sizes(ctx)))
 def secure_aggregation(ctx: Context, agents: int = AGENTS) -> list[Row]:
     rows = []
     with bench_broker(ctx, ctx.work / "secagg", agents) as bb:

@@ -107,7 +107,7 @@ def test_secagg_section_tiny(bench_ctx):
     from bench.secagg import secure_aggregation
 
     rows = secure_aggregation(bench_ctx, agents=3)
-    well_formed(rows, "secagg", 3, cpu_rows=("CPU",))
+    well_formed(rows, "secagg", 3, cpu_rows=("CPU",), ctx=bench_ctx)
     assert "3 agents" in rows[0].subject and "unmask" in rows[0].note
 
 
