@@ -145,6 +145,44 @@ def test_a_held_message_stops_reading_whatever_the_broker_sends(broker, arun, pe
         assert max(seen) >= 4 * size, seen
 
 
+def test_a_session_backlog_does_not_starve_the_resubscription(broker, arun, peer):
+    """A persistent session's backlog arrives ahead of the SUBACK, and before the handler
+    runs nothing releases it: a client that paused reading there got its SUBACK only a
+    message per pause, timed out, reconnected, and did so again (a coordinator restarted by
+    kill -9 never came back). Reading pauses only once the handler runs."""
+    from fedagent.protocols import topics
+
+    size, count = 100_000, 12
+    inbox = topics.inbox("testfed", "agent-b")
+
+    async def main():
+        async with peer(broker, "agent-b", subscriptions=[inbox], session_expiry=600):
+            pass  # a session holding the subscription, now offline
+        async with peer(broker, "agent-a") as a:
+            topic = topics.direct("testfed", "agent-a", "agent-b", "update")
+            await asyncio.gather(*(a.transport.publish(topic, bytes([i]) * size) for i in range(count)))
+        handled: list[bytes] = []
+
+        async def handle(_topic, payload):
+            handled.append(payload)
+
+        async with peer(
+            broker,
+            "agent-b",
+            subscriptions=[inbox],
+            session_expiry=600,
+            hold_limit=1,
+            connect_timeout=3,
+            handler=handle,
+        ) as b:
+            assert b.transport.session_present
+            await wait_until(lambda: len(handled) == count, timeout=20)
+            assert sorted(p[0] for p in handled) == list(range(count))
+            return b.transport.reconnects
+
+    assert arun(main()) == 0
+
+
 async def wait_until(cond, timeout: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not cond():

@@ -361,6 +361,12 @@ class _Client(aiomqtt.Client):
         self._reader: tuple[int, Callable[[], None]] | None = None
         self._paused = False
         self._pause_timer: asyncio.TimerHandle | None = None
+        # Pausing starts only once the connection hands messages to their handler (armed),
+        # and never while a SUBACK/UNSUBACK is awaited: messages redelivered from a
+        # persistent session arrive ahead of it, and before the handler runs nothing
+        # releases them, so a pause there would starve the subscription until it times out.
+        self.hold_armed = False
+        self._control_waits = 0
 
     @property
     def paho(self) -> mqtt.Client:
@@ -436,8 +442,30 @@ class _Client(aiomqtt.Client):
         super()._on_message(client, userdata, message)
         # Never while a PUBACK is awaited: it may be queued behind the messages not read,
         # and the handler may be waiting for whatever awaits it.
-        if self.hold_limit is not None and self.held_bytes >= self.hold_limit and not self._acks:
+        if (
+            self.hold_limit is not None
+            and self.hold_armed
+            and self.held_bytes >= self.hold_limit
+            and not self._acks
+            and not self._control_waits
+        ):
             self._pause_reading()
+
+    async def subscribe(self, *args: Any, **kwargs: Any) -> Any:
+        self._control_waits += 1
+        self._resume_reading()  # the SUBACK must be read, whatever is held
+        try:
+            return await super().subscribe(*args, **kwargs)
+        finally:
+            self._control_waits -= 1
+
+    async def unsubscribe(self, *args: Any, **kwargs: Any) -> Any:
+        self._control_waits += 1
+        self._resume_reading()
+        try:
+            return await super().unsubscribe(*args, **kwargs)
+        finally:
+            self._control_waits -= 1
 
     def _pause_reading(self) -> None:
         if self._paused or self._reader is None:
@@ -835,6 +863,7 @@ class Transport:
                             await self.on_connect()
                         if ready is not None:
                             ready.set()
+                        client.hold_armed = True  # from here on the dispatcher releases what it holds
                         async for message in client.messages:
                             inbox.put_nowait((client, message))
                     finally:
