@@ -42,7 +42,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import struct
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -56,18 +55,13 @@ from fedagent.signing import ReplayGuard
 log = logging.getLogger(__name__)
 
 MAGIC = b"\xc1fedagent replay journal 1\n"  # 0xc1 is never the first byte of msgpack
-HEADER = struct.Struct(">II")
+HEADER = statefile.RECORD_HEADER
 MAX_FILE = 64 * 2**20
 MIN_COMPACT = 2**20
 
 
 class JournalDamaged(FedagentError):
     """A record other than a torn tail is unreadable (see the module docstring)."""
-
-
-def _record(doc: dict) -> bytes:
-    payload = msgpack.packb(doc, use_bin_type=True)
-    return HEADER.pack(len(payload), zlib.crc32(payload)) + payload
 
 
 def _valid_numbers(doc: object, keep: int) -> dict[str, list[int]]:
@@ -234,19 +228,10 @@ class ReplayJournal:
         if self._fd is None or self._failed or self._size >= due:
             self._compact()
             return
-        record = _record({"n": self.guard.take_fresh()})
+        record = statefile.record({"n": self.guard.take_fresh()})
         try:
-            view = memoryview(record)
-            while view:
-                view = view[os.write(self._fd, view) :]
-            os.fdatasync(self._fd)
+            statefile.append_record(self._fd, record, self._size)
         except OSError as exc:
-            # A half record would be read as a torn tail (and ignored), but appends after
-            # it would be lost behind it: cut it off, and keep the numbers for the next try.
-            try:
-                os.ftruncate(self._fd, self._size)
-            except OSError:
-                pass
             # The numbers taken for this record are still in the guard's kept ones: the
             # next commit rewrites the whole state instead.
             self.guard.dirty = True
@@ -261,7 +246,7 @@ class ReplayJournal:
         doc: dict = {"n": self.guard.tops()}
         if self.guard.fence > -math.inf and self.clock() <= self.guard.fence + self.guard.max_skew:
             doc["f"] = float(self.guard.fence)
-        data = MAGIC + _record(doc)
+        data = MAGIC + statefile.record(doc)
         statefile.atomic_write(self.path, data)
         self.guard.take_fresh()
         self._failed = False

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ from fedagent.protocols.topics import is_valid_name
 log = logging.getLogger(__name__)
 
 MAGIC = b"\xc1fedagent round journal 1\n"  # 0xc1 is never the first byte of msgpack
-HEADER = struct.Struct(">II")
+HEADER = statefile.RECORD_HEADER
 MAX_SELECTED = 100_000
 MAX_TOPIC = 512
 
@@ -62,11 +61,6 @@ class InFlight:
     round: int
     model_version: int
     selected: tuple[str, ...]
-
-
-def _record(doc: dict) -> bytes:
-    payload = msgpack.packb(doc, use_bin_type=True)
-    return HEADER.pack(len(payload), zlib.crc32(payload)) + payload
 
 
 def _start(doc: object) -> InFlight:
@@ -220,7 +214,9 @@ class RoundJournal:
     # -- writing -------------------------------------------------------------------
     def begin(self, round_: int, model_version: int, selected: tuple[str, ...]) -> None:
         """A round starts: the journal becomes its start record alone."""
-        data = MAGIC + _record({"t": "start", "round": round_, "version": model_version, "selected": list(selected)})
+        data = MAGIC + statefile.record(
+            {"t": "start", "round": round_, "version": model_version, "selected": list(selected)}
+        )
         statefile.atomic_write(self.path, data)
         self._open(len(data))
         self.round = InFlight(round_, model_version, tuple(selected))
@@ -241,17 +237,10 @@ class RoundJournal:
         """Make one received frame durable (append + fdatasync)."""
         if self._fd is None or self.round is None:
             raise StateWriteError(f"{self.path}: no round is being journaled")
-        record = _record({"t": "frame", "topic": topic, "data": data})
+        record = statefile.record({"t": "frame", "topic": topic, "data": data})
         try:
-            view = memoryview(record)
-            while view:
-                view = view[os.write(self._fd, view) :]
-            os.fdatasync(self._fd)
+            statefile.append_record(self._fd, record, self._size)
         except OSError as exc:
-            try:
-                os.ftruncate(self._fd, self._size)
-            except OSError:
-                pass
             raise StateWriteError(f"cannot append to {self.path}: {exc.strerror or exc}") from exc
         self._size += len(record)
         self.frames += 1

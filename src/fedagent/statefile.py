@@ -8,8 +8,12 @@ the target, then fsync the directory so the rename itself is durable.
 from __future__ import annotations
 
 import os
+import struct
 import tempfile
+import zlib
 from pathlib import Path
+
+import msgpack
 
 from fedagent.errors import FedagentError, StateWriteError
 
@@ -99,3 +103,30 @@ def append_line(path: Path, line: bytes) -> None:
             ) from exc
     finally:
         os.close(fd)
+
+
+# -- append-only journals of framed records (replay journal, round journal) ------------------
+RECORD_HEADER = struct.Struct(">II")  # payload length, CRC-32 of the payload
+
+
+def record(doc: dict) -> bytes:
+    """One journal record: the header, then ``doc`` as msgpack."""
+    payload = msgpack.packb(doc, use_bin_type=True)
+    return RECORD_HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def append_record(fd: int, data: bytes, size: int) -> None:
+    """Append ``data`` at the end of the journal open on ``fd`` (``size`` bytes long) and
+    fdatasync. On failure the file is cut back to ``size`` (a half record would hide every
+    later one behind it) and the OSError is raised."""
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fdatasync(fd)
+    except OSError:
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            pass
+        raise
