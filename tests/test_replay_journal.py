@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from fedagent import replaylog
+from fedagent import replaylog, statefile
 from fedagent.errors import FedagentError
 from fedagent.replaylog import MAGIC, ReplayJournal
 from fedagent.signing import AuthError, ReplayGuard
@@ -198,7 +198,7 @@ def test_restarts_do_not_ratchet_the_compaction_limit_up(tmp_path, monkeypatch):
     j.close()
     with open(path, "ab") as f:  # appends made before a crash
         for seq in range(2, 12):
-            f.write(replaylog._record({"n": {"a": [seq]}}))
+            f.write(statefile.record({"n": {"a": [seq]}}))
     g2, j2 = journal(path)
     assert j2.compactions == 0
     accept(g2, j2, "a", 12)
