@@ -60,7 +60,7 @@ from typing import Protocol
 
 import numpy as np
 
-from fedagent.protocols.aggregation import UpdateRejected, WeightedMean, check_update
+from fedagent.protocols.aggregation import UpdateRejected, check_update
 
 Weights = dict[str, np.ndarray]
 
@@ -78,29 +78,80 @@ class GradientAggregator(Protocol):
     def result(self) -> Weights: ...
 
 
+class _Float64Sum:
+    """Σ w_ℓ G_ℓ in float64, summed in the order :meth:`add` is called, from zero.
+
+    Each gradient costs one cast-and-multiply into a scratch buffer and one in-place add
+    (no model-sized temporaries after the first gradient): the coordinator folds every
+    gradient of every step on its event loop, so this is on a step's critical path.
+    ``np.multiply(g, w, dtype=float64)`` is bit for bit ``g.astype(float64) * w``."""
+
+    def __init__(self, dtypes: Mapping[str, np.dtype]) -> None:
+        self._dtypes = dict(dtypes)
+        self._sum: dict[str, np.ndarray] | None = None
+        self._scratch: dict[str, np.ndarray] | None = None
+
+    def add(self, gradient: Mapping[str, np.ndarray], weight: float) -> None:
+        if self._sum is None:
+            self._sum = {k: np.multiply(gradient[k], weight, dtype=np.float64) for k in self._dtypes}
+            return
+        if self._scratch is None:
+            self._scratch = {k: np.empty_like(v) for k, v in self._sum.items()}
+        for k, acc in self._sum.items():
+            tmp = self._scratch[k]
+            np.multiply(gradient[k], weight, out=tmp, dtype=np.float64)
+            acc += tmp
+
+    def mean(self, total: float) -> Weights:
+        """Σ w G / ``total`` cast to each tensor's dtype (the sums are divided in place:
+        take it once)."""
+        if self._sum is None:
+            raise ValueError("no gradient to aggregate")
+        out: Weights = {}
+        for k, v in self._sum.items():
+            v /= total
+            out[k] = v.astype(self._dtypes[k], copy=False)
+        self._sum = self._scratch = None
+        return out
+
+
 class SampleWeightedMean:
     """Σ n_ℓ G_ℓ / Σ n_ℓ: with G_ℓ the gradient of the mean loss over ℓ's n_ℓ samples,
-    this is the gradient of the mean loss over the concatenated batch."""
+    this is the gradient of the mean loss over the concatenated batch. Summed in float64
+    in the order the gradients arrive (the last bits depend on that order; see
+    :class:`OrderedWeightedMean`)."""
 
     def __init__(self, reference: Mapping[str, np.ndarray]) -> None:
-        self._mean = WeightedMean(reference)
+        self._sum = _Float64Sum({k: np.asarray(v).dtype for k, v in reference.items()})
+        self._total = 0.0
+        self._count = 0
 
     @property
     def count(self) -> int:
-        return self._mean.count
+        return self._count
+
+    def _weight(self, num_samples: int) -> float:
+        return float(num_samples)
 
     def add(self, sender: str, gradient: Mapping[str, np.ndarray], num_samples: int) -> None:
-        self._mean.add(gradient, float(num_samples))
+        w = self._weight(num_samples)
+        if not (w > 0 and math.isfinite(w)):
+            raise UpdateRejected("weight", f"weight must be positive, got {w!r}")
+        self._sum.add(gradient, w)
+        self._total += w
+        self._count += 1
 
     def result(self) -> Weights:
-        return self._mean.result()
+        if self._count == 0 or self._total <= 0:
+            raise ValueError("no gradient to aggregate")
+        return self._sum.mean(self._total)
 
 
 class PlainMean(SampleWeightedMean):
     """Every participant counts the same, whatever its batch size."""
 
-    def add(self, sender: str, gradient: Mapping[str, np.ndarray], num_samples: int) -> None:
-        self._mean.add(gradient, 1.0)
+    def _weight(self, num_samples: int) -> float:
+        return 1.0
 
 
 class OrderedWeightedMean:
@@ -112,11 +163,10 @@ class OrderedWeightedMean:
     to be missing."""
 
     def __init__(self, reference: Mapping[str, np.ndarray], order: tuple[str, ...]) -> None:
-        self._dtypes = {k: np.asarray(v).dtype for k, v in reference.items()}
+        self._sum = _Float64Sum({k: np.asarray(v).dtype for k, v in reference.items()})
         self._order = tuple(order)
         self._next = 0  # index in ``order`` of the next gradient to fold
         self._held: dict[str, tuple[Mapping[str, np.ndarray], int]] = {}
-        self._sum: dict[str, np.ndarray] | None = None
         self._total = 0
         self._count = 0
 
@@ -140,20 +190,16 @@ class OrderedWeightedMean:
                 self._next += 1
                 continue
             gradient, n = self._held.pop(who)
-            if self._sum is None:
-                self._sum = {k: np.asarray(gradient[k], dtype=np.float64) * n for k in self._dtypes}
-            else:
-                for k in self._dtypes:
-                    self._sum[k] += np.asarray(gradient[k], dtype=np.float64) * n
+            self._sum.add(gradient, n)
             self._total += n
             self._next += 1
 
     def result(self) -> Weights:
         # Whoever has not sent a gradient by now is missing (a fault): fold past them.
         self._fold(skip_absent=True)
-        if self._sum is None or self._total <= 0:
+        if self._total <= 0:
             raise ValueError("no gradient to aggregate")
-        return {k: (v / self._total).astype(self._dtypes[k], copy=False) for k, v in self._sum.items()}
+        return self._sum.mean(self._total)
 
 
 AggregatorFactory = Callable[[Mapping[str, np.ndarray], tuple[str, ...]], GradientAggregator]
