@@ -67,6 +67,27 @@ def read_history(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """utime + stime of a process (all its threads) from /proc, 0 when it is gone."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_role(fed: Federation) -> dict[str, float]:
+    """CPU seconds used so far by the coordinator, the agents together and the broker."""
+    broker = getattr(fed.broker, "_proc", None)
+    return {
+        "coordinator": cpu_seconds(fed.proc("coordinator").popen.pid),
+        "agents": sum(cpu_seconds(fed.proc(a).popen.pid) for a in fed.agent_ids),
+        "broker": cpu_seconds(broker.pid if broker is not None else None),
+    }
+
+
 def measure(
     steps: int, warmup: int, work: Path, progress=None, agents: int = AGENTS, options: dict | None = None
 ) -> dict[str, list[float] | int]:
@@ -92,10 +113,19 @@ def measure(
             },
         )
         fed.start_all()
+        cpu0: tuple[int, dict[str, float]] | None = None
+        cpu1: tuple[int, dict[str, float]] | None = None
         while True:
             fed.check_alive()
             s = fed.status("coordinator")
             if s is not None:
+                # CPU of the measured steps: sampled once past the warm-up and again at
+                # the end (whole steps between the two samples, whichever they are).
+                done = int(s.get("steps_done") or 0)
+                if cpu0 is None and s["phase"] == "steps" and done > warmup:
+                    cpu0 = (done, cpu_by_role(fed))
+                if cpu0 is not None and cpu1 is None and s["phase"] == "done":
+                    cpu1 = (done, cpu_by_role(fed))
                 if progress is not None:
                     progress(
                         f"coordinator: {s['phase']}, step {s['step']}/{steps}, vocabulary {s.get('vocabulary_size')}"
@@ -129,6 +159,13 @@ def measure(
         if not full:
             raise SystemExit("no complete step records")
         step = [r["seconds"] for r, _ in full]
+        cpu: dict[str, float] = {}
+        if cpu0 is not None and cpu1 is not None and cpu1[0] > cpu0[0]:
+            n = cpu1[0] - cpu0[0]
+            cpu = {k: (cpu1[1][k] - cpu0[1][k]) / n for k in cpu0[1]}
+        # CPU of the gradients themselves (thread time of the agents' worker threads),
+        # summed over the agents: what the step costs the machine without any network.
+        compute_cpu = [sum(a.get("compute_cpu_s", 0.0) for a in ags) for _, ags in full]
         fwd = [max(a["compute_s"] for a in ags) for _, ags in full]
         opt = [r["optimizer_s"] for r, _ in full]
         comm = [s_ - f - o for s_, f, o in zip(step, fwd, opt)]
@@ -145,10 +182,20 @@ def measure(
             "down": down,
             "up": up,
             "other": other,
+            "cpu": cpu,
+            "compute_cpu": compute_cpu,
             "total": time.monotonic() - started,
         }
     finally:
         fed.close()
+
+
+def cpu_note(m: dict) -> str:
+    cpu = m["cpu"]
+    if not cpu:
+        return ""
+    parts = ", ".join(f"{k} {1000 * v:.0f}" for k, v in cpu.items())
+    return f"; CPU ms per step: {parts} (gradients alone {1000 * statistics.median(m['compute_cpu']):.0f})"
 
 
 @section("syncopt", rows=lambda ctx: 1)
@@ -173,7 +220,7 @@ def syncopt_section(
             statistics.median(compute),
             note=f"max {step_max:.2f} s; communication {comm_share:.0%} of the mean step "
             f"(W out median {1000 * statistics.median(m['down']):.0f} ms, gradients in "
-            f"{1000 * statistics.median(m['up']):.0f} ms); {len(m['step'])} steps",
+            f"{1000 * statistics.median(m['up']):.0f} ms); {len(m['step'])} steps" + cpu_note(m),
         )
     ]
 
@@ -220,6 +267,15 @@ def main() -> int:
         row("  of which coordinator other (overlap < 0)", m["other"])
         console.print(table)
         nbytes = 4 * 770_200
+        cpu, ccpu = m["cpu"], statistics.median(m["compute_cpu"])
+        if cpu:
+            total = sum(cpu.values())
+            console.print(
+                "CPU per step (all threads, from /proc): "
+                + ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in cpu.items())
+                + f"; total {1000 * total:.1f} ms against {1000 * ccpu:.1f} ms of gradient computation "
+                f"(the agents' worker threads, summed), {total / ccpu:.2f}x"
+            )
         console.print(
             f"per step: W broadcast once ({nbytes / 1e6:.1f} MB) to {AGENTS} agents, {AGENTS} gradients "
             f"of {nbytes / 1e6:.1f} MB back; load average {os.getloadavg()[0]:.1f} on "

@@ -196,3 +196,59 @@ async def _replay_after_restart(fed: Federation) -> None:
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def test_a_lazily_durable_kind_reaches_the_journal_within_a_second_and_other_kinds_before_delivery(pki, arun, tmp_path):
+    """Sync-Opt's per-step frames (``Messenger.lazy_durable_kinds``) are handed on before
+    their sequence numbers are written and reach the replay journal within
+    ``LAZY_DURABLE_S``; a messenger restarted on the same state then refuses the frame as
+    a replay. Every other kind is still written before it is handed on."""
+    import numpy as np
+
+    from fedagent.node import messaging
+    from fedagent.node.messaging import Messenger
+    from fedagent.protocols.messages import SyncGradient, Update
+    from fedagent.signing import Identity
+
+    fed = "testfed"
+    ident = lambda n: Identity.load(pki.tls(n).cert, pki.tls(n).key, pki.ca)  # noqa: E731
+    grads = {"w": np.arange(6, dtype=np.float32)}
+
+    def writes(m: Messenger) -> int:
+        assert m.replay_journal is not None
+        return m.replay_journal.appends + m.replay_journal.compactions
+
+    async def main():
+        got: list = []
+
+        async def deliver(inc) -> None:
+            got.append(inc)
+
+        def receiver() -> Messenger:
+            m = Messenger(federation=fed, node_id="coord", transport=None, identity=ident("coord"), state_dir=tmp_path)
+            m.lazy_durable_kinds = frozenset({SyncGradient.kind})
+            return m
+
+        send = Messenger(federation=fed, node_id="agent-a", transport=None, identity=ident("agent-a"))
+        recv = receiver()
+        before = writes(recv)
+        frame = send.frame(SyncGradient(1, 0, 10, 0.5, grads), round_=1)
+        t0 = time.monotonic()
+        await recv.receive(topics.direct(fed, "agent-a", "coord", "sync_gradient"), frame, deliver)
+        assert len(got) == 1 and writes(recv) == before  # handed on, not yet written
+        while writes(recv) == before and time.monotonic() - t0 < 10 * messaging.LAZY_DURABLE_S:
+            await asyncio.sleep(0.02)
+        assert writes(recv) > before, "the lazily durable number never reached the journal"
+        assert time.monotonic() - t0 < 5 * messaging.LAZY_DURABLE_S
+
+        restarted = receiver()
+        await restarted.receive(topics.direct(fed, "agent-a", "coord", "sync_gradient"), frame, deliver)
+        assert len(got) == 1 and dict(restarted.rejected) == {"replay": 1}
+
+        # Any other kind: written before it is handed on.
+        before = writes(restarted)
+        update = send.frame(Update(2, 0, 10, {}, grads))
+        await restarted.receive(topics.direct(fed, "agent-a", "coord", "update"), update, deliver)
+        assert len(got) == 2 and writes(restarted) > before
+
+    arun(main(), timeout=60)

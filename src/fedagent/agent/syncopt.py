@@ -77,6 +77,10 @@ class SyncOptSession(Session):
 
     def __init__(self, agent: Agent, federation: str, broker: str) -> None:
         super().__init__(agent, federation, broker)
+        # A step replayed after this agent restarted can only make it compute a gradient
+        # for a step the coordinator has closed (refused as stale), and the genuine next
+        # step supersedes it: one journal write a second instead of one per step.
+        self.messenger.lazy_durable_kinds = frozenset({SyncStep.kind})
         self.coordinator_online = False
         self.task = agent.task
         self.needs_vocabulary = callable(getattr(self.task, "term_counts", None))
@@ -248,11 +252,16 @@ class SyncOptSession(Session):
             model = self.model
             started = time.perf_counter()
 
+            cpu = [0.0]
+
             def work() -> tuple[dict[str, np.ndarray], int, float]:
                 with self.agent.thread_lock:
+                    c0 = time.thread_time()
                     if msg.weights is not None:
                         load_weights(model, msg.weights)
-                    return compute_gradient(self.task, model, msg.model_version)
+                    out = compute_gradient(self.task, model, msg.model_version)
+                    cpu[0] = time.thread_time() - c0
+                    return out
 
             try:
                 grads, n, loss = await asyncio.to_thread(work)
@@ -286,6 +295,7 @@ class SyncOptSession(Session):
                     "loss": loss,
                     "num_samples": n,
                     "compute_s": round(took, 5),
+                    "compute_cpu_s": round(cpu[0], 5),
                     "received_t": received_at,
                     "computed_t": computed_at,
                     "sent_t": time.time(),

@@ -114,6 +114,10 @@ class SyncOptMode:
         self.cfg = cfg
         self.settings = cfg.syncopt
         self.fed = core.fed
+        # A gradient or validation answer replayed after a restart names a step number
+        # the restarted coordinator never reuses (STEP_RESERVATION) and is refused as
+        # stale by the step machine: one journal write a second instead of one per frame.
+        core.messenger.lazy_durable_kinds = frozenset({SyncGradient.kind, SyncValidation.kind})
         self.ckpt_path = core.ckpt_path
         self.vocab_path = core.dir / "vocabulary.json"
         self.step_path = core.dir / "last_step_started"
