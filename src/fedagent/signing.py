@@ -61,6 +61,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import msgpack
 from cryptography import x509
@@ -116,12 +117,47 @@ def signing_digest(env: Envelope) -> bytes:
     if env.kind in DATA_BOUND_KINDS and "data" in body:
         # The data is bound by the transfer digest in the same (signed) body.
         body = {k: v for k, v in body.items() if k != "data"}
-    packed = msgpack.packb(
+    h = hashlib.sha256()
+    _hash_packed(
+        h,
+        msgpack.Packer(use_bin_type=True, datetime=False),
         [_DOMAIN, env.version, env.kind, env.federation, env.sender, env.round, env.seq, env.ts, env.cert, body],
-        use_bin_type=True,
-        datetime=False,
     )
-    return hashlib.sha256(packed).digest()
+    return h.digest()
+
+
+# Binary values at least this long are hashed where they lie instead of being packed.
+_HASH_IN_PLACE = 1 << 14
+
+
+def _hash_packed(h: Any, packer: msgpack.Packer, obj: object) -> None:
+    """Feed ``h`` exactly the bytes of ``msgpack.packb(obj, use_bin_type=True,
+    datetime=False)`` without building them: maps and arrays are walked, and a large
+    binary value (a tensor of a model or gradient message) goes to the hash as it is,
+    after its msgpack header, instead of being copied into one packed buffer first (a
+    pass over every model byte on each side of every message). Anything else, and any
+    type that is not exactly a dict, list, tuple, bytes, bytearray or memoryview, is
+    packed by msgpack itself, so the bytes hashed are msgpack's by construction."""
+    t = type(obj)
+    if t is dict:
+        h.update(packer.pack_map_header(len(obj)))  # type: ignore[arg-type]
+        for k, v in obj.items():  # type: ignore[attr-defined]
+            _hash_packed(h, packer, k)
+            _hash_packed(h, packer, v)
+        return
+    if t is list or t is tuple:
+        h.update(packer.pack_array_header(len(obj)))  # type: ignore[arg-type]
+        for v in obj:  # type: ignore[attr-defined]
+            _hash_packed(h, packer, v)
+        return
+    if t is bytes or t is bytearray or t is memoryview:
+        view = memoryview(obj)  # type: ignore[arg-type]
+        n = view.nbytes
+        if n >= _HASH_IN_PLACE and view.c_contiguous and n < 2**32:
+            h.update(b"\xc5" + n.to_bytes(2, "big") if n < 2**16 else b"\xc6" + n.to_bytes(4, "big"))
+            h.update(view)
+            return
+    h.update(packer.pack(obj))
 
 
 # --- clocks and counters -------------------------------------------------------------
