@@ -273,8 +273,13 @@ def main() -> int:
             console.print(
                 "CPU per step (all threads, from /proc): "
                 + ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in cpu.items())
-                + f"; total {1000 * total:.1f} ms against {1000 * ccpu:.1f} ms of gradient computation "
-                f"(the agents' worker threads, summed), {total / ccpu:.2f}x"
+                + f"; total {1000 * total:.1f} ms"
+                + (
+                    f" against {1000 * ccpu:.1f} ms of gradient computation (the agents' worker threads, "
+                    f"summed), {total / ccpu:.2f}x"
+                    if ccpu > 0
+                    else ""
+                )
             )
         console.print(
             f"per step: W broadcast once ({nbytes / 1e6:.1f} MB) to {AGENTS} agents, {AGENTS} gradients "

@@ -34,7 +34,9 @@ whose body names another round (round binding). Both survive restarts:
   a node restarted after its clock went back does not reuse numbers;
 * the receiver persists, per sender, the largest numbers it accepted
   (:meth:`ReplayGuard.snapshot`) before it hands a message on, so a frame captured
-  before a crash is refused after the restart too.
+  before a crash is refused after the restart too (heartbeats and Sync-Opt's per-step
+  messages, whose replay the protocol refuses by itself, are persisted a little later:
+  ``Messenger.lazy_durable_kinds``).
 
 The timestamp is only a coarse bound, ``max_skew`` seconds around the receiver's clock,
 for the first frames of a sender the receiver has no numbers for. Both clocks are
