@@ -73,7 +73,7 @@ bodies = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(st.dictionaries(st.text(max_size=8), bodies, max_size=5), st.sampled_from(["sync_gradient", "chunk"]))
 def test_the_digest_is_sha256_of_msgpacks_packing_whatever_the_body(body, kind):
     env = envelope(body, kind)
