@@ -89,11 +89,19 @@ def cpu_by_role(fed: Federation) -> dict[str, float]:
 
 
 def measure(
-    steps: int, warmup: int, work: Path, progress=None, agents: int = AGENTS, options: dict | None = None
+    steps: int,
+    warmup: int,
+    work: Path,
+    progress=None,
+    agents: int = AGENTS,
+    options: dict | None = None,
+    chunk_bytes: int | None = None,
 ) -> dict[str, list[float] | int]:
     """Run the federation for ``steps`` steps under ``work``; per measured step (after
     ``warmup``), the parts listed in the module docstring, in seconds. ``agents`` and the
-    task ``options`` (default :data:`OPTIONS`) make it smaller (the test suite's run)."""
+    task ``options`` (default :data:`OPTIONS`) make it smaller (the test suite's run).
+    ``chunk_bytes``: ``[transfer] max_chunk_bytes`` of every node (default: the config's),
+    so that W and the gradients travel as several chunks the broker relays one by one."""
     options = OPTIONS if options is None else options
     fed = Federation(work, agents=agents, rounds=1, alpha=0.0, agent_broker_by_mdns=False)
     started = time.monotonic()
@@ -112,6 +120,10 @@ def measure(
                 "checkpoint_every": steps,
             },
         )
+        if chunk_bytes is not None:
+            for stem in ["coordinator", *fed.agent_ids]:
+                path = fed.config_path(stem)
+                path.write_text(path.read_text() + f"\n[transfer]\nmax_chunk_bytes = {int(chunk_bytes)}\n")
         fed.start_all()
         cpu0: tuple[int, dict[str, float]] | None = None
         cpu1: tuple[int, dict[str, float]] | None = None
@@ -230,12 +242,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5, help="first steps left out of the statistics")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument(
+        "--chunk-bytes", type=int, default=None, help="[transfer] max_chunk_bytes of every node (default 4 MiB)"
+    )
     args = ap.parse_args()
     console = Console(width=max(120, Console().width))
     work = Path(tempfile.mkdtemp(prefix="fedagent-syncopt-bench-"))
     try:
         with console.status("starting 5 agents and the coordinator, vocabulary consensus, steps ...") as st:
-            m = measure(args.steps, args.warmup, work, progress=st.update)
+            m = measure(args.steps, args.warmup, work, progress=st.update, chunk_bytes=args.chunk_bytes)
         step = m["step"]
         table = Table(
             title=f"Sync-Opt step, {AGENTS} agents, ProdLDA V={m['vocab']} K={OPTIONS['n_topics']}, batch "
