@@ -29,12 +29,14 @@ class Trace:
 
     ``die_before`` agents vanish at the named stage ("keys": never advertise; "shares":
     advertise, then vanish; "input": share, then vanish before the masked input;
-    "unmask": send the masked input, then vanish)."""
+    "unmask": send the masked input, then vanish; "reveal": sign the survivor list too,
+    then fall silent)."""
 
     n: int
     params: S.SecAggParams = field(default_factory=S.SecAggParams)
     die: dict[str, str] = field(default_factory=dict)
     seed: int = 0
+    signed: bool = False  # agents sign their keys and lists (ed25519), and check each other's
 
     def __post_init__(self) -> None:
         rng = np.random.default_rng(self.seed)
@@ -43,16 +45,33 @@ class Trace:
         self.deltas = {a: rng.uniform(-0.4, 0.4, D) for a in self.agents}
         self.setup = S.SecAggSetup(self.params, bytes(range(16)), max(self.samples.values()))
         self.server = S.SecAggServer(1, self.agents, self.setup, D, now=0.0, stage_timeout=10.0, input_deadline=100.0)
+        self.keys = {a: ed25519.Ed25519PrivateKey.generate() for a in self.agents}
         self.clients = {
-            a: S.SecAggClient(a, 1, self.agents, self.setup, random_bytes=det_bytes(hash((self.seed, a)) & 0xFFFF))
+            a: S.SecAggClient(
+                a,
+                1,
+                self.agents,
+                self.setup,
+                random_bytes=det_bytes(hash((self.seed, a)) & 0xFFFF),
+                sign=self.signer(a) if self.signed else None,
+                verify=self.verify if self.signed else None,
+            )
             for a in self.agents
         }
         self.sent_to_server: list[tuple[str, object]] = []
         self.result: list[S.ServerCommand] = []
         self.refusals: list[S.Refused] = []
 
+    def signer(self, a: str):
+        return lambda stmt: (a.encode(), self.keys[a].sign(stmt))
+
+    def verify(self, name: str, stmt: bytes, cert: bytes, sig: bytes) -> None:
+        if cert != name.encode():
+            raise S.SecAggError("certificate of another agent")
+        self.keys[name].public_key().verify(sig, stmt)
+
     def alive(self, a: str, stage: str) -> bool:
-        order = ["keys", "shares", "input", "unmask"]
+        order = ["keys", "shares", "input", "unmask", "reveal"]
         return a not in self.die or order.index(stage) < order.index(self.die[a])
 
     def to_server(self, a: str, msg, now: float) -> None:
@@ -77,8 +96,11 @@ class Trace:
             if self.alive(a, "input"):
                 cl.on_sharebox(msg)
                 self.pending_inputs.append(a)
-        elif isinstance(msg, S.SecAggUnmask):
+        elif isinstance(msg, S.SecAggSurvivors):
             if self.alive(a, "unmask"):
+                self.to_server(a, cl.on_survivors(msg), now)
+        elif isinstance(msg, S.SecAggUnmask):
+            if self.alive(a, "reveal"):
                 self.to_server(a, cl.on_unmask(msg), now)
 
     def masked(self, a: str) -> S.SecAggMasked:
@@ -150,7 +172,7 @@ def test_coordinator_only_sees_masked_vectors():
     t = Trace(6)
     t.run()
     kinds = {type(m).__name__ for _, m in t.sent_to_server}
-    assert kinds == {"SecAggKeys", "SecAggShares", "SecAggMasked", "SecAggReveal"}
+    assert kinds == {"SecAggKeys", "SecAggShares", "SecAggMasked", "SecAggSignature", "SecAggReveal"}
     for a, m in t.sent_to_server:
         if isinstance(m, S.SecAggMasked):
             q = S.quantise(t.deltas[a] * t.setup.ratio(t.samples[a]), t.params)
@@ -205,20 +227,33 @@ def test_too_few_inputs_aborts_the_round():
 
 def test_too_few_share_holders_aborts_the_round():
     # 5 agents, complete graph: each secret has 5 holders and needs 3 shares. Three
-    # drop after their input: the two left cannot rebuild the seeds of the three.
-    t = Trace(5, die={"a00": "unmask", "a01": "unmask", "a02": "unmask"})
+    # fall silent after signing the survivor list: the two left cannot rebuild the seeds.
+    t = Trace(5, die={"a00": "reveal", "a01": "reveal", "a02": "reveal"})
     res = t.run()
     assert isinstance(res, S.Failed)
     assert "too few shares" in res.reason
 
 
-def _through_input(n=5):
-    t = Trace(n)
+def test_too_few_list_signatures_abort_the_round_before_any_share_is_asked():
+    # Three of five drop after their input: two signatures of the survivor list are not
+    # more than half of the five selected, so no agent is asked for a share.
+    t = Trace(5, die={"a00": "unmask", "a01": "unmask", "a02": "unmask"})
+    res = t.run()
+    assert isinstance(res, S.Failed)
+    assert "2 survivors signed the survivor list, need 3 of the 5 selected" in res.reason
+    assert not any(isinstance(m, S.SecAggReveal) for _, m in t.sent_to_server)
+
+
+def _through_input(n=5, signed=False):
+    t = Trace(n, signed=signed)
     t.pending_inputs = []
     for a in t.agents:
         t.apply(t.server.handle(S.Received(a, t.clients[a].advertise()), 1.0), 1.0)
     for a in t.pending_inputs:
         t.clients[a].masked_input(t.deltas[a], t.samples[a])
+    # everyone signs the (honest) list of survivors: the unmask requests below carry it
+    listed = S.SecAggSurvivors(1, tuple(t.agents))
+    t.sigs = {a: (lambda s: (s.cert, s.sig))(t.clients[a].on_survivors(listed)) for a in t.agents}
     return t
 
 
@@ -230,7 +265,7 @@ def test_honest_agent_refuses_both_shares_of_one_agent():
     assert r.refused.startswith("both shares asked for a02")
     assert r.b_shares == {} and r.sk_shares == {}
     # A split request is refused as well: the seed share of a01 first, its key share next.
-    first = me.on_unmask(S.SecAggUnmask(1, ("a00", "a01"), (), survivors=5))
+    first = me.on_unmask(S.SecAggUnmask(1, ("a00", "a01"), (), survivors=5, signatures=t.sigs))
     assert not first.refused and set(first.b_shares) == {"a00", "a01"}
     second = me.on_unmask(S.SecAggUnmask(1, (), ("a01",), survivors=5))
     assert "key share of a01 after its seed share" in second.refused and not second.sk_shares
@@ -240,13 +275,74 @@ def test_honest_agent_refuses_both_shares_of_one_agent():
     assert "below min_survivors" in me.on_unmask(S.SecAggUnmask(1, ("a01",), (), survivors=1)).refused
 
 
+def test_consistency_round_every_survivor_signs_the_same_list():
+    t = Trace(8, signed=True, die={"a02": "input", "a05": "unmask"})
+    res = t.run()
+    assert isinstance(res, S.Unmasked), res
+    survivors = tuple(a for a in t.agents if a != "a02")
+    assert t.server.survivors == survivors  # a05 sent its input: it is on the list, silent or not
+    assert {a for a, c in t.clients.items() if c.signed == survivors} == set(survivors) - {"a05"}
+    assert set(t.server.signatures) == set(survivors) - {"a05"}
+    sigs = [m for _, m in t.sent_to_server if isinstance(m, S.SecAggSignature)]
+    reveals = [m for _, m in t.sent_to_server if isinstance(m, S.SecAggReveal)]
+    assert len(sigs) == len(reveals) == 6 and not any(r.refused for r in reveals)
+
+
+def test_two_survivor_lists_from_one_coordinator_get_no_share():
+    """A lying coordinator tells a00..a02 that everyone survived and a03..a05 that a00
+    dropped (to get a00's seed from the first and its key from the second, and strip
+    its masks). Each half signs its own list; neither list has more than half of the
+    six selected behind it, so every agent refuses to reveal anything."""
+    t = _through_input(6, signed=True)
+    everyone = tuple(t.agents)
+    without_a00 = tuple(a for a in t.agents if a != "a00")
+    first, second = t.agents[:3], t.agents[3:]
+    # _through_input had everyone sign the honest list; start these clients afresh on it
+    for c in t.clients.values():
+        c.signed = None
+    sigs: dict[str, tuple[bytes, bytes]] = {}
+    for a in first:
+        s = t.clients[a].on_survivors(S.SecAggSurvivors(1, everyone))
+        sigs[a] = (s.cert, s.sig)
+    for a in second:
+        s = t.clients[a].on_survivors(S.SecAggSurvivors(1, without_a00))
+        sigs[a] = (s.cert, s.sig)
+    answers = [t.clients[a].on_unmask(S.SecAggUnmask(1, ("a00",), (), len(everyone), sigs)) for a in first]
+    answers += [t.clients[a].on_unmask(S.SecAggUnmask(1, (), ("a00",), len(without_a00), sigs)) for a in second]
+    assert all(r.refused and not r.b_shares and not r.sk_shares for r in answers)
+    assert all("only 3 valid signatures of the survivor list I signed, need 4" in r.refused for r in answers)
+    # Signatures of one list do not count for the other, nor forged ones, nor outsiders'.
+    forged = {a: (a.encode(), bytes(64)) for a in without_a00}
+    r = t.clients["a03"].on_unmask(S.SecAggUnmask(1, (), ("a00",), len(without_a00), forged))
+    assert "only 0 valid signatures" in r.refused
+    # An agent signs one list per round: a second, different one is refused.
+    with pytest.raises(S.SecAggError, match="second, different survivor list"):
+        t.clients["a01"].on_survivors(S.SecAggSurvivors(1, without_a00))
+    # ... and never one that leaves itself out although it sent its input.
+    t.clients["a00"].signed = None
+    with pytest.raises(S.SecAggError, match="leaves me out"):
+        t.clients["a00"].on_survivors(S.SecAggSurvivors(1, without_a00))
+
+
+def test_unmask_request_must_match_the_signed_list():
+    t = _through_input(5, signed=True)
+    me = t.clients["a01"]
+    # a02 is on the list a01 signed: asking for its key share (as if it dropped) is refused
+    r = me.on_unmask(S.SecAggUnmask(1, ("a00",), ("a02",), 5, t.sigs))
+    assert "does not match the survivor list I signed" in r.refused and not r.sk_shares
+    r = me.on_unmask(S.SecAggUnmask(1, ("a00",), (), 4, t.sigs))  # another survivor count
+    assert "does not match" in r.refused
+    ok = me.on_unmask(S.SecAggUnmask(1, ("a00", "a02"), (), 5, t.sigs))
+    assert not ok.refused and set(ok.b_shares) == {"a00", "a02"}
+
+
 def test_refusal_leaves_the_coordinator_without_the_secret():
     # A coordinator that claims a01 dropped (asking for its key share) while a01's input
     # is in the sum would strip a01's masks; with the seed shares given out it cannot.
     t = _through_input()
     for a in t.agents:
-        t.clients[a].on_unmask(S.SecAggUnmask(1, tuple(t.agents), (), survivors=5))
-    answers = [t.clients[a].on_unmask(S.SecAggUnmask(1, (), ("a01",), survivors=5)) for a in t.agents if a != "a01"]
+        assert not t.clients[a].on_unmask(S.SecAggUnmask(1, tuple(t.agents), (), 5, t.sigs)).refused
+    answers = [t.clients[a].on_unmask(S.SecAggUnmask(1, (), ("a01",), 5, t.sigs)) for a in t.agents if a != "a01"]
     assert all(r.refused and not r.sk_shares for r in answers)
 
 
@@ -304,6 +400,9 @@ def test_messages_round_trip_and_validate():
         S.SecAggShareBox(1, {"a01": bytes(64)}),
         S.SecAggMasked(1, 0, 5, {"loss": 0.5}, {"masked": np.arange(10, dtype=np.int32)}),
         S.SecAggUnmask(1, ("a00",), ("a01",), 3),
+        S.SecAggSurvivors(1, ("a00", "a01")),
+        S.SecAggSignature(1, b"cert", bytes(64)),
+        S.SecAggUnmask(1, ("a00",), (), 2, {"a00": (b"cert", bytes(64)), "a01": (b"", b"")}),
         S.SecAggReveal(1, {"a00": bytes(68)}, {}, ""),
     ]
     for m in msgs:
@@ -317,6 +416,10 @@ def test_messages_round_trip_and_validate():
         S.SecAggKeys.from_body({"round": 1, "c_pk": b"x", "s_pk": bytes(32), "cert": b"", "sig": b""})
     with pytest.raises(CodecError):
         S.SecAggUnmask.from_body({"round": 1, "b_of": ["../x"], "sk_of": [], "survivors": 2})
+    with pytest.raises(CodecError):
+        S.SecAggUnmask.from_body({"round": 1, "b_of": [], "sk_of": [], "survivors": 2, "signatures": {"a0": [b""]}})
+    with pytest.raises(CodecError):
+        S.SecAggSurvivors.from_body({"round": 1, "survivors": ["a0", 3]})
     with pytest.raises(CodecError):
         S.SecAggParams(threshold=0.4)
     with pytest.raises(CodecError):
@@ -413,7 +516,7 @@ def test_secure_rounds_through_the_round_machine():
     bound = len(w) * p.step / 2 / sum(w.values())
     assert np.abs(m.weights["w"] - 2 * expected).max() <= 2 * bound + 1e-6
     assert m.weights["steps"].dtype == np.int64 and m.weights["steps"][0] == 0  # not a float: kept
-    assert set(seen) == {"secagg_keys", "secagg_shares", "secagg_masked", "secagg_reveal"}
+    assert set(seen) == {"secagg_keys", "secagg_shares", "secagg_masked", "secagg_signature", "secagg_reveal"}
     starts = [c for c in log if isinstance(c, R.StartRound)]
     assert all(s.secagg is not None and not s.train.stream for s in starts)
 

@@ -60,6 +60,7 @@ from fedagent.protocols.secagg import (
     SecAggRoster,
     SecAggShareBox,
     SecAggStart,
+    SecAggSurvivors,
     SecAggUnmask,
     flatten,
 )
@@ -227,7 +228,7 @@ class FedAvgSession(Session):
                 self.secure_round = msg.round
             await self._secagg_send(self.secagg.on_round_start(msg.round, msg.selected, msg.setup))
             return
-        if isinstance(msg, (SecAggRoster, SecAggShareBox, SecAggUnmask)):
+        if isinstance(msg, (SecAggRoster, SecAggShareBox, SecAggSurvivors, SecAggUnmask)):
             if inc.role != "coordinator" or inc.sender != self.coordinator:
                 return self.messenger._reject("role", inc.sender, f"{msg.kind} not from the coordinator")
             await self._secagg_send(await asyncio.to_thread(self.secagg.on_message, msg))

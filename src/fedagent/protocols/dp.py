@@ -39,6 +39,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -180,6 +181,25 @@ def noise_share(
     delta, norm = clipped_delta(reference, update, clip)
     add_gaussian(delta, std, rng)
     return rebuild(reference, delta), norm
+
+
+# Probability, per round, that any coordinate of any agent's noised update falls outside
+# the secure-aggregation quantisation range :func:`quantisation_range` chooses.
+RANGE_MISS = 1e-9
+
+
+def quantisation_range(clip: float, std: float, coordinates: int, agents: int, miss: float = RANGE_MISS) -> float:
+    """The per-coordinate range ``[-R, R]`` a noised update must fit for quantisation
+    (secure aggregation) to leave it uncut: a clipped update's coordinate is at most
+    ``clip`` in magnitude (its whole L2 norm), the noise ``N(0, std²)`` exceeds ``k·std``
+    with probability ``2·(1 − Φ(k))``; ``k`` is chosen so that across ``coordinates``
+    values of ``agents`` updates (a union bound) any one falls outside with probability
+    at most ``miss``. ``R = clip + k·std``."""
+    if std <= 0:
+        return clip
+    per_value = miss / (2.0 * max(coordinates, 1) * max(agents, 1))
+    k = -NormalDist().inv_cdf(per_value)
+    return clip + k * std
 
 
 # ---- adaptive clipping ---------------------------------------------------------------

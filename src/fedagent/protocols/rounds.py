@@ -58,7 +58,7 @@ from fedagent.protocols.aggregation import (
     check_update,
     weighted_metrics,
 )
-from fedagent.protocols.dp import Accountant, ClipBound, DPAggregator, DPConfig, Release
+from fedagent.protocols.dp import Accountant, ClipBound, DPAggregator, DPConfig, Release, quantisation_range
 from fedagent.protocols.messages import TrainConfig
 from fedagent.protocols.streaming import UpdateEnd, UpdateHead, UpdatePart
 
@@ -347,6 +347,7 @@ class RoundMachine:
             self.clip = ClipBound(config.dp, float(clip) if isinstance(clip, int | float) and clip > 0 else 0.0)
         self.secagg: SA.SecAggServer | None = None  # the secure round in progress
         self.secure_result: SA.Unmasked | None = None  # of the last secure round aggregated
+        self.secure_params: SA.SecAggParams | None = None  # of the secure round in progress (or last)
 
     # -- public ------------------------------------------------------------------------
     def handle(self, event: Event, now: float) -> list[Command]:
@@ -432,18 +433,31 @@ class RoundMachine:
             zs += (2.0 * dp.count_std(selected),)
         return Release(q, zs)
 
-    def _over_budget(self, selected: int, q: float) -> str:
-        """Why the next round must not run (its release would pass the budget), or ''."""
+    def _over_budget(self, selected: int, q: float, answered: int | None = None) -> str:
+        """Why the next round must not run (its release would pass the budget), or ''.
+        ``answered``: the updates the round's sum holds, when known (distributed DP: fewer
+        than ``selected`` carry less noise and cost more)."""
         dp = self.config.dp
         if dp is None or dp.epsilon_budget is None or self.accountant is None:
             return ""
-        after = self.accountant.epsilon_after(self._release(selected, selected, q))
+        after = self.accountant.epsilon_after(self._release(selected, selected if answered is None else answered, q))
         if after <= dp.epsilon_budget:
             return ""
+        if answered is not None:
+            return (
+                f"privacy budget: the sum of {answered} of {selected} noise shares would take epsilon from "
+                f"{self.accountant.epsilon:.3f} to {after:.3f}, above the budget {dp.epsilon_budget:g}"
+            )
         return (
             f"privacy budget reached: epsilon {self.accountant.epsilon:.3f} spent at delta {dp.delta:g}; "
             f"one more round would make it {after:.3f}, above the budget {dp.epsilon_budget:g}"
         )
+
+    def _distributed_admit(self, survivors: int) -> str:
+        """Secure rounds under distributed DP, before any mask comes off: why a sum of
+        ``survivors`` updates must not be unmasked (its noise would take ε past the
+        budget), or ''. Refused, the round is abandoned and nothing of it is learned."""
+        return self._over_budget(len(self.selected), self._round_q, survivors)
 
     def status(self) -> dict[str, object]:
         return {
@@ -549,16 +563,27 @@ class RoundMachine:
             # deadline is the masked inputs'.
             # DP-FedAvg weighs every update equally (its noise is calibrated so): W = 1.
             top = 1 if cfg.dp is not None else max(1, *(self.online[a] for a in agents))
-            setup = SA.SecAggSetup(cfg.secure, self._rng.randbytes(16), top)
+            params = cfg.secure
+            admit = None
+            size = SA.layout_size(self.weights)
+            if cfg.dp is not None and train.dp_clip is not None:
+                # Distributed DP: the noised update must fit the quantisation range whole
+                # (a coordinate cut there would no longer carry its Gaussian noise).
+                wide = quantisation_range(train.dp_clip, train.dp_noise_std, size, len(agents))
+                params = replace(params, clip=min(max(params.clip, wide), SA.MAX_CLIP))
+                admit = self._distributed_admit
+            self.secure_params = params
+            setup = SA.SecAggSetup(params, self._rng.randbytes(16), top)
             self.secagg = SA.SecAggServer(
                 self.round,
                 agents,
                 setup,
-                SA.layout_size(self.weights),
+                size,
                 now=now,
                 stage_timeout=cfg.stage_timeout,
                 input_deadline=now + cfg.round_timeout - cfg.stage_timeout,
                 online=set(self.online),
+                admit=admit,
             )
             self.deadline = math.inf
             wake = self.secagg.deadline
@@ -721,13 +746,20 @@ class RoundMachine:
         if any(fl.folded for fl in self.inflight.values()):
             return []  # half-folded updates still arriving: wait for their end
         assert self._acc is not None
+        reason = ""
         if self._acc.count >= self.config.min_updates:
-            return self._aggregate(now)
-        reason = (
-            "deadline passed" if now >= self.deadline else "selected agents left"
-        ) + f" with {len(self.received)} of {len(self.selected)} updates (need {self.config.min_updates})"
-        if self._acc.dropped:
-            reason += f", {len(self._acc.dropped)} dropped by {self.config.strategy.name}"
+            if isinstance(self._acc, DPAggregator) and self._acc.config.mode == "distributed":
+                # Fewer noise shares than selected: the sum may carry too little noise to
+                # be published within the budget (it is then dropped, not published).
+                reason = self._over_budget(len(self.selected), self._round_q, self._acc.count)
+            if not reason:
+                return self._aggregate(now)
+        else:
+            reason = (
+                "deadline passed" if now >= self.deadline else "selected agents left"
+            ) + f" with {len(self.received)} of {len(self.selected)} updates (need {self.config.min_updates})"
+            if self._acc.dropped:
+                reason += f", {len(self._acc.dropped)} dropped by {self.config.strategy.name}"
         out: list[Command] = [RoundAbandoned(self.round, self.model_version, reason)]
         self._end_round()
         self.phase = Phase.WAITING

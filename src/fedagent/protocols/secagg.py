@@ -17,13 +17,20 @@ Each selected agent, in four stages relayed by the coordinator over the per-agen
    2³² and adds ``PRG(b)`` and, for each neighbour j that completed stage 2,
    ``±PRG(s_ij)`` (+ if its id sorts before j's, − after). Pairwise masks cancel in the
    sum; self masks do not.
-4. **unmasking** — the coordinator names the survivors (sent a masked input) and the
-   drop-outs (shared keys, sent no input). Each agent returns its share of ``b`` for a
-   survivor and its share of ``s``'s secret key for a drop-out, never both for one
-   agent: with a threshold above half the holders, no coordinator can collect enough
-   shares of both and strip a survivor's masks. With ≥ t shares per secret the
-   coordinator removes the self masks of survivors and the dangling pairwise masks of
-   drop-outs and is left with the sum.
+4. **consistency** (Bonawitz et al. 2017, kept by Bell et al.) — the coordinator sends
+   every survivor (sent a masked input) the list of survivors; each signs it, once per
+   round, with its certificate's key. An agent never signs a second list, nor one that
+   leaves itself out.
+5. **unmasking** — the coordinator names the survivors and the drop-outs (shared keys,
+   sent no input) and passes on the signatures of the list. An agent answers only if
+   more than ``threshold`` of the round's selected agents signed the very list it
+   signed: honest agents sign one list each, so two different lists can never both
+   gather that many, and a coordinator cannot tell different agents different survivor
+   sets. Each agent returns its share of ``b`` for a survivor and its share of ``s``'s
+   secret key for a drop-out, never both for one agent: with a threshold above half the
+   holders, no coordinator can collect enough shares of both and strip a survivor's
+   masks. With ≥ t shares per secret the coordinator removes the self masks of
+   survivors and the dangling pairwise masks of drop-outs and is left with the sum.
 
 Quantisation (:class:`SecAggParams`): an agent's contribution is ``v = r·Δ`` with Δ its
 update minus the round's global model (floating tensors only, in name order) and
@@ -39,9 +46,9 @@ have the same number of samples — plus whatever the clip cut off.
 
 What this guards against, and what not: the broker and an honest-but-curious coordinator
 see only masked vectors and sealed share boxes. A coordinator that lies about who
-dropped out is refused the second share of any one agent; Bell et al.'s extra
-consistency round (signed survivor lists) is not implemented, so a coordinator that
-tells different agents different survivor sets is not detected.
+dropped out is refused the second share of any one agent, and one that tells different
+agents different survivor lists gathers too few signatures of either list to be given
+any share.
 
 Everything here is deterministic given ``random_bytes``; no clock, socket or thread.
 """
@@ -76,6 +83,9 @@ _SHARE_BYTES = 66  # a field element, big-endian
 MAX_NEIGHBOURS = 1024
 MAX_CERT = 8192
 KEY_DOMAIN = b"fedagent-secagg-keys/1"
+LIST_DOMAIN = b"fedagent-secagg-survivors/1"
+MAX_CLIP = 1e6  # largest quantisation range (SecAggParams.clip)
+MAX_LIST = 100_000  # most names in a round's selection or survivor list
 
 __all__ = [
     "SecAggClient",
@@ -89,6 +99,8 @@ __all__ = [
     "SecAggSetup",
     "SecAggShareBox",
     "SecAggShares",
+    "SecAggSignature",
+    "SecAggSurvivors",
     "SecAggUnmask",
     "dequantise_sum",
     "flatten",
@@ -114,8 +126,8 @@ class SecAggParams:
     def __post_init__(self) -> None:
         if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)):
             raise CodecError("secure aggregation: clip must be a number")
-        if not (math.isfinite(self.clip) and 0 < self.clip <= 1e6):
-            raise CodecError("secure aggregation: clip must be in (0, 1e6]")
+        if not (math.isfinite(self.clip) and 0 < self.clip <= MAX_CLIP):
+            raise CodecError(f"secure aggregation: clip must be in (0, {MAX_CLIP:g}]")
         if type(self.bits) is not int or not 2 <= self.bits <= 30:
             raise CodecError("secure aggregation: bits must be an integer in [2, 30]")
         if type(self.neighbours) is not int or not 0 <= self.neighbours <= MAX_NEIGHBOURS:
@@ -416,24 +428,86 @@ class SecAggMasked:
 
 
 @dataclass(frozen=True, slots=True)
+class SecAggSurvivors:
+    """Coordinator → each survivor, stage 4: who sent a masked input, for it to sign."""
+
+    kind: ClassVar[str] = "secagg_survivors"
+    round: int
+    survivors: tuple[str, ...]  # sorted
+
+    def to_body(self) -> dict[str, Any]:
+        return {"round": self.round, "survivors": list(self.survivors)}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits | None = None) -> SecAggSurvivors:
+        w = "secagg_survivors"
+        b = _check_body(body, {"round", "survivors"}, w)
+        return cls(_int(b["round"], "round"), _names(b["survivors"], w, MAX_LIST))
+
+
+@dataclass(frozen=True, slots=True)
+class SecAggSignature:
+    """Agent → coordinator, stage 4: its signature of the survivor list it was sent."""
+
+    kind: ClassVar[str] = "secagg_signature"
+    round: int
+    cert: bytes = b""
+    sig: bytes = b""
+
+    def to_body(self) -> dict[str, Any]:
+        return {"round": self.round, "cert": self.cert, "sig": self.sig}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], limits: Limits | None = None) -> SecAggSignature:
+        w = "secagg_signature"
+        b = _check_body(body, {"round", "cert", "sig"}, w)
+        return cls(_int(b["round"], "round"), _bin(b["cert"], (0, MAX_CERT), "cert"), _bin(b["sig"], (0, 64), "sig"))
+
+
+def _signatures(v: Any, what: str) -> dict[str, tuple[bytes, bytes]]:
+    if not isinstance(v, dict) or len(v) > MAX_LIST:
+        raise CodecError(f"{what}: signatures must be a map of at most {MAX_LIST} entries")
+    out: dict[str, tuple[bytes, bytes]] = {}
+    for k, pair in v.items():
+        if not is_valid_name(k) or not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise CodecError(f"{what}: bad signature entry")
+        out[k] = (_bin(pair[0], (0, MAX_CERT), "cert"), _bin(pair[1], (0, 64), "sig"))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
 class SecAggUnmask:
-    """Coordinator → one agent, stage 4: which shares it wants, and how many inputs the
-    sum has (an agent refuses to help unmask a sum of fewer than ``min_survivors``)."""
+    """Coordinator → one agent, stage 5: which shares it wants, how many inputs the sum
+    has (an agent refuses to help unmask a sum of fewer than ``min_survivors``) and the
+    survivors' signatures of their list (``name -> (cert, sig)``)."""
 
     kind: ClassVar[str] = "secagg_unmask"
     round: int
     b_of: tuple[str, ...]  # survivors: their self-mask seed
     sk_of: tuple[str, ...]  # drop-outs: their mask secret key
     survivors: int
+    signatures: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)
 
     def to_body(self) -> dict[str, Any]:
-        return {"round": self.round, "b_of": list(self.b_of), "sk_of": list(self.sk_of), "survivors": self.survivors}
+        return {
+            "round": self.round,
+            "b_of": list(self.b_of),
+            "sk_of": list(self.sk_of),
+            "survivors": self.survivors,
+            "signatures": {k: [c, s] for k, (c, s) in self.signatures.items()},
+        }
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits | None = None) -> SecAggUnmask:
         w = "secagg_unmask"
-        b = _check_body(body, {"round", "b_of", "sk_of", "survivors"}, w)
-        return cls(_int(b["round"], "round"), _names(b["b_of"], w), _names(b["sk_of"], w), _int(b["survivors"], w))
+        b = _check_body(body, {"round", "b_of", "sk_of", "survivors", "signatures"}, w)
+        return cls(
+            _int(b["round"], "round"),
+            _names(b["b_of"], w),
+            _names(b["sk_of"], w),
+            _int(b["survivors"], w),
+            _signatures(b["signatures"], w),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -461,7 +535,16 @@ class SecAggReveal:
 
 
 SecAggMessage = (
-    SecAggStart | SecAggKeys | SecAggRoster | SecAggShares | SecAggShareBox | SecAggMasked | SecAggUnmask | SecAggReveal
+    SecAggStart
+    | SecAggKeys
+    | SecAggRoster
+    | SecAggShares
+    | SecAggShareBox
+    | SecAggMasked
+    | SecAggSurvivors
+    | SecAggSignature
+    | SecAggUnmask
+    | SecAggReveal
 )
 MESSAGES: tuple[type[SecAggMessage], ...] = (
     SecAggStart,
@@ -470,6 +553,8 @@ MESSAGES: tuple[type[SecAggMessage], ...] = (
     SecAggShares,
     SecAggShareBox,
     SecAggMasked,
+    SecAggSurvivors,
+    SecAggSignature,
     SecAggUnmask,
     SecAggReveal,
 )
@@ -633,6 +718,11 @@ def key_statement(agent: str, context: bytes, c_pk: bytes, s_pk: bytes) -> bytes
     return msgpack.packb([KEY_DOMAIN, context, agent, c_pk, s_pk], use_bin_type=True)
 
 
+def list_statement(agent: str, context: bytes, survivors: Sequence[str]) -> bytes:
+    """What an agent signs in the consistency stage: the round's survivor list."""
+    return msgpack.packb([LIST_DOMAIN, context, agent, sorted(survivors)], use_bin_type=True)
+
+
 Signer = Callable[[bytes], tuple[bytes, bytes]]  # statement -> (cert, sig)
 KeyVerifier = Callable[[str, bytes, bytes, bytes], None]  # (agent, statement, cert, sig); raises
 
@@ -661,6 +751,8 @@ class SecAggClient:
         self.params = setup.params
         self.context = setup.context(round_)
         self.graph_neighbours = neighbour_graph(selected, setup.seed, setup.params.neighbours)[agent]
+        self.selected = frozenset(selected)
+        self.signed: tuple[str, ...] | None = None  # the survivor list this agent signed
         self._rand = random_bytes
         self._sign = sign
         self._verify = verify
@@ -747,8 +839,52 @@ class SecAggClient:
         self.masked_sent = True
         return y
 
+    def on_survivors(self, msg: SecAggSurvivors) -> SecAggSignature:
+        """Sign the round's survivor list: once per round, and only a list that names
+        this agent (it sent its input), agents of the round and enough of them."""
+        if msg.round != self.round:
+            raise SecAggError(f"survivor list for round {msg.round}, I am in round {self.round}")
+        if not self.masked_sent:
+            raise SecAggError("survivor list before I sent my masked input")
+        survivors = tuple(sorted(set(msg.survivors)))
+        if self.signed is not None:
+            if survivors == self.signed:  # a redelivery: the same signature again
+                return self._sign_list(survivors)
+            raise SecAggError("a second, different survivor list for this round: not signed")
+        if self.agent not in survivors:
+            raise SecAggError("the survivor list leaves me out, but I sent my masked input")
+        stray = set(survivors) - self.selected
+        if stray:
+            raise SecAggError(f"the survivor list names agents outside the round: {sorted(stray)[:3]}")
+        if len(survivors) < self.params.min_survivors:
+            raise SecAggError(f"a survivor list of {len(survivors)} is below min_survivors {self.params.min_survivors}")
+        self.signed = survivors
+        return self._sign_list(survivors)
+
+    def _sign_list(self, survivors: tuple[str, ...]) -> SecAggSignature:
+        cert, sig = b"", b""
+        if self._sign is not None:
+            cert, sig = self._sign(list_statement(self.agent, self.context, survivors))
+        return SecAggSignature(self.round, cert, sig)
+
+    def _list_signers(self, signatures: Mapping[str, tuple[bytes, bytes]]) -> int:
+        """How many agents on the list this agent signed signed that same list."""
+        assert self.signed is not None
+        valid = 0
+        for name, (cert, sig) in signatures.items():
+            if name not in self.signed:
+                continue
+            if self._verify is not None:
+                try:
+                    self._verify(name, list_statement(name, self.context, self.signed), cert, sig)
+                except Exception:  # noqa: BLE001 - any failure: the signature does not count
+                    continue
+            valid += 1
+        return valid
+
     def on_unmask(self, msg: SecAggUnmask) -> SecAggReveal:
-        """The shares asked for, unless the request could reveal a single input: then a
+        """The shares asked for, unless the request could reveal a single input or does
+        not come with enough signatures of the survivor list this agent signed: then a
         refusal, and nothing."""
 
         def refuse(why: str) -> SecAggReveal:
@@ -771,6 +907,18 @@ class SecAggClient:
                 return refuse(f"asked for the key share of {name} after its seed share")
         if msg.survivors < self.params.min_survivors:
             return refuse(f"a sum of {msg.survivors} input(s) is below min_survivors {self.params.min_survivors}")
+        if self.signed is None:
+            return refuse("asked for shares before I signed the survivor list")
+        listed = set(self.signed)
+        if msg.survivors != len(listed) or not set(msg.b_of) <= listed or set(msg.sk_of) & listed:
+            return refuse("the request does not match the survivor list I signed")
+        need = self.params.threshold_of(len(self.selected))
+        signers = self._list_signers(msg.signatures)
+        if signers < need:
+            return refuse(
+                f"only {signers} valid signatures of the survivor list I signed, need {need} "
+                f"of the {len(self.selected)} agents selected"
+            )
         unknown = (set(msg.b_of) | set(msg.sk_of)) - set(self.held)
         if unknown:
             return refuse(f"I hold no shares of {sorted(unknown)[0]}")
@@ -841,6 +989,8 @@ class SecAggAgent:
             if isinstance(msg, SecAggShareBox):
                 cl.on_sharebox(msg)
                 return self._maybe_input()
+            if isinstance(msg, SecAggSurvivors):
+                return [cl.on_survivors(msg)]
             if isinstance(msg, SecAggUnmask):
                 reveal = cl.on_unmask(msg)
                 if reveal.refused:
@@ -956,7 +1106,7 @@ class SecAggServer:
     deadline: keys and shares ``stage_timeout`` after they open, masked inputs at
     ``input_deadline`` (training happens meanwhile), shares again ``stage_timeout``."""
 
-    KEYS, SHARES, INPUTS, UNMASK, DONE = "keys", "shares", "inputs", "unmask", "done"
+    KEYS, SHARES, INPUTS, CONSISTENCY, UNMASK, DONE = "keys", "shares", "inputs", "consistency", "unmask", "done"
 
     def __init__(
         self,
@@ -969,7 +1119,11 @@ class SecAggServer:
         stage_timeout: float,
         input_deadline: float,
         online: set[str] | None = None,
+        admit: Callable[[int], str] | None = None,
     ) -> None:
+        """``admit(survivors)``: asked once the masked inputs are in, before anything is
+        unmasked; a reason returned abandons the round (a privacy budget the sum of that
+        many updates would overdraw)."""
         if len(selected) > setup.params.max_agents:
             raise SecAggError(
                 f"{len(selected)} agents exceed the {setup.params.max_agents} whose masked sum fits "
@@ -992,6 +1146,9 @@ class SecAggServer:
         self.shares: dict[str, SecAggShares] = {}
         self.inputs: dict[str, SecAggMasked] = {}
         self._sum: np.ndarray | None = None
+        self.admit = admit
+        self.survivors: tuple[str, ...] = ()  # the list sent out in the consistency stage
+        self.signatures: dict[str, tuple[bytes, bytes]] = {}  # survivor -> (cert, sig) of the list
         self.asked: set[str] = set()
         self.answered: set[str] = set()
         self.b_shares: dict[str, dict[int, bytes]] = {}
@@ -1007,6 +1164,7 @@ class SecAggServer:
             "keys": len(self.keys),
             "shares": len(self.shares),
             "inputs": len(self.inputs),
+            "signatures": len(self.signatures),
             "reveals": len(self.answered),
         }
 
@@ -1059,6 +1217,10 @@ class SecAggServer:
                 {"masked": np.zeros(0, np.int32)},
                 msg.leaving,
             )
+        elif isinstance(msg, SecAggSignature):
+            if self.stage != self.CONSISTENCY or sender not in self.survivors or sender in self.signatures:
+                return refuse("stage", f"list signature from {sender} in stage {self.stage}")
+            self.signatures[sender] = (msg.cert, msg.sig)
         elif isinstance(msg, SecAggReveal):
             if self.stage != self.UNMASK or sender not in self.asked or sender in self.answered:
                 return refuse("stage", f"shares from {sender} in stage {self.stage}")
@@ -1085,6 +1247,8 @@ class SecAggServer:
             return set(self.rosters) - set(self.shares)
         if self.stage == self.INPUTS:
             return set(self.shares) - set(self.inputs)
+        if self.stage == self.CONSISTENCY:
+            return set(self.survivors) - set(self.signatures)
         return self.asked - self.answered
 
     def _maybe_close(self, now: float) -> list[ServerCommand]:
@@ -1127,15 +1291,29 @@ class SecAggServer:
         if self.stage == self.INPUTS:
             if len(self.inputs) < p.min_survivors:
                 return self._fail(f"{len(self.inputs)} masked inputs arrived, need {p.min_survivors}")
+            why = self.admit(len(self.inputs)) if self.admit is not None else ""
+            if why:
+                return self._fail(why)
+            self.survivors = tuple(sorted(self.inputs))
+            out = [Send(j, SecAggSurvivors(self.round, self.survivors)) for j in self.survivors]
+            self.stage, self.deadline = self.CONSISTENCY, now + self.stage_timeout
+            return out + [Wake(self.deadline)]
+        if self.stage == self.CONSISTENCY:
+            need = p.threshold_of(len(self.selected))
+            if len(self.signatures) < need:
+                return self._fail(
+                    f"{len(self.signatures)} survivors signed the survivor list, need {need} "
+                    f"of the {len(self.selected)} selected"
+                )
             u2 = set(self.inputs)
             needed = self._needed()
             out = []
-            for j in sorted(u2):
+            for j in sorted(self.signatures):
                 owners = [o for o in (j, *self.rosters[j]) if o in needed]
                 b_of = tuple(o for o in owners if o in u2)
                 sk_of = tuple(o for o in owners if o not in u2)
                 self.asked.add(j)
-                out.append(Send(j, SecAggUnmask(self.round, b_of, sk_of, len(u2))))
+                out.append(Send(j, SecAggUnmask(self.round, b_of, sk_of, len(u2), dict(self.signatures))))
             self.stage, self.deadline = self.UNMASK, now + self.stage_timeout
             return out + [Wake(self.deadline)]
         if self.stage == self.UNMASK:
@@ -1188,7 +1366,7 @@ class SecAggServer:
         }
         weight_sum = sum(self.setup.ratio(c.num_samples) for c in contributors.values())
         mean = dequantise_sum(total, survivors, p) / weight_sum
-        silent = tuple(sorted(self.asked - self.answered))
+        silent = tuple(sorted(set(self.inputs) - self.answered))
         self.stage = self.DONE
         self._sum = None
         gone = tuple(sorted(set(self.shares) - set(self.inputs)))
