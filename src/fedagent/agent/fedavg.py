@@ -95,6 +95,7 @@ class FedAvgSession(Session):
         self.compressor = Compressor()  # keeps the top-k residual across rounds
         self._dp_rng = np.random.default_rng()  # distributed DP noise, seeded by the OS
         self.dp_rounds = 0  # rounds whose update left with this agent's share of DP noise
+        self.dp_cut = 0  # noised values the secure quantisation range cut (should stay 0)
         # (round, global weights, train config) being trained
         self._base: tuple[int, Weights, TrainConfig] | None = None
         identity = self.messenger.identity
@@ -470,9 +471,24 @@ class FedAvgSession(Session):
         u = cmd.update
         _, new = flatten(self.prepare_update(u.weights, base, train))
         _, old = flatten(base)
+        delta = new - old
+        cl = self.secagg.client
+        if train.dp_clip is not None and cl is not None and cl.round == u.round:
+            # The round's quantisation range was chosen to hold the noised update whole
+            # (a value cut there loses its noise): say so loudly if one falls outside.
+            cut = int(np.count_nonzero(np.abs(delta) > cl.params.clip))
+            if cut:
+                self.dp_cut += cut
+                log.warning(
+                    "round %d: %d noised values fall outside the quantisation range ±%.4g and are cut",
+                    u.round,
+                    cut,
+                    cl.params.clip,
+                )
+                self.history.append({"event": "quantisation_cut", "round": u.round, "values": cut})
         return self.secagg.on_trained(
             u.round,
-            new - old,
+            delta,
             base_version=u.base_version,
             num_samples=u.num_samples,
             metrics=u.metrics,
@@ -511,4 +527,5 @@ class FedAvgSession(Session):
             "vocab_offers_sent": self.offers_sent,
             "model_requests_sent": self.catchup.requests,
             "dp_noised_updates": self.dp_rounds,
+            "dp_quantisation_cut": self.dp_cut,
         }

@@ -1,0 +1,165 @@
+"""Distributed differential privacy under secure aggregation, in memory: the quantisation
+range holds the noised updates, the sum a round unmasks carries the noise the accountant
+charges, and a sum whose survivors carry too little noise for the budget is never unmasked."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from fedagent.protocols import dp
+from fedagent.protocols import rounds as R
+from fedagent.protocols import secagg as S
+
+W0 = {"w": np.zeros((30, 40), np.float32), "b": np.zeros(40, np.float32), "steps": np.zeros(1, np.int64)}
+SIZE = 30 * 40 + 40
+
+
+def det_bytes(seed: int):
+    rng = random.Random(seed)
+    return lambda n: rng.randbytes(n)
+
+
+def config(n: int, z: float, clip: float, budget: float | None = None, **kw) -> R.RoundConfig:
+    base = dict(
+        rounds=5,
+        min_agents=n,
+        expected_agents=n,
+        min_updates=2,
+        secure=S.SecAggParams(clip=1.0, bits=20),
+        dp=dp.DPConfig(mode="distributed", noise_multiplier=z, clip_norm=clip, epsilon_budget=budget),
+    )
+    base.update(kw)
+    return R.RoundConfig(**base)
+
+
+def test_quantisation_range_holds_the_noise_with_the_stated_probability() -> None:
+    c, std, d, n = 1.0, 0.5, 10_000, 10
+    r = dp.quantisation_range(c, std, d, n)
+    k = (r - c) / std
+    # Union bound: n·d values, each outside k·σ with probability 2(1 − Φ(k)).
+    assert 2 * n * d * (1 - 0.5 * (1 + math.erf(k / math.sqrt(2)))) == pytest.approx(dp.RANGE_MISS, rel=1e-3)
+    assert dp.quantisation_range(c, std, d, n, miss=1e-3) < r < dp.quantisation_range(c, std, d, n, miss=1e-12)
+    assert dp.quantisation_range(c, 0.0, d, n) == c
+    # The worst update: all of its norm on one coordinate, plus the noise.
+    rng = np.random.default_rng(7)
+    worst = np.zeros((n, d))
+    worst[:, 0] = c
+    worst += rng.normal(0, std, worst.shape)
+    assert np.abs(worst).max() < r
+
+
+def start_round(m: R.RoundMachine, agents: list[str], now: float = 0.0) -> R.StartRound:
+    out = []
+    for a in agents:
+        out += m.handle(R.AgentOnline(a, 50), now)
+    (start,) = [c for c in out if isinstance(c, R.StartRound)]
+    return start
+
+
+def test_secure_round_under_dp_widens_the_quantisation_range_to_the_noise() -> None:
+    z, clip, n = 1.0, 0.5, 4
+    m = R.RoundMachine(config(n, z, clip), dict(W0))
+    start = start_round(m, [f"a{i}" for i in range(n)])
+    assert start.secagg is not None and start.train.dp_clip == clip
+    std = z * clip / math.sqrt(n)
+    assert start.train.dp_noise_std == pytest.approx(std)
+    want = dp.quantisation_range(clip, std, SIZE, n)
+    assert want > 1.0  # wider than the configured secure_clip
+    assert start.secagg.params.clip == pytest.approx(want)
+    assert m.secure_params == start.secagg.params
+    # With little noise the configured range (wider) stays.
+    quiet = R.RoundMachine(config(n, 1e-3, 0.01), dict(W0))
+    assert start_round(quiet, [f"a{i}" for i in range(n)]).secagg.params.clip == 1.0
+
+
+def run_round(m: R.RoundMachine, n: int, dead: set[str], seed: int = 0):
+    """One secure round with agents that clip and noise as the round says; ``dead``
+    agents share their keys, then vanish before their masked input."""
+    names = [f"a{i}" for i in range(n)]
+    start = start_round(m, names)
+    rng = np.random.default_rng(seed)
+    agents = {a: S.SecAggAgent(a, random_bytes=det_bytes(i)) for i, a in enumerate(start.selected)}
+    deltas: dict[str, np.ndarray] = {}
+    out: list = []
+    sent: list[str] = []
+
+    def pump(cmds: list) -> None:
+        queue = list(cmds)
+        while queue:
+            c = queue.pop(0)
+            out.append(c)
+            if isinstance(c, R.SendSecAgg):
+                sent.append(c.message.kind)
+                if c.to not in dead:
+                    for msg in agents[c.to].on_message(c.message):
+                        queue += m.handle(R.SecAggReceived(c.to, msg), 1.0)
+
+    for a in agents:
+        for msg in agents[a].on_round_start(start.round, start.selected, start.secagg):
+            pump(m.handle(R.SecAggReceived(a, msg), 1.0))
+    for a in agents:
+        if a in dead:
+            continue
+        trained = {
+            k: (v + rng.normal(0, 0.3, v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in W0.items()
+        }
+        noised, _ = dp.noise_share(W0, trained, start.train.dp_clip, start.train.dp_noise_std, rng)
+        deltas[a] = S.flatten(noised)[1] - S.flatten(W0)[1]
+        for msg in agents[a].on_trained(1, deltas[a], base_version=0, num_samples=50, metrics={}):
+            pump(m.handle(R.SecAggReceived(a, msg), 2.0))
+    for a in dead:  # their presence goes offline: the input stage closes without them
+        pump(m.handle(R.AgentOffline(a), 3.0))
+    return start, out, deltas, sent, agents
+
+
+def test_unmasked_sum_is_the_sum_of_noised_updates_uncut() -> None:
+    z, clip, n = 1.0, 0.5, 4
+    m = R.RoundMachine(config(n, z, clip), dict(W0))
+    start, out, deltas, sent, _ = run_round(m, n, set())
+    (agg,) = [c for c in out if isinstance(c, R.RoundAggregated)]
+    assert "secagg_survivors" in sent and "secagg_unmask" in sent
+    got = S.flatten(agg.weights)[1] - S.flatten(W0)[1]
+    want = sum(deltas.values()) / n
+    params = start.secagg.params
+    # Nothing cut by the range: only rounding (half a step per update) and float32.
+    assert max(np.abs(d).max() for d in deltas.values()) < params.clip
+    assert np.abs(got - want).max() <= params.error_bound(n, n) + 1e-6
+    assert agg.privacy is not None
+    assert m.accountant is not None and m.accountant.releases == [dp.Release(1.0, (z,))]
+
+
+def test_a_sum_of_too_few_survivors_for_the_budget_is_never_unmasked() -> None:
+    z, clip, n = 2.0, 0.5, 4
+    full = dp.epsilon_for(z, 1, 1e-5)
+    three = dp.epsilon_for(z * math.sqrt(3 / 4), 1, 1e-5)
+    budget = (full + three) / 2  # one round of all four fits, a round of three would not
+    m = R.RoundMachine(config(n, z, clip, budget), dict(W0))
+    _, out, _, sent, _ = run_round(m, n, {"a2"})
+    abandoned = [c for c in out if isinstance(c, R.RoundAbandoned)]
+    assert abandoned and "privacy budget" in abandoned[0].reason and "3 of 4" in abandoned[0].reason
+    # Refused before the consistency and unmasking stages: no share was ever asked for.
+    assert "secagg_survivors" not in sent and "secagg_unmask" not in sent
+    assert not [c for c in out if isinstance(c, R.RoundAggregated)]
+    assert m.accountant is not None and m.accountant.releases == []
+    # Not the end of the federation: a new round waits for its quorum (a2 is gone).
+    assert m.phase is R.Phase.WAITING and not m.stop_reason
+
+
+def test_plain_distributed_sum_of_too_few_updates_for_the_budget_is_not_published() -> None:
+    z, clip, n = 2.0, 0.5, 4
+    budget = (dp.epsilon_for(z, 1, 1e-5) + dp.epsilon_for(z * math.sqrt(2 / 4), 1, 1e-5)) / 2
+    m = R.RoundMachine(config(n, z, clip, budget, secure=None, round_timeout=10.0), dict(W0))
+    start = start_round(m, [f"a{i}" for i in range(n)])
+    rng = np.random.default_rng(1)
+    for a in start.selected[:2]:
+        upd, _ = dp.noise_share(W0, W0, clip, start.train.dp_noise_std, rng)
+        m.handle(R.UpdateReceived(a, 1, 0, 10, upd, {}), 1.0)
+    out = m.handle(R.Wakeup(), 20.0)
+    (ab,) = [c for c in out if isinstance(c, R.RoundAbandoned)]
+    assert "privacy budget" in ab.reason and "2 of 4" in ab.reason
+    assert not [c for c in out if isinstance(c, R.RoundAggregated)] and m.model_version == 0
+    assert m.accountant is not None and m.accountant.releases == []
