@@ -522,7 +522,7 @@ def report(histories: tuple[Path, ...], state_dir: Path | None, out: Path, title
     type=float,
     default=None,
     help="fedavg: also run with central differential privacy calibrated to this epsilon (delta 1e-5) and "
-    "compare (needs the 'privacy' extra)",
+    "compare (needs the 'privacy' extra); with --secure-aggregation, distributed DP under secure aggregation",
 )
 @click.option(
     "--secure-aggregation",
@@ -559,17 +559,19 @@ def demo(
     try:
         if secure_aggregation and mode != "fedavg":
             raise FedagentError(f"--secure-aggregation works with --mode fedavg, not {mode}")
-        if secure_aggregation and dp_epsilon is not None:
-            raise FedagentError(
-                "--dp-epsilon runs central DP, which clips each update at the coordinator; under "
-                "--secure-aggregation the coordinator sees only the sum (distributed DP works: see docs/privacy.md)"
-            )
         if dp_epsilon is not None and mode != "fedavg":
             raise FedagentError("--dp-epsilon runs the fedavg demo (central DP); drop --mode")
         if dp_epsilon is not None:
             if not (dp_epsilon > 0 and math.isfinite(dp_epsilon)):
                 raise FedagentError("--dp-epsilon must be a positive number")
-            code = run_dp_demo(epsilon=dp_epsilon, agents=agents or 3, rounds=rounds, alpha=alpha, keep=keep)
+            code = run_dp_demo(
+                epsilon=dp_epsilon,
+                agents=agents or 3,
+                rounds=rounds,
+                alpha=alpha,
+                keep=keep,
+                secure=secure_aggregation,
+            )
         elif mode == "syncopt":
             code = run_syncopt_demo(agents=agents or 5, steps=steps, keep=keep)
         elif mode == "gossip":

@@ -36,6 +36,7 @@ from rich.table import Table
 from fedagent import checkpoint
 from fedagent.errors import FedagentError
 from fedagent.localfed import BATCH, LOCAL_EPOCHS, LR, SEED, Federation
+from fedagent.protocols.dp import RANGE_MISS
 
 __all__ = [
     "Plan",
@@ -373,6 +374,9 @@ def run_demo(
     return run(fed, plan, keep=keep, console=console)
 
 
+DISTRIBUTED_CLIP = 1.0  # the demo's fixed clip norm under distributed DP
+
+
 def run_dp_demo(
     *,
     epsilon: float,
@@ -381,9 +385,13 @@ def run_dp_demo(
     alpha: float = 0.3,
     keep: bool = False,
     console: Console | None = None,
+    secure: bool = False,
 ) -> int:
     """The FedAvg demo twice, plain and with central DP-FedAvg calibrated to ``epsilon``
-    (δ = 1e-5, adaptive clipping), and their accuracies side by side with ε spent."""
+    (δ = 1e-5, adaptive clipping), and their accuracies side by side with ε spent.
+    ``secure``: the private run uses secure aggregation with distributed DP instead (each
+    agent clips to a fixed bound and adds its share of the noise before masking), and the
+    masking overhead per round is printed too."""
     import torch
 
     from fedagent.tasks.base import load_task, set_weights
@@ -404,7 +412,10 @@ def run_dp_demo(
             return Watch(s["completed_rounds"], desc, s["phase"] == "done")
 
         def collect(fed: Federation) -> tuple[dict[str, Any], dict[str, Any]]:
-            return fed.status("coordinator") or {}, fed.final_weights()[0]
+            status = fed.status("coordinator") or {}
+            status["costs"] = round_costs(fed, {})
+            status["cut"] = sum(int((fed.status(a) or {}).get("dp_quantisation_cut") or 0) for a in fed.agent_ids)
+            return status, fed.final_weights()[0]
 
         def evaluate(collected: tuple[dict[str, Any], dict[str, Any]]) -> int:
             status, weights = collected
@@ -425,14 +436,30 @@ def run_dp_demo(
             evaluate=evaluate,
         )
 
-    privacy = {"mode": "central", "target_epsilon": epsilon, "clip_norm": 1.0, "adaptive_clip": True}
-    runs: tuple[tuple[str, dict[str, Any] | None], ...] = (("plain", None), (f"DP ε={epsilon:g}", privacy))
-    for label, dp_options in runs:
-        fed = Federation(_work_dir("fedagent-demo-"), agents=agents, rounds=rounds, alpha=alpha, privacy=dp_options)
-        code = run(fed, plan_for(fed, label), keep=keep, console=console)
+    if secure:
+        # Distributed DP: a fixed clip (the coordinator sees no single update to adapt it
+        # to), each agent adding z·C/√n before masking. The demo's first updates have norms
+        # of 1.8 to 6, so every one is clipped: the ratio of signal to noise is then the
+        # same for any C.
+        privacy = {"mode": "distributed", "target_epsilon": epsilon, "clip_norm": DISTRIBUTED_CLIP}
+        label = f"secure + DP ε={epsilon:g}"
+    else:
+        privacy = {"mode": "central", "target_epsilon": epsilon, "clip_norm": 1.0, "adaptive_clip": True}
+        label = f"DP ε={epsilon:g}"
+    runs: tuple[tuple[str, dict[str, Any] | None], ...] = (("plain", None), (label, privacy))
+    for name, dp_options in runs:
+        fed = Federation(
+            _work_dir("fedagent-demo-"),
+            agents=agents,
+            rounds=rounds,
+            alpha=alpha,
+            privacy=dp_options,
+            rounds_options={"secure_aggregation": True} if secure and dp_options else None,
+        )
+        code = run(fed, plan_for(fed, name), keep=keep, console=console)
         if code:
             return code
-    (plain, _), (private, status) = results["plain"], results[f"DP ε={epsilon:g}"]
+    (plain, plain_status), (private, status) = results["plain"], results[label]
     p = status.get("privacy") or {}
     table = Table(title="test accuracy on the held-out digits (450 images)", title_justify="left")
     table.add_column("model")
@@ -441,13 +468,22 @@ def run_dp_demo(
     table.add_column("accuracy", justify="right")
     table.add_row("federated (FedAvg)", str(rounds), "none", f"{plain:.3f}")
     table.add_row(
-        "[bold]federated, central DP[/]",
+        "[bold]federated, secure aggregation + distributed DP[/]" if secure else "[bold]federated, central DP[/]",
         str(status.get("completed_rounds", "?")),
         f"ε = {p.get('epsilon', float('nan')):.3f} spent at δ = {p.get('delta', 0):g} "
         f"(noise ×{p.get('noise_multiplier', float('nan')):.3g}, clip {p.get('clip_norm', float('nan')):.3g})",
         f"[bold]{private:.3f}[/]",
     )
     console.print(table)
+    if secure:
+        costs = status.get("costs") or {}
+        console.print(masking_overhead(plain_status.get("costs") or {}, costs))
+        if "range" in costs:
+            cut = int(status.get("cut") or 0)
+            console.print(
+                f"quantisation range ±{costs['range']:.3g} per coordinate (clip + the noise share's tail, "
+                f"missed with probability below {RANGE_MISS:g} a round): {cut} noised value(s) cut"
+            )
     console.print(
         f"DP costs {plain - private:+.3f} accuracy here. The guarantee covers each agent's whole data set, so the "
         f"noise on the average shrinks only with the number of agents: with {agents} agents it swamps the updates. "
@@ -476,6 +512,9 @@ def round_costs(fed: Federation, into: dict[str, Any]) -> dict[str, Any]:
         bounds = [r["secure"]["error_bound"] for r in rounds if "secure" in r]
         if bounds:
             into["error_bound"] = max(bounds)
+        ranges = [r["secure"]["range"] for r in rounds if "range" in r.get("secure", {})]
+        if ranges:
+            into["range"] = max(ranges)
     return into
 
 

@@ -336,9 +336,12 @@ class FedAvgMode:
         res = self.machine.secure_result if self.machine is not None else None
         if res is None:
             return {}
+        params = self.machine.secure_params if self.machine is not None else None
         return {
             "secure": {
                 "error_bound": res.error_bound,
+                # each coordinate of an agent's (noised, weighted) update is quantised in ±range
+                **({"range": params.clip} if params is not None else {}),
                 "dropped_before_input": list(res.dropped_before_input),
                 "silent_at_unmask": list(res.silent_at_unmask),
             }
