@@ -16,7 +16,7 @@ from fedagent.localfed import BATCH, LR, SEED, Federation
 from fedagent.protocols.secagg import SecAggParams, flatten
 from fedagent.tasks.base import get_weights, load_task, set_weights
 
-SECAGG_KINDS = {"secagg_keys", "secagg_shares", "secagg_masked", "secagg_reveal"}
+SECAGG_KINDS = {"secagg_keys", "secagg_shares", "secagg_masked", "secagg_signature", "secagg_reveal"}
 
 
 def history(fed: Federation) -> list[dict]:
