@@ -163,3 +163,22 @@ def test_plain_distributed_sum_of_too_few_updates_for_the_budget_is_not_publishe
     assert "privacy budget" in ab.reason and "2 of 4" in ab.reason
     assert not [c for c in out if isinstance(c, R.RoundAggregated)] and m.model_version == 0
     assert m.accountant is not None and m.accountant.releases == []
+
+
+def test_privacy_table_with_secure_aggregation_in_the_config(tmp_path) -> None:
+    from test_dp import _coordinator_config
+
+    from fedagent.coordinator.fedavg import round_config
+    from fedagent.errors import ConfigError
+
+    rounds = {"rounds": 12, "secure_aggregation": True}
+    rc = round_config(_coordinator_config(tmp_path, {"mode": "distributed", "target_epsilon": 3.0}, rounds=rounds))
+    assert rc.secure is not None and rc.dp is not None and rc.dp.mode == "distributed" and not rc.dp.adaptive
+    refused = [
+        ({"mode": "central", "noise_multiplier": 1.0}, "mode 'distributed' with a fixed clip"),
+        ({"mode": "central", "noise_multiplier": 1.0, "adaptive_clip": True}, "mode 'distributed' with a fixed clip"),
+        ({"mode": "distributed", "noise_multiplier": 1.0, "adaptive_clip": True}, "adaptive clipping needs"),
+    ]
+    for privacy, words in refused:
+        with pytest.raises(ConfigError, match=words):
+            round_config(_coordinator_config(tmp_path, privacy, rounds=rounds))
