@@ -32,6 +32,7 @@ from fedagent.protocols.secagg import (
     SecAggRoster,
     SecAggShareBox,
     SecAggStart,
+    SecAggSurvivors,
     SecAggUnmask,
     layout_size,
 )
@@ -92,7 +93,7 @@ async def main(args: argparse.Namespace) -> None:
 
     async def deliver(inc: Incoming) -> None:
         msg = inc.message
-        if isinstance(msg, (SecAggRoster, SecAggShareBox, SecAggUnmask)):
+        if isinstance(msg, (SecAggRoster, SecAggShareBox, SecAggSurvivors, SecAggUnmask)):
             await to_coordinator(await asyncio.to_thread(secagg.on_message, msg))
             return
         if isinstance(msg, SecAggStart):
