@@ -182,3 +182,9 @@ def test_privacy_table_with_secure_aggregation_in_the_config(tmp_path) -> None:
     for privacy, words in refused:
         with pytest.raises(ConfigError, match=words):
             round_config(_coordinator_config(tmp_path, privacy, rounds=rounds))
+
+
+def test_values_outside_counts_what_a_range_would_cut() -> None:
+    base = {"w": np.zeros(5, np.float32), "n": np.zeros(2, np.int64)}
+    noised = {"w": np.array([0.5, -2.0, 1.9, 2.1, 0.0], np.float32), "n": np.array([9, 9], np.int64)}
+    assert dp.values_outside(base, noised, 2.0) == 1 and dp.values_outside(base, noised, 0.4) == 4

@@ -110,7 +110,7 @@ class FedAvgSession(Session):
         except AuthError as exc:
             raise SecAggError(f"the keys of {name} are not signed by {name}: {exc}") from None
 
-    def prepare_update(self, weights: Weights, base: Weights, train: TrainConfig) -> Weights:
+    def prepare_update(self, weights: Weights, base: Weights, train: TrainConfig, *, secure_round: int = 0) -> Weights:
         """The trained weights as they are about to leave this agent (plain, or before
         masking in a secure round); ``base`` is the round's global model. Distributed DP:
         when the round asks for it, the update's difference from ``base`` is clipped and
@@ -119,6 +119,20 @@ class FedAvgSession(Session):
             return weights
         noised, _ = dp.noise_share(base, weights, train.dp_clip, train.dp_noise_std, self._dp_rng)
         self.dp_rounds += 1
+        cl = self.secagg.client
+        if secure_round and cl is not None and cl.round == secure_round:
+            # The round's quantisation range was chosen to hold the noised update whole
+            # (a value cut there loses its noise): say so loudly if one falls outside.
+            cut = dp.values_outside(base, noised, cl.params.clip)
+            if cut:
+                self.dp_cut += cut
+                log.warning(
+                    "round %d: %d noised values fall outside the quantisation range ±%.4g and are cut",
+                    secure_round,
+                    cut,
+                    cl.params.clip,
+                )
+                self.history.append({"event": "quantisation_cut", "round": secure_round, "values": cut})
         return noised
 
     @property
@@ -469,26 +483,11 @@ class FedAvgSession(Session):
     def _secure_input(self, cmd: SendUpdate, base: Weights, train: TrainConfig) -> list[SecAggMessage]:
         """The masked update, if the share box is in (else held until it is): worker thread."""
         u = cmd.update
-        _, new = flatten(self.prepare_update(u.weights, base, train))
+        _, new = flatten(self.prepare_update(u.weights, base, train, secure_round=u.round))
         _, old = flatten(base)
-        delta = new - old
-        cl = self.secagg.client
-        if train.dp_clip is not None and cl is not None and cl.round == u.round:
-            # The round's quantisation range was chosen to hold the noised update whole
-            # (a value cut there loses its noise): say so loudly if one falls outside.
-            cut = int(np.count_nonzero(np.abs(delta) > cl.params.clip))
-            if cut:
-                self.dp_cut += cut
-                log.warning(
-                    "round %d: %d noised values fall outside the quantisation range ±%.4g and are cut",
-                    u.round,
-                    cut,
-                    cl.params.clip,
-                )
-                self.history.append({"event": "quantisation_cut", "round": u.round, "values": cut})
         return self.secagg.on_trained(
             u.round,
-            delta,
+            new - old,
             base_version=u.base_version,
             num_samples=u.num_samples,
             metrics=u.metrics,

@@ -202,6 +202,16 @@ def quantisation_range(clip: float, std: float, coordinates: int, agents: int, m
     return clip + k * std
 
 
+def values_outside(reference: Mapping[str, np.ndarray], update: Mapping[str, np.ndarray], bound: float) -> int:
+    """How many coordinates of ``update − reference`` (floating tensors) exceed ``bound``
+    in magnitude: the values a quantisation range of ``±bound`` would cut."""
+    return sum(
+        int(np.count_nonzero(np.abs(np.asarray(update[name], np.float64) - ref) > bound))
+        for name, ref in reference.items()
+        if ref.dtype.kind == "f"
+    )
+
+
 # ---- adaptive clipping ---------------------------------------------------------------
 @dataclass(slots=True)
 class ClipBound:
