@@ -1366,8 +1366,10 @@ class SecAggServer:
         }
         weight_sum = sum(self.setup.ratio(c.num_samples) for c in contributors.values())
         mean = dequantise_sum(total, survivors, p) / weight_sum
-        silent = tuple(sorted(set(self.inputs) - self.answered))
+        silent = tuple(sorted(self.asked - self.answered))
         self.stage = self.DONE
         self._sum = None
         gone = tuple(sorted(set(self.shares) - set(self.inputs)))
+        # ... and the survivors never asked: they did not sign the survivor list
+        silent = tuple(sorted(set(silent) | (set(self.inputs) - set(self.signatures))))
         return [Unmasked(mean, contributors, weight_sum, p.error_bound(weight_sum, survivors), gone, silent)]
