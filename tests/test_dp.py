@@ -257,7 +257,9 @@ def test_dp_refuses_what_it_cannot_combine_with() -> None:
     with pytest.raises(ValueError, match="replaces aggregation 'median'"):
         RoundConfig(strategy=Strategy("median", byzantine=0), min_agents=3, dp=dp.DPConfig())
     with pytest.raises(ValueError, match="adaptive clipping"):
-        dp.DPConfig(mode="distributed", adaptive=True)
+        dp.DPConfig(mode="local", adaptive=True)
+    with pytest.raises(ValueError, match="needs secure aggregation"):
+        RoundConfig(min_agents=3, dp=dp.DPConfig(mode="distributed", adaptive=True))
     with pytest.raises(ValueError, match="gossip"):
         RoundConfig(dp=dp.DPConfig(mode="local"))
 

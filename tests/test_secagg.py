@@ -616,5 +616,5 @@ def test_secure_rounds_with_distributed_dp_are_charged_and_weigh_equally():
 def test_secure_aggregation_refuses_dp_that_clips_at_the_coordinator(kw):
     from fedagent.protocols.dp import DPConfig
 
-    with pytest.raises(ValueError, match="distributed' with a fixed clip"):
+    with pytest.raises(ValueError, match="in mode 'distributed' only"):
         secure_config(dp=DPConfig(noise_multiplier=1.0, clip_norm=1.0, **kw))

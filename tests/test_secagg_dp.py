@@ -107,8 +107,10 @@ def run_round(m: R.RoundMachine, n: int, dead: set[str], seed: int = 0):
         trained = {
             k: (v + rng.normal(0, 0.3, v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in W0.items()
         }
-        noised, _ = dp.noise_share(W0, trained, start.train.dp_clip, start.train.dp_noise_std, rng)
-        deltas[a] = S.flatten(noised)[1] - S.flatten(W0)[1]
+        noised, norm = dp.noise_share(W0, trained, start.train.dp_clip, start.train.dp_noise_std, rng)
+        if start.train.dp_count_std:
+            noised[dp.COUNT_KEY] = dp.count_share(norm, start.train.dp_clip, start.train.dp_count_std, rng)
+        deltas[a] = S.flatten(noised)[1] - S.flatten(dp.with_slots(W0, noised))[1]
         for msg in agents[a].on_trained(1, deltas[a], base_version=0, num_samples=50, metrics={}):
             pump(m.handle(R.SecAggReceived(a, msg), 2.0))
     for a in dead:  # their presence goes offline: the input stage closes without them
@@ -174,17 +176,56 @@ def test_privacy_table_with_secure_aggregation_in_the_config(tmp_path) -> None:
     rounds = {"rounds": 12, "secure_aggregation": True}
     rc = round_config(_coordinator_config(tmp_path, {"mode": "distributed", "target_epsilon": 3.0}, rounds=rounds))
     assert rc.secure is not None and rc.dp is not None and rc.dp.mode == "distributed" and not rc.dp.adaptive
+    adaptive = {"mode": "distributed", "noise_multiplier": 1.0, "adaptive_clip": True}
+    rc = round_config(_coordinator_config(tmp_path, adaptive, rounds=rounds))
+    assert rc.secure is not None and rc.dp is not None and rc.dp.adaptive
     refused = [
-        ({"mode": "central", "noise_multiplier": 1.0}, "mode 'distributed' with a fixed clip"),
-        ({"mode": "central", "noise_multiplier": 1.0, "adaptive_clip": True}, "mode 'distributed' with a fixed clip"),
-        ({"mode": "distributed", "noise_multiplier": 1.0, "adaptive_clip": True}, "adaptive clipping needs"),
+        ({"mode": "central", "noise_multiplier": 1.0}, "in mode 'distributed' only"),
+        ({"mode": "central", "noise_multiplier": 1.0, "adaptive_clip": True}, "in mode 'distributed' only"),
     ]
     for privacy, words in refused:
         with pytest.raises(ConfigError, match=words):
             round_config(_coordinator_config(tmp_path, privacy, rounds=rounds))
+    # Without secure aggregation nothing could carry the clipped-or-not bits unseen.
+    with pytest.raises(ConfigError, match="needs secure aggregation"):
+        round_config(_coordinator_config(tmp_path, adaptive, rounds={"rounds": 12}))
 
 
 def test_values_outside_counts_what_a_range_would_cut() -> None:
     base = {"w": np.zeros(5, np.float32), "n": np.zeros(2, np.int64)}
     noised = {"w": np.array([0.5, -2.0, 1.9, 2.1, 0.0], np.float32), "n": np.array([9, 9], np.int64)}
     assert dp.values_outside(base, noised, 2.0) == 1 and dp.values_outside(base, noised, 0.4) == 4
+
+
+def test_adaptive_clipping_under_secure_aggregation_moves_the_bound_from_the_masked_count() -> None:
+    """Andrew et al.'s variant for secure aggregation: each agent's clipped-or-not bit
+    (minus ½) and its share of the count's noise ride in the masked sum as one value
+    more; the coordinator moves C from the unmasked, noised count it never saw per agent."""
+    z, clip, n = 1.0, 0.5, 4
+    cfg = config(
+        n, z, clip, None, dp=dp.DPConfig(mode="distributed", noise_multiplier=z, clip_norm=clip, adaptive=True)
+    )
+    m = R.RoundMachine(cfg, dict(W0))
+    start, out, deltas, sent, _ = run_round(m, n, set())
+    d = cfg.dp
+    assert d is not None
+    root = math.sqrt(n)
+    assert start.train.dp_noise_std == pytest.approx(d.update_noise_multiplier(n) * clip / root)
+    assert start.train.dp_count_std == pytest.approx(d.count_std(n) / root)
+    assert m.model_version == 1
+    (agg,) = [c for c in out if isinstance(c, R.RoundAggregated)]
+    # The model moved by the mean of the noised updates, the count slot left out.
+    got = S.flatten(agg.weights)[1] - S.flatten(W0)[1]
+    assert got.size == SIZE
+    params = start.secagg.params
+    assert np.abs(got - sum(v[:-1] for v in deltas.values()) / n).max() <= params.error_bound(n, n) + 1e-6
+    # Every update (norm ≈ 0.3·√1240 ≈ 10.6) was clipped: the count is about −n/2, and the
+    # bound moves up, by exactly what the unmasked noised count says.
+    count = sum(float(v[-1]) for v in deltas.values())
+    frac = count / n + 0.5
+    assert m.clip is not None
+    assert m.clip.value == pytest.approx(clip * math.exp(-d.clip_lr * (frac - d.target_quantile)), rel=1e-4)
+    assert m.privacy_state()["clip_norm"] == m.clip.value
+    # Both releases are charged, as in the central variant.
+    assert m.accountant is not None
+    assert m.accountant.releases == [dp.Release(1.0, (d.update_noise_multiplier(n), 2 * d.count_std(n)))]

@@ -117,8 +117,12 @@ class FedAvgSession(Session):
         this agent's share of the round's noise goes on here, so nothing un-noised leaves."""
         if train.dp_clip is None:
             return weights
-        noised, _ = dp.noise_share(base, weights, train.dp_clip, train.dp_noise_std, self._dp_rng)
+        noised, norm = dp.noise_share(base, weights, train.dp_clip, train.dp_noise_std, self._dp_rng)
         self.dp_rounds += 1
+        if secure_round and train.dp_count_std:
+            # Adaptive clipping: whether this update was clipped goes into the masked sum
+            # too, with this agent's share of that count's noise.
+            noised[dp.COUNT_KEY] = dp.count_share(norm, train.dp_clip, train.dp_count_std, self._dp_rng)
         cl = self.secagg.client
         if secure_round and cl is not None and cl.round == secure_round:
             # The round's quantisation range was chosen to hold the noised update whole
@@ -483,8 +487,9 @@ class FedAvgSession(Session):
     def _secure_input(self, cmd: SendUpdate, base: Weights, train: TrainConfig) -> list[SecAggMessage]:
         """The masked update, if the share box is in (else held until it is): worker thread."""
         u = cmd.update
-        _, new = flatten(self.prepare_update(u.weights, base, train, secure_round=u.round))
-        _, old = flatten(base)
+        noised = self.prepare_update(u.weights, base, train, secure_round=u.round)
+        _, new = flatten(noised)
+        _, old = flatten(dp.with_slots(base, noised))
         return self.secagg.on_trained(
             u.round,
             new - old,

@@ -98,10 +98,10 @@ class DPConfig:
                 f"adaptive clipping: count_stddev {self.count_stddev:g} is too small for noise_multiplier "
                 f"{self.noise_multiplier:g} (needs 2·count_stddev > noise_multiplier; or leave count_stddev out)"
             )
-        if self.adaptive and self.mode != "central":
+        if self.adaptive and self.mode == "local":
             raise ValueError(
-                "adaptive clipping needs the coordinator to see every update's norm: it works with "
-                "mode = 'central' only (use a fixed clip_norm with 'distributed' or 'local')"
+                "adaptive clipping needs the norms of many agents' updates: it works with mode = 'central', "
+                "or 'distributed' under secure aggregation, not 'local' (use a fixed clip_norm)"
             )
 
     def count_std(self, expected_updates: int) -> float:
@@ -202,6 +202,27 @@ def quantisation_range(clip: float, std: float, coordinates: int, agents: int, m
     return clip + k * std
 
 
+# The slot an agent's noised clipped-or-not bit takes in its masked update (adaptive
+# clipping under secure aggregation): a one-value tensor whose name sorts after every
+# model tensor, so it is the last value of the flattened vector.
+COUNT_KEY = "~dp/unclipped"
+
+
+def count_share(norm: float, clip: float, std: float, rng: np.random.Generator) -> np.ndarray:
+    """An agent's term of the centred count: ``bᵢ − ½`` (``bᵢ = 1`` when its update was not
+    clipped) plus its share of the count's noise, as the one-value tensor ``COUNT_KEY``."""
+    return np.array([(1.0 if norm <= clip else 0.0) - 0.5 + rng.normal(0.0, std)])
+
+
+def with_slots(reference: Mapping[str, np.ndarray], update: Mapping[str, np.ndarray]) -> Weights:
+    """``reference`` with a zero tensor for each name only ``update`` has (the count slot)."""
+    out = dict(reference)
+    for name, v in update.items():
+        if name not in out:
+            out[name] = np.zeros_like(v)
+    return out
+
+
 def values_outside(reference: Mapping[str, np.ndarray], update: Mapping[str, np.ndarray], bound: float) -> int:
     """How many coordinates of ``update − reference`` (floating tensors) exceed ``bound``
     in magnitude: the values a quantisation range of ``±bound`` would cut."""
@@ -234,6 +255,14 @@ class ClipBound:
         # Centred as in the paper: each agent adds b − ½ ∈ {−½, ½}, so one agent more or
         # less moves the sum by at most ½ (the accountant's multiplier is 2·σ_b).
         noised = (unclipped - updates / 2.0) + rng.normal(0.0, cfg.count_std(expected))
+        return self.move(noised, updates)
+
+    def move(self, noised: float, updates: int) -> float | None:
+        """Move the bound from ``noised``, the centred count Σ(bᵢ − ½) of ``updates`` with
+        its noise already on (distributed: each agent added its share under the masks)."""
+        cfg = self.config
+        if not cfg.adaptive or updates <= 0:
+            return None
         frac = noised / updates + 0.5
         self.value *= math.exp(-cfg.clip_lr * (frac - cfg.target_quantile))
         return float(frac)

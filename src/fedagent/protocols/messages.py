@@ -154,6 +154,9 @@ class TrainConfig:
     # round's model to dp_clip and adds Gaussian noise of this standard deviation.
     dp_clip: float | None = None
     dp_noise_std: float = 0.0
+    # Adaptive clipping under secure aggregation: the agent also masks its clipped-or-not
+    # bit (minus ½) with Gaussian noise of this standard deviation (Andrew et al. 2021).
+    dp_count_std: float = 0.0
 
     def __post_init__(self) -> None:
         if type(self.stream) is not bool:
@@ -164,6 +167,10 @@ class TrainConfig:
             raise CodecError("train config: dp_noise_std out of range")
         if self.dp_noise_std and self.dp_clip is None:
             raise CodecError("train config: dp_noise_std needs dp_clip")
+        if not (math.isfinite(self.dp_count_std) and 0 <= self.dp_count_std < 1e12):
+            raise CodecError("train config: dp_count_std out of range")
+        if self.dp_count_std and self.dp_clip is None:
+            raise CodecError("train config: dp_count_std needs dp_clip")
         if self.compression != "none" and not self.stream:
             raise CodecError("train config: compression needs streamed updates")
         if not 1 <= self.epochs <= 10_000 or not 1 <= self.batch_size <= 1_000_000:
@@ -185,6 +192,8 @@ class TrainConfig:
         if self.dp_clip is not None:
             body["dp_clip"] = self.dp_clip
             body["dp_noise_std"] = self.dp_noise_std
+            if self.dp_count_std:
+                body["dp_count_std"] = self.dp_count_std
         return body
 
     @classmethod
@@ -197,8 +206,13 @@ class TrainConfig:
             raise CodecError("train config: stream must be a bool")
         dp_clip = body.get("dp_clip")
         dp_std = body.get("dp_noise_std", 0.0)
-        if (dp_clip is not None and type(dp_clip) not in (int, float)) or type(dp_std) not in (int, float):
-            raise CodecError("train config: dp_clip and dp_noise_std must be numbers")
+        dp_count = body.get("dp_count_std", 0.0)
+        if (
+            (dp_clip is not None and type(dp_clip) not in (int, float))
+            or type(dp_std) not in (int, float)
+            or type(dp_count) not in (int, float)
+        ):
+            raise CodecError("train config: dp_clip, dp_noise_std and dp_count_std must be numbers")
         return cls(
             epochs=_count(_need(body, "epochs", int, w), "epochs", w),
             lr=float(_need(body, "lr", (int, float), w)),
@@ -208,6 +222,7 @@ class TrainConfig:
             stream=stream,
             dp_clip=None if dp_clip is None else float(dp_clip),
             dp_noise_std=float(dp_std),
+            dp_count_std=float(dp_count),
         )
 
 

@@ -116,6 +116,12 @@ class RoundConfig:
                     f"{self.strategy.name!r}{' with clip_norm' if self.strategy.clip_norm is not None else ''} "
                     "(set aggregation = 'fedavg' and no clip_norm; [privacy] clip_norm is the bound)"
                 )
+            if self.dp.mode == "distributed" and self.dp.adaptive and self.secure is None:
+                raise ValueError(
+                    "adaptive clipping with distributed DP needs secure aggregation: each agent's "
+                    "clipped-or-not bit travels, noised, inside the masked sum (set [rounds] "
+                    "secure_aggregation = true, or a fixed clip_norm)"
+                )
             if self.train.compression != "none":
                 raise ValueError(
                     f"compression = {self.train.compression!r} applies to streamed updates, and differential "
@@ -166,11 +172,10 @@ def check_secure(cfg: RoundConfig) -> None:
             "values are uniform 32-bit integers (nothing to compress), and top-k updates with different "
             "supports cannot be summed under masks; the quantisation (secure_bits) is the compression"
         )
-    if cfg.dp is not None and (cfg.dp.mode != "distributed" or cfg.dp.adaptive):
+    if cfg.dp is not None and cfg.dp.mode != "distributed":
         raise ValueError(
-            "secure aggregation combines with differential privacy in mode 'distributed' with a fixed clip "
-            "only: central DP and adaptive clipping clip each update at the coordinator, which sees only the "
-            "sum (set [privacy] mode = 'distributed', adaptive = false)"
+            "secure aggregation combines with differential privacy in mode 'distributed' only: central DP "
+            "clips each update at the coordinator, which sees only the sum (set [privacy] mode = 'distributed')"
         )
     if cfg.secure_stage_timeout < 0 or cfg.stage_timeout * 3 > cfg.round_timeout:
         raise ValueError(
@@ -426,11 +431,12 @@ class RoundMachine:
         ``selected`` agents added z·C/√selected, so ``answered`` of them carry z·√(answered/selected)."""
         dp = self.config.dp
         assert dp is not None
-        if dp.mode == "distributed":
-            return Release(q, (dp.noise_multiplier * math.sqrt(answered / selected),))
-        zs: tuple[float, ...] = (dp.update_noise_multiplier(selected),)
+        # Distributed: the answered shares of each noise (update, and with adaptive
+        # clipping the count's) carry √(answered/selected) of it.
+        f = math.sqrt(answered / selected) if dp.mode == "distributed" else 1.0
+        zs: tuple[float, ...] = (dp.update_noise_multiplier(selected) * f,)
         if dp.adaptive:
-            zs += (2.0 * dp.count_std(selected),)
+            zs += (2.0 * dp.count_std(selected) * f,)
         return Release(q, zs)
 
     def _over_budget(self, selected: int, q: float, answered: int | None = None) -> str:
@@ -546,8 +552,11 @@ class RoundMachine:
                 cfg.dp, self.weights, self.clip.value, cfg.dp.update_noise_multiplier(len(agents)), self._noise_rng
             )
             if cfg.dp.mode == "distributed":
-                share = cfg.dp.noise_multiplier * self.clip.value / math.sqrt(len(agents))
+                root = math.sqrt(len(agents))
+                share = cfg.dp.update_noise_multiplier(len(agents)) * self.clip.value / root
                 train = replace(train, dp_clip=self.clip.value, dp_noise_std=share)
+                if cfg.dp.adaptive:  # (under secure aggregation: RoundConfig checks)
+                    train = replace(train, dp_count_std=cfg.dp.count_std(len(agents)) / root)
         else:
             self._acc = StrategyAggregator(cfg.strategy, self.weights, compact=True)
         self.inflight = {}
@@ -570,6 +579,10 @@ class RoundMachine:
                 # Distributed DP: the noised update must fit the quantisation range whole
                 # (a coordinate cut there would no longer carry its Gaussian noise).
                 wide = quantisation_range(train.dp_clip, train.dp_noise_std, size, len(agents))
+                if train.dp_count_std:
+                    # ... and so must the noised clipped-or-not bit, one value more
+                    size += 1
+                    wide = max(wide, quantisation_range(0.5, train.dp_count_std, size, len(agents)))
                 params = replace(params, clip=min(max(params.clip, wide), SA.MAX_CLIP))
                 admit = self._distributed_admit
             self.secure_params = params
@@ -841,7 +854,13 @@ class RoundMachine:
         """The unmasked mean update becomes the next model: global + mean of the deltas
         (floating tensors; the others keep the global model's values)."""
         layout, base = SA.flatten(self.weights)
-        mean = self.after_unmask(res.mean, res)
+        mean = res.mean
+        count = None
+        if mean.size == base.size + 1:
+            # Adaptive clipping under distributed DP: the last value is the noised count's
+            # mean; times the weight sum (each weighs 1) it is the noised Σ(bᵢ − ½).
+            count, mean = float(mean[-1]) * res.weight_sum, mean[:-1]
+        mean = self.after_unmask(mean, res)
         new = dict(self.weights)
         new.update(SA.unflatten(layout, base + mean, self.weights))
         self.weights = new
@@ -862,8 +881,10 @@ class RoundMachine:
         if self.config.dp is not None:
             # Distributed DP (check_secure allows no other): the agents noised their
             # updates before masking; the release is charged as for a plain round.
-            assert self.accountant is not None
+            assert self.accountant is not None and self.clip is not None
             self.accountant.spend(self._release(len(self.selected), len(res.contributors), self._round_q))
+            if count is not None:
+                self.clip.move(count, len(res.contributors))
             if not final:
                 why = self._over_budget(len(self.selected), self._round_q)
                 final = bool(why)
