@@ -229,3 +229,15 @@ def test_adaptive_clipping_under_secure_aggregation_moves_the_bound_from_the_mas
     # Both releases are charged, as in the central variant.
     assert m.accountant is not None
     assert m.accountant.releases == [dp.Release(1.0, (d.update_noise_multiplier(n), 2 * d.count_std(n)))]
+
+
+def test_train_config_carries_the_count_share() -> None:
+    from fedagent.protocols.messages import TrainConfig
+
+    t = TrainConfig(stream=False, dp_clip=0.5, dp_noise_std=0.25, dp_count_std=0.6)
+    assert TrainConfig.from_body(t.to_body()) == t
+    assert "dp_count_std" not in TrainConfig(stream=False, dp_clip=0.5).to_body()
+    with pytest.raises(Exception, match="dp_count_std"):
+        TrainConfig(dp_count_std=0.5)
+    with pytest.raises(Exception, match="must be numbers"):
+        TrainConfig.from_body({**t.to_body(), "dp_count_std": "x"})
