@@ -62,7 +62,9 @@ class RoundsConfig:
     secure_bits: int = 20  # quantisation bits (sums mod 2^32: at most 4096 agents a round at 20)
     secure_neighbours: int = 0  # masking neighbours per agent (0 = 2⌈log₂ n⌉)
     secure_threshold: float = 0.5  # shares to rebuild a secret: more than this fraction of its holders
-    secure_stage_timeout: float = 0.0  # seconds for each key, share and unmasking stage (0: min(30, round_timeout/6))
+    secure_stage_timeout: float = (
+        0.0  # seconds for each key, share, list and unmasking stage (0: min(30, round_timeout/6))
+    )
 
 
 _SCREEN_RULE = {"median": "n > 2f", "trimmed_mean": "n >= 2f + 1", "krum": "n > 2f + 2"}

@@ -179,8 +179,9 @@ def check_secure(cfg: RoundConfig) -> None:
         )
     if cfg.secure_stage_timeout < 0 or cfg.stage_timeout * 3 > cfg.round_timeout:
         raise ValueError(
-            "secure_stage_timeout must be at most a third of round_timeout (keys, shares and unmasking "
-            "each get one; training gets the rest), or 0 for min(30 s, round_timeout / 6)"
+            "secure_stage_timeout must be at most a third of round_timeout (the survivor list and the "
+            "unmasking each get one after the masked inputs; keys, shares and training share the rest), "
+            "or 0 for min(30 s, round_timeout / 6)"
         )
 
 
@@ -594,7 +595,8 @@ class RoundMachine:
                 size,
                 now=now,
                 stage_timeout=cfg.stage_timeout,
-                input_deadline=now + cfg.round_timeout - cfg.stage_timeout,
+                # after the inputs: the survivor list's signatures, then the shares
+                input_deadline=now + cfg.round_timeout - 2 * cfg.stage_timeout,
                 online=set(self.online),
                 admit=admit,
             )
