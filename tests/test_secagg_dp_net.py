@@ -26,7 +26,7 @@ from test_syncopt_net import Tap
 from fedagent.localfed import BATCH
 from fedagent.protocols import dp
 from fedagent.protocols.messages import GlobalModel, RoundStart, Update
-from fedagent.protocols.secagg import flatten
+from fedagent.protocols.secagg import SecAggSurvivors, SecAggUnmask, flatten
 from fedagent.tasks.base import get_weights, load_task, set_weights
 
 Z = 3.0  # noise multiplier of the round's sum
@@ -126,6 +126,13 @@ def test_secure_aggregation_with_distributed_dp_over_mosquitto(tmp_path):
     finals = [m.message for m in msgs if isinstance(m.message, GlobalModel) and m.message.final]
     assert finals and finals[-1].model_version == fits
     models = [starts[r].weights for r in range(1, fits + 1)] + [final]
+    # The consistency round, on the wire: each round one survivor list, sent to all three,
+    # and every request for shares carries their three signatures of it.
+    for r in range(1, fits + 1):
+        lists = [m.message.survivors for m in msgs if isinstance(m.message, SecAggSurvivors) and m.message.round == r]
+        assert lists == [tuple(fed.agent_ids)] * AGENTS
+        asks = [m.message for m in msgs if isinstance(m.message, SecAggUnmask) and m.message.round == r]
+        assert len(asks) == AGENTS and all(set(a.signatures) == set(fed.agent_ids) for a in asks)
 
     # Each round: new model − (round's model + mean of the clipped updates) is the sum of
     # the three noise shares over 3, N(0, (z·C/3)²) per coordinate (plus quantisation
