@@ -1,7 +1,7 @@
 """Secure aggregation of FedAvg updates (SecAgg+, Bell et al., CCS 2020), as pure code.
 
 The coordinator learns the sum of a round's updates and nothing about any single one.
-Each selected agent, in four stages relayed by the coordinator over the per-agent inboxes:
+Each selected agent, in five stages relayed by the coordinator over the per-agent inboxes:
 
 1. **keys** — makes two fresh X25519 key pairs for the round: ``c`` (to encrypt share
    boxes) and ``s`` (to agree pairwise masks), and advertises the public halves, signed
@@ -512,7 +512,7 @@ class SecAggUnmask:
 
 @dataclass(frozen=True, slots=True)
 class SecAggReveal:
-    """Agent → coordinator, stage 4: the shares asked for, or a refusal."""
+    """Agent → coordinator, stage 5: the shares asked for, or a refusal."""
 
     kind: ClassVar[str] = "secagg_reveal"
     round: int
