@@ -1104,7 +1104,8 @@ class SecAggServer:
 
     Stages close early once every agent still online has answered; otherwise at their
     deadline: keys and shares ``stage_timeout`` after they open, masked inputs at
-    ``input_deadline`` (training happens meanwhile), shares again ``stage_timeout``."""
+    ``input_deadline`` (training happens meanwhile), the survivor list's signatures and the
+    shares ``stage_timeout`` each."""
 
     KEYS, SHARES, INPUTS, CONSISTENCY, UNMASK, DONE = "keys", "shares", "inputs", "consistency", "unmask", "done"
 
