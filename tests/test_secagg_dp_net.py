@@ -96,7 +96,7 @@ def test_secure_aggregation_with_distributed_dp_over_mosquitto(tmp_path):
                     seen.append((s["completed_rounds"], s["privacy"]["epsilon"], prom))
                 return s if s["phase"] == "done" else None
 
-            done = wait_for(watch, 120, "the budget to stop the secure federation", fed)
+            done = wait_for(watch, 300, "the budget to stop the secure federation", fed)
             lines = history(fed)
             final, _ = fed.final_weights()
         finally:
