@@ -11,7 +11,10 @@ numbers measure the framework, not torch. Thousands fit in one asyncio loop.
 (the CA key is loaded once and reused, so issuing 1,000 takes seconds), a private
 Mosquitto (embedded default config: mutual TLS, pattern ACL, a queue limit raised past
 the number of agents), the real ``fedagent coordinator`` as a separate process (so its
-memory is its own, sampled from /proc), and the swarm in this process.
+memory is its own, sampled from /proc), and the swarm in this process — or, with
+``procs=K``, in K child processes (``python -m fedagent.experiments.swarm`` reading its
+share of the agents from stdin), so that one Python process driving every connection is
+not what limits the run, and each side's CPU is measured on its own.
 """
 
 from __future__ import annotations
@@ -220,9 +223,19 @@ class RunResult:
     setup_seconds: float
     round_cpu: list[float]  # coordinator CPU seconds (user+system) of each round after the first
     round_cpu_broker: list[float]  # the same for Mosquitto
-    round_cpu_agents: list[float]  # the same for this process (all the agents)
+    round_cpu_agents: list[float]  # the same for the swarm (this process, or the sum of its processes)
     errors: list[str]
     coordinator_log: str
+    procs: int = 0  # swarm processes: 0 = the agents ran in this process
+    # Wall seconds between the two marks each CPU figure above is the difference of
+    # (one round plus the gap to the next): CPU / wall is the share of a core used.
+    round_wall: list[float] = field(default_factory=list)
+    round_cpu_swarm_max: list[float] = field(default_factory=list)  # the busiest swarm process
+    connect_seconds: float = 0.0  # connecting the agents (part of setup_seconds)
+    broker_rss_peak: int = 0
+    broker_rss_idle: int = 0  # Mosquitto's RSS with only the coordinator connected
+    broker_fds: int = 0  # Mosquitto's open file descriptors with every agent connected
+    coordinator_fds: int = 0
 
     @property
     def model_bytes(self) -> int:
@@ -234,6 +247,8 @@ class RunResult:
 
 
 def _raise_nofile(n: int) -> None:
+    """Raise this process's soft open-file limit to ``n`` (children, the broker among
+    them, inherit it); never past the hard limit, never system-wide."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = min(max(soft, n), hard)
     if want > soft:
@@ -265,6 +280,150 @@ def _rss(pid: int) -> tuple[int, int]:
     return rss, hwm
 
 
+def _fds(pid: int | None) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd")) if pid else 0
+    except OSError:
+        return 0
+
+
+WAVE = 50  # agents connecting at once: 1,000 TLS handshakes at once time out against each other
+
+
+async def _connect(agents: list[LightAgent], wave_limit: float) -> list[asyncio.Task]:
+    """Start every agent's connection, ``WAVE`` at a time, each wave connected within
+    ``wave_limit`` seconds; an agent whose ``run`` ends (a refused certificate) fails it."""
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task] = []
+    try:
+        for i in range(0, len(agents), WAVE):
+            events = []
+            for a in agents[i : i + WAVE]:
+                ev = asyncio.Event()
+                events.append(ev)
+                tasks.append(asyncio.create_task(a.run(ev), name=f"swarm-{a.id}"))
+            deadline = loop.time() + wave_limit
+            while not all(e.is_set() for e in events):
+                ended = next((t for t in tasks if t.done()), None)
+                if ended is not None:
+                    exc = None if ended.cancelled() else ended.exception()
+                    raise RuntimeError(f"agent {ended.get_name()} stopped while connecting: {exc!r}")
+                if loop.time() > deadline:
+                    missing = sum(1 for e in events if not e.is_set())
+                    raise TimeoutError(f"{missing} of {len(events)} agents not connected after {wave_limit:.0f} s")
+                await asyncio.sleep(0.05)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
+    return tasks
+
+
+async def _stop_agents(agents: list[LightAgent], tasks: list[asyncio.Task]) -> None:
+    await asyncio.gather(*(a.close() for a in agents))
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# ---- swarm child processes -------------------------------------------------------------
+# The parent writes one JSON line (the spec) to the child's stdin; the child connects its
+# agents and writes "ready"; on the line "stop" (or end of input) it closes them and
+# writes one JSON line: {"errors": [...], "sent": N}.
+async def _worker(spec: dict) -> dict:
+    members: list[list] = spec["agents"]  # [name, samples]
+    _raise_nofile(2 * len(members) + 64)
+    ca, certs = Path(spec["ca"]), Path(spec["certs"])
+    agents = [
+        LightAgent(
+            str(name),
+            str(spec["broker"]),
+            TlsFiles(ca=ca, cert=certs / f"{name}.crt", key=certs / f"{name}.key"),
+            samples=int(samples),
+            whole=bool(spec["whole"]),
+        )
+        for name, samples in members
+    ]
+    for a in agents:
+        a.messenger.max_chunk = int(spec["max_chunk"])
+    tasks = await _connect(agents, float(spec["wave_limit"]))
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    await asyncio.to_thread(sys.stdin.readline)
+    await _stop_agents(agents, tasks)
+    return {"errors": [e for a in agents for e in a.errors], "sent": sum(a.rounds_sent for a in agents)}
+
+
+def _worker_main() -> None:
+    spec = json.loads(sys.stdin.readline())
+    out = asyncio.run(_worker(spec))
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
+
+
+class _Children:
+    """The swarm's child processes, as the parent sees them."""
+
+    def __init__(self) -> None:
+        self.procs: list[asyncio.subprocess.Process] = []
+        self.errors: list[str] = []
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    async def start(self, workdir: Path, shares: list[list[list]], common: dict, limit: float) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for k, share in enumerate(shares):
+            with open(workdir / f"swarm-{k}.log", "wb") as log:
+                p = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "fedagent.experiments.swarm",
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=log,
+                    env=env,
+                )
+            self.procs.append(p)
+            assert p.stdin is not None
+            p.stdin.write(json.dumps({**common, "agents": share}).encode() + b"\n")
+            await p.stdin.drain()
+        for k, p in enumerate(self.procs):
+            assert p.stdout is not None
+            line = await asyncio.wait_for(p.stdout.readline(), limit)
+            if line.strip() != b"ready":
+                tail = (workdir / f"swarm-{k}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"swarm process {k} did not connect its agents:\n{tail}")
+
+    async def stop(self) -> None:
+        for p in self.procs:
+            if p.returncode is None and p.stdin is not None:
+                try:
+                    p.stdin.write(b"stop\n")
+                    await p.stdin.drain()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+        for k, p in enumerate(self.procs):
+            try:
+                assert p.stdout is not None
+                line = await asyncio.wait_for(p.stdout.readline(), 60)
+                if line.strip():
+                    self.errors += json.loads(line).get("errors", [])
+                await asyncio.wait_for(p.wait(), 30)
+            except (TimeoutError, ValueError) as exc:
+                self.errors.append(f"swarm process {k}: {type(exc).__name__} {exc}")
+            finally:
+                if p.returncode is None:
+                    p.kill()
+                    await p.wait()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.returncode is None:
+                p.kill()
+
+
 async def _federation(
     workdir: Path,
     n: int,
@@ -277,9 +436,13 @@ async def _federation(
     progress: Callable[[str], None],
     timeout: float,
     whole: bool = False,
+    procs: int = 0,
+    connect_limit: float = 900.0,
 ) -> RunResult:
     t0 = time.monotonic()
     workdir.mkdir(parents=True, exist_ok=True)
+    # This process holds every agent's socket (procs=0); the broker, started from here,
+    # inherits the limit and holds one per agent.
     _raise_nofile(2 * n + 256)
     ca_dir = workdir / "ca"
     pki.create_ca(ca_dir, FEDERATION)
@@ -291,7 +454,13 @@ async def _federation(
     broker.start()
     coord: subprocess.Popen | None = None
     agents: list[LightAgent] = []
+    tasks: list[asyncio.Task] = []
+    children = _Children()
     samples: list[tuple[float, int]] = []
+    broker_peak = [0]
+    sampler: asyncio.Task | None = None
+    done: list[dict] = []
+    marks: list[tuple[float, float, float, list[float]]] = []  # (wall, coordinator, broker, swarm CPUs)
     try:
         state = workdir / "state"
         cfg = {
@@ -354,63 +523,80 @@ async def _federation(
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)
         rss_idle = max(_rss(coord.pid)[0] for _ in range(5))
+        broker_idle = _rss(broker.pid)[0] if broker.pid else 0
 
         async def sample() -> None:
+            assert coord is not None
             while True:
                 samples.append((time.monotonic(), _rss(coord.pid)[0]))
+                if broker.pid:
+                    broker_peak[0] = max(broker_peak[0], _rss(broker.pid)[0])
                 await asyncio.sleep(0.01)
 
-        agents = [LightAgent(a, broker.uri, certs[a], samples=50 + i % 100, whole=whole) for i, a in enumerate(names)]
-        for a in agents:
-            a.messenger.max_chunk = max_chunk
-        progress(f"connecting {n} agents")
-        async with asyncio.TaskGroup() as tg:
-            sampler = tg.create_task(sample())
-            # Connect in waves so 1,000 TLS handshakes don't all time out against each other.
-            for i in range(0, n, 50):
-                wave = []
-                for a in agents[i : i + 50]:
-                    ev = asyncio.Event()
-                    wave.append(ev)
-                    tg.create_task(a.run(ev))
-                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in wave)), 120)
-            setup = time.monotonic() - t0
-            progress(f"{n} agents online ({setup:.1f}s); waiting for {rounds} rounds")
-            deadline = time.monotonic() + timeout
-            done: list[dict] = []
-            cpu_marks: list[tuple[float, float, float]] = []  # (coordinator, broker, agents) CPU per round record
-            while time.monotonic() < deadline and coord.poll() is None:
-                if history.exists():
-                    done = _records(history.read_text())
-                finished = sum(1 for r in done if r.get("event") == "round")
-                if finished > len(cpu_marks):
-                    mark = (_cpu(coord.pid), _cpu(broker.pid) if broker.pid else 0.0, time.process_time())
-                    cpu_marks += [mark] * (finished - len(cpu_marks))
-                if finished >= rounds:
-                    break
-                await asyncio.sleep(0.02)
-            hwm = _rss(coord.pid)[1]
-            sampler.cancel()
-            await asyncio.gather(*(a.close() for a in agents))
-            raise _Stop(
-                done,
-                rss_idle,
-                hwm,
-                setup,
-                [tuple(y - x for x, y in zip(a, b)) for a, b in itertools.pairwise(cpu_marks)],
-            )
-    except* _Stop as eg:
-        stop = eg.exceptions[0]
-        done, rss_idle, hwm, setup, round_cpu = stop.args
+        sampler = asyncio.create_task(sample())
+        samples_of = {a: 50 + i % 100 for i, a in enumerate(names)}
+        t_connect = time.monotonic()
+        if procs <= 0:
+            agents = [LightAgent(a, broker.uri, certs[a], samples=samples_of[a], whole=whole) for a in names]
+            for a in agents:
+                a.messenger.max_chunk = max_chunk
+            progress(f"connecting {n} agents")
+            tasks = await asyncio.wait_for(_connect(agents, 120), connect_limit)
+        else:
+            progress(f"connecting {n} agents from {procs} processes")
+            common = {
+                "broker": broker.uri,
+                "ca": str(ca_dir / pki.CA_CERT),
+                "certs": str(workdir / "certs"),
+                "whole": whole,
+                "max_chunk": max_chunk,
+                "wave_limit": 120,
+            }
+            shares = [[[a, samples_of[a]] for a in names[k::procs]] for k in range(procs)]
+            await children.start(workdir, shares, common, connect_limit)
+        connect_seconds = time.monotonic() - t_connect
+        setup = time.monotonic() - t0
+        broker_fds, coordinator_fds = _fds(broker.pid), _fds(coord.pid)
+        progress(f"{n} agents online ({setup:.1f}s); waiting for {rounds} rounds")
+
+        def swarm_cpu() -> list[float]:
+            return [_cpu(p) for p in children.pids] if procs > 0 else [time.process_time()]
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and coord.poll() is None:
+            if history.exists():
+                done = _records(history.read_text())
+            finished = sum(1 for r in done if r.get("event") == "round")
+            if finished > len(marks):
+                mark = (
+                    time.monotonic(),
+                    _cpu(coord.pid),
+                    _cpu(broker.pid) if broker.pid else 0.0,
+                    swarm_cpu(),
+                )
+                marks += [mark] * (finished - len(marks))
+            if finished >= rounds:
+                break
+            await asyncio.sleep(0.02)
+        hwm = _rss(coord.pid)[1]
     finally:
-        if coord is not None and coord.poll() is None:
-            coord.send_signal(signal.SIGTERM)
-            try:
-                coord.wait(10)
-            except subprocess.TimeoutExpired:
-                coord.kill()
-                coord.wait()
-        broker.stop()
+        if sampler is not None:
+            sampler.cancel()
+        if agents:
+            await _stop_agents(agents, tasks)
+        try:
+            await children.stop()
+        finally:
+            children.kill()
+            if coord is not None and coord.poll() is None:
+                coord.send_signal(signal.SIGTERM)
+                try:
+                    coord.wait(10)
+                except subprocess.TimeoutExpired:
+                    coord.kill()
+                    coord.wait()
+            broker.stop()
+    pairs = list(itertools.pairwise(marks))
     return RunResult(
         agents=n,
         params=params,
@@ -421,11 +607,19 @@ async def _federation(
         rss_peak=max((r for _, r in samples), default=0),
         hwm=hwm,
         setup_seconds=setup,
-        round_cpu=[c[0] for c in round_cpu],
-        round_cpu_broker=[c[1] for c in round_cpu],
-        round_cpu_agents=[c[2] for c in round_cpu],
-        errors=[e for a in agents for e in a.errors],
+        round_cpu=[b[1] - a[1] for a, b in pairs],
+        round_cpu_broker=[b[2] - a[2] for a, b in pairs],
+        round_cpu_agents=[sum(b[3]) - sum(a[3]) for a, b in pairs],
+        errors=[e for a in agents for e in a.errors] + children.errors,
         coordinator_log=(workdir / "coordinator.log").read_text(errors="replace")[-3000:],
+        procs=max(procs, 0),
+        round_wall=[b[0] - a[0] for a, b in pairs],
+        round_cpu_swarm_max=[max(y - x for x, y in zip(a[3], b[3], strict=True)) for a, b in pairs],
+        connect_seconds=connect_seconds,
+        broker_rss_peak=broker_peak[0],
+        broker_rss_idle=broker_idle,
+        broker_fds=broker_fds,
+        coordinator_fds=coordinator_fds,
     )
 
 
@@ -438,10 +632,6 @@ def _records(text: str) -> list[dict]:
         except ValueError:
             break
     return out
-
-
-class _Stop(Exception):
-    pass
 
 
 def run_federation(
@@ -457,11 +647,31 @@ def run_federation(
     progress: Callable[[str], None] = lambda s: None,
     timeout: float = 600.0,
     whole: bool = False,
+    procs: int = 0,
+    connect_limit: float = 900.0,
 ) -> RunResult:
     """``whole``: agents send each update as one whole message (chunked and reassembled
-    by the coordinator before it is aggregated) instead of a stream: the path streaming replaced."""
+    by the coordinator before it is aggregated) instead of a stream: the path streaming
+    replaced. ``procs``: run the agents in that many child processes (0: in this one).
+    ``timeout`` bounds the rounds, ``connect_limit`` the connecting of the agents."""
     return asyncio.run(
         _federation(
-            Path(workdir), agents, params, rounds, compression, topk_ratio, tensors, max_chunk, progress, timeout, whole
+            Path(workdir),
+            agents,
+            params,
+            rounds,
+            compression,
+            topk_ratio,
+            tensors,
+            max_chunk,
+            progress,
+            timeout,
+            whole,
+            procs,
+            connect_limit,
         )
     )
+
+
+if __name__ == "__main__":
+    _worker_main()
