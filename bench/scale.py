@@ -58,11 +58,14 @@ def measure(
     procs: int = 0,
     case_limit: float = 900.0,
     budget: float | None = None,
+    tmp: Path | None = None,
 ) -> list[dict]:
-    """One row per number of agents; ``procs`` swarm processes (0: this process)."""
+    """One row per number of agents; ``procs`` swarm processes (0: this process). ``tmp``:
+    where each case's directory (the coordinator's state and journals, the broker's) is
+    made; the system's temporary directory if None."""
     rows = []
     for n in agents:
-        with tempfile.TemporaryDirectory(prefix=f"fedagent-scale-{n}-") as d:
+        with tempfile.TemporaryDirectory(prefix=f"fedagent-scale-{n}-", dir=tmp) as d:
             t = time.monotonic()
             load_before = _loadavg()
             try:
@@ -91,6 +94,7 @@ def measure(
                 {
                     "agents": n,
                     "procs": r.procs,
+                    "state_on": str(tmp or tempfile.gettempdir()),
                     "params": params,
                     "compression": compression,
                     "rounds": len(secs),
@@ -141,41 +145,57 @@ def plot(rows: list[dict], out: Path, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r.get("round_median_s")]
-    groups = sorted({r["procs"] for r in ok})
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+
+    def key(r: dict) -> tuple[int, str]:
+        on = r.get("state_on", "")
+        return r["procs"], "tmpfs" if on.startswith("/dev/shm") else "disk"
+
+    groups = sorted({key(r) for r in ok})
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     ax_t, ax_c, ax_m = axes
     markers = ["o", "s", "^", "D"]
-    for gi, p in enumerate(groups):
-        rs = sorted((r for r in ok if r["procs"] == p), key=lambda r: r["agents"])
-        label = "swarm in the bench process" if p == 0 else f"swarm in {p} process{'es' if p > 1 else ''}"
+    styles = ["-", "--", "-.", ":"]
+    for gi, g in enumerate(groups):
+        p, on = g
+        rs = sorted((r for r in ok if key(r) == g), key=lambda r: r["agents"])
+        swarm = "swarm in the bench process" if p == 0 else f"swarm in {p} process{'es' if p > 1 else ''}"
+        label = f"{swarm}, state on {on}"
         n = [r["agents"] for r in rs]
-        m = markers[gi % len(markers)]
-        ax_t.plot(n, [r["round_median_s"] for r in rs], marker=m, label=f"median round ({label})")
-        ax_t.plot(n, [r["round_max_s"] for r in rs], marker=m, ls=":", alpha=0.6, label=f"max round ({label})")
-        if gi == 0 and rs:
-            base = rs[0]
-            ax_t.plot(
-                n,
-                [base["round_median_s"] * x / base["agents"] for x in n],
-                color="grey",
-                ls="--",
-                lw=1,
-                label=f"linear from {base['agents']} agents",
-            )
-        suffix = "" if len(groups) == 1 else f", {p} proc"
-        for key, what, color in (
+        m, ls = markers[gi % len(markers)], styles[gi % len(styles)]
+        line = ax_t.plot(n, [r["round_median_s"] for r in rs], marker=m, ls=ls, label=f"median ({label})")
+        ax_t.plot(n, [r["round_max_s"] for r in rs], marker=m, ls="none", alpha=0.5, color=line[0].get_color())
+        suffix = "" if len(groups) == 1 else f" ({p} proc, {on})"
+        for k, what, color in (
             ("broker_core_share", "Mosquitto", "tab:red"),
             ("coordinator_core_share", "coordinator", "tab:blue"),
             ("swarm_core_share", "swarm, all processes", "tab:green"),
             ("swarm_busiest_core_share", "swarm, busiest process", "tab:olive"),
         ):
-            if key == "swarm_busiest_core_share" and p <= 1:
+            if k == "swarm_busiest_core_share" and p <= 1:
                 continue
-            ax_c.plot(n, [r[key] for r in rs], marker=m, color=color, label=what + suffix, ls="-" if gi == 0 else "--")
+            ax_c.plot(n, [r[k] for r in rs], marker=m, ls=ls, color=color, label=what + suffix)
         ax_m.plot(
-            n, [r["coordinator_peak_rss_mb"] for r in rs], marker=m, color="tab:blue", label="coordinator" + suffix
+            n,
+            [r["coordinator_peak_rss_mb"] for r in rs],
+            marker=m,
+            ls=ls,
+            color="tab:blue",
+            label="coordinator" + suffix,
         )
-        ax_m.plot(n, [r["broker_peak_rss_mb"] for r in rs], marker=m, color="tab:red", label="Mosquitto" + suffix)
+        ax_m.plot(
+            n, [r["broker_peak_rss_mb"] for r in rs], marker=m, ls=ls, color="tab:red", label="Mosquitto" + suffix
+        )
+    if ok:
+        lo, hi = min(r["agents"] for r in ok), max(r["agents"] for r in ok)
+        base = min((r for r in ok if r["agents"] == lo), key=lambda r: r["round_median_s"])
+        ax_t.plot(
+            [lo, hi],
+            [base["round_median_s"], base["round_median_s"] * hi / lo],
+            color="grey",
+            ls=":",
+            lw=1,
+            label=f"linear from {lo} agents",
+        )
     ax_c.axhline(1.0, color="black", lw=0.8, ls=":")
     ax_c.text(ax_c.get_xlim()[0] if ok else 1, 1.02, "one core", fontsize=8)
     for ax, ylabel, t in (
@@ -233,6 +253,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--compression", default="none")
     ap.add_argument("--case-limit", type=float, default=900.0, help="seconds for connecting, and again for the rounds")
     ap.add_argument("--budget", type=float, default=None, help="no larger case after one that took longer (s)")
+    ap.add_argument(
+        "--tmp", type=Path, help="make each case's directory (coordinator state, journals) here, e.g. /dev/shm"
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="write the plot (PNG) here")
     ap.add_argument("--from", dest="source", type=Path, action="append", help="plot rows from saved JSON files")
@@ -253,6 +276,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             procs=args.procs,
             case_limit=args.case_limit,
             budget=args.budget,
+            tmp=args.tmp,
         )
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))

@@ -70,26 +70,63 @@ def memory(ctx: Context, cases: list[tuple[int, int]] | None = None, whole_too: 
     return out
 
 
-@section("scale", rows=lambda ctx: 2 if ctx.quick else 3)
+def _scale_agents(ctx: Context) -> list[int]:
+    return [10, 100] if ctx.quick else [10, 100, 1000]
+
+
+@section("scale", rows=lambda ctx: 2 * len(_scale_agents(ctx)))
 def scale(ctx: Context) -> list[Row]:
+    """Round time and coordinator peak RSS at N agents against the same at 10 agents;
+    the notes carry each side's share of a core (coordinator, Mosquitto, the swarm in a
+    process of its own), which says what limits (bench/scale.py draws the plot)."""
     from bench import scale as scale_bench
 
-    agents = [10, 100] if ctx.quick else [10, 100, 1000]
-    rows = scale_bench.measure(agents, params=1000, rounds=2 if ctx.quick else 3, compression="none", console=_Log(ctx))
+    agents = _scale_agents(ctx)
+    rows = scale_bench.measure(
+        agents, params=1000, rounds=2 if ctx.quick else 3, compression="none", console=_Log(ctx), procs=1
+    )
+    for r in rows:
+        if r["rounds"] < (2 if ctx.quick else 3) or r.get("errors") or r.get("failed"):
+            ctx.shared.setdefault("failures", []).append(
+                f"scale {r['agents']} agents: {r['rounds']} rounds; {r.get('failed') or str(r.get('errors')) + ' errors'}"
+            )
     base = rows[0]
-    return [
+
+    def shares(r: dict) -> str:
+        if r.get("round_median_s") is None:
+            return "incomplete"
+        return (
+            f"max {r['round_max_s']:.2f} s; share of a core: coordinator {r['coordinator_core_share']:.2f}, "
+            f"Mosquitto {r['broker_core_share']:.2f}, swarm {r['swarm_core_share']:.2f}; coordinator CPU "
+            f"{r['coordinator_cpu_per_update_ms']:.2f} ms per update"
+        )
+
+    out = [
         Row(
             "scale",
             f"FedAvg round, {r['agents']} agents (1000 params, training off)",
-            r["round_median_s"],
+            r.get("round_median_s"),
             "the same round with 10 agents",
-            base["round_median_s"],
-            note=f"max {r['round_max_s']:.2f} s; coordinator CPU {r['coordinator_cpu_per_update_ms']:.2f} ms per update"
-            if r["round_median_s"] is not None
+            base.get("round_median_s"),
+            note=shares(r),
+        )
+        for r in rows
+    ]
+    out += [
+        Row(
+            "scale",
+            f"coordinator peak RSS, {r['agents']} agents (1000 params)",
+            r.get("coordinator_peak_rss_mb"),
+            "the same with 10 agents",
+            base.get("coordinator_peak_rss_mb"),
+            unit="MiB",
+            note=f"Mosquitto peak {r['broker_peak_rss_mb']:.0f} MiB, {r['broker_fds']} open files"
+            if r.get("broker_peak_rss_mb") is not None
             else "incomplete",
         )
         for r in rows
     ]
+    return out
 
 
 @section("compression", rows=lambda ctx: 4)  # fp16, int8, top-k 0.1 and 0.01

@@ -543,7 +543,7 @@ async def _federation(
             progress(f"connecting {n} agents")
             tasks = await asyncio.wait_for(_connect(agents, 120), connect_limit)
         else:
-            progress(f"connecting {n} agents from {procs} processes")
+            progress(f"connecting {n} agents from {procs} process{'es' if procs > 1 else ''}")
             common = {
                 "broker": broker.uri,
                 "ca": str(ca_dir / pki.CA_CERT),
