@@ -151,8 +151,8 @@ def plot(rows: list[dict], out: Path, title: str = "") -> None:
         return r["procs"], "tmpfs" if on.startswith("/dev/shm") else "disk"
 
     groups = sorted({key(r) for r in ok})
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
-    ax_t, ax_c, ax_m = axes
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9.5))
+    (ax_t, ax_u), (ax_c, ax_m) = axes
     markers = ["o", "s", "^", "D"]
     styles = ["-", "--", "-.", ":"]
     for gi, g in enumerate(groups):
@@ -165,6 +165,12 @@ def plot(rows: list[dict], out: Path, title: str = "") -> None:
         line = ax_t.plot(n, [r["round_median_s"] for r in rs], marker=m, ls=ls, label=f"median ({label})")
         ax_t.plot(n, [r["round_max_s"] for r in rs], marker=m, ls="none", alpha=0.5, color=line[0].get_color())
         suffix = "" if len(groups) == 1 else f" ({p} proc, {on})"
+        for k, what, color in (
+            ("coordinator_cpu_per_update_ms", "coordinator", "tab:blue"),
+            ("broker_cpu_per_update_ms", "Mosquitto", "tab:red"),
+            ("swarm_cpu_per_agent_ms", "swarm (the agents' side)", "tab:green"),
+        ):
+            ax_u.plot(n, [r[k] for r in rs], marker=m, ls=ls, color=color, label=what + suffix)
         for k, what, color in (
             ("broker_core_share", "Mosquitto", "tab:red"),
             ("coordinator_core_share", "coordinator", "tab:blue"),
@@ -200,6 +206,7 @@ def plot(rows: list[dict], out: Path, title: str = "") -> None:
     ax_c.text(ax_c.get_xlim()[0] if ok else 1, 1.02, "one core", fontsize=8)
     for ax, ylabel, t in (
         (ax_t, "seconds per round", "Round time"),
+        (ax_u, "CPU ms per update (per agent for the swarm)", "CPU per update"),
         (ax_c, "CPU s / wall s during the rounds", "CPU, share of one core"),
         (ax_m, "MiB", "Peak RSS"),
     ):

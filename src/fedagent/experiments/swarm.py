@@ -577,6 +577,11 @@ async def _federation(
                 marks += [mark] * (finished - len(marks))
             if finished >= rounds:
                 break
+            if any(r.get("event") == "abandoned" for r in done):
+                # Agents dropped out (a swarm process too slow for its keep-alives, say):
+                # the rest would only wait for them to reconnect. Reported as incomplete.
+                progress(f"a round was abandoned: {next(r for r in done if r.get('event') == 'abandoned')}")
+                break
             await asyncio.sleep(0.02)
         hwm = _rss(coord.pid)[1]
     finally:
