@@ -541,7 +541,7 @@ async def _federation(
             for a in agents:
                 a.messenger.max_chunk = max_chunk
             progress(f"connecting {n} agents")
-            tasks = await asyncio.wait_for(_connect(agents, 120), connect_limit)
+            tasks = await asyncio.wait_for(_connect(agents, min(300.0, connect_limit)), connect_limit)
         else:
             progress(f"connecting {n} agents from {procs} process{'es' if procs > 1 else ''}")
             common = {
@@ -550,7 +550,7 @@ async def _federation(
                 "certs": str(workdir / "certs"),
                 "whole": whole,
                 "max_chunk": max_chunk,
-                "wave_limit": 120,
+                "wave_limit": min(300.0, connect_limit),
             }
             shares = [[[a, samples_of[a]] for a in names[k::procs]] for k in range(procs)]
             await children.start(workdir, shares, common, connect_limit)
