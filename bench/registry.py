@@ -31,6 +31,7 @@ MODULES = [
     "bench.gossip",
     "bench.scaling",
     "bench.replay_journal",
+    "bench.tta",
 ]
 
 

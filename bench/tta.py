@@ -1,0 +1,488 @@
+"""Time to accuracy: the same CNN trained on the same non-IID digits shards to the same
+held-out accuracy by fedagent and by Flower.
+
+* the model, the training loop and the evaluation: bench/flower_app/tta/tta_model.py
+  (imported by fedagent's task bench/tta_task.py and by the Flower apps);
+* the data: fedagent's digits set, its fixed 25 % held-out split (the same on every
+  node) and its Dirichlet(alpha = 0.5, seed 0) split of the rest over 10 nodes, written
+  once to an .npz that the Flower clients read;
+* 10 nodes, 2 local epochs, batch 32, SGD lr 0.05 with momentum 0.9, all nodes train
+  every round, the initial model from seed 0;
+* each framework with its defaults otherwise: fedagent = a coordinator and 10 agent
+  processes over Mosquitto with mutual TLS (``[transfer] compression`` as configured);
+  Flower 1.41 = ``start_server``/``start_client`` (gRPC, no TLS, its default) and the
+  deployment mode (SuperLink + SuperNodes + ``flwr run``), both with Flower's default
+  federated evaluation of every round's model on every client;
+* the accuracy of a global model is its accuracy on the held-out set, evaluated by the
+  nodes (in fedagent every agent evaluates each global model it receives, its default;
+  in Flower every client does in the evaluate phase of each round);
+* time to accuracy runs from the start of round 1 to the moment the first global model
+  at or above the target exists (its round's aggregation ends); the total adds the
+  start-up (from launching the processes: PKI and broker too for fedagent);
+* bytes: a counting relay (bench/relay.py) in front of the server side carries every
+  node's connection (fedagent: agents and coordinator to Mosquitto; Flower gRPC: clients
+  to the server; deployment: SuperNodes to the SuperLink), up to the target round.
+
+Target: 0.95 held-out accuracy (see docs/benchmarks.md for why). Rows: fedagent's time to
+accuracy against each Flower mode's (ratio < 1: fedagent is faster; goal <= 0.5x against
+gRPC), bytes to the target against each, and each update compression setting's time to
+accuracy against fedagent without compression (the same run's rounds and final accuracy
+go in the notes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.flower import APP, FLWR_VERSION, VENV, _free_port, _wait_port, flower_python
+from bench.flower_app.tta import tta_model
+from bench.procs import ProcessTree
+from bench.registry import Context, Row, section
+from bench.relay import Relay
+
+ROOT = Path(__file__).resolve().parent.parent
+TTA_APP = APP / "tta"
+TORCH = "2.13.0"  # the pinned CPU build scripts/bootstrap.sh installs for fedagent
+TARGET = 0.95
+MAX_ROUNDS = 40  # a run that has not reached the target by then failed
+FINAL_ROUNDS = 25  # fedagent runs go on to this round, for the final accuracy per compression
+COMPRESSIONS = ("fp16", "int8", "topk")
+
+
+@dataclass
+class Run:
+    """One training run: per round its start, the time its global model existed and
+    that model's held-out accuracy (wall-clock seconds since the epoch)."""
+
+    framework: str
+    launched: float
+    rounds: list[dict] = field(default_factory=list)
+    bytes_up: int = 0  # node -> server side, up to the end of the run
+    bytes_down: int = 0
+    bytes_to_target: int = 0  # both ways, up to the end of the target round
+    agent_bytes_to_target: int = 0  # the same on the nodes' links only (fedagent: not the coordinator's)
+    target: float = TARGET
+
+    def reached(self) -> dict | None:
+        for r in self.rounds:
+            if r.get("accuracy") is not None and r["accuracy"] >= self.target:
+                return r
+        return None
+
+    @property
+    def rounds_to_target(self) -> int:
+        r = self.reached()
+        if r is None:
+            raise RuntimeError(f"{self.framework} did not reach {self.target} in {len(self.rounds)} rounds")
+        return r["round"]
+
+    @property
+    def time_to_target(self) -> float:
+        r = self.reached()
+        if r is None:
+            raise RuntimeError(f"{self.framework} did not reach {self.target} in {len(self.rounds)} rounds")
+        return r["end"] - self.rounds[0]["start"]
+
+    @property
+    def total_to_target(self) -> float:
+        return self.time_to_target + self.rounds[0]["start"] - self.launched
+
+    @property
+    def final_accuracy(self) -> float:
+        return [r["accuracy"] for r in self.rounds if r.get("accuracy") is not None][-1]
+
+    def summary(self) -> dict:
+        return {
+            "framework": self.framework,
+            "rounds_to_target": self.rounds_to_target,
+            "time_to_target_s": self.time_to_target,
+            "total_to_target_s": self.total_to_target,
+            "bytes_to_target": self.bytes_to_target,
+            "node_link_bytes_to_target": self.agent_bytes_to_target,
+            "rounds_run": len(self.rounds),
+            "final_accuracy": self.final_accuracy,
+        }
+
+
+# -- data ---------------------------------------------------------------------------
+def write_data(path: Path) -> Path:
+    """fedagent's digits split, as arrays the Flower side reads: ``x_test``/``y_test``
+    and ``x_i``/``y_i`` for shard i (the same shards fedagent's agents build)."""
+    import numpy as np
+
+    from fedagent.tasks import digits
+
+    x, y = digits.load_digits_arrays()
+    (xtr, ytr), (xte, yte) = digits.train_test_split(x, y, seed=tta_model.SEED)
+    parts = digits.dirichlet_split(ytr, tta_model.CLIENTS, tta_model.ALPHA, seed=tta_model.SEED)
+    arrays = {"x_test": xte, "y_test": yte}
+    for i, idx in enumerate(parts):
+        arrays[f"x_{i}"], arrays[f"y_{i}"] = xtr[idx], ytr[idx]
+    np.savez(path, **arrays)
+    return path
+
+
+# -- fedagent -----------------------------------------------------------------------
+def _history(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            break  # a line being written
+    return out
+
+
+def run_fedagent(
+    work: Path,
+    log,
+    *,
+    compression: str = "none",
+    rounds: int = FINAL_ROUNDS,
+    target: float = TARGET,
+    stop_at_target: bool = False,
+    timeout: float = 900.0,
+    agents: int = tta_model.CLIENTS,
+) -> Run:
+    """A coordinator and ``agents`` agent daemons (localfed), every connection through a
+    counting relay to the federation's Mosquitto; ``compression`` goes to the
+    coordinator's ``[transfer]`` (``none`` writes nothing: the default)."""
+    from fedagent import localfed
+
+    assert (localfed.LOCAL_EPOCHS, localfed.LR, localfed.BATCH, localfed.SEED) == (
+        tta_model.LOCAL_EPOCHS,
+        tta_model.LR,
+        tta_model.BATCH,
+        tta_model.SEED,
+    ), "fedagent's federation settings and the shared model's must be the same"
+    d = work / f"fedagent-{compression}"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    old_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), old_path) if p
+    )  # the daemons import bench.tta_task
+    launched = time.time()
+    fed = localfed.Federation(
+        d,
+        agents=agents,
+        rounds=rounds,
+        alpha=tta_model.ALPHA,
+        task="bench.tta_task:make",
+        task_options={"alpha": tta_model.ALPHA},
+        agent_broker_by_mdns=False,
+    )
+    relays: dict[str, Relay] = {}
+    try:
+        fed.prepare()
+        assert fed.broker is not None
+        uri = fed.broker.uri
+        # One relay for the coordinator's connection, one for the agents': the agents'
+        # links are what Flower's clients' links compare to.
+        relays = {"coordinator": Relay(fed.broker.port), "agents": Relay(fed.broker.port)}
+        for stem in ["coordinator", *fed.agent_ids]:
+            relay = relays["coordinator" if stem == "coordinator" else "agents"]
+            cfg = fed.config_path(stem)
+            text = cfg.read_text().replace(uri, f"mqtts://127.0.0.1:{relay.port}")
+            if stem == "coordinator" and compression != "none":
+                text += f'\n[transfer]\ncompression = "{compression}"\n'
+            cfg.write_text(text)
+        fed.start_all()
+        coord_hist = d / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl"
+        agent_hist = d / "state" / "agent-1" / "agent" / fed.fed / "history.jsonl"
+        run = Run(f"fedagent (compression {compression})", launched, target=target)
+        deadline = time.monotonic() + timeout
+        while True:
+            fed.check_alive()
+            acc = {
+                e["model_version"]: e["metrics"]["accuracy"]
+                for e in _history(agent_hist)
+                if e.get("event") == "global_eval"
+            }
+            run.rounds = [
+                {
+                    "round": e["round"],
+                    "start": e["time"] - e["seconds"],
+                    "end": e["time"],
+                    "accuracy": acc.get(e["model_version"]),
+                    "participants": len(e["participants"]),
+                }
+                for e in _history(coord_hist)
+                if e.get("event") == "round"
+            ]
+            if stop_at_target and run.reached() is not None:
+                break
+            if len(run.rounds) >= rounds and all(r["accuracy"] is not None for r in run.rounds):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{run.framework}: {len(run.rounds)} of {rounds} rounds in {timeout:.0f} s")
+            time.sleep(0.2)
+        short = [r["round"] for r in run.rounds if r["participants"] != agents]
+        if short:
+            raise RuntimeError(f"{run.framework}: rounds {short} did not aggregate all {agents} agents")
+        run.bytes_up = sum(r.up for r in relays.values())
+        run.bytes_down = sum(r.down for r in relays.values())
+        reached = run.reached()
+        if reached is not None:
+            run.bytes_to_target = sum(r.bytes_at(reached["end"]) for r in relays.values())
+            run.agent_bytes_to_target = relays["agents"].bytes_at(reached["end"])
+        return run
+    finally:
+        fed.close()
+        for r in relays.values():
+            r.close()
+        if old_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_path
+
+
+# -- Flower ---------------------------------------------------------------------------
+def flower_torch_python(log) -> Path:
+    """bench/.venv-flower with torch added (the same pinned CPU build as fedagent's)."""
+    py = flower_python(log)
+    stamp = VENV / f".torch-{TORCH}"
+    if not stamp.exists():
+        log(f"installing torch=={TORCH} into {VENV} (once)")
+        subprocess.run([str(py), "-m", "pip", "install", "-q", f"torch=={TORCH}"], check=True)
+        stamp.touch()
+    return py
+
+
+def _flower_result(out: Path, framework: str, launched: float, relay: Relay, target: float) -> Run:
+    rounds = json.loads(out.read_text())["rounds"] if out.exists() else []
+    run = Run(framework, launched, [r for r in rounds if "end" in r], target=target)
+    run.bytes_up, run.bytes_down = relay.up, relay.down
+    reached = run.reached()
+    if reached is not None:
+        run.bytes_to_target = run.agent_bytes_to_target = relay.bytes_at(reached["end"])
+    return run
+
+
+def run_flower_grpc(
+    py: Path,
+    work: Path,
+    data: Path,
+    log,
+    *,
+    target: float = TARGET,
+    rounds: int = MAX_ROUNDS,
+    timeout: float = 900.0,
+    clients: int = tta_model.CLIENTS,
+) -> Run:
+    port = _free_port()
+    out = work / "flower-grpc-tta.json"
+    out.unlink(missing_ok=True)
+    launched = time.time()
+    with open(work / "flower-grpc-tta.log", "wb") as logf, ProcessTree() as tree:
+        server = tree.spawn(
+            [
+                str(py),
+                str(TTA_APP / "grpc_server.py"),
+                "--port",
+                str(port),
+                "--clients",
+                str(clients),
+                "--rounds",
+                str(rounds),
+                "--target",
+                str(target),
+                "--out",
+                str(out),
+            ],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+        )
+        _wait_port(port, time.monotonic() + 120, server, "Flower server")
+        with Relay(port) as relay:
+            for i in range(clients):
+                tree.spawn(
+                    [
+                        str(py),
+                        str(TTA_APP / "grpc_client.py"),
+                        "--port",
+                        str(relay.port),
+                        "--data",
+                        str(data),
+                        "--shard",
+                        str(i),
+                    ],
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                )
+            server.wait(timeout=timeout)
+            if server.returncode != 0:
+                raise RuntimeError(f"Flower server exited {server.returncode}; see {logf.name}")
+            return _flower_result(out, f"Flower {FLWR_VERSION} gRPC", launched, relay, target)
+
+
+def run_flower_deployment(
+    py: Path,
+    work: Path,
+    data: Path,
+    log,
+    *,
+    target: float = TARGET,
+    rounds: int = MAX_ROUNDS,
+    timeout: float = 1800.0,
+    clients: int = tta_model.CLIENTS,
+) -> Run:
+    """One SuperLink, ``clients`` SuperNodes (``partition-id`` = shard) reaching it through
+    the relay, the app submitted with ``flwr run`` (straight to the SuperLink)."""
+    bindir = py.parent
+    home = work / "flwr-home-tta"
+    home.mkdir(parents=True, exist_ok=True)
+    app = work / "flwr-app-tta"
+    shutil.rmtree(app, ignore_errors=True)
+    shutil.copytree(TTA_APP / "deploy", app)
+    for f in ("tta_model.py", "data.py"):
+        shutil.copy(TTA_APP / f, app / f)
+    link = _free_port()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{link}"\ninsecure = true\n'
+    )
+    out = work / "flower-deploy-tta.json"
+    out.unlink(missing_ok=True)
+    env = dict(os.environ, FLWR_HOME=str(home), PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.pop("PYTHONPATH", None)
+    launched = time.time()
+    with open(work / "flower-deploy-tta.log", "wb") as logf, ProcessTree() as tree:
+        superlink = tree.spawn(
+            [
+                str(bindir / "flower-superlink"),
+                "--insecure",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(link),
+                "--disable-runtime-dependency-installation",
+            ],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=work,
+        )
+        _wait_port(link, time.monotonic() + 120, superlink, "flower-superlink")
+        with Relay(link) as relay:
+            for i in range(clients):
+                tree.spawn(
+                    [
+                        str(bindir / "flower-supernode"),
+                        "--insecure",
+                        "--superlink",
+                        f"127.0.0.1:{relay.port}",
+                        "--port",
+                        str(_free_port()),
+                        "--node-config",
+                        f"partition-id={i}",
+                    ],
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=work,
+                )
+            cfg = f'rounds={rounds} clients={clients} target={target} data="{data}" out="{out}"'
+            run = tree.spawn(
+                [str(bindir / "flwr"), "run", str(app), "bench", "--stream", "--run-config", cfg],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=work,
+            )
+            deadline = time.monotonic() + timeout
+            # ``flwr run --stream`` returns when the run ends; its result file says how far it got.
+            while run.poll() is None:
+                tree.sweep()
+                result = _flower_result(out, f"Flower {FLWR_VERSION} deployment", launched, relay, target)
+                if result.reached() is not None:
+                    return result
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"Flower deployment: {len(result.rounds)} rounds in {timeout:.0f} s")
+                time.sleep(0.5)
+            result = _flower_result(out, f"Flower {FLWR_VERSION} deployment", launched, relay, target)
+            if result.reached() is None:
+                raise RuntimeError(f"flwr run ended (exit {run.returncode}) before the target; see {logf.name}")
+            return result
+
+
+# -- the section ----------------------------------------------------------------------
+def _expected_rows(ctx: Context) -> int:
+    # time and bytes against Flower gRPC (+ deployment unless --quick), one row per
+    # compression setting unless --quick
+    return 2 if ctx.quick else 4 + len(COMPRESSIONS)
+
+
+def _note(run: Run) -> str:
+    return (
+        f"rounds to {run.target}: {run.rounds_to_target}; total incl. start-up {run.total_to_target:.1f} s; "
+        f"{run.bytes_to_target / 1e6:.0f} MB moved"
+    )
+
+
+def _row(subject: Run, baseline: Run, what: str, target: str = "") -> Row:
+    value, base = (
+        (subject.bytes_to_target, baseline.bytes_to_target)
+        if what == "bytes"
+        else (subject.time_to_target, baseline.time_to_target)
+    )
+    return Row(
+        "tta",
+        f"{subject.framework}: {'bytes' if what == 'bytes' else 'time'} to {subject.target:.0%} accuracy",
+        value,
+        f"{baseline.framework}",
+        base,
+        unit="B" if what == "bytes" else "s",
+        note=f"{target}{'; ' if target else ''}{_note(subject)} vs {_note(baseline)}",
+        extra={"subject": subject.summary(), "baseline": baseline.summary()},
+    )
+
+
+def save_runs(runs: list[Run], path: Path) -> None:
+    path.write_text(json.dumps([asdict(r) | {"summary": r.summary()} for r in runs], indent=1))
+
+
+@section("tta", rows=_expected_rows)
+def tta(ctx: Context) -> list[Row]:
+    py = flower_torch_python(ctx.log)
+    work = ctx.work / "tta"
+    work.mkdir(parents=True, exist_ok=True)
+    data = write_data(work / "tta-data.npz")
+    runs: list[Run] = []
+
+    def measure(fn, *args, **kw) -> Run:
+        run = fn(*args, **kw)
+        ctx.log(
+            f"{run.framework}: {run.target} in round {run.rounds_to_target}, {run.time_to_target:.1f} s "
+            f"({run.total_to_target:.1f} s incl. start-up), {run.bytes_to_target / 1e6:.0f} MB"
+        )
+        runs.append(run)
+        save_runs(runs, work / "runs.json")
+        return run
+
+    ours = measure(run_fedagent, work, ctx.log)
+    grpc = measure(run_flower_grpc, py, work, data, ctx.log)
+    rows = [_row(ours, grpc, "time", "goal <= 0.5x"), _row(ours, grpc, "bytes")]
+    if ctx.quick:
+        ctx.log("--quick: Flower's deployment mode and the compression settings skipped")
+        return rows
+    deploy = measure(run_flower_deployment, py, work, data, ctx.log)
+    rows += [_row(ours, deploy, "time"), _row(ours, deploy, "bytes")]
+    for comp in COMPRESSIONS:
+        run = measure(run_fedagent, work, ctx.log, compression=comp)
+        rows.append(
+            _row(
+                run,
+                ours,
+                "time",
+                f"final accuracy (round {FINAL_ROUNDS}) {run.final_accuracy:.4f} vs {ours.final_accuracy:.4f}",
+            )
+        )
+    return rows
