@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import time
@@ -68,6 +69,7 @@ class Run:
     bytes_to_target: int = 0  # both ways, up to the end of the target round
     agent_bytes_to_target: int = 0  # the same on the nodes' links only (fedagent: not the coordinator's)
     target: float = TARGET
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds by process kind, whole run
 
     def reached(self) -> dict | None:
         for r in self.rounds:
@@ -107,6 +109,7 @@ class Run:
             "node_link_bytes_to_target": self.agent_bytes_to_target,
             "rounds_run": len(self.rounds),
             "final_accuracy": self.final_accuracy,
+            "cpu_s": self.cpu,
         }
 
 
@@ -139,6 +142,15 @@ def _history(path: Path) -> list[dict]:
         except ValueError:
             break  # a line being written
     return out
+
+
+def _cpu(pid: int | None) -> float:
+    """utime + stime of a live process, in seconds (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError, TypeError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_fedagent(
@@ -179,6 +191,7 @@ def run_fedagent(
         task="bench.tta_task:make",
         task_options={"alpha": tta_model.ALPHA},
         agent_broker_by_mdns=False,
+        round_timeout=600.0,  # as Flower, which waits for every client without a deadline
     )
     relays: dict[str, Relay] = {}
     try:
@@ -228,6 +241,11 @@ def run_fedagent(
         short = [r["round"] for r in run.rounds if r["participants"] != agents]
         if short:
             raise RuntimeError(f"{run.framework}: rounds {short} did not aggregate all {agents} agents")
+        run.cpu = {
+            "coordinator": _cpu(fed.proc("coordinator").popen.pid),
+            "agents": sum(_cpu(fed.proc(a).popen.pid) for a in fed.agent_ids),
+            "broker": _cpu(fed.broker.pid),
+        }
         run.bytes_up = sum(r.up for r in relays.values())
         run.bytes_down = sum(r.down for r in relays.values())
         reached = run.reached()
@@ -458,7 +476,12 @@ def tta(ctx: Context) -> list[Row]:
     runs: list[Run] = []
 
     def measure(fn, *args, **kw) -> Run:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         run = fn(*args, **kw)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        # Every process of the run that was reaped (all but the ones Flower's SuperExec
+        # detaches), from start-up to the end of the run (fedagent: FINAL_ROUNDS rounds).
+        run.cpu["all processes"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
         ctx.log(
             f"{run.framework}: {run.target} in round {run.rounds_to_target}, {run.time_to_target:.1f} s "
             f"({run.total_to_target:.1f} s incl. start-up), {run.bytes_to_target / 1e6:.0f} MB"
@@ -470,13 +493,17 @@ def tta(ctx: Context) -> list[Row]:
     ours = measure(run_fedagent, work, ctx.log)
     grpc = measure(run_flower_grpc, py, work, data, ctx.log)
     rows = [_row(ours, grpc, "time", "goal <= 0.5x"), _row(ours, grpc, "bytes")]
+    # Every run's rounds (times, accuracy), for results/tta's plot: in results.json.
+    rows[0].extra["runs"] = all_runs = [asdict(r) for r in runs]
     if ctx.quick:
         ctx.log("--quick: Flower's deployment mode and the compression settings skipped")
         return rows
     deploy = measure(run_flower_deployment, py, work, data, ctx.log)
+    all_runs.append(asdict(deploy))
     rows += [_row(ours, deploy, "time"), _row(ours, deploy, "bytes")]
     for comp in COMPRESSIONS:
         run = measure(run_fedagent, work, ctx.log, compression=comp)
+        all_runs.append(asdict(run))
         rows.append(
             _row(
                 run,

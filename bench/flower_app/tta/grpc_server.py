@@ -49,8 +49,10 @@ class TimedFedAvg(FedAvg):
     def configure_fit(self, server_round, parameters, client_manager):
         if self.reached:
             return []
+        # sample() waits until all clients are connected: the round starts after it
+        instructions = super().configure_fit(server_round, parameters, client_manager)
         self.rounds.append({"round": server_round, "start": time.time()})
-        return super().configure_fit(server_round, parameters, client_manager)
+        return instructions
 
     def aggregate_fit(self, server_round, results, failures):
         out = super().aggregate_fit(server_round, results, failures)

@@ -72,8 +72,10 @@ class TimedFedAvg(FedAvg):
     def configure_train(self, server_round, arrays, config, grid):
         if self.reached:
             return []
+        # sampling waits until all nodes are connected: the round starts after it
+        messages = super().configure_train(server_round, arrays, config, grid)
         self.rounds.append({"round": server_round, "start": time.time()})
-        return super().configure_train(server_round, arrays, config, grid)
+        return messages
 
     def aggregate_train(self, server_round, replies):
         replies = list(replies)
