@@ -52,7 +52,7 @@ TTA_APP = APP / "tta"
 TORCH = "2.13.0"  # the pinned CPU build scripts/bootstrap.sh installs for fedagent
 TARGET = 0.95
 MAX_ROUNDS = 40  # a run that has not reached the target by then failed
-FINAL_ROUNDS = 25  # fedagent runs go on to this round, for the final accuracy per compression
+FINAL_ROUNDS = 20  # fedagent runs go on to this round, for the final accuracy per compression
 COMPRESSIONS = ("fp16", "int8", "topk")
 
 
@@ -498,9 +498,6 @@ def tta(ctx: Context) -> list[Row]:
     if ctx.quick:
         ctx.log("--quick: Flower's deployment mode and the compression settings skipped")
         return rows
-    deploy = measure(run_flower_deployment, py, work, data, ctx.log)
-    all_runs.append(asdict(deploy))
-    rows += [_row(ours, deploy, "time"), _row(ours, deploy, "bytes")]
     for comp in COMPRESSIONS:
         run = measure(run_fedagent, work, ctx.log, compression=comp)
         all_runs.append(asdict(run))
@@ -512,4 +509,13 @@ def tta(ctx: Context) -> list[Row]:
                 f"final accuracy (round {FINAL_ROUNDS}) {run.final_accuracy:.4f} vs {ours.final_accuracy:.4f}",
             )
         )
+    # Last: the slowest by far (a ClientApp process, importing torch, per message).
+    try:
+        deploy = measure(run_flower_deployment, py, work, data, ctx.log)
+    except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
+        ctx.log(f"Flower {FLWR_VERSION} deployment mode did not reach the target: {exc}")
+        ctx.shared.setdefault("failures", []).append(f"tta: Flower deployment mode: {exc}")
+        return rows
+    all_runs.append(asdict(deploy))
+    rows += [_row(ours, deploy, "time"), _row(ours, deploy, "bytes")]
     return rows
