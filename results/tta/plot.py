@@ -19,7 +19,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def load(paths: list[Path]) -> list[dict]:
@@ -27,7 +27,7 @@ def load(paths: list[Path]) -> list[dict]:
     for p in paths:
         doc = json.loads(p.read_text())
         if isinstance(doc, dict) and "rows" in doc:
-            doc = [r for r in doc["rows"] if r["section"] == "tta"][0]["extra"]["runs"]
+            doc = next(r for r in doc["rows"] if r["section"] == "tta")["extra"]["runs"]
         runs += doc if isinstance(doc, list) else [doc]
     return runs
 
@@ -57,6 +57,10 @@ def summary(run: dict) -> dict:
     }
 
 
+def _s(v: float | None) -> str:
+    return "–" if v is None else f"{v:.1f} s"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("inputs", nargs="+", type=Path)
@@ -72,7 +76,7 @@ def main() -> None:
         s = summary(run)
         f = lambda v: "–" if v is None else f"{v:.1f} s"
         print(
-            f"| {s['framework']} | {s['rounds'] or '–'} | {f(s['tta'])} | {f(s['total'])} | {s['period']:.2f} s "
+            f"| {s['framework']} | {s['rounds'] or '–'} | {_s(s['tta'])} | {_s(s['total'])} | {s['period']:.2f} s "
             f"| {s['mb']:.0f} MB ({s['node_mb']:.0f} MB) | {s['final']:.4f} ({s['rounds_run']}) |"
         )
     fig, ax = plt.subplots(figsize=(8, 5))
