@@ -74,7 +74,6 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for run in runs:
         s = summary(run)
-        f = lambda v: "–" if v is None else f"{v:.1f} s"
         print(
             f"| {s['framework']} | {s['rounds'] or '–'} | {_s(s['tta'])} | {_s(s['total'])} | {s['period']:.2f} s "
             f"| {s['mb']:.0f} MB ({s['node_mb']:.0f} MB) | {s['final']:.4f} ({s['rounds_run']}) |"
