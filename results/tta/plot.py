@@ -51,7 +51,8 @@ def summary(run: dict) -> dict:
         else float("nan"),
         "mb": run["bytes_to_target"] / 1e6,
         "node_mb": run.get("agent_bytes_to_target", 0) / 1e6,
-        "final": [r["accuracy"] for r in rounds if r.get("accuracy") is not None][-1],
+        # after round 20 (the fedagent runs' final round), or the last round run
+        "final": [r["accuracy"] for r in rounds[:20] if r.get("accuracy") is not None][-1],
         "rounds_run": len(rounds),
         "cpu": run.get("cpu", {}),
     }
@@ -69,21 +70,21 @@ def main() -> None:
     runs = load(a.inputs)
     (a.out / "runs.json").write_text(json.dumps(runs, indent=1))
     print(
-        "| run | rounds to target | time to target | incl. start-up | median round, start to start (rounds 2 on) | bytes to target (node links) | final accuracy (rounds run) |"
+        "| run | rounds to target | time to target | incl. start-up | median round, start to start (rounds 2 on) | bytes to target (node links) | accuracy after round 20 or the last (rounds run) |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for run in runs:
+    for i, run in enumerate(runs, 1):
         s = summary(run)
         print(
-            f"| {s['framework']} | {s['rounds'] or '–'} | {_s(s['tta'])} | {_s(s['total'])} | {s['period']:.2f} s "
+            f"| {i}. {s['framework']} | {s['rounds'] or '–'} | {_s(s['tta'])} | {_s(s['total'])} | {s['period']:.2f} s "
             f"| {s['mb']:.0f} MB ({s['node_mb']:.0f} MB) | {s['final']:.4f} ({s['rounds_run']}) |"
         )
     fig, ax = plt.subplots(figsize=(8, 5))
-    for run in runs:
+    for i, run in enumerate(runs, 1):
         t0 = run["rounds"][0]["start"]
         pts = [(r["end"] - t0, r["accuracy"]) for r in run["rounds"] if r.get("accuracy") is not None]
         style = "-s" if run["framework"].startswith("Flower") else "-o"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, markersize=3, label=run["framework"])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, markersize=3, label=f"{i}. {run['framework']}")
     target = runs[0]["target"]
     ax.axhline(target, color="grey", linestyle=":", label=f"target {target:.0%}")
     ax.set_xlabel("seconds since the start of round 1 (end of each round)")
