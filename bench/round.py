@@ -441,6 +441,20 @@ async def _measure(bb: BenchBroker, cc: CClients, params: int, repeats: int, wor
         await fed.stop()
 
 
+def _med(res: dict, key: str) -> float:
+    return summary(res[key])[0] if res.get(key) else float("nan")
+
+
+def phase_note(res: dict) -> str:
+    """fedagent's rounds split by phase (medians, seconds from the round's start)."""
+    return (
+        f"fedagent at (median): RoundStart published {_med(res, 'phase_published'):.2f} s, "
+        f"decoded by the last agent {_med(res, 'phase_decoded'):.2f} s, first update frame "
+        f"{_med(res, 'phase_first_frame'):.2f} s, last update {_med(res, 'phase_last_update'):.2f} s, "
+        f"mean {_med(res, 'phase_end'):.2f} s"
+    )
+
+
 @section("round", rows=lambda ctx: 4 * len(model_sizes(ctx)))
 def fedavg_round(ctx: Context, agents: int = AGENTS) -> list[Row]:
     rows = []
@@ -461,7 +475,8 @@ def fedavg_round(ctx: Context, agents: int = AGENTS) -> list[Row]:
                     "mosquitto_pub/sub fan-out + fan-in (median)",
                     c_med,
                     note=f"target <= 1.2x; max {ours_max:.2f} s vs {c_max:.2f} s; n={len(res['c'])}; "
-                    f"C fan-out {summary(res['c_out'])[0]:.2f} s, fan-in {summary(res['c_in'])[0]:.2f} s",
+                    f"C fan-out {summary(res['c_out'])[0]:.2f} s, fan-in {summary(res['c_in'])[0]:.2f} s; "
+                    + phase_note(res),
                 )
             )
             rows.append(
@@ -481,7 +496,8 @@ def fedavg_round(ctx: Context, agents: int = AGENTS) -> list[Row]:
                     summary(res["fed_cpu"])[0],
                     "CPU of the mosquitto_pub/sub processes (median)",
                     summary(res["c_cpu"])[0],
-                    note="client side only; excludes the broker",
+                    note="client side only; excludes the broker; coordinator "
+                    f"{_med(res, 'phase_coord_cpu'):.2f} s + agents {_med(res, 'phase_agents_cpu'):.2f} s",
                 )
             )
             rows.append(
