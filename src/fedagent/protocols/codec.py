@@ -238,8 +238,9 @@ class Segments:
     def __iter__(self) -> Iterator[memoryview]:
         return iter(self._parts)
 
-    def read(self, start: int, end: int) -> bytes | memoryview:
-        """Bytes ``[start, end)``: a view when they lie in one run, else a copy."""
+    def read(self, start: int, end: int) -> bytes | bytearray | memoryview:
+        """Bytes ``[start, end)``: a view when they lie in one run, else a copy (a
+        bytearray: one copy, not a second one into bytes)."""
         end = min(end, self.nbytes)
         if start >= end:
             return b""
@@ -253,7 +254,7 @@ class Segments:
             out += self._parts[k][start - base : min(end, self._ends[k]) - base]
             start = self._ends[k]
             k += 1
-        return bytes(out)
+        return out
 
 
 def encode_segments(env: Envelope) -> Segments:
