@@ -92,6 +92,7 @@ async def main(args: argparse.Namespace) -> None:
             await messenger.send(topics.direct(fed, me, args.coordinator, m.kind), m, round_=m.round)
 
     async def deliver(inc: Incoming) -> None:
+        got_at = time.time()
         msg = inc.message
         if isinstance(msg, (SecAggRoster, SecAggShareBox, SecAggSurvivors, SecAggUnmask)):
             await to_coordinator(await asyncio.to_thread(secagg.on_message, msg))
@@ -115,10 +116,15 @@ async def main(args: argparse.Namespace) -> None:
             )
             return
         if isinstance(msg, RoundStart) and me in msg.selected:
+            # Two timestamps for the benchmark's per-phase split (a few bytes).
+            stamps = {"bench_got_at": got_at, "bench_send_at": time.time()}
             update = Update(
-                round=msg.round, base_version=msg.model_version, num_samples=1, metrics={}, weights=msg.weights
+                round=msg.round, base_version=msg.model_version, num_samples=1, metrics=stamps, weights=msg.weights
             )
-            await messenger.send(topics.direct(fed, me, args.coordinator, "update"), update, round_=msg.round)
+            # stable: the weights are the received model's read-only arrays.
+            await messenger.send(
+                topics.direct(fed, me, args.coordinator, "update"), update, round_=msg.round, stable=True
+            )
 
     async def on_payload(topic: str, payload: bytes) -> None:
         await messenger.receive(topic, payload, deliver)

@@ -228,15 +228,27 @@ class FedRounds:
         )
         self.runner: asyncio.Task | None = None
         self.lost: list[str] = []
+        # Per-phase timestamps of the latest round (time.time(): the agents stamp their
+        # updates' metrics with the same clock; one machine, so they compare).
+        self.phases: dict[str, float] = {}
+        self._first_update_frame: float | None = None
+        self._arrivals: list[float] = []
+        self._agent_stamps: list[tuple[float, float]] = []  # (RoundStart decoded, Update send begun)
 
     async def _deliver(self, inc: Incoming) -> None:
         msg = inc.message
         if isinstance(msg, Presence):
             (self.online.add if msg.online else self.online.discard)(inc.sender)
         elif isinstance(msg, Update):
+            self._arrivals.append(time.time())
+            got, sending = msg.metrics.get("bench_got_at"), msg.metrics.get("bench_send_at")
+            if got is not None and sending is not None:
+                self._agent_stamps.append((got, sending))
             self.updates.put_nowait(msg)
 
     async def _on_payload(self, topic: str, payload: bytes) -> None:
+        if self._first_update_frame is None and topic.endswith("/update"):
+            self._first_update_frame = time.time()
         await self.messenger.receive(topic, payload, self._deliver)
 
     async def start(self) -> None:
@@ -282,6 +294,10 @@ class FedRounds:
         pids = [p.pid for p in self.procs]
         broker = [self.bb.broker.pid]
         c0, b0 = time.process_time() + proc_cpu(pids), proc_cpu(broker)
+        own0 = time.process_time()
+        self._first_update_frame = None
+        self._arrivals, self._agent_stamps = [], []
+        w0 = time.time()
         t0 = time.perf_counter()
         acc = WeightedMean(self.weights)
         start = RoundStart(
@@ -292,7 +308,9 @@ class FedRounds:
             train=TrainConfig(),
             weights=self.weights,
         )
-        await self.messenger.send(topics.broadcast(FEDERATION, "round_start"), start, round_=r)
+        # stable: as the coordinator daemon sends it (its model is never changed in place).
+        await self.messenger.send(topics.broadcast(FEDERATION, "round_start"), start, round_=r, stable=True)
+        sent = time.time()
         got = 0
         deadline = time.monotonic() + ROUND_TIMEOUT
         while got < len(self.agents):
@@ -313,10 +331,28 @@ class FedRounds:
         mean = await asyncio.to_thread(acc.result)
         elapsed = time.perf_counter() - t0
         cpu = time.process_time() + proc_cpu(pids) - c0
+        self._note_phases(w0, sent, time.time(), time.process_time() - own0, cpu)
         first = next(iter(self.weights))
         if not np.array_equal(mean[first], self.weights[first]):
             raise RuntimeError("the FedAvg mean of identical updates differs from them")
         return elapsed, cpu, proc_cpu(broker) - b0
+
+    def _note_phases(self, w0: float, sent: float, end: float, own_cpu: float, cpu: float) -> None:
+        """Where the round's time went, in seconds from its start (see docs/benchmarks.md):
+        ``published`` the RoundStart's last chunk acknowledged by the broker; ``decoded``
+        the last agent holding the decoded RoundStart; ``first_frame`` the first update
+        frame at the coordinator; ``last_update`` the last update decoded there; ``end``
+        the mean computed. ``coord_cpu``/``agents_cpu``: CPU seconds of each side."""
+        stamps = self._agent_stamps
+        self.phases = {
+            "published": sent - w0,
+            "decoded": max((g for g, _ in stamps), default=float("nan")) - w0,
+            "first_frame": (self._first_update_frame or float("nan")) - w0,
+            "last_update": max(self._arrivals, default=float("nan")) - w0,
+            "end": end - w0,
+            "coord_cpu": own_cpu,
+            "agents_cpu": cpu - own_cpu,
+        }
 
     def _fold(self, acc: WeightedMean, u: Update) -> None:
         check_update(self.weights, u.weights)
@@ -381,6 +417,8 @@ async def _measure(bb: BenchBroker, cc: CClients, params: int, repeats: int, wor
         for i in range(repeats):
             t, cpu, bcpu = await fed.round(i + 2)
             o, n, ccpu, cbcpu = await asyncio.to_thread(cc.round, down, up, fed.agents)
+            for k, v in fed.phases.items():
+                res.setdefault(f"phase_{k}", []).append(v)
             for k, v in (
                 ("fedagent", t),
                 ("c", o + n),
@@ -397,9 +435,24 @@ async def _measure(bb: BenchBroker, cc: CClients, params: int, repeats: int, wor
                 f"{bcpu:.2f} s), C clients {o + n:.2f} s (fan-out {o:.2f} + fan-in {n:.2f}; CPU "
                 f"{ccpu:.2f} s, broker {cbcpu:.2f} s)"
             )
+            log("  fedagent phases: " + ", ".join(f"{k} {v:.3f}" for k, v in fed.phases.items()))
         return res | {"bytes": down.stat().st_size, "lost": fed.lost}
     finally:
         await fed.stop()
+
+
+def _med(res: dict, key: str) -> float:
+    return summary(res[key])[0] if res.get(key) else float("nan")
+
+
+def phase_note(res: dict) -> str:
+    """fedagent's rounds split by phase (medians, seconds from the round's start)."""
+    return (
+        f"fedagent at (median): RoundStart published {_med(res, 'phase_published'):.2f} s, "
+        f"decoded by the last agent {_med(res, 'phase_decoded'):.2f} s, first update frame "
+        f"{_med(res, 'phase_first_frame'):.2f} s, last update {_med(res, 'phase_last_update'):.2f} s, "
+        f"mean {_med(res, 'phase_end'):.2f} s"
+    )
 
 
 @section("round", rows=lambda ctx: 4 * len(model_sizes(ctx)))
@@ -422,7 +475,8 @@ def fedavg_round(ctx: Context, agents: int = AGENTS) -> list[Row]:
                     "mosquitto_pub/sub fan-out + fan-in (median)",
                     c_med,
                     note=f"target <= 1.2x; max {ours_max:.2f} s vs {c_max:.2f} s; n={len(res['c'])}; "
-                    f"C fan-out {summary(res['c_out'])[0]:.2f} s, fan-in {summary(res['c_in'])[0]:.2f} s",
+                    f"C fan-out {summary(res['c_out'])[0]:.2f} s, fan-in {summary(res['c_in'])[0]:.2f} s; "
+                    + phase_note(res),
                 )
             )
             rows.append(
@@ -442,7 +496,8 @@ def fedavg_round(ctx: Context, agents: int = AGENTS) -> list[Row]:
                     summary(res["fed_cpu"])[0],
                     "CPU of the mosquitto_pub/sub processes (median)",
                     summary(res["c_cpu"])[0],
-                    note="client side only; excludes the broker",
+                    note="client side only; excludes the broker; coordinator "
+                    f"{_med(res, 'phase_coord_cpu'):.2f} s + agents {_med(res, 'phase_agents_cpu'):.2f} s",
                 )
             )
             rows.append(

@@ -115,7 +115,7 @@ def test_gossip_section_tiny(bench_ctx):
     from bench.gossip import gossip_exchange
 
     rows = gossip_exchange(bench_ctx)
-    well_formed(rows, "gossip", 1, ctx=bench_ctx)
+    well_formed(rows, "gossip", 3, cpu_rows=("CPU",), ctx=bench_ctx)
 
 
 def test_syncopt_section_tiny(bench_ctx):

@@ -472,7 +472,9 @@ class Messenger:
         if not payload:
             return None  # a cleared retained message
         try:
-            env = decode(payload, self.wire_limits)
+            # Views: a chunk's data is copied once, into its transfer, not first out of
+            # the payload by the decoder.
+            env = decode(payload, self.wire_limits, views=True)
         except CodecError as exc:
             return self._reject("codec", topic_sender, str(exc))
         # The ACL makes node/<id>/ writable only by <id>: the envelope must agree.
@@ -504,7 +506,9 @@ class Messenger:
             if whole is None:
                 return None
             try:
-                inner = await asyncio.to_thread(decode, whole, self.model_limits)
+                # The tensors stay views of the reassembled buffer (handed over by the
+                # reassembler, held by nothing else): the model is not copied again.
+                inner = await asyncio.to_thread(decode, whole, self.model_limits, views=True)
             except CodecError as exc:
                 return self._reject("codec", env.sender, str(exc))
             if inner.sender != env.sender or inner.federation != self.federation:

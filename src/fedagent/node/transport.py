@@ -44,8 +44,10 @@ from urllib.parse import urlsplit
 import aiomqtt
 import paho.mqtt.client as mqtt
 from aiomqtt.exceptions import MqttConnectError
+from paho.mqtt import _packet
+from paho.mqtt.exception import MalformedPacket
 from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
+from paho.mqtt.properties import Properties, VariableByteIntegers
 from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
@@ -350,6 +352,7 @@ class _Client(aiomqtt.Client):
         # QoS1 messages are acknowledged once the handler is done with them.
         self._client.manual_ack_set(True)
         _bound_reads(self._client)
+        _view_writes(self._client)
         # time.monotonic() of the last bytes from the broker (any packet: PINGRESP too).
         self.last_rx = time.monotonic()
         # Read pausing (see Transport's hold_limit): bytes of messages handed over and not
@@ -564,6 +567,22 @@ def read_available(client: mqtt.Client, paused: Callable[[], bool] = lambda: Fal
 READ_SIZE = 64 * 1024
 
 
+def _view_writes(client: mqtt.Client) -> None:
+    """Queue outgoing packets as memoryviews. paho writes a packet with
+    ``sock.send(packet[pos:])``, which for a bytearray copies the whole unsent rest
+    before every partial write: a 4 MiB chunk going out in a few dozen TLS writes was
+    copied a few dozen times. A view of it is sliced for free (paho never resizes a
+    queued packet)."""
+    queue = client._packet_queue
+
+    def queued(command: int, packet: Any, mid: int, qos: int, info: Any = None) -> Any:
+        if len(packet) > READ_SIZE:
+            packet = memoryview(packet)  # paho only slices and sends it
+        return queue(command, packet, mid, qos, info)
+
+    client._packet_queue = queued  # type: ignore[method-assign]  # on purpose: this client's writes only
+
+
 def _bound_reads(client: mqtt.Client) -> None:
     recv = client._sock_recv
 
@@ -592,6 +611,63 @@ def publish_packet_size(topic: str, payload_len: int, qos: int) -> int:
     """Bytes of an MQTT 5 PUBLISH without properties: what Maximum Packet Size limits."""
     remaining = 2 + len(topic.encode()) + (2 if qos else 0) + 1 + payload_len
     return 1 + _varint_len(remaining) + remaining
+
+
+def _decode_publish(header: int, packet: bytes | bytearray, protocol: mqtt.MQTTProtocolVersion) -> Any:
+    """paho's ``_packet.decode_publish``, reading through a memoryview.
+
+    paho's own cuts the packet with ``struct.unpack`` and slices three or four times,
+    each time copying the rest of it, and the properties parser copies it again for
+    each byte of their length (measured: 4-5 copies of every model chunk received,
+    the coordinator's largest CPU cost after TLS at 44.8 MB per update). Here the
+    topic and the properties are copied out (a few bytes) and the payload once. Same
+    fields, same checks: a packet too short for what it claims is MalformedPacket."""
+    view = memoryview(packet)
+    end = len(view)
+    qos = (header & 0x06) >> 1
+    if end < 2:
+        raise MalformedPacket("PUBLISH packet too short for its topic length")
+    slen = int.from_bytes(view[0:2], "big")
+    pos = 2 + slen
+    if pos > end:
+        raise MalformedPacket("PUBLISH topic runs past the end of the packet")
+    topic = bytes(view[2:pos])
+    if protocol != mqtt.MQTTProtocolVersion.MQTTv5 and slen == 0:
+        raise MalformedPacket("topic can't be empty in MQTTv3")
+    mid = 0
+    if qos > 0:
+        if pos + 2 > end:
+            raise MalformedPacket("PUBLISH packet too short for its packet identifier")
+        mid = int.from_bytes(view[pos : pos + 2], "big")
+        pos += 2
+    properties = None
+    if protocol == mqtt.MQTTProtocolVersion.MQTTv5:
+        properties = Properties(PacketTypes.PUBLISH)
+        try:
+            plen, vlen = VariableByteIntegers.decode(bytes(view[pos : pos + 4]))
+            if pos + vlen + plen > end:
+                raise MalformedPacket("PUBLISH properties run past the end of the packet")
+            _props, used = properties.unpack(bytes(view[pos : pos + vlen + plen]))
+        except MalformedPacket:
+            raise
+        except _packet.DECODE_ERRORS as exc:
+            raise MalformedPacket(str(exc)) from exc
+        pos += used
+    return _packet.PublishPacket(
+        dup=((header & 0x08) >> 3) != 0,
+        qos=qos,
+        retain=(header & 0x01) != 0,
+        topic=topic,
+        mid=mid,
+        properties=properties,
+        payload=bytes(view[pos:]),
+    )
+
+
+# paho's client calls it through the module (``_packet.decode_publish``): replaced for
+# every paho client in the process, with the same results (tests/test_transport_copies.py).
+_paho_decode_publish = _packet.decode_publish
+_packet.decode_publish = _decode_publish
 
 
 # --- the transport ------------------------------------------------------------------

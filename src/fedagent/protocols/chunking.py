@@ -7,7 +7,7 @@ and SHA-256, so the receiver can check any chunk on its own, in any order.
 :class:`Reassembler` is pure (time is passed in) and keyed by ``(sender, tid)``: two
 senders using the same transfer id never mix, and the sender is the envelope's, which
 the broker ACL ties to the publisher's certificate. Memory is checked before it is
-allocated: a transfer's buffer (``bytearray(size)``, plus a one-bit-per-chunk map) is
+allocated: a transfer's buffer (``size`` bytes, plus a one-bit-per-chunk map) is
 made on its first chunk only after ``size`` has been checked against
 ``max_transfer_bytes`` and the sum of pending transfers against ``max_pending_bytes``.
 
@@ -23,6 +23,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, overload
+
+import numpy as np
 
 from fedagent.errors import CodecError
 from fedagent.protocols.codec import Segments
@@ -129,7 +131,7 @@ class _Transfer:
     size: int
     sha256: bytes
     cost: int  # bytes charged against max_pending_bytes
-    buffer: bytearray
+    buffer: memoryview  # of an uninitialised numpy array: every byte is written by a chunk
     seen: bytearray  # one bit per chunk
     received: int = 0
     chunk_len: int = 0  # length of every chunk but the last; 0 until one arrives
@@ -179,7 +181,7 @@ class Reassembler:
     def pending_transfers(self) -> int:
         return len(self._transfers)
 
-    def feed(self, sender: str, body: Any, now: float) -> bytes | bytearray | None:
+    def feed(self, sender: str, body: Any, now: float) -> bytes | memoryview | None:
         """Take one chunk body; the whole payload when this chunk completes a transfer
         whose digest matches, else ``None``. Raises CodecError on a bad chunk."""
         if type(sender) is not str:
@@ -255,7 +257,7 @@ class Reassembler:
         if t.received < n:
             return None
         self._drop(key)
-        return self._finish(key, tid, digest, t.buffer, now)
+        return self._finish(key, tid, digest, t.buffer, now, own=True)
 
     def expire(self, now: float) -> list[tuple[str, str]]:
         """Drop transfers idle for longer than ``timeout``; their ``(sender, tid)``."""
@@ -314,7 +316,11 @@ class Reassembler:
             size=size,
             sha256=digest,
             cost=cost,
-            buffer=bytearray(size),
+            # Not bytearray(size): that zeroes (one more pass over a model) a buffer whose
+            # every byte a chunk overwrites before it is handed over, and calloc'd
+            # memory is fresh pages each time where malloc'd is reused (measured: 50 vs
+            # 5 ms per 44.8 MB transfer).
+            buffer=np.empty(size, np.uint8).data,
             seen=bytearray((n + 7) // 8),
             last_seen=now,
         )
@@ -323,8 +329,15 @@ class Reassembler:
         return t
 
     def _finish(
-        self, key: tuple[str, str], tid: str, digest: bytes, data: bytes | bytearray | memoryview, now: float
-    ) -> bytes | bytearray:
+        self,
+        key: tuple[str, str],
+        tid: str,
+        digest: bytes,
+        data: bytes | bytearray | memoryview,
+        now: float,
+        *,
+        own: bool = False,
+    ) -> bytes | memoryview:
         if hashlib.sha256(data).digest() != digest:
             raise CodecError(f"transfer {tid!r}: sha256 mismatch; transfer dropped")
         if self.remember_completed:
@@ -332,8 +345,11 @@ class Reassembler:
             self._completed.move_to_end(key)
             while len(self._completed) > self.remember_completed:
                 self._completed.popitem(last=False)
-        # The transfer's own buffer is handed over, not copied: nothing else holds it.
-        return data if isinstance(data, bytearray) else bytes(data)
+        # The transfer's own buffer (``own``) is handed over, not copied: nothing else
+        # holds it. A single chunk's data may be a view of the frame: copied.
+        if own and isinstance(data, memoryview):
+            return data
+        return bytes(data)
 
     def _drop(self, key: tuple[str, str]) -> None:
         t = self._transfers.pop(key, None)

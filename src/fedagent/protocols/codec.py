@@ -77,6 +77,9 @@ DTYPES: dict[str, np.dtype] = {
 }
 _TENSOR_KEYS = frozenset(("dtype", "shape", "data"))
 
+#: Binary values from this size on are referenced, not copied (encode_segments, decode's views).
+_VIEW_FROM = 64 * 1024
+
 _WIRE_KEYS = ("v", "k", "f", "s", "r", "q", "t", "b")
 _WIRE_KEYSET = frozenset(_WIRE_KEYS)
 # Authentication fields (see fedagent.signing): present on every frame a node sends,
@@ -218,7 +221,7 @@ class Segments:
     __slots__ = ("_ends", "_parts", "nbytes")
 
     #: Binary values from this size on are referenced, not copied.
-    VIEW_FROM = 64 * 1024
+    VIEW_FROM = 64 * 1024  # = _VIEW_FROM
 
     def __init__(self, parts: list[bytes | memoryview]) -> None:
         self._parts = [memoryview(p).cast("B") for p in parts]
@@ -235,8 +238,9 @@ class Segments:
     def __iter__(self) -> Iterator[memoryview]:
         return iter(self._parts)
 
-    def read(self, start: int, end: int) -> bytes | memoryview:
-        """Bytes ``[start, end)``: a view when they lie in one run, else a copy."""
+    def read(self, start: int, end: int) -> bytes | bytearray | memoryview:
+        """Bytes ``[start, end)``: a view when they lie in one run, else a copy (a
+        bytearray: one copy, not a second one into bytes)."""
         end = min(end, self.nbytes)
         if start >= end:
             return b""
@@ -250,7 +254,7 @@ class Segments:
             out += self._parts[k][start - base : min(end, self._ends[k]) - base]
             start = self._ends[k]
             k += 1
-        return bytes(out)
+        return out
 
 
 def encode_segments(env: Envelope) -> Segments:
@@ -315,17 +319,22 @@ def _binary_bytes(root: Any) -> int:
     return total
 
 
-def decode(data: bytes | bytearray | memoryview, limits: Limits = _DEFAULT_LIMITS) -> Envelope:
-    """Validate and decode one envelope. Raises CodecError and nothing else."""
+def decode(data: bytes | bytearray | memoryview, limits: Limits = _DEFAULT_LIMITS, *, views: bool = False) -> Envelope:
+    """Validate and decode one envelope. Raises CodecError and nothing else.
+
+    ``views``: binary values of :attr:`Segments.VIEW_FROM` bytes or more (a tensor's or a
+    chunk's data) come back as read-only memoryviews of ``data`` instead of copies, so a
+    received model is not copied once more by the decoder. ``data`` must then not change
+    while they are in use (bytes never do; a reassembled buffer nobody else holds)."""
     try:
-        return _decode(data, limits)
+        return _decode(data, limits, views)
     except CodecError:
         raise
     except Exception as exc:  # belt and braces: nothing but CodecError leaves the decoder
         raise CodecError(f"undecodable message ({type(exc).__name__}: {exc})") from exc
 
 
-def _decode(data: bytes | bytearray | memoryview, limits: Limits) -> Envelope:
+def _decode(data: bytes | bytearray | memoryview, limits: Limits, views: bool = False) -> Envelope:
     if not isinstance(limits, Limits):
         raise CodecError("decode() limits must be a Limits")
     if isinstance(data, memoryview):
@@ -345,7 +354,30 @@ def _decode(data: bytes | bytearray | memoryview, limits: Limits) -> Envelope:
     if not (0x80 <= head <= 0x8F or head in (0xDE, 0xDF)):
         raise CodecError("not a fedagent envelope (expected a msgpack map)")
     # The envelope map is depth 1, so its body may reach max_depth + 1.
-    _scan(data, limits, limits.max_depth + 1)
+    bins: list[tuple[int, int, int]] | None = [] if views else None
+    _scan(data, limits, limits.max_depth + 1, bins)
+    ext_hook: Any = _refuse_ext
+    max_ext_len = 0
+    if bins:
+        # The large binaries are cut out and replaced by an ext placeholder holding their
+        # index; msgpack decodes the small rest, and the hook puts the views in. The
+        # scan refused every ext type in ``data``, so every ext left is a placeholder.
+        whole = memoryview(data).toreadonly()
+        cut = [whole[start : start + n] for _h, start, n in bins]
+        small = bytearray()
+        last = 0
+        for k, (head, start, n) in enumerate(bins):
+            small += whole[last:head]
+            small += b"\xd6" + bytes([_VIEW_EXT]) + k.to_bytes(4, "big")  # fixext 4
+            last = start + n
+        small += whole[last:]
+        data = small
+        max_ext_len = 4
+
+        def ext_hook(code: int, index: bytes) -> memoryview:
+            if code != _VIEW_EXT:
+                raise CodecError(f"msgpack ext type {code} is not allowed")
+            return cut[int.from_bytes(index, "big")]
 
     try:
         wire = msgpack.unpackb(
@@ -358,9 +390,9 @@ def _decode(data: bytes | bytearray | memoryview, limits: Limits) -> Envelope:
             max_bin_len=limits.max_bin_len,
             max_array_len=limits.max_array_len,
             max_map_len=limits.max_map_len,
-            max_ext_len=0,
+            max_ext_len=max_ext_len,
             object_pairs_hook=_pairs_to_dict,
-            ext_hook=_refuse_ext,
+            ext_hook=ext_hook,
         )
     except CodecError:
         raise
@@ -425,6 +457,10 @@ def _pairs_to_dict(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
     return d
 
 
+#: The ext type code of decode()'s view placeholders (never accepted from a peer).
+_VIEW_EXT = 0x42
+
+
 def _refuse_ext(code: int, data: bytes) -> Any:
     raise CodecError(f"msgpack ext type {code} is not allowed")
 
@@ -472,8 +508,13 @@ def _header_table() -> tuple[tuple[int, int], ...]:
 _HEADERS = _header_table()
 
 
-def _scan(buf: bytes | bytearray | memoryview, limits: Limits, max_depth: int) -> None:
+def _scan(
+    buf: bytes | bytearray | memoryview, limits: Limits, max_depth: int, bins: list[tuple[int, int, int]] | None = None
+) -> None:
     """Walk the msgpack headers of ``buf`` without building any object.
+
+    ``bins``: where to list ``(header position, data position, length)`` of every binary
+    value of :attr:`Segments.VIEW_FROM` bytes or more (for :func:`decode`'s views).
 
     Refuses (CodecError) any length beyond a limit or beyond the bytes present, nesting
     deeper than ``max_depth``, more than ``limits.max_objects`` objects, a non-string
@@ -535,6 +576,8 @@ def _scan(buf: bytes | bytearray | memoryview, limits: Limits, max_depth: int) -
             elif op == _BIN:
                 if n > limits.max_bin_len:
                     raise CodecError(f"binary of {n} bytes at byte {start} exceeds max_bin_len {limits.max_bin_len}")
+                if bins is not None and n >= _VIEW_FROM:
+                    bins.append((start, pos, n))
                 pos += n
             elif op == _ARRAY:
                 if n > limits.max_array_len:
