@@ -58,7 +58,7 @@ from fedagent.tasks import text_data as td
 from fedagent.tasks import text_metrics as tm
 from fedagent.tasks.base import load_task, set_weights
 from fedagent.tasks.doc2vec import Doc2VecTask
-from fedagent.tasks.seec import map_vectors, train_mapper
+from fedagent.tasks.seec import map_vectors, public_vectors, train_mapper, train_own_model
 
 require_installed(EXPERIMENTS, "experiments", "the SEEC experiment")
 
@@ -99,6 +99,14 @@ SCALES = {
     "paper": Scale(epochs=40, infer_epochs=40, agent_infer_epochs=10, ceiling=True),
     "tiny": Scale(epochs=2, infer_epochs=3, agent_infer_epochs=3, mapper_epochs=20, limit=30),
 }
+
+
+PUBLIC_DOCS = 200  # the public corpus: the newsgroups sample's posts
+
+
+def site_seed(scale: Scale, site: int) -> int:
+    """``[search] seed`` of site ``site``'s mapped agent (and of its in-process twin)."""
+    return scale.seed + 10 + site
 
 
 def cosine_lr(lr: float, epoch: int, epochs: int) -> float:
@@ -307,8 +315,8 @@ def run_live_mapped(
                 "local_epochs": scale.epochs,
                 "lr": scale.lr,
                 "batch_size": scale.batch_size,
-                "seed": scale.seed + 10 + i,
-                "public_docs": 200,
+                "seed": site_seed(scale, i),
+                "public_docs": PUBLIC_DOCS,
                 "mapper_epochs": scale.mapper_epochs,
                 "mapper_lr": scale.mapper_lr,
                 "mapper_hidden": 1200,
@@ -455,14 +463,19 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
     # Vector-space mapping: independent local models, mappers on the public posts.
     t0 = time.monotonic()
     index = {tuple(t): i for i, t in enumerate(all_tokens)}
-    public = [td.tokenize(p.text) for p in td.newsgroups()]
+    # The same computation, with the same seeds, as a mapped agent of ``run_live_mapped``
+    # (``[search] seed`` = seed + 10 + site): its own model, its index, its public vectors and
+    # its mappers come from the same functions (fedagent.tasks.seec), so the live row can
+    # be checked against this one.
+    public = [td.tokenize(p.text) for p in td.newsgroups()[:PUBLIC_DOCS]]
     sites: list[Site] = []
     for i, task in enumerate(shard_tasks):
         own = td.merge_term_counts([task.term_counts()], min_count=scale.min_count)
         task.set_vocabulary([t for t, _ in own], [c for _, c in own])
-        model, _ = train(task, scale, seed=scale.seed + 10 + i)
-        docs_vec, _ = task.infer_vectors(model, task.tokens, seed=404 + i)
-        pub_vec, _ = task.infer_vectors(model, public, seed=505 + i)
+        seed = site_seed(scale, i)
+        model = train_own_model(task, epochs=scale.epochs, lr=scale.lr, batch_size=scale.batch_size, seed=seed)
+        docs_vec = task.embed_documents(model)
+        pub_vec = public_vectors(task, model, public, seed)
         site_rows = [index[tuple(t)] for t in task.tokens]
         sites.append({"task": task, "vec": docs_vec, "pub": pub_vec, "rows": site_rows, "vocab": len(own)})
         console.print(f"  site {i + 1}: {len(site_rows)} articles, {len(own)} terms of its own")
@@ -471,10 +484,11 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
     for i in range(scale.sites):
         for j in range(scale.sites):
             if i != j:
+                seed = site_seed(scale, i)  # an agent trains every mapper with its own seed
                 mappers[i, j] = train_mapper(
-                    sites[i]["pub"], sites[j]["pub"], lr=scale.mapper_lr, epochs=scale.mapper_epochs, seed=i * 10 + j
+                    sites[i]["pub"], sites[j]["pub"], lr=scale.mapper_lr, epochs=scale.mapper_epochs, seed=seed
                 )
-                paper_mappers[i, j] = train_mapper(sites[i]["pub"], sites[j]["pub"], seed=i * 10 + j)
+                paper_mappers[i, j] = train_mapper(sites[i]["pub"], sites[j]["pub"], seed=seed)
 
     def global_search(how: str) -> list[list[int]]:
         result: list[list[int]] = [[] for _ in range(n)]
