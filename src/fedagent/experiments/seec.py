@@ -507,7 +507,8 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
                 result[row] = [r for _, r in hits[:k]]
         return result
 
-    ov_mapped = overlaps(nn_central, global_search("mapped"), k)
+    top_mapped = global_search("mapped")
+    ov_mapped = overlaps(nn_central, top_mapped, k)
     ov_paper_mapped = overlaps(nn_central, global_search("paper"), k)
     ov_unmapped = overlaps(nn_central, global_search("unmapped"), k)
     step("vector-space mapping (local models, mappers, global search)", t0)
@@ -522,6 +523,7 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
     live_work = Path(tempfile.mkdtemp(prefix="fedagent-seec-mapped-"))
     live_top, live_meta = run_live_mapped(scale, live_work, console, owner, titles, all_tokens)
     ov_live = overlaps(nn_central, live_top, k)
+    live_meta["same_top_k_as_in_process"] = sum(a == b for a, b in zip(top_mapped, live_top))
     step("mapping through the agents (live mapped search)", t0)
     if not keep:
         import shutil
@@ -649,9 +651,10 @@ def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[st
         "(signed `PublicVectors`) and trains its own mappers (same settings as the main mapping row). Every "
         f"article is searched for from its own site's agent through the control socket (`search`, what "
         f"`fedagent search` sends) with k = {k + 1}: the article itself is dropped from the merged result and "
-        f"the first {k} others count. The query is the article's text, vectorised by the agent "
-        "(`embed_text`: 100 inference passes, not the indexed document vector the in-process rows use as the "
-        f"query); the control socket takes at most {lm.get('query_chars_limit')} characters, so "
+        f"the first {k} others count. The query is the article's text, vectorised by the agent exactly as "
+        "a site infers its indexed documents (`embed_text`: the same seed and passes, a generator seeded by the "
+        "text's own words), so it is the article's indexed vector, which the in-process rows use as the query; "
+        f"the control socket takes at most {lm.get('query_chars_limit')} characters, so "
         f"{lm.get('truncated_queries')} of {lm.get('queries')} articles were cut to their first "
         f"{lm.get('query_chars_limit')} characters of tokens. Queries with a peer silent or refusing: "
         f"{lm.get('incomplete_answers')}. First search per site (trains the models and mappers): "
@@ -698,12 +701,11 @@ def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[st
             "map learnt on them does not carry over. "
         )
         + "The paper's mapper settings (80 Adam steps on 200 posts) barely train the mapper. "
-        f"Through the agents the same mapping gives {live_v:.3f} (in process: {mapped_v:.3f}); the two differ "
-        "in the query vector (the agent infers it from the text with 100 passes instead of using the indexed "
-        "document vector; long articles cut to the query limit) and in the agents' own models (other seeds, "
-        "trained inside the agent). `scripts/seec_live_gap.py` repeats the in-process mapping with the "
-        "agent's query and with a constant step (what the agents used before their own models decayed it: "
-        "live row 0.276), one at a time, to show how much each one costs.",
+        f"Through the agents the same mapping gives {live_v:.3f} (in process: {mapped_v:.3f}): the agents "
+        "and the in-process rows call the same functions with the same seeds (own model, index, public "
+        "vectors, mappers), and the query text is inferred exactly as the indexed document; "
+        f"{lm.get('same_top_k_as_in_process', '?')} of {lm.get('queries')} articles have the same top {k} "
+        "live as in process.",
         "",
         "![sim_k](sim_k.png)",
         "",
