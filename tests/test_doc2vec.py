@@ -50,6 +50,34 @@ def test_training_then_inference_recovers_documents_with_the_head_frozen():
     assert loss1 < 4.0  # below the untrained 6·log 2
 
 
+def test_a_documents_vector_does_not_depend_on_the_documents_inferred_with_it():
+    """What makes a live search equal to the in-process mapping: a document inferred
+    alone, in another order or among other documents gets the same vector, and a query
+    whose text is an indexed document's text gets that document's indexed vector."""
+    task = load_task("doc2vec", {**SLICE, "limit": 30, "infer_epochs": 4})
+    model = task.build_model()
+    for epoch in range(5):
+        task.fit(model, epochs=1, lr=0.05, batch_size=128, seed=epoch)
+    index = task.embed_documents(model)
+    docs = list(task.tokens)
+    shuffled, _ = task.infer_vectors(model, docs[::-1][:12] + [["space", "shuttle", "orbit"]], seed=task.seed + 3)
+    assert np.allclose(shuffled[:12][::-1], index[-12:], atol=1e-5)
+    alone, _ = task.infer_vectors(model, [docs[7]], seed=task.seed + 3)
+    assert np.allclose(alone[0], index[7], atol=1e-5)
+    assert np.array_equal(task.embed_text(model, " ".join(docs[7])), index[7])
+    other_seed, _ = task.infer_vectors(model, [docs[7]], seed=task.seed + 4)
+    assert not np.allclose(other_seed[0], index[7], atol=1e-3)  # the seed still matters
+
+
+def test_a_short_text_gets_more_passes_than_a_long_one():
+    from fedagent.tasks.doc2vec import INFER_MAX_PASSES, INFER_MIN_PAIRS, infer_passes
+
+    assert infer_passes(2, 10) == INFER_MAX_PASSES
+    assert infer_passes(INFER_MIN_PAIRS // 20, 10) == 20
+    assert infer_passes(50_000, 10) == 10
+    assert infer_passes(50_000, 40) == 40
+
+
 def test_evaluate_reports_knn_accuracy_on_the_holdout():
     task = load_task("doc2vec", {"corpus": "newsgroups", "limit": 50, "holdout": 0.2, "dim": 16, "infer_epochs": 3})
     assert len(task.test_tokens) == 10

@@ -33,7 +33,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import math
 import secrets
 import threading
 import time
@@ -53,11 +52,12 @@ from fedagent.protocols import search as S
 from fedagent.protocols import topics
 from fedagent.protocols.messages import PublicVectors, PublicVectorsRequest, SearchAnswer, SearchQuery
 from fedagent.protocols.ratelimit import RateLimiter
+from fedagent.tasks import seec
 from fedagent.tasks.base import get_weights, set_weights
 
 log = logging.getLogger("fedagent.search")
 
-MAX_QUERY_CHARS = 10_000
+MAX_QUERY_CHARS = 200_000  # a whole document may be the query; only its vector leaves the agent
 RATE_LIMITED = "rate"
 OWN_MODEL_FILE = "search-own-model.ckpt"
 PUBLIC_VECTORS = "__public_vectors__"
@@ -162,15 +162,10 @@ class SearchService(Service):
                 model = task.build_model()
                 pub = self._restore_own(model, key)
                 if pub is None:
-                    # One epoch at a time with the step decaying to 0 along a half cosine (the
-                    # coordinator's "cosine" schedule): a constant step leaves the last epochs'
-                    # noise in the vectors (live mapped sim_10 0.276 against 0.400 with decay,
-                    # results/seec/live-gap.txt).
-                    for e in range(st.local_epochs):
-                        lr = st.lr * 0.5 * (1.0 + math.cos(math.pi * e / st.local_epochs))
-                        task.fit(model, epochs=1, lr=lr, batch_size=st.batch_size, seed=st.seed * 1000 + e + 1)
-                    vectors = search_task(task).infer_vectors(model, public, seed=st.seed + 5)[0]
-                    pub = np.asarray(vectors, dtype=np.float32)
+                    model = seec.train_own_model(
+                        task, epochs=st.local_epochs, lr=st.lr, batch_size=st.batch_size, seed=st.seed
+                    )
+                    pub = seec.public_vectors(task, model, public, st.seed)
             head = b"".join(np.ascontiguousarray(t.detach().numpy()).tobytes() for t in model.state_dict().values())
             space = "mapped:" + hashlib.sha256(head).hexdigest()[:32]
             if self.own_model_source == "":
@@ -193,6 +188,7 @@ class SearchService(Service):
                     st.local_epochs,
                     st.lr,
                     "cosine",
+                    "per-document inference",  # public vectors from before it are not reused
                     st.batch_size,
                     st.seed,
                     self.public_corpus()[0],
@@ -436,9 +432,7 @@ class SearchService(Service):
             self.vectors_received += 1
 
             def fit(target: np.ndarray = target) -> Any:
-                from fedagent.tasks.seec import train_mapper
-
-                return train_mapper(
+                return seec.train_mapper(
                     own_public, target, hidden=st.mapper_hidden, lr=st.mapper_lr, epochs=st.mapper_epochs, seed=st.seed
                 )
 

@@ -58,7 +58,7 @@ from fedagent.tasks import text_data as td
 from fedagent.tasks import text_metrics as tm
 from fedagent.tasks.base import load_task, set_weights
 from fedagent.tasks.doc2vec import Doc2VecTask
-from fedagent.tasks.seec import map_vectors, train_mapper
+from fedagent.tasks.seec import map_vectors, public_vectors, train_mapper, train_own_model
 
 require_installed(EXPERIMENTS, "experiments", "the SEEC experiment")
 
@@ -99,6 +99,14 @@ SCALES = {
     "paper": Scale(epochs=40, infer_epochs=40, agent_infer_epochs=10, ceiling=True),
     "tiny": Scale(epochs=2, infer_epochs=3, agent_infer_epochs=3, mapper_epochs=20, limit=30),
 }
+
+
+PUBLIC_DOCS = 200  # the public corpus: the newsgroups sample's posts
+
+
+def site_seed(scale: Scale, site: int) -> int:
+    """``[search] seed`` of site ``site``'s mapped agent (and of its in-process twin)."""
+    return scale.seed + 10 + site
 
 
 def cosine_lr(lr: float, epoch: int, epochs: int) -> float:
@@ -307,8 +315,8 @@ def run_live_mapped(
                 "local_epochs": scale.epochs,
                 "lr": scale.lr,
                 "batch_size": scale.batch_size,
-                "seed": scale.seed + 10 + i,
-                "public_docs": 200,
+                "seed": site_seed(scale, i),
+                "public_docs": PUBLIC_DOCS,
                 "mapper_epochs": scale.mapper_epochs,
                 "mapper_lr": scale.mapper_lr,
                 "mapper_hidden": 1200,
@@ -455,14 +463,19 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
     # Vector-space mapping: independent local models, mappers on the public posts.
     t0 = time.monotonic()
     index = {tuple(t): i for i, t in enumerate(all_tokens)}
-    public = [td.tokenize(p.text) for p in td.newsgroups()]
+    # The same computation, with the same seeds, as a mapped agent of ``run_live_mapped``
+    # (``[search] seed`` = seed + 10 + site): its own model, its index, its public vectors and
+    # its mappers come from the same functions (fedagent.tasks.seec), so the live row can
+    # be checked against this one.
+    public = [td.tokenize(p.text) for p in td.newsgroups()[:PUBLIC_DOCS]]
     sites: list[Site] = []
     for i, task in enumerate(shard_tasks):
         own = td.merge_term_counts([task.term_counts()], min_count=scale.min_count)
         task.set_vocabulary([t for t, _ in own], [c for _, c in own])
-        model, _ = train(task, scale, seed=scale.seed + 10 + i)
-        docs_vec, _ = task.infer_vectors(model, task.tokens, seed=404 + i)
-        pub_vec, _ = task.infer_vectors(model, public, seed=505 + i)
+        seed = site_seed(scale, i)
+        model = train_own_model(task, epochs=scale.epochs, lr=scale.lr, batch_size=scale.batch_size, seed=seed)
+        docs_vec = task.embed_documents(model)
+        pub_vec = public_vectors(task, model, public, seed)
         site_rows = [index[tuple(t)] for t in task.tokens]
         sites.append({"task": task, "vec": docs_vec, "pub": pub_vec, "rows": site_rows, "vocab": len(own)})
         console.print(f"  site {i + 1}: {len(site_rows)} articles, {len(own)} terms of its own")
@@ -471,10 +484,11 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
     for i in range(scale.sites):
         for j in range(scale.sites):
             if i != j:
+                seed = site_seed(scale, i)  # an agent trains every mapper with its own seed
                 mappers[i, j] = train_mapper(
-                    sites[i]["pub"], sites[j]["pub"], lr=scale.mapper_lr, epochs=scale.mapper_epochs, seed=i * 10 + j
+                    sites[i]["pub"], sites[j]["pub"], lr=scale.mapper_lr, epochs=scale.mapper_epochs, seed=seed
                 )
-                paper_mappers[i, j] = train_mapper(sites[i]["pub"], sites[j]["pub"], seed=i * 10 + j)
+                paper_mappers[i, j] = train_mapper(sites[i]["pub"], sites[j]["pub"], seed=seed)
 
     def global_search(how: str) -> list[list[int]]:
         result: list[list[int]] = [[] for _ in range(n)]
@@ -493,7 +507,8 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
                 result[row] = [r for _, r in hits[:k]]
         return result
 
-    ov_mapped = overlaps(nn_central, global_search("mapped"), k)
+    top_mapped = global_search("mapped")
+    ov_mapped = overlaps(nn_central, top_mapped, k)
     ov_paper_mapped = overlaps(nn_central, global_search("paper"), k)
     ov_unmapped = overlaps(nn_central, global_search("unmapped"), k)
     step("vector-space mapping (local models, mappers, global search)", t0)
@@ -508,6 +523,7 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
     live_work = Path(tempfile.mkdtemp(prefix="fedagent-seec-mapped-"))
     live_top, live_meta = run_live_mapped(scale, live_work, console, owner, titles, all_tokens)
     ov_live = overlaps(nn_central, live_top, k)
+    live_meta["same_top_k_as_in_process"] = sum(a == b for a, b in zip(top_mapped, live_top))
     step("mapping through the agents (live mapped search)", t0)
     if not keep:
         import shutil
@@ -635,9 +651,10 @@ def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[st
         "(signed `PublicVectors`) and trains its own mappers (same settings as the main mapping row). Every "
         f"article is searched for from its own site's agent through the control socket (`search`, what "
         f"`fedagent search` sends) with k = {k + 1}: the article itself is dropped from the merged result and "
-        f"the first {k} others count. The query is the article's text, vectorised by the agent "
-        "(`embed_text`: 100 inference passes, not the indexed document vector the in-process rows use as the "
-        f"query); the control socket takes at most {lm.get('query_chars_limit')} characters, so "
+        f"the first {k} others count. The query is the article's text, vectorised by the agent exactly as "
+        "a site infers its indexed documents (`embed_text`: the same seed and passes, a generator seeded by the "
+        "text's own words), so it is the article's indexed vector, which the in-process rows use as the query; "
+        f"the control socket takes at most {lm.get('query_chars_limit')} characters, so "
         f"{lm.get('truncated_queries')} of {lm.get('queries')} articles were cut to their first "
         f"{lm.get('query_chars_limit')} characters of tokens. Queries with a peer silent or refusing: "
         f"{lm.get('incomplete_answers')}. First search per site (trains the models and mappers): "
@@ -684,12 +701,11 @@ def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[st
             "map learnt on them does not carry over. "
         )
         + "The paper's mapper settings (80 Adam steps on 200 posts) barely train the mapper. "
-        f"Through the agents the same mapping gives {live_v:.3f} (in process: {mapped_v:.3f}); the two differ "
-        "in the query vector (the agent infers it from the text with 100 passes instead of using the indexed "
-        "document vector; long articles cut to the query limit) and in the agents' own models (other seeds, "
-        "trained inside the agent). `scripts/seec_live_gap.py` repeats the in-process mapping with the "
-        "agent's query and with a constant step (what the agents used before their own models decayed it: "
-        "live row 0.276), one at a time, to show how much each one costs.",
+        f"Through the agents the same mapping gives {live_v:.3f} (in process: {mapped_v:.3f}): the agents "
+        "and the in-process rows call the same functions with the same seeds (own model, index, public "
+        "vectors, mappers), and the query text is inferred exactly as the indexed document; "
+        f"{lm.get('same_top_k_as_in_process', '?')} of {lm.get('queries')} articles have the same top {k} "
+        "live as in process.",
         "",
         "![sim_k](sim_k.png)",
         "",

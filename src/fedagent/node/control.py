@@ -20,7 +20,7 @@ from typing import Any
 from fedagent.errors import ConfigError, FedagentError, TransportError
 
 log = logging.getLogger(__name__)
-MAX_LINE = 64 * 1024
+MAX_LINE = 1 << 20  # one request line (a search may carry a whole document as its query)
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 

@@ -25,9 +25,13 @@ unigram^0.75 table; the update is the hand-written SGD step of
 :func:`fedagent.tasks.word2vec.sgns_update` with the document table as input side.
 
 **Inference** for a document the model has not seen: a fresh vector (uniform in
-``±0.5/d``, seeded by the document's position in the request), ``infer_epochs`` passes
-over its words with the head frozen and the step decaying linearly from ``infer_lr`` to
-~0 (gensim's ``infer_vector`` defaults: as many epochs as training, 0.025 -> 0.0001).
+``±0.5/d``), passes over its words with the head frozen, in steps of 16 of its own pairs,
+the step decaying linearly from ``infer_lr`` to ~0 over the document's own passes
+(gensim's ``infer_vector`` defaults: 0.025 -> 0.0001). At least ``infer_epochs`` passes,
+more for a short text (up to 100 for a query of a few words). The start, the word order
+and the noise words come from a generator seeded by the document's own tokens, so the
+result does not depend on the other documents inferred with it: a search query equal to
+an indexed document's text gets that document's vector.
 
 **Data.** ``corpus = "newsgroups"`` (SEEC's public corpus, the 200-post sample of
 alt.atheism and sci.space; a fixed ``holdout`` fraction, default 0.2, is the same test set
@@ -44,6 +48,7 @@ vectors of this site's training posts, labelled by their group.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
@@ -79,7 +84,10 @@ DEFAULTS: dict[str, Any] = {
 }
 KNN = 5
 EVAL_DOCS = 20
-QUERY_INFER_EPOCHS = 100
+INFER_MAX_PASSES = 100  # passes for a very short text (a query of a few words)
+INFER_MIN_PAIRS = 1000  # pair updates a document gets at least (below INFER_MAX_PASSES)
+INFER_CHUNK = 16  # pairs of one document summed into one step
+INFER_BATCH = 8192  # pairs of many documents' chunks per update call
 
 
 class DocHead(nn.Module):
@@ -110,6 +118,23 @@ def _majority(labels: list[Hashable]) -> Hashable:
 def _init_vectors(n: int, dim: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (torch.rand(n, dim, generator=g) - 0.5) / dim
+
+
+def _doc_seed(seed: int, tokens: Sequence[str]) -> int:
+    """The generator seed of one document's inference: ``seed`` and its tokens."""
+    h = hashlib.blake2b(str(int(seed)).encode() + b"\x00" + "\x1f".join(tokens).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+def infer_passes(length: int, epochs: int) -> int:
+    """Passes over a document of ``length`` known words: at least ``epochs``, and enough
+    for ``INFER_MIN_PAIRS`` pair updates, at most ``INFER_MAX_PASSES``. A query is a few
+    words: with the documents' number of passes its vector barely leaves its random start
+    and every query lands near the same documents (measured on the Wikipedia articles:
+    "atomic number" ranks the article *Atomic number* first with 100 passes, behind
+    *Algorithms (journal)* with 3). One rule for documents and queries alike, so equal
+    texts get equal vectors."""
+    return max(epochs, min(INFER_MAX_PASSES, -(-INFER_MIN_PAIRS // max(length, 1))))
 
 
 class Doc2VecTask(Task):
@@ -224,36 +249,73 @@ class Doc2VecTask(Task):
         epochs: int | None = None,
         lr: float | None = None,
         seed: int = 0,
-        batch_size: int = 512,
+        chunk: int = INFER_CHUNK,
     ) -> tuple[np.ndarray, float]:
         """Vectors for ``docs`` (token lists) with the head frozen; and the mean pair loss
         of the last pass. Words outside the vocabulary are ignored; a document with none
-        keeps its random start."""
+        keeps its random start.
+
+        Every document is inferred on its own: its start, its word order per pass, its
+        noise words and its step schedule come from a generator seeded by ``seed`` and the
+        document's own tokens, and it takes steps of ``chunk`` of its own pairs. So a
+        document's vector does not depend on which other documents are inferred with it
+        or in which order: a query text equal to an indexed document gets that document's
+        vector (the documents of one request are still computed together, in lock-step,
+        for speed). The number of passes is :func:`infer_passes` of its length."""
         assert isinstance(model, DocHead)
-        epochs = self.infer_epochs if epochs is None else epochs
+        base = self.infer_epochs if epochs is None else epochs
         lr = self.infer_lr if lr is None else lr
         encoded = [self.vocab.encode(d) for d in docs]
-        vectors = _init_vectors(len(docs), self.dim, seed)
-        rows = np.repeat(np.arange(len(encoded)), [len(e) for e in encoded])
-        words = np.concatenate(encoded) if encoded else np.zeros(0, np.int64)
-        rng = np.random.default_rng(seed)
-        g = torch.Generator().manual_seed(seed)
+        n = len(docs)
+        vectors = torch.empty(n, self.dim)
+        rngs = []
+        for i, d in enumerate(docs):
+            rng = np.random.Generator(np.random.PCG64(_doc_seed(seed, d)))
+            vectors[i] = torch.from_numpy(((rng.random(self.dim) - 0.5) / self.dim).astype(np.float32))
+            rngs.append(rng)
+        lengths = np.array([len(e) for e in encoded], dtype=np.int64)
+        passes = np.array([infer_passes(int(m), base) if m else 0 for m in lengths], dtype=np.int64)
+        chunks = -(-lengths // chunk)  # ceil
         head = model.out_embed.weight.data
-        n_batches = max(1, math.ceil(len(rows) / batch_size))
-        last = float("nan")
-        for epoch in range(epochs):
-            order = rng.permutation(len(rows))
-            total = 0.0
-            for b in range(n_batches):
-                idx = order[b * batch_size : (b + 1) * batch_size]
-                if len(idx) == 0:
-                    continue
-                step_lr = lr * max(1e-4 / 0.025, 1.0 - (epoch * n_batches + b) / (epochs * n_batches))
-                r, w = torch.from_numpy(rows[idx]), torch.from_numpy(words[idx])
-                noise = self.noise[torch.randint(len(self.noise), (len(r), self.negative), generator=g)]
-                total += float(sgns_update(vectors, head, r, w, noise, step_lr, update_out=False).sum())
-            last = total / max(len(rows), 1)
-        return vectors.numpy(), last
+        floor = 1e-4 / 0.025
+        loss_sum, loss_pairs = np.zeros(n), np.zeros(n)
+        for p in range(int(passes.max(initial=0))):
+            active = np.flatnonzero(passes > p)
+            # This pass, for every active document: its words in its own order, its noise
+            # words, and each pair's step number within the document's schedule.
+            words = np.concatenate([encoded[i][rngs[i].permutation(lengths[i])] for i in active])
+            noise = np.concatenate(
+                [rngs[i].integers(len(self.noise), size=(lengths[i], self.negative)) for i in active]
+            )
+            rows = np.repeat(active, lengths[active])
+            pos = np.concatenate([np.arange(lengths[i]) for i in active]) // chunk
+            total = (passes[rows] * chunks[rows]).astype(np.float64)
+            step_lr = lr * np.maximum(floor, 1.0 - (p * chunks[rows] + pos) / total)
+            last = passes[rows] == p + 1
+            order = np.argsort(pos, kind="stable")  # chunk c of every document, then c + 1, ...
+            bounds = np.searchsorted(pos[order], np.arange(int(pos.max(initial=-1)) + 2))
+            for c in range(len(bounds) - 1):
+                idx = order[bounds[c] : bounds[c + 1]]
+                for sub in range(0, len(idx), INFER_BATCH):
+                    # A chunk never spans two calls: each is at most ``chunk`` pairs of
+                    # one document, and a call holds whole chunks of distinct documents.
+                    part = idx[sub : sub + INFER_BATCH]
+                    r = torch.from_numpy(rows[part])
+                    losses = sgns_update(
+                        vectors,
+                        head,
+                        r,
+                        torch.from_numpy(words[part]),
+                        self.noise[torch.from_numpy(noise[part])],
+                        torch.from_numpy(step_lr[part].astype(np.float32)),
+                        update_out=False,
+                    )
+                    done = last[part]
+                    if done.any():
+                        np.add.at(loss_sum, rows[part][done], losses.numpy()[done])
+                        np.add.at(loss_pairs, rows[part][done], 1)
+        mean_loss = float(loss_sum.sum() / loss_pairs.sum()) if loss_pairs.sum() else float("nan")
+        return vectors.numpy(), mean_loss
 
     # -- semantic search (SEEC) -------------------------------------------------------------------
     def search_ids(self) -> list[str]:
@@ -275,15 +337,10 @@ class Doc2VecTask(Task):
         return vectors
 
     def embed_text(self, model: nn.Module, text: str) -> np.ndarray:
-        """A query text as one vector of ``model``'s space (tokenised like the corpus).
-
-        A query is a few words, so one pass is a few pairs: with the documents' number of
-        passes its vector barely leaves its random start and every query lands near the
-        same documents. At least ``QUERY_INFER_EPOCHS`` passes (milliseconds) fix that
-        (measured on the Wikipedia articles: "atomic number" queries rank the article
-        *Atomic number* first with 100 passes, behind *Algorithms (journal)* with 3)."""
-        epochs = max(self.infer_epochs, QUERY_INFER_EPOCHS)
-        vectors, _ = self.infer_vectors(model, [td.tokenize(text)], epochs=epochs, seed=self.seed + 4)
+        """A query text as one vector of ``model``'s space: tokenised like the corpus and
+        inferred exactly as :meth:`embed_documents` infers an indexed document (same seed,
+        same passes rule), so a document's own text finds its indexed vector."""
+        vectors, _ = self.infer_vectors(model, [td.tokenize(text)], seed=self.seed + 3)
         return vectors[0]
 
     @torch.no_grad()

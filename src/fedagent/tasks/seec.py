@@ -17,11 +17,36 @@ mapped into each peer's space) is :mod:`fedagent.agent.search` with
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
 
 HIDDEN, DROPOUT, LR, EPOCHS, BATCH = 1200, 0.2, 1e-5, 20, 64
+
+
+# ---- a site's own model in a mapped federation --------------------------------------------------
+# The agent (agent/search.py, ``[search] space = "mapped"``) and the SEEC experiment's
+# in-process mapping rows both call these, so the two compute the same thing for the same
+# ``[search] seed``.
+def train_own_model(task: Any, *, epochs: int, lr: float, batch_size: int, seed: int) -> nn.Module:
+    """A site's own model on its own documents: one epoch at a time with the step decaying
+    to 0 along a half cosine (the coordinator's "cosine" schedule; a constant step leaves
+    the last epochs' noise in the vectors), epoch ``e`` (0-based) drawn with seed
+    ``seed * 1000 + e + 1``."""
+    model = task.build_model()
+    for e in range(epochs):
+        step = lr * 0.5 * (1.0 + math.cos(math.pi * e / epochs))
+        task.fit(model, epochs=1, lr=step, batch_size=batch_size, seed=seed * 1000 + e + 1)
+    return model
+
+
+def public_vectors(task: Any, model: nn.Module, public: Sequence[Sequence[str]], seed: int) -> np.ndarray:
+    """The public documents as vectors of a site's own model (what mappers learn from)."""
+    return np.asarray(task.infer_vectors(model, list(public), seed=seed + 5)[0], dtype=np.float32)
 
 
 class Mapper(nn.Module):
