@@ -52,6 +52,7 @@ from fedagent.protocols.participant import (
     TrainingDone,
 )
 from fedagent.protocols.secagg import (
+    Delta,
     SecAggAgent,
     SecAggError,
     SecAggMasked,
@@ -62,7 +63,6 @@ from fedagent.protocols.secagg import (
     SecAggStart,
     SecAggSurvivors,
     SecAggUnmask,
-    flatten,
 )
 from fedagent.signing import AuthError, sign_statement
 from fedagent.tasks.base import Weights, get_weights, set_weights
@@ -488,11 +488,9 @@ class FedAvgSession(Session):
         """The masked update, if the share box is in (else held until it is): worker thread."""
         u = cmd.update
         noised = self.prepare_update(u.weights, base, train, secure_round=u.round)
-        _, new = flatten(noised)
-        _, old = flatten(dp.with_slots(base, noised))
         return self.secagg.on_trained(
             u.round,
-            new - old,
+            Delta(noised, dp.with_slots(base, noised)),
             base_version=u.base_version,
             num_samples=u.num_samples,
             metrics=u.metrics,
