@@ -37,14 +37,18 @@ class Trace:
     die: dict[str, str] = field(default_factory=dict)
     seed: int = 0
     signed: bool = False  # agents sign their keys and lists (ed25519), and check each other's
+    d: int = D  # values in the flattened update
+    premask: bool = False  # agents draw their mask sum as soon as their roster is in
 
     def __post_init__(self) -> None:
         rng = np.random.default_rng(self.seed)
         self.agents = [f"a{i:02d}" for i in range(self.n)]
         self.samples = {a: int(rng.integers(20, 200)) for a in self.agents}
-        self.deltas = {a: rng.uniform(-0.4, 0.4, D) for a in self.agents}
+        self.deltas = {a: rng.uniform(-0.4, 0.4, self.d) for a in self.agents}
         self.setup = S.SecAggSetup(self.params, bytes(range(16)), max(self.samples.values()))
-        self.server = S.SecAggServer(1, self.agents, self.setup, D, now=0.0, stage_timeout=10.0, input_deadline=100.0)
+        self.server = S.SecAggServer(
+            1, self.agents, self.setup, self.d, now=0.0, stage_timeout=10.0, input_deadline=100.0
+        )
         self.keys = {a: ed25519.Ed25519PrivateKey.generate() for a in self.agents}
         self.clients = {
             a: S.SecAggClient(
@@ -92,6 +96,8 @@ class Trace:
         if isinstance(msg, S.SecAggRoster):
             if self.alive(a, "shares"):
                 self.to_server(a, cl.on_roster(msg), now)
+                if self.premask:
+                    cl.premask(self.d)
         elif isinstance(msg, S.SecAggShareBox):
             if self.alive(a, "input"):
                 cl.on_sharebox(msg)
@@ -213,6 +219,81 @@ def test_dropout_at_every_stage_at_once():
     survivors = [a for a in t.agents if a not in ("a01", "a02", "a03")]
     assert sorted(res.contributors) == survivors
     assert np.abs(res.mean - t.plain_mean(survivors)).max() <= res.error_bound
+
+
+def _reference_masked(cl: S.SecAggClient, delta: np.ndarray, scale: float) -> np.ndarray:
+    """The masked input computed the plain way, whole vectors at a time: what every
+    version of the protocol must produce (the coordinator removes these very streams)."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    p = cl.params
+    half = p.levels / 2
+    y = np.rint(np.clip(delta * (scale / p.step), -half, half) + half).astype(np.uint32)
+
+    def stream(seed: bytes, nonce: bytes = bytes(16)) -> np.ndarray:
+        enc = Cipher(algorithms.AES(seed), modes.CTR(nonce)).encryptor()
+        return np.frombuffer(enc.update(bytes(4 * delta.size)), "<u4")
+
+    y += stream(cl._b, S._SELF_NONCE)
+    for j in cl.masking_with:
+        m = stream(S.pair_seed(cl._s_sk, cl.keys[j].s_pk, cl.context))
+        if S._sign(cl.agent, j) > 0:
+            y += m
+        else:
+            y -= m
+    return y
+
+
+@pytest.mark.parametrize("premask", [False, True])
+def test_block_by_block_masking_equals_whole_vectors(premask):
+    # Several blocks and a partial one; an agent that advertised keys but never shared
+    # leaves its neighbours a mask to take back (premask) or never to add.
+    t = Trace(5, d=2 * S.BLOCK + 123, die={"a01": "shares"}, premask=premask)
+    refs: dict[str, np.ndarray] = {}
+    masked = t.masked
+
+    def checked(a: str) -> S.SecAggMasked:
+        cl = t.clients[a]
+        refs[a] = _reference_masked(cl, t.deltas[a], t.setup.ratio(t.samples[a]))
+        assert "a01" not in cl.masking_with
+        assert (cl._premask is not None) == premask
+        return masked(a)
+
+    t.masked = checked  # type: ignore[method-assign]
+    res = t.run()
+    assert isinstance(res, S.Unmasked), res
+    sent = {a: m for a, m in t.sent_to_server if isinstance(m, S.SecAggMasked)}
+    assert sorted(sent) == sorted(refs) == ["a00", "a02", "a03", "a04"]
+    for a, m in sent.items():
+        assert np.array_equal(m.masked, refs[a])
+    survivors = sorted(sent)
+    assert np.abs(res.mean - t.plain_mean(survivors)).max() <= res.error_bound
+
+
+def test_premasked_round_with_dropouts_at_every_stage():
+    t = Trace(16, die={"a01": "keys", "a02": "shares", "a03": "input", "a04": "unmask"}, premask=True)
+    res = t.run()
+    assert isinstance(res, S.Unmasked), res
+    survivors = [a for a in t.agents if a not in ("a01", "a02", "a03")]
+    assert sorted(res.contributors) == survivors
+    assert np.abs(res.mean - t.plain_mean(survivors)).max() <= res.error_bound
+    # the mask sum drawn ahead was used up by the masked input
+    assert all(t.clients[a]._premask is None for a in survivors)
+
+
+def test_delta_of_tensor_pairs_is_read_in_flatten_order():
+    rng = np.random.default_rng(3)
+    shapes = {"w": (300, 150), "b": (S.BLOCK + 5,), "n": (7,)}
+    old = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
+    old["steps"] = np.array([3], np.int64)  # not floating: not part of the update
+    new = {k: (v + 0.01).astype(v.dtype) for k, v in old.items()}
+    d = S.Delta(new, old)
+    work = np.empty(1000)
+    got = np.concatenate([b.copy() for b in S._delta_blocks(d, work)])
+    assert d.size == got.size == S.layout_size(old)
+    assert np.array_equal(got, S.flatten(new)[1] - S.flatten(old)[1])
+    with pytest.raises(S.SecAggError):
+        S.Delta({k: v for k, v in new.items() if k != "b"}, old)
 
 
 def test_too_few_inputs_aborts_the_round():

@@ -830,6 +830,8 @@ class SecAggClient:
         self.masking_with: tuple[str, ...] = ()  # neighbours whose shares arrived
         self.revealed: dict[str, str] = {}  # owner -> "b" | "sk": the one share I gave out
         self.masked_sent = False
+        # The mask sum drawn ahead (:meth:`premask`) and the neighbours it covers.
+        self._premask: tuple[np.ndarray, frozenset[str]] | None = None
 
     def advertise(self) -> SecAggKeys:
         c_pk = self._c_sk.public_key().public_bytes_raw()
@@ -890,27 +892,61 @@ class SecAggClient:
             raise SecAggError("no neighbour completed the share stage: my input would not be hidden")
         self.masking_with = tuple(sorted(msg.boxes))
 
+    def premask(self, size: int) -> None:
+        """Draws the mask sum for an update of ``size`` values ahead of the update: the
+        self mask and the pairwise mask of every neighbour in the roster (the masks do
+        not depend on the update, and the keys are agreed once the roster is in). The
+        masked input then only quantises the update onto it, and takes back the mask of
+        a neighbour whose shares never came (it will not be masking with this agent).
+        Costs one uint32 vector of ``size`` values until the masked input is made."""
+        if not self.holders or self.masked_sent or self._premask is not None or size < 1:
+            return
+        streams = self._mask_streams(sorted(self.keys))
+        m = np.zeros(size, np.uint32)
+        streams.add_all(m)
+        self._premask = (m, frozenset(self.keys))
+
+    def _mask_streams(self, neighbours: Sequence[str], sign: int = 1, self_mask: bool = True) -> _Streams:
+        streams = _Streams()
+        if self_mask:
+            streams.add_stream(self._b, _SELF_NONCE, sign)
+        for j in neighbours:
+            seed = pair_seed(self._s_sk, self.keys[j].s_pk, self.context)
+            streams.add_stream(seed, sign=sign * _sign(self.agent, j))
+        return streams
+
     def masked_input(self, delta: np.ndarray | Delta, num_samples: int) -> np.ndarray:
         """``delta``: this round's update minus the global model (:func:`flatten` order,
         or a :class:`Delta`). Quantised and masked in one pass, block by block: the self
-        mask and each neighbour's pairwise mask are added to a block while it is in cache."""
+        mask and each neighbour's pairwise mask (or the sum drawn by :meth:`premask`)
+        are added to a block while it is in cache."""
         if not self.masking_with:
             raise SecAggError("no share box yet")
         if self.masked_sent:
             raise SecAggError("masked input already made for this round")
-        streams = _Streams()
-        streams.add_stream(self._b, _SELF_NONCE)
-        for j in self.masking_with:
-            streams.add_stream(pair_seed(self._s_sk, self.keys[j].s_pk, self.context), sign=_sign(self.agent, j))
         size = delta.size
-        y = np.empty(size, np.uint32)
+        pre, self._premask = self._premask, None
+        if pre is not None and pre[0].size == size and set(self.masking_with) <= pre[1]:
+            # The sum drawn ahead, less the masks of neighbours that did not share.
+            y = pre[0]
+            streams = self._mask_streams(sorted(pre[1] - set(self.masking_with)), sign=-1, self_mask=False)
+            q = np.empty(min(size, BLOCK), np.uint32)
+        else:
+            y = np.empty(size, np.uint32)
+            streams = self._mask_streams(self.masking_with)
+            q = None
         work = np.empty(min(size, BLOCK))
         scale = self.setup.ratio(num_samples)
         pos = 0
         for v in _delta_blocks(delta, work):
             out = y[pos : pos + v.size]
-            _quantise_block(v, self.params, scale, out, work)
-            streams.apply(out)
+            if q is None:
+                _quantise_block(v, self.params, scale, out, work)
+            else:
+                _quantise_block(v, self.params, scale, q[: v.size], work)
+                np.add(out, q[: v.size], out=out)
+            if streams:
+                streams.apply(out)
             pos += v.size
         self.masked_sent = True
         return y
@@ -1092,6 +1128,19 @@ class SecAggAgent:
             return []
         self._trained = _Trained(base_version, num_samples, dict(metrics), leaving, delta)
         return self._maybe_input()
+
+    def prepare(self, size: int | None = None) -> None:
+        """Draws this round's mask sum ahead (:meth:`SecAggClient.premask`) once the
+        roster is in, for an update of ``size`` values (default: the size of the update
+        already trained, if any). Worth calling while the agent would otherwise wait
+        (training, or the share stage's round trip); never needed."""
+        cl = self.client
+        if cl is None or cl.masked_sent:
+            return
+        if size is None and self._trained is not None:
+            size = self._trained.delta.size
+        if size:
+            cl.premask(size)
 
     def _maybe_input(self) -> list[SecAggMessage]:
         cl, tr = self.client, self._trained
