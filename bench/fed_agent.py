@@ -91,11 +91,19 @@ async def main(args: argparse.Namespace) -> None:
         for m in msgs:
             await messenger.send(topics.direct(fed, me, args.coordinator, m.kind), m, round_=m.round)
 
+    delta = np.zeros(0)
+
     async def deliver(inc: Incoming) -> None:
+        nonlocal delta
         got_at = time.time()
         msg = inc.message
         if isinstance(msg, (SecAggRoster, SecAggShareBox, SecAggSurvivors, SecAggUnmask)):
             await to_coordinator(await asyncio.to_thread(secagg.on_message, msg))
+            if isinstance(msg, SecAggRoster):
+                # As the agent daemon does: the mask sum is drawn while the shares make
+                # their round trip (messages are handled one at a time, so the share box
+                # waits for it).
+                await asyncio.to_thread(secagg.prepare)
             return
         if isinstance(msg, SecAggStart):
             await to_coordinator(secagg.on_round_start(msg.round, msg.selected, msg.setup))
@@ -103,11 +111,15 @@ async def main(args: argparse.Namespace) -> None:
         if isinstance(msg, RoundStart) and me in msg.selected and msg.secagg is not None:
             await to_coordinator(secagg.on_round_start(msg.round, msg.selected, msg.secagg))
             size = layout_size(msg.weights)
+            if delta.size != size:
+                # Training is off: the update is given, made once (as the plain round's
+                # agent sends back the weights it received, computing nothing).
+                delta = np.full(size, BENCH_DELTA)
             await to_coordinator(
                 await asyncio.to_thread(
                     lambda: secagg.on_trained(
                         msg.round,
-                        np.full(size, BENCH_DELTA),
+                        delta,
                         base_version=msg.model_version,
                         num_samples=1,
                         metrics={},

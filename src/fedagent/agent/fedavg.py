@@ -63,6 +63,7 @@ from fedagent.protocols.secagg import (
     SecAggStart,
     SecAggSurvivors,
     SecAggUnmask,
+    layout_size,
 )
 from fedagent.signing import AuthError, sign_statement
 from fedagent.tasks.base import Weights, get_weights, set_weights
@@ -251,6 +252,13 @@ class FedAvgSession(Session):
             if inc.role != "coordinator" or inc.sender != self.coordinator:
                 return self.messenger._reject("role", inc.sender, f"{msg.kind} not from the coordinator")
             await self._secagg_send(await asyncio.to_thread(self.secagg.on_message, msg))
+            if isinstance(msg, SecAggRoster):
+                # The masks do not depend on the update: their sum is drawn now, while
+                # the model trains and the shares make their round trip (messages are
+                # handled one at a time, so nothing else touches the round meanwhile).
+                base = self._base
+                size = layout_size(base[1]) if base is not None and base[0] == msg.round else None
+                await asyncio.to_thread(self.secagg.prepare, size)
             return
         if isinstance(msg, Vocabulary):
             if not inc.topic.startswith(topics.federation_root(self.fed) + "/global/") or inc.role != "coordinator":

@@ -1280,6 +1280,7 @@ class SecAggServer:
         self.answered: set[str] = set()
         self.b_shares: dict[str, dict[int, bytes]] = {}
         self.sk_shares: dict[str, dict[int, bytes]] = {}
+        self._self_off: set[str] = set()  # survivors whose self mask is off the sum already
         self.received_kinds: list[tuple[str, str]] = []  # (sender, kind): what this round was sent
 
     def start(self) -> list[ServerCommand]:
@@ -1362,6 +1363,14 @@ class SecAggServer:
                         continue
                     if owner in self.rosters and 1 <= x <= len(self.rosters[owner]) + 1:
                         store.setdefault(owner, {})[x] = y
+            # A survivor's self mask comes off as soon as its seed can be rebuilt, while
+            # the other answers are on their way.
+            for owner in sorted(msg.b_shares):
+                if owner in self.inputs and owner not in self._self_off and self._enough(owner):
+                    if not self._remove_self_mask(owner):
+                        return self._fail(
+                            f"the self-mask seed of {owner} rebuilt from shares does not match its commitment"
+                        )
         else:
             return refuse("kind", f"{msg.kind} is not sent to a coordinator")
         return self._maybe_close(now)
@@ -1464,19 +1473,29 @@ class SecAggServer:
     def _can_unmask(self) -> bool:
         return all(self._enough(o) for o in self._needed())
 
+    def _remove_self_mask(self, owner: str) -> bool:
+        """Rebuilds ``owner``'s self-mask seed from its first t shares and takes its
+        stream off the sum; False if the seed does not match its commitment."""
+        assert self._sum is not None
+        t = self.params.threshold_of(len(self.rosters[owner]) + 1)
+        b = shamir_combine(dict(sorted(self.b_shares[owner].items())[:t]))
+        if hashlib.sha256(b).digest() != self.shares[owner].b_digest:
+            return False
+        streams = _Streams()
+        streams.add_stream(b, _SELF_NONCE, sign=-1)
+        streams.add_all(self._sum)
+        self._self_off.add(owner)
+        return True
+
     def _finish(self) -> list[ServerCommand]:
         assert self._sum is not None
         p = self.params
         total = self._sum
         streams = _Streams()
         dropped = sorted(self._needed() - set(self.inputs))
-        for owner in sorted(self.inputs):
-            t = p.threshold_of(len(self.rosters[owner]) + 1)
-            shares = dict(sorted(self.b_shares[owner].items())[:t])
-            b = shamir_combine(shares)
-            if hashlib.sha256(b).digest() != self.shares[owner].b_digest:
+        for owner in sorted(set(self.inputs) - self._self_off):
+            if not self._remove_self_mask(owner):
                 return self._fail(f"the self-mask seed of {owner} rebuilt from shares does not match its commitment")
-            streams.add_stream(b, _SELF_NONCE, sign=-1)
         for d in dropped:
             t = p.threshold_of(len(self.rosters[d]) + 1)
             sk_raw = shamir_combine(dict(sorted(self.sk_shares[d].items())[:t]))
