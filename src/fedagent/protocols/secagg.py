@@ -16,7 +16,8 @@ Each selected agent, in five stages relayed by the coordinator over the per-agen
 3. **masked input** — after training, quantises its weighted update into integers mod
    2³² and adds ``PRG(b)`` and, for each neighbour j that completed stage 2,
    ``±PRG(s_ij)`` (+ if its id sorts before j's, − after). Pairwise masks cancel in the
-   sum; self masks do not.
+   sum; self masks do not. The mask sum may be drawn ahead, once the roster is in
+   (:meth:`SecAggClient.premask`): it does not depend on the update.
 4. **consistency** (Bonawitz et al. 2017, kept by Bell et al.) — the coordinator sends
    every survivor (sent a masked input) the list of survivors; each signs it, once per
    round, with its certificate's key. An agent never signs a second list, nor one that
