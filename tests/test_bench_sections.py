@@ -107,8 +107,9 @@ def test_secagg_section_tiny(bench_ctx):
     from bench.secagg import secure_aggregation
 
     rows = secure_aggregation(bench_ctx, agents=3)
-    well_formed(rows, "secagg", 3, cpu_rows=("CPU",), ctx=bench_ctx)
+    well_formed(rows, "secagg", 4, cpu_rows=("CPU",), ctx=bench_ctx)
     assert "3 agents" in rows[0].subject and "unmask" in rows[0].note
+    assert "(max)" in rows[1].subject and "coordinator" in rows[2].note
 
 
 def test_gossip_section_tiny(bench_ctx):
