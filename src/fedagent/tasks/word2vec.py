@@ -223,13 +223,16 @@ def sgns_update(
     *,
     update_in: bool = True,
     update_out: bool = True,
+    row_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One SGD step on the summed negative-sampling loss, gradients written by hand.
 
     The same step autograd would take on ``SkipGram.pair_losses(...).sum()`` (a test
     checks it), without a graph or sparse-gradient coalescing. Repeated rows accumulate,
     all gradients are taken at the weights before the step. Returns the pair losses.
-    ``update_out=False`` freezes the prediction head (doc2vec inference).
+    ``update_out=False`` freezes the prediction head (doc2vec inference). ``row_scale``
+    (one factor per row of the input table and of the output table) multiplies each
+    row's step (the per-word step of :mod:`fedagent.protocols.gossip_rows`).
 
     The context is handled as column 0 of a ``B x (k+1)`` target matrix with label 1
     (the noise words have label 0), so one gather, one product and one scatter serve
@@ -255,11 +258,15 @@ def sgns_update(
     grad = torch.sigmoid(scores) * keep  # dL/d(score): σ(s) - label
     grad[:, 0] -= 1.0
     if update_in:
-        in_table.index_put_((inputs,), (grad.unsqueeze(-1) * u).sum(1).mul_(lr_in).neg_(), accumulate=True)
+        step_in = (grad.unsqueeze(-1) * u).sum(1).mul_(lr_in).neg_()
+        if row_scale is not None:
+            step_in.mul_(row_scale[0].index_select(0, inputs).unsqueeze(-1))
+        in_table.index_put_((inputs,), step_in, accumulate=True)
     if update_out:
-        out_table.index_put_(
-            (targets,), (grad.unsqueeze(-1) * v.unsqueeze(1)).mul_(lr_out).neg_().view(-1, d), accumulate=True
-        )
+        step_out = (grad.unsqueeze(-1) * v.unsqueeze(1)).mul_(lr_out).neg_().view(-1, d)
+        if row_scale is not None:
+            step_out.mul_(row_scale[1].index_select(0, targets).unsqueeze(-1))
+        out_table.index_put_((targets,), step_out, accumulate=True)
     return losses
 
 

@@ -1,0 +1,359 @@
+"""In-process study of gossip Word2Vec's gap to centralized training, one factor at a time.
+
+The same task code as the agents (:mod:`fedagent.tasks.word2vec`: the shards, the common
+vocabulary, the pair streams, the hand-written SGD step) and a synchronous simulation of
+the agents' exchange (:mod:`fedagent.protocols.gossip`, merge-then-update push-sum): every
+period each of the N nodes trains ``period_steps`` batches, then at the boundary it folds
+back mass that came home, sends its model with half its mass to a random peer, and merges
+its own model with at most ``max_incoming`` of the models that reached it during the
+period (the others go home to their sender). The last boundary merges without training.
+No network, no processes: a configuration costs about what the centralized run costs.
+
+Factors (``Variant``):
+
+* ``merge``: ``pushsum`` (mass-weighted, the agents' default), ``plain`` (own and
+  received models averaged with equal weights, nothing conserved), ``rows``
+  (:func:`fedagent.protocols.gossip_rows.merge_rows`: push-sum with one mass per
+  embedding row, initially the node's count of the word);
+* ``lr_factor``: the gossip step is ``lr x lr_factor`` (the agents: x N);
+* ``row_steps``: with ``rows``, scale each row's step by the word's federation count over
+  the node's current row mass (clipped to ``[1, lr_factor]``) instead of ``lr_factor``;
+* ``period_steps``: exchange frequency;
+* ``local_counts``: subsampling and noise distribution from the node's own counts
+  instead of the agreed federation-wide counts (the vocabulary factor).
+
+Run: ``python -m fedagent.experiments.gossip_w2v_study OUT.json [--only NAME ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedagent.protocols.gossip_rows import merge_rows, row_step_scale
+from fedagent.tasks import text_data as td
+from fedagent.tasks import text_metrics as tm
+from fedagent.tasks.base import load_task
+from fedagent.tasks.word2vec import PairStream, SkipGram, Word2VecTask, sgns_update, train_centralized
+
+TABLES = ("in_embed.weight", "out_embed.weight")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    split: str = "topic"
+    period_steps: int = 10
+    merge: str = "pushsum"  # pushsum | plain | rows
+    lr_factor: float = 10.0
+    row_steps: bool = False
+    local_counts: bool = False
+    mass_steps: bool = False
+    max_incoming: int = 2
+    exchange: tuple[str, ...] = TABLES
+
+
+@dataclass(frozen=True)
+class Budget:
+    agents: int = 10
+    topics: int = 5
+    dim: int = 32
+    window: int = 5
+    negative: int = 5
+    min_count: int = 5
+    batch_size: int = 1024
+    lr: float = 0.025
+    local_steps: int = 2760
+
+    def options(self, split: str | None, seed: int) -> dict[str, Any]:
+        o: dict[str, Any] = {
+            "dim": self.dim,
+            "window": self.window,
+            "negative": self.negative,
+            "min_count": self.min_count,
+            "seed": seed,
+        }
+        if split is not None:
+            o.update(split=split, shards=self.agents)
+            if split == "topic":
+                o["topics"] = self.topics
+        return o
+
+
+# ---- one simulated federation --------------------------------------------------------------
+def train_node(
+    task: Word2VecTask,
+    model: SkipGram,
+    steps: int,
+    lr0: float,
+    lr1: float,
+    batch: int,
+    gen: torch.Generator,
+    scale_in: torch.Tensor | None,
+    scale_out: torch.Tensor | None,
+) -> None:
+    w_in, w_out = model.in_embed.weight.data, model.out_embed.weight.data
+    for s in range(steps):
+        lr = lr0 + (lr1 - lr0) * s / steps
+        centers, contexts = task.stream.next(batch)
+        noise = task.noise.index_select(
+            0, torch.randint(len(task.noise), (len(centers) * task.negative,), generator=gen)
+        ).view(len(centers), task.negative)
+        if scale_in is None:
+            sgns_update(w_in, w_out, centers, contexts, noise, lr)
+        else:
+            assert scale_out is not None
+            sgns_update(w_in, w_out, centers, contexts, noise, lr, row_scale=(scale_in, scale_out))
+
+
+def simulate(v: Variant, b: Budget, seed: int) -> list[dict[str, np.ndarray]]:
+    n = b.agents
+    tasks = []
+    for i in range(n):
+        t = load_task("word2vec", {**b.options(v.split, seed), "shard": i})
+        assert isinstance(t, Word2VecTask)
+        if v.local_counts:
+            t.set_vocabulary(t.vocab.terms)  # local counts (+1) for subsampling and noise
+        t.stream = PairStream(t.stream.make_epoch, seed * 7919 + i)
+        tasks.append(t)
+    rng = np.random.default_rng(seed)
+    base = tasks[0].build_model()
+    models = []
+    for _ in range(n):
+        m = SkipGram(len(tasks[0].vocab), b.dim)
+        m.load_state_dict(base.state_dict())
+        models.append(m)
+    gens = [torch.Generator().manual_seed(seed * 1000 + i) for i in range(n)]
+    global_counts = tasks[0].vocab.counts
+    local = []
+    for t in tasks:
+        c = np.zeros(len(t.vocab))
+        for e in t.encoded:
+            np.add.at(c, e, 1.0)
+        local.append(c)
+    rows = v.merge == "rows"
+    samples = [float(t.num_samples()) for t in tasks]
+    # masses: scalar per node, or one per row per table
+    mass: list[Any] = [
+        {k: lc + 1.0 for k in TABLES} if rows else samples[i] for i, lc in enumerate(local)
+    ]
+    periods = max(1, b.local_steps // v.period_steps)
+    lr = b.lr * v.lr_factor
+    inbox: list[list[tuple[dict[str, np.ndarray], Any]]] = [[] for _ in range(n)]
+    home: list[list[tuple[dict[str, np.ndarray], Any]]] = [[] for _ in range(n)]
+
+    def values(i: int) -> dict[str, np.ndarray]:
+        return {k: models[i].state_dict()[k].numpy() for k in TABLES}
+
+    def set_values(i: int, vals: dict[str, np.ndarray]) -> None:
+        with torch.no_grad():
+            models[i].in_embed.weight.copy_(torch.from_numpy(np.ascontiguousarray(vals["in_embed.weight"])))
+            models[i].out_embed.weight.copy_(torch.from_numpy(np.ascontiguousarray(vals["out_embed.weight"])))
+
+    def merge(i: int, entries: list[tuple[dict[str, np.ndarray], Any]]) -> None:
+        if len(entries) < 2:
+            return
+        if rows:
+            merged, masses = {}, {}
+            for k in TABLES:
+                merged[k], masses[k] = merge_rows([(e[0][k], e[1][k]) for e in entries])
+            set_values(i, merged)
+            mass[i] = masses
+            return
+        if v.merge == "plain":
+            w = np.ones(len(entries))
+        else:
+            w = np.array([e[1] for e in entries], dtype=np.float64)
+        tot = w.sum()
+        set_values(i, {k: sum(wj * e[0][k] for wj, e in zip(w, entries)) / tot for k in TABLES})
+        if v.merge == "pushsum":
+            mass[i] = float(tot)
+
+    for p in range(periods):
+        lr0, lr1 = lr * (1 - p / periods), lr * (1 - (p + 1) / periods)
+        for i in range(n):
+            si = so = None
+            if rows and v.row_steps:
+                tot = global_counts + n
+                si = torch.from_numpy(row_step_scale(tot, mass[i]["in_embed.weight"], 1.0, v.lr_factor))
+                so = torch.from_numpy(row_step_scale(tot, mass[i]["out_embed.weight"], 1.0, v.lr_factor))
+                lr0_i, lr1_i = lr0 / v.lr_factor, lr1 / v.lr_factor
+            elif v.mass_steps and v.merge == "pushsum":
+                # stochastic gradient push: the step scaled by the node's share of the mass
+                f = float(np.clip(samples[i] / mass[i], 0.25, 4.0))
+                lr0_i, lr1_i = lr0 * f, lr1 * f
+            else:
+                lr0_i, lr1_i = lr0, lr1
+            train_node(tasks[i], models[i], v.period_steps, lr0_i, lr1_i, b.batch_size, gens[i], si, so)
+        last = p == periods - 1
+        sends: list[tuple[int, int, dict[str, np.ndarray], Any]] = []
+        new_inbox: list[list[tuple[dict[str, np.ndarray], Any]]] = [[] for _ in range(n)]
+        for i in range(n):
+            own = values(i)
+            own = {k: a.copy() for k, a in own.items()}
+            if v.merge != "plain" and home[i]:
+                merge(i, [(own, mass[i])] + home[i])
+                own = {k: a.copy() for k, a in values(i).items()}
+            home[i] = []
+            arrivals = inbox[i]
+            order = rng.permutation(len(arrivals))
+            kept = [arrivals[j] for j in order[: v.max_incoming]]
+            for j in order[v.max_incoming :]:
+                src = arrivals[j][2]  # type: ignore[misc]
+                home[src].append(arrivals[j][:2])  # type: ignore[arg-type]
+            if not last:
+                peer = int(rng.choice([j for j in range(n) if j != i]))
+                if v.merge == "plain":
+                    sm: Any = 1.0
+                elif rows:
+                    sm = {k: m / 2 for k, m in mass[i].items()}
+                    mass[i] = {k: m / 2 for k, m in mass[i].items()}
+                else:
+                    sm = mass[i] / 2
+                    mass[i] = mass[i] / 2
+                sends.append((i, peer, own, sm))
+            merge(i, [(own, mass[i])] + [(e[0], e[1]) for e in kept])
+        for src, dst, vals, sm in sends:
+            new_inbox[dst].append((vals, sm, src))  # type: ignore[arg-type]
+        inbox = new_inbox
+    return [values(i) for i in range(n)]
+
+
+# ---- scoring --------------------------------------------------------------------------------
+def consensus_neighbours(refs: list[tm.WordVectors], words: list[str], k: int) -> dict[str, set[str]]:
+    """The ``k`` nearest words of each word by cosine similarity averaged over ``refs``."""
+    common = [t for t in refs[0].terms if all(t in r for r in refs)]
+    mats = [tm.normalize_rows(r.restrict(common).vectors.astype(np.float64)) for r in refs]
+    index = {t: i for i, t in enumerate(common)}
+    out = {}
+    for w in words:
+        if w not in index:
+            continue
+        i = index[w]
+        sims = np.mean([m @ m[i] for m in mats], axis=0)
+        sims[i] = -np.inf
+        out[w] = {common[j] for j in np.argsort(-sims, kind="stable")[:k]}
+    return out
+
+
+def overlap_with(vec: tm.WordVectors, ref: dict[str, set[str]], k: int) -> int:
+    total = 0
+    for w, nbrs in ref.items():
+        if w in vec:
+            total += len(set(tm.neighbours_of(vec, w, k)) & nbrs)
+    return total
+
+
+def scores(vec: tm.WordVectors, centrals: list[tm.WordVectors]) -> dict[str, float]:
+    words = list(tm.THESIS_EVAL_WORDS)
+    out = {"wordsim353": tm.similarity_benchmark(td.wordsim353(), vec).rho}
+    out["overlap_each"] = float(np.mean([tm.neighbour_overlap(vec, c).total for c in centrals]))
+    out["overlap_consensus"] = float(overlap_with(vec, consensus_neighbours(centrals, words, 8), 8))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--seeds", type=int, nargs="*", default=[1])
+    ap.add_argument("--central-seeds", type=int, nargs="*", default=[1, 2, 3])
+    ap.add_argument("--cache", type=Path, default=Path("study-central"))
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    b = Budget()
+    a.cache.mkdir(parents=True, exist_ok=True)
+    task = load_task("word2vec", b.options(None, 0))
+    assert isinstance(task, Word2VecTask)
+    centrals = []
+    for s in a.central_seeds:
+        path = a.cache / f"central{s}.npy"
+        if not path.exists():
+            torch.manual_seed(s)
+            task.stream = PairStream(task.stream.make_epoch, s)
+            m = task.build_model()
+            train_centralized(
+                task, m, steps=b.agents * b.local_steps, lr=b.lr, batch_size=b.batch_size, seed=s
+            )
+            np.save(path, m.in_embed.weight.detach().numpy())
+        centrals.append(tm.WordVectors(task.vocab.terms, np.load(path)))
+    central_rows = []
+    for i, c in enumerate(centrals):
+        others = [o for j, o in enumerate(centrals) if j != i]
+        r = {"wordsim353": tm.similarity_benchmark(td.wordsim353(), c).rho}
+        r["overlap_each"] = float(np.mean([tm.neighbour_overlap(c, o).total for o in others]))
+        r["overlap_consensus"] = float(
+            overlap_with(c, consensus_neighbours(others, list(tm.THESIS_EVAL_WORDS), 8), 8)
+        )
+        central_rows.append(r)
+    print("central", central_rows, flush=True)
+    results: dict[str, Any] = json.loads(a.out.read_text()) if a.out.exists() else {}
+    results["central"] = central_rows
+    for v in VARIANTS:
+        if a.only and v.name not in a.only:
+            continue
+        for seed in a.seeds:
+            key = f"{v.name}/seed{seed}"
+            if key in results:
+                continue
+            t0 = time.process_time()
+            finals = simulate(v, b, seed)
+            per = []
+            for f in finals:
+                vec = tm.WordVectors(task.vocab.terms, f["in_embed.weight"])
+                # leave-one-out for overlap_consensus is for centralized; gossip is scored
+                # against the consensus of all centralized seeds but one (each in turn)
+                s = {"wordsim353": tm.similarity_benchmark(td.wordsim353(), vec).rho}
+                s["overlap_each"] = float(np.mean([tm.neighbour_overlap(vec, c).total for c in centrals]))
+                s["overlap_consensus"] = float(
+                    np.mean(
+                        [
+                            overlap_with(
+                                vec,
+                                consensus_neighbours(
+                                    [o for j, o in enumerate(centrals) if j != i], list(tm.THESIS_EVAL_WORDS), 8
+                                ),
+                                8,
+                            )
+                            for i in range(len(centrals))
+                        ]
+                    )
+                )
+                per.append(s)
+            row = {k: float(np.mean([p[k] for p in per])) for k in per[0]}
+            row["cpu_s"] = time.process_time() - t0
+            row["variant"] = asdict(v)
+            results[key] = row
+            print(key, row, flush=True)
+            a.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+_BASE = [
+    Variant(f"{split}-{how}", split, steps)
+    for how, steps in (("frequent", 10), ("infrequent", 50))
+    for split in ("topic", "random", "imbalanced")
+]
+VARIANTS: list[Variant] = [
+    *_BASE,
+    *[replace(v, name=v.name + "/plain", merge="plain") for v in _BASE],
+    *[replace(v, name=v.name + "/rows", merge="rows", row_steps=True) for v in _BASE],
+    *[replace(v, name=v.name + "/rows-x10", merge="rows") for v in _BASE],
+    *[replace(v, name=v.name + "/sgp", mass_steps=True) for v in _BASE],
+    *[replace(v, name=v.name + "/x5", lr_factor=5.0) for v in _BASE],
+    *[replace(v, name=v.name + "/x20", lr_factor=20.0) for v in _BASE],
+    *[replace(v, name=v.name + "/local-counts", local_counts=True) for v in _BASE],
+    *[replace(v, name=v.name + f"/every{p}", period_steps=p) for v in _BASE for p in (2, 5, 20)],
+]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
