@@ -28,3 +28,58 @@ def test_centralized_run_depends_on_its_seed_only_and_the_curve_reuses_it():
     full = rows[1]
     assert full["overlap_central"] == tm.neighbour_overlap(first, first).total > 0
     assert full["w2v_sim"] == tm.neighbour_overlap(first, other).total
+
+
+def _vectors(seed: int, terms: list[str], noise: float) -> tm.WordVectors:
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=(len(terms), 6))
+    return tm.WordVectors(terms, base + noise * np.random.default_rng(seed).normal(size=base.shape))
+
+
+def test_consensus_neighbours_follow_the_mean_similarity():
+    terms = [f"w{i}" for i in range(40)] + list(tm.THESIS_EVAL_WORDS[:3])
+    refs = [_vectors(s, terms, 0.3) for s in range(3)]
+    cons = tm.consensus_neighbours(refs, tm.THESIS_EVAL_WORDS[:3], 5)
+    assert set(cons) == set(tm.THESIS_EVAL_WORDS[:3]) and all(len(v) == 5 for v in cons.values())
+    # identical references: the consensus is their own neighbour list, so overlap is maximal
+    same = tm.consensus_neighbours([refs[0], refs[0]], tm.THESIS_EVAL_WORDS[:3], 5)
+    assert tm.overlap_with_neighbours(refs[0], same) == 15
+    # a model unrelated to the references shares fewer neighbours than a reference does
+    unrelated = tm.WordVectors(terms, np.random.default_rng(9).normal(size=(len(terms), 6)))
+    assert tm.overlap_with_neighbours(unrelated, cons) < tm.overlap_with_neighbours(refs[1], cons)
+
+
+def test_report_averages_seeds_and_measures_loss_against_the_centralized_mean(tmp_path):
+    from fedagent.experiments.gossip_w2v import SIX, Judge, Result, write_report
+
+    terms = [f"w{i}" for i in range(60)] + list(tm.THESIS_EVAL_WORDS)
+    centrals = [_vectors(s, terms, 0.2) for s in range(3)]
+    judge = Judge(centrals, None)
+    central = [judge(c, central_index=i) for i, c in enumerate(centrals)]
+    # leave-one-out: a centralized seed is scored against the other two only
+    assert central[0]["overlap_consensus"] == tm.overlap_with_neighbours(centrals[0], judge.loo[0])
+    results = {}
+    for k, name in enumerate(SIX):
+        runs = []
+        for seed in (1, 2):
+            r = Result(name, "topic", 10, 5, 1.0, seed=seed)
+            r.per_agent = {"a": judge(_vectors(100 + 10 * k + seed, terms, 0.2 + 0.1 * k))}
+            runs.append(r)
+        results[name] = runs
+    task = type("T", (), {"vocab": terms})()
+    s = write_report(
+        tmp_path, Scale(seeds=(1, 2)), task, {"wordsim353": 0.5, "simlex999": 0.2}, central, 1.0, 20.0, results, {}, 1.0
+    )
+    rows = {r["config"]: r for r in s["rows"]}
+    cm = s["central_mean"]["overlap_consensus"]
+    for name, runs in results.items():
+        mean = np.mean([r.mean("overlap_consensus") for r in runs])
+        assert rows[name]["overlap_consensus"] == pytest.approx(mean)
+        assert rows[name]["loss_overlap_consensus_pct"] == pytest.approx(100 * (cm - mean) / cm)
+    av = s["average_six"]
+    assert av["configs"] == 6 and len(av["overlap_consensus_per_seed"]) == 2
+    assert av["overlap_consensus"] == pytest.approx(np.mean(av["overlap_consensus_per_seed"]))
+    # noisier gossip models lose more
+    assert rows[SIX[-1]]["overlap_consensus"] < rows[SIX[0]]["overlap_consensus"]
+    text = (tmp_path / "report.md").read_text()
+    assert "Average quality loss over the 6 full-exchange configurations" in text and "6.904" in text

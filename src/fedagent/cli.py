@@ -684,6 +684,10 @@ def experiment_flsimco(
 )
 @click.option("--local-steps", type=int, default=None, help="batches per agent (centralized gets agents x this)")
 @click.option("--dim", type=int, default=None, help="embedding size")
+@click.option("--seeds", type=str, default=None, help="comma-separated seeds of every gossip configuration (1,2,3)")
+@click.option(
+    "--central-seeds", type=str, default=None, help="comma-separated seeds of the centralized runs (at least two)"
+)
 @click.option(
     "--config",
     "configs",
@@ -694,7 +698,14 @@ def experiment_flsimco(
 @click.option("--out", type=click.Path(path_type=Path), default=Path("gossip-w2v-report"), show_default=True)
 @click.option("--keep", is_flag=True, help="keep the work directories (logs, checkpoints, histories)")
 def experiment_gossip_w2v(
-    scale_name: str, local_steps: int | None, dim: int | None, configs: tuple[str, ...], out: Path, keep: bool
+    scale_name: str,
+    local_steps: int | None,
+    dim: int | None,
+    seeds: str | None,
+    central_seeds: str | None,
+    configs: tuple[str, ...],
+    out: Path,
+    keep: bool,
 ) -> None:
     """Gossip Word2Vec (the thesis): 10 gossip agents, topic/random/imbalanced splits, frequent/infrequent/half
     exchange and local-only, against centralized training with the same number of batches."""
@@ -712,6 +723,18 @@ def experiment_gossip_w2v(
             local_steps=scale.local_steps if local_steps is None else local_steps,
             dim=scale.dim if dim is None else dim,
         )
+        for name, text in (("seeds", seeds), ("central_seeds", central_seeds)):
+            if text is None:
+                continue
+            try:
+                values = tuple(int(x) for x in text.split(","))
+            except ValueError:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')}: expected comma-separated integers, not {text!r}"
+                ) from None
+            if len(set(values)) != len(values) or (name == "central_seeds" and len(values) < 2):
+                raise ConfigError(f"--{name.replace('_', '-')}: distinct seeds, at least two centralized ones")
+            scale = replace(scale, **{name: values})
         known = {c.name for c in gossip_w2v.configurations(scale)}
         if set(configs) - known:
             raise ConfigError(f"unknown configurations {sorted(set(configs) - known)}; known: {sorted(known)}")

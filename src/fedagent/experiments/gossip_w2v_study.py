@@ -142,12 +142,10 @@ def simulate(v: Variant, b: Budget, seed: int) -> list[dict[str, np.ndarray]]:
     rows = v.merge == "rows"
     samples = [float(t.num_samples()) for t in tasks]
     # masses: scalar per node, or one per row per table
-    mass: list[Any] = [
-        {k: lc + 1.0 for k in TABLES} if rows else samples[i] for i, lc in enumerate(local)
-    ]
+    mass: list[Any] = [{k: lc + 1.0 for k in TABLES} if rows else samples[i] for i, lc in enumerate(local)]
     periods = max(1, b.local_steps // v.period_steps)
     lr = b.lr * v.lr_factor
-    inbox: list[list[tuple[dict[str, np.ndarray], Any]]] = [[] for _ in range(n)]
+    inbox: list[list[Any]] = [[] for _ in range(n)]
     home: list[list[tuple[dict[str, np.ndarray], Any]]] = [[] for _ in range(n)]
 
     def values(i: int) -> dict[str, np.ndarray]:
@@ -195,7 +193,7 @@ def simulate(v: Variant, b: Budget, seed: int) -> list[dict[str, np.ndarray]]:
             train_node(tasks[i], models[i], v.period_steps, lr0_i, lr1_i, b.batch_size, gens[i], si, so)
         last = p == periods - 1
         sends: list[tuple[int, int, dict[str, np.ndarray], Any]] = []
-        new_inbox: list[list[tuple[dict[str, np.ndarray], Any]]] = [[] for _ in range(n)]
+        new_inbox: list[list[Any]] = [[] for _ in range(n)]
         for i in range(n):
             own = values(i)
             own = {k: a.copy() for k, a in own.items()}
@@ -207,8 +205,8 @@ def simulate(v: Variant, b: Budget, seed: int) -> list[dict[str, np.ndarray]]:
             order = rng.permutation(len(arrivals))
             kept = [arrivals[j] for j in order[: v.max_incoming]]
             for j in order[v.max_incoming :]:
-                src = arrivals[j][2]  # type: ignore[misc]
-                home[src].append(arrivals[j][:2])  # type: ignore[arg-type]
+                src = arrivals[j][2]
+                home[src].append(arrivals[j][:2])
             if not last:
                 peer = int(rng.choice([j for j in range(n) if j != i]))
                 if v.merge == "plain":
@@ -222,7 +220,7 @@ def simulate(v: Variant, b: Budget, seed: int) -> list[dict[str, np.ndarray]]:
                 sends.append((i, peer, own, sm))
             merge(i, [(own, mass[i])] + [(e[0], e[1]) for e in kept])
         for src, dst, vals, sm in sends:
-            new_inbox[dst].append((vals, sm, src))  # type: ignore[arg-type]
+            new_inbox[dst].append((vals, sm, src))
         inbox = new_inbox
     return [values(i) for i in range(n)]
 
@@ -267,38 +265,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="*", default=[1])
     ap.add_argument("--central-seeds", type=int, nargs="*", default=[1, 2, 3])
     ap.add_argument("--cache", type=Path, default=Path("study-central"))
+    ap.add_argument("--local-steps", type=int, default=Budget.local_steps, help="batches per node (centralized: x N)")
+    ap.add_argument(
+        "--train-central", action="store_true", help="train missing centralized models (else wait for them)"
+    )
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    b = Budget()
+    b = Budget(local_steps=a.local_steps)
     a.cache.mkdir(parents=True, exist_ok=True)
     task = load_task("word2vec", b.options(None, 0))
     assert isinstance(task, Word2VecTask)
-    centrals = []
-    for s in a.central_seeds:
-        path = a.cache / f"central{s}.npy"
-        if not path.exists():
-            torch.manual_seed(s)
-            task.stream = PairStream(task.stream.make_epoch, s)
-            m = task.build_model()
-            train_centralized(
-                task, m, steps=b.agents * b.local_steps, lr=b.lr, batch_size=b.batch_size, seed=s
-            )
-            np.save(path, m.in_embed.weight.detach().numpy())
-        centrals.append(tm.WordVectors(task.vocab.terms, np.load(path)))
-    central_rows = []
-    for i, c in enumerate(centrals):
-        others = [o for j, o in enumerate(centrals) if j != i]
-        r = {"wordsim353": tm.similarity_benchmark(td.wordsim353(), c).rho}
-        r["overlap_each"] = float(np.mean([tm.neighbour_overlap(c, o).total for o in others]))
-        r["overlap_consensus"] = float(
-            overlap_with(c, consensus_neighbours(others, list(tm.THESIS_EVAL_WORDS), 8), 8)
-        )
-        central_rows.append(r)
-    print("central", central_rows, flush=True)
+
+    def load_centrals() -> list[tm.WordVectors]:
+        out = []
+        for s in a.central_seeds:
+            path = a.cache / f"central{s}-{b.local_steps}.npy"
+            if not path.exists() and a.train_central:
+                torch.manual_seed(s)
+                task.stream = PairStream(task.stream.make_epoch, s)
+                m = task.build_model()
+                m.reset(torch.Generator().manual_seed(s))
+                train_centralized(task, m, steps=b.agents * b.local_steps, lr=b.lr, batch_size=b.batch_size, seed=s)
+                np.save(a.cache / f"tmp{s}.npy", m.in_embed.weight.detach().numpy())
+                (a.cache / f"tmp{s}.npy").rename(path)
+            while not path.exists():
+                time.sleep(10)
+            out.append(tm.WordVectors(task.vocab.terms, np.load(path)))
+        return out
+
+    if a.only == []:
+        load_centrals()
+        return 0
     results: dict[str, Any] = json.loads(a.out.read_text()) if a.out.exists() else {}
-    results["central"] = central_rows
+    pending = []
     for v in VARIANTS:
-        if a.only and v.name not in a.only:
+        if a.only is not None and v.name not in a.only:
             continue
         for seed in a.seeds:
             key = f"{v.name}/seed{seed}"
@@ -306,14 +307,28 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             t0 = time.process_time()
             finals = simulate(v, b, seed)
+            pending.append((key, v, finals, time.process_time() - t0))
+            print(key, "simulated", flush=True)
+    centrals = load_centrals()
+    central_rows = []
+    for i, c in enumerate(centrals):
+        others = [o for j, o in enumerate(centrals) if j != i]
+        r = {"wordsim353": tm.similarity_benchmark(td.wordsim353(), c).rho}
+        r["overlap_each"] = float(np.mean([tm.neighbour_overlap(c, o).total for o in others]))
+        r["overlap_consensus"] = float(overlap_with(c, consensus_neighbours(others, list(tm.THESIS_EVAL_WORDS), 8), 8))
+        central_rows.append(r)
+    print("central", central_rows, flush=True)
+    results["central"] = central_rows
+    for key, v, finals, cpu in pending:
+        if True:
             per = []
             for f in finals:
                 vec = tm.WordVectors(task.vocab.terms, f["in_embed.weight"])
                 # leave-one-out for overlap_consensus is for centralized; gossip is scored
                 # against the consensus of all centralized seeds but one (each in turn)
-                s = {"wordsim353": tm.similarity_benchmark(td.wordsim353(), vec).rho}
-                s["overlap_each"] = float(np.mean([tm.neighbour_overlap(vec, c).total for c in centrals]))
-                s["overlap_consensus"] = float(
+                sc = {"wordsim353": tm.similarity_benchmark(td.wordsim353(), vec).rho}
+                sc["overlap_each"] = float(np.mean([tm.neighbour_overlap(vec, c).total for c in centrals]))
+                sc["overlap_consensus"] = float(
                     np.mean(
                         [
                             overlap_with(
@@ -327,14 +342,91 @@ def main(argv: list[str] | None = None) -> int:
                         ]
                     )
                 )
-                per.append(s)
-            row = {k: float(np.mean([p[k] for p in per])) for k in per[0]}
-            row["cpu_s"] = time.process_time() - t0
+                per.append(sc)
+            row: dict[str, Any] = {k: float(np.mean([p[k] for p in per])) for k in per[0]}
+            row["cpu_s"] = cpu
             row["variant"] = asdict(v)
             results[key] = row
             print(key, row, flush=True)
-            a.out.write_text(json.dumps(results, indent=1))
+    a.out.write_text(json.dumps(results, indent=1))
     return 0
+
+
+FACTOR_NAMES = {
+    "": "push-sum, step x N (the agents' default)",
+    "plain": "plain averaging (no masses)",
+    "rows": "per-row push-sum, per-row step total/own",
+    "rows-x10": "per-row push-sum, step x N",
+    "sgp": "push-sum, step x N x own samples / own mass",
+    "x5": "push-sum, step x 5",
+    "x20": "push-sum, step x 20",
+    "local-counts": "subsampling and noise from local counts",
+    "every2": "exchange every 2 batches",
+    "every5": "exchange every 5 batches",
+    "every20": "exchange every 20 batches",
+}
+
+
+def summarize(paths: list[Path], out_dir: Path, local_steps: int) -> str:
+    """The study's table (markdown, returned and written to ``out_dir/study.md``) and plot."""
+    rows: dict[str, dict[str, Any]] = {}
+    central: list[dict[str, float]] = []
+    for p in paths:
+        data = json.loads(p.read_text())
+        central = data.get("central") or central
+        rows.update({k: v for k, v in data.items() if k != "central"})
+    if not central or not rows:
+        return ""
+    cws = float(np.mean([c["wordsim353"] for c in central]))
+    cov = float(np.mean([c["overlap_consensus"] for c in central]))
+    cfloor_ws = float(np.mean([abs(c["wordsim353"] - cws) for c in central])) / cws * 100
+    cfloor_ov = float(np.mean([abs(c["overlap_consensus"] - cov) for c in central])) / cov * 100
+    lines = [
+        "## What the gap is made of (in-process study)",
+        "",
+        f"`python -m fedagent.experiments.gossip_w2v_study` (the same task code, a synchronous simulation of "
+        f"the agents' push-sum exchange: merge-then-update, one send of half the mass per period, at most two "
+        f"incoming models kept, the rest sent home), seed 1, one factor changed at a time. Budget: {local_steps} "
+        f"batches of 1024 per node ({10 * local_steps} in all; the same for the centralized runs it is compared "
+        f"with, 3 seeds: wordsim353 {cws:.3f}, overlap with the other seeds' consensus {cov:.1f}; their own "
+        f"spread {cfloor_ws:.1f} % and {cfloor_ov:.1f} %). Loss in % of the centralized mean.",
+        "",
+        "| configuration | variant | wordsim353 | loss % | overlap with consensus | loss % "
+        "| overlap with each centralized seed | CPU s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    items = []
+    for key in sorted(rows, key=lambda k: (k.split("/")[0], "/".join(k.split("/")[1:-1]))):
+        parts = key.split("/")
+        base, factor = parts[0], "/".join(parts[1:-1])
+        r = rows[key]
+        lws = 100 * (cws - r["wordsim353"]) / cws
+        lov = 100 * (cov - r["overlap_consensus"]) / cov
+        items.append((f"{base} {factor or 'default'}", lws, lov))
+        lines.append(
+            f"| {base} | {FACTOR_NAMES.get(factor, factor)} | {r['wordsim353']:.3f} | {lws:.1f} | "
+            f"{r['overlap_consensus']:.1f} | {lov:.1f} | {r['overlap_each']:.1f} | {r['cpu_s']:.0f} |"
+        )
+    lines += ["", "![study](study.png)", ""]
+    from fedagent.report import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    x = np.arange(len(items))
+    ax.bar(x - 0.2, [i[1] for i in items], 0.4, label="wordsim353 loss %")
+    ax.bar(x + 0.2, [i[2] for i in items], 0.4, label="overlap-with-consensus loss %")
+    ax.axhline(3, ls=":", c="k", label="3 % target")
+    ax.axhline(0, c="grey", lw=0.5)
+    ax.set_xticks(x, [i[0] for i in items], rotation=40, ha="right", fontsize=8)
+    ax.set_title(f"in-process study, {local_steps} batches per node, seed 1: loss against the centralized mean")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_dir / "study.png", dpi=100)
+    plt.close(fig)
+    text = "\n".join(lines)
+    (out_dir / "study.md").write_text(text)
+    return text
 
 
 _BASE = [

@@ -259,3 +259,35 @@ def sim_k(
     c = nearest(central_vectors, rows, k, include_self=include_self)
     f = nearest(federated_vectors, rows, k, include_self=include_self)
     return overlap_at_k(c.tolist(), f.tolist(), k)
+
+
+# ---- neighbour overlap against several reference models ----------------------------------
+def consensus_neighbours(
+    refs: Sequence[WordVectors], words: Sequence[str] = THESIS_EVAL_WORDS, n: int = THESIS_NEIGHBOURS
+) -> dict[str, set[str]]:
+    """The ``n`` nearest words of each of ``words`` by cosine similarity *averaged over*
+    ``refs`` (terms all of them know): the neighbours several equally good models agree
+    on, a steadier reference than any one of them."""
+    if not refs:
+        raise ValueError("at least one reference model is needed")
+    common = [t for t in refs[0].terms if all(t in r for r in refs[1:])]
+    index = {t: i for i, t in enumerate(common)}
+    units = [normalize_rows(np.asarray(r.restrict(common).vectors, dtype=np.float64)) for r in refs]
+    out: dict[str, set[str]] = {}
+    for w in words:
+        if w not in index:
+            continue
+        i = index[w]
+        sims = np.mean([u @ u[i] for u in units], axis=0)
+        sims[i] = -np.inf
+        out[w] = {common[j] for j in np.argsort(-sims, kind="stable")[: min(n, len(common) - 1)]}
+    return out
+
+
+def overlap_with_neighbours(model: WordVectors, neighbours: Mapping[str, set[str]]) -> int:
+    """Shared neighbours of ``model`` with given neighbour sets (each word's set size is its n)."""
+    total = 0
+    for w, ref in neighbours.items():
+        if w in model:
+            total += len(set(neighbours_of(model, w, len(ref))) & ref)
+    return total
