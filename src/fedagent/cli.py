@@ -734,7 +734,7 @@ def experiment_gossip_w2v(
                 ) from None
             if len(set(values)) != len(values) or (name == "central_seeds" and len(values) < 2):
                 raise ConfigError(f"--{name.replace('_', '-')}: distinct seeds, at least two centralized ones")
-            scale = replace(scale, **{name: values})
+            scale = replace(scale, seeds=values) if name == "seeds" else replace(scale, central_seeds=values)
         known = {c.name for c in gossip_w2v.configurations(scale)}
         if set(configs) - known:
             raise ConfigError(f"unknown configurations {sorted(set(configs) - known)}; known: {sorted(known)}")

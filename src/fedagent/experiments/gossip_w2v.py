@@ -281,6 +281,9 @@ def gensim_same_settings(task: Word2VecTask, scale: Scale, epochs: float) -> dic
     return {**out, "epochs": float(max(1, round(epochs))), "seconds": time.monotonic() - t0}
 
 
+CENTRAL_INIT = 1_000_003
+
+
 def fresh_stream(task: Word2VecTask, seed: int) -> None:
     """Restart the task's pair stream at a new epoch drawn with ``seed``: every centralized
     run is then reproducible from its seed alone, whatever ran before it."""
@@ -291,7 +294,10 @@ def centralized(task: Word2VecTask, scale: Scale, seed: int) -> tuple[tm.WordVec
     torch.manual_seed(seed)
     fresh_stream(task, seed)
     model = task.build_model()
-    model.reset(torch.Generator().manual_seed(seed))  # the initial model changes with the seed too
+    # The initial model changes with the seed too, from a range the gossip runs (whose
+    # initial model is drawn with the run's seed) never use: no gossip run starts from a
+    # centralized run's initial model.
+    model.reset(torch.Generator().manual_seed(CENTRAL_INIT + seed))
     t0 = time.monotonic()
     train_centralized(
         task, model, steps=scale.agents * scale.local_steps, lr=scale.lr, batch_size=scale.batch_size, seed=seed
