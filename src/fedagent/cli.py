@@ -680,7 +680,7 @@ def experiment_flsimco(
     type=click.Choice(["default", "tiny"]),
     default="default",
     show_default=True,
-    help="default: 10 agents, ~45 min on 2 busy cores; tiny: 3 agents, a smoke test",
+    help="default: 10 agents, 3 seeds, ~50 min on 2 idle cores; tiny: 3 agents, a smoke test",
 )
 @click.option("--local-steps", type=int, default=None, help="batches per agent (centralized gets agents x this)")
 @click.option("--dim", type=int, default=None, help="embedding size")
