@@ -386,25 +386,26 @@ def summarize(paths: list[Path], out_dir: Path, local_steps: int) -> str:
         "",
         f"`python -m fedagent.experiments.gossip_w2v_study` (the same task code, a synchronous simulation of "
         f"the agents' push-sum exchange: merge-then-update, one send of half the mass per period, at most two "
-        f"incoming models kept, the rest sent home), seed 1, one factor changed at a time. Budget: {local_steps} "
+        f"incoming models kept, the rest sent home), one factor changed at a time. Budget: {local_steps} "
         f"batches of 1024 per node ({10 * local_steps} in all; the same for the centralized runs it is compared "
         f"with, 3 seeds: wordsim353 {cws:.3f}, overlap with the other seeds' consensus {cov:.1f}; their own "
         f"spread {cfloor_ws:.1f} % and {cfloor_ov:.1f} %). Loss in % of the centralized mean.",
         "",
-        "| configuration | variant | wordsim353 | loss % | overlap with consensus | loss % "
+        "| configuration | variant | seed | wordsim353 | loss % | overlap with consensus | loss % "
         "| overlap with each centralized seed | CPU s |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     items = []
-    for key in sorted(rows, key=lambda k: (k.split("/")[0], "/".join(k.split("/")[1:-1]))):
+    for key in sorted(rows, key=lambda k: (k.split("/")[0], "/".join(k.split("/")[1:-1]), k.split("/")[-1])):
         parts = key.split("/")
         base, factor = parts[0], "/".join(parts[1:-1])
         r = rows[key]
         lws = 100 * (cws - r["wordsim353"]) / cws
         lov = 100 * (cov - r["overlap_consensus"]) / cov
-        items.append((f"{base} {factor or 'default'}", lws, lov))
+        seed = parts[-1].removeprefix("seed")
+        items.append((f"{base} {factor or 'default'} s{seed}", lws, lov))
         lines.append(
-            f"| {base} | {FACTOR_NAMES.get(factor, factor)} | {r['wordsim353']:.3f} | {lws:.1f} | "
+            f"| {base} | {FACTOR_NAMES.get(factor, factor)} | {seed} | {r['wordsim353']:.3f} | {lws:.1f} | "
             f"{r['overlap_consensus']:.1f} | {lov:.1f} | {r['overlap_each']:.1f} | {r['cpu_s']:.0f} |"
         )
     lines += ["", "![study](study.png)", ""]
@@ -418,7 +419,7 @@ def summarize(paths: list[Path], out_dir: Path, local_steps: int) -> str:
     ax.axhline(3, ls=":", c="k", label="3 % target")
     ax.axhline(0, c="grey", lw=0.5)
     ax.set_xticks(x, [i[0] for i in items], rotation=40, ha="right", fontsize=8)
-    ax.set_title(f"in-process study, {local_steps} batches per node, seed 1: loss against the centralized mean")
+    ax.set_title(f"in-process study, {local_steps} batches per node: loss against the centralized mean")
     ax.legend(fontsize=8)
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
