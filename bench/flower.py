@@ -8,7 +8,10 @@ Modes:
 * ``grpc``: the deprecated ``start_server`` + ``start_client`` deployment (its
   fastest), without TLS and with TLS (our federation CA and broker certificate).
 * ``deployment``: the current one (SuperLink + SuperNodes + ``flwr run``), see
-  bench/flower_app/deployment.py.
+  bench/flower_app/deploy/.
+* ``secaggplus``: the same deployment running FedAvg under Flower's SecAgg+ workflow
+  (bench/flower_app/secaggplus/), behind a byte-counting relay; the ``secagg`` section
+  calls :func:`secaggplus_rows` to compare it with fedagent's secure round.
 
 Rows compare fedagent's TLS round (measured by the ``round`` section in this run) with
 Flower's: a ratio below 1 means fedagent is faster.
@@ -17,15 +20,22 @@ Flower's: a ratio below 1 means fedagent is faster.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
+import threading
 import time
+from bisect import bisect_right
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.env import mb, model_sizes
 from bench.procs import ProcessTree
 from bench.registry import Context, Row, section, summary
+
+if TYPE_CHECKING:
+    from fedagent.protocols.secagg import SecAggParams
 
 HERE = Path(__file__).resolve().parent
 APP = HERE / "flower_app"
@@ -278,3 +288,312 @@ def flower(ctx: Context) -> list[Row]:
                 )
             )
     return rows
+
+
+# ---- Flower SecAgg+ (rows of the ``secagg`` section) ------------------------------------
+class ByteRelay:
+    """A TCP relay on 127.0.0.1 in front of ``target_port`` that counts the bytes it
+    carries, both directions together, with a (``time.monotonic``, running total) mark
+    per transfer so the bytes of a time span (one round) can be read off afterwards.
+    Bytes move with ``splice`` through a pipe (no copy into Python), so the relay costs
+    little CPU next to what it measures."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, target_port: int) -> None:
+        import socket
+
+        self.target = ("127.0.0.1", target_port)
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(256)
+        self.port: int = self.listener.getsockname()[1]
+        self.total = 0
+        self.connections = 0
+        self._times: list[float] = [time.monotonic()]
+        self._totals: list[int] = [0]
+        self._lock = threading.Lock()
+        self._socks: list = []
+        self._closed = False
+        threading.Thread(target=self._accept, name=f"relay-{self.port}", daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                if self._closed:
+                    client.close()
+                    upstream.close()
+                    return
+                self._socks += [client, upstream]
+                self.connections += 1
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src, dst) -> None:
+        import fcntl
+        import socket
+
+        r, w = os.pipe()
+        try:
+            fcntl.fcntl(w, 1031, self.CHUNK)  # F_SETPIPE_SZ (best effort)
+        except OSError:
+            pass
+        try:
+            while True:
+                n = os.splice(src.fileno(), w, self.CHUNK)
+                if n == 0:
+                    break
+                left = n
+                while left:
+                    left -= os.splice(r, dst.fileno(), left)
+                with self._lock:
+                    self.total += n
+                    self._times.append(time.monotonic())
+                    self._totals.append(self.total)
+        except OSError:
+            pass
+        finally:
+            os.close(r)
+            os.close(w)
+            try:
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def bytes_between(self, t0: float, t1: float) -> int:
+        """Bytes carried from monotonic time ``t0`` to ``t1`` (to the marks at or before each)."""
+        with self._lock:
+            i0 = bisect_right(self._times, t0) - 1
+            i1 = bisect_right(self._times, t1) - 1
+            return self._totals[max(i1, 0)] - self._totals[max(i0, 0)]
+
+    def close(self) -> None:
+        import socket
+
+        with self._lock:
+            self._closed = True
+            socks, self._socks = self._socks, []
+        for s in (self.listener, *socks):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def __enter__(self) -> ByteRelay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def secaggplus_config(sp: SecAggParams, clients: int) -> dict[str, float | int]:
+    """Flower SecAggPlusWorkflow settings for fedagent's SecAggParams ``sp`` and
+    ``clients`` agents: the same share holders, threshold, clipping range and
+    quantisation levels, the same modulus (2³²). What does not map is stated in
+    docs/benchmarks.md ("Flower SecAgg+")."""
+    from fedagent.protocols.secagg import MODULUS_BITS
+
+    k = sp.neighbours or 2 * math.ceil(math.log2(clients))
+    holders = min(k, clients - 1) + 1  # fedagent: itself and its neighbours
+    return {
+        # Flower: a node's neighbourhood, itself included, is num_shares wide (odd).
+        "num-shares": holders if holders % 2 or holders == clients else holders + 1,
+        "threshold": sp.threshold_of(holders),
+        "clip": float(sp.clip),
+        # Flower maps [-clip, clip] onto [0, quantization_range]; fedagent onto 2^bits levels.
+        "quantization-range": 1 << sp.bits,
+        "modulus-range": 1 << MODULUS_BITS,
+    }
+
+
+def run_secaggplus(
+    py: Path,
+    work: Path,
+    params: int,
+    rounds: int,
+    config: dict[str, float | int],
+    timeout: float,
+    clients: int = CLIENTS,
+) -> dict[str, list]:
+    """Rounds of FedAvg under Flower's SecAgg+ workflow in its deployment mode: one
+    SuperLink, ``clients`` SuperNodes (a ClientApp process per message, so per SecAgg+
+    stage), the app submitted with ``flwr run``. The SuperNodes reach the SuperLink
+    through one :class:`ByteRelay` ("fleet": the clients' links) and the ServerApp
+    through another ("serverapp": the coordinator's link; the SuperLink runs with
+    ``--isolation process`` so that the SuperExec that starts the ServerApp can be
+    pointed at the relay). Returns per round (the first, warm-up, dropped): seconds,
+    fleet bytes, ServerApp bytes."""
+    import shutil
+
+    bindir = py.parent
+    home = work / f"flwr-home-sa-{params}"
+    home.mkdir(parents=True, exist_ok=True)
+    app = work / f"flwr-app-sa-{params}"
+    if app.exists():
+        shutil.rmtree(app)
+    shutil.copytree(APP / "secaggplus", app)
+    link = _free_port()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{link}"\ninsecure = true\n'
+    )
+    out = work / f"flower-secaggplus-{params}.json"
+    out.unlink(missing_ok=True)
+    env = dict(os.environ, FLWR_HOME=str(home), PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+    logf = open(work / f"flower-secaggplus-{params}.log", "wb")
+    with logf, ProcessTree() as tree, ByteRelay(link) as fleet, ByteRelay(link) as server:
+        superlink = tree.spawn(
+            [
+                str(bindir / "flower-superlink"),
+                "--insecure",
+                "--isolation",
+                "process",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(link),
+                "--disable-runtime-dependency-installation",
+            ],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=work,
+        )
+        _wait_port(link, time.monotonic() + 120, superlink, "flower-superlink")
+        # What the SuperLink starts itself in its default (subprocess) isolation, but
+        # connected through the relay.
+        tree.spawn(
+            [str(bindir / "flower-superexec"), "--insecure", "--runtime-api-address", f"127.0.0.1:{server.port}"],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=work,
+        )
+        for _ in range(clients):
+            tree.spawn(
+                [
+                    str(bindir / "flower-supernode"),
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{fleet.port}",
+                    "--port",
+                    str(_free_port()),
+                ],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=work,
+            )
+        cfg = " ".join(
+            f"{k}={json.dumps(v)}"
+            for k, v in {**config, "params": params, "rounds": rounds + 1, "clients": clients, "out": str(out)}.items()
+        )
+        run = tree.spawn(
+            [str(bindir / "flwr"), "run", str(app), "bench", "--stream", "--run-config", cfg],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=work,
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            tree.sweep()
+            res = json.loads(out.read_text()) if out.exists() else {"times": []}
+            if len(res["times"]) == rounds + 1:
+                break
+            if run.poll() not in (None, 0):
+                raise RuntimeError(f"flwr run exited {run.returncode}; see {logf.name}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"Flower SecAgg+ finished {len(res['times'])} of {rounds + 1} rounds in {timeout:.0f} s; see {logf.name}"
+                )
+            time.sleep(0.5)
+        spans = res["spans"][1:]
+        return {
+            "times": res["times"][1:],
+            "fleet_bytes": [fleet.bytes_between(a, b) for a, b in spans],
+            "server_bytes": [server.bytes_between(a, b) for a, b in spans],
+            "max_error": [res["max_error"]],
+        }
+
+
+#: rows :func:`secaggplus_rows` adds per model size (the ``secagg`` section declares them)
+SECAGGPLUS_ROWS = 3
+
+
+def secaggplus_rows(
+    ctx: Context, params: int, agents: int, sp: SecAggParams, secure_times: list[float], secure_bytes: list[int]
+) -> list[Row]:
+    """The ``secagg`` section's Flower rows for one model size: fedagent's secure round
+    (``secure_times``, and ``secure_bytes`` through its coordinator, both measured by
+    bench/secagg.py in this run) against FedAvg under Flower's SecAgg+ workflow with the
+    same number of clients and the parameters :func:`secaggplus_config` maps from
+    ``sp``. Over ``ctx.repeats`` rounds after a warm-up one. A run that does not finish is
+    reported as not measured (bench/run.py then exits 1) and gives no rows."""
+    py = flower_python(ctx.log)
+    version = FLWR_VERSION
+    config = secaggplus_config(sp, agents)
+    rounds = ctx.repeats
+    timeout = secaggplus_timeout(params, rounds)
+    label = f"Flower {version} SecAgg+ (SuperLink + SuperNodes + flwr run, no TLS)"
+    try:
+        res = run_secaggplus(py, ctx.work, params, rounds, config, timeout=timeout, clients=agents)
+    except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
+        ctx.log(f"{label}, {mb(params)}: did not complete: {exc}")
+        ctx.shared.setdefault("failures", []).append(f"{label}, {mb(params)}: {exc}")
+        return []
+    med, mx = summary(res["times"])
+    fleet = summary(res["fleet_bytes"])[0]
+    ctx.log(
+        f"{label}, {mb(params)}: median {med:.2f} s, max {mx:.2f} s; ServerApp "
+        f"{summary(res['server_bytes'])[0] / 1e6:.1f} MB, SuperNodes {fleet / 1e6:.1f} MB per round"
+    )
+    ctx.shared[("flower_secaggplus", params)] = res
+    o_med, o_max = summary(secure_times)
+    n = f"n={len(secure_times)} vs {len(res['times'])}"
+    what = f"{agents} agents, {mb(params)}"
+    return [
+        Row(
+            "secagg",
+            f"fedagent secure round, TLS, {what} (median)",
+            o_med,
+            f"{label} (median)",
+            med,
+            note=f"goal < 1x; {n}; Flower's shares {config['num-shares']}, threshold {config['threshold']}",
+        ),
+        Row(
+            "secagg",
+            f"fedagent secure round, TLS, {what} (max)",
+            o_max,
+            f"{label} (max)",
+            mx,
+            note=n,
+        ),
+        Row(
+            "secagg",
+            f"fedagent coordinator bytes per secure round, {what} (median)",
+            summary(secure_bytes)[0],
+            "Flower SecAgg+ ServerApp bytes per round, via a relay (median)",
+            summary(res["server_bytes"])[0],
+            unit="B",
+            note=f"Flower's SuperNodes moved {fleet:.3g} B per round (all ten links)",
+        ),
+    ]
+
+
+def secaggplus_timeout(params: int, rounds: int) -> float:
+    """How long a Flower SecAgg+ run of ``rounds`` + 1 rounds may take: start-up plus a
+    per-round allowance that grows with the model (each round moves it through four
+    ClientApp processes per client)."""
+    return 300 + (rounds + 1) * (120 + 8 * params * 4 / 1e6)

@@ -166,7 +166,13 @@ async def _measure(bb, params: int, repeats: int, log) -> dict:
         await fed.stop()
 
 
-@section("secagg", rows=lambda ctx: 4 * len(model_sizes(ctx)))
+def _rows(ctx: Context) -> int:
+    from bench.flower import SECAGGPLUS_ROWS  # (imported here: bench.flower registers a section)
+
+    return (4 + (0 if ctx.quick else SECAGGPLUS_ROWS)) * len(model_sizes(ctx))
+
+
+@section("secagg", rows=_rows)
 def secure_aggregation(ctx: Context, agents: int = AGENTS) -> list[Row]:
     rows = []
     with bench_broker(ctx, ctx.work / "secagg", agents) as bb:
@@ -219,4 +225,8 @@ def secure_aggregation(ctx: Context, agents: int = AGENTS) -> list[Row]:
                     unit="B",
                 )
             )
+            if not ctx.quick:  # Flower 1.41's SecAgg+ on the same shape, unless --quick
+                from bench.flower import secaggplus_rows
+
+                rows += secaggplus_rows(ctx, params, agents, SA.SecAggParams(), res["secure"], res["secure_bytes"])
     return rows
