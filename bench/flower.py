@@ -56,6 +56,12 @@ def flower_python(log) -> Path:
     return py
 
 
+def flower_version(py: Path) -> str:
+    return subprocess.run(
+        [str(py), "-c", "import flwr; print(flwr.__version__)"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
 def _free_port() -> int:
     import socket
 
@@ -144,6 +150,7 @@ def run_deployment(
         f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{link}"\ninsecure = true\n'
     )
     out = work / f"flower-deploy-{params}.json"
+    out.unlink(missing_ok=True)
     env = dict(os.environ, FLWR_HOME=str(home), PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
     logf = open(work / f"flower-deploy-{params}.log", "wb")
     # Every process of the deployment, also the ones Flower starts itself (SuperExec,
@@ -191,14 +198,18 @@ def run_deployment(
             env=env,
             cwd=work,
         )
-        if run.wait(timeout=timeout) != 0:
-            raise RuntimeError(f"flwr run exited {run.returncode}; see {logf.name}")
         deadline = time.monotonic() + timeout
+        seen = 0
         while True:
             tree.sweep()
             times = json.loads(out.read_text())["times"] if out.exists() else []
+            if len(times) > seen:
+                log(f"Flower deployment, {params} params: round {len(times)} of {rounds + 1}: {times[-1]:.1f} s")
+                seen = len(times)
             if len(times) == rounds + 1:
                 return times[1:]
+            if run.poll() not in (None, 0):
+                raise RuntimeError(f"flwr run exited {run.returncode} after {len(times)} rounds; see {logf.name}")
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"Flower deployment finished {len(times)} of {rounds + 1} rounds "
@@ -222,18 +233,53 @@ def _ours(ctx: Context, params: int) -> list[float] | None:
 
 
 def _expected_rows(ctx: Context) -> int:
-    """One row per model size and Flower mode (gRPC without TLS; with TLS and deployment
-    mode unless --quick). Each is a ratio to the ``round`` section's fedagent round, so
-    a run of ``flower`` without ``round`` measures none of them and fails."""
-    return len(model_sizes(ctx)) * (1 if ctx.quick else 3)
+    """Two rows (median, max) per model size and Flower mode (gRPC without TLS; with TLS
+    and deployment mode unless --quick). Each is a ratio to the ``round`` section's
+    fedagent round, so a run of ``flower`` without ``round`` measures none of them and
+    fails."""
+    return 2 * len(model_sizes(ctx)) * (1 if ctx.quick else 3)
+
+
+def deployment_timeout(params: int, rounds: int) -> float:
+    """How long a deployment-mode run of ``rounds`` + 1 rounds may take before it counts
+    as failed: start-up (SuperLink, SuperNodes, the app's FAB) plus a per-round
+    allowance that grows with the model. Each round carries the model six times through
+    Flower's Python processes (ServerApp, SuperLink, SuperNode, ClientApp and back),
+    hashing every object, and starts ten ClientApp processes: 33 s a round at 44.8 MB on
+    an idle 2-core machine, 5-10x that at a load of 20. The allowance is 90 s plus 10 s
+    per MB of model a round (538 s at 44.8 MB, 134 s at 4.4 MB)."""
+    return 300 + (rounds + 1) * (90 + 10 * params * 4 / 1e6)
+
+
+def _pair(label: str, version: str, size: str, ours: list[float], theirs: list[float], target: str) -> list[Row]:
+    """A median row and a max row: fedagent's TLS round against one Flower mode."""
+    o_med, o_max = summary(ours)
+    med, mx = summary(theirs)
+    n = f"n={len(ours)} vs {len(theirs)}"
+    return [
+        Row(
+            "flower",
+            f"fedagent TLS round, {size} (median)",
+            o_med,
+            f"Flower {version} {label} (median)",
+            med,
+            note=f"target {target}; {n}",
+        ),
+        Row(
+            "flower",
+            f"fedagent TLS round, {size} (max)",
+            o_max,
+            f"Flower {version} {label} (max)",
+            mx,
+            note=f"target {target}; {n}",
+        ),
+    ]
 
 
 @section("flower", rows=_expected_rows)
 def flower(ctx: Context) -> list[Row]:
     py = flower_python(ctx.log)
-    version = subprocess.run(
-        [str(py), "-c", "import flwr; print(flwr.__version__)"], capture_output=True, text=True, check=True
-    ).stdout.strip()
+    version = flower_version(py)
     rows = []
     tls = server_tls(ctx.work / "flower-pki")
     for params in model_sizes(ctx):
@@ -249,44 +295,26 @@ def flower(ctx: Context) -> list[Row]:
             ctx.log(f"Flower {version} {label}, {mb(params)}: median {med:.2f} s, max {mx:.2f} s")
             ctx.shared[("flower", label, params)] = times
             if ours is not None:
-                o_med, o_max = summary(ours)
-                rows.append(
-                    Row(
-                        "flower",
-                        f"fedagent TLS round, {mb(params)} (median)",
-                        o_med,
-                        f"Flower {version} {label} (median)",
-                        med,
-                        note=f"target <= 0.67x; max {o_max:.2f} s vs {mx:.2f} s; n={len(times)}",
-                    )
-                )
+                rows += _pair(label, version, mb(params), ours, times, "<= 0.67x")
     if ctx.quick:
         ctx.log("--quick: Flower's deployment mode (SuperLink + SuperNodes + flwr run) skipped")
         return rows
     for params in model_sizes(ctx):
-        rounds = min(ctx.repeats, 3)  # about a minute per round: a few are enough
+        rounds = ctx.repeats
         label = "SuperLink + SuperNodes + flwr run, no TLS"
+        timeout = deployment_timeout(params, rounds)
         try:
-            times = run_deployment(py, ctx.work, params, rounds, timeout=300 + 120 * rounds, log=ctx.log)
+            times = run_deployment(py, ctx.work, params, rounds, timeout=timeout, log=ctx.log)
         except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
             ctx.log(f"Flower {version} {label}, {mb(params)}: did not complete: {exc}")
             ctx.shared.setdefault("failures", []).append(f"Flower {label}, {mb(params)}: {exc}")
             continue
         med, mx = summary(times)
         ctx.log(f"Flower {version} {label}, {mb(params)}: median {med:.2f} s, max {mx:.2f} s")
+        ctx.shared[("flower", label, params)] = times
         ours = _ours(ctx, params)
         if ours is not None:
-            o_med, o_max = summary(ours)
-            rows.append(
-                Row(
-                    "flower",
-                    f"fedagent TLS round, {mb(params)} (median)",
-                    o_med,
-                    f"Flower {version} {label} (median)",
-                    med,
-                    note=f"target <= 0.1x; max {o_max:.2f} s vs {mx:.2f} s; n={len(times)}",
-                )
-            )
+            rows += _pair(label, version, mb(params), ours, times, "<= 0.1x")
     return rows
 
 
@@ -542,7 +570,7 @@ def secaggplus_rows(
     ``sp``. Over ``ctx.repeats`` rounds after a warm-up one. A run that does not finish is
     reported as not measured (bench/run.py then exits 1) and gives no rows."""
     py = flower_python(ctx.log)
-    version = FLWR_VERSION
+    version = flower_version(py)
     config = secaggplus_config(sp, agents)
     rounds = ctx.repeats
     timeout = secaggplus_timeout(params, rounds)

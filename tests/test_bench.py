@@ -131,3 +131,101 @@ def test_every_section_declares_the_rows_it_measures():
         ctx = Context(quick=quick, work=Path("."), repeats=1)
         for name, rows in EXPECTED_ROWS.items():
             assert rows(ctx) >= 1, (name, quick)
+
+
+# ---- Flower helpers that need no Flower ------------------------------------------------------
+def test_byte_relay_counts_both_directions_and_splits_by_time():
+    """The relay that counts Flower SecAgg+'s bytes: everything sent through it arrives
+    unchanged, both directions are counted, and bytes_between reads one span's bytes."""
+    import socket
+    import threading
+    import time
+
+    from bench.flower import ByteRelay
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+
+    def echo() -> None:
+        conn, _ = server.accept()
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    threading.Thread(target=echo, daemon=True).start()
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    with ByteRelay(server.getsockname()[1]) as relay, socket.create_connection(("127.0.0.1", relay.port)) as c:
+        t0 = time.monotonic()
+        c.sendall(payload)
+        got = bytearray()
+        while len(got) < len(payload):
+            got += c.recv(1 << 20)
+        assert bytes(got) == payload
+        deadline = time.monotonic() + 30
+        while relay.total < 2 * len(payload) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t1 = time.monotonic()
+        assert relay.total == 2 * len(payload) and relay.connections == 1
+        assert relay.bytes_between(t0, t1) == 2 * len(payload)
+        assert relay.bytes_between(t1, time.monotonic()) == 0
+    server.close()
+
+
+def test_secaggplus_config_maps_fedagent_parameters():
+    """Flower's SecAgg+ settings from fedagent's: the same share holders (itself and its
+    neighbours), threshold, clipping range, quantisation levels and modulus."""
+    from bench.flower import secaggplus_config
+    from fedagent.protocols.secagg import SecAggParams
+
+    sp = SecAggParams()
+    cfg = secaggplus_config(sp, 10)
+    # 10 agents: 2*ceil(log2 10) = 8 neighbours, so 9 holders and 5 shares to rebuild.
+    assert cfg == {
+        "num-shares": 9,
+        "threshold": 5,
+        "clip": 1.0,
+        "quantization-range": 2**20,
+        "modulus-range": 2**32,
+    }
+    assert sp.threshold_of(9) == 5
+    small = secaggplus_config(SecAggParams(clip=0.5, bits=16), 3)  # complete graph
+    assert small["num-shares"] == 3 and small["threshold"] == 2 and small["clip"] == 0.5
+    assert small["quantization-range"] == 2**16
+
+
+def test_flower_limits_grow_with_the_model():
+    from bench.flower import deployment_timeout, secaggplus_timeout
+
+    for fn in (deployment_timeout, secaggplus_timeout):
+        assert fn(11_200_000, 5) > fn(1_100_000, 5) > fn(1_100_000, 2)
+    # The 11.2M deployment run of 5 + 1 rounds gets far more than the 660 s it used to.
+    assert deployment_timeout(11_200_000, 5) >= 6 * 500
+
+
+def test_flower_section_reports_a_deployment_run_that_fails(monkeypatch, tmp_path):
+    """A deployment-mode run that does not finish is NOT MEASURED (bench/run.py exits 1
+    on it) and its rows are missing; the gRPC rows come in median/max pairs."""
+    from bench import flower
+    from bench.registry import Context, check_rows
+
+    def deployment(py, work, params, rounds, timeout, log, clients=flower.CLIENTS):
+        assert rounds >= 5 and timeout == flower.deployment_timeout(params, rounds)
+        raise RuntimeError(f"Flower deployment finished 2 of {rounds + 1} rounds in {timeout:.0f} s")
+
+    monkeypatch.setattr(flower, "flower_python", lambda log: tmp_path / "python")
+    monkeypatch.setattr(flower, "flower_version", lambda py: "1.41.0")
+    monkeypatch.setattr(flower, "server_tls", lambda d: (d / "ca", d / "cert", d / "key"))
+    monkeypatch.setattr(flower, "run_grpc", lambda py, work, params, rounds, tls, timeout: [0.5, 0.7] * rounds)
+    monkeypatch.setattr(flower, "run_deployment", deployment)
+    ctx = Context(quick=False, work=tmp_path, repeats=5, sizes=[11_200_000], log=lambda s: None)
+    ctx.shared[("fedagent_round", 11_200_000)] = [0.2, 0.3, 0.25, 0.2, 0.4]
+    rows = flower.flower(ctx)
+    assert len(rows) == 4  # gRPC without and with TLS, median and max each
+    assert [r.subject.rsplit(" ", 1)[1] for r in rows] == ["(median)", "(max)"] * 2
+    assert rows[1].value == 0.4 and rows[1].baseline_value == 0.7
+    assert ctx.shared["failures"] == [
+        "Flower SuperLink + SuperNodes + flwr run, no TLS, 11.2M params = 44.8 MB: "
+        f"Flower deployment finished 2 of 6 rounds in {flower.deployment_timeout(11_200_000, 5):.0f} s"
+    ]
+    assert check_rows("flower", ctx, rows) == ["section flower: 4 of the 6 rows it should measure"]
