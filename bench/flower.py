@@ -426,6 +426,20 @@ class ByteRelay:
         self.close()
 
 
+def tree_cpu(pids) -> float:
+    """CPU seconds (user + system, with those of reaped children) of the live processes
+    ``pids``: a ClientApp that has ended counts once its parent has reaped it."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += sum(int(x) for x in f[11:15])  # utime stime cutime cstime
+    return total / tick
+
+
 def secaggplus_config(sp: SecAggParams, clients: int) -> dict[str, float | int]:
     """Flower SecAggPlusWorkflow settings for fedagent's SecAggParams ``sp`` and
     ``clients`` agents: the same share holders, threshold, clipping range and
@@ -535,8 +549,12 @@ def run_secaggplus(
             cwd=work,
         )
         deadline = time.monotonic() + timeout
+        cpu_t: list[float] = []
+        cpu: list[float] = []
         while True:
-            tree.sweep()
+            pids = tree.sweep()
+            cpu_t.append(time.monotonic())
+            cpu.append(tree_cpu(pids))
             res = json.loads(out.read_text()) if out.exists() else {"times": []}
             if len(res["times"]) == rounds + 1:
                 break
@@ -552,23 +570,26 @@ def run_secaggplus(
             "times": res["times"][1:],
             "fleet_bytes": [fleet.bytes_between(a, b) for a, b in spans],
             "server_bytes": [server.bytes_between(a, b) for a, b in spans],
+            "cpu": [
+                cpu[min(bisect_right(cpu_t, b), len(cpu) - 1)] - cpu[max(bisect_right(cpu_t, a) - 1, 0)]
+                for a, b in spans
+            ],
             "max_error": [res["max_error"]],
         }
 
 
 #: rows :func:`secaggplus_rows` adds per model size (the ``secagg`` section declares them)
-SECAGGPLUS_ROWS = 3
+SECAGGPLUS_ROWS = 4
 
 
-def secaggplus_rows(
-    ctx: Context, params: int, agents: int, sp: SecAggParams, secure_times: list[float], secure_bytes: list[int]
-) -> list[Row]:
-    """The ``secagg`` section's Flower rows for one model size: fedagent's secure round
-    (``secure_times``, and ``secure_bytes`` through its coordinator, both measured by
-    bench/secagg.py in this run) against FedAvg under Flower's SecAgg+ workflow with the
-    same number of clients and the parameters :func:`secaggplus_config` maps from
-    ``sp``. Over ``ctx.repeats`` rounds after a warm-up one. A run that does not finish is
-    reported as not measured (bench/run.py then exits 1) and gives no rows."""
+def secaggplus_rows(ctx: Context, params: int, agents: int, sp: SecAggParams, ours: dict[str, list]) -> list[Row]:
+    """The ``secagg`` section's Flower rows for one model size: fedagent's secure rounds
+    as bench/secagg.py measured them in this run (``ours``: ``secure`` seconds,
+    ``secure_bytes`` through its coordinator, ``secure_cpu`` of coordinator + agents)
+    against FedAvg under Flower's SecAgg+ workflow with the same number of clients and
+    the parameters :func:`secaggplus_config` maps from ``sp``, over ``ctx.repeats``
+    rounds after a warm-up one. A run that does not finish is reported as not measured
+    (bench/run.py then exits 1) and gives no rows."""
     py = flower_python(ctx.log)
     version = flower_version(py)
     config = secaggplus_config(sp, agents)
@@ -585,11 +606,12 @@ def secaggplus_rows(
     fleet = summary(res["fleet_bytes"])[0]
     ctx.log(
         f"{label}, {mb(params)}: median {med:.2f} s, max {mx:.2f} s; ServerApp "
-        f"{summary(res['server_bytes'])[0] / 1e6:.1f} MB, SuperNodes {fleet / 1e6:.1f} MB per round"
+        f"{summary(res['server_bytes'])[0] / 1e6:.1f} MB, SuperNodes {fleet / 1e6:.1f} MB, "
+        f"CPU {summary(res['cpu'])[0]:.1f} s per round (median)"
     )
     ctx.shared[("flower_secaggplus", params)] = res
-    o_med, o_max = summary(secure_times)
-    n = f"n={len(secure_times)} vs {len(res['times'])}"
+    o_med, o_max = summary(ours["secure"])
+    n = f"n={len(ours['secure'])} vs {len(res['times'])}"
     what = f"{agents} agents, {mb(params)}"
     return [
         Row(
@@ -598,24 +620,25 @@ def secaggplus_rows(
             o_med,
             f"{label} (median)",
             med,
-            note=f"goal < 1x; {n}; Flower's shares {config['num-shares']}, threshold {config['threshold']}",
+            note=f"goal < 1x; {n}; Flower: {config['num-shares']} shares, threshold {config['threshold']}",
         ),
+        Row("secagg", f"fedagent secure round, TLS, {what} (max)", o_max, f"{label} (max)", mx, note=n),
         Row(
             "secagg",
-            f"fedagent secure round, TLS, {what} (max)",
-            o_max,
-            f"{label} (max)",
-            mx,
-            note=n,
+            f"CPU of fedagent's coordinator + {agents} agents per secure round, {what} (median)",
+            summary(ours["secure_cpu"])[0],
+            "CPU of all Flower SecAgg+ processes per round (median)",
+            summary(res["cpu"])[0],
+            note="Flower's includes its SuperLink (the broker's part, not in fedagent's figure)",
         ),
         Row(
             "secagg",
             f"fedagent coordinator bytes per secure round, {what} (median)",
-            summary(secure_bytes)[0],
+            summary(ours["secure_bytes"])[0],
             "Flower SecAgg+ ServerApp bytes per round, via a relay (median)",
             summary(res["server_bytes"])[0],
             unit="B",
-            note=f"Flower's SuperNodes moved {fleet:.3g} B per round (all ten links)",
+            note=f"Flower's SuperNodes moved {fleet:.3g} B per round (all {agents} links)",
         ),
     ]
 

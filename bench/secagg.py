@@ -228,5 +228,5 @@ def secure_aggregation(ctx: Context, agents: int = AGENTS) -> list[Row]:
             if not ctx.quick:  # Flower 1.41's SecAgg+ on the same shape, unless --quick
                 from bench.flower import secaggplus_rows
 
-                rows += secaggplus_rows(ctx, params, agents, SA.SecAggParams(), res["secure"], res["secure_bytes"])
+                rows += secaggplus_rows(ctx, params, agents, SA.SecAggParams(), res)
     return rows
