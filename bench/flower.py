@@ -208,14 +208,45 @@ def run_deployment(
                 seen = len(times)
             if len(times) == rounds + 1:
                 return times[1:]
-            if run.poll() not in (None, 0):
-                raise RuntimeError(f"flwr run exited {run.returncode} after {len(times)} rounds; see {logf.name}")
+            if run.poll() is not None:
+                # The run ended (the app raises when a round lost a reply) or failed.
+                times = json.loads(out.read_text())["times"] if out.exists() else []
+                if len(times) == rounds + 1:
+                    return times[1:]
+                raise RuntimeError(
+                    f"flwr run exited {run.returncode} after {len(times)} of {rounds + 1} rounds"
+                    f"{_flower_error(logf.name)}; see {logf.name}"
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"Flower deployment finished {len(times)} of {rounds + 1} rounds "
                     f"in {timeout:.0f} s; see {logf.name}"
                 )
             time.sleep(0.5)
+
+
+#: What Flower 1.41 logs when a round lost a client's reply, most telling first: a
+#: ClientApp that did not claim its task within the SuperNode's heartbeat window (30 s,
+#: seen on a machine loaded far beyond its cores), and what the ServerApp then reports.
+FLOWER_ERRORS = (
+    "task-token authentication failed",
+    "ClientApp crashed",
+    "replies of",
+    "Traceback",
+)
+
+
+def _flower_error(log_path: str) -> str:
+    """``: <first known error line>`` from a Flower run's log, or ``""``."""
+    try:
+        lines = Path(log_path).read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for needle in FLOWER_ERRORS:
+        for line in lines:
+            if needle in line:
+                return f": {line.strip()[:300]}"
+    return ""
 
 
 def server_tls(d: Path) -> tuple[Path, Path, Path]:
@@ -558,8 +589,14 @@ def run_secaggplus(
             res = json.loads(out.read_text()) if out.exists() else {"times": []}
             if len(res["times"]) == rounds + 1:
                 break
-            if run.poll() not in (None, 0):
-                raise RuntimeError(f"flwr run exited {run.returncode}; see {logf.name}")
+            if run.poll() is not None:
+                res = json.loads(out.read_text()) if out.exists() else {"times": []}
+                if len(res["times"]) == rounds + 1:
+                    break
+                raise RuntimeError(
+                    f"flwr run exited {run.returncode} after {len(res['times'])} of {rounds + 1} rounds"
+                    f"{_flower_error(logf.name)}; see {logf.name}"
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"Flower SecAgg+ finished {len(res['times'])} of {rounds + 1} rounds in {timeout:.0f} s; see {logf.name}"

@@ -229,3 +229,18 @@ def test_flower_section_reports_a_deployment_run_that_fails(monkeypatch, tmp_pat
         f"Flower deployment finished 2 of 6 rounds in {flower.deployment_timeout(11_200_000, 5):.0f} s"
     ]
     assert check_rows("flower", ctx, rows) == ["section flower: 4 of the 6 rows it should measure"]
+
+
+def test_a_failed_flower_run_names_flowers_error(tmp_path):
+    from bench.flower import _flower_error
+
+    log = tmp_path / "flower.log"
+    log.write_text(
+        "INFO : Start `flwr-clientapp` process\n"
+        "ERROR : ServerApp raised: RuntimeError: round 2: 9 replies of 10\n"
+        "ERROR : Runtime task-token authentication failed.\n"
+    )
+    assert _flower_error(str(log)) == ": ERROR : Runtime task-token authentication failed."
+    log.write_text("INFO : nothing wrong\n")
+    assert _flower_error(str(log)) == ""
+    assert _flower_error(str(tmp_path / "absent.log")) == ""
