@@ -153,6 +153,7 @@ def run_deployment(
     out.unlink(missing_ok=True)
     env = dict(os.environ, FLWR_HOME=str(home), PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
     logf = open(work / f"flower-deploy-{params}.log", "wb")
+    watch = LogWatch(Path(logf.name))
     # Every process of the deployment, also the ones Flower starts itself (SuperExec,
     # flwr-serverapp, ClientApps), ends with this block, by PID: on success, on an
     # error and on KeyboardInterrupt (bench/run.py turns SIGTERM into one).
@@ -208,13 +209,13 @@ def run_deployment(
                 seen = len(times)
             if len(times) == rounds + 1:
                 return times[1:]
-            if run.poll() is not None:
+            if run.poll() is not None or watch.fatal():
                 # The run ended (the app raises when a round lost a reply) or failed.
                 times = json.loads(out.read_text())["times"] if out.exists() else []
                 if len(times) == rounds + 1:
                     return times[1:]
                 raise RuntimeError(
-                    f"flwr run exited {run.returncode} after {len(times)} of {rounds + 1} rounds"
+                    f"Flower's run failed after {len(times)} of {rounds + 1} rounds"
                     f"{_flower_error(logf.name)}; see {logf.name}"
                 )
             if time.monotonic() > deadline:
@@ -226,14 +227,42 @@ def run_deployment(
 
 
 #: What Flower 1.41 logs when a round lost a client's reply, most telling first: a
-#: ClientApp that did not claim its task within the SuperNode's heartbeat window (30 s,
-#: seen on a machine loaded far beyond its cores), and what the ServerApp then reports.
+#: ClientApp that did not claim its task within the SuperNode's heartbeat window (30 s),
+#: one whose upload stalled past its HTTP client's 30 s timeout (``ClientDisconnect``;
+#: both seen on a machine loaded far beyond its cores), and what the ServerApp then
+#: reports.
 FLOWER_ERRORS = (
     "task-token authentication failed",
     "ClientApp crashed",
+    "ClientDisconnect",
     "replies of",
+    "results of",
     "Traceback",
 )
+
+
+#: Lines after which a Flower run cannot finish: the ServerApp has exited with an error.
+#: (Its last status update may fail too, and then ``flwr run --stream`` never returns.)
+FLOWER_FATAL = (b"ServerApp raised an exception", b"An unhandled exception occurred in the ServerApp")
+
+
+class LogWatch:
+    """Reads a growing Flower log from where it left off and says whether a line of
+    :data:`FLOWER_FATAL` has appeared."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pos = 0
+
+    def fatal(self) -> bool:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(max(self.pos - 100, 0))  # a marker may straddle two reads
+                data = f.read()
+        except OSError:
+            return False
+        self.pos = max(self.pos - 100, 0) + len(data)
+        return any(m in data for m in FLOWER_FATAL)
 
 
 def _flower_error(log_path: str) -> str:
@@ -525,6 +554,7 @@ def run_secaggplus(
     out.unlink(missing_ok=True)
     env = dict(os.environ, FLWR_HOME=str(home), PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
     logf = open(work / f"flower-secaggplus-{params}.log", "wb")
+    watch = LogWatch(Path(logf.name))
     with logf, ProcessTree() as tree, ByteRelay(link) as fleet, ByteRelay(link) as server:
         superlink = tree.spawn(
             [
@@ -589,12 +619,12 @@ def run_secaggplus(
             res = json.loads(out.read_text()) if out.exists() else {"times": []}
             if len(res["times"]) == rounds + 1:
                 break
-            if run.poll() is not None:
+            if run.poll() is not None or watch.fatal():
                 res = json.loads(out.read_text()) if out.exists() else {"times": []}
                 if len(res["times"]) == rounds + 1:
                     break
                 raise RuntimeError(
-                    f"flwr run exited {run.returncode} after {len(res['times'])} of {rounds + 1} rounds"
+                    f"Flower's run failed after {len(res['times'])} of {rounds + 1} rounds"
                     f"{_flower_error(logf.name)}; see {logf.name}"
                 )
             if time.monotonic() > deadline:

@@ -244,3 +244,18 @@ def test_a_failed_flower_run_names_flowers_error(tmp_path):
     log.write_text("INFO : nothing wrong\n")
     assert _flower_error(str(log)) == ""
     assert _flower_error(str(tmp_path / "absent.log")) == ""
+
+
+def test_log_watch_sees_a_serverapp_failure_once_it_is_logged(tmp_path):
+    """A Flower run whose ServerApp failed may never end (``flwr run --stream`` waits for
+    a status that was not delivered): the benchmark watches the log for it."""
+    from bench.flower import LogWatch
+
+    log = tmp_path / "flower.log"
+    log.write_bytes(b"INFO : Start `flwr-clientapp` process\n" * 1000)
+    watch = LogWatch(log)
+    assert not watch.fatal() and not watch.fatal()
+    with open(log, "ab") as f:
+        f.write(b"ERROR :     ServerApp raised an exception\nTraceback (most recent call last):\n")
+    assert watch.fatal()
+    assert not LogWatch(tmp_path / "absent.log").fatal()
