@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -274,7 +275,7 @@ def _flower_error(log_path: str) -> str:
     for needle in FLOWER_ERRORS:
         for line in lines:
             if needle in line:
-                return f": {line.strip()[:300]}"
+                return ": " + re.sub(r"\x1b\[[0-9;]*m", "", line).strip()[:300]  # (without colours)
     return ""
 
 

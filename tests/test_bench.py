@@ -238,7 +238,7 @@ def test_a_failed_flower_run_names_flowers_error(tmp_path):
     log.write_text(
         "INFO : Start `flwr-clientapp` process\n"
         "ERROR : ServerApp raised: RuntimeError: round 2: 9 replies of 10\n"
-        "ERROR : Runtime task-token authentication failed.\n"
+        "\x1b[91mERROR \x1b[0m: Runtime task-token authentication failed.\n"
     )
     assert _flower_error(str(log)) == ": ERROR : Runtime task-token authentication failed."
     log.write_text("INFO : nothing wrong\n")
