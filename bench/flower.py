@@ -693,7 +693,7 @@ def secaggplus_rows(ctx: Context, params: int, agents: int, sp: SecAggParams, ou
         Row("secagg", f"fedagent secure round, TLS, {what} (max)", o_max, f"{label} (max)", mx, note=n),
         Row(
             "secagg",
-            f"CPU of fedagent's coordinator + {agents} agents per secure round, {what} (median)",
+            f"CPU of fedagent's coordinator + {agents} agents per secure round, {mb(params)} (median)",
             summary(ours["secure_cpu"])[0],
             "CPU of all Flower SecAgg+ processes per round (median)",
             summary(res["cpu"])[0],
