@@ -236,15 +236,22 @@ FLOWER_ERRORS = (
     "task-token authentication failed",
     "ClientApp crashed",
     "ClientDisconnect",
+    "Insufficient available nodes",
     "replies of",
     "results of",
     "Traceback",
 )
 
 
-#: Lines after which a Flower run cannot finish: the ServerApp has exited with an error.
-#: (Its last status update may fail too, and then ``flwr run --stream`` never returns.)
-FLOWER_FATAL = (b"ServerApp raised an exception", b"An unhandled exception occurred in the ServerApp")
+#: Lines after which a Flower run cannot give all its rounds: the ServerApp has exited
+#: with an error (its last status update may fail too, and then ``flwr run --stream``
+#: never returns), or SecAgg+ gave a round up because a client's reply was lost (the
+#: workflow logs it and goes on to the next round without aggregating).
+FLOWER_FATAL = (
+    b"ServerApp raised an exception",
+    b"An unhandled exception occurred in the ServerApp",
+    b"Secure aggregation halted",
+)
 
 
 class LogWatch:

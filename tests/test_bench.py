@@ -259,3 +259,7 @@ def test_log_watch_sees_a_serverapp_failure_once_it_is_logged(tmp_path):
         f.write(b"ERROR :     ServerApp raised an exception\nTraceback (most recent call last):\n")
     assert watch.fatal()
     assert not LogWatch(tmp_path / "absent.log").fatal()
+    # SecAgg+ gives a round up without raising; the round is lost all the same.
+    halted = tmp_path / "halted.log"
+    halted.write_bytes(b"ERROR :     Insufficient available nodes.\nINFO :      Secure aggregation halted.\n")
+    assert LogWatch(halted).fatal()
