@@ -74,7 +74,8 @@ def test_reassembler_hands_over_its_buffer_after_the_digest_check():
     bodies = split(payload, max_chunk=1000, transfer_id="t")
     out = [r.feed("a", b, 0.0) for b in bodies]
     assert out[:-1] == [None] * (len(bodies) - 1)
-    assert type(out[-1]) is bytearray and out[-1] == payload
+    # Its own buffer, handed over without a copy: a writable view, not bytes.
+    assert type(out[-1]) is memoryview and not out[-1].readonly and out[-1] == payload
     assert r.pending_bytes == 0
     bad = split(payload, max_chunk=1000, transfer_id="u")
     bad[-1] = {**bad[-1], "data": b"\0" * len(bad[-1]["data"])}
