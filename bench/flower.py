@@ -29,7 +29,7 @@ import threading
 import time
 from bisect import bisect_right
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bench.env import mb, model_sizes
 from bench.procs import ProcessTree
@@ -131,52 +131,68 @@ def _wait_port(port: int, deadline: float, proc: subprocess.Popen, what: str) ->
             time.sleep(0.2)
 
 
+def deployment_dirs(py: Path, work: Path, src: Path, tag: str) -> tuple[Path, int, dict[str, str]]:
+    """A fresh copy of the Flower app ``src`` (``work/flwr-app-TAG``), a Flower home whose
+    default SuperLink is a free loopback port, and the environment that runs Flower's
+    commands of ``py``'s virtualenv with that home: (app, port, env)."""
+    import shutil
+
+    home = work / f"flwr-home-{tag}"
+    home.mkdir(parents=True, exist_ok=True)
+    app = work / f"flwr-app-{tag}"
+    shutil.rmtree(app, ignore_errors=True)
+    shutil.copytree(src, app)
+    link = _free_port()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{link}"\ninsecure = true\n'
+    )
+    env = dict(os.environ, FLWR_HOME=str(home), PATH=f"{py.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    return app, link, env
+
+
+def spawn_superlink(
+    tree: ProcessTree, py: Path, link: int, logf: Any, env: dict[str, str], work: Path, *extra: str
+) -> subprocess.Popen:
+    """Start a SuperLink on ``link`` (``extra``: more of its options) and wait for its port.
+    Without ``--disable-runtime-dependency-installation`` it builds a fresh environment
+    per run with uv (15 s here); the apps need nothing beyond this virtualenv."""
+    superlink = tree.spawn(
+        [
+            str(py.parent / "flower-superlink"),
+            "--insecure",
+            *extra,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(link),
+            "--disable-runtime-dependency-installation",
+        ],
+        stdout=logf,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=work,
+    )
+    _wait_port(link, time.monotonic() + 120, superlink, "flower-superlink")
+    return superlink
+
+
 def run_deployment(
     py: Path, work: Path, params: int, rounds: int, timeout: float, log, clients: int = CLIENTS
 ) -> list[float]:
     """Round times of Flower's current deployment: one SuperLink, ``clients`` SuperNodes
     (each starting a ClientApp process per message), the app submitted with
     ``flwr run``; the first round is dropped, as in the gRPC mode."""
-    import shutil
-
     bindir = py.parent
-    home = work / f"flwr-home-{params}"
-    home.mkdir(parents=True, exist_ok=True)
-    app = work / f"flwr-app-{params}"
-    if app.exists():
-        shutil.rmtree(app)
-    shutil.copytree(APP / "deploy", app)
-    link = _free_port()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{link}"\ninsecure = true\n'
-    )
+    app, link, env = deployment_dirs(py, work, APP / "deploy", str(params))
     out = work / f"flower-deploy-{params}.json"
     out.unlink(missing_ok=True)
-    env = dict(os.environ, FLWR_HOME=str(home), PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
     logf = open(work / f"flower-deploy-{params}.log", "wb")
     watch = LogWatch(Path(logf.name))
     # Every process of the deployment, also the ones Flower starts itself (SuperExec,
     # flwr-serverapp, ClientApps), ends with this block, by PID: on success, on an
     # error and on KeyboardInterrupt (bench/run.py turns SIGTERM into one).
     with logf, ProcessTree() as tree:
-        # Without this flag the SuperLink builds a fresh environment per run with uv
-        # (15 s here); the app needs nothing beyond this virtualenv.
-        superlink = tree.spawn(
-            [
-                str(bindir / "flower-superlink"),
-                "--insecure",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(link),
-                "--disable-runtime-dependency-installation",
-            ],
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=work,
-        )
-        _wait_port(link, time.monotonic() + 120, superlink, "flower-superlink")
+        spawn_superlink(tree, py, link, logf, env, work)
         for _ in range(clients):
             tree.spawn(
                 [
@@ -545,43 +561,14 @@ def run_secaggplus(
     ``--isolation process`` so that the SuperExec that starts the ServerApp can be
     pointed at the relay). Returns per round (the first, warm-up, dropped): seconds,
     fleet bytes, ServerApp bytes."""
-    import shutil
-
     bindir = py.parent
-    home = work / f"flwr-home-sa-{params}"
-    home.mkdir(parents=True, exist_ok=True)
-    app = work / f"flwr-app-sa-{params}"
-    if app.exists():
-        shutil.rmtree(app)
-    shutil.copytree(APP / "secaggplus", app)
-    link = _free_port()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{link}"\ninsecure = true\n'
-    )
+    app, link, env = deployment_dirs(py, work, APP / "secaggplus", f"sa-{params}")
     out = work / f"flower-secaggplus-{params}.json"
     out.unlink(missing_ok=True)
-    env = dict(os.environ, FLWR_HOME=str(home), PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
     logf = open(work / f"flower-secaggplus-{params}.log", "wb")
     watch = LogWatch(Path(logf.name))
     with logf, ProcessTree() as tree, ByteRelay(link) as fleet, ByteRelay(link) as server:
-        superlink = tree.spawn(
-            [
-                str(bindir / "flower-superlink"),
-                "--insecure",
-                "--isolation",
-                "process",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(link),
-                "--disable-runtime-dependency-installation",
-            ],
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=work,
-        )
-        _wait_port(link, time.monotonic() + 120, superlink, "flower-superlink")
+        spawn_superlink(tree, py, link, logf, env, work, "--isolation", "process")
         # What the SuperLink starts itself in its default (subprocess) isolation, but
         # connected through the relay.
         tree.spawn(

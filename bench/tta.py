@@ -41,7 +41,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.flower import APP, FLWR_VERSION, VENV, _free_port, _wait_port, flower_python
+from bench.flower import (
+    APP,
+    FLWR_VERSION,
+    VENV,
+    _free_port,
+    _wait_port,
+    deployment_dirs,
+    flower_python,
+    spawn_superlink,
+)
 from bench.flower_app.tta import tta_model
 from bench.procs import ProcessTree
 from bench.registry import Context, Row, section
@@ -362,39 +371,15 @@ def run_flower_deployment(
     """One SuperLink, ``clients`` SuperNodes (``partition-id`` = shard) reaching it through
     the relay, the app submitted with ``flwr run`` (straight to the SuperLink)."""
     bindir = py.parent
-    home = work / "flwr-home-tta"
-    home.mkdir(parents=True, exist_ok=True)
-    app = work / "flwr-app-tta"
-    shutil.rmtree(app, ignore_errors=True)
-    shutil.copytree(TTA_APP / "deploy", app)
+    app, link, env = deployment_dirs(py, work, TTA_APP / "deploy", "tta")
     for f in ("tta_model.py", "data.py"):
         shutil.copy(TTA_APP / f, app / f)
-    link = _free_port()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{link}"\ninsecure = true\n'
-    )
     out = work / "flower-deploy-tta.json"
     out.unlink(missing_ok=True)
-    env = dict(os.environ, FLWR_HOME=str(home), PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("PYTHONPATH", None)
     launched = time.time()
     with open(work / "flower-deploy-tta.log", "wb") as logf, ProcessTree() as tree:
-        superlink = tree.spawn(
-            [
-                str(bindir / "flower-superlink"),
-                "--insecure",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(link),
-                "--disable-runtime-dependency-installation",
-            ],
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=work,
-        )
-        _wait_port(link, time.monotonic() + 120, superlink, "flower-superlink")
+        spawn_superlink(tree, py, link, logf, env, work)
         with Relay(link) as relay:
             for i in range(clients):
                 tree.spawn(
