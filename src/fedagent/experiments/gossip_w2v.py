@@ -507,6 +507,23 @@ def run_experiment(
     runs = out / "runs"
     runs.mkdir(exist_ok=True)
     key = json.dumps(asdict(scale) | {"seed": None}, sort_keys=True, default=list)
+
+    def report() -> dict[str, Any]:
+        return write_report(
+            out,
+            scale,
+            task,
+            ref_scores,
+            central_scores,
+            central_s,
+            epochs,
+            results,
+            split_info,
+            time.monotonic() - t_start,
+            same,
+            curve,
+        )
+
     for seed in scale.seeds:  # every configuration at one seed before the next seed
         for cfg in configs:
             if not cfg.every_seed and seed != scale.seeds[0]:
@@ -532,34 +549,8 @@ def run_experiment(
                 f"overlap with the centralized consensus {res.mean('overlap_consensus'):.1f}, "
                 f"w2v_sim {res.mean('w2v_sim'):.1f}"
             )
-            summary = write_report(
-                out,
-                scale,
-                task,
-                ref_scores,
-                central_scores,
-                central_s,
-                epochs,
-                results,
-                split_info,
-                time.monotonic() - t_start,
-                same,
-                curve,
-            )
-    summary = write_report(
-        out,
-        scale,
-        task,
-        ref_scores,
-        central_scores,
-        central_s,
-        epochs,
-        results,
-        split_info,
-        time.monotonic() - t_start,
-        same,
-        curve,
-    )
+            report()  # after every run: an interrupted experiment keeps what it measured
+    summary = report()
     print_table(console, summary)
     return summary
 
