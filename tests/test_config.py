@@ -101,6 +101,40 @@ def test_update_membership_keeps_other_keys(tmp_path):
     assert (cfg.federation, cfg.broker, cfg.id) == ("fed-2", "mqtts://127.0.0.1:1883", "agent-a")
 
 
+def test_join_and_leave_keep_the_operators_comments(tmp_path):
+    p = write(
+        tmp_path,
+        "# site 3, rack B\n"
+        'id = "agent-a"  # printed on the box\n'
+        'federation = ""\n'
+        'state_dir = "s"\n\n'
+        "[tls]\n# issued by the hospital CA\n"
+        'ca = "ca.crt"\ncert = "a.crt"\nkey = "a.key"\n\n'
+        "[discovery]\n"
+        'interfaces = ["127.0.0.1"]  # the lab VLAN\n',
+    )
+    config.update_membership(p, "lab", "mqtts://192.168.1.10:8883", ("192.168.1.11",))
+    text = p.read_text()
+    for comment in ("# site 3, rack B", "# printed on the box", "# issued by the hospital CA", "# the lab VLAN"):
+        assert comment in text
+    cfg = config.load(p, "agent")
+    assert (cfg.federation, cfg.broker, cfg.interfaces) == ("lab", "mqtts://192.168.1.10:8883", ("192.168.1.11",))
+    config.update_membership(p, "", "")
+    assert "# site 3, rack B" in p.read_text()
+    assert config.load(p, "agent").federation == ""
+
+
+def test_membership_with_a_dotted_broker_key_is_still_written_right(tmp_path):
+    p = write(
+        tmp_path,
+        'id = "agent-a"\nfederation = ""\nstate_dir = "s"\nbroker.uri = "mqtts://old:8883"\n'
+        '[tls]\nca = "ca.crt"\ncert = "a.crt"\nkey = "a.key"\n',
+    )
+    config.update_membership(p, "lab", "mqtts://new:8883")
+    cfg = config.load(p, "agent")
+    assert (cfg.federation, cfg.broker) == ("lab", "mqtts://new:8883")
+
+
 def test_custom_task_by_module_attribute(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     task = load_task("custom_task:make", {"features": 4})

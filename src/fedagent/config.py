@@ -674,14 +674,43 @@ def render(
 def update_membership(path: Path, federation: str, broker: str, interfaces: tuple[str, ...] | None = None) -> None:
     """Record ``fedagent join`` (or, with an empty federation, ``leave``) in the config
     file, keeping everything else; ``interfaces`` (``join --interface``) replaces
-    ``[discovery] interfaces`` so the daemon browses there after a restart too."""
+    ``[discovery] interfaces`` so the daemon browses there after a restart too.
+
+    The file is edited in place (tomlkit): the operator's comments, key order and
+    formatting survive; only the changed values are rewritten. The edit is checked by
+    reading the result back before the file is replaced."""
+    import tomlkit
+
     from fedagent.statefile import atomic_write
 
     if federation:
         check_name(federation, "federation")
-    raw = tomllib.loads(path.read_text())
-    raw["federation"] = federation
-    raw.setdefault("broker", {})["uri"] = broker
-    if interfaces:
-        raw.setdefault("discovery", {})["interfaces"] = list(check_interfaces(interfaces, "--interface"))
-    atomic_write(path, tomli_w.dumps(raw).encode(), mode=path.stat().st_mode & 0o777)
+    chosen = list(check_interfaces(interfaces, "--interface")) if interfaces else None
+    text = path.read_text()
+    try:
+        doc = tomlkit.parse(text)
+    except tomlkit.exceptions.ParseError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    expected = tomllib.loads(text)
+    expected["federation"] = federation
+    expected.setdefault("broker", {})["uri"] = broker
+    doc["federation"] = federation
+    _edit_table(doc, "broker")["uri"] = broker
+    if chosen is not None:
+        expected.setdefault("discovery", {})["interfaces"] = chosen
+        _edit_table(doc, "discovery")["interfaces"] = chosen
+    out = tomlkit.dumps(doc)
+    if tomllib.loads(out) != expected:
+        # A layout tomlkit cannot edit in place (e.g. a dotted ``broker.uri`` key):
+        # write the same values without the comments rather than a wrong file.
+        out = tomli_w.dumps(expected)
+    atomic_write(path, out.encode(), mode=path.stat().st_mode & 0o777)
+
+
+def _edit_table(doc: Any, name: str) -> Any:
+    """``doc[name]`` as a table to set keys in, created at the end if missing."""
+    import tomlkit
+
+    if name not in doc:
+        doc[name] = tomlkit.table()
+    return doc[name]
