@@ -23,6 +23,10 @@ def det_bytes(seed: int):
     return lambda n: rng.randbytes(n)
 
 
+def _altered(share: bytes) -> bytes:
+    return share[:-1] + bytes([share[-1] ^ 1])
+
+
 @dataclass
 class Trace:
     """One secure round between a SecAggServer and N SecAggClients over a perfect link.
@@ -39,6 +43,9 @@ class Trace:
     signed: bool = False  # agents sign their keys and lists (ed25519), and check each other's
     d: int = D  # values in the flattened update
     premask: bool = False  # agents draw their mask sum as soon as their roster is in
+    # agents that send a garbage signature of the survivor list and, if asked, altered shares
+    garbage: set[str] = field(default_factory=set)
+    server_checks: bool = True  # the coordinator verifies the list signatures (when signed)
 
     def __post_init__(self) -> None:
         rng = np.random.default_rng(self.seed)
@@ -47,7 +54,14 @@ class Trace:
         self.deltas = {a: rng.uniform(-0.4, 0.4, self.d) for a in self.agents}
         self.setup = S.SecAggSetup(self.params, bytes(range(16)), max(self.samples.values()))
         self.server = S.SecAggServer(
-            1, self.agents, self.setup, self.d, now=0.0, stage_timeout=10.0, input_deadline=100.0
+            1,
+            self.agents,
+            self.setup,
+            self.d,
+            now=0.0,
+            stage_timeout=10.0,
+            input_deadline=100.0,
+            verify=self.verify if self.signed and self.server_checks else None,
         )
         self.keys = {a: ed25519.Ed25519PrivateKey.generate() for a in self.agents}
         self.clients = {
@@ -65,6 +79,8 @@ class Trace:
         self.sent_to_server: list[tuple[str, object]] = []
         self.result: list[S.ServerCommand] = []
         self.refusals: list[S.Refused] = []
+        self.asked: list[str] = []  # agents sent a request for shares
+        self.server_sent: list[S.Send] = []
 
     def signer(self, a: str):
         return lambda stmt: (a.encode(), self.keys[a].sign(stmt))
@@ -85,6 +101,7 @@ class Trace:
     def apply(self, cmds, now: float) -> None:
         for c in cmds:
             if isinstance(c, S.Send):
+                self.server_sent.append(c)
                 self.deliver(c.to, c.message, now)
             elif isinstance(c, (S.Unmasked, S.Failed)):
                 self.result.append(c)
@@ -104,10 +121,21 @@ class Trace:
                 self.pending_inputs.append(a)
         elif isinstance(msg, S.SecAggSurvivors):
             if self.alive(a, "unmask"):
-                self.to_server(a, cl.on_survivors(msg), now)
+                sig = cl.on_survivors(msg)
+                if a in self.garbage:
+                    sig = S.SecAggSignature(sig.round, sig.cert, bytes(64))
+                self.to_server(a, sig, now)
         elif isinstance(msg, S.SecAggUnmask):
+            self.asked.append(a)
             if self.alive(a, "reveal"):
-                self.to_server(a, cl.on_unmask(msg), now)
+                reveal = cl.on_unmask(msg)
+                if a in self.garbage:
+                    reveal = S.SecAggReveal(
+                        reveal.round,
+                        {o: _altered(x) for o, x in reveal.b_shares.items()},
+                        {o: _altered(x) for o, x in reveal.sk_shares.items()},
+                    )
+                self.to_server(a, reveal, now)
 
     def masked(self, a: str) -> S.SecAggMasked:
         y = self.clients[a].masked_input(self.deltas[a], self.samples[a])
@@ -367,6 +395,77 @@ def test_consistency_round_every_survivor_signs_the_same_list():
     sigs = [m for _, m in t.sent_to_server if isinstance(m, S.SecAggSignature)]
     reveals = [m for _, m in t.sent_to_server if isinstance(m, S.SecAggReveal)]
     assert len(sigs) == len(reveals) == 6 and not any(r.refused for r in reveals)
+
+
+def test_garbage_list_signature_counts_as_a_dropout_and_the_round_completes():
+    """a02 sends its masked input, then a garbage signature of the survivor list (and
+    would return altered shares if asked). The coordinator checks the signature itself:
+    a02 is dropped from the rest of the round, never asked for shares, its signature is
+    not passed on, and the honest agents unmask the sum (a02's input in it, as a silent
+    survivor's: everyone signed a list naming it)."""
+    t = Trace(5, signed=True, garbage={"a02"})
+    res = t.run()
+    assert isinstance(res, S.Unmasked), res
+    assert sorted(res.contributors) == t.agents
+    assert np.abs(res.mean - t.plain_mean(t.agents)).max() <= res.error_bound
+    assert list(res.bad_signatures) == ["a02"] and res.bad_signatures["a02"]
+    assert "a02" not in res.silent_at_unmask  # named apart, with its reason
+    bad = [r for r in t.refusals if r.sender == "a02"]
+    assert [r.reason for r in bad] == ["list_signature"] and "a02" in bad[0].detail
+    assert set(t.server.signatures) == set(t.agents) - {"a02"}
+    assert sorted(t.asked) == ["a00", "a01", "a03", "a04"]
+    asks = [c for c in t.server_sent if isinstance(c.message, S.SecAggUnmask)]
+    assert len(asks) == 4 and all(set(c.message.signatures) == set(t.agents) - {"a02"} for c in asks)
+    reveals = [m for a, m in t.sent_to_server if isinstance(m, S.SecAggReveal)]
+    assert len(reveals) == 4 and not any(r.refused for r in reveals)
+
+
+def test_unchecked_garbage_signer_is_asked_and_spoils_the_unmasking():
+    # The same round with the coordinator passing signatures on unchecked (as before):
+    # a02 is asked for shares, and its altered shares rebuild a wrong seed.
+    t = Trace(5, signed=True, garbage={"a02"}, server_checks=False)
+    res = t.run()
+    assert isinstance(res, S.Failed) and "does not match its commitment" in res.reason
+    assert "a02" in t.asked
+
+
+def test_too_few_valid_list_signatures_fail_at_once_naming_the_bad_ones():
+    # Two of five drop after their input and a02's signature is garbage: two valid
+    # signatures, not more than half of the five selected. The coordinator says so at
+    # once instead of asking the agents, who would each refuse.
+    t = Trace(5, signed=True, garbage={"a02"}, die={"a00": "unmask", "a01": "unmask"})
+    res = t.run()
+    assert isinstance(res, S.Failed)
+    assert "2 survivors signed the survivor list, need 3 of the 5 selected" in res.reason
+    assert "1 signatures not valid: a02" in res.reason
+    assert not t.asked and not any(isinstance(m, S.SecAggReveal) for _, m in t.sent_to_server)
+
+
+def test_a_signature_by_another_agents_certificate_is_not_valid():
+    names = [f"a{i:02d}" for i in range(4)]
+    t = Trace(4, signed=True, die={a: "unmask" for a in names})  # the list is signed by hand below
+    t.pending_inputs = []
+    for a in names:
+        t.to_server(a, t.clients[a].advertise(), 1.0)
+    for a in t.pending_inputs:
+        t.to_server(a, t.masked(a), 50.0)
+    srv = t.server
+    assert srv.stage == srv.CONSISTENCY and srv.survivors == tuple(names)
+    listed = S.SecAggSurvivors(1, tuple(names))
+    sigs = {a: t.clients[a].on_survivors(listed) for a in names}
+    # a00 hands in a01's (valid) signature: not a signature of a00
+    out = srv.handle(S.Received("a00", sigs["a01"]), 51.0)
+    assert [(c.sender, c.reason) for c in out if isinstance(c, S.Refused)] == [("a00", "list_signature")]
+    assert "a00" in srv.bad_signatures and "a00" not in srv.signatures
+    assert srv.status()["bad_signatures"] == 1
+    # a second try in the same round is refused as out of stage, and not counted
+    again = srv.handle(S.Received("a00", sigs["a00"]), 51.0)
+    assert [c.reason for c in again if isinstance(c, S.Refused)] == ["stage"] and "a00" not in srv.signatures
+    # honest signatures count; once the other three are in, the shares are asked for
+    for a in ("a01", "a02", "a03"):
+        t.apply(srv.handle(S.Received(a, sigs[a]), 52.0), 52.0)
+    assert set(srv.signatures) == {"a01", "a02", "a03"} and srv.stage == srv.UNMASK
+    assert sorted(srv.asked) == ["a01", "a02", "a03"]
 
 
 def test_two_survivor_lists_from_one_coordinator_get_no_share():

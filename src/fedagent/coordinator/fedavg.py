@@ -244,6 +244,9 @@ class FedAvgMode:
             completed_rounds=int(meta.get("completed_rounds", 0)),
             last_round=max(int(meta.get("round", 0)), last_started),
             privacy_state=meta.get("privacy") if isinstance(meta.get("privacy"), dict) else None,
+            # secure rounds: a survivor whose signature of the survivor list fails is dropped
+            # here, so only valid signatures go on to the agents
+            verify_statement=core.messenger.verifier.check_statement,
         )
         privacy = self.machine.privacy()
         if privacy is not None:
@@ -344,6 +347,8 @@ class FedAvgMode:
                 **({"range": params.clip} if params is not None else {}),
                 "dropped_before_input": list(res.dropped_before_input),
                 "silent_at_unmask": list(res.silent_at_unmask),
+                # survivor -> why its signature of the survivor list was not valid
+                "bad_signatures": dict(res.bad_signatures),
             }
         }
 

@@ -316,10 +316,14 @@ class RoundMachine:
         last_round: int = 0,
         privacy_state: Mapping[str, object] | None = None,
         rng: np.random.Generator | None = None,
+        verify_statement: SA.KeyVerifier | None = None,
     ) -> None:
         """``completed_rounds``/``last_round``/``model_version`` resume from a checkpoint, and
         so does ``privacy_state`` (:meth:`privacy_state`): ε already spent and the clip bound.
-        ``rng`` draws the DP noise (default: seeded by the operating system)."""
+        ``rng`` draws the DP noise (default: seeded by the operating system).
+        ``verify_statement`` checks an agent's signature of a statement (secure rounds: the
+        survivor list), raising if it is not valid; without it signatures are passed on
+        unchecked (the agents check them in any case)."""
         self.config = config
         self.weights = weights
         self.model_version = model_version
@@ -351,6 +355,7 @@ class RoundMachine:
             self.accountant = Accountant.from_state(config.dp.delta, state.get("releases", []))
             clip = state.get("clip_norm")
             self.clip = ClipBound(config.dp, float(clip) if isinstance(clip, int | float) and clip > 0 else 0.0)
+        self.verify_statement = verify_statement
         self.secagg: SA.SecAggServer | None = None  # the secure round in progress
         self.secure_result: SA.Unmasked | None = None  # of the last secure round aggregated
         self.secure_params: SA.SecAggParams | None = None  # of the secure round in progress (or last)
@@ -599,6 +604,7 @@ class RoundMachine:
                 input_deadline=now + cfg.round_timeout - 2 * cfg.stage_timeout,
                 online=set(self.online),
                 admit=admit,
+                verify=self.verify_statement,
             )
             self.deadline = math.inf
             wake = self.secagg.deadline

@@ -21,7 +21,9 @@ Each selected agent, in five stages relayed by the coordinator over the per-agen
 4. **consistency** (Bonawitz et al. 2017, kept by Bell et al.) — the coordinator sends
    every survivor (sent a masked input) the list of survivors; each signs it, once per
    round, with its certificate's key. An agent never signs a second list, nor one that
-   leaves itself out.
+   leaves itself out. The coordinator checks each signature as the agents will: a
+   survivor whose signature is not valid takes no further part (its input stays in the
+   sum, as a survivor's that falls silent) and its signature is not passed on.
 5. **unmasking** — the coordinator names the survivors and the drop-outs (shared keys,
    sent no input) and passes on the signatures of the list. An agent answers only if
    more than ``threshold`` of the round's selected agents signed the very list it
@@ -1214,6 +1216,9 @@ class Unmasked:
     error_bound: float
     dropped_before_input: tuple[str, ...]  # shared keys, sent no masked input
     silent_at_unmask: tuple[str, ...]  # had sent no shares when enough were in
+    # survivor -> why its signature of the survivor list did not verify (its input is in
+    # the sum, like a silent survivor's; it was not asked for shares)
+    bad_signatures: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1248,10 +1253,14 @@ class SecAggServer:
         input_deadline: float,
         online: set[str] | None = None,
         admit: Callable[[int], str] | None = None,
+        verify: KeyVerifier | None = None,
     ) -> None:
         """``admit(survivors)``: asked once the masked inputs are in, before anything is
         unmasked; a reason returned abandons the round (a privacy budget the sum of that
-        many updates would overdraw)."""
+        many updates would overdraw). ``verify``: checks a survivor's signature of the
+        survivor list as the agents will (raises if it is not valid); a survivor whose
+        signature fails is dropped from the rest of the round, and its signature is
+        never passed on. Without it every signature is passed on unchecked."""
         if len(selected) > setup.params.max_agents:
             raise SecAggError(
                 f"{len(selected)} agents exceed the {setup.params.max_agents} whose masked sum fits "
@@ -1277,6 +1286,8 @@ class SecAggServer:
         self.admit = admit
         self.survivors: tuple[str, ...] = ()  # the list sent out in the consistency stage
         self.signatures: dict[str, tuple[bytes, bytes]] = {}  # survivor -> (cert, sig) of the list
+        self.verify = verify
+        self.bad_signatures: dict[str, str] = {}  # survivor -> why its list signature failed
         self.asked: set[str] = set()
         self.answered: set[str] = set()
         self.b_shares: dict[str, dict[int, bytes]] = {}
@@ -1294,6 +1305,7 @@ class SecAggServer:
             "shares": len(self.shares),
             "inputs": len(self.inputs),
             "signatures": len(self.signatures),
+            "bad_signatures": len(self.bad_signatures),
             "reveals": len(self.answered),
         }
 
@@ -1347,8 +1359,22 @@ class SecAggServer:
                 msg.leaving,
             )
         elif isinstance(msg, SecAggSignature):
-            if self.stage != self.CONSISTENCY or sender not in self.survivors or sender in self.signatures:
+            if (
+                self.stage != self.CONSISTENCY
+                or sender not in self.survivors
+                or sender in self.signatures
+                or sender in self.bad_signatures
+            ):
                 return refuse("stage", f"list signature from {sender} in stage {self.stage}")
+            why = self._check_list_signature(sender, msg)
+            if why:
+                # Passed on, it would count for nothing with the honest agents (they check
+                # every signature) and could leave them short of the signatures they want:
+                # the sender takes no further part, as if it had dropped out after its input.
+                self.bad_signatures[sender] = why
+                return refuse(
+                    "list_signature", f"{sender}'s signature of the survivor list is not valid ({why}): dropped"
+                ) + self._maybe_close(now)
             self.signatures[sender] = (msg.cert, msg.sig)
         elif isinstance(msg, SecAggReveal):
             if self.stage != self.UNMASK or sender not in self.asked or sender in self.answered:
@@ -1376,6 +1402,16 @@ class SecAggServer:
             return refuse("kind", f"{msg.kind} is not sent to a coordinator")
         return self._maybe_close(now)
 
+    def _check_list_signature(self, sender: str, msg: SecAggSignature) -> str:
+        """Why ``sender``'s signature of the survivor list is not valid, or ''."""
+        if self.verify is None:
+            return ""
+        try:
+            self.verify(sender, list_statement(sender, self.context, self.survivors), msg.cert, msg.sig)
+        except Exception as exc:  # noqa: BLE001 - any failure: the signature does not count
+            return str(exc) or type(exc).__name__
+        return ""
+
     # -- stages ------------------------------------------------------------------------
     def _owed(self) -> set[str]:
         if self.stage == self.KEYS:
@@ -1385,7 +1421,7 @@ class SecAggServer:
         if self.stage == self.INPUTS:
             return set(self.shares) - set(self.inputs)
         if self.stage == self.CONSISTENCY:
-            return set(self.survivors) - set(self.signatures)
+            return set(self.survivors) - set(self.signatures) - set(self.bad_signatures)
         return self.asked - self.answered
 
     def _maybe_close(self, now: float) -> list[ServerCommand]:
@@ -1438,9 +1474,11 @@ class SecAggServer:
         if self.stage == self.CONSISTENCY:
             need = p.threshold_of(len(self.selected))
             if len(self.signatures) < need:
+                bad = sorted(self.bad_signatures)
                 return self._fail(
                     f"{len(self.signatures)} survivors signed the survivor list, need {need} "
                     f"of the {len(self.selected)} selected"
+                    + (f" ({len(bad)} signatures not valid: {', '.join(bad[:5])})" if bad else "")
                 )
             u2 = set(self.inputs)
             needed = self._needed()
@@ -1527,6 +1565,11 @@ class SecAggServer:
         self.stage = self.DONE
         self._sum = None
         gone = tuple(sorted(set(self.shares) - set(self.inputs)))
-        # ... and the survivors never asked: they did not sign the survivor list
-        silent = tuple(sorted(set(silent) | (set(self.inputs) - set(self.signatures))))
-        return [Unmasked(mean, contributors, weight_sum, p.error_bound(weight_sum, survivors), gone, silent)]
+        # ... and the survivors never asked: they did not sign the survivor list (or not
+        # validly: those are named apart)
+        unsigned = set(self.inputs) - set(self.signatures) - set(self.bad_signatures)
+        silent = tuple(sorted(set(silent) | unsigned))
+        bound = p.error_bound(weight_sum, survivors)
+        return [
+            Unmasked(mean, contributors, weight_sum, bound, gone, silent, dict(sorted(self.bad_signatures.items())))
+        ]
