@@ -629,11 +629,11 @@ def secure_config(**kw) -> R.RoundConfig:
     return R.RoundConfig(**base)
 
 
-def run_secure_federation(n=4, kill=None, samples=None):
+def run_secure_federation(n=4, kill=None, samples=None, verify=None):
     """Coordinator machine and n agents exchanging every message in memory; ``kill``
     = (agent, stage) stops an agent before it sends what that stage asks of it."""
     samples = samples or {f"a{i}": 10 * (i + 1) for i in range(n)}
-    m = R.RoundMachine(secure_config(min_agents=n, expected_agents=n), W0)
+    m = R.RoundMachine(secure_config(min_agents=n, expected_agents=n), W0, verify_statement=verify)
     agents = {a: S.SecAggAgent(a, random_bytes=det_bytes(i)) for i, a in enumerate(samples)}
     offsets = {a: 0.01 * (i + 1) for i, a in enumerate(samples)}
     dead: set[str] = set()
@@ -711,6 +711,26 @@ def test_secure_round_survives_an_agent_killed_after_its_input():
     m, log, _, samples, offsets = run_secure_federation(n=5, kill=("a2", "unmask"))
     aggs = [c for c in log if isinstance(c, R.RoundAggregated)]
     assert aggs and aggs[0].participants == ("a0", "a1", "a2", "a3", "a4")
+
+
+def test_round_machine_drops_a_survivor_whose_list_signature_fails():
+    checked: list[str] = []
+
+    def verify(name, stmt, cert, sig):
+        checked.append(name)
+        if name == "a2":
+            raise S.SecAggError("not signed by a2")
+
+    m, log, _, samples, offsets = run_secure_federation(n=5, verify=verify)
+    aggs = [c for c in log if isinstance(c, R.RoundAggregated)]
+    assert [a.round for a in aggs] == [1, 2]
+    assert aggs[-1].participants == ("a0", "a1", "a2", "a3", "a4")  # a2's input is on the signed list
+    assert sorted(set(checked)) == ["a0", "a1", "a2", "a3", "a4"]
+    bad = [c for c in log if isinstance(c, R.Rejected) and c.reason == "list_signature"]
+    assert [(c.sender, c.round) for c in bad] == [("a2", 1), ("a2", 2)] and "not signed by a2" in bad[0].detail
+    assert m.secure_result is not None and m.secure_result.bad_signatures == {"a2": "not signed by a2"}
+    asks = [c for c in log if isinstance(c, R.SendSecAgg) and isinstance(c.message, S.SecAggUnmask)]
+    assert asks and all(c.to != "a2" and "a2" not in c.message.signatures for c in asks)
 
 
 def test_plain_updates_are_refused_in_a_secure_federation():
