@@ -240,6 +240,7 @@ class ClipBound:
 
     config: DPConfig
     value: float = 0.0
+    released: float | None = None  # the noised fraction of unclipped updates the bound last moved by
 
     def __post_init__(self) -> None:
         if not self.value:
@@ -265,7 +266,8 @@ class ClipBound:
             return None
         frac = noised / updates + 0.5
         self.value *= math.exp(-cfg.clip_lr * (frac - cfg.target_quantile))
-        return float(frac)
+        self.released = float(frac)
+        return self.released
 
 
 # ---- the coordinator's side of a round ---------------------------------------------------

@@ -429,6 +429,9 @@ class RoundMachine:
         }
         if dp.epsilon_budget is not None:
             out["epsilon_budget"] = dp.epsilon_budget
+        if self.clip.released is not None:
+            # adaptive clipping: the noised fraction of unclipped updates C last moved by
+            out["unclipped_fraction"] = self.clip.released
         return out
 
     def _release(self, selected: int, answered: int, q: float) -> Release:
