@@ -95,6 +95,9 @@ def test_adaptive_clipping_under_secure_aggregation_over_mosquitto(tmp_path):
     rounds = [ln for ln in lines if ln.get("event") == "round"]
     assert [r["round"] for r in rounds] == list(range(1, ROUNDS + 1))
     assert all(r["participants"] == fed.agent_ids for r in rounds)
+    # every survivor's signature of the survivor list passed the coordinator's own check
+    assert all(r["secure"]["bad_signatures"] == {} for r in rounds)
+    assert not [x for x in done.get("recent_rejections", []) if x["reason"] == "list_signature"]
 
     # Both releases of every round are charged: ε is the accountant's for the update's
     # noise z_Δ and the count's 2·σ_b (sensitivity ½), each round; the update's alone
