@@ -34,8 +34,8 @@ Z = 0.19  # noise multiplier of the two releases together (weak: this test check
 COUNT_STD = 0.1  # σ_b: small, so the noised count still tells the true one (|noise| < ½)
 CLIP_LR = 0.5
 QUANTILE = 0.5
-BITS = 12  # few quantisation levels: a masked value lands among them with probability 2^-20
-FALSE_FAILURE = 1e-5  # bound on the chance that a check below fails although all is right
+BITS = 12  # few levels: a masked value lands among them with probability 2^-20 (9 slots: 9·10⁻⁶)
+FALSE_FAILURE = 1e-5  # the chance that the count-noise check fails although all is right
 
 
 def replay_norms(fed, start: RoundStart) -> dict[str, float]:
