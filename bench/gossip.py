@@ -1,7 +1,8 @@
 """A gossip exchange through Mosquitto with mutual TLS, against the raw C clients.
 
-fedagent's exchange: two agents (each its own fedagent Transport + Messenger, mutual
-TLS, signed frames) send each other a :class:`GossipModel` of the whole model at the
+fedagent's exchange: two agents, each a process of its own as gossip agents are
+(``bench/gossip_peer.py``: its own Transport + Messenger, mutual TLS, signed frames),
+started and told when to go over a pipe, send each other a :class:`GossipModel` of the whole model at the
 same time, on the direct topics gossip agents use; each validates the model it gets
 and answers with a :class:`GossipAck`. The exchange ends when both models and both
 acks have arrived. This is the message path of ``agent/gossip.py`` (what the gossip
@@ -16,97 +17,148 @@ identities are used for it so the fedagent agents, still connected, never see it
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from bench.env import FEDERATION, BenchBroker, bench_broker, mb, model_sizes, model_weights
 from bench.registry import Context, Row, section, summary
-from bench.round import KEEPALIVE, CClients, children_cpu, chunk_bytes
-from fedagent.node.messaging import Incoming, Messenger
-from fedagent.node.transport import Transport
+from bench.gossip_peer import Peer
+from bench.round import KEEPALIVE, ROOT, CClients, children_cpu, chunk_bytes
+from fedagent.node.messaging import Messenger
 from fedagent.protocols import topics
-from fedagent.protocols.aggregation import check_update
-from fedagent.protocols.messages import GossipAck, GossipModel
+from fedagent.protocols.messages import GossipModel
 from fedagent.signing import Identity
 
 PAIR = ("agent-1", "agent-2")
 C_PAIR = ("agent-3", "agent-4")
 
 
-class _Peer:
-    def __init__(self, bb: BenchBroker, name: str, weights) -> None:
-        tls = bb.tls(name)
-        self.name = name
-        self.weights = weights
-        self.transport = Transport(
-            uri=bb.uri,
-            tls=tls,
-            keepalive=KEEPALIVE,
-            subscriptions=[topics.inbox(FEDERATION, name)],
-        )
-        self.messenger = Messenger(
-            federation=FEDERATION,
-            node_id=name,
-            transport=self.transport,
-            identity=Identity.load(tls.cert, tls.key, tls.ca),
-            max_chunk_bytes=chunk_bytes(),
-        )
-        self.got_model = asyncio.Event()
-        self.got_ack = asyncio.Event()
-        self.task: asyncio.Task | None = None
+#: How the two fedagent peers run: "processes" (the default: each in a process of its
+#: own, as gossip agents do) or "one-process" (both in this process, one event loop and
+#: one GIL: the arrangement before 2026-11-25, kept to show the difference).
+ARRANGEMENT_ENV = "FEDAGENT_BENCH_GOSSIP_PEERS"
 
-    async def _deliver(self, inc: Incoming) -> None:
-        msg = inc.message
-        if isinstance(msg, GossipModel):
-            check_update(self.weights, msg.weights)
-            self.got_model.set()
-            await self.messenger.send(
-                topics.direct(FEDERATION, self.name, inc.sender, "gossip_ack"), GossipAck(msg.exchange_id, True)
+
+def arrangement() -> str:
+    value = os.environ.get(ARRANGEMENT_ENV, "processes")
+    if value not in ("processes", "one-process"):
+        raise ValueError(f"{ARRANGEMENT_ENV} must be 'processes' or 'one-process', not {value!r}")
+    return value
+
+
+class _PeerProcesses:
+    """The two peers as child processes (``bench/gossip_peer.py``), driven over their
+    stdin/stdout: each says ``ready`` once subscribed, and ``done R CPU`` once it holds
+    the other's model and the other's ack of its own."""
+
+    def __init__(
+        self,
+        bb: BenchBroker,
+        params: int,
+        trace: Path | None = None,
+        pair: tuple[str, str] = PAIR,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        env = dict(os.environ, **(env or {}))
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+        self.procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.gossip_peer",
+                    "--uri",
+                    bb.uri,
+                    "--id",
+                    me,
+                    "--peer",
+                    other,
+                    "--certs",
+                    str(bb.certs),
+                    "--ca",
+                    str(bb.tls(me).ca),
+                    "--params",
+                    str(params),
+                    "--chunk",
+                    str(chunk_bytes()),
+                    "--keepalive",
+                    str(KEEPALIVE),
+                    *(["--trace", str(trace)] if trace is not None else []),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+                cwd=ROOT,
             )
-        elif isinstance(msg, GossipAck):
-            self.got_ack.set()
+            for me, other in (pair, pair[::-1])
+        ]
+        for p in self.procs:
+            self._expect(p, "ready")
 
-    async def start(self) -> None:
-        ready = asyncio.Event()
-        self.task = asyncio.create_task(
-            self.transport.run(lambda t, p: self.messenger.receive(t, p, self._deliver), ready)
-        )
-        await asyncio.wait_for(ready.wait(), 60)
+    @staticmethod
+    def _expect(p: subprocess.Popen, what: str) -> list[str]:
+        line = p.stdout.readline().split()
+        if not line or line[0] != what:
+            p.kill()
+            raise RuntimeError(f"gossip peer {p.args[4]} said {line!r} instead of {what!r} (exit {p.poll()})")
+        return line
 
-    async def stop(self) -> None:
-        await self.transport.close()
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+    def exchange(self, r: int) -> tuple[float, float]:
+        """(seconds, CPU seconds of both peers) of exchange ``r``."""
+        t0 = time.perf_counter()
+        for p in self.procs:
+            p.stdin.write(f"go {r}\n")
+            p.stdin.flush()
+        cpu = 0.0
+        for p in self.procs:
+            _, got, c = self._expect(p, "done")
+            if int(got) != r:
+                raise RuntimeError(f"gossip peer {p.args[4]} finished exchange {got}, not {r}")
+            cpu += float(c)
+        return time.perf_counter() - t0, cpu
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.stdin.write("quit\n")
+                    p.stdin.close()
+                except OSError:
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
-async def _fed_exchanges(bb: BenchBroker, params: int, repeats: int) -> list[tuple[float, float]]:
+def _fed_exchanges(bb: BenchBroker, params: int, repeats: int) -> list[tuple[float, float]]:
     """(seconds, CPU seconds of both peers) of each exchange."""
+    if arrangement() == "one-process":
+        return asyncio.run(_one_process_exchanges(bb, params, repeats))
+    peers = _PeerProcesses(bb, params)
+    try:
+        return [peers.exchange(r) for r in range(repeats)]
+    finally:
+        peers.stop()
+
+
+async def _one_process_exchanges(bb: BenchBroker, params: int, repeats: int) -> list[tuple[float, float]]:
     weights = model_weights(params)
-    a, b = _Peer(bb, PAIR[0], weights), _Peer(bb, PAIR[1], weights)
+    a, b = (Peer(bb.uri, bb.tls(me), me, other, weights, chunk_bytes(), KEEPALIVE) for me, other in (PAIR, PAIR[::-1]))
     await a.start()
     await b.start()
     times = []
     try:
         for r in range(repeats):
-            for p in (a, b):
-                p.got_model.clear()
-                p.got_ack.clear()
             c0 = time.process_time()  # both peers run in this process
             t0 = time.perf_counter()
-            await asyncio.gather(
-                a.messenger.send(
-                    topics.direct(FEDERATION, a.name, b.name, "gossip"),
-                    GossipModel(f"x{r}a", r, 0.5, 10.0, False, weights),
-                ),
-                b.messenger.send(
-                    topics.direct(FEDERATION, b.name, a.name, "gossip"),
-                    GossipModel(f"x{r}b", r, 0.5, 10.0, False, weights),
-                ),
-            )
-            await asyncio.wait_for(
-                asyncio.gather(a.got_model.wait(), b.got_model.wait(), a.got_ack.wait(), b.got_ack.wait()), 300
-            )
+            await asyncio.gather(a.exchange_once(r), b.exchange_once(r))
             times.append((time.perf_counter() - t0, time.process_time() - c0))
     finally:
         await a.stop()
@@ -116,8 +168,6 @@ async def _fed_exchanges(bb: BenchBroker, params: int, repeats: int) -> list[tup
 
 def _c_exchange(cc: CClients, payload: Path) -> tuple[float, float]:
     """(seconds, CPU seconds of the four C clients) of one exchange."""
-    import subprocess
-
     c0 = children_cpu()
     x, y = C_PAIR
     subs = cc._subs([y], topics.inbox(FEDERATION, cc.c(y)), 2) + cc._subs([x], topics.inbox(FEDERATION, cc.c(x)), 2)
@@ -162,7 +212,7 @@ def gossip_exchange(ctx: Context) -> list[Row]:
             ours, theirs, our_cpu, their_cpu = [], [], [], []
             # Alternate, so both see the same load.
             for _ in range(ctx.repeats):
-                ((t, c),) = asyncio.run(_fed_exchanges(bb, params, 1))
+                ((t, c),) = _fed_exchanges(bb, params, 1)
                 ct, cc_cpu = _c_exchange(cc, payload)
                 ours.append(t)
                 our_cpu.append(c)
@@ -193,7 +243,7 @@ def gossip_exchange(ctx: Context) -> list[Row]:
                     summary(our_cpu)[0],
                     "CPU of the four mosquitto_pub/sub processes (median)",
                     summary(their_cpu)[0],
-                    note="client side only; both fedagent peers share one process (one GIL), the C clients are four",
+                    note=f"client side only; fedagent peers: {arrangement()}; the C clients are four processes",
                 )
             )
     return rows

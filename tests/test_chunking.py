@@ -141,6 +141,52 @@ def test_digest_mismatch_drops_the_transfer() -> None:
     assert r.feed("a", one, 0.0) == b"hello"  # the genuine one is still accepted
 
 
+class _CountingSha:
+    """hashlib.sha256 that counts the bytes each call to feed() hashes."""
+
+    fed = 0
+    _sha256 = hashlib.sha256
+
+    def __init__(self, data: bytes = b"") -> None:
+        self._h = _CountingSha._sha256()
+        self.update(data)
+
+    def update(self, data) -> None:
+        _CountingSha.fed += memoryview(data).nbytes
+        self._h.update(data)
+
+    def digest(self) -> bytes:
+        return self._h.digest()
+
+
+def test_in_order_chunks_are_hashed_as_they_arrive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunk that completes an in-order transfer costs a hash of itself only, not a
+    pass over the whole payload; out of order, the digest still covers every byte."""
+    import fedagent.protocols.chunking as chunking
+
+    monkeypatch.setattr(chunking.hashlib, "sha256", _CountingSha)
+    data = payload(1050)
+    bodies = split(data, max_chunk=100, transfer_id="t")
+    r = reassembler()
+    feed_all(r, "a", bodies[:-1])
+    _CountingSha.fed = 0
+    assert r.feed("a", bodies[-1], 0.0) == data
+    assert _CountingSha.fed == 50
+    # out of order: the last and the first chunk last; tampered in the middle: refused
+    for order, tamper in (([10, *range(1, 10), 0], None), ([*range(10), 10], 5), ([10, *range(10)], 0)):
+        fed = [dict(bodies[i], tid=f"o{order[0]}{tamper}") for i in order]
+        if tamper is not None:
+            k = order.index(tamper)
+            fed[k] = dict(fed[k], data=bytes(100))
+        r = reassembler()
+        if tamper is None:
+            assert feed_all(r, "a", fed) == [data]
+        else:
+            with pytest.raises(CodecError, match="sha256 mismatch"):
+                feed_all(r, "a", fed)
+            assert r.pending_transfers == 0
+
+
 @pytest.mark.parametrize(
     "change", [{"n": 11, "size": 1100}, {"n": 11, "size": 1050}, {"size": 999}, {"sha256": bytes(32)}]
 )

@@ -137,6 +137,11 @@ class _Transfer:
     chunk_len: int = 0  # length of every chunk but the last; 0 until one arrives
     last_len: int = 0  # length of the last chunk; 0 until it arrives
     last_seen: float = 0.0
+    # SHA-256 of the chunks 0 .. hashed-1, fed as they become a complete prefix: chunks
+    # arrive in order as a rule (one publisher, one connection), so the digest is ready
+    # when the last one lands instead of costing a pass over the whole payload then.
+    sha: Any = None
+    hashed: int = 0
 
 
 class Reassembler:
@@ -254,10 +259,25 @@ class Reassembler:
         t.seen[i >> 3] |= 1 << (i & 7)
         t.received += 1
         t.last_seen = now
+        if i == t.hashed:
+            self._hash_prefix(t)
         if t.received < n:
             return None
         self._drop(key)
-        return self._finish(key, tid, digest, t.buffer, now, own=True)
+        return self._finish(key, tid, digest, t.buffer, now, own=True, computed=t.sha.digest())
+
+    @staticmethod
+    def _hash_prefix(t: _Transfer) -> None:
+        """Feed the transfer's hash every chunk from ``t.hashed`` on that has arrived,
+        up to the first one missing."""
+        while t.hashed < t.n and t.seen[t.hashed >> 3] & (1 << (t.hashed & 7)):
+            k = t.hashed
+            # Every chunk but the last starts at k * chunk_len; the last ends the payload
+            # (and chunk_len is known once any chunk before it has arrived).
+            start = k * t.chunk_len if k < t.n - 1 else t.size - t.last_len
+            end = start + t.chunk_len if k < t.n - 1 else t.size
+            t.sha.update(t.buffer[start:end])
+            t.hashed += 1
 
     def expire(self, now: float) -> list[tuple[str, str]]:
         """Drop transfers idle for longer than ``timeout``; their ``(sender, tid)``."""
@@ -323,6 +343,7 @@ class Reassembler:
             buffer=np.empty(size, np.uint8).data,
             seen=bytearray((n + 7) // 8),
             last_seen=now,
+            sha=hashlib.sha256(),
         )
         self._transfers[key] = t
         self._pending += cost
@@ -337,8 +358,10 @@ class Reassembler:
         now: float,
         *,
         own: bool = False,
+        computed: bytes | None = None,
     ) -> bytes | memoryview:
-        if hashlib.sha256(data).digest() != digest:
+        """``computed``: the digest of ``data`` if already known."""
+        if (computed if computed is not None else hashlib.sha256(data).digest()) != digest:
             raise CodecError(f"transfer {tid!r}: sha256 mismatch; transfer dropped")
         if self.remember_completed:
             self._completed[key] = now
