@@ -77,7 +77,7 @@ class Peer:
         )
         await asyncio.wait_for(ready.wait(), 60)
 
-    async def exchange_once(self, r: int, *, stable: bool = False) -> None:
+    async def exchange_once(self, r: int) -> None:
         """Send our model of exchange ``r`` and wait for the peer's and for its ack."""
         self.ours, self.exchange = f"x{r}-{self.name}", f"x{r}-{self.peer}"
         self.got_model.clear()
@@ -85,7 +85,7 @@ class Peer:
         await self.messenger.send(
             topics.direct(FEDERATION, self.name, self.peer, "gossip"),
             GossipModel(self.ours, r, 0.5, 10.0, False, self.weights),
-            stable=stable,
+            stable=True,  # as agent/gossip.py sends models
         )
         await asyncio.wait_for(asyncio.gather(self.got_model.wait(), self.got_ack.wait()), 300)
 
@@ -156,6 +156,10 @@ async def main(args: argparse.Namespace) -> None:
     peer = Peer(args.uri, tls, args.id, args.peer, model_weights(args.params), args.chunk, args.keepalive)
     trace = Trace(peer) if args.trace else None
     import os
+    prof = None
+    if os.environ.get("GP_PROFILE"):
+        import cProfile
+        prof = cProfile.Profile()
     if os.environ.get("GP_WINDOW"):
         peer.messenger.publish_window = int(os.environ["GP_WINDOW"])
     if os.environ.get("GP_CHUNKS"):
@@ -174,6 +178,8 @@ async def main(args: argparse.Namespace) -> None:
             if line[0] != "go" or len(line) != 2:
                 raise SystemExit(f"gossip_peer: unknown command {line!r}")
             r = int(line[1])
+            if prof is not None:
+                prof.enable()
             c0 = time.process_time()
             if trace is not None:
                 trace.events.clear()
@@ -184,7 +190,11 @@ async def main(args: argparse.Namespace) -> None:
                 with open(args.trace, "a") as f:
                     for ev in trace.events:
                         f.write(json.dumps([args.id, r, *ev]) + "\n")
-            out.write(f"done {r} {time.process_time() - c0:.6f}\n")
+            cpu = time.process_time() - c0
+            if prof is not None:
+                prof.disable()
+                prof.dump_stats(os.environ["GP_PROFILE"] + f".{args.id}")
+            out.write(f"done {r} {cpu:.6f}\n")
             out.flush()
     finally:
         await peer.stop()

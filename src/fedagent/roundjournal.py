@@ -233,7 +233,7 @@ class RoundJournal:
         self.frames = self.bytes = 0
         self.by_sender = {}
 
-    def append(self, topic: str, data: bytes) -> None:
+    def append(self, topic: str, data: bytes | bytearray) -> None:
         """Make one received frame durable (append + fdatasync)."""
         if self._fd is None or self.round is None:
             raise StateWriteError(f"{self.path}: no round is being journaled")

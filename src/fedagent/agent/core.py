@@ -204,7 +204,7 @@ class Session(abc.ABC):
                 return True
         return False
 
-    async def _on_payload(self, topic: str, payload: bytes) -> None:
+    async def _on_payload(self, topic: str, payload: bytes | bytearray) -> None:
         await self.messenger.receive(topic, payload, self.queue.put)
 
     async def heartbeats(self) -> None:

@@ -320,7 +320,7 @@ class GossipSession(Session):
         return t
 
     async def _run_link(self, broker: str, t: Transport, ready: asyncio.Event) -> None:
-        async def ignore(_topic: str, _payload: bytes) -> None:
+        async def ignore(_topic: str, _payload: bytes | bytearray) -> None:
             return None
 
         try:
@@ -532,8 +532,12 @@ class GossipSession(Session):
         topic = topics.direct(self.fed, self.cfg.id, cmd.peer, "gossip")
         try:
             link = await self._link(self._peer_broker(cmd.peer))
+            # stable: the machine replaces its model, never changes it in place, and a
+            # received model it passes on is never written to either, so the chunks are
+            # cut from the tensors themselves instead of an encoded copy of the model.
             n = await asyncio.wait_for(
-                self.messenger.send(topic, msg, round_=period, transport=link), self.settings.send_timeout
+                self.messenger.send(topic, msg, round_=period, transport=link, stable=True),
+                self.settings.send_timeout,
             )
             log.debug("sent model %s to %s (%d bytes)", cmd.exchange_id, cmd.peer, n)
         except Exception as exc:  # noqa: BLE001 - any failure: the machine picks another peer

@@ -218,7 +218,7 @@ class CoordinatorCore:
         )
         await self.mode.on_connect()
 
-    async def _on_payload(self, topic: str, payload: bytes) -> None:
+    async def _on_payload(self, topic: str, payload: bytes | bytearray) -> None:
         # Held (and so not acknowledged: the broker keeps it) until the journal is replayed:
         # a redelivered frame must meet the sequence numbers the journal restores.
         await self._recovered.wait()

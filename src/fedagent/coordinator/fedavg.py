@@ -516,7 +516,7 @@ class FedAvgMode:
         return [self._expire_streams()]
 
     # -- journal -------------------------------------------------------------------------
-    async def _journal_frame(self, topic: str, payload: bytes, env: Envelope) -> None:
+    async def _journal_frame(self, topic: str, payload: bytes | bytearray, env: Envelope) -> None:
         """A verified frame from an agent, before it is handed on (and acknowledged)."""
         if env.kind not in JOURNALED_KINDS:
             return

@@ -145,7 +145,7 @@ class LightAgent:
             topics.presence(FEDERATION, self.id), _presence(self.messenger, True, self.samples), retain=True
         )
 
-    async def _on_payload(self, topic: str, payload: bytes) -> None:
+    async def _on_payload(self, topic: str, payload: bytes | bytearray) -> None:
         await self.messenger.receive(topic, payload, self._deliver)
 
     async def _deliver(self, inc: Incoming) -> None:

@@ -164,7 +164,7 @@ class Messenger:
         # verified frame from an agent before anything is handed on; a frame it writes
         # to disk is therefore durable before the broker gets its PUBACK (see
         # fedagent.roundjournal). Frames read back from that journal skip it.
-        self.journal: Callable[[str, bytes, Envelope], Awaitable[None]] | None = None
+        self.journal: Callable[[str, bytes | bytearray, Envelope], Awaitable[None]] | None = None
         self.metrics = metrics  # a fedagent.metrics.NodeMetrics, or None
         self.bytes_in = 0
         self.bytes_out = 0
@@ -455,7 +455,12 @@ class Messenger:
         log.warning("rejected message from %s: %s (%s)", sender or "?", reason, detail)
 
     async def receive(
-        self, topic: str, payload: bytes, deliver: Callable[[Incoming], Awaitable[None]], *, journaled: bool = False
+        self,
+        topic: str,
+        payload: bytes | bytearray,
+        deliver: Callable[[Incoming], Awaitable[None]],
+        *,
+        journaled: bool = False,
     ) -> None:
         """Check one frame as received from the broker and hand what it completes to
         ``deliver``. ``journaled``: a frame read back from this node's round journal after
