@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from bench.env import FEDERATION, BenchBroker, bench_broker, mb, model_sizes, model_weights
-from bench.registry import Context, Row, section, summary
 from bench.gossip_peer import Peer
+from bench.registry import Context, Row, section, summary
 from bench.round import KEEPALIVE, ROOT, CClients, children_cpu, chunk_bytes
 from fedagent.node.messaging import Messenger
 from fedagent.protocols import topics
@@ -60,10 +60,11 @@ class _PeerProcesses:
         params: int,
         trace: Path | None = None,
         pair: tuple[str, str] = PAIR,
+        profile: Path | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
         env = dict(os.environ, **(env or {}))
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         self.procs = [
             subprocess.Popen(
                 [
@@ -87,6 +88,7 @@ class _PeerProcesses:
                     "--keepalive",
                     str(KEEPALIVE),
                     *(["--trace", str(trace)] if trace is not None else []),
+                    *(["--profile", f"{profile}.{me}"] if profile is not None else []),
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

@@ -149,23 +149,22 @@ class Trace:
         self.events.append((time.time(), what, detail, nbytes))
 
 
+def _append(path: Path, text: str) -> None:
+    with path.open("a") as f:
+        f.write(text)
+
+
 async def main(args: argparse.Namespace) -> None:
     import json
 
     tls = TlsFiles(ca=args.ca, cert=args.certs / f"{args.id}.crt", key=args.certs / f"{args.id}.key")
     peer = Peer(args.uri, tls, args.id, args.peer, model_weights(args.params), args.chunk, args.keepalive)
     trace = Trace(peer) if args.trace else None
-    import os
     prof = None
-    if os.environ.get("GP_PROFILE"):
+    if args.profile is not None:
         import cProfile
+
         prof = cProfile.Profile()
-    if os.environ.get("GP_WINDOW"):
-        peer.messenger.publish_window = int(os.environ["GP_WINDOW"])
-    if os.environ.get("GP_CHUNKS"):
-        import fedagent.node.messaging as messaging
-        k = int(os.environ["GP_CHUNKS"])
-        messaging.chunk_size = lambda total, mx: min(mx, -(-total // k))
     await peer.start()
     out = sys.stdout
     out.write("ready\n")
@@ -185,15 +184,14 @@ async def main(args: argparse.Namespace) -> None:
                 trace.events.clear()
                 trace.note("go", str(r), 0)
             await peer.exchange_once(r)
-            if trace is not None:
-                trace.note("done", str(r), 0)
-                with open(args.trace, "a") as f:
-                    for ev in trace.events:
-                        f.write(json.dumps([args.id, r, *ev]) + "\n")
             cpu = time.process_time() - c0
             if prof is not None:
                 prof.disable()
-                prof.dump_stats(os.environ["GP_PROFILE"] + f".{args.id}")
+                prof.dump_stats(args.profile)
+            if trace is not None:
+                trace.note("done", str(r), 0)
+                lines = "".join(json.dumps([args.id, r, *ev]) + "\n" for ev in trace.events)
+                await asyncio.to_thread(_append, args.trace, lines)
             out.write(f"done {r} {cpu:.6f}\n")
             out.flush()
     finally:
@@ -211,4 +209,5 @@ if __name__ == "__main__":
     ap.add_argument("--chunk", type=int, default=4 * 2**20)
     ap.add_argument("--keepalive", type=int, default=30)
     ap.add_argument("--trace", type=Path, default=None, help="append each exchange's timestamps here (JSON lines)")
+    ap.add_argument("--profile", type=Path, default=None, help="cProfile of this process's exchanges, written here")
     asyncio.run(main(ap.parse_args()))

@@ -6,13 +6,14 @@ the last one: milliseconds from ``go``, per peer, frame by frame (``publish``/``
 of each frame sent, ``frame`` of each frame received, ``decode`` of the reassembled
 message, ``deliver``/``handled`` of each message).
 
-    python -m bench.gossip_trace --params 1100000 --repeats 3
+    python -m bench.gossip_trace --params 1100000 --repeats 3 [--quiet] [--profile /tmp/gossip.prof]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -35,21 +36,26 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", type=int, default=1_100_000)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--quiet", action="store_true", help="the times only, no timeline")
+    ap.add_argument(
+        "--profile", type=Path, default=None, help="cProfile each peer's exchanges into PROFILE.agent-1 / .agent-2"
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="gossip-trace-") as tmp:
         work = Path(tmp)
         trace = work / "trace.jsonl"
         with BenchBroker(work, 2) as bb:
-            peers = _PeerProcesses(bb, args.params, trace=trace)
+            peers = _PeerProcesses(bb, args.params, trace=trace, profile=args.profile)
             try:
                 times = [peers.exchange(r) for r in range(args.repeats)]
             finally:
                 peers.stop()
         for r, (t, cpu) in enumerate(times):
             print(f"exchange {r}: {t * 1e3:.1f} ms, CPU of both peers {cpu * 1e3:.1f} ms")
-        import statistics
-        print("median", statistics.median(t for t, _ in times[1:]) * 1e3, "cpu", statistics.median(c for _, c in times[1:]) * 1e3)
+        print(
+            f"median: {statistics.median(t for t, _ in times) * 1e3:.1f} ms, "
+            f"CPU {statistics.median(c for _, c in times) * 1e3:.1f} ms"
+        )
         if not args.quiet:
             print("\n".join(timeline(trace, args.repeats - 1)))
 

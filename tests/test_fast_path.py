@@ -161,6 +161,11 @@ def test_socket_reads_are_bounded():
     asked: list[int] = []
 
     class FakePaho:
+        _sock = None
+
+        def __init__(self) -> None:
+            self._in_packet = {"remaining_length": 40 * 2**20, "have_remaining": 0, "packet": bytearray()}
+
         def _sock_recv(self, bufsize: int) -> bytes:
             asked.append(bufsize)
             return b"x"
@@ -170,3 +175,50 @@ def test_socket_reads_are_bounded():
     c._sock_recv(40 * 2**20)
     c._sock_recv(100)
     assert asked == [transport_mod.READ_SIZE, 100]
+
+
+def _publish_packet(topic: bytes, payload: bytes) -> bytes:
+    """An MQTT 5 PUBLISH, QoS 0, no properties, as on the wire."""
+    body = len(topic).to_bytes(2, "big") + topic + b"\x00" + payload
+    n, length = len(body), b""
+    while True:
+        n, byte = divmod(n, 128)
+        length += bytes([byte | (0x80 if n else 0)])
+        if not n:
+            return b"\x30" + length + body
+
+
+def test_large_packets_are_read_in_place_and_handed_on_uncopied():
+    """A packet body of READ_IN_PLACE bytes or more is read into one buffer of its size,
+    which becomes the message's payload; small packets keep paho's own path."""
+    import select
+    import socket
+    import threading
+
+    import paho.mqtt.client as mqtt
+
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTProtocolVersion.MQTTv5)
+    transport_mod._bound_reads(client)
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    client._sock = ours
+    got: list = []
+    client.on_message = lambda _c, _u, m: got.append((m.topic, m.payload))
+    big = bytes(range(256)) * (transport_mod.READ_IN_PLACE // 256 * 3 + 1)
+    wire = _publish_packet(b"t/big", big) + _publish_packet(b"t/small", b"hi") + _publish_packet(b"t/big2", big[::-1])
+    writer = threading.Thread(target=theirs.sendall, args=(wire,))
+    writer.start()
+    try:
+        while len(got) < 3:
+            assert select.select([ours], [], [], 10)[0], f"stalled after {len(got)} messages"
+            try:
+                transport_mod.read_available(client)
+            except BlockingIOError:
+                pass
+    finally:
+        writer.join()
+        ours.close()
+        theirs.close()
+    assert [t for t, _ in got] == ["t/big", "t/small", "t/big2"]
+    assert got[0][1] == big and got[2][1] == big[::-1] and got[1][1] == b"hi"
+    assert isinstance(got[0][1], transport_mod._PacketBuffer) and type(got[1][1]) is bytes

@@ -583,13 +583,80 @@ def _view_writes(client: mqtt.Client) -> None:
     client._packet_queue = queued  # type: ignore[method-assign]  # on purpose: this client's writes only
 
 
+#: A packet body at least this long is read straight into a buffer of its size
+#: (:class:`_PacketBuffer`) instead of being appended to paho's packet 64 KiB at a time.
+READ_IN_PLACE = 256 * 1024
+
+
+class _PacketBuffer(bytearray):
+    """paho's packet buffer for a large packet, allocated at its full size once the fixed
+    header has given its length and filled by ``recv_into``: paho appends every piece it
+    reads to its packet (``packet += data``: one more copy of every byte received, into a
+    buffer regrown as it goes); the pieces it is given here are :class:`_Filled` markers
+    of bytes already in place, which appending ignores."""
+
+    def __iadd__(self, other: Any) -> _PacketBuffer:  # type: ignore[misc]  # takes only _Filled
+        if isinstance(other, _Filled):
+            return self
+        raise TypeError("a packet read in place takes no appended bytes")
+
+
+class _Filled:
+    """``n`` bytes read into the packet's :class:`_PacketBuffer` (paho only takes its length)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
 def _bound_reads(client: mqtt.Client) -> None:
+    """Bound every socket read to READ_SIZE, and read a large packet's body in place.
+
+    paho asks for the whole rest of the packet; Python allocates a buffer of that size
+    for each read and shrinks it, although TLS hands over at most one 16 KiB record per
+    read. A body of READ_IN_PLACE bytes or more goes by ``recv_into`` into a buffer of
+    the packet's size that paho then handles as its packet (and that
+    :func:`_decode_publish` hands on as the payload): each byte is copied once, by the
+    decryption, instead of three times (into a bytes object, into paho's packet, into
+    the payload)."""
     recv = client._sock_recv
 
-    def bounded(bufsize: int) -> bytes:
+    def bounded(bufsize: int) -> Any:
+        p = client._in_packet
+        length = p["remaining_length"]
+        packet = p["packet"]
+        if (
+            length >= READ_IN_PLACE
+            and p["have_remaining"]
+            and (isinstance(packet, _PacketBuffer) or not packet)
+            and hasattr(client._sock, "recv_into")
+        ):
+            if not isinstance(packet, _PacketBuffer):
+                packet = p["packet"] = _PacketBuffer(length)
+            pos = length - p["to_process"]
+            return _Filled(_recv_into(client, memoryview(packet)[pos : pos + min(bufsize, READ_SIZE)]))
         return recv(min(bufsize, READ_SIZE))
 
     client._sock_recv = bounded  # type: ignore[method-assign]  # on purpose: this client's reads only
+
+
+def _recv_into(client: mqtt.Client, into: memoryview) -> int:
+    """paho's ``_sock_recv``, reading into ``into``; the number of bytes read."""
+    sock: Any = client._sock  # an ssl.SSLSocket (checked by the caller)
+    if sock is None:
+        raise ConnectionError("the socket is closed")
+    try:
+        with into:
+            return sock.recv_into(into)
+    except ssl.SSLWantReadError as err:
+        raise BlockingIOError() from err
+    except ssl.SSLWantWriteError as err:
+        client._call_socket_register_write()
+        raise BlockingIOError() from err
 
 
 def _holds_complete_packet(client: mqtt.Client) -> bool:
