@@ -112,11 +112,15 @@ def test_secagg_section_tiny(bench_ctx):
     assert "(max)" in rows[1].subject and "coordinator" in rows[2].note
 
 
-def test_gossip_section_tiny(bench_ctx):
-    from bench.gossip import gossip_exchange
+@pytest.mark.parametrize("peers", ["processes", "one-process"])
+def test_gossip_section_tiny(bench_ctx, monkeypatch, peers):
+    """Each peer in a process of its own (the default), and both in this process."""
+    from bench.gossip import ARRANGEMENT_ENV, gossip_exchange
 
+    monkeypatch.setenv(ARRANGEMENT_ENV, peers)
     rows = gossip_exchange(bench_ctx)
     well_formed(rows, "gossip", 3, cpu_rows=("CPU",), ctx=bench_ctx)
+    assert f"fedagent peers: {peers}" in rows[2].note
 
 
 def test_syncopt_section_tiny(bench_ctx):
