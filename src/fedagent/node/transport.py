@@ -586,6 +586,9 @@ def _view_writes(client: mqtt.Client) -> None:
 #: A packet body at least this long is read straight into a buffer of its size
 #: (:class:`_PacketBuffer`) instead of being appended to paho's packet 64 KiB at a time.
 READ_IN_PLACE = 256 * 1024
+#: At most this much of such a body is read in one call from paho (then paho looks at
+#: its state and the event loop gets its turn).
+READ_IN_PLACE_STEP = 1024 * 1024
 
 
 class _PacketBuffer(bytearray):
@@ -638,25 +641,44 @@ def _bound_reads(client: mqtt.Client) -> None:
             if not isinstance(packet, _PacketBuffer):
                 packet = p["packet"] = _PacketBuffer(length)
             pos = length - p["to_process"]
-            return _Filled(_recv_into(client, memoryview(packet)[pos : pos + min(bufsize, READ_SIZE)]))
+            return _Filled(_recv_into(client, memoryview(packet)[pos : pos + min(bufsize, READ_IN_PLACE_STEP)]))
         return recv(min(bufsize, READ_SIZE))
 
     client._sock_recv = bounded  # type: ignore[method-assign]  # on purpose: this client's reads only
 
 
 def _recv_into(client: mqtt.Client, into: memoryview) -> int:
-    """paho's ``_sock_recv``, reading into ``into``; the number of bytes read."""
+    """paho's ``_sock_recv``, reading into ``into`` until it is full or the socket has
+    nothing more for now; the number of bytes read (0: the connection was closed).
+
+    TLS gives at most one 16 KiB record per read: reading on here instead of returning
+    to paho after each saves paho's per-read bookkeeping (a dict update, a lock and a
+    clock read per record: 2,800 records per 44.8 MB)."""
     sock: Any = client._sock  # an ssl.SSLSocket (checked by the caller)
     if sock is None:
         raise ConnectionError("the socket is closed")
-    try:
-        with into:
-            return sock.recv_into(into)
-    except ssl.SSLWantReadError as err:
-        raise BlockingIOError() from err
-    except ssl.SSLWantWriteError as err:
-        client._call_socket_register_write()
-        raise BlockingIOError() from err
+    got, want = 0, len(into)
+    with into:
+        while got < want:
+            try:
+                n = sock.recv_into(into[got:])
+            except ssl.SSLWantReadError as err:
+                if got:
+                    break
+                raise BlockingIOError() from err
+            except ssl.SSLWantWriteError as err:
+                client._call_socket_register_write()
+                if got:
+                    break
+                raise BlockingIOError() from err
+            except BlockingIOError:
+                if got:
+                    break
+                raise
+            if n == 0:
+                break  # closed: what was read counts; paho sees 0 on its next read
+            got += n
+    return got
 
 
 def _holds_complete_packet(client: mqtt.Client) -> bool:
@@ -728,15 +750,18 @@ def _decode_publish(header: int, packet: bytes | bytearray, protocol: mqtt.MQTTP
         except _packet.DECODE_ERRORS as exc:
             raise MalformedPacket(str(exc)) from exc
         pos += used
-    payload: bytes | bytearray
+    payload: bytes | bytearray | None = None
     if end - pos >= STEAL_PAYLOAD and isinstance(packet, bytearray):
         # A large payload is not copied out of the packet: the packet becomes the payload.
         # paho starts a new buffer for the next packet and never touches this one again,
         # and deleting from the front of a bytearray only moves its start (O(1)).
         view.release()
-        del packet[:pos]
-        payload = packet
-    else:
+        try:
+            del packet[:pos]
+            payload = packet
+        except BufferError:  # a view of it is still held somewhere: copy, as paho would
+            view = memoryview(packet)
+    if payload is None:
         payload = bytes(view[pos:])
     return _packet.PublishPacket(
         dup=((header & 0x08) >> 3) != 0,
