@@ -188,9 +188,13 @@ def _publish_packet(topic: bytes, payload: bytes) -> bytes:
             return b"\x30" + length + body
 
 
-def test_large_packets_are_read_in_place_and_handed_on_uncopied():
+@pytest.mark.parametrize("in_place", [True, False])
+def test_large_packets_are_read_in_place_and_handed_on_uncopied(monkeypatch, in_place):
     """A packet body of READ_IN_PLACE bytes or more is read into one buffer of its size,
-    which becomes the message's payload; small packets keep paho's own path."""
+    which becomes the message's payload; small packets keep paho's own path, and so does
+    a packet longer than READ_IN_PLACE_MAX (no buffer allocated on a header's word)."""
+    if not in_place:
+        monkeypatch.setattr(transport_mod, "READ_IN_PLACE_MAX", transport_mod.READ_IN_PLACE * 2)
     import select
     import socket
     import threading
@@ -221,4 +225,4 @@ def test_large_packets_are_read_in_place_and_handed_on_uncopied():
         theirs.close()
     assert [t for t, _ in got] == ["t/big", "t/small", "t/big2"]
     assert got[0][1] == big and got[2][1] == big[::-1] and got[1][1] == b"hi"
-    assert isinstance(got[0][1], transport_mod._PacketBuffer) and type(got[1][1]) is bytes
+    assert isinstance(got[0][1], transport_mod._PacketBuffer) is in_place and type(got[1][1]) is bytes

@@ -586,6 +586,11 @@ def _view_writes(client: mqtt.Client) -> None:
 #: A packet body at least this long is read straight into a buffer of its size
 #: (:class:`_PacketBuffer`) instead of being appended to paho's packet 64 KiB at a time.
 READ_IN_PLACE = 256 * 1024
+#: ... and at most this many: the buffer is allocated when the fixed header gives the
+#: length, before the bytes arrive, so a header claiming more (MQTT allows 256 MB) is read
+#: by paho's own path, whose buffer grows only with bytes actually received. fedagent's
+#: own packets are one chunk each ([transfer] max_chunk_bytes, 4 MiB by default).
+READ_IN_PLACE_MAX = 64 * 2**20
 #: At most this much of such a body is read in one call from paho (then paho looks at
 #: its state and the event loop gets its turn).
 READ_IN_PLACE_STEP = 1024 * 1024
@@ -633,7 +638,7 @@ def _bound_reads(client: mqtt.Client) -> None:
         length = p["remaining_length"]
         packet = p["packet"]
         if (
-            length >= READ_IN_PLACE
+            READ_IN_PLACE <= length <= READ_IN_PLACE_MAX
             and p["have_remaining"]
             and (isinstance(packet, _PacketBuffer) or not packet)
             and hasattr(client._sock, "recv_into")
