@@ -168,17 +168,20 @@ def run_fedagent(
     work: Path,
     log,
     *,
-    compression: str = "none",
+    compression: str | None = None,
     rounds: int = MAX_ROUNDS,
     min_rounds: int = FINAL_ROUNDS,
     target: float = TARGET,
     stop_at_target: bool = False,
     timeout: float = 900.0,
     agents: int = tta_model.CLIENTS,
+    seed: int = tta_model.SEED,
 ) -> Run:
     """A coordinator and ``agents`` agent daemons (localfed), every connection through a
     counting relay to the federation's Mosquitto; ``compression`` goes to the
-    coordinator's ``[transfer]`` (``none`` writes nothing: the default)."""
+    coordinator's ``[transfer]`` (``None`` writes nothing: the default). ``seed``: the
+    digits task's seed (its held-out set, its split and the initial weights; the
+    comparison with Flower uses the shared one, tta_model.SEED)."""
     from fedagent import localfed
 
     assert (localfed.LOCAL_EPOCHS, localfed.LR, localfed.BATCH, localfed.SEED) == (
@@ -187,7 +190,8 @@ def run_fedagent(
         tta_model.BATCH,
         tta_model.SEED,
     ), "fedagent's federation settings and the shared model's must be the same"
-    d = work / f"fedagent-{compression}"
+    name = compression or "default"
+    d = work / f"fedagent-{name}" if seed == tta_model.SEED else work / f"fedagent-{name}-seed{seed}"
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     old_path = os.environ.get("PYTHONPATH")
@@ -201,7 +205,7 @@ def run_fedagent(
         rounds=rounds,
         alpha=tta_model.ALPHA,
         task="bench.tta_task:make",
-        task_options={"alpha": tta_model.ALPHA},
+        task_options={"alpha": tta_model.ALPHA, "seed": seed},
         agent_broker_by_mdns=False,
         round_timeout=600.0,  # as Flower, which waits for every client without a deadline
     )
@@ -217,13 +221,13 @@ def run_fedagent(
             relay = relays["coordinator" if stem == "coordinator" else "agents"]
             cfg = fed.config_path(stem)
             text = cfg.read_text().replace(uri, f"mqtts://127.0.0.1:{relay.port}")
-            if stem == "coordinator" and compression != "none":
+            if stem == "coordinator" and compression is not None:
                 text += f'\n[transfer]\ncompression = "{compression}"\n'
             cfg.write_text(text)
         fed.start_all()
         coord_hist = d / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl"
         agent_hist = d / "state" / "agent-1" / "agent" / fed.fed / "history.jsonl"
-        run = Run(f"fedagent (compression {compression})", launched, target=target)
+        run = Run(f"fedagent (compression {name})", launched, target=target)
         deadline = time.monotonic() + timeout
         while True:
             fed.check_alive()

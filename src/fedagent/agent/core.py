@@ -41,7 +41,7 @@ from fedagent.protocols.liveness import heartbeat_interval
 from fedagent.protocols.messages import Heartbeat
 from fedagent.protocols.peerview import online_count, peer_table
 from fedagent.statefile import cleanup_temp_files
-from fedagent.tasks.base import Task, Weights, load_task, set_weights
+from fedagent.tasks.base import Task, Weights, load_task, set_weights, warm_up_torch
 
 log = logging.getLogger("fedagent.agent")
 
@@ -256,6 +256,8 @@ class Agent:
         torch.set_num_threads(cfg.torch_threads)
         self.task: Task = load_task(cfg.task, cfg.task_options)
         self.model = self.task.build_model()
+        # Before the agent announces itself: not in its first round (see warm_up_torch).
+        log.debug("torch warmed up in %.2fs", warm_up_torch())
         # Training, evaluation and re-indexing run in worker threads, one at a time on the task.
         self.thread_lock = threading.Lock()
         self.session: Session | None = None

@@ -104,6 +104,17 @@ class FedAvgSession(Session):
             self.cfg.id, sign=lambda data: sign_statement(identity, data), verify=self._verify_statement
         )
         self.secure_round = 0  # the latest round that asked for secure aggregation
+        # Wall-clock marks of the rounds this agent trains (model in, training start and
+        # end, update sent), written with the round's "update" history line: where the
+        # round's time went on this node (bench/tta_trace.py reads them).
+        self._marks: dict[int, dict[str, float]] = {}
+        # Trainings started whose update is not yet sent (or dropped): while there is one,
+        # the evaluation of a global model waits, so that it never delays an update the
+        # coordinator is waiting for (the round's critical path). The same model is
+        # scored, only later: after this agent's part of the round is done.
+        self._trainings = 0
+        self._round_done = asyncio.Event()
+        self._round_done.set()
 
     def _verify_statement(self, name: str, data: bytes, cert: bytes, sig: bytes) -> None:
         try:
@@ -214,7 +225,11 @@ class FedAvgSession(Session):
                 if isinstance(item, Incoming):
                     await self._on_message(item)
                 else:
-                    await self._apply(self.participant.handle(item))
+                    try:
+                        await self._apply(self.participant.handle(item))
+                    finally:
+                        if isinstance(item, TrainingDone):
+                            self._training_over()  # its update sent, dropped or discarded
 
     async def _on_message(self, inc: Incoming) -> None:
         msg = inc.message
@@ -280,6 +295,7 @@ class FedAvgSession(Session):
                     "role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-coordinator'}"
                 )
             self.coordinator = inc.sender
+            evaluate: tuple[Weights, int] | None = None
             if answer:
                 assert isinstance(msg, GlobalModel)
                 self.history.append({"event": "model_fetched", "model_version": msg.model_version, "round": msg.round})
@@ -292,8 +308,10 @@ class FedAvgSession(Session):
                 self.global_weights, self.global_version = msg.weights, msg.model_version
             if isinstance(msg, RoundStart) and msg.round > self.latest_round:
                 self.latest_round = msg.round
+                self._marks = {r: m for r, m in self._marks.items() if r > msg.round - 4}
+                self._marks[msg.round] = {"model_in": time.time()}
                 self.round_state = "training" if self.cfg.id in msg.selected else "not selected"
-                self._evaluate_once(msg.weights, msg.model_version)
+                evaluate = (msg.weights, msg.model_version)
             if isinstance(msg, GlobalModel) and msg.weights is not None:
                 # The final model (or the latest, retained for a newcomer) comes only this
                 # way: no round starts from it, so it is evaluated here.
@@ -305,6 +323,9 @@ class FedAvgSession(Session):
                 self.secure_round = msg.round
                 await self._secagg_send(self.secagg.on_round_start(msg.round, msg.selected, msg.secagg))
             await self._apply(self.participant.handle(msg))
+            if evaluate is not None:
+                # After the training it may have started: the evaluation waits for it.
+                self._evaluate_once(*evaluate)
 
     async def _secagg_send(self, msgs: list[SecAggMessage]) -> None:
         if self.secagg.error:
@@ -371,12 +392,16 @@ class FedAvgSession(Session):
     def _fit(self, cmd: Train) -> tuple[Weights, dict[str, float]]:
         """Local training of one round from the round's global weights (worker thread)."""
         agent = self.agent
+        marks = self._marks.setdefault(cmd.round, {})
         with agent.thread_lock:
+            marks["train_start"] = time.time()
             set_weights(agent.model, cmd.weights)
             metrics = agent.task.fit(
                 agent.model, epochs=cmd.train.epochs, lr=cmd.train.lr, batch_size=cmd.train.batch_size, seed=cmd.round
             )
-            return get_weights(agent.model), metrics
+            weights = get_weights(agent.model)
+            marks["train_end"] = time.time()
+            return weights, metrics
 
     def _evaluate_once(self, weights: Weights, version: int) -> None:
         if version in self._evaluated:
@@ -384,12 +409,30 @@ class FedAvgSession(Session):
         self._evaluated = {v for v in self._evaluated if v > version - 4} | {version}
         self.agent.spawn(self._evaluate_global(weights, version))
 
+    def _training_over(self) -> None:
+        self._trainings -= 1
+        if self._trainings <= 0:
+            self._trainings = 0
+            self._round_done.set()
+
     async def _evaluate_global(self, weights: Weights, version: int) -> None:
+        # After this agent's update of the round is sent: the model arrives with a round
+        # start, and scoring it first would put the evaluation on the round's critical path.
+        await self._round_done.wait()
+        started = time.time()
         metrics = await asyncio.to_thread(self.agent.evaluate, weights)
         if version >= int(self.last_eval.get("model_version", -1)):
             self.last_eval = {"model_version": version, **metrics}
             self.agent.metrics.report(metrics, prefix="global_")
-        self.history.append({"event": "global_eval", "model_version": version, "metrics": metrics})
+        self.history.append(
+            {
+                "event": "global_eval",
+                "model_version": version,
+                "metrics": metrics,
+                "started": round(started, 4),
+                "seconds": round(time.time() - started, 4),
+            }
+        )
         samples = self.agent.task.num_samples()
         finite = {k: float(v) for k, v in metrics.items() if math.isfinite(v)}
         if self.coordinator is not None and samples > 0 and finite:
@@ -408,6 +451,8 @@ class FedAvgSession(Session):
     async def _apply(self, cmds: list[Command]) -> None:
         for cmd in cmds:
             if isinstance(cmd, Train):
+                self._trainings += 1
+                self._round_done.clear()
                 self.agent.spawn(self._train(cmd))
             elif isinstance(cmd, SendUpdate):
                 await self._send_update(cmd)
@@ -473,6 +518,8 @@ class FedAvgSession(Session):
             return
         self.round_state = "update sent"
         self.agent.metrics.round_completed(None, cmd.update.metrics)
+        marks = self._marks.pop(cmd.update.round, {})
+        marks["sent"] = time.time()
         self.history.append(
             {
                 "event": "update",
@@ -483,6 +530,7 @@ class FedAvgSession(Session):
                 "bytes": n,
                 "bytes_in": self.messenger.bytes_in,
                 "bytes_out": self.messenger.bytes_out,
+                "marks": {k: round(v, 4) for k, v in marks.items()},
             }
         )
         log.info(
@@ -515,6 +563,7 @@ class FedAvgSession(Session):
         except Exception:
             log.exception("training for round %d failed", cmd.round)
             self.round_state = "training failed"
+            self._training_over()
             return
         await self.queue.put(TrainingDone(cmd.round, cmd.base_version, self.agent.task.num_samples(), metrics, weights))
 

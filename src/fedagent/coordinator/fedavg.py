@@ -45,7 +45,7 @@ from fedagent.protocols.messages import (
 )
 from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
 from fedagent.protocols.secagg import SecAggMasked, SecAggParams, SecAggStart
-from fedagent.protocols.streaming import STREAM_KIND, StreamEvent, UpdateHead, UpdatePart
+from fedagent.protocols.streaming import STREAM_KIND, StreamEvent, UpdateEnd, UpdateHead, UpdatePart
 from fedagent.roundjournal import InFlight, RoundJournal
 from fedagent.signing import CHUNK_KIND
 from fedagent.statefile import atomic_write, read_bytes
@@ -184,6 +184,9 @@ class FedAvgMode:
         self._stream_room.set()
         core.messenger.on_stream = self._on_stream
         self.round_started_at: float | None = None
+        # Wall-clock marks of the round in flight (broadcast sent, each update in, the
+        # aggregate, its checkpoint), written with the round's history line.
+        self._marks: dict[str, Any] = {}
         self.last_round_seconds: float | None = None
         self.done = asyncio.Event()
         # A returning agent asks for the model it missed (round starts are not queued for
@@ -417,6 +420,7 @@ class FedAvgMode:
                 event = R.UpdateReceived(
                     inc.sender, msg.round, msg.base_version, msg.num_samples, msg.weights, msg.metrics, msg.leaving
                 )
+                self._marks.setdefault("updates", {})[inc.sender] = round(time.time(), 4)
                 await self._handle(event)
         elif isinstance(msg, ModelRequest):
             self._model_request(inc, msg, now)
@@ -457,6 +461,8 @@ class FedAvgMode:
             self._stream_bytes -= item.values.nbytes
             if self._stream_bytes <= self._stream_budget:
                 self._stream_room.set()
+        elif isinstance(item, UpdateEnd) and item.ok:
+            self._marks.setdefault("updates", {})[item.sender] = round(time.time(), 4)
         if self.machine is not None:
             await self._handle(item)
 
@@ -603,6 +609,7 @@ class FedAvgMode:
         assert self.machine is not None
         if isinstance(cmd, R.StartRound):
             self.round_started_at = time.monotonic()
+            self._marks = {"start": round(time.time(), 4)}
             if not cmd.resumed:
                 await asyncio.to_thread(atomic_write, self.round_path, str(cmd.round).encode())
                 await self._journal(cmd)
@@ -629,6 +636,7 @@ class FedAvgMode:
                 round_=cmd.round,
                 stable=True,  # the machine replaces its model, never changes it in place
             )
+            self._marks["broadcast"] = round(time.time(), 4)
         elif isinstance(cmd, R.SendSecAgg):
             await core.messenger.send(
                 # The message's own round: the machine may have started the next one already.
@@ -638,6 +646,8 @@ class FedAvgMode:
             )
         elif isinstance(cmd, R.RoundAggregated):
             took = time.monotonic() - (self.round_started_at or time.monotonic())
+            marks = self._marks
+            marks["aggregated"] = round(time.time(), 4)
             self.last_round_seconds = took
             core.metrics.round_completed(took, cmd.metrics)
             core.metrics.set_model_version(cmd.model_version)
@@ -655,6 +665,7 @@ class FedAvgMode:
             if privacy_state is not None:
                 meta["privacy"] = privacy_state
             await asyncio.to_thread(checkpoint.save, core.ckpt_path, cmd.weights, meta)
+            marks["checkpointed"] = round(time.time(), 4)
             core.history.append(
                 {
                     "event": "round",
@@ -670,6 +681,7 @@ class FedAvgMode:
                     "bytes_out": core.messenger.bytes_out,
                     **({"privacy": cmd.privacy} if cmd.privacy is not None else {}),
                     **self._secure_record(),
+                    "marks": marks,
                 }
             )
             await self._journal(None)  # after the checkpoint: its updates are in the model now

@@ -1,0 +1,173 @@
+"""Where a time-to-accuracy round's time goes in fedagent: the critical path of each round.
+
+Runs the fedagent side of the ``tta`` section (bench/tta.py: a coordinator and 10 agent
+daemons over Mosquitto with mutual TLS, the shared CNN) for a number of rounds while a
+thread samples /proc/stat, then lines up the wall-clock marks the daemons write into
+their history: the coordinator's round start, broadcast sent, each update in, aggregate
+and checkpoint; each agent's model in, training start and end, update sent, and its
+evaluation of each global model. Prints, per round and as medians over rounds 2 on::
+
+    start -> broadcast sent -> first/last agent has the model -> training starts
+    -> slowest training ends -> its update sent -> last update in -> aggregated
+    -> checkpointed -> next round starts
+
+and the share of the machine's CPU that was idle during the rounds. Usage::
+
+    .venv/bin/python -m bench.tta_trace --out runs/tta-trace [--rounds 8] [--json FILE]
+
+A measurement tool, not a benchmark section (its figures are wall-clock ones and vary with
+the load; the ``tta`` section gives the figures that are compared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from bench.tta import _history, run_fedagent
+
+
+class CpuSampler(threading.Thread):
+    """(wall time, busy jiffies, total jiffies) of the whole machine every ``period`` s."""
+
+    def __init__(self, period: float = 0.05) -> None:
+        super().__init__(daemon=True)
+        self.period = period
+        self.samples: list[tuple[float, int, int]] = []
+        self._halt = threading.Event()
+
+    @staticmethod
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        total = sum(fields[:8])
+        return total - idle, total
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            busy, total = self.read()
+            self.samples.append((time.time(), busy, total))
+            self._halt.wait(self.period)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+    def idle_share(self, t0: float, t1: float) -> float | None:
+        """The share of CPU time idle between wall times t0 and t1 (nearest samples)."""
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if len(inside) < 2:
+            return None
+        busy = inside[-1][1] - inside[0][1]
+        total = inside[-1][2] - inside[0][2]
+        return 1 - busy / total if total else None
+
+
+def trace(work: Path, rounds: int) -> dict:
+    sampler = CpuSampler()
+    sampler.start()
+    try:
+        run = run_fedagent(work, print, rounds=rounds, min_rounds=rounds)
+    finally:
+        sampler.stop()
+    out = analyse(work / "fedagent-default" / "state", sampler)
+    out["cpu"] = run.cpu
+    return out
+
+
+def analyse(d: Path, sampler: CpuSampler | None = None) -> dict:
+    """The per-round critical path from the histories under a run's state directory."""
+    coord = [e for e in _history(next(d.glob("coordinator/coordinator/*/history.jsonl"))) if e.get("event") == "round"]
+    agents: dict[str, list[dict]] = {}
+    for path in sorted(d.glob("agent-*/agent/*/history.jsonl")):
+        agents[path.parts[-4]] = _history(path)
+    per_round = []
+    for i, c in enumerate(coord):
+        m = c.get("marks", {})
+        rnd = c["round"]
+        ups = {
+            a: next((e for e in h if e.get("event") == "update" and e["round"] == rnd), None) for a, h in agents.items()
+        }
+        marks = {a: (u or {}).get("marks", {}) for a, u in ups.items()}
+        if not m or any(not x for x in marks.values()):
+            continue
+        nxt = coord[i + 1]["marks"]["start"] if i + 1 < len(coord) and "marks" in coord[i + 1] else None
+        train = {a: x["train_end"] - x["train_start"] for a, x in marks.items()}
+        slowest = max(train, key=lambda a: marks[a]["train_end"])
+        evals = [
+            e["seconds"]
+            for h in agents.values()
+            for e in h
+            if e.get("event") == "global_eval" and e.get("model_version") == c["model_version"] - 1 and "seconds" in e
+        ]
+        row = {
+            "round": rnd,
+            "seconds": c["seconds"],
+            "start_to_broadcast": m["broadcast"] - m["start"],
+            "broadcast_to_first_model_in": min(x["model_in"] for x in marks.values()) - m["broadcast"],
+            "broadcast_to_last_model_in": max(x["model_in"] for x in marks.values()) - m["broadcast"],
+            "model_in_to_train_start_median": statistics.median(
+                x["train_start"] - x["model_in"] for x in marks.values()
+            ),
+            "model_in_to_train_start_max": max(x["train_start"] - x["model_in"] for x in marks.values()),
+            "train_min": min(train.values()),
+            "train_median": statistics.median(train.values()),
+            "train_max": max(train.values()),
+            "slowest_agent": slowest,
+            "slowest_train_start_after_round_start": marks[slowest]["train_start"] - m["start"],
+            "slowest_train_end_to_sent": marks[slowest]["sent"] - marks[slowest]["train_end"],
+            "last_sent_to_last_in": max(m["updates"].values()) - max(x["sent"] for x in marks.values()),
+            "last_in_to_aggregated": m["aggregated"] - max(m["updates"].values()),
+            "aggregated_to_checkpointed": m["checkpointed"] - m["aggregated"],
+            "checkpointed_to_next_start": None if nxt is None else nxt - m["checkpointed"],
+            "eval_seconds_median": statistics.median(evals) if evals else None,
+            "idle_share": None if sampler is None else sampler.idle_share(m["start"], m["aggregated"]),
+        }
+        per_round.append(row)
+    later = per_round[1:] or per_round
+    medians = {
+        k: statistics.median(r[k] for r in later if r[k] is not None)
+        for k in per_round[0]
+        if k not in ("round", "slowest_agent") and any(r[k] is not None for r in later)
+    }
+    return {"rounds": per_round, "median_rounds_2_on": medians, "load": os.getloadavg()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="work directory (state, logs)")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--json", type=Path, help="write the trace here too")
+    ap.add_argument("--analyse", action="store_true", help="only read the histories of an earlier run in --out")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.analyse:
+        out = analyse(args.out.resolve() / "fedagent-default" / "state")
+    else:
+        out = trace(args.out.resolve(), args.rounds)
+    for r in out["rounds"]:
+        print(
+            f"round {r['round']:2d}: {r['seconds']:.3f} s; broadcast {r['start_to_broadcast']:.3f}, models in "
+            f"+{r['broadcast_to_first_model_in']:.3f}..+{r['broadcast_to_last_model_in']:.3f}, wait to train "
+            f"{r['model_in_to_train_start_median']:.3f} (max {r['model_in_to_train_start_max']:.3f}), train "
+            f"{r['train_min']:.3f}/{r['train_median']:.3f}/{r['train_max']:.3f} (slowest {r['slowest_agent']} "
+            f"starts at +{r['slowest_train_start_after_round_start']:.3f}), send {r['slowest_train_end_to_sent']:.3f}, "
+            f"last in +{r['last_sent_to_last_in']:.3f}, aggregate {r['last_in_to_aggregated']:.3f}, checkpoint "
+            f"{r['aggregated_to_checkpointed']:.3f}, next start "
+            f"{'-' if r['checkpointed_to_next_start'] is None else format(r['checkpointed_to_next_start'], '.3f')}; "
+            f"eval {r['eval_seconds_median'] or 0:.3f}; idle {100 * (r['idle_share'] or 0):.0f} %"
+        )
+    print("median, rounds 2 on:", json.dumps({k: round(v, 4) for k, v in out["median_rounds_2_on"].items()}))
+    print("CPU s:", out.get("cpu"), "load:", out["load"])
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
