@@ -601,18 +601,23 @@ class FedAvgMode:
         assert self.machine is not None
         cmds = self.machine.handle(event, time.monotonic())
         del event
+        restarts = any(isinstance(c, R.StartRound) for c in cmds)
         for cmd in cmds:
-            await self._execute(cmd)
+            await self._execute(cmd, next_round_follows=restarts)
 
-    async def _execute(self, cmd: R.Command) -> None:
+    async def _execute(self, cmd: R.Command, *, next_round_follows: bool = False) -> None:
         core, fed = self.core, self.core.fed
         assert self.machine is not None
         if isinstance(cmd, R.StartRound):
             self.round_started_at = time.monotonic()
             self._marks = {"start": round(time.time(), 4)}
             if not cmd.resumed:
-                await asyncio.to_thread(atomic_write, self.round_path, str(cmd.round).encode())
-                await self._journal(cmd)
+                # Both durable before the round start leaves; independent of each other
+                # (a crash between them leaves a journal that recovery finds past, or
+                # none), so their syncs overlap.
+                await asyncio.gather(
+                    asyncio.to_thread(atomic_write, self.round_path, str(cmd.round).encode()), self._journal(cmd)
+                )
             core.metrics.round_started(cmd.round)
             log.info(
                 "round %d%s: model version %d to %s",
@@ -684,7 +689,12 @@ class FedAvgMode:
                     "marks": marks,
                 }
             )
-            await self._journal(None)  # after the checkpoint: its updates are in the model now
+            if not next_round_follows:
+                # After the checkpoint: its updates are in the model now. When the next
+                # round starts at once its start record replaces the journal anyway, and
+                # until then recovery finds the journal past (its model version is
+                # older than the checkpoint's) and ends it there: a sync pair saved.
+                await self._journal(None)
             log.info(
                 "round %d aggregated from %d agents in %.2fs: %s%s",
                 cmd.round,
