@@ -136,3 +136,34 @@ def test_report_from_the_federation_run(federation, tmp_path):
     assert f"| rounds aggregated | {ROUNDS} |" in text
     assert (tmp_path / "report" / "metrics.png").read_bytes().startswith(b"\x89PNG")
     assert all(f"| {aid} |" in text for aid in fed.agent_ids)
+
+
+def _history(fed, *parts: str) -> list[dict]:
+    path = fed.work.joinpath("state", *parts, fed.fed, "history.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_rounds_leave_their_critical_path_in_the_history(federation):
+    """The wall-clock marks bench/tta_trace.py reads are written and in the order of the
+    round; an agent scores each global model only after its update of the round that
+    brought it was sent (the evaluation is not on the round's critical path)."""
+    fed = federation
+    wait_for(lambda: coordinator_in(fed, "done"), 120, "the federation to finish", fed)
+    rounds = [e for e in _history(fed, "coordinator", "coordinator") if e.get("event") == "round"]
+    assert len(rounds) == ROUNDS
+    for r in rounds:
+        m = r["marks"]
+        assert m["start"] <= m["broadcast"] <= m["aggregated"] <= m["checkpointed"]
+        assert sorted(m["updates"]) == sorted(r["participants"])
+        assert all(m["broadcast"] <= t <= m["aggregated"] for t in m["updates"].values())
+    checked = 0
+    for aid in fed.agent_ids:
+        history = _history(fed, aid, "agent")
+        evals = {e["model_version"]: e for e in history if e.get("event") == "global_eval"}
+        assert set(range(ROUNDS + 1)) <= set(evals), f"{aid} did not score every global model"
+        for u in (e for e in history if e.get("event") == "update"):
+            m = u["marks"]
+            assert m["model_in"] <= m["train_start"] <= m["train_end"] <= m["sent"]
+            assert evals[u["base_version"]]["started"] >= m["sent"]
+            checked += 1
+    assert checked >= AGENTS * (ROUNDS - 1)
