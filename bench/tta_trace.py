@@ -33,13 +33,32 @@ from bench.tta import _history, run_fedagent
 
 
 class CpuSampler(threading.Thread):
-    """(wall time, busy jiffies, total jiffies) of the whole machine every ``period`` s."""
+    """(wall time, busy jiffies, total jiffies) of the whole machine every ``period`` s,
+    and every ``proc_period`` s the CPU seconds of the processes whose command line names
+    ``work`` (the run's daemons and broker)."""
 
-    def __init__(self, period: float = 0.05) -> None:
+    def __init__(self, work: Path, period: float = 0.05, proc_period: float = 0.5) -> None:
         super().__init__(daemon=True)
         self.period = period
+        self.proc_period = proc_period
+        self.work = str(work)
         self.samples: list[tuple[float, int, int]] = []
+        self.proc_samples: list[tuple[float, float]] = []
         self._halt = threading.Event()
+
+    def procs_cpu(self) -> float:
+        total = 0.0
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit() or int(d.name) == os.getpid():  # not this process (its relays)
+                continue
+            try:
+                if self.work.encode() not in (d / "cmdline").read_bytes():
+                    continue
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
 
     @staticmethod
     def read() -> tuple[int, int]:
@@ -50,10 +69,23 @@ class CpuSampler(threading.Thread):
         return total - idle, total
 
     def run(self) -> None:
+        next_proc = 0.0
         while not self._halt.is_set():
             busy, total = self.read()
-            self.samples.append((time.time(), busy, total))
+            now = time.time()
+            self.samples.append((now, busy, total))
+            if now >= next_proc:
+                self.proc_samples.append((now, self.procs_cpu()))
+                next_proc = now + self.proc_period
             self._halt.wait(self.period)
+
+    def procs_cpu_between(self, t0: float, t1: float) -> float | None:
+        """CPU seconds the run's processes used between wall times t0 and t1 (nearest
+        samples inside; None if fewer than two)."""
+        inside = [s for s in self.proc_samples if t0 <= s[0] <= t1]
+        if len(inside) < 2:
+            return None
+        return (inside[-1][1] - inside[0][1]) * (t1 - t0) / (inside[-1][0] - inside[0][0])
 
     def stop(self) -> None:
         self._halt.set()
@@ -70,7 +102,7 @@ class CpuSampler(threading.Thread):
 
 
 def trace(work: Path, rounds: int) -> dict:
-    sampler = CpuSampler()
+    sampler = CpuSampler(work)
     sampler.start()
     try:
         run = run_fedagent(work, print, rounds=rounds, min_rounds=rounds)
@@ -78,6 +110,11 @@ def trace(work: Path, rounds: int) -> dict:
         sampler.stop()
     out = analyse(work / "fedagent-default" / "state", sampler)
     out["cpu"] = run.cpu
+    rounds = out["rounds"][1:]
+    if rounds:
+        t0, t1 = rounds[0]["start"], rounds[-1]["end"]
+        cpu = sampler.procs_cpu_between(t0, t1)
+        out["cpu_per_round_2_on"] = None if cpu is None else cpu / len(rounds)
     return out
 
 
@@ -108,6 +145,8 @@ def analyse(d: Path, sampler: CpuSampler | None = None) -> dict:
         ]
         row = {
             "round": rnd,
+            "start": m["start"],
+            "end": m["aggregated"],
             "seconds": c["seconds"],
             "start_to_broadcast": m["broadcast"] - m["start"],
             "broadcast_to_first_model_in": min(x["model_in"] for x in marks.values()) - m["broadcast"],
@@ -134,7 +173,7 @@ def analyse(d: Path, sampler: CpuSampler | None = None) -> dict:
     medians = {
         k: statistics.median(r[k] for r in later if r[k] is not None)
         for k in per_round[0]
-        if k not in ("round", "slowest_agent") and any(r[k] is not None for r in later)
+        if k not in ("round", "slowest_agent", "start", "end") and any(r[k] is not None for r in later)
     }
     return {"rounds": per_round, "median_rounds_2_on": medians, "load": os.getloadavg()}
 
@@ -164,7 +203,14 @@ def main() -> None:
             f"eval {r['eval_seconds_median'] or 0:.3f}; idle {100 * (r['idle_share'] or 0):.0f} %"
         )
     print("median, rounds 2 on:", json.dumps({k: round(v, 4) for k, v in out["median_rounds_2_on"].items()}))
-    print("CPU s:", out.get("cpu"), "load:", out["load"])
+    print(
+        "CPU s (whole run):",
+        out.get("cpu"),
+        "; CPU s per round (rounds 2 on, all processes of the run):",
+        out.get("cpu_per_round_2_on"),
+        "; load:",
+        out["load"],
+    )
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 
