@@ -35,6 +35,7 @@ from fedagent.protocols.aggregation import Strategy
 from fedagent.protocols.catchup import ModelServer
 from fedagent.protocols.codec import Envelope
 from fedagent.protocols.messages import (
+    Evaluation,
     GlobalModel,
     ModelRequest,
     RoundResult,
@@ -174,6 +175,12 @@ class FedAvgMode:
         self._journal_cap = 2 * cfg.max_model_bytes + 2**20
         self._resume: InFlight | None = None
         core.messenger.journal = self._journal_frame
+        # The agents' evaluations (one per agent and model, arriving while the next
+        # round's updates come in) reach the replay guard's journal within a second, not
+        # with an fdatasync each on the intake's path: replayed after a crash, one could
+        # only report again what its agent reported (the held-out table keeps each
+        # agent's latest report per model version) and make it look alive, as a heartbeat.
+        core.messenger.lazy_durable_kinds = core.messenger.lazy_durable_kinds | {Evaluation.kind}
         self.timer = Timer(core.queue, R.Wakeup())
         # One received message at a time: the broker's Receive Maximum does not bound
         # what reaches this process (see Transport's hold_limit), this does.
