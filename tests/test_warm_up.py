@@ -29,6 +29,14 @@ def test_the_first_optimiser_costs_nothing_after_the_warm_up():
     assert probe["next"] < 0.2
 
 
-def test_the_agent_warms_up_before_its_session_starts():
-    src = (__import__("fedagent.agent.core", fromlist=["Agent"]).Agent.__init__).__code__.co_names
-    assert "warm_up_torch" in src
+def test_the_agent_warms_up_only_for_tasks_that_build_an_optimiser():
+    from fedagent.agent.core import Agent
+    from fedagent.tasks.digits import DigitsTask
+    from fedagent.tasks.word2vec import Word2VecTask
+
+    # Agent.__init__ warms up when its task says it trains with a torch optimiser;
+    # word2vec trains without one and would only pay for the imports.
+    code = Agent.__init__.__code__
+    assert {"warm_up_torch", "uses_torch_optimiser"} <= set(code.co_names) | set(code.co_consts)
+    assert DigitsTask.uses_torch_optimiser is True
+    assert Word2VecTask.uses_torch_optimiser is False

@@ -256,8 +256,9 @@ class Agent:
         torch.set_num_threads(cfg.torch_threads)
         self.task: Task = load_task(cfg.task, cfg.task_options)
         self.model = self.task.build_model()
-        # Before the agent announces itself: not in its first round (see warm_up_torch).
-        log.debug("torch warmed up in %.2fs", warm_up_torch())
+        if getattr(self.task, "uses_torch_optimiser", False):
+            # Before the agent announces itself: not in its first round (see warm_up_torch).
+            log.debug("torch warmed up in %.2fs", warm_up_torch())
         # Training, evaluation and re-indexing run in worker threads, one at a time on the task.
         self.thread_lock = threading.Lock()
         self.session: Session | None = None

@@ -12,7 +12,7 @@ import abc
 import importlib
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -24,6 +24,11 @@ Weights = dict[str, np.ndarray]
 
 class Task(abc.ABC):
     """One workload on one node: a model and the node's own data."""
+
+    #: Whether ``fit`` builds a torch optimiser: the agent then loads what torch loads
+    #: lazily for the first one at start-up (:func:`warm_up_torch`), not in round 1.
+    #: Tasks that train without one (word2vec, doc2vec) would only pay for it.
+    uses_torch_optimiser: ClassVar[bool] = False
 
     @abc.abstractmethod
     def build_model(self) -> torch.nn.Module:

@@ -68,6 +68,8 @@ class DigitsMLP(nn.Module):
 
 
 class DigitsTask(Task):
+    uses_torch_optimiser = True
+
     def __init__(self, *, shard: int | None, shards: int, alpha: float, seed: int) -> None:
         x, y = load_digits_arrays()
         (xtr, ytr), (xte, yte) = train_test_split(x, y, seed=seed)

@@ -143,6 +143,8 @@ def _to_images(x: np.ndarray) -> np.ndarray:
 
 
 class FLSimCoTask(Task):
+    uses_torch_optimiser = True
+
     def __init__(
         self,
         *,
