@@ -622,9 +622,14 @@ class FedAvgMode:
                 # Both durable before the round start leaves; independent of each other
                 # (a crash between them leaves a journal that recovery finds past, or
                 # none), so their syncs overlap.
-                await asyncio.gather(
-                    asyncio.to_thread(atomic_write, self.round_path, str(cmd.round).encode()), self._journal(cmd)
+                done = await asyncio.gather(
+                    asyncio.to_thread(atomic_write, self.round_path, str(cmd.round).encode()),
+                    self._journal(cmd),
+                    return_exceptions=True,  # both finished before a failure of either is raised
                 )
+                for outcome in done:
+                    if isinstance(outcome, BaseException):
+                        raise outcome
             core.metrics.round_started(cmd.round)
             log.info(
                 "round %d%s: model version %d to %s",
