@@ -651,6 +651,7 @@ def run_secure_federation(n=4, kill=None, samples=None, verify=None):
                     to_coord(a, ag.on_round_start(c.round, c.selected, c.secagg), now)
                     if a in c.selected:
                         pending_training.append((a, c.round))
+                deliver(c.secagg_first, now)  # (the rosters, when the keys came ahead)
             elif isinstance(c, R.SendSecAgg) and c.to not in dead:
                 to_coord(c.to, agents[c.to].on_message(c.message), now)
 

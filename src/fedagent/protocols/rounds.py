@@ -246,6 +246,9 @@ class StartRound:
     deadline_s: float
     resumed: bool = False  # the same round again after a restart (see RoundMachine.resume)
     secagg: SA.SecAggSetup | None = None
+    # Secure-aggregation messages to send after the setup and before the model (the
+    # rosters, when the keys were advertised ahead): they overtake the model.
+    secagg_first: tuple[SendSecAgg, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,6 +362,9 @@ class RoundMachine:
         self.secagg: SA.SecAggServer | None = None  # the secure round in progress
         self.secure_result: SA.Unmasked | None = None  # of the last secure round aggregated
         self.secure_params: SA.SecAggParams | None = None  # of the secure round in progress (or last)
+        # Keys the last secure round's survivors advertised for the round after it.
+        self.ahead_keys: dict[str, SA.SecAggKeys] = {}
+        self.ahead_round = 0
 
     # -- public ------------------------------------------------------------------------
     def handle(self, event: Event, now: float) -> list[Command]:
@@ -576,6 +582,7 @@ class RoundMachine:
             )
         setup = None
         wake = self.deadline
+        first: tuple[SendSecAgg, ...] = ()
         if cfg.secure is not None:
             # The secure round ends itself (every stage has a deadline); the round's own
             # deadline is the masked inputs'.
@@ -595,7 +602,14 @@ class RoundMachine:
                 params = replace(params, clip=min(max(params.clip, wide), SA.MAX_CLIP))
                 admit = self._distributed_admit
             self.secure_params = params
-            setup = SA.SecAggSetup(params, self._rng.randbytes(16), top)
+            # Every selected agent advertised keys for this round with its masked input
+            # of the last one: no key stage. Anyone else in the cohort: a key stage for all.
+            ahead = self.ahead_round == self.round and set(agents) <= set(self.ahead_keys)
+            keys, self.ahead_keys, self.ahead_round = self.ahead_keys, {}, 0
+            last = self.completed + 1 >= cfg.rounds
+            setup = SA.SecAggSetup(
+                params, self._rng.randbytes(16), top, next_round=0 if last else self.round + 1, ahead=ahead
+            )
             self.secagg = SA.SecAggServer(
                 self.round,
                 agents,
@@ -608,8 +622,10 @@ class RoundMachine:
                 online=set(self.online),
                 admit=admit,
                 verify=self.verify_statement,
+                ahead=keys if ahead else None,
             )
             self.deadline = math.inf
+            first = tuple(SendSecAgg(c.to, c.message) for c in self.secagg.start() if isinstance(c, SA.Send))
             wake = self.secagg.deadline
         return [
             StartRound(
@@ -621,6 +637,7 @@ class RoundMachine:
                 cfg.round_timeout,
                 resumed,
                 setup,
+                first,
             ),
             RequestWakeup(wake),
         ]
@@ -886,6 +903,7 @@ class RoundMachine:
         participants = tuple(sorted(res.contributors))
         assert self.secagg is not None
         setup = self.secagg.setup
+        self.ahead_keys, self.ahead_round = dict(self.secagg.next_keys), setup.next_round
         used = {a: setup.ratio(res.contributors[a].num_samples) / res.weight_sum for a in participants}
         final = self.completed >= self.config.rounds
         why = ""

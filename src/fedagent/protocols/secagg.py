@@ -86,11 +86,14 @@ _SHARE_BYTES = 66  # a field element, big-endian
 MAX_NEIGHBOURS = 1024
 MAX_CERT = 8192
 KEY_DOMAIN = b"fedagent-secagg-keys/1"
+AHEAD_DOMAIN = b"fedagent-secagg-keys-ahead/2"
+SECAGG_VERSION = 2  # carried by every round's setup; 2: keys advertised a round ahead
 LIST_DOMAIN = b"fedagent-secagg-survivors/1"
 MAX_CLIP = 1e6  # largest quantisation range (SecAggParams.clip)
 MAX_LIST = 100_000  # most names in a round's selection or survivor list
 
 __all__ = [
+    "AheadKeys",
     "Delta",
     "SecAggClient",
     "SecAggError",
@@ -191,24 +194,48 @@ class SecAggSetup:
     params: SecAggParams
     seed: bytes  # shuffles the neighbour graph; also binds keys and masks to this round
     max_weight: int  # samples weighing 1 (W)
+    # The secure round whose keys the agents advertise ahead, with their masked input
+    # (0: none); and whether this round uses the keys advertised in the previous one
+    # (no key stage) or asks for fresh ones.
+    next_round: int = 0
+    ahead: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, bytes) or len(self.seed) != 16:
             raise CodecError("secure aggregation: seed must be 16 bytes")
         if type(self.max_weight) is not int or not 1 <= self.max_weight < 2**53:
             raise CodecError("secure aggregation: max_weight must be a positive integer")
+        if type(self.next_round) is not int or not 0 <= self.next_round < 2**53:
+            raise CodecError("secure aggregation: next_round must be a non-negative integer")
+        if not isinstance(self.ahead, bool):
+            raise CodecError("secure aggregation: ahead must be a bool")
 
     def to_body(self) -> dict[str, Any]:
-        return {"params": self.params.to_body(), "seed": self.seed, "max_weight": self.max_weight}
+        return {
+            "version": SECAGG_VERSION,
+            "params": self.params.to_body(),
+            "seed": self.seed,
+            "max_weight": self.max_weight,
+            "next_round": self.next_round,
+            "ahead": self.ahead,
+        }
 
     @classmethod
     def from_body(cls, body: Any) -> SecAggSetup:
         if not isinstance(body, dict):
             raise CodecError("secure aggregation: bad setup")
+        version = body.get("version", 1)
+        if version != SECAGG_VERSION:
+            raise CodecError(
+                f"secure aggregation version {version!r} from the coordinator; this node speaks "
+                f"{SECAGG_VERSION} (upgrade the older side)"
+            )
         return cls(
             SecAggParams.from_body(body.get("params")),
             _bin(body.get("seed"), 16, "seed"),
             _int(body.get("max_weight"), "max_weight"),
+            _int(body.get("next_round"), "next_round"),
+            body.get("ahead"),  # type: ignore[arg-type]  # (checked in __post_init__)
         )
 
     def context(self, round_: int) -> bytes:
@@ -389,6 +416,7 @@ class SecAggMasked:
     metrics: dict[str, float]
     weights: Weights = field(repr=False)  # {"masked": int32 vector}
     leaving: bool = False
+    ahead: SecAggKeys | None = None  # this agent's signed keys for the setup's next_round
 
     def __post_init__(self) -> None:
         if set(self.weights) != {"masked"}:
@@ -411,6 +439,7 @@ class SecAggMasked:
             "metrics": dict(self.metrics),
             "weights": encode_weights(self.weights),
             "leaving": self.leaving,
+            "ahead": None if self.ahead is None else self.ahead.to_body(),
         }
 
     @classmethod
@@ -421,6 +450,7 @@ class SecAggMasked:
             raise CodecError(f"{w}: carries exactly one tensor, 'masked'")
         if not isinstance(b["leaving"], bool):
             raise CodecError(f"{w}: leaving must be a bool")
+        ahead = b.get("ahead")
         return cls(
             _int(b["round"], "round"),
             _int(b["base_version"], "base_version"),
@@ -428,6 +458,7 @@ class SecAggMasked:
             _metrics(b["metrics"], w),
             decode_weights(b["weights"], limits),
             b["leaving"],
+            None if ahead is None else SecAggKeys.from_body(ahead),
         )
 
 
@@ -786,6 +817,12 @@ def key_statement(agent: str, context: bytes, c_pk: bytes, s_pk: bytes) -> bytes
     return msgpack.packb([KEY_DOMAIN, context, agent, c_pk, s_pk], use_bin_type=True)
 
 
+def ahead_statement(agent: str, round_: int, advertised_in: bytes, c_pk: bytes, s_pk: bytes) -> bytes:
+    """What an agent signs for keys advertised ahead: bound to the one round they are for
+    (``round_``) and to the round they were advertised in (its context: round and seed)."""
+    return msgpack.packb([AHEAD_DOMAIN, round_, advertised_in, agent, c_pk, s_pk], use_bin_type=True)
+
+
 def list_statement(agent: str, context: bytes, survivors: Sequence[str]) -> bytes:
     """What an agent signs in the consistency stage: the round's survivor list."""
     return msgpack.packb([LIST_DOMAIN, context, agent, sorted(survivors)], use_bin_type=True)
@@ -796,6 +833,19 @@ KeyVerifier = Callable[[str, bytes, bytes, bytes], None]  # (agent, statement, c
 
 
 # ---- the agent's side ----------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AheadKeys:
+    """An agent's key pairs for one future round, advertised (signed) with its masked
+    input of the round before: the secret halves stay with the agent until that round
+    starts, and are used in it or thrown away."""
+
+    round: int  # the only round they are for
+    advertised_in: bytes  # the context (round and seed) of the round they were advertised in
+    c_sk: bytes = field(repr=False)
+    s_sk: bytes = field(repr=False)
+    public: SecAggKeys
+
+
 class SecAggClient:
     """One agent's part in one secure round. Methods take what the coordinator relayed
     and return what to send; :class:`SecAggError` means: stop taking part in this round."""
@@ -810,9 +860,14 @@ class SecAggClient:
         sign: Signer | None = None,
         verify: KeyVerifier | None = None,
         random_bytes: Callable[[int], bytes] = os.urandom,
+        keys: AheadKeys | None = None,
     ) -> None:
+        """``keys``: the key pairs this agent advertised ahead for this round (the setup
+        says ``ahead``); without them fresh pairs are made, to :meth:`advertise`."""
         if agent not in selected:
             raise SecAggError(f"{agent} is not selected for round {round_}")
+        if setup.ahead and (keys is None or keys.round != round_):
+            raise SecAggError(f"round {round_} uses keys advertised ahead, and I advertised none for it")
         self.agent = agent
         self.round = round_
         self.setup = setup
@@ -824,8 +879,17 @@ class SecAggClient:
         self._rand = random_bytes
         self._sign = sign
         self._verify = verify
-        self._c_sk = X25519PrivateKey.from_private_bytes(random_bytes(32))
-        self._s_sk = X25519PrivateKey.from_private_bytes(random_bytes(32))
+        # Where the neighbours' keys were signed: this round's context, or (keys
+        # advertised ahead) the context of the round they were advertised in.
+        self._ahead_ctx: bytes | None = None
+        if setup.ahead:
+            assert keys is not None
+            self._c_sk = X25519PrivateKey.from_private_bytes(keys.c_sk)
+            self._s_sk = X25519PrivateKey.from_private_bytes(keys.s_sk)
+            self._ahead_ctx = keys.advertised_in
+        else:
+            self._c_sk = X25519PrivateKey.from_private_bytes(random_bytes(32))
+            self._s_sk = X25519PrivateKey.from_private_bytes(random_bytes(32))
         self._b = random_bytes(32)
         self.keys: dict[str, SecAggKeys] = {}  # neighbours that advertised keys
         self.holders: tuple[str, ...] = ()  # who holds shares of my secrets (me first)
@@ -837,6 +901,8 @@ class SecAggClient:
         self._premask: tuple[np.ndarray, frozenset[str]] | None = None
 
     def advertise(self) -> SecAggKeys:
+        if self._ahead_ctx is not None:
+            raise SecAggError("this round's keys were advertised ahead")
         c_pk = self._c_sk.public_key().public_bytes_raw()
         s_pk = self._s_sk.public_key().public_bytes_raw()
         cert, sig = b"", b""
@@ -851,8 +917,16 @@ class SecAggClient:
         if stray:
             raise SecAggError(f"roster names agents outside my neighbourhood: {sorted(stray)[:3]}")
         for name, k in msg.keys.items():
+            if k.round != self.round:
+                raise SecAggError(f"the keys of {name} are for round {k.round}, not {self.round}")
             if self._verify is not None:
-                self._verify(name, key_statement(name, self.context, k.c_pk, k.s_pk), k.cert, k.sig)
+                if self._ahead_ctx is None:
+                    statement = key_statement(name, self.context, k.c_pk, k.s_pk)
+                else:
+                    # Signed for this round, advertised in the round before: keys of any
+                    # other round (a replay) do not verify.
+                    statement = ahead_statement(name, self.round, self._ahead_ctx, k.c_pk, k.s_pk)
+                self._verify(name, statement, k.cert, k.sig)
         if not msg.keys:
             raise SecAggError("no neighbour advertised keys: my input would not be hidden")
         self.keys = dict(msg.keys)
@@ -894,6 +968,21 @@ class SecAggClient:
         if not msg.boxes:
             raise SecAggError("no neighbour completed the share stage: my input would not be hidden")
         self.masking_with = tuple(sorted(msg.boxes))
+
+    def advertise_ahead(self) -> AheadKeys | None:
+        """Fresh key pairs for the setup's ``next_round``, signed for that round alone
+        (and bound to this one), to go with the masked input; None if the setup names no
+        next round."""
+        target = self.setup.next_round
+        if target <= self.round:
+            return None
+        c_raw, s_raw = self._rand(32), self._rand(32)
+        c_pk = X25519PrivateKey.from_private_bytes(c_raw).public_key().public_bytes_raw()
+        s_pk = X25519PrivateKey.from_private_bytes(s_raw).public_key().public_bytes_raw()
+        cert, sig = b"", b""
+        if self._sign is not None:
+            cert, sig = self._sign(ahead_statement(self.agent, target, self.context, c_pk, s_pk))
+        return AheadKeys(target, self.context, c_raw, s_raw, SecAggKeys(target, c_pk, s_pk, cert, sig))
 
     def premask(self, size: int) -> None:
         """Draws the mask sum for an update of ``size`` values ahead of the update: the
@@ -1076,17 +1165,38 @@ class SecAggAgent:
         self._trained: _Trained | None = None
         self.error = ""
         self.refusals: list[str] = []
+        self.ahead: AheadKeys | None = None  # keys advertised for a later round (at most one set)
+        self._early: SecAggRoster | None = None  # a roster that came before its round's start
 
     def on_round_start(self, round_: int, selected: Sequence[str], setup: SecAggSetup) -> list[SecAggMessage]:
         if round_ <= self.round:
             return []
         self.round, self.client, self._trained, self.error = round_, None, None, ""
+        keys = self.ahead
+        if keys is not None and keys.round <= round_:
+            # Used in this round or never: a key pair serves one round.
+            self.ahead = None
+        early, self._early = self._early, None
         if self.agent not in selected:
             return []
-        self.client = SecAggClient(
-            self.agent, round_, selected, setup, sign=self._sign, verify=self._verify, random_bytes=self._rand
-        )
-        return [self.client.advertise()]
+        try:
+            self.client = SecAggClient(
+                self.agent,
+                round_,
+                selected,
+                setup,
+                sign=self._sign,
+                verify=self._verify,
+                random_bytes=self._rand,
+                keys=keys if setup.ahead else None,
+            )
+        except SecAggError as exc:
+            return self._fail(exc)
+        if not setup.ahead:
+            return [self.client.advertise()]
+        if early is not None and early.round == round_:
+            return self.on_message(early)
+        return []
 
     def _fail(self, exc: SecAggError) -> list[SecAggMessage]:
         self.error = str(exc)
@@ -1096,6 +1206,10 @@ class SecAggAgent:
 
     def on_message(self, msg: SecAggMessage) -> list[SecAggMessage]:
         cl = self.client
+        if isinstance(msg, SecAggRoster) and msg.round > self.round:
+            # Sent right after the round's start, but overtook it: kept for it.
+            self._early = msg
+            return []
         if cl is None or getattr(msg, "round", None) != cl.round:
             return []
         try:
@@ -1154,9 +1268,18 @@ class SecAggAgent:
         except SecAggError as exc:
             return self._fail(exc)
         self._trained = None
+        ahead = cl.advertise_ahead()
+        if ahead is not None:
+            self.ahead = ahead
         return [
             SecAggMasked(
-                cl.round, tr.base_version, tr.num_samples, tr.metrics, {"masked": y.view(np.int32)}, tr.leaving
+                cl.round,
+                tr.base_version,
+                tr.num_samples,
+                tr.metrics,
+                {"masked": y.view(np.int32)},
+                tr.leaving,
+                None if ahead is None else ahead.public,
             )
         ]
 
@@ -1254,13 +1377,17 @@ class SecAggServer:
         online: set[str] | None = None,
         admit: Callable[[int], str] | None = None,
         verify: KeyVerifier | None = None,
+        ahead: Mapping[str, SecAggKeys] | None = None,
     ) -> None:
         """``admit(survivors)``: asked once the masked inputs are in, before anything is
         unmasked; a reason returned abandons the round (a privacy budget the sum of that
         many updates would overdraw). ``verify``: checks a survivor's signature of the
         survivor list as the agents will (raises if it is not valid); a survivor whose
         signature fails is dropped from the rest of the round, and its signature is
-        never passed on. Without it every signature is passed on unchecked."""
+        never passed on. Without it every signature is passed on unchecked. ``ahead``:
+        when the setup says so, the keys every selected agent advertised for this round
+        with its masked input of the round before (:attr:`next_keys` of that round's
+        server); the key stage is skipped and :meth:`start` sends the rosters."""
         if len(selected) > setup.params.max_agents:
             raise SecAggError(
                 f"{len(selected)} agents exceed the {setup.params.max_agents} whose masked sum fits "
@@ -1294,8 +1421,23 @@ class SecAggServer:
         self.sk_shares: dict[str, dict[int, bytes]] = {}
         self._self_off: set[str] = set()  # survivors whose self mask is off the sum already
         self.received_kinds: list[tuple[str, str]] = []  # (sender, kind): what this round was sent
+        # Keys for the setup's next_round, advertised with the masked inputs.
+        self.next_keys: dict[str, SecAggKeys] = {}
+        if setup.ahead:
+            missing = [a for a in self.selected if ahead is None or a not in ahead]
+            if missing:
+                raise SecAggError(f"no keys advertised ahead by {', '.join(missing[:3])}: the round needs a key stage")
+            assert ahead is not None
+            stray = [a for a in self.selected if ahead[a].round != round_]
+            if stray:
+                raise SecAggError(f"the keys advertised by {', '.join(stray[:3])} are not for round {round_}")
+            self.keys = {a: ahead[a] for a in self.selected}
 
     def start(self) -> list[ServerCommand]:
+        """The first commands: a wake-up at the key stage's deadline, or (keys advertised
+        ahead) every agent's roster and a wake-up at the share stage's."""
+        if self.setup.ahead:
+            return self._rosters(self.deadline - self.stage_timeout)
         return [Wake(self.deadline)]
 
     def status(self) -> dict[str, Any]:
@@ -1358,6 +1500,8 @@ class SecAggServer:
                 {"masked": np.zeros(0, np.int32)},
                 msg.leaving,
             )
+            if msg.ahead is not None and self.setup.next_round and msg.ahead.round == self.setup.next_round:
+                self.next_keys[sender] = msg.ahead
         elif isinstance(msg, SecAggSignature):
             if (
                 self.stage != self.CONSISTENCY
@@ -1442,15 +1586,7 @@ class SecAggServer:
         if self.stage == self.KEYS:
             if len(self.keys) < p.min_survivors:
                 return self._fail(f"{len(self.keys)} agents advertised keys, need {p.min_survivors}")
-            out: list[ServerCommand] = []
-            for a in sorted(self.keys):
-                nb = tuple(b for b in self.graph[a] if b in self.keys)
-                if not nb:
-                    continue  # isolated: its input could not be hidden, so it takes no part
-                self.rosters[a] = nb
-                out.append(Send(a, SecAggRoster(self.round, {b: self.keys[b] for b in nb})))
-            self.stage, self.deadline = self.SHARES, now + self.stage_timeout
-            return out + [Wake(self.deadline)]
+            return self._rosters(now)
         if self.stage == self.SHARES:
             if len(self.shares) < p.min_survivors:
                 return self._fail(f"{len(self.shares)} agents shared their keys, need {p.min_survivors}")
@@ -1497,6 +1633,18 @@ class SecAggServer:
             short = sorted(o for o in self._needed() if not self._enough(o))
             return self._fail(f"too few shares to remove the masks of {', '.join(short[:5])}")
         return []
+
+    def _rosters(self, now: float) -> list[ServerCommand]:
+        """Each agent with keys gets its neighbours' keys; the share stage opens."""
+        out: list[ServerCommand] = []
+        for a in sorted(self.keys):
+            nb = tuple(b for b in self.graph[a] if b in self.keys)
+            if not nb:
+                continue  # isolated: its input could not be hidden, so it takes no part
+            self.rosters[a] = nb
+            out.append(Send(a, SecAggRoster(self.round, {b: self.keys[b] for b in nb})))
+        self.stage, self.deadline = self.SHARES, now + self.stage_timeout
+        return out + [Wake(self.deadline)]
 
     def _needed(self) -> set[str]:
         """Whose secret is rebuilt: every survivor's seed, and the key of each drop-out
