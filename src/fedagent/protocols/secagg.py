@@ -1590,7 +1590,7 @@ class SecAggServer:
         if self.stage == self.SHARES:
             if len(self.shares) < p.min_survivors:
                 return self._fail(f"{len(self.shares)} agents shared their keys, need {p.min_survivors}")
-            out = []
+            out: list[ServerCommand] = []
             for j in sorted(self.shares):
                 boxes = {i: self.shares[i].boxes[j] for i in self.rosters[j] if i in self.shares}
                 if boxes:
