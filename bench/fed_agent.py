@@ -29,6 +29,7 @@ from fedagent.protocols.messages import Presence, RoundStart, Update
 from fedagent.protocols.secagg import (
     SecAggAgent,
     SecAggError,
+    SecAggMasked,
     SecAggRoster,
     SecAggShareBox,
     SecAggStart,
@@ -89,7 +90,10 @@ async def main(args: argparse.Namespace) -> None:
 
     async def to_coordinator(msgs) -> None:
         for m in msgs:
-            await messenger.send(topics.direct(fed, me, args.coordinator, m.kind), m, round_=m.round)
+            # (as the agent daemon does: a masked vector is never changed once made)
+            await messenger.send(
+                topics.direct(fed, me, args.coordinator, m.kind), m, round_=m.round, stable=isinstance(m, SecAggMasked)
+            )
 
     delta = np.zeros(0)
 
@@ -103,7 +107,9 @@ async def main(args: argparse.Namespace) -> None:
                 # As the agent daemon does: the mask sum is drawn while the shares make
                 # their round trip (messages are handled one at a time, so the share box
                 # waits for it).
-                await asyncio.to_thread(secagg.prepare)
+                # (keys ahead: the roster comes before the model; the update has the
+                # size of the last one)
+                await asyncio.to_thread(secagg.prepare, delta.size or None)
             return
         if isinstance(msg, SecAggStart):
             await to_coordinator(secagg.on_round_start(msg.round, msg.selected, msg.setup))

@@ -37,6 +37,22 @@ class SecureRounds(FedRounds):
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
         self.secagg_in: asyncio.Queue[tuple[str, SA.SecAggMessage]] = asyncio.Queue()
+        # Keys the last secure round's agents advertised for the next one (as the
+        # coordinator's round machine keeps them), and the round they are for.
+        self.next_keys: dict[str, SA.SecAggKeys] = {}
+        self.next_round = 0
+        self.ahead_rounds = 0  # secure rounds that had no key stage
+
+    async def _send_all(self, sends: list[SA.Send]) -> None:
+        # As the coordinator daemon does: a stage's messages published together.
+        await asyncio.gather(
+            *(
+                self.messenger.send(
+                    topics.direct(FEDERATION, COORDINATOR, c.to, c.message.kind), c.message, round_=c.message.round
+                )
+                for c in sends
+            )
+        )
 
     async def _deliver(self, inc: Incoming) -> None:
         if isinstance(inc.message, SA.MESSAGES):
@@ -64,7 +80,10 @@ class SecureRounds(FedRounds):
         b0 = self._bytes()
         c0 = self._cpu()
         t0 = time.perf_counter()
-        setup = SA.SecAggSetup(params, os.urandom(16), 1)
+        # Rounds alternate plain and secure: the next secure round is r + 2. Its keys
+        # come with this round's masked inputs, so it has no key stage.
+        ahead = self.next_round == r and set(self.agents) <= set(self.next_keys)
+        setup = SA.SecAggSetup(params, os.urandom(16), 1, next_round=r + 2, ahead=ahead)
         server = SA.SecAggServer(
             r,
             self.agents,
@@ -73,7 +92,9 @@ class SecureRounds(FedRounds):
             now=time.monotonic(),
             stage_timeout=ROUND_TIMEOUT / 3,
             input_deadline=time.monotonic() + ROUND_TIMEOUT,
+            ahead=self.next_keys if ahead else None,
         )
+        self.ahead_rounds += ahead
         start = RoundStart(
             round=r,
             model_version=r - 1,
@@ -88,18 +109,19 @@ class SecureRounds(FedRounds):
         await self.messenger.send(
             topics.broadcast(FEDERATION, "secagg_start"), SA.SecAggStart(r, tuple(self.agents), setup), round_=r
         )
-        sending = asyncio.create_task(self.messenger.send(topics.broadcast(FEDERATION, "round_start"), start, round_=r))
+        since = time.perf_counter()
         cmds: list[SA.ServerCommand] = server.start()
+        stage = server.stage  # (keys ahead: the share stage, from the start)
+        # (keys ahead: the rosters, before the model)
+        await self._send_all([c for c in cmds if isinstance(c, SA.Send)])
+        cmds = [c for c in cmds if not isinstance(c, SA.Send)]
+        sending = asyncio.create_task(self.messenger.send(topics.broadcast(FEDERATION, "round_start"), start, round_=r))
         stages: dict[str, float] = {}
-        stage, since = server.stage, time.perf_counter()
         result: SA.Unmasked | None = None
         while result is None:
+            await self._send_all([c for c in cmds if isinstance(c, SA.Send)])
             for c in cmds:
-                if isinstance(c, SA.Send):
-                    await self.messenger.send(
-                        topics.direct(FEDERATION, COORDINATOR, c.to, c.message.kind), c.message, round_=r
-                    )
-                elif isinstance(c, SA.Unmasked):
+                if isinstance(c, SA.Unmasked):
                     result = c
                 elif isinstance(c, SA.Failed):
                     raise RuntimeError(f"secure round {r} failed: {c.reason}")
@@ -123,6 +145,7 @@ class SecureRounds(FedRounds):
                 cmds = server.handle(SA.Received(sender, msg), time.monotonic())
         await sending
         elapsed = time.perf_counter() - t0
+        self.next_keys, self.next_round = dict(server.next_keys), setup.next_round
         err = float(np.abs(result.mean - BENCH_DELTA).max())
         if err > result.error_bound + 1e-12:
             raise RuntimeError(f"unmasked mean off by {err:.3g}, bound {result.error_bound:.3g}")
@@ -161,6 +184,16 @@ async def _measure(bb, params: int, repeats: int, log) -> dict:
                 f"(coordinator {cc:.2f} s), secure {ts:.2f} s {bs / 1e6:.1f} MB CPU {cs:.2f} s (coordinator "
                 f"{ccs:.2f} s; {', '.join(f'{k} {v:.2f} s' for k, v in stages.items())})"
             )
+        # Two rounds as after a change of cohort: nobody's keys came ahead, a key stage.
+        res["explicit"] = []
+        for _ in range(2):
+            await fed.plain_round(r)
+            fed.next_keys = {}
+            ts, *_ = await fed.secure_round(r + 1, sp)
+            res["explicit"].append(ts)
+            r += 2
+        log(f"{mb(params)} secure rounds with a key stage: {', '.join(f'{t:.2f} s' for t in res['explicit'])}")
+        res["ahead_rounds"] = fed.ahead_rounds
         return res
     finally:
         await fed.stop()
@@ -181,6 +214,8 @@ def secure_aggregation(ctx: Context, agents: int = AGENTS) -> list[Row]:
             sec_med, sec_max = summary(res["secure"])
             pl_med, pl_max = summary(res["plain"])
             stage_med = {k: summary([s.get(k, 0.0) for s in res["stages"]])[0] for k in res["stages"][0]}
+            if res["ahead_rounds"] < len(res["secure"]):
+                raise RuntimeError(f"only {res['ahead_rounds']} secure rounds had their keys ahead")
             n = len(res["secure"])
             rows.append(
                 Row(
@@ -189,8 +224,9 @@ def secure_aggregation(ctx: Context, agents: int = AGENTS) -> list[Row]:
                     sec_med,
                     "plain fedagent FedAvg round (median)",
                     pl_med,
-                    note=f"goal <= 1.5x; n={n}; stages (median) "
-                    + ", ".join(f"{k} {v:.2f} s" for k, v in stage_med.items()),
+                    note=f"goal <= 1.5x; n={n}, keys advertised a round ahead (no key stage); stages (median) "
+                    + ", ".join(f"{k} {v:.2f} s" for k, v in stage_med.items())
+                    + f"; with a key stage (new cohort) {summary(res['explicit'])[0]:.2f} s (n=2)",
                 )
             )
             rows.append(

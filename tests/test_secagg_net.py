@@ -128,3 +128,21 @@ def test_agents_killed_before_and_after_masking(tmp_path):
     want, bound = expected_mean_delta(fed, [1, 2, 3, 4], epochs, SecAggParams())
     err = np.abs(got - want).max()
     assert err <= bound + 2e-7, (err, bound)  # (+ float32 rounding of the stored model)
+
+
+def test_keys_come_ahead_after_the_first_round_over_mosquitto(tmp_path):
+    """Three secure rounds: the first has a key stage; the agents advertise the next
+    round's keys with their masked inputs, so rounds 2 and 3 have none."""
+    opts = {"secure_aggregation": True, "local_epochs": 1, "secure_stage_timeout": 20.0}
+    with running(tmp_path, agents=3, rounds=3, alpha=0.3, round_timeout=120.0, rounds_options=opts) as fed:
+        done = wait_for(lambda: coordinator_in(fed, "done"), 240, "three secure rounds", fed)
+        assert done["completed_rounds"] == 3
+        lines = history(fed)
+    rounds = [ln for ln in lines if ln.get("event") == "round"]
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    assert [r["secure"]["keys_ahead"] for r in rounds] == [False, True, True]
+    assert all(r["participants"] == fed.agent_ids for r in rounds)
+    received = [ln for ln in lines if ln.get("event") == "received"]
+    assert {ln["round"] for ln in received if ln["kind"] == "secagg_keys"} == {1}
+    assert {ln["round"] for ln in received if ln["kind"] == "secagg_shares"} == {1, 2, 3}
+    assert_only_masked_vectors(lines, 20)

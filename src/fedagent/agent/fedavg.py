@@ -296,8 +296,14 @@ class FedAvgSession(Session):
                 # The masks do not depend on the update: their sum is drawn now, while
                 # the model trains and the shares make their round trip (messages are
                 # handled one at a time, so nothing else touches the round meanwhile).
+                # With keys advertised ahead the roster comes before the model: the
+                # update has the size of the last one (a mask sum of another size is
+                # not used).
                 base = self._base
-                size = layout_size(base[1]) if base is not None and base[0] == msg.round else None
+                if base is not None and base[0] == msg.round:
+                    size: int | None = layout_size(base[1])
+                else:
+                    size = layout_size(self.global_weights) if self.global_weights is not None else None
                 await asyncio.to_thread(self.secagg.prepare, size)
             return
         if isinstance(msg, Vocabulary):
@@ -362,7 +368,9 @@ class FedAvgSession(Session):
         for m in msgs:
             topic = topics.direct(self.fed, self.cfg.id, self.coordinator, m.kind)
             try:
-                n = await self.messenger.send(topic, m, round_=m.round)
+                # (a masked vector is made for this message and never changed: its
+                # chunks are cut from it without an encoded copy)
+                n = await self.messenger.send(topic, m, round_=m.round, stable=isinstance(m, SecAggMasked))
             except TransportError as exc:
                 if exc.exit_code == EXIT_CONFIG:
                     raise

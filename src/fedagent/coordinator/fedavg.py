@@ -359,6 +359,8 @@ class FedAvgMode:
                 "silent_at_unmask": list(res.silent_at_unmask),
                 # survivor -> why its signature of the survivor list was not valid
                 "bad_signatures": dict(res.bad_signatures),
+                # the keys came a round ahead, with the masked inputs (no key stage)
+                "keys_ahead": self.machine is not None and self.machine.secure_ahead,
             }
         }
 
@@ -609,8 +611,31 @@ class FedAvgMode:
         cmds = self.machine.handle(event, time.monotonic())
         del event
         restarts = any(isinstance(c, R.StartRound) for c in cmds)
+        batch: list[R.SendSecAgg] = []
         for cmd in cmds:
+            if isinstance(cmd, R.SendSecAgg):
+                batch.append(cmd)
+                continue
+            if batch:
+                await self._send_secagg(batch)
+                batch = []
             await self._execute(cmd, next_round_follows=restarts)
+        if batch:
+            await self._send_secagg(batch)
+
+    async def _send_secagg(self, cmds: list[R.SendSecAgg] | tuple[R.SendSecAgg, ...]) -> None:
+        """A stage's messages to the agents (a roster, a share box, the survivor list or
+        an unmask request each): published together, not one acknowledgement after the
+        other; one agent's messages keep their order."""
+        by_agent: dict[str, list[R.SendSecAgg]] = {}
+        for c in cmds:
+            by_agent.setdefault(c.to, []).append(c)
+
+        async def send(msgs: list[R.SendSecAgg]) -> None:
+            for c in msgs:
+                await self._execute(c)
+
+        await asyncio.gather(*(send(m) for m in by_agent.values()))
 
     async def _execute(self, cmd: R.Command, *, next_round_follows: bool = False) -> None:
         core, fed = self.core, self.core.fed
@@ -645,6 +670,9 @@ class FedAvgMode:
                     SecAggStart(cmd.round, cmd.selected, cmd.secagg),
                     round_=cmd.round,
                 )
+                # Keys advertised ahead: the rosters go now, ahead of the model, so the
+                # share stage runs while the model is on its way.
+                await self._send_secagg(cmd.secagg_first)
             await core.messenger.send(
                 topics.broadcast(fed, "round_start"),
                 RoundStart(

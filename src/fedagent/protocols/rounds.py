@@ -365,6 +365,7 @@ class RoundMachine:
         # Keys the last secure round's survivors advertised for the round after it.
         self.ahead_keys: dict[str, SA.SecAggKeys] = {}
         self.ahead_round = 0
+        self.secure_ahead = False  # the secure round in progress (or last) had no key stage
 
     # -- public ------------------------------------------------------------------------
     def handle(self, event: Event, now: float) -> list[Command]:
@@ -606,6 +607,7 @@ class RoundMachine:
             # of the last one: no key stage. Anyone else in the cohort: a key stage for all.
             ahead = self.ahead_round == self.round and set(agents) <= set(self.ahead_keys)
             keys, self.ahead_keys, self.ahead_round = self.ahead_keys, {}, 0
+            self.secure_ahead = ahead
             last = self.completed + 1 >= cfg.rounds
             setup = SA.SecAggSetup(
                 params, self._rng.randbytes(16), top, next_round=0 if last else self.round + 1, ahead=ahead

@@ -9,6 +9,13 @@ Each selected agent, in five stages relayed by the coordinator over the per-agen
    coordinator sends each agent the keys of its neighbours in a sparse graph
    (:func:`neighbour_graph`: a ring over a per-round shuffle, each node linked to the
    ``k/2`` nodes on either side, ``k = 2⌈log₂ n⌉``; complete below about 8 agents).
+   **Keys ahead** (setup version 2): a round's setup may name the next round
+   (``next_round``); each agent then makes fresh key pairs for that round and sends
+   their public halves with its masked input, signed for that round alone and bound to
+   the round they were advertised in (:func:`ahead_statement`). When every agent
+   selected for that round did so, its setup says ``ahead``: no key stage, the
+   coordinator sends the rosters at once (ahead of the model). Any other cohort: a key
+   stage for everyone. A key pair serves one round; unused ones are thrown away.
 2. **shares** — draws a self-mask seed ``b``, and splits ``b`` and its ``s`` secret key
    into Shamir shares (t of its holders: itself and its neighbours). Each neighbour's
    pair of shares is encrypted with ChaCha20-Poly1305 under a key agreed with that
