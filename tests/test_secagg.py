@@ -700,6 +700,9 @@ def test_secure_rounds_through_the_round_machine():
     assert set(seen) == {"secagg_keys", "secagg_shares", "secagg_masked", "secagg_signature", "secagg_reveal"}
     starts = [c for c in log if isinstance(c, R.StartRound)]
     assert all(s.secagg is not None and not s.train.stream for s in starts)
+    # Round 2's keys came with round 1's masked inputs: its rosters go with its start.
+    assert [(s.secagg.ahead, s.secagg.next_round, len(s.secagg_first)) for s in starts] == [(False, 2, 0), (True, 0, 4)]
+    assert m.aggregated_ahead
 
 
 def test_secure_round_survives_an_agent_killed_before_its_input():

@@ -360,7 +360,7 @@ class FedAvgMode:
                 # survivor -> why its signature of the survivor list was not valid
                 "bad_signatures": dict(res.bad_signatures),
                 # the keys came a round ahead, with the masked inputs (no key stage)
-                "keys_ahead": self.machine is not None and self.machine.secure_ahead,
+                "keys_ahead": self.machine is not None and self.machine.aggregated_ahead,
             }
         }
 

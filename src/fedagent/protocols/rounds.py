@@ -365,7 +365,8 @@ class RoundMachine:
         # Keys the last secure round's survivors advertised for the round after it.
         self.ahead_keys: dict[str, SA.SecAggKeys] = {}
         self.ahead_round = 0
-        self.secure_ahead = False  # the secure round in progress (or last) had no key stage
+        self.secure_ahead = False  # the secure round in progress had no key stage
+        self.aggregated_ahead = False  # ... and the last one aggregated
 
     # -- public ------------------------------------------------------------------------
     def handle(self, event: Event, now: float) -> list[Command]:
@@ -906,6 +907,7 @@ class RoundMachine:
         assert self.secagg is not None
         setup = self.secagg.setup
         self.ahead_keys, self.ahead_round = dict(self.secagg.next_keys), setup.next_round
+        self.aggregated_ahead = self.secure_ahead
         used = {a: setup.ratio(res.contributors[a].num_samples) / res.weight_sum for a in participants}
         final = self.completed >= self.config.rounds
         why = ""
