@@ -109,6 +109,8 @@ def test_secagg_section_tiny(bench_ctx):
     rows = secure_aggregation(bench_ctx, agents=3)
     well_formed(rows, "secagg", 4, cpu_rows=("CPU",), ctx=bench_ctx)
     assert "3 agents" in rows[0].subject and "unmask" in rows[0].note
+    # (the section raises unless every measured secure round had its keys ahead)
+    assert "keys advertised a round ahead" in rows[0].note and "with a key stage" in rows[0].note
     assert "(max)" in rows[1].subject and "coordinator" in rows[2].note
 
 
