@@ -18,8 +18,9 @@ command -v nft >/dev/null 2>&1 || [ -x /usr/sbin/nft ] || need_apt+=(nftables)
 command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)
 [ -e /usr/include/libnetfilter_queue/libnetfilter_queue.h ] || need_apt+=(libnetfilter-queue-dev)
 # The Linux manual pages: the offline corpus of 1,083 documents for SEEC and Word2Vec
-# (doc2vec corpus = "manpages"; fedagent.tasks.text_data.manpages).
-for pkg in manpages manpages-dev; do
+# (doc2vec corpus = "manpages"; fedagent.tasks.text_data.manpages); the FreeBSD manual
+# pages: the public corpus SEEC's mappers learn from next to them ([search] public_corpus).
+for pkg in manpages manpages-dev freebsd-manpages; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

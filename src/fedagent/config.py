@@ -267,14 +267,16 @@ class SearchSettings:
     ``space = "joint"``: the sites share one model (SEEC joint learning, FedAvg), so one
     query vector serves every peer. ``space = "mapped"`` (SEEC Algorithm 2): every site
     trains its own model on its own documents only (its own vocabulary, never averaged);
-    sites exchange vectors of the public corpus (the first ``public_docs`` posts of the
-    20-newsgroups sample) and the asker maps the query into each peer's space with a
-    mapper MLP trained on them. The same on every member of a federation."""
+    sites exchange vectors of the public corpus (the first ``public_docs`` documents of
+    ``public_corpus``: ``newsgroups``, the 20-newsgroups sample, or ``freebsd-manpages``,
+    the FreeBSD manual pages; pick public text like the sites' own) and the asker maps
+    the query into each peer's space with a mapper MLP trained on them. The same on every member of a federation."""
 
     space: str = "joint"
     local_epochs: int = 10  # mapped: epochs of this site's own model
     lr: float = 0.025
     batch_size: int = 256
+    public_corpus: str = "newsgroups"
     public_docs: int = 200
     mapper_epochs: int = 150  # see fedagent.tasks.seec: the 200-post sample needs more than 20
     mapper_lr: float = 1e-3
@@ -287,7 +289,7 @@ class SearchSettings:
     request_burst: int = 10
 
     def __post_init__(self) -> None:
-        from fedagent.protocols.search import MAX_PUBLIC_DOCS, SPACES
+        from fedagent.protocols.search import MAX_PUBLIC_DOCS, PUBLIC_CORPORA, SPACES
 
         if self.space not in SPACES:
             raise ConfigError(f"search: space must be one of {SPACES}, not {self.space!r}")
@@ -298,6 +300,8 @@ class SearchSettings:
             and 1 <= self.mapper_hidden <= 100_000
         ):
             raise ConfigError("search: local_epochs, mapper_epochs, batch_size, mapper_hidden must be positive")
+        if self.public_corpus not in PUBLIC_CORPORA:
+            raise ConfigError(f"search: public_corpus must be one of {PUBLIC_CORPORA}, not {self.public_corpus!r}")
         if not 1 <= self.public_docs <= MAX_PUBLIC_DOCS:
             raise ConfigError(f"search: public_docs must be in 1..{MAX_PUBLIC_DOCS}")
         if not (self.lr > 0 and self.mapper_lr > 0):

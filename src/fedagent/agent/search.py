@@ -19,8 +19,8 @@ cached.
 With ``space = "mapped"`` (SEEC Algorithm 2) every site trains its own model on its own
 documents, with its own vocabulary, once, when a search first needs it; its space is
 named by a digest of that model. Before a search the asker asks every online peer for
-its vectors of the public corpus (the first ``public_docs`` posts of the 20-newsgroups
-sample, which every site has offline), naming the peer space it holds a mapper for; a
+its vectors of the public corpus (the first ``public_docs`` documents of ``public_corpus``:
+the 20-newsgroups sample or the FreeBSD manual pages, which every site has offline), naming the peer space it holds a mapper for; a
 peer answers with its vectors (or with its space alone when the mapper is current).
 The asker trains a mapper from its own public vectors to each peer's (cached per peer
 space), maps the query vector into each peer's space and sends that. Only vectors of
@@ -127,15 +127,13 @@ class SearchService(Service):
     def public_corpus(self) -> tuple[str, list[list[str]]]:
         """(digest, token lists) of the public documents every site vectorises."""
         if self._public is None:
+            from fedagent.errors import ConfigError
             from fedagent.tasks import text_data as td
 
-            posts = td.newsgroups()[: self.settings.public_docs]
-            if len(posts) != self.settings.public_docs:
-                raise S.SearchError(
-                    "public", f"the public corpus has {len(posts)} posts, {self.settings.public_docs} configured"
-                )
-            h = hashlib.sha256("\x00".join(p.text for p in posts).encode())
-            self._public = (h.hexdigest()[:32], [td.tokenize(p.text) for p in posts])
+            try:
+                self._public = td.public_corpus(self.settings.public_corpus, self.settings.public_docs)
+            except ConfigError as exc:
+                raise S.SearchError("public", str(exc)) from None
         return self._public
 
     def own_model(self) -> tuple[str, Any, np.ndarray]:

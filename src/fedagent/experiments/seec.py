@@ -92,6 +92,8 @@ class Scale:
     seed: int = 0
     limit: int = 0  # articles (0 = all)
     corpus: str = "wiki"  # a key of CORPORA
+    public_corpus: str = ""  # "" = PUBLIC_CORPUS[corpus]
+    public_docs: int = 0  # 0 = all of the public corpus
 
 
 SCALES = {
@@ -101,7 +103,22 @@ SCALES = {
 }
 
 
-PUBLIC_DOCS = 200  # the public corpus: the newsgroups sample's posts
+# The public corpus the mappers learn from, per private corpus: text of the same kind
+# with no document in common (SEEC: public vs private Wikipedia). Nothing of the kind
+# ships for gensim's Wikipedia articles, so they keep SEEC's 20-newsgroups posts.
+PUBLIC_CORPUS = {"wiki": "newsgroups", "manpages": "freebsd-manpages"}
+PUBLIC_TEXT = {
+    "newsgroups": "the posts of gensim's 20-newsgroups sample",
+    "freebsd-manpages": "the FreeBSD manual pages (Debian's freebsd-manpages: system calls, devices, kernel "
+    "interfaces)",
+}
+
+
+def public_docs(scale: Scale) -> tuple[str, int, list[list[str]]]:
+    """(name, size, token lists) of ``scale``'s public corpus: all of it."""
+    name = scale.public_corpus or PUBLIC_CORPUS[scale.corpus]
+    n = scale.public_docs or (200 if name == "newsgroups" else len(td.manpages(corpus="freebsd")))
+    return name, n, td.public_corpus(name, n)[1]
 
 
 def site_seed(scale: Scale, site: int) -> int:
@@ -282,7 +299,7 @@ def run_live_mapped(
     scale: Scale, work: Path, console: Console, owner: list[int], titles: list[str], all_tokens: list[list[str]]
 ) -> tuple[list[list[int]], dict[str, Any]]:
     """SEEC Algorithm 2 through real agent processes: ``[search] space = "mapped"`` on
-    every site (its own articles, its own model and vocabulary, the newsgroups posts as
+    every site (its own articles, its own model and vocabulary, :func:`public_docs` as
     the public corpus), a private Mosquitto with mutual TLS, no coordinator. Every
     article is searched for from its own site's agent through the control socket's
     ``search`` command (what ``fedagent search`` sends); returns each article's top k
@@ -296,6 +313,7 @@ def run_live_mapped(
 
     k = min(scale.k, len(titles) - 1)
     row_of = {t: r for r, t in enumerate(titles)}
+    public_name, _, public = public_docs(scale)
     fed = Federation(
         work,
         agents=scale.sites,
@@ -316,7 +334,8 @@ def run_live_mapped(
                 "lr": scale.lr,
                 "batch_size": scale.batch_size,
                 "seed": site_seed(scale, i),
-                "public_docs": PUBLIC_DOCS,
+                "public_corpus": public_name,
+                "public_docs": len(public),
                 "mapper_epochs": scale.mapper_epochs,
                 "mapper_lr": scale.mapper_lr,
                 "mapper_hidden": 1200,
@@ -399,6 +418,27 @@ class Site(TypedDict):
     vocab: int  # terms in its own vocabulary
 
 
+def global_search(sites: list[Site], mappers: dict[tuple[int, int], Any] | None, n: int, k: int) -> list[list[int]]:
+    """SEEC's global search for every document (owned by site i): site i ranks its own
+    documents by cosine to the document's vector, every other site j its documents by
+    cosine to the vector mapped by ``mappers[i, j]`` (the raw vector if ``mappers`` is
+    None: no mapping); the merged top ``k`` (the document itself excluded) as global rows."""
+    result: list[list[int]] = [[] for _ in range(n)]
+    normed = [tm.normalize_rows(s["vec"]) for s in sites]
+    for i, si in enumerate(sites):
+        for local_row, row in enumerate(si["rows"]):
+            q = si["vec"][local_row]
+            hits: list[tuple[float, int]] = []
+            for j, sj in enumerate(sites):
+                # One query at a time, as an agent maps it (a batch may round differently).
+                v = q if i == j or mappers is None else map_vectors(mappers[i, j], q[None, :])[0]
+                sims = normed[j] @ (v / (np.linalg.norm(v) or 1.0))
+                hits += [(float(s), sj["rows"][r]) for r, s in enumerate(sims) if sj["rows"][r] != row]
+            hits.sort(key=lambda h: (-h[0], h[1]))
+            result[row] = [r for _, r in hits[:k]]
+    return result
+
+
 def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep: bool = False) -> dict[str, Any]:
     console = console or Console()
     torch.set_num_threads(1)
@@ -467,7 +507,7 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
     # (``[search] seed`` = seed + 10 + site): its own model, its index, its public vectors and
     # its mappers come from the same functions (fedagent.tasks.seec), so the live row can
     # be checked against this one.
-    public = [td.tokenize(p.text) for p in td.newsgroups()[:PUBLIC_DOCS]]
+    public_name, _, public = public_docs(scale)
     sites: list[Site] = []
     for i, task in enumerate(shard_tasks):
         own = td.merge_term_counts([task.term_counts()], min_count=scale.min_count)
@@ -490,27 +530,10 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
                 )
                 paper_mappers[i, j] = train_mapper(sites[i]["pub"], sites[j]["pub"], seed=seed)
 
-    def global_search(how: str) -> list[list[int]]:
-        result: list[list[int]] = [[] for _ in range(n)]
-        for i, si in enumerate(sites):
-            for local_row, row in enumerate(si["rows"]):
-                q = si["vec"][local_row]
-                hits: list[tuple[float, int]] = []
-                for j, sj in enumerate(sites):
-                    if i == j or how == "unmapped":
-                        v = q
-                    else:
-                        v = map_vectors((mappers if how == "mapped" else paper_mappers)[i, j], q[None, :])[0]
-                    sims = tm.normalize_rows(sj["vec"]) @ (v / (np.linalg.norm(v) or 1.0))
-                    hits += [(float(s), sj["rows"][r]) for r, s in enumerate(sims) if sj["rows"][r] != row]
-                hits.sort(key=lambda h: (-h[0], h[1]))
-                result[row] = [r for _, r in hits[:k]]
-        return result
-
-    top_mapped = global_search("mapped")
+    top_mapped = global_search(sites, mappers, n, k)
     ov_mapped = overlaps(nn_central, top_mapped, k)
-    ov_paper_mapped = overlaps(nn_central, global_search("paper"), k)
-    ov_unmapped = overlaps(nn_central, global_search("unmapped"), k)
+    ov_paper_mapped = overlaps(nn_central, global_search(sites, paper_mappers, n, k), k)
+    ov_unmapped = overlaps(nn_central, global_search(sites, None, n, k), k)
     step("vector-space mapping (local models, mappers, global search)", t0)
 
     # The same mapping, live: three agent processes in a mapped federation, every article
@@ -552,6 +575,7 @@ def run_experiment(out: Path, scale: Scale, console: Console | None = None, keep
         "central_losses": central_losses,
         "joint_losses": [r["metrics"].get("loss") for r in history if r.get("event") == "round"],
         "site_vocab": [s["vocab"] for s in sites],
+        "public": {"corpus": public_name, "docs": len(public)},
         "timings": timings,
         "seconds": round(time.monotonic() - t_all, 1),
     }
@@ -617,6 +641,8 @@ def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[st
     plt.close(fig)
 
     s = r["scale"]
+    pub = r.get("public") or {"corpus": "newsgroups", "docs": 200}
+    paper_steps = -(-pub["docs"] // 64) * 20
     jm = r["joint_meta"]
     lm = r.get("live_mapped_meta") or {}
     lines = [
@@ -630,7 +656,9 @@ def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[st
         f"* Private data: the {r['documents']} {CORPORA[s.get('corpus', 'wiki')]}, split over "
         f"**{s['sites']} sites** at random with balanced token counts (the paper: two sites, users distributed "
         "uniformly; its joint result is on Slack data, which is not public, its 0.261 mapping result on Wikipedia).",
-        "* Public data for the mappers: the 200 posts of gensim's 20-newsgroups sample (the paper: 18,846).",
+        f"* Public data for the mappers: {PUBLIC_TEXT.get(pub['corpus'], pub['corpus'])} ({pub['docs']} "
+        "documents, none of them private; the paper: 18,846 newsgroup posts, and public Wikipedia articles "
+        "for its private Wikipedia).",
         f"* Doc2vec PV-DBOW, d = {s['dim']}, lr {s['lr']} with cosine decay, {s['epochs']} passes over the data "
         f"(paper: 40 epochs), batches of {s['batch_size']} pairs, min_count {s['min_count']}; document and "
         f"query vectors inferred with the head frozen, {s['infer_epochs']} passes.",
@@ -641,13 +669,15 @@ def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[st
         f"then {s['epochs']} FedAvg rounds of one local epoch ({jm.get('seconds', 0):.0f} s).",
         f"* Mapping: every site trains its own model on its own articles and its own vocabulary "
         f"({', '.join(map(str, r['site_vocab']))} terms); mappers (1 hidden layer of 1200, dropout 0.2, cosine "
-        f"embedding loss, Adam) for every ordered pair of sites. With 200 public posts the paper's settings "
-        f"(lr 1e-5, 20 epochs, batch 64) make 80 Adam steps, so the main rows use lr {s['mapper_lr']:g} and "
+        f"embedding loss, Adam) for every ordered pair of sites. With {pub['docs']} public documents the "
+        f"paper's settings (lr 1e-5, 20 epochs, batch 64) make {paper_steps} Adam steps (the paper's: ~5,900), "
+        f"so the main rows use lr {s['mapper_lr']:g} and "
         f"{s['mapper_epochs']} epochs; the paper's settings are reported too (in process).",
         f'* Mapping through the agents (live): {s["sites"]} agent processes with `[search] space = "mapped"` '
         "on a private Mosquitto (mutual TLS), no coordinator; each has the same third of the articles as above, "
         f"trains its own model ({s['epochs']} epochs, the step decaying from {s['lr']} to 0 along a half cosine "
-        "as in the in-process rows; no per-peer request limit, since every article is a query), gets every peer's vectors of the 200 public posts "
+        "as in the in-process rows; no per-peer request limit, since every article is a query), gets every "
+        f"peer's vectors of the {pub['docs']} public documents "
         "(signed `PublicVectors`) and trains its own mappers (same settings as the main mapping row). Every "
         f"article is searched for from its own site's agent through the control socket (`search`, what "
         f"`fedagent search` sends) with k = {k + 1}: the article itself is dropped from the merged result and "
@@ -697,10 +727,10 @@ def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[st
             f"The mappers add what the other sites' articles contribute: {mapped_v:.3f} vs {unmapped_v:.3f}. "
             if mapped_v > unmapped_v
             else f"Here the mappers do worse than no mapping ({mapped_v:.3f} vs {unmapped_v:.3f}): they are "
-            "trained on the public posts, whose vocabulary and subjects are far from these documents, so a "
-            "map learnt on them does not carry over. "
+            "trained on the public documents, and a map learnt on them does not carry over to these. "
         )
-        + "The paper's mapper settings (80 Adam steps on 200 posts) barely train the mapper. "
+        + f"The paper's mapper settings ({paper_steps} Adam steps on {pub['docs']} documents) barely train the "
+        "mapper. "
         f"Through the agents the same mapping gives {live_v:.3f} (in process: {mapped_v:.3f}): the agents "
         "and the in-process rows call the same functions with the same seeds (own model, index, public "
         "vectors, mappers), and the query text is inferred exactly as the indexed document; "

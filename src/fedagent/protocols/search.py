@@ -31,6 +31,8 @@ MAX_PEERS = 1000
 MAX_TIMEOUT = 600.0
 MAX_PUBLIC_DOCS = 20_000
 SPACES = ("joint", "mapped")
+# Public corpora a mapped federation can learn its mappers from (fedagent.tasks.text_data).
+PUBLIC_CORPORA = ("newsgroups", "freebsd-manpages")
 
 
 class SearchError(ValueError):

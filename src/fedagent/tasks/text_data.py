@@ -82,6 +82,7 @@ import numpy as np
 
 from fedagent.errors import ConfigError
 from fedagent.extras import package_dir, require
+from fedagent.protocols.search import PUBLIC_CORPORA
 from fedagent.protocols.vocab import merge_vocabularies
 
 WIKI_DUMP = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
@@ -193,37 +194,51 @@ MANPAGE_PACKAGES = ("manpages", "manpages-dev")
 MANPAGE_DIR = Path("/usr/share/man")
 # Requests whose arguments are running text (font changes, headings, tagged paragraphs).
 _ROFF_TEXT = frozenset("B I BR BI IB IR RB RI SB SM SH SS IP UR MT".split())
+# mdoc (BSD) macros whose arguments are running text: names, descriptions, headings, list
+# items, functions and arguments, cross references, constants, emphasis.
+_MDOC_TEXT = frozenset(
+    "Nm Nd Sh Ss It Fn Fa Fo Ft Xr Dv Va Em Ar Cm Fl Pa Er Li Sy Vt Tn Ql Dq Sq Pq Ev Ic Cd In Dl D1 Op".split()
+)
+# The man-page corpora: (Debian packages, the requests whose arguments are text). "linux"
+# is the private corpus of the SEEC and Word2Vec experiments; "freebsd" (FreeBSD's system
+# calls, devices and kernel interfaces, mdoc sources) is a *public* corpus of the same kind
+# of text and no page in common, what SEEC's mappers learn from (its public Wikipedia).
+MANPAGE_CORPORA: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "linux": (MANPAGE_PACKAGES, _ROFF_TEXT),
+    "freebsd": (("freebsd-manpages",), _ROFF_TEXT | _MDOC_TEXT),
+}
 _ROFF_ESCAPE = re.compile(r"\\f(?:\[[^]]*\]|\(..|.)|\\\*(?:\[[^]]*\]|\(..|.)|\\\((..)|\\\[[^]]*\]|\\.")
 
 
-def roff_text(source: str) -> str:
-    """The running text of a man page's roff source (see the module docstring)."""
+def roff_text(source: str, text_requests: frozenset[str] = _ROFF_TEXT) -> str:
+    """The running text of a man page's roff source (see the module docstring): plain
+    lines, and the arguments of ``text_requests``."""
     out = []
     for line in source.splitlines():
         if line.startswith(('.\\"', "'\\\"", '\\"')):
             continue
         if line.startswith((".", "'")):
             request, _, args = line[1:].strip().partition(" ")
-            if request not in _ROFF_TEXT:
+            if request not in text_requests:
                 continue
             line = args.replace('"', " ")
         out.append(_ROFF_ESCAPE.sub(lambda m: "-" if m.group(0) == "\\-" else " ", line))
     return "\n".join(out)
 
 
-def manpage_files() -> list[Path]:
-    """The man pages of :data:`MANPAGE_PACKAGES`, sorted; a missing package is an error
-    that names the fix."""
+def manpage_files(packages: Sequence[str] = MANPAGE_PACKAGES) -> list[Path]:
+    """The man pages of ``packages``, sorted; a missing package is an error that names
+    the fix."""
     import subprocess
 
     files: set[Path] = set()
-    for pkg in MANPAGE_PACKAGES:
+    for pkg in packages:
         try:
             listing = subprocess.run(["dpkg", "-L", pkg], capture_output=True, text=True, check=True).stdout
         except (OSError, subprocess.CalledProcessError):
             raise ConfigError(
                 f"the Debian package {pkg} is not installed: run ./scripts/bootstrap.sh "
-                f"(or apt-get install {' '.join(MANPAGE_PACKAGES)})"
+                f"(or apt-get install {' '.join(packages)})"
             ) from None
         for name in listing.splitlines():
             path = Path(name)
@@ -232,7 +247,9 @@ def manpage_files() -> list[Path]:
     return sorted(files)
 
 
-def _parse_manpages(paths: Sequence[Path], stop_words: bool, limit: int) -> list[Article]:
+def _parse_manpages(
+    paths: Sequence[Path], stop_words: bool, limit: int, text_requests: frozenset[str] = _ROFF_TEXT
+) -> list[Article]:
     import gzip
 
     pages: list[Article] = []
@@ -246,7 +263,7 @@ def _parse_manpages(paths: Sequence[Path], stop_words: bool, limit: int) -> list
             continue  # listed by the package but removed (e.g. a slimmed image)
         if source.lstrip().startswith(".so "):
             continue  # an alias of another page
-        tokens = tuple(tokenize(roff_text(source), stop_words=stop_words))
+        tokens = tuple(tokenize(roff_text(source, text_requests), stop_words=stop_words))
         if len(tokens) >= MIN_ARTICLE_TOKENS and tokens not in seen:  # a page installed twice: once
             seen.add(tokens)
             name = path.name[: -len(".gz")]
@@ -257,24 +274,29 @@ def _parse_manpages(paths: Sequence[Path], stop_words: bool, limit: int) -> list
     return pages
 
 
-def manpages(*, limit: int = 0, stop_words: bool = True, use_cache: bool = True) -> list[Article]:
-    """The Linux manual pages (module docstring), tokenised, sorted by file name;
-    ``limit`` > 0 stops after that many."""
-    paths = manpage_files()
+def manpages(
+    *, limit: int = 0, stop_words: bool = True, use_cache: bool = True, corpus: str = "linux"
+) -> list[Article]:
+    """The manual pages of ``corpus`` (a key of :data:`MANPAGE_CORPORA`; module
+    docstring), tokenised, sorted by file name; ``limit`` > 0 stops after that many."""
+    if corpus not in MANPAGE_CORPORA:
+        raise ConfigError(f"unknown man-page corpus {corpus!r} (available: {', '.join(MANPAGE_CORPORA)})")
+    packages, text_requests = MANPAGE_CORPORA[corpus]
+    paths = manpage_files(packages)
     if not paths:
-        raise ConfigError(f"the packages {', '.join(MANPAGE_PACKAGES)} list no man page under {MANPAGE_DIR}")
+        raise ConfigError(f"the packages {', '.join(packages)} list no man page under {MANPAGE_DIR}")
     digest = hashlib.sha256()
     for path in paths:
         st = path.stat() if path.exists() else None
         digest.update(f"{path}:{st.st_size if st else -1}\n".encode())
     key = hashlib.sha256(f"{digest.hexdigest()}:{PROCESSING_VERSION}:{stop_words}:{limit}".encode()).hexdigest()[:16]
-    cache = cache_dir() / f"manpages-{key}.json"
+    cache = cache_dir() / (f"manpages-{key}.json" if corpus == "linux" else f"manpages-{corpus}-{key}.json")
     if use_cache and cache.is_file():
         try:
             return [Article(t, tuple(toks)) for t, toks in json.loads(cache.read_text())]
         except (ValueError, TypeError):
             pass
-    pages = _parse_manpages(paths, stop_words, limit)
+    pages = _parse_manpages(paths, stop_words, limit, text_requests)
     if use_cache:
         cache.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=".manpages-", suffix=".tmp")
@@ -477,3 +499,28 @@ def analogies() -> dict[str, list[tuple[str, str, str, str]]]:
                 raise ConfigError(f"questions-words.txt: malformed line {line[:60]!r}")
             sections[current].append((words[0], words[1], words[2], words[3]))
     return sections
+
+
+# ---- public corpora (SEEC's mappers) ---------------------------------------------------------
+def public_corpus(name: str, n: int) -> tuple[str, list[list[str]]]:
+    """(digest, token lists) of the first ``n`` documents of a public corpus, what every
+    site of a mapped federation vectorises to train its mappers: ``newsgroups`` (the 200
+    posts of the 20-newsgroups sample, SEEC's own choice) or ``freebsd-manpages`` (the
+    FreeBSD manual pages, :data:`MANPAGE_CORPORA`). The digest names the documents, so two
+    sites can check they learn from the same ones."""
+    if name == "newsgroups":
+        posts = newsgroups()[:n]
+        texts = [p.text for p in posts]
+        docs = [tokenize(t) for t in texts]
+    elif name == "freebsd-manpages":
+        pages = manpages(corpus="freebsd", limit=n)
+        texts = [" ".join(a.tokens) for a in pages]
+        docs = [list(a.tokens) for a in pages]
+    else:
+        raise ConfigError(f"unknown public corpus {name!r} (available: {', '.join(PUBLIC_CORPORA)})")
+    if len(docs) != n:
+        raise ConfigError(f"the public corpus {name} has {len(docs)} documents, {n} asked for")
+    h = hashlib.sha256("\x00".join(texts).encode())
+    if name != "newsgroups":
+        h.update(f"\x00{name}".encode())
+    return h.hexdigest()[:32], docs

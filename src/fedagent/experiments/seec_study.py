@@ -1,0 +1,189 @@
+"""In-process study of SEEC's joint-learning gap on the man pages, one factor at a time.
+
+``sim_10`` of joint learning is measured against *one* centralized model, which is itself
+only one draw of a noisy training run. This study puts the gap next to its ceiling:
+
+* ``reseed``: a second centralized model (another training seed, another inference seed)
+  against the first: what run-to-run noise alone leaves of the top 10;
+* ``reinfer``: the first centralized model inferred a second time with another seed: what
+  the noise of inference alone leaves;
+* ``joint``: FedAvg over the sites as the daemons run it (each site trains one local
+  epoch from the round's global head, its document vectors kept across rounds, its
+  subsampling and noise words from its own counts of the agreed vocabulary; the heads
+  averaged weighted by tokens; the step decaying along a half cosine over the rounds),
+  simulated synchronously in this process.
+
+Factors: passes over the data (``epochs``: rounds of one local epoch when federated),
+inference passes (``infer``), ``min_count``. Every configuration is a JSON line in the
+output file as soon as it is measured.
+
+Run: ``python -m fedagent.experiments.seec_study OUT.jsonl --epochs 10 20 40 --infer 10 40``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedagent.experiments.seec import Scale, cosine_lr, load_doc2vec, neighbours, overlaps, train
+from fedagent.tasks import text_data as td
+from fedagent.tasks.doc2vec import DocHead
+
+
+def sim(a: list[list[int]], b: list[list[int]], k: int) -> float:
+    return float(overlaps(a, b, k).mean() / k)
+
+
+def train_joint(scale: Scale) -> tuple[Any, DocHead]:
+    """FedAvg of the doc2vec head over ``scale.sites`` shards, one local epoch per round
+    (the agents' ``_fit``: the round number is the local seed)."""
+    shards = [load_doc2vec(scale, shard=i, shards=scale.sites) for i in range(scale.sites)]
+    merged = td.merge_term_counts([t.term_counts() for t in shards], min_count=scale.min_count)
+    terms = [t for t, _ in merged]
+    for t in shards:
+        t.set_vocabulary(terms)  # an agent's counts: its own + 1 (fedagent.tasks.doc2vec)
+    weights = np.array([t.num_samples() for t in shards], dtype=np.float64)
+    weights /= weights.sum()
+    torch.manual_seed(scale.seed)
+    glob = shards[0].build_model()
+    models = [t.build_model() for t in shards]
+    for r in range(1, scale.epochs + 1):
+        lr = cosine_lr(scale.lr, r, scale.epochs)
+        acc = torch.zeros_like(glob.out_embed.weight.data)
+        for w, t, m in zip(weights, shards, models):
+            m.out_embed.weight.data.copy_(glob.out_embed.weight.data)
+            t.fit(m, epochs=1, lr=lr, batch_size=scale.batch_size, seed=r)
+            acc += float(w) * m.out_embed.weight.data
+        glob.out_embed.weight.data.copy_(acc)
+    central_vocab = load_doc2vec(scale)
+    central_vocab.set_vocabulary(terms, [c for _, c in merged])
+    return central_vocab, glob
+
+
+def study_mapping(args: argparse.Namespace) -> None:
+    """Vector-space mapping (Algorithm 2) as the experiment runs it in process, for every
+    public corpus and mapper setting asked for: ``sim_10`` of the mapped and the unmapped
+    global search against the centralized model."""
+    from fedagent.experiments.seec import Site, global_search, site_seed
+    from fedagent.tasks.seec import public_vectors, train_mapper, train_own_model
+
+    for epochs in args.epochs:
+        scale = Scale(corpus="manpages", epochs=epochs, seed=args.seed, limit=args.limit)
+        central_task = load_doc2vec(scale)
+        docs = central_task.tokens
+        n, k = len(docs), scale.k
+        central, _ = train(central_task, scale, seed=scale.seed)
+        ref = neighbours(central_task.infer_vectors(central, docs, seed=101)[0], k)
+        index = {tuple(t): i for i, t in enumerate(docs)}
+        sites: list[Site] = []
+        models = []
+        for i in range(scale.sites):
+            task = load_doc2vec(scale, shard=i, shards=scale.sites)
+            own = td.merge_term_counts([task.term_counts()], min_count=scale.min_count)
+            task.set_vocabulary([t for t, _ in own], [c for _, c in own])
+            model = train_own_model(
+                task, epochs=scale.epochs, lr=scale.lr, batch_size=scale.batch_size, seed=site_seed(scale, i)
+            )
+            models.append(model)
+            rows = [index[tuple(t)] for t in task.tokens]
+            sites.append(
+                {"task": task, "vec": task.embed_documents(model), "pub": np.zeros(0), "rows": rows, "vocab": len(own)}
+            )
+        base = {"epochs": epochs, "seed": scale.seed}
+        unmapped = sim(ref, global_search(sites, None, n, k), k)
+        print(json.dumps({**base, "unmapped": unmapped}), flush=True)
+        for corpus in args.public:
+            name, _, count = corpus.partition(":")
+            _, public = td.public_corpus(name, int(count))
+            for i, si in enumerate(sites):
+                si["pub"] = public_vectors(si["task"], models[i], public, site_seed(scale, i))
+            for setting in args.mapper:
+                lr_s, _, ep_s = setting.partition(":")
+                t0 = time.process_time()
+                mappers = {
+                    (i, j): train_mapper(
+                        sites[i]["pub"], sites[j]["pub"], lr=float(lr_s), epochs=int(ep_s), seed=site_seed(scale, i)
+                    )
+                    for i in range(scale.sites)
+                    for j in range(scale.sites)
+                    if i != j
+                }
+                row = {
+                    **base,
+                    "public": corpus,
+                    "mapper_lr": float(lr_s),
+                    "mapper_epochs": int(ep_s),
+                    "mapped": sim(ref, global_search(sites, mappers, n, k), k),
+                    "unmapped": unmapped,
+                    "cpu_mappers_s": round(time.process_time() - t0, 1),
+                }
+                print(json.dumps(row), flush=True)
+                with args.out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--epochs", type=int, nargs="+", default=[10])
+    p.add_argument("--infer", type=int, nargs="+", default=[10])
+    p.add_argument("--min-count", type=int, nargs="+", default=[2])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=0)
+    p.add_argument("--no-joint", action="store_true")
+    p.add_argument("--mapping", action="store_true", help="study the mapping instead of joint learning")
+    p.add_argument("--public", nargs="+", default=["newsgroups:200"], help="public corpora NAME:DOCS")
+    p.add_argument("--mapper", nargs="+", default=["0.001:150"], help="mapper settings LR:EPOCHS")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.mapping:
+        study_mapping(args)
+        return
+    for mc in args.min_count:
+        for epochs in args.epochs:
+            scale = Scale(corpus="manpages", epochs=epochs, min_count=mc, seed=args.seed, limit=args.limit)
+            t0 = time.process_time()
+            central_task = load_doc2vec(scale)
+            docs = central_task.tokens
+            k = scale.k
+            central, _ = train(central_task, scale, seed=scale.seed)
+            other_task = load_doc2vec(replace(scale, seed=scale.seed + 1))
+            other, _ = train(other_task, scale, seed=scale.seed + 1)
+            cpu_train = time.process_time() - t0
+            joint_task = joint = None
+            if not args.no_joint:
+                t0 = time.process_time()
+                joint_task, joint = train_joint(scale)
+                cpu_joint = time.process_time() - t0
+            for infer in args.infer:
+                t0 = time.process_time()
+                ref = neighbours(central_task.infer_vectors(central, docs, epochs=infer, seed=101)[0], k)
+                row: dict[str, Any] = {"epochs": epochs, "infer": infer, "min_count": mc, "seed": scale.seed}
+                row["reinfer"] = sim(
+                    ref, neighbours(central_task.infer_vectors(central, docs, epochs=infer, seed=202)[0], k), k
+                )
+                row["reseed"] = sim(
+                    ref, neighbours(other_task.infer_vectors(other, docs, epochs=infer, seed=202)[0], k), k
+                )
+                if joint_task is not None and joint is not None:
+                    row["joint"] = sim(
+                        ref, neighbours(joint_task.infer_vectors(joint, docs, epochs=infer, seed=303)[0], k), k
+                    )
+                    row["cpu_joint_s"] = round(cpu_joint, 1)
+                row["cpu_train_2_central_s"] = round(cpu_train, 1)
+                row["cpu_infer_s"] = round(time.process_time() - t0, 1)
+                print(json.dumps(row), flush=True)
+                with args.out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
