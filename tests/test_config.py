@@ -50,11 +50,17 @@ def test_search_section_roundtrip(tmp_path):
             federation="fed-1",
             tls=tls,
             state_dir=Path("state"),
-            search={"space": "mapped", "public_docs": 40, "mapper_epochs": 20},
+            search={"space": "mapped", "public_corpus": "freebsd-manpages", "public_docs": 40, "mapper_epochs": 20},
         ),
     )
     s = config.load(p, "agent").search
-    assert (s.space, s.public_docs, s.mapper_epochs, s.mapper_hidden) == ("mapped", 40, 20, 1200)
+    assert (s.space, s.public_corpus, s.public_docs, s.mapper_epochs, s.mapper_hidden) == (
+        "mapped",
+        "freebsd-manpages",
+        40,
+        20,
+        1200,
+    )
 
 
 @pytest.mark.parametrize(
@@ -69,6 +75,7 @@ def test_search_section_roundtrip(tmp_path):
         ('id = "a"\n[rounds]\nbogus = 1\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "[rounds]"),
         ('id = "a"\n[search]\nspace = "shared"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "space must be one of"),
         ('id = "a"\n[search]\npublic_docs = 0\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "public_docs"),
+        ('id = "a"\n[search]\npublic_corpus = "slack"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "public_corpus must be"),
         ('id = "a"\n[search]\nbogus = 1\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "[search]"),
         ("id = [", "cannot read config"),
         ('id = "a"\n[discovery]\ninterfaces = ["eth0"]\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "not an interface name"),

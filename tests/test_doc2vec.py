@@ -98,3 +98,27 @@ def test_trained_doc2vec_separates_the_newsgroups():
         task.fit(model, epochs=1, lr=0.025 * (1 - epoch / 20) + 1e-4, batch_size=256, seed=epoch)
     trained = task.evaluate(model)["knn_accuracy"]
     assert trained >= 0.8 and trained >= untrained + 0.2, (trained, untrained)
+
+
+def test_a_fedavg_agent_adopts_the_federations_counts_with_the_common_vocabulary():
+    """The coordinator's vocabulary carries the merged counts; a FedAvg agent installs
+    them, so its subsampling and noise words follow the whole corpus (as a centralized
+    model's do) and not its own share of it."""
+    import threading
+    from types import SimpleNamespace
+
+    from fedagent.agent.fedavg import FedAvgSession
+
+    shards = [load_task("doc2vec", {**SLICE, "shards": 2, "shard": i}) for i in range(2)]
+    whole = load_task("doc2vec", SLICE)  # built on the merge of both shards' offers
+    terms = list(whole.vocab.terms)
+    counts = [int(c) for c in whole.vocab.counts]
+    session = SimpleNamespace(agent=SimpleNamespace(task=shards[0], thread_lock=threading.Lock(), model=None))
+    FedAvgSession._set_vocabulary(session, terms, counts)  # type: ignore[arg-type]
+    assert list(shards[0].vocab.terms) == terms
+    assert np.array_equal(shards[0].noise.numpy(), whole.noise.numpy())
+    assert np.array_equal(shards[0].keep, whole.keep)
+    assert session.agent.model is not None and session.agent.model.out_embed.weight.shape[0] == len(terms)
+    # the shard's own counts would give another noise distribution
+    shards[1].set_vocabulary(terms)
+    assert not np.array_equal(shards[1].noise.numpy(), whole.noise.numpy())

@@ -72,6 +72,54 @@ def test_manpages_are_the_packages_pages_with_text_and_cached(tmp_path):
     assert len({p.tokens for p in every}) == len(every)  # a page installed twice counts once
 
 
+MDOC = r""".\" Copyright (c) 1980 The Regents
+.Dd March 30, 2020
+.Dt OPEN 2
+.Sh NAME
+.Nm open , openat
+.Nd open or create a file for reading
+.Sh DESCRIPTION
+The file name specified by
+.Fa path
+is opened as
+.Xr chmod 2
+says.
+.Bl -tag -width indent
+.It Dv O_CREAT
+create file if it does not exist
+.El
+"""
+
+
+def test_mdoc_text_keeps_the_arguments_of_its_text_macros_only_when_asked():
+    _, requests = td.MANPAGE_CORPORA["freebsd"]
+    tokens = td.tokenize(td.roff_text(MDOC, requests))
+    assert tokens[:5] == ["name", "open", "openat", "open", "create"]
+    assert {"path", "chmod", "creat", "exist"} <= set(tokens)
+    assert not {"copyright", "regents", "dd", "dt", "march", "bl", "tag", "width", "el"} & set(tokens)
+    # the man(7) reading of the same source keeps only its plain lines
+    plain = td.tokenize(td.roff_text(MDOC))
+    assert "openat" not in plain and "path" not in plain and "specified" in plain
+
+
+def test_the_freebsd_pages_are_a_public_corpus_disjoint_from_the_private_one():
+    linux = td.manpages()
+    freebsd = td.manpages(corpus="freebsd")
+    assert len(freebsd) >= 1000
+    assert all(p.title.endswith("freebsd)") for p in freebsd)
+    assert not {p.tokens for p in freebsd} & {p.tokens for p in linux}
+    assert {"open", "file", "descriptor"} <= set(next(p for p in freebsd if p.title == "open(2freebsd)").tokens)
+    digest, docs = td.public_corpus("freebsd-manpages", 300)
+    assert docs == [list(p.tokens) for p in freebsd[:300]]
+    assert td.public_corpus("freebsd-manpages", 300)[0] == digest != td.public_corpus("freebsd-manpages", 299)[0]
+    news_digest, posts = td.public_corpus("newsgroups", 200)
+    assert len(posts) == 200 and news_digest != digest
+    with pytest.raises(ConfigError, match="has 200 documents, 201 asked for"):
+        td.public_corpus("newsgroups", 201)
+    with pytest.raises(ConfigError, match="unknown public corpus"):
+        td.public_corpus("slack", 10)
+
+
 def test_word2vec_and_doc2vec_read_the_manpages_corpus():
     from fedagent.tasks.base import load_task
 

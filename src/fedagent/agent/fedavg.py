@@ -12,6 +12,7 @@ vectorises with the latest global model.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import os
@@ -407,19 +408,25 @@ class FedAvgSession(Session):
             return
         if self.cfg.id not in msg.contributors:
             log.warning("the vocabulary does not include this agent's offer; using it anyway")
-        await asyncio.to_thread(self._set_vocabulary, list(msg.terms))
+        await asyncio.to_thread(self._set_vocabulary, list(msg.terms), list(msg.counts))
         self.vocab_digest = msg.digest
         self.vocabulary_size = len(msg.terms)
         self.round_state = "vocabulary agreed"
         self.history.append({"event": "vocabulary", "terms": len(msg.terms), "digest": msg.digest})
         log.info("adopted the common vocabulary: %d terms (digest %s)", len(msg.terms), msg.digest[:12])
 
-    def _set_vocabulary(self, terms: list[str]) -> None:
+    def _set_vocabulary(self, terms: list[str], counts: list[int]) -> None:
         """Re-index the local data on the common vocabulary and rebuild the model on it
-        (worker thread)."""
+        (worker thread). A task that takes counts gets the federation's (the merged
+        offers): its subsampling and noise words then follow the whole corpus, as a
+        centralized model's do, and not this agent's share of it (as the gossip agent)."""
         agent = self.agent
+        task = vocab_mod.vocabulary_task(agent.task)
         with agent.thread_lock:
-            vocab_mod.vocabulary_task(agent.task).set_vocabulary(terms)
+            if "counts" in inspect.signature(task.set_vocabulary).parameters:
+                task.set_vocabulary(terms, counts)
+            else:
+                task.set_vocabulary(terms)
             agent.model = agent.task.build_model()
 
     def _fit(self, cmd: Train) -> tuple[Weights, dict[str, float]]:

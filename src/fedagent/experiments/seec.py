@@ -4,8 +4,12 @@ Sec. V-A/B) on the text available offline.
 Private data: the Wikipedia articles of gensim's shortened dump (SEEC's Fig. 16 uses
 Wikipedia as the private data; its Slack data is not public), split across the sites
 at random with balanced token counts (:func:`fedagent.tasks.text_data.split_articles`,
-``random``; the paper distributes its users uniformly over two sites). Public data for
-the mapper: the 200 posts of gensim's 20-newsgroups sample (SEEC uses all 18,846).
+``random``; the paper distributes its users uniformly over two sites), or the Linux manual
+pages (``corpus = "manpages"``). Public data for the mapper (:data:`PUBLIC_CORPUS`): text
+of the same kind as the private data and disjoint from it, as SEEC's public vs private
+Wikipedia: the FreeBSD manual pages next to the Linux ones; next to gensim's Wikipedia
+articles nothing of the kind ships, so there the 200 posts of gensim's 20-newsgroups
+sample (SEEC uses all 18,846).
 
 Models: PV-DBOW doc2vec (:mod:`fedagent.tasks.doc2vec`), d = 50, lr 0.025 with a cosine
 decay, the same number of passes over the data everywhere. Vectors compared by

@@ -41,27 +41,34 @@ def sim(a: list[list[int]], b: list[list[int]], k: int) -> float:
     return float(overlaps(a, b, k).mean() / k)
 
 
-def train_joint(scale: Scale) -> tuple[Any, DocHead]:
-    """FedAvg of the doc2vec head over ``scale.sites`` shards, one local epoch per round
-    (the agents' ``_fit``: the round number is the local seed)."""
+def train_joint(
+    scale: Scale, server_lr: float = 1.0, global_counts: bool = False, local_epochs: int = 1
+) -> tuple[Any, DocHead]:
+    """FedAvg of the doc2vec head over ``scale.sites`` shards, ``local_epochs`` per round and
+    ``scale.epochs / local_epochs`` rounds (the agents' ``_fit``: the round number is the
+    local seed). ``server_lr``: the global head moves by that times the mean update (1:
+    plain FedAvg). ``global_counts``: the sites subsample and draw noise words by the
+    federation's counts instead of their own."""
     shards = [load_doc2vec(scale, shard=i, shards=scale.sites) for i in range(scale.sites)]
     merged = td.merge_term_counts([t.term_counts() for t in shards], min_count=scale.min_count)
     terms = [t for t, _ in merged]
     for t in shards:
-        t.set_vocabulary(terms)  # an agent's counts: its own + 1 (fedagent.tasks.doc2vec)
+        # an agent's counts: its own + 1 (fedagent.tasks.doc2vec), or the federation's
+        t.set_vocabulary(terms, [c for _, c in merged] if global_counts else None)
     weights = np.array([t.num_samples() for t in shards], dtype=np.float64)
     weights /= weights.sum()
     torch.manual_seed(scale.seed)
     glob = shards[0].build_model()
     models = [t.build_model() for t in shards]
-    for r in range(1, scale.epochs + 1):
-        lr = cosine_lr(scale.lr, r, scale.epochs)
+    rounds = max(1, scale.epochs // local_epochs)
+    for r in range(1, rounds + 1):
+        lr = cosine_lr(scale.lr, r, rounds)
         acc = torch.zeros_like(glob.out_embed.weight.data)
         for w, t, m in zip(weights, shards, models):
             m.out_embed.weight.data.copy_(glob.out_embed.weight.data)
-            t.fit(m, epochs=1, lr=lr, batch_size=scale.batch_size, seed=r)
+            t.fit(m, epochs=local_epochs, lr=lr, batch_size=scale.batch_size, seed=r)
             acc += float(w) * m.out_embed.weight.data
-        glob.out_embed.weight.data.copy_(acc)
+        glob.out_embed.weight.data.add_(server_lr * (acc - glob.out_embed.weight.data))
     central_vocab = load_doc2vec(scale)
     central_vocab.set_vocabulary(terms, [c for _, c in merged])
     return central_vocab, glob
@@ -138,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=0)
     p.add_argument("--no-joint", action="store_true")
+    p.add_argument("--server-lr", type=float, nargs="+", default=[1.0], help="joint variants: server step")
+    p.add_argument("--local-epochs", type=int, nargs="+", default=[1], help="joint variants: local epochs a round")
+    p.add_argument("--global-counts", action="store_true", help="joint variants: also with the federation's counts")
     p.add_argument("--mapping", action="store_true", help="study the mapping instead of joint learning")
     p.add_argument("--public", nargs="+", default=["newsgroups:200"], help="public corpora NAME:DOCS")
     p.add_argument("--mapper", nargs="+", default=["0.001:150"], help="mapper settings LR:EPOCHS")
@@ -158,11 +168,18 @@ def main(argv: list[str] | None = None) -> None:
             other_task = load_doc2vec(replace(scale, seed=scale.seed + 1))
             other, _ = train(other_task, scale, seed=scale.seed + 1)
             cpu_train = time.process_time() - t0
-            joint_task = joint = None
-            if not args.no_joint:
+            variants = [
+                (slr, le, gc)
+                for slr in args.server_lr
+                for le in args.local_epochs
+                for gc in ([False, True] if args.global_counts else [False])
+            ]
+            joints = []
+            for slr, le, gc in [] if args.no_joint else variants:
                 t0 = time.process_time()
-                joint_task, joint = train_joint(scale)
-                cpu_joint = time.process_time() - t0
+                jt, jm = train_joint(scale, server_lr=slr, global_counts=gc, local_epochs=le)
+                v = {"server_lr": slr, "local_epochs": le, "global_counts": gc}
+                joints.append((v, jt, jm, time.process_time() - t0))
             for infer in args.infer:
                 t0 = time.process_time()
                 ref = neighbours(central_task.infer_vectors(central, docs, epochs=infer, seed=101)[0], k)
@@ -173,11 +190,14 @@ def main(argv: list[str] | None = None) -> None:
                 row["reseed"] = sim(
                     ref, neighbours(other_task.infer_vectors(other, docs, epochs=infer, seed=202)[0], k), k
                 )
-                if joint_task is not None and joint is not None:
-                    row["joint"] = sim(
-                        ref, neighbours(joint_task.infer_vectors(joint, docs, epochs=infer, seed=303)[0], k), k
-                    )
-                    row["cpu_joint_s"] = round(cpu_joint, 1)
+                row["joint"] = [
+                    {
+                        **v,
+                        "sim": sim(ref, neighbours(jt.infer_vectors(jm, docs, epochs=infer, seed=303)[0], k), k),
+                        "cpu_s": round(c, 1),
+                    }
+                    for v, jt, jm, c in joints
+                ]
                 row["cpu_train_2_central_s"] = round(cpu_train, 1)
                 row["cpu_infer_s"] = round(time.process_time() - t0, 1)
                 print(json.dumps(row), flush=True)
