@@ -81,8 +81,8 @@ def study_mapping(args: argparse.Namespace) -> None:
     from fedagent.experiments.seec import Site, global_search, site_seed
     from fedagent.tasks.seec import public_vectors, train_mapper, train_own_model
 
-    for epochs in args.epochs:
-        scale = Scale(corpus="manpages", epochs=epochs, seed=args.seed, limit=args.limit)
+    for seed, epochs in [(s, e) for s in args.seed for e in args.epochs]:
+        scale = Scale(corpus="manpages", epochs=epochs, infer_epochs=args.infer[0], seed=seed, limit=args.limit)
         central_task = load_doc2vec(scale)
         docs = central_task.tokens
         n, k = len(docs), scale.k
@@ -103,7 +103,7 @@ def study_mapping(args: argparse.Namespace) -> None:
             sites.append(
                 {"task": task, "vec": task.embed_documents(model), "pub": np.zeros(0), "rows": rows, "vocab": len(own)}
             )
-        base = {"epochs": epochs, "seed": scale.seed}
+        base = {"epochs": epochs, "infer": scale.infer_epochs, "seed": scale.seed}
         unmapped = sim(ref, global_search(sites, None, n, k), k)
         print(json.dumps({**base, "unmapped": unmapped}), flush=True)
         for corpus in args.public:
@@ -142,12 +142,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, nargs="+", default=[10])
     p.add_argument("--infer", type=int, nargs="+", default=[10])
     p.add_argument("--min-count", type=int, nargs="+", default=[2])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, nargs="+", default=[0])
     p.add_argument("--limit", type=int, default=0)
     p.add_argument("--no-joint", action="store_true")
     p.add_argument("--server-lr", type=float, nargs="+", default=[1.0], help="joint variants: server step")
     p.add_argument("--local-epochs", type=int, nargs="+", default=[1], help="joint variants: local epochs a round")
-    p.add_argument("--global-counts", action="store_true", help="joint variants: also with the federation's counts")
+    p.add_argument(
+        "--counts",
+        choices=["own", "federation", "both"],
+        default="federation",
+        help="joint variants: the sites' subsampling and noise words by their own counts (the FedAvg agents "
+        "before they took the vocabulary's counts), the federation's (now), or both",
+    )
     p.add_argument("--mapping", action="store_true", help="study the mapping instead of joint learning")
     p.add_argument("--public", nargs="+", default=["newsgroups:200"], help="public corpora NAME:DOCS")
     p.add_argument("--mapper", nargs="+", default=["0.001:150"], help="mapper settings LR:EPOCHS")
@@ -157,52 +163,49 @@ def main(argv: list[str] | None = None) -> None:
     if args.mapping:
         study_mapping(args)
         return
-    for mc in args.min_count:
-        for epochs in args.epochs:
-            scale = Scale(corpus="manpages", epochs=epochs, min_count=mc, seed=args.seed, limit=args.limit)
+    for seed, mc, epochs in [(s, m, e) for s in args.seed for m in args.min_count for e in args.epochs]:
+        scale = Scale(corpus="manpages", epochs=epochs, min_count=mc, seed=seed, limit=args.limit)
+        t0 = time.process_time()
+        central_task = load_doc2vec(scale)
+        docs = central_task.tokens
+        k = scale.k
+        central, _ = train(central_task, scale, seed=scale.seed)
+        other_task = load_doc2vec(replace(scale, seed=scale.seed + 1))
+        other, _ = train(other_task, scale, seed=scale.seed + 1)
+        cpu_train = time.process_time() - t0
+        variants = [
+            (slr, le, gc)
+            for slr in args.server_lr
+            for le in args.local_epochs
+            for gc in {"own": [False], "federation": [True], "both": [False, True]}[args.counts]
+        ]
+        joints = []
+        for slr, le, gc in [] if args.no_joint else variants:
             t0 = time.process_time()
-            central_task = load_doc2vec(scale)
-            docs = central_task.tokens
-            k = scale.k
-            central, _ = train(central_task, scale, seed=scale.seed)
-            other_task = load_doc2vec(replace(scale, seed=scale.seed + 1))
-            other, _ = train(other_task, scale, seed=scale.seed + 1)
-            cpu_train = time.process_time() - t0
-            variants = [
-                (slr, le, gc)
-                for slr in args.server_lr
-                for le in args.local_epochs
-                for gc in ([False, True] if args.global_counts else [False])
+            jt, jm = train_joint(scale, server_lr=slr, global_counts=gc, local_epochs=le)
+            v = {"server_lr": slr, "local_epochs": le, "global_counts": gc}
+            joints.append((v, jt, jm, time.process_time() - t0))
+        for infer in args.infer:
+            t0 = time.process_time()
+            ref = neighbours(central_task.infer_vectors(central, docs, epochs=infer, seed=101)[0], k)
+            row: dict[str, Any] = {"epochs": epochs, "infer": infer, "min_count": mc, "seed": scale.seed}
+            row["reinfer"] = sim(
+                ref, neighbours(central_task.infer_vectors(central, docs, epochs=infer, seed=202)[0], k), k
+            )
+            row["reseed"] = sim(ref, neighbours(other_task.infer_vectors(other, docs, epochs=infer, seed=202)[0], k), k)
+            row["joint"] = [
+                {
+                    **v,
+                    "sim": sim(ref, neighbours(jt.infer_vectors(jm, docs, epochs=infer, seed=303)[0], k), k),
+                    "cpu_s": round(c, 1),
+                }
+                for v, jt, jm, c in joints
             ]
-            joints = []
-            for slr, le, gc in [] if args.no_joint else variants:
-                t0 = time.process_time()
-                jt, jm = train_joint(scale, server_lr=slr, global_counts=gc, local_epochs=le)
-                v = {"server_lr": slr, "local_epochs": le, "global_counts": gc}
-                joints.append((v, jt, jm, time.process_time() - t0))
-            for infer in args.infer:
-                t0 = time.process_time()
-                ref = neighbours(central_task.infer_vectors(central, docs, epochs=infer, seed=101)[0], k)
-                row: dict[str, Any] = {"epochs": epochs, "infer": infer, "min_count": mc, "seed": scale.seed}
-                row["reinfer"] = sim(
-                    ref, neighbours(central_task.infer_vectors(central, docs, epochs=infer, seed=202)[0], k), k
-                )
-                row["reseed"] = sim(
-                    ref, neighbours(other_task.infer_vectors(other, docs, epochs=infer, seed=202)[0], k), k
-                )
-                row["joint"] = [
-                    {
-                        **v,
-                        "sim": sim(ref, neighbours(jt.infer_vectors(jm, docs, epochs=infer, seed=303)[0], k), k),
-                        "cpu_s": round(c, 1),
-                    }
-                    for v, jt, jm, c in joints
-                ]
-                row["cpu_train_2_central_s"] = round(cpu_train, 1)
-                row["cpu_infer_s"] = round(time.process_time() - t0, 1)
-                print(json.dumps(row), flush=True)
-                with args.out.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+            row["cpu_train_2_central_s"] = round(cpu_train, 1)
+            row["cpu_infer_s"] = round(time.process_time() - t0, 1)
+            print(json.dumps(row), flush=True)
+            with args.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
