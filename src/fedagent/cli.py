@@ -885,8 +885,8 @@ def experiment_dp_digits(rounds: int, seeds: int, fixed_clip: bool, out: Path) -
     type=click.Choice(["default", "paper", "tiny"]),
     default="default",
     show_default=True,
-    help="default: all Wikipedia articles, 10 epochs (~30 min on 2 heavily shared "
-    "cores); paper: 40 epochs and a second centralized model; tiny: a smoke run",
+    help="default: all documents, 10 epochs and a second centralized model (the ceiling; "
+    "~30 min on 2 heavily shared cores); paper: 40 epochs, 40 inference passes; tiny: a smoke run",
 )
 @click.option("--sites", type=int, default=None, help="agents / edge sites [default: 3]")
 @click.option("--epochs", type=int, default=None, help="passes over the data (FedAvg rounds of one local epoch)")

@@ -91,7 +91,7 @@ class Scale:
     min_count: int = 2
     mapper_lr: float = 1e-3
     mapper_epochs: int = 150
-    ceiling: bool = False  # also train a second centralized model (run-to-run noise)
+    ceiling: bool = False  # also train a second centralized model (run-to-run noise: the ceiling)
     k: int = 10
     seed: int = 0
     limit: int = 0  # articles (0 = all)
@@ -101,7 +101,7 @@ class Scale:
 
 
 SCALES = {
-    "default": Scale(),
+    "default": Scale(ceiling=True),
     "paper": Scale(epochs=40, infer_epochs=40, agent_infer_epochs=10, ceiling=True),
     "tiny": Scale(epochs=2, infer_epochs=3, agent_infer_epochs=3, mapper_epochs=20, limit=30),
 }
