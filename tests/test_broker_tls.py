@@ -742,3 +742,17 @@ def test_publish_above_the_broker_packet_limit_is_a_clear_error(broker_factory, 
             assert t.reconnects == 1
 
     arun(main(), timeout=40)
+
+
+def test_client_sockets_send_small_packets_at_once(broker, arun, peer):
+    """TCP_NODELAY on the client's socket: with Nagle's algorithm a PUBACK or a small
+    message behind unacknowledged data waits for the broker's delayed ACK (40 ms)."""
+
+    async def main():
+        async with peer(broker, "agent-a") as p:
+            client = p.transport._client
+            assert client is not None
+            sock = client.paho.socket()
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+
+    arun(main())
