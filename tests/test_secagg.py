@@ -46,6 +46,8 @@ class Trace:
     # agents that send a garbage signature of the survivor list and, if asked, altered shares
     garbage: set[str] = field(default_factory=set)
     server_checks: bool = True  # the coordinator verifies the list signatures (when signed)
+    # agents whose key advertisement carries a garbage signature
+    garbage_keys: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         rng = np.random.default_rng(self.seed)
@@ -146,7 +148,10 @@ class Trace:
         self.apply(self.server.start(), 0.0)
         for a in self.agents:
             if self.alive(a, "keys"):
-                self.to_server(a, self.clients[a].advertise(), 1.0)
+                keys = self.clients[a].advertise()
+                if a in self.garbage_keys:
+                    keys = S.SecAggKeys(keys.round, keys.c_pk, keys.s_pk, keys.cert, bytes(64))
+                self.to_server(a, keys, 1.0)
         # Those that died are noticed (their presence goes offline).
         for stage in ("keys", "shares", "input"):
             for a, at in self.die.items():
@@ -418,6 +423,23 @@ def test_garbage_list_signature_counts_as_a_dropout_and_the_round_completes():
     assert len(asks) == 4 and all(set(c.message.signatures) == set(t.agents) - {"a02"} for c in asks)
     reveals = [m for a, m in t.sent_to_server if isinstance(m, S.SecAggReveal)]
     assert len(reveals) == 4 and not any(r.refused for r in reveals)
+
+
+def test_garbage_key_signature_is_left_out_and_the_round_completes():
+    """a02 advertises keys with a garbage signature. Passed on, every neighbour (all of
+    them, with five agents) would find it invalid and leave; the coordinator checks it
+    itself, leaves a02 out of the rosters and the round completes with the other four,
+    without waiting for the key stage's deadline."""
+    t = Trace(5, signed=True, garbage_keys={"a02"})
+    res = t.run()
+    assert isinstance(res, S.Unmasked), res
+    others = [a for a in t.agents if a != "a02"]
+    assert sorted(res.contributors) == others
+    assert np.abs(res.mean - t.plain_mean(others)).max() <= res.error_bound
+    assert [(r.sender, r.reason) for r in t.refusals] == [("a02", "key_signature")]
+    rosters = [c for c in t.server_sent if isinstance(c.message, S.SecAggRoster)]
+    assert sorted(c.to for c in rosters) == others and all("a02" not in c.message.keys for c in rosters)
+    assert t.server.status()["bad_keys"] == 1
 
 
 def test_unchecked_garbage_signer_is_asked_and_spoils_the_unmasking():
@@ -722,7 +744,7 @@ def test_round_machine_drops_a_survivor_whose_list_signature_fails():
 
     def verify(name, stmt, cert, sig):
         checked.append(name)
-        if name == "a2":
+        if name == "a2" and S.LIST_DOMAIN in stmt:  # its keys are fine, its list signature not
             raise S.SecAggError("not signed by a2")
 
     m, log, _, samples, offsets = run_secure_federation(n=5, verify=verify)

@@ -35,6 +35,8 @@ class Federation:
         self.next_round = 0
         self.sent: list[tuple[int, str, object]] = []  # (round, sender, message) to the coordinator
         self.tamper = None  # (server commands) -> server commands, before they are delivered
+        self.up = None  # (sender, message) -> message, on its way to the coordinator
+        self.server_checks = False  # the coordinator verifies the keys' signatures too
 
     def add(self, a: str) -> None:
         self.keys[a] = ed25519.Ed25519PrivateKey.generate()
@@ -74,6 +76,7 @@ class Federation:
             stage_timeout=10.0,
             input_deadline=100.0,
             ahead=self.next_keys if ahead else None,
+            verify=self.verify if self.server_checks else None,
         )
         deltas = {a: self.rng.uniform(-0.1, 0.1, D) for a in selected}
         out: list[S.ServerCommand] = []
@@ -85,6 +88,8 @@ class Federation:
                     gone.add(a)
                     cmds = server.handle(S.Gone(a), 1.0)
                 else:
+                    if self.up is not None:
+                        m = self.up(a, m)
                     self.sent.append((r, a, m))
                     cmds = server.handle(S.Received(a, m), 1.0)
                 run(cmds)
@@ -264,3 +269,30 @@ def test_wire_carries_the_version_and_the_keys_ahead():
     # An agent of version 1 sends no keys ahead: its masked update is taken as it is.
     old = {k: v for k, v in m.to_body().items() if k != "ahead"}
     assert S.SecAggMasked.from_body(old, Limits()).ahead is None
+
+
+def test_keys_ahead_with_a_bad_signature_bring_back_the_key_stage():
+    """The coordinator checks the keys advertised ahead: a02's, badly signed, are not
+    kept (its input still counts), so the next round has a key stage, which completes."""
+    fed = Federation(5)
+    fed.server_checks = True
+    refused: list[S.Refused] = []
+
+    def spoil(a: str, m):
+        if a == "a02" and isinstance(m, S.SecAggMasked) and m.ahead is not None:
+            return replace(m, ahead=replace(m.ahead, sig=bytes(64)))
+        return m
+
+    def watch(cmds):
+        refused.extend(c for c in cmds if isinstance(c, S.Refused))
+        return cmds
+
+    fed.up, fed.tamper = spoil, watch
+    res, _, deltas = fed.round()
+    check_mean(res, deltas, fed.agents)
+    assert [(c.sender, c.reason) for c in refused] == [("a02", "key_signature")]
+    assert "a02" not in fed.next_keys and len(fed.next_keys) == 4
+    fed.up = None
+    res, setup, deltas = fed.round()
+    assert not setup.ahead and "secagg_keys" in fed.kinds(2)
+    check_mean(res, deltas, fed.agents)

@@ -1422,6 +1422,7 @@ class SecAggServer:
         self.signatures: dict[str, tuple[bytes, bytes]] = {}  # survivor -> (cert, sig) of the list
         self.verify = verify
         self.bad_signatures: dict[str, str] = {}  # survivor -> why its list signature failed
+        self.bad_keys: dict[str, str] = {}  # agent -> why its key advertisement failed
         self.asked: set[str] = set()
         self.answered: set[str] = set()
         self.b_shares: dict[str, dict[int, bytes]] = {}
@@ -1430,6 +1431,7 @@ class SecAggServer:
         self.received_kinds: list[tuple[str, str]] = []  # (sender, kind): what this round was sent
         # Keys for the setup's next_round, advertised with the masked inputs.
         self.next_keys: dict[str, SecAggKeys] = {}
+        self.bad_ahead: dict[str, str] = {}  # agent -> why its keys ahead did not verify
         if setup.ahead:
             missing = [a for a in self.selected if ahead is None or a not in ahead]
             if missing:
@@ -1455,6 +1457,7 @@ class SecAggServer:
             "inputs": len(self.inputs),
             "signatures": len(self.signatures),
             "bad_signatures": len(self.bad_signatures),
+            "bad_keys": len(self.bad_keys),
             "reveals": len(self.answered),
         }
 
@@ -1480,8 +1483,17 @@ class SecAggServer:
         if sender not in self.graph:
             return refuse("unselected", f"{sender} is not in secure round {self.round}")
         if isinstance(msg, SecAggKeys):
-            if self.stage != self.KEYS or sender in self.keys:
+            if self.stage != self.KEYS or sender in self.keys or sender in self.bad_keys:
                 return refuse("stage", f"keys from {sender} in stage {self.stage}")
+            why = self._check_signature(sender, key_statement(sender, self.context, msg.c_pk, msg.s_pk), msg)
+            if why:
+                # Passed on, every neighbour would find it invalid and leave the round (below
+                # about 8 agents that is everyone): the sender is left out, as if it had
+                # never advertised.
+                self.bad_keys[sender] = why
+                return refuse(
+                    "key_signature", f"{sender}'s key advertisement is not validly signed ({why}): left out"
+                ) + self._maybe_close(now)
             self.keys[sender] = msg
         elif isinstance(msg, SecAggShares):
             if self.stage != self.SHARES or sender not in self.rosters or sender in self.shares:
@@ -1508,7 +1520,17 @@ class SecAggServer:
                 msg.leaving,
             )
             if msg.ahead is not None and self.setup.next_round and msg.ahead.round == self.setup.next_round:
-                self.next_keys[sender] = msg.ahead
+                k = msg.ahead
+                why = self._check_signature(sender, ahead_statement(sender, k.round, self.context, k.c_pk, k.s_pk), k)
+                if why:
+                    # The input counts; the next round has a key stage instead.
+                    self.bad_ahead[sender] = why
+                    return refuse(
+                        "key_signature",
+                        f"{sender}'s keys for round {k.round} are not validly signed ({why}): "
+                        "that round has a key stage",
+                    ) + self._maybe_close(now)
+                self.next_keys[sender] = k
         elif isinstance(msg, SecAggSignature):
             if (
                 self.stage != self.CONSISTENCY
@@ -1555,10 +1577,15 @@ class SecAggServer:
 
     def _check_list_signature(self, sender: str, msg: SecAggSignature) -> str:
         """Why ``sender``'s signature of the survivor list is not valid, or ''."""
+        return self._check_signature(sender, list_statement(sender, self.context, self.survivors), msg)
+
+    def _check_signature(self, sender: str, statement: bytes, msg: SecAggSignature | SecAggKeys) -> str:
+        """Why ``msg``'s signature of ``statement`` is not ``sender``'s, or '' (also
+        without a verifier: then everything is passed on unchecked)."""
         if self.verify is None:
             return ""
         try:
-            self.verify(sender, list_statement(sender, self.context, self.survivors), msg.cert, msg.sig)
+            self.verify(sender, statement, msg.cert, msg.sig)
         except Exception as exc:  # noqa: BLE001 - any failure: the signature does not count
             return str(exc) or type(exc).__name__
         return ""
@@ -1566,7 +1593,7 @@ class SecAggServer:
     # -- stages ------------------------------------------------------------------------
     def _owed(self) -> set[str]:
         if self.stage == self.KEYS:
-            return set(self.selected) - set(self.keys)
+            return set(self.selected) - set(self.keys) - set(self.bad_keys)
         if self.stage == self.SHARES:
             return set(self.rosters) - set(self.shares)
         if self.stage == self.INPUTS:
