@@ -459,7 +459,7 @@ class FedAvgSession(Session):
         # After this agent's update of the round is sent: the model arrives with a round
         # start, and scoring it first would put the evaluation on the round's critical path.
         await self._round_done.wait()
-        started = time.time()
+        started, t0 = time.time(), time.monotonic()  # a wall-clock mark; a monotonic duration
         metrics = await asyncio.get_running_loop().run_in_executor(self._eval_pool, self.agent.evaluate, weights)
         if version >= int(self.last_eval.get("model_version", -1)):
             self.last_eval = {"model_version": version, **metrics}
@@ -470,7 +470,7 @@ class FedAvgSession(Session):
                 "model_version": version,
                 "metrics": metrics,
                 "started": round(started, 4),
-                "seconds": round(time.time() - started, 4),
+                "seconds": round(time.monotonic() - t0, 4),
             }
         )
         samples = self.agent.task.num_samples()
