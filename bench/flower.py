@@ -176,13 +176,56 @@ def spawn_superlink(
     return superlink
 
 
+def spawn_supernodes(
+    tree: ProcessTree,
+    py: Path,
+    link: int,
+    clients: int,
+    logf: Any,
+    env: dict[str, str],
+    work: Path,
+    *,
+    partitions: bool = False,
+) -> None:
+    """Start ``clients`` SuperNodes connecting to the SuperLink's fleet port ``link``
+    (``partitions``: each told its ``partition-id``, 0 to clients - 1)."""
+    for i in range(clients):
+        tree.spawn(
+            [
+                str(py.parent / "flower-supernode"),
+                "--insecure",
+                "--superlink",
+                f"127.0.0.1:{link}",
+                "--port",
+                str(_free_port()),
+                *(["--node-config", f"partition-id={i}"] if partitions else []),
+            ],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=work,
+        )
+
+
+def spawn_flwr_run(
+    tree: ProcessTree, py: Path, app: Path, cfg: str, logf: Any, env: dict[str, str], work: Path
+) -> subprocess.Popen:
+    """Submit ``app`` with run config ``cfg`` (``flwr run --stream``: returns when the run ends)."""
+    return tree.spawn(
+        [str(py.parent / "flwr"), "run", str(app), "bench", "--stream", "--run-config", cfg],
+        stdout=logf,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=work,
+    )
+
+
 def run_deployment(
     py: Path, work: Path, params: int, rounds: int, timeout: float, log, clients: int = CLIENTS
 ) -> list[float]:
     """Round times of Flower's current deployment: one SuperLink, ``clients`` SuperNodes
     (each starting a ClientApp process per message), the app submitted with
     ``flwr run``; the first round is dropped, as in the gRPC mode."""
-    bindir = py.parent
     app, link, env = deployment_dirs(py, work, APP / "deploy", str(params))
     out = work / f"flower-deploy-{params}.json"
     out.unlink(missing_ok=True)
@@ -193,29 +236,9 @@ def run_deployment(
     # error and on KeyboardInterrupt (bench/run.py turns SIGTERM into one).
     with logf, ProcessTree() as tree:
         spawn_superlink(tree, py, link, logf, env, work)
-        for _ in range(clients):
-            tree.spawn(
-                [
-                    str(bindir / "flower-supernode"),
-                    "--insecure",
-                    "--superlink",
-                    f"127.0.0.1:{link}",
-                    "--port",
-                    str(_free_port()),
-                ],
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=work,
-            )
+        spawn_supernodes(tree, py, link, clients, logf, env, work)
         cfg = f'params={params} rounds={rounds + 1} clients={clients} out="{out}"'
-        run = tree.spawn(
-            [str(bindir / "flwr"), "run", str(app), "bench", "--stream", "--run-config", cfg],
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=work,
-        )
+        run = spawn_flwr_run(tree, py, app, cfg, logf, env, work)
         deadline = time.monotonic() + timeout
         seen = 0
         while True:
@@ -578,32 +601,12 @@ def run_secaggplus(
             env=env,
             cwd=work,
         )
-        for _ in range(clients):
-            tree.spawn(
-                [
-                    str(bindir / "flower-supernode"),
-                    "--insecure",
-                    "--superlink",
-                    f"127.0.0.1:{fleet.port}",
-                    "--port",
-                    str(_free_port()),
-                ],
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=work,
-            )
+        spawn_supernodes(tree, py, fleet.port, clients, logf, env, work)
         cfg = " ".join(
             f"{k}={json.dumps(v)}"
             for k, v in {**config, "params": params, "rounds": rounds + 1, "clients": clients, "out": str(out)}.items()
         )
-        run = tree.spawn(
-            [str(bindir / "flwr"), "run", str(app), "bench", "--stream", "--run-config", cfg],
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=work,
-        )
+        run = spawn_flwr_run(tree, py, app, cfg, logf, env, work)
         deadline = time.monotonic() + timeout
         cpu_t: list[float] = []
         cpu: list[float] = []

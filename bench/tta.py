@@ -49,7 +49,9 @@ from bench.flower import (
     _wait_port,
     deployment_dirs,
     flower_python,
+    spawn_flwr_run,
     spawn_superlink,
+    spawn_supernodes,
 )
 from bench.flower_app.tta import tta_model
 from bench.procs import ProcessTree
@@ -374,7 +376,6 @@ def run_flower_deployment(
 ) -> Run:
     """One SuperLink, ``clients`` SuperNodes (``partition-id`` = shard) reaching it through
     the relay, the app submitted with ``flwr run`` (straight to the SuperLink)."""
-    bindir = py.parent
     app, link, env = deployment_dirs(py, work, TTA_APP / "deploy", "tta")
     for f in ("tta_model.py", "data.py"):
         shutil.copy(TTA_APP / f, app / f)
@@ -385,31 +386,9 @@ def run_flower_deployment(
     with open(work / "flower-deploy-tta.log", "wb") as logf, ProcessTree() as tree:
         spawn_superlink(tree, py, link, logf, env, work)
         with Relay(link) as relay:
-            for i in range(clients):
-                tree.spawn(
-                    [
-                        str(bindir / "flower-supernode"),
-                        "--insecure",
-                        "--superlink",
-                        f"127.0.0.1:{relay.port}",
-                        "--port",
-                        str(_free_port()),
-                        "--node-config",
-                        f"partition-id={i}",
-                    ],
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    cwd=work,
-                )
+            spawn_supernodes(tree, py, relay.port, clients, logf, env, work, partitions=True)
             cfg = f'rounds={rounds} clients={clients} target={target} data="{data}" out="{out}"'
-            run = tree.spawn(
-                [str(bindir / "flwr"), "run", str(app), "bench", "--stream", "--run-config", cfg],
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=work,
-            )
+            run = spawn_flwr_run(tree, py, app, cfg, logf, env, work)
             deadline = time.monotonic() + timeout
             # ``flwr run --stream`` returns when the run ends; its result file says how far it got.
             while run.poll() is None:
