@@ -185,8 +185,9 @@ class SyncOptSession(Session):
                 }
                 await asyncio.to_thread(checkpoint.save, self.model_path, msg.weights, meta)
                 self.held_version = msg.model_version
-                self.state = "finished"
+                # The step records first: "finished" in status means they are written.
                 await self._flush_history()
+                self.state = "finished"
                 self.history.append({"event": "finished", "model_version": msg.model_version})
                 sdnotify.status(f"{self.fed}: training finished (model version {msg.model_version})")
             return
