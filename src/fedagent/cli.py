@@ -773,6 +773,17 @@ def experiment_gossip_w2v(
     help="synthetic: also train K'=10, eta=0.01 through a coordinator and agent processes over Mosquitto",
 )
 @click.option(
+    "--daemons-only",
+    is_flag=True,
+    help="synthetic: only the run through the daemons (seeds --seed .. --seed + --seeds - 1, default one), "
+    "merged into the report already in --out (its in-process tables are kept)",
+)
+@click.option(
+    "--float64",
+    is_flag=True,
+    help="with --daemons-only: every model in float64 and the coordinator in float64 mode",
+)
+@click.option(
     "--epochs",
     type=int,
     default=None,
@@ -815,6 +826,8 @@ def experiment_gfedntm(
     vocab_size: int | None,
     jobs: int,
     daemons: bool,
+    daemons_only: bool,
+    float64: bool,
     k_primes: tuple[int, ...],
     etas: tuple[float, ...],
     model: str,
@@ -850,6 +863,19 @@ def experiment_gfedntm(
             scale = replace(scale, patience=patience)
         k_primes = k_primes or gfedntm.K_PRIME
         setting = (10, 0.01) if 10 in k_primes else (k_primes[0], 0.01)
+        if float64 and not daemons_only:
+            raise ConfigError("--float64 goes with --daemons-only (the in-process tables are float32)")
+        if daemons_only:
+            if corpus != "synthetic":
+                raise ConfigError("--daemons-only goes with --corpus synthetic")
+            gfedntm.run_daemons_only(
+                out,
+                scale if seeds is not None else replace(scale, seeds=1),
+                setting,
+                [seed + i for i in range(seeds or 1)],
+                "float64" if float64 else "float32",
+            )
+            return
         if jobs < 1:
             raise ConfigError("--jobs must be at least 1")
         gfedntm.run_synthetic(

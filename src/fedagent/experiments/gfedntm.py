@@ -216,15 +216,25 @@ def federated_validation_loss(model: nn.Module, tasks: Sequence[NtmTask]) -> flo
     return pooled_validation_loss({str(t.shard): (t.evaluate(model)["val_loss"], t.val.shape[0]) for t in tasks})
 
 
-def syncopt_early_stopped(tasks: Sequence[NtmTask], scale: Scale) -> tuple[ProdLDA, Stopped]:
+def syncopt_early_stopped(
+    tasks: Sequence[NtmTask], scale: Scale, losses: list[float] | None = None
+) -> tuple[ProdLDA, Stopped]:
     """Algorithm 1 in this process with the paper's early stopping: one epoch = as many
-    Sync-Opt steps as the smallest node has batches."""
+    Sync-Opt steps as the smallest node has batches. ``losses`` (if given) receives the
+    pooled validation loss of every epoch, as the coordinator's history records it."""
     model = tasks[0].build_model()
     opt = tasks[0].make_optimizer(model.parameters())
+
+    def validation_loss() -> float:
+        loss = federated_validation_loss(model, tasks)
+        if losses is not None:
+            losses.append(loss)
+        return loss
+
     stop = early_stopped(
         model,
         lambda i: federated_step(model, opt, tasks, i),
-        lambda: federated_validation_loss(model, tasks),
+        validation_loss,
         min(t.num_batches() for t in tasks),
         PatienceStop(patience=scale.patience, max_epochs=scale.epochs),
     )
@@ -429,15 +439,16 @@ def run_setting(
     # federated: Sync-Opt over the nodes on the common vocabulary
     say(f"K'={shared} eta={eta} seed={scale.seed}: federated")
     tasks, terms = joint_tasks(scale, data)
+    losses: list[float] = []
     if stopping:
-        model, stop = syncopt_early_stopped(tasks, scale)
+        model, stop = syncopt_early_stopped(tasks, scale, losses)
     else:
         steps = scale.epochs * min(t.num_batches() for t in tasks)
         model, stop = trainer(tasks, steps), Stopped(scale.epochs, scale.epochs, steps, math.nan)
     _record(res, "federated", [stop])
     res.tss["federated"], res.tss_decoder["federated"], res.doc_sim["federated"] = score_model(data, tasks[0], model)
     if keep is not None:
-        keep.update(weights=get_weights(model), terms=terms, steps=stop.steps)
+        keep.update(weights=get_weights(model), terms=terms, steps=stop.steps, stop=stop, val_losses=losses)
     t2 = time.monotonic()
     res.phase_seconds["federated"] = t2 - t1
 
@@ -468,7 +479,7 @@ def _record(res: SettingResult, kind: str, stops: Sequence[Stopped]) -> None:
 @dataclass
 class DaemonResult:
     """One Fig. 2 setting trained by a coordinator and N agent processes over Mosquitto
-    (mutual TLS), next to the same Sync-Opt steps in this process and to centralized
+    (mutual TLS), next to the same Sync-Opt run in this process and to centralized
     training on the concatenated mini-batches of each step."""
 
     shared: int
@@ -489,6 +500,13 @@ class DaemonResult:
     steps_trained: int = 0
     in_process_steps: int | None = None
     val_losses: list[float] = field(default_factory=list)
+    seed: int = 0
+    dtype: str = "float32"  # the model's dtype; "float64" runs the coordinator in float64 mode
+    # the same early-stopping loop in this process: its epochs, kept epoch and pooled losses
+    in_process_epochs: int | None = None
+    in_process_best_epoch: int | None = None
+    in_process_val_losses: list[float] = field(default_factory=list)
+    total_seconds: float = 0.0  # the daemons plus the in-process references and the scoring
 
 
 def syncopt_through_daemons(
@@ -576,39 +594,66 @@ def run_daemon_setting(
     console=None,
     steps: int | None = None,
     in_process_steps: int | None = None,
+    dtype: str = "float32",
 ) -> DaemonResult:
     """The setting (``shared``, ``eta``, seed ``scale.seed``) through the real coordinator
-    and agents, scored next to in-process Sync-Opt (``in_process``: the weights
-    :func:`run_setting` kept, or recomputed) and centralized training on the
-    concatenated per-step batches. With ``scale.patience`` the coordinator stops by the
-    agents' validation losses itself (one epoch = the smallest node's batches, at most
-    ``scale.epochs``), and the model compared is the one it kept; ``in_process_steps``:
-    the steps the in-process early-stopped federated model kept, for the report.
-    ``steps`` (no early stopping): the Sync-Opt steps to run (default: ``scale.epochs``
-    passes)."""
+    and agents, scored next to in-process Sync-Opt and centralized training on the
+    concatenated per-step batches.
+
+    With ``scale.patience`` the coordinator stops by the agents' validation losses
+    itself (one epoch = the smallest node's batches, at most ``scale.epochs``), and the
+    in-process reference is the same early-stopping loop in this process
+    (:func:`syncopt_early_stopped`): ``in_process`` is what :func:`run_setting` kept
+    (weights, terms, steps, stop, val_losses), else it is run here. The result holds
+    both runs' epochs, kept epoch and pooled validation losses, and the kept weights'
+    distance. ``dtype = "float64"`` trains every model in float64 and runs the
+    coordinator in float64 mode (gradients summed in the participants' order).
+
+    Without early stopping: ``steps`` Sync-Opt steps (default ``scale.epochs`` passes);
+    ``in_process_steps``: the steps an in-process early-stopped model kept, for the
+    report."""
     t0 = time.monotonic()
     data = setting_data(scale, shared, eta)
-    tasks, terms = joint_tasks(scale, data)
+    task_extra: dict[str, Any] = {} if dtype == "float32" else {"dtype": dtype}
+    tasks, terms = joint_tasks(scale, data, **task_extra)
     epoch_steps = min(t.num_batches() for t in tasks)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"float64": True} if dtype == "float64" else {}
     if scale.patience > 0:
-        extra = {"patience": scale.patience, "max_epochs": scale.epochs, "epoch_steps": epoch_steps}
+        extra.update(patience=scale.patience, max_epochs=scale.epochs, epoch_steps=epoch_steps)
         steps = scale.epochs * epoch_steps
     elif steps is None:
         steps = scale.epochs * epoch_steps
-    weights, agreed, meta = syncopt_through_daemons(data.opts, scale.nodes, steps, console, syncopt=extra)
+    weights, agreed, meta = syncopt_through_daemons(
+        {**data.opts, **task_extra}, scale.nodes, steps, console, syncopt=extra
+    )
     seconds = time.monotonic() - t0
     epochs = meta.get("epochs", [])
     trained = int(meta.get("trained_version", meta.get("model_version", steps)))
     steps = int(meta.get("model_version", steps))  # the kept model's steps
     if agreed != terms:
         raise RuntimeError("the coordinator agreed on another vocabulary than the union the experiment computes")
-    if in_process is None or in_process.get("terms") != terms or in_process.get("steps") != steps:
+    usable = (
+        in_process is not None
+        and in_process.get("terms") == terms
+        and in_process.get("dtype", "float32") == tasks[0].dtype_name
+    )
+    if scale.patience > 0:
+        if not (usable and in_process is not None and "stop" in in_process):
+            if console is not None:
+                console.print("  the same early-stopped Sync-Opt in this process")
+            losses: list[float] = []
+            model, stop = syncopt_early_stopped(tasks, scale, losses)
+            in_process = {"weights": get_weights(model), "steps": stop.steps, "stop": stop, "val_losses": losses}
+        in_process_steps = int(in_process["steps"])
+    elif not (usable and in_process is not None and in_process.get("steps") == steps):
         in_process = {"weights": get_weights(in_process_syncopt(tasks, steps))}
+    if console is not None:
+        console.print(f"  centralized training on the concatenated batches, {steps} steps")
     central = tasks[0].build_model()
     opt = tasks[0].make_optimizer(central.parameters())
     for step in range(steps):
         centralized_step(central, opt, tasks, step)
+    stopped = in_process.get("stop")
     res = DaemonResult(
         shared=shared,
         eta=eta,
@@ -622,6 +667,11 @@ def run_daemon_setting(
         steps_trained=trained,
         in_process_steps=in_process_steps,
         val_losses=[float(r["val_loss"]) for r in epochs],
+        seed=scale.seed,
+        dtype=tasks[0].dtype_name,
+        in_process_epochs=stopped.epochs if stopped is not None else None,
+        in_process_best_epoch=stopped.best_epoch if stopped is not None else None,
+        in_process_val_losses=[float(x) for x in in_process.get("val_losses", [])],
     )
     runs = {
         "daemons (Mosquitto)": weights,
@@ -633,7 +683,75 @@ def run_daemon_setting(
         set_weights(model, w)
         res.tss[name], res.tss_decoder[name], res.doc_sim[name] = score_model(data, tasks[0], model)
         res.max_abs_diff[name] = max(float(np.max(np.abs(np.asarray(w[k], np.float64) - weights[k]))) for k in weights)
+    res.total_seconds = time.monotonic() - t0
     return res
+
+
+def run_daemons_only(
+    out: Path,
+    scale: Scale,
+    setting: tuple[int, float] = (10, 0.01),
+    seeds: Sequence[int] = (0,),
+    dtype: str = "float32",
+    console=None,
+) -> Path:
+    """Only the run through the daemons, for ``seeds``, merged into the report of an
+    earlier run in ``out`` (its ``results.json``: the in-process tables are kept as
+    they are). A result replaces an earlier one of the same setting, seed and dtype,
+    and every result of the fixed-step protocol (no early stopping in the daemons)."""
+    from rich.console import Console
+
+    from fedagent.errors import ConfigError
+
+    console = console or Console()
+    path = out / "results.json"
+    if not path.exists():
+        raise ConfigError(f"no earlier run in {out} (results.json) to merge the daemon runs into")
+    data = json.loads(path.read_text())
+    theirs = {k: v for k, v in data["scale"].items() if k not in ("seed", "seeds")}
+    ours = {k: v for k, v in asdict(scale).items() if k not in ("seed", "seeds")}
+    if theirs != ours:
+        raise ConfigError(f"the report in {out} was made at another scale ({theirs}) than this run's ({ours})")
+    torch.set_num_threads(1)
+    daemons = _load_daemons(data)
+    for seed in seeds:
+        console.print(
+            f"[bold]K'={setting[0]} eta={setting[1]} seed={seed} ({dtype}) through a coordinator and "
+            f"{scale.nodes} agent processes over Mosquitto (mutual TLS), stopping by validation loss itself[/]"
+        )
+        d = run_daemon_setting(replace(scale, seed=seed), setting[0], setting[1], console=console, dtype=dtype)
+        console.print(
+            f"daemons: epochs {d.epochs}, best {d.best_epoch} ({d.finished_reason}); in process: epochs "
+            f"{d.in_process_epochs}, best {d.in_process_best_epoch}; max |dw| {d.max_abs_diff}; "
+            f"{d.seconds:.0f} s (all {d.total_seconds:.0f} s)"
+        )
+        daemons = [
+            x
+            for x in daemons
+            if x.finished_reason and (x.shared, x.eta, x.seed, x.dtype) != (d.shared, d.eta, d.seed, d.dtype)
+        ]
+        daemons.append(d)
+        daemons.sort(key=lambda x: (x.shared, x.eta, x.dtype, x.seed))
+        # every finished seed is in the report at once: a later failure loses nothing
+        write_synthetic_report(
+            out,
+            Scale(**data["scale"]),
+            [SettingResult(**r) for r in data["results"]],
+            data["seconds"],
+            daemons,
+            data.get("run_note", ""),
+        )
+    console.print(f"report: [green]{out / 'report.md'}[/]")
+    return out / "report.md"
+
+
+def _load_daemons(data: dict) -> list[DaemonResult]:
+    """The daemon runs of a ``results.json`` (one ``daemon`` in reports before several
+    seeds were run)."""
+    raw = data.get("daemons")
+    if raw is None:
+        raw = [data["daemon"]] if data.get("daemon") else []
+    return [DaemonResult(**d) for d in raw]
 
 
 Key = tuple[int, float, int]  # (K', eta, seed)
@@ -752,7 +870,7 @@ def run_synthetic(
                     ),
                 )
     results = [replace(done[(k, eta, seed)], group=group) for group, k, eta in plan for seed in seeds]
-    daemon = None
+    daemon: DaemonResult | None = None
     if daemons is not None:
         steps = int(done[(*daemons, scale.seed)].steps["federated"])
         how = "stopping by validation loss itself" if scale.patience else f"{steps} steps"
@@ -939,29 +1057,115 @@ def _verdicts(results: list[SettingResult]) -> list[str]:
     return lines
 
 
-def _daemon_section(d: DaemonResult | None) -> list[str]:
-    if d is None:
+def _daemon_section(daemons: list[DaemonResult], results: Sequence[SettingResult] = ()) -> list[str]:
+    if not daemons:
         return []
+    settings = ", ".join(dict.fromkeys(f"K' = {d.shared}, eta = {d.eta}" for d in daemons))
+    d0 = daemons[0]
     lines = [
-        f"## The real federated path: K' = {d.shared}, eta = {d.eta}",
+        f"## The real federated path: {settings}",
         "",
-        f"One coordinator and 5 agent processes (`fedagent coordinator` / `fedagent agent`), a private "
-        f"Mosquitto with mutual TLS and per-agent ACLs, discovery by mDNS; vocabulary consensus "
-        f"({d.vocabulary} terms), then {_daemon_steps(d)}; {d.seconds:.0f} s wall time including start-up "
-        f"({d.seconds / max(d.steps_trained or d.steps, 1) * 1000:.0f} ms "
-        f"per step); the coordinator reports the run {'exact (no step missed an agent)' if d.exact else 'NOT exact'}. "
-        "The same steps in this process (Sync-Opt: per-node gradients, weighted mean, one Adam step) and "
-        "centralized training on the concatenation of each step's per-node batches start from the same "
-        "initial weights:",
+        "One coordinator and one agent process per node (`fedagent coordinator` / `fedagent agent`), a "
+        "private Mosquitto with mutual TLS and per-agent ACLs, discovery by mDNS; vocabulary consensus "
+        f"({d0.vocabulary} terms, the union the in-process runs use).",
         "",
-        "| run | TSS softmax(beta) | TSS decoder | doc-sim | max abs weight difference to the daemons' |",
-        "|---|---|---|---|---|",
     ]
-    for name in d.tss:
+    stopping = [d for d in daemons if d.finished_reason and d.epochs]
+    if stopping:
+        lines += _daemon_stopping(stopping, results)
+    for d in daemons:
+        if d in stopping:
+            continue
+        lines += [
+            f"Seed {d.seed} ({d.dtype}): {_daemon_steps(d)}; {d.seconds:.0f} s wall time including start-up "
+            f"({d.seconds / max(d.steps_trained or d.steps, 1) * 1000:.0f} ms per step); the coordinator reports "
+            f"the run {'exact (no step missed an agent)' if d.exact else 'NOT exact'}. The same steps in this "
+            "process (Sync-Opt: per-node gradients, weighted mean, one Adam step) and centralized training on "
+            "the concatenation of each step's per-node batches start from the same initial weights:",
+            "",
+            "| run | TSS softmax(beta) | TSS decoder | doc-sim | max abs weight difference to the daemons' |",
+            "|---|---|---|---|---|",
+        ]
+        for name in d.tss:
+            lines.append(
+                f"| {name} | {d.tss[name]:.4f} | {d.tss_decoder[name]:.4f} | {d.doc_sim[name]:.3f} | "
+                f"{d.max_abs_diff[name]:.2e} |"
+            )
+        lines.append("")
+    return lines
+
+
+def _losses_cell(d: DaemonResult) -> str:
+    a, b = d.val_losses, d.in_process_val_losses
+    if not b:
+        return "(not recorded in process)"
+    if a == b:
+        return f"equal in all {len(a)} epochs"
+    n = min(len(a), len(b))
+    diff = max((abs(x - y) for x, y in zip(a[:n], b[:n], strict=True)), default=math.nan)
+    first = next((i + 1 for i in range(n) if a[i] != b[i]), n + 1)
+    return f"differ from epoch {first} (max abs diff {diff:.2e} over the {n} common epochs)"
+
+
+def _daemon_stopping(daemons: list[DaemonResult], results: Sequence[SettingResult]) -> list[str]:
+    """The early-stopping runs: how the coordinator stopped next to the same loop in
+    this process, and the kept models' scores."""
+    table = {(r.shared, r.eta, r.seed): r for r in results}
+    e0 = daemons[0].steps // max(daemons[0].best_epoch, 1)
+    same_epoch = sum(d.best_epoch == d.in_process_best_epoch and d.epochs == d.in_process_epochs for d in daemons)
+    same_weights = sum(d.max_abs_diff.get("in-process Sync-Opt", math.inf) == 0.0 for d in daemons)
+    lines = [
+        "The coordinator runs the paper's early stop itself (`[syncopt] patience = 5`, `max_epochs = 100`, "
+        f"`epoch_steps` = the smallest node's number of batches, {e0}): after every epoch it sends the new weights "
+        "for validation, every agent answers with its loss on its own held-out documents (one scalar and a "
+        "count), the coordinator pools them (sample-weighted mean), applies the patience rule and in the end "
+        "keeps and publishes the best epoch's model. The in-process reference is the same loop in this process "
+        "(`syncopt_early_stopped`: the same Sync-Opt steps, the same pooled loss, the same rule) from the same "
+        "initial weights; 'centralized, concatenated batches' trains one model for the kept model's steps on "
+        "each step's per-node batches concatenated (what Sync-Opt equals up to rounding); 'centralized, pooled' "
+        "is the tables' early-stopped pooled model of the same seed (the paper's Scenario 2, float32). float64 "
+        'runs: every model in float64 and the coordinator in float64 mode (`[task] dtype = "float64"`, '
+        "`[syncopt] float64 = true`: gradients summed in the participants' order).",
+        "",
+        f"The daemons stop at the same epoch and keep the same epoch as the in-process loop in {same_epoch} of "
+        f"{len(daemons)} runs; their kept weights equal the in-process ones bit for bit in {same_weights} of "
+        f"{len(daemons)}.",
+        "",
+        "| seed | dtype | daemons: epochs trained / kept epoch (end) | in process: epochs / kept epoch | tables' "
+        "federated model (float32): epochs / kept | pooled validation losses, daemons vs in process | kept "
+        "weights, max abs diff to in-process / to centralized concat. | exact | daemons' wall time |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for d in daemons:
+        r = table.get((d.shared, d.eta, d.seed))
+        tab = f"{r.epochs_run['federated']:.0f} / {r.best_epoch['federated']:.0f}" if r else "-"
         lines.append(
-            f"| {name} | {d.tss[name]:.4f} | {d.tss_decoder[name]:.4f} | {d.doc_sim[name]:.3f} | "
-            f"{d.max_abs_diff[name]:.2e} |"
+            f"| {d.seed} | {d.dtype} | {d.epochs} / {d.best_epoch} ({d.finished_reason}) | "
+            f"{d.in_process_epochs} / {d.in_process_best_epoch} | {tab} | {_losses_cell(d)} | "
+            f"{d.max_abs_diff['in-process Sync-Opt']:.2e} / {d.max_abs_diff['centralized, concatenated batches']:.2e} "
+            f"| {'yes' if d.exact else 'NO'} | {d.seconds:.0f} s ({d.steps_trained} steps, "
+            f"{d.seconds / max(d.steps_trained, 1) * 1000:.0f} ms per step incl. start-up and validation; "
+            f"{d.total_seconds:.0f} s with the references) |"
         )
+    lines += [
+        "",
+        "Scores of the kept models (scoring documents of all nodes):",
+        "",
+        "| seed | dtype | run | TSS softmax(beta) | TSS decoder | doc-sim |",
+        "|---|---|---|---|---|---|",
+    ]
+    for d in daemons:
+        for name in d.tss:
+            lines.append(
+                f"| {d.seed} | {d.dtype} | {name} | {d.tss[name]:.4f} | {d.tss_decoder[name]:.4f} | "
+                f"{d.doc_sim[name]:.3f} |"
+            )
+        r = table.get((d.shared, d.eta, d.seed))
+        if r is not None:
+            lines.append(
+                f"| {d.seed} | float32 | centralized, pooled (tables) | {r.tss['centralized']:.4f} | "
+                f"{r.tss_decoder['centralized']:.4f} | {r.doc_sim['centralized']:.3f} |"
+            )
     return [*lines, ""]
 
 
@@ -992,9 +1196,8 @@ def report_from_json(out: Path) -> Path:
     ``newsgroups.md`` written since)."""
     data = json.loads((out / "results.json").read_text())
     results = [SettingResult(**r) for r in data["results"]]
-    daemon = DaemonResult(**data["daemon"]) if data.get("daemon") else None
     return write_synthetic_report(
-        out, Scale(**data["scale"]), results, data["seconds"], daemon, data.get("run_note", "")
+        out, Scale(**data["scale"]), results, data["seconds"], _load_daemons(data), data.get("run_note", "")
     )
 
 
@@ -1003,10 +1206,14 @@ def write_synthetic_report(
     scale: Scale,
     results: list[SettingResult],
     seconds: float,
-    daemon: DaemonResult | None = None,
+    daemons: DaemonResult | Sequence[DaemonResult] | None = None,
     run_note: str = "",
 ) -> Path:
     out.mkdir(parents=True, exist_ok=True)
+    if daemons is None:
+        daemons = []
+    elif isinstance(daemons, DaemonResult):
+        daemons = [daemons]
     a = _by_setting(results, "A")
     held = {metric: all(_criterion(rs, metric) for rs in a) for metric in READINGS}
     unique = _by_setting(results)
@@ -1101,7 +1308,7 @@ def write_synthetic_report(
                 )
                 + f" ({r.seconds:.0f} s)"
             )
-    lines += ["", *_daemon_section(daemon)]
+    lines += ["", *_daemon_section(list(daemons), results)]
     news = out / "newsgroups.md"
     if news.exists():
         body = news.read_text().split("\n", 1)[1] if "\n" in news.read_text() else ""
@@ -1113,7 +1320,7 @@ def write_synthetic_report(
                 "scale": asdict(scale),
                 "seconds": seconds,
                 "results": [asdict(r) for r in results],
-                "daemon": asdict(daemon) if daemon else None,
+                "daemons": [asdict(d) for d in daemons],
                 "run_note": run_note,
             },
             indent=1,
