@@ -1057,7 +1057,9 @@ def _verdicts(results: list[SettingResult]) -> list[str]:
     return lines
 
 
-def _daemon_section(daemons: list[DaemonResult], results: Sequence[SettingResult] = ()) -> list[str]:
+def _daemon_section(
+    daemons: list[DaemonResult], results: Sequence[SettingResult] = (), scale: Scale | None = None
+) -> list[str]:
     if not daemons:
         return []
     settings = ", ".join(dict.fromkeys(f"K' = {d.shared}, eta = {d.eta}" for d in daemons))
@@ -1072,7 +1074,7 @@ def _daemon_section(daemons: list[DaemonResult], results: Sequence[SettingResult
     ]
     stopping = [d for d in daemons if d.finished_reason and d.epochs]
     if stopping:
-        lines += _daemon_stopping(stopping, results)
+        lines += _daemon_stopping(stopping, results, scale or Scale())
     for d in daemons:
         if d in stopping:
             continue
@@ -1107,7 +1109,7 @@ def _losses_cell(d: DaemonResult) -> str:
     return f"differ from epoch {first} (max abs diff {diff:.2e} over the {n} common epochs)"
 
 
-def _daemon_stopping(daemons: list[DaemonResult], results: Sequence[SettingResult]) -> list[str]:
+def _daemon_stopping(daemons: list[DaemonResult], results: Sequence[SettingResult], scale: Scale) -> list[str]:
     """The early-stopping runs: how the coordinator stopped next to the same loop in
     this process, and the kept models' scores."""
     table = {(r.shared, r.eta, r.seed): r for r in results}
@@ -1115,7 +1117,8 @@ def _daemon_stopping(daemons: list[DaemonResult], results: Sequence[SettingResul
     same_epoch = sum(d.best_epoch == d.in_process_best_epoch and d.epochs == d.in_process_epochs for d in daemons)
     same_weights = sum(d.max_abs_diff.get("in-process Sync-Opt", math.inf) == 0.0 for d in daemons)
     lines = [
-        "The coordinator runs the paper's early stop itself (`[syncopt] patience = 5`, `max_epochs = 100`, "
+        f"The coordinator runs the paper's early stop itself (`[syncopt] patience = {scale.patience}`, "
+        f"`max_epochs = {scale.epochs}`, "
         f"`epoch_steps` = the smallest node's number of batches, {e0}): after every epoch it sends the new weights "
         "for validation, every agent answers with its loss on its own held-out documents (one scalar and a "
         "count), the coordinator pools them (sample-weighted mean), applies the patience rule and in the end "
@@ -1308,7 +1311,7 @@ def write_synthetic_report(
                 )
                 + f" ({r.seconds:.0f} s)"
             )
-    lines += ["", *_daemon_section(list(daemons), results)]
+    lines += ["", *_daemon_section(list(daemons), results, scale)]
     news = out / "newsgroups.md"
     if news.exists():
         body = news.read_text().split("\n", 1)[1] if "\n" in news.read_text() else ""
