@@ -138,7 +138,7 @@ def test_daemons_only_merges_its_runs_into_the_report_and_keeps_the_tables(tmp_p
             10,
             0.01,
             tss=scores,
-            tss_decoder=scores,
+            tss_decoder=scores | {"non-collaborative": 3.5},
             doc_sim=scores,
             seed=s,
             best_epoch=dict.fromkeys(gfedntm.MODELS, 2),
@@ -174,6 +174,22 @@ def test_daemons_only_merges_its_runs_into_the_report_and_keeps_the_tables(tmp_p
     assert "equal in all 3 epochs" in report and "| 1 | float64 | 3 / 2 (early stopped) | 3 / 2 |" in report
     assert "centralized, pooled (tables)" in report  # seed 1 is in the tables, seed 2 is not
     assert report.count("centralized, pooled (tables)") == 1
+
+    # the topic-slots study, when its files are there, is the report's one place for the decoder gap
+    (out / "slots").mkdir()
+    for seed, local_k50, local_seen, fed_spare in ((0, 3.5, 2.5, 3.8), (1, 3.5, 3.2, 3.2)):
+        study = {"shared": 10, "eta": 0.01, "seed": seed, "seen": 18, "k_fed": 139}
+        study |= {"k50": {"federated": 3.0, "non-collaborative": local_k50}, "local_no_spare": {"tss": local_seen}}
+        (out / "slots" / f"slots-10-{seed}.json").write_text(
+            json.dumps(study | {"federated_spare": {"tss": fed_spare}})
+        )
+    gfedntm.report_from_json(out)
+    report = (out / "report.md").read_text()
+    assert "measured in the section on topic slots" in report
+    assert "| 10, 0 | 18 | -0.50 | **+0.50** | **+0.30** (K = 139) |" in report
+    assert "- K' = 10 (seeds 0, 1): **partly explained**. Equal slots shrink the gap by 60%-200% (1 each)" in report
+    assert "ahead with equal slots in 1 of 2 seeds" in report
+    assert report.split("## The decoder reading")[0].split("## A:")[1] == tables.split("## A:")[1]
 
     # a different validation-loss history is shown where it starts, not hidden
     assert "differ from epoch 3 (max abs diff 2.50e-01" in gfedntm._losses_cell(_daemon_result(0, "f", same=False))
