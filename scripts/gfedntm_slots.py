@@ -11,6 +11,10 @@ federated one with as many spare slots per true topic as a local model has by de
 ``results.json`` and to random topics with the same counts.
 
     .venv/bin/python scripts/gfedntm_slots.py --shared 40 --eta 0.01 --seed 0 [--json FILE]
+
+``--union-vocabulary``: instead, only the local models without spare slots, each on the
+union of all nodes' terms (the federated model's vocabulary) rather than its own node's,
+to test whether the vocabulary is what keeps the local models ahead.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--results", type=Path, default=Path("results/gfedntm/results.json"))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--union-vocabulary", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.monotonic()
@@ -64,10 +69,11 @@ def main() -> None:
     private = np.arange(args.shared, scale.true_topics)
     out: dict = {"shared": args.shared, "eta": args.eta, "seed": args.seed, "seen": seen, "k_fed": k_fed}
 
+    union = gfedntm.joint_tasks(scale, data)[1] if args.union_vocabulary else None
     local = []
     for n in range(scale.nodes):
         task = gfedntm.load_ntm("prodlda", {**data.opts, "n_topics": seen, "shard": n})
-        task.set_vocabulary(sorted(task.term_counts(), key=lambda t: int(t[4:])))
+        task.set_vocabulary(union or sorted(task.term_counts(), key=lambda t: int(t[4:])))
         model, stop = gfedntm.train_local_early_stopped(task, scale)
         local.append(decoder_per_topic(data, task, model))
     local_pt = np.mean(local, axis=0)
@@ -76,6 +82,14 @@ def main() -> None:
         "shared": float(local_pt[shared].sum()),
         "private": float(local_pt[private].sum()),
     }
+    if union is not None:
+        out["vocabulary"] = "union"
+        out["seconds"] = time.monotonic() - t0
+        text = json.dumps(out, indent=1)
+        print(text)
+        if args.json:
+            args.json.write_text(text)
+        return
 
     tasks, _ = gfedntm.joint_tasks(scale, data, n_topics=k_fed)
     model, stop = gfedntm.syncopt_early_stopped(tasks, scale)
