@@ -15,6 +15,11 @@ federated one with as many spare slots per true topic as a local model has by de
 ``--union-vocabulary``: instead, only the local models without spare slots, each on the
 union of all nodes' terms (the federated model's vocabulary) rather than its own node's,
 to test whether the vocabulary is what keeps the local models ahead.
+
+``--split``: instead, the tables' own models (K = 50 for every model, as in
+``results.json``) with their decoder-reading TSS split by true topic: the shared ones,
+each node's own private ones and the other nodes' private ones (which a local model
+never sees); the totals must equal ``results.json``'s.
 """
 
 from __future__ import annotations
@@ -48,6 +53,39 @@ def random_tss(data, eta: float, count: int, seed: int, draws: int = 5) -> float
     )
 
 
+def split(args, scale, data, structure, out: dict, saved: dict, t0: float) -> None:
+    shared = np.arange(args.shared)
+    nodes = []
+    for n in range(scale.nodes):
+        task = gfedntm.load_ntm("prodlda", {**data.opts, "shard": n})
+        task.set_vocabulary(sorted(task.term_counts(), key=lambda t: int(t[4:])))
+        model, _ = gfedntm.train_local_early_stopped(task, scale)
+        pt = decoder_per_topic(data, task, model)
+        own = structure.node_topics(n)[args.shared :]
+        others = np.setdiff1d(np.arange(args.shared, scale.true_topics), own)
+        nodes.append({"tss": float(pt.sum()), "shared": float(pt[shared].sum()), "own private": float(pt[own].sum())})
+        nodes[-1]["other private"] = float(pt[others].sum())
+        nodes[-1]["per_topic"] = pt.tolist()
+    tasks, _ = gfedntm.joint_tasks(scale, data)
+    model, stop = gfedntm.syncopt_early_stopped(tasks, scale)
+    pt = decoder_per_topic(data, tasks[0], model)
+    fed = {"tss": float(pt.sum()), "shared": float(pt[shared].sum()), "best_epoch": stop.best_epoch}
+    for n in range(scale.nodes):
+        own = structure.node_topics(n)[args.shared :]
+        fed[f"private of node {n}"] = float(pt[own].sum())
+    fed["per_topic"] = pt.tolist()
+    out.update(local=nodes, federated=fed)
+    for r in saved["results"]:
+        if r["shared"] == args.shared and r["eta"] == args.eta and r["seed"] == args.seed:
+            out["k50"] = {m: r["tss_decoder"][m] for m in ("non-collaborative", "federated")}
+    out["random_per_topic"] = random_tss(data, args.eta, scale.n_topics, args.seed) / scale.true_topics
+    out["seconds"] = time.monotonic() - t0
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shared", type=int, default=40)
@@ -56,6 +94,7 @@ def main() -> None:
     ap.add_argument("--results", type=Path, default=Path("results/gfedntm/results.json"))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--union-vocabulary", action="store_true")
+    ap.add_argument("--split", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.monotonic()
@@ -69,6 +108,9 @@ def main() -> None:
     private = np.arange(args.shared, scale.true_topics)
     out: dict = {"shared": args.shared, "eta": args.eta, "seed": args.seed, "seen": seen, "k_fed": k_fed}
 
+    if args.split:
+        split(args, scale, data, structure, out, saved, t0)
+        return
     union = gfedntm.joint_tasks(scale, data)[1] if args.union_vocabulary else None
     local = []
     for n in range(scale.nodes):

@@ -731,7 +731,7 @@ def run_daemons_only(
             if x.finished_reason and (x.shared, x.eta, x.seed, x.dtype) != (d.shared, d.eta, d.seed, d.dtype)
         ]
         daemons.append(d)
-        daemons.sort(key=lambda x: (x.shared, x.eta, x.dtype, x.seed))
+        daemons.sort(key=lambda x: (x.shared, x.eta, x.seed, x.dtype))
         # every finished seed is in the report at once: a later failure loses nothing
         write_synthetic_report(
             out,
@@ -1113,6 +1113,7 @@ def _daemon_stopping(daemons: list[DaemonResult], results: Sequence[SettingResul
     """The early-stopping runs: how the coordinator stopped next to the same loop in
     this process, and the kept models' scores."""
     table = {(r.shared, r.eta, r.seed): r for r in results}
+    daemons = sorted(daemons, key=lambda x: (x.shared, x.eta, x.seed, x.dtype))
     e0 = daemons[0].steps // max(daemons[0].best_epoch, 1)
     same_epoch = sum(d.best_epoch == d.in_process_best_epoch and d.epochs == d.in_process_epochs for d in daemons)
     same_weights = sum(d.max_abs_diff.get("in-process Sync-Opt", math.inf) == 0.0 for d in daemons)
@@ -1157,18 +1158,24 @@ def _daemon_stopping(daemons: list[DaemonResult], results: Sequence[SettingResul
         "| seed | dtype | run | TSS softmax(beta) | TSS decoder | doc-sim |",
         "|---|---|---|---|---|---|",
     ]
-    for d in daemons:
+    for i, d in enumerate(daemons):
         for name in d.tss:
             lines.append(
                 f"| {d.seed} | {d.dtype} | {name} | {d.tss[name]:.4f} | {d.tss_decoder[name]:.4f} | "
                 f"{d.doc_sim[name]:.3f} |"
             )
         r = table.get((d.shared, d.eta, d.seed))
-        if r is not None:
-            lines.append(
-                f"| {d.seed} | float32 | centralized, pooled (tables) | {r.tss['centralized']:.4f} | "
-                f"{r.tss_decoder['centralized']:.4f} | {r.doc_sim['centralized']:.3f} |"
-            )
+        last = i + 1 == len(daemons) or (daemons[i + 1].shared, daemons[i + 1].eta, daemons[i + 1].seed) != (
+            d.shared,
+            d.eta,
+            d.seed,
+        )
+        if r is not None and last:  # the tables' models of this seed, once
+            for kind, label in (("federated", "federated (tables)"), ("centralized", "centralized, pooled (tables)")):
+                lines.append(
+                    f"| {d.seed} | float32 | {label} | {r.tss[kind]:.4f} | {r.tss_decoder[kind]:.4f} | "
+                    f"{r.doc_sim[kind]:.3f} |"
+                )
     return [*lines, ""]
 
 
