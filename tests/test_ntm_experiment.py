@@ -183,8 +183,12 @@ def test_daemons_only_merges_its_runs_into_the_report_and_keeps_the_tables(tmp_p
         (out / "slots" / f"slots-10-{seed}.json").write_text(
             json.dumps(study | {"federated_spare": {"tss": fed_spare}})
         )
+    union = {"shared": 10, "eta": 0.01, "seed": 1, "local_no_spare": {"tss": 3.1}, "vocabulary": "union"}
+    (out / "slots" / "vocabulary-10-1.json").write_text(json.dumps(union))
     gfedntm.report_from_json(out)
     report = (out / "report.md").read_text()
+    assert "What is left is not the vocabulary (below)." in report
+    assert "score K' = 10 seed 1: 3.10 vs 3.20 (federated K = 50: -0.10)" in report
     assert "measured in the section on topic slots" in report
     assert "| 10, 0 | 18 | -0.50 | **+0.50** | **+0.30** (K = 139) |" in report
     assert "- K' = 10 (seeds 0, 1): **partly explained**. Equal slots shrink the gap by 60%-200% (1 each)" in report

@@ -1262,9 +1262,14 @@ def _slots_section(out: Path, results: Sequence[SettingResult] = ()) -> list[str
                 f"- K' = {k} ({seeds}): **partly explained**. Equal slots shrink the gap by "
                 f"{min(share):.0%}-{max(share):.0%} (1 each) and {min(share_spare):.0%}-{max(share_spare):.0%} "
                 f"(the local models' spare slots for both); the federated model is ahead with equal slots in "
-                f"{len(ahead)} of {len(rs)} seeds. What is left is not measured (a candidate: a local model "
-                "indexes only its own node's terms)."
+                f"{len(ahead)} of {len(rs)} seeds. "
+                + (
+                    "What is left is not the vocabulary (below)."
+                    if any((out / "slots" / f"vocabulary-{k}-{r['seed']}.json").exists() for r in rs)
+                    else "What is left is not measured (a candidate: a local model indexes only its own node's terms)."
+                )
             )
+    lines += _vocabulary_and_split(out, runs)
     lines.append(
         "- Not federated training losing information: Sync-Opt gives the weights of centralized training on the "
         "same per-step batches (the section on the real federated path)."
@@ -1283,6 +1288,35 @@ def _slots_section(out: Path, results: Sequence[SettingResult] = ()) -> list[str
             + " against the non-collaborative models on this reading (means over the seeds)."
         )
     return [*lines, ""]
+
+
+def _vocabulary_and_split(out: Path, runs: list[dict]) -> list[str]:
+    """What the slots study's follow-ups measured: ``--union-vocabulary``, and the split by
+    true topic of ``scripts/gfedntm_breakdown.py``."""
+    lines = []
+    own = {(r["shared"], r["seed"]): r["local_no_spare"]["tss"] for r in runs}
+    fed = {(r["shared"], r["seed"]): r["k50"]["federated"] for r in runs}
+    union = [json.loads(p.read_text()) for p in sorted((out / "slots").glob("vocabulary-*.json"))]
+    union = [u for u in union if (u["shared"], u["seed"]) in own]
+    if union:
+        cells = ", ".join(
+            f"K' = {u['shared']} seed {u['seed']}: {u['local_no_spare']['tss']:.2f} vs "
+            f"{own[(u['shared'], u['seed'])]:.2f} (federated K = 50: "
+            f"{fed[(u['shared'], u['seed'])] - u['local_no_spare']['tss']:+.2f})"
+            for u in union
+        )
+        lines.append(
+            "- The vocabulary is not it: local models without spare slots on the union of all nodes' terms (the "
+            f"federated model's vocabulary) instead of their own node's score {cells} (`--union-vocabulary`)."
+        )
+    breakdown = out / "k40-breakdown.md"
+    if breakdown.exists():
+        lines.append(
+            "- Split by true topic ([k40-breakdown.md](k40-breakdown.md), `scripts/gfedntm_breakdown.py`: the "
+            "tables' models retrained, the totals checked against them): where the non-collaborative models stay "
+            "ahead at K' = 40."
+        )
+    return lines
 
 
 def report_from_json(out: Path) -> Path:
