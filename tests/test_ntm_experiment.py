@@ -187,7 +187,7 @@ def test_daemons_only_merges_its_runs_into_the_report_and_keeps_the_tables(tmp_p
     (out / "slots" / "vocabulary-10-1.json").write_text(json.dumps(union))
     gfedntm.report_from_json(out)
     report = (out / "report.md").read_text()
-    assert "What is left is not the vocabulary (below)." in report
+    assert "What is left is not the vocabulary (below)" in report
     assert "score K' = 10 seed 1: 3.10 vs 3.20 (federated K = 50: -0.10)" in report
     assert "measured in the section on topic slots" in report
     assert "| 10, 0 | 18 | -0.50 | **+0.50** | **+0.30** (K = 139) |" in report

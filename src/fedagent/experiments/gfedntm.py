@@ -1264,7 +1264,7 @@ def _slots_section(out: Path, results: Sequence[SettingResult] = ()) -> list[str
                 f"(the local models' spare slots for both); the federated model is ahead with equal slots in "
                 f"{len(ahead)} of {len(rs)} seeds. "
                 + (
-                    "What is left is not the vocabulary (below)."
+                    "What is left is not the vocabulary (below); where it is: the split by true topic below."
                     if any((out / "slots" / f"vocabulary-{k}-{r['seed']}.json").exists() for r in rs)
                     else "What is left is not measured (a candidate: a local model indexes only its own node's terms)."
                 )
@@ -1308,6 +1308,31 @@ def _vocabulary_and_split(out: Path, runs: list[dict]) -> list[str]:
         lines.append(
             "- The vocabulary is not it: local models without spare slots on the union of all nodes' terms (the "
             f"federated model's vocabulary) instead of their own node's score {cells} (`--union-vocabulary`)."
+        )
+    for k in dict.fromkeys(r["shared"] for r in runs):
+        rs = [r for r in runs if r["shared"] == k and "shared" in r["federated_spare"]]
+        if not rs:
+            continue
+        n_private = 50 - k
+        cells = "; ".join(
+            f"seed {r['seed']}: {r['federated_spare']['shared'] - r['local_no_spare']['shared']:+.2f} / "
+            f"{r['federated_spare']['private'] - r['local_no_spare']['private']:+.2f}, "
+            f"{r['federated_spare']['private'] / n_private:.3f} vs {r['random'][str(r['k_fed'])] / 50:.3f}"
+            for r in rs
+        )
+        lines.append(
+            f"- K' = {k}, split by true topic (federated with K = ⌈2500 / seen⌉ against non-collaborative "
+            f"without spare slots): the difference on the {k} shared / the {n_private} private topics, and the "
+            "federated model's mean similarity per private topic vs random topics': "
+            + cells
+            + (
+                ". The federated model does not learn the private topics (each in one node's documents only): it "
+                "scores them at the level of random topics."
+                if all(
+                    r["federated_spare"]["private"] / n_private <= 1.1 * r["random"][str(r["k_fed"])] / 50 for r in rs
+                )
+                else "."
+            )
         )
     breakdown = out / "k40-breakdown.md"
     if breakdown.exists():
