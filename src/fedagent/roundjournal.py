@@ -8,8 +8,11 @@ coordinator started a new round, refusing the late updates of the old one as sta
 * when a round starts, the journal is rewritten atomically with a *start* record: the
   round number, the model version it trains from and the agents selected;
 * every frame of an update for that round (a whole update, a chunk of one, a streamed
-  update's chunk) is appended as a *frame* record and made durable (``fdatasync``)
-  **before** the frame is handed on, and so before it is acknowledged;
+  update's chunk) is appended as a *frame* record when it arrives, and acknowledged only
+  once the record is durable (``fdatasync``). The syncs are grouped: a frame is handed on
+  as soon as it is written, and one sync makes every frame written before it durable
+  (:class:`fedagent.protocols.groupcommit.GroupCommit` decides when; the transport holds
+  the acknowledgements until then, in the order the frames came);
 * when the round ends (aggregated and checkpointed, or abandoned) the journal is emptied.
 
 A coordinator that starts with a journal whose start record trains from the version of
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -90,6 +94,25 @@ def _sender(topic: str) -> str:
         return ""
 
 
+def _bin_header(n: int) -> bytes:
+    """msgpack's header of a binary value of ``n`` bytes (bin 8, 16 or 32)."""
+    if n < 2**8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 2**16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def _rest(parts: list, done: int) -> list:
+    """What is left of ``parts`` after ``done`` bytes of them were written."""
+    while parts and done >= len(parts[0]):
+        done -= len(parts[0])
+        parts = parts[1:]
+    if parts and done:
+        parts = [memoryview(parts[0])[done:], *parts[1:]]
+    return parts
+
+
 class RoundJournal:
     """The journal at ``path``; frames of at most ``max_frame`` bytes."""
 
@@ -102,6 +125,13 @@ class RoundJournal:
         self.by_sender: dict[str, int] = {}  # bytes journaled per sender (a bound per member)
         self._fd: int | None = None
         self._size = 0
+        # The file open for appending is replaced by begin()/end()/recover(), which may run
+        # in a worker thread while a group's sync runs in another: the lock keeps a sync
+        # from meeting a closed (or reused) descriptor. Each opening is a new generation.
+        self._fd_lock = threading.Lock()
+        self.generation = 0
+        self.syncs = 0  # fdatasync calls for frames (the status shows them)
+        self._packer = msgpack.Packer(use_bin_type=True)
 
     # -- reading -------------------------------------------------------------------
     def _unpack(self, payload: memoryview) -> object:
@@ -234,35 +264,90 @@ class RoundJournal:
         self.by_sender = {}
 
     def append(self, topic: str, data: bytes | bytearray) -> None:
-        """Make one received frame durable (append + fdatasync)."""
+        """Make one received frame durable (write + fdatasync)."""
+        self.write(topic, data)
+        self.sync()
+
+    def write(self, topic: str, data: bytes | bytearray | memoryview) -> None:
+        """Append one received frame's record, without syncing it (:meth:`sync` makes it
+        durable). The record is the same as ``statefile.record({"t": "frame", "topic":
+        topic, "data": data})`` but never built: its header and msgpack prefix are a few
+        bytes, the data goes to the file from where it lies and into the CRC as it is
+        (building it cost two frame-sized copies, each a fresh mmap'd block: about 1 ms of
+        CPU per 540 KB frame)."""
         if self._fd is None or self.round is None:
             raise StateWriteError(f"{self.path}: no round is being journaled")
-        record = statefile.record({"t": "frame", "topic": topic, "data": data})
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        pk = self._packer
+        prefix = (
+            pk.pack_map_header(3)
+            + pk.pack("t")
+            + pk.pack("frame")
+            + pk.pack("topic")
+            + pk.pack(topic)
+            + pk.pack("data")
+            + _bin_header(n)
+        )
+        length = len(prefix) + n
+        head = HEADER.pack(length, zlib.crc32(view, zlib.crc32(prefix)))
         try:
-            statefile.append_record(self._fd, record, self._size)
+            parts = [head + prefix, view]
+            written = 0
+            while written < HEADER.size + length:
+                done = os.writev(self._fd, parts)
+                written += done
+                parts = _rest(parts, done)
         except OSError as exc:
+            try:
+                os.ftruncate(self._fd, self._size)  # a half record would hide every later one
+            except OSError:
+                pass
             raise StateWriteError(f"cannot append to {self.path}: {exc.strerror or exc}") from exc
-        self._size += len(record)
+        self._size += HEADER.size + length
         self.frames += 1
-        self.bytes += len(record) - HEADER.size
+        self.bytes += length
         sender = _sender(topic)
-        self.by_sender[sender] = self.by_sender.get(sender, 0) + len(record) - HEADER.size
+        self.by_sender[sender] = self.by_sender.get(sender, 0) + length
+
+    def sync(self, generation: int | None = None) -> bool:
+        """fdatasync the records written so far; False (and nothing done) when the file
+        was replaced since ``generation`` (its frames no longer need it) or none is open.
+        Safe to call from a worker thread while the event loop writes."""
+        with self._fd_lock:
+            if self._fd is None or (generation is not None and generation != self.generation):
+                return False
+            try:
+                os.fdatasync(self._fd)
+            except OSError as exc:
+                raise StateWriteError(f"cannot sync {self.path}: {exc.strerror or exc}") from exc
+            self.syncs += 1
+            return True
 
     def _open(self, size: int) -> None:
         self.close()
-        try:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        except OSError as exc:
-            raise StateWriteError(f"cannot open {self.path}: {exc.strerror or exc}") from exc
-        self._size = size
+        with self._fd_lock:
+            try:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            except OSError as exc:
+                raise StateWriteError(f"cannot open {self.path}: {exc.strerror or exc}") from exc
+            self._size = size
+            self.generation += 1
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        with self._fd_lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+                self.generation += 1
 
     def __del__(self) -> None:
         self.close()
 
     def status(self) -> dict[str, int | None]:
-        return {"round": self.round.round if self.round else None, "frames": self.frames, "bytes": self.bytes}
+        return {
+            "round": self.round.round if self.round else None,
+            "frames": self.frames,
+            "bytes": self.bytes,
+            "syncs": self.syncs,
+        }

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -218,11 +218,13 @@ class CoordinatorCore:
         )
         await self.mode.on_connect()
 
-    async def _on_payload(self, topic: str, payload: bytes | bytearray) -> None:
+    async def _on_payload(self, topic: str, payload: bytes | bytearray) -> Awaitable[None] | None:
         # Held (and so not acknowledged: the broker keeps it) until the journal is replayed:
         # a redelivered frame must meet the sequence numbers the journal restores.
         await self._recovered.wait()
-        await self.messenger.receive(topic, payload, self._deliver)
+        # A journaled frame is acknowledged once its record is durable (the transport
+        # waits for what this returns).
+        return await self.messenger.receive(topic, payload, self._deliver)
 
     async def _replay_journal(self) -> None:
         n = 0

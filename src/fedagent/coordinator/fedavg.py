@@ -10,6 +10,7 @@ machine, and the initial model, exist only after that.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -34,6 +35,7 @@ from fedagent.protocols import topics
 from fedagent.protocols.aggregation import Strategy
 from fedagent.protocols.catchup import ModelServer
 from fedagent.protocols.codec import Envelope
+from fedagent.protocols.groupcommit import GroupCommit
 from fedagent.protocols.messages import (
     Evaluation,
     GlobalModel,
@@ -175,6 +177,13 @@ class FedAvgMode:
         self._journal_cap = 2 * cfg.max_model_bytes + 2**20
         self._resume: InFlight | None = None
         core.messenger.journal = self._journal_frame
+        # Group commit: frames are written as they come and synced several at a time; each
+        # one's acknowledgement waits for the sync that covers it (protocols/groupcommit).
+        self.group = GroupCommit()
+        self._durable_waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        self._sync_task: asyncio.Task[None] | None = None
+        self._sync_timer: asyncio.TimerHandle | None = None
+        core.messenger.before_replay_commit = self._flush_journal
         # The agents' evaluations (one per agent and model, arriving while the next
         # round's updates come in) reach the replay guard's journal within a second, not
         # with an fdatasync each on the intake's path: replayed after a crash, one could
@@ -531,28 +540,90 @@ class FedAvgMode:
         return [self._expire_streams()]
 
     # -- journal -------------------------------------------------------------------------
-    async def _journal_frame(self, topic: str, payload: bytes | bytearray, env: Envelope) -> None:
-        """A verified frame from an agent, before it is handed on (and acknowledged)."""
+    async def _journal_frame(
+        self, topic: str, payload: bytes | bytearray, env: Envelope
+    ) -> asyncio.Future[None] | None:
+        """A verified frame from an agent, before it is handed on: written to the round
+        journal if it belongs to the round in flight; returns what its acknowledgement
+        waits for (the sync that makes it durable), or None (acknowledge it when handled)."""
         if env.kind not in JOURNALED_KINDS:
-            return
+            return None
         try:
             async with self._journal_lock:
                 inflight = self.journal.round
                 if inflight is None or env.round != inflight.round or env.sender not in inflight.selected:
-                    return  # refused when its turn comes: stale, or not selected
+                    return None  # refused when its turn comes: stale, or not selected
                 if self.journal.by_sender.get(env.sender, 0) + len(payload) > self._journal_cap:
                     # More than an update's worth from one member: a bug or a flood. The
                     # disk is not the place to find out which; the round machine will.
                     log.warning("round %d: %s sent more than an update's worth; not journaled", env.round, env.sender)
-                    return
-                if len(payload) > 65536:
-                    await asyncio.to_thread(self.journal.append, topic, payload)
-                else:
-                    self.journal.append(topic, payload)
+                    return None
+                # Into the page cache (a frame-sized memcpy, no sync): on the event loop.
+                self.journal.write(topic, payload)
         except StateWriteError as exc:
             # Handed on all the same: the round can still use it, but a crash before the
             # aggregation would lose it.
             log.error("round %d: update frame from %s not journaled: %s", env.round, env.sender, exc)
+            return None
+        n = self.group.write(len(payload), time.monotonic())
+        durable: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._durable_waiters.append((n, durable))
+        self._commit_soon()
+        return durable
+
+    def _commit_soon(self) -> None:
+        """Start the journal's next sync if it is due, else make sure it starts when it is."""
+        now = time.monotonic()
+        if self.group.due(now):
+            self._start_sync()
+            return
+        at = self.group.deadline()
+        if at is not None and self._sync_timer is None:
+            self._sync_timer = asyncio.get_running_loop().call_later(max(0.0, at - now), self._sync_timer_due)
+
+    def _sync_timer_due(self) -> None:
+        self._sync_timer = None
+        self._commit_soon()
+
+    def _start_sync(self) -> None:
+        if self._sync_timer is not None:
+            self._sync_timer.cancel()
+            self._sync_timer = None
+        upto = self.group.start()
+        self._sync_task = asyncio.get_running_loop().create_task(self._sync(upto, self.journal.generation))
+
+    async def _sync(self, upto: int, generation: int) -> None:
+        try:
+            # Off the event loop: frames go on being read, written and handed on meanwhile.
+            await asyncio.to_thread(self.journal.sync, generation)
+        except StateWriteError as exc:
+            log.error("round journal: frames not made durable (%s); acknowledged all the same", exc)
+        except asyncio.CancelledError:
+            raise  # shutting down: their acknowledgements are never sent, the broker keeps them
+        self._sync_task = None
+        self.group.finished(upto)
+        self._release_durable()
+        self._commit_soon()
+
+    def _flush_journal(self) -> None:
+        """Make every frame written so far durable now (a barrier: the replay guard's
+        numbers are about to become durable, and must not be before their frames)."""
+        if self.group.durable >= self.group.written:
+            return
+        try:
+            self.journal.sync()  # waits for a sync in flight on the same file, if any
+        except StateWriteError as exc:
+            log.error("round journal: frames not made durable (%s); acknowledged all the same", exc)
+        self.group.flushed()
+        self._release_durable()
+
+    def _release_durable(self) -> None:
+        """Let the acknowledgements of the frames now durable go."""
+        waiters, durable = self._durable_waiters, self.group.durable
+        while waiters and waiters[0][0] <= durable:
+            _n, fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
 
     async def _journal(self, begin: R.StartRound | None) -> None:
         async with self._journal_lock:
@@ -560,9 +631,17 @@ class FedAvgMode:
                 await asyncio.to_thread(self.journal.end)
             else:
                 await asyncio.to_thread(self.journal.begin, begin.round, begin.model_version, begin.selected)
+            # The frames written so far belong to a round that is now in the checkpoint
+            # (or was abandoned): none of them needs its sync any more.
+            self.group.settle()
+            self._release_durable()
 
     def close(self) -> None:
         self.timer.cancel()
+        if self._sync_timer is not None:
+            self._sync_timer.cancel()
+        if self._sync_task is not None:
+            self._sync_task.cancel()
         for task in self._answers:
             task.cancel()
 

@@ -161,10 +161,15 @@ class Messenger:
         self.lazy_durable_kinds: frozenset[str] = frozenset()
         self._lazy_commit: asyncio.TimerHandle | None = None
         # Durability before acknowledgement (coordinator side): called with every
-        # verified frame from an agent before anything is handed on; a frame it writes
-        # to disk is therefore durable before the broker gets its PUBACK (see
-        # fedagent.roundjournal). Frames read back from that journal skip it.
-        self.journal: Callable[[str, bytes | bytearray, Envelope], Awaitable[None]] | None = None
+        # verified frame from an agent before anything is handed on. It writes the frames
+        # it keeps to disk and returns what must be done before the frame is acknowledged
+        # (its group's sync: see fedagent.roundjournal), which receive() returns to the
+        # transport. Frames read back from that journal skip it.
+        self.journal: Callable[[str, bytes | bytearray, Envelope], Awaitable[Awaitable[None] | None]] | None = None
+        # Called before the replay guard's numbers are made durable: a number must not be
+        # durable before the journal record of its frame (a frame redelivered after a
+        # crash would meet its own number and be refused as a replay).
+        self.before_replay_commit: Callable[[], None] | None = None
         self.metrics = metrics  # a fedagent.metrics.NodeMetrics, or None
         self.bytes_in = 0
         self.bytes_out = 0
@@ -406,6 +411,8 @@ class Messenger:
         QoS 1 message has been acknowledged, so writing first loses nothing a
         redelivery would have brought.)"""
         if self.replay_journal is not None:
+            if self.before_replay_commit is not None and self.replay_journal.guard.dirty:
+                self.before_replay_commit()
             self.replay_journal.commit()
 
     def _persist_replay_soon(self) -> None:
@@ -461,19 +468,22 @@ class Messenger:
         deliver: Callable[[Incoming], Awaitable[None]],
         *,
         journaled: bool = False,
-    ) -> None:
+    ) -> Awaitable[None] | None:
         """Check one frame as received from the broker and hand what it completes to
         ``deliver``. ``journaled``: a frame read back from this node's round journal after
-        a restart (accepted once already: see :meth:`Verifier.check`)."""
+        a restart (accepted once already: see :meth:`Verifier.check`). Returns what must be
+        done before the frame is acknowledged (the ``journal`` hook's answer), or None."""
         self.bytes_in += len(payload)
         if self.metrics is not None:
             self.metrics.add_bytes(in_=len(payload))
         try:
             fed, topic_sender, _receiver, _kind = topics.parse(topic)
         except ValueError as exc:
-            return self._reject("topic", "", str(exc))
+            self._reject("topic", "", str(exc))
+            return None
         if fed != self.federation:
-            return self._reject("federation", topic_sender, f"topic of federation {fed}")
+            self._reject("federation", topic_sender, f"topic of federation {fed}")
+            return None
         if not payload:
             return None  # a cleared retained message
         try:
@@ -481,20 +491,43 @@ class Messenger:
             # the payload by the decoder.
             env = decode(payload, self.wire_limits, views=True)
         except CodecError as exc:
-            return self._reject("codec", topic_sender, str(exc))
+            self._reject("codec", topic_sender, str(exc))
+            return None
         # The ACL makes node/<id>/ writable only by <id>: the envelope must agree.
         if topic_sender and env.sender != topic_sender:
-            return self._reject("spoofed", topic_sender, f"envelope claims sender {env.sender}")
+            self._reject("spoofed", topic_sender, f"envelope claims sender {env.sender}")
+            return None
         if env.federation != self.federation:
-            return self._reject("federation", env.sender, f"envelope for {env.federation}")
+            self._reject("federation", env.sender, f"envelope for {env.federation}")
+            return None
         try:
             role = self.verifier.check(env, journaled=journaled)
         except AuthError as exc:
-            return self._reject(exc.reason, env.sender, exc.detail)
+            self._reject(exc.reason, env.sender, exc.detail)
+            return None
         if not journaled:  # a frame read back from the journal says nothing about its sender now
             self.last_heard[env.sender] = time.time()
+        gate = None
         if self.journal is not None and not journaled and role == "agent":
-            await self.journal(topic, payload, env)
+            gate = await self.journal(topic, payload, env)
+        try:
+            await self._hand_on(topic, payload, env, role, deliver)
+        except Exception:
+            if gate is not None:
+                # The transport acknowledges a frame whose handling failed: not before
+                # its record is durable.
+                await gate
+            raise
+        return gate
+
+    async def _hand_on(
+        self,
+        topic: str,
+        payload: bytes | bytearray,
+        env: Envelope,
+        role: str,
+        deliver: Callable[[Incoming], Awaitable[None]],
+    ) -> None:
         if env.kind == STREAM_KIND:
             if role != "agent":
                 # Only agents train: a stream from another role (a coordinator's

@@ -7,7 +7,10 @@ What this adds to aiomqtt (2.x, on paho-mqtt 2.x):
   messages addressed to us while we were away are delivered when we come back;
 * at-least-once delivery *to the handler*: paho acknowledges a QoS1 message only
   after the handler has returned (manual ack), so a crash in between means the
-  broker delivers it again (receivers dedupe by sender and sequence);
+  broker delivers it again (receivers dedupe by sender and sequence); a handler may
+  also return an awaitable, and the message is acknowledged only once that is done
+  (the next messages are handled meanwhile; acknowledgements keep the order the
+  messages came in);
 * publishes that wait for PUBACK and look at its MQTT 5 reason code (aiomqtt ignores
   it), so a publish the broker ACL refuses raises :class:`NotAuthorized` instead of
   vanishing silently;
@@ -29,6 +32,7 @@ and ``tests/test_broker_tls.py`` exercises each of these paths.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import random
 import select
@@ -802,8 +806,10 @@ _packet.decode_publish = _decode_publish
 # --- the transport ------------------------------------------------------------------
 
 #: What a handler is given: the topic and the payload, ``bytes`` or, when large, a
-#: ``bytearray`` that nothing else holds (see STEAL_PAYLOAD); never to be modified.
-Handler = Callable[[str, bytes | bytearray], Awaitable[None]]
+#: ``bytearray`` that nothing else holds (see STEAL_PAYLOAD); never to be modified. What
+#: it returns: None (acknowledge the message now) or an awaitable that must be done
+#: before the message is acknowledged (see ``Transport._dispatch``).
+Handler = Callable[[str, bytes | bytearray], Awaitable[Awaitable[None] | None]]
 Subscription = str | tuple[str, int]
 
 
@@ -1131,20 +1137,51 @@ class Transport:
             raise
 
     async def _dispatch(self, handler: Handler, inbox: asyncio.Queue) -> None:
-        while True:
-            client, message = await inbox.get()
-            topic = message.topic.value
-            payload = message.payload
-            if not isinstance(payload, bytes | bytearray):
-                payload = b"" if payload is None else bytes(payload)
-            try:
-                await handler(topic, payload)
-            except asyncio.CancelledError:
-                raise  # not acked: the broker redelivers it
-            except Exception:
-                log.exception("handler failed on a message from %s", topic)
-            client.ack(message.mid, message.qos)
-            client.release(len(payload))
+        """Hand the messages to ``handler`` one at a time. A message is acknowledged when
+        the handler returns, or, if it returns an awaitable (a frame written to a journal
+        whose sync is still to come), once that is done; the next messages are handled
+        meanwhile. Acknowledgements go out in the order the messages came (MQTT 5 §4.6),
+        so one waiting for its awaitable holds back those after it. The bytes a message
+        holds (``hold_limit``) are released when the handler returns either way: what
+        waits then is an acknowledgement, not data. Messages not acknowledged when the
+        connection or this task ends are delivered again by the broker."""
+        pending: collections.deque[tuple[_Client, int, int, asyncio.Future[Any] | None]] = collections.deque()
+
+        def drain(_done: object = None) -> None:
+            while pending and (pending[0][3] is None or pending[0][3].done()):
+                client, mid, qos, gate = pending.popleft()
+                if gate is not None and not gate.cancelled() and gate.exception() is not None:
+                    log.error("acknowledging message %d after its gate failed: %s", mid, gate.exception())
+                client.ack(mid, qos)
+
+        try:
+            while True:
+                client, message = await inbox.get()
+                topic = message.topic.value
+                payload = message.payload
+                if not isinstance(payload, bytes | bytearray):
+                    payload = b"" if payload is None else bytes(payload)
+                gate: asyncio.Future[Any] | None = None
+                try:
+                    after = await handler(topic, payload)
+                    if after is not None:
+                        gate = asyncio.ensure_future(after)
+                except asyncio.CancelledError:
+                    raise  # not acked: the broker redelivers it
+                except Exception:
+                    log.exception("handler failed on a message from %s", topic)
+                client.release(len(payload))
+                if gate is None and not pending:
+                    client.ack(message.mid, message.qos)
+                    continue
+                pending.append((client, message.mid, message.qos, gate))
+                if gate is not None:
+                    gate.add_done_callback(drain)
+                drain()
+        finally:
+            for _client, _mid, _qos, gate in pending:
+                if gate is not None:
+                    gate.remove_done_callback(drain)
 
     async def _subscribe(self, client: _Client, topics: list[tuple[str, int]]) -> None:
         if not topics:
