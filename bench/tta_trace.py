@@ -43,22 +43,27 @@ class CpuSampler(threading.Thread):
         self.proc_period = proc_period
         self.work = str(work)
         self.samples: list[tuple[float, int, int]] = []
-        self.proc_samples: list[tuple[float, float]] = []
+        self.proc_samples: list[tuple[float, float, float]] = []  # (time, all the run's processes, coordinator)
         self._halt = threading.Event()
 
-    def procs_cpu(self) -> float:
-        total = 0.0
+    def procs_cpu(self) -> tuple[float, float]:
+        """CPU seconds of the run's processes so far: all of them, and the coordinator."""
+        total = coordinator = 0.0
         for d in Path("/proc").iterdir():
             if not d.name.isdigit() or int(d.name) == os.getpid():  # not this process (its relays)
                 continue
             try:
-                if self.work.encode() not in (d / "cmdline").read_bytes():
+                cmdline = (d / "cmdline").read_bytes()
+                if self.work.encode() not in cmdline:
                     continue
                 fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return total
+            cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            total += cpu
+            if b"\0coordinator\0" in cmdline:
+                coordinator += cpu
+        return total, coordinator
 
     @staticmethod
     def read() -> tuple[int, int]:
@@ -75,17 +80,17 @@ class CpuSampler(threading.Thread):
             now = time.time()
             self.samples.append((now, busy, total))
             if now >= next_proc:
-                self.proc_samples.append((now, self.procs_cpu()))
+                self.proc_samples.append((now, *self.procs_cpu()))
                 next_proc = now + self.proc_period
             self._halt.wait(self.period)
 
-    def procs_cpu_between(self, t0: float, t1: float) -> float | None:
-        """CPU seconds the run's processes used between wall times t0 and t1 (nearest
-        samples inside; None if fewer than two)."""
+    def procs_cpu_between(self, t0: float, t1: float, which: int = 1) -> float | None:
+        """CPU seconds the run's processes (``which`` 2: the coordinator alone) used
+        between wall times t0 and t1 (nearest samples inside; None if fewer than two)."""
         inside = [s for s in self.proc_samples if t0 <= s[0] <= t1]
         if len(inside) < 2:
             return None
-        return (inside[-1][1] - inside[0][1]) * (t1 - t0) / (inside[-1][0] - inside[0][0])
+        return (inside[-1][which] - inside[0][which]) * (t1 - t0) / (inside[-1][0] - inside[0][0])
 
     def stop(self) -> None:
         self._halt.set()
@@ -115,6 +120,8 @@ def trace(work: Path, rounds: int) -> dict:
         t0, t1 = rounds[0]["start"], rounds[-1]["end"]
         cpu = sampler.procs_cpu_between(t0, t1)
         out["cpu_per_round_2_on"] = None if cpu is None else cpu / len(rounds)
+        cpu = sampler.procs_cpu_between(t0, t1, which=2)
+        out["coordinator_cpu_per_round_2_on"] = None if cpu is None else cpu / len(rounds)
     return out
 
 
@@ -167,6 +174,9 @@ def analyse(d: Path, sampler: CpuSampler | None = None) -> dict:
             "checkpointed_to_next_start": None if nxt is None else nxt - m["checkpointed"],
             "eval_seconds_median": statistics.median(evals) if evals else None,
             "idle_share": None if sampler is None else sampler.idle_share(m["start"], m["aggregated"]),
+            # fdatasync calls at the coordinator during the round (round journal, replay guard)
+            "journal_syncs": c.get("syncs", {}).get("journal"),
+            "replay_syncs": c.get("syncs", {}).get("replay"),
         }
         per_round.append(row)
     later = per_round[1:] or per_round
@@ -208,6 +218,8 @@ def main() -> None:
         out.get("cpu"),
         "; CPU s per round (rounds 2 on, all processes of the run):",
         out.get("cpu_per_round_2_on"),
+        "; of which the coordinator:",
+        out.get("coordinator_cpu_per_round_2_on"),
         "; load:",
         out["load"],
     )

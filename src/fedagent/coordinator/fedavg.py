@@ -183,6 +183,7 @@ class FedAvgMode:
         self._durable_waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
         self._sync_task: asyncio.Task[None] | None = None
         self._sync_timer: asyncio.TimerHandle | None = None
+        self._syncs_at: dict[str, int] = {}
         core.messenger.before_replay_commit = self._flush_journal
         # The agents' evaluations (one per agent and model, arriving while the next
         # round's updates come in) reach the replay guard's journal within a second, not
@@ -617,6 +618,13 @@ class FedAvgMode:
         self.group.flushed()
         self._release_durable()
 
+    def _sync_counts(self) -> dict[str, int]:
+        replay = self.core.messenger.replay_journal
+        return {
+            "journal": self.journal.syncs,
+            "replay": 0 if replay is None else replay.appends + replay.compactions,
+        }
+
     def _release_durable(self) -> None:
         """Let the acknowledgements of the frames now durable go."""
         waiters, durable = self._durable_waiters, self.group.durable
@@ -722,6 +730,7 @@ class FedAvgMode:
         if isinstance(cmd, R.StartRound):
             self.round_started_at = time.monotonic()
             self._marks = {"start": round(time.time(), 4)}
+            self._syncs_at = self._sync_counts()
             if not cmd.resumed:
                 # Both durable before the round start leaves; independent of each other
                 # (a crash between them leaves a journal that recovery finds past, or
@@ -806,6 +815,9 @@ class FedAvgMode:
                     **({"privacy": cmd.privacy} if cmd.privacy is not None else {}),
                     **self._secure_record(),
                     "marks": marks,
+                    # fdatasync calls of the round journal and the replay guard's journal
+                    # during the round (the intake's disk cost: docs/faults.md)
+                    "syncs": {k: v - self._syncs_at.get(k, 0) for k, v in self._sync_counts().items()},
                 }
             )
             if not next_round_follows:

@@ -97,7 +97,7 @@ class GroupCommit:
             self._barrier
             or self.waiting >= p.max_frames
             or self._waiting_bytes >= p.max_bytes
-            or (self._oldest is not None and now - self._oldest >= p.max_delay)
+            or (self._oldest is not None and now >= self._oldest + p.max_delay)  # as deadline() says
         )
 
     def deadline(self) -> float | None:
