@@ -607,6 +607,62 @@ def test_qos1_message_is_redelivered_if_the_handler_never_finished(broker, arun,
     arun(main())
 
 
+def test_an_acknowledgement_waits_for_what_the_handler_returned_and_keeps_the_order(broker, arun, peer):
+    """A handler may return an awaitable (the coordinator: a frame written to its round
+    journal, its sync still to come): the next messages are handled meanwhile, but none
+    is acknowledged before it is done, and the ones after it wait too (acknowledgements
+    in order). A crash before then: the broker delivers them all again; after it, none."""
+    cid = unique_id("agent-b")
+    inbox = topics.inbox(FED, cid)
+    to_b = topics.direct(FED, "agent-a", cid, "update")
+
+    async def main():
+        handled: asyncio.Queue[bytes] = asyncio.Queue()
+        gates: dict[bytes, asyncio.Future[None]] = {}
+
+        async def gated(_topic, payload):
+            handled.put_nowait(bytes(payload))
+            if bytes(payload).startswith(b"gated"):
+                gates[bytes(payload)] = asyncio.get_running_loop().create_future()
+                return gates[bytes(payload)]
+            return None
+
+        async def next_handled() -> bytes:
+            return await asyncio.wait_for(handled.get(), 10)
+
+        async with peer(broker, "agent-a") as a:
+            async with peer(broker, "agent-b", client_id=cid, subscriptions=[inbox], handler=gated) as first:
+                await a.transport.publish(to_b, b"gated-1")
+                await a.transport.publish(to_b, b"plain-2")
+                # the second was handled while the first one's gate was open
+                assert [await next_handled(), await next_handled()] == [b"gated-1", b"plain-2"]
+                first.task.cancel()  # a crash before the gate is done
+                with pytest.raises(asyncio.CancelledError):
+                    await first.task
+            async with peer(broker, "agent-b", client_id=cid, subscriptions=[inbox], handler=gated) as again:
+                assert again.transport.session_present
+                # both again: the second one's acknowledgement was held behind the first's
+                assert sorted([await next_handled(), await next_handled()]) == [b"gated-1", b"plain-2"]
+                gates[b"gated-1"].set_result(None)  # now durable: acknowledged
+                await a.transport.publish(to_b, b"gated-3")
+                assert await next_handled() == b"gated-3"
+                await a.transport.publish(to_b, b"plain-4")
+                assert await next_handled() == b"plain-4"
+                gates[b"gated-3"].set_result(None)
+                await asyncio.sleep(0)  # the done-callback sends the acknowledgements
+                await again.transport.publish(topics.presence(FED, cid), b"", retain=True)  # a round trip
+                again.task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await again.task
+            async with peer(broker, "agent-b", client_id=cid, subscriptions=[inbox], handler=gated) as last:
+                assert last.transport.session_present
+                await a.transport.publish(to_b, b"plain-5")
+                # nothing acknowledged came back: the first message now is the new one
+                assert await next_handled() == b"plain-5"
+
+    arun(main(), timeout=60)
+
+
 def test_t5_publish_waits_for_the_connection(broker_factory, arun, peer):
     b = broker_factory()
 

@@ -817,7 +817,10 @@ class FedAvgMode:
                     "marks": marks,
                     # fdatasync calls of the round journal and the replay guard's journal
                     # during the round (the intake's disk cost: docs/faults.md)
-                    "syncs": {k: v - self._syncs_at.get(k, 0) for k, v in self._sync_counts().items()},
+                    "syncs": {
+                        **{k: v - self._syncs_at.get(k, 0) for k, v in self._sync_counts().items()},
+                        "frames": self.journal.frames,
+                    },
                 }
             )
             if not next_round_follows:
