@@ -228,3 +228,81 @@ def test_a_chunked_update_journaled_before_a_crash_is_handed_on_once_after_it(pk
         assert len(got) == 1 and restarted.rejected["replay"] == len(wire.frames)
 
     asyncio.run(run())
+
+
+def test_with_grouped_syncs_no_sequence_number_is_durable_before_its_frames_record(pki, tmp_path):
+    """Frames are written unsynced and acknowledged after their group's sync; the replay
+    guard's numbers go to disk when a stream starts. The messenger asks for the journal's
+    flush first, so after a power cut (unsynced writes gone) no frame the broker delivers
+    again meets a number already on disk."""
+    import asyncio
+
+    from conftest import COORDINATOR, FEDERATION
+
+    from fedagent.node.messaging import Messenger
+    from fedagent.protocols import topics
+    from fedagent.protocols.messages import Update
+    from fedagent.signing import Identity
+
+    def ident(name: str) -> Identity:
+        tls = pki.issue(name, "coordinator" if name == COORDINATOR else "agent")
+        return Identity.load(tls.cert, tls.key, tls.ca)
+
+    state = tmp_path / "coord"
+    state.mkdir()
+    weights = {"w": np.arange(3000, dtype=np.float32)}
+
+    async def run() -> None:
+        wire = Capture()
+        for name in ("agent-a", "agent-b"):
+            sender = Messenger(
+                federation=FEDERATION, node_id=name, transport=wire, identity=ident(name), max_chunk_bytes=4096
+            )
+            await sender.send_update(
+                topics.direct(FEDERATION, name, COORDINATOR, "ustream"), Update(3, 2, 10, {}, weights)
+            )
+        assert len(wire.frames) >= 6
+        m = Messenger(
+            federation=FEDERATION,
+            node_id=COORDINATOR,
+            transport=Capture(),
+            identity=ident(COORDINATOR),
+            max_chunk_bytes=4096,
+            state_dir=state,
+        )
+        journal = RoundJournal(state / "round-journal", max_frame=1 << 20)
+        journal.begin(3, 2, ("agent-a", "agent-b"))
+        order: list[str] = []
+        written = synced = 0
+
+        async def keep(topic, payload, env):
+            nonlocal written
+            journal.write(topic, payload)
+            written += 1
+            order.append(f"write {written}")
+            return asyncio.get_running_loop().create_future()  # acknowledged after a later sync
+
+        def flush() -> None:
+            nonlocal synced
+            journal.sync()
+            synced = written
+            order.append(f"sync {synced}")
+
+        commit = m.replay_journal.commit
+
+        def recorded_commit() -> None:
+            order.append(f"replay commit (frames synced: {synced}, written: {written})")
+            assert synced == written, "the replay guard's numbers would be durable before their frames"
+            commit()
+
+        m.journal = keep
+        m.before_replay_commit = flush
+        m.replay_journal.commit = recorded_commit  # type: ignore[method-assign]
+        m.on_stream = lambda events: asyncio.sleep(0)
+        gates = [await m.receive(t, p, lambda inc: asyncio.sleep(0)) for t, p in wire.frames]
+        assert all(g is not None and not g.done() for g in gates)  # none acknowledged by receive itself
+        # one stream start per agent, each flushed first
+        assert sum(o.startswith("replay commit") for o in order) == 2
+        assert order.index("sync 1") < order.index("replay commit (frames synced: 1, written: 1)")
+
+    asyncio.run(run())
