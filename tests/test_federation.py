@@ -156,6 +156,9 @@ def test_rounds_leave_their_critical_path_in_the_history(federation):
         assert m["start"] <= m["broadcast"] <= m["aggregated"] <= m["checkpointed"]
         assert sorted(m["updates"]) == sorted(r["participants"])
         assert all(m["broadcast"] <= t <= m["aggregated"] for t in m["updates"].values())
+        # every update frame journaled, and synced in groups (never more syncs than frames)
+        syncs = r["syncs"]
+        assert syncs["frames"] >= len(r["participants"]) and 1 <= syncs["journal"] <= syncs["frames"]
     checked = 0
     for aid in fed.agent_ids:
         history = _history(fed, aid, "agent")
