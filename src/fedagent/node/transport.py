@@ -1150,7 +1150,9 @@ class Transport:
         def drain(_done: object = None) -> None:
             while pending and (pending[0][3] is None or pending[0][3].done()):
                 client, mid, qos, gate = pending.popleft()
-                if gate is not None and not gate.cancelled() and gate.exception() is not None:
+                if gate is not None and gate.cancelled():
+                    continue  # shutting down: not acknowledged, the broker delivers it again
+                if gate is not None and gate.exception() is not None:
                     log.error("acknowledging message %d after its gate failed: %s", mid, gate.exception())
                 client.ack(mid, qos)
 
