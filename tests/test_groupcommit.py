@@ -158,3 +158,13 @@ def test_a_power_loss_at_any_step_loses_only_frames_never_acknowledged(sync_s):
     for crash_at in range(1, 200):
         out = intake_trace(GroupPolicy(), sync_s=sync_s, crash_at=crash_at)
         assert out["acked"] <= out["durable"] <= out["written"]
+
+
+def test_a_flush_covers_only_the_frames_written_before_it_started():
+    g = GroupCommit(GroupPolicy(max_delay=10.0))
+    g.write(100, 0.0)
+    g.write(100, 0.0)
+    upto = g.written  # the flush starts here, in a worker thread
+    g.write(100, 0.5)  # another task hands a frame on meanwhile
+    assert g.flushed(upto) == 2
+    assert g.durable == 2 and g.waiting == 1 and g.deadline() is not None

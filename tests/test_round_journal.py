@@ -282,7 +282,7 @@ def test_with_grouped_syncs_no_sequence_number_is_durable_before_its_frames_reco
             order.append(f"write {written}")
             return asyncio.get_running_loop().create_future()  # acknowledged after a later sync
 
-        def flush() -> None:
+        async def flush() -> None:
             nonlocal synced
             journal.sync()
             synced = written

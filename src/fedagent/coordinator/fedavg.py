@@ -606,17 +606,21 @@ class FedAvgMode:
         self._release_durable()
         self._commit_soon()
 
-    def _flush_journal(self) -> None:
+    async def _flush_journal(self) -> None:
         """Make every frame written so far durable now (a barrier: the replay guard's
-        numbers are about to become durable, and must not be before their frames)."""
-        if self.group.durable >= self.group.written:
-            return
-        try:
-            self.journal.sync()  # waits for a sync in flight on the same file, if any
-        except StateWriteError as exc:
-            log.error("round journal: frames not made durable (%s); acknowledged all the same", exc)
-        self.group.flushed()
-        self._release_durable()
+        numbers are about to become durable, and must not be before their frames). In a
+        worker thread: a sync of several frames on a busy disk must not stall the event
+        loop (reads, keep-alive, the round's other work). Returns only once every frame
+        written is durable: another task (the lazy replay commit) may hand frames on while
+        this one waits, and the caller commits the replay guard without awaiting again."""
+        while self.group.durable < self.group.written:
+            upto = self.group.written
+            try:
+                await asyncio.to_thread(self.journal.sync)  # waits for a sync in flight on the same file, if any
+            except StateWriteError as exc:
+                log.error("round journal: frames not made durable (%s); acknowledged all the same", exc)
+            self.group.flushed(upto)
+            self._release_durable()
 
     def _sync_counts(self) -> dict[str, int]:
         replay = self.core.messenger.replay_journal

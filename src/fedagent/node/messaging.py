@@ -169,7 +169,9 @@ class Messenger:
         # Called before the replay guard's numbers are made durable: a number must not be
         # durable before the journal record of its frame (a frame redelivered after a
         # crash would meet its own number and be refused as a replay).
-        self.before_replay_commit: Callable[[], None] | None = None
+        # (Awaited: the coordinator's flush runs in a worker thread, the event loop goes on.)
+        self.before_replay_commit: Callable[[], Awaitable[None]] | None = None
+        self._lazy_tasks: set[asyncio.Task[None]] = set()
         self.metrics = metrics  # a fedagent.metrics.NodeMetrics, or None
         self.bytes_in = 0
         self.bytes_out = 0
@@ -390,7 +392,7 @@ class Messenger:
                 # A replayed stream can only start with its header (the intake refuses
                 # parts of a transfer it does not know), so the guard is made durable when
                 # a stream starts, not fsync'd for every chunk of a large update.
-                self._persist_replay()
+                await self._persist_replay()
             await self.on_stream(events)
 
     def _bind_round(self, env: Envelope, events: list[StreamEvent]) -> list[StreamEvent]:
@@ -405,14 +407,14 @@ class Messenger:
                 return events[:k] + kept + tail
         return events
 
-    def _persist_replay(self) -> None:
+    async def _persist_replay(self) -> None:
         """Make the replay guard's numbers durable before a message is handed on: a frame
         replayed after a crash must meet them. (Once delivered to this process, an MQTT
         QoS 1 message has been acknowledged, so writing first loses nothing a
         redelivery would have brought.)"""
         if self.replay_journal is not None:
             if self.before_replay_commit is not None and self.replay_journal.guard.dirty:
-                self.before_replay_commit()
+                await self.before_replay_commit()
             self.replay_journal.commit()
 
     def _persist_replay_soon(self) -> None:
@@ -424,8 +426,13 @@ class Messenger:
 
     def _lazy_commit_due(self) -> None:
         self._lazy_commit = None
+        task = asyncio.get_running_loop().create_task(self._lazy_commit_now())
+        self._lazy_tasks.add(task)
+        task.add_done_callback(self._lazy_tasks.discard)
+
+    async def _lazy_commit_now(self) -> None:
         try:
-            self._persist_replay()
+            await self._persist_replay()
         except FedagentError as exc:  # the next commit writes the whole state again
             log.error("replay guard not saved: %s", exc)
 
@@ -572,7 +579,7 @@ class Messenger:
             # Heartbeats (several a second at a busy coordinator) are not worth an fsync
             # each: their numbers become durable with the next other message. Replayed
             # after a crash, one could only make its sender look alive for a moment.
-            self._persist_replay()
+            await self._persist_replay()
         await deliver(Incoming(topic, env.sender, env, message, size, role))
 
 

@@ -126,13 +126,15 @@ class GroupCommit:
         self.syncing = None
         self.durable = max(self.durable, upto)
 
-    def flushed(self) -> int:
-        """A sync of every frame written so far was made on the spot (a barrier that
-        cannot wait for the one in flight); the frames now durable end at the returned
-        number."""
+    def flushed(self, upto: int | None = None) -> int:
+        """A sync made outside the schedule (a barrier that cannot wait for the one in
+        flight) has made the frames up to ``upto`` durable (None: every frame written;
+        frames written while it ran are not covered); returns the last durable frame."""
+        upto = self.written if upto is None else upto
         self.syncs += 1
-        self.durable = self.written
-        self._uncover()
+        self.durable = max(self.durable, upto)
+        if upto >= self.written:
+            self._uncover()
         return self.durable
 
     def _uncover(self) -> None:
