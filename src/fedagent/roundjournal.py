@@ -125,6 +125,7 @@ class RoundJournal:
         self.by_sender: dict[str, int] = {}  # bytes journaled per sender (a bound per member)
         self._fd: int | None = None
         self._size = 0
+        self._durable = 0  # bytes of the open file known to be on disk
         # The file open for appending is replaced by begin()/end()/recover(), which may run
         # in a worker thread while a group's sync runs in another: the lock keeps a sync
         # from meeting a closed (or reused) descriptor. Each opening is a new generation.
@@ -217,7 +218,7 @@ class RoundJournal:
             with open(self.path, "r+b") as tail:
                 tail.truncate(good)
                 os.fsync(tail.fileno())
-        self._open(good)
+        self._open(good, durable=False)
         self.frames, self.bytes, self.by_sender = frames, nbytes, by_sender
         return self.round
 
@@ -317,14 +318,18 @@ class RoundJournal:
         with self._fd_lock:
             if self._fd is None or (generation is not None and generation != self.generation):
                 return False
+            size = self._size  # records appended in full before this call
+            if size <= self._durable:
+                return True  # already on disk: a group or a barrier that found nothing new
             try:
                 os.fdatasync(self._fd)
             except OSError as exc:
                 raise StateWriteError(f"cannot sync {self.path}: {exc.strerror or exc}") from exc
+            self._durable = size
             self.syncs += 1
             return True
 
-    def _open(self, size: int) -> None:
+    def _open(self, size: int, *, durable: bool = True) -> None:
         self.close()
         with self._fd_lock:
             try:
@@ -332,6 +337,9 @@ class RoundJournal:
             except OSError as exc:
                 raise StateWriteError(f"cannot open {self.path}: {exc.strerror or exc}") from exc
             self._size = size
+            # begin() and end() hand over a file atomic_write synced; what recover() read
+            # back may still be only in the page cache after a crash of the process.
+            self._durable = size if durable else 0
             self.generation += 1
 
     def close(self) -> None:
