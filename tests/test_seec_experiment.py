@@ -1,8 +1,14 @@
-"""Pure helpers of the SEEC experiment's live mapped-search row (no network)."""
+"""Pure helpers of the SEEC experiment (no network): the live mapped-search row and the
+joint run's rounds."""
 
 from __future__ import annotations
 
-from fedagent.experiments.seec import others_top_k, query_text
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+
+from fedagent.experiments.seec import Scale, joint_local_steps, joint_plan, joint_rounds, others_top_k, query_text
 
 
 def test_query_text_cuts_long_articles_at_a_word_boundary():
@@ -19,3 +25,19 @@ def test_others_top_k_drops_the_searched_article_and_keeps_the_merge_order():
     assert others_top_k(hits, row_of, 0, 2) == [1, 3]
     # Not found among the hits (its vector was inferred afresh): the first k others count.
     assert others_top_k(hits, row_of, 3, 3) == [1, 0, 2]
+
+
+def test_joint_rounds_split_each_pass_over_the_data():
+    # Two sites whose words are all kept: 4096 and 6144 pairs an epoch, 4 and 6 batches of 1024.
+    sites = [
+        SimpleNamespace(keep=np.ones(5), encoded=[np.zeros(n, np.int64) for n in (1024, 3072)]),
+        SimpleNamespace(keep=np.ones(5), encoded=[np.zeros(6144, np.int64)]),
+    ]
+    one = Scale(epochs=10, batch_size=1024)
+    assert joint_rounds(one) == 10 and joint_local_steps(sites, one) == 0  # whole local epochs
+    fifth = replace(one, rounds_per_epoch=5)
+    assert joint_rounds(fifth) == 50 and joint_local_steps(sites, fifth) == 1  # mean epoch 5 batches / 5
+    assert joint_local_steps(sites, replace(one, rounds_per_epoch=100)) == 1  # never below one batch
+    text = joint_plan({"epochs": 10, "rounds_per_epoch": 5, "server_lr": 3.0}, {"local_steps": 1})
+    assert "50 FedAvg rounds of 1/5" in text and "local_steps = 1" in text and "server step 3" in text
+    assert joint_plan({"epochs": 10}, {}) == "10 FedAvg rounds of one local epoch"

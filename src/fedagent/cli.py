@@ -915,7 +915,12 @@ def experiment_dp_digits(rounds: int, seeds: int, fixed_clip: bool, out: Path) -
     "~30 min on 2 heavily shared cores); paper: 40 epochs, 40 inference passes; tiny: a smoke run",
 )
 @click.option("--sites", type=int, default=None, help="agents / edge sites [default: 3]")
-@click.option("--epochs", type=int, default=None, help="passes over the data (FedAvg rounds of one local epoch)")
+@click.option(
+    "--epochs",
+    type=int,
+    default=None,
+    help="passes over the data (joint learning: --rounds-per-epoch FedAvg rounds each)",
+)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("seec-report"), show_default=True)
 @click.option("--keep", is_flag=True, help="keep the federation's work directory (logs, checkpoints)")
@@ -927,6 +932,19 @@ def experiment_dp_digits(rounds: int, seeds: int, fixed_clip: bool, out: Path) -
     help="private data: gensim's Wikipedia articles (105) or the Linux manual pages (1,083)",
 )
 @click.option("--limit", type=int, default=None, help="use only the corpus's first N documents (0: all)")
+@click.option(
+    "--rounds-per-epoch",
+    type=int,
+    default=None,
+    help="joint learning: FedAvg rounds per pass over the data (a round is that fraction of a local epoch) "
+    "[default: 10 on the man pages, 1 on wiki]",
+)
+@click.option(
+    "--server-lr",
+    type=float,
+    default=None,
+    help="joint learning: the coordinator's server step [default: 3 on the man pages, 1 on wiki]",
+)
 def experiment_seec(
     scale_name: str,
     sites: int | None,
@@ -936,6 +954,8 @@ def experiment_seec(
     keep: bool,
     corpus: str,
     limit: int | None,
+    rounds_per_epoch: int | None,
+    server_lr: float | None,
 ) -> None:
     """SEEC: joint doc2vec learning (daemons) and vector-space mapping vs centralized (sim_10)."""
     from dataclasses import replace
@@ -954,8 +974,16 @@ def experiment_seec(
             corpus=corpus,
             limit=scale.limit if limit is None else limit,
         )
+        joint = seec.JOINT_SETTINGS.get(corpus, (scale.rounds_per_epoch, scale.server_lr))
+        scale = replace(
+            scale,
+            rounds_per_epoch=joint[0] if rounds_per_epoch is None else rounds_per_epoch,
+            server_lr=joint[1] if server_lr is None else server_lr,
+        )
         if scale.limit < 0:
             raise ConfigError("--limit must be at least 0")
+        if scale.rounds_per_epoch < 1 or not 0 < scale.server_lr <= 100:
+            raise ConfigError("--rounds-per-epoch must be at least 1 and --server-lr in (0, 100]")
         seec.run_experiment(out, scale, keep=keep)
     except FedagentError as exc:
         _fail(exc)

@@ -41,10 +41,12 @@ class RoundsConfig:
     round_timeout: float = 120.0
     max_norm: float | None = None
     local_epochs: int = 1
+    local_steps: int = 0  # mini-batches a round instead of local_epochs (0: epochs); tasks with fit_steps
     lr: float = 0.05
     batch_size: int = 32
     seed: int = 0
     lr_schedule: str = "constant"  # "constant" | "cosine" over `rounds` (coordinator)
+    server_lr: float = 1.0  # the global model moves server_lr x the aggregate's step (1: FedAvg)
     aggregation: str = "fedavg"  # "fedavg" | "metric" | "blur" (FLSimCo eq. 11) | "drop_above"
     weight_key: str = ""  # the reported metric "metric"/"blur"/"drop_above" read
     drop_above: float | None = None  # "drop_above": threshold on weight_key

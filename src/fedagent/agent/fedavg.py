@@ -436,9 +436,13 @@ class FedAvgSession(Session):
         with agent.thread_lock:
             marks["train_start"] = time.time()
             set_weights(agent.model, cmd.weights)
-            metrics = agent.task.fit(
-                agent.model, epochs=cmd.train.epochs, lr=cmd.train.lr, batch_size=cmd.train.batch_size, seed=cmd.round
-            )
+            t = cmd.train
+            if t.steps:  # [rounds] local_steps: a fraction of an epoch (or more) a round
+                metrics = agent.task.fit_steps(
+                    agent.model, steps=t.steps, lr=t.lr, batch_size=t.batch_size, seed=cmd.round
+                )
+            else:
+                metrics = agent.task.fit(agent.model, epochs=t.epochs, lr=t.lr, batch_size=t.batch_size, seed=cmd.round)
             weights = get_weights(agent.model)
             marks["train_end"] = time.time()
             return weights, metrics

@@ -32,7 +32,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedagent.experiments.seec import Scale, cosine_lr, load_doc2vec, neighbours, overlaps, train
+from fedagent.experiments.seec import (
+    Scale,
+    cosine_lr,
+    joint_local_steps,
+    load_doc2vec,
+    neighbours,
+    overlaps,
+    train,
+)
 from fedagent.tasks import text_data as td
 from fedagent.tasks.doc2vec import DocHead
 
@@ -42,36 +50,87 @@ def sim(a: list[list[int]], b: list[list[int]], k: int) -> float:
 
 
 def train_joint(
-    scale: Scale, server_lr: float = 1.0, global_counts: bool = False, local_epochs: int = 1
+    scale: Scale,
+    server_lr: float = 1.0,
+    global_counts: bool = False,
+    local_epochs: int = 1,
+    rounds_per_epoch: int = 1,
+    weights: str = "tokens",
+    schedule: str = "rounds",
 ) -> tuple[Any, DocHead]:
     """FedAvg of the doc2vec head over ``scale.sites`` shards, ``local_epochs`` per round and
     ``scale.epochs / local_epochs`` rounds (the agents' ``_fit``: the round number is the
     local seed). ``server_lr``: the global head moves by that times the mean update (1:
     plain FedAvg). ``global_counts``: the sites subsample and draw noise words by the
-    federation's counts instead of their own."""
+    federation's counts instead of their own. ``rounds_per_epoch`` > 1 (with one local
+    epoch): a round is that fraction of a site's epoch (its steps), so the same passes
+    take ``rounds_per_epoch`` times more rounds. ``weights``: "tokens" (FedAvg) or "equal".
+    ``schedule``: the cosine step over the rounds ("rounds", the coordinator's) or over
+    the epochs, constant within one ("epochs", the centralized model's)."""
     shards = [load_doc2vec(scale, shard=i, shards=scale.sites) for i in range(scale.sites)]
     merged = td.merge_term_counts([t.term_counts() for t in shards], min_count=scale.min_count)
     terms = [t for t, _ in merged]
     for t in shards:
         # an agent's counts: its own + 1 (fedagent.tasks.doc2vec), or the federation's
         t.set_vocabulary(terms, [c for _, c in merged] if global_counts else None)
-    weights = np.array([t.num_samples() for t in shards], dtype=np.float64)
-    weights /= weights.sum()
+    w = np.array([t.num_samples() if weights == "tokens" else 1 for t in shards], dtype=np.float64)
+    w /= w.sum()
     torch.manual_seed(scale.seed)
     glob = shards[0].build_model()
     models = [t.build_model() for t in shards]
-    rounds = max(1, scale.epochs // local_epochs)
+    if rounds_per_epoch > 1:
+        local_epochs = 1
+    rounds = max(1, scale.epochs // local_epochs) * rounds_per_epoch
+    # a fraction of an epoch: the sites' mean epoch split (what the experiment sets as
+    # the daemons' [rounds] local_steps)
+    steps = joint_local_steps(shards, replace(scale, rounds_per_epoch=rounds_per_epoch))
     for r in range(1, rounds + 1):
-        lr = cosine_lr(scale.lr, r, rounds)
+        if schedule == "epochs":
+            lr = cosine_lr(scale.lr, (r - 1) // rounds_per_epoch + 1, rounds // rounds_per_epoch)
+        else:
+            lr = cosine_lr(scale.lr, r, rounds)
         acc = torch.zeros_like(glob.out_embed.weight.data)
-        for w, t, m in zip(weights, shards, models):
+        for wi, t, m in zip(w, shards, models):
             m.out_embed.weight.data.copy_(glob.out_embed.weight.data)
-            t.fit(m, epochs=local_epochs, lr=lr, batch_size=scale.batch_size, seed=r)
-            acc += float(w) * m.out_embed.weight.data
+            if rounds_per_epoch > 1:
+                t.fit_steps(m, steps=steps, lr=lr, batch_size=scale.batch_size, seed=r)
+            else:
+                t.fit(m, epochs=local_epochs, lr=lr, batch_size=scale.batch_size, seed=r)
+            acc += float(wi) * m.out_embed.weight.data
         glob.out_embed.weight.data.add_(server_lr * (acc - glob.out_embed.weight.data))
     central_vocab = load_doc2vec(scale)
     central_vocab.set_vocabulary(terms, [c for _, c in merged])
     return central_vocab, glob
+
+
+def baseline(scale: Scale, central_task: Any, infer: int, cache: Path | None) -> tuple[dict[str, Any], list[list[int]]]:
+    """The centralized model's top k of every document (the reference), and the reinfer and
+    reseed ceilings, for ``scale`` and ``infer`` passes: measured (two centralized models
+    and three inferences), or read back from ``cache`` where an earlier run left them (they
+    depend on nothing a joint variant changes)."""
+    key = f"e{scale.epochs}-i{infer}-m{scale.min_count}-s{scale.seed}-l{scale.limit}.json"
+    if cache is not None and (cache / key).exists():
+        saved = json.loads((cache / key).read_text())
+        print(json.dumps(saved["row"]), flush=True)
+        return saved["row"], saved["ref"]
+    docs, k = central_task.tokens, scale.k
+    t0 = time.process_time()
+    central, _ = train(central_task, scale, seed=scale.seed)
+    other_task = load_doc2vec(replace(scale, seed=scale.seed + 1))
+    other, _ = train(other_task, scale, seed=scale.seed + 1)
+    cpu_train = time.process_time() - t0
+    t0 = time.process_time()
+    ref = neighbours(central_task.infer_vectors(central, docs, epochs=infer, seed=101)[0], k)
+    row: dict[str, Any] = {"epochs": scale.epochs, "infer": infer, "min_count": scale.min_count, "seed": scale.seed}
+    row["reinfer"] = sim(ref, neighbours(central_task.infer_vectors(central, docs, epochs=infer, seed=202)[0], k), k)
+    row["reseed"] = sim(ref, neighbours(other_task.infer_vectors(other, docs, epochs=infer, seed=202)[0], k), k)
+    row["cpu_train_2_central_s"] = round(cpu_train, 1)
+    row["cpu_infer_s"] = round(time.process_time() - t0, 1)
+    print(json.dumps(row), flush=True)
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / key).write_text(json.dumps({"row": row, "ref": [[int(j) for j in r] for r in ref]}))
+    return row, ref
 
 
 def study_mapping(args: argparse.Namespace) -> None:
@@ -145,8 +204,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, nargs="+", default=[0])
     p.add_argument("--limit", type=int, default=0)
     p.add_argument("--no-joint", action="store_true")
+    p.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="keep the centralized reference and ceilings of each seed here and reuse them",
+    )
     p.add_argument("--server-lr", type=float, nargs="+", default=[1.0], help="joint variants: server step")
     p.add_argument("--local-epochs", type=int, nargs="+", default=[1], help="joint variants: local epochs a round")
+    p.add_argument(
+        "--rounds-per-epoch",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="joint variants: rounds a site epoch (a round is 1/R epoch)",
+    )
+    p.add_argument("--weights", nargs="+", default=["tokens"], choices=["tokens", "equal"], help="joint variants")
+    p.add_argument("--schedule", nargs="+", default=["rounds"], choices=["rounds", "epochs"], help="joint variants")
     p.add_argument(
         "--counts",
         choices=["own", "federation", "both"],
@@ -165,47 +239,43 @@ def main(argv: list[str] | None = None) -> None:
         return
     for seed, mc, epochs in [(s, m, e) for s in args.seed for m in args.min_count for e in args.epochs]:
         scale = Scale(corpus="manpages", epochs=epochs, min_count=mc, seed=seed, limit=args.limit)
-        t0 = time.process_time()
         central_task = load_doc2vec(scale)
         docs = central_task.tokens
         k = scale.k
-        central, _ = train(central_task, scale, seed=scale.seed)
-        other_task = load_doc2vec(replace(scale, seed=scale.seed + 1))
-        other, _ = train(other_task, scale, seed=scale.seed + 1)
-        cpu_train = time.process_time() - t0
         variants = [
-            (slr, le, gc)
+            {
+                "server_lr": slr,
+                "local_epochs": le,
+                "global_counts": gc,
+                "rounds_per_epoch": rpe,
+                "weights": wt,
+                "schedule": sc,
+            }
             for slr in args.server_lr
             for le in args.local_epochs
             for gc in {"own": [False], "federation": [True], "both": [False, True]}[args.counts]
+            for rpe in args.rounds_per_epoch
+            for wt in args.weights
+            for sc in args.schedule
         ]
-        joints = []
-        for slr, le, gc in [] if args.no_joint else variants:
+        base_rows = [baseline(scale, central_task, infer, args.cache) for infer in args.infer]
+        # One line per joint variant and inference setting, written as soon as it is measured.
+        for v in [] if args.no_joint else variants:
             t0 = time.process_time()
-            jt, jm = train_joint(scale, server_lr=slr, global_counts=gc, local_epochs=le)
-            v = {"server_lr": slr, "local_epochs": le, "global_counts": gc}
-            joints.append((v, jt, jm, time.process_time() - t0))
-        for infer in args.infer:
-            t0 = time.process_time()
-            ref = neighbours(central_task.infer_vectors(central, docs, epochs=infer, seed=101)[0], k)
-            row: dict[str, Any] = {"epochs": epochs, "infer": infer, "min_count": mc, "seed": scale.seed}
-            row["reinfer"] = sim(
-                ref, neighbours(central_task.infer_vectors(central, docs, epochs=infer, seed=202)[0], k), k
-            )
-            row["reseed"] = sim(ref, neighbours(other_task.infer_vectors(other, docs, epochs=infer, seed=202)[0], k), k)
-            row["joint"] = [
-                {
-                    **v,
-                    "sim": sim(ref, neighbours(jt.infer_vectors(jm, docs, epochs=infer, seed=303)[0], k), k),
-                    "cpu_s": round(c, 1),
-                }
-                for v, jt, jm, c in joints
-            ]
-            row["cpu_train_2_central_s"] = round(cpu_train, 1)
-            row["cpu_infer_s"] = round(time.process_time() - t0, 1)
-            print(json.dumps(row), flush=True)
+            jt, jm = train_joint(scale, **v)
+            cpu = time.process_time() - t0
+            for row, ref in base_rows:
+                t0 = time.process_time()
+                joint = sim(ref, neighbours(jt.infer_vectors(jm, docs, epochs=row["infer"], seed=303)[0], k), k)
+                out = {**row, "joint": [{**v, "sim": joint, "cpu_s": round(cpu, 1)}]}
+                out["cpu_infer_s"] = round(time.process_time() - t0, 1)
+                print(json.dumps(out), flush=True)
+                with args.out.open("a") as f:
+                    f.write(json.dumps(out) + "\n")
+        if args.no_joint:
             with args.out.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+                for row, _ in base_rows:
+                    f.write(json.dumps({**row, "joint": []}) + "\n")
 
 
 if __name__ == "__main__":

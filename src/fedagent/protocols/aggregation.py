@@ -177,6 +177,36 @@ def weighted_metrics(items: list[tuple[Mapping[str, float], float]]) -> dict[str
     return {k: sum(float(m[k]) * n for m, n in items) / total for k in sorted(keys)}
 
 
+def check_server_lr(step: float) -> None:
+    """A server step must be a finite number in (0, 100]."""
+    if not (isinstance(step, int | float) and math.isfinite(step) and 0 < step <= 100):
+        raise ValueError(f"server_lr must be in (0, 100], not {step!r}")
+
+
+def server_step(reference: Mapping[str, np.ndarray], aggregate: Weights, step: float) -> Weights:
+    """The next global model when the server moves ``step`` times as far as the
+    aggregate did: ``reference + step · (aggregate − reference)`` for every floating
+    tensor (computed in float64, stored in the tensor's dtype); other tensors (counters)
+    are the aggregate's. ``step = 1`` is the aggregate itself (plain FedAvg).
+
+    With ``n`` equally weighted agents each training on its own data from the same
+    model, the mean of their updates is ``1/n`` of what one model taking all of their
+    steps would move; ``step = n`` restores that (exactly so in the limit of one local
+    step a round: centralized SGD on the union of the data)."""
+    check_server_lr(step)
+    if step == 1:
+        return aggregate
+    out: Weights = {}
+    for name, agg in aggregate.items():
+        ref = np.asarray(reference[name])
+        if ref.dtype.kind != "f":
+            out[name] = agg
+            continue
+        moved = ref.astype(np.float64) + step * (np.asarray(agg, np.float64) - ref)
+        out[name] = moved.astype(ref.dtype, copy=False)
+    return out
+
+
 # ---- robust aggregation (Byzantine agents) -------------------------------------------
 ROBUST = ("median", "trimmed_mean", "krum")
 

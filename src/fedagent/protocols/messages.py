@@ -142,6 +142,9 @@ class Heartbeat:
         return cls(float(_need(body, "interval", (int, float), "heartbeat")))
 
 
+MAX_LOCAL_STEPS = 10_000_000  # [rounds] local_steps
+
+
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
     epochs: int = 1
@@ -157,6 +160,9 @@ class TrainConfig:
     # Adaptive clipping under secure aggregation: the agent also masks its clipped-or-not
     # bit (minus ½) with Gaussian noise of this standard deviation (Andrew et al. 2021).
     dp_count_std: float = 0.0
+    # Mini-batches of local training a round instead of ``epochs`` passes (0: epochs).
+    # A fraction of an epoch a round: the sites average more often for the same passes.
+    steps: int = 0
 
     def __post_init__(self) -> None:
         if type(self.stream) is not bool:
@@ -175,6 +181,8 @@ class TrainConfig:
             raise CodecError("train config: compression needs streamed updates")
         if not 1 <= self.epochs <= 10_000 or not 1 <= self.batch_size <= 1_000_000:
             raise CodecError("train config: epochs/batch_size out of range")
+        if type(self.steps) is not int or not 0 <= self.steps <= MAX_LOCAL_STEPS:
+            raise CodecError(f"train config: steps must be an integer in [0, {MAX_LOCAL_STEPS}]")
         if not (math.isfinite(self.lr) and 0 < self.lr < 100):
             raise CodecError("train config: lr out of range")
         if self.compression not in ("none", "fp16", "int8", "topk"):
@@ -184,6 +192,8 @@ class TrainConfig:
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"epochs": self.epochs, "lr": self.lr, "batch_size": self.batch_size}
+        if self.steps:
+            body["steps"] = self.steps
         if self.compression != "none":
             body["compression"] = self.compression
             body["topk_ratio"] = self.topk_ratio
@@ -223,6 +233,7 @@ class TrainConfig:
             dp_clip=None if dp_clip is None else float(dp_clip),
             dp_noise_std=float(dp_std),
             dp_count_std=float(dp_count),
+            steps=body.get("steps", 0) if type(body.get("steps", 0)) is int else -1,
         )
 
 

@@ -55,7 +55,9 @@ from fedagent.protocols.aggregation import (
     Strategy,
     StrategyAggregator,
     UpdateRejected,
+    check_server_lr,
     check_update,
+    server_step,
     weighted_metrics,
 )
 from fedagent.protocols.dp import Accountant, ClipBound, DPAggregator, DPConfig, Release, quantisation_range
@@ -80,6 +82,7 @@ class RoundConfig:
     seed: int = 0
     strategy: Strategy = field(default_factory=Strategy)
     lr_schedule: str = "constant"  # "constant" | "cosine": lr·½(1+cos(π(r−1)/rounds)) in round r
+    server_lr: float = 1.0  # the global model moves this many times the aggregate's step (aggregation.server_step)
     dp: DPConfig | None = None  # differential privacy ("central" or "distributed"), see protocols/dp.py
     secure: SA.SecAggParams | None = None  # secure aggregation (protocols/secagg.py)
     secure_stage_timeout: float = 0.0  # each key/share/unmask stage of a secure round (0: auto)
@@ -96,6 +99,7 @@ class RoundConfig:
     def __post_init__(self) -> None:
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"lr_schedule must be 'constant' or 'cosine', not {self.lr_schedule!r}")
+        check_server_lr(self.server_lr)
         if self.rounds < 1 or self.min_agents < 1 or self.min_updates < 1:
             raise ValueError("rounds, min_agents and min_updates must be at least 1")
         if self.min_updates > self.min_agents:
@@ -813,7 +817,7 @@ class RoundMachine:
     def _aggregate(self, now: float) -> list[Command]:
         assert self._acc is not None
         acc = self._acc
-        self.weights = acc.result()
+        self.weights = server_step(self.weights, acc.result(), self.config.server_lr)
         self.model_version += 1
         self.completed += 1
         self.last_metrics = weighted_metrics([(m, n) for n, m in self.received.values()])
@@ -894,7 +898,7 @@ class RoundMachine:
         mean = self.after_unmask(mean, res)
         new = dict(self.weights)
         new.update(SA.unflatten(layout, base + mean, self.weights))
-        self.weights = new
+        self.weights = server_step(self.weights, new, self.config.server_lr)
         self.model_version += 1
         self.completed += 1
         self.secure_result = res

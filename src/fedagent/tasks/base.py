@@ -50,8 +50,11 @@ class Task(abc.ABC):
         self, model: torch.nn.Module, *, steps: int, lr: float, batch_size: int, seed: int
     ) -> dict[str, float]:
         """Train ``model`` in place for ``steps`` mini-batches (gossip mode exchanges every
-        few steps, not every epoch). Tasks that support gossip mode override this."""
-        raise ConfigError(f"task {type(self).__name__} does not support gossip mode: it has no fit_steps()")
+        few steps, not every epoch; FedAvg with ``[rounds] local_steps`` trains that many a
+        round). Tasks that support either override this."""
+        raise ConfigError(
+            f"task {type(self).__name__} has no fit_steps(): it supports neither gossip mode nor [rounds] local_steps"
+        )
 
 
 class SyncTask(Task):
