@@ -943,7 +943,7 @@ def experiment_dp_digits(rounds: int, seeds: int, fixed_clip: bool, out: Path) -
     "--server-lr",
     type=float,
     default=None,
-    help="joint learning: the coordinator's server step [default: 3 on the man pages, 1 on wiki]",
+    help="joint learning: the coordinator's server step [default: 2 on the man pages, 1 on wiki]",
 )
 def experiment_seec(
     scale_name: str,
