@@ -43,12 +43,13 @@ class CpuSampler(threading.Thread):
         self.proc_period = proc_period
         self.work = str(work)
         self.samples: list[tuple[float, int, int]] = []
-        self.proc_samples: list[tuple[float, float, float]] = []  # (time, all the run's processes, coordinator)
+        self.proc_samples: list[tuple[float, dict[str, float]]] = []
         self._halt = threading.Event()
 
-    def procs_cpu(self) -> tuple[float, float]:
-        """CPU seconds of the run's processes so far: all of them, and the coordinator."""
-        total = coordinator = 0.0
+    def procs_cpu(self) -> dict[str, float]:
+        """CPU seconds (utime + stime) of the run's live processes by kind: "agents",
+        "coordinator", "broker" (and "other")."""
+        total = {"agents": 0.0, "coordinator": 0.0, "broker": 0.0, "other": 0.0}
         for d in Path("/proc").iterdir():
             if not d.name.isdigit() or int(d.name) == os.getpid():  # not this process (its relays)
                 continue
@@ -59,11 +60,17 @@ class CpuSampler(threading.Thread):
                 fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            total += cpu
-            if b"\0coordinator\0" in cmdline:
-                coordinator += cpu
-        return total, coordinator
+            kind = (
+                "coordinator"
+                if b"\0coordinator\0" in cmdline
+                else "agents"
+                if b"\0agent\0" in cmdline
+                else "broker"
+                if b"mosquitto" in cmdline
+                else "other"
+            )
+            total[kind] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
 
     @staticmethod
     def read() -> tuple[int, int]:
@@ -84,13 +91,18 @@ class CpuSampler(threading.Thread):
                 next_proc = now + self.proc_period
             self._halt.wait(self.period)
 
-    def procs_cpu_between(self, t0: float, t1: float, which: int = 1) -> float | None:
-        """CPU seconds the run's processes (``which`` 2: the coordinator alone) used
-        between wall times t0 and t1 (nearest samples inside; None if fewer than two)."""
+    def procs_cpu_between(self, t0: float, t1: float, kind: str | None = None) -> float | None:
+        """CPU seconds the run's processes (of ``kind``; None: all) used between wall
+        times t0 and t1 (nearest samples inside, scaled to the interval; None if fewer
+        than two)."""
         inside = [s for s in self.proc_samples if t0 <= s[0] <= t1]
         if len(inside) < 2:
             return None
-        return (inside[-1][which] - inside[0][which]) * (t1 - t0) / (inside[-1][0] - inside[0][0])
+
+        def used(sample: dict[str, float]) -> float:
+            return sum(sample.values()) if kind is None else sample[kind]
+
+        return (used(inside[-1][1]) - used(inside[0][1])) * (t1 - t0) / (inside[-1][0] - inside[0][0])
 
     def stop(self) -> None:
         self._halt.set()
@@ -120,7 +132,19 @@ def trace(work: Path, rounds: int) -> dict:
         t0, t1 = rounds[0]["start"], rounds[-1]["end"]
         cpu = sampler.procs_cpu_between(t0, t1)
         out["cpu_per_round_2_on"] = None if cpu is None else cpu / len(rounds)
-        cpu = sampler.procs_cpu_between(t0, t1, which=2)
+        # The agents' share, split by what their histories say their training and
+        # evaluation threads used: the rest is moving models, messages and bookkeeping.
+        split: dict[str, float | None] = {
+            kind: sampler.procs_cpu_between(t0, t1, kind) for kind in ("agents", "coordinator", "broker")
+        }
+        train = [r["train_cpu_sum"] for r in rounds]
+        evals = [r["eval_cpu_sum"] for r in rounds]
+        if None not in train and None not in evals and split["agents"] is not None:
+            split["agents_training"] = sum(train)  # type: ignore[arg-type]
+            split["agents_evaluation"] = sum(evals)  # type: ignore[arg-type]
+            split["agents_rest"] = split["agents"] - split["agents_training"] - split["agents_evaluation"]
+        out["cpu_split_per_round_2_on"] = {k: None if v is None else v / len(rounds) for k, v in split.items()}
+        cpu = split["coordinator"]
         out["coordinator_cpu_per_round_2_on"] = None if cpu is None else cpu / len(rounds)
     return out
 
@@ -144,12 +168,18 @@ def analyse(d: Path, sampler: CpuSampler | None = None) -> dict:
         nxt = coord[i + 1]["marks"]["start"] if i + 1 < len(coord) and "marks" in coord[i + 1] else None
         train = {a: x["train_end"] - x["train_start"] for a, x in marks.items()}
         slowest = max(train, key=lambda a: marks[a]["train_end"])
-        evals = [
-            e["seconds"]
+        scored = [
+            e
             for h in agents.values()
             for e in h
-            if e.get("event") == "global_eval" and e.get("model_version") == c["model_version"] - 1 and "seconds" in e
+            if e.get("event") == "global_eval" and e.get("model_version") == c["model_version"] - 1
         ]
+        evals = [e["seconds"] for e in scored if "seconds" in e]
+        # CPU seconds of the agents' training of this round and of their evaluation of
+        # the model it started from (which runs during this round): None from daemons
+        # that do not record them.
+        train_cpu = [x.get("train_cpu") for x in marks.values()]
+        eval_cpu = [e.get("cpu") for e in scored]
         row = {
             "round": rnd,
             "start": m["start"],
@@ -173,6 +203,8 @@ def analyse(d: Path, sampler: CpuSampler | None = None) -> dict:
             "aggregated_to_checkpointed": m["checkpointed"] - m["aggregated"],
             "checkpointed_to_next_start": None if nxt is None else nxt - m["checkpointed"],
             "eval_seconds_median": statistics.median(evals) if evals else None,
+            "train_cpu_sum": None if None in train_cpu else sum(train_cpu),
+            "eval_cpu_sum": None if None in eval_cpu or len(eval_cpu) != len(agents) else sum(eval_cpu),
             "idle_share": None if sampler is None else sampler.idle_share(m["start"], m["aggregated"]),
             # fdatasync calls at the coordinator during the round (round journal, replay guard)
             "journal_syncs": c.get("syncs", {}).get("journal"),
@@ -220,6 +252,8 @@ def main() -> None:
         out.get("cpu_per_round_2_on"),
         "; of which the coordinator:",
         out.get("coordinator_cpu_per_round_2_on"),
+        "; by kind, and the agents' by what their threads did:",
+        json.dumps({k: None if v is None else round(v, 4) for k, v in out.get("cpu_split_per_round_2_on", {}).items()}),
         "; load:",
         out["load"],
     )

@@ -437,12 +437,16 @@ class FedAvgSession(Session):
             marks["train_start"] = time.time()
             set_weights(agent.model, cmd.weights)
             t = cmd.train
+            cpu = time.thread_time()
             if t.steps:  # [rounds] local_steps: a fraction of an epoch (or more) a round
                 metrics = agent.task.fit_steps(
                     agent.model, steps=t.steps, lr=t.lr, batch_size=t.batch_size, seed=cmd.round
                 )
             else:
                 metrics = agent.task.fit(agent.model, epochs=t.epochs, lr=t.lr, batch_size=t.batch_size, seed=cmd.round)
+            # This thread's CPU seconds in the task's training alone (torch runs on the
+            # calling thread with torch_threads = 1): what the round's training cost this node.
+            marks["train_cpu"] = time.thread_time() - cpu
             weights = get_weights(agent.model)
             marks["train_end"] = time.time()
             return weights, metrics
@@ -459,12 +463,18 @@ class FedAvgSession(Session):
             self._trainings = 0
             self._round_done.set()
 
+    def _timed_evaluate(self, weights: Weights) -> tuple[dict[str, float], float]:
+        """The evaluation's metrics and the CPU seconds it took (its own thread)."""
+        cpu = time.thread_time()
+        metrics = self.agent.evaluate(weights)
+        return metrics, time.thread_time() - cpu
+
     async def _evaluate_global(self, weights: Weights, version: int) -> None:
         # After this agent's update of the round is sent: the model arrives with a round
         # start, and scoring it first would put the evaluation on the round's critical path.
         await self._round_done.wait()
         started, t0 = time.time(), time.monotonic()  # a wall-clock mark; a monotonic duration
-        metrics = await asyncio.get_running_loop().run_in_executor(self._eval_pool, self.agent.evaluate, weights)
+        metrics, cpu = await asyncio.get_running_loop().run_in_executor(self._eval_pool, self._timed_evaluate, weights)
         if version >= int(self.last_eval.get("model_version", -1)):
             self.last_eval = {"model_version": version, **metrics}
             self.agent.metrics.report(metrics, prefix="global_")
@@ -475,6 +485,7 @@ class FedAvgSession(Session):
                 "metrics": metrics,
                 "started": round(started, 4),
                 "seconds": round(time.monotonic() - t0, 4),
+                "cpu": round(cpu, 4),
             }
         )
         samples = self.agent.task.num_samples()
