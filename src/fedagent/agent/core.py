@@ -23,6 +23,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from fedagent.config import NodeConfig, check_interfaces
@@ -33,7 +34,7 @@ from fedagent.node import sdnotify
 from fedagent.node.control import ControlServer, Handler
 from fedagent.node.discovery import Advert, Discovery
 from fedagent.node.messaging import Incoming, Messenger
-from fedagent.node.runtime import History, make_transport, node_identity, presence_payload
+from fedagent.node.runtime import History, keep_freed_memory, make_transport, node_identity, presence_payload
 from fedagent.node.transport import Subscription
 from fedagent.pki import fingerprint
 from fedagent.protocols import topics
@@ -253,6 +254,7 @@ class Agent:
         self.cfg = cfg
         self.session_class = session_class
         self.service_specs = tuple(services)
+        keep_freed_memory()  # before the model is built: see its docstring
         torch.set_num_threads(cfg.torch_threads)
         self.task: Task = load_task(cfg.task, cfg.task_options)
         self.model = self.task.build_model()
@@ -261,6 +263,8 @@ class Agent:
             log.debug("torch warmed up in %.2fs", warm_up_torch())
         # Training, evaluation and re-indexing run in worker threads, one at a time on the task.
         self.thread_lock = threading.Lock()
+        # (the training model it was made beside, the weights' shapes, the model) of evaluate()
+        self._eval_model: tuple[torch.nn.Module, tuple[tuple[str, tuple[int, ...]], ...], torch.nn.Module] | None = None
         self.session: Session | None = None
         self._session_task: asyncio.Task[None] | None = None
         self._tg: asyncio.TaskGroup | None = None
@@ -279,9 +283,18 @@ class Agent:
             self._exit.set()
 
     def evaluate(self, weights: Weights) -> dict[str, float]:
-        """The task's metrics of ``weights`` on the local held-out data (worker thread)."""
+        """The task's metrics of ``weights`` on the local held-out data (worker thread).
+
+        The model they are loaded into is built once and kept for the next evaluation
+        (a new one cost a model's worth of memory and its random initialisation, which
+        the loaded weights then overwrite, every time); it is built anew when the
+        training model was (a new vocabulary) or the weights have other shapes."""
+        shapes = tuple((k, np.shape(v)) for k, v in weights.items())
         with self.thread_lock:
-            model = self.task.build_model()
+            kept = self._eval_model
+            if kept is None or kept[0] is not self.model or kept[1] != shapes:
+                kept = self._eval_model = (self.model, shapes, self.task.build_model())
+            model = kept[2]
             set_weights(model, weights)
             return self.task.evaluate(model)
 

@@ -109,10 +109,22 @@ def get_weights(model: torch.nn.Module) -> Weights:
 
 
 def set_weights(model: torch.nn.Module, weights: Mapping[str, np.ndarray]) -> None:
+    """Copy ``weights`` into the model's parameters and buffers (the arrays are not
+    kept: ``load_state_dict`` copies each into the model's own tensor)."""
     state = model.state_dict()
     if state.keys() != weights.keys():
         raise ValueError("weights do not match the model's parameters")
-    model.load_state_dict({k: torch.from_numpy(np.array(v, copy=True)) for k, v in weights.items()})
+    model.load_state_dict({k: _as_tensor(v) for k, v in weights.items()})
+
+
+def _as_tensor(value: np.ndarray) -> torch.Tensor:
+    """A tensor over ``value``'s memory, for load_state_dict to copy from: no copy of
+    its own (a model's worth of fresh memory every time a model is loaded), except for
+    a read-only array, which torch.from_numpy does not take without a warning."""
+    a = np.asarray(value)
+    if not a.flags.writeable:
+        a = a.copy()
+    return torch.from_numpy(a)
 
 
 BUILTIN: dict[str, str] = {
