@@ -174,5 +174,9 @@ def test_rounds_leave_their_critical_path_in_the_history(federation):
             m = u["marks"]
             assert m["model_in"] <= m["train_start"] <= m["train_end"] <= m["sent"]
             assert evals[u["base_version"]]["started"] >= m["sent"]
+            # CPU seconds of the training thread, within the training's wall time
+            # (tta_trace's split of the agents' CPU per round reads them)
+            assert 0 < m["train_cpu"] <= m["train_end"] - m["train_start"] + 0.01
+            assert 0 < evals[u["base_version"]]["cpu"] <= evals[u["base_version"]]["seconds"] + 0.01
             checked += 1
     assert checked >= AGENTS * (ROUNDS - 1)
