@@ -87,7 +87,7 @@ class CpuSampler(threading.Thread):
             now = time.time()
             self.samples.append((now, busy, total))
             if now >= next_proc:
-                self.proc_samples.append((now, *self.procs_cpu()))
+                self.proc_samples.append((now, self.procs_cpu()))
                 next_proc = now + self.proc_period
             self._halt.wait(self.period)
 
