@@ -189,6 +189,19 @@ def test_thesis_literal_merge_reaches_consensus_but_not_the_mean():
     assert errors["thesis"] > 20 * errors["pushsum"]
 
 
+def test_average_merge_reaches_consensus_off_the_sample_weighted_mean():
+    """merge="average" (equal weights, no masses): the nodes agree, and with shards of
+    very different sizes they agree on a point nearer the unweighted mean than push-sum's."""
+    samples = [1 + 7 * (i % 4) for i in range(20)]
+    sim = Sim(20, GossipConfig(merge="average", seed=6), seed=6, samples=samples)
+    sim.run(150)
+    assert sim.spread() < TOL
+    assert sim.error() > 0.02  # not the sample-weighted mean push-sum would reach
+    assert sim.error(sim.mean(weighted=False)) < sim.error()
+    assert not [c for _, c in sim.log if isinstance(c, SendModel) and c.returned]
+    assert {n.mass for n in sim.nodes.values()} == set(map(float, samples))  # masses never move
+
+
 def test_mass_and_sum_conserved_exactly_at_quiescence():
     cfg = GossipConfig(periods=25, seed=5)
     sim = Sim(20, cfg, seed=5, samples=[1 + (i % 3) for i in range(20)])
@@ -363,6 +376,12 @@ def test_partial_exchange_thesis_half_reaches_consensus_on_shared_part_only():
         # thesis UM: MERGE(UPDATE(m), UPDATE(lastModel)) = (5 + 1) / 2
         ("thesis", "um", [4.0, 0.0], 3.0, 1.0),
         ("thesis", "rw", [4.0], 5.0, 1.0),
+        # average MU: UPDATE(MERGE(own 1, m 4)) with equal weights = train 2.5 -> 3.5; no mass moves
+        ("average", "mu", [2.5], 3.5, 1.0),
+        # average UM: MERGE(UPDATE(own 1), UPDATE(m 4)) = (2 + 5) / 2
+        ("average", "um", [1.0, 4.0], 3.5, 1.0),
+        # average RW: the received model walks on
+        ("average", "rw", [4.0], 5.0, 1.0),
     ],
 )
 def test_create_orderings(merge, create, trains, final, mass):

@@ -80,7 +80,7 @@ class GossipSettings:
     period_steps: int = 10  # local training steps per exchange (thesis: 10 or 500)
     max_incoming: int = 2  # models kept per period; extra ones dropped at random
     create: str = "mu"  # "mu" merge-then-update | "um" | "rw"
-    merge: str = "pushsum"  # "pushsum" (converges to the mean) | "thesis" (Alg. 3.1)
+    merge: str = "pushsum"  # "pushsum" (converges to the mean) | "thesis" (Alg. 3.1) | "average" (equal weights)
     exchange: tuple[str, ...] | None = None  # parameter names or globs that travel; None = all
     send_timeout: float = 30.0
     max_retries: int = 2

@@ -59,6 +59,12 @@ class Variant:
     mass_steps: bool = False
     max_incoming: int = 2
     exchange: tuple[str, ...] = TABLES
+    # Exchange-only periods after the training budget (no training: communication, not
+    # training budget), so that the nodes' final models are closer to their consensus.
+    mix_periods: int = 0
+    # Scale node i's step by its share of the samples x N (n_i / mean n): with plain
+    # averaging every token then moves the consensus equally, as in centralized training.
+    share_steps: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,8 +149,10 @@ def simulate(v: Variant, b: Budget, seed: int) -> list[dict[str, np.ndarray]]:
     samples = [float(t.num_samples()) for t in tasks]
     # masses: scalar per node, or one per row per table
     mass: list[Any] = [{k: lc + 1.0 for k in TABLES} if rows else samples[i] for i, lc in enumerate(local)]
-    periods = max(1, b.local_steps // v.period_steps)
+    train_periods = max(1, b.local_steps // v.period_steps)
+    periods = train_periods + v.mix_periods
     lr = b.lr * v.lr_factor
+    mean_samples = float(np.mean(samples))
     inbox: list[list[Any]] = [[] for _ in range(n)]
     home: list[list[tuple[dict[str, np.ndarray], Any]]] = [[] for _ in range(n)]
 
@@ -176,8 +184,10 @@ def simulate(v: Variant, b: Budget, seed: int) -> list[dict[str, np.ndarray]]:
             mass[i] = float(tot)
 
     for p in range(periods):
-        lr0, lr1 = lr * (1 - p / periods), lr * (1 - (p + 1) / periods)
+        lr0, lr1 = lr * (1 - p / train_periods), lr * (1 - (p + 1) / train_periods)
         for i in range(n):
+            if p >= train_periods:
+                break
             si = so = None
             if rows and v.row_steps:
                 tot = global_counts + n
@@ -187,6 +197,9 @@ def simulate(v: Variant, b: Budget, seed: int) -> list[dict[str, np.ndarray]]:
             elif v.mass_steps and v.merge == "pushsum":
                 # stochastic gradient push: the step scaled by the node's share of the mass
                 f = float(np.clip(samples[i] / mass[i], 0.25, 4.0))
+                lr0_i, lr1_i = lr0 * f, lr1 * f
+            elif v.share_steps:
+                f = samples[i] / mean_samples
                 lr0_i, lr1_i = lr0 * f, lr1 * f
             else:
                 lr0_i, lr1_i = lr0, lr1
@@ -266,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--central-seeds", type=int, nargs="*", default=[1, 2, 3])
     ap.add_argument("--cache", type=Path, default=Path("study-central"))
     ap.add_argument("--local-steps", type=int, default=Budget.local_steps, help="batches per node (centralized: x N)")
+    ap.add_argument("--score-only", action="store_true", help="score the cached simulations only")
     ap.add_argument(
         "--train-central", action="store_true", help="train missing centralized models (else wait for them)"
     )
@@ -297,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         load_centrals()
         return 0
     results: dict[str, Any] = json.loads(a.out.read_text()) if a.out.exists() else {}
+    # Every simulation's final input vectors are kept in the cache as soon as it ends, so
+    # that a study cut off (or one waiting for the centralized models) loses nothing;
+    # ``--score-only`` scores what the cache holds without simulating.
     pending = []
     for v in VARIANTS:
         if a.only is not None and v.name not in a.only:
@@ -305,49 +322,50 @@ def main(argv: list[str] | None = None) -> int:
             key = f"{v.name}/seed{seed}"
             if key in results:
                 continue
-            t0 = time.process_time()
-            finals = simulate(v, b, seed)
-            pending.append((key, v, finals, time.process_time() - t0))
-            print(key, "simulated", flush=True)
+            path = a.cache / f"sim-{b.local_steps}-{key.replace('/', '_')}.npz"
+            if not path.exists():
+                if a.score_only:
+                    continue
+                t0 = time.process_time()
+                finals = simulate(v, b, seed)
+                cpu = time.process_time() - t0
+                np.savez(
+                    path.with_suffix(".tmp.npz"),
+                    cpu=np.array(cpu),
+                    **{f"node{i}": f["in_embed.weight"] for i, f in enumerate(finals)},
+                )
+                path.with_suffix(".tmp.npz").rename(path)
+                print(key, "simulated", f"{cpu:.0f} CPU s", flush=True)
+            pending.append((key, v, path))
     centrals = load_centrals()
     central_rows = []
+    words = list(tm.THESIS_EVAL_WORDS)
+    loo = [consensus_neighbours([o for j, o in enumerate(centrals) if j != i], words, 8) for i in range(len(centrals))]
     for i, c in enumerate(centrals):
         others = [o for j, o in enumerate(centrals) if j != i]
         r = {"wordsim353": tm.similarity_benchmark(td.wordsim353(), c).rho}
         r["overlap_each"] = float(np.mean([tm.neighbour_overlap(c, o).total for o in others]))
-        r["overlap_consensus"] = float(overlap_with(c, consensus_neighbours(others, list(tm.THESIS_EVAL_WORDS), 8), 8))
+        r["overlap_consensus"] = float(overlap_with(c, loo[i], 8))
         central_rows.append(r)
     print("central", central_rows, flush=True)
     results["central"] = central_rows
-    for key, v, finals, cpu in pending:
-        if True:
-            per = []
-            for f in finals:
-                vec = tm.WordVectors(task.vocab.terms, f["in_embed.weight"])
-                # leave-one-out for overlap_consensus is for centralized; gossip is scored
-                # against the consensus of all centralized seeds but one (each in turn)
-                sc = {"wordsim353": tm.similarity_benchmark(td.wordsim353(), vec).rho}
-                sc["overlap_each"] = float(np.mean([tm.neighbour_overlap(vec, c).total for c in centrals]))
-                sc["overlap_consensus"] = float(
-                    np.mean(
-                        [
-                            overlap_with(
-                                vec,
-                                consensus_neighbours(
-                                    [o for j, o in enumerate(centrals) if j != i], list(tm.THESIS_EVAL_WORDS), 8
-                                ),
-                                8,
-                            )
-                            for i in range(len(centrals))
-                        ]
-                    )
-                )
-                per.append(sc)
-            row: dict[str, Any] = {k: float(np.mean([p[k] for p in per])) for k in per[0]}
-            row["cpu_s"] = cpu
-            row["variant"] = asdict(v)
-            results[key] = row
-            print(key, row, flush=True)
+    for key, v, path in pending:
+        saved = np.load(path)
+        nodes = sorted((k for k in saved.files if k.startswith("node")), key=lambda k: int(k[4:]))
+        per = []
+        for k in nodes:
+            vec = tm.WordVectors(task.vocab.terms, saved[k])
+            # a gossip model is scored against the consensus of all centralized seeds but
+            # one, each in turn (the leave-one-out references of the centralized rows)
+            sc = {"wordsim353": tm.similarity_benchmark(td.wordsim353(), vec).rho}
+            sc["overlap_each"] = float(np.mean([tm.neighbour_overlap(vec, c).total for c in centrals]))
+            sc["overlap_consensus"] = float(np.mean([overlap_with(vec, ref, 8) for ref in loo]))
+            per.append(sc)
+        row: dict[str, Any] = {k: float(np.mean([p[k] for p in per])) for k in per[0]}
+        row["cpu_s"] = float(saved["cpu"])
+        row["variant"] = asdict(v)
+        results[key] = row
+        print(key, row, flush=True)
     a.out.write_text(json.dumps(results, indent=1))
     return 0
 
@@ -364,6 +382,11 @@ FACTOR_NAMES = {
     "every2": "exchange every 2 batches",
     "every5": "exchange every 5 batches",
     "every20": "exchange every 20 batches",
+    "mix20": "push-sum, 20 exchange-only periods after the budget",
+    "plain-mix20": "plain averaging, 20 exchange-only periods after the budget",
+    "plain-share": "plain averaging, step x N x own samples / mean samples",
+    "plain-x5": "plain averaging, step x 5",
+    "plain-every5": "plain averaging, exchange every 5 batches",
 }
 
 
@@ -445,6 +468,11 @@ VARIANTS: list[Variant] = [
     *[replace(v, name=v.name + "/x20", lr_factor=20.0) for v in _BASE],
     *[replace(v, name=v.name + "/local-counts", local_counts=True) for v in _BASE],
     *[replace(v, name=v.name + f"/every{p}", period_steps=p) for v in _BASE for p in (2, 5, 20)],
+    *[replace(v, name=v.name + "/mix20", mix_periods=20) for v in _BASE],
+    *[replace(v, name=v.name + "/plain-mix20", merge="plain", mix_periods=20) for v in _BASE],
+    *[replace(v, name=v.name + "/plain-share", merge="plain", share_steps=True) for v in _BASE],
+    *[replace(v, name=v.name + "/plain-x5", merge="plain", lr_factor=5.0) for v in _BASE],
+    *[replace(v, name=v.name + "/plain-every5", merge="plain", period_steps=5) for v in _BASE],
 ]
 
 

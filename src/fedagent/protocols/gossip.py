@@ -39,6 +39,13 @@ lands *near* the global mean, not on it (measured in tests/test_gossip.py: 0.17-
 relative error with N = 20 agents). Push-only "average my model with what I received"
 has the same defect. The thesis variant is kept for faithful reproduction.
 
+``merge="average"`` is that push-only rule: the node's own model and the kept incoming
+ones are averaged with equal weights (no masses, no returns; drops discard). It does
+not converge on the sample-weighted mean, but nodes that train on shards of very
+different sizes do not pull the merge towards the big ones either: for gossip Word2Vec
+with the step scaled by N it lost less against centralized training than push-sum on
+word similarity (docs/experiments/gossip-w2v.md). Every other workload keeps push-sum.
+
 The default is push-sum (Kempe, Dobra & Gehrke 2003; "stochastic gradient push" when
 combined with local training). Every model carries a *mass* ``w`` > 0, initially the
 node's ``num_samples``; the node holds values ``x`` (the model itself; push-sum's
@@ -143,7 +150,7 @@ from fedagent.protocols.aggregation import (
 Weights = dict[str, np.ndarray]
 
 CREATE_MODES = ("mu", "um", "rw")
-MERGE_MODES = ("pushsum", "thesis")
+MERGE_MODES = ("pushsum", "thesis", "average")
 AGGREGATIONS = ("mean",) + ROBUST  # "mean": the merge above; the others: a screening merge
 FREQUENT_STEPS = 10  # thesis §4.2.2: exchange every 10 local batches
 INFREQUENT_STEPS = 500  # thesis §4.2.3: exchange every 500 local batches
@@ -170,7 +177,7 @@ class GossipConfig:
     period_steps: int = FREQUENT_STEPS
     max_incoming: int = 2  # models kept per period; extras dropped at random
     create: str = "mu"  # "mu" | "um" | "rw" (Alg. 2.4)
-    merge: str = "pushsum"  # "pushsum" (conserves the mean) | "thesis" (Alg. 3.1)
+    merge: str = "pushsum"  # "pushsum" (conserves the mean) | "thesis" (Alg. 3.1) | "average"
     exchange: tuple[str, ...] | None = None  # names that travel; None = all
     send_timeout: float = 30.0  # seconds without an ack before a new peer is chosen
     max_retries: int = 2  # new peers tried for one payload before folding it back
@@ -746,6 +753,9 @@ class GossipMachine:
                 self.counts["caught_up"] += 1
             if kept:
                 self._merged_once = True
+        elif cfg.merge == "average":
+            # Own model and the kept ones, equal weights (lastModel is not used).
+            entries = [(self.model, 1.0, self.age)] + [(self._full(p.values), 1.0, p.age) for p in kept]
         else:
             # Alg. 3.1 CREATEMODEL: only received models (or lastModel) enter the merge.
             if len(kept) >= 2:
@@ -763,6 +773,8 @@ class GossipMachine:
             if pushsum:
                 pool = entries if own_mass_only else entries[1:]
                 chosen = self._rng.choice(pool) if pool else entries[0]
+            elif cfg.merge == "average":
+                chosen = self._rng.choice(entries[1:]) if len(entries) > 1 else entries[0]
             else:
                 chosen = entries[0]  # a random kept model, else lastModel
             self.model, self.age = chosen[0], chosen[2]
