@@ -511,10 +511,10 @@ def report(histories: tuple[Path, ...], state_dir: Path | None, out: Path, title
 @click.option("--period-steps", default=10, show_default=True, help="gossip: local mini-batches per exchange")
 @click.option(
     "--merge",
-    type=click.Choice(["pushsum", "thesis"]),
+    type=click.Choice(["pushsum", "thesis", "average"]),
     default="pushsum",
     show_default=True,
-    help="gossip merge rule (thesis = Alg. 3.1 as written)",
+    help="gossip merge rule (thesis = Alg. 3.1 as written; average = own and received models, equal weights)",
 )
 @click.option("--alpha", default=0.3, show_default=True, help="Dirichlet non-IID concentration")
 @click.option(
@@ -695,6 +695,12 @@ def experiment_flsimco(
     help="run only these configurations (topic-frequent, random-frequent, imbalanced-frequent, "
     "half-frequent, topic-infrequent, random-infrequent, imbalanced-infrequent, local)",
 )
+@click.option(
+    "--merge",
+    type=click.Choice(["pushsum", "average"]),
+    default=None,
+    help="the agents' merge in every configuration but thesis-literal (default: the scale's)",
+)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("gossip-w2v-report"), show_default=True)
 @click.option("--keep", is_flag=True, help="keep the work directories (logs, checkpoints, histories)")
 def experiment_gossip_w2v(
@@ -704,6 +710,7 @@ def experiment_gossip_w2v(
     seeds: str | None,
     central_seeds: str | None,
     configs: tuple[str, ...],
+    merge: str | None,
     out: Path,
     keep: bool,
 ) -> None:
@@ -722,6 +729,7 @@ def experiment_gossip_w2v(
             scale,
             local_steps=scale.local_steps if local_steps is None else local_steps,
             dim=scale.dim if dim is None else dim,
+            merge=scale.merge if merge is None else merge,
         )
         for name, text in (("seeds", seeds), ("central_seeds", central_seeds)):
             if text is None:

@@ -81,6 +81,8 @@ class Scale:
     # (in-process, 20 epochs: x1 scored wordsim353 0.12, as centralized after 2 epochs;
     # x10 0.50). Local-only agents are not averaged and use lr.
     gossip_lr_factor: float = 10.0
+    # The agents' merge (``[gossip] merge``) in every configuration but thesis-literal.
+    merge: str = "pushsum"
     # Batches per agent: 10 x 2760 = 27,600 batches = 20 epochs, where the centralized
     # learning curve (in the report) has flattened (thesis: 500,000 per agent).
     local_steps: int = 2760
@@ -144,7 +146,7 @@ class Config:
     period_steps: int
     exchange: tuple[str, ...] | None = None
     local: bool = False
-    merge: str = "pushsum"
+    merge: str | None = None  # None: the scale's merge
     lr_factor: float | None = None  # None: the scale's gossip_lr_factor
     every_seed: bool = True  # False: the first seed only
 
@@ -355,7 +357,7 @@ def run_config(
         "vocab_agents": scale.agents,
         "vocab_min_count": scale.min_count,
         "vocab_timeout": 600.0,
-        "merge": cfg.merge,
+        "merge": scale.merge if cfg.merge is None else cfg.merge,
     }
     if cfg.exchange:
         gossip["exchange"] = list(cfg.exchange)
@@ -557,7 +559,7 @@ def run_experiment(
 
 def _central_key(scale: Scale) -> dict[str, Any]:
     """What the centralized models depend on (not the gossip settings, not the run seeds)."""
-    skip = ("gossip_lr_factor", "frequent", "infrequent", "eval_frequent", "seed", "seeds")
+    skip = ("gossip_lr_factor", "merge", "frequent", "infrequent", "eval_frequent", "seed", "seeds")
     return {k: v for k, v in asdict(scale).items() if k not in skip}
 
 
@@ -779,7 +781,7 @@ def markdown(s: dict[str, Any], study: str = "") -> str:
         f"agent ({sc['agents'] * sc['local_steps']} in all = {s['epochs']:.1f} epochs of the whole corpus, the "
         f"budget of every centralized run too; the thesis: 5,000,000 batches of 2048, d 200), step {sc['lr']} per "
         f"pair decaying linearly to 0 (gossip agents: {sc['lr']} x {sc['gossip_lr_factor']:g}; local-only agents "
-        f"{sc['lr']}). Frequent exchange every {sc['frequent']} local batches "
+        f"{sc['lr']}). Merge: `{sc.get('merge', 'pushsum')}` (thesis-literal: `thesis`). Frequent exchange every {sc['frequent']} local batches "
         f"({sc['local_steps'] // sc['frequent']} exchanges), infrequent every {sc['infrequent']} "
         f"({sc['local_steps'] // sc['infrequent']} exchanges). Seeds of every gossip configuration: {seeds} "
         f"(the seed changes the split, the initial model and the data order); centralized seeds: "

@@ -42,7 +42,14 @@ from fedagent.protocols.gossip_rows import merge_rows, row_step_scale
 from fedagent.tasks import text_data as td
 from fedagent.tasks import text_metrics as tm
 from fedagent.tasks.base import load_task
-from fedagent.tasks.word2vec import PairStream, SkipGram, Word2VecTask, sgns_update, train_centralized
+from fedagent.tasks.word2vec import (
+    PairStream,
+    SkipGram,
+    Word2VecTask,
+    load_vectors,
+    sgns_update,
+    train_centralized,
+)
 
 TABLES = ("in_embed.weight", "out_embed.weight")
 
@@ -279,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--central-seeds", type=int, nargs="*", default=[1, 2, 3])
     ap.add_argument("--cache", type=Path, default=Path("study-central"))
     ap.add_argument("--local-steps", type=int, default=Budget.local_steps, help="batches per node (centralized: x N)")
+    ap.add_argument(
+        "--central-from", type=Path, default=None, help="use the experiment's central_seed*.npz in this directory"
+    )
     ap.add_argument("--score-only", action="store_true", help="score the cached simulations only")
     ap.add_argument(
         "--train-central", action="store_true", help="train missing centralized models (else wait for them)"
@@ -292,6 +302,17 @@ def main(argv: list[str] | None = None) -> int:
 
     def load_centrals() -> list[tm.WordVectors]:
         out = []
+        if a.central_from is not None:
+            # the experiment's centralized models (initial models from their own seed range)
+            for s in a.central_seeds:
+                path = a.central_from / f"central_seed{s}.npz"
+                while not path.exists():
+                    time.sleep(10)
+                vec = load_vectors(path)
+                if list(vec.terms) != list(task.vocab.terms):
+                    raise SystemExit(f"{path}: another vocabulary than this study's")
+                out.append(vec)
+            return out
         for s in a.central_seeds:
             path = a.cache / f"central{s}-{b.local_steps}.npy"
             if not path.exists() and a.train_central:
