@@ -67,6 +67,7 @@ def test_report_averages_seeds_and_measures_loss_against_the_centralized_mean(tm
             runs.append(r)
         results[name] = runs
     task = type("T", (), {"vocab": terms})()
+    (tmp_path / "status.md").write_text("**Status.** Seeds 2 and 3 did not run.\n")
     s = write_report(
         tmp_path, Scale(seeds=(1, 2)), task, {"wordsim353": 0.5, "simlex999": 0.2}, central, 1.0, 20.0, results, {}, 1.0
     )
@@ -83,3 +84,5 @@ def test_report_averages_seeds_and_measures_loss_against_the_centralized_mean(tm
     assert rows[SIX[-1]]["overlap_consensus"] < rows[SIX[0]]["overlap_consensus"]
     text = (tmp_path / "report.md").read_text()
     assert "Average quality loss over the 6 full-exchange configurations" in text and "6.904" in text
+    # the directory's status paragraph sits under the title
+    assert text.splitlines()[2] == "**Status.** Seeds 2 and 3 did not run."

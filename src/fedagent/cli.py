@@ -703,6 +703,7 @@ def experiment_flsimco(
 )
 @click.option("--out", type=click.Path(path_type=Path), default=Path("gossip-w2v-report"), show_default=True)
 @click.option("--keep", is_flag=True, help="keep the work directories (logs, checkpoints, histories)")
+@click.option("--report-only", is_flag=True, help="run nothing new: rebuild the report from OUT/runs/")
 def experiment_gossip_w2v(
     scale_name: str,
     local_steps: int | None,
@@ -713,6 +714,7 @@ def experiment_gossip_w2v(
     merge: str | None,
     out: Path,
     keep: bool,
+    report_only: bool,
 ) -> None:
     """Gossip Word2Vec (the thesis): 10 gossip agents, topic/random/imbalanced splits, frequent/infrequent/half
     exchange and local-only, against centralized training with the same number of batches."""
@@ -746,7 +748,7 @@ def experiment_gossip_w2v(
         known = {c.name for c in gossip_w2v.configurations(scale)}
         if set(configs) - known:
             raise ConfigError(f"unknown configurations {sorted(set(configs) - known)}; known: {sorted(known)}")
-        gossip_w2v.run_experiment(out, scale, configs, keep=keep)
+        gossip_w2v.run_experiment(out, scale, configs, keep=keep, report_only=report_only)
     except FedagentError as exc:
         _fail(exc)
 

@@ -439,8 +439,15 @@ def run_config(
 
 # ---- the experiment --------------------------------------------------------------------------
 def run_experiment(
-    out: Path, scale: Scale, only: tuple[str, ...] = (), keep: bool = False, console: Console | None = None
+    out: Path,
+    scale: Scale,
+    only: tuple[str, ...] = (),
+    keep: bool = False,
+    console: Console | None = None,
+    report_only: bool = False,
 ) -> dict[str, Any]:
+    """Run every configuration (or ``only`` these) at every seed, reusing what ``out/runs/``
+    holds; with ``report_only`` run nothing new and rebuild the report from ``out/runs/``."""
     console = console or Console()
     torch.set_num_threads(1)
     out = out.resolve()  # the agents' configs name their directories absolutely
@@ -534,6 +541,8 @@ def run_experiment(
             if saved.exists() and json.loads(saved.read_text()).get("key") == key:
                 res = Result(**json.loads(saved.read_text())["result"])
                 console.log(f"{cfg.name} seed {seed}: reused from {saved.name}")
+            elif report_only:
+                continue
             else:
                 console.rule(f"{cfg.name}, seed {seed}")
                 run_scale = replace(scale, seed=seed)
@@ -659,8 +668,10 @@ def write_report(
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=float))
     plots(out, results, rows, cmean, cstd)
     curve_plot(out, curve or [], summary)
-    study = out / "study.md"
-    (out / "report.md").write_text(markdown(summary, study.read_text() if study.exists() else ""))
+    study, status = out / "study.md", out / "status.md"
+    (out / "report.md").write_text(
+        markdown(summary, study.read_text() if study.exists() else "", status.read_text() if status.exists() else "")
+    )
     return summary
 
 
@@ -762,13 +773,16 @@ def curve_plot(out: Path, curve: list[dict[str, float]], summary: dict[str, Any]
     plt.close(fig)
 
 
-def markdown(s: dict[str, Any], study: str = "") -> str:
+def markdown(s: dict[str, Any], study: str = "", status: str = "") -> str:
+    """The report; ``status`` (the directory's ``status.md``: what ran, what did not) goes
+    under the title, ``study`` (its ``study.md``) after the results."""
     sc, g, cm, cs, fl = s["scale"], s["gensim"], s["central_mean"], s["central_std"], s["noise_floor_pct"]
     av = s["average_six"]
     seeds = ", ".join(str(x) for x in sc["seeds"])
     lines = [
         "# Gossip Word2Vec (the gossip-learning thesis, Ch. 4-5) through real agents",
         "",
+        *([status.strip(), ""] if status.strip() else []),
         "Produced by `fedagent experiment gossip-w2v`; see `fedagent.experiments.gossip_w2v` for the method.",
         "",
         "## Scale",
