@@ -59,7 +59,7 @@ class Variant:
     name: str
     split: str = "topic"
     period_steps: int = 10
-    merge: str = "pushsum"  # pushsum | plain | rows
+    merge: str = "pushsum"  # pushsum | plain | rows | allreduce
     lr_factor: float = 10.0
     row_steps: bool = False
     local_counts: bool = False
@@ -190,6 +190,17 @@ def simulate(v: Variant, b: Budget, seed: int) -> list[dict[str, np.ndarray]]:
         if v.merge == "pushsum":
             mass[i] = float(tot)
 
+    if v.merge == "allreduce":
+        # Not gossip: every node gets the mean of all models at every boundary (parallel
+        # SGD with model averaging), the best any merge could do with these steps.
+        for p in range(train_periods):
+            lr0, lr1 = lr * (1 - p / train_periods), lr * (1 - (p + 1) / train_periods)
+            for i in range(n):
+                train_node(tasks[i], models[i], v.period_steps, lr0, lr1, b.batch_size, gens[i], None, None)
+            avg = {k: np.mean([values(i)[k] for i in range(n)], axis=0) for k in TABLES}
+            for i in range(n):
+                set_values(i, avg)
+        return [values(i) for i in range(n)]
     for p in range(periods):
         lr0, lr1 = lr * (1 - p / train_periods), lr * (1 - (p + 1) / train_periods)
         for i in range(n):
@@ -350,11 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.process_time()
                 finals = simulate(v, b, seed)
                 cpu = time.process_time() - t0
-                np.savez(
-                    path.with_suffix(".tmp.npz"),
-                    cpu=np.array(cpu),
-                    **{f"node{i}": f["in_embed.weight"] for i, f in enumerate(finals)},
-                )
+                arrays = {f"node{i}": f["in_embed.weight"] for i, f in enumerate(finals)}
+                np.savez(path.with_suffix(".tmp.npz"), cpu=np.array(cpu), **arrays)  # type: ignore[arg-type]
                 path.with_suffix(".tmp.npz").rename(path)
                 print(key, "simulated", f"{cpu:.0f} CPU s", flush=True)
             pending.append((key, v, path))
@@ -409,6 +417,8 @@ FACTOR_NAMES = {
     "plain-x5": "plain averaging, step x 5",
     "plain-every5": "plain averaging, exchange every 5 batches",
     "plain-every2": "plain averaging, exchange every 2 batches",
+    "allreduce": "not gossip: all models averaged at every exchange",
+    "allreduce1": "not gossip: all models averaged after every batch",
 }
 
 
@@ -529,6 +539,8 @@ VARIANTS: list[Variant] = [
     *[replace(v, name=v.name + "/plain-x5", merge="plain", lr_factor=5.0) for v in _BASE],
     *[replace(v, name=v.name + "/plain-every5", merge="plain", period_steps=5) for v in _BASE],
     *[replace(v, name=v.name + "/plain-every2", merge="plain", period_steps=2) for v in _BASE],
+    *[replace(v, name=v.name + "/allreduce", merge="allreduce") for v in _BASE],
+    *[replace(v, name=v.name + "/allreduce1", merge="allreduce", period_steps=1) for v in _BASE],
 ]
 
 
