@@ -89,6 +89,22 @@ def test_bad_updates_are_rejected_and_named(bad, reason):
     assert m.received == {}
 
 
+def test_an_aggregate_past_float32s_range_is_abandoned_and_the_model_kept():
+    """Finite updates whose weighted sum overflows float32 (found by fuzz_machines.py):
+    the round is abandoned rather than publishing an infinite global model."""
+    m = RoundMachine(RoundConfig(rounds=2, min_agents=2, expected_agents=2), W0)
+    started(m, ["a", "b"])
+    huge = {**const(1.0), "w": np.full((2, 3), 3.4e38, np.float32)}
+    assert m.handle(UpdateReceived("a", 1, 0, 949, huge, {}), 1.0) == []
+    cmds = m.handle(UpdateReceived("b", 1, 0, 949, huge, {}), 2.0)
+    (abandoned,) = of(cmds, RoundAbandoned)
+    assert not of(cmds, RoundAggregated)
+    assert "not finite in w" in abandoned.reason and "a, b" in abandoned.reason
+    assert m.model_version == 0 and all(np.array_equal(m.weights[k], W0[k]) for k in W0)
+    (start,) = of(cmds, StartRound)  # the agents are still online: the next round starts
+    assert start.round == 2 and start.model_version == 0
+
+
 def test_duplicate_update_applied_once():
     m = RoundMachine(RoundConfig(rounds=1, min_agents=2, expected_agents=2), W0)
     started(m, ["a", "b"])

@@ -109,16 +109,19 @@ class WeightedMean:
             return
         step = min(size, _FOLD_BLOCK)
         scratch = np.empty(step, dtype=acc.dtype)
-        for s in range(0, size, step):
-            e = min(size, s + step)
-            t = scratch[: e - s]
-            if delta:
-                t[...] = values[s:e]
-            else:
-                np.subtract(values[s:e], ref[start + s : start + e], out=t, dtype=acc.dtype)
-            t *= w
-            a = acc[start + s : start + e]
-            a += t
+        # A sum past the dtype's range becomes inf without a warning: the round machine
+        # checks the aggregate and abandons such a round.
+        with np.errstate(over="ignore", invalid="ignore"):
+            for s in range(0, size, step):
+                e = min(size, s + step)
+                t = scratch[: e - s]
+                if delta:
+                    t[...] = values[s:e]
+                else:
+                    np.subtract(values[s:e], ref[start + s : start + e], out=t, dtype=acc.dtype)
+                t *= w
+                a = acc[start + s : start + e]
+                a += t
 
     def count_in(self, weight: float) -> None:
         self.total_weight += weight

@@ -817,7 +817,22 @@ class RoundMachine:
     def _aggregate(self, now: float) -> list[Command]:
         assert self._acc is not None
         acc = self._acc
-        self.weights = server_step(self.weights, acc.result(), self.config.server_lr)
+        new = server_step(self.weights, acc.result(), self.config.server_lr)
+        overflow = [k for k, v in new.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
+        if overflow:
+            # Every update was finite, but their weighted sum left the tensor's range
+            # (e.g. float32 values near 3.4e38): no model is better than an infinite one.
+            reason = (
+                f"the aggregate of {', '.join(sorted(acc.weights))} is not finite in "
+                f"{', '.join(overflow[:3])}{' ...' if len(overflow) > 3 else ''} (the updates' values "
+                "overflow their dtype); the global model is kept"
+            )
+            out: list[Command] = [RoundAbandoned(self.round, self.model_version, reason)]
+            self._end_round()
+            self.phase = Phase.WAITING
+            self.quorum_since = None
+            return out + self._maybe_start(now)
+        self.weights = new
         self.model_version += 1
         self.completed += 1
         self.last_metrics = weighted_metrics([(m, n) for n, m in self.received.values()])
@@ -834,7 +849,7 @@ class RoundMachine:
                 # The next round's selection is not known yet: judged as this one's.
                 why = self._over_budget(len(self.selected), self._round_q)
                 final = bool(why)
-        out: list[Command] = [
+        out = [
             RoundAggregated(
                 self.round,
                 self.model_version,
