@@ -14,7 +14,7 @@ import msgpack
 import numpy as np
 
 from fedagent.errors import CodecError, FedagentError
-from fedagent.protocols.codec import Limits, decode_weights, encode_weights
+from fedagent.protocols.codec import Limits, bin_header, decode_weights, encode_weights
 from fedagent.statefile import atomic_write_with
 
 FORMAT = 1
@@ -45,20 +45,11 @@ def save(path: Path, weights: dict[str, np.ndarray], meta: dict[str, Any]) -> No
                 + pk.pack("shape")
                 + pk.pack(t["shape"])
                 + pk.pack("data")
-                + _bin_header(data.nbytes)
+                + bin_header(data.nbytes)
             )
             f.write(data)
 
     atomic_write_with(path, write)
-
-
-def _bin_header(n: int) -> bytes:
-    """msgpack's bin 8/16/32 header (the Packer has none for a body written separately)."""
-    if n < 2**8:
-        return b"\xc4" + n.to_bytes(1, "big")
-    if n < 2**16:
-        return b"\xc5" + n.to_bytes(2, "big")
-    return b"\xc6" + n.to_bytes(4, "big")
 
 
 def load(path: Path, *, max_bytes: int = 2**31) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:

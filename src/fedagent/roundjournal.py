@@ -48,6 +48,7 @@ import msgpack
 from fedagent import statefile
 from fedagent.errors import FedagentError, StateWriteError
 from fedagent.protocols import topics
+from fedagent.protocols.codec import bin_header
 from fedagent.protocols.topics import is_valid_name
 
 log = logging.getLogger(__name__)
@@ -92,15 +93,6 @@ def _sender(topic: str) -> str:
         return topics.parse(topic)[1]
     except ValueError:
         return ""
-
-
-def _bin_header(n: int) -> bytes:
-    """msgpack's header of a binary value of ``n`` bytes (bin 8, 16 or 32)."""
-    if n < 2**8:
-        return b"\xc4" + n.to_bytes(1, "big")
-    if n < 2**16:
-        return b"\xc5" + n.to_bytes(2, "big")
-    return b"\xc6" + n.to_bytes(4, "big")
 
 
 def _rest(parts: list, done: int) -> list:
@@ -288,7 +280,7 @@ class RoundJournal:
             + pk.pack("topic")
             + pk.pack(topic)
             + pk.pack("data")
-            + _bin_header(n)
+            + bin_header(n)
         )
         length = len(prefix) + n
         head = HEADER.pack(length, zlib.crc32(view, zlib.crc32(prefix)))

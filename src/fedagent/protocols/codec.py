@@ -841,3 +841,13 @@ def check_finite(weights: Mapping[str, np.ndarray]) -> None:
             bad += int(np.count_nonzero(~np.isfinite(flat[start : start + _FINITE_BLOCK])))
         if bad:
             raise CodecError(f"tensor {_short(name)} holds {bad} non-finite values (NaN or Inf)")
+
+
+def bin_header(n: int) -> bytes:
+    """msgpack's header of a binary value of ``n`` bytes (bin 8, 16 or 32), for a body
+    written separately (a file record or checkpoint tensor written from where it lies)."""
+    if n < 2**8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 2**16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
