@@ -34,6 +34,10 @@ def _stat(pid: int) -> tuple[int, str, int] | None:
     return int(fields[1]), fields[0], int(fields[19])
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def descendants(root: int) -> dict[int, int]:
     """Every process below ``root``: PID -> start time (a PID reused later is another process)."""
     children: dict[int, list[int]] = {}
@@ -112,6 +116,9 @@ def test_a_signal_stops_everything_the_demo_started(tmp_path, request, sig):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        # As from a terminal: a job that a shell without job control starts in the
+        # background (`cmd &` in a script) inherits SIGINT ignored, and Python keeps it so.
+        preexec_fn=_default_sigint,
     )
     out = Output(demo.stdout)
     started: dict[int, int] = {}
