@@ -3,6 +3,8 @@ connection each) with the real coordinator process: rounds complete with everyon
 
 from __future__ import annotations
 
+import pytest
+
 from fedagent.experiments.swarm import run_federation
 
 
@@ -35,3 +37,9 @@ def test_agents_split_over_two_processes_complete_rounds_and_each_side_is_measur
     # Mosquitto held one socket per agent, plus the coordinator's and its listener's.
     assert r.broker_fds >= 22
     assert r.broker_rss_peak >= r.broker_rss_idle > 0
+
+
+def test_more_connections_than_one_process_can_watch_is_refused_up_front(tmp_path):
+    with pytest.raises(ValueError, match="use procs >= 4"):
+        run_federation(tmp_path, agents=3001, procs=2)
+    assert list(tmp_path.iterdir()) == []

@@ -639,6 +639,9 @@ def _records(text: str) -> list[dict]:
     return out
 
 
+MAX_PER_PROCESS = 1000
+
+
 def run_federation(
     workdir: Path,
     *,
@@ -658,7 +661,17 @@ def run_federation(
     """``whole``: agents send each update as one whole message (chunked and reassembled
     by the coordinator before it is aggregated) instead of a stream: the path streaming
     replaced. ``procs``: run the agents in that many child processes (0: in this one).
-    ``timeout`` bounds the rounds, ``connect_limit`` the connecting of the agents."""
+    ``timeout`` bounds the rounds, ``connect_limit`` the connecting of the agents.
+
+    One process holds at most ``MAX_PER_PROCESS`` connections: the MQTT client waits on
+    ``select()``, which cannot watch descriptors above 1,023."""
+    per_process = -(-agents // max(procs, 1))
+    if per_process > MAX_PER_PROCESS:
+        need = -(-agents // MAX_PER_PROCESS)
+        raise ValueError(
+            f"{agents} agents in {max(procs, 1)} process(es) is {per_process} connections per process; "
+            f"at most {MAX_PER_PROCESS} fit one process (select()): use procs >= {need}"
+        )
     return asyncio.run(
         _federation(
             Path(workdir),
