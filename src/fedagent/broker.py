@@ -36,6 +36,7 @@ from typing import BinaryIO
 from fedagent import pki
 from fedagent.errors import ConfigError, TransportError
 from fedagent.protocols.topics import PREFIX, check_name
+from fedagent.stopsignals import child_starting
 
 DEFAULT_MAX_PACKET_SIZE = 16 * 2**20
 DEFAULT_PORT = 8883
@@ -478,15 +479,17 @@ class EmbeddedBroker:
 
     def _spawn_and_wait(self) -> None:
         self._out = open(self.workdir / "mosquitto.out", "ab")
-        self._proc = subprocess.Popen(
-            [self.binary, "-c", str(self.conf_path)],
-            stdin=subprocess.DEVNULL,
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-            close_fds=True,
-        )
-        # Never leave a broker behind, even if the owner forgets stop().
-        self._finalizer = weakref.finalize(self, _terminate, self._proc, 2.0)
+        # A stop signal waits until the process is recorded, where stop() finds it.
+        with child_starting():
+            self._proc = subprocess.Popen(
+                [self.binary, "-c", str(self.conf_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=self._out,
+                stderr=subprocess.STDOUT,
+                close_fds=True,
+            )
+            # Never leave a broker behind, even if the owner forgets stop().
+            self._finalizer = weakref.finalize(self, _terminate, self._proc, 2.0)
         deadline = time.monotonic() + self.start_timeout
         last: Exception | None = None
         while True:

@@ -599,6 +599,10 @@ def demo(
 
 
 # -- experiments ------------------------------------------------------------------------
+def _exit_on_stop_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 @main.group()
 def experiment() -> None:
     """Paper experiments, each writing a report (markdown + PNG plots).
@@ -607,6 +611,17 @@ def experiment() -> None:
     Mosquitto; gfedntm trains Fig. 2's many models in process or in --jobs workers (Sync-Opt computed in
     process, which the exactness test shows equals the network path) and runs one
     setting again through a real coordinator and agents over Mosquitto."""
+    # SIGTERM and SIGHUP would otherwise end the process without running a single
+    # ``finally``: the daemons an experiment started (each in a session of its own) would
+    # be left running and its work directory left behind. As an exception they unwind
+    # the experiment, and the exit status is 128 + the signal's number (Ctrl-C too, which
+    # click would report as 1). A signal ignored by whoever started us (nohup, a
+    # background job) stays ignored.
+    from fedagent.stopsignals import deferring
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, deferring(_exit_on_stop_signal))
 
 
 @experiment.command("flsimco")

@@ -37,6 +37,7 @@ from fedagent import checkpoint
 from fedagent.errors import FedagentError
 from fedagent.localfed import BATCH, LOCAL_EPOCHS, LR, SEED, Federation
 from fedagent.protocols.dp import RANGE_MISS
+from fedagent.stopsignals import deferring
 
 __all__ = [
     "Plan",
@@ -88,6 +89,22 @@ def _signals(handler: Callable[[int, FrameType | None], Any] | int, *, interrupt
             signal.signal(s, h)
 
 
+@contextmanager
+def _ctrl_c_deferring() -> Iterator[None]:
+    """Ctrl-C's KeyboardInterrupt, held back while a child process is being started
+    (see :mod:`fedagent.stopsignals`), if SIGINT has Python's default handler here."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    signal.signal(signal.SIGINT, deferring(signal.default_int_handler))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @dataclass
 class Watch:
     """One look at a running federation: progress so far, and whether it is over."""
@@ -130,7 +147,7 @@ def run(fed: Federation, plan: Plan[T], *, keep: bool = False, console: Console 
     started = time.monotonic()
     stopped_by = ""
     try:
-        with _signals(_raise_interrupted):
+        with _signals(deferring(_raise_interrupted)), _ctrl_c_deferring():
             try:
                 console.print(f"{plan.title}; work dir {work}")
                 with console.status("creating a CA and certificates, starting a private Mosquitto ..."):

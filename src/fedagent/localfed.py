@@ -28,6 +28,7 @@ from fedagent.broker import EmbeddedBroker
 from fedagent.config import TlsConfig
 from fedagent.errors import FedagentError
 from fedagent.node.control import request
+from fedagent.stopsignals import child_starting
 
 # Training settings of the digits federations (the demo's and the tests' reference runs
 # use the same ones).
@@ -268,7 +269,8 @@ class Federation:
         log.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("NOTIFY_SOCKET", None)
-        with log.open("ab") as out:
+        # A stop signal waits until the process is in self.procs, where close() finds it.
+        with child_starting(), log.open("ab") as out:
             # A session of its own: Ctrl-C in the demo's terminal reaches only the demo,
             # which then stops the daemons in order; and the daemon's process group holds
             # it and whatever it starts, nothing else (see _signal).
@@ -279,8 +281,8 @@ class Federation:
                 env=env,
                 start_new_session=True,
             )
-        proc = Proc(stem, popen, log)
-        self.procs.append(proc)
+            proc = Proc(stem, popen, log)
+            self.procs.append(proc)
         return proc
 
     def proc(self, stem: str) -> Proc:
