@@ -683,3 +683,32 @@ def test_early_stopping_settings_are_checked():
         with pytest.raises(ValueError):
             S.SyncOptConfig(**kw)
     assert S.SyncOptConfig(patience=5, epoch_steps=10).max_epochs == 100
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind", ["weighted", "mean", "ordered"])
+def test_reused_sum_buffers_change_no_bit_and_results_are_never_the_buffers(kind, dtype):
+    """The aggregates a machine builds reuse one set of float64 buffers step after step:
+    every step's result is bit for bit the one of an aggregate without buffers, and a
+    later step does not overwrite an earlier step's result."""
+    rng = np.random.default_rng(7)
+    ref = {"w": np.zeros((4, 6), dtype=dtype), "b": np.zeros(6, dtype=dtype)}
+    order = ("a", "b", "c")
+    buffers = S.SumBuffers()
+    kept = []
+    for _ in range(4):
+        grads = {a: {k: rng.standard_normal(v.shape).astype(dtype) for k, v in ref.items()} for a in order}
+        sizes = {"a": 64, "b": 17, "c": 33}
+        fresh = S.AGGREGATORS[kind](ref, order, None)
+        pooled = S.AGGREGATORS[kind](ref, order, buffers)
+        for a in ("b", "a", "c"):
+            fresh.add(a, grads[a], sizes[a])
+            pooled.add(a, grads[a], sizes[a])
+        want, got = fresh.result(), pooled.result()
+        for k in ref:
+            assert got[k].dtype == dtype
+            assert np.array_equal(got[k].view(np.uint8), want[k].view(np.uint8))
+        kept.append((got, {k: v.copy() for k, v in got.items()}))
+    for got, copy in kept:
+        for k in ref:
+            assert np.array_equal(got[k], copy[k])
