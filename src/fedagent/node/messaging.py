@@ -225,7 +225,7 @@ class Messenger:
         if not big:
             payload = encode(env)
         else:
-            payload = await asyncio.to_thread(encode_segments if stable else encode_view, env)
+            payload = await asyncio.to_thread(_encode_big, env, stable, self.max_chunk)
         if len(payload) > self.max_chunk:
             if retain:
                 raise ValueError("a message larger than one chunk cannot be retained")
@@ -259,7 +259,13 @@ class Messenger:
 
             total = await self._publish_frames(transport, topic, n, frame, threaded=chunk >= 256 * 1024)
         else:
-            data = b"".join(payload) if isinstance(payload, Segments) else bytes(payload) if big else payload
+            data = (
+                b"".join(payload)
+                if isinstance(payload, Segments)
+                else payload
+                if isinstance(payload, bytes)
+                else bytes(payload)
+            )
             await transport.publish(topic, data, qos=1, retain=retain, timeout=self.publish_timeout)
             total = len(data)
         return self._sent(total)
@@ -581,6 +587,17 @@ class Messenger:
             # after a crash, one could only make its sender look alive for a moment.
             await self._persist_replay()
         await deliver(Incoming(topic, env.sender, env, message, size, role))
+
+
+def _encode_big(env: Envelope, stable: bool, max_chunk: int) -> bytes | memoryview | Segments:
+    """A message with tensors, encoded for :meth:`Messenger.send`: one frame's bytes
+    (joined straight from the tensors: one copy, where packing and then taking the
+    packed bytes made two), or, for a message that will be chunked, the segments of a
+    ``stable`` one or a view of an encoded copy."""
+    segments = encode_segments(env)
+    if len(segments) <= max_chunk:
+        return b"".join(segments)
+    return segments if stable else encode_view(env)
 
 
 def _stream_payload(head: Envelope, tensors) -> tuple[bytearray, bytes]:
