@@ -442,7 +442,16 @@ class SyncOptMode:
                 sdnotify.status(f"Sync-Opt step {cmd.step}: {len(cmd.participants)} agents")
             await self.core.messenger.send(
                 topics.broadcast(self.fed, "sync_step"),
-                SyncStep(cmd.step, cmd.model_version, cmd.participants, cmd.deadline_s, self.vocab_digest, cmd.weights),
+                SyncStep(
+                    cmd.step,
+                    cmd.model_version,
+                    cmd.participants,
+                    cmd.deadline_s,
+                    self.vocab_digest,
+                    cmd.weights,
+                    # Gradients may come without their all-zero slices (lossless).
+                    sliced_gradients=True,
+                ),
                 round_=cmd.step,
             )
         elif isinstance(cmd, S.StartValidation):

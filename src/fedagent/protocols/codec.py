@@ -46,10 +46,12 @@ __all__ = [
     "check_finite",
     "decode",
     "decode_tensor",
+    "decode_tensor_sliced",
     "decode_weights",
     "encode",
     "encode_segments",
     "encode_tensor",
+    "encode_tensor_sliced",
     "encode_view",
     "encode_weights",
     "weights_nbytes",
@@ -693,6 +695,46 @@ def encode_tensor(a: np.ndarray) -> dict[str, Any]:
     return {"dtype": name, "shape": list(a.shape), "data": data}
 
 
+def _tensor_head(
+    obj: dict[str, Any], limits: Limits, expect_dtype: str | None, expect_shape: tuple[int, ...] | None
+) -> tuple[str, np.dtype, tuple[int, ...], int]:
+    """A wire tensor's dtype name, numpy dtype, shape and dense byte size, checked
+    against the allow-list, the limits and the expectations (Python ints: no overflow)."""
+    name = obj["dtype"]
+    if type(name) is not str or name not in DTYPES:
+        raise CodecError(f"tensor dtype {_short(name)} not allowed; allowed: {', '.join(DTYPES)}")
+    if expect_dtype is not None and name != expect_dtype:
+        raise CodecError(f"tensor dtype {name} where {expect_dtype} was expected")
+    dtype = DTYPES[name]
+    dims = obj["shape"]
+    if not isinstance(dims, list | tuple):
+        raise CodecError("tensor shape must be a list of ints")
+    if len(dims) > limits.max_tensor_dims:
+        raise CodecError(f"tensor of {len(dims)} dimensions exceeds max_tensor_dims {limits.max_tensor_dims}")
+    for d in dims:
+        if type(d) is not int:
+            raise CodecError(f"tensor dimension {_short(d)} is not an int")
+        if d < 0:
+            raise CodecError(f"negative tensor dimension {d}")
+        if d > limits.max_tensor_bytes:  # also keeps every dim inside numpy's intp
+            raise CodecError(f"tensor dimension {_short(d)} exceeds max_tensor_bytes")
+    shape = tuple(dims)
+    if expect_shape is not None and shape != tuple(expect_shape):
+        raise CodecError(f"tensor shape {list(shape)} where {list(expect_shape)} was expected")
+    nbytes = math.prod(shape) * dtype.itemsize  # Python ints: cannot overflow
+    if nbytes > limits.max_tensor_bytes:
+        raise CodecError(f"tensor of {nbytes} bytes exceeds max_tensor_bytes {limits.max_tensor_bytes}")
+    return name, dtype, shape, nbytes
+
+
+def _binary_len(data: object, what: str) -> int:
+    if isinstance(data, bytes | bytearray):
+        return len(data)
+    if isinstance(data, memoryview):
+        return data.nbytes
+    raise CodecError(f"tensor {what} must be binary, not {type(data).__name__}")
+
+
 def decode_tensor(
     obj: object,
     limits: Limits = _DEFAULT_LIMITS,
@@ -709,39 +751,9 @@ def decode_tensor(
         raise CodecError(f"tensor must be a map, not {type(obj).__name__}")
     if obj.keys() != _TENSOR_KEYS:
         raise CodecError(f"tensor must have exactly the fields dtype, shape, data; got {sorted(map(_short, obj))[:5]}")
-    name = obj["dtype"]
-    if type(name) is not str or name not in DTYPES:
-        raise CodecError(f"tensor dtype {_short(name)} not allowed; allowed: {', '.join(DTYPES)}")
-    if expect_dtype is not None and name != expect_dtype:
-        raise CodecError(f"tensor dtype {name} where {expect_dtype} was expected")
-    dtype = DTYPES[name]
-
-    shape = obj["shape"]
-    if not isinstance(shape, list | tuple):
-        raise CodecError("tensor shape must be a list of ints")
-    if len(shape) > limits.max_tensor_dims:
-        raise CodecError(f"tensor of {len(shape)} dimensions exceeds max_tensor_dims {limits.max_tensor_dims}")
-    for d in shape:
-        if type(d) is not int:
-            raise CodecError(f"tensor dimension {_short(d)} is not an int")
-        if d < 0:
-            raise CodecError(f"negative tensor dimension {d}")
-        if d > limits.max_tensor_bytes:  # also keeps every dim inside numpy's intp
-            raise CodecError(f"tensor dimension {_short(d)} exceeds max_tensor_bytes")
-    shape = tuple(shape)
-    if expect_shape is not None and shape != tuple(expect_shape):
-        raise CodecError(f"tensor shape {list(shape)} where {list(expect_shape)} was expected")
-
-    nbytes = math.prod(shape) * dtype.itemsize  # Python ints: cannot overflow
-    if nbytes > limits.max_tensor_bytes:
-        raise CodecError(f"tensor of {nbytes} bytes exceeds max_tensor_bytes {limits.max_tensor_bytes}")
+    name, dtype, shape, nbytes = _tensor_head(obj, limits, expect_dtype, expect_shape)
     data = obj["data"]
-    if isinstance(data, bytes | bytearray):
-        have = len(data)
-    elif isinstance(data, memoryview):
-        have = data.nbytes
-    else:
-        raise CodecError(f"tensor data must be binary, not {type(data).__name__}")
+    have = _binary_len(data, "data")
     if have != nbytes:
         raise CodecError(f"tensor data has {have} bytes; {name}{list(shape)} needs {nbytes}")
     try:
@@ -755,31 +767,142 @@ def decode_tensor(
         raise CodecError(f"tensor data unusable: {exc}") from exc
 
 
+# --- sliced tensors: the non-zero slices of a tensor along one axis ---------------------
+#
+# A gradient often has whole slices that are exactly zero: the first layer of a
+# bag-of-words encoder gets no gradient for the terms its mini-batch does not contain.
+# Sent as ``{dtype, shape, axis, index, data}``: ``index`` the positions along ``axis``
+# of the slices that are sent (uint32 little-endian, strictly increasing), ``data`` those
+# slices in C order; every other slice is zero. Lossless: a slice is left out only when
+# every one of its bytes is 0 (so -0.0 travels), and the receiver rebuilds the tensor
+# bit for bit.
+
+_SLICED_KEYS = frozenset(("dtype", "shape", "axis", "index", "data"))
+#: Tensors smaller than this are always sent whole (the search is not worth it).
+SLICE_FROM = 64 * 1024
+_UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def encode_tensor_sliced(a: np.ndarray) -> dict[str, Any]:
+    """The wire form of ``a`` without its all-zero slices along the axis that leaves the
+    fewest bytes, when that is smaller than the whole tensor (index included); else the
+    plain :func:`encode_tensor` form."""
+    dense = encode_tensor(a)
+    if a.nbytes < SLICE_FROM or a.ndim == 0 or a.size == 0 or max(a.shape) >= 2**32:
+        return dense
+    wire = DTYPES[a.dtype.name]
+    a = np.ascontiguousarray(a, dtype=wire)
+    nonzero = a.view(_UINT_OF_SIZE[wire.itemsize]) != 0
+    best: tuple[int, int, np.ndarray] | None = None  # (bytes, axis, kept positions)
+    for axis in range(a.ndim):
+        others = tuple(i for i in range(a.ndim) if i != axis)
+        kept = np.flatnonzero(nonzero.any(axis=others)) if others else np.flatnonzero(nonzero)
+        size = 4 * kept.size + kept.size * (a.size // a.shape[axis]) * wire.itemsize
+        if best is None or size < best[0]:
+            best = (size, axis, kept)
+    assert best is not None
+    size, axis, kept = best
+    if size >= a.nbytes:
+        return dense
+    part = np.ascontiguousarray(np.take(a, kept, axis=axis))
+    return {
+        "dtype": dense["dtype"],
+        "shape": dense["shape"],
+        "axis": axis,
+        "index": kept.astype("<u4").tobytes(),
+        "data": part.reshape(-1).view(np.uint8).data,
+    }
+
+
+def decode_tensor_sliced(
+    obj: dict[str, Any],
+    limits: Limits = _DEFAULT_LIMITS,
+    *,
+    expect_dtype: str | None = None,
+    expect_shape: tuple[int, ...] | None = None,
+) -> np.ndarray:
+    """The dense array of a sliced tensor (a new, writable array). Everything is checked
+    before the array is allocated: the dtype, the shape and its dense size against the
+    limits, the axis, that the index holds whole uint32s, at most as many as the axis
+    has positions, strictly increasing and in range, and that the data holds exactly
+    that many slices."""
+    if obj.keys() != _SLICED_KEYS:
+        raise CodecError(
+            f"sliced tensor must have exactly the fields {', '.join(sorted(_SLICED_KEYS))}; "
+            f"got {sorted(map(_short, obj))[:6]}"
+        )
+    name, dtype, shape, _dense = _tensor_head(obj, limits, expect_dtype, expect_shape)
+    axis = obj["axis"]
+    if type(axis) is not int or not 0 <= axis < len(shape):
+        raise CodecError(f"sliced tensor axis {_short(axis)} is not an axis of shape {list(shape)}")
+    index = obj["index"]
+    have_index = _binary_len(index, "index")
+    if have_index % 4:
+        raise CodecError(f"sliced tensor index of {have_index} bytes is not a whole number of uint32")
+    k = have_index // 4
+    if k > shape[axis]:
+        raise CodecError(f"sliced tensor index of {k} positions for an axis of {shape[axis]}")
+    slice_items = math.prod(shape[:axis]) * math.prod(shape[axis + 1 :])
+    data = obj["data"]
+    want = k * slice_items * dtype.itemsize
+    have = _binary_len(data, "data")
+    if have != want:
+        raise CodecError(f"sliced tensor data has {have} bytes; {k} slices of {name}{list(shape)} need {want}")
+    try:
+        idx = np.frombuffer(index, dtype="<u4")
+        if k and int(idx[-1]) >= shape[axis]:
+            raise CodecError(f"sliced tensor index {int(idx[-1])} out of range for an axis of {shape[axis]}")
+        if k > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            raise CodecError("sliced tensor index is not strictly increasing")
+        part = np.frombuffer(data, dtype=dtype)
+        if name == "bool" and part.size and part.view(np.uint8).max() > 1:
+            raise CodecError("bool tensor holds bytes other than 0 and 1")
+        out = np.zeros(shape, dtype=dtype)  # its bytes (_dense) <= max_tensor_bytes: checked above
+        cut = list(shape)
+        cut[axis] = k
+        where: tuple[Any, ...] = (slice(None),) * axis + (idx.astype(np.intp),)
+        out[where] = part.reshape(cut)
+        return out
+    except CodecError:
+        raise
+    except Exception as exc:  # e.g. a non-contiguous memoryview
+        raise CodecError(f"sliced tensor unusable: {exc}") from exc
+
+
 def _check_tensor_name(name: object) -> str:
     if type(name) is not str or not 1 <= len(name) <= _MAX_TENSOR_NAME or not name.isprintable():
         raise CodecError(f"invalid tensor name {_short(name)}: use 1-{_MAX_TENSOR_NAME} printable characters")
     return name
 
 
-def encode_weights(w: Mapping[str, np.ndarray]) -> dict[str, dict[str, Any]]:
-    """A named set of tensors in wire form."""
+def encode_weights(w: Mapping[str, np.ndarray], *, sliced: bool = False) -> dict[str, dict[str, Any]]:
+    """A named set of tensors in wire form; ``sliced``: without the all-zero slices of
+    the tensors that have them (:func:`encode_tensor_sliced`; only for a receiver that
+    decodes with ``sliced=True``)."""
+    enc = encode_tensor_sliced if sliced else encode_tensor
     if not isinstance(w, Mapping):
         raise CodecError(f"weights must be a mapping, not {type(w).__name__}")
     out: dict[str, dict[str, Any]] = {}
     for name, a in w.items():
         _check_tensor_name(name)
         try:
-            out[name] = encode_tensor(a)
+            out[name] = enc(a)
         except CodecError as exc:
             raise CodecError(f"tensor {name!r}: {exc}") from exc
     return out
 
 
 def decode_weights(
-    obj: object, limits: Limits = _DEFAULT_LIMITS, *, expect: Mapping[str, tuple[str, tuple[int, ...]]] | None = None
+    obj: object,
+    limits: Limits = _DEFAULT_LIMITS,
+    *,
+    expect: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
+    sliced: bool = False,
 ) -> dict[str, np.ndarray]:
     """Decode a named set of tensors; with ``expect`` (name -> (dtype, shape)) the names,
-    dtypes and shapes must match exactly. Errors name the tensor."""
+    dtypes and shapes must match exactly. ``sliced``: tensors may also come without
+    their zero slices (:func:`decode_tensor_sliced`; those come back as new dense
+    arrays). Errors name the tensor."""
     if not isinstance(obj, dict):
         raise CodecError(f"weights must be a map, not {type(obj).__name__}")
     if len(obj) > limits.max_map_len:
@@ -802,7 +925,10 @@ def decode_weights(
     for name, t in obj.items():
         want_dtype, want_shape = expect[name] if expect is not None else (None, None)
         try:
-            out[name] = decode_tensor(t, limits, expect_dtype=want_dtype, expect_shape=want_shape)
+            if sliced and isinstance(t, dict) and "axis" in t:
+                out[name] = decode_tensor_sliced(t, limits, expect_dtype=want_dtype, expect_shape=want_shape)
+            else:
+                out[name] = decode_tensor(t, limits, expect_dtype=want_dtype, expect_shape=want_shape)
         except CodecError as exc:
             raise CodecError(f"tensor {name!r}: {exc}") from exc
     return out

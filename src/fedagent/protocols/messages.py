@@ -630,7 +630,9 @@ class SyncStep:
     every participant already holds that version (a repeated step): then only the
     version travels. ``validate`` (an epoch's end, early stopping): instead of a
     gradient, evaluate that model on your held-out documents and answer
-    :class:`SyncValidation`."""
+    :class:`SyncValidation`. ``sliced_gradients``: the coordinator decodes gradients
+    sent without their all-zero slices (absent from older coordinators: then every
+    gradient goes whole)."""
 
     kind: ClassVar[str] = "sync_step"
     step: int
@@ -640,6 +642,7 @@ class SyncStep:
     vocab_digest: str
     weights: Weights | None = field(default=None, repr=False)
     validate: bool = False
+    sliced_gradients: bool = False
 
     def __post_init__(self) -> None:
         _count(self.step, "step", "sync_step")
@@ -661,6 +664,8 @@ class SyncStep:
             body["weights"] = encode_weights(self.weights)
         if self.validate:
             body["validate"] = True
+        if self.sliced_gradients:
+            body["sliced_gradients"] = True
         return body
 
     @classmethod
@@ -675,13 +680,19 @@ class SyncStep:
             vocab_digest=_need(body, "vocab_digest", str, w),
             weights=decode_weights(body["weights"], limits) if "weights" in body else None,
             validate=_flag(body, "validate", w),
+            sliced_gradients=_flag(body, "sliced_gradients", w),
         )
 
 
 @dataclass(frozen=True, slots=True)
 class SyncGradient:
     """Agent → coordinator (Sync-Opt): the gradient of the mean loss over the agent's
-    mini-batch ``step`` at ``base_version``, the batch's size and its mean loss."""
+    mini-batch ``step`` at ``base_version``, the batch's size and its mean loss.
+
+    ``sliced`` (not a wire field): encode the tensors without their all-zero slices
+    (:func:`~fedagent.protocols.codec.encode_tensor_sliced`), for a coordinator whose
+    step said ``sliced_gradients``. The receiver always accepts both forms and gets
+    the same dense arrays, bit for bit."""
 
     kind: ClassVar[str] = "sync_gradient"
     step: int
@@ -689,6 +700,7 @@ class SyncGradient:
     num_samples: int
     loss: float
     gradient: Weights = field(repr=False)
+    sliced: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         _count(self.step, "step", "sync_gradient")
@@ -704,7 +716,7 @@ class SyncGradient:
             "base_version": self.base_version,
             "num_samples": self.num_samples,
             "loss": self.loss,
-            "gradient": encode_weights(self.gradient),
+            "gradient": encode_weights(self.gradient, sliced=self.sliced),
         }
 
     @classmethod
@@ -715,7 +727,7 @@ class SyncGradient:
             base_version=_count(_need(body, "base_version", int, w), "base_version", w),
             num_samples=_count(_need(body, "num_samples", int, w), "num_samples", w),
             loss=float(_need(body, "loss", (int, float), w)),
-            gradient=decode_weights(_need(body, "gradient", dict, w), limits),
+            gradient=decode_weights(_need(body, "gradient", dict, w), limits, sliced=True),
         )
 
 
