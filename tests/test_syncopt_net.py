@@ -167,6 +167,13 @@ def check_exact_and_private(
     assert sum(isinstance(m.message, VocabOffer) for m in from_agents) == AGENTS
     grads = [m.message for m in from_agents if isinstance(m.message, SyncGradient)]
     assert len(grads) == AGENTS * steps
+    # The encoder's first layer gets no gradient for the terms a batch lacks: those
+    # columns stay home (the exactness below covers the sliced path).
+    first = [
+        m.envelope.body["gradient"]["input_layer.weight"] for m in from_agents if isinstance(m.message, SyncGradient)
+    ]
+    assert all(t.get("axis") == 1 for t in first)
+    assert all(0 < len(t["index"]) // 4 < len(vocabs[0].terms) for t in first)
 
     # Centralized reference: the same tasks on the same vocabulary, the concatenated batches.
     for t in tasks:
