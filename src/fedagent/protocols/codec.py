@@ -780,13 +780,19 @@ def decode_tensor(
 _SLICED_KEYS = frozenset(("dtype", "shape", "axis", "index", "data"))
 #: Tensors smaller than this are always sent whole (the search is not worth it).
 SLICE_FROM = 64 * 1024
+#: A tensor is sliced only when that leaves out at least this share of its bytes.
+#: Gathering the slices (sender) and scattering them into zeros (receiver) cost about
+#: 1.5 + 2.3 ms of CPU for a 100 x 5000 float32 gradient, more than 9 % fewer bytes
+#: save in hashing, TLS and copies on the way (measured: a net loss); at a third of
+#: the bytes the two are about even.
+SLICE_MIN_SAVING = 1 / 3
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def encode_tensor_sliced(a: np.ndarray) -> dict[str, Any]:
     """The wire form of ``a`` without its all-zero slices along the axis that leaves the
-    fewest bytes, when that is smaller than the whole tensor (index included); else the
-    plain :func:`encode_tensor` form."""
+    fewest bytes, when that (index included) is at most ``1 - SLICE_MIN_SAVING`` of the
+    whole tensor's bytes; else the plain :func:`encode_tensor` form."""
     dense = encode_tensor(a)
     if a.nbytes < SLICE_FROM or a.ndim == 0 or a.size == 0 or max(a.shape) >= 2**32:
         return dense
@@ -802,7 +808,7 @@ def encode_tensor_sliced(a: np.ndarray) -> dict[str, Any]:
             best = (size, axis, kept)
     assert best is not None
     size, axis, kept = best
-    if size >= a.nbytes:
+    if size > a.nbytes * (1 - SLICE_MIN_SAVING):
         return dense
     part = np.ascontiguousarray(np.take(a, kept, axis=axis))
     return {
