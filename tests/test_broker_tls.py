@@ -812,3 +812,18 @@ def test_client_sockets_send_small_packets_at_once(broker, arun, peer):
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
 
     arun(main())
+
+
+def test_the_broker_fedagent_starts_keeps_freed_message_buffers(broker_factory, monkeypatch):
+    """Mosquitto runs with glibc told to serve message buffers from its heap and keep
+    them (BROKER_MALLOC_ENV); a value already in the environment wins."""
+    from fedagent.broker import BROKER_MALLOC_ENV
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "4096")
+    b = broker_factory()
+    proc = b.embedded._proc
+    assert proc is not None
+    env = dict(item.split("=", 1) for item in Path(f"/proc/{proc.pid}/environ").read_text().split("\0") if "=" in item)
+    assert env["MALLOC_MMAP_THRESHOLD_"] == BROKER_MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"] == str(32 * 2**20)
+    assert env["MALLOC_TRIM_THRESHOLD_"] == "4096"

@@ -38,6 +38,14 @@ from fedagent.errors import ConfigError, TransportError
 from fedagent.protocols.topics import PREFIX, check_name
 from fedagent.stopsignals import child_starting
 
+#: glibc settings for a Mosquitto fedagent starts (the environment's own win): messages
+#: up to 32 MiB come from the broker's heap and freed ones stay there for the next,
+#: instead of fresh pages from the system, zeroed by the kernel, for every message it
+#: relays. Measured with Sync-Opt (5 agents, 3.1 MB messages, 16 relayed per step): the
+#: broker's CPU per step fell from 54-56 ms to 38-39 ms. Mosquitto run as a service can
+#: be given the same two variables (docs/deployment.md).
+BROKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(128 * 2**20)}
+
 DEFAULT_MAX_PACKET_SIZE = 16 * 2**20
 DEFAULT_PORT = 8883
 # Per client, beyond the QoS 1 messages in flight to it (Mosquitto applies both limits to
@@ -487,6 +495,7 @@ class EmbeddedBroker:
                 stdout=self._out,
                 stderr=subprocess.STDOUT,
                 close_fds=True,
+                env={**BROKER_MALLOC_ENV, **os.environ},
             )
             # Never leave a broker behind, even if the owner forgets stop().
             self._finalizer = weakref.finalize(self, _terminate, self._proc, 2.0)

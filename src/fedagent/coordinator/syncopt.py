@@ -40,7 +40,7 @@ from fedagent.errors import ConfigError, FedagentError
 from fedagent.metrics import NodeMetrics
 from fedagent.node import sdnotify
 from fedagent.node.messaging import Incoming
-from fedagent.node.runtime import Timer
+from fedagent.node.runtime import Timer, keep_freed_memory
 from fedagent.protocols import syncopt as S
 from fedagent.protocols import topics
 from fedagent.protocols import vocab as V
@@ -113,6 +113,10 @@ class SyncOptMode:
         self.core = core
         self.cfg = cfg
         self.settings = cfg.syncopt
+        # Every step allocates and frees buffers of the model's size (5 gradients in, the
+        # weights out): kept by the allocator, they are not fresh zeroed pages each time
+        # (measured: 50-52 instead of 56-59 ms of CPU per step at 5 agents, V = 5000).
+        keep_freed_memory()
         self.fed = core.fed
         # A gradient or validation answer replayed after a restart names a step number
         # the restarted coordinator never reuses (STEP_RESERVATION) and is refused as
