@@ -126,8 +126,27 @@ def seeds() -> list[bytes]:
         },
     )
     chunks = [env("chunk", b) for b in split(whole, max_chunk=64, transfer_id="t-1")]
+    # A gradient with a sliced tensor (columns 1 and 3 of a 2 x 5 float32 sent).
+    sliced = {
+        "dtype": "float32",
+        "shape": [2, 5],
+        "axis": 1,
+        "index": np.array([1, 3], "<u4").tobytes(),
+        "data": np.arange(4, dtype=np.float32).tobytes(),
+    }
+    gradient = env(
+        "sync_gradient",
+        {
+            "step": 3,
+            "base_version": 2,
+            "num_samples": 8,
+            "loss": 0.5,
+            "gradient": {"w": sliced, **encode_weights({"b": weights["b"]})},
+        },
+    )
     return [
         whole,
+        gradient,
         *chunks[:3],
         chunks[-1],
         env(
@@ -236,6 +255,12 @@ def check(data: bytes, limits: Limits, reassembler: Reassembler, n: int) -> bool
     if weights is not None:
         try:
             decode_weights(weights, limits)
+        except CodecError:
+            pass
+    gradient = env.body.get("gradient")
+    if gradient is not None:
+        try:
+            decode_weights(gradient, limits, sliced=True)
         except CodecError:
             pass
     if env.kind == "chunk":
