@@ -798,7 +798,10 @@ def encode_tensor_sliced(a: np.ndarray) -> dict[str, Any]:
         return dense
     wire = DTYPES[a.dtype.name]
     a = np.ascontiguousarray(a, dtype=wire)
-    nonzero = a.view(_UINT_OF_SIZE[wire.itemsize]) != 0
+    bits = a.view(_UINT_OF_SIZE[wire.itemsize])
+    if a.size - np.count_nonzero(bits) < a.size * SLICE_MIN_SAVING:
+        return dense  # too few zero elements for any slicing to save enough (a quick count)
+    nonzero = bits != 0
     best: tuple[int, int, np.ndarray] | None = None  # (bytes, axis, kept positions)
     for axis in range(a.ndim):
         others = tuple(i for i in range(a.ndim) if i != axis)
