@@ -178,12 +178,15 @@ def run_fedagent(
     timeout: float = 900.0,
     agents: int = tta_model.CLIENTS,
     seed: int = tta_model.SEED,
+    task: str = "bench.tta_task:make",
 ) -> Run:
     """A coordinator and ``agents`` agent daemons (localfed), every connection through a
     counting relay to the federation's Mosquitto; ``compression`` goes to the
     coordinator's ``[transfer]`` (``None`` writes nothing: the default). ``seed``: the
     digits task's seed (its held-out set, its split and the initial weights; the
-    comparison with Flower uses the shared one, tta_model.SEED)."""
+    comparison with Flower uses the shared one, tta_model.SEED). ``task``: the benchmark's
+    CNN by default; ``"digits"`` is the demo's own model on the same data (the accuracy
+    studies run it as a second workload)."""
     from fedagent import localfed
 
     assert (localfed.LOCAL_EPOCHS, localfed.LR, localfed.BATCH, localfed.SEED) == (
@@ -194,6 +197,8 @@ def run_fedagent(
     ), "fedagent's federation settings and the shared model's must be the same"
     name = compression or "default"
     d = work / f"fedagent-{name}" if seed == tta_model.SEED else work / f"fedagent-{name}-seed{seed}"
+    if task != "bench.tta_task:make":
+        d = d.with_name(f"{d.name}-{task.replace(':', '-')}")
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     old_path = os.environ.get("PYTHONPATH")
@@ -206,7 +211,7 @@ def run_fedagent(
         agents=agents,
         rounds=rounds,
         alpha=tta_model.ALPHA,
-        task="bench.tta_task:make",
+        task=task,
         task_options={"alpha": tta_model.ALPHA, "seed": seed},
         agent_broker_by_mdns=False,
         round_timeout=600.0,  # as Flower, which waits for every client without a deadline

@@ -414,7 +414,9 @@ class NodeConfig:
     privacy: PrivacySettings | None = None
     max_chunk_bytes: int = 4 * 2**20
     max_model_bytes: int = 1 * 2**30
-    compression: str = "none"  # coordinator: how agents send updates (none|fp16|int8|topk)
+    # coordinator: how agents send updates (none|fp16|int8|topk); None: the default,
+    # int8 where updates are streamed, none where they travel whole (compression.default_mode)
+    compression: str | None = None
     topk_ratio: float = 0.01
     stream_updates: bool | None = None  # coordinator: True/False forces it; None: streamed when the aggregation allows
     metrics_port: int = 0  # 0: a free loopback port (shown by status); -1: off
@@ -628,10 +630,10 @@ def _stream_updates(transfer: dict[str, Any], where: str) -> bool | None:
     return v
 
 
-def _compression(transfer: dict[str, Any], where: str) -> str:
-    mode = transfer.get("compression", "none")
+def _compression(transfer: dict[str, Any], where: str) -> str | None:
+    mode = transfer.get("compression")
     ratio = transfer.get("topk_ratio", 0.01)
-    if mode not in ("none", "fp16", "int8", "topk"):
+    if mode is not None and mode not in ("none", "fp16", "int8", "topk"):
         raise ConfigError(f"{where}: [transfer] compression must be none, fp16, int8 or topk, not {mode!r}")
     if type(ratio) not in (int, float) or not 0 < ratio <= 1:
         raise ConfigError(f"{where}: [transfer] topk_ratio must be in (0, 1], not {ratio!r}")

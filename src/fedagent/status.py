@@ -173,6 +173,17 @@ def _round_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
                 f"{len(received)} of {len(selected)}" + (f"; waiting for {', '.join(waiting)}" if waiting else ""),
             )
         )
+    u = s.get("updates")
+    if u:
+        how = "int8 deltas" if u["compression"] == "int8" else u["compression"]
+        how = "uncompressed" if how == "none" else how
+        rows.append(
+            (
+                "updates",
+                f"{how}, {'streamed' if u['streamed'] else 'whole'}"
+                + (" (default; [transfer] compression sets it)" if u.get("default") else " ([transfer] compression)"),
+            )
+        )
     silent = [f"{a} ({h['age']:.0f}s)" for a, h in (s.get("heartbeats") or {}).items() if h.get("silent")]
     rows.append(("silent", silent or None))
     j = s.get("journal") or {}

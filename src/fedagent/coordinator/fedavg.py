@@ -35,6 +35,7 @@ from fedagent.protocols import topics
 from fedagent.protocols.aggregation import Strategy
 from fedagent.protocols.catchup import ModelServer
 from fedagent.protocols.codec import Envelope
+from fedagent.protocols.compression import default_mode
 from fedagent.protocols.groupcommit import GroupCommit
 from fedagent.protocols.messages import (
     Evaluation,
@@ -120,6 +121,9 @@ def round_config(cfg: NodeConfig) -> R.RoundConfig:
             q = r.agents_per_round / r.expected_agents if r.agents_per_round and r.expected_agents else 1.0
             dp = cfg.privacy.resolve(r.rounds, min(q, 1.0))
             stream = False
+        compression = cfg.compression
+        if compression is None:
+            compression = default_mode(streamed=stream and secure is None)
         return R.RoundConfig(
             rounds=r.rounds,
             min_agents=r.min_agents,
@@ -141,7 +145,7 @@ def round_config(cfg: NodeConfig) -> R.RoundConfig:
                 steps=r.local_steps,
                 lr=r.lr,
                 batch_size=r.batch_size,
-                compression=cfg.compression,
+                compression=compression,
                 topk_ratio=cfg.topk_ratio,
                 stream=stream,
             ),
@@ -523,6 +527,7 @@ class FedAvgMode:
             if m.get("privacy") and self.cfg.privacy is not None
             else None,
             "stop_reason": m.get("stop_reason") or None,
+            "updates": self.update_transfer(),
             "journal": self.journal.status(),
             "secure_aggregation": (
                 self.machine.secagg.status()
@@ -530,6 +535,12 @@ class FedAvgMode:
                 else (self.machine is not None and self.machine.config.secure is not None) or None
             ),
         }
+
+    def update_transfer(self) -> dict[str, Any]:
+        """How the agents send their updates this federation: the compression the rounds
+        ask for (and whether it is the default or set in [transfer]), streamed or whole."""
+        train = self.machine.config.train if self.machine is not None else round_config(self.cfg).train
+        return {"compression": train.compression, "streamed": train.stream, "default": self.cfg.compression is None}
 
     def refresh_metrics(self, m: NodeMetrics) -> None:
         if self.machine is not None:

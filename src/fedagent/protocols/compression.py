@@ -17,6 +17,13 @@ centred, which is what quantisation and sparsification need (quantising raw weig
 would cost the precision of the large, unchanged part of the model). Only floating
 tensors are compressed; integer tensors (e.g. BatchNorm counters) travel raw.
 
+The default (``[transfer] compression`` not set) is :data:`DEFAULT_MODE`, ``int8``, for
+every FedAvg round whose updates are streamed; rounds that take whole updates (robust
+aggregation, ``clip_norm``, differential privacy, secure aggregation) send them
+uncompressed: see :func:`default_mode`. Only the agents' updates are compressed; the
+coordinator's broadcast of the global model travels in full. Over five seeds of the
+time-to-accuracy task int8 reached the same accuracy as ``none`` (docs/compression.md).
+
 A tensor on the wire is ``(name, dtype, shape, enc, param, nbytes)`` — ``dtype``/``shape``
 are the *model* tensor's, ``enc`` says how its bytes are laid out — and
 :func:`encoded_nbytes` computes the byte count from those fields with Python ints,
@@ -44,6 +51,16 @@ MODEL_DTYPES: dict[str, np.dtype] = {
 INDEX_DTYPE = np.dtype("<u4")
 VALUE_DTYPE = np.dtype("<f4")
 MAX_ELEMENTS = 2**32 - 1  # topk indices are uint32
+DEFAULT_MODE = "int8"  # what a streamed FedAvg update uses when the config names none
+
+
+def default_mode(*, streamed: bool) -> str:
+    """The compression of a round whose config does not name one: :data:`DEFAULT_MODE`
+    when its updates are streamed deltas folded into a plain sum, ``"none"`` when they
+    must travel whole (an aggregation that reads each update at once, clipping,
+    differential privacy or secure aggregation: none of these can take compressed
+    deltas, and an explicit mode there is a config error)."""
+    return DEFAULT_MODE if streamed else "none"
 
 
 @dataclass(frozen=True, slots=True)
