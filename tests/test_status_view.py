@@ -169,8 +169,12 @@ def test_coordinator_rows_give_round_and_version_their_meaning_and_the_held_out_
         },
         "rejected": {"stale": 4},
         "recent_rejections": [{"sender": "a3", "round": 4601, "reason": "stale", "detail": "x"}] * 4,
+        "updates": {"compression": "int8", "streamed": True, "default": True},
     }
     rows = _rows(s)
+    assert rows["updates"] == "int8 deltas, streamed (default)"
+    s["updates"] = {"compression": "none", "streamed": False, "default": False}
+    assert _rows(s)["updates"] == "uncompressed, whole ([transfer] compression)"
     assert rows["round"] == "4603 (the latest round started)"
     assert rows["rounds"] == "4600 aggregated of 5000; 2 not aggregated (abandoned, or cut short by a restart)"
     assert rows["model version"] == "4600 (aggregations so far)"

@@ -194,7 +194,12 @@ def test_fedavg_streams_by_default() -> None:
     assert TrainConfig.from_body(TrainConfig().to_body()).stream is True
 
 
-def _config(tmp_path, pki, aggregation: str, transfer: str) -> ConfigError | None:
+def _config(tmp_path, pki, aggregation: str, transfer: str, extra: str = "") -> ConfigError | None:
+    rc = _round_config(tmp_path, pki, aggregation, transfer, extra)
+    return rc if isinstance(rc, ConfigError) else None
+
+
+def _round_config(tmp_path, pki, aggregation: str, transfer: str, extra: str = ""):
     from fedagent.config import load
     from fedagent.coordinator.fedavg import round_config
 
@@ -204,13 +209,12 @@ def _config(tmp_path, pki, aggregation: str, transfer: str) -> ConfigError | Non
         f'id = "coord"\nfederation = "{FED}"\nstate_dir = "{tmp_path}"\n'
         f'[broker]\nuri = "mqtts://127.0.0.1:1"\n[tls]\nca = "{t.ca}"\ncert = "{t.cert}"\nkey = "{t.key}"\n'
         f'[rounds]\naggregation = "{aggregation}"\nmin_agents = 5\nmin_updates = 5\n'
-        f"[transfer]\n{transfer}\n"
+        f"{extra}\n[transfer]\n{transfer}\n"
     )
     try:
-        round_config(load(p, role="coordinator"))
+        return round_config(load(p, role="coordinator"))
     except ConfigError as exc:
         return exc
-    return None
 
 
 def test_config_refuses_streams_or_compression_with_a_whole_update_aggregator(tmp_path, pki) -> None:
@@ -222,3 +226,24 @@ def test_config_refuses_streams_or_compression_with_a_whole_update_aggregator(tm
     assert err is not None and "compression" in str(err)
     assert _config(tmp_path, pki, "median", "") is None
     assert _config(tmp_path, pki, "fedavg", 'compression = "topk"') is None
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "transfer", "extra", "expected"),
+    [
+        ("fedavg", "", "", ("int8", True)),  # the default: streamed int8 deltas
+        ("metric", "", 'weight_key = "loss"\n', ("int8", True)),
+        ("fedavg", 'compression = "none"', "", ("none", True)),  # how to turn it off
+        ("fedavg", 'compression = "fp16"', "", ("fp16", True)),
+        ("fedavg", "stream_updates = false", "", ("none", False)),
+        ("median", "", "", ("none", False)),  # whole updates: no default compression to refuse
+        ("fedavg", "", "clip_norm = 5.0\n", ("none", False)),
+        ("fedavg", "", "secure_aggregation = true\n", ("none", False)),
+        ("fedavg", "", '[privacy]\nmode = "central"\nnoise_multiplier = 1.0\n', ("none", False)),
+    ],
+)
+def test_default_compression_is_int8_where_updates_stream(tmp_path, pki, aggregation, transfer, extra, expected):
+    # extra lands in [rounds] (or opens a table of its own)
+    rc = _round_config(tmp_path, pki, aggregation, transfer, extra)
+    assert not isinstance(rc, ConfigError), rc
+    assert (rc.train.compression, rc.train.stream) == expected

@@ -114,6 +114,19 @@ def _rejected_text(s: dict[str, Any]) -> str | None:
     return text
 
 
+_UPDATE_FORMS = {"none": "uncompressed", "fp16": "fp16 deltas", "int8": "int8 deltas", "topk": "top-k deltas"}
+
+
+def _updates_text(u: dict[str, Any] | None) -> str | None:
+    """How a FedAvg coordinator's agents send their updates, and whether that is the
+    default (docs/streaming.md, "Compression")."""
+    if not u:
+        return None
+    how = _UPDATE_FORMS.get(u.get("compression"), str(u.get("compression")))
+    where = "default" if u.get("default") else "[transfer] compression"
+    return f"{how}, {'streamed' if u.get('streamed') else 'whole'} ({where})"
+
+
 def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     """The rows of `fedagent status` for a FedAvg or Sync-Opt node (label, text)."""
     coordinator = s.get("role") == "coordinator"
@@ -134,6 +147,7 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("held-out (agents)", _held_out_text(s.get("held_out")) if coordinator else None),
         ("global model eval", _eval_text(s.get("global_model_eval"), final)),
         ("privacy", _privacy(s.get("privacy"))),
+        ("updates", _updates_text(s.get("updates"))),
         ("stopped", s.get("stop_reason")),
         ("reconnects", s.get("reconnects")),
         ("last error", s.get("last_error")),
@@ -171,17 +185,6 @@ def _round_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
             (
                 "received",
                 f"{len(received)} of {len(selected)}" + (f"; waiting for {', '.join(waiting)}" if waiting else ""),
-            )
-        )
-    u = s.get("updates")
-    if u:
-        how = "int8 deltas" if u["compression"] == "int8" else u["compression"]
-        how = "uncompressed" if how == "none" else how
-        rows.append(
-            (
-                "updates",
-                f"{how}, {'streamed' if u['streamed'] else 'whole'}"
-                + (" (default; [transfer] compression sets it)" if u.get("default") else " ([transfer] compression)"),
             )
         )
     silent = [f"{a} ({h['age']:.0f}s)" for a, h in (s.get("heartbeats") or {}).items() if h.get("silent")]
