@@ -2,7 +2,11 @@
 
 It answers every RoundStart with an Update carrying the weights it received, so a
 round costs exactly what fedagent's framework costs: envelope encode/decode and
-validation, chunking with SHA-256, MQTT 5 over mutual TLS, reassembly. A RoundStart with
+validation, chunking with SHA-256, MQTT 5 over mutual TLS, reassembly. A RoundStart
+whose TrainConfig asks for streamed updates (the daemons' default) is answered as the
+agent daemon does, with a stream compressed as it says (``int8`` by default: deltas to
+the received model); the update is then the received weights plus 0.001 everywhere,
+made once per model size, so the deltas are not all zero. A RoundStart with
 a secure-aggregation setup is answered through the SecAgg stages instead (keys, sealed
 shares, an update of 0.001 in every coordinate masked, shares at unmasking).
 
@@ -25,6 +29,7 @@ from fedagent.node.messaging import Incoming, Messenger
 from fedagent.node.transport import TlsFiles, Transport
 from fedagent.protocols import topics
 from fedagent.protocols.codec import Envelope, encode
+from fedagent.protocols.compression import CompressionConfig, Compressor
 from fedagent.protocols.messages import Presence, RoundStart, Update
 from fedagent.protocols.secagg import (
     SecAggAgent,
@@ -96,9 +101,11 @@ async def main(args: argparse.Namespace) -> None:
             )
 
     delta = np.zeros(0)
+    trained: dict[str, np.ndarray] = {}  # the streamed update (received weights + BENCH_DELTA)
+    compressor = Compressor()
 
     async def deliver(inc: Incoming) -> None:
-        nonlocal delta
+        nonlocal delta, trained, compressor
         got_at = time.time()
         msg = inc.message
         if isinstance(msg, (SecAggRoster, SecAggShareBox, SecAggSurvivors, SecAggUnmask)):
@@ -136,13 +143,26 @@ async def main(args: argparse.Namespace) -> None:
         if isinstance(msg, RoundStart) and me in msg.selected:
             # Two timestamps for the benchmark's per-phase split (a few bytes).
             stamps = {"bench_got_at": got_at, "bench_send_at": time.time()}
+            topic = topics.direct(fed, me, args.coordinator, "update")
+            if msg.train.stream:
+                shapes = {k: v.shape for k, v in msg.weights.items()}
+                if {k: v.shape for k, v in trained.items()} != shapes:
+                    # Training is off: the update is given, made once per model (not timed
+                    # as part of any round but the first, as training is not).
+                    trained = {k: (v + np.float32(BENCH_DELTA)).astype(v.dtype) for k, v in msg.weights.items()}
+                if compressor.config.mode != msg.train.compression:
+                    compressor = Compressor(CompressionConfig(msg.train.compression, msg.train.topk_ratio))
+                stamps["bench_send_at"] = time.time()
+                update = Update(
+                    round=msg.round, base_version=msg.model_version, num_samples=1, metrics=stamps, weights=trained
+                )
+                await messenger.send_update(topic, update, base=msg.weights, compressor=compressor)
+                return
             update = Update(
                 round=msg.round, base_version=msg.model_version, num_samples=1, metrics=stamps, weights=msg.weights
             )
             # stable: the weights are the received model's read-only arrays.
-            await messenger.send(
-                topics.direct(fed, me, args.coordinator, "update"), update, round_=msg.round, stable=True
-            )
+            await messenger.send(topic, update, round_=msg.round, stable=True)
 
     async def on_payload(topic: str, payload: bytes) -> None:
         await messenger.receive(topic, payload, deliver)

@@ -13,8 +13,10 @@ Modes:
   (bench/flower_app/secaggplus/), behind a byte-counting relay; the ``secagg`` section
   calls :func:`secaggplus_rows` to compare it with fedagent's secure round.
 
-Rows compare fedagent's TLS round (measured by the ``round`` section in this run) with
-Flower's: a ratio below 1 means fedagent is faster.
+Rows compare fedagent's TLS round with its defaults (measured by the ``round`` section
+in this run: updates streamed and int8-compressed, the coordinator's broadcast in full)
+with Flower's with its defaults (float32 both ways): a ratio below 1 means fedagent is
+faster.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from bench.env import mb, model_sizes
 from bench.procs import ProcessTree
 from bench.registry import Context, Row, section, summary
+from fedagent.protocols.compression import DEFAULT_MODE
 
 if TYPE_CHECKING:
     from fedagent.protocols.secagg import SecAggParams
@@ -336,7 +339,8 @@ def server_tls(d: Path) -> tuple[Path, Path, Path]:
 
 
 def _ours(ctx: Context, params: int) -> list[float] | None:
-    return ctx.shared.get(("fedagent_round", params))
+    """fedagent's round with its defaults (the round section's DEFAULTS rounds)."""
+    return ctx.shared.get(("fedagent_round_defaults", params))
 
 
 def _expected_rows(ctx: Context) -> int:
@@ -366,7 +370,7 @@ def _pair(label: str, version: str, size: str, ours: list[float], theirs: list[f
     return [
         Row(
             "flower",
-            f"fedagent TLS round, {size} (median)",
+            f"fedagent TLS round, defaults ({DEFAULT_MODE} updates), {size} (median)",
             o_med,
             f"Flower {version} {label} (median)",
             med,
@@ -374,7 +378,7 @@ def _pair(label: str, version: str, size: str, ours: list[float], theirs: list[f
         ),
         Row(
             "flower",
-            f"fedagent TLS round, {size} (max)",
+            f"fedagent TLS round, defaults ({DEFAULT_MODE} updates), {size} (max)",
             o_max,
             f"Flower {version} {label} (max)",
             mx,

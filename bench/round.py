@@ -14,6 +14,14 @@ Update at once, one ``mosquitto_sub``), QoS 1, each model as one MQTT message. I
 decodes, validates and aggregates nothing: it is the floor the broker allows.
 
 The two kinds of round alternate, so both see the same machine load.
+
+The C-client rows compare like for like: fedagent's agents send whole uncompressed
+float32 updates, as the C clients do (``TrainConfig(stream=False)``). A third kind of
+round, alternating with the other two, runs fedagent **with its defaults**: updates
+streamed and folded chunk by chunk, compressed as :data:`DEFAULT_MODE` says (int8
+deltas; the coordinator's broadcast is uncompressed either way). Its times are what the
+``flower`` section compares with Flower, and a row here compares it with the
+uncompressed round of the same run.
 """
 
 from __future__ import annotations
@@ -37,7 +45,9 @@ from fedagent.node.transport import Transport
 from fedagent.protocols import topics
 from fedagent.protocols.aggregation import WeightedMean, check_update
 from fedagent.protocols.codec import Envelope, encode
+from fedagent.protocols.compression import DEFAULT_MODE
 from fedagent.protocols.messages import Presence, RoundStart, TrainConfig, Update
+from fedagent.protocols.streaming import StreamEvent, UpdateEnd, UpdateHead, UpdatePart
 from fedagent.signing import Identity
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +59,11 @@ ROUND_TIMEOUT = 180.0
 KEEPALIVE = 30
 READY_TOPIC = topics.broadcast(FEDERATION, "bench_ready")
 C_RECEIVER = "cbench"  # the C fan-in's addressee: the coordinator identity reads it
+# The round as the C clients do it: whole float32 updates, no compression.
+LIKE_C = TrainConfig(stream=False)
+# The round with fedagent's defaults: streamed updates, compressed as the daemons do.
+DEFAULTS = TrainConfig(compression=DEFAULT_MODE, stream=True)
+BENCH_DELTA = 0.001  # what bench/fed_agent.py adds to every coordinate of a streamed update
 
 
 def chunk_bytes() -> int:
@@ -226,6 +241,10 @@ class FedRounds:
             identity=Identity.load(tls.cert, tls.key, tls.ca),
             max_chunk_bytes=chunk_bytes(),
         )
+        # Streamed updates (the default round) are folded as their parts arrive.
+        self.messenger.on_stream = self._on_stream
+        self._acc: WeightedMean | None = None
+        self._heads: dict[tuple[str, str], UpdateHead] = {}
         self.runner: asyncio.Task | None = None
         self.lost: list[str] = []
         # Per-phase timestamps of the latest round (time.time(): the agents stamp their
@@ -245,6 +264,28 @@ class FedRounds:
             if got is not None and sending is not None:
                 self._agent_stamps.append((got, sending))
             self.updates.put_nowait(msg)
+
+    async def _on_stream(self, events: list[StreamEvent]) -> None:
+        """As the coordinator daemon does: each part folded into the round's sum when it
+        arrives (there through the round machine's queue, here directly)."""
+        for ev in events:
+            if isinstance(ev, UpdateHead):
+                self._heads[(ev.sender, ev.tid)] = ev
+            elif isinstance(ev, UpdatePart):
+                if self._acc is not None and (ev.sender, ev.tid) in self._heads:
+                    self._acc.fold(ev.name, ev.start, ev.values, ev.indices, 1.0, delta=ev.delta)
+            elif isinstance(ev, UpdateEnd):
+                head = self._heads.pop((ev.sender, ev.tid), None)
+                if head is None or not ev.ok:
+                    self.lost.append(f"stream from {ev.sender} failed: {ev.reason}")
+                    continue
+                self._arrivals.append(time.time())
+                got, sending = head.metrics.get("bench_got_at"), head.metrics.get("bench_send_at")
+                if got is not None and sending is not None:
+                    self._agent_stamps.append((got, sending))
+                self.updates.put_nowait(
+                    Update(round=head.round, base_version=head.base_version, num_samples=1, metrics={}, weights={})
+                )
 
     async def _on_payload(self, topic: str, payload: bytes) -> None:
         if self._first_update_frame is None and topic.endswith("/update"):
@@ -289,8 +330,9 @@ class FedRounds:
                 raise RuntimeError(f"only {sorted(self.online)} came online")
             await asyncio.sleep(0.05)
 
-    async def round(self, r: int) -> tuple[float, float, float]:
-        """(seconds, CPU seconds of coordinator + agents, CPU seconds of the broker)."""
+    async def round(self, r: int, train: TrainConfig = LIKE_C) -> tuple[float, float, float]:
+        """(seconds, CPU seconds of coordinator + agents, CPU seconds of the broker).
+        ``train``: LIKE_C (whole float32 updates) or DEFAULTS (streamed, compressed)."""
         pids = [p.pid for p in self.procs]
         broker = [self.bb.broker.pid]
         c0, b0 = time.process_time() + proc_cpu(pids), proc_cpu(broker)
@@ -300,12 +342,13 @@ class FedRounds:
         w0 = time.time()
         t0 = time.perf_counter()
         acc = WeightedMean(self.weights)
+        self._acc = acc if train.stream else None
         start = RoundStart(
             round=r,
             model_version=r - 1,
             selected=tuple(self.agents),
             deadline_s=600,
-            train=TrainConfig(),
+            train=train,
             weights=self.weights,
         )
         # stable: as the coordinator daemon sends it (its model is never changed in place).
@@ -326,15 +369,23 @@ class FedRounds:
                 return ROUND_TIMEOUT, time.process_time() + proc_cpu(pids) - c0, proc_cpu(broker) - b0
             if u.round != r:
                 continue
-            await asyncio.to_thread(self._fold, acc, u)
+            if train.stream:
+                acc.count_in(1.0)  # its parts are folded already (_on_stream)
+            else:
+                await asyncio.to_thread(self._fold, acc, u)
             got += 1
+        self._acc = None
         mean = await asyncio.to_thread(acc.result)
         elapsed = time.perf_counter() - t0
         cpu = time.process_time() + proc_cpu(pids) - c0
         self._note_phases(w0, sent, time.time(), time.process_time() - own0, cpu)
         first = next(iter(self.weights))
-        if not np.array_equal(mean[first], self.weights[first]):
+        if not train.stream and not np.array_equal(mean[first], self.weights[first]):
             raise RuntimeError("the FedAvg mean of identical updates differs from them")
+        # Streamed: each agent sent the model + BENCH_DELTA, quantised (int8: within half
+        # a step of max|delta| / 127, plus float32 rounding of the weights).
+        if train.stream and not np.allclose(mean[first], self.weights[first] + BENCH_DELTA, rtol=1e-6, atol=1e-4):
+            raise RuntimeError("the FedAvg mean of identical streamed updates differs from them")
         return elapsed, cpu, proc_cpu(broker) - b0
 
     def _note_phases(self, w0: float, sent: float, end: float, own_cpu: float, cpu: float) -> None:
@@ -365,7 +416,7 @@ class FedRounds:
             model_version=0,
             selected=tuple(self.agents),
             deadline_s=600,
-            train=TrainConfig(),
+            train=LIKE_C,
             weights=self.weights,
         )
         upd = Update(round=1, base_version=0, num_samples=1, metrics={}, weights=self.weights)
@@ -410,15 +461,33 @@ async def _measure(bb: BenchBroker, cc: CClients, params: int, repeats: int, wor
         await fed.start()
         down, up = fed.payloads(work)
         await fed.round(1)  # warm-up: connections, page cache
+        await fed.round(2, DEFAULTS)  # and the agents' streamed update, made once
         await asyncio.to_thread(cc.round, down, up, fed.agents)
         res: dict[str, list[float]] = {
-            k: [] for k in ("fedagent", "c", "c_out", "c_in", "fed_cpu", "c_cpu", "fed_broker", "c_broker")
+            k: []
+            for k in (
+                "fedagent",
+                "c",
+                "c_out",
+                "c_in",
+                "fed_cpu",
+                "c_cpu",
+                "fed_broker",
+                "c_broker",
+                "defaults",
+                "defaults_cpu",
+                "defaults_broker",
+            )
         }
         for i in range(repeats):
-            t, cpu, bcpu = await fed.round(i + 2)
-            o, n, ccpu, cbcpu = await asyncio.to_thread(cc.round, down, up, fed.agents)
+            t, cpu, bcpu = await fed.round(2 * i + 3)
             for k, v in fed.phases.items():
                 res.setdefault(f"phase_{k}", []).append(v)
+            o, n, ccpu, cbcpu = await asyncio.to_thread(cc.round, down, up, fed.agents)
+            dt, dcpu, dbcpu = await fed.round(2 * i + 4, DEFAULTS)
+            res["defaults"].append(dt)
+            res["defaults_cpu"].append(dcpu)
+            res["defaults_broker"].append(dbcpu)
             for k, v in (
                 ("fedagent", t),
                 ("c", o + n),
@@ -435,7 +504,10 @@ async def _measure(bb: BenchBroker, cc: CClients, params: int, repeats: int, wor
                 f"{bcpu:.2f} s), C clients {o + n:.2f} s (fan-out {o:.2f} + fan-in {n:.2f}; CPU "
                 f"{ccpu:.2f} s, broker {cbcpu:.2f} s)"
             )
-            log("  fedagent phases: " + ", ".join(f"{k} {v:.3f}" for k, v in fed.phases.items()))
+            log(
+                f"  fedagent with its defaults ({DEFAULT_MODE} updates, streamed): {dt:.2f} s "
+                f"(CPU {dcpu:.2f} s, broker {dbcpu:.2f} s)"
+            )
         return res | {"bytes": down.stat().st_size, "lost": fed.lost}
     finally:
         await fed.stop()
@@ -455,7 +527,7 @@ def phase_note(res: dict) -> str:
     )
 
 
-@section("round", rows=lambda ctx: 4 * len(model_sizes(ctx)))
+@section("round", rows=lambda ctx: 5 * len(model_sizes(ctx)))
 def fedavg_round(ctx: Context, agents: int = AGENTS) -> list[Row]:
     rows = []
     with bench_broker(ctx, ctx.work / "round", agents) as bb:
@@ -465,6 +537,8 @@ def fedavg_round(ctx: Context, agents: int = AGENTS) -> list[Row]:
             ours_med, ours_max = summary(res["fedagent"])
             c_med, c_max = summary(res["c"])
             ctx.shared[("fedagent_round", params)] = res["fedagent"]
+            # What the flower section compares with Flower: fedagent as installed.
+            ctx.shared[("fedagent_round_defaults", params)] = res["defaults"]
             for what in res["lost"]:
                 ctx.shared.setdefault("failures", []).append(f"fedagent {mb(params)} {what}")
             rows.append(
@@ -508,6 +582,21 @@ def fedavg_round(ctx: Context, agents: int = AGENTS) -> list[Row]:
                     "broker CPU per C-client round (median)",
                     summary(res["c_broker"])[0],
                     note="the same Mosquitto process",
+                )
+            )
+            d_med, d_max = summary(res["defaults"])
+            rows.append(
+                Row(
+                    "round",
+                    f"fedagent FedAvg round with its defaults ({DEFAULT_MODE} updates, streamed), TLS, "
+                    f"{agents} agents, {mb(params)} (median)",
+                    d_med,
+                    "the same round with whole float32 updates (median)",
+                    ours_med,
+                    note=f"max {d_max:.2f} s; n={len(res['defaults'])}; CPU of coordinator + agents "
+                    f"{summary(res['defaults_cpu'])[0]:.2f} s vs {summary(res['fed_cpu'])[0]:.2f} s, broker "
+                    f"{summary(res['defaults_broker'])[0]:.2f} s vs {summary(res['fed_broker'])[0]:.2f} s; "
+                    "the rows against Flower use this round",
                 )
             )
     return rows

@@ -219,11 +219,12 @@ def test_flower_section_reports_a_deployment_run_that_fails(monkeypatch, tmp_pat
     monkeypatch.setattr(flower, "run_grpc", lambda py, work, params, rounds, tls, timeout: [0.5, 0.7] * rounds)
     monkeypatch.setattr(flower, "run_deployment", deployment)
     ctx = Context(quick=False, work=tmp_path, repeats=5, sizes=[11_200_000], log=lambda s: None)
-    ctx.shared[("fedagent_round", 11_200_000)] = [0.2, 0.3, 0.25, 0.2, 0.4]
+    ctx.shared[("fedagent_round_defaults", 11_200_000)] = [0.2, 0.3, 0.25, 0.2, 0.4]
     rows = flower.flower(ctx)
     assert len(rows) == 4  # gRPC without and with TLS, median and max each
     assert [r.subject.rsplit(" ", 1)[1] for r in rows] == ["(median)", "(max)"] * 2
     assert rows[1].value == 0.4 and rows[1].baseline_value == 0.7
+    assert "defaults (int8 updates)" in rows[0].subject  # fedagent as installed, and says so
     assert ctx.shared["failures"] == [
         "Flower SuperLink + SuperNodes + flwr run, no TLS, 11.2M params = 44.8 MB: "
         f"Flower deployment finished 2 of 6 rounds in {flower.deployment_timeout(11_200_000, 5):.0f} s"

@@ -94,11 +94,16 @@ def test_round_section_tiny(bench_ctx):
     from bench.round import fedavg_round
 
     rows = fedavg_round(bench_ctx, agents=2)
-    well_formed(rows, "round", 4, cpu_rows=("CPU",), ctx=bench_ctx)
+    well_formed(rows, "round", 5, cpu_rows=("CPU",), ctx=bench_ctx)
     assert "2 agents" in rows[0].subject
+    # The fifth row: the round with the daemons' defaults (streamed int8 updates, whose
+    # mean the section checks), against the uncompressed round the C-client rows use.
+    assert "with its defaults (int8 updates, streamed)" in rows[4].subject
+    assert rows[4].baseline.startswith("the same round with whole float32 updates")
     # No round may have timed out (a lost update is reported, not raised).
     assert not bench_ctx.shared.get("failures"), bench_ctx.shared["failures"]
     assert len(bench_ctx.shared[("fedagent_round", TINY)]) == 1
+    assert len(bench_ctx.shared[("fedagent_round_defaults", TINY)]) == 1
 
 
 def test_secagg_section_tiny(bench_ctx):
