@@ -33,6 +33,9 @@ def main() -> None:
     ap.add_argument("--settings", nargs="+", default=["none", "int8"])
     ap.add_argument("--task", default="bench.tta_task:make", help='"digits": the demo\'s task')
     ap.add_argument("--target", type=float, default=0.95)
+    ap.add_argument(
+        "--run", type=int, default=0, help="1, 2, ...: run the settings again (run-to-run noise of the same seed)"
+    )
     ap.add_argument("--json", type=Path, default=ROOT / "results" / "tta" / "compression_seeds.json")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -40,7 +43,10 @@ def main() -> None:
     task = None if args.task == "bench.tta_task:make" else args.task
     for seed in args.seeds:
         for comp in args.settings:
-            if any(r["seed"] == seed and r["compression"] == comp and r.get("task") == task for r in results):
+            if any(
+                r["seed"] == seed and r["compression"] == comp and r.get("task") == task and r.get("run", 0) == args.run
+                for r in results
+            ):
                 continue
             run = run_fedagent(
                 args.out.resolve(),
@@ -56,6 +62,7 @@ def main() -> None:
             results.append(
                 {
                     **({"task": task, "target": args.target} if task else {}),
+                    **({"run": args.run} if args.run else {}),
                     "seed": seed,
                     "compression": comp,
                     "rounds_to_target": reached["round"] if reached else None,
@@ -66,10 +73,13 @@ def main() -> None:
             args.json.write_text(json.dumps(results, indent=1))
             print(seed, comp, results[-1]["rounds_to_target"], results[-1]["final_accuracy"], flush=True)
     mine = [r for r in results if r.get("task") == task]
-    print(f"| seed | compression | rounds to {args.target:.0%} | accuracy after 20 rounds |")
-    print("|---:|---|---:|---:|")
-    for r in sorted(mine, key=lambda r: (r["seed"], r["compression"])):
-        print(f"| {r['seed']} | {r['compression']} | {r['rounds_to_target']} | {r['final_accuracy']:.4f} |")
+    print(f"| seed | run | compression | rounds to {args.target:.0%} | accuracy after 20 rounds |")
+    print("|---:|---:|---|---:|---:|")
+    for r in sorted(mine, key=lambda r: (r["seed"], r.get("run", 0), r["compression"])):
+        print(
+            f"| {r['seed']} | {r.get('run', 0)} | {r['compression']} | {r['rounds_to_target']} "
+            f"| {r['final_accuracy']:.4f} |"
+        )
 
 
 if __name__ == "__main__":
