@@ -657,6 +657,7 @@ def render(
     syncopt: dict[str, Any] | None = None,
     search: dict[str, Any] | None = None,
     privacy: dict[str, Any] | None = None,
+    transfer: dict[str, Any] | None = None,
 ) -> str:
     """A config file as TOML text (used by the demo, the tests and ``fedagent init``)."""
     doc: dict[str, Any] = {"id": node_id, "federation": federation, "mode": mode, "state_dir": str(state_dir)}
@@ -676,6 +677,8 @@ def render(
         doc["search"] = search
     if privacy:
         doc["privacy"] = privacy
+    if transfer:
+        doc["transfer"] = transfer
     return tomli_w.dumps(doc)
 
 

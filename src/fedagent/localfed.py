@@ -231,9 +231,14 @@ class Federation:
         self.agent_ids.append(node_id)
         return self.spawn(node_id)
 
-    def write_coordinator(self, task: str, task_options: dict[str, Any], rounds: dict[str, Any]) -> Path:
-        """Replace the coordinator's config (another task, other round settings)."""
-        return self._write("coordinator", self.coordinator_id, self.broker_uri, task_options, rounds, task)
+    def write_coordinator(
+        self, task: str, task_options: dict[str, Any], rounds: dict[str, Any], transfer: dict[str, Any] | None = None
+    ) -> Path:
+        """Replace the coordinator's config (another task, other round settings, and
+        ``transfer``: its [transfer] table, e.g. a compression pinned)."""
+        return self._write(
+            "coordinator", self.coordinator_id, self.broker_uri, task_options, rounds, task, transfer=transfer
+        )
 
     def add_agent(
         self,

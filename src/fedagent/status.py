@@ -122,7 +122,8 @@ def _updates_text(u: dict[str, Any] | None) -> str | None:
     default (docs/streaming.md, "Compression")."""
     if not u:
         return None
-    how = _UPDATE_FORMS.get(u.get("compression"), str(u.get("compression")))
+    mode = str(u.get("compression"))
+    how = _UPDATE_FORMS.get(mode, mode)
     where = "default" if u.get("default") else "[transfer] compression"
     return f"{how}, {'streamed' if u.get('streamed') else 'whole'} ({where})"
 

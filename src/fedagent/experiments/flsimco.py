@@ -129,7 +129,9 @@ def run_strategy(
     arrivals: list[dict[str, Any]] = []
     try:
         fed.prepare()
-        fed.write_coordinator("flsimco", {"seed": setup.seed, "speed": 0.0}, rounds)
+        # Uncompressed updates, as when results/flsimco was measured (before int8 became
+        # the default): a rerun reproduces those figures.
+        fed.write_coordinator("flsimco", {"seed": setup.seed, "speed": 0.0}, rounds, {"compression": "none"})
         fed.spawn("coordinator")
         queue = list(schedule)
         vehicles: dict[str, Proc] = {}

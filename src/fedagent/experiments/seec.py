@@ -280,7 +280,9 @@ def run_joint(scale: Scale, work: Path, console: Console) -> tuple[dict[str, np.
     search_text = ""
     try:
         fed.prepare()
-        fed.write_coordinator("doc2vec", agent_opts, rounds)
+        # Uncompressed updates, as when results/seec was measured (before int8 became
+        # the default): a rerun reproduces those figures.
+        fed.write_coordinator("doc2vec", agent_opts, rounds, {"compression": "none"})
         fed.start_all()
         started = time.monotonic()
         cols = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
