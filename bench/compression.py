@@ -31,7 +31,7 @@ from rich.table import Table
 
 from fedagent.protocols.aggregation import WeightedMean
 from fedagent.protocols.codec import Envelope
-from fedagent.protocols.compression import CompressionConfig, Compressor
+from fedagent.protocols.compression import CompressionConfig, Compressor, quantize_int8
 from fedagent.protocols.messages import TrainConfig
 from fedagent.protocols.rounds import AgentOnline, RoundAggregated, RoundConfig, RoundMachine, StartRound
 from fedagent.protocols.streaming import (
@@ -49,9 +49,30 @@ FED = "bench"
 MODES = [("none", 1.0), ("fp16", 1.0), ("int8", 1.0), ("topk", 0.1), ("topk", 0.01)]
 
 
-def federation(mode: str, ratio: float, agents: int, rounds: int, alpha: float, seed: int, epochs: int = 1) -> dict:
+def federation(
+    mode: str,
+    ratio: float,
+    agents: int,
+    rounds: int,
+    alpha: float,
+    seed: int,
+    epochs: int = 1,
+    *,
+    task: str = "digits",
+    downlink: bool = False,
+) -> dict:
+    """``task``: "digits" (the demo's model) or "tta" (the time-to-accuracy CNN of
+    bench/tta_task.py). ``downlink``: also quantise the broadcast as int8 deltas to the
+    previous global model, with the coordinator keeping the dequantised model it sent
+    (what every agent would hold): an experiment, not something the daemons do."""
     torch.manual_seed(seed)
-    tasks = [make_digits({"shard": i, "shards": agents, "alpha": alpha, "seed": seed}) for i in range(agents)]
+    make = make_digits
+    if task == "tta":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from bench.tta_task import make as make_tta
+
+        make = make_tta
+    tasks = [make({"shard": i, "shards": agents, "alpha": alpha, "seed": seed}) for i in range(agents)]
     models = [t.build_model() for t in tasks]
     global_w = get_weights(models[0])
     model_bytes = sum(v.nbytes for v in global_w.values())
@@ -70,6 +91,7 @@ def federation(mode: str, ratio: float, agents: int, rounds: int, alpha: float, 
     evaluator = tasks[0]
     model = evaluator.build_model()
     by_round: list[float] = []
+    sent_global: dict[str, np.ndarray] | None = None
     while True:
         start = next((c for c in cmds if isinstance(c, StartRound)), None)
         agg = [c for c in cmds if isinstance(c, RoundAggregated)]
@@ -80,6 +102,15 @@ def federation(mode: str, ratio: float, agents: int, rounds: int, alpha: float, 
             final = agg[-1].weights
             break
         assert start is not None, cmds
+        if downlink:
+            # start.weights is the round machine's own model (the same arrays): quantising
+            # it in place makes the coordinator hold what the agents are sent.
+            if sent_global is not None:
+                for k, w in start.weights.items():
+                    if w.dtype.kind == "f":
+                        q, scale = quantize_int8(w.astype(np.float32) - sent_global[k])
+                        w[...] = sent_global[k] + q.astype(np.float32) * np.float32(scale)
+            sent_global = {k: np.array(v, dtype=np.float32) for k, v in start.weights.items()}
         cmds = []
         for i, a in enumerate(names):
             set_weights(models[i], start.weights)
@@ -193,6 +224,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seeds", type=int, default=2, help="repeat with this many seeds; mean accuracy")
     ap.add_argument("--epochs", type=int, default=1, help="local epochs a round (the demo: 2)")
     ap.add_argument("--modes", nargs="+", help="only these (none, fp16, int8, topk0.1, topk0.01)")
+    ap.add_argument("--task", choices=("digits", "tta"), default="digits", help="tta: the 1.1M-parameter CNN")
+    ap.add_argument("--downlink", action="store_true", help="also send the global model as int8 deltas")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--cpu", action="store_true", help="CPU cost per update of none and int8 (no training)")
     ap.add_argument("--params", type=float, nargs="+", default=[1.1e6, 11.2e6], help="--cpu: model sizes")
@@ -211,7 +244,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for mode, ratio in modes:
             runs = []
             for s in range(args.seeds):
-                runs.append(federation(mode, ratio, args.agents, args.rounds, args.alpha, seed=s, epochs=args.epochs))
+                runs.append(
+                    federation(
+                        mode,
+                        ratio,
+                        args.agents,
+                        args.rounds,
+                        args.alpha,
+                        seed=s,
+                        epochs=args.epochs,
+                        task=args.task,
+                        downlink=args.downlink,
+                    )
+                )
                 progress.advance(task)
             rows.append(
                 {
