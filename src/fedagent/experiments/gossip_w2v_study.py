@@ -72,6 +72,12 @@ class Variant:
     # Scale node i's step by its share of the samples x N (n_i / mean n): with plain
     # averaging every token then moves the consensus equally, as in centralized training.
     share_steps: bool = False
+    # Peers a node sends its model to at each boundary; with push-sum the node keeps
+    # 1/(fanout+1) of its mass and each peer gets as much.
+    fanout: int = 1
+    # A message carries only the rows its sender changed since its previous boundary
+    # (the others NaN here); a merge averages each row over the entries that carry it.
+    changed_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,18 @@ class Budget:
         return o
 
 
+def rowwise_mean(tables: list[np.ndarray], weights: np.ndarray) -> np.ndarray:
+    """Weighted mean of each row over the tables that carry it (a row absent from a
+    message is NaN there). The first table (the node's own) carries every row."""
+    num = np.zeros(tables[0].shape, dtype=np.float64)
+    den = np.zeros((tables[0].shape[0], 1))
+    for wj, a in zip(weights, tables):
+        has = ~np.isnan(a[:, 0])
+        num[has] += wj * a[has]
+        den[has] += wj
+    return (num / den).astype(np.float32)
+
+
 # ---- one simulated federation --------------------------------------------------------------
 def train_node(
     task: Word2VecTask,
@@ -112,6 +130,7 @@ def train_node(
     gen: torch.Generator,
     scale_in: torch.Tensor | None,
     scale_out: torch.Tensor | None,
+    touched: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     w_in, w_out = model.in_embed.weight.data, model.out_embed.weight.data
     for s in range(steps):
@@ -120,6 +139,10 @@ def train_node(
         noise = task.noise.index_select(
             0, torch.randint(len(task.noise), (len(centers) * task.negative,), generator=gen)
         ).view(len(centers), task.negative)
+        if touched is not None:  # the rows this step changes (input: centres; output: targets)
+            touched[0][centers] = True
+            touched[1][contexts] = True
+            touched[1][noise.reshape(-1)] = True
         if scale_in is None:
             sgns_update(w_in, w_out, centers, contexts, noise, lr)
         else:
@@ -127,7 +150,10 @@ def train_node(
             sgns_update(w_in, w_out, centers, contexts, noise, lr, row_scale=(scale_in, scale_out))
 
 
-def simulate(v: Variant, b: Budget, seed: int) -> list[dict[str, np.ndarray]]:
+def simulate(v: Variant, b: Budget, seed: int, stats: dict[str, float] | None = None) -> list[dict[str, np.ndarray]]:
+    """The nodes' final tables. ``stats`` (if given) receives the traffic per node: models
+    sent, their bytes as dense float32 tables, and the bytes had each send carried only
+    the rows the sender changed since its previous boundary (row index + values)."""
     n = b.agents
     tasks = []
     for i in range(n):
@@ -145,6 +171,10 @@ def simulate(v: Variant, b: Budget, seed: int) -> list[dict[str, np.ndarray]]:
         m.load_state_dict(base.state_dict())
         models.append(m)
     gens = [torch.Generator().manual_seed(seed * 1000 + i) for i in range(n)]
+    n_rows = len(tasks[0].vocab)
+    touched = [(torch.zeros(n_rows, dtype=torch.bool), torch.zeros(n_rows, dtype=torch.bool)) for _ in range(n)]
+    sent_models = [0] * n
+    sent_rows = [0] * n  # rows of both tables over all sends
     global_counts = tasks[0].vocab.counts
     local = []
     for t in tasks:
@@ -186,7 +216,10 @@ def simulate(v: Variant, b: Budget, seed: int) -> list[dict[str, np.ndarray]]:
         else:
             w = np.array([e[1] for e in entries], dtype=np.float64)
         tot = w.sum()
-        set_values(i, {k: sum(wj * e[0][k] for wj, e in zip(w, entries)) / tot for k in TABLES})
+        if v.changed_rows:  # row by row over the entries that carry the row (own: all)
+            set_values(i, {k: rowwise_mean([e[0][k] for e in entries], w) for k in TABLES})
+        else:
+            set_values(i, {k: sum(wj * e[0][k] for wj, e in zip(w, entries)) / tot for k in TABLES})
         if v.merge == "pushsum":
             mass[i] = float(tot)
 
@@ -196,10 +229,16 @@ def simulate(v: Variant, b: Budget, seed: int) -> list[dict[str, np.ndarray]]:
         for p in range(train_periods):
             lr0, lr1 = lr * (1 - p / train_periods), lr * (1 - (p + 1) / train_periods)
             for i in range(n):
-                train_node(tasks[i], models[i], v.period_steps, lr0, lr1, b.batch_size, gens[i], None, None)
+                train_node(tasks[i], models[i], v.period_steps, lr0, lr1, b.batch_size, gens[i], None, None, touched[i])
             avg = {k: np.mean([values(i)[k] for i in range(n)], axis=0) for k in TABLES}
             for i in range(n):
                 set_values(i, avg)
+                # counted as one model up per node and exchange (the mean coming back not counted)
+                sent_models[i] += 1
+                sent_rows[i] += int(touched[i][0].sum()) + int(touched[i][1].sum())
+                touched[i][0].zero_()
+                touched[i][1].zero_()
+        _traffic(stats, b, sent_models, sent_rows)
         return [values(i) for i in range(n)]
     for p in range(periods):
         lr0, lr1 = lr * (1 - p / train_periods), lr * (1 - (p + 1) / train_periods)
@@ -221,7 +260,7 @@ def simulate(v: Variant, b: Budget, seed: int) -> list[dict[str, np.ndarray]]:
                 lr0_i, lr1_i = lr0 * f, lr1 * f
             else:
                 lr0_i, lr1_i = lr0, lr1
-            train_node(tasks[i], models[i], v.period_steps, lr0_i, lr1_i, b.batch_size, gens[i], si, so)
+            train_node(tasks[i], models[i], v.period_steps, lr0_i, lr1_i, b.batch_size, gens[i], si, so, touched[i])
         last = p == periods - 1
         sends: list[tuple[int, int, dict[str, np.ndarray], Any]] = []
         new_inbox: list[list[Any]] = [[] for _ in range(n)]
@@ -239,21 +278,51 @@ def simulate(v: Variant, b: Budget, seed: int) -> list[dict[str, np.ndarray]]:
                 src = arrivals[j][2]
                 home[src].append(arrivals[j][:2])
             if not last:
-                peer = int(rng.choice([j for j in range(n) if j != i]))
+                others = [j for j in range(n) if j != i]
+                if v.fanout == 1:
+                    peers = [int(rng.choice(others))]
+                else:
+                    peers = [int(j) for j in rng.choice(others, size=v.fanout, replace=False)]
+                parts = len(peers) + 1
                 if v.merge == "plain":
                     sm: Any = 1.0
                 elif rows:
-                    sm = {k: m / 2 for k, m in mass[i].items()}
-                    mass[i] = {k: m / 2 for k, m in mass[i].items()}
+                    sm = {k: m / parts for k, m in mass[i].items()}
+                    mass[i] = {k: m / parts for k, m in mass[i].items()}
                 else:
-                    sm = mass[i] / 2
-                    mass[i] = mass[i] / 2
-                sends.append((i, peer, own, sm))
+                    sm = mass[i] / parts
+                    mass[i] = mass[i] / parts
+                changed = int(touched[i][0].sum()) + int(touched[i][1].sum())
+                msg = own
+                if v.changed_rows:
+                    msg = {k: a.copy() for k, a in own.items()}
+                    for k, mask in zip(TABLES, touched[i]):
+                        msg[k][~mask.numpy()] = np.nan
+                for peer in peers:
+                    sends.append((i, peer, msg, sm))
+                    sent_models[i] += 1
+                    sent_rows[i] += changed
+            touched[i][0].zero_()
+            touched[i][1].zero_()
             merge(i, [(own, mass[i])] + [(e[0], e[1]) for e in kept])
         for src, dst, vals, sm in sends:
             new_inbox[dst].append((vals, sm, src))
         inbox = new_inbox
+    _traffic(stats, b, sent_models, sent_rows)
     return [values(i) for i in range(n)]
+
+
+def model_bytes(b: Budget, terms: int) -> int:
+    """Bytes of the two float32 tables (what a gossip message carries, before framing)."""
+    return 2 * terms * b.dim * 4
+
+
+def _traffic(stats: dict[str, float] | None, b: Budget, models: list[int], rows: list[int]) -> None:
+    if stats is None:
+        return
+    stats["models_per_node"] = float(np.mean(models))
+    stats["row_sends_per_node"] = float(np.mean(rows))
+    stats["touched_bytes_per_node"] = float(np.mean(rows)) * (b.dim * 4 + 4)
 
 
 # ---- scoring --------------------------------------------------------------------------------
@@ -359,10 +428,12 @@ def main(argv: list[str] | None = None) -> int:
                 if a.score_only:
                     continue
                 t0 = time.process_time()
-                finals = simulate(v, b, seed)
+                stats: dict[str, float] = {}
+                finals = simulate(v, b, seed, stats)
                 cpu = time.process_time() - t0
                 arrays = {f"node{i}": f["in_embed.weight"] for i, f in enumerate(finals)}
-                np.savez(path.with_suffix(".tmp.npz"), cpu=np.array(cpu), **arrays)  # type: ignore[arg-type]
+                extra = {f"stat_{k}": np.array(x) for k, x in stats.items()}
+                np.savez(path.with_suffix(".tmp.npz"), cpu=np.array(cpu), **extra, **arrays)  # type: ignore[arg-type]
                 path.with_suffix(".tmp.npz").rename(path)
                 print(key, "simulated", f"{cpu:.0f} CPU s", flush=True)
             pending.append((key, v, path))
@@ -392,12 +463,38 @@ def main(argv: list[str] | None = None) -> int:
             per.append(sc)
         row: dict[str, Any] = {k: float(np.mean([p[k] for p in per])) for k in per[0]}
         row["cpu_s"] = float(saved["cpu"])
+        for k in saved.files:
+            if k.startswith("stat_"):
+                row[k[5:]] = float(saved[k])
+        row["model_bytes"] = float(model_bytes(b, len(task.vocab)))
         row["variant"] = asdict(v)
         results[key] = row
         print(key, row, flush=True)
     a.out.write_text(json.dumps(results, indent=1))
     return 0
 
+
+# Mixing: fanout k (k peers per boundary, up to 2k models kept, as the default keeps 2 for
+# one send) and exchange r times as often as the configuration (frequent 10 / r batches,
+# infrequent 50 / r: the infrequent configurations stay 5x less frequent).
+MIXING = [(f"fan{k}", k, 1) for k in (2, 3)] + [
+    (f"{fan}rate{r}", k, r) for k, fan in ((1, ""), (2, "fan2-"), (3, "fan3-")) for r in (2, 5, 10)
+]
+# The same with messages of the rows changed since the sender's previous boundary.
+CHANGED_ROWS = [(f"{fan}rows-rate{r}", k, r) for k, fan in ((1, ""), (2, "fan2-")) for r in (1, 5, 10)]
+# The rows of study.md's mixing table, in order (the defaults and ceilings for comparison).
+MIXING_TABLE = [
+    "",
+    "fan2",
+    "rate5",
+    "fan2-rate5",
+    "fan2-rows-rate5",
+    "plain",
+    "plain-every2",
+    "allreduce",
+    "allreduce-rate5",
+    "allreduce1",
+]
 
 FACTOR_NAMES = {
     "": "push-sum, step x N (the agents' default)",
@@ -419,6 +516,19 @@ FACTOR_NAMES = {
     "plain-every2": "plain averaging, exchange every 2 batches",
     "allreduce": "not gossip: all models averaged at every exchange",
     "allreduce1": "not gossip: all models averaged after every batch",
+    "allreduce-rate2": "not gossip: all models averaged, exchange 2x as often",
+    "allreduce-rate5": "not gossip: all models averaged, exchange 5x as often",
+    **{
+        name: (f"fanout {k}, " if k > 1 else "")
+        + (f"exchange {r}x as often" if r > 1 else f"up to {2 * k} kept, period as configured")
+        for name, k, r in MIXING
+    },
+    **{
+        name: (f"fanout {k}, " if k > 1 else "")
+        + "changed rows only, "
+        + (f"exchange {r}x as often" if r > 1 else "period as configured")
+        for name, k, r in CHANGED_ROWS
+    },
 }
 
 
@@ -518,6 +628,133 @@ def summarize(paths: list[Path], out_dir: Path, local_steps: int) -> str:
     return "\n".join(lines)
 
 
+def traffic_of(variant: dict[str, Any], local_steps: int) -> float:
+    """Models a node sends over the run, from the variant alone (the rows before the
+    traffic was recorded): one per peer at every boundary but the last; ``allreduce`` one
+    per boundary (its mean coming back not counted)."""
+    periods = max(1, local_steps // variant["period_steps"])
+    if variant["merge"] == "allreduce":
+        return float(periods)
+    return float((periods + variant.get("mix_periods", 0) - 1) * variant.get("fanout", 1))
+
+
+def summarize_mixing(
+    paths: list[Path], local_steps: int, factors: list[str], terms: int, plot: Path | None = None
+) -> str:
+    """The mixing table: each configuration x factor (seeds, loss on both measures with
+    each seed's loss, traffic per node against the model's size, CPU), then the average
+    over the six configurations for the factors that ran all six at common seeds. With
+    ``plot``, a figure of each row's losses against its traffic per node."""
+    rows: dict[str, dict[str, Any]] = {}
+    central: list[dict[str, float]] = []
+    for p in paths:
+        data = json.loads(p.read_text())
+        central = data.get("central") or central
+        rows.update({k: v for k, v in data.items() if k != "central"})
+    cws = float(np.mean([c["wordsim353"] for c in central]))
+    cov = float(np.mean([c["overlap_consensus"] for c in central]))
+    size = model_bytes(Budget(local_steps=local_steps), terms)
+    mb = size / 1e6
+    groups: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    for key, r in rows.items():
+        parts = key.split("/")
+        factor = "/".join(parts[1:-1])
+        if factor in factors:
+            groups.setdefault((parts[0], factor), {})[int(parts[-1].removeprefix("seed"))] = r
+    six = [f"{sp}-{how}" for how in ("frequent", "infrequent") for sp in ("topic", "random", "imbalanced")]
+    points: list[tuple[str, str, float, float, float]] = []  # config, factor, MB, ws loss, overlap loss
+    lines = [
+        f"Model: two float32 tables of {terms} x 32 = {mb:.2f} MB (the centralized model's size). Traffic per "
+        "node: models sent over the run x that size (dense), and what messages of only the rows the sender "
+        "changed since its previous boundary would carry (row index + values; measured in the runs that "
+        "recorded it). Loss in % of the centralized mean (each seed's loss in brackets).",
+        "",
+        "| configuration | variant | period | seeds | wordsim353 loss % | overlap loss % | models sent per node | "
+        "MB per node (x model) | changed rows only, MB per node | CPU s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for factor in factors:
+        for base in six:
+            by_seed = groups.get((base, factor))
+            if not by_seed:
+                continue
+            seeds = sorted(by_seed)
+            lw = [100 * (cws - by_seed[sd]["wordsim353"]) / cws for sd in seeds]
+            lo = [100 * (cov - by_seed[sd]["overlap_consensus"]) / cov for sd in seeds]
+            var = by_seed[seeds[0]]["variant"]
+            sent = by_seed[seeds[0]].get("models_per_node") or traffic_of(var, local_steps)
+            touched = [by_seed[sd]["touched_bytes_per_node"] for sd in seeds if "touched_bytes_per_node" in by_seed[sd]]
+            # a changed-rows variant sends no dense models: its traffic is the next column
+            dense = "-" if var.get("changed_rows") else f"{sent * mb:.0f} (x {sent:.0f})"
+            tb = f"{np.mean(touched) / 1e6:.0f} (x {np.mean(touched) / size:.0f})" if touched else ""
+            sent_mb = np.mean(touched) / 1e6 if var.get("changed_rows") else sent * mb
+            points.append((base, factor, float(sent_mb), float(np.mean(lw)), float(np.mean(lo))))
+            lines.append(
+                f"| {base} | {FACTOR_NAMES.get(factor, factor)} | {var['period_steps']} | "
+                f"{', '.join(map(str, seeds))} | {np.mean(lw):.1f} ({' / '.join(f'{x:.1f}' for x in lw)}) | "
+                f"{np.mean(lo):.1f} ({' / '.join(f'{x:.1f}' for x in lo)}) | {sent:.0f} | "
+                f"{dense} | {tb} | {np.mean([by_seed[sd]['cpu_s'] for sd in seeds]):.0f} |"
+            )
+    avg = []
+    for factor in factors:
+        if not all((b, factor) in groups for b in six):
+            continue
+        common = sorted(set.intersection(*(set(groups[(b, factor)]) for b in six)))
+        if not common:
+            continue
+        pw = [float(np.mean([100 * (cws - groups[(b, factor)][sd]["wordsim353"]) / cws for b in six])) for sd in common]
+        po = [
+            float(np.mean([100 * (cov - groups[(b, factor)][sd]["overlap_consensus"]) / cov for b in six]))
+            for sd in common
+        ]
+        sent = float(
+            np.mean(
+                [
+                    groups[(b, factor)][common[0]].get("models_per_node")
+                    or traffic_of(groups[(b, factor)][common[0]]["variant"], local_steps)
+                    for b in six
+                ]
+            )
+        )
+        avg.append(
+            f"| {FACTOR_NAMES.get(factor, factor)} | {', '.join(map(str, common))} | {np.mean(pw):.1f} "
+            f"({' / '.join(f'{x:.1f}' for x in pw)}) | {np.mean(po):.1f} ({' / '.join(f'{x:.1f}' for x in po)}) | "
+            f"{sent * mb:.0f} (x {sent:.0f}) |"
+        )
+    if avg:
+        lines += [
+            "",
+            "Average over the six configurations (per seed in brackets):",
+            "",
+            "| variant | seeds | wordsim353 loss % | overlap loss % | MB per node, mean of the six (x model) |",
+            "|---|---|---|---|---|",
+            *avg,
+        ]
+    if plot is not None and points:
+        from fedagent.report import pyplot
+
+        plt = pyplot()
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
+        for ax, j, title in ((axes[0], 3, "wordsim353 loss %"), (axes[1], 4, "overlap-with-consensus loss %")):
+            for base in sorted({p[0] for p in points}):
+                pts = [p for p in points if p[0] == base]
+                ax.scatter([p[2] for p in pts], [p[j] for p in pts], label=base, s=25)
+                for pt in pts:
+                    ax.annotate(
+                        pt[1] or "default", (pt[2], pt[j]), fontsize=6, xytext=(3, 2), textcoords="offset points"
+                    )
+            ax.axhline(3, ls=":", c="k")
+            ax.set_xscale("log")
+            ax.tick_params(axis="x", which="minor", labelbottom=False)
+            ax.set_xlabel(f"MB sent per node over the run (model: {mb:.2f} MB)")
+            ax.set_title(title + " (mean over the seeds run)")
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(plot, dpi=100)
+        plt.close(fig)
+    return "\n".join(lines)
+
+
 _BASE = [
     Variant(f"{split}-{how}", split, steps)
     for how, steps in (("frequent", 10), ("infrequent", 50))
@@ -541,6 +778,28 @@ VARIANTS: list[Variant] = [
     *[replace(v, name=v.name + "/plain-every2", merge="plain", period_steps=2) for v in _BASE],
     *[replace(v, name=v.name + "/allreduce", merge="allreduce") for v in _BASE],
     *[replace(v, name=v.name + "/allreduce1", merge="allreduce", period_steps=1) for v in _BASE],
+]
+VARIANTS += [
+    replace(v, name=f"{v.name}/{name}", fanout=k, max_incoming=2 * k, period_steps=v.period_steps // r)
+    for v in _BASE
+    for name, k, r in MIXING
+]
+VARIANTS += [
+    replace(
+        v,
+        name=f"{v.name}/{name}",
+        fanout=k,
+        max_incoming=2 * k,
+        period_steps=v.period_steps // r,
+        changed_rows=True,
+    )
+    for v in _BASE
+    for name, k, r in CHANGED_ROWS
+]
+VARIANTS += [
+    replace(v, name=f"{v.name}/allreduce-rate{r}", merge="allreduce", period_steps=v.period_steps // r)
+    for v in _BASE
+    for r in (2, 5)
 ]
 
 
