@@ -111,8 +111,7 @@ def test_three_gossip_agents_agree_on_one_vocabulary_then_their_word2vec_models_
     # boundary peaks mid-run); as the step size decays and averaging takes over they end
     # closer together: the final models' pairwise distance is below that peak. Measured:
     # 0.33-0.46 of the peak on an idle machine, 0.63 at a load average of ~20, where the
-    # agents finish further out of step (the last merges are older); a run without merges
-    # would end at its largest distance.
+    # agents finish further out of step (the last merges are older).
     peak = max(
         r["disagreement"] for a in ids for r in history(fed, a) if r["event"] == "gossip_eval" and r["disagreement"]
     )
