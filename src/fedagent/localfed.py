@@ -329,7 +329,8 @@ class Federation:
         loaded = checkpoint.load(self.work / "state" / "coordinator" / "coordinator" / self.fed / "global.ckpt")
         if loaded is None:
             raise FedagentError("the coordinator wrote no checkpoint")
-        return loaded
+        weights, meta = loaded  # the model only, without the server optimizer's state
+        return {k: v for k, v in weights.items() if not k.startswith(checkpoint.OPTIMIZER_PREFIX)}, meta
 
     # -- tear-down -------------------------------------------------------------------
     @staticmethod

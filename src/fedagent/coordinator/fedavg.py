@@ -49,6 +49,7 @@ from fedagent.protocols.messages import (
 )
 from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
 from fedagent.protocols.secagg import SecAggMasked, SecAggParams, SecAggStart
+from fedagent.protocols.serveropt import VELOCITY
 from fedagent.protocols.streaming import STREAM_KIND, StreamEvent, UpdateEnd, UpdateHead, UpdatePart
 from fedagent.roundjournal import InFlight, RoundJournal
 from fedagent.signing import CHUNK_KIND
@@ -63,6 +64,8 @@ log = logging.getLogger("fedagent.coordinator")
 STREAM_BUDGET = 16 * 2**20
 
 # Frames that carry (part of) an agent's update: journaled before they are acknowledged.
+#: Checkpoint keys of the server momentum's velocity (the tensor's name follows).
+VELOCITY_KEY = checkpoint.OPTIMIZER_PREFIX + VELOCITY
 JOURNALED_KINDS = frozenset({Update.kind, CHUNK_KIND, STREAM_KIND})
 
 
@@ -136,6 +139,7 @@ def round_config(cfg: NodeConfig) -> R.RoundConfig:
             seed=r.seed,
             lr_schedule=r.lr_schedule,
             server_lr=r.server_lr,
+            server_momentum=r.server_momentum,
             strategy=strategy,
             dp=dp,
             secure=secure,
@@ -245,8 +249,11 @@ class FedAvgMode:
         weights = get_weights(self.task.build_model())
         resumed = checkpoint.load(core.ckpt_path)
         meta: dict[str, Any] = {}
+        velocity: dict[str, np.ndarray] = {}
         if resumed is not None:
-            weights, meta = resumed
+            saved, meta = resumed
+            weights = {k: v for k, v in saved.items() if not k.startswith(checkpoint.OPTIMIZER_PREFIX)}
+            velocity = {k[len(VELOCITY_KEY) :]: v for k, v in saved.items() if k.startswith(VELOCITY_KEY)}
             if meta.get("vocab_digest", "") != self._vocab_digest:
                 raise FedagentError(f"{core.ckpt_path} was trained on another vocabulary; move it away")
             log.info(
@@ -270,6 +277,7 @@ class FedAvgMode:
             completed_rounds=int(meta.get("completed_rounds", 0)),
             last_round=max(int(meta.get("round", 0)), last_started),
             privacy_state=meta.get("privacy") if isinstance(meta.get("privacy"), dict) else None,
+            velocity=velocity,
             # secure rounds: a survivor whose signature of the survivor list fails is dropped
             # here, so only valid signatures go on to the agents
             verify_statement=core.messenger.verifier.check_statement,
@@ -814,7 +822,11 @@ class FedAvgMode:
             privacy_state = self.machine.privacy_state()
             if privacy_state is not None:
                 meta["privacy"] = privacy_state
-            await asyncio.to_thread(checkpoint.save, core.ckpt_path, cmd.weights, meta)
+            # The velocity goes into the same file as the model it made (one atomic write).
+            saved = cmd.weights
+            if cmd.velocity:
+                saved = {**cmd.weights, **{VELOCITY_KEY + k: v for k, v in cmd.velocity.items()}}
+            await asyncio.to_thread(checkpoint.save, core.ckpt_path, saved, meta)
             marks["checkpointed"] = round(time.time(), 4)
             core.history.append(
                 {

@@ -57,11 +57,11 @@ from fedagent.protocols.aggregation import (
     UpdateRejected,
     check_server_lr,
     check_update,
-    server_step,
     weighted_metrics,
 )
 from fedagent.protocols.dp import Accountant, ClipBound, DPAggregator, DPConfig, Release, quantisation_range
 from fedagent.protocols.messages import TrainConfig
+from fedagent.protocols.serveropt import check_momentum, check_velocity, momentum_step
 from fedagent.protocols.streaming import UpdateEnd, UpdateHead, UpdatePart
 
 Weights = dict[str, np.ndarray]
@@ -83,6 +83,7 @@ class RoundConfig:
     strategy: Strategy = field(default_factory=Strategy)
     lr_schedule: str = "constant"  # "constant" | "cosine": lr·½(1+cos(π(r−1)/rounds)) in round r
     server_lr: float = 1.0  # the global model moves this many times the aggregate's step (aggregation.server_step)
+    server_momentum: float = 0.0  # server momentum β (FedAvgM; protocols/serveropt.py): 0 = none
     dp: DPConfig | None = None  # differential privacy ("central" or "distributed"), see protocols/dp.py
     secure: SA.SecAggParams | None = None  # secure aggregation (protocols/secagg.py)
     secure_stage_timeout: float = 0.0  # each key/share/unmask stage of a secure round (0: auto)
@@ -100,6 +101,7 @@ class RoundConfig:
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"lr_schedule must be 'constant' or 'cosine', not {self.lr_schedule!r}")
         check_server_lr(self.server_lr)
+        check_momentum(self.server_momentum)
         if self.rounds < 1 or self.min_agents < 1 or self.min_updates < 1:
             raise ValueError("rounds, min_agents and min_updates must be at least 1")
         if self.min_updates > self.min_agents:
@@ -266,6 +268,9 @@ class RoundAggregated:
     weights_used: dict[str, float] = field(default_factory=dict)  # participant -> aggregation weight
     dropped: dict[str, float] = field(default_factory=dict)  # sender -> the metric that dropped it
     privacy: dict[str, float] | None = None  # ε spent so far, δ, clip norm, noise (DP only)
+    # The server momentum's velocity after this round (empty without momentum): the
+    # checkpoint keeps it with ``weights``, which it made.
+    velocity: Weights = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,17 +327,24 @@ class RoundMachine:
         completed_rounds: int = 0,
         last_round: int = 0,
         privacy_state: Mapping[str, object] | None = None,
+        velocity: Mapping[str, np.ndarray] | None = None,
         rng: np.random.Generator | None = None,
         verify_statement: SA.KeyVerifier | None = None,
     ) -> None:
         """``completed_rounds``/``last_round``/``model_version`` resume from a checkpoint, and
-        so does ``privacy_state`` (:meth:`privacy_state`): ε already spent and the clip bound.
+        so do ``privacy_state`` (:meth:`privacy_state`): ε already spent and the clip bound,
+        and ``velocity``: the server momentum's (ValueError if it does not fit ``weights``;
+        ignored without server momentum).
         ``rng`` draws the DP noise (default: seeded by the operating system).
         ``verify_statement`` checks an agent's signature of a statement (secure rounds: the
         survivor list), raising if it is not valid; without it signatures are passed on
         unchecked (the agents check them in any case)."""
         self.config = config
         self.weights = weights
+        self.velocity: Weights = {}
+        if velocity and config.server_momentum > 0:
+            check_velocity(weights, velocity)
+            self.velocity = dict(velocity)
         self.model_version = model_version
         self.completed = completed_rounds
         self.round = last_round  # number of the latest round started
@@ -420,6 +432,12 @@ class RoundMachine:
                 return out
             return self._maybe_start(now)
         raise TypeError(f"not a round event: {event!r}")
+
+    def _server_step(self, aggregate: Weights) -> tuple[Weights, Weights]:
+        """The next global model and velocity from the round's aggregate (neither adopted
+        here: protocols/serveropt.py)."""
+        c = self.config
+        return momentum_step(self.weights, aggregate, self.velocity, lr=c.server_lr, beta=c.server_momentum)
 
     def privacy_state(self) -> dict[str, object] | None:
         """What a checkpoint keeps so that a restart goes on spending from here."""
@@ -817,7 +835,7 @@ class RoundMachine:
     def _aggregate(self, now: float) -> list[Command]:
         assert self._acc is not None
         acc = self._acc
-        new = server_step(self.weights, acc.result(), self.config.server_lr)
+        new, velocity = self._server_step(acc.result())
         overflow = [k for k, v in new.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
         if overflow:
             # Every update was finite, but their weighted sum left the tensor's range
@@ -832,7 +850,7 @@ class RoundMachine:
             self.phase = Phase.WAITING
             self.quorum_since = None
             return out + self._maybe_start(now)
-        self.weights = new
+        self.weights, self.velocity = new, velocity
         self.model_version += 1
         self.completed += 1
         self.last_metrics = weighted_metrics([(m, n) for n, m in self.received.values()])
@@ -860,6 +878,7 @@ class RoundMachine:
                 used,
                 dict(acc.dropped),
                 self.privacy(),
+                self.velocity,
             )
         ]
         self._end_round()
@@ -913,7 +932,7 @@ class RoundMachine:
         mean = self.after_unmask(mean, res)
         new = dict(self.weights)
         new.update(SA.unflatten(layout, base + mean, self.weights))
-        self.weights = server_step(self.weights, new, self.config.server_lr)
+        self.weights, self.velocity = self._server_step(new)
         self.model_version += 1
         self.completed += 1
         self.secure_result = res
@@ -950,6 +969,7 @@ class RoundMachine:
                 final,
                 used,
                 privacy=self.privacy(),
+                velocity=self.velocity,
             )
         ]
         self._end_round()
