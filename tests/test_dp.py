@@ -75,6 +75,37 @@ def test_the_round_machine_clips_every_update_in_central_mode() -> None:
     assert agg.weights_used == {"a": 1 / 3, "b": 1 / 3, "c": 1 / 3}  # equal weights, not by samples
 
 
+def test_server_momentum_steps_from_the_private_release() -> None:
+    """With server momentum the noised, clipped mean is what the server optimizer steps
+    from (post-processing of the release). Every agent pushes the model far along the
+    same direction each round: each release is that direction clipped to C (noise
+    negligible), so round 1 moves by C and round 2 by (1 + β)·C."""
+    beta = 0.5
+    cfg = RoundConfig(
+        rounds=2,
+        min_agents=3,
+        expected_agents=3,
+        server_momentum=beta,
+        dp=dp.DPConfig(noise_multiplier=1e-9, clip_norm=0.5),
+    )
+    m = RoundMachine(cfg, dict(REF), rng=np.random.default_rng(0))
+    for a in "abc":
+        m.handle(AgentOnline(a, 10), 0.0)
+    push = random_update(np.random.default_rng(3), 50.0)
+    steps = []
+    for rnd in (1, 2):
+        base = dict(m.weights)
+        upd = {k: base[k] + push[k] if v.dtype.kind == "f" else v for k, v in base.items()}
+        out = []
+        for a in "abc":
+            out += m.handle(UpdateReceived(a, rnd, rnd - 1, 10, upd, {"loss": 1.0}), float(rnd))
+        (agg,) = [c for c in out if isinstance(c, RoundAggregated)]
+        steps.append(dp.delta_norm(base, agg.weights))
+        np.testing.assert_allclose(agg.weights["w"] - base["w"], agg.velocity["w"], rtol=1e-5, atol=1e-6)
+    assert steps[0] == pytest.approx(0.5, rel=1e-4)
+    assert steps[1] == pytest.approx((1 + beta) * 0.5, rel=1e-4)
+
+
 # ---- noise -------------------------------------------------------------------------------
 def test_central_noise_std_is_z_times_c_over_n() -> None:
     """Three updates equal to the model: the aggregate is pure noise, N(0, (zC/n)²) per

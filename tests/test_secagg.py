@@ -651,11 +651,11 @@ def secure_config(**kw) -> R.RoundConfig:
     return R.RoundConfig(**base)
 
 
-def run_secure_federation(n=4, kill=None, samples=None, verify=None):
+def run_secure_federation(n=4, kill=None, samples=None, verify=None, **config):
     """Coordinator machine and n agents exchanging every message in memory; ``kill``
     = (agent, stage) stops an agent before it sends what that stage asks of it."""
     samples = samples or {f"a{i}": 10 * (i + 1) for i in range(n)}
-    m = R.RoundMachine(secure_config(min_agents=n, expected_agents=n), W0, verify_statement=verify)
+    m = R.RoundMachine(secure_config(min_agents=n, expected_agents=n, **config), W0, verify_statement=verify)
     agents = {a: S.SecAggAgent(a, random_bytes=det_bytes(i)) for i, a in enumerate(samples)}
     offsets = {a: 0.01 * (i + 1) for i, a in enumerate(samples)}
     dead: set[str] = set()
@@ -725,6 +725,24 @@ def test_secure_rounds_through_the_round_machine():
     # Round 2's keys came with round 1's masked inputs: its rosters go with its start.
     assert [(s.secagg.ahead, s.secagg.next_round, len(s.secagg_first)) for s in starts] == [(False, 2, 0), (True, 0, 4)]
     assert m.aggregated_ahead
+
+
+def test_secure_rounds_take_the_server_momentum_step():
+    """The unmasked mean is the aggregate the server optimizer steps from: each round's
+    agents move the model by the same mean d, so with momentum β the model is d after
+    round 1 and d + (1 + β)·d after round 2, and the velocity (1 + β)·d."""
+    beta = 0.5
+    m, log, _, samples, offsets = run_secure_federation(server_momentum=beta)
+    aggs = [c for c in log if isinstance(c, R.RoundAggregated)]
+    assert [a.round for a in aggs] == [1, 2]
+    p = m.config.secure
+    w = {a: samples[a] / max(samples.values()) for a in samples}
+    d = sum(w[a] * offsets[a] for a in w) / sum(w.values())
+    bound = len(w) * p.step / 2 / sum(w.values())
+    assert np.abs(aggs[0].weights["w"] - d).max() <= bound + 1e-6
+    assert np.abs(m.weights["w"] - (2 + beta) * d).max() <= 3 * bound + 1e-6
+    assert np.abs(aggs[1].velocity["w"] - (1 + beta) * d).max() <= 2 * bound + 1e-6
+    assert "steps" not in aggs[1].velocity and m.weights["steps"].dtype == np.int64
 
 
 def test_secure_round_survives_an_agent_killed_before_its_input():
