@@ -168,6 +168,9 @@ def main() -> None:
     ap.add_argument("--settings", nargs="+", default=SETTINGS)
     ap.add_argument("--json", type=Path, default=ROOT / "results" / "tta" / "server_opt_study.json")
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument(
+        "--merge", type=Path, nargs="*", default=[], help="more runs (from a parallel run's --json) for the table"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     results = json.loads(args.json.read_text()) if args.json.exists() else []
@@ -188,6 +191,9 @@ def main() -> None:
                     f"{time.process_time() - t0:.1f} CPU-s",
                     flush=True,
                 )
+    for extra in args.merge:
+        have = {(r["seed"], r["setting"]) for r in results}
+        results += [r for r in json.loads(extra.read_text()) if (r["seed"], r["setting"]) not in have]
     table(results, list(dict.fromkeys([*args.settings, *SETTINGS, *(r["setting"] for r in results)])))
 
 

@@ -49,7 +49,7 @@ from fedagent.protocols.messages import (
 )
 from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
 from fedagent.protocols.secagg import SecAggMasked, SecAggParams, SecAggStart
-from fedagent.protocols.serveropt import VELOCITY
+from fedagent.protocols.serveropt import VELOCITY, check_velocity
 from fedagent.protocols.streaming import STREAM_KIND, StreamEvent, UpdateEnd, UpdateHead, UpdatePart
 from fedagent.roundjournal import InFlight, RoundJournal
 from fedagent.signing import CHUNK_KIND
@@ -270,8 +270,18 @@ class FedAvgMode:
         started = read_bytes(self.round_path, 64)
         last_started = int(started) if started and started.strip().isdigit() else 0
         self._stream_budget = stream_budget(sum(int(w.nbytes) for w in weights.values()))
+        rc = round_config(cfg)
+        if velocity and rc.server_momentum > 0:
+            try:
+                check_velocity(weights, velocity)
+            except ValueError as exc:
+                raise FedagentError(
+                    f"{core.ckpt_path}: the server momentum's velocity does not fit the model ({exc}); "
+                    "move the checkpoint away to start afresh"
+                ) from None
+            log.info("server momentum %g: resuming with the checkpoint's velocity", rc.server_momentum)
         self.machine = R.RoundMachine(
-            round_config(cfg),
+            rc,
             weights,
             model_version=int(meta.get("model_version", 0)),
             completed_rounds=int(meta.get("completed_rounds", 0)),
