@@ -182,6 +182,7 @@ def run_fedagent(
     agents: int = tta_model.CLIENTS,
     seed: int = tta_model.SEED,
     task: str = "bench.tta_task:make",
+    rounds_options: dict | None = None,
 ) -> Run:
     """A coordinator and ``agents`` agent daemons (localfed), every connection through a
     counting relay to the federation's Mosquitto; ``compression`` goes to the
@@ -189,7 +190,8 @@ def run_fedagent(
     digits task's seed (its held-out set, its split and the initial weights; the
     comparison with Flower uses the shared one, tta_model.SEED). ``task``: the benchmark's
     CNN by default; ``"digits"`` is the demo's own model on the same data (the accuracy
-    studies run it as a second workload)."""
+    studies run it as a second workload). ``rounds_options``: more ``[rounds]`` keys for
+    the coordinator (e.g. ``server_momentum``; none: the defaults)."""
     from fedagent import localfed
 
     assert (localfed.LOCAL_EPOCHS, localfed.LR, localfed.BATCH, localfed.SEED) == (
@@ -199,6 +201,8 @@ def run_fedagent(
         tta_model.SEED,
     ), "fedagent's federation settings and the shared model's must be the same"
     name = compression or "default"
+    if rounds_options:
+        name += "-" + "-".join(f"{k}{v}" for k, v in sorted(rounds_options.items()))
     d = work / f"fedagent-{name}" if seed == tta_model.SEED else work / f"fedagent-{name}-seed{seed}"
     if task != "bench.tta_task:make":
         d = d.with_name(f"{d.name}-{task.replace(':', '-')}")
@@ -218,6 +222,7 @@ def run_fedagent(
         task_options={"alpha": tta_model.ALPHA, "seed": seed},
         agent_broker_by_mdns=False,
         round_timeout=600.0,  # as Flower, which waits for every client without a deadline
+        rounds_options=rounds_options,
     )
     relays: dict[str, Relay] = {}
     try:

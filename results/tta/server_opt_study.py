@@ -19,6 +19,10 @@ The global model is scored on the held-out set after every round; 20 rounds, mor
 
     nice -n 10 .venv/bin/python results/tta/server_opt_study.py [--seeds 0 1 2 3 4] [--settings ...]
 
+``--daemons DIR --json results/tta/server_opt_daemons.json`` runs the settings the
+coordinator has (fedavg, lr=S, m=B) through the daemons instead (bench/tta.py's
+federation; about a minute a run on an idle machine).
+
 Writes results/tta/server_opt_study.json (every run's accuracy per round; runs already
 there are skipped) and prints the summary table of results/tta/report.md.
 """
@@ -141,6 +145,36 @@ def run(seed: int, setting: str) -> dict:
     }
 
 
+def rounds_options(setting: str) -> dict:
+    """The coordinator's [rounds] keys of a setting (the daemons have lr and momentum)."""
+    kind, _, val = setting.partition("=")
+    if setting == "fedavg":
+        return {}
+    if kind == "lr":
+        return {"server_lr": float(val)}
+    if kind == "m":
+        return {"server_momentum": float(val)}
+    raise SystemExit(f"{setting}: not a setting of the daemons")
+
+
+def run_daemons(seed: int, setting: str, work: Path) -> dict:
+    """The same through bench/tta.py's federation (coordinator, 10 agent daemons,
+    Mosquitto, mutual TLS)."""
+    from bench.tta import run_fedagent
+
+    run = run_fedagent(
+        work, print, seed=seed, rounds=MAX_ROUNDS, min_rounds=ROUNDS, rounds_options=rounds_options(setting)
+    )
+    reached = run.reached()
+    return {
+        "seed": seed,
+        "setting": setting,
+        "rounds_to_target": reached["round"] if reached else None,
+        "accuracy": [r["accuracy"] for r in run.rounds],
+        "final_accuracy": run.final_accuracy,
+    }
+
+
 def table(results: list[dict], settings: list[str]) -> None:
     print(
         "| setting | rounds to 95 %, seeds "
@@ -168,6 +202,7 @@ def main() -> None:
     ap.add_argument("--settings", nargs="+", default=SETTINGS)
     ap.add_argument("--json", type=Path, default=ROOT / "results" / "tta" / "server_opt_study.json")
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--daemons", type=Path, help="run through the daemons (bench/tta.py) in this work directory")
     ap.add_argument(
         "--merge", type=Path, nargs="*", default=[], help="more runs (from a parallel run's --json) for the table"
     )
@@ -180,7 +215,7 @@ def main() -> None:
                 if any(r["seed"] == seed and r["setting"] == setting for r in results):
                     continue
                 t0 = time.process_time()
-                r = run(seed, setting)
+                r = run(seed, setting) if args.daemons is None else run_daemons(seed, setting, args.daemons.resolve())
                 results.append(r)
                 args.json.write_text(json.dumps(results, indent=1))
                 print(
