@@ -63,9 +63,9 @@ log = logging.getLogger("fedagent.coordinator")
 # and at most a quarter of the model (a 4.4 MB model would otherwise wait 3.6 times over).
 STREAM_BUDGET = 16 * 2**20
 
-# Frames that carry (part of) an agent's update: journaled before they are acknowledged.
 #: Checkpoint keys of the server momentum's velocity (the tensor's name follows).
 VELOCITY_KEY = checkpoint.OPTIMIZER_PREFIX + VELOCITY
+# Frames that carry (part of) an agent's update: journaled before they are acknowledged.
 JOURNALED_KINDS = frozenset({Update.kind, CHUNK_KIND, STREAM_KIND})
 
 
