@@ -179,7 +179,7 @@ def table(results: list[dict], settings: list[str]) -> None:
     print(
         "| setting | rounds to 95 %, seeds "
         + ", ".join(str(s) for s in sorted({r["seed"] for r in results}))
-        + " | mean | min-max | accuracy after 20 rounds, mean (min-max) | best of rounds 16-20, mean |"
+        + " | mean | min-max | accuracy after 20 rounds, mean (min-max) | accuracy, mean of rounds 16-20 |"
     )
     print("|---|---|---:|---:|---:|---:|")
     for s in settings:
