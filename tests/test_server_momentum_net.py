@@ -14,7 +14,7 @@ from netfed import coordinator_in, running, wait_for
 
 from fedagent import checkpoint
 from fedagent.coordinator.fedavg import VELOCITY_KEY
-from fedagent.localfed import BATCH, LOCAL_EPOCHS, LR, Federation
+from fedagent.localfed import BATCH, LOCAL_EPOCHS, LR, SEED, Federation
 from fedagent.tasks.base import get_weights, load_task, set_weights
 
 BETA = 0.9
@@ -54,15 +54,31 @@ def replay(fed: Federation, x: dict, v: dict, rounds: list[dict]) -> tuple[dict,
     return x, v
 
 
+def configure(fed: Federation) -> None:
+    # Uncompressed updates (the default is int8 for streamed updates): the replay below
+    # then trains and averages exactly what the agents sent.
+    fed.write_coordinator(
+        "digits",
+        {"seed": SEED},
+        {
+            "rounds": ROUNDS,
+            "min_agents": fed.n,
+            "expected_agents": fed.n,
+            "min_updates": fed.n,
+            "round_timeout": 60,
+            "local_epochs": LOCAL_EPOCHS,
+            "lr": LR,
+            "batch_size": BATCH,
+            "seed": SEED,
+            "server_momentum": BETA,
+        },
+        transfer={"compression": "none"},
+    )
+
+
 def test_velocity_survives_a_coordinator_kill(tmp_path):
     with running(
-        tmp_path,
-        agents=2,
-        rounds=ROUNDS,
-        alpha=0.5,
-        round_timeout=60,
-        agent_broker_by_mdns=False,
-        rounds_options={"server_momentum": BETA},
+        tmp_path, configure=configure, agents=2, rounds=ROUNDS, alpha=0.5, round_timeout=60, agent_broker_by_mdns=False
     ) as fed:
         wait_for(lambda: (fed.status("coordinator") or {}).get("completed_rounds", 0) >= 2, 120, "two rounds", fed)
         old = fed.proc("coordinator")
