@@ -172,6 +172,9 @@ def run_daemons(seed: int, setting: str, work: Path) -> dict:
         "rounds_to_target": reached["round"] if reached else None,
         "accuracy": [r["accuracy"] for r in run.rounds],
         "final_accuracy": run.final_accuracy,
+        "time_to_target_s": run.time_to_target if reached else None,
+        "total_to_target_s": run.total_to_target if reached else None,
+        "cpu_s": run.cpu,
     }
 
 
@@ -224,6 +227,11 @@ def main() -> None:
                     r["rounds_to_target"],
                     f"{r['final_accuracy']:.4f}",
                     f"{time.process_time() - t0:.1f} CPU-s",
+                    *(
+                        [f"{r['time_to_target_s']:.2f} s to the target"]
+                        if r.get("time_to_target_s") is not None
+                        else []
+                    ),
                     flush=True,
                 )
     for extra in args.merge:
