@@ -73,7 +73,10 @@ def scenario(
     """Run the federation through warm-up, absence and return; the measured figures
     (``timeline``: the broker's RSS over the run, see :class:`_Sampler`). ``then(fed)``
     runs at the end, before the federation stops; its figures go under ``"then"``."""
-    total_rounds = warmup + rounds_away + 30
+    # Enough rounds that the federation is still training when the absent agents are
+    # back (a round of this model takes ~0.13 s on an idle machine, and an agent's
+    # restart ~1 s); the test stops the federation itself when it is done.
+    total_rounds = warmup + rounds_away + 2000
     task_options = {"params": PARAMS, "tensors": 4, "samples": 100}
 
     def configure(fed) -> None:
