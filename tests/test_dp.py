@@ -20,6 +20,7 @@ from fedagent.protocols.rounds import (
     UpdateReceived,
     Wakeup,
 )
+from tests.configs import coordinator_config
 
 REF = {"w": np.zeros((40, 50), np.float32), "b": np.zeros(50, np.float32), "steps": np.zeros(1, np.int64)}
 
@@ -333,33 +334,10 @@ def test_local_clip_bounds_the_released_change_without_noise_influence() -> None
 
 
 # ---- configuration -------------------------------------------------------------------------
-def _coordinator_config(tmp_path, privacy: dict, mode: str = "fedavg", rounds: dict | None = None, **transfer):
-    from pathlib import Path
-
-    from fedagent import config
-
-    tls = config.TlsConfig(ca=Path("ca.crt"), cert=Path("c.crt"), key=Path("c.key"))
-    text = config.render(
-        node_id="coordinator",
-        federation="fed-1",
-        tls=tls,
-        state_dir=Path("state"),
-        broker="mqtts://127.0.0.1:8883",
-        mode=mode,
-        rounds=rounds or {"rounds": 12},
-        privacy=privacy,
-    )
-    if transfer:
-        text += "[transfer]\n" + "".join(f"{k} = {str(v).lower()}\n" for k, v in transfer.items())
-    path = tmp_path / "coordinator.toml"
-    path.write_text(text)
-    return config.load(path, "coordinator")
-
-
 def test_privacy_config_reaches_the_round_machine(tmp_path) -> None:
     from fedagent.coordinator.fedavg import round_config
 
-    cfg = _coordinator_config(tmp_path, {"mode": "distributed", "target_epsilon": 3.0, "delta": 1e-6})
+    cfg = coordinator_config(tmp_path, privacy={"mode": "distributed", "target_epsilon": 3.0, "delta": 1e-6})
     rc = round_config(cfg)
     assert rc.dp is not None and rc.dp.mode == "distributed" and rc.dp.epsilon_budget == 3.0
     assert rc.dp.noise_multiplier == pytest.approx(dp.calibrate(3.0, 12, 1e-6))
@@ -384,5 +362,5 @@ def test_privacy_config_errors_name_the_problem(tmp_path, privacy, mode, transfe
     from fedagent.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:
-        round_config(_coordinator_config(tmp_path, privacy, mode, **transfer))
+        round_config(coordinator_config(tmp_path, mode=mode, privacy=privacy, **transfer))
     assert words in str(info.value)

@@ -3,8 +3,6 @@ formula, the round machine applying it and resuming it, and the configuration.""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -19,6 +17,7 @@ from fedagent.protocols.rounds import (
     UpdateReceived,
 )
 from fedagent.protocols.serveropt import check_momentum, check_velocity, momentum_step
+from tests.configs import coordinator_config
 
 W0 = {"w": np.zeros((2, 3), np.float32), "n": np.array(4, np.int64)}
 
@@ -162,30 +161,13 @@ def test_a_refused_aggregate_keeps_model_and_velocity():
     np.testing.assert_allclose(m.weights["w"], 2.5)
 
 
-def _coordinator(tmp_path: Path, rounds: dict, privacy: dict | None = None):
-    from fedagent import config
-
-    tls = config.TlsConfig(ca=Path("ca.crt"), cert=Path("c.crt"), key=Path("c.key"))
-    text = config.render(
-        node_id="coordinator",
-        federation="fed-1",
-        tls=tls,
-        state_dir=Path("state"),
-        broker="mqtts://127.0.0.1:8883",
-        rounds=rounds,
-    )
-    path = tmp_path / "coordinator.toml"
-    path.write_text(text)
-    return config.load(path, "coordinator")
-
-
 def test_coordinator_config_reaches_the_round_machine(tmp_path):
     from fedagent.coordinator.fedavg import round_config
 
-    rc = round_config(_coordinator(tmp_path, {"rounds": 4, "server_momentum": 0.9, "server_lr": 0.5}))
+    rc = round_config(coordinator_config(tmp_path, {"rounds": 4, "server_momentum": 0.9, "server_lr": 0.5}))
     assert rc.server_momentum == 0.9 and rc.server_lr == 0.5
     with pytest.raises(ConfigError, match="server_momentum"):
-        round_config(_coordinator(tmp_path, {"rounds": 4, "server_momentum": 1.0}))
+        round_config(coordinator_config(tmp_path, {"rounds": 4, "server_momentum": 1.0}))
 
 
 def test_start_round_carries_the_moved_model():

@@ -4,8 +4,6 @@ coordinator's configuration reaching both."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -20,6 +18,7 @@ from fedagent.protocols.rounds import (
     StartRound,
     UpdateReceived,
 )
+from tests.configs import coordinator_config
 
 W0 = {"w": np.zeros((2, 3), np.float32), "n": np.array(4, np.int64)}
 
@@ -95,31 +94,14 @@ def test_train_config_carries_local_steps_and_refuses_bad_ones():
             TrainConfig.from_body({**TrainConfig().to_body(), "steps": bad})
 
 
-def _coordinator(tmp_path: Path, rounds: dict):
-    from fedagent import config
-
-    tls = config.TlsConfig(ca=Path("ca.crt"), cert=Path("c.crt"), key=Path("c.key"))
-    text = config.render(
-        node_id="coordinator",
-        federation="fed-1",
-        tls=tls,
-        state_dir=Path("state"),
-        broker="mqtts://127.0.0.1:8883",
-        rounds=rounds,
-    )
-    path = tmp_path / "coordinator.toml"
-    path.write_text(text)
-    return config.load(path, "coordinator")
-
-
 def test_coordinator_config_reaches_the_round_machine(tmp_path):
     from fedagent.coordinator.fedavg import round_config
 
-    rc = round_config(_coordinator(tmp_path, {"rounds": 40, "local_steps": 45, "server_lr": 3}))
+    rc = round_config(coordinator_config(tmp_path, {"rounds": 40, "local_steps": 45, "server_lr": 3}))
     assert rc.server_lr == 3 and rc.train.steps == 45
-    default = round_config(_coordinator(tmp_path, {"rounds": 4}))
+    default = round_config(coordinator_config(tmp_path, {"rounds": 4}))
     assert default.server_lr == 1.0 and default.train.steps == 0
     with pytest.raises(ConfigError, match="server_lr"):
-        round_config(_coordinator(tmp_path, {"rounds": 4, "server_lr": 0}))
+        round_config(coordinator_config(tmp_path, {"rounds": 4, "server_lr": 0}))
     with pytest.raises(ConfigError, match="steps"):
-        round_config(_coordinator(tmp_path, {"rounds": 4, "local_steps": -2}))
+        round_config(coordinator_config(tmp_path, {"rounds": 4, "local_steps": -2}))

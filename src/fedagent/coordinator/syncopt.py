@@ -430,53 +430,39 @@ class SyncOptMode:
         self.core.reject(sender, reason, detail, step=step)
 
     # -- commands ------------------------------------------------------------------------
+    async def _reserve(self, step: int) -> None:
+        """Step numbers are reserved in blocks: a restart continues after the block, so a
+        number once broadcast is never reused, at one fsync per block."""
+        if step > self.reserved_step:
+            self.reserved_step = step + STEP_RESERVATION
+            await asyncio.to_thread(atomic_write, self.step_path, str(self.reserved_step).encode())
+
+    async def _broadcast_step(self, cmd: S.StartStep | S.StartValidation, **flags: bool) -> None:
+        await self.core.messenger.send(
+            topics.broadcast(self.fed, "sync_step"),
+            SyncStep(
+                cmd.step, cmd.model_version, cmd.participants, cmd.deadline_s, self.vocab_digest, cmd.weights, **flags
+            ),
+            round_=cmd.step,
+        )
+
     async def _execute(self, cmd: S.Command) -> list[S.Command]:
         assert self.machine is not None and self.model is not None and self.optimizer is not None
         if isinstance(cmd, S.StartStep):
             self.phase = "steps"
             self.step_started_at = time.monotonic()
             self.step_started_t = time.time()
-            if cmd.step > self.reserved_step:
-                # Step numbers are reserved in blocks: a restart continues after the block,
-                # so a number once broadcast is never reused, at one fsync per block.
-                self.reserved_step = cmd.step + STEP_RESERVATION
-                await asyncio.to_thread(atomic_write, self.step_path, str(self.reserved_step).encode())
+            await self._reserve(cmd.step)
             self.core.metrics.round_started(cmd.step)
             if cmd.step == 1 or cmd.step % 50 == 0:
                 sdnotify.status(f"Sync-Opt step {cmd.step}: {len(cmd.participants)} agents")
-            await self.core.messenger.send(
-                topics.broadcast(self.fed, "sync_step"),
-                SyncStep(
-                    cmd.step,
-                    cmd.model_version,
-                    cmd.participants,
-                    cmd.deadline_s,
-                    self.vocab_digest,
-                    cmd.weights,
-                    # Gradients may come without their all-zero slices (lossless).
-                    sliced_gradients=True,
-                ),
-                round_=cmd.step,
-            )
+            # Gradients may come without their all-zero slices (lossless).
+            await self._broadcast_step(cmd, sliced_gradients=True)
         elif isinstance(cmd, S.StartValidation):
             self.phase = "validating"
-            if cmd.step > self.reserved_step:
-                self.reserved_step = cmd.step + STEP_RESERVATION
-                await asyncio.to_thread(atomic_write, self.step_path, str(self.reserved_step).encode())
+            await self._reserve(cmd.step)
             sdnotify.status(f"Sync-Opt: validating epoch {cmd.epoch}")
-            await self.core.messenger.send(
-                topics.broadcast(self.fed, "sync_step"),
-                SyncStep(
-                    cmd.step,
-                    cmd.model_version,
-                    cmd.participants,
-                    cmd.deadline_s,
-                    self.vocab_digest,
-                    cmd.weights,
-                    validate=True,
-                ),
-                round_=cmd.step,
-            )
+            await self._broadcast_step(cmd, validate=True)
         elif isinstance(cmd, S.EpochDone):
             self.pending_history.append(
                 {
