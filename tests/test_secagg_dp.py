@@ -13,6 +13,7 @@ import pytest
 from fedagent.protocols import dp
 from fedagent.protocols import rounds as R
 from fedagent.protocols import secagg as S
+from tests.configs import coordinator_config
 
 W0 = {"w": np.zeros((30, 40), np.float32), "b": np.zeros(40, np.float32), "steps": np.zeros(1, np.int64)}
 SIZE = 30 * 40 + 40
@@ -168,16 +169,14 @@ def test_plain_distributed_sum_of_too_few_updates_for_the_budget_is_not_publishe
 
 
 def test_privacy_table_with_secure_aggregation_in_the_config(tmp_path) -> None:
-    from test_dp import _coordinator_config
-
     from fedagent.coordinator.fedavg import round_config
     from fedagent.errors import ConfigError
 
     rounds = {"rounds": 12, "secure_aggregation": True}
-    rc = round_config(_coordinator_config(tmp_path, {"mode": "distributed", "target_epsilon": 3.0}, rounds=rounds))
+    rc = round_config(coordinator_config(tmp_path, rounds, privacy={"mode": "distributed", "target_epsilon": 3.0}))
     assert rc.secure is not None and rc.dp is not None and rc.dp.mode == "distributed" and not rc.dp.adaptive
     adaptive = {"mode": "distributed", "noise_multiplier": 1.0, "adaptive_clip": True}
-    rc = round_config(_coordinator_config(tmp_path, adaptive, rounds=rounds))
+    rc = round_config(coordinator_config(tmp_path, rounds, privacy=adaptive))
     assert rc.secure is not None and rc.dp is not None and rc.dp.adaptive
     refused = [
         ({"mode": "central", "noise_multiplier": 1.0}, "in mode 'distributed' only"),
@@ -185,10 +184,10 @@ def test_privacy_table_with_secure_aggregation_in_the_config(tmp_path) -> None:
     ]
     for privacy, words in refused:
         with pytest.raises(ConfigError, match=words):
-            round_config(_coordinator_config(tmp_path, privacy, rounds=rounds))
+            round_config(coordinator_config(tmp_path, rounds, privacy=privacy))
     # Without secure aggregation nothing could carry the clipped-or-not bits unseen.
     with pytest.raises(ConfigError, match="needs secure aggregation"):
-        round_config(_coordinator_config(tmp_path, adaptive, rounds={"rounds": 12}))
+        round_config(coordinator_config(tmp_path, {"rounds": 12}, privacy=adaptive))
 
 
 def test_values_outside_counts_what_a_range_would_cut() -> None:
