@@ -1,5 +1,5 @@
 """Server momentum through the daemons: the coordinator (real processes, Mosquitto, mutual
-TLS) keeps the velocity in its model checkpoint, and after a kill -9 the restarted
+TLS) keeps the velocity in a file beside its model checkpoint, and after a kill -9 the restarted
 coordinator goes on with it: every round after the restart is the momentum step from the
 checkpointed model and velocity, replayed here from the agents' own training."""
 
@@ -13,7 +13,7 @@ import torch
 from netfed import coordinator_in, running, wait_for
 
 from fedagent import checkpoint
-from fedagent.coordinator.fedavg import VELOCITY_KEY
+from fedagent.coordinator.velocity import load
 from fedagent.localfed import BATCH, LOCAL_EPOCHS, LR, SEED, Federation
 from fedagent.tasks.base import get_weights, load_task, set_weights
 
@@ -25,10 +25,17 @@ def ckpt_path(fed: Federation):
     return fed.work / "state" / "coordinator" / "coordinator" / fed.fed / "global.ckpt"
 
 
-def split(saved: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    model = {k: v for k, v in saved.items() if not k.startswith(checkpoint.OPTIMIZER_PREFIX)}
-    vel = {k[len(VELOCITY_KEY) :]: v for k, v in saved.items() if k.startswith(VELOCITY_KEY)}
-    return model, vel
+def split(fed: Federation, *, only: bool) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
+    """The checkpointed model, the velocity that goes with it and its model version. The
+    checkpoint holds the model only; ``only``: that version's velocity file is the only
+    one (after a kill the previous version's, or the next one's, may be there too)."""
+    saved, meta = checkpoint.load(ckpt_path(fed))
+    version = meta["model_version"]
+    assert not any(k.startswith(checkpoint.OPTIMIZER_PREFIX) for k in saved)
+    files = sorted(p.name for p in ckpt_path(fed).parent.glob("velocity-*.bin"))
+    mine = f"velocity-{version}.bin"
+    assert files == [mine] if only else mine in files, files
+    return saved, load(ckpt_path(fed).parent / mine, saved, version), version
 
 
 def replay(fed: Federation, x: dict, v: dict, rounds: list[dict]) -> tuple[dict, dict]:
@@ -84,9 +91,7 @@ def test_velocity_survives_a_coordinator_kill(tmp_path):
         old = fed.proc("coordinator")
         fed.stop(old, signal.SIGKILL)  # kill -9: what is on disk now is all the restarted one has
         fed.procs.remove(old)
-        saved, meta = checkpoint.load(ckpt_path(fed))
-        x_k, v_k = split(saved)
-        k = meta["model_version"]
+        x_k, v_k, k = split(fed, only=False)
         assert k >= 2 and sorted(v_k) == sorted(x_k)  # every (floating) tensor has its velocity
         assert all(np.abs(a).max() > 0 for a in v_k.values())
         fed.spawn("coordinator")
@@ -99,9 +104,8 @@ def test_velocity_survives_a_coordinator_kill(tmp_path):
             if r["event"] == "round" and r["model_version"] > k
         ]
         assert [r["model_version"] for r in after] == list(range(k + 1, ROUNDS + 1))
-        final, meta = checkpoint.load(ckpt_path(fed))
-        x_n, v_n = split(final)
-        assert meta["model_version"] == ROUNDS
+        x_n, v_n, version = split(fed, only=True)
+        assert version == ROUNDS
         want_x, want_v = replay(fed, x_k, v_k, after)
         for name in x_n:
             np.testing.assert_allclose(x_n[name], want_x[name], rtol=1e-4, atol=1e-5, err_msg=name)

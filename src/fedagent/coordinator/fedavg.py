@@ -24,6 +24,7 @@ import torch
 from fedagent import checkpoint
 from fedagent.config import NodeConfig
 from fedagent.coordinator.core import CoordinatorCore
+from fedagent.coordinator.velocity import FileVelocity
 from fedagent.coordinator.vocabstage import VocabStage, has_vocabulary, vocab_config
 from fedagent.errors import CodecError, ConfigError, FedagentError, StateWriteError, TransportError
 from fedagent.metrics import NodeMetrics
@@ -179,6 +180,7 @@ class FedAvgMode:
         self.cfg = cfg
         self.task = core.task
         self.round_path = core.dir / "last_round_started"
+        self.velocity: FileVelocity | None = None  # the server momentum's, on disk
         # The round in flight, durable before any of its updates is acknowledged; a
         # restart takes that round up again (fedagent.roundjournal).
         self.journal = RoundJournal(core.dir / "round-journal", max_frame=core.messenger.wire_limits.max_message_bytes)
@@ -271,15 +273,28 @@ class FedAvgMode:
         last_started = int(started) if started and started.strip().isdigit() else 0
         self._stream_budget = stream_budget(sum(int(w.nbytes) for w in weights.values()))
         rc = round_config(cfg)
-        if velocity and rc.server_momentum > 0:
-            try:
-                check_velocity(weights, velocity)
-            except ValueError as exc:
-                raise FedagentError(
-                    f"{core.ckpt_path}: the server momentum's velocity does not fit the model ({exc}); "
-                    "move the checkpoint away to start afresh"
-                ) from None
-            log.info("server momentum %g: resuming with the checkpoint's velocity", rc.server_momentum)
+        store: FileVelocity | None = None
+        if rc.server_momentum > 0:
+            # The velocity is kept on disk beside the checkpoint (coordinator/velocity.py),
+            # not in memory.
+            version = int(meta.get("model_version", 0))
+            store = self.velocity = FileVelocity(core.ckpt_path.parent)
+            if store.open(version, weights):
+                log.info(
+                    "server momentum %g: resuming with the velocity of model version %d", rc.server_momentum, version
+                )
+            elif velocity:
+                # A checkpoint written before the velocity had a file of its own.
+                try:
+                    check_velocity(weights, velocity)
+                except ValueError as exc:
+                    raise FedagentError(
+                        f"{core.ckpt_path}: the server momentum's velocity does not fit the model ({exc}); "
+                        "move the checkpoint away to start afresh"
+                    ) from None
+                store.write_all(velocity, weights, version)
+                log.info("server momentum %g: resuming with the checkpoint's velocity", rc.server_momentum)
+            velocity = {}
         self.machine = R.RoundMachine(
             rc,
             weights,
@@ -288,6 +303,7 @@ class FedAvgMode:
             last_round=max(int(meta.get("round", 0)), last_started),
             privacy_state=meta.get("privacy") if isinstance(meta.get("privacy"), dict) else None,
             velocity=velocity,
+            velocity_store=store,
             # secure rounds: a survivor whose signature of the survivor list fails is dropped
             # here, so only valid signatures go on to the agents
             verify_statement=core.messenger.verifier.check_statement,
@@ -832,11 +848,11 @@ class FedAvgMode:
             privacy_state = self.machine.privacy_state()
             if privacy_state is not None:
                 meta["privacy"] = privacy_state
-            # The velocity goes into the same file as the model it made (one atomic write).
-            saved = cmd.weights
-            if cmd.velocity:
-                saved = {**cmd.weights, **{VELOCITY_KEY + k: v for k, v in cmd.velocity.items()}}
-            await asyncio.to_thread(checkpoint.save, core.ckpt_path, saved, meta)
+            await asyncio.to_thread(checkpoint.save, core.ckpt_path, cmd.weights, meta)
+            if self.velocity is not None:
+                # The velocity file that goes with this checkpoint is written (the round
+                # adopted it): the older ones can go.
+                self.velocity.prune(cmd.model_version)
             marks["checkpointed"] = round(time.time(), 4)
             core.history.append(
                 {

@@ -61,7 +61,15 @@ from fedagent.protocols.aggregation import (
 )
 from fedagent.protocols.dp import Accountant, ClipBound, DPAggregator, DPConfig, Release, quantisation_range
 from fedagent.protocols.messages import TrainConfig
-from fedagent.protocols.serveropt import check_momentum, check_velocity, momentum_step
+from fedagent.protocols.serveropt import (
+    VelocityStore,
+    VelocityWriter,
+    check_momentum,
+    check_velocity,
+    momentum_step,
+    momentum_step_into,
+    velocity_layout,
+)
 from fedagent.protocols.streaming import UpdateEnd, UpdateHead, UpdatePart
 
 Weights = dict[str, np.ndarray]
@@ -328,13 +336,17 @@ class RoundMachine:
         last_round: int = 0,
         privacy_state: Mapping[str, object] | None = None,
         velocity: Mapping[str, np.ndarray] | None = None,
+        velocity_store: VelocityStore | None = None,
         rng: np.random.Generator | None = None,
         verify_statement: SA.KeyVerifier | None = None,
     ) -> None:
         """``completed_rounds``/``last_round``/``model_version`` resume from a checkpoint, and
         so do ``privacy_state`` (:meth:`privacy_state`): ε already spent and the clip bound,
         and ``velocity``: the server momentum's (ValueError if it does not fit ``weights``;
-        ignored without server momentum).
+        ignored without server momentum). ``velocity_store``: where the velocity is kept
+        instead (protocols/serveropt.py, :class:`~fedagent.protocols.serveropt.VelocityStore`;
+        it holds the resumed velocity, if any, and ``velocity`` must then be empty): the
+        step streams it a block at a time and :attr:`velocity` stays empty.
         ``rng`` draws the DP noise (default: seeded by the operating system).
         ``verify_statement`` checks an agent's signature of a statement (secure rounds: the
         survivor list), raising if it is not valid; without it signatures are passed on
@@ -342,6 +354,10 @@ class RoundMachine:
         self.config = config
         self.weights = weights
         self.velocity: Weights = {}
+        if velocity and velocity_store is not None:
+            raise ValueError("a velocity is given both in memory and in a store")
+        self.velocity_store = velocity_store
+        self._velocity_writer: VelocityWriter | None = None  # the next velocity, until adopted
         if velocity and config.server_momentum > 0:
             check_velocity(weights, velocity)
             self.velocity = dict(velocity)
@@ -437,7 +453,34 @@ class RoundMachine:
         """The next global model and velocity from the round's aggregate (neither adopted
         here: protocols/serveropt.py)."""
         c = self.config
-        return momentum_step(self.weights, aggregate, self.velocity, lr=c.server_lr, beta=c.server_momentum)
+        store = self.velocity_store
+        if store is None or c.server_momentum == 0:
+            return momentum_step(self.weights, aggregate, self.velocity, lr=c.server_lr, beta=c.server_momentum)
+        self._drop_velocity()
+        writer = store.begin(velocity_layout(self.weights), self.model_version + 1)
+        try:
+            new = momentum_step_into(self.weights, aggregate, store, writer, lr=c.server_lr, beta=c.server_momentum)
+        except BaseException:
+            store.discard(writer)
+            raise
+        self._velocity_writer = writer
+        return new, {}
+
+    def _adopt(self, new: Weights, velocity: Weights) -> None:
+        """The server step's results become the global model and velocity (the model
+        version after this round is the next one)."""
+        writer, self._velocity_writer = self._velocity_writer, None
+        if writer is not None:
+            assert self.velocity_store is not None
+            self.velocity_store.adopt(writer)
+        self.weights, self.velocity = new, velocity
+
+    def _drop_velocity(self) -> None:
+        """A step's velocity that will not be adopted (its aggregate was refused)."""
+        writer, self._velocity_writer = self._velocity_writer, None
+        if writer is not None:
+            assert self.velocity_store is not None
+            self.velocity_store.discard(writer)
 
     def privacy_state(self) -> dict[str, object] | None:
         """What a checkpoint keeps so that a restart goes on spending from here."""
@@ -845,12 +888,13 @@ class RoundMachine:
                 f"{', '.join(overflow[:3])}{' ...' if len(overflow) > 3 else ''} (the updates' values "
                 "overflow their dtype); the global model is kept"
             )
+            self._drop_velocity()
             out: list[Command] = [RoundAbandoned(self.round, self.model_version, reason)]
             self._end_round()
             self.phase = Phase.WAITING
             self.quorum_since = None
             return out + self._maybe_start(now)
-        self.weights, self.velocity = new, velocity
+        self._adopt(new, velocity)
         self.model_version += 1
         self.completed += 1
         self.last_metrics = weighted_metrics([(m, n) for n, m in self.received.values()])
@@ -932,7 +976,7 @@ class RoundMachine:
         mean = self.after_unmask(mean, res)
         new = dict(self.weights)
         new.update(SA.unflatten(layout, base + mean, self.weights))
-        self.weights, self.velocity = self._server_step(new)
+        self._adopt(*self._server_step(new))
         self.model_version += 1
         self.completed += 1
         self.secure_result = res

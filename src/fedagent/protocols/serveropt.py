@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Protocol
 
 import numpy as np
 
@@ -90,3 +91,140 @@ def momentum_step(
         ref64 += lr * vel[name].astype(np.float64)
         out[name] = ref64.astype(ref.dtype, copy=False)
     return out, vel
+
+
+# ---- a velocity kept outside the coordinator's memory ---------------------------------
+#: Elements of a tensor handled at a time by :func:`momentum_step_into`: the float64
+#: temporaries of a block are 4 × 64 K × 8 bytes = 2 MiB, whatever the model's size.
+BLOCK = 1 << 16
+
+#: (name, dtype, shape) of each floating tensor, in the order a velocity is written.
+Layout = list[tuple[str, np.dtype, tuple[int, ...]]]
+
+
+def velocity_layout(reference: Mapping[str, np.ndarray]) -> Layout:
+    """The tensors a velocity covers: the floating ones, in the model's order."""
+    return [
+        (k, np.asarray(v).dtype, tuple(np.shape(v))) for k, v in reference.items() if np.asarray(v).dtype.kind == "f"
+    ]
+
+
+class VelocityWriter(Protocol):
+    def write(self, name: str, block: np.ndarray) -> None:
+        """The next elements (flat, in order) of tensor ``name``'s new velocity, in the
+        tensor's dtype; tensors come in the layout's order."""
+
+
+class VelocityStore(Protocol):
+    """Where the server momentum's velocity lives between rounds, so that the
+    coordinator does not hold a model-sized buffer for it: the step reads the current
+    velocity and writes the next one a block at a time (the coordinator's store is a
+    file beside its checkpoint: coordinator/velocity.py)."""
+
+    def read(self, name: str, start: int, stop: int) -> np.ndarray | None:
+        """Flat elements ``[start, stop)`` of the current velocity of ``name`` in the
+        tensor's dtype; None when there is no velocity yet (it is zero)."""
+
+    def begin(self, layout: Layout, model_version: int) -> VelocityWriter:
+        """A new velocity to be written, tensor by tensor in ``layout``'s order; it goes
+        with the global model ``model_version``."""
+
+    def adopt(self, writer: VelocityWriter) -> None:
+        """The written velocity becomes the current one."""
+
+    def discard(self, writer: VelocityWriter) -> None:
+        """The written velocity is dropped (its round's aggregate was refused)."""
+
+
+def momentum_step_into(
+    reference: Mapping[str, np.ndarray],
+    aggregate: Weights,
+    store: VelocityStore,
+    writer: VelocityWriter,
+    *,
+    lr: float,
+    beta: float,
+    block: int = BLOCK,
+) -> Weights:
+    """:func:`momentum_step` a block at a time, with the velocity read from ``store``
+    and the next one written to ``writer``: the same values to the last bit. The next
+    model is written into ``aggregate``'s floating tensors where the caller owns them
+    (writable, contiguous, of the model's dtype and not sharing memory with
+    ``reference``; otherwise into a copy), so that the step needs no model-sized buffer
+    beyond the aggregate. ``reference`` is not changed."""
+    check_server_lr(lr)
+    check_momentum(beta)
+    if beta == 0:
+        raise ValueError("momentum_step_into is the momentum step: without momentum use server_step")
+    out: Weights = {}
+    for name, agg in aggregate.items():
+        ref = np.asarray(reference[name])
+        if ref.dtype.kind != "f":
+            out[name] = agg
+            continue
+        dst = agg
+        owned = (
+            isinstance(dst, np.ndarray)
+            and dst.flags.writeable
+            and dst.flags.c_contiguous
+            and dst.dtype == ref.dtype
+            and dst.shape == ref.shape
+            and not np.shares_memory(dst, ref)
+        )
+        if not owned:
+            dst = np.array(agg, dtype=ref.dtype, order="C", copy=True)
+        flat = dst.reshape(-1)
+        rflat = ref.reshape(-1)
+        for start in range(0, max(flat.size, 1), block):  # an empty tensor writes an empty block
+            stop = min(start + block, flat.size)
+            r64 = rflat[start:stop].astype(np.float64)
+            v = flat[start:stop].astype(np.float64) - r64
+            old = store.read(name, start, stop)
+            if old is not None:
+                v += beta * np.asarray(old, np.float64)
+            kept = v.astype(ref.dtype)
+            writer.write(name, kept)
+            r64 += lr * kept.astype(np.float64)
+            flat[start:stop] = r64
+        out[name] = dst
+    return out
+
+
+class MemoryVelocity:
+    """A :class:`VelocityStore` in memory (tests; what the in-memory path keeps in
+    ``RoundMachine.velocity``)."""
+
+    def __init__(self, velocity: Mapping[str, np.ndarray] | None = None) -> None:
+        self.current: Weights = {k: np.array(v) for k, v in (velocity or {}).items()}
+        self.model_version: int | None = None
+
+    def read(self, name: str, start: int, stop: int) -> np.ndarray | None:
+        v = self.current.get(name)
+        return None if v is None else v.reshape(-1)[start:stop]
+
+    def begin(self, layout: Layout, model_version: int) -> _MemoryWriter:
+        return _MemoryWriter(layout, model_version)
+
+    def adopt(self, writer: VelocityWriter) -> None:
+        assert isinstance(writer, _MemoryWriter)
+        self.current = writer.finish()
+        self.model_version = writer.model_version
+
+    def discard(self, writer: VelocityWriter) -> None:
+        pass
+
+
+class _MemoryWriter:
+    def __init__(self, layout: Layout, model_version: int) -> None:
+        self.layout = layout
+        self.model_version = model_version
+        self.parts: dict[str, list[np.ndarray]] = {name: [] for name, _, _ in layout}
+
+    def write(self, name: str, block: np.ndarray) -> None:
+        self.parts[name].append(np.array(block))
+
+    def finish(self) -> Weights:
+        return {
+            name: np.concatenate(self.parts[name]).astype(dtype, copy=False).reshape(shape)
+            for name, dtype, shape in self.layout
+        }

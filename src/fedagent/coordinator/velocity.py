@@ -1,0 +1,270 @@
+"""The server momentum's velocity on disk, beside the coordinator's checkpoint.
+
+A velocity is one more model-sized buffer. Kept in memory it would take the
+coordinator's peak from about 2.5 to about 3.5 times the model; kept here, the round's
+momentum step (protocols/serveropt.py, ``momentum_step_into``) reads the current one and
+writes the next one a block at a time, and the coordinator holds none of it.
+
+One file per model version, ``velocity-<version>.bin``:
+
+* ``MAGIC``, then the header's length (4 bytes, little-endian) and the header (JSON:
+  ``model_version`` and ``tensors``, a list of ``[name, dtype, shape]``);
+* each tensor's values in that order, raw, little-endian, in the tensor's dtype;
+* a BLAKE2b-256 digest of everything before it.
+
+The next velocity is written to ``velocity.tmp`` and renamed when its round is adopted;
+the file of the previous version stays until the checkpoint of the new model is written
+(:meth:`FileVelocity.prune`), so a crash in between finds the velocity that goes with
+whichever checkpoint it finds. A file is checked before it is used (header, sizes,
+digest, finite values) and refused with an error that names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from fedagent.errors import FedagentError
+from fedagent.protocols.serveropt import BLOCK, Layout, VelocityWriter, velocity_layout
+
+MAGIC = b"fedagent-velocity-1\n"
+MAX_HEADER = 16 << 20  # bytes: a header is a few bytes a tensor
+DIGEST = 32
+PATTERN = "velocity-*.bin"
+
+
+def _name(version: int) -> str:
+    return f"velocity-{version}.bin"
+
+
+def _le(dtype: np.dtype) -> np.dtype:
+    return dtype.newbyteorder("<")
+
+
+class _FileWriter:
+    def __init__(self, path: Path, layout: Layout, model_version: int) -> None:
+        self.path = path
+        self.model_version = model_version
+        self.layout = layout
+        self._expect = iter([(name, int(np.prod(shape, dtype=np.int64)), dtype) for name, dtype, shape in layout])
+        self._name, self._left, self._dtype = "", 0, np.dtype(np.float32)
+        self._hash = hashlib.blake2b(digest_size=DIGEST)
+        self._f = open(path, "wb")  # closed by finish or abort
+        header = json.dumps(
+            {
+                "model_version": model_version,
+                "tensors": [[name, _le(dtype).str, list(shape)] for name, dtype, shape in self.layout],
+            }
+        ).encode()
+        self._put(MAGIC + struct.pack("<I", len(header)) + header)
+        self.offsets: dict[str, tuple[int, np.dtype, int]] = {}
+        at = len(MAGIC) + 4 + len(header)
+        for name, dtype, shape in layout:
+            size = int(np.prod(shape, dtype=np.int64))
+            self.offsets[name] = (at, _le(dtype), size)
+            at += size * dtype.itemsize
+
+    def _put(self, data: bytes | memoryview) -> None:
+        self._hash.update(data)
+        self._f.write(data)
+
+    def write(self, name: str, block: np.ndarray) -> None:
+        if self._left == 0 and name != self._name:
+            self._name, self._left, self._dtype = next(self._expect)
+        if name != self._name or block.size > self._left:
+            raise ValueError(f"velocity block of {name!r} out of the layout's order")
+        self._left -= block.size
+        self._put(np.ascontiguousarray(block, _le(self._dtype)).tobytes())
+
+    def finish(self) -> None:
+        self._f.write(self._hash.digest())
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+    def abort(self) -> None:
+        self._f.close()
+        self.path.unlink(missing_ok=True)
+
+
+class FileVelocity:
+    """A :class:`~fedagent.protocols.serveropt.VelocityStore` in ``directory`` (the
+    coordinator's state directory)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.path: Path | None = None  # the current velocity's file
+        self._offsets: dict[str, tuple[int, np.dtype, int]] = {}  # name -> (offset, dtype, size)
+        self._fd: int | None = None
+        self._version = 0
+
+    # -- the current velocity ----------------------------------------------------------
+    def open(self, model_version: int, weights: Mapping[str, np.ndarray]) -> bool:
+        """Use the velocity that goes with the checkpointed model ``model_version`` (False:
+        there is none, the velocity starts at zero). Files of other versions are removed.
+        FedagentError if the file does not fit ``weights`` or is damaged."""
+        path = self.dir / _name(model_version)
+        found = path.exists()
+        if found:
+            self._use(path, *check_file(path, weights, model_version))
+        for p in [*self.dir.glob(PATTERN), self.dir / "velocity.tmp"]:
+            if p != path:
+                p.unlink(missing_ok=True)
+        return found
+
+    def _use(self, path: Path, offsets: dict[str, tuple[int, np.dtype, int]], version: int) -> None:
+        self.close()
+        self._fd = os.open(path, os.O_RDONLY)
+        self.path, self._offsets, self._version = path, offsets, version
+
+    def read(self, name: str, start: int, stop: int) -> np.ndarray | None:
+        if self._fd is None or name not in self._offsets:
+            return None
+        offset, dtype, size = self._offsets[name]
+        stop = min(stop, size)
+        want = (stop - start) * dtype.itemsize
+        data = os.pread(self._fd, want, offset + start * dtype.itemsize)
+        if len(data) != want:
+            raise FedagentError(f"{self.path}: cut short while in use")
+        return np.frombuffer(data, dtype)
+
+    # -- the next one ------------------------------------------------------------------
+    def begin(self, layout: Layout, model_version: int) -> VelocityWriter:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        return _FileWriter(self.dir / "velocity.tmp", layout, model_version)
+
+    def adopt(self, writer: VelocityWriter) -> None:
+        assert isinstance(writer, _FileWriter)
+        if writer._left or next(writer._expect, None) is not None:
+            writer.abort()
+            raise ValueError("a velocity adopted before all of it was written")
+        writer.finish()
+        path = self.dir / _name(writer.model_version)
+        os.replace(writer.path, path)
+        _sync_dir(self.dir)
+        self._use(path, writer.offsets, writer.model_version)
+
+    def discard(self, writer: VelocityWriter) -> None:
+        assert isinstance(writer, _FileWriter)
+        writer.abort()
+
+    def prune(self, below: int) -> None:
+        """Remove the files of model versions before ``below`` (called once the
+        checkpoint of that version is written); the current one stays in any case."""
+        for p in self.dir.glob(PATTERN):
+            version = _version(p)
+            if version is not None and version < below and p != self.path:
+                p.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    # -- a velocity handed over in memory (a checkpoint of an earlier version) ----------
+    def write_all(
+        self, velocity: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray], model_version: int
+    ) -> None:
+        """Store ``velocity`` (all in memory) as the one of ``model_version``."""
+        layout = velocity_layout(weights)
+        writer = self.begin(layout, model_version)
+        assert isinstance(writer, _FileWriter)
+        try:
+            for name, dtype, shape in layout:
+                v = velocity.get(name)
+                flat = (
+                    np.zeros(int(np.prod(shape, dtype=np.int64)), dtype)
+                    if v is None
+                    else np.asarray(v, dtype).reshape(-1)
+                )
+                writer.write(name, flat)
+        except BaseException:
+            writer.abort()
+            raise
+        self.adopt(writer)
+
+
+def _version(path: Path) -> int | None:
+    digits = path.name[len("velocity-") : -len(".bin")]
+    return int(digits) if digits.isdigit() else None
+
+
+def _sync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _header_bytes(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        head = f.read(len(MAGIC) + 4)
+        if len(head) < len(MAGIC) + 4 or head[: len(MAGIC)] != MAGIC:
+            raise FedagentError(f"{path}: not a fedagent velocity file")
+        (n,) = struct.unpack("<I", head[len(MAGIC) :])
+        if n > MAX_HEADER:
+            raise FedagentError(f"{path}: header of {n} bytes (at most {MAX_HEADER})")
+        header = f.read(n)
+        if len(header) != n:
+            raise FedagentError(f"{path}: cut short in its header")
+        return header
+
+
+def check_file(
+    path: Path, weights: Mapping[str, np.ndarray], model_version: int
+) -> tuple[dict[str, tuple[int, np.dtype, int]], int]:
+    """The tensors' offsets in a velocity file and its model version, once the file is
+    checked against the model ``weights`` it goes with: the same floating tensors (names,
+    dtypes, shapes), the exact size, the digest and finite values. FedagentError otherwise."""
+    header = _header_bytes(path)
+    try:
+        meta = json.loads(header)
+        tensors = [(str(n), np.dtype(d), tuple(int(x) for x in s)) for n, d, s in meta["tensors"]]
+        version = int(meta["model_version"])
+    except (ValueError, TypeError, KeyError) as exc:
+        raise FedagentError(f"{path}: unreadable header ({exc})") from None
+    want = [(n, _le(d).str, s) for n, d, s in velocity_layout(weights)]
+    if [(n, d.str, s) for n, d, s in tensors] != want or version != model_version:
+        raise FedagentError(
+            f"{path}: a velocity for model version {version} with other tensors than the "
+            f"checkpoint's model (version {model_version}); move it away to start the momentum afresh"
+        )
+    at = len(MAGIC) + 4 + len(header)
+    offsets: dict[str, tuple[int, np.dtype, int]] = {}
+    for name, dtype, shape in tensors:
+        size = int(np.prod(shape, dtype=np.int64))
+        offsets[name] = (at, dtype, size)
+        at += size * dtype.itemsize
+    if path.stat().st_size != at + DIGEST:
+        raise FedagentError(f"{path}: {path.stat().st_size} bytes, its header says {at + DIGEST}")
+    h = hashlib.blake2b(digest_size=DIGEST)
+    with open(path, "rb") as f:
+        h.update(f.read(len(MAGIC) + 4 + len(header)))
+        for name, (_, dtype, size) in offsets.items():
+            step = BLOCK * 16
+            for start in range(0, size, step):
+                data = f.read(min(step, size - start) * dtype.itemsize)
+                h.update(data)
+                if not np.isfinite(np.frombuffer(data, dtype)).all():
+                    raise FedagentError(f"{path}: the velocity of {name!r} is not finite")
+        if f.read(DIGEST) != h.digest():
+            raise FedagentError(f"{path}: damaged (its digest does not match)")
+    return offsets, version
+
+
+def load(path: Path, weights: Mapping[str, np.ndarray], model_version: int) -> dict[str, np.ndarray]:
+    """A checked velocity file, all in memory (tests and tools)."""
+    offsets, _ = check_file(path, weights, model_version)
+    out = {}
+    with open(path, "rb") as f:
+        for name, (offset, dtype, size) in offsets.items():
+            f.seek(offset)
+            out[name] = np.frombuffer(f.read(size * dtype.itemsize), dtype).reshape(np.shape(weights[name])).copy()
+    return out
