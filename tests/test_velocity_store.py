@@ -11,7 +11,7 @@ import pytest
 from fedagent.coordinator.velocity import FileVelocity, check_file, load
 from fedagent.errors import FedagentError
 from fedagent.protocols.rounds import AgentOnline, RoundAggregated, RoundConfig, RoundMachine, UpdateReceived
-from fedagent.protocols.serveropt import MemoryVelocity, momentum_step, momentum_step_into, velocity_layout
+from fedagent.protocols.serveropt import BLOCK, MemoryVelocity, momentum_step, momentum_step_into, velocity_layout
 
 
 def _model(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -31,7 +31,7 @@ def _aggregate(rng: np.random.Generator, x: dict[str, np.ndarray]) -> dict[str, 
     }
 
 
-@pytest.mark.parametrize("block", [1 << 16, 1000])
+@pytest.mark.parametrize("block", [BLOCK, 1000])
 def test_the_blockwise_step_is_the_in_memory_step_to_the_bit(block):
     rng = np.random.default_rng(3)
     x = _model(rng)
@@ -177,3 +177,26 @@ def test_a_damaged_or_foreign_velocity_file_is_refused_with_its_name(tmp_path):
     FileVelocity(tmp_path).write_all(nan, x, 4)
     with pytest.raises(FedagentError, match="not finite"):
         check_file(path, x, 4)
+
+
+def test_a_velocity_that_cannot_be_written_leaves_the_previous_one(tmp_path, monkeypatch):
+    """A full disk while the next velocity is written: StateWriteError (the coordinator
+    exits 74, as for its checkpoint), no temp file, and the current velocity unchanged."""
+    from fedagent.errors import StateWriteError
+
+    cfg = RoundConfig(rounds=5, min_agents=2, expected_agents=2, server_momentum=0.6)
+    store = FileVelocity(tmp_path)
+    m = RoundMachine(cfg, {"w": np.zeros((3, 4), np.float32)}, velocity_store=store)
+    _round(m, (1.0, 3.0), 1.0)
+    before = (tmp_path / "velocity-1.bin").read_bytes()
+    real_fsync = __import__("os").fsync
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("fedagent.coordinator.velocity.os.fsync", full)
+    with pytest.raises(StateWriteError, match="No space left"):
+        _round(m, (2.0, 2.0), 2.0)
+    monkeypatch.setattr("fedagent.coordinator.velocity.os.fsync", real_fsync)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["velocity-1.bin"]
+    assert (tmp_path / "velocity-1.bin").read_bytes() == before and m.model_version == 1

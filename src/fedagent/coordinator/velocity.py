@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedagent.errors import FedagentError
+from fedagent.errors import FedagentError, StateWriteError
 from fedagent.protocols.serveropt import BLOCK, Layout, VelocityWriter, velocity_layout
 
 MAGIC = b"fedagent-velocity-1\n"
@@ -55,7 +55,10 @@ class _FileWriter:
         self._expect = iter([(name, int(np.prod(shape, dtype=np.int64)), dtype) for name, dtype, shape in layout])
         self._name, self._left, self._dtype = "", 0, np.dtype(np.float32)
         self._hash = hashlib.blake2b(digest_size=DIGEST)
-        self._f = open(path, "wb")  # closed by finish or abort
+        try:
+            self._f = open(path, "wb")  # closed by finish or abort
+        except OSError as exc:
+            raise _write_error(path, exc) from exc
         header = json.dumps(
             {
                 "model_version": model_version,
@@ -72,7 +75,10 @@ class _FileWriter:
 
     def _put(self, data: bytes | memoryview) -> None:
         self._hash.update(data)
-        self._f.write(data)
+        try:
+            self._f.write(data)
+        except OSError as exc:
+            raise _write_error(self.path, exc) from exc
 
     def write(self, name: str, block: np.ndarray) -> None:
         if self._left == 0 and name != self._name:
@@ -83,13 +89,19 @@ class _FileWriter:
         self._put(np.ascontiguousarray(block, _le(self._dtype)).tobytes())
 
     def finish(self) -> None:
-        self._f.write(self._hash.digest())
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        try:
+            self._f.write(self._hash.digest())
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+        except OSError as exc:
+            raise _write_error(self.path, exc) from exc
 
     def abort(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()
+        except OSError:
+            pass  # what it could not write goes with the file
         self.path.unlink(missing_ok=True)
 
 
@@ -144,10 +156,17 @@ class FileVelocity:
         if writer._left or next(writer._expect, None) is not None:
             writer.abort()
             raise ValueError("a velocity adopted before all of it was written")
-        writer.finish()
         path = self.dir / _name(writer.model_version)
-        os.replace(writer.path, path)
-        _sync_dir(self.dir)
+        try:
+            writer.finish()
+            os.replace(writer.path, path)
+            _sync_dir(self.dir)
+        except StateWriteError:
+            writer.abort()
+            raise
+        except OSError as exc:
+            writer.abort()
+            raise _write_error(path, exc) from exc
         self._use(path, writer.offsets, writer.model_version)
 
     def discard(self, writer: VelocityWriter) -> None:
@@ -188,6 +207,12 @@ class FileVelocity:
             writer.abort()
             raise
         self.adopt(writer)
+
+
+def _write_error(path: Path, exc: OSError) -> StateWriteError:
+    return StateWriteError(
+        f"cannot write {path}: {exc.strerror or exc}; the previous velocity and checkpoint are intact"
+    )
 
 
 def _version(path: Path) -> int | None:

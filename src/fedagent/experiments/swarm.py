@@ -438,7 +438,9 @@ async def _federation(
     whole: bool = False,
     procs: int = 0,
     connect_limit: float = 900.0,
+    rounds_options: dict | None = None,
 ) -> RunResult:
+    rounds_options = rounds_options or {}
     t0 = time.monotonic()
     workdir.mkdir(parents=True, exist_ok=True)
     # This process holds every agent's socket (procs=0); the broker, started from here,
@@ -485,6 +487,7 @@ async def _federation(
                 "expected_agents": n,
                 "start_grace": 0.0,
                 "round_timeout": max(120.0, timeout),
+                **rounds_options,
             },
             "transfer": {"compression": compression, "topk_ratio": topk_ratio, "max_chunk_bytes": max_chunk},
         }
@@ -657,8 +660,10 @@ def run_federation(
     whole: bool = False,
     procs: int = 0,
     connect_limit: float = 900.0,
+    rounds_options: dict | None = None,
 ) -> RunResult:
-    """``whole``: agents send each update as one whole message (chunked and reassembled
+    """``rounds_options``: more ``[rounds]`` keys for the coordinator (e.g.
+    ``server_momentum``; none: the defaults). ``whole``: agents send each update as one whole message (chunked and reassembled
     by the coordinator before it is aggregated) instead of a stream: the path streaming
     replaced. ``procs``: run the agents in that many child processes (0: in this one).
     ``timeout`` bounds the rounds, ``connect_limit`` the connecting of the agents.
@@ -687,6 +692,7 @@ def run_federation(
             whole,
             procs,
             connect_limit,
+            rounds_options or {},
         )
     )
 

@@ -94,9 +94,9 @@ def momentum_step(
 
 
 # ---- a velocity kept outside the coordinator's memory ---------------------------------
-#: Elements of a tensor handled at a time by :func:`momentum_step_into`: the float64
-#: temporaries of a block are 4 × 64 K × 8 bytes = 2 MiB, whatever the model's size.
-BLOCK = 1 << 16
+#: Elements of a tensor handled at a time by :func:`momentum_step_into`: its float64
+#: temporaries are a few times 16 K × 8 bytes = 128 KiB, whatever the model's size.
+BLOCK = 1 << 14
 
 #: (name, dtype, shape) of each floating tensor, in the order a velocity is written.
 Layout = list[tuple[str, np.dtype, tuple[int, ...]]]
