@@ -57,6 +57,7 @@ def train_joint(
     rounds_per_epoch: int = 1,
     weights: str = "tokens",
     schedule: str = "rounds",
+    server_momentum: float = 0.0,
 ) -> tuple[Any, DocHead]:
     """FedAvg of the doc2vec head over ``scale.sites`` shards, ``local_epochs`` per round and
     ``scale.epochs / local_epochs`` rounds (the agents' ``_fit``: the round number is the
@@ -66,7 +67,9 @@ def train_joint(
     epoch): a round is that fraction of a site's epoch (its steps), so the same passes
     take ``rounds_per_epoch`` times more rounds. ``weights``: "tokens" (FedAvg) or "equal".
     ``schedule``: the cosine step over the rounds ("rounds", the coordinator's) or over
-    the epochs, constant within one ("epochs", the centralized model's)."""
+    the epochs, constant within one ("epochs", the centralized model's).
+    ``server_momentum`` β: the coordinator's FedAvgM (``[rounds] server_momentum``):
+    v = β·v + (mean − global), global += server_lr · v."""
     shards = [load_doc2vec(scale, shard=i, shards=scale.sites) for i in range(scale.sites)]
     merged = td.merge_term_counts([t.term_counts() for t in shards], min_count=scale.min_count)
     terms = [t for t, _ in merged]
@@ -84,6 +87,7 @@ def train_joint(
     # a fraction of an epoch: the sites' mean epoch split (what the experiment sets as
     # the daemons' [rounds] local_steps)
     steps = joint_local_steps(shards, replace(scale, rounds_per_epoch=rounds_per_epoch))
+    velocity = torch.zeros_like(glob.out_embed.weight.data)
     for r in range(1, rounds + 1):
         if schedule == "epochs":
             lr = cosine_lr(scale.lr, (r - 1) // rounds_per_epoch + 1, rounds // rounds_per_epoch)
@@ -97,7 +101,11 @@ def train_joint(
             else:
                 t.fit(m, epochs=local_epochs, lr=lr, batch_size=scale.batch_size, seed=r)
             acc += float(wi) * m.out_embed.weight.data
-        glob.out_embed.weight.data.add_(server_lr * (acc - glob.out_embed.weight.data))
+        if server_momentum > 0:
+            velocity.mul_(server_momentum).add_(acc - glob.out_embed.weight.data)
+            glob.out_embed.weight.data.add_(server_lr * velocity)
+        else:
+            glob.out_embed.weight.data.add_(server_lr * (acc - glob.out_embed.weight.data))
     central_vocab = load_doc2vec(scale)
     central_vocab.set_vocabulary(terms, [c for _, c in merged])
     return central_vocab, glob
@@ -211,6 +219,9 @@ def main(argv: list[str] | None = None) -> None:
         help="keep the centralized reference and ceilings of each seed here and reuse them",
     )
     p.add_argument("--server-lr", type=float, nargs="+", default=[1.0], help="joint variants: server step")
+    p.add_argument(
+        "--server-momentum", type=float, nargs="+", default=[0.0], help="joint variants: server momentum (FedAvgM)"
+    )
     p.add_argument("--local-epochs", type=int, nargs="+", default=[1], help="joint variants: local epochs a round")
     p.add_argument(
         "--rounds-per-epoch",
@@ -250,8 +261,10 @@ def main(argv: list[str] | None = None) -> None:
                 "rounds_per_epoch": rpe,
                 "weights": wt,
                 "schedule": sc,
+                **({"server_momentum": sm} if sm else {}),
             }
             for slr in args.server_lr
+            for sm in args.server_momentum
             for le in args.local_epochs
             for gc in {"own": [False], "federation": [True], "both": [False, True]}[args.counts]
             for rpe in args.rounds_per_epoch
