@@ -294,6 +294,12 @@ class FedAvgMode:
                     ) from None
                 store.write_all(velocity, weights, version)
                 log.info("server momentum %g: resuming with the checkpoint's velocity", rc.server_momentum)
+            else:
+                log.info(
+                    "server momentum %g (FedAvgM): the velocity starts at zero and is kept in %s",
+                    rc.server_momentum,
+                    store.dir,
+                )
             velocity = {}
         self.machine = R.RoundMachine(
             rc,
