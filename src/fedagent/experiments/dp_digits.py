@@ -43,6 +43,9 @@ class Setup:
     delta: float = 1e-4  # below 1 / clients
     epsilons: tuple[float, ...] = (1.0, 3.0, 8.0, math.inf)
     seeds: tuple[int, ...] = (0, 1, 2)
+    # The coordinator's server momentum ([rounds] server_momentum): 0, plain FedAvg, as
+    # the recorded results were made (results/tta/report.md compares it with momentum).
+    server_momentum: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -83,6 +86,7 @@ def run_one(setup: Setup, epsilon: float, seed: int) -> dict[str, Any]:
         agents_per_round=setup.per_round,
         min_updates=setup.per_round,
         seed=seed,
+        server_momentum=setup.server_momentum,
         dp=dp.DPConfig(
             noise_multiplier=z,
             clip_norm=setup.clip_norm,
