@@ -16,7 +16,7 @@ from fedagent.protocols.rounds import (
     StartRound,
     UpdateReceived,
 )
-from fedagent.protocols.serveropt import check_momentum, check_velocity, momentum_step
+from fedagent.protocols.serveropt import DEFAULT_MOMENTUM, check_momentum, check_velocity, momentum_step
 from tests.configs import coordinator_config
 
 W0 = {"w": np.zeros((2, 3), np.float32), "n": np.array(4, np.int64)}
@@ -139,7 +139,9 @@ def test_a_resumed_machine_continues_with_the_saved_velocity():
 
 def test_a_velocity_is_ignored_without_momentum():
     m = RoundMachine(
-        RoundConfig(rounds=2, min_agents=2, expected_agents=2), W0, velocity={"w": np.ones((2, 3), np.float32)}
+        RoundConfig(rounds=2, min_agents=2, expected_agents=2, server_momentum=0),
+        W0,
+        velocity={"w": np.ones((2, 3), np.float32)},
     )
     agg = _round(m, (1.0, 3.0), 1.0)
     np.testing.assert_allclose(agg.weights["w"], 2.5)  # plain FedAvg
@@ -170,6 +172,31 @@ def test_coordinator_config_reaches_the_round_machine(tmp_path):
         round_config(coordinator_config(tmp_path, {"rounds": 4, "server_momentum": 1.0}))
 
 
+def test_momentum_is_on_by_default_and_zero_turns_it_off(tmp_path):
+    """One default for the config file and the round machine; 0 is plain FedAvg."""
+    from fedagent.coordinator.fedavg import round_config
+
+    assert DEFAULT_MOMENTUM == 0.7
+    assert RoundConfig().server_momentum == DEFAULT_MOMENTUM
+    assert round_config(coordinator_config(tmp_path, {"rounds": 4})).server_momentum == DEFAULT_MOMENTUM
+    assert round_config(coordinator_config(tmp_path, {"rounds": 4, "server_momentum": 0})).server_momentum == 0
+    # Differentially private rounds default to none (the velocity would sum the noise),
+    # central or distributed; set explicitly, momentum applies to them too.
+    for mode in ("central", "distributed"):
+        privacy = {"mode": mode, "noise_multiplier": 1.0}
+        assert round_config(coordinator_config(tmp_path, {"rounds": 4}, privacy=privacy)).server_momentum == 0
+        explicit = coordinator_config(tmp_path, {"rounds": 4, "server_momentum": 0.5}, privacy=privacy)
+        assert round_config(explicit).server_momentum == 0.5
+    # Round 2 of the default moves the model further than plain FedAvg's (the velocity
+    # carries round 1's step), and ``server_momentum = 0`` is plain FedAvg.
+    default = RoundMachine(RoundConfig(rounds=3, min_agents=2, expected_agents=2), W0)
+    plain = RoundMachine(RoundConfig(rounds=3, min_agents=2, expected_agents=2, server_momentum=0), W0)
+    for m in (default, plain):
+        _round(m, (1.0, 3.0), 1.0)
+    np.testing.assert_allclose(_round(plain, (3.0, 5.0), 2.0).weights["w"], 4.5)
+    np.testing.assert_allclose(_round(default, (3.0, 5.0), 2.0).weights["w"], 4.5 + 0.7 * 2.5)
+
+
 def test_start_round_carries_the_moved_model():
     m = _machine()
     cmds = []
@@ -181,3 +208,25 @@ def test_start_round_carries_the_moved_model():
     cmds = m.handle(UpdateReceived("b", r, v, 30, {"w": np.full((2, 3), 3.0, np.float32), "n": W0["n"]}, {}), 1.0)
     (start,) = [c for c in cmds if isinstance(c, StartRound)]
     np.testing.assert_allclose(start.weights["w"], 2.5)
+
+
+@pytest.mark.parametrize(
+    ("step", "text"),
+    [
+        ({"lr": 1.0, "momentum": 0.7, "default": True}, "momentum 0.7 (default)"),
+        (
+            {"lr": 1.0, "momentum": 0.0, "default": True},
+            "plain FedAvg, no momentum (default with differential privacy)",
+        ),
+        (
+            {"lr": 2.0, "momentum": 0.0, "default": False},
+            "plain FedAvg, no momentum ([rounds] server_momentum), server_lr 2",
+        ),
+        ({"lr": 1.0, "momentum": 0.9, "default": False}, "momentum 0.9 ([rounds] server_momentum)"),
+    ],
+)
+def test_status_names_the_server_step(step, text):
+    from fedagent.status import status_rows
+
+    rows = dict(status_rows({"role": "coordinator", "server_step": step}))
+    assert rows["server step"] == text

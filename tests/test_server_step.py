@@ -67,7 +67,8 @@ def _started(m: RoundMachine, agents: list[str]) -> StartRound:
 
 
 def test_round_machine_moves_the_global_model_by_the_server_step():
-    m = RoundMachine(RoundConfig(rounds=2, min_agents=2, expected_agents=2, server_lr=2.0), W0)
+    # server_lr alone (no server momentum): round 2's step is its own mean's only.
+    m = RoundMachine(RoundConfig(rounds=2, min_agents=2, expected_agents=2, server_lr=2.0, server_momentum=0), W0)
     _started(m, ["a", "b"])
     m.handle(UpdateReceived("a", 1, 0, 10, {"w": np.full((2, 3), 1.0, np.float32), "n": W0["n"]}, {}), 1.0)
     cmds = m.handle(UpdateReceived("b", 1, 0, 30, {"w": np.full((2, 3), 3.0, np.float32), "n": W0["n"]}, {}), 2.0)

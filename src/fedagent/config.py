@@ -47,7 +47,9 @@ class RoundsConfig:
     seed: int = 0
     lr_schedule: str = "constant"  # "constant" | "cosine" over `rounds` (coordinator)
     server_lr: float = 1.0  # the global model moves server_lr x the aggregate's step (1: FedAvg)
-    server_momentum: float = 0.0  # server momentum β (FedAvgM): v = β·v + step, the model moves server_lr·v
+    # server momentum β (FedAvgM): v = β·v + step, the model moves server_lr·v; 0: plain
+    # FedAvg; None (not set): serveropt.default_momentum, 0.7 or 0 under [privacy]
+    server_momentum: float | None = None
     aggregation: str = "fedavg"  # "fedavg" | "metric" | "blur" (FLSimCo eq. 11) | "drop_above"
     weight_key: str = ""  # the reported metric "metric"/"blur"/"drop_above" read
     drop_above: float | None = None  # "drop_above": threshold on weight_key

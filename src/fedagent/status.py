@@ -128,6 +128,19 @@ def _updates_text(u: dict[str, Any] | None) -> str | None:
     return f"{how}, {'streamed' if u.get('streamed') else 'whole'} ({where})"
 
 
+def _server_step_text(step: dict[str, Any] | None) -> str | None:
+    """The coordinator's server step: FedAvgM's momentum or plain FedAvg, and server_lr."""
+    if not step:
+        return None
+    beta, lr = step.get("momentum", 0), step.get("lr", 1)
+    how = f"momentum {beta:g}" if beta else "plain FedAvg, no momentum"
+    if not step.get("default"):
+        where = "[rounds] server_momentum"
+    else:
+        where = "default" if beta else "default with differential privacy"
+    return f"{how} ({where})" + (f", server_lr {lr:g}" if lr != 1 else "")
+
+
 def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     """The rows of `fedagent status` for a FedAvg or Sync-Opt node (label, text)."""
     coordinator = s.get("role") == "coordinator"
@@ -149,6 +162,7 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("global model eval", _eval_text(s.get("global_model_eval"), final)),
         ("privacy", _privacy(s.get("privacy"))),
         ("updates", _updates_text(s.get("updates"))),
+        ("server step", _server_step_text(s.get("server_step"))),
         ("stopped", s.get("stop_reason")),
         ("reconnects", s.get("reconnects")),
         ("last error", s.get("last_error")),

@@ -50,7 +50,7 @@ from fedagent.protocols.messages import (
 )
 from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
 from fedagent.protocols.secagg import SecAggMasked, SecAggParams, SecAggStart
-from fedagent.protocols.serveropt import VELOCITY, check_velocity
+from fedagent.protocols.serveropt import VELOCITY, check_velocity, default_momentum
 from fedagent.protocols.streaming import STREAM_KIND, StreamEvent, UpdateEnd, UpdateHead, UpdatePart
 from fedagent.roundjournal import InFlight, RoundJournal
 from fedagent.signing import CHUNK_KIND
@@ -140,7 +140,9 @@ def round_config(cfg: NodeConfig) -> R.RoundConfig:
             seed=r.seed,
             lr_schedule=r.lr_schedule,
             server_lr=r.server_lr,
-            server_momentum=r.server_momentum,
+            server_momentum=default_momentum(private=dp is not None)
+            if r.server_momentum is None
+            else r.server_momentum,
             strategy=strategy,
             dp=dp,
             secure=secure,
@@ -568,6 +570,7 @@ class FedAvgMode:
             else None,
             "stop_reason": m.get("stop_reason") or None,
             "updates": self.update_transfer(),
+            "server_step": self.server_step(),
             "journal": self.journal.status(),
             "secure_aggregation": (
                 self.machine.secagg.status()
@@ -581,6 +584,12 @@ class FedAvgMode:
         ask for (and whether it is the default or set in [transfer]), streamed or whole."""
         train = self.machine.config.train if self.machine is not None else round_config(self.cfg).train
         return {"compression": train.compression, "streamed": train.stream, "default": self.cfg.compression is None}
+
+    def server_step(self) -> dict[str, Any]:
+        """How the global model follows the aggregate: ``[rounds] server_lr`` and
+        ``server_momentum`` (and whether the momentum is the default, not set)."""
+        rc = self.machine.config if self.machine is not None else round_config(self.cfg)
+        return {"lr": rc.server_lr, "momentum": rc.server_momentum, "default": self.cfg.rounds.server_momentum is None}
 
     def refresh_metrics(self, m: NodeMetrics) -> None:
         if self.machine is not None:

@@ -121,6 +121,9 @@ def run_strategy(
         "seed": setup.seed,
         "lr_schedule": "cosine",
         "aggregation": strategy,
+        # Plain FedAvg's server step, as results/flsimco was measured (before server
+        # momentum became the default): the paper's comparison is of aggregations alone.
+        "server_momentum": 0.0,
     }
     if strategy == "drop_above":
         rounds.update(weight_key="speed", drop_above=setup.threshold)

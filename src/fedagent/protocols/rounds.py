@@ -62,6 +62,7 @@ from fedagent.protocols.aggregation import (
 from fedagent.protocols.dp import Accountant, ClipBound, DPAggregator, DPConfig, Release, quantisation_range
 from fedagent.protocols.messages import TrainConfig
 from fedagent.protocols.serveropt import (
+    DEFAULT_MOMENTUM,
     VelocityStore,
     VelocityWriter,
     check_momentum,
@@ -91,7 +92,9 @@ class RoundConfig:
     strategy: Strategy = field(default_factory=Strategy)
     lr_schedule: str = "constant"  # "constant" | "cosine": lr·½(1+cos(π(r−1)/rounds)) in round r
     server_lr: float = 1.0  # the global model moves this many times the aggregate's step (aggregation.server_step)
-    server_momentum: float = 0.0  # server momentum β (FedAvgM; protocols/serveropt.py): 0 = none
+    # server momentum β (FedAvgM; protocols/serveropt.py): 0 = none. The coordinator passes
+    # serveropt.default_momentum (0 under DP) when [rounds] names none.
+    server_momentum: float = DEFAULT_MOMENTUM
     dp: DPConfig | None = None  # differential privacy ("central" or "distributed"), see protocols/dp.py
     secure: SA.SecAggParams | None = None  # secure aggregation (protocols/secagg.py)
     secure_stage_timeout: float = 0.0  # each key/share/unmask stage of a secure round (0: auto)

@@ -30,6 +30,22 @@ from fedagent.protocols.aggregation import check_server_lr, server_step
 
 Weights = dict[str, np.ndarray]
 
+#: The server momentum a coordinator uses unless ``[rounds] server_momentum`` says
+#: otherwise, when its rounds are not differentially private (results/tta/report.md,
+#: "Server momentum as the default": fewer rounds to a target and a higher final
+#: accuracy on every non-private FedAvg workload fedagent ships). 0 turns it off.
+DEFAULT_MOMENTUM = 0.7
+
+
+def default_momentum(*, private: bool) -> float:
+    """The server momentum when the configuration names none: :data:`DEFAULT_MOMENTUM`,
+    but 0 for differentially private rounds. The velocity sums the noise of past
+    releases as well as their steps, so the model carries up to ``1 / (1 − β)`` times
+    the noise of one round; on the DP experiment at ε = 3 momentum 0.7 took the
+    accuracy from 0.89 to below 0.5 (same report). An operator can still set it."""
+    return 0.0 if private else DEFAULT_MOMENTUM
+
+
 #: Checkpoint keys of the velocity: this prefix and the tensor's name (the coordinator
 #: puts them under the checkpoint's optimizer prefix).
 VELOCITY = "velocity/"
