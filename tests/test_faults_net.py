@@ -262,6 +262,7 @@ def test_partition_of_a_third_of_the_agents_mid_round(lab_factory, tmp_path):
             "lr": LR,
             "batch_size": BATCH,
             "seed": SEED,
+            "server_momentum": 0,  # plain FedAvg, as fedavg_reference computes it
         },
     )
     lf.start("coordinator", "hub", "coordinator", coord_cfg)

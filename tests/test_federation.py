@@ -42,6 +42,8 @@ def test_agents_discover_the_coordinator_and_share_rounds(federation):
     assert statuses
     done = wait_for(lambda: coordinator_in(fed, "done"), 120, "the federation to finish", fed)
     assert done["completed_rounds"] == ROUNDS and done["model_version"] == ROUNDS
+    # No [rounds] server_momentum in the config: the default FedAvgM step, and status says so.
+    assert done["server_step"] == {"lr": 1.0, "momentum": 0.7, "default": True}
     for aid in fed.agent_ids:
         s = fed.status(aid)
         assert s["broker"] == fed.broker.uri

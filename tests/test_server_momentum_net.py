@@ -97,6 +97,7 @@ def test_velocity_survives_a_coordinator_kill(tmp_path):
         fed.spawn("coordinator")
         done = wait_for(lambda: coordinator_in(fed, "done"), 180, "the restarted coordinator to finish", fed)
         assert done["completed_rounds"] == ROUNDS and done["model_version"] == ROUNDS
+        assert done["server_step"] == {"lr": 1.0, "momentum": BETA, "default": False}
         hist = ckpt_path(fed).parent / "history.jsonl"
         after = [
             r
