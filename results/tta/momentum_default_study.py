@@ -21,6 +21,8 @@ Workloads (``--workloads``):
 * ``median``       10 agents, Dirichlet(0.5), coordinate-wise median, 20 rounds;
 * ``trimmed_mean`` 10 agents, Dirichlet(0.5), trimmed mean (β = 0.1), 20 rounds;
 * ``alpha0.1``     10 agents, Dirichlet(0.1), 20 rounds: the non-IID extreme;
+* ``dp-fixed``     the same at ε = 3 and 8 with a fixed clip norm (dp_digits
+                   ``--fixed-clip``), to tell the noise from the adaptive clipping;
 * ``dp``           the DP experiment (fedagent.experiments.dp_digits, its recorded
                    setting: 300 agents, 100 sampled per round, 80 rounds, adaptive
                    clipping) at ε = 3, 8 and without DP. Momentum only post-processes the
@@ -44,7 +46,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,12 +76,12 @@ class Workload:
     rounds: int
     target: float  # rounds to this held-out accuracy are counted
     per_round: int = 0
-    strategy: Strategy = Strategy()
+    strategy: Strategy = field(default_factory=Strategy)
 
 
 WORKLOADS: dict[str, Workload] = {
     "demo": Workload(agents=3, alpha=0.3, rounds=15, target=0.95),
-    "partial": Workload(agents=10, alpha=0.3, rounds=20, target=0.93, per_round=3),
+    "partial": Workload(agents=10, alpha=0.3, rounds=20, target=0.85, per_round=3),
     "median": Workload(agents=10, alpha=0.5, rounds=20, target=0.93, strategy=Strategy(name="median")),
     "trimmed_mean": Workload(
         agents=10, alpha=0.5, rounds=20, target=0.93, strategy=Strategy(name="trimmed_mean", trim=0.1)
@@ -91,7 +93,7 @@ DP_TARGET = 0.90
 
 
 def target_of(key: str) -> float:
-    return DP_TARGET if key.startswith("dp:") else WORKLOADS[key].target
+    return DP_TARGET if key.startswith("dp") else WORKLOADS[key].target
 
 
 def beta_of(setting: str) -> float:
@@ -151,34 +153,44 @@ def run_digits(name: str, seed: int, beta: float) -> dict[str, Any]:
     return {"accuracy": accs, "target": w.target}
 
 
-def run_dp(epsilon: float, seed: int, beta: float) -> dict[str, Any]:
+def run_dp(epsilon: float, seed: int, beta: float, *, adaptive: bool = True) -> dict[str, Any]:
     from fedagent.experiments import dp_digits
 
-    r = dp_digits.run_one(replace(dp_digits.Setup(), server_momentum=beta), epsilon, seed)
-    return {"accuracy": [r["accuracy"]], "target": DP_TARGET, "epsilon_spent": r["epsilon_spent"]}
+    r = dp_digits.run_one(replace(dp_digits.Setup(), server_momentum=beta, adaptive=adaptive), epsilon, seed)
+    return {
+        "accuracy": [r["accuracy"]],
+        "target": DP_TARGET,
+        "epsilon_spent": r["epsilon_spent"],
+        "noise_multiplier": r["noise_multiplier"],
+        "final_clip_norm": r["final_clip_norm"],
+    }
 
 
 def jobs(workloads: list[str]) -> list[str]:
     """Workload keys: the digits workloads by name, the DP one per ε (``dp:eps=8``)."""
     keys = []
     for w in workloads:
-        keys += [f"dp:eps={e:g}" for e in DP_EPSILONS] if w == "dp" else [w]
+        if w == "dp":
+            keys += [f"dp:eps={e:g}" for e in DP_EPSILONS]
+        elif w == "dp-fixed":
+            keys += [f"dp-fixed:eps={e:g}" for e in DP_EPSILONS if math.isfinite(e)]
+        else:
+            keys.append(w)
     return keys
 
 
 def run(key: str, seed: int, beta: float) -> dict[str, Any]:
-    if key.startswith("dp:eps="):
-        return run_dp(float(key.split("=")[1]), seed, beta)
+    if key.startswith(("dp:eps=", "dp-fixed:eps=")):
+        return run_dp(float(key.split("=")[1]), seed, beta, adaptive=key.startswith("dp:"))
     return run_digits(key, seed, beta)
 
 
-def summary(rs: list[dict[str, Any]]) -> tuple[str, str, float]:
+def summary(rs: list[dict[str, Any]]) -> tuple[str, str]:
     """Rounds to the target (per seed, mean) and final accuracy (mean, min-max)."""
     fa = [r["accuracy"][-1] for r in rs]
     return (
         ", ".join(str(r["rounds_to_target"]) for r in rs),
         f"{statistics.mean(fa):.4f} ({min(fa):.4f}-{max(fa):.4f})",
-        statistics.mean(fa),
     )
 
 
@@ -196,12 +208,12 @@ def table(results: list[dict[str, Any]], keys: list[str], settings: list[str]) -
                 continue
             if s == "m=0":
                 base = {r["seed"]: r["accuracy"][-1] for r in rs}
-            dp_row = key.startswith("dp:")
+            dp_row = key.startswith("dp")
             target = target_of(key)
             for r in rs:  # from the recorded curve, so a target can change without a rerun
                 r["rounds_to_target"] = next((i + 1 for i, a in enumerate(r["accuracy"]) if a >= target), None)
                 r["target"] = target
-            per_seed, final, fmean = summary(rs)
+            per_seed, final = summary(rs)
             n = [r["rounds_to_target"] or (len(r["accuracy"]) + 1) for r in rs]
             delta = ""
             if base is not None:
@@ -219,10 +231,15 @@ def plot(results: list[dict[str, Any]], keys: list[str], settings: list[str], pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = [k for k in keys if not k.startswith("dp:")]
-    dps = [k for k in keys if k.startswith("dp:")]
-    fig, axes = plt.subplots(1, len(curves) + (1 if dps else 0), figsize=(3.2 * (len(curves) + 1), 3.2))
-    axes = np.atleast_1d(axes)
+    curves = [k for k in keys if not k.startswith("dp")]
+    dps = [k for k in keys if k.startswith("dp")]
+    panels = len(curves) + (1 if dps else 0)
+    cols = min(3, panels)
+    rows = -(-panels // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    axes = axes.ravel()
+    for ax in axes[panels:]:
+        ax.axis("off")
     colors = {s: f"C{i}" for i, s in enumerate(settings)}
     for ax, key in zip(axes, curves, strict=False):
         for s in settings:
@@ -237,10 +254,11 @@ def plot(results: list[dict[str, Any]], keys: list[str], settings: list[str], pa
         ax.set_ylim(0.5, 1.0)
         ax.set_title(key, fontsize=10)
         ax.set_xlabel("round")
-    axes[0].set_ylabel("held-out accuracy (mean, min-max over seeds)")
+        ax.set_ylabel("held-out accuracy")
+    axes[0].set_title(f"{curves[0]} (mean, min-max over seeds)", fontsize=10)
     axes[0].legend(loc="lower right")
     if dps:
-        ax = axes[-1]
+        ax = axes[panels - 1]
         width = 0.8 / len(settings)
         for i, s in enumerate(settings):
             ms, lo, hi = [], [], []
@@ -251,9 +269,11 @@ def plot(results: list[dict[str, Any]], keys: list[str], settings: list[str], pa
                 lo.append(m - min(fa) if fa else 0)
                 hi.append(max(fa) - m if fa else 0)
             ax.bar(np.arange(len(dps)) + i * width, ms, width, yerr=[lo, hi], color=colors[s], label=s, capsize=2)
-        ax.set_xticks(np.arange(len(dps)) + width * (len(settings) - 1) / 2, [k[3:] for k in dps], fontsize=8)
-        ax.set_ylim(0.8, 1.0)
-        ax.set_title("dp_digits, final accuracy", fontsize=10)
+        labels = [k.replace("dp:", "").replace("dp-fixed:", "fixed C, ") for k in dps]
+        ax.set_xticks(np.arange(len(dps)) + width * (len(settings) - 1) / 2, labels, fontsize=7, rotation=20)
+        ax.set_ylim(0.0, 1.12)
+        ax.set_title("dp_digits, final accuracy (adaptive / fixed C)", fontsize=10)
+        ax.legend(loc="upper center", fontsize=7, ncol=4)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -292,7 +312,9 @@ def main() -> None:
                     )
                     results.append(r)
                     args.json.write_text(json.dumps(results, indent=1))
-                    print(key, setting, seed, reached, f"{r['accuracy'][-1]:.4f}", f"{r['cpu_s']:.1f} CPU-s", flush=True)
+                    print(
+                        key, setting, seed, reached, f"{r['accuracy'][-1]:.4f}", f"{r['cpu_s']:.1f} CPU-s", flush=True
+                    )
     all_settings = list(dict.fromkeys([*args.settings, *(r["setting"] for r in results)]))
     all_settings.sort(key=beta_of)
     all_keys = list(dict.fromkeys([*keys, *(r["workload"] for r in results)]))
