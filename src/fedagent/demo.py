@@ -37,6 +37,7 @@ from fedagent import checkpoint
 from fedagent.errors import FedagentError
 from fedagent.localfed import BATCH, LOCAL_EPOCHS, LR, SEED, Federation
 from fedagent.protocols.dp import RANGE_MISS
+from fedagent.protocols.serveropt import DEFAULT_MOMENTUM
 from fedagent.stopsignals import deferring
 
 __all__ = [
@@ -265,6 +266,10 @@ GOSSIP_LR = 0.1
 
 
 # ---- FedAvg -----------------------------------------------------------------------------
+#: What the demo's coordinator runs with its defaults (private rounds: no momentum).
+FEDAVG = f"FedAvg, server momentum {DEFAULT_MOMENTUM:g}"
+
+
 def run_demo(
     *,
     agents: int = 3,
@@ -301,7 +306,7 @@ def run_demo(
         rounds_options={"secure_aggregation": True} if secure else None,
     )
     started = time.monotonic()
-    title = "FedAvg, secure aggregation" if secure else "FedAvg"
+    title = f"{FEDAVG}, secure aggregation" if secure else FEDAVG
 
     def watch(fed: Federation) -> Watch | None:
         s = fed.status("coordinator")
@@ -337,7 +342,7 @@ def run_demo(
         table.add_column("training data")
         table.add_column("accuracy", justify="right")
         if plain:
-            table.add_row("federated (FedAvg)", f"{agents} agents, never pooled", f"{plain['accuracy']:.3f}")
+            table.add_row(f"federated ({FEDAVG})", f"{agents} agents, never pooled", f"{plain['accuracy']:.3f}")
         table.add_row(f"[bold]federated ({title})[/]", f"{agents} agents, never pooled", f"[bold]{federated:.3f}[/]")
         locals_ = []
         for i, aid in enumerate(fed.agent_ids):
@@ -361,7 +366,7 @@ def run_demo(
             with md.open("a") as f:
                 f.write(
                     "\n## Final test accuracy\n\n| model | accuracy |\n|---|---|\n"
-                    f"| federated (FedAvg) | {federated:.3f} |\n"
+                    f"| federated ({title}) | {federated:.3f} |\n"
                     + "".join(f"| local only: {aid} | {acc:.3f} |\n" for aid, acc in zip(fed.agent_ids, locals_))
                     + f"| centralized | {central:.3f} |\n"
                 )
@@ -483,7 +488,7 @@ def run_dp_demo(
     table.add_column("rounds", justify="right")
     table.add_column("privacy")
     table.add_column("accuracy", justify="right")
-    table.add_row("federated (FedAvg)", str(rounds), "none", f"{plain:.3f}")
+    table.add_row(f"federated ({FEDAVG})", str(rounds), "none", f"{plain:.3f}")
     table.add_row(
         "[bold]federated, secure aggregation + distributed DP[/]" if secure else "[bold]federated, central DP[/]",
         str(status.get("completed_rounds", "?")),
