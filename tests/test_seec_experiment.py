@@ -3,12 +3,21 @@ joint run's rounds."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from types import SimpleNamespace
 
 import numpy as np
 
-from fedagent.experiments.seec import Scale, joint_local_steps, joint_plan, joint_rounds, others_top_k, query_text
+from fedagent.experiments.seec import (
+    SCALES,
+    Scale,
+    command_line,
+    joint_local_steps,
+    joint_plan,
+    joint_rounds,
+    others_top_k,
+    query_text,
+)
 
 
 def test_query_text_cuts_long_articles_at_a_word_boundary():
@@ -41,3 +50,20 @@ def test_joint_rounds_split_each_pass_over_the_data():
     text = joint_plan({"epochs": 10, "rounds_per_epoch": 5, "server_lr": 3.0}, {"local_steps": 1})
     assert "50 FedAvg rounds of 1/5" in text and "local_steps = 1" in text and "server step 3" in text
     assert joint_plan({"epochs": 10}, {}) == "10 FedAvg rounds of one local epoch"
+
+
+def test_command_line_names_every_option_that_is_not_the_default():
+    # The report's command must rerun the report's experiment: a seed other than 0 or a
+    # joint setting other than the corpus's default has to appear in it.
+    default = asdict(replace(SCALES["default"], corpus="manpages", rounds_per_epoch=10, server_lr=2.0))
+    assert command_line(default, "out") == "fedagent experiment seec --corpus manpages --out out"
+    seed1 = {**default, "seed": 1}
+    assert command_line(seed1, "r/s1") == "fedagent experiment seec --corpus manpages --seed 1 --out r/s1"
+    plain = {**default, "rounds_per_epoch": 1, "server_lr": 1.0, "sites": 4}
+    assert command_line(plain, "o") == (
+        "fedagent experiment seec --corpus manpages --sites 4 --rounds-per-epoch 1 --server-lr 1 --out o"
+    )
+    wiki = asdict(replace(SCALES["default"], seed=2))
+    assert command_line(wiki, "o") == "fedagent experiment seec --seed 2 --out o"
+    tiny = asdict(replace(SCALES["tiny"], epochs=3))
+    assert command_line(tiny, "o") == "fedagent experiment seec --scale tiny --epochs 3 --out o"

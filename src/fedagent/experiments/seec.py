@@ -196,6 +196,34 @@ def joint_plan(s: dict[str, Any], meta: dict[str, Any]) -> str:
     return text
 
 
+def command_line(s: dict[str, Any], out: Path | str) -> str:
+    """The ``fedagent experiment seec`` command that runs with the report's scale ``s``
+    (``asdict(Scale)``): every option whose value is not the command's default."""
+    shape = ("infer_epochs", "agent_infer_epochs", "mapper_epochs", "ceiling")
+    name = next((n for n, sc in SCALES.items() if all(s.get(f) == getattr(sc, f) for f in shape)), "default")
+    base = SCALES[name]
+    corpus = s.get("corpus", "wiki")
+    rpe, slr = JOINT_SETTINGS.get(corpus, (base.rounds_per_epoch, base.server_lr))
+    parts = ["fedagent experiment seec"]
+    if name != "default":
+        parts.append(f"--scale {name}")
+    if corpus != "wiki":
+        parts.append(f"--corpus {corpus}")
+    for flag, key, default in (
+        ("--sites", "sites", base.sites),
+        ("--epochs", "epochs", base.epochs),
+        ("--limit", "limit", base.limit),
+        ("--rounds-per-epoch", "rounds_per_epoch", rpe),
+        ("--server-lr", "server_lr", slr),
+        ("--seed", "seed", base.seed),
+    ):
+        value = s.get(key, default)
+        if value != default:
+            parts.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+    parts.append(f"--out {out}")
+    return " ".join(parts)
+
+
 def options(scale: Scale, **extra: Any) -> dict[str, Any]:
     return {
         "corpus": scale.corpus,
@@ -729,8 +757,7 @@ def write_report(out: Path, r: dict[str, Any], search_text: str, titles: list[st
     lines = [
         "# SEEC: joint learning and vector-space mapping (shared/seeds/002, Sec. V)",
         "",
-        f"Command: `fedagent experiment seec{'' if s.get('corpus', 'wiki') == 'wiki' else ' --corpus ' + s['corpus']} "
-        f"--out {out}` ({r['seconds']:.0f} s on this machine, 2 shared cores).",
+        f"Command: `{command_line(s, out)}` ({r['seconds']:.0f} s on this machine, 2 shared cores).",
         "",
         "## Set-up and scale",
         "",
