@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -39,3 +41,15 @@ def test_mapper_recovers_a_linear_change_of_space_with_other_dimensions():
 def test_mapper_refuses_mismatched_rows():
     with pytest.raises(ValueError):
         train_mapper(np.zeros((3, 2)), np.zeros((4, 2)))
+
+
+def test_mapper_trains_and_maps_read_only_vectors_without_a_warning():
+    # A peer's public vectors are read-only views of the received message's buffer.
+    rng = np.random.default_rng(1)
+    source = np.frombuffer(rng.normal(size=(20, 4)).astype(np.float32).tobytes(), dtype=np.float32).reshape(20, 4)
+    target = np.frombuffer(rng.normal(size=(20, 3)).astype(np.float32).tobytes(), dtype=np.float32).reshape(20, 3)
+    assert not source.flags.writeable and not target.flags.writeable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mapper = train_mapper(source, target, hidden=8, epochs=2, seed=0)
+        assert map_vectors(mapper, source).shape == (20, 3)

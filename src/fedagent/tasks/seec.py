@@ -70,8 +70,10 @@ def train_mapper(
     seed: int = 0,
 ) -> Mapper:
     """Fit a mapper from ``source`` rows to ``target`` rows (the same public documents)."""
-    source = np.asarray(source, dtype=np.float32)
-    target = np.asarray(target, dtype=np.float32)
+    # Copies: a peer's public vectors arrive as read-only views of the message buffer,
+    # which torch.from_numpy accepts only with a warning on the agent's stderr.
+    source = np.array(source, dtype=np.float32)
+    target = np.array(target, dtype=np.float32)
     if source.ndim != 2 or target.ndim != 2 or len(source) != len(target) or not len(source):
         raise ValueError("source and target must be 2-D with one row per public document each")
     g = torch.Generator().manual_seed(seed)
@@ -96,4 +98,4 @@ def train_mapper(
 @torch.no_grad()
 def map_vectors(mapper: Mapper, vectors: np.ndarray) -> np.ndarray:
     mapper.eval()
-    return mapper(torch.from_numpy(np.asarray(vectors, dtype=np.float32))).numpy()
+    return mapper(torch.from_numpy(np.array(vectors, dtype=np.float32))).numpy()  # a copy: see train_mapper
