@@ -167,7 +167,7 @@ def test_a_damaged_or_foreign_velocity_file_is_refused_with_its_name(tmp_path):
     flipped = bytearray(good)
     flipped[-100] ^= 1
     path.write_bytes(bytes(flipped))
-    with pytest.raises(FedagentError, match="digest"):
+    with pytest.raises(FedagentError, match="CRC-32"):
         check_file(path, x, 4)
     path.write_bytes(b"something else entirely")
     with pytest.raises(FedagentError, match="not a fedagent velocity file"):
@@ -189,14 +189,19 @@ def test_a_velocity_that_cannot_be_written_leaves_the_previous_one(tmp_path, mon
     m = RoundMachine(cfg, {"w": np.zeros((3, 4), np.float32)}, velocity_store=store)
     _round(m, (1.0, 3.0), 1.0)
     before = (tmp_path / "velocity-1.bin").read_bytes()
-    real_fsync = __import__("os").fsync
 
-    def full(fd):
+    def full(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("fedagent.coordinator.velocity.os.fsync", full)
-    with pytest.raises(StateWriteError, match="No space left"):
-        _round(m, (2.0, 2.0), 2.0)
-    monkeypatch.setattr("fedagent.coordinator.velocity.os.fsync", real_fsync)
+    with monkeypatch.context() as mp:
+        mp.setattr("fedagent.coordinator.velocity.os.replace", full)
+        with pytest.raises(StateWriteError, match="No space left"):
+            _round(m, (2.0, 2.0), 2.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["velocity-1.bin"]
     assert (tmp_path / "velocity-1.bin").read_bytes() == before and m.model_version == 1
+    # making a velocity durable (before its checkpoint) fails the same way
+    with monkeypatch.context() as mp:
+        mp.setattr("fedagent.coordinator.velocity.os.fsync", full)
+        with pytest.raises(StateWriteError, match="No space left"):
+            store.sync(1)
+    store.sync(7)  # no velocity of that version: nothing to do

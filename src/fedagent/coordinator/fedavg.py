@@ -585,6 +585,13 @@ class FedAvgMode:
         train = self.machine.config.train if self.machine is not None else round_config(self.cfg).train
         return {"compression": train.compression, "streamed": train.stream, "default": self.cfg.compression is None}
 
+    def _save_checkpoint(self, weights: R.Weights, meta: dict[str, Any], version: int) -> None:
+        """The model of ``version`` to the checkpoint (worker thread); its velocity, if
+        any, is made durable first, so that no checkpoint is ever without it."""
+        if self.velocity is not None:
+            self.velocity.sync(version)
+        checkpoint.save(self.core.ckpt_path, weights, meta)
+
     def server_step(self) -> dict[str, Any]:
         """How the global model follows the aggregate: ``[rounds] server_lr`` and
         ``server_momentum`` (and whether the momentum is the default, not set)."""
@@ -863,7 +870,7 @@ class FedAvgMode:
             privacy_state = self.machine.privacy_state()
             if privacy_state is not None:
                 meta["privacy"] = privacy_state
-            await asyncio.to_thread(checkpoint.save, core.ckpt_path, cmd.weights, meta)
+            await asyncio.to_thread(self._save_checkpoint, cmd.weights, meta, cmd.model_version)
             if self.velocity is not None:
                 # The velocity file that goes with this checkpoint is written (the round
                 # adopted it): the older ones can go.

@@ -10,7 +10,7 @@ One file per model version, ``velocity-<version>.bin``:
 * ``MAGIC``, then the header's length (4 bytes, little-endian) and the header (JSON:
   ``model_version`` and ``tensors``, a list of ``[name, dtype, shape]``);
 * each tensor's values in that order, raw, little-endian, in the tensor's dtype;
-* a BLAKE2b-256 digest of everything before it.
+* the CRC-32 of everything before it (4 bytes, little-endian).
 
 The next velocity is written to ``velocity.tmp`` and renamed when its round is adopted;
 the file of the previous version stays until the checkpoint of the new model is written
@@ -21,12 +21,13 @@ digest, finite values) and refused with an error that names it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -35,7 +36,7 @@ from fedagent.protocols.serveropt import BLOCK, Layout, VelocityWriter, velocity
 
 MAGIC = b"fedagent-velocity-1\n"
 MAX_HEADER = 16 << 20  # bytes: a header is a few bytes a tensor
-DIGEST = 32
+DIGEST = 4  # bytes of the CRC-32 at the end
 PATTERN = "velocity-*.bin"
 
 
@@ -54,7 +55,7 @@ class _FileWriter:
         self.layout = layout
         self._expect = iter([(name, int(np.prod(shape, dtype=np.int64)), dtype) for name, dtype, shape in layout])
         self._name, self._left, self._dtype = "", 0, np.dtype(np.float32)
-        self._hash = hashlib.blake2b(digest_size=DIGEST)
+        self._crc = 0
         try:
             self._f = open(path, "wb")  # closed by finish or abort
         except OSError as exc:
@@ -74,7 +75,7 @@ class _FileWriter:
             at += size * dtype.itemsize
 
     def _put(self, data: bytes | memoryview) -> None:
-        self._hash.update(data)
+        self._crc = zlib.crc32(data, self._crc)
         try:
             self._f.write(data)
         except OSError as exc:
@@ -86,14 +87,13 @@ class _FileWriter:
         if name != self._name or block.size > self._left:
             raise ValueError(f"velocity block of {name!r} out of the layout's order")
         self._left -= block.size
-        self._put(np.ascontiguousarray(block, _le(self._dtype)).tobytes())
+        data = np.ascontiguousarray(block, _le(self._dtype))
+        self._put(memoryview(cast(Any, data)).cast("B"))
 
     def finish(self) -> None:
         try:
-            self._f.write(self._hash.digest())
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
+            self._f.write(struct.pack("<I", self._crc))
+            self._f.close()  # synced later, off the event loop: FileVelocity.sync
         except OSError as exc:
             raise _write_error(self.path, exc) from exc
 
@@ -160,7 +160,6 @@ class FileVelocity:
         try:
             writer.finish()
             os.replace(writer.path, path)
-            _sync_dir(self.dir)
         except StateWriteError:
             writer.abort()
             raise
@@ -168,6 +167,23 @@ class FileVelocity:
             writer.abort()
             raise _write_error(path, exc) from exc
         self._use(path, writer.offsets, writer.model_version)
+
+    def sync(self, model_version: int) -> None:
+        """Make the velocity of ``model_version`` durable (its file and its name): called
+        before the checkpoint of that model is written, in the same worker thread, so
+        that a checkpoint on disk always has its velocity on disk."""
+        path = self.dir / _name(model_version)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            _sync_dir(self.dir)
+        except FileNotFoundError:
+            return  # no velocity for that version (a round without momentum)
+        except OSError as exc:
+            raise _write_error(path, exc) from exc
 
     def discard(self, writer: VelocityWriter) -> None:
         assert isinstance(writer, _FileWriter)
@@ -207,6 +223,7 @@ class FileVelocity:
             writer.abort()
             raise
         self.adopt(writer)
+        self.sync(model_version)
 
 
 def _write_error(path: Path, exc: OSError) -> StateWriteError:
@@ -247,7 +264,7 @@ def check_file(
 ) -> tuple[dict[str, tuple[int, np.dtype, int]], int]:
     """The tensors' offsets in a velocity file and its model version, once the file is
     checked against the model ``weights`` it goes with: the same floating tensors (names,
-    dtypes, shapes), the exact size, the digest and finite values. FedagentError otherwise."""
+    dtypes, shapes), the exact size, the CRC-32 and finite values. FedagentError otherwise."""
     header = _header_bytes(path)
     try:
         meta = json.loads(header)
@@ -269,18 +286,18 @@ def check_file(
         at += size * dtype.itemsize
     if path.stat().st_size != at + DIGEST:
         raise FedagentError(f"{path}: {path.stat().st_size} bytes, its header says {at + DIGEST}")
-    h = hashlib.blake2b(digest_size=DIGEST)
+    crc = 0
     with open(path, "rb") as f:
-        h.update(f.read(len(MAGIC) + 4 + len(header)))
+        crc = zlib.crc32(f.read(len(MAGIC) + 4 + len(header)))
         for name, (_, dtype, size) in offsets.items():
             step = BLOCK * 16
             for start in range(0, size, step):
                 data = f.read(min(step, size - start) * dtype.itemsize)
-                h.update(data)
+                crc = zlib.crc32(data, crc)
                 if not np.isfinite(np.frombuffer(data, dtype)).all():
                     raise FedagentError(f"{path}: the velocity of {name!r} is not finite")
-        if f.read(DIGEST) != h.digest():
-            raise FedagentError(f"{path}: damaged (its digest does not match)")
+        if f.read(DIGEST) != struct.pack("<I", crc):
+            raise FedagentError(f"{path}: damaged (its CRC-32 does not match)")
     return offsets, version
 
 

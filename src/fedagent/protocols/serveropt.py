@@ -81,10 +81,10 @@ def momentum_step(
     lr: float,
     beta: float,
 ) -> tuple[Weights, Weights]:
-    """The next global model and the next velocity (module docstring), computed in
-    float64 and stored in each tensor's dtype. A tensor without a velocity yet starts
-    from zero. Neither ``reference`` nor ``velocity`` is changed: the caller keeps both
-    until it adopts the results (a round whose aggregate is refused keeps the old ones)."""
+    """The next global model and the next velocity (module docstring), computed in each
+    tensor's dtype (:func:`_momentum_block`). A tensor without a velocity yet starts from
+    zero. Neither ``reference`` nor ``velocity`` is changed: the caller keeps both until
+    it adopts the results (a round whose aggregate is refused keeps the old ones)."""
     check_server_lr(lr)
     check_momentum(beta)
     if beta == 0:
@@ -96,22 +96,44 @@ def momentum_step(
         if ref.dtype.kind != "f":
             out[name] = agg
             continue
-        ref64 = ref.astype(np.float64)
-        v = np.asarray(agg, np.float64) - ref64
+        new = np.array(agg, dtype=ref.dtype, copy=True)
         old = velocity.get(name)
-        if old is not None:
-            v += beta * np.asarray(old, np.float64)
-        vel[name] = v.astype(ref.dtype, copy=False)
-        # The model moves by the velocity as it is kept, so that a restart (which reads
-        # the stored velocity) continues exactly where the run without one would be.
-        ref64 += lr * vel[name].astype(np.float64)
-        out[name] = ref64.astype(ref.dtype, copy=False)
+        v = np.empty_like(ref)
+        _momentum_block(new, ref, None if old is None else np.asarray(old, ref.dtype), v, np.empty_like(ref), lr, beta)
+        out[name], vel[name] = new, v
     return out, vel
 
 
+def _momentum_block(
+    agg: np.ndarray,
+    ref: np.ndarray,
+    old: np.ndarray | None,
+    v: np.ndarray,
+    tmp: np.ndarray,
+    lr: float,
+    beta: float,
+) -> None:
+    """One block of the step, in the tensor's dtype and in place: ``v = (agg − ref) +
+    β·old``, then ``agg = ref + lr·v`` (the model moves by the velocity as it is kept, so
+    a restart that reads the kept velocity continues exactly). ``tmp``: scratch of the
+    block's size. Both the in-memory and the streamed step use it, so they agree to the
+    bit."""
+    t = ref.dtype.type
+    np.subtract(agg, ref, out=v)
+    if old is not None:
+        np.multiply(old, t(beta), out=tmp)
+        v += tmp
+    if lr == 1:
+        np.add(ref, v, out=agg)
+    else:
+        np.multiply(v, t(lr), out=tmp)
+        np.add(ref, tmp, out=agg)
+
+
 # ---- a velocity kept outside the coordinator's memory ---------------------------------
-#: Elements of a tensor handled at a time by :func:`momentum_step_into`: its float64
-#: temporaries are a few times 16 K × 8 bytes = 128 KiB, whatever the model's size.
+#: Elements of a tensor handled at a time by :func:`momentum_step_into`: its two
+#: scratch blocks and the block read are 3 × 16 K × 4 bytes = 192 KiB for a float32
+#: model, whatever its size.
 BLOCK = 1 << 14
 
 #: (name, dtype, shape) of each floating tensor, in the order a velocity is written.
@@ -191,17 +213,22 @@ def momentum_step_into(
             dst = np.array(agg, dtype=ref.dtype, order="C", copy=True)
         flat = dst.reshape(-1)
         rflat = ref.reshape(-1)
+        v = np.empty(min(block, max(flat.size, 1)), ref.dtype)
+        tmp = np.empty_like(v)
         for start in range(0, max(flat.size, 1), block):  # an empty tensor writes an empty block
             stop = min(start + block, flat.size)
-            r64 = rflat[start:stop].astype(np.float64)
-            v = flat[start:stop].astype(np.float64) - r64
+            n = stop - start
             old = store.read(name, start, stop)
-            if old is not None:
-                v += beta * np.asarray(old, np.float64)
-            kept = v.astype(ref.dtype)
-            writer.write(name, kept)
-            r64 += lr * kept.astype(np.float64)
-            flat[start:stop] = r64
+            _momentum_block(
+                flat[start:stop],
+                rflat[start:stop],
+                None if old is None else np.asarray(old, ref.dtype),
+                v[:n],
+                tmp[:n],
+                lr,
+                beta,
+            )
+            writer.write(name, v[:n])
         out[name] = dst
     return out
 
