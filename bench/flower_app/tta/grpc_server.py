@@ -83,8 +83,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, required=True, help="at most this many rounds")
     ap.add_argument("--target", type=float, required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=m.SEED, help="the initial model's seed")
     a = ap.parse_args()
-    init = [v.numpy().copy() for v in m.build_model().state_dict().values()]
+    init = [v.numpy().copy() for v in m.build_model(a.seed).state_dict().values()]
     strategy = TimedFedAvg(
         a.out,
         a.target,
