@@ -18,7 +18,7 @@ either, agents send whole updates and the chunk-by-chunk path
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -186,6 +186,20 @@ def check_server_lr(step: float) -> None:
         raise ValueError(f"server_lr must be in (0, 100], not {step!r}")
 
 
+def floating_pairs(
+    reference: Mapping[str, np.ndarray], aggregate: Mapping[str, np.ndarray], out: Weights
+) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+    """``(name, aggregate tensor, reference tensor)`` for the floating tensors, for a
+    server step to move; every other tensor (counters) goes into ``out`` as the
+    aggregate has it."""
+    for name, agg in aggregate.items():
+        ref = np.asarray(reference[name])
+        if ref.dtype.kind != "f":
+            out[name] = agg
+            continue
+        yield name, agg, ref
+
+
 def server_step(reference: Mapping[str, np.ndarray], aggregate: Weights, step: float) -> Weights:
     """The next global model when the server moves ``step`` times as far as the
     aggregate did: ``reference + step · (aggregate − reference)`` for every floating
@@ -200,11 +214,7 @@ def server_step(reference: Mapping[str, np.ndarray], aggregate: Weights, step: f
     if step == 1:
         return aggregate
     out: Weights = {}
-    for name, agg in aggregate.items():
-        ref = np.asarray(reference[name])
-        if ref.dtype.kind != "f":
-            out[name] = agg
-            continue
+    for name, agg, ref in floating_pairs(reference, aggregate, out):
         moved = ref.astype(np.float64) + step * (np.asarray(agg, np.float64) - ref)
         out[name] = moved.astype(ref.dtype, copy=False)
     return out

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
-from fedagent.protocols.aggregation import check_server_lr, server_step
+from fedagent.protocols.aggregation import check_server_lr, floating_pairs, server_step
 
 Weights = dict[str, np.ndarray]
 
@@ -91,11 +91,7 @@ def momentum_step(
         return server_step(reference, aggregate, lr), {}
     out: Weights = {}
     vel: Weights = {}
-    for name, agg in aggregate.items():
-        ref = np.asarray(reference[name])
-        if ref.dtype.kind != "f":
-            out[name] = agg
-            continue
+    for name, agg, ref in floating_pairs(reference, aggregate, out):
         new = np.array(agg, dtype=ref.dtype, copy=True)
         old = velocity.get(name)
         v = np.empty_like(ref)
@@ -195,11 +191,7 @@ def momentum_step_into(
     if beta == 0:
         raise ValueError("momentum_step_into is the momentum step: without momentum use server_step")
     out: Weights = {}
-    for name, agg in aggregate.items():
-        ref = np.asarray(reference[name])
-        if ref.dtype.kind != "f":
-            out[name] = agg
-            continue
+    for name, agg, ref in floating_pairs(reference, aggregate, out):
         dst = agg
         owned = (
             isinstance(dst, np.ndarray)
