@@ -425,11 +425,16 @@ def run_flower_deployment(
 
 
 # -- the section ----------------------------------------------------------------------
+def _seed() -> int:
+    """FEDAGENT_TTA_SEED: another seed of the data split and initial model for both
+    frameworks (default the benchmark's, tta_model.SEED); gRPC only with another seed."""
+    return int(os.environ.get("FEDAGENT_TTA_SEED", tta_model.SEED))
+
+
 def _expected_rows(ctx: Context) -> int:
-    # time and bytes against Flower gRPC (+ deployment unless --quick), one row per
-    # compression setting unless --quick
-    other_seed = int(os.environ.get("FEDAGENT_TTA_SEED", tta_model.SEED)) != tta_model.SEED
-    return 2 if ctx.quick or other_seed else 4 + len(COMPRESSIONS)
+    # time and bytes against Flower gRPC (+ deployment unless --quick or another seed),
+    # one row per compression setting unless --quick or another seed
+    return 2 if ctx.quick or _seed() != tta_model.SEED else 4 + len(COMPRESSIONS)
 
 
 def _note(run: Run) -> str:
@@ -466,9 +471,7 @@ def tta(ctx: Context) -> list[Row]:
     py = flower_torch_python(ctx.log)
     work = ctx.work / "tta"
     work.mkdir(parents=True, exist_ok=True)
-    # FEDAGENT_TTA_SEED: another seed of the data split and initial model for both
-    # frameworks (default the benchmark's, tta_model.SEED); gRPC only with another seed.
-    seed = int(os.environ.get("FEDAGENT_TTA_SEED", tta_model.SEED))
+    seed = _seed()
     data = write_data(work / "tta-data.npz", seed)
     runs: list[Run] = []
 

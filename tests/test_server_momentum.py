@@ -115,26 +115,22 @@ def test_a_resumed_machine_continues_with_the_saved_velocity():
     _round(ran, (1.0, 3.0), 1.0)
     saved = _round(ran, (3.0, 2.0), 2.0)
     third = _round(ran, (5.0, 4.0), 3.0)
-    resumed = RoundMachine(
-        RoundConfig(rounds=4, min_agents=2, expected_agents=2, server_momentum=0.5),
-        saved.weights,
-        model_version=saved.model_version,
-        completed_rounds=2,
-        last_round=saved.round,
-        velocity=saved.velocity,
-    )
-    again = _round(resumed, (5.0, 4.0), 10.0)
+
+    def resume(**velocity) -> RoundMachine:
+        return RoundMachine(
+            RoundConfig(rounds=4, min_agents=2, expected_agents=2, server_momentum=0.5),
+            saved.weights,
+            model_version=saved.model_version,
+            completed_rounds=2,
+            last_round=saved.round,
+            **velocity,
+        )
+
+    again = _round(resume(velocity=saved.velocity), (5.0, 4.0), 10.0)
     np.testing.assert_array_equal(again.weights["w"], third.weights["w"])
     np.testing.assert_array_equal(again.velocity["w"], third.velocity["w"])
     # without the velocity the step differs: the test above can fail
-    fresh = RoundMachine(
-        RoundConfig(rounds=4, min_agents=2, expected_agents=2, server_momentum=0.5),
-        saved.weights,
-        model_version=saved.model_version,
-        completed_rounds=2,
-        last_round=saved.round,
-    )
-    assert not np.array_equal(_round(fresh, (5.0, 4.0), 10.0).weights["w"], third.weights["w"])
+    assert not np.array_equal(_round(resume(), (5.0, 4.0), 10.0).weights["w"], third.weights["w"])
 
 
 def test_a_velocity_is_ignored_without_momentum():

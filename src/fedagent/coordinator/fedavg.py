@@ -64,7 +64,8 @@ log = logging.getLogger("fedagent.coordinator")
 # and at most a quarter of the model (a 4.4 MB model would otherwise wait 3.6 times over).
 STREAM_BUDGET = 16 * 2**20
 
-#: Checkpoint keys of the server momentum's velocity (the tensor's name follows).
+#: Checkpoint keys of the server momentum's velocity in checkpoints written before it
+#: had a file of its own (the tensor's name follows).
 VELOCITY_KEY = checkpoint.OPTIMIZER_PREFIX + VELOCITY
 # Frames that carry (part of) an agent's update: journaled before they are acknowledged.
 JOURNALED_KINDS = frozenset({Update.kind, CHUNK_KIND, STREAM_KIND})
@@ -182,7 +183,7 @@ class FedAvgMode:
         self.cfg = cfg
         self.task = core.task
         self.round_path = core.dir / "last_round_started"
-        self.velocity: FileVelocity | None = None  # the server momentum's, on disk
+        self.velocity_file: FileVelocity | None = None  # the server momentum's velocity, on disk
         # The round in flight, durable before any of its updates is acknowledged; a
         # restart takes that round up again (fedagent.roundjournal).
         self.journal = RoundJournal(core.dir / "round-journal", max_frame=core.messenger.wire_limits.max_message_bytes)
@@ -280,7 +281,7 @@ class FedAvgMode:
             # The velocity is kept on disk beside the checkpoint (coordinator/velocity.py),
             # not in memory.
             version = int(meta.get("model_version", 0))
-            store = self.velocity = FileVelocity(core.ckpt_path.parent)
+            store = self.velocity_file = FileVelocity(core.ckpt_path.parent)
             if store.open(version, weights):
                 log.info(
                     "server momentum %g: resuming with the velocity of model version %d", rc.server_momentum, version
@@ -302,7 +303,6 @@ class FedAvgMode:
                     rc.server_momentum,
                     store.dir,
                 )
-            velocity = {}
         self.machine = R.RoundMachine(
             rc,
             weights,
@@ -310,7 +310,6 @@ class FedAvgMode:
             completed_rounds=int(meta.get("completed_rounds", 0)),
             last_round=max(int(meta.get("round", 0)), last_started),
             privacy_state=meta.get("privacy") if isinstance(meta.get("privacy"), dict) else None,
-            velocity=velocity,
             velocity_store=store,
             # secure rounds: a survivor whose signature of the survivor list fails is dropped
             # here, so only valid signatures go on to the agents
@@ -588,8 +587,8 @@ class FedAvgMode:
     def _save_checkpoint(self, weights: R.Weights, meta: dict[str, Any], version: int) -> None:
         """The model of ``version`` to the checkpoint (worker thread); its velocity, if
         any, is made durable first, so that no checkpoint is ever without it."""
-        if self.velocity is not None:
-            self.velocity.sync(version)
+        if self.velocity_file is not None:
+            self.velocity_file.sync(version)
         checkpoint.save(self.core.ckpt_path, weights, meta)
 
     def server_step(self) -> dict[str, Any]:
@@ -871,10 +870,10 @@ class FedAvgMode:
             if privacy_state is not None:
                 meta["privacy"] = privacy_state
             await asyncio.to_thread(self._save_checkpoint, cmd.weights, meta, cmd.model_version)
-            if self.velocity is not None:
+            if self.velocity_file is not None:
                 # The velocity file that goes with this checkpoint is written (the round
                 # adopted it): the older ones can go.
-                self.velocity.prune(cmd.model_version)
+                self.velocity_file.prune(cmd.model_version)
             marks["checkpointed"] = round(time.time(), 4)
             core.history.append(
                 {

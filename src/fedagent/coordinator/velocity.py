@@ -16,7 +16,7 @@ The next velocity is written to ``velocity.tmp`` and renamed when its round is a
 the file of the previous version stays until the checkpoint of the new model is written
 (:meth:`FileVelocity.prune`), so a crash in between finds the velocity that goes with
 whichever checkpoint it finds. A file is checked before it is used (header, sizes,
-digest, finite values) and refused with an error that names it.
+CRC-32, finite values) and refused with an error that names it.
 """
 
 from __future__ import annotations
@@ -48,11 +48,22 @@ def _le(dtype: np.dtype) -> np.dtype:
     return dtype.newbyteorder("<")
 
 
+def _offsets(tensors: Layout, header: bytes) -> tuple[dict[str, tuple[int, np.dtype, int]], int]:
+    """Where each tensor's values start in a file with this header (name -> offset,
+    little-endian dtype, number of values), and where the values end."""
+    at = len(MAGIC) + 4 + len(header)
+    offsets: dict[str, tuple[int, np.dtype, int]] = {}
+    for name, dtype, shape in tensors:
+        size = int(np.prod(shape, dtype=np.int64))
+        offsets[name] = (at, _le(dtype), size)
+        at += size * dtype.itemsize
+    return offsets, at
+
+
 class _FileWriter:
     def __init__(self, path: Path, layout: Layout, model_version: int) -> None:
         self.path = path
         self.model_version = model_version
-        self.layout = layout
         self._expect = iter([(name, int(np.prod(shape, dtype=np.int64)), dtype) for name, dtype, shape in layout])
         self._name, self._left, self._dtype = "", 0, np.dtype(np.float32)
         self._crc = 0
@@ -63,16 +74,11 @@ class _FileWriter:
         header = json.dumps(
             {
                 "model_version": model_version,
-                "tensors": [[name, _le(dtype).str, list(shape)] for name, dtype, shape in self.layout],
+                "tensors": [[name, _le(dtype).str, list(shape)] for name, dtype, shape in layout],
             }
         ).encode()
         self._put(MAGIC + struct.pack("<I", len(header)) + header)
-        self.offsets: dict[str, tuple[int, np.dtype, int]] = {}
-        at = len(MAGIC) + 4 + len(header)
-        for name, dtype, shape in layout:
-            size = int(np.prod(shape, dtype=np.int64))
-            self.offsets[name] = (at, _le(dtype), size)
-            at += size * dtype.itemsize
+        self.offsets, _ = _offsets(layout, header)
 
     def _put(self, data: bytes | memoryview) -> None:
         self._crc = zlib.crc32(data, self._crc)
@@ -89,6 +95,10 @@ class _FileWriter:
         self._left -= block.size
         data = np.ascontiguousarray(block, _le(self._dtype))
         self._put(memoryview(cast(Any, data)).cast("B"))
+
+    def complete(self) -> bool:
+        """Every value of every tensor of the layout is written."""
+        return not self._left and next(self._expect, None) is None
 
     def finish(self) -> None:
         try:
@@ -114,7 +124,6 @@ class FileVelocity:
         self.path: Path | None = None  # the current velocity's file
         self._offsets: dict[str, tuple[int, np.dtype, int]] = {}  # name -> (offset, dtype, size)
         self._fd: int | None = None
-        self._version = 0
 
     # -- the current velocity ----------------------------------------------------------
     def open(self, model_version: int, weights: Mapping[str, np.ndarray]) -> bool:
@@ -124,16 +133,16 @@ class FileVelocity:
         path = self.dir / _name(model_version)
         found = path.exists()
         if found:
-            self._use(path, *check_file(path, weights, model_version))
+            self._use(path, check_file(path, weights, model_version))
         for p in [*self.dir.glob(PATTERN), self.dir / "velocity.tmp"]:
             if p != path:
                 p.unlink(missing_ok=True)
         return found
 
-    def _use(self, path: Path, offsets: dict[str, tuple[int, np.dtype, int]], version: int) -> None:
+    def _use(self, path: Path, offsets: dict[str, tuple[int, np.dtype, int]]) -> None:
         self.close()
         self._fd = os.open(path, os.O_RDONLY)
-        self.path, self._offsets, self._version = path, offsets, version
+        self.path, self._offsets = path, offsets
 
     def read(self, name: str, start: int, stop: int) -> np.ndarray | None:
         if self._fd is None or name not in self._offsets:
@@ -153,7 +162,7 @@ class FileVelocity:
 
     def adopt(self, writer: VelocityWriter) -> None:
         assert isinstance(writer, _FileWriter)
-        if writer._left or next(writer._expect, None) is not None:
+        if not writer.complete():
             writer.abort()
             raise ValueError("a velocity adopted before all of it was written")
         path = self.dir / _name(writer.model_version)
@@ -166,7 +175,7 @@ class FileVelocity:
         except OSError as exc:
             writer.abort()
             raise _write_error(path, exc) from exc
-        self._use(path, writer.offsets, writer.model_version)
+        self._use(path, writer.offsets)
 
     def sync(self, model_version: int) -> None:
         """Make the velocity of ``model_version`` durable (its file and its name): called
@@ -261,8 +270,8 @@ def _header_bytes(path: Path) -> bytes:
 
 def check_file(
     path: Path, weights: Mapping[str, np.ndarray], model_version: int
-) -> tuple[dict[str, tuple[int, np.dtype, int]], int]:
-    """The tensors' offsets in a velocity file and its model version, once the file is
+) -> dict[str, tuple[int, np.dtype, int]]:
+    """The tensors' offsets in a velocity file (:func:`_offsets`), once the file is
     checked against the model ``weights`` it goes with: the same floating tensors (names,
     dtypes, shapes), the exact size, the CRC-32 and finite values. FedagentError otherwise."""
     header = _header_bytes(path)
@@ -278,15 +287,9 @@ def check_file(
             f"{path}: a velocity for model version {version} with other tensors than the "
             f"checkpoint's model (version {model_version}); move it away to start the momentum afresh"
         )
-    at = len(MAGIC) + 4 + len(header)
-    offsets: dict[str, tuple[int, np.dtype, int]] = {}
-    for name, dtype, shape in tensors:
-        size = int(np.prod(shape, dtype=np.int64))
-        offsets[name] = (at, dtype, size)
-        at += size * dtype.itemsize
+    offsets, at = _offsets(tensors, header)
     if path.stat().st_size != at + DIGEST:
         raise FedagentError(f"{path}: {path.stat().st_size} bytes, its header says {at + DIGEST}")
-    crc = 0
     with open(path, "rb") as f:
         crc = zlib.crc32(f.read(len(MAGIC) + 4 + len(header)))
         for name, (_, dtype, size) in offsets.items():
@@ -298,12 +301,12 @@ def check_file(
                     raise FedagentError(f"{path}: the velocity of {name!r} is not finite")
         if f.read(DIGEST) != struct.pack("<I", crc):
             raise FedagentError(f"{path}: damaged (its CRC-32 does not match)")
-    return offsets, version
+    return offsets
 
 
 def load(path: Path, weights: Mapping[str, np.ndarray], model_version: int) -> dict[str, np.ndarray]:
     """A checked velocity file, all in memory (tests and tools)."""
-    offsets, _ = check_file(path, weights, model_version)
+    offsets = check_file(path, weights, model_version)
     out = {}
     with open(path, "rb") as f:
         for name, (offset, dtype, size) in offsets.items():

@@ -440,7 +440,6 @@ async def _federation(
     connect_limit: float = 900.0,
     rounds_options: dict | None = None,
 ) -> RunResult:
-    rounds_options = rounds_options or {}
     t0 = time.monotonic()
     workdir.mkdir(parents=True, exist_ok=True)
     # This process holds every agent's socket (procs=0); the broker, started from here,
@@ -487,7 +486,7 @@ async def _federation(
                 "expected_agents": n,
                 "start_grace": 0.0,
                 "round_timeout": max(120.0, timeout),
-                **rounds_options,
+                **(rounds_options or {}),
             },
             "transfer": {"compression": compression, "topk_ratio": topk_ratio, "max_chunk_bytes": max_chunk},
         }
@@ -692,7 +691,7 @@ def run_federation(
             whole,
             procs,
             connect_limit,
-            rounds_options or {},
+            rounds_options,
         )
     )
 

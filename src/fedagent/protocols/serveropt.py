@@ -14,8 +14,9 @@ momentum ``β`` (``[rounds] server_momentum``):
   pseudo-gradient ``−Δ``).
 
 The velocity covers the floating tensors only (counters are the aggregate's, as in
-:func:`server_step`), is held in each tensor's dtype and is part of the coordinator's
-checkpoint: a restart continues with the velocity the checkpointed model was made with.
+:func:`server_step`) and is held in each tensor's dtype. The coordinator keeps it in a
+:class:`VelocityStore` (a file beside its checkpoint) and a restart continues with the
+velocity the checkpointed model was made with.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def default_momentum(*, private: bool) -> float:
     return 0.0 if private else DEFAULT_MOMENTUM
 
 
-#: Checkpoint keys of the velocity: this prefix and the tensor's name (the coordinator
-#: puts them under the checkpoint's optimizer prefix).
+#: Checkpoint keys of the velocity in checkpoints written before it had a file of its
+#: own: this prefix and the tensor's name, under the checkpoint's optimizer prefix.
 VELOCITY = "velocity/"
 
 
@@ -226,8 +227,7 @@ def momentum_step_into(
 
 
 class MemoryVelocity:
-    """A :class:`VelocityStore` in memory (tests; what the in-memory path keeps in
-    ``RoundMachine.velocity``)."""
+    """A :class:`VelocityStore` in memory (tests)."""
 
     def __init__(self, velocity: Mapping[str, np.ndarray] | None = None) -> None:
         self.current: Weights = {k: np.array(v) for k, v in (velocity or {}).items()}
