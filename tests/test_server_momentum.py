@@ -8,6 +8,7 @@ import pytest
 
 from fedagent.errors import ConfigError
 from fedagent.protocols.aggregation import server_step
+from fedagent.protocols.dp import DPConfig
 from fedagent.protocols.rounds import (
     AgentOnline,
     RoundAggregated,
@@ -163,7 +164,7 @@ def test_coordinator_config_reaches_the_round_machine(tmp_path):
     from fedagent.coordinator.fedavg import round_config
 
     rc = round_config(coordinator_config(tmp_path, {"rounds": 4, "server_momentum": 0.9, "server_lr": 0.5}))
-    assert rc.server_momentum == 0.9 and rc.server_lr == 0.5
+    assert rc.momentum == 0.9 and rc.server_lr == 0.5
     with pytest.raises(ConfigError, match="server_momentum"):
         round_config(coordinator_config(tmp_path, {"rounds": 4, "server_momentum": 1.0}))
 
@@ -173,16 +174,21 @@ def test_momentum_is_on_by_default_and_zero_turns_it_off(tmp_path):
     from fedagent.coordinator.fedavg import round_config
 
     assert DEFAULT_MOMENTUM == 0.7
-    assert RoundConfig().server_momentum == DEFAULT_MOMENTUM
-    assert round_config(coordinator_config(tmp_path, {"rounds": 4})).server_momentum == DEFAULT_MOMENTUM
-    assert round_config(coordinator_config(tmp_path, {"rounds": 4, "server_momentum": 0})).server_momentum == 0
+    assert RoundConfig().momentum == DEFAULT_MOMENTUM
+    # The same default for a library caller that builds the round configuration itself.
+    private = DPConfig(noise_multiplier=1.0, clip_norm=0.5)
+    assert RoundConfig(dp=private).momentum == 0
+    assert RoundConfig(dp=private, server_momentum=0.5).momentum == 0.5
+    assert RoundConfig(server_momentum=0).momentum == 0
+    assert round_config(coordinator_config(tmp_path, {"rounds": 4})).momentum == DEFAULT_MOMENTUM
+    assert round_config(coordinator_config(tmp_path, {"rounds": 4, "server_momentum": 0})).momentum == 0
     # Differentially private rounds default to none (the velocity would sum the noise),
     # central or distributed; set explicitly, momentum applies to them too.
     for mode in ("central", "distributed"):
         privacy = {"mode": mode, "noise_multiplier": 1.0}
-        assert round_config(coordinator_config(tmp_path, {"rounds": 4}, privacy=privacy)).server_momentum == 0
+        assert round_config(coordinator_config(tmp_path, {"rounds": 4}, privacy=privacy)).momentum == 0
         explicit = coordinator_config(tmp_path, {"rounds": 4, "server_momentum": 0.5}, privacy=privacy)
-        assert round_config(explicit).server_momentum == 0.5
+        assert round_config(explicit).momentum == 0.5
     # Round 2 of the default moves the model further than plain FedAvg's (the velocity
     # carries round 1's step), and ``server_momentum = 0`` is plain FedAvg.
     default = RoundMachine(RoundConfig(rounds=3, min_agents=2, expected_agents=2), W0)

@@ -50,7 +50,7 @@ from fedagent.protocols.messages import (
 )
 from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
 from fedagent.protocols.secagg import SecAggMasked, SecAggParams, SecAggStart
-from fedagent.protocols.serveropt import VELOCITY, check_velocity, default_momentum
+from fedagent.protocols.serveropt import VELOCITY, check_velocity
 from fedagent.protocols.streaming import STREAM_KIND, StreamEvent, UpdateEnd, UpdateHead, UpdatePart
 from fedagent.roundjournal import InFlight, RoundJournal
 from fedagent.signing import CHUNK_KIND
@@ -141,9 +141,7 @@ def round_config(cfg: NodeConfig) -> R.RoundConfig:
             seed=r.seed,
             lr_schedule=r.lr_schedule,
             server_lr=r.server_lr,
-            server_momentum=default_momentum(private=dp is not None)
-            if r.server_momentum is None
-            else r.server_momentum,
+            server_momentum=r.server_momentum,
             strategy=strategy,
             dp=dp,
             secure=secure,
@@ -277,15 +275,13 @@ class FedAvgMode:
         self._stream_budget = stream_budget(sum(int(w.nbytes) for w in weights.values()))
         rc = round_config(cfg)
         store: FileVelocity | None = None
-        if rc.server_momentum > 0:
+        if rc.momentum > 0:
             # The velocity is kept on disk beside the checkpoint (coordinator/velocity.py),
             # not in memory.
             version = int(meta.get("model_version", 0))
             store = self.velocity_file = FileVelocity(core.ckpt_path.parent)
             if store.open(version, weights):
-                log.info(
-                    "server momentum %g: resuming with the velocity of model version %d", rc.server_momentum, version
-                )
+                log.info("server momentum %g: resuming with the velocity of model version %d", rc.momentum, version)
             elif velocity:
                 # A checkpoint written before the velocity had a file of its own.
                 try:
@@ -296,11 +292,11 @@ class FedAvgMode:
                         "move the checkpoint away to start afresh"
                     ) from None
                 store.write_all(velocity, weights, version)
-                log.info("server momentum %g: resuming with the checkpoint's velocity", rc.server_momentum)
+                log.info("server momentum %g: resuming with the checkpoint's velocity", rc.momentum)
             else:
                 log.info(
                     "server momentum %g (FedAvgM): the velocity starts at zero and is kept in %s",
-                    rc.server_momentum,
+                    rc.momentum,
                     store.dir,
                 )
         self.machine = R.RoundMachine(
@@ -595,7 +591,7 @@ class FedAvgMode:
         """How the global model follows the aggregate: ``[rounds] server_lr`` and
         ``server_momentum`` (and whether the momentum is the default, not set)."""
         rc = self.machine.config if self.machine is not None else round_config(self.cfg)
-        return {"lr": rc.server_lr, "momentum": rc.server_momentum, "default": self.cfg.rounds.server_momentum is None}
+        return {"lr": rc.server_lr, "momentum": rc.momentum, "default": self.cfg.rounds.server_momentum is None}
 
     def refresh_metrics(self, m: NodeMetrics) -> None:
         if self.machine is not None:

@@ -62,11 +62,11 @@ from fedagent.protocols.aggregation import (
 from fedagent.protocols.dp import Accountant, ClipBound, DPAggregator, DPConfig, Release, quantisation_range
 from fedagent.protocols.messages import TrainConfig
 from fedagent.protocols.serveropt import (
-    DEFAULT_MOMENTUM,
     VelocityStore,
     VelocityWriter,
     check_momentum,
     check_velocity,
+    default_momentum,
     momentum_step,
     momentum_step_into,
     velocity_layout,
@@ -92,9 +92,9 @@ class RoundConfig:
     strategy: Strategy = field(default_factory=Strategy)
     lr_schedule: str = "constant"  # "constant" | "cosine": lr·½(1+cos(π(r−1)/rounds)) in round r
     server_lr: float = 1.0  # the global model moves this many times the aggregate's step (aggregation.server_step)
-    # server momentum β (FedAvgM; protocols/serveropt.py): 0 = none. The coordinator passes
-    # serveropt.default_momentum (0 under DP) when [rounds] names none.
-    server_momentum: float = DEFAULT_MOMENTUM
+    # server momentum β (FedAvgM; protocols/serveropt.py): 0 = none; None = the default,
+    # serveropt.default_momentum: 0.7, or 0 for differentially private rounds. Read `momentum`.
+    server_momentum: float | None = None
     dp: DPConfig | None = None  # differential privacy ("central" or "distributed"), see protocols/dp.py
     secure: SA.SecAggParams | None = None  # secure aggregation (protocols/secagg.py)
     secure_stage_timeout: float = 0.0  # each key/share/unmask stage of a secure round (0: auto)
@@ -102,6 +102,14 @@ class RoundConfig:
     @property
     def stage_timeout(self) -> float:
         return self.secure_stage_timeout or min(30.0, self.round_timeout / 6)
+
+    @property
+    def momentum(self) -> float:
+        """The server momentum β these rounds take: ``server_momentum``, or when it is
+        None the default for them (none under differential privacy)."""
+        if self.server_momentum is None:
+            return default_momentum(private=self.dp is not None)
+        return self.server_momentum
 
     def lr_for(self, round_: int) -> float:
         if self.lr_schedule == "constant":
@@ -112,7 +120,8 @@ class RoundConfig:
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"lr_schedule must be 'constant' or 'cosine', not {self.lr_schedule!r}")
         check_server_lr(self.server_lr)
-        check_momentum(self.server_momentum)
+        if self.server_momentum is not None:
+            check_momentum(self.server_momentum)
         if self.rounds < 1 or self.min_agents < 1 or self.min_updates < 1:
             raise ValueError("rounds, min_agents and min_updates must be at least 1")
         if self.min_updates > self.min_agents:
@@ -361,7 +370,7 @@ class RoundMachine:
             raise ValueError("a velocity is given both in memory and in a store")
         self.velocity_store = velocity_store
         self._velocity_writer: VelocityWriter | None = None  # the next velocity, until adopted
-        if velocity and config.server_momentum > 0:
+        if velocity and config.momentum > 0:
             check_velocity(weights, velocity)
             self.velocity = dict(velocity)
         self.model_version = model_version
@@ -457,12 +466,12 @@ class RoundMachine:
         here: protocols/serveropt.py)."""
         c = self.config
         store = self.velocity_store
-        if store is None or c.server_momentum == 0:
-            return momentum_step(self.weights, aggregate, self.velocity, lr=c.server_lr, beta=c.server_momentum)
+        if store is None or c.momentum == 0:
+            return momentum_step(self.weights, aggregate, self.velocity, lr=c.server_lr, beta=c.momentum)
         self._drop_velocity()
         writer = store.begin(velocity_layout(self.weights), self.model_version + 1)
         try:
-            new = momentum_step_into(self.weights, aggregate, store, writer, lr=c.server_lr, beta=c.server_momentum)
+            new = momentum_step_into(self.weights, aggregate, store, writer, lr=c.server_lr, beta=c.momentum)
         except BaseException:
             store.discard(writer)
             raise
