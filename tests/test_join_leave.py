@@ -95,5 +95,5 @@ def test_join_without_a_running_agent_says_so(idle_federation, tmp_path):
     cfg = tmp_path / "agent.toml"
     cfg.write_text(text)
     out = cli("join", fed.fed, "--broker", fed.broker.uri, "--config", str(cfg))
-    assert "no agent is running" in out.stdout and "fedagent agent --config" in out.stdout
+    assert "no running agent answered" in out.stdout and "fedagent agent --config" in out.stdout
     assert config.load(cfg, "agent").broker == fed.broker.uri

@@ -281,11 +281,13 @@ def join(federation: str, broker: str, config_path: Path, interfaces: tuple[str,
             args["interfaces"] = list(chosen)
         try:
             request(cfg.control_socket, "join", args)
-        except FedagentError as exc:
+        except FedagentError:
+            # Also the case while an agent is starting (importing torch takes seconds):
+            # it reads the file again once its control socket is up, so it joins too.
             click.secho(
-                f"no agent is running yet ({exc}).\n"
-                f"It joins {federation} when started: fedagent agent --config "
-                f"{cfg.path}  (or: systemctl start fedagent-agent)",
+                f"no running agent answered at {cfg.control_socket}. The membership is recorded:\n"
+                f"an agent still starting, or started later, joins {federation} from {cfg.path}.\n"
+                f"To start one: fedagent agent --config {cfg.path}  (or: systemctl start fedagent-agent)",
                 fg="yellow",
             )
             return
