@@ -173,8 +173,16 @@ def test_coordinator_rows_give_round_and_version_their_meaning_and_the_held_out_
     }
     rows = _rows(s)
     assert rows["updates"] == "int8 deltas, streamed (default)"
+    assert "model broadcast" not in rows  # a coordinator from before [transfer] downlink
     s["updates"] = {"compression": "none", "streamed": False, "default": False}
     assert _rows(s)["updates"] == "uncompressed, whole ([transfer] compression)"
+    s["updates"] = {**s["updates"], "downlink": "int8", "downlink_default": True}
+    assert _rows(s)["model broadcast"] == "int8 steps from the previous model (default)"
+    s["updates"] = {**s["updates"], "downlink": "none", "downlink_default": False}
+    assert _rows(s)["model broadcast"] == "the whole model ([transfer] downlink)"
+    agent = {"role": "agent", "model_steps": {"rebuilt": 7, "fetched": 1}}
+    assert _rows(agent)["model broadcast"] == "7 rebuilt from int8 steps, 1 fetched whole for a round"
+    assert "model broadcast" not in _rows({"role": "agent", "model_steps": {"rebuilt": 0, "fetched": 0}})
     assert rows["round"] == "4603 (the latest round started)"
     assert rows["rounds"] == "4600 aggregated of 5000; 2 not aggregated (abandoned, or cut short by a restart)"
     assert rows["model version"] == "4600 (aggregations so far)"

@@ -421,6 +421,9 @@ class NodeConfig:
     # int8 where updates are streamed, none where they travel whole (compression.default_mode)
     compression: str | None = None
     topk_ratio: float = 0.01
+    # coordinator: how round starts carry the model (none|int8); None: int8 when the
+    # updates are int8 (downlink.default_mode)
+    downlink: str | None = None
     stream_updates: bool | None = None  # coordinator: True/False forces it; None: streamed when the aggregation allows
     metrics_port: int = 0  # 0: a free loopback port (shown by status); -1: off
     metrics_host: str = "127.0.0.1"
@@ -613,6 +616,7 @@ def load(path: Path | str, role: str) -> NodeConfig:
             max_model_bytes=int(transfer.get("max_model_bytes", 2**30)),
             compression=_compression(transfer, where),
             topk_ratio=float(transfer.get("topk_ratio", 0.01)),
+            downlink=_downlink(transfer, where),
             stream_updates=_stream_updates(transfer, where),
             metrics_port=int(raw.get("metrics_port", 0)),
             metrics_host=str(raw.get("metrics_host", "127.0.0.1")),
@@ -631,6 +635,13 @@ def _stream_updates(transfer: dict[str, Any], where: str) -> bool | None:
     if v is not None and type(v) is not bool:
         raise ConfigError(f"{where}: [transfer] stream_updates must be true or false, not {v!r}")
     return v
+
+
+def _downlink(transfer: dict[str, Any], where: str) -> str | None:
+    mode = transfer.get("downlink")
+    if mode is not None and mode not in ("none", "int8"):
+        raise ConfigError(f"{where}: [transfer] downlink must be none or int8, not {mode!r}")
+    return mode
 
 
 def _compression(transfer: dict[str, Any], where: str) -> str | None:

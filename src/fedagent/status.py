@@ -128,6 +128,19 @@ def _updates_text(u: dict[str, Any] | None) -> str | None:
     return f"{how}, {'streamed' if u.get('streamed') else 'whole'} ({where})"
 
 
+def _broadcast_text(s: dict[str, Any]) -> str | None:
+    """How round starts carry the model (coordinator), or how this agent got it."""
+    u = s.get("updates")
+    if u and "downlink" in u:
+        where = "default" if u.get("downlink_default") else "[transfer] downlink"
+        how = "int8 steps from the previous model" if u["downlink"] == "int8" else "the whole model"
+        return f"{how} ({where})"
+    steps = s.get("model_steps")
+    if steps and (steps.get("rebuilt") or steps.get("fetched")):
+        return f"{steps['rebuilt']} rebuilt from int8 steps, {steps['fetched']} fetched whole for a round"
+    return None
+
+
 def _server_step_text(step: dict[str, Any] | None) -> str | None:
     """The coordinator's server step: FedAvgM's momentum or plain FedAvg, and server_lr."""
     if not step:
@@ -162,6 +175,7 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("global model eval", _eval_text(s.get("global_model_eval"), final)),
         ("privacy", _privacy(s.get("privacy"))),
         ("updates", _updates_text(s.get("updates"))),
+        ("model broadcast", _broadcast_text(s)),
         ("server step", _server_step_text(s.get("server_step"))),
         ("stopped", s.get("stop_reason")),
         ("reconnects", s.get("reconnects")),

@@ -48,6 +48,7 @@ from fedagent.protocols.messages import (
 from fedagent.protocols.participant import (
     AdoptModel,
     Command,
+    DeltaReceiver,
     Discarded,
     Leave,
     Participant,
@@ -108,6 +109,8 @@ class FedAvgSession(Session):
         self.vocabulary_size: int | None = None
         self.coordinator_online = False
         self.catchup = CatchUp()
+        self.downlink = DeltaReceiver()  # round starts that carry the model as a step
+        self._waiting_start: Incoming | None = None  # the one waiting for the whole model
         self.offers_sent = 0
         resumed = checkpoint.load(self.model_path)
         if resumed is not None:
@@ -327,6 +330,11 @@ class FedAvgSession(Session):
                     "role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-coordinator'}"
                 )
             self.coordinator = inc.sender
+            if isinstance(msg, RoundStart) and msg.delta is not None:
+                resolved = await self._resolve_start(inc, msg)
+                if resolved is None:
+                    return
+                msg = resolved
             evaluate: tuple[Weights, int] | None = None
             if answer:
                 assert isinstance(msg, GlobalModel)
@@ -343,6 +351,7 @@ class FedAvgSession(Session):
                 self._marks = {r: m for r, m in self._marks.items() if r > msg.round - 4}
                 self._marks[msg.round] = {"model_in": time.time()}
                 self.round_state = "training" if self.cfg.id in msg.selected else "not selected"
+                assert msg.weights is not None  # resolved above
                 evaluate = (msg.weights, msg.model_version)
             if isinstance(msg, GlobalModel) and msg.weights is not None:
                 # The final model (or the latest, retained for a newcomer) comes only this
@@ -358,6 +367,35 @@ class FedAvgSession(Session):
             if evaluate is not None:
                 # After the training it may have started: the evaluation waits for it.
                 self._evaluate_once(*evaluate)
+            if isinstance(msg, GlobalModel):
+                start = self.downlink.on_model(msg.model_version, msg.weights)
+                waiting, self._waiting_start = self._waiting_start, None
+                if start is not None and waiting is not None:
+                    log.info("round %d: training from the fetched model (version %d)", start.round, start.model_version)
+                    await self._on_message(replace(waiting, message=start))
+                elif self.downlink.pending is not None:
+                    self._waiting_start = waiting
+
+    async def _resolve_start(self, inc: Incoming, msg: RoundStart) -> RoundStart | None:
+        """A round start that carries the model as a step from an earlier version, with the
+        model rebuilt from the one this agent holds; None when that is another version:
+        the current model is asked for, and the round start waits for it."""
+        if msg.round <= self.latest_round:
+            return None  # repeated or older: already handled
+        held = None
+        if self.global_weights is not None and self.global_version is not None:
+            held = (self.global_version, self.global_weights)
+        resolved, why = await asyncio.to_thread(self.downlink.resolve, msg, held)
+        if resolved is not None:
+            return resolved
+        self._waiting_start = inc
+        self.round_state = "fetching the model"
+        log.info("round %d: %s; asking for the current model", msg.round, why)
+        # (a model newer than the round's, after the coordinator went back to an older
+        # checkpoint, would not be answered: ask as one with none)
+        have = held[0] if held is not None and held[0] < msg.model_version else 0
+        await self._request_model(ModelRequest(have))
+        return None
 
     async def _secagg_send(self, msgs: list[SecAggMessage]) -> None:
         if self.secagg.error:
@@ -644,6 +682,7 @@ class FedAvgSession(Session):
             "vocab_digest": self.vocab_digest or None,
             "vocab_offers_sent": self.offers_sent,
             "model_requests_sent": self.catchup.requests,
+            "model_steps": {"rebuilt": self.downlink.rebuilt, "fetched": self.downlink.fetched},
             "dp_noised_updates": self.dp_rounds,
             "dp_quantisation_cut": self.dp_cut,
         }

@@ -37,6 +37,7 @@ from fedagent.protocols.aggregation import Strategy
 from fedagent.protocols.catchup import ModelServer
 from fedagent.protocols.codec import Envelope
 from fedagent.protocols.compression import default_mode
+from fedagent.protocols.downlink import default_mode as default_downlink
 from fedagent.protocols.groupcommit import GroupCommit
 from fedagent.protocols.messages import (
     Evaluation,
@@ -142,6 +143,7 @@ def round_config(cfg: NodeConfig) -> R.RoundConfig:
             lr_schedule=r.lr_schedule,
             server_lr=r.server_lr,
             server_momentum=r.server_momentum,
+            downlink=cfg.downlink or default_downlink(compression),
             strategy=strategy,
             dp=dp,
             secure=secure,
@@ -576,9 +578,17 @@ class FedAvgMode:
 
     def update_transfer(self) -> dict[str, Any]:
         """How the agents send their updates this federation: the compression the rounds
-        ask for (and whether it is the default or set in [transfer]), streamed or whole."""
-        train = self.machine.config.train if self.machine is not None else round_config(self.cfg).train
-        return {"compression": train.compression, "streamed": train.stream, "default": self.cfg.compression is None}
+        ask for (and whether it is the default or set in [transfer]), streamed or whole;
+        and how round starts carry the model ([transfer] downlink)."""
+        rc = self.machine.config if self.machine is not None else round_config(self.cfg)
+        train = rc.train
+        return {
+            "compression": train.compression,
+            "streamed": train.stream,
+            "default": self.cfg.compression is None,
+            "downlink": rc.downlink,
+            "downlink_default": self.cfg.downlink is None,
+        }
 
     def _save_checkpoint(self, weights: R.Weights, meta: dict[str, Any], version: int) -> None:
         """The model of ``version`` to the checkpoint (worker thread); its velocity, if
@@ -832,7 +842,14 @@ class FedAvgMode:
             await core.messenger.send(
                 topics.broadcast(fed, "round_start"),
                 RoundStart(
-                    cmd.round, cmd.model_version, cmd.selected, cmd.deadline_s, cmd.train, cmd.weights, cmd.secagg
+                    cmd.round,
+                    cmd.model_version,
+                    cmd.selected,
+                    cmd.deadline_s,
+                    cmd.train,
+                    None if cmd.delta is not None else cmd.weights,
+                    cmd.secagg,
+                    cmd.delta,
                 ),
                 round_=cmd.round,
                 stable=True,  # the machine replaces its model, never changes it in place

@@ -18,6 +18,7 @@ import numpy as np
 
 from fedagent.errors import CodecError
 from fedagent.protocols.codec import Limits, decode_weights, encode_weights
+from fedagent.protocols.downlink import ModelDelta
 from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
 from fedagent.protocols.secagg import SecAggMessage, SecAggSetup
 from fedagent.protocols.topics import is_valid_name
@@ -239,7 +240,9 @@ class TrainConfig:
 
 @dataclass(frozen=True, slots=True)
 class RoundStart:
-    """Coordinator → all: train from ``weights`` if you are in ``selected``."""
+    """Coordinator → all: train from the global model if you are in ``selected``. The
+    model comes whole (``weights``) or as an int8 step from an earlier version
+    (``delta``; protocols/downlink.py): exactly one of the two."""
 
     kind: ClassVar[str] = "round_start"
     round: int
@@ -247,18 +250,28 @@ class RoundStart:
     selected: tuple[str, ...]
     deadline_s: float
     train: TrainConfig
-    weights: Weights = field(repr=False)
+    weights: Weights | None = field(repr=False)
     secagg: SecAggSetup | None = None  # a secure round (protocols/secagg.py)
+    delta: ModelDelta | None = None
+
+    def __post_init__(self) -> None:
+        if (self.weights is None) == (self.delta is None):
+            raise CodecError("round_start: needs the model whole or as a step, and not both")
+        if self.delta is not None and self.delta.base_version >= self.model_version:
+            raise CodecError("round_start: a step must start from an older version")
 
     def to_body(self) -> dict[str, Any]:
-        body = {
+        body: dict[str, Any] = {
             "round": self.round,
             "model_version": self.model_version,
             "selected": list(self.selected),
             "deadline_s": self.deadline_s,
             "train": self.train.to_body(),
-            "weights": encode_weights(self.weights),
         }
+        if self.weights is not None:
+            body["weights"] = encode_weights(self.weights)
+        if self.delta is not None:
+            body["delta"] = self.delta.to_body()
         if self.secagg is not None:
             body["secagg"] = self.secagg.to_body()
         return body
@@ -269,14 +282,17 @@ class RoundStart:
         deadline = _need(body, "deadline_s", (int, float), w)
         if not (math.isfinite(deadline) and 0 < deadline <= 7 * 86400):
             raise CodecError("round_start: deadline out of range")
+        if ("weights" in body) == ("delta" in body):
+            raise CodecError("round_start: needs 'weights' or 'delta', and not both")
         return cls(
             round=_count(_need(body, "round", int, w), "round", w),
             model_version=_count(_need(body, "model_version", int, w), "model_version", w),
             selected=_names(_need(body, "selected", list, w), w),
             deadline_s=float(deadline),
             train=TrainConfig.from_body(_need(body, "train", dict, w)),
-            weights=decode_weights(_need(body, "weights", dict, w), limits),
+            weights=decode_weights(_need(body, "weights", dict, w), limits) if "weights" in body else None,
             secagg=SecAggSetup.from_body(body["secagg"]) if "secagg" in body else None,
+            delta=ModelDelta.from_body(body["delta"], limits) if "delta" in body else None,
         )
 
 

@@ -13,10 +13,12 @@ heard the machine returns ``Leave``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from fedagent.errors import CodecError
+from fedagent.protocols.downlink import rebuild
 from fedagent.protocols.messages import GlobalModel, RoundResult, RoundStart, TrainConfig, Update
 
 Weights = dict[str, np.ndarray]
@@ -98,6 +100,8 @@ class Participant:
             self.model_version = max(self.model_version, event.model_version)
             if self.agent_id not in event.selected:
                 return []
+            if event.weights is None:
+                raise ValueError("a round start with a step must be resolved first (DeltaReceiver)")
             self.training_round = event.round
             return [Train(event.round, event.model_version, event.train, event.weights)]
         if isinstance(event, TrainingDone):
@@ -140,3 +144,47 @@ class Participant:
     def _leave(self) -> list[Command]:
         self.left = True
         return [Leave(f"took part in {self.rounds_done} round(s) (leave_after = {self.leave_after})")]
+
+
+class DeltaReceiver:
+    """The agent's side: a round start with the model it can train from, or a note that
+    the model must be fetched first (the start is kept until it comes)."""
+
+    def __init__(self) -> None:
+        self.pending: RoundStart | None = None
+        self.rebuilt = 0
+        self.fetched = 0
+
+    def resolve(self, start: RoundStart, held: tuple[int, Weights] | None) -> tuple[RoundStart | None, str]:
+        """``start`` with its weights, and ""; or None and why the model must be fetched
+        (``start`` is then pending). ``held``: the version and model this agent has."""
+        if self.pending is not None and self.pending.round <= start.round:
+            self.pending = None  # a newer round start supersedes the one waiting
+        delta = start.delta
+        if delta is None:
+            return start, ""
+        if held is not None and held[0] == start.model_version:
+            return replace(start, weights=held[1], delta=None), ""
+        if held is None or held[0] != delta.base_version:
+            why = f"the step is from version {delta.base_version}, this agent holds {held[0] if held else 'none'}"
+        else:
+            try:
+                weights = rebuild(held[1], delta)
+            except CodecError as exc:
+                why = str(exc)
+            else:
+                self.rebuilt += 1
+                return replace(start, weights=weights, delta=None), ""
+        self.pending = start
+        return None, why
+
+    def on_model(self, version: int, weights: Weights) -> RoundStart | None:
+        """A whole model arrived: the pending round start, if it was waiting for it."""
+        p = self.pending
+        if p is None or version < p.model_version:
+            return None
+        self.pending = None
+        if version > p.model_version:
+            return None  # its round is over: a newer model exists
+        self.fetched += 1
+        return replace(p, weights=weights, delta=None)

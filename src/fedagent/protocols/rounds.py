@@ -59,6 +59,8 @@ from fedagent.protocols.aggregation import (
     check_update,
     weighted_metrics,
 )
+from fedagent.protocols.downlink import ModelDelta, quantize_step
+from fedagent.protocols.downlink import check_mode as check_downlink
 from fedagent.protocols.dp import Accountant, ClipBound, DPAggregator, DPConfig, Release, quantisation_range
 from fedagent.protocols.messages import TrainConfig
 from fedagent.protocols.serveropt import (
@@ -95,6 +97,9 @@ class RoundConfig:
     # server momentum β (FedAvgM; protocols/serveropt.py): 0 = none; None = the default,
     # serveropt.default_momentum: 0.7, or 0 for differentially private rounds. Read `momentum`.
     server_momentum: float | None = None
+    # how round starts carry the model once a round has been aggregated: "none" whole,
+    # "int8" as the int8 step from the previous version (protocols/downlink.py)
+    downlink: str = "none"
     dp: DPConfig | None = None  # differential privacy ("central" or "distributed"), see protocols/dp.py
     secure: SA.SecAggParams | None = None  # secure aggregation (protocols/secagg.py)
     secure_stage_timeout: float = 0.0  # each key/share/unmask stage of a secure round (0: auto)
@@ -122,6 +127,7 @@ class RoundConfig:
         check_server_lr(self.server_lr)
         if self.server_momentum is not None:
             check_momentum(self.server_momentum)
+        check_downlink(self.downlink)
         if self.rounds < 1 or self.min_agents < 1 or self.min_updates < 1:
             raise ValueError("rounds, min_agents and min_updates must be at least 1")
         if self.min_updates > self.min_agents:
@@ -275,6 +281,9 @@ class StartRound:
     # Secure-aggregation messages to send after the setup and before the model (the
     # rosters, when the keys were advertised ahead): they overtake the model.
     secagg_first: tuple[SendSecAgg, ...] = ()
+    # the model as the int8 step from the previous version ([transfer] downlink), or None:
+    # send ``weights``
+    delta: ModelDelta | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,6 +375,9 @@ class RoundMachine:
         self.config = config
         self.weights = weights
         self.velocity: Weights = {}
+        # the current model as the step from the version before (downlink = "int8"); None
+        # after a restart or before the first aggregation: round starts send it whole
+        self.delta: ModelDelta | None = None
         if velocity and velocity_store is not None:
             raise ValueError("a velocity is given both in memory and in a store")
         self.velocity_store = velocity_store
@@ -485,6 +497,9 @@ class RoundMachine:
         if writer is not None:
             assert self.velocity_store is not None
             self.velocity_store.adopt(writer)
+        if self.config.downlink == "int8":
+            # The model becomes what the agents rebuild from the step sent to them.
+            new, self.delta = quantize_step(self.weights, new, self.model_version)
         self.weights, self.velocity = new, velocity
 
     def _drop_velocity(self) -> None:
@@ -718,6 +733,7 @@ class RoundMachine:
                 resumed,
                 setup,
                 first,
+                None if resumed else self.delta,
             ),
             RequestWakeup(wake),
         ]
