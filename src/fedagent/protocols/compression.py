@@ -194,12 +194,16 @@ def _bytes(a: np.ndarray) -> memoryview:
 
 
 def quantize_int8(d: np.ndarray) -> tuple[np.ndarray, float]:
-    peak = float(np.max(np.abs(d))) if d.size else 0.0
+    """``rint(d / s)`` in int8 with ``s = max|d| / 127`` (one temporary array of ``d``'s
+    size: the rounding and clipping happen in place)."""
+    peak = float(max(d.max(), -d.min())) if d.size else 0.0
     scale = peak / 127.0 if peak > 0 else 0.0
     if scale == 0.0:
         return np.zeros(d.shape, "<i1"), 0.0
-    q = np.clip(np.rint(d / scale), -127, 127).astype("<i1")
-    return q, scale
+    t = d / scale
+    np.rint(t, out=t)
+    np.clip(t, -127, 127, out=t)
+    return t.astype("<i1"), scale
 
 
 def top_k(d: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -98,7 +98,10 @@ class ModelDelta:
 def apply_step(base: np.ndarray, q: np.ndarray, scale: float) -> np.ndarray:
     """``base + q · scale`` in float32: the same arithmetic on the coordinator and on
     every agent, so all of them hold the same model to the bit."""
-    return base + q.astype(F32) * F32.type(scale)
+    t = q.astype(F32)
+    np.multiply(t, F32.type(scale), out=t)
+    np.add(base, t, out=t)
+    return t
 
 
 def quantize_step(old: Weights, new: Weights, base_version: int) -> tuple[Weights, ModelDelta]:
