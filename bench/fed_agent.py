@@ -31,6 +31,7 @@ from fedagent.protocols import topics
 from fedagent.protocols.codec import Envelope, encode
 from fedagent.protocols.compression import CompressionConfig, Compressor
 from fedagent.protocols.messages import Presence, RoundStart, Update
+from fedagent.protocols.participant import DeltaReceiver
 from fedagent.protocols.secagg import (
     SecAggAgent,
     SecAggError,
@@ -103,11 +104,20 @@ async def main(args: argparse.Namespace) -> None:
     delta = np.zeros(0)
     trained: dict[str, np.ndarray] = {}  # the streamed update (received weights + BENCH_DELTA)
     compressor = Compressor()
+    steps = DeltaReceiver()  # round starts with the model as an int8 step, as the agent daemon
+    held: tuple[int, dict[str, np.ndarray]] | None = None  # the model of the last round start
 
     async def deliver(inc: Incoming) -> None:
-        nonlocal delta, trained, compressor
+        nonlocal delta, trained, compressor, held
         got_at = time.time()
         msg = inc.message
+        if isinstance(msg, RoundStart):
+            resolved, why = steps.resolve(msg, held)
+            if resolved is None:
+                raise RuntimeError(f"round {msg.round}: cannot rebuild the model: {why}")
+            msg = resolved
+            assert msg.weights is not None
+            held = (msg.model_version, msg.weights)
         if isinstance(msg, (SecAggRoster, SecAggShareBox, SecAggSurvivors, SecAggUnmask)):
             await to_coordinator(await asyncio.to_thread(secagg.on_message, msg))
             if isinstance(msg, SecAggRoster):

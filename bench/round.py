@@ -46,6 +46,7 @@ from fedagent.protocols import topics
 from fedagent.protocols.aggregation import WeightedMean, check_update
 from fedagent.protocols.codec import Envelope, encode
 from fedagent.protocols.compression import DEFAULT_MODE
+from fedagent.protocols.downlink import quantize_step
 from fedagent.protocols.messages import Presence, RoundStart, TrainConfig, Update
 from fedagent.protocols.streaming import StreamEvent, UpdateEnd, UpdateHead, UpdatePart
 from fedagent.signing import Identity
@@ -343,13 +344,20 @@ class FedRounds:
         t0 = time.perf_counter()
         acc = WeightedMean(self.weights)
         self._acc = acc if train.stream else None
+        delta = None
+        if train.stream and train.compression == "int8" and r > 1:
+            # As the daemons do by default ([transfer] downlink): the model as the int8
+            # step from the previous round start's, which every agent holds. This
+            # bench's model does not move, so the step is zeros: the same bytes.
+            _, delta = quantize_step(self.weights, self.weights, base_version=r - 2)
         start = RoundStart(
             round=r,
             model_version=r - 1,
             selected=tuple(self.agents),
             deadline_s=600,
             train=train,
-            weights=self.weights,
+            weights=None if delta is not None else self.weights,
+            delta=delta,
         )
         # stable: as the coordinator daemon sends it (its model is never changed in place).
         await self.messenger.send(topics.broadcast(FEDERATION, "round_start"), start, round_=r, stable=True)
