@@ -48,7 +48,7 @@ from fedagent.node.transport import TlsFiles, Transport
 from fedagent.protocols import topics
 from fedagent.protocols.compression import CompressionConfig, Compressor
 from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart
-from fedagent.protocols.participant import Participant, SendUpdate, Train, TrainingDone
+from fedagent.protocols.participant import DeltaReceiver, Participant, SendUpdate, Train, TrainingDone
 from fedagent.signing import Identity
 
 FEDERATION = "swarm"
@@ -120,6 +120,8 @@ class LightAgent:
 
     def __post_init__(self) -> None:
         self.participant = Participant(self.id)
+        self.steps = DeltaReceiver()  # round starts that carry the model as an int8 step
+        self.held: tuple[int, dict[str, np.ndarray]] | None = None
         self.compressor = Compressor()
         self.coordinator: str | None = None
         self.messenger = Messenger(
@@ -153,6 +155,14 @@ class LightAgent:
         if not isinstance(msg, (RoundStart, RoundResult, GlobalModel)):
             return
         self.coordinator = inc.sender
+        if isinstance(msg, RoundStart):
+            resolved, why = self.steps.resolve(msg, self.held)
+            if resolved is None:  # connected from the start, it holds every model: a bug
+                self.errors.append(f"round {msg.round}: {why}")
+                return
+            msg = resolved
+            assert msg.weights is not None
+            self.held = (msg.model_version, msg.weights)
         for cmd in self.participant.handle(msg):
             if isinstance(cmd, Train):
                 t = asyncio.create_task(self._train(cmd))
