@@ -12,7 +12,16 @@ recorded. The seed sets everything: the digits split, the Dirichlet shards, the 
 the model's initial weights. Writes ``results.json``, ``report.md`` and ``loss.png``
 (mean and 95 % band over the seeds, t interval) to ``--out``.
 
+``--reuse PATH`` takes the runs of an earlier ``results.json`` as they are and runs only
+the (seed, strategy) pairs it lacks; ``--seeds``/``--first-seed`` stay the report's whole
+seed range. A reused file must have been made with the same setting (refused otherwise),
+and the first round of one reused run per strategy is recomputed and must match.
+``results.json`` is rewritten after every run, so an interrupted invocation can be
+continued with ``--reuse`` on its own output.
+
     .venv/bin/python scripts/flsimco_seeds.py --seeds 5 --jobs 2 --out results/flsimco/seeds
+    .venv/bin/python scripts/flsimco_seeds.py --seeds 10 --reuse results/flsimco/seeds/results.json \
+        --jobs 1 --out results/flsimco/seeds
 """
 
 from __future__ import annotations
@@ -21,9 +30,10 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +65,9 @@ def rounds_of(setup: Setup) -> list[list[dict]]:
     return out
 
 
-def run(setup: Setup, strategy: str) -> dict:
+def run(setup: Setup, strategy: str, stop_after: int | None = None) -> dict:
+    """One strategy over the setup's rounds (``stop_after``: only the first rounds of
+    that schedule, the step sizes still those of ``setup.rounds`` rounds)."""
     torch.set_num_threads(1)
     t0 = time.monotonic()
     base = load_task("flsimco", {"seed": setup.seed, "speed": 0.0})
@@ -65,7 +77,7 @@ def run(setup: Setup, strategy: str) -> dict:
     heldout = [heldout_loss(model, base.queries)]
     tasks: dict[str, object] = {}
     dropped = aggregated = 0
-    for r, vehicles in enumerate(rounds_of(setup), start=1):
+    for r, vehicles in enumerate(rounds_of(setup)[:stop_after], start=1):
         lr = setup.lr * 0.5 * (1.0 + math.cos(math.pi * (r - 1) / setup.rounds))
         strat = (
             Strategy(strategy, key="speed", threshold=setup.threshold)
@@ -95,6 +107,82 @@ def run(setup: Setup, strategy: str) -> dict:
         "fast_visits": sum(v["speed"] > setup.threshold for rnd in rounds_of(setup) for v in rnd),
         "seconds": time.monotonic() - t0,
     }
+
+
+def setting(setup: Setup) -> dict:
+    """What a run's numbers depend on besides its seed and strategy (recorded in
+    results.json; a reused run must have been made with the same)."""
+    d = asdict(setup)
+    d.pop("seed")
+    d.pop("round_timeout")  # the daemons' limit; nothing in process waits on it
+    return d
+
+
+class ReuseRefused(ValueError):
+    pass
+
+
+def reusable(path: Path, setup: Setup, seeds: list[int]) -> tuple[dict, dict[tuple[int, str], dict]]:
+    """The runs of ``path`` for ``seeds`` that this setting may take as they are, by
+    (seed, strategy), and the file's own record; :class:`ReuseRefused` with the reason
+    when the file was made with another setting."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ReuseRefused(f"cannot read {path}: {e}") from e
+    if old.get("rounds") != setup.rounds:
+        raise ReuseRefused(f"{path} has runs of {old.get('rounds')} rounds, this report {setup.rounds}")
+    want = setting(setup)
+    if "setting" in old:
+        diff = {k: (old["setting"].get(k), v) for k, v in want.items() if old["setting"].get(k) != v}
+        if diff:
+            raise ReuseRefused(f"{path} was made with another setting (file, now): {diff}")
+    # Files written before the setting was recorded: their runs must still fit this
+    # schedule (the rounds, the visits above the threshold, the models per round).
+    found: dict[tuple[int, str], dict] = {}
+    for strategy, by_seed in old.get("runs", {}).items():
+        if strategy not in STRATEGIES:
+            raise ReuseRefused(f"{path} has runs of an unknown strategy {strategy!r}")
+        for key, out in by_seed.items():
+            seed = int(key)
+            if seed not in seeds:
+                continue
+            s = replace(setup, seed=seed)
+            sched = rounds_of(s)
+            fast = sum(v["speed"] > s.threshold for rnd in sched for v in rnd)
+            problems = []
+            if out.get("seed") != seed or out.get("strategy") != strategy:
+                problems.append("its record names another seed or strategy")
+            if len(out.get("heldout", [])) != setup.rounds + 1:
+                problems.append(f"{len(out.get('heldout', []))} held-out losses, not {setup.rounds + 1}")
+            if out.get("fast_visits") != fast:
+                problems.append(f"{out.get('fast_visits')} visits above the threshold, this schedule has {fast}")
+            if out.get("aggregated", 0) + out.get("dropped", 0) != sum(map(len, sched)):
+                problems.append("another number of models per round")
+            if problems:
+                raise ReuseRefused(f"{path}: seed {seed} {strategy}: " + "; ".join(problems))
+            found[(seed, strategy)] = out
+    return old, found
+
+
+def check_reproduced(setup: Setup, found: dict[tuple[int, str], dict], tolerance: float = 1e-6) -> list[str]:
+    """Recompute the first round of the lowest reused seed of each strategy; the held-out
+    losses must match the reused ones (the code still makes the runs it would reuse)."""
+    lines = []
+    for strategy in STRATEGIES:
+        seeds = sorted(seed for seed, st in found if st == strategy)
+        if not seeds:
+            continue
+        old = found[(seeds[0], strategy)]["heldout"][:2]
+        new = run(replace(setup, seed=seeds[0]), strategy, stop_after=1)["heldout"]
+        gap = max(abs(a - b) for a, b in zip(old, new, strict=True))
+        if not gap <= tolerance:
+            raise ReuseRefused(
+                f"seed {seeds[0]} {strategy}: round 1 recomputed gives held-out {new}, the reused run has {old} "
+                f"(difference {gap:.3g} > {tolerance:g}): the code no longer makes the runs it would reuse"
+            )
+        lines.append(f"seed {seeds[0]} {strategy}: round 1 reproduced (largest difference {gap:.3g})")
+    return lines
 
 
 def band(values: list[float]) -> tuple[float, float]:
@@ -161,32 +249,106 @@ def verdicts(res: dict[str, dict[int, dict]], seeds: list[int]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--seeds", type=int, default=5, help="how many seeds the report covers")
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("results/flsimco/seeds"))
+    ap.add_argument(
+        "--reuse", type=Path, help="an earlier results.json: its runs are taken as they are, only missing ones run"
+    )
     args = ap.parse_args()
     t0 = time.monotonic()
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    todo = [(replace(Setup(), seed=s, rounds=args.rounds), strat) for s in seeds for strat in STRATEGIES]
+    setup = replace(Setup(), rounds=args.rounds)
     res: dict[str, dict[int, dict]] = {s: {} for s in STRATEGIES}
+    reused: list[tuple[int, str]] = []
+    earlier_wall = 0.0
+    if args.reuse:
+        try:
+            old, found = reusable(args.reuse, setup, seeds)
+            for line in check_reproduced(setup, found):
+                print(line, flush=True)
+        except ReuseRefused as e:
+            sys.exit(f"--reuse refused: {e}")
+        for (seed, strategy), out in sorted(found.items()):
+            res[strategy][seed] = out
+        reused = sorted(found)
+        earlier_wall = float(old.get("wall_s", 0.0)) + float(old.get("earlier_wall_s", 0.0))
+        print(f"reused {len(reused)} runs from {args.reuse}", flush=True)
+    todo = [(seed, strat) for seed in seeds for strat in STRATEGIES if seed not in res[strat]]
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save(wall: float) -> None:
+        record = {
+            "seeds": seeds,
+            "rounds": args.rounds,
+            "setting": setting(setup),
+            "wall_s": wall,
+            "ran": len(todo),
+            "reused": [list(k) for k in reused],
+            "reused_from": str(args.reuse) if args.reuse else None,
+            "earlier_wall_s": earlier_wall,
+            "runs": res,
+        }
+        tmp = args.out / "results.json.tmp"
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(args.out / "results.json")
+
+    print(f"{len(todo)} runs to make", flush=True)
     with ProcessPoolExecutor(args.jobs) as pool:
-        for out in pool.map(run, *zip(*todo)):
+        futures = [pool.submit(run, replace(setup, seed=seed), strat) for seed, strat in todo]
+        for done, fut in enumerate(as_completed(futures), start=1):
+            out = fut.result()
             res[out["strategy"]][out["seed"]] = out
+            save(time.monotonic() - t0)
             print(
-                f"seed {out['seed']} {out['strategy']}: final {out['heldout'][-1]:.4f} ({out['seconds']:.0f} s)",
+                f"[{done}/{len(todo)}, {(time.monotonic() - t0) / 60:.1f} min] seed {out['seed']} {out['strategy']}: "
+                f"final {out['heldout'][-1]:.4f} ({out['seconds']:.0f} s)",
                 flush=True,
             )
-    args.out.mkdir(parents=True, exist_ok=True)
     wall = time.monotonic() - t0
-    (args.out / "results.json").write_text(
-        json.dumps({"seeds": seeds, "rounds": args.rounds, "wall_s": wall, "runs": res}, indent=1)
-    )
-    write_report(args.out, res, seeds, args.rounds, wall, args)
+    save(wall)
+    write_report(args.out, res, seeds, args.rounds, wall, args, tuple(reused), earlier_wall)
 
 
-def write_report(out: Path, res: dict, seeds: list[int], rounds: int, wall: float, args) -> None:
+def seed_ranges(seeds: list[int]) -> str:
+    """``0-4, 7`` for [0, 1, 2, 3, 4, 7]."""
+    parts: list[str] = []
+    for s in sorted(set(seeds)):
+        if parts and parts[-1][1] == s - 1:
+            parts[-1] = (parts[-1][0], s)
+        else:
+            parts.append((s, s))
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts)
+
+
+def wall_line(res: dict, wall: float, reused: list[tuple[int, str]], reuse: Path | None, earlier_wall: float) -> str:
+    """Where the runs came from and what they took."""
+    made = [r["seconds"] for s in STRATEGIES for seed, r in res[s].items() if (int(seed), s) not in set(reused)]
+    old = [r["seconds"] for s in STRATEGIES for seed, r in res[s].items() if (int(seed), s) in set(reused)]
+    line = f"{len(made)} runs made here in {wall / 60:.1f} min wall time on 2 cores shared with other jobs"
+    if made:
+        line += f" ({min(made):.0f}-{max(made):.0f} s per run)"
+    if reused:
+        line += (
+            f"; {len(reused)} runs (seeds {seed_ranges([seed for seed, _ in reused])}, all three strategies) "
+            f"reused as they are from `{reuse}`, made earlier in {earlier_wall / 60:.1f} min "
+            f"({min(old):.0f}-{max(old):.0f} s per run)"
+        )
+    return line + "."
+
+
+def write_report(
+    out: Path,
+    res: dict,
+    seeds: list[int],
+    rounds: int,
+    wall: float,
+    args,
+    reused: tuple[tuple[int, str], ...] = (),
+    earlier_wall: float = 0.0,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -213,7 +375,6 @@ def write_report(out: Path, res: dict, seeds: list[int], rounds: int, wall: floa
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=110)
     plt.close(fig)
-    seconds = [r["seconds"] for s in STRATEGIES for r in res[s].values()]
     per_round = ["| round | " + " | ".join(LABELS[s] for s in STRATEGIES) + " |", "|---|" + "---|" * len(STRATEGIES)]
     for r in range(rounds + 1):
         cells = []
@@ -225,8 +386,8 @@ def write_report(out: Path, res: dict, seeds: list[int], rounds: int, wall: floa
         "# FLSimCo over seeds: held-out loss, mean and 95 % band",
         "",
         f"Command: `.venv/bin/python scripts/flsimco_seeds.py --seeds {len(seeds)} --first-seed {seeds[0]} "
-        f"--rounds {rounds} --jobs {args.jobs} --out {out}`; seeds {', '.join(map(str, seeds))}; "
-        f"{wall / 60:.1f} min wall time on 2 cores shared with other jobs ({min(seconds):.0f}-{max(seconds):.0f} s per run).",
+        f"--rounds {rounds} --jobs {args.jobs}{f' --reuse {args.reuse}' if args.reuse else ''} --out {out}`; "
+        f"seeds {seed_ranges(seeds)}; {wall_line(res, wall, list(reused), args.reuse, earlier_wall)}",
         "",
         f"The set-up of `fedagent experiment flsimco` ({rounds} rounds, 4 vehicles in range per round, each staying "
         "2 rounds, 10 Dirichlet α = 1 shards of the digits, SimCo on the small ResNet, 2 local epochs, SGD lr 0.05 "
