@@ -119,3 +119,46 @@ def test_reuse_recomputes_round_one_and_refuses_a_mismatch(seeds_script):
     found = {(0, "fedavg"): {"heldout": [made[0], made[1] + 1e-3, 1.0]}}
     with pytest.raises(seeds_script.ReuseRefused, match="seed 0 fedavg: round 1 recomputed"):
         seeds_script.check_reproduced(setup, found)
+
+
+def test_verdict_says_what_the_interval_leaves_room_for(seeds_script):
+    v = seeds_script.verdict
+    assert v([-0.2, -0.21, -0.19, -0.2], 2.0, "FedAvg", "lower").startswith("**holds**: the whole interval [-0.2")
+    assert v([0.2, 0.21, 0.19, 0.2], 2.0, "FedAvg", "lower").startswith("**the opposite holds**")
+    shown = v([-0.1, 0.05, -0.08, 0.02, -0.04], 2.0, "FedAvg", "lower")
+    assert shown.startswith("**not shown**: the interval [-0.")
+    assert "lower by at most 0." in shown and "% of FedAvg's 2.0000" in shown
+    assert "seeds would show it" in shown
+    other = v([0.1, -0.05, 0.08, -0.02, 0.04], 2.0, "FedAvg", "lower")
+    assert other.startswith("**does not hold**: the mean difference is on the other side")
+
+
+def test_seeds_to_show(seeds_script):
+    # sd 1, mean 1: t(n-1)/sqrt(n) < 1 first at n = 7 (2.447 / 2.646 = 0.925; n = 6: 2.571 / 2.449 > 1)
+    assert seeds_script.seeds_to_show(1.0, 1.0) == 7
+    assert seeds_script.seeds_to_show(-1.0, 1.0) == 7
+    assert seeds_script.seeds_to_show(0.0, 1.0) is None
+    assert seeds_script.seeds_to_show(1e-6, 1.0) is None
+    # beyond the table the quantile approaches the normal one
+    assert 1.96 < seeds_script.t95(200) < 1.98
+
+
+def test_report_again_names_what_was_made_and_what_reused(seeds_script, tmp_path, capsys):
+    setup = replace(Setup(), rounds=4)
+    rec = record_of(seeds_script, setup, [0, 1, 2])
+    rec.update(
+        jobs=1,
+        wall_s=90.0,
+        reused=[[seed, s] for seed in (0, 1) for s in STRATEGIES],
+        reused_from="old/results.json",
+        earlier_wall_s=600.0,
+    )
+    write(tmp_path / "results.json", rec)
+    seeds_script.report_again(tmp_path)
+    capsys.readouterr()
+    text = (tmp_path / "report.md").read_text()
+    assert "--seeds 3 --first-seed 0 --rounds 4 --jobs 1 --reuse old/results.json" in text
+    assert "3 runs made here in 1.5 min" in text
+    assert "6 runs (seeds 0-1, all three strategies) reused as they are from `old/results.json`" in text
+    assert "made earlier in 10.0 min" in text
+    assert (tmp_path / "loss.png").stat().st_size > 0
