@@ -349,7 +349,7 @@ class FedRounds:
             # As the daemons do by default ([transfer] downlink): the model as the int8
             # step from the previous round start's, which every agent holds. This
             # bench's model does not move, so the step is zeros: the same bytes.
-            _, delta = quantize_step(self.weights, self.weights, base_version=r - 2)
+            _, delta = quantize_step(self.weights, dict(self.weights), base_version=r - 2)
         start = RoundStart(
             round=r,
             model_version=r - 1,

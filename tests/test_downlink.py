@@ -9,6 +9,7 @@ import pytest
 
 from fedagent.errors import CodecError, ConfigError
 from fedagent.protocols.codec import Envelope, Limits, decode, encode
+from fedagent.protocols.compression import quantize_int8
 from fedagent.protocols.downlink import apply_step, default_mode, quantize_step, rebuild
 from fedagent.protocols.messages import RoundStart, TrainConfig, body_of
 from fedagent.protocols.participant import DeltaReceiver
@@ -39,7 +40,7 @@ def _moved(w: dict, by: float) -> dict:
 
 def test_the_step_rebuilds_the_coordinators_model_to_the_bit():
     new = _moved(W0, 0.01)
-    kept, delta = quantize_step(W0, new, base_version=4)
+    kept, delta = quantize_step(W0, {k: v.copy() for k, v in new.items()}, base_version=4)  # (taken over)
     assert delta.base_version == 4 and sorted(delta.steps) == ["conv.weight", "fc.bias"]
     assert list(delta.whole) == ["bn.num_batches_tracked"]
     assert delta.nbytes == 36 + 5 + 8  # a quarter of the float32 bytes, the counter whole
@@ -211,6 +212,23 @@ def test_the_broadcast_follows_the_update_compression_by_default(tmp_path):
         coordinator_config(tmp_path, {"rounds": 2}, downlink='"fp16"')
     with pytest.raises(ValueError, match="downlink"):
         RoundConfig(downlink="fp16")
+
+
+def test_the_step_takes_over_the_new_model_and_leaves_the_old_one_alone():
+    old = {k: v.copy() for k, v in W0.items()}
+    new = _moved(W0, 0.01)
+    want_q, want_s = quantize_int8(new["conv.weight"] - W0["conv.weight"])
+    kept, delta = quantize_step(old, new, base_version=0)
+    assert new == {}  # taken over: its tensors held the steps
+    for k in W0:
+        np.testing.assert_array_equal(old[k], W0[k])
+    np.testing.assert_array_equal(delta.steps["conv.weight"][0], want_q)  # the same as from a copy
+    assert delta.steps["conv.weight"][1] == want_s
+    # the same arrays as old and new (an unchanged model): old is not written
+    same = {k: v.copy() for k, v in W0.items()}
+    _, zero = quantize_step(same, dict(same), base_version=0)
+    np.testing.assert_array_equal(same["fc.bias"], W0["fc.bias"])
+    assert zero.steps["fc.bias"][1] == 0.0
 
 
 def test_apply_step_is_float32_arithmetic():

@@ -193,14 +193,15 @@ def _bytes(a: np.ndarray) -> memoryview:
     return np.asarray(a).reshape(-1).view(np.uint8).data
 
 
-def quantize_int8(d: np.ndarray) -> tuple[np.ndarray, float]:
-    """``rint(d / s)`` in int8 with ``s = max|d| / 127`` (one temporary array of ``d``'s
-    size: the rounding and clipping happen in place)."""
+def quantize_int8(d: np.ndarray, *, in_place: bool = False) -> tuple[np.ndarray, float]:
+    """``rint(d / s)`` in int8 with ``s = max|d| / 127``: one temporary array of ``d``'s
+    size, the rounding and clipping done in it; ``in_place``: in ``d`` itself (its
+    values are then lost), no temporary."""
     peak = float(max(d.max(), -d.min())) if d.size else 0.0
     scale = peak / 127.0 if peak > 0 else 0.0
     if scale == 0.0:
         return np.zeros(d.shape, "<i1"), 0.0
-    t = d / scale
+    t = np.divide(d, scale, out=d) if in_place else d / scale
     np.rint(t, out=t)
     np.clip(t, -127, 127, out=t)
     return t.astype("<i1"), scale

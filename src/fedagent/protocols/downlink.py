@@ -106,14 +106,24 @@ def apply_step(base: np.ndarray, q: np.ndarray, scale: float) -> np.ndarray:
 
 def quantize_step(old: Weights, new: Weights, base_version: int) -> tuple[Weights, ModelDelta]:
     """The model the agents will rebuild from ``old`` (version ``base_version``) and the
-    delta that takes them there. ``new`` must hold finite values."""
+    delta that takes them there. ``new`` must hold finite values, and is taken over: its
+    tensors leave the dict one by one and their memory holds the step while it is
+    quantised, so about two models (``old`` and what is built) are alive at a time, not
+    four."""
     rebuilt: Weights = {}
     steps: dict[str, tuple[np.ndarray, float]] = {}
     whole: Weights = {}
-    for name, n in new.items():
+    for name in list(new):
+        n = new.pop(name)
         o = old.get(name)
         if o is not None and n.dtype == F32 and o.dtype == F32 and o.shape == n.shape:
-            q, scale = quantize_int8(n - o)
+            if n.flags.writeable and not np.may_share_memory(n, o):
+                d = np.subtract(n, o, out=n)
+            else:
+                d = n - o
+            del n
+            q, scale = quantize_int8(d, in_place=True)
+            del d
             steps[name] = (q, scale)
             rebuilt[name] = apply_step(o, q, scale)
         else:

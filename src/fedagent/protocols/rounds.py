@@ -498,7 +498,9 @@ class RoundMachine:
             assert self.velocity_store is not None
             self.velocity_store.adopt(writer)
         if self.config.downlink == "int8":
-            # The model becomes what the agents rebuild from the step sent to them.
+            # The model becomes what the agents rebuild from the step sent to them (the
+            # previous step goes first: it is the next one's memory).
+            self.delta = None
             new, self.delta = quantize_step(self.weights, new, self.model_version)
         self.weights, self.velocity = new, velocity
 
