@@ -31,7 +31,8 @@ from rich.table import Table
 
 from fedagent.protocols.aggregation import WeightedMean
 from fedagent.protocols.codec import Envelope
-from fedagent.protocols.compression import CompressionConfig, Compressor, quantize_int8
+from fedagent.protocols.compression import CompressionConfig, Compressor
+from fedagent.protocols.downlink import rebuild
 from fedagent.protocols.messages import TrainConfig
 from fedagent.protocols.rounds import AgentOnline, RoundAggregated, RoundConfig, RoundMachine, StartRound
 from fedagent.protocols.streaming import (
@@ -62,9 +63,9 @@ def federation(
     downlink: bool = False,
 ) -> dict:
     """``task``: "digits" (the demo's model) or "tta" (the time-to-accuracy CNN of
-    bench/tta_task.py). ``downlink``: also quantise the broadcast as int8 deltas to the
-    previous global model, with the coordinator keeping the dequantised model it sent
-    (what every agent would hold): an experiment, not something the daemons do."""
+    bench/tta_task.py). ``downlink``: also send the model as int8 steps
+    (``RoundConfig(downlink="int8")``, what the daemons do by default with int8 updates),
+    checking that what the agents rebuild is the machine's own model."""
     torch.manual_seed(seed)
     make = make_digits
     if task == "tta":
@@ -77,7 +78,16 @@ def federation(
     global_w = get_weights(models[0])
     model_bytes = sum(v.nbytes for v in global_w.values())
     train = TrainConfig(epochs=epochs, lr=0.05, batch_size=32)
-    m = RoundMachine(RoundConfig(rounds=rounds, min_agents=agents, expected_agents=agents, train=train), global_w)
+    m = RoundMachine(
+        RoundConfig(
+            rounds=rounds,
+            min_agents=agents,
+            expected_agents=agents,
+            train=train,
+            downlink="int8" if downlink else "none",
+        ),
+        global_w,
+    )
     names = [f"a{i}" for i in range(agents)]
     cmds = []
     for i, a in enumerate(names):
@@ -103,14 +113,11 @@ def federation(
             break
         assert start is not None, cmds
         if downlink:
-            # start.weights is the round machine's own model (the same arrays): quantising
-            # it in place makes the coordinator hold what the agents are sent.
-            if sent_global is not None:
-                for k, w in start.weights.items():
-                    if w.dtype.kind == "f":
-                        q, scale = quantize_int8(w.astype(np.float32) - sent_global[k])
-                        w[...] = sent_global[k] + q.astype(np.float32) * np.float32(scale)
-            sent_global = {k: np.array(v, dtype=np.float32) for k, v in start.weights.items()}
+            # What every agent holds: the first model whole, then rebuilt from each int8
+            # step (the machine's own model is the same, to the bit).
+            sent_global = start.weights if start.delta is None else rebuild(sent_global or {}, start.delta)
+            for k, w in sent_global.items():
+                np.testing.assert_array_equal(w, start.weights[k])
         cmds = []
         for i, a in enumerate(names):
             set_weights(models[i], start.weights)
