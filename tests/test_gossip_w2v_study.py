@@ -1,5 +1,6 @@
 """The in-process gossip Word2Vec study's pure helpers: the row-wise merge of messages
-that carry only changed rows, and the traffic arithmetic of its mixing table."""
+that carry only changed rows, the traffic arithmetic of its mixing table, and the outer
+step (base-step progress scaled at the exchange)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from fedagent.experiments.gossip_w2v_study import (
     FACTOR_NAMES,
     VARIANTS,
+    outer_step,
     rowwise_mean,
     summarize_mixing,
     traffic_of,
 )
+from fedagent.tasks.word2vec import sgns_update
 
 
 def test_rowwise_mean_averages_each_row_over_the_entries_that_carry_it() -> None:
@@ -69,3 +73,33 @@ def test_mixing_table_reports_loss_and_bytes_per_node(tmp_path: Path) -> None:
     assert cells[7] == f"{2758 * 2 * 8890 * 32 * 4 / 1e6:.0f} (x 2758)"
     assert cells[8].startswith("2000 (x ")
     assert "Average over the six" not in table  # one configuration only
+
+
+def test_outer_step_of_one_sgd_step_is_that_step_scaled() -> None:
+    """With one batch between boundaries, the base step's progress scaled by N is the
+    step at N x the base step: the outer variant then is the agents' x N rule."""
+    gen = torch.Generator().manual_seed(3)
+    w_in, w_out = torch.randn(20, 4, generator=gen) * 0.3, torch.randn(20, 4, generator=gen) * 0.3
+    centers, contexts = torch.randint(20, (16,), generator=gen), torch.randint(20, (16,), generator=gen)
+    noise = torch.randint(20, (16, 3), generator=gen)
+    big_in, big_out = w_in.clone(), w_out.clone()
+    sgns_update(big_in, big_out, centers, contexts, noise, 0.025 * 10)
+    small_in, small_out = w_in.clone(), w_out.clone()
+    sgns_update(small_in, small_out, centers, contexts, noise, 0.025)
+    out_in = outer_step(w_in.numpy(), small_in.numpy(), 10.0)
+    out_out = outer_step(w_out.numpy(), small_out.numpy(), 10.0)
+    np.testing.assert_allclose(out_in, big_in.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out_out, big_out.numpy(), rtol=1e-5, atol=1e-6)
+    untouched = sorted(set(range(20)) - set(centers.tolist()))
+    assert untouched and np.array_equal(out_in[untouched], w_in.numpy()[untouched])
+
+
+def test_outer_variants_train_at_the_base_step() -> None:
+    by_name = {v.name: v for v in VARIANTS}
+    for cfg in ("random-frequent", "topic-infrequent"):
+        assert by_name[cfg].outer is None and by_name[cfg].lr_factor == 10.0
+        for name, scale in (("outer", 10.0), ("outer5", 5.0), ("outer20", 20.0)):
+            v = by_name[f"{cfg}/{name}"]
+            assert (v.lr_factor, v.outer, v.merge) == (1.0, scale, "pushsum")
+            assert v.period_steps == by_name[cfg].period_steps
+            assert name in FACTOR_NAMES

@@ -78,6 +78,10 @@ class Variant:
     # A message carries only the rows its sender changed since its previous boundary
     # (the others NaN here); a merge averages each row over the entries that carry it.
     changed_rows: bool = False
+    # Outer step: between boundaries a node trains a working copy of its merged model at
+    # the step lr x lr_factor; at the boundary it sends and merges merged + outer x (its
+    # progress since the merge) instead of the working copy (local SGD's outer step).
+    outer: float | None = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,13 @@ def simulate(v: Variant, b: Budget, seed: int, stats: dict[str, float] | None = 
             models[i].in_embed.weight.copy_(torch.from_numpy(np.ascontiguousarray(vals["in_embed.weight"])))
             models[i].out_embed.weight.copy_(torch.from_numpy(np.ascontiguousarray(vals["out_embed.weight"])))
 
+    def train_period(i: int, lr0: float, lr1: float, si: torch.Tensor | None, so: torch.Tensor | None) -> None:
+        anchor = {k: a.copy() for k, a in values(i).items()} if v.outer is not None else None
+        train_node(tasks[i], models[i], v.period_steps, lr0, lr1, b.batch_size, gens[i], si, so, touched[i])
+        if anchor is not None:  # the merged model + outer x the progress since it
+            assert v.outer is not None
+            set_values(i, {k: outer_step(anchor[k], a, v.outer) for k, a in values(i).items()})
+
     def merge(i: int, entries: list[tuple[dict[str, np.ndarray], Any]]) -> None:
         if len(entries) < 2:
             return
@@ -229,7 +240,7 @@ def simulate(v: Variant, b: Budget, seed: int, stats: dict[str, float] | None = 
         for p in range(train_periods):
             lr0, lr1 = lr * (1 - p / train_periods), lr * (1 - (p + 1) / train_periods)
             for i in range(n):
-                train_node(tasks[i], models[i], v.period_steps, lr0, lr1, b.batch_size, gens[i], None, None, touched[i])
+                train_period(i, lr0, lr1, None, None)
             avg = {k: np.mean([values(i)[k] for i in range(n)], axis=0) for k in TABLES}
             for i in range(n):
                 set_values(i, avg)
@@ -260,7 +271,7 @@ def simulate(v: Variant, b: Budget, seed: int, stats: dict[str, float] | None = 
                 lr0_i, lr1_i = lr0 * f, lr1 * f
             else:
                 lr0_i, lr1_i = lr0, lr1
-            train_node(tasks[i], models[i], v.period_steps, lr0_i, lr1_i, b.batch_size, gens[i], si, so, touched[i])
+            train_period(i, lr0_i, lr1_i, si, so)
         last = p == periods - 1
         sends: list[tuple[int, int, dict[str, np.ndarray], Any]] = []
         new_inbox: list[list[Any]] = [[] for _ in range(n)]
@@ -310,6 +321,12 @@ def simulate(v: Variant, b: Budget, seed: int, stats: dict[str, float] | None = 
         inbox = new_inbox
     _traffic(stats, b, sent_models, sent_rows)
     return [values(i) for i in range(n)]
+
+
+def outer_step(anchor: np.ndarray, trained: np.ndarray, scale: float) -> np.ndarray:
+    """``anchor + scale x (trained - anchor)``: the progress since the anchor, scaled
+    (rows the training did not touch stay the anchor's)."""
+    return anchor + np.float32(scale) * (trained - anchor)
 
 
 def model_bytes(b: Budget, terms: int) -> int:
@@ -514,6 +531,10 @@ FACTOR_NAMES = {
     "plain-x5": "plain averaging, step x 5",
     "plain-every5": "plain averaging, exchange every 5 batches",
     "plain-every2": "plain averaging, exchange every 2 batches",
+    "outer": "push-sum, base step, outer step x N at each exchange",
+    "outer5": "push-sum, base step, outer step x 5 at each exchange",
+    "outer20": "push-sum, base step, outer step x 20 at each exchange",
+    "allreduce-outer": "not gossip: all models averaged at every exchange, base step, outer step x N",
     "allreduce": "not gossip: all models averaged at every exchange",
     "allreduce1": "not gossip: all models averaged after every batch",
     "allreduce-rate2": "not gossip: all models averaged, exchange 2x as often",
@@ -778,6 +799,10 @@ VARIANTS: list[Variant] = [
     *[replace(v, name=v.name + "/plain-every2", merge="plain", period_steps=2) for v in _BASE],
     *[replace(v, name=v.name + "/allreduce", merge="allreduce") for v in _BASE],
     *[replace(v, name=v.name + "/allreduce1", merge="allreduce", period_steps=1) for v in _BASE],
+    *[replace(v, name=v.name + "/outer", lr_factor=1.0, outer=10.0) for v in _BASE],
+    *[replace(v, name=v.name + "/outer5", lr_factor=1.0, outer=5.0) for v in _BASE],
+    *[replace(v, name=v.name + "/outer20", lr_factor=1.0, outer=20.0) for v in _BASE],
+    *[replace(v, name=v.name + "/allreduce-outer", merge="allreduce", lr_factor=1.0, outer=10.0) for v in _BASE],
 ]
 VARIANTS += [
     replace(v, name=f"{v.name}/{name}", fanout=k, max_incoming=2 * k, period_steps=v.period_steps // r)
