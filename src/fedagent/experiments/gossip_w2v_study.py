@@ -534,6 +534,7 @@ FACTOR_NAMES = {
     "outer": "push-sum, base step, outer step x N at each exchange",
     "outer5": "push-sum, base step, outer step x 5 at each exchange",
     "outer20": "push-sum, base step, outer step x 20 at each exchange",
+    "outer-rate5": "push-sum, base step, outer step x N, exchange 5x as often",
     "allreduce-outer": "not gossip: all models averaged at every exchange, base step, outer step x N",
     "allreduce": "not gossip: all models averaged at every exchange",
     "allreduce1": "not gossip: all models averaged after every batch",
@@ -660,12 +661,18 @@ def traffic_of(variant: dict[str, Any], local_steps: int) -> float:
 
 
 def summarize_mixing(
-    paths: list[Path], local_steps: int, factors: list[str], terms: int, plot: Path | None = None
+    paths: list[Path],
+    local_steps: int,
+    factors: list[str],
+    terms: int,
+    plot: Path | None = None,
+    configs: list[str] | None = None,
 ) -> str:
     """The mixing table: each configuration x factor (seeds, loss on both measures with
     each seed's loss, traffic per node against the model's size, CPU), then the average
     over the six configurations for the factors that ran all six at common seeds. With
-    ``plot``, a figure of each row's losses against its traffic per node."""
+    ``plot``, a figure of each row's losses against its traffic per node; with
+    ``configs``, the rows of those configurations only."""
     rows: dict[str, dict[str, Any]] = {}
     central: list[dict[str, float]] = []
     for p in paths:
@@ -695,7 +702,7 @@ def summarize_mixing(
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for factor in factors:
-        for base in six:
+        for base in six if configs is None else [c for c in six if c in configs]:
             by_seed = groups.get((base, factor))
             if not by_seed:
                 continue
@@ -803,6 +810,10 @@ VARIANTS: list[Variant] = [
     *[replace(v, name=v.name + "/outer5", lr_factor=1.0, outer=5.0) for v in _BASE],
     *[replace(v, name=v.name + "/outer20", lr_factor=1.0, outer=20.0) for v in _BASE],
     *[replace(v, name=v.name + "/allreduce-outer", merge="allreduce", lr_factor=1.0, outer=10.0) for v in _BASE],
+    *[
+        replace(v, name=v.name + "/outer-rate5", lr_factor=1.0, outer=10.0, period_steps=v.period_steps // 5)
+        for v in _BASE
+    ],
 ]
 VARIANTS += [
     replace(v, name=f"{v.name}/{name}", fanout=k, max_incoming=2 * k, period_steps=v.period_steps // r)
