@@ -660,6 +660,16 @@ def traffic_of(variant: dict[str, Any], local_steps: int) -> float:
     return float((periods + variant.get("mix_periods", 0) - 1) * variant.get("fanout", 1))
 
 
+def _pct(values: list[float]) -> str:
+    """Mean and each seed's value; a model whose tables overflowed (NaN scores) reads
+    "diverged"."""
+
+    def one(x: float) -> str:
+        return "diverged" if np.isnan(x) else f"{x:.1f}"
+
+    return f"{one(float(np.mean(values)))} ({' / '.join(one(x) for x in values)})"
+
+
 def summarize_mixing(
     paths: list[Path],
     local_steps: int,
@@ -719,8 +729,7 @@ def summarize_mixing(
             points.append((base, factor, float(sent_mb), float(np.mean(lw)), float(np.mean(lo))))
             lines.append(
                 f"| {base} | {FACTOR_NAMES.get(factor, factor)} | {var['period_steps']} | "
-                f"{', '.join(map(str, seeds))} | {np.mean(lw):.1f} ({' / '.join(f'{x:.1f}' for x in lw)}) | "
-                f"{np.mean(lo):.1f} ({' / '.join(f'{x:.1f}' for x in lo)}) | {sent:.0f} | "
+                f"{', '.join(map(str, seeds))} | {_pct(lw)} | {_pct(lo)} | {sent:.0f} | "
                 f"{dense} | {tb} | {np.mean([by_seed[sd]['cpu_s'] for sd in seeds]):.0f} |"
             )
     avg = []
