@@ -535,6 +535,8 @@ FACTOR_NAMES = {
     "outer5": "push-sum, base step, outer step x 5 at each exchange",
     "outer20": "push-sum, base step, outer step x 20 at each exchange",
     "outer-rate5": "push-sum, base step, outer step x N, exchange 5x as often",
+    "x5-outer2": "push-sum, step x 5, outer step x 2 at each exchange",
+    "x2-outer5": "push-sum, step x 2, outer step x 5 at each exchange",
     "allreduce-outer": "not gossip: all models averaged at every exchange, base step, outer step x N",
     "allreduce": "not gossip: all models averaged at every exchange",
     "allreduce1": "not gossip: all models averaged after every batch",
@@ -822,6 +824,12 @@ VARIANTS: list[Variant] = [
     *[
         replace(v, name=v.name + "/outer-rate5", lr_factor=1.0, outer=10.0, period_steps=v.period_steps // 5)
         for v in _BASE
+    ],
+    # split between the two: step x a between exchanges, progress x b at the exchange (a b = N)
+    *[
+        replace(v, name=v.name + f"/x{a}-outer{b}", lr_factor=float(a), outer=float(b))
+        for v in _BASE
+        for a, b in ((5, 2), (2, 5))
     ],
 ]
 VARIANTS += [
