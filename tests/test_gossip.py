@@ -37,6 +37,7 @@ from fedagent.protocols.gossip import (
     Train,
     TrainingDone,
     Wakeup,
+    outer_step,
 )
 
 PERIODS_N20 = 60  # stated bound: N = 20, relative error <= 1e-3
@@ -565,6 +566,34 @@ def test_diverged_training_result_is_not_adopted():
     assert m.handle(TrainingDone(999, model(5.0)), 1.1) == []  # unknown job: ignored
 
 
+def test_outer_step_scales_the_progress_of_floating_parameters_only():
+    start = {"w": np.array([[1.0, 2.0]], np.float32), "n": np.array([3], np.int64)}
+    trained = {"w": np.array([[1.5, 2.0]], np.float32), "n": np.array([4], np.int64)}
+    out = outer_step(start, trained, 2.0)
+    assert out["w"].dtype == np.float32 and out["w"].tolist() == [[2.0, 2.0]]  # untouched entry stays
+    assert out["n"].tolist() == [4]  # not floating: as trained
+    assert outer_step(start, trained, 1.0)["w"] is trained["w"]
+
+
+def test_outer_step_machine_adopts_and_sends_the_scaled_progress():
+    """The period starts at the merged model 1.0 and trains to 1.5: with outer_step 2
+    the node adopts and sends 2.0, and its next period starts there."""
+    m, train = machine(GossipConfig(outer_step=2.0), v=1.0)
+    cmds = done(m, train, delta=0.5)
+    assert value(of(cmds, ModelChanged)[0].weights) == 2.0
+    assert value(of(cmds, SendModel)[0].weights) == 2.0
+    (train,) = of(cmds, Train)
+    assert value(train.weights) == 2.0 and value(m.model) == 2.0
+
+
+def test_outer_step_overflow_is_refused_like_diverged_training():
+    m, train = machine(GossipConfig(outer_step=1e30), peers=(), v=1.0)
+    cmds = done(m, train, delta=1e10)  # finite as trained, inf after the outer step
+    (drop,) = of(cmds, Dropped)
+    assert drop.reason == "training-non-finite"
+    assert value(m.model) == 1.0 and of(cmds, Train)
+
+
 def test_periods_limit_finishes_and_refuses_late_models():
     m, train = machine(GossipConfig(periods=2), peers=())
     cmds = done(m, train)
@@ -586,6 +615,8 @@ def test_config_validation():
         {"exchange": ("a", "a")},
         {"send_timeout": 0},
         {"max_retries": -1},
+        {"outer_step": 0.0},
+        {"outer_step": float("nan")},
     ):
         with pytest.raises(ValueError):
             GossipConfig(**bad)
@@ -604,3 +635,14 @@ def test_redelivery_of_a_refused_model_is_refused_again():
         if not accepted:  # its sender folded the mass back: never merge it now
             assert again == SendAck(s, "1", False, "duplicate")
     assert m.status()["duplicates"] == len(verdicts)
+
+
+def test_outer_step_setting_reaches_the_machine():
+    from fedagent.config import GossipSettings
+    from fedagent.errors import ConfigError
+
+    assert GossipSettings(outer_step=2).machine_config(None).outer_step == 2.0
+    assert GossipSettings().machine_config(None).outer_step == 1.0
+    for bad in (0, -1.0, float("inf"), "2"):
+        with pytest.raises(ConfigError, match="outer_step"):
+            GossipSettings(outer_step=bad)

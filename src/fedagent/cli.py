@@ -718,6 +718,13 @@ def experiment_flsimco(
     default=None,
     help="the agents' merge in every configuration but thesis-literal (default: the scale's)",
 )
+@click.option(
+    "--outer-step",
+    type=float,
+    default=None,
+    help="the agents' [gossip] outer_step B: step lr x N / B between exchanges, adopt start + B x the progress "
+    "(default 1: lr x N)",
+)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("gossip-w2v-report"), show_default=True)
 @click.option("--keep", is_flag=True, help="keep the work directories (logs, checkpoints, histories)")
 @click.option("--report-only", is_flag=True, help="run nothing new: rebuild the report from OUT/runs/")
@@ -729,6 +736,7 @@ def experiment_gossip_w2v(
     central_seeds: str | None,
     configs: tuple[str, ...],
     merge: str | None,
+    outer_step: float | None,
     out: Path,
     keep: bool,
     report_only: bool,
@@ -749,7 +757,10 @@ def experiment_gossip_w2v(
             local_steps=scale.local_steps if local_steps is None else local_steps,
             dim=scale.dim if dim is None else dim,
             merge=scale.merge if merge is None else merge,
+            outer_step=scale.outer_step if outer_step is None else outer_step,
         )
+        if not (math.isfinite(scale.outer_step) and scale.outer_step > 0):
+            raise ConfigError(f"--outer-step must be a positive number, not {scale.outer_step}")
         for name, text in (("seeds", seeds), ("central_seeds", central_seeds)):
             if text is None:
                 continue

@@ -102,6 +102,7 @@ class GossipSettings:
     byzantine: int = 0  # screening: Byzantine neighbours to tolerate per merge (f)
     fanout: int = 1  # peers the model is sent to per period
     neighbour_ttl: int = 10  # screening: periods a neighbour's newest model stays usable
+    outer_step: float = 1.0  # adopt start + this x (trained - start) after each period (1 = as trained)
     # Coordinator-free vocabulary consensus (protocols/gossip_vocab.py) for tasks with a
     # vocabulary (term_counts/set_vocabulary): 0 = off, else the number of agents whose
     # offers make the vocabulary, this one included.
@@ -132,6 +133,8 @@ class GossipSettings:
             object.__setattr__(self, "vocab_members", tuple(self.vocab_members))
         if self.vocab_agents:
             self.consensus_config()
+        if not (isinstance(self.outer_step, int | float) and math.isfinite(self.outer_step) and self.outer_step > 0):
+            raise ConfigError(f"gossip.outer_step must be a positive number, not {self.outer_step!r}")
         if self.lr_schedule not in ("cosine", "linear", "constant"):
             raise ConfigError(f"gossip.lr_schedule must be 'cosine', 'linear' or 'constant', not {self.lr_schedule!r}")
         if self.lr <= 0 or self.batch_size < 1 or self.eval_every < 0 or self.min_peers < 0 or self.period_seconds < 0:
@@ -176,6 +179,7 @@ class GossipSettings:
                 byzantine=self.byzantine,
                 fanout=self.fanout,
                 neighbour_ttl=self.neighbour_ttl,
+                outer_step=self.outer_step,
             )
         except ValueError as exc:
             raise ConfigError(f"[gossip]: {exc}") from None

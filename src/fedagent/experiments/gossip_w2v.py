@@ -83,6 +83,10 @@ class Scale:
     gossip_lr_factor: float = 10.0
     # The agents' merge (``[gossip] merge``) in every configuration but thesis-literal.
     merge: str = "pushsum"
+    # ``[gossip] outer_step`` b in every exchanging configuration but thesis-literal: the
+    # agents step at lr x gossip_lr_factor / b and adopt the period's start + b x their
+    # progress (1: the x N step alone; in process b = 2 lost less, docs/experiments).
+    outer_step: float = 1.0
     # Batches per agent: 10 x 2760 = 27,600 batches = 20 epochs, where the centralized
     # learning curve (in the report) has flattened (thesis: 500,000 per agent).
     local_steps: int = 2760
@@ -342,7 +346,8 @@ def run_config(
 ) -> tuple[Result, list[tm.WordVectors], list[str]]:
     periods = 1 if cfg.local else max(1, scale.local_steps // cfg.period_steps)
     eval_every = periods if cfg.local else max(1, min(scale.eval_frequent, periods // 6 or 1))
-    factor = scale.gossip_lr_factor if cfg.lr_factor is None else cfg.lr_factor
+    outer = scale.outer_step if cfg.lr_factor is None and not cfg.local else 1.0
+    factor = scale.gossip_lr_factor / outer if cfg.lr_factor is None else cfg.lr_factor
     lr = scale.lr if cfg.local else scale.lr * factor
     gossip = {
         "periods": periods,
@@ -359,6 +364,8 @@ def run_config(
         "vocab_timeout": 600.0,
         "merge": scale.merge if cfg.merge is None else cfg.merge,
     }
+    if outer != 1.0:
+        gossip["outer_step"] = outer
     if cfg.exchange:
         gossip["exchange"] = list(cfg.exchange)
     options = {**scale.task_options(cfg.split), "reference": str(central_npz)}
@@ -515,7 +522,7 @@ def run_experiment(
     split_info: dict[str, Any] = {}
     runs = out / "runs"
     runs.mkdir(exist_ok=True)
-    key = json.dumps(asdict(scale) | {"seed": None}, sort_keys=True, default=list)
+    key = json.dumps(_run_key(scale), sort_keys=True, default=list)
 
     def report() -> dict[str, Any]:
         return write_report(
@@ -566,9 +573,18 @@ def run_experiment(
     return summary
 
 
+def _run_key(scale: Scale) -> dict[str, Any]:
+    """What a saved run in ``OUT/runs/`` depends on (``outer_step`` only when it is
+    not 1, so that runs saved before it existed are still reused)."""
+    key = asdict(scale) | {"seed": None}
+    if key["outer_step"] == 1.0:
+        del key["outer_step"]
+    return key
+
+
 def _central_key(scale: Scale) -> dict[str, Any]:
     """What the centralized models depend on (not the gossip settings, not the run seeds)."""
-    skip = ("gossip_lr_factor", "merge", "frequent", "infrequent", "eval_frequent", "seed", "seeds")
+    skip = ("gossip_lr_factor", "merge", "outer_step", "frequent", "infrequent", "eval_frequent", "seed", "seeds")
     return {k: v for k, v in asdict(scale).items() if k not in skip}
 
 
@@ -773,6 +789,16 @@ def curve_plot(out: Path, curve: list[dict[str, float]], summary: dict[str, Any]
     plt.close(fig)
 
 
+def _gossip_step(sc: dict[str, Any]) -> str:
+    b = float(sc.get("outer_step", 1.0))
+    if b == 1.0:
+        return f"{sc['lr']} x {sc['gossip_lr_factor']:g}"
+    return (
+        f"{sc['lr']} x {sc['gossip_lr_factor'] / b:g} between exchanges, then the period's start + {b:g} x the "
+        f"progress (`outer_step = {b:g}`; thesis-literal without)"
+    )
+
+
 def markdown(s: dict[str, Any], study: str = "", status: str = "") -> str:
     """The report; ``status`` (the directory's ``status.md``: what ran, what did not) goes
     under the title, ``study`` (its ``study.md``) after the results."""
@@ -794,7 +820,7 @@ def markdown(s: dict[str, Any], study: str = "", status: str = "") -> str:
         f"{sc['negative']} negatives, batches of {sc['batch_size']} pairs, {sc['local_steps']} local batches per "
         f"agent ({sc['agents'] * sc['local_steps']} in all = {s['epochs']:.1f} epochs of the whole corpus, the "
         f"budget of every centralized run too; the thesis: 5,000,000 batches of 2048, d 200), step {sc['lr']} per "
-        f"pair decaying linearly to 0 (gossip agents: {sc['lr']} x {sc['gossip_lr_factor']:g}; local-only agents "
+        f"pair decaying linearly to 0 (gossip agents: {_gossip_step(sc)}; local-only agents "
         f"{sc['lr']}). Merge: `{sc.get('merge', 'pushsum')}` (thesis-literal: `thesis`). Frequent exchange every {sc['frequent']} local batches "
         f"({sc['local_steps'] // sc['frequent']} exchanges), infrequent every {sc['infrequent']} "
         f"({sc['local_steps'] // sc['infrequent']} exchanges). Seeds of every gossip configuration: {seeds} "
