@@ -20,7 +20,9 @@ Factors (``Variant``):
   the node's current row mass (clipped to ``[1, lr_factor]``) instead of ``lr_factor``;
 * ``period_steps``: exchange frequency;
 * ``local_counts``: subsampling and noise distribution from the node's own counts
-  instead of the agreed federation-wide counts (the vocabulary factor).
+  instead of the agreed federation-wide counts (the vocabulary factor);
+* ``outer``: train at ``lr x lr_factor`` between boundaries, then send and merge the
+  period's start + ``outer`` x the progress (``[gossip] outer_step`` in the agents).
 
 Run: ``python -m fedagent.experiments.gossip_w2v_study OUT.json [--only NAME ...]``.
 """
@@ -325,7 +327,9 @@ def simulate(v: Variant, b: Budget, seed: int, stats: dict[str, float] | None = 
 
 def outer_step(anchor: np.ndarray, trained: np.ndarray, scale: float) -> np.ndarray:
     """``anchor + scale x (trained - anchor)``: the progress since the anchor, scaled
-    (rows the training did not touch stay the anchor's)."""
+    (rows the training did not touch stay the anchor's). The agents' rule is
+    :func:`fedagent.protocols.gossip.outer_step` (float64 arithmetic); this float32 form
+    produced the study's rows."""
     return anchor + np.float32(scale) * (trained - anchor)
 
 
