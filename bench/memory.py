@@ -29,7 +29,16 @@ from fedagent.experiments.swarm import run_federation
 DEFAULT_CASES = [(10, 11_200_000), (10, 1_100_000), (50, 1_100_000)]
 
 
-def measure(cases, rounds: int, whole_too: bool, console: Console, on_row=None, rounds_options=None) -> list[dict]:
+def measure(
+    cases,
+    rounds: int,
+    whole_too: bool,
+    console: Console,
+    on_row=None,
+    rounds_options=None,
+    compression: str = "none",
+    downlink: str | None = None,
+) -> list[dict]:
     rows = []
     for n, params in cases:
         for whole in [False, True] if whole_too else [False]:
@@ -43,6 +52,8 @@ def measure(cases, rounds: int, whole_too: bool, console: Console, on_row=None, 
                     progress=lambda s: console.log(f"[{n}x{params}] {s}"),
                     timeout=900,
                     rounds_options=rounds_options,
+                    compression=compression,
+                    downlink=downlink,
                 )
             model = r.model_bytes
             rows.append(
@@ -83,13 +94,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument(
         "--momentum", type=float, help="the coordinator's [rounds] server_momentum (default: the coordinator's default)"
     )
+    ap.add_argument(
+        "--compression",
+        default="none",
+        help="the agents' update compression ([transfer] compression; int8 also sends the model as int8 steps)",
+    )
+    ap.add_argument("--downlink", choices=("none", "int8"), help="the coordinator's [transfer] downlink")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     opts = {} if args.momentum is None else {"server_momentum": args.momentum}
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     console = Console(stderr=True)
     save = (lambda rows: args.json.write_text(json.dumps(rows, indent=2))) if args.json else None
-    rows = measure(cases, args.rounds, args.whole, console, on_row=save, rounds_options=opts)
+    rows = measure(
+        cases,
+        args.rounds,
+        args.whole,
+        console,
+        on_row=save,
+        rounds_options=opts,
+        compression=args.compression,
+        downlink=args.downlink,
+    )
     table = Table(title="Coordinator memory during FedAvg rounds (TLS, training off)")
     for col in ("agents", "model (MB)", "updates", "idle RSS (MB)", "peak RSS (MB)", "(peak − idle + model) / model"):
         table.add_column(col, justify="right")

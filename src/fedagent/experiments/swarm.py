@@ -449,6 +449,7 @@ async def _federation(
     procs: int = 0,
     connect_limit: float = 900.0,
     rounds_options: dict | None = None,
+    downlink: str | None = None,
 ) -> RunResult:
     t0 = time.monotonic()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -498,7 +499,12 @@ async def _federation(
                 "round_timeout": max(120.0, timeout),
                 **(rounds_options or {}),
             },
-            "transfer": {"compression": compression, "topk_ratio": topk_ratio, "max_chunk_bytes": max_chunk},
+            "transfer": {
+                "compression": compression,
+                "topk_ratio": topk_ratio,
+                "max_chunk_bytes": max_chunk,
+                **({"downlink": downlink} if downlink else {}),
+            },
         }
         (workdir / "coordinator.toml").write_text(tomli_w.dumps(cfg))
         log = open(workdir / "coordinator.log", "wb")
@@ -670,9 +676,11 @@ def run_federation(
     procs: int = 0,
     connect_limit: float = 900.0,
     rounds_options: dict | None = None,
+    downlink: str | None = None,
 ) -> RunResult:
     """``rounds_options``: more ``[rounds]`` keys for the coordinator (e.g.
-    ``server_momentum``; none: the defaults). ``whole``: agents send each update as one whole message (chunked and reassembled
+    ``server_momentum``; none: the defaults). ``downlink``: the coordinator's ``[transfer]
+    downlink`` (None: its default, int8 steps with int8 updates). ``whole``: agents send each update as one whole message (chunked and reassembled
     by the coordinator before it is aggregated) instead of a stream: the path streaming
     replaced. ``procs``: run the agents in that many child processes (0: in this one).
     ``timeout`` bounds the rounds, ``connect_limit`` the connecting of the agents.
@@ -702,6 +710,7 @@ def run_federation(
             procs,
             connect_limit,
             rounds_options,
+            downlink,
         )
     )
 

@@ -95,10 +95,15 @@ class ModelDelta:
         return cls(base, {n: (a, scales[n]) for n, a in q.items()}, whole)
 
 
-def apply_step(base: np.ndarray, q: np.ndarray, scale: float) -> np.ndarray:
+def apply_step(base: np.ndarray, q: np.ndarray, scale: float, out: np.ndarray | None = None) -> np.ndarray:
     """``base + q · scale`` in float32: the same arithmetic on the coordinator and on
-    every agent, so all of them hold the same model to the bit."""
-    t = q.astype(F32)
+    every agent, so all of them hold the same model to the bit. ``out``: a float32 array
+    of ``base``'s shape to write it in (not ``base``)."""
+    if out is None:
+        t = q.astype(F32)
+    else:
+        t = out
+        np.copyto(t, q, casting="unsafe")  # int8 → float32: exact, as astype
     np.multiply(t, F32.type(scale), out=t)
     np.add(base, t, out=t)
     return t
@@ -107,9 +112,9 @@ def apply_step(base: np.ndarray, q: np.ndarray, scale: float) -> np.ndarray:
 def quantize_step(old: Weights, new: Weights, base_version: int) -> tuple[Weights, ModelDelta]:
     """The model the agents will rebuild from ``old`` (version ``base_version``) and the
     delta that takes them there. ``new`` must hold finite values, and is taken over: its
-    tensors leave the dict one by one and their memory holds the step while it is
-    quantised, so about two models (``old`` and what is built) are alive at a time, not
-    four."""
+    tensors leave the dict one by one, and each one's memory holds its step while it is
+    quantised and then the rebuilt tensor: beyond ``old`` and ``new`` only the int8
+    steps are allocated (a quarter of the model)."""
     rebuilt: Weights = {}
     steps: dict[str, tuple[np.ndarray, float]] = {}
     whole: Weights = {}
@@ -117,15 +122,14 @@ def quantize_step(old: Weights, new: Weights, base_version: int) -> tuple[Weight
         n = new.pop(name)
         o = old.get(name)
         if o is not None and n.dtype == F32 and o.dtype == F32 and o.shape == n.shape:
-            if n.flags.writeable and not np.may_share_memory(n, o):
+            if n.flags.writeable and n.flags.c_contiguous and not np.may_share_memory(n, o):
                 d = np.subtract(n, o, out=n)
             else:
                 d = n - o
             del n
             q, scale = quantize_int8(d, in_place=True)
-            del d
             steps[name] = (q, scale)
-            rebuilt[name] = apply_step(o, q, scale)
+            rebuilt[name] = apply_step(o, q, scale, out=d)
         else:
             whole[name] = n
             rebuilt[name] = n
