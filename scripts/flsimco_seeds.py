@@ -190,7 +190,7 @@ def band(values: list[float]) -> tuple[float, float]:
     m = statistics.fmean(values)
     if len(values) < 2:
         return m, math.nan
-    return m, T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+    return m, t95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def second_half(curve: list[float]) -> float:

@@ -213,10 +213,17 @@ def server_step(reference: Mapping[str, np.ndarray], aggregate: Weights, step: f
     check_server_lr(step)
     if step == 1:
         return aggregate
+    return extrapolate(reference, aggregate, step)
+
+
+def extrapolate(reference: Mapping[str, np.ndarray], moved: Mapping[str, np.ndarray], scale: float) -> Weights:
+    """``reference + scale · (moved − reference)`` for every floating tensor (in float64,
+    stored in the tensor's dtype); other tensors as ``moved`` has them. No check of
+    ``scale``: :func:`server_step` and the gossip outer step bound it themselves."""
     out: Weights = {}
-    for name, agg, ref in floating_pairs(reference, aggregate, out):
-        moved = ref.astype(np.float64) + step * (np.asarray(agg, np.float64) - ref)
-        out[name] = moved.astype(ref.dtype, copy=False)
+    for name, agg, ref in floating_pairs(reference, moved, out):
+        step = ref.astype(np.float64) + scale * (np.asarray(agg, np.float64) - ref)
+        out[name] = step.astype(ref.dtype, copy=False)
     return out
 
 

@@ -154,6 +154,7 @@ from fedagent.protocols.aggregation import (
     check_update,
     clip_to,
     coordinate_median,
+    extrapolate,
     krum_scores,
     pairwise_sq_distances,
     trimmed_mean,
@@ -411,18 +412,12 @@ def _mean(items: Sequence[tuple[Mapping[str, np.ndarray], float]], names: tuple[
 
 def outer_step(start: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarray], scale: float) -> Weights:
     """``start + scale x (trained - start)`` for every floating parameter (computed in
-    float64, the trained dtype back); other parameters as trained. ``scale`` 1 returns
+    float64, the parameter's dtype back); other parameters as trained. ``scale`` 1 returns
     ``trained`` unchanged."""
-    out = dict(trained)
     if scale == 1.0:
-        return out
-    for k, w in trained.items():
-        w = np.asarray(w)
-        if np.issubdtype(w.dtype, np.floating):
-            x = np.asarray(start[k], dtype=np.float64)
-            with np.errstate(over="ignore"):  # an overflow is inf, refused by the caller
-                out[k] = (x + scale * (w.astype(np.float64) - x)).astype(w.dtype)
-    return out
+        return dict(trained)
+    with np.errstate(over="ignore"):  # an overflow is inf, refused by the caller
+        return extrapolate(start, trained, scale)
 
 
 def _distance(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], names: tuple[str, ...]) -> float:
