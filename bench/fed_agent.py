@@ -30,6 +30,7 @@ from fedagent.node.transport import TlsFiles, Transport
 from fedagent.protocols import topics
 from fedagent.protocols.codec import Envelope, encode
 from fedagent.protocols.compression import CompressionConfig, Compressor
+from fedagent.protocols.downlink import READS
 from fedagent.protocols.messages import Presence, RoundStart, Update
 from fedagent.protocols.participant import DeltaReceiver
 from fedagent.protocols.secagg import (
@@ -59,7 +60,7 @@ def presence(fed: str, identity: Identity, online: bool) -> bytes:
                 round=0,
                 seq=time.time_ns() // 1000,
                 ts=time.time(),
-                body=Presence(online=online, role="agent").to_body(),
+                body=Presence(online=online, role="agent", downlinks=READS if online else ()).to_body(),
             ),
             identity,
         )

@@ -14,6 +14,7 @@ from fedagent.protocols.downlink import apply_step, default_mode, quantize_step,
 from fedagent.protocols.messages import RoundStart, TrainConfig, body_of
 from fedagent.protocols.participant import DeltaReceiver
 from fedagent.protocols.rounds import (
+    AgentOffline,
     AgentOnline,
     RoundAggregated,
     RoundConfig,
@@ -141,6 +142,34 @@ def test_round_starts_after_the_first_carry_the_step_and_agents_hold_the_machine
     (start,) = [c for c in cmds if isinstance(c, StartRound)]
     _train_round(m2, start, 1.0)
     assert not np.array_equal(m2.weights["conv.weight"], p.weights["conv.weight"])
+
+
+def test_round_starts_go_whole_while_an_agent_of_an_earlier_release_is_online():
+    m = RoundMachine(RoundConfig(rounds=4, min_agents=2, expected_agents=2, downlink="int8"), W0)
+    cmds = m.handle(AgentOnline("a", 10), 0.0) + m.handle(AgentOnline("b", 10, reads_steps=False), 0.0)
+    (start,) = [c for c in cmds if isinstance(c, StartRound)]
+    assert m.status()["whole_model_only"] == ["b"]
+    cmds = _train_round(m, start, 1.0)
+    (start,) = [c for c in cmds if isinstance(c, StartRound)]
+    # b cannot rebuild a step: the model goes whole, and it is the model the machine keeps
+    assert start.delta is None and start.model_version == 1
+    for k in W0:
+        np.testing.assert_array_equal(start.weights[k], m.weights[k])
+    held = {k: v.copy() for k, v in start.weights.items()}
+    # b comes back upgraded: the next round start is a step again, from the model a holds
+    m.handle(AgentOnline("b", 10), 1.5)
+    assert m.status()["whole_model_only"] == []
+    cmds = _train_round(m, start, 2.0)
+    (start,) = [c for c in cmds if isinstance(c, StartRound)]
+    assert start.delta is not None and start.delta.base_version == 1
+    held = rebuild(held, start.delta)
+    for k in W0:
+        np.testing.assert_array_equal(held[k], m.weights[k])
+    # an agent of an earlier release that has gone offline holds nothing back
+    m.handle(AgentOnline("c", 10, reads_steps=False), 2.5)
+    assert m.status()["whole_model_only"] == ["c"]
+    m.handle(AgentOffline("c"), 2.6)
+    assert m.status()["whole_model_only"] == []
 
 
 def test_a_restarted_coordinator_sends_the_model_whole():

@@ -6,13 +6,20 @@ one and takes part (one agent leaves first, so the rounds wait for the newcomer)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import statistics
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from netfed import coordinator_in, running, wait_for
 
+from fedagent import pki
+from fedagent.experiments.swarm import LightAgent
 from fedagent.localfed import BATCH, LOCAL_EPOCHS, LR, SEED, Federation
+from fedagent.node.transport import TlsFiles
 
 ROUNDS = 8
 
@@ -75,3 +82,77 @@ def test_round_starts_carry_int8_steps_and_a_newcomer_fetches_the_model(tmp_path
         # its first round from the fetched model (or the round start waited for it), the
         # others rebuilt from steps
         assert new["rebuilt"] + new["fetched"] >= len(joined) - 1 and new["rebuilt"] >= 1, (new, joined)
+
+
+OLD_ROUNDS = 3
+
+
+def configure_mixed(fed: Federation) -> None:
+    # Every round waits for all three: the two daemons and the agent of an earlier release.
+    fed.write_coordinator(
+        "digits",
+        {"seed": SEED},
+        {
+            "rounds": OLD_ROUNDS,
+            "min_agents": 3,
+            "expected_agents": 3,
+            "round_timeout": 60,
+            "local_epochs": 1,
+            "lr": LR,
+            "batch_size": BATCH,
+            "seed": SEED,
+        },
+    )
+
+
+@contextmanager
+def agent_of_an_earlier_release(fed: Federation, name: str) -> Iterator[LightAgent]:
+    """A light agent (fedagent.experiments.swarm) that announces no int8 steps and counts a
+    round start carrying one as an error, as agents of releases before them do; it sends
+    the model it gets back unchanged. Runs on its own event loop in a thread."""
+    ca_dir = fed.work / "pki"
+    cert, key = pki.issue(ca_dir, ca_dir, name, "agent")
+    old = LightAgent(
+        name, fed.broker_uri, TlsFiles(ca_dir / pki.CA_CERT, cert, key), step=0.0, reads_steps=False, federation=fed.fed
+    )
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    runs: list[asyncio.Task] = []
+
+    async def connect() -> None:
+        ready = asyncio.Event()
+        runs.append(loop.create_task(old.run(ready)))
+        await asyncio.wait_for(ready.wait(), 60)
+
+    try:
+        asyncio.run_coroutine_threadsafe(connect(), loop).result(90)
+        yield old
+    finally:
+        asyncio.run_coroutine_threadsafe(old.close(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+
+
+def test_round_starts_carry_the_whole_model_while_an_agent_of_an_earlier_release_is_online(tmp_path):
+    with running(
+        tmp_path,
+        configure=configure_mixed,
+        agents=2,
+        rounds=OLD_ROUNDS,
+        alpha=0.5,
+        round_timeout=60,
+        agent_broker_by_mdns=False,
+    ) as fed:
+        with agent_of_an_earlier_release(fed, "agent-old") as old:
+            done = wait_for(lambda: coordinator_in(fed, "done"), 240, "the federation to finish", fed)
+            assert done["completed_rounds"] == OLD_ROUNDS
+            assert done["updates"]["downlink"] == "int8"
+            rounds = [r for r in history(fed, "coordinator", "coordinator") if r["event"] == "round"]
+            # the old agent took part in every round and never met a step it cannot read
+            assert all("agent-old" in r["participants"] for r in rounds), rounds
+            assert old.errors == [] and old.rounds_sent == OLD_ROUNDS
+            # the daemons got every round start whole too: nothing rebuilt, nothing fetched
+            for a in fed.agent_ids:
+                assert fed.status(a)["model_steps"] == {"rebuilt": 0, "fetched": 0}

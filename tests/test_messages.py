@@ -32,6 +32,7 @@ def roundtrip(msg):
     "msg",
     [
         Presence(online=True, role="agent", num_samples=12),
+        Presence(online=True, role="agent", num_samples=12, downlinks=("int8",)),
         RoundResult(3, 4, ("agent-a", "agent-b"), {"loss": 0.5}),
         RoundResult(3, 4, (), {}, aggregated=False, reason="deadline passed"),
         GossipAck("s1.7", True),
@@ -82,6 +83,16 @@ def test_bad_update_bodies_raise_codec_error(mutate):
     mutate(body)
     with pytest.raises(CodecError):
         body_of("update", body, Limits())
+
+
+def test_presence_of_an_earlier_release_reads_no_steps_and_bad_downlinks_are_refused():
+    body = Presence(online=True, role="agent", downlinks=("int8",)).to_body()
+    assert body["downlinks"] == ["int8"]
+    del body["downlinks"]  # what an agent of a release before the int8 broadcast sends
+    assert body_of("presence", body, Limits()).downlinks == ()
+    for bad in ("int8", ["x" * 17], [""], [1], ["int8"] * 9):
+        with pytest.raises(CodecError):
+            body_of("presence", {**body, "downlinks": bad}, Limits())
 
 
 def test_round_start_refuses_bad_selected_and_deadline():

@@ -178,6 +178,10 @@ def test_coordinator_rows_give_round_and_version_their_meaning_and_the_held_out_
     assert _rows(s)["updates"] == "uncompressed, whole ([transfer] compression)"
     s["updates"] = {**s["updates"], "downlink": "int8", "downlink_default": True}
     assert _rows(s)["model broadcast"] == "int8 steps from the previous model (default)"
+    s["updates"]["whole_model_only"] = ["agent-7"]
+    assert _rows(s)["model broadcast"] == (
+        "int8 steps from the previous model (default); the whole model while agent-7 (an earlier release) is online"
+    )
     s["updates"] = {**s["updates"], "downlink": "none", "downlink_default": False}
     assert _rows(s)["model broadcast"] == "the whole model ([transfer] downlink)"
     agent = {"role": "agent", "model_steps": {"rebuilt": 7, "fetched": 1}}

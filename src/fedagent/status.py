@@ -134,6 +134,10 @@ def _broadcast_text(s: dict[str, Any]) -> str | None:
     if u and "downlink" in u:
         where = "default" if u.get("downlink_default") else "[transfer] downlink"
         how = "int8 steps from the previous model" if u["downlink"] == "int8" else "the whole model"
+        old = u.get("whole_model_only") or []
+        if u["downlink"] == "int8" and old:
+            names = ", ".join(old[:3]) + (f" and {len(old) - 3} more" if len(old) > 3 else "")
+            return f"{how} ({where}); the whole model while {names} (an earlier release) is online"
         return f"{how} ({where})"
     steps = s.get("model_steps")
     if steps and (steps.get("rebuilt") or steps.get("fetched")):

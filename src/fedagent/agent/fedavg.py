@@ -32,7 +32,7 @@ from fedagent.node import sdnotify
 from fedagent.node.messaging import Incoming
 from fedagent.node.runtime import presence_payload
 from fedagent.node.transport import Subscription
-from fedagent.protocols import dp, topics
+from fedagent.protocols import downlink, dp, topics
 from fedagent.protocols.catchup import CatchUp
 from fedagent.protocols.compression import CompressionConfig, Compressor
 from fedagent.protocols.messages import (
@@ -219,6 +219,7 @@ class FedAvgSession(Session):
                 True,
                 num_samples=self.agent.task.num_samples(),
                 model_version=self.participant.model_version,
+                downlinks=downlink.READS,
             ),
             retain=True,
         )

@@ -296,6 +296,7 @@ class CoordinatorCore:
                             "role": msg.role,
                             "samples": msg.num_samples,
                             "model_version": msg.model_version,
+                            "downlinks": list(msg.downlinks),
                             "last_seen": time.time(),
                         }
                         if not msg.online:

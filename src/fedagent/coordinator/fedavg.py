@@ -458,7 +458,15 @@ class FedAvgMode:
         # Before the vocabulary is agreed there is no machine: the core's peer table keeps
         # the presence and it is replayed to the machine once it exists.
         if self.machine is not None:
-            await self._handle(R.AgentOnline(agent, samples) if online else R.AgentOffline(agent))
+            await self._handle(self._online(agent, samples) if online else R.AgentOffline(agent))
+
+    def _online(self, agent: str, samples: int) -> R.AgentOnline:
+        """An agent online, with whether its presence says it rebuilds int8 steps."""
+        downlinks = self.core.peers.get(agent, {}).get("downlinks", ())
+        reads = "int8" in downlinks
+        if not reads and self.machine is not None and self.machine.config.downlink == "int8":
+            log.info("%s does not rebuild int8 steps (an earlier release): round starts carry the whole model", agent)
+        return R.AgentOnline(agent, samples, reads_steps=reads)
 
     async def on_message(self, inc: Incoming, now: float) -> None:
         msg = inc.message
@@ -588,6 +596,8 @@ class FedAvgMode:
             "default": self.cfg.compression is None,
             "downlink": rc.downlink,
             "downlink_default": self.cfg.downlink is None,
+            # online agents of earlier releases: round starts carry the whole model for them
+            "whole_model_only": self.machine.whole_model_only() if self.machine is not None else [],
         }
 
     def _save_checkpoint(self, weights: R.Weights, meta: dict[str, Any], version: int) -> None:
@@ -769,7 +779,7 @@ class FedAvgMode:
         await asyncio.to_thread(self._build_machine)
         log.info("model built on the vocabulary (%d terms) in %.2fs", len(agreed.terms), time.perf_counter() - t0)
         for aid, samples in self.core.online_agents().items():
-            await self._handle(R.AgentOnline(aid, samples))
+            await self._handle(self._online(aid, samples))
 
     async def _handle(self, event: Any) -> None:
         assert self.machine is not None

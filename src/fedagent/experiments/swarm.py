@@ -47,6 +47,7 @@ from fedagent.node.messaging import Incoming, Messenger
 from fedagent.node.transport import TlsFiles, Transport
 from fedagent.protocols import topics
 from fedagent.protocols.compression import CompressionConfig, Compressor
+from fedagent.protocols.downlink import READS
 from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, RoundStart
 from fedagent.protocols.participant import DeltaReceiver, Participant, SendUpdate, Train, TrainingDone
 from fedagent.signing import Identity
@@ -98,8 +99,11 @@ def issue_many(ca_dir: Path, out_dir: Path, names: list[str], role: str = "agent
 
 
 # ---- the light agent ---------------------------------------------------------------------
-def _presence(messenger: Messenger, online: bool, samples: int) -> bytes:
-    return messenger.frame(Presence(online=online, role="agent", mode="fedavg", num_samples=samples))
+def _presence(messenger: Messenger, online: bool, samples: int, reads_steps: bool = True) -> bytes:
+    downlinks = READS if reads_steps and online else ()
+    return messenger.frame(
+        Presence(online=online, role="agent", mode="fedavg", num_samples=samples, downlinks=downlinks)
+    )
 
 
 @dataclass
@@ -113,6 +117,10 @@ class LightAgent:
     # A thousand connections share one event loop (and, here, two busy cores): the 10 s
     # default keep-alive then gets missed under load and the broker drops healthy agents.
     keepalive: int = 60
+    # False: an agent of a release before the int8 broadcast (its presence does not
+    # announce the steps, and a round start carrying one is an error it cannot handle)
+    reads_steps: bool = True
+    federation: str = FEDERATION
     transport: Transport = field(init=False)
     messenger: Messenger = field(init=False)
     rounds_sent: int = 0
@@ -125,7 +133,7 @@ class LightAgent:
         self.compressor = Compressor()
         self.coordinator: str | None = None
         self.messenger = Messenger(
-            federation=FEDERATION,
+            federation=self.federation,
             node_id=self.id,
             transport=None,
             identity=Identity.load(self.tls.cert, self.tls.key, self.tls.ca),
@@ -134,17 +142,19 @@ class LightAgent:
             uri=self.broker,
             client_id=self.id,
             tls=self.tls,
-            will=(topics.presence(FEDERATION, self.id), _presence(self.messenger, False, self.samples)),
+            will=(topics.presence(self.federation, self.id), _presence(self.messenger, False, self.samples)),
             on_connect=self._on_connect,
             keepalive=self.keepalive,
-            subscriptions=[topics.all_broadcasts(FEDERATION), topics.inbox(FEDERATION, self.id)],
+            subscriptions=[topics.all_broadcasts(self.federation), topics.inbox(self.federation, self.id)],
         )
         self.messenger.transport = self.transport
         self._tasks: set[asyncio.Task] = set()
 
     async def _on_connect(self) -> None:
         await self.transport.publish(
-            topics.presence(FEDERATION, self.id), _presence(self.messenger, True, self.samples), retain=True
+            topics.presence(self.federation, self.id),
+            _presence(self.messenger, True, self.samples, self.reads_steps),
+            retain=True,
         )
 
     async def _on_payload(self, topic: str, payload: bytes | bytearray) -> None:
@@ -156,6 +166,9 @@ class LightAgent:
             return
         self.coordinator = inc.sender
         if isinstance(msg, RoundStart):
+            if msg.delta is not None and not self.reads_steps:
+                self.errors.append(f"round {msg.round}: a step, which an earlier release cannot read")
+                return
             resolved, why = self.steps.resolve(msg, self.held)
             if resolved is None:  # connected from the start, it holds every model: a bug
                 self.errors.append(f"round {msg.round}: {why}")
@@ -188,14 +201,14 @@ class LightAgent:
                     del new
                     if self.whole or not cmd.train.stream:
                         await self.messenger.send(
-                            topics.direct(FEDERATION, self.id, self.coordinator, "update"),
+                            topics.direct(self.federation, self.id, self.coordinator, "update"),
                             c.update,
                             round_=c.update.round,
                         )
                         self.rounds_sent += 1
                         continue
                     await self.messenger.send_update(
-                        topics.direct(FEDERATION, self.id, self.coordinator, "update"),
+                        topics.direct(self.federation, self.id, self.coordinator, "update"),
                         c.update,
                         base=cmd.weights,
                         compressor=self.compressor,
@@ -211,7 +224,7 @@ class LightAgent:
         try:
             await asyncio.wait_for(
                 self.transport.close(
-                    (topics.presence(FEDERATION, self.id), _presence(self.messenger, False, self.samples))
+                    (topics.presence(self.federation, self.id), _presence(self.messenger, False, self.samples))
                 ),
                 5,
             )

@@ -35,6 +35,9 @@ from fedagent.protocols.compression import quantize_int8
 Weights = dict[str, np.ndarray]
 
 MODES = ("none", "int8")
+#: The encodings an agent of this release rebuilds besides the whole model: announced in
+#: its presence, so that a coordinator sends steps only while every agent online reads them.
+READS = ("int8",)
 F32 = np.dtype(np.float32)
 
 

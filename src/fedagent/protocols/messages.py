@@ -75,6 +75,17 @@ def _names(value: Any, what: str, limit: int = 100_000) -> tuple[str, ...]:
     return tuple(value)
 
 
+_MAX_DOWNLINKS = 8
+
+
+def _short_names(value: Any, key: str, what: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > _MAX_DOWNLINKS:
+        raise CodecError(f"{what}: {key} must be a list of at most {_MAX_DOWNLINKS} names")
+    if not all(isinstance(v, str) and 0 < len(v) <= 16 for v in value):
+        raise CodecError(f"{what}: {key} holds a name that is not a short string")
+    return tuple(value)
+
+
 @dataclass(frozen=True, slots=True)
 class Presence:
     """Retained per node; its Last Will is the same with ``online=False``."""
@@ -86,6 +97,10 @@ class Presence:
     num_samples: int = 0
     model_version: int = 0
     broker: str = ""
+    # The encodings of the global model this agent rebuilds besides the whole model
+    # ("int8": round starts as int8 steps, protocols/downlink.py). Agents of releases
+    # before the int8 broadcast send none, and get the whole model.
+    downlinks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -94,9 +109,16 @@ class Presence:
             raise CodecError(f"presence: unknown mode {self.mode!r}")
         _count(self.num_samples, "num_samples", "presence")
         _count(self.model_version, "model_version", "presence")
+        d = self.downlinks
+        if (
+            not isinstance(d, tuple)
+            or len(d) > _MAX_DOWNLINKS
+            or not all(isinstance(x, str) and 0 < len(x) <= 16 for x in d)
+        ):
+            raise CodecError(f"presence: downlinks must be at most {_MAX_DOWNLINKS} short names")
 
     def to_body(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "online": self.online,
             "role": self.role,
             "mode": self.mode,
@@ -104,6 +126,9 @@ class Presence:
             "model_version": self.model_version,
             "broker": self.broker,
         }
+        if self.downlinks:
+            body["downlinks"] = list(self.downlinks)
+        return body
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> Presence:
@@ -118,6 +143,7 @@ class Presence:
             num_samples=_count(body.get("num_samples", 0), "num_samples", w),
             model_version=_count(body.get("model_version", 0), "model_version", w),
             broker=broker,
+            downlinks=_short_names(body.get("downlinks", []), "downlinks", w),
         )
 
 

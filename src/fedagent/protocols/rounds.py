@@ -222,6 +222,10 @@ def check_secure(cfg: RoundConfig) -> None:
 class AgentOnline:
     agent: str
     num_samples: int = 0
+    # The agent rebuilds round starts sent as int8 steps (its presence says so); agents
+    # of earlier releases do not, and while one is online round starts carry the whole
+    # model.
+    reads_steps: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,6 +394,7 @@ class RoundMachine:
         self.round = last_round  # number of the latest round started
         self.phase = Phase.WAITING if completed_rounds < config.rounds else Phase.DONE
         self.online: dict[str, int] = {}  # agent -> samples it announced
+        self._whole_only: set[str] = set()  # agents that read only whole models (of self.online)
         self.selected: tuple[str, ...] = ()
         self.received: dict[str, tuple[int, dict[str, float]]] = {}
         self._outstanding: set[str] = set()
@@ -430,6 +435,10 @@ class RoundMachine:
             if event.agent in self.departed:
                 return []
             self.online[event.agent] = event.num_samples
+            if event.reads_steps:
+                self._whole_only.discard(event.agent)
+            else:
+                self._whole_only.add(event.agent)
             return self._maybe_start(now)
         if isinstance(event, UpdatePart):
             return self._on_part(event, now)
@@ -439,6 +448,7 @@ class RoundMachine:
             return self._on_end(event, now)
         if isinstance(event, AgentOffline):
             self.online.pop(event.agent, None)
+            self._whole_only.discard(event.agent)
             self.departed.discard(event.agent)
             if self.phase is Phase.TRAINING and self.secagg is not None:
                 return self._secure(self.secagg.handle(SA.Gone(event.agent), now), now)
@@ -576,6 +586,11 @@ class RoundMachine:
         budget), or ''. Refused, the round is abandoned and nothing of it is learned."""
         return self._over_budget(len(self.selected), self._round_q, survivors)
 
+    def whole_model_only(self) -> list[str]:
+        """Online agents that cannot rebuild an int8 step: round starts carry the whole
+        model while there is one."""
+        return sorted(a for a in self._whole_only if a in self.online)
+
     def status(self) -> dict[str, object]:
         return {
             "phase": self.phase.value,
@@ -584,6 +599,7 @@ class RoundMachine:
             "rounds": self.config.rounds,
             "model_version": self.model_version,
             "online": sorted(self.online),
+            "whole_model_only": self.whole_model_only(),
             "selected": list(self.selected),
             "received": sorted(self.received),
             "metrics": dict(self.last_metrics),
@@ -735,7 +751,7 @@ class RoundMachine:
                 resumed,
                 setup,
                 first,
-                None if resumed else self.delta,
+                None if resumed or self.whole_model_only() else self.delta,
             ),
             RequestWakeup(wake),
         ]
