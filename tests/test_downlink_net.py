@@ -24,24 +24,27 @@ from fedagent.node.transport import TlsFiles
 ROUNDS = 8
 
 
-def configure(fed: Federation) -> None:
-    # Rounds start with whoever is online (the newcomer joins a later one); no [transfer]:
-    # int8 updates and so int8 steps, the defaults.
+def write_coordinator(fed: Federation, rounds: int, agents: int, **more: object) -> None:
+    # No [transfer]: int8 updates and so int8 steps, the defaults.
     fed.write_coordinator(
         "digits",
         {"seed": SEED},
         {
-            "rounds": ROUNDS,
-            "min_agents": 2,
-            "expected_agents": 2,
-            "min_updates": 1,
+            "rounds": rounds,
+            "min_agents": agents,
+            "expected_agents": agents,
             "round_timeout": 60,
-            "local_epochs": LOCAL_EPOCHS,
             "lr": LR,
             "batch_size": BATCH,
             "seed": SEED,
+            **more,
         },
     )
+
+
+def configure(fed: Federation) -> None:
+    # Rounds start with whoever is online (the newcomer joins a later one).
+    write_coordinator(fed, ROUNDS, 2, min_updates=1, local_epochs=LOCAL_EPOCHS)
 
 
 def history(fed: Federation, stem: str, role: str) -> list[dict]:
@@ -89,20 +92,7 @@ OLD_ROUNDS = 3
 
 def configure_mixed(fed: Federation) -> None:
     # Every round waits for all three: the two daemons and the agent of an earlier release.
-    fed.write_coordinator(
-        "digits",
-        {"seed": SEED},
-        {
-            "rounds": OLD_ROUNDS,
-            "min_agents": 3,
-            "expected_agents": 3,
-            "round_timeout": 60,
-            "local_epochs": 1,
-            "lr": LR,
-            "batch_size": BATCH,
-            "seed": SEED,
-        },
-    )
+    write_coordinator(fed, OLD_ROUNDS, 3, local_epochs=1)
 
 
 @contextmanager
