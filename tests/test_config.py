@@ -81,6 +81,10 @@ def test_search_section_roundtrip(tmp_path):
         ('id = "a"\n[discovery]\ninterfaces = ["eth0"]\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "not an interface name"),
         ('id = "a"\n[discovery]\ninterfaces = "10.0.0.1"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "non-empty list"),
         ('id = "a"\n[discovery]\ninterface = ["10.0.0.1"]\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "[discovery]"),
+        ('id = "a"\n[transfer]\ncompresion = "none"\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "[transfer]"),
+        ('id = "a"\n[broker]\nkeep_alive = 30\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "[broker]"),
+        ('id = "a"\n[tls]\nca="a"\ncert="b"\nkey="c"\ncrl="d"\n', "[tls]"),
+        ('id = "a"\n[security]\nmax_skew = 10\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "[security]"),
     ],
 )
 def test_bad_configs_name_the_problem(tmp_path, text, words):

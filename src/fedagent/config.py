@@ -499,6 +499,18 @@ def _table(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
     return v
 
 
+_TRANSFER_KEYS = frozenset(
+    {"max_chunk_bytes", "max_model_bytes", "compression", "topk_ratio", "downlink", "stream_updates"}
+)
+
+
+def _known(table: dict[str, Any], keys: set[str] | frozenset[str], name: str, where: str) -> None:
+    """A misspelt key must not fall back to the default without a word."""
+    unknown = set(table) - keys
+    if unknown:
+        raise ConfigError(f"{where}: [{name}]: unknown keys {sorted(unknown)} (known: {', '.join(sorted(keys))})")
+
+
 def load(path: Path | str, role: str) -> NodeConfig:
     path = Path(path).expanduser().resolve()
     try:
@@ -531,12 +543,14 @@ def load(path: Path | str, role: str) -> NodeConfig:
         if mode not in MODES:
             raise ConfigError(f"{where}: mode must be one of {MODES}, not {mode!r}")
         tls_raw = _table(raw, "tls", where)
+        _known(tls_raw, {"ca", "cert", "key"}, "tls", where)
         tls = TlsConfig(
             ca=p(tls_raw.get("ca"), "tls.ca"),
             cert=p(tls_raw.get("cert"), "tls.cert"),
             key=p(tls_raw.get("key"), "tls.key"),
         )
         broker_raw = _table(raw, "broker", where)
+        _known(broker_raw, {"uri", "keepalive"}, "broker", where)
         broker = broker_raw.get("uri", "")
         keepalive = broker_raw.get("keepalive", 10)
         if isinstance(keepalive, bool) or not isinstance(keepalive, int) or not 2 <= keepalive <= 65535:
@@ -546,9 +560,7 @@ def load(path: Path | str, role: str) -> NodeConfig:
         if role == "coordinator" and not broker:
             raise ConfigError(f"{where}: a coordinator needs broker.uri (it advertises it to agents)")
         disc = _table(raw, "discovery", where)
-        unknown_disc = set(disc) - {"interfaces", "advertise"}
-        if unknown_disc:
-            raise ConfigError(f"{where}: [discovery]: unknown keys {sorted(unknown_disc)}")
+        _known(disc, {"interfaces", "advertise"}, "discovery", where)
         interfaces = check_interfaces(disc.get("interfaces", list(DEFAULT_INTERFACES)))
         task = _table(raw, "task", where)
         options = {k: v for k, v in task.items() if k != "name"}
@@ -588,10 +600,9 @@ def load(path: Path | str, role: str) -> NodeConfig:
             if mode == "syncopt":
                 raise ConfigError(f"{where}: [privacy] is for mode = 'fedavg' or 'gossip', not 'syncopt'")
         transfer = _table(raw, "transfer", where)
+        _known(transfer, _TRANSFER_KEYS, "transfer", where)
         security = _table(raw, "security", where)
-        unknown_sec = set(security) - {"max_clock_skew"}
-        if unknown_sec:
-            raise ConfigError(f"{where}: [security]: unknown keys {sorted(unknown_sec)}")
+        _known(security, {"max_clock_skew"}, "security", where)
         skew = security.get("max_clock_skew", 300.0)
         if isinstance(skew, bool) or not isinstance(skew, int | float) or not 1 <= skew <= 86400:
             raise ConfigError(f"{where}: security.max_clock_skew must be 1..86400 seconds, not {skew!r}")
