@@ -45,6 +45,8 @@ from fedagent.statefile import cleanup_temp_files
 from fedagent.tasks.base import Task, Weights, load_task, set_weights, warm_up_torch
 
 log = logging.getLogger("fedagent.agent")
+#: Until its first heartbeat an agent looks this often (seconds) for a coordinator to send it to.
+FIRST_BEAT_POLL = 0.25
 
 DISCOVERY_TIMEOUT = 10.0
 
@@ -216,9 +218,14 @@ class Session(abc.ABC):
         loop = asyncio.get_running_loop()
         interval = heartbeat_interval(self.cfg.keepalive)
         beat = Heartbeat(interval)
+        # The coordinator tracks an agent from its first heartbeat on: the first one goes
+        # out as soon as the coordinator is known (looked for every quarter second), not a
+        # whole interval later, so that an agent cut off in its first rounds is declared
+        # silent too instead of being waited for until the round's deadline.
         due = loop.time()
+        first = True
         while True:
-            due += interval
+            due += min(interval, FIRST_BEAT_POLL) if first else interval
             now = loop.time()
             if due < now:  # this loop was held up: beat now, and keep the period from here
                 due = now
@@ -226,6 +233,7 @@ class Session(abc.ABC):
             coordinator = self.coordinator
             if coordinator is None or not self.transport.connected:
                 continue
+            first = False
             try:
                 await self.messenger.send(topics.direct(self.fed, self.cfg.id, coordinator, "heartbeat"), beat)
             except TransportError as exc:
