@@ -214,7 +214,14 @@ def test_coordinator_on_a_full_disk_exits_74_and_resumes_when_space_returns(tmp_
         out = coord.log.read_text()
         assert code == EXIT_IOERR, out[-2000:]
         assert "No space left on device" in out
-        assert "previous version is intact" in out or "earlier records are intact" in out
+        # the file being written when the disk filled: the checkpoint, the history or the
+        # server momentum's velocity
+        intact = (
+            "previous version is intact",
+            "earlier records are intact",
+            "previous velocity and checkpoint are intact",
+        )
+        assert any(m in out for m in intact), out[-2000:]
         state = disk.path / "coordinator" / fed.fed
         weights, meta = checkpoint.load(state / "global.ckpt")
         records = [json.loads(line) for line in (state / "history.jsonl").read_text().splitlines()]
