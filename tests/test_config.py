@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fedagent import config
-from fedagent.config import TlsConfig
+from fedagent.config import GossipSettings, TlsConfig
 from fedagent.errors import ConfigError
 from fedagent.tasks.base import load_task
 
@@ -203,3 +203,10 @@ def test_mdns_not_found_says_where_it_searched_and_how_to_search_elsewhere():
     assert "searched on 127.0.0.1" in msg and "reaches only this machine" in msg
     assert "fedagent join lab --interface ADDRESS" in msg and "[discovery] interfaces" in msg and "--broker" in msg
     assert "only this machine" not in not_found_message("lab", ("coordinator",), 10, ["192.168.1.11"])
+
+
+def test_gossip_sends_count_fanout_only_with_a_screening_merge():
+    # what a local-DP target epsilon is spread over: push-sum sends one model a period
+    # whatever fanout says; a screening merge sends one to each of `fanout` peers
+    assert GossipSettings(periods=40, fanout=3).sends() == 40
+    assert GossipSettings(periods=40, fanout=3, aggregation="median", byzantine=1).sends() == 120

@@ -157,6 +157,11 @@ class GossipSettings:
         except ValueError as exc:
             raise ConfigError(f"[gossip] vocabulary: {exc}") from None
 
+    def sends(self) -> int:
+        """Models this agent sends over ``periods``: one per period with push-sum,
+        ``fanout`` per period with a screening merge (the only merge that fans out)."""
+        return self.periods * (self.fanout if self.aggregation != "mean" else 1)
+
     def machine_config(self, names: tuple[str, ...] | None):
         """The pure machine's configuration, with ``exchange`` resolved to ``names``."""
         from fedagent.protocols.gossip import GossipConfig

@@ -147,7 +147,7 @@ class GossipSession(Session):
             # The seeded initial model is public (every agent builds it alike): the first
             # reference. After a restart ε goes on from the checkpoint's record.
             self.local_dp = dp.LocalRelease(
-                privacy.resolve(self.settings.periods * self.settings.fanout),
+                privacy.resolve(self.settings.sends()),
                 weights,
                 np.random.default_rng(),
                 (resumed[1].get("privacy") if resumed is not None else None) or [],
