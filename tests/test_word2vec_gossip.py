@@ -59,6 +59,9 @@ def _run(tmp_path):
             "min_peers": AGENTS - 1,
             "send_timeout": 5.0,
             "eval_every": 10,
+            # A period trains 10 batches in a few milliseconds: unpaced, the agents ran all
+            # 40 periods in about two seconds, before most of their peers' models arrived.
+            "period_seconds": 0.25,
         },
     )
     (tmp_path / "fed").mkdir()
