@@ -90,6 +90,8 @@ class Scale:
     rounds_per_epoch: int = 1
     server_lr: float = 1.0
     dim: int = 50
+    negative: int = 5  # noise words per (document, word) pair
+    sample: float = 1e-3  # subsampling threshold of frequent words (0: none)
     lr: float = 0.025
     batch_size: int = 1024
     infer_epochs: int = 10
@@ -229,6 +231,8 @@ def options(scale: Scale, **extra: Any) -> dict[str, Any]:
         "corpus": scale.corpus,
         "holdout": 0.0,
         "dim": scale.dim,
+        "negative": scale.negative,
+        "sample": scale.sample,
         "min_count": scale.min_count,
         "seed": scale.seed,
         "limit": scale.limit,

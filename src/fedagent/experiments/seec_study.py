@@ -14,8 +14,16 @@ only one draw of a noisy training run. This study puts the gap next to its ceili
   simulated synchronously in this process.
 
 Factors: passes over the data (``epochs``: rounds of one local epoch when federated),
-inference passes (``infer``), ``min_count``. Every configuration is a JSON line in the
-output file as soon as it is measured.
+inference passes (``infer``), ``min_count``, the doc2vec settings ``dim``, ``negative``
+and ``sample``. Every configuration is a JSON line in the output file as soon as it is
+measured.
+
+Agreement can be bought by degrading the model: if every top 10 collapsed onto a few hub
+documents, any two models would agree. So each reference (and each joint model) also gets
+two measures that do not depend on agreement (:func:`quality`): ``knn_section``, how often
+the man page's section (1-8, from its name) is the majority of its 10 nearest neighbours'
+sections, and ``hubness``, the number of distinct documents in all the top 10s together
+(with ``max_in``, how many top 10s the most frequent one is in).
 
 Run: ``python -m fedagent.experiments.seec_study OUT.jsonl --epochs 10 20 40 --infer 10 40``.
 """
@@ -24,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -47,6 +57,36 @@ from fedagent.tasks.doc2vec import DocHead
 
 def sim(a: list[list[int]], b: list[list[int]], k: int) -> float:
     return float(overlaps(a, b, k).mean() / k)
+
+
+def section(title: str) -> str:
+    """A man page's section from its title: ``open(2)`` -> "2", ``open_how(2type)`` -> "2"
+    ("" when the title has none)."""
+    m = re.search(r"\((\d)[^()]*\)\s*$", title)
+    return m.group(1) if m else ""
+
+
+def quality(top: list[list[int]], labels: list[str], k: int) -> dict[str, float | int]:
+    """Measures of one model's top k that do not depend on agreement with another model:
+    ``knn_section``, the share of documents whose label is the majority label of their k
+    nearest neighbours (a tie goes to the label of the nearest of the tied ones);
+    ``hubness``, the number of distinct documents in all top k lists; ``max_in``, the
+    number of lists the most frequent document is in."""
+    right = 0
+    seen: Counter[int] = Counter()
+    for i, row in enumerate(top):
+        row = row[:k]
+        seen.update(row)
+        votes = Counter(labels[j] for j in row)
+        if votes:
+            best = max(votes.values())
+            winner = next(labels[j] for j in row if votes[labels[j]] == best)
+            right += winner == labels[i]
+    return {
+        "knn_section": right / max(len(top), 1),
+        "hubness": len(seen),
+        "max_in": max(seen.values(), default=0),
+    }
 
 
 def train_joint(
@@ -111,34 +151,65 @@ def train_joint(
     return central_vocab, glob
 
 
-def baseline(scale: Scale, central_task: Any, infer: int, cache: Path | None) -> tuple[dict[str, Any], list[list[int]]]:
-    """The centralized model's top k of every document (the reference), and the reinfer and
-    reseed ceilings, for ``scale`` and ``infer`` passes: measured (two centralized models
-    and three inferences), or read back from ``cache`` where an earlier run left them (they
-    depend on nothing a joint variant changes)."""
-    key = f"e{scale.epochs}-i{infer}-m{scale.min_count}-s{scale.seed}-l{scale.limit}.json"
-    if cache is not None and (cache / key).exists():
-        saved = json.loads((cache / key).read_text())
-        print(json.dumps(saved["row"]), flush=True)
-        return saved["row"], saved["ref"]
-    docs, k = central_task.tokens, scale.k
-    t0 = time.process_time()
-    central, _ = train(central_task, scale, seed=scale.seed)
-    other_task = load_doc2vec(replace(scale, seed=scale.seed + 1))
-    other, _ = train(other_task, scale, seed=scale.seed + 1)
-    cpu_train = time.process_time() - t0
-    t0 = time.process_time()
-    ref = neighbours(central_task.infer_vectors(central, docs, epochs=infer, seed=101)[0], k)
-    row: dict[str, Any] = {"epochs": scale.epochs, "infer": infer, "min_count": scale.min_count, "seed": scale.seed}
-    row["reinfer"] = sim(ref, neighbours(central_task.infer_vectors(central, docs, epochs=infer, seed=202)[0], k), k)
-    row["reseed"] = sim(ref, neighbours(other_task.infer_vectors(other, docs, epochs=infer, seed=202)[0], k), k)
-    row["cpu_train_2_central_s"] = round(cpu_train, 1)
-    row["cpu_infer_s"] = round(time.process_time() - t0, 1)
-    print(json.dumps(row), flush=True)
-    if cache is not None:
-        cache.mkdir(parents=True, exist_ok=True)
-        (cache / key).write_text(json.dumps({"row": row, "ref": [[int(j) for j in r] for r in ref]}))
-    return row, ref
+def scale_key(scale: Scale) -> dict[str, Any]:
+    """The settings that tell one study configuration from another, as a JSON row's fields."""
+    return {
+        "epochs": scale.epochs,
+        "min_count": scale.min_count,
+        "dim": scale.dim,
+        "negative": scale.negative,
+        "sample": scale.sample,
+        "seed": scale.seed,
+    }
+
+
+def baseline(
+    scale: Scale, central_task: Any, infers: list[int], cache: Path | None
+) -> list[tuple[dict[str, Any], list[list[int]]]]:
+    """For each number of inference passes in ``infers``: the centralized model's top k of
+    every document (the reference), the reinfer and reseed ceilings, and the reference's
+    :func:`quality`. The two centralized models are trained once for all ``infers``;
+    everything is read back from ``cache`` where an earlier run left it (it depends on
+    nothing a joint variant changes)."""
+
+    def key(infer: int) -> str:
+        return (
+            f"e{scale.epochs}-i{infer}-m{scale.min_count}-s{scale.seed}-l{scale.limit}"
+            f"-d{scale.dim}-n{scale.negative}-x{scale.sample:g}.json"
+        )
+
+    out: dict[int, tuple[dict[str, Any], list[list[int]]]] = {}
+    for infer in infers:
+        if cache is not None and (cache / key(infer)).exists():
+            saved = json.loads((cache / key(infer)).read_text())
+            print(json.dumps(saved["row"]), flush=True)
+            out[infer] = saved["row"], saved["ref"]
+    todo = [i for i in infers if i not in out]
+    if todo:
+        docs, k = central_task.tokens, scale.k
+        labels = [section(t) for t in central_task.titles]
+        t0 = time.process_time()
+        central, _ = train(central_task, scale, seed=scale.seed)
+        other_task = load_doc2vec(replace(scale, seed=scale.seed + 1))
+        other, _ = train(other_task, scale, seed=scale.seed + 1)
+        cpu_train = time.process_time() - t0
+        for infer in todo:
+            t0 = time.process_time()
+            ref = neighbours(central_task.infer_vectors(central, docs, epochs=infer, seed=101)[0], k)
+            row: dict[str, Any] = {**scale_key(scale), "infer": infer}
+            again = central_task.infer_vectors(central, docs, epochs=infer, seed=202)[0]
+            row["reinfer"] = sim(ref, neighbours(again, k), k)
+            row["reseed"] = sim(ref, neighbours(other_task.infer_vectors(other, docs, epochs=infer, seed=202)[0], k), k)
+            row.update(quality(ref, labels, k))
+            row["cpu_train_2_central_s"] = round(cpu_train, 1)
+            row["cpu_infer_s"] = round(time.process_time() - t0, 1)
+            print(json.dumps(row), flush=True)
+            ref = [[int(j) for j in r] for r in ref]
+            if cache is not None:
+                cache.mkdir(parents=True, exist_ok=True)
+                (cache / key(infer)).write_text(json.dumps({"row": row, "ref": ref}))
+            out[infer] = row, ref
+    return [out[i] for i in infers]
 
 
 def study_mapping(args: argparse.Namespace) -> None:
@@ -148,13 +219,17 @@ def study_mapping(args: argparse.Namespace) -> None:
     from fedagent.experiments.seec import Site, global_search, site_seed
     from fedagent.tasks.seec import public_vectors, train_mapper, train_own_model
 
-    for seed, epochs in [(s, e) for s in args.seed for e in args.epochs]:
-        scale = Scale(corpus="manpages", epochs=epochs, infer_epochs=args.infer[0], seed=seed, limit=args.limit)
+    for scale in scales(args):
+        scale = replace(scale, infer_epochs=args.infer[0])
         central_task = load_doc2vec(scale)
         docs = central_task.tokens
         n, k = len(docs), scale.k
-        central, _ = train(central_task, scale, seed=scale.seed)
-        ref = neighbours(central_task.infer_vectors(central, docs, seed=101)[0], k)
+        if args.cache is not None:
+            # the reference the joint study measured (and cached) for these settings
+            ref = baseline(scale, central_task, [scale.infer_epochs], args.cache)[0][1]
+        else:
+            central, _ = train(central_task, scale, seed=scale.seed)
+            ref = neighbours(central_task.infer_vectors(central, docs, seed=101)[0], k)
         index = {tuple(t): i for i, t in enumerate(docs)}
         sites: list[Site] = []
         models = []
@@ -170,7 +245,7 @@ def study_mapping(args: argparse.Namespace) -> None:
             sites.append(
                 {"task": task, "vec": task.embed_documents(model), "pub": np.zeros(0), "rows": rows, "vocab": len(own)}
             )
-        base = {"epochs": epochs, "infer": scale.infer_epochs, "seed": scale.seed}
+        base = {**scale_key(scale), "infer": scale.infer_epochs}
         unmapped = sim(ref, global_search(sites, None, n, k), k)
         print(json.dumps({**base, "unmapped": unmapped}), flush=True)
         for corpus in args.public:
@@ -203,6 +278,29 @@ def study_mapping(args: argparse.Namespace) -> None:
                     f.write(json.dumps(row) + "\n")
 
 
+def scales(args: argparse.Namespace) -> list[Scale]:
+    """One :class:`Scale` of the man-page experiment per combination of the settings asked
+    for (seed outermost, so one seed's configurations come together)."""
+    return [
+        Scale(
+            corpus="manpages",
+            epochs=e,
+            min_count=m,
+            dim=d,
+            negative=n,
+            sample=x,
+            seed=s,
+            limit=args.limit,
+        )
+        for s in args.seed
+        for m in args.min_count
+        for e in args.epochs
+        for d in args.dim
+        for n in args.negative
+        for x in args.sample
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)
@@ -210,6 +308,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--infer", type=int, nargs="+", default=[10])
     p.add_argument("--min-count", type=int, nargs="+", default=[2])
     p.add_argument("--seed", type=int, nargs="+", default=[0])
+    p.add_argument("--dim", type=int, nargs="+", default=[Scale.dim], help="doc2vec: vector size d")
+    p.add_argument("--negative", type=int, nargs="+", default=[Scale.negative], help="doc2vec: noise words a pair")
+    p.add_argument(
+        "--sample", type=float, nargs="+", default=[Scale.sample], help="doc2vec: subsampling threshold (0: none)"
+    )
     p.add_argument("--limit", type=int, default=0)
     p.add_argument("--no-joint", action="store_true")
     p.add_argument(
@@ -248,8 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.mapping:
         study_mapping(args)
         return
-    for seed, mc, epochs in [(s, m, e) for s in args.seed for m in args.min_count for e in args.epochs]:
-        scale = Scale(corpus="manpages", epochs=epochs, min_count=mc, seed=seed, limit=args.limit)
+    for scale in scales(args):
         central_task = load_doc2vec(scale)
         docs = central_task.tokens
         k = scale.k
@@ -271,7 +373,8 @@ def main(argv: list[str] | None = None) -> None:
             for wt in args.weights
             for sc in args.schedule
         ]
-        base_rows = [baseline(scale, central_task, infer, args.cache) for infer in args.infer]
+        base_rows = baseline(scale, central_task, args.infer, args.cache)
+        labels = [section(t) for t in central_task.titles]
         # One line per joint variant and inference setting, written as soon as it is measured.
         for v in [] if args.no_joint else variants:
             t0 = time.process_time()
@@ -279,8 +382,9 @@ def main(argv: list[str] | None = None) -> None:
             cpu = time.process_time() - t0
             for row, ref in base_rows:
                 t0 = time.process_time()
-                joint = sim(ref, neighbours(jt.infer_vectors(jm, docs, epochs=row["infer"], seed=303)[0], k), k)
-                out = {**row, "joint": [{**v, "sim": joint, "cpu_s": round(cpu, 1)}]}
+                top = neighbours(jt.infer_vectors(jm, docs, epochs=row["infer"], seed=303)[0], k)
+                joint = {**v, "sim": sim(ref, top, k), **quality(top, labels, k), "cpu_s": round(cpu, 1)}
+                out = {**row, "joint": [joint]}
                 out["cpu_infer_s"] = round(time.process_time() - t0, 1)
                 print(json.dumps(out), flush=True)
                 with args.out.open("a") as f:
