@@ -199,8 +199,11 @@ def baseline(
             row: dict[str, Any] = {**scale_key(scale), "infer": infer}
             again = central_task.infer_vectors(central, docs, epochs=infer, seed=202)[0]
             row["reinfer"] = sim(ref, neighbours(again, k), k)
-            row["reseed"] = sim(ref, neighbours(other_task.infer_vectors(other, docs, epochs=infer, seed=202)[0], k), k)
+            other_top = neighbours(other_task.infer_vectors(other, docs, epochs=infer, seed=202)[0], k)
+            row["reseed"] = sim(ref, other_top, k)
             row.update(quality(ref, labels, k))
+            # the same measures on the second model: how much they move between two runs
+            row.update({f"reseed_{name}": v for name, v in quality(other_top, labels, k).items()})
             row["cpu_train_2_central_s"] = round(cpu_train, 1)
             row["cpu_infer_s"] = round(time.process_time() - t0, 1)
             print(json.dumps(row), flush=True)
