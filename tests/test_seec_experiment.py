@@ -55,8 +55,10 @@ def test_joint_rounds_split_each_pass_over_the_data():
 def test_command_line_names_every_option_that_is_not_the_default():
     # The report's command must rerun the report's experiment: a seed other than 0 or a
     # joint setting other than the corpus's default has to appear in it.
-    default = asdict(replace(SCALES["default"], corpus="manpages", rounds_per_epoch=10, server_lr=2.0))
+    default = asdict(replace(SCALES["default"], corpus="manpages", rounds_per_epoch=10, server_lr=2.0, dim=100))
     assert command_line(default, "out") == "fedagent experiment seec --corpus manpages --out out"
+    d50 = {**default, "dim": 50}  # the man pages' runs before d = 100 became their default
+    assert command_line(d50, "o") == "fedagent experiment seec --corpus manpages --dim 50 --out o"
     seed1 = {**default, "seed": 1}
     assert command_line(seed1, "r/s1") == "fedagent experiment seec --corpus manpages --seed 1 --out r/s1"
     plain = {**default, "rounds_per_epoch": 1, "server_lr": 1.0, "sites": 4}
@@ -67,3 +69,21 @@ def test_command_line_names_every_option_that_is_not_the_default():
     assert command_line(wiki, "o") == "fedagent experiment seec --seed 2 --out o"
     tiny = asdict(replace(SCALES["tiny"], epochs=3))
     assert command_line(tiny, "o") == "fedagent experiment seec --scale tiny --epochs 3 --out o"
+
+
+def test_the_command_picks_each_corpus_dim_unless_told(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from fedagent.cli import main
+    from fedagent.experiments import seec
+
+    seen: list[Scale] = []
+    monkeypatch.setattr(seec, "run_experiment", lambda out, scale, keep=False: seen.append(scale))
+    runner = CliRunner()
+    for args in (["--corpus", "manpages"], [], ["--corpus", "manpages", "--dim", "50"]):
+        result = runner.invoke(main, ["experiment", "seec", *args, "--out", str(tmp_path)])
+        assert result.exit_code == 0, result.output
+    assert [s.dim for s in seen] == [seec.CORPUS_DIM["manpages"], 50, 50]
+    assert seen[0].rounds_per_epoch == 10 and seen[1].rounds_per_epoch == 1
+    result = runner.invoke(main, ["experiment", "seec", "--dim", "0", "--out", str(tmp_path)])
+    assert result.exit_code != 0 and "--dim" in result.output

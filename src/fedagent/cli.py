@@ -970,6 +970,7 @@ def experiment_dp_digits(rounds: int, seeds: int, fixed_clip: bool, out: Path) -
     help="private data: gensim's Wikipedia articles (105) or the Linux manual pages (1,083)",
 )
 @click.option("--limit", type=int, default=None, help="use only the corpus's first N documents (0: all)")
+@click.option("--dim", type=int, default=None, help="doc2vec vector size d [default: 100 on the man pages, 50 on wiki]")
 @click.option(
     "--rounds-per-epoch",
     type=int,
@@ -992,6 +993,7 @@ def experiment_seec(
     keep: bool,
     corpus: str,
     limit: int | None,
+    dim: int | None,
     rounds_per_epoch: int | None,
     server_lr: float | None,
 ) -> None:
@@ -1015,11 +1017,14 @@ def experiment_seec(
         joint = seec.JOINT_SETTINGS.get(corpus, (scale.rounds_per_epoch, scale.server_lr))
         scale = replace(
             scale,
+            dim=seec.CORPUS_DIM.get(corpus, scale.dim) if dim is None else dim,
             rounds_per_epoch=joint[0] if rounds_per_epoch is None else rounds_per_epoch,
             server_lr=joint[1] if server_lr is None else server_lr,
         )
         if scale.limit < 0:
             raise ConfigError("--limit must be at least 0")
+        if not 1 <= scale.dim <= 1000:
+            raise ConfigError("--dim must be in [1, 1000]")
         if scale.rounds_per_epoch < 1 or not 0 < scale.server_lr <= 100:
             raise ConfigError("--rounds-per-epoch must be at least 1 and --server-lr in (0, 100]")
         seec.run_experiment(out, scale, keep=keep)
