@@ -35,8 +35,15 @@ def label(key: tuple) -> str:
 
 
 refs: dict[tuple, dict] = {}
+cpu: dict[tuple, float] = {}
 for r in rows("ceiling-grid.jsonl") + rows("dim-joint.jsonl"):
-    refs.setdefault((setting(r), r["seed"]), r)
+    # the row that also measured the second model, where there is one
+    key = (setting(r), r["seed"])
+    # CPU of the references: the row that measured them (a joint row's cpu_infer_s is its own)
+    if not r.get("joint"):
+        cpu.setdefault(key, r["cpu_train_2_central_s"] + r["cpu_infer_s"])
+    if key not in refs or ("reseed_knn_section" in r and "reseed_knn_section" not in refs[key]):
+        refs[key] = r
 joints: dict[tuple, dict] = {}
 for r in rows("dim-joint.jsonl"):
     if r.get("joint"):
@@ -52,14 +59,22 @@ print(
     "| 2nd model: kNN section, hubness | joint (R 10, step 2) | joint / ceiling | CPU s (2 models + 3 inferences) |"
 )
 print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-order = sorted({k for k, s in refs if s == 0}, key=lambda k: (k[1], k[2], -k[3], k[0], k[4]))
+
+
+def group(k: tuple) -> int:
+    """The current setting first, then one knob at a time: epochs, sample, negative, dim."""
+    changed = [i for i, name in enumerate(KEYS[:-1]) if BASE[name] != k[i]]
+    return {(): 0, (0,): 1, (3,): 2, (2,): 3, (1,): 4}.get(tuple(changed), 5)
+
+
+order = sorted({k for k, s in refs if s == 0}, key=lambda k: (group(k), k[1], k[0], -k[3], k[2], k[4]))
 for key in order:
     r, j = refs[(key, 0)], joints.get((key, 0))
     second = f"{r['reseed_knn_section']:.3f}, {r['reseed_hubness']}" if "reseed_knn_section" in r else "-"
     print(
         f"| {label(key)} | {r['reinfer']:.3f} | {r['reseed']:.3f} | {r['knn_section']:.3f} "
         f"| {r['hubness']} ({r['max_in']}) | {second} | {fmt(j and j['sim'], '.3f')} "
-        f"| {fmt(j and j['sim'] / r['reseed'], '.2f')} | {r['cpu_train_2_central_s'] + r['cpu_infer_s']:.0f} |"
+        f"| {fmt(j and j['sim'] / r['reseed'], '.2f')} | {fmt(cpu.get((key, 0)), '.0f')} |"
     )
 
 print()
