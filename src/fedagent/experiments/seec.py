@@ -11,7 +11,8 @@ Wikipedia: the FreeBSD manual pages next to the Linux ones; next to gensim's Wik
 articles nothing of the kind ships, so there the 200 posts of gensim's 20-newsgroups
 sample (SEEC uses all 18,846).
 
-Models: PV-DBOW doc2vec (:mod:`fedagent.tasks.doc2vec`), d = 50, lr 0.025 with a cosine
+Models: PV-DBOW doc2vec (:mod:`fedagent.tasks.doc2vec`), d = 50 (100 on the man pages,
+:data:`CORPUS_DIM`), lr 0.025 with a cosine
 decay, the same number of passes over the data everywhere. Vectors compared by
 ``sim_10`` are *inferred* with the head frozen, for the centralized and the federated
 model alike (that is what a site does when it indexes documents or vectorises a query).
