@@ -4,6 +4,8 @@ reference run as its point at the full budget."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import numpy as np
 import pytest
 
@@ -86,3 +88,28 @@ def test_report_averages_seeds_and_measures_loss_against_the_centralized_mean(tm
     assert "Average quality loss over the 6 full-exchange configurations" in text and "6.904" in text
     # the directory's status paragraph sits under the title
     assert text.splitlines()[2] == "**Status.** Seeds 2 and 3 did not run."
+
+
+def test_pacing_reaches_the_scale_and_keeps_earlier_runs_and_centralized_models(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from fedagent.cli import main
+    from fedagent.experiments import gossip_w2v
+
+    seen: list[Scale] = []
+    monkeypatch.setattr(gossip_w2v, "run_experiment", lambda out, scale, configs, **kw: seen.append(scale))
+    runner = CliRunner()
+    for args in ([], ["--period-seconds", "1.2"]):
+        result = runner.invoke(main, ["experiment", "gossip-w2v", *args, "--out", str(tmp_path)])
+        assert result.exit_code == 0, result.output
+    assert [s.period_seconds for s in seen] == [0.0, 1.2]
+    result = runner.invoke(main, ["experiment", "gossip-w2v", "--period-seconds", "-1", "--out", str(tmp_path)])
+    assert result.exit_code != 0 and "--period-seconds" in result.output
+    unpaced, paced = seen
+    # runs saved before the setting existed are still reused unpaced, not paced
+    assert "period_seconds" not in gossip_w2v._run_key(unpaced)
+    assert gossip_w2v._run_key(paced)["period_seconds"] == 1.2
+    # pacing changes nothing in the centralized models
+    assert gossip_w2v._central_key(unpaced) == gossip_w2v._central_key(paced)
+    assert "at least 1.2 s" in gossip_w2v._gossip_step({**asdict(paced), "lr": 0.025})
+    assert "at least" not in gossip_w2v._gossip_step({**asdict(unpaced), "lr": 0.025})

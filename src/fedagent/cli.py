@@ -725,6 +725,13 @@ def experiment_flsimco(
     help="the agents' [gossip] outer_step B: step lr x N / B between exchanges, adopt start + B x the progress "
     "(default 1: lr x N)",
 )
+@click.option(
+    "--period-seconds",
+    type=float,
+    default=None,
+    help="the agents' [gossip] period_seconds: every period lasts at least this long, which keeps agents of "
+    "unequal speed in step (default 0: unpaced)",
+)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("gossip-w2v-report"), show_default=True)
 @click.option("--keep", is_flag=True, help="keep the work directories (logs, checkpoints, histories)")
 @click.option("--report-only", is_flag=True, help="run nothing new: rebuild the report from OUT/runs/")
@@ -737,6 +744,7 @@ def experiment_gossip_w2v(
     configs: tuple[str, ...],
     merge: str | None,
     outer_step: float | None,
+    period_seconds: float | None,
     out: Path,
     keep: bool,
     report_only: bool,
@@ -758,9 +766,12 @@ def experiment_gossip_w2v(
             dim=scale.dim if dim is None else dim,
             merge=scale.merge if merge is None else merge,
             outer_step=scale.outer_step if outer_step is None else outer_step,
+            period_seconds=scale.period_seconds if period_seconds is None else period_seconds,
         )
         if not (math.isfinite(scale.outer_step) and scale.outer_step > 0):
             raise ConfigError(f"--outer-step must be a positive number, not {scale.outer_step}")
+        if not (math.isfinite(scale.period_seconds) and 0 <= scale.period_seconds <= 3600):
+            raise ConfigError(f"--period-seconds must be 0..3600 seconds, not {scale.period_seconds}")
         for name, text in (("seeds", seeds), ("central_seeds", central_seeds)):
             if text is None:
                 continue

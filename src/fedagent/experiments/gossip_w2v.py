@@ -87,6 +87,10 @@ class Scale:
     # agents step at lr x gossip_lr_factor / b and adopt the period's start + b x their
     # progress (1: the x N step alone; in process b = 2 lost less, docs/experiments).
     outer_step: float = 1.0
+    # ``[gossip] period_seconds`` of every agent (0: unpaced). On a shared machine the
+    # agents train at different speeds and merge each other's stale models; a period of
+    # at least this long keeps them in step (results/gossip_w2v/pacing/).
+    period_seconds: float = 0.0
     # Batches per agent: 10 x 2760 = 27,600 batches = 20 epochs, where the centralized
     # learning curve (in the report) has flattened (thesis: 500,000 per agent).
     local_steps: int = 2760
@@ -366,6 +370,8 @@ def run_config(
     }
     if outer != 1.0:
         gossip["outer_step"] = outer
+    if scale.period_seconds > 0:
+        gossip["period_seconds"] = scale.period_seconds
     if cfg.exchange:
         gossip["exchange"] = list(cfg.exchange)
     options = {**scale.task_options(cfg.split), "reference": str(central_npz)}
@@ -575,16 +581,29 @@ def run_experiment(
 
 def _run_key(scale: Scale) -> dict[str, Any]:
     """What a saved run in ``OUT/runs/`` depends on (``outer_step`` only when it is
-    not 1, so that runs saved before it existed are still reused)."""
+    not 1 and ``period_seconds`` only when it is set, so that runs saved before they
+    existed are still reused)."""
     key = asdict(scale) | {"seed": None}
     if key["outer_step"] == 1.0:
         del key["outer_step"]
+    if not key["period_seconds"]:
+        del key["period_seconds"]
     return key
 
 
 def _central_key(scale: Scale) -> dict[str, Any]:
     """What the centralized models depend on (not the gossip settings, not the run seeds)."""
-    skip = ("gossip_lr_factor", "merge", "outer_step", "frequent", "infrequent", "eval_frequent", "seed", "seeds")
+    skip = (
+        "gossip_lr_factor",
+        "merge",
+        "outer_step",
+        "period_seconds",
+        "frequent",
+        "infrequent",
+        "eval_frequent",
+        "seed",
+        "seeds",
+    )
     return {k: v for k, v in asdict(scale).items() if k not in skip}
 
 
@@ -791,11 +810,13 @@ def curve_plot(out: Path, curve: list[dict[str, float]], summary: dict[str, Any]
 
 def _gossip_step(sc: dict[str, Any]) -> str:
     b = float(sc.get("outer_step", 1.0))
+    paced = float(sc.get("period_seconds", 0.0))
+    pace = f"; every period lasts at least {paced:g} s (`period_seconds`)" if paced > 0 else ""
     if b == 1.0:
-        return f"{sc['lr']} x {sc['gossip_lr_factor']:g}"
+        return f"{sc['lr']} x {sc['gossip_lr_factor']:g}{pace}"
     return (
         f"{sc['lr']} x {sc['gossip_lr_factor'] / b:g} between exchanges, then the period's start + {b:g} x the "
-        f"progress (`outer_step = {b:g}`; thesis-literal without)"
+        f"progress (`outer_step = {b:g}`; thesis-literal without){pace}"
     )
 
 
