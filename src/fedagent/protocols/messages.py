@@ -109,13 +109,9 @@ class Presence:
             raise CodecError(f"presence: unknown mode {self.mode!r}")
         _count(self.num_samples, "num_samples", "presence")
         _count(self.model_version, "model_version", "presence")
-        d = self.downlinks
-        if (
-            not isinstance(d, tuple)
-            or len(d) > _MAX_DOWNLINKS
-            or not all(isinstance(x, str) and 0 < len(x) <= 16 for x in d)
-        ):
-            raise CodecError(f"presence: downlinks must be at most {_MAX_DOWNLINKS} short names")
+        if not isinstance(self.downlinks, tuple):
+            raise CodecError("presence: downlinks must be a tuple of names")
+        _short_names(list(self.downlinks), "downlinks", "presence")
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
