@@ -455,6 +455,25 @@ def test_status_reports_counters_age_and_disagreement():
     assert st["age"] == pytest.approx((0.5 * 10 + 1.0 * 0) / 1.5)  # mixed by mass
     assert st["disagreement"] == pytest.approx(math.sqrt(6 * 16.0))  # own 0 vs received 4, 6 entries
     assert st["disagreement_rel"] is None  # own model is zero
+    assert st["lag"] == pytest.approx(10.0) and st["lag_mean"] == pytest.approx(10.0)  # own 10 steps, theirs 0
+
+
+def test_lag_measures_how_stale_the_merged_models_are():
+    """A node that trains faster than its peers merges models many steps behind its own:
+    ``lag`` says by how much at the last merge, ``lag_mean`` over all merges."""
+    m, train = machine(GossipConfig(period_steps=10), peers=("p",))
+    for t in range(4):  # four periods with nothing received: age 40, no lag measured yet
+        (train,) = of(done(m, train, now=1.0 + t), Train)
+    assert m.age == pytest.approx(40.0) and m.status()["lag"] is None and m.status()["lag_mean"] is None
+    m.handle(ModelReceived("p", "1", model(1.0), age=0.0), 4.5)  # 50 steps behind once our period ends
+    m.handle(ModelReceived("p", "2", model(1.0), age=20.0), 4.6)  # 30 behind
+    (train,) = of(done(m, train, now=5.0), Train)
+    assert m.status()["lag"] == pytest.approx(40.0) and m.status()["lag_mean"] == pytest.approx(40.0)
+    m.handle(ModelReceived("p", "3", model(1.0), age=m.age + 10.0), 5.5)  # as far as we will be
+    done(m, train, now=6.0)
+    st = m.status()
+    assert st["lag"] == pytest.approx(0.0)
+    assert st["lag_mean"] == pytest.approx((50.0 + 30.0 + 0.0) / 3)
 
 
 # ---- failures --------------------------------------------------------------------------

@@ -129,6 +129,7 @@ def test_five_agents_no_coordinator_survive_a_kill_and_a_newcomer(tmp_path):
         for s in done.values():
             assert s["period"] == PERIODS and s["model_age"] > 0
             assert s["disagreement"] is not None
+            assert isinstance(s["lag_mean"], float)  # the merged models carried their ages
             assert not s["rejected"], s["rejected"]
 
         # Human status of a gossip agent names the exchange counters.

@@ -231,3 +231,18 @@ def test_syncopt_rows_count_steps():
     assert rows["step"] == "55" and rows["steps done"] == "54 of 300" and rows["model version"] == "54"
     rows = _rows({"role": "agent", "mode": "syncopt", "step": 55, "steps_computed": 40, "model_version": 54})
     assert rows["steps done"] == "40 (by this agent)"
+
+
+def test_gossip_rows_say_how_stale_the_merged_models_are():
+    from rich.console import Console
+
+    gossip = {"merge": "pushsum", "create": "mu", "sent": 9, "received": 8, "dropped": 0, "refused": 0}
+    s = {"role": "agent", "mode": "gossip", "period": 9, "model_age": 90.0, "gossip": {**gossip, "timeouts": 0}}
+    s["gossip"]["in_flight"] = 0
+    for lag, mean, want in (
+        (None, None, "merged models' lag │ -"),
+        (42.4, 17.6, "merged models' lag │ 42 local steps behind this model at the last merge, 18 on average"),
+    ):
+        console = Console(width=200, record=True)
+        render_status({**s, "lag": lag, "lag_mean": mean}, console)
+        assert want in console.export_text()

@@ -228,6 +228,15 @@ def _round_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
     return rows
 
 
+def _lag_text(lag: object, mean: object) -> str:
+    """How many local steps behind this agent the models it merged were: at the last
+    merge and on average. Agents of unequal speed merge stale models
+    (docs/modes/gossip.md, "Agents of unequal speed")."""
+    if not isinstance(lag, (int, float)) or not isinstance(mean, (int, float)):
+        return "-"
+    return f"{lag:.0f} local steps behind this model at the last merge, {mean:.0f} on average"
+
+
 def _render_gossip(s: dict[str, Any], t: Table, console: Console) -> None:
     gs = s["gossip"]
     dis = s.get("disagreement")
@@ -248,6 +257,7 @@ def _render_gossip(s: dict[str, Any], t: Table, console: Console) -> None:
             f"refused {gs['refused']}, timeouts {gs['timeouts']}, in flight {gs['in_flight']}",
         ),
         ("disagreement", "-" if dis is None else f"{dis:.4g}" + ("" if rel is None else f" ({rel:.2%} of |model|)")),
+        ("merged models' lag", _lag_text(s.get("lag"), s.get("lag_mean"))),
         ("last metrics", s.get("last_metrics")),
         ("local model eval", s.get("local_model_eval")),
         ("privacy", _privacy(s.get("privacy"))),

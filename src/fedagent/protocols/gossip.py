@@ -509,6 +509,11 @@ class GossipMachine:
         self._merge_all = False
         self.disagreement: float | None = None
         self.disagreement_rel: float | None = None
+        # How far behind this node the models it merges are, in local steps (its age
+        # minus theirs): agents that train at unequal speeds merge stale models.
+        self.lag: float | None = None
+        self._lag_sum = 0.0
+        self._lag_count = 0
         self.counts = dict.fromkeys(
             (
                 "sent",
@@ -580,7 +585,10 @@ class GossipMachine:
         (evicted models we sent back), ``timeouts``, ``retries``, ``reclaimed``,
         ``late_acks``, ``duplicates``, ``merged``; ``age`` in local steps; ``disagreement``
         = mean L2 distance of our exchanged parameters from the models merged at the last
-        boundary that had any (``disagreement_rel`` divides by our model's norm)."""
+        boundary that had any (``disagreement_rel`` divides by our model's norm); ``lag``
+        = our age minus theirs at that boundary, in local steps (positive: they are older),
+        and ``lag_mean`` the same over every model merged so far (push-sum and average
+        merges: screening payloads carry no age)."""
         return {
             "period": self.period,
             "merge": self.config.merge,
@@ -592,6 +600,8 @@ class GossipMachine:
             "inbox": len(self._inbox),
             "disagreement": self.disagreement,
             "disagreement_rel": self.disagreement_rel,
+            "lag": self.lag,
+            "lag_mean": self._lag_sum / self._lag_count if self._lag_count else None,
             "finished": self.finished,
             **self.counts,
         }
@@ -765,6 +775,10 @@ class GossipMachine:
         self.counts["merged"] += len(kept)
         if kept:
             self._measure_disagreement(kept)
+            lags = [self.age - p.age for p in kept]
+            self.lag = sum(lags) / len(lags)
+            self._lag_sum += sum(lags)
+            self._lag_count += len(lags)
         own_mass_only = 0.0
         if pushsum:
             # The node's own model (with the mass it kept) stands where lastModel stands.
