@@ -111,5 +111,11 @@ def test_pacing_reaches_the_scale_and_keeps_earlier_runs_and_centralized_models(
     assert gossip_w2v._run_key(paced)["period_seconds"] == 1.2
     # pacing changes nothing in the centralized models
     assert gossip_w2v._central_key(unpaced) == gossip_w2v._central_key(paced)
-    assert "at least 1.2 s" in gossip_w2v._gossip_step({**asdict(paced), "lr": 0.025})
+    assert "at least 1.2 s per 10 batches" in gossip_w2v._gossip_step({**asdict(paced), "lr": 0.025})
+    # every exchanging configuration is paced to the same time per batch; local-only is not paced
+    by_name = {c.name: gossip_w2v.agent_gossip(c, paced) for c in gossip_w2v.configurations(paced)}
+    assert by_name["random-frequent"]["period_seconds"] == pytest.approx(1.2)
+    assert by_name["random-infrequent"]["period_seconds"] == pytest.approx(6.0)
+    assert "period_seconds" not in by_name["local"]
+    assert all("period_seconds" not in gossip_w2v.agent_gossip(c, unpaced) for c in gossip_w2v.configurations(unpaced))
     assert "at least" not in gossip_w2v._gossip_step({**asdict(unpaced), "lr": 0.025})

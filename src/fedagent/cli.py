@@ -729,8 +729,9 @@ def experiment_flsimco(
     "--period-seconds",
     type=float,
     default=None,
-    help="the agents' [gossip] period_seconds: every period lasts at least this long, which keeps agents of "
-    "unequal speed in step (default 0: unpaced)",
+    help="the agents' [gossip] period_seconds in the frequent configurations (infrequent ones: x5, the same "
+    "time per batch): every period lasts at least this long, which keeps agents of unequal speed in step "
+    "(default 0: unpaced)",
 )
 @click.option("--out", type=click.Path(path_type=Path), default=Path("gossip-w2v-report"), show_default=True)
 @click.option("--keep", is_flag=True, help="keep the work directories (logs, checkpoints, histories)")

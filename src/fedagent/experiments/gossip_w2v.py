@@ -87,9 +87,11 @@ class Scale:
     # agents step at lr x gossip_lr_factor / b and adopt the period's start + b x their
     # progress (1: the x N step alone; in process b = 2 lost less, docs/experiments).
     outer_step: float = 1.0
-    # ``[gossip] period_seconds`` of every agent (0: unpaced). On a shared machine the
-    # agents train at different speeds and merge each other's stale models; a period of
-    # at least this long keeps them in step (results/gossip_w2v/pacing/).
+    # ``[gossip] period_seconds`` of the agents of a frequent configuration (0: unpaced);
+    # a configuration exchanging every n batches gets this x n / ``frequent``, so that
+    # every configuration is paced to the same time per batch. On a shared machine the
+    # agents train at different speeds and merge each other's stale models; periods of
+    # at least this long keep them in step (results/gossip_w2v/pacing/).
     period_seconds: float = 0.0
     # Batches per agent: 10 x 2760 = 27,600 batches = 20 epochs, where the centralized
     # learning curve (in the report) has flattened (thesis: 500,000 per agent).
@@ -345,9 +347,8 @@ def learning_curve(
 
 
 # ---- one gossip configuration through the daemons ----------------------------------------
-def run_config(
-    cfg: Config, scale: Scale, work: Path, central_npz: Path, console: Console, timeout: float = 1800.0
-) -> tuple[Result, list[tm.WordVectors], list[str]]:
+def agent_gossip(cfg: Config, scale: Scale) -> dict[str, Any]:
+    """Every agent's ``[gossip]`` table in configuration ``cfg``."""
     periods = 1 if cfg.local else max(1, scale.local_steps // cfg.period_steps)
     eval_every = periods if cfg.local else max(1, min(scale.eval_frequent, periods // 6 or 1))
     outer = scale.outer_step if cfg.lr_factor is None and not cfg.local else 1.0
@@ -370,10 +371,18 @@ def run_config(
     }
     if outer != 1.0:
         gossip["outer_step"] = outer
-    if scale.period_seconds > 0:
-        gossip["period_seconds"] = scale.period_seconds
+    if scale.period_seconds > 0 and not cfg.local:
+        gossip["period_seconds"] = scale.period_seconds * cfg.period_steps / scale.frequent
     if cfg.exchange:
         gossip["exchange"] = list(cfg.exchange)
+    return gossip
+
+
+def run_config(
+    cfg: Config, scale: Scale, work: Path, central_npz: Path, console: Console, timeout: float = 1800.0
+) -> tuple[Result, list[tm.WordVectors], list[str]]:
+    gossip = agent_gossip(cfg, scale)
+    periods = gossip["periods"]
     options = {**scale.task_options(cfg.split), "reference": str(central_npz)}
     fed = Federation(
         work,
@@ -811,7 +820,11 @@ def curve_plot(out: Path, curve: list[dict[str, float]], summary: dict[str, Any]
 def _gossip_step(sc: dict[str, Any]) -> str:
     b = float(sc.get("outer_step", 1.0))
     paced = float(sc.get("period_seconds", 0.0))
-    pace = f"; every period lasts at least {paced:g} s (`period_seconds`)" if paced > 0 else ""
+    pace = (
+        f"; every period lasts at least {paced:g} s per {sc['frequent']} batches (`period_seconds`)"
+        if paced > 0
+        else ""
+    )
     if b == 1.0:
         return f"{sc['lr']} x {sc['gossip_lr_factor']:g}{pace}"
     return (
