@@ -1,0 +1,352 @@
+"""What the learnt topic slots of gFedNTM's models are used for at K' = 40 (decoder reading).
+
+At K' = 40 the federated model with K = 50 topics is behind a node's own model with K = 42
+(one slot per true topic it sees) on the 40 shared true topics, although it sees five times
+their data. This retrains the setting's models exactly as ``fedagent experiment gfedntm``
+does (same seeds, same early stopping, the protocol of results/gfedntm/report.md), keeps
+each model's decoder topics (cached as .npz under ``--cache``, so a second run only
+re-analyses) and classifies every learnt topic and every shared true topic:
+
+- junk (H1): the topic's best similarity to any true topic is at the level of random
+  topics (at most the 99th percentile of the same figure for Dirichlet(eta) draws);
+- node mixture (H2): closer to a mixture (the mean of one node's two private topics, of
+  one node's 42 topics, or of all 50 weighted as in the union) than to any single true
+  topic;
+- merged (H3): a shared true topic whose best learnt topic is also the best learnt topic
+  of another shared true topic;
+- split (H4): a shared true topic that is the best true match of 2+ non-junk learnt topics;
+- one-to-one otherwise.
+
+Then it splits the shared-topic deficit of the federated model against the local models
+(the mean over the five nodes) by the federated model's class of each true topic, and
+reports the federated models' best epochs (H5) and variants (patience 10, other
+initialisations, the pooled centralized model, K = 60; local K = 50).
+
+    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python scripts/gfedntm_slotuse.py --seeds 0 1 2 \\
+        --out results/gfedntm/k40-slot-use.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedagent.experiments import gfedntm
+from fedagent.tasks.ntm_data import TopicStructure
+from fedagent.tasks.ntm_scores import similarity
+
+# name -> (kind, options): kind "fed" (Sync-Opt), "local" (each node alone), "central"
+# (pooled corpus); options: n_topics, patience, init (an init/batch-order seed offset).
+MODELS: dict[str, tuple[str, dict]] = {
+    "fed50": ("fed", {}),
+    "local42": ("local", {"n_topics": 42}),
+    "fed50-p10": ("fed", {"patience": 10}),
+    "fed50-init1": ("fed", {"init": 1000}),
+    "fed50-init2": ("fed", {"init": 2000}),
+    "central50": ("central", {}),
+    "fed60": ("fed", {"n_topics": 60}),
+    "local50": ("local", {}),
+}
+
+
+def decoder_topics(data, task, model) -> np.ndarray:
+    theta = gfedntm.theta_on(task, model, data.val_bow, data.all_terms)
+    return gfedntm.widen(task.decoder_topic_word(model, theta), task.terms, data.all_terms)
+
+
+def train(name: str, scale, data, shared: int) -> dict:
+    kind, o = MODELS[name]
+    sc = replace(scale, patience=o.get("patience", scale.patience))
+    extra: dict = {}
+    if "n_topics" in o:
+        extra["n_topics"] = o["n_topics"]
+    if "init" in o:
+        extra["seed"] = scale.seed + o["init"]  # same documents (data_seed), other init
+    t0 = time.monotonic()
+    if kind == "local":
+        topics, epochs = [], []
+        for n in range(scale.nodes):
+            task = gfedntm.load_ntm("prodlda", {**data.opts, **extra, "shard": n})
+            task.set_vocabulary(sorted(task.term_counts(), key=lambda t: int(t[4:])))
+            model, stop = gfedntm.train_local_early_stopped(task, sc)
+            topics.append(decoder_topics(data, task, model))
+            epochs.append((stop.best_epoch, stop.epochs))
+        return {"topics": np.stack(topics), "epochs": np.array(epochs), "seconds": time.monotonic() - t0}
+    tasks, terms = gfedntm.joint_tasks(scale, data, **extra)
+    if kind == "fed":
+        model, stop = gfedntm.syncopt_early_stopped(tasks, sc)
+        task = tasks[0]
+    else:
+        task = gfedntm.pooled_task(tasks, terms)
+        model, stop = gfedntm.train_local_early_stopped(task, sc)
+    return {
+        "topics": decoder_topics(data, task, model)[None],
+        "epochs": np.array([(stop.best_epoch, stop.epochs)]),
+        "seconds": time.monotonic() - t0,
+    }
+
+
+@dataclass
+class Refs:
+    beta: np.ndarray  # 50 x V true topics
+    shared: int
+    mixtures: np.ndarray  # M x V
+    junk: float  # a learnt topic at or below this best similarity is at random level
+    random_best: float  # median best similarity of one random topic
+
+
+def references(data, structure: TopicStructure, eta: float, seed: int, draws: int = 4000) -> Refs:
+    beta = data.beta
+    mixtures = []
+    for n in range(structure.nodes):
+        topics = structure.node_topics(n)
+        mixtures.append(beta[topics[structure.shared :]].mean(0))  # the node's private pair
+        mixtures.append(beta[topics].mean(0))  # the node's whole profile
+    w = np.ones(len(beta))
+    w[: structure.shared] = structure.nodes  # the union: shared topics in every node
+    mixtures.append(w @ beta / w.sum())
+    rng = np.random.default_rng(seed + 7)
+    rnd = rng.dirichlet(np.full(beta.shape[1], eta), size=draws)
+    best = similarity(beta, rnd).max(0)
+    return Refs(beta, structure.shared, np.array(mixtures), float(np.quantile(best, 0.99)), float(np.median(best)))
+
+
+def classify(topics: np.ndarray, refs: Refs) -> dict:
+    """Slot and true-topic classes of one model (topics: K x V)."""
+    s = similarity(refs.beta, topics)  # 50 x K
+    best_sim, best_true = s.max(0), s.argmax(0)
+    junk = best_sim <= refs.junk
+    mix = similarity(refs.mixtures, topics).max(0)
+    mixture = ~junk & (mix > best_sim)
+    shared = np.arange(refs.shared)
+    best_slot = s.argmax(1)  # per true topic
+    per_topic = s.max(1)
+    assigned = np.array([np.sum((best_true == t) & ~junk & ~mixture) for t in range(len(refs.beta))])
+    cls = []
+    for t in shared:
+        others = [u for u in shared if u != t and best_slot[u] == best_slot[t]]
+        if others:
+            cls.append("merged")
+        elif assigned[t] >= 2:
+            cls.append("split")
+        elif assigned[t] == 1 and best_true[best_slot[t]] == t:
+            cls.append("one-to-one")
+        else:
+            cls.append("other")
+    slot = []
+    for k in range(topics.shape[0]):
+        if junk[k]:
+            slot.append("junk")
+        elif mixture[k]:
+            slot.append("mixture")
+        elif best_true[k] >= refs.shared:
+            slot.append("private")
+        elif best_slot[best_true[k]] == k:
+            n_best = int(np.sum(best_slot[shared] == k))
+            slot.append("shared, best of 2+" if n_best >= 2 else "shared, best of 1")
+        else:
+            slot.append("shared, extra copy")
+    # second-best slot of each shared topic (how close a spare copy is)
+    second = np.sort(s[shared], axis=1)[:, -2] if topics.shape[0] > 1 else np.zeros(refs.shared)
+    return {"per_topic": per_topic, "topic_class": np.array(cls), "slot_class": np.array(slot), "second": second}
+
+
+SLOT_CLASSES = ["shared, best of 1", "shared, best of 2+", "shared, extra copy", "private", "mixture", "junk"]
+TOPIC_CLASSES = ["one-to-one", "split", "merged", "other"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shared", type=int, default=40)
+    ap.add_argument("--eta", type=float, default=0.01)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--results", type=Path, default=Path("results/gfedntm/results.json"))
+    ap.add_argument("--cache", type=Path, default=Path("runs/gfedntm-slot-use"))
+    ap.add_argument("--train-only", action="store_true", help="train and cache, write no report")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t_start = time.monotonic()
+    saved = json.loads(args.results.read_text())
+    args.cache.mkdir(parents=True, exist_ok=True)
+    runs: dict[int, dict[str, dict]] = {}
+    for seed in args.seeds:
+        scale = replace(gfedntm.Scale(**saved["scale"]), seed=seed)
+        data = gfedntm.setting_data(scale, args.shared, args.eta)
+        structure = TopicStructure(scale.true_topics, args.shared, scale.nodes)
+        runs[seed] = {"_refs": references(data, structure, args.eta, seed)}
+        for name in args.models:
+            path = args.cache / f"{args.shared}-{args.eta}-{seed}-{name}.npz"
+            if path.exists():
+                with np.load(path) as z:
+                    run = {k: z[k] for k in z.files}
+                print(f"seed {seed} {name}: cached ({path})", flush=True)
+            else:
+                print(f"seed {seed} {name}: training ...", flush=True)
+                run = train(name, scale, data, args.shared)
+                np.savez_compressed(path, **run)
+                print(f"seed {seed} {name}: {float(run['seconds']):.0f} s, epochs {run['epochs'].tolist()}", flush=True)
+            runs[seed][name] = run
+    if args.train_only:
+        return
+    text = report(args, runs, saved, time.monotonic() - t_start)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+def analyse(run: dict, refs: Refs) -> list[dict]:
+    return [classify(t, refs) for t in run["topics"]]
+
+
+def report(args, runs: dict, saved: dict, seconds: float) -> str:
+    sh = args.shared
+    lines = [
+        f"# gFedNTM, K' = {sh}: what the learnt topic slots are used for (decoder reading)",
+        "",
+        "Written by",
+        "",
+        "```sh",
+        "OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 .venv/bin/python scripts/gfedntm_slotuse.py "
+        f"--shared {sh} --eta {args.eta} --seeds {' '.join(map(str, args.seeds))} --out {args.out}",
+        "```",
+        "",
+        "(see the script's docstring for the classes). Protocol of report.md: N = 5, V = 500, 3000 documents "
+        "per node, 75:25 early stopping with patience 5, at most 100 epochs; the same seeds, so `fed50` and "
+        "`local42` are the models of slots/report.md and k40-breakdown.md (checked below). Models: "
+        "`fedK` Sync-Opt with K topics, `localK` each node alone (figures are means over the 5 nodes), "
+        "`central50` one model on the pooled corpus, `-p10` patience 10, `-initN` another initialisation "
+        "and batch order on the same documents.",
+        "",
+    ]
+    ref_rows = {
+        r["seed"]: r for r in saved["results"] if r["shared"] == sh and r["eta"] == args.eta and r["seed"] in runs
+    }
+    train_s = {s: {m: float(r["seconds"]) for m, r in v.items() if m != "_refs"} for s, v in runs.items()}
+    lines += [
+        "Training wall time (2 shared cores, `nice -n 10`, one process): "
+        + "; ".join(f"seed {s}: " + ", ".join(f"{m} {t:.0f} s" for m, t in v.items()) for s, v in train_s.items()),
+        f"(models cached by an earlier run show the time they took then); this run {seconds:.0f} s.",
+        "",
+    ]
+    summary: dict[int, dict[str, dict]] = {}
+    for seed, models in runs.items():
+        refs: Refs = models["_refs"]
+        summary[seed] = {}
+        lines += [
+            f"## Seed {seed}",
+            "",
+            f"Random level: a Dirichlet({args.eta}) topic's best similarity to a true topic has median "
+            f"{refs.random_best:.3f}, 99th percentile {refs.junk:.3f} (the junk threshold).",
+            "",
+            "Learnt topics (slots) by class, and shared true topics by class (local: mean over nodes):",
+            "",
+            "| model | K | best epoch / run | shared TSS | private TSS | "
+            + " | ".join(SLOT_CLASSES)
+            + " | "
+            + " | ".join(f"topics {c}" for c in TOPIC_CLASSES)
+            + " |",
+            "|---|---|---|---|---|" + "---|" * (len(SLOT_CLASSES) + len(TOPIC_CLASSES)),
+        ]
+        for name, run in models.items():
+            if name == "_refs":
+                continue
+            cls = analyse(run, refs)
+            summary[seed][name] = {"cls": cls, "epochs": run["epochs"]}
+            shared_tss = [c["per_topic"][:sh].sum() for c in cls]
+            priv_tss = [c["per_topic"][sh:].sum() for c in cls]
+            slot_counts = [np.mean([np.sum(c["slot_class"] == k) for c in cls]) for k in SLOT_CLASSES]
+            topic_counts = [np.mean([np.sum(c["topic_class"] == k) for c in cls]) for k in TOPIC_CLASSES]
+            ep = run["epochs"].mean(0)
+            spread = f" ({min(shared_tss):.2f}-{max(shared_tss):.2f})" if len(cls) > 1 else ""
+            lines.append(
+                f"| {name} | {run['topics'].shape[1]} | {ep[0]:.1f} / {ep[1]:.1f} | {np.mean(shared_tss):.3f}{spread} | "
+                f"{np.mean(priv_tss):.3f} | "
+                + " | ".join(f"{x:g}" for x in slot_counts)
+                + " | "
+                + " | ".join(f"{x:g}" for x in topic_counts)
+                + " |"
+            )
+        checks = []
+        if seed in ref_rows and "fed50" in summary[seed]:
+            tot = summary[seed]["fed50"]["cls"][0]["per_topic"].sum()
+            checks.append(f"fed50 total {tot:.4f} vs results.json {ref_rows[seed]['tss_decoder']['federated']:.4f}")
+        if seed in ref_rows and "local50" in summary[seed]:
+            tot = np.mean([c["per_topic"].sum() for c in summary[seed]["local50"]["cls"]])
+            checks.append(
+                f"local50 total {tot:.4f} vs results.json {ref_rows[seed]['tss_decoder']['non-collaborative']:.4f}"
+            )
+        slots_json = args.results.parent / "slots" / f"slots-{sh}-{seed}.json"
+        if slots_json.exists() and "local42" in summary[seed]:
+            sj = json.loads(slots_json.read_text())
+            tot = np.mean([c["per_topic"].sum() for c in summary[seed]["local42"]["cls"]])
+            checks.append(f"local42 total {tot:.4f} vs slots/{slots_json.name} {sj['local_no_spare']['tss']:.4f}")
+        if checks:
+            lines += ["", "Reproduction check: " + "; ".join(checks) + ".", ""]
+        if "fed50" in summary[seed] and "local42" in summary[seed]:
+            lines += deficit(summary[seed], sh)
+    lines += overview(summary, sh)
+    return "\n".join(lines) + "\n"
+
+
+def deficit(models: dict, sh: int) -> list[str]:
+    fed = models["fed50"]["cls"][0]
+    loc = models["local42"]["cls"]
+    f = fed["per_topic"][:sh]
+    loc_pt = np.mean([c["per_topic"][:sh] for c in loc], axis=0)
+    loc_o2o = np.mean([np.mean(c["per_topic"][:sh][c["topic_class"] == "one-to-one"]) for c in loc])
+    lines = [
+        "",
+        f"Shared-topic deficit fed50 − local42: {f.sum() - loc_pt.sum():+.3f} "
+        f"({f.sum():.3f} against {loc_pt.sum():.3f}), split by the federated model's class of each true topic "
+        f"(a local model's one-to-one topics score {loc_o2o:.3f} each on average):",
+        "",
+        "| class (fed50) | topics | fed50 per topic | local42 per topic | fed − local (sum) |",
+        "|---|---|---|---|---|",
+    ]
+    for c in TOPIC_CLASSES:
+        m = fed["topic_class"] == c
+        if not m.any():
+            continue
+        lines.append(
+            f"| {c} | {m.sum()} | {f[m].mean():.3f} | {loc_pt[m].mean():.3f} | {(f[m] - loc_pt[m]).sum():+.3f} |"
+        )
+    lines.append("")
+    return lines
+
+
+def overview(summary: dict, sh: int) -> list[str]:
+    names = [n for n in MODELS if all(n in v for v in summary.values())]
+    lines = [
+        "## Over the seeds",
+        "",
+        "Shared-topic TSS (40 shared true topics) and counts (mean over seeds; local: over nodes too):",
+        "",
+        "| model | shared TSS per seed | mean | slots: junk | mixture | private | extra copies | topics merged | split |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n in names:
+        per_seed = [np.mean([c["per_topic"][:sh].sum() for c in v[n]["cls"]]) for v in summary.values()]
+
+        def count(kind: str, key: str, n: str = n) -> float:
+            return float(np.mean([np.mean([np.sum(c[kind] == key) for c in v[n]["cls"]]) for v in summary.values()]))
+
+        lines.append(
+            f"| {n} | {' / '.join(f'{x:.2f}' for x in per_seed)} | {np.mean(per_seed):.3f} | "
+            f"{count('slot_class', 'junk'):g} | {count('slot_class', 'mixture'):g} | "
+            f"{count('slot_class', 'private'):g} | {count('slot_class', 'shared, extra copy'):g} | "
+            f"{count('topic_class', 'merged'):g} | {count('topic_class', 'split'):g} |"
+        )
+    lines.append("")
+    return lines
+
+
+if __name__ == "__main__":
+    main()
