@@ -38,6 +38,8 @@ import numpy as np
 import torch
 
 from fedagent.experiments import gfedntm
+from fedagent.report import pyplot
+from fedagent.tasks.ntm import federated_step
 from fedagent.tasks.ntm_data import TopicStructure
 from fedagent.tasks.ntm_scores import similarity
 
@@ -92,50 +94,107 @@ def train(name: str, scale, data, shared: int) -> dict:
     }
 
 
+def trajectory(scale, data, refs: Refs, epochs: int, nodes: int) -> dict:
+    """The decoder-reading shared-topic TSS after every epoch of the federated model (K = 50)
+    and of the first ``nodes`` local models (K = 42), trained ``epochs`` epochs without early
+    stopping; the validation loss each would stop on; the same seeds and steps as above, so
+    the figures at a model's best epoch are those of the early-stopped model."""
+    sh = refs.shared
+
+    def record(hist: dict, task, model, loss: float) -> None:
+        c = classify(decoder_topics(data, task, model), refs)
+        hist["val_loss"].append(loss)
+        hist["shared"].append(float(c["per_topic"][:sh].sum()))
+        hist["best_mass"].append(float(np.mean(c["best_mass"])))
+
+    out: dict = {}
+    tasks, _ = gfedntm.joint_tasks(scale, data)
+    model = tasks[0].build_model()
+    opt = tasks[0].make_optimizer(model.parameters())
+    spe = min(t.num_batches() for t in tasks)
+    hist: dict = {"val_loss": [], "shared": [], "best_mass": []}
+    for e in range(epochs):
+        for i in range(e * spe, (e + 1) * spe):
+            federated_step(model, opt, tasks, i)
+        record(hist, tasks[0], model, gfedntm.federated_validation_loss(model, tasks))
+        print(f"  fed50 epoch {e + 1}: val {hist['val_loss'][-1]:.3f} shared {hist['shared'][-1]:.3f}", flush=True)
+    out["fed50"] = hist
+    for n in range(nodes):
+        task = gfedntm.load_ntm("prodlda", {**data.opts, "n_topics": 42, "shard": n})
+        task.set_vocabulary(sorted(task.term_counts(), key=lambda t: int(t[4:])))
+        model = task.build_model()
+        opt = task.make_optimizer(model.parameters())
+        step = gfedntm.local_step(model, opt, task)
+        hist = {"val_loss": [], "shared": [], "best_mass": []}
+        for e in range(epochs):
+            for i in range(e * task.num_batches(), (e + 1) * task.num_batches()):
+                step(i)
+            record(hist, task, model, task.evaluate(model)["val_loss"])
+        print(f"  local42 node {n}: shared by epoch {np.round(hist['shared'], 2).tolist()}", flush=True)
+        out[f"local42 node {n}"] = hist
+    return out
+
+
 @dataclass
 class Refs:
     beta: np.ndarray  # 50 x V true topics
     shared: int
-    mixtures: np.ndarray  # M x V
-    junk: float  # a learnt topic at or below this best similarity is at random level
-    random_best: float  # median best similarity of one random topic
+    pairs: np.ndarray  # nodes x V: the mean of each node's private topics
+    profiles: np.ndarray  # nodes x V: the mean of each node's own topics
+    union: np.ndarray  # V: the union's word profile (shared topics in every node)
+    support: np.ndarray  # 50 x V bool: the fewest words holding 90 % of each true topic
+    junk: float  # best similarity of the union's word profile to a true topic
+    random99: float  # 99th percentile of the best similarity of one Dirichlet(eta) topic
 
 
 def references(data, structure: TopicStructure, eta: float, seed: int, draws: int = 4000) -> Refs:
     beta = data.beta
-    mixtures = []
-    for n in range(structure.nodes):
-        topics = structure.node_topics(n)
-        mixtures.append(beta[topics[structure.shared :]].mean(0))  # the node's private pair
-        mixtures.append(beta[topics].mean(0))  # the node's whole profile
+    own = [structure.node_topics(n) for n in range(structure.nodes)]
     w = np.ones(len(beta))
-    w[: structure.shared] = structure.nodes  # the union: shared topics in every node
-    mixtures.append(w @ beta / w.sum())
-    rng = np.random.default_rng(seed + 7)
-    rnd = rng.dirichlet(np.full(beta.shape[1], eta), size=draws)
-    best = similarity(beta, rnd).max(0)
-    return Refs(beta, structure.shared, np.array(mixtures), float(np.quantile(best, 0.99)), float(np.median(best)))
+    w[: structure.shared] = structure.nodes
+    union = w @ beta / w.sum()
+    support = np.zeros(beta.shape, bool)
+    for t, row in enumerate(beta):
+        order = np.argsort(-row, kind="stable")
+        support[t, order[: np.searchsorted(np.cumsum(row[order]), 0.9) + 1]] = True
+    rnd = np.random.default_rng(seed + 7).dirichlet(np.full(beta.shape[1], eta), size=draws)
+    return Refs(
+        beta,
+        structure.shared,
+        np.array([beta[o[structure.shared :]].mean(0) for o in own]),
+        np.array([beta[o].mean(0) for o in own]),
+        union,
+        support,
+        float(similarity(beta, union[None]).max()),
+        float(np.quantile(similarity(beta, rnd).max(0), 0.99)),
+    )
 
 
 def classify(topics: np.ndarray, refs: Refs) -> dict:
     """Slot and true-topic classes of one model (topics: K x V)."""
+    sh = refs.shared
     s = similarity(refs.beta, topics)  # 50 x K
     best_sim, best_true = s.max(0), s.argmax(0)
     junk = best_sim <= refs.junk
-    mix = similarity(refs.mixtures, topics).max(0)
-    mixture = ~junk & (mix > best_sim)
-    shared = np.arange(refs.shared)
+    pair = similarity(refs.pairs, topics).max(0)
+    profile = similarity(refs.profiles, topics).max(0)
+    union = similarity(refs.union[None], topics)[0]
+    # H2: closer to a node's private pair than to any single topic, or to a node's own
+    # profile than to any single topic and to the union's profile (every learnt topic
+    # is diffuse, so the union's profile alone beats a single topic for most of them)
+    mixture = ~junk & ((pair > best_sim) | ((profile > best_sim) & (profile > union)))
+    shared = np.arange(sh)
     best_slot = s.argmax(1)  # per true topic
     per_topic = s.max(1)
-    assigned = np.array([np.sum((best_true == t) & ~junk & ~mixture) for t in range(len(refs.beta))])
+    used = ~junk & ~mixture
+    assigned = np.array([np.sum((best_true == t) & used) for t in range(len(refs.beta))])
     cls = []
     for t in shared:
-        others = [u for u in shared if u != t and best_slot[u] == best_slot[t]]
-        if others:
+        if any(u != t and best_slot[u] == best_slot[t] for u in shared):
             cls.append("merged")
         elif assigned[t] >= 2:
             cls.append("split")
-        elif assigned[t] == 1 and best_true[best_slot[t]] == t:
+        elif best_true[best_slot[t]] == t and used[best_slot[t]]:
             cls.append("one-to-one")
         else:
             cls.append("other")
@@ -145,16 +204,26 @@ def classify(topics: np.ndarray, refs: Refs) -> dict:
             slot.append("junk")
         elif mixture[k]:
             slot.append("mixture")
-        elif best_true[k] >= refs.shared:
+        elif best_true[k] >= sh:
             slot.append("private")
         elif best_slot[best_true[k]] == k:
-            n_best = int(np.sum(best_slot[shared] == k))
-            slot.append("shared, best of 2+" if n_best >= 2 else "shared, best of 1")
+            slot.append("shared, best of 2+" if np.sum(best_slot[shared] == k) >= 2 else "shared, best of 1")
         else:
             slot.append("shared, extra copy")
-    # second-best slot of each shared topic (how close a spare copy is)
-    second = np.sort(s[shared], axis=1)[:, -2] if topics.shape[0] > 1 else np.zeros(refs.shared)
-    return {"per_topic": per_topic, "topic_class": np.array(cls), "slot_class": np.array(slot), "second": second}
+    mass = topics @ refs.support.T.astype(float)  # K x 50: each slot's mass on each topic's words
+    top = np.sort(mass, axis=1)[:, ::-1]
+    return {
+        "per_topic": per_topic,
+        "topic_class": np.array(cls),
+        "slot_class": np.array(slot),
+        "below_random99": int(np.sum(best_sim <= refs.random99)),
+        # the best slot's mass on each shared topic's words
+        "best_mass": mass[best_slot[shared], shared],
+        "slot_top1": top[:, 0],
+        "slot_top2": top[:, 1],
+        "shared_mass": topics[:, refs.support[:sh].any(0)].sum(1),
+        "second": np.sort(s[shared], axis=1)[:, -2],
+    }
 
 
 SLOT_CLASSES = ["shared, best of 1", "shared, best of 2+", "shared, extra copy", "private", "mixture", "junk"]
@@ -170,6 +239,15 @@ def main() -> None:
     ap.add_argument("--results", type=Path, default=Path("results/gfedntm/results.json"))
     ap.add_argument("--cache", type=Path, default=Path("runs/gfedntm-slot-use"))
     ap.add_argument("--train-only", action="store_true", help="train and cache, write no report")
+    ap.add_argument(
+        "--trajectory-seeds",
+        type=int,
+        nargs="*",
+        default=[0],
+        help="seeds whose fed50 and local42 models are also followed epoch by epoch (no early stopping)",
+    )
+    ap.add_argument("--trajectory-epochs", type=int, default=100)
+    ap.add_argument("--trajectory-nodes", type=int, default=2)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -194,6 +272,15 @@ def main() -> None:
                 np.savez_compressed(path, **run)
                 print(f"seed {seed} {name}: {float(run['seconds']):.0f} s, epochs {run['epochs'].tolist()}", flush=True)
             runs[seed][name] = run
+        if seed in args.trajectory_seeds:
+            path = args.cache / f"{args.shared}-{args.eta}-{seed}-trajectory-{args.trajectory_epochs}.json"
+            if not path.exists():
+                print(f"seed {seed} trajectory: training ...", flush=True)
+                t0 = time.monotonic()
+                traj = trajectory(scale, data, runs[seed]["_refs"], args.trajectory_epochs, args.trajectory_nodes)
+                traj["seconds"] = time.monotonic() - t0
+                path.write_text(json.dumps(traj))
+            runs[seed]["_trajectory"] = json.loads(path.read_text())
     if args.train_only:
         return
     text = report(args, runs, saved, time.monotonic() - t_start)
@@ -229,7 +316,7 @@ def report(args, runs: dict, saved: dict, seconds: float) -> str:
     ref_rows = {
         r["seed"]: r for r in saved["results"] if r["shared"] == sh and r["eta"] == args.eta and r["seed"] in runs
     }
-    train_s = {s: {m: float(r["seconds"]) for m, r in v.items() if m != "_refs"} for s, v in runs.items()}
+    train_s = {s: {m: float(r["seconds"]) for m, r in v.items() if not m.startswith("_")} for s, v in runs.items()}
     lines += [
         "Training wall time (2 shared cores, `nice -n 10`, one process): "
         + "; ".join(f"seed {s}: " + ", ".join(f"{m} {t:.0f} s" for m, t in v.items()) for s, v in train_s.items()),
@@ -243,20 +330,31 @@ def report(args, runs: dict, saved: dict, seconds: float) -> str:
         lines += [
             f"## Seed {seed}",
             "",
-            f"Random level: a Dirichlet({args.eta}) topic's best similarity to a true topic has median "
-            f"{refs.random_best:.3f}, 99th percentile {refs.junk:.3f} (the junk threshold).",
+            f"Junk threshold: {refs.junk:.3f}, the best similarity to a true topic of the union's word profile "
+            "(a learnt topic that is no closer to any true topic has learnt no more than the corpus's word "
+            f"frequencies). For comparison, one Dirichlet({args.eta}) topic's best similarity has 99th percentile "
+            f"{refs.random99:.3f} (most learnt topics are below it: they are diffuse, see the mass columns).",
             "",
-            "Learnt topics (slots) by class, and shared true topics by class (local: mean over nodes):",
+            "Learnt topics (slots) by class (local: mean over the nodes, TSS range over the nodes):",
             "",
             "| model | K | best epoch / run | shared TSS | private TSS | "
             + " | ".join(SLOT_CLASSES)
-            + " | "
-            + " | ".join(f"topics {c}" for c in TOPIC_CLASSES)
-            + " |",
-            "|---|---|---|---|---|" + "---|" * (len(SLOT_CLASSES) + len(TOPIC_CLASSES)),
+            + " | below Dirichlet 99th |",
+            "|---|---|---|---|---|" + "---|" * (len(SLOT_CLASSES) + 1),
+        ]
+        table_b = [
+            "",
+            "Shared true topics by class, and how concentrated the learnt topics are (mass = a learnt topic's "
+            "probability on the words that hold 90 % of a true topic, about 10 words each):",
+            "",
+            "| model | "
+            + " | ".join(TOPIC_CLASSES)
+            + " | similarity per shared topic | its best slot's mass on it | second-best slot's similarity "
+            "| slot's top topic mass | slot's 2nd / top | slot's mass on shared words |",
+            "|---|" + "---|" * (len(TOPIC_CLASSES) + 6),
         ]
         for name, run in models.items():
-            if name == "_refs":
+            if name.startswith("_"):
                 continue
             cls = analyse(run, refs)
             summary[seed][name] = {"cls": cls, "epochs": run["epochs"]}
@@ -270,10 +368,20 @@ def report(args, runs: dict, saved: dict, seconds: float) -> str:
                 f"| {name} | {run['topics'].shape[1]} | {ep[0]:.1f} / {ep[1]:.1f} | {np.mean(shared_tss):.3f}{spread} | "
                 f"{np.mean(priv_tss):.3f} | "
                 + " | ".join(f"{x:g}" for x in slot_counts)
-                + " | "
-                + " | ".join(f"{x:g}" for x in topic_counts)
-                + " |"
+                + f" | {np.mean([c['below_random99'] for c in cls]):g} |"
             )
+
+            def m(key: str, cls: list = cls) -> float:
+                return float(np.mean([np.mean(c[key]) for c in cls]))
+
+            ratio = float(np.mean([np.mean(c["slot_top2"] / c["slot_top1"]) for c in cls]))
+            table_b.append(
+                f"| {name} | "
+                + " | ".join(f"{x:g}" for x in topic_counts)
+                + f" | {np.mean(shared_tss) / sh:.3f} | {m('best_mass'):.3f} | {m('second'):.3f} | "
+                f"{m('slot_top1'):.3f} | {ratio:.2f} | {m('shared_mass'):.3f} |"
+            )
+        lines += table_b
         checks = []
         if seed in ref_rows and "fed50" in summary[seed]:
             tot = summary[seed]["fed50"]["cls"][0]["per_topic"].sum()
@@ -293,6 +401,9 @@ def report(args, runs: dict, saved: dict, seconds: float) -> str:
         if "fed50" in summary[seed] and "local42" in summary[seed]:
             lines += deficit(summary[seed], sh)
     lines += overview(summary, sh)
+    for seed, models in runs.items():
+        if "_trajectory" in models:
+            lines += trajectory_section(args, seed, models["_trajectory"], summary[seed])
     return "\n".join(lines) + "\n"
 
 
@@ -301,25 +412,72 @@ def deficit(models: dict, sh: int) -> list[str]:
     loc = models["local42"]["cls"]
     f = fed["per_topic"][:sh]
     loc_pt = np.mean([c["per_topic"][:sh] for c in loc], axis=0)
-    loc_o2o = np.mean([np.mean(c["per_topic"][:sh][c["topic_class"] == "one-to-one"]) for c in loc])
+    loc_mass = np.mean([c["best_mass"] for c in loc], axis=0)
     lines = [
         "",
         f"Shared-topic deficit fed50 − local42: {f.sum() - loc_pt.sum():+.3f} "
         f"({f.sum():.3f} against {loc_pt.sum():.3f}), split by the federated model's class of each true topic "
-        f"(a local model's one-to-one topics score {loc_o2o:.3f} each on average):",
+        "(local: per true topic, the mean over the nodes):",
         "",
-        "| class (fed50) | topics | fed50 per topic | local42 per topic | fed − local (sum) |",
-        "|---|---|---|---|---|",
+        "| class (fed50) | topics | fed50 per topic | local42 per topic | fed − local (sum) "
+        "| fed50 best slot's mass | local42 best slot's mass |",
+        "|---|---|---|---|---|---|---|",
     ]
     for c in TOPIC_CLASSES:
         m = fed["topic_class"] == c
         if not m.any():
             continue
         lines.append(
-            f"| {c} | {m.sum()} | {f[m].mean():.3f} | {loc_pt[m].mean():.3f} | {(f[m] - loc_pt[m]).sum():+.3f} |"
+            f"| {c} | {m.sum()} | {f[m].mean():.3f} | {loc_pt[m].mean():.3f} | {(f[m] - loc_pt[m]).sum():+.3f} "
+            f"| {fed['best_mass'][m].mean():.3f} | {loc_mass[m].mean():.3f} |"
         )
     lines.append("")
     return lines
+
+
+def trajectory_section(args, seed: int, traj: dict, summary: dict) -> list[str]:
+    curves = {k: v for k, v in traj.items() if k != "seconds"}
+    n_ep = len(curves["fed50"]["shared"])
+    marks = [e for e in (1, 2, 5, 10, 15, 20, 30, 35, 40, 50, 60, 75, 100) if e <= n_ep]
+    lines = [
+        f"## Seed {seed}: the decoder reading epoch by epoch",
+        "",
+        f"The same models trained {n_ep} epochs without early stopping ({traj['seconds']:.0f} s); shared-topic "
+        "TSS of the decoder's topics after each epoch (and the best slot's mass on its shared topic). "
+        "**Bold**: the epoch early stopping with patience 5 keeps.",
+        "",
+        "| model | " + " | ".join(f"ep {e}" for e in marks) + " | max (epoch) |",
+        "|---|" + "---|" * (len(marks) + 1),
+    ]
+    stops = {"fed50": summary.get("fed50", {}).get("epochs")}
+    if "local42" in summary:
+        for n, row in enumerate(summary["local42"]["epochs"]):
+            stops[f"local42 node {n}"] = row[None]
+    for name, h in curves.items():
+        best = stops.get(name)
+        kept = int(best[0][0]) if best is not None else -1
+        cells = []
+        for e in marks:
+            cell = f"{h['shared'][e - 1]:.2f} ({h['best_mass'][e - 1]:.3f})"
+            cells.append(f"**{cell}**" if e == kept else cell)
+        top = int(np.argmax(h["shared"]))
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {h['shared'][top]:.2f} ({top + 1}) |")
+    if args.out:
+        plt = pyplot()
+        fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+        for name, h in curves.items():
+            x = np.arange(1, len(h["shared"]) + 1)
+            ax[0].plot(x, h["shared"], label=name)
+            ax[1].plot(x, h["val_loss"], label=name)
+        ax[0].set(xlabel="epoch", ylabel="shared-topic TSS (decoder)", title=f"K'={args.shared}, seed {seed}")
+        ax[1].set(xlabel="epoch", ylabel="validation loss", yscale="log")
+        ax[0].legend(fontsize=7)
+        fig.tight_layout()
+        png = args.out.with_name(f"{args.out.stem}-trajectory-{seed}.png")
+        fig.savefig(png, dpi=110)
+        plt.close(fig)
+        lines += ["", f"![shared-topic TSS and validation loss by epoch]({png.name})"]
+    return lines + [""]
 
 
 def overview(summary: dict, sh: int) -> list[str]:
@@ -329,8 +487,9 @@ def overview(summary: dict, sh: int) -> list[str]:
         "",
         "Shared-topic TSS (40 shared true topics) and counts (mean over seeds; local: over nodes too):",
         "",
-        "| model | shared TSS per seed | mean | slots: junk | mixture | private | extra copies | topics merged | split |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | shared TSS per seed | mean | slots: junk | mixture | private | extra copies | topics merged "
+        "| split | best slot's mass on its shared topic | slot's top topic mass |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n in names:
         per_seed = [np.mean([c["per_topic"][:sh].sum() for c in v[n]["cls"]]) for v in summary.values()]
@@ -338,11 +497,15 @@ def overview(summary: dict, sh: int) -> list[str]:
         def count(kind: str, key: str, n: str = n) -> float:
             return float(np.mean([np.mean([np.sum(c[kind] == key) for c in v[n]["cls"]]) for v in summary.values()]))
 
+        def mean(key: str, n: str = n) -> float:
+            return float(np.mean([np.mean([np.mean(c[key]) for c in v[n]["cls"]]) for v in summary.values()]))
+
         lines.append(
             f"| {n} | {' / '.join(f'{x:.2f}' for x in per_seed)} | {np.mean(per_seed):.3f} | "
             f"{count('slot_class', 'junk'):g} | {count('slot_class', 'mixture'):g} | "
             f"{count('slot_class', 'private'):g} | {count('slot_class', 'shared, extra copy'):g} | "
-            f"{count('topic_class', 'merged'):g} | {count('topic_class', 'split'):g} |"
+            f"{count('topic_class', 'merged'):g} | {count('topic_class', 'split'):g} | "
+            f"{mean('best_mass'):.3f} | {mean('slot_top1'):.3f} |"
         )
     lines.append("")
     return lines
