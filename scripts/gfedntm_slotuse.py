@@ -273,7 +273,9 @@ def main() -> None:
                 print(f"seed {seed} {name}: {float(run['seconds']):.0f} s, epochs {run['epochs'].tolist()}", flush=True)
             runs[seed][name] = run
         if seed in args.trajectory_seeds:
-            path = args.cache / f"{args.shared}-{args.eta}-{seed}-trajectory-{args.trajectory_epochs}.json"
+            path = args.cache / (
+                f"{args.shared}-{args.eta}-{seed}-trajectory-{args.trajectory_epochs}-{args.trajectory_nodes}.json"
+            )
             if not path.exists():
                 print(f"seed {seed} trajectory: training ...", flush=True)
                 t0 = time.monotonic()
@@ -452,37 +454,55 @@ def deficit(models: dict, sh: int) -> list[str]:
 def trajectory_section(args, seed: int, traj: dict, summary: dict) -> list[str]:
     curves = {k: v for k, v in traj.items() if k != "seconds"}
     n_ep = len(curves["fed50"]["shared"])
-    marks = [e for e in (1, 2, 5, 10, 15, 20, 30, 35, 40, 50, 60, 75, 100) if e <= n_ep]
+    marks = [e for e in (1, 5, 10, 15, 20, 30, 40, 50, 75, 100) if e <= n_ep]
     lines = [
         f"## Seed {seed}: the decoder reading epoch by epoch",
         "",
         f"The same models trained {n_ep} epochs without early stopping ({traj['seconds']:.0f} s); shared-topic "
-        "TSS of the decoder's topics after each epoch (and the best slot's mass on its shared topic). "
-        "**Bold**: the epoch early stopping with patience 5 keeps.",
+        "TSS of the decoder's topics after each epoch (in brackets: the best slot's mass on its shared topic, "
+        "mean over the 40). `kept`: the epoch that early stopping with patience 5 keeps (the models above); "
+        "`peak`: the best epoch on this reading.",
         "",
-        "| model | " + " | ".join(f"ep {e}" for e in marks) + " | max (epoch) |",
-        "|---|" + "---|" * (len(marks) + 1),
+        "| model | " + " | ".join(f"ep {e}" for e in marks) + " | kept (epoch) | peak (epoch) | kept − peak |",
+        "|---|" + "---|" * (len(marks) + 3),
     ]
-    stops = {"fed50": summary.get("fed50", {}).get("epochs")}
+    stops = {"fed50": int(summary["fed50"]["epochs"][0][0])} if "fed50" in summary else {}
     if "local42" in summary:
         for n, row in enumerate(summary["local42"]["epochs"]):
-            stops[f"local42 node {n}"] = row[None]
-    for name, h in curves.items():
-        best = stops.get(name)
-        kept = int(best[0][0]) if best is not None else -1
-        cells = []
-        for e in marks:
-            cell = f"{h['shared'][e - 1]:.2f} ({h['best_mass'][e - 1]:.3f})"
-            cells.append(f"**{cell}**" if e == kept else cell)
+            stops[f"local42 node {n}"] = int(row[0])
+    local = [name for name in curves if name.startswith("local42")]
+    rows = dict(curves)
+    if len(local) > 1:
+        rows["local42, mean over nodes"] = {
+            key: np.mean([curves[n][key] for n in local], axis=0).tolist() for key in ("shared", "best_mass")
+        }
+    for name, h in rows.items():
+        cells = [f"{h['shared'][e - 1]:.2f} ({h['best_mass'][e - 1]:.3f})" for e in marks]
         top = int(np.argmax(h["shared"]))
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {h['shared'][top]:.2f} ({top + 1}) |")
+        if name in stops:
+            kept = stops[name]
+            kept_cell = f"{h['shared'][kept - 1]:.2f} ({kept})"
+            diff = f"{h['shared'][kept - 1] - h['shared'][top]:+.2f}"
+        elif name.startswith("local42, mean") and all(n in stops for n in local):
+            vals = [curves[n]["shared"][stops[n] - 1] for n in local]
+            peaks = [max(curves[n]["shared"]) for n in local]
+            kept_cell = f"{np.mean(vals):.2f} (each node's)"
+            diff = f"{np.mean(vals) - np.mean(peaks):+.2f} (each node's peak: {np.mean(peaks):.2f})"
+        else:
+            kept_cell, diff = "", ""
+        lines.append(
+            f"| {name} | " + " | ".join(cells) + f" | {kept_cell} | {h['shared'][top]:.2f} ({top + 1}) | {diff} |"
+        )
     if args.out:
         plt = pyplot()
         fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
         for name, h in curves.items():
             x = np.arange(1, len(h["shared"]) + 1)
-            ax[0].plot(x, h["shared"], label=name)
-            ax[1].plot(x, h["val_loss"], label=name)
+            style = {"lw": 2, "color": "C3"} if name == "fed50" else {"lw": 0.8}
+            ax[0].plot(x, h["shared"], label=name, **style)
+            ax[1].plot(x, h["val_loss"], label=name, **style)
+            if name in stops:
+                ax[0].plot([stops[name]], [h["shared"][stops[name] - 1]], "o", ms=4, color=style.get("color"))
         ax[0].set(xlabel="epoch", ylabel="shared-topic TSS (decoder)", title=f"K'={args.shared}, seed {seed}")
         ax[1].set(xlabel="epoch", ylabel="validation loss", yscale="log")
         ax[0].legend(fontsize=7)
