@@ -286,6 +286,13 @@ def main() -> None:
     if args.train_only:
         return
     text = report(args, runs, saved, time.monotonic() - t_start)
+    if args.out and args.out.exists():
+        # keep the hand-written "Reading it" section of an earlier run, before the tables
+        old = args.out.read_text()
+        if "\n## Reading it\n" in old:
+            reading = "## Reading it\n" + old.split("\n## Reading it\n", 1)[1].split("\n## ", 1)[0].rstrip() + "\n\n"
+            head, rest = text.split("\n## ", 1)
+            text = head + "\n" + reading + "## " + rest
     print(text)
     if args.out:
         args.out.write_text(text)
@@ -304,12 +311,15 @@ def report(args, runs: dict, saved: dict, seconds: float) -> str:
         "",
         "```sh",
         "OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 .venv/bin/python scripts/gfedntm_slotuse.py "
-        f"--shared {sh} --eta {args.eta} --seeds {' '.join(map(str, args.seeds))} --out {args.out}",
+        f"--shared {sh} --eta {args.eta} --seeds {' '.join(map(str, args.seeds))} "
+        f"--trajectory-seeds {' '.join(map(str, args.trajectory_seeds))} --trajectory-nodes {args.trajectory_nodes} "
+        f"--out {args.out}",
         "```",
         "",
         "(see the script's docstring for the classes). Protocol of report.md: N = 5, V = 500, 3000 documents "
         "per node, 75:25 early stopping with patience 5, at most 100 epochs; the same seeds, so `fed50` and "
-        "`local42` are the models of slots/report.md and k40-breakdown.md (checked below). Models: "
+        "`local42` are the models of slots/report.md and k40-breakdown.md (checked below). "
+        "Models: "
         "`fedK` Sync-Opt with K topics, `localK` each node alone (figures are means over the 5 nodes), "
         "`central50` one model on the pooled corpus, `-p10` patience 10, `-initN` another initialisation "
         "and batch order on the same documents.",
@@ -498,13 +508,13 @@ def trajectory_section(args, seed: int, traj: dict, summary: dict) -> list[str]:
         fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
         for name, h in curves.items():
             x = np.arange(1, len(h["shared"]) + 1)
-            style = {"lw": 2, "color": "C3"} if name == "fed50" else {"lw": 0.8}
-            ax[0].plot(x, h["shared"], label=name, **style)
+            style = {"lw": 2, "color": "k"} if name == "fed50" else {"lw": 0.8}
+            (line,) = ax[0].plot(x, h["shared"], label=name, **style)
             ax[1].plot(x, h["val_loss"], label=name, **style)
             if name in stops:
-                ax[0].plot([stops[name]], [h["shared"][stops[name] - 1]], "o", ms=4, color=style.get("color"))
+                ax[0].plot([stops[name]], [h["shared"][stops[name] - 1]], "o", ms=4, color=line.get_color())
         ax[0].set(xlabel="epoch", ylabel="shared-topic TSS (decoder)", title=f"K'={args.shared}, seed {seed}")
-        ax[1].set(xlabel="epoch", ylabel="validation loss", yscale="log")
+        ax[1].set(xlabel="epoch", ylabel="validation loss (mean neg. ELBO per document)")
         ax[0].legend(fontsize=7)
         fig.tight_layout()
         png = args.out.with_name(f"{args.out.stem}-trajectory-{seed}.png")
