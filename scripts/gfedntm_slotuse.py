@@ -20,10 +20,13 @@ re-analyses) and classifies every learnt topic and every shared true topic:
 Then it splits the shared-topic deficit of the federated model against the local models
 (the mean over the five nodes) by the federated model's class of each true topic, and
 reports the federated models' best epochs (H5) and variants (patience 10, other
-initialisations, the pooled centralized model, K = 60; local K = 50).
+initialisations, the pooled centralized model, K = 60; local K = 50). For the
+``--trajectory-seeds`` it also trains the federated K = 50 and the local K = 42 models 100
+epochs without early stopping and scores the decoder reading after every epoch (with a
+plot next to ``--out``). A "## Reading it" section already in ``--out`` is kept.
 
-    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python scripts/gfedntm_slotuse.py --seeds 0 1 2 \\
-        --out results/gfedntm/k40-slot-use.md
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 .venv/bin/python scripts/gfedntm_slotuse.py \\
+        --seeds 0 1 2 --trajectory-seeds 0 1 2 --trajectory-nodes 5 --out results/gfedntm/k40-slot-use.md
 """
 
 from __future__ import annotations
