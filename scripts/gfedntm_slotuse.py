@@ -26,7 +26,8 @@ epochs without early stopping and scores the decoder reading after every epoch (
 plot next to ``--out``). A "## Reading it" section already in ``--out`` is kept.
 
     OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 .venv/bin/python scripts/gfedntm_slotuse.py \\
-        --seeds 0 1 2 --trajectory-seeds 0 1 2 --trajectory-nodes 5 --out results/gfedntm/k40-slot-use.md
+        --seeds 0 1 2 --trajectory-seeds 0 1 2 --trajectory-nodes 5 --trajectory-central-epochs 60 \\
+        --out results/gfedntm/k40-slot-use.md
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def train(name: str, scale, data, shared: int) -> dict:
     }
 
 
-def trajectory(scale, data, refs: Refs, epochs: int, nodes: int) -> dict:
+def trajectory(scale, data, refs: Refs, epochs: int, nodes: int, central_epochs: int = 0) -> dict:
     """The decoder-reading shared-topic TSS after every epoch of the federated model (K = 50)
     and of the first ``nodes`` local models (K = 42), trained ``epochs`` epochs without early
     stopping; the validation loss each would stop on; the same seeds and steps as above, so
@@ -111,7 +112,7 @@ def trajectory(scale, data, refs: Refs, epochs: int, nodes: int) -> dict:
         hist["best_mass"].append(float(np.mean(c["best_mass"])))
 
     out: dict = {}
-    tasks, _ = gfedntm.joint_tasks(scale, data)
+    tasks, terms = gfedntm.joint_tasks(scale, data)
     model = tasks[0].build_model()
     opt = tasks[0].make_optimizer(model.parameters())
     spe = min(t.num_batches() for t in tasks)
@@ -122,6 +123,18 @@ def trajectory(scale, data, refs: Refs, epochs: int, nodes: int) -> dict:
         record(hist, tasks[0], model, gfedntm.federated_validation_loss(model, tasks))
         print(f"  fed50 epoch {e + 1}: val {hist['val_loss'][-1]:.3f} shared {hist['shared'][-1]:.3f}", flush=True)
     out["fed50"] = hist
+    if central_epochs:
+        pooled = gfedntm.pooled_task(tasks, terms)
+        model = pooled.build_model()
+        opt = pooled.make_optimizer(model.parameters())
+        step = gfedntm.local_step(model, opt, pooled)
+        hist = {"val_loss": [], "shared": [], "best_mass": []}
+        for e in range(central_epochs):
+            for i in range(e * pooled.num_batches(), (e + 1) * pooled.num_batches()):
+                step(i)
+            record(hist, pooled, model, pooled.evaluate(model)["val_loss"])
+        print(f"  central50: shared by epoch {np.round(hist['shared'], 2).tolist()}", flush=True)
+        out["central50"] = hist
     for n in range(nodes):
         task = gfedntm.load_ntm("prodlda", {**data.opts, "n_topics": 42, "shard": n})
         task.set_vocabulary(sorted(task.term_counts(), key=lambda t: int(t[4:])))
@@ -251,6 +264,12 @@ def main() -> None:
     )
     ap.add_argument("--trajectory-epochs", type=int, default=100)
     ap.add_argument("--trajectory-nodes", type=int, default=2)
+    ap.add_argument(
+        "--trajectory-central-epochs",
+        type=int,
+        default=0,
+        help="also follow the pooled centralized model (K = 50) this many epochs (5x the steps of one)",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -286,6 +305,20 @@ def main() -> None:
                 traj["seconds"] = time.monotonic() - t0
                 path.write_text(json.dumps(traj))
             runs[seed]["_trajectory"] = json.loads(path.read_text())
+            if args.trajectory_central_epochs:
+                path = (
+                    args.cache
+                    / f"{args.shared}-{args.eta}-{seed}-trajectory-central-{args.trajectory_central_epochs}.json"
+                )
+                if not path.exists():
+                    print(f"seed {seed} centralized trajectory: training ...", flush=True)
+                    t0 = time.monotonic()
+                    traj = trajectory(scale, data, runs[seed]["_refs"], 0, 0, args.trajectory_central_epochs)
+                    traj["central seconds"] = time.monotonic() - t0
+                    path.write_text(json.dumps(traj))
+                traj = json.loads(path.read_text())
+                runs[seed]["_trajectory"]["central50"] = traj["central50"]
+                runs[seed]["_trajectory"]["seconds"] += traj["central seconds"]
     if args.train_only:
         return
     text = report(args, runs, saved, time.monotonic() - t_start)
@@ -316,7 +349,8 @@ def report(args, runs: dict, saved: dict, seconds: float) -> str:
         "OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 .venv/bin/python scripts/gfedntm_slotuse.py "
         f"--shared {sh} --eta {args.eta} --seeds {' '.join(map(str, args.seeds))} "
         f"--trajectory-seeds {' '.join(map(str, args.trajectory_seeds))} --trajectory-nodes {args.trajectory_nodes} "
-        f"--out {args.out}",
+        + (f"--trajectory-central-epochs {args.trajectory_central_epochs} " if args.trajectory_central_epochs else "")
+        + f"--out {args.out}",
         "```",
         "",
         "(see the script's docstring for the classes). Protocol of report.md: N = 5, V = 500, 3000 documents "
@@ -483,6 +517,10 @@ def trajectory_section(args, seed: int, traj: dict, summary: dict) -> list[str]:
     if "local42" in summary:
         for n, row in enumerate(summary["local42"]["epochs"]):
             stops[f"local42 node {n}"] = int(row[0])
+    if "central50" in summary and "central50" in curves:
+        kept = int(summary["central50"]["epochs"][0][0])
+        if kept <= len(curves["central50"]["shared"]):
+            stops["central50"] = kept
     local = [name for name in curves if name.startswith("local42")]
     rows = dict(curves)
     if len(local) > 1:
@@ -490,7 +528,9 @@ def trajectory_section(args, seed: int, traj: dict, summary: dict) -> list[str]:
             key: np.mean([curves[n][key] for n in local], axis=0).tolist() for key in ("shared", "best_mass")
         }
     for name, h in rows.items():
-        cells = [f"{h['shared'][e - 1]:.2f} ({h['best_mass'][e - 1]:.3f})" for e in marks]
+        cells = [
+            f"{h['shared'][e - 1]:.2f} ({h['best_mass'][e - 1]:.3f})" if e <= len(h["shared"]) else "" for e in marks
+        ]
         top = int(np.argmax(h["shared"]))
         if name in stops:
             kept = stops[name]
@@ -512,6 +552,8 @@ def trajectory_section(args, seed: int, traj: dict, summary: dict) -> list[str]:
         for name, h in curves.items():
             x = np.arange(1, len(h["shared"]) + 1)
             style = {"lw": 2, "color": "k"} if name == "fed50" else {"lw": 0.8}
+            if name == "central50":
+                style = {"lw": 1.5, "color": "k", "ls": "--"}
             (line,) = ax[0].plot(x, h["shared"], label=name, **style)
             ax[1].plot(x, h["val_loss"], label=name, **style)
             if name in stops:
