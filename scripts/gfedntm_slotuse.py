@@ -591,9 +591,9 @@ def overview(summary: dict, sh: int) -> list[str]:
 
         lines.append(
             f"| {n} | {' / '.join(f'{x:.2f}' for x in per_seed)} | {np.mean(per_seed):.3f} | "
-            f"{count('slot_class', 'junk'):g} | {count('slot_class', 'mixture'):g} | "
-            f"{count('slot_class', 'private'):g} | {count('slot_class', 'shared, extra copy'):g} | "
-            f"{count('topic_class', 'merged'):g} | {count('topic_class', 'split'):g} | "
+            f"{count('slot_class', 'junk'):.3g} | {count('slot_class', 'mixture'):.3g} | "
+            f"{count('slot_class', 'private'):.3g} | {count('slot_class', 'shared, extra copy'):.3g} | "
+            f"{count('topic_class', 'merged'):.3g} | {count('topic_class', 'split'):.3g} | "
             f"{mean('best_mass'):.3f} | {mean('slot_top1'):.3f} |"
         )
     lines.append("")
