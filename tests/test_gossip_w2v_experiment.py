@@ -99,10 +99,12 @@ def test_pacing_reaches_the_scale_and_keeps_earlier_runs_and_centralized_models(
     seen: list[Scale] = []
     monkeypatch.setattr(gossip_w2v, "run_experiment", lambda out, scale, configs, **kw: seen.append(scale))
     runner = CliRunner()
-    for args in ([], ["--period-seconds", "1.2"]):
+    for args in (["--period-seconds", "0"], [], ["--scale", "tiny"]):
         result = runner.invoke(main, ["experiment", "gossip-w2v", *args, "--out", str(tmp_path)])
         assert result.exit_code == 0, result.output
-    assert [s.period_seconds for s in seen] == [0.0, 1.2]
+    # paced by default at the default scale; the tiny smoke test is not paced
+    assert [s.period_seconds for s in seen] == [0.0, 1.2, 0.0]
+    seen.pop()
     result = runner.invoke(main, ["experiment", "gossip-w2v", "--period-seconds", "-1", "--out", str(tmp_path)])
     assert result.exit_code != 0 and "--period-seconds" in result.output
     unpaced, paced = seen

@@ -697,7 +697,7 @@ def experiment_flsimco(
     type=click.Choice(["default", "tiny"]),
     default="default",
     show_default=True,
-    help="default: 10 agents, 3 seeds, ~50 min on 2 idle cores; tiny: 3 agents, a smoke test",
+    help="default: 10 agents, 3 seeds, paced, ~6 min a configuration, ~2 h in all; tiny: 3 agents, a smoke test",
 )
 @click.option("--local-steps", type=int, default=None, help="batches per agent (centralized gets agents x this)")
 @click.option("--dim", type=int, default=None, help="embedding size")
@@ -731,7 +731,7 @@ def experiment_flsimco(
     default=None,
     help="the agents' [gossip] period_seconds in the frequent configurations (infrequent ones: x5, the same "
     "time per batch): every period lasts at least this long, which keeps agents of unequal speed in step "
-    "(default 0: unpaced)",
+    "(default scale: 1.2; 0: unpaced)",
 )
 @click.option("--out", type=click.Path(path_type=Path), default=Path("gossip-w2v-report"), show_default=True)
 @click.option("--keep", is_flag=True, help="keep the work directories (logs, checkpoints, histories)")

@@ -91,8 +91,10 @@ class Scale:
     # a configuration exchanging every n batches gets this x n / ``frequent``, so that
     # every configuration is paced to the same time per batch. On a shared machine the
     # agents train at different speeds and merge each other's stale models; periods of
-    # at least this long keep them in step (results/gossip_w2v/pacing/).
-    period_seconds: float = 0.0
+    # at least this long keep them in step. 1.2 s is well above what the slowest of ten
+    # agents on 2 shared cores needs for 10 batches and an exchange (unpaced, a period
+    # took 0.38 s on average); results/gossip_w2v/paced/ against the unpaced report.
+    period_seconds: float = 1.2
     # Batches per agent: 10 x 2760 = 27,600 batches = 20 epochs, where the centralized
     # learning curve (in the report) has flattened (thesis: 500,000 per agent).
     local_steps: int = 2760
@@ -143,6 +145,7 @@ SCALES = {
         gensim_epochs=2,
         curve=(0.5, 1.0),
         gossip_lr_factor=3.0,
+        period_seconds=0.0,
         seeds=(1,),
         central_seeds=(1, 2),
     ),
@@ -196,6 +199,9 @@ class Result:
     per_agent: dict[str, dict[str, float]] = field(default_factory=dict)
     bytes_out: int = 0
     curves: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    # Each agent's ``lag_mean`` at the end: how many local steps behind it the models it
+    # merged were, on average (empty in runs saved before it was recorded).
+    lag: dict[str, float] = field(default_factory=dict)
 
     def mean(self, key: str) -> float:
         return float(np.mean([m[key] for m in self.per_agent.values()]))
@@ -453,6 +459,7 @@ def run_config(
             seed=scale.seed,
             curves=curves,
             bytes_out=sum(int(s.get("bytes_out", 0)) for s in done.values()),
+            lag={a: float(s["lag_mean"]) for a, s in done.items() if isinstance(s.get("lag_mean"), (int, float))},
         )
         return res, vectors, ids
     finally:
@@ -581,6 +588,12 @@ def run_experiment(
                 f"{cfg.name} seed {seed}: {res.seconds:.0f} s, wordsim353 {res.mean('wordsim353'):.3f}, "
                 f"overlap with the centralized consensus {res.mean('overlap_consensus'):.1f}, "
                 f"w2v_sim {res.mean('w2v_sim'):.1f}"
+                + (
+                    f", merged models {np.mean(list(res.lag.values())):.0f} local steps behind "
+                    f"(agents {min(res.lag.values()):.0f} to {max(res.lag.values()):.0f})"
+                    if res.lag
+                    else ""
+                )
             )
             report()  # after every run: an interrupted experiment keeps what it measured
     summary = report()
