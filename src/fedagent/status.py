@@ -230,8 +230,7 @@ def _round_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
 
 def _lag_text(lag: object, mean: object) -> str:
     """How many local steps behind this agent the models it merged were: at the last
-    merge and on average. Agents of unequal speed merge stale models
-    (docs/modes/gossip.md, "Agents of unequal speed")."""
+    merge and on average (docs/modes/gossip.md, "Agents of unequal speed, and pacing")."""
     if not isinstance(lag, (int, float)) or not isinstance(mean, (int, float)):
         return "-"
     return f"{lag:.0f} local steps behind this model at the last merge, {mean:.0f} on average"
