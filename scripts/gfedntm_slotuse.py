@@ -111,6 +111,18 @@ def trajectory(scale, data, refs: Refs, epochs: int, nodes: int, central_epochs:
         hist["shared"].append(float(c["per_topic"][:sh].sum()))
         hist["best_mass"].append(float(np.mean(c["best_mass"])))
 
+    def follow(task, n_epochs: int) -> dict:
+        """One model trained alone on ``task`` for ``n_epochs`` epochs, recorded after each."""
+        model = task.build_model()
+        opt = task.make_optimizer(model.parameters())
+        step = gfedntm.local_step(model, opt, task)
+        hist: dict = {"val_loss": [], "shared": [], "best_mass": []}
+        for e in range(n_epochs):
+            for i in range(e * task.num_batches(), (e + 1) * task.num_batches()):
+                step(i)
+            record(hist, task, model, task.evaluate(model)["val_loss"])
+        return hist
+
     out: dict = {}
     tasks, terms = gfedntm.joint_tasks(scale, data)
     model = tasks[0].build_model()
@@ -124,28 +136,13 @@ def trajectory(scale, data, refs: Refs, epochs: int, nodes: int, central_epochs:
         print(f"  fed50 epoch {e + 1}: val {hist['val_loss'][-1]:.3f} shared {hist['shared'][-1]:.3f}", flush=True)
     out["fed50"] = hist
     if central_epochs:
-        pooled = gfedntm.pooled_task(tasks, terms)
-        model = pooled.build_model()
-        opt = pooled.make_optimizer(model.parameters())
-        step = gfedntm.local_step(model, opt, pooled)
-        hist = {"val_loss": [], "shared": [], "best_mass": []}
-        for e in range(central_epochs):
-            for i in range(e * pooled.num_batches(), (e + 1) * pooled.num_batches()):
-                step(i)
-            record(hist, pooled, model, pooled.evaluate(model)["val_loss"])
+        hist = follow(gfedntm.pooled_task(tasks, terms), central_epochs)
         print(f"  central50: shared by epoch {np.round(hist['shared'], 2).tolist()}", flush=True)
         out["central50"] = hist
     for n in range(nodes):
         task = gfedntm.load_ntm("prodlda", {**data.opts, "n_topics": 42, "shard": n})
         task.set_vocabulary(sorted(task.term_counts(), key=lambda t: int(t[4:])))
-        model = task.build_model()
-        opt = task.make_optimizer(model.parameters())
-        step = gfedntm.local_step(model, opt, task)
-        hist = {"val_loss": [], "shared": [], "best_mass": []}
-        for e in range(epochs):
-            for i in range(e * task.num_batches(), (e + 1) * task.num_batches()):
-                step(i)
-            record(hist, task, model, task.evaluate(model)["val_loss"])
+        hist = follow(task, epochs)
         print(f"  local42 node {n}: shared by epoch {np.round(hist['shared'], 2).tolist()}", flush=True)
         out[f"local42 node {n}"] = hist
     return out
