@@ -1,4 +1,4 @@
-"""Broker memory while agents are away: the scenario of tests/test_absent_agents.py, for a
+"""Broker memory while agents are away: the scenario of tests/faults/test_absent_agents.py, for a
 before/after comparison across checkouts.
 
     .venv/bin/python bench/absent_agents.py run --out after.json          # this checkout

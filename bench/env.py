@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fedagent import pki
-from fedagent.broker import EmbeddedBroker
+from fedagent.mosquitto import EmbeddedBroker
 from fedagent.node.transport import TlsFiles
+from fedagent.security import pki
 
 FEDERATION = "bench"
 COORDINATOR = "coord"

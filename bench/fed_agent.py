@@ -44,7 +44,7 @@ from fedagent.protocols.secagg import (
     SecAggUnmask,
     layout_size,
 )
-from fedagent.signing import AuthError, Identity, sign, sign_statement
+from fedagent.security.signing import AuthError, Identity, sign, sign_statement
 
 BENCH_DELTA = 0.001  # what every benchmark agent's secure update adds to each coordinate
 

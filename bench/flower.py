@@ -331,7 +331,7 @@ def _flower_error(log_path: str) -> str:
 def server_tls(d: Path) -> tuple[Path, Path, Path]:
     """(CA, server certificate, key) for Flower's TLS mode, from fedagent's own CA code
     (ECDSA P-256, SAN 127.0.0.1, as the broker's)."""
-    from fedagent import pki
+    from fedagent.security import pki
 
     pki.create_ca(d / "ca", "flowerbench")
     cert, key = pki.issue(d / "ca", d / "certs", "flower-server", "broker", sans=["127.0.0.1"])

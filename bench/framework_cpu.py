@@ -21,13 +21,13 @@ import time
 from pathlib import Path
 
 from bench.env import COORDINATOR, FEDERATION, model_weights
-from fedagent import pki
 from fedagent.node.messaging import Incoming, Messenger
 from fedagent.node.transport import TlsFiles
 from fedagent.protocols import topics
 from fedagent.protocols.aggregation import WeightedMean, check_update
 from fedagent.protocols.messages import RoundStart, TrainConfig, Update
-from fedagent.signing import Identity
+from fedagent.security import pki
+from fedagent.security.signing import Identity
 
 AGENT = "agent-1"
 

@@ -31,7 +31,7 @@ from bench.round import KEEPALIVE, ROOT, CClients, children_cpu, chunk_bytes
 from fedagent.node.messaging import Messenger
 from fedagent.protocols import topics
 from fedagent.protocols.messages import GossipModel
-from fedagent.signing import Identity
+from fedagent.security.signing import Identity
 
 PAIR = ("agent-1", "agent-2")
 C_PAIR = ("agent-3", "agent-4")

@@ -31,7 +31,7 @@ from fedagent.node.transport import TlsFiles, Transport
 from fedagent.protocols import topics
 from fedagent.protocols.aggregation import check_update
 from fedagent.protocols.messages import GossipAck, GossipModel
-from fedagent.signing import Identity
+from fedagent.security.signing import Identity
 
 
 class Peer:

@@ -24,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from fedagent.experiments.swarm import run_federation
+from bench.swarm import run_federation
 
 DEFAULT_CASES = [(10, 11_200_000), (10, 1_100_000), (50, 1_100_000)]
 

@@ -23,7 +23,7 @@ from fedagent.node.messaging import Incoming, Messenger
 from fedagent.node.transport import Transport
 from fedagent.protocols import topics
 from fedagent.protocols.messages import Update
-from fedagent.signing import Identity
+from fedagent.security.signing import Identity
 
 
 async def pipe(bb: BenchBroker, params: int, times: int, chunk: int, window: int | None) -> list[float]:

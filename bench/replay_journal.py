@@ -1,5 +1,5 @@
 """What making the replay guard durable costs per delivered message: the journal
-(``fedagent.replaylog``: one appended record + fdatasync) against the whole-snapshot
+(``fedagent.security.replaylog``: one appended record + fdatasync) against the whole-snapshot
 rewrite it replaced (temporary file, fsync, rename, directory fsync), both measured in
 this run, on the same guard state, alternating message by message.
 
@@ -31,9 +31,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.registry import Context, Row, section  # noqa: E402
-from fedagent import replaylog, statefile  # noqa: E402
-from fedagent.replaylog import ReplayJournal  # noqa: E402
-from fedagent.signing import ReplayGuard  # noqa: E402
+from fedagent.security import replaylog  # noqa: E402
+from fedagent.security.replaylog import ReplayJournal  # noqa: E402
+from fedagent.security.signing import ReplayGuard  # noqa: E402
+from fedagent.storage import statefile  # noqa: E402
 
 KEEP = 64
 NOW = 1.7e9

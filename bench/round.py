@@ -39,7 +39,6 @@ import numpy as np
 
 from bench.env import COORDINATOR, FEDERATION, BenchBroker, bench_broker, mb, model_sizes, model_weights
 from bench.registry import Context, Row, section, summary
-from fedagent import pki
 from fedagent.node.messaging import Incoming, Messenger
 from fedagent.node.transport import Transport
 from fedagent.protocols import topics
@@ -49,7 +48,8 @@ from fedagent.protocols.compression import DEFAULT_MODE
 from fedagent.protocols.downlink import quantize_step
 from fedagent.protocols.messages import Presence, RoundStart, TrainConfig, Update
 from fedagent.protocols.streaming import StreamEvent, UpdateEnd, UpdateHead, UpdatePart
-from fedagent.signing import Identity
+from fedagent.security import pki
+from fedagent.security.signing import Identity
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENTS = 10

@@ -29,7 +29,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from fedagent.experiments.swarm import run_federation
+from bench.swarm import run_federation
 
 
 def _med(xs: list[float]) -> float | None:

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from fedagent import pki
 from fedagent.node import messaging
 from fedagent.node.messaging import Messenger
 from fedagent.protocols import topics
 from fedagent.protocols.messages import Update
-from fedagent.signing import Identity
+from fedagent.security import pki
+from fedagent.security.signing import Identity
 
 FED = "bench"
 
@@ -79,7 +79,7 @@ async def once(model, a: Identity, c: Identity, signed: bool) -> tuple[float, fl
 def signing_alone(model, a: Identity, c: Identity, repeat: int) -> tuple[float, float, int]:
     """CPU time of sign() over every frame of one transfer, and of Verifier.check()."""
     from fedagent.protocols.codec import decode
-    from fedagent.signing import sign
+    from fedagent.security.signing import sign
 
     out = Collect()
     send = Messenger(federation=FED, node_id="agent-1", transport=out, identity=a)
@@ -105,7 +105,7 @@ async def over_broker(model, d: Path, a: Identity, c: Identity) -> float | None:
 
     if shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists():
         return None
-    from fedagent.broker import EmbeddedBroker
+    from fedagent.mosquitto import EmbeddedBroker
     from fedagent.node.transport import TlsFiles, Transport
 
     broker = EmbeddedBroker(d / "broker", federations=[FED], coordinators=["coord"], ca_dir=d)

@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:  # run as a script: ``python bench/syncopt_step.py
     sys.path.insert(0, str(ROOT))
 
 from bench.registry import Context, Row, section, summary  # noqa: E402
-from fedagent.localfed import Federation  # noqa: E402
+from fedagent.local.federation import Federation  # noqa: E402
 
 AGENTS = 5
 OPTIONS = {

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 
-from fedagent import pki
 from fedagent.node import transport
+from fedagent.security import pki
 
 CHUNKS, CHUNK = 11, 4 * 2**20
 

@@ -193,9 +193,9 @@ def run_fedagent(
     CNN by default; ``"digits"`` is the demo's own model on the same data (the accuracy
     studies run it as a second workload). ``rounds_options``: more ``[rounds]`` keys for
     the coordinator (e.g. ``server_momentum``; none: the defaults)."""
-    from fedagent import localfed
+    from fedagent.local import federation
 
-    assert (localfed.LOCAL_EPOCHS, localfed.LR, localfed.BATCH, localfed.SEED) == (
+    assert (federation.LOCAL_EPOCHS, federation.LR, federation.BATCH, federation.SEED) == (
         tta_model.LOCAL_EPOCHS,
         tta_model.LR,
         tta_model.BATCH,
@@ -214,7 +214,7 @@ def run_fedagent(
         p for p in (str(ROOT), old_path) if p
     )  # the daemons import bench.tta_task
     launched = time.time()
-    fed = localfed.Federation(
+    fed = federation.Federation(
         d,
         agents=agents,
         rounds=rounds,

@@ -36,12 +36,14 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.fedagent-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ experiments/pyproject.toml -nt "$stamp" ]; then
   echo "bootstrap: installing Python dependencies into .venv (first run takes a minute)" >&2
   .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
   # torch first and pinned: a bare 'torch' requirement would pull a multi-GB CUDA build.
   .venv/bin/pip install -q "torch==2.13.0"
-  .venv/bin/pip install -q -e ".[experiments,test]"
+  # fedagent with the test tools, and the papers' experiments (a distribution of their
+  # own, adding `fedagent experiment`), both editable.
+  .venv/bin/pip install -q -e ".[test]" -e ./experiments
   touch "$stamp"
 fi
 # Only the slow T8 test needs it (added delay); a failed build must not stop the set-up.

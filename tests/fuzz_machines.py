@@ -17,7 +17,7 @@ every received body passes) and, if it survives, becomes an event for
 * the :class:`~fedagent.protocols.gossip.GossipMachine` (models with any mass, age,
   weights; acks for unknown exchanges; peers coming and going; failed sends);
 * the chunk :class:`~fedagent.protocols.chunking.Reassembler`;
-* the signature :class:`~fedagent.signing.Verifier` (random certificates and signatures).
+* the signature :class:`~fedagent.security.signing.Verifier` (random certificates and signatures).
 
 The only exception allowed to escape is :class:`~fedagent.errors.FedagentError` (the
 project's own); anything else is printed with the event and counted, and the script
@@ -25,7 +25,7 @@ exits 1. Invariants are checked after every event: the round machine's round nev
 goes down and its model stays finite and of the reference shapes; the gossip model
 stays finite and its mass positive. Machines are rebuilt every ``--episode`` events so
 that fresh and long-lived states are both explored. The test suite runs a short
-Hypothesis version (tests/test_fuzz_machines.py).
+Hypothesis version (tests/protocols/test_fuzz_machines.py).
 """
 
 from __future__ import annotations
@@ -357,7 +357,7 @@ class Harness:
 
 def signed_frames(rnd: random.Random, verifier, identity) -> None:
     """Random mutations of a signed frame through the verifier: AuthError or accepted."""
-    from fedagent.signing import sign
+    from fedagent.security.signing import sign
 
     env = Envelope(
         kind=rnd.choice(["update", "chunk", "presence"]),
@@ -430,8 +430,8 @@ def _identity():
     import tempfile
     from pathlib import Path
 
-    from fedagent import pki
-    from fedagent.signing import Identity
+    from fedagent.security import pki
+    from fedagent.security.signing import Identity
 
     d = Path(tempfile.mkdtemp(prefix="fuzz-pki-"))
     pki.create_ca(d, "fed")

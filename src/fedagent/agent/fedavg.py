@@ -24,7 +24,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from fedagent import checkpoint
 from fedagent.agent import vocabulary as vocab_mod
 from fedagent.agent.core import Agent, Session
 from fedagent.errors import EXIT_CONFIG, TransportError
@@ -70,7 +69,8 @@ from fedagent.protocols.secagg import (
     SecAggUnmask,
     layout_size,
 )
-from fedagent.signing import AuthError, sign_statement
+from fedagent.security.signing import AuthError, sign_statement
+from fedagent.storage import checkpoint
 from fedagent.tasks.base import Weights, get_weights, set_weights
 
 log = logging.getLogger("fedagent.agent")

@@ -40,7 +40,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from fedagent import checkpoint
 from fedagent.agent.core import Agent, Session
 from fedagent.agent.vocabulary import VocabularyTask, needs_vocabulary, vocabulary_task
 from fedagent.errors import ConfigError
@@ -54,7 +53,8 @@ from fedagent.protocols import gossip as g
 from fedagent.protocols import gossip_vocab as gv
 from fedagent.protocols.messages import GossipAck, GossipModel, Presence, VocabDigest, VocabOffer
 from fedagent.protocols.vocab import vocabulary_digest
-from fedagent.statefile import atomic_write, read_bytes
+from fedagent.storage import checkpoint
+from fedagent.storage.statefile import atomic_write, read_bytes
 from fedagent.tasks.base import Weights, get_weights, set_weights
 
 log = logging.getLogger("fedagent.gossip")

@@ -43,7 +43,6 @@ from typing import Any, ClassVar, Protocol, cast
 import numpy as np
 import torch
 
-from fedagent import checkpoint
 from fedagent.agent.core import Service, ServiceSpec, Session
 from fedagent.agent.vocabulary import needs_vocabulary, vocabulary_task
 from fedagent.errors import ConfigError, FedagentError
@@ -52,6 +51,7 @@ from fedagent.protocols import search as S
 from fedagent.protocols import topics
 from fedagent.protocols.messages import PublicVectors, PublicVectorsRequest, SearchAnswer, SearchQuery
 from fedagent.protocols.ratelimit import RateLimiter
+from fedagent.storage import checkpoint
 from fedagent.tasks import seec
 from fedagent.tasks.base import get_weights, set_weights
 

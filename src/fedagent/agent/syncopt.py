@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedagent import checkpoint
 from fedagent.agent.core import Agent, Session
 from fedagent.agent.vocabulary import make_offer, vocabulary_task
 from fedagent.node import sdnotify
@@ -35,6 +34,7 @@ from fedagent.node.messaging import Incoming
 from fedagent.node.runtime import presence_payload
 from fedagent.protocols import topics
 from fedagent.protocols.messages import GlobalModel, Presence, SyncGradient, SyncStep, SyncValidation, Vocabulary
+from fedagent.storage import checkpoint
 
 log = logging.getLogger("fedagent.syncopt")
 

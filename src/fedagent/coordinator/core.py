@@ -41,19 +41,19 @@ from typing import Any, Protocol
 import torch
 
 from fedagent.config import NodeConfig
-from fedagent.metrics import NodeMetrics
 from fedagent.node import sdnotify
 from fedagent.node.control import ControlServer
 from fedagent.node.discovery import Advert, Discovery
 from fedagent.node.messaging import Incoming, Messenger
+from fedagent.node.metrics import NodeMetrics
 from fedagent.node.runtime import History, make_transport, node_identity, presence_payload
-from fedagent.pki import fingerprint
 from fedagent.protocols import topics
 from fedagent.protocols.evaluation import HeldOut
 from fedagent.protocols.liveness import Liveness
 from fedagent.protocols.messages import Evaluation, Heartbeat, Presence
 from fedagent.protocols.peerview import peer_table
-from fedagent.statefile import cleanup_temp_files
+from fedagent.security.pki import fingerprint
+from fedagent.storage.statefile import cleanup_temp_files
 from fedagent.tasks.base import Task, load_task
 
 log = logging.getLogger("fedagent.coordinator")
@@ -119,7 +119,7 @@ class Mode(Protocol):
 
     def recovered_frames(self) -> Iterator[tuple[str, bytes]]:
         """(topic, frame) received and made durable before a restart, to be handed on
-        again before any new network input (the round in flight: fedagent.roundjournal)."""
+        again before any new network input (the round in flight: fedagent.storage.roundjournal)."""
         ...
 
     def background(self) -> list[Coroutine[Any, Any, None]]:

@@ -21,15 +21,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedagent import checkpoint
 from fedagent.config import NodeConfig
 from fedagent.coordinator.core import CoordinatorCore
 from fedagent.coordinator.velocity import FileVelocity
 from fedagent.coordinator.vocabstage import VocabStage, has_vocabulary, vocab_config
 from fedagent.errors import CodecError, ConfigError, FedagentError, StateWriteError, TransportError
-from fedagent.metrics import NodeMetrics
 from fedagent.node import sdnotify
 from fedagent.node.messaging import Incoming
+from fedagent.node.metrics import NodeMetrics
 from fedagent.node.runtime import Timer, release_large_frees
 from fedagent.protocols import rounds as R
 from fedagent.protocols import topics
@@ -53,9 +52,10 @@ from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
 from fedagent.protocols.secagg import SecAggMasked, SecAggParams, SecAggStart
 from fedagent.protocols.serveropt import VELOCITY, check_velocity
 from fedagent.protocols.streaming import STREAM_KIND, StreamEvent, UpdateEnd, UpdateHead, UpdatePart
-from fedagent.roundjournal import InFlight, RoundJournal
-from fedagent.signing import CHUNK_KIND
-from fedagent.statefile import atomic_write, read_bytes
+from fedagent.security.signing import CHUNK_KIND
+from fedagent.storage import checkpoint
+from fedagent.storage.roundjournal import InFlight, RoundJournal
+from fedagent.storage.statefile import atomic_write, read_bytes
 from fedagent.tasks.base import get_weights
 
 log = logging.getLogger("fedagent.coordinator")
@@ -185,7 +185,7 @@ class FedAvgMode:
         self.round_path = core.dir / "last_round_started"
         self.velocity_file: FileVelocity | None = None  # the server momentum's velocity, on disk
         # The round in flight, durable before any of its updates is acknowledged; a
-        # restart takes that round up again (fedagent.roundjournal).
+        # restart takes that round up again (fedagent.storage.roundjournal).
         self.journal = RoundJournal(core.dir / "round-journal", max_frame=core.messenger.wire_limits.max_message_bytes)
         self._journal_lock = asyncio.Lock()
         # An update (whole, chunked or streamed: a header, values, a little framing per chunk).

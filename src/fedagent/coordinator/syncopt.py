@@ -32,20 +32,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedagent import checkpoint
-from fedagent.checkpoint import OPTIMIZER_PREFIX
 from fedagent.coordinator.core import CoordinatorCore
 from fedagent.coordinator.vocabstage import has_vocabulary, load_vocabulary, publish_vocabulary
 from fedagent.errors import ConfigError, FedagentError
-from fedagent.metrics import NodeMetrics
 from fedagent.node import sdnotify
 from fedagent.node.messaging import Incoming
+from fedagent.node.metrics import NodeMetrics
 from fedagent.node.runtime import Timer, keep_freed_memory
 from fedagent.protocols import syncopt as S
 from fedagent.protocols import topics
 from fedagent.protocols import vocab as V
 from fedagent.protocols.messages import GlobalModel, SyncGradient, SyncStep, SyncValidation, VocabOffer, Vocabulary
-from fedagent.statefile import atomic_write, read_bytes
+from fedagent.storage import checkpoint
+from fedagent.storage.checkpoint import OPTIMIZER_PREFIX
+from fedagent.storage.statefile import atomic_write, read_bytes
 from fedagent.tasks.base import get_weights
 
 log = logging.getLogger("fedagent.coordinator.syncopt")

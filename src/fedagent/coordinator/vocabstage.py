@@ -22,7 +22,7 @@ from fedagent.errors import ConfigError, FedagentError
 from fedagent.protocols import topics
 from fedagent.protocols import vocab as V
 from fedagent.protocols.messages import Vocabulary
-from fedagent.statefile import atomic_write, read_bytes
+from fedagent.storage.statefile import atomic_write, read_bytes
 
 log = logging.getLogger("fedagent.coordinator.vocab")
 

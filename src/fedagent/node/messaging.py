@@ -8,10 +8,10 @@ ACL guarantees the topic subtree is the publisher's certificate CN), and the bod
 validated into a typed message. Anything wrong is counted and logged with the
 sender named, and dropped: a hostile peer never reaches the protocol machines.
 
-Every frame is signed with the node's :class:`~fedagent.signing.Identity` and every
+Every frame is signed with the node's :class:`~fedagent.security.signing.Identity` and every
 received frame is authenticated (certificate, signature, freshness) by a
-:class:`~fedagent.signing.Verifier` before anything else looks at its body, whatever
-its kind: see :mod:`fedagent.signing` for what is signed and why.
+:class:`~fedagent.security.signing.Verifier` before anything else looks at its body, whatever
+its kind: see :mod:`fedagent.security.signing` for what is signed and why.
 
 Updates usually travel as streams: :meth:`Messenger.send_update` sends them as signed
 ``ustream`` chunks (:mod:`fedagent.protocols.streaming`, compressed as the round asks),
@@ -60,8 +60,8 @@ from fedagent.protocols.streaming import (
     head_body,
     iter_stream_chunks,
 )
-from fedagent.replaylog import ReplayJournal
-from fedagent.signing import CHUNK_KIND, AuthError, Identity, SequenceCounter, SteadyClock, sign
+from fedagent.security.replaylog import ReplayJournal
+from fedagent.security.signing import CHUNK_KIND, AuthError, Identity, SequenceCounter, SteadyClock, sign
 
 log = logging.getLogger(__name__)
 SEQ_FILE = "signing-seq"
@@ -101,7 +101,7 @@ class Messenger:
         state_dir=None,
     ) -> None:
         """``state_dir``: where the outgoing sequence reservation and the replay guard's
-        state survive a restart (see :mod:`fedagent.signing`); None keeps both in memory."""
+        state survive a restart (see :mod:`fedagent.security.signing`); None keeps both in memory."""
         if identity.name != node_id:
             raise ValueError(f"the signing identity is {identity.name!r}, not {node_id!r}")
         self.federation = federation
@@ -115,7 +115,7 @@ class Messenger:
         if state_dir is not None:
             self._replay_path = Path(state_dir) / REPLAY_FILE
             # An append-only journal (a damaged one fences off frames stamped before this
-            # restart instead of trusting less history): see fedagent.replaylog.
+            # restart instead of trusting less history): see fedagent.security.replaylog.
             self.replay_journal = ReplayJournal(self._replay_path, self.verifier.replay, self.clock)
             self.replay_journal.load()
         self.max_chunk = max_chunk_bytes
@@ -163,7 +163,7 @@ class Messenger:
         # Durability before acknowledgement (coordinator side): called with every
         # verified frame from an agent before anything is handed on. It writes the frames
         # it keeps to disk and returns what must be done before the frame is acknowledged
-        # (its group's sync: see fedagent.roundjournal), which receive() returns to the
+        # (its group's sync: see fedagent.storage.roundjournal), which receive() returns to the
         # transport. Frames read back from that journal skip it.
         self.journal: Callable[[str, bytes | bytearray, Envelope], Awaitable[Awaitable[None] | None]] | None = None
         # Called before the replay guard's numbers are made durable: a number must not be
@@ -172,7 +172,7 @@ class Messenger:
         # (Awaited: the coordinator's flush runs in a worker thread, the event loop goes on.)
         self.before_replay_commit: Callable[[], Awaitable[None]] | None = None
         self._lazy_tasks: set[asyncio.Task[None]] = set()
-        self.metrics = metrics  # a fedagent.metrics.NodeMetrics, or None
+        self.metrics = metrics  # a fedagent.node.metrics.NodeMetrics, or None
         self.bytes_in = 0
         self.bytes_out = 0
         self.messages_in = 0

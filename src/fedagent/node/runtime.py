@@ -18,8 +18,8 @@ from fedagent.node.transport import Subscription, TlsFiles, Transport
 from fedagent.protocols import topics
 from fedagent.protocols.codec import Envelope, encode
 from fedagent.protocols.messages import Presence
-from fedagent.signing import Identity, sign
-from fedagent.statefile import append_line
+from fedagent.security.signing import Identity, sign
+from fedagent.storage.statefile import append_line
 
 _identities: dict[tuple[Path, Path, Path], Identity] = {}
 

@@ -26,7 +26,7 @@ What this adds to aiomqtt (2.x, on paho-mqtt 2.x):
 This module reaches into private attributes of aiomqtt's ``Client`` (``_client``,
 ``_loop``, ``_connected``, ``_disconnected``, ``_lock``, ``_misc_loop``,
 ``_misc_task``) and of paho's (``_sock``, ``_in_packet``, ``_sock_recv``); aiomqtt is pinned below 3,
-and ``tests/test_broker_tls.py`` exercises each of these paths.
+and ``tests/node/test_broker_tls.py`` exercises each of these paths.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ from paho.mqtt.properties import Properties, VariableByteIntegers
 from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from fedagent import pki
 from fedagent.errors import (
     CertificateRejected,
     ConfigError,
@@ -64,6 +63,7 @@ from fedagent.errors import (
     TransportError,
 )
 from fedagent.protocols.peerview import PROBE_AFTER, link_state
+from fedagent.security import pki
 
 log = logging.getLogger(__name__)
 _paho_log = logging.getLogger("fedagent.mqtt")
@@ -798,7 +798,7 @@ def _decode_publish(header: int, packet: bytes | bytearray, protocol: mqtt.MQTTP
 
 
 # paho's client calls it through the module (``_packet.decode_publish``): replaced for
-# every paho client in the process, with the same results (tests/test_transport_copies.py).
+# every paho client in the process, with the same results (tests/node/test_transport_copies.py).
 _paho_decode_publish = _packet.decode_publish
 _packet.decode_publish = _decode_publish
 

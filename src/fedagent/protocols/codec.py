@@ -84,7 +84,7 @@ _VIEW_FROM = 64 * 1024
 
 _WIRE_KEYS = ("v", "k", "f", "s", "r", "q", "t", "b")
 _WIRE_KEYSET = frozenset(_WIRE_KEYS)
-# Authentication fields (see fedagent.signing): present on every frame a node sends,
+# Authentication fields (see fedagent.security.signing): present on every frame a node sends,
 # absent on the envelope inside a chunked transfer (its chunks carry them). Optional
 # for the codec; the messenger refuses a frame without them.
 _AUTH_KEYS = frozenset(("g", "c"))
@@ -133,7 +133,7 @@ class Envelope:
     ts: float  # sender's wall clock, finite
     body: dict[str, Any]  # msgpack-native values, str keys; tensors in encode_tensor form
     version: int = PROTOCOL_VERSION
-    sig: bytes = b""  # Ed25519 signature over fedagent.signing.signing_digest, or empty
+    sig: bytes = b""  # Ed25519 signature over fedagent.security.signing.signing_digest, or empty
     cert: bytes = b""  # the signer's DER certificate, or empty
 
     def __post_init__(self) -> None:

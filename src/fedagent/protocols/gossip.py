@@ -35,7 +35,7 @@ Alg. 3.1 taken literally (``merge="thesis"``) builds the new model only from rec
 models (or the last received one) while the node's own model leaves with its send, and
 drops discard models. Every step is an average, so the nodes do reach consensus, but
 the weights of that average are random and nothing conserves the sum: the consensus
-lands *near* the global mean, not on it (measured in tests/test_gossip.py: 0.17-0.24
+lands *near* the global mean, not on it (measured in tests/protocols/test_gossip.py: 0.17-0.24
 relative error with N = 20 agents). Push-only "average my model with what I received"
 has the same defect. The thesis variant is kept for faithful reproduction.
 

@@ -1,7 +1,7 @@
 """Group commit for the round journal, as pure code: when to sync, what is durable.
 
 The coordinator writes every update frame of the round in flight to its round journal
-(:mod:`fedagent.roundjournal`) and may acknowledge a frame to the broker only once the
+(:mod:`fedagent.storage.roundjournal`) and may acknowledge a frame to the broker only once the
 frame is durable: whatever was acknowledged must survive a crash, and whatever was not
 the broker delivers again. Syncing after each frame cost one ``fdatasync`` per frame,
 about 90 a round for ten 4.3 MB updates in 540 KB chunks, each on the intake's path.

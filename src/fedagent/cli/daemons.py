@@ -1,0 +1,52 @@
+"""`fedagent agent` and `fedagent coordinator`: the two daemons systemd runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from fedagent.cli.app import DEFAULT_AGENT_CONFIG, fail, main, run_daemon
+from fedagent.errors import FedagentError
+
+
+@main.command()
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_AGENT_CONFIG,
+    show_default=True,
+    help="agent config file (TOML)",
+)
+def agent(config_path: Path) -> None:
+    """Run the agent daemon (what systemd starts)."""
+    from fedagent import config
+    from fedagent.agent.daemon import build_agent
+
+    try:
+        cfg = config.load(config_path, "agent")
+    except FedagentError as exc:
+        fail(exc)
+    run_daemon(lambda: build_agent(cfg))
+
+
+@main.command()
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    default=Path("/etc/fedagent/coordinator.toml"),
+    show_default=True,
+    help="coordinator config file (TOML)",
+)
+def coordinator(config_path: Path) -> None:
+    """Run the coordinator daemon."""
+    from fedagent import config
+    from fedagent.coordinator.daemon import build_coordinator
+
+    try:
+        cfg = config.load(config_path, "coordinator")
+    except FedagentError as exc:
+        fail(exc)
+    run_daemon(lambda: build_coordinator(cfg))

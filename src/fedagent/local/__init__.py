@@ -1,0 +1,1 @@
+"""A whole federation on this machine: processes, the demo, reports from histories."""

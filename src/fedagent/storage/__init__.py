@@ -1,0 +1,1 @@
+"""Crash-safe files: atomic writes, model checkpoints, the round journal, model export."""
