@@ -1,4 +1,4 @@
 """The test suites (tests/, bench/tests/, experiments/tests/) share one set of fixtures and
-markers: tests/fixtures.py."""
+markers: tests/fedfixtures.py."""
 
-pytest_plugins = ["fixtures"]
+pytest_plugins = ["fedfixtures"]

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.procs
 def test_quick_codec_bench_prints_a_ratio_table(tmp_path):
     out = subprocess.run(
         [
@@ -45,6 +48,7 @@ def test_quick_codec_bench_prints_a_ratio_table(tmp_path):
     assert table.count("\n") == 2 + len(rows)
 
 
+@pytest.mark.procs
 def test_unknown_section_is_refused():
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "run.py"), "--only", "nosuch"],
@@ -87,12 +91,14 @@ def _row(value=1.0, baseline=2.0, subject="a thing"):
     return Row("fake", subject, value, "the baseline", baseline)
 
 
+@pytest.mark.procs
 def test_run_exits_zero_when_every_declared_row_is_measured(monkeypatch, tmp_path, capsys):
     code, results = _run_fake(monkeypatch, tmp_path, [_row(), _row(subject="another")], expected=2)
     assert code == 0, capsys.readouterr().out
     assert results["missing"] == [] and results["not_measured"] == [] and len(results["rows"]) == 2
 
 
+@pytest.mark.procs
 def test_run_exits_non_zero_when_a_declared_row_is_missing(monkeypatch, tmp_path, capsys):
     code, results = _run_fake(monkeypatch, tmp_path, [_row()], expected=2)
     out = capsys.readouterr().out
@@ -102,6 +108,7 @@ def test_run_exits_non_zero_when_a_declared_row_is_missing(monkeypatch, tmp_path
     assert "Missing: section fake" in (tmp_path / "table.md").read_text()
 
 
+@pytest.mark.procs
 def test_run_exits_non_zero_for_a_row_that_is_not_a_measurement(monkeypatch, tmp_path, capsys):
     code, results = _run_fake(monkeypatch, tmp_path, [_row(), _row(value=float("nan"), subject="broken")], expected=2)
     assert code == 1
@@ -110,6 +117,7 @@ def test_run_exits_non_zero_for_a_row_that_is_not_a_measurement(monkeypatch, tmp
     assert code == 1 and any("baseline 0.0" in m for m in results["missing"]), results["missing"]
 
 
+@pytest.mark.procs
 def test_run_exits_non_zero_when_a_section_reports_a_case_not_measured(monkeypatch, tmp_path, capsys):
     code, results = _run_fake(
         monkeypatch, tmp_path, [_row(), _row()], expected=2, not_measured=("Flower deployment, 44.8 MB: timed out",)

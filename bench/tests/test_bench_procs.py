@@ -13,6 +13,8 @@ import pytest
 
 from bench.procs import ProcessTree
 
+pytestmark = pytest.mark.procs
+
 
 def _alive(pid: int) -> bool:
     try:

@@ -32,6 +32,8 @@ from bench.registry import Context, Row, check_rows
 from fedagent.mosquitto import EmbeddedBroker
 from fedagent.security import pki
 
+pytestmark = pytest.mark.procs
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = 4096  # parameters: 16 KB of float32 in 16 tensors
 

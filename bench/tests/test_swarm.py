@@ -7,6 +7,8 @@ import pytest
 
 from bench.swarm import run_federation
 
+pytestmark = pytest.mark.procs
+
 
 def test_thirty_agents_in_one_process_complete_rounds(tmp_path):
     r = run_federation(tmp_path, agents=30, params=2000, rounds=2, compression="int8", timeout=120)

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from netfed import wait_for
 
-from tests.netfed import wait_for
+pytestmark = pytest.mark.procs
 
 
 def _processes_mentioning(text: str) -> list[int]:

@@ -10,6 +10,8 @@ from fedagent_experiments.flsimco import Setup, run_strategy
 
 from fedagent.tasks.flsimco import DEFAULT_CAMERA
 
+pytestmark = pytest.mark.procs
+
 CAMERA = DEFAULT_CAMERA["exposure"] * DEFAULT_CAMERA["focal"] / DEFAULT_CAMERA["pixel"]
 
 

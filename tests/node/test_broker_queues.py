@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from fixtures import unique_id
+from fedfixtures import unique_id
 
 from fedagent.errors import ConfigError
 from fedagent.mosquitto import DEFAULT_MAX_QUEUED_BYTES, DEFAULT_MAX_QUEUED_MESSAGES, render_config

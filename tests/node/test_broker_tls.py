@@ -18,7 +18,7 @@ from pathlib import Path
 
 import paho.mqtt.client as paho
 import pytest
-from fixtures import unique_id
+from fedfixtures import unique_id
 
 from fedagent.errors import CertificateRejected, ConfigError, NotAuthorized, TransportError
 from fedagent.mosquitto import EmbeddedBroker, render_acl, render_config

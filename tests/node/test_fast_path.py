@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from fixtures import ident
+from fedfixtures import ident
 
 from fedagent.errors import TransportError
 from fedagent.node import transport as transport_mod

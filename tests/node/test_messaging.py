@@ -7,7 +7,7 @@ import asyncio
 import time
 
 import numpy as np
-from fixtures import ident
+from fedfixtures import ident
 
 from fedagent.node.messaging import Messenger
 from fedagent.protocols import topics

@@ -10,7 +10,7 @@ import asyncio
 import time
 
 import pytest
-from fixtures import COORDINATOR, FEDERATION
+from fedfixtures import COORDINATOR, FEDERATION
 
 from fedagent.cli.render import render_peers, render_status, status_rows
 from fedagent.errors import CodecError

@@ -157,6 +157,7 @@ def _cli_commands(text: str) -> list[list[str]]:
     return commands
 
 
+@pytest.mark.procs
 def test_readme_names_only_commands_the_cli_has() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     out = subprocess.run(

@@ -179,6 +179,7 @@ def test_require_names_the_extra_and_leaves_broken_installs_alone(tmp_path: Path
     assert require("json", "text", "frobbing") is json
 
 
+@pytest.mark.procs
 def test_the_edge_machine_runs_without_the_extras(tmp_path: Path) -> None:
     """The daemons, the CLI, every mode and the digits task import and work with the heavy
     packages hidden; a text feature fails with the one-line error naming its extra; a
@@ -244,6 +245,7 @@ def test_the_edge_machine_runs_without_the_extras(tmp_path: Path) -> None:
     assert not list((tmp_path / "r").glob("*.png"))
 
 
+@pytest.mark.procs
 def test_the_cli_names_the_missing_extra_in_one_line(tmp_path: Path) -> None:
     proc = _run(
         f"""

@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = sorted((ROOT / "systemd").glob("*.service"))
 ANALYZE = shutil.which("systemd-analyze")
-pytestmark = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is not installed")
+pytestmark = [pytest.mark.procs, pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is not installed")]
 
 
 def install(unit: Path, root: Path) -> Path:

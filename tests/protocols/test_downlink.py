@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from configs import coordinator_config
 
 from fedagent.errors import CodecError, ConfigError
 from fedagent.protocols.codec import Envelope, Limits, decode, encode
@@ -22,7 +23,6 @@ from fedagent.protocols.rounds import (
     StartRound,
     UpdateReceived,
 )
-from tests.configs import coordinator_config
 
 RNG = np.random.default_rng(7)
 W0 = {

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from configs import coordinator_config
 
 from fedagent.protocols import dp
 from fedagent.protocols.messages import TrainConfig
@@ -20,7 +21,6 @@ from fedagent.protocols.rounds import (
     UpdateReceived,
     Wakeup,
 )
-from tests.configs import coordinator_config
 
 REF = {"w": np.zeros((40, 50), np.float32), "b": np.zeros(50, np.float32), "steps": np.zeros(1, np.int64)}
 

@@ -9,11 +9,11 @@ import random
 
 import numpy as np
 import pytest
+from configs import coordinator_config
 
 from fedagent.protocols import dp
 from fedagent.protocols import rounds as R
 from fedagent.protocols import secagg as S
-from tests.configs import coordinator_config
 
 W0 = {"w": np.zeros((30, 40), np.float32), "b": np.zeros(40, np.float32), "steps": np.zeros(1, np.int64)}
 SIZE = 30 * 40 + 40

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from configs import coordinator_config
 
 from fedagent.errors import ConfigError
 from fedagent.protocols.aggregation import server_step
@@ -18,7 +19,6 @@ from fedagent.protocols.rounds import (
     UpdateReceived,
 )
 from fedagent.protocols.serveropt import DEFAULT_MOMENTUM, check_momentum, check_velocity, momentum_step
-from tests.configs import coordinator_config
 
 W0 = {"w": np.zeros((2, 3), np.float32), "n": np.array(4, np.int64)}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from configs import coordinator_config
 
 from fedagent.errors import CodecError, ConfigError
 from fedagent.protocols.aggregation import server_step, weighted_mean
@@ -18,7 +19,6 @@ from fedagent.protocols.rounds import (
     StartRound,
     UpdateReceived,
 )
-from tests.configs import coordinator_config
 
 W0 = {"w": np.zeros((2, 3), np.float32), "n": np.array(4, np.int64)}
 

@@ -24,10 +24,13 @@ from fedagent.mosquitto import EmbeddedBroker
 from fedagent.protocols import topics
 from fedagent.security import pki
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("mosquitto_pub") is None or shutil.which("mosquitto_sub") is None,
-    reason="needs mosquitto-clients (scripts/bootstrap.sh installs it)",
-)
+pytestmark = [
+    pytest.mark.procs,
+    pytest.mark.skipif(
+        shutil.which("mosquitto_pub") is None or shutil.which("mosquitto_sub") is None,
+        reason="needs mosquitto-clients (scripts/bootstrap.sh installs it)",
+    ),
+]
 
 LAB, OTHER = "lab", "other"
 # ops publishes the legitimate traffic, audit watches for the oversized message: both

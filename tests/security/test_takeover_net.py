@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 from attacker import takeovers
 from netfed import running, wait_for
 
 from fedagent.node import transport as tr
 from fedagent.security import pki
+
+pytestmark = pytest.mark.procs
 
 TIMES = 50
 

@@ -8,7 +8,7 @@ import contextlib
 import time
 
 from attacker import takeovers
-from fixtures import unique_id
+from fedfixtures import unique_id
 
 from fedagent.errors import NotAuthorized
 from fedagent.mosquitto import EmbeddedBroker

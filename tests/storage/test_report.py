@@ -73,6 +73,7 @@ def test_empty_history_is_a_clear_error(tmp_path):
         write_report([empty], tmp_path / "out")
 
 
+@pytest.mark.procs
 def test_report_cli(tmp_path):
     coordinator_history(tmp_path)
     out = subprocess.run(

@@ -161,7 +161,7 @@ def test_a_chunked_update_journaled_before_a_crash_is_handed_on_once_after_it(pk
     from the journal, and the broker's redelivery of the same chunks is refused."""
     import asyncio
 
-    from fixtures import COORDINATOR, FEDERATION
+    from fedfixtures import COORDINATOR, FEDERATION
 
     from fedagent.node.messaging import Messenger
     from fedagent.protocols import topics
@@ -237,7 +237,7 @@ def test_with_grouped_syncs_no_sequence_number_is_durable_before_its_frames_reco
     again meets a number already on disk."""
     import asyncio
 
-    from fixtures import COORDINATOR, FEDERATION
+    from fedfixtures import COORDINATOR, FEDERATION
 
     from fedagent.node.messaging import Messenger
     from fedagent.protocols import topics

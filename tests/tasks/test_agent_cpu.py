@@ -100,6 +100,7 @@ def test_evaluation_model_is_rebuilt_for_a_new_training_model_or_other_shapes() 
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.procs
 def test_keep_freed_memory_is_accepted_by_glibc() -> None:
     # In a process of its own: the setting is process-wide.
     out = subprocess.run(

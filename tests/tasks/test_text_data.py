@@ -58,6 +58,7 @@ def test_roff_text_keeps_the_words_and_drops_markup():
     assert "filedescriptor" not in tokens and "fbopen" not in tokens
 
 
+@pytest.mark.procs
 def test_manpages_are_the_packages_pages_with_text_and_cached(tmp_path):
     pages = td.manpages(limit=40)
     assert len(pages) == 40 and len({p.title for p in pages}) == 40
@@ -102,6 +103,7 @@ def test_mdoc_text_keeps_the_arguments_of_its_text_macros_only_when_asked():
     assert "openat" not in plain and "path" not in plain and "specified" in plain
 
 
+@pytest.mark.procs
 def test_the_freebsd_pages_are_a_public_corpus_disjoint_from_the_private_one():
     linux = td.manpages()
     freebsd = td.manpages(corpus="freebsd")
@@ -120,6 +122,7 @@ def test_the_freebsd_pages_are_a_public_corpus_disjoint_from_the_private_one():
         td.public_corpus("slack", 10)
 
 
+@pytest.mark.procs
 def test_word2vec_and_doc2vec_read_the_manpages_corpus():
     from fedagent.tasks.base import load_task
 

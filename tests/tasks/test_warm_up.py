@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 PROBE = """
 import json, sys, time
 import torch
@@ -19,6 +21,7 @@ print(json.dumps({"before": before, "after": after, "took": took, "next": time.p
 """
 
 
+@pytest.mark.procs
 def test_the_first_optimiser_costs_nothing_after_the_warm_up():
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, check=True)
     probe = json.loads(out.stdout.strip().splitlines()[-1])

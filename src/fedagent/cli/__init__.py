@@ -14,7 +14,9 @@ from fedagent.cli.app import main
 __all__ = ["main"]
 _COMMAND_MODULES = (ask, ca, daemons, demo, export, membership, report)  # importing them registers their commands
 
-EXPERIMENTS_HINT = "fedagent experiment needs the fedagent-experiments package: pip install ./experiments (from a fedagent checkout)"
+EXPERIMENTS_HINT = (
+    "fedagent experiment needs the fedagent-experiments package: pip install ./experiments (from a fedagent checkout)"
+)
 
 
 def _stub(name: str, message: str) -> click.Command:
@@ -41,7 +43,7 @@ def _add_plugins() -> None:
             continue
         try:
             command = ep.load()
-        except Exception as exc:  # a broken plugin must not take the daemons' CLI down with it
+        except Exception as exc:  # noqa: BLE001 (a broken plugin must not take the daemons' CLI down with it)
             command = _stub(ep.name, f"fedagent {ep.name} could not be loaded from {ep.value}: {exc}")
         main.add_command(command, ep.name)
     if "experiment" not in main.commands:

@@ -46,7 +46,7 @@
     collecting), ``final`` (published by the clean close at the end), ``wait=False``
     (don't wait for the first connection).
 
-``unique_id(prefix)`` (plain function: ``from fixtures import unique_id``)
+``unique_id(prefix)`` (plain function: ``from fedfixtures import unique_id``)
     A node id (and so a client id) no other test uses.
 
 Every process a fixture starts is stopped in its finalizer, also when a test fails.
