@@ -31,7 +31,7 @@ def _memory_cases(ctx: Context) -> list[tuple[int, int]]:
 
 @section("memory", rows=lambda ctx: len(_memory_cases(ctx)))
 def memory(ctx: Context, cases: list[tuple[int, int]] | None = None, whole_too: bool = True) -> list[Row]:
-    """Coordinator peak RSS as a multiple of the model, against issue 9's target (3x).
+    """Coordinator peak RSS as a multiple of the model, against the memory target (3x).
     Whole-message updates (the path streaming replaced; robust aggregators still use it)
     are measured next to streams for the 1.1M model only: at 44.8 MB they cost 10 buffered
     updates and minutes of this section for a figure (14.5x) that is not in question."""
@@ -60,7 +60,7 @@ def memory(ctx: Context, cases: list[tuple[int, int]] | None = None, whole_too: 
                 "memory",
                 f"coordinator peak RSS / model, {n} agents x {params * 4 / 1e6:.1f} MB, streamed",
                 s["peak_over_model"],
-                "issue 9 target",
+                "memory target",
                 3.0,
                 unit="x model",
                 note=f"(peak - idle + model) / model; peak {s['peak_rss_mb']:.0f} MB, idle "

@@ -185,7 +185,7 @@ def run_fedagent(
     task: str = "bench.tta_task:make",
     rounds_options: dict | None = None,
 ) -> Run:
-    """A coordinator and ``agents`` agent daemons (localfed), every connection through a
+    """A coordinator and ``agents`` agent daemons (fedagent.local.federation), every connection through a
     counting relay to the federation's Mosquitto; ``compression`` goes to the
     coordinator's ``[transfer]`` (``None`` writes nothing: the default). ``seed``: the
     digits task's seed (its held-out set, its split and the initial weights; the

@@ -1,4 +1,4 @@
-"""Hold every packet of an NFQUEUE for a fixed time, then let it go (RELIABILITY T8).
+"""Hold every packet of an NFQUEUE for a fixed time, then let it go (the degraded-gossip fault test).
 
 netem is not built into this kernel, so added delay is made in user space: iptables
 sends the packets to queue N, this process keeps each one for D milliseconds and

@@ -1,4 +1,4 @@
-"""Fuzz the protocol machines with hostile event sequences (RELIABILITY.md bad inputs).
+"""Fuzz the protocol machines with hostile event sequences (malformed and out-of-order inputs).
 
 Run (from the repository root):
 

@@ -3,7 +3,7 @@
 A :class:`Lab` is one private layer-2 segment: a bridge that lives in a namespace of
 its own, and one namespace per host joined to it by a veth pair. Addresses exist only
 inside the namespaces, so nothing here touches the machine's real network. Faults are
-injected with what this kernel has (NETWORK-FACTS.md: no netem): an interface or
+injected with what this kernel has (it has no netem): an interface or
 bridge port taken down, an nft table that drops everything, iptables ``statistic``
 drops for loss, a ``tbf`` qdisc for a rate limit, and NFQUEUE + a small Python holder
 (``tests/delay_queue.py``) for delay.

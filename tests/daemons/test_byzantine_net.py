@@ -1,4 +1,4 @@
-"""One Byzantine agent process over the real broker (issue 7 item 7): three honest
+"""One Byzantine agent process over the real broker: three honest
 digits agents and one that sends ×10 sign-flipped updates (the test-only task
 tests/byzantine_task.py), a coordinator aggregating with the coordinate-wise median
 (byzantine = 1). Real Mosquitto with mTLS, signed messages, mDNS, processes."""

@@ -1,4 +1,4 @@
-"""Absent agents cost the broker no model broadcasts (issue 17, item 4; RELIABILITY T6).
+"""Absent agents cost the broker no model broadcasts (agents gone by a clean stop or a Last Will).
 
 Agents are stopped (SIGTERM: a clean goodbye, the persistent session stays; SIGKILL: the
 Last Will) while the others train on a 4 MiB model for many rounds, then started again.

@@ -1,7 +1,7 @@
 """A coordinator stopped mid-round (kill -9, or a clean SIGTERM) with two of three updates
 received and acknowledged: restarted, it takes the same round up again from its round
 journal, accepts the third agent's update for that round, and aggregates each update
-exactly once (issue 17 item 6, issue 21 item 3). Real processes over Mosquitto."""
+exactly once. Real processes over Mosquitto."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RELIABILITY T12: wall-clock jumps must not fire or delay any timer.
+"""Wall-clock jumps must not fire or delay any timer.
 
 Two checks. The code: protocol machines never read a clock (time is passed in), and
 every daemon passes ``time.monotonic()``. The running system: a coordinator whose wall
@@ -100,7 +100,7 @@ def test_daemons_feed_machines_the_monotonic_clock():
     reason="libfaketime is not installed (apt-get install faketime)",
 )
 def test_coordinator_survives_wall_clock_jumps(tmp_path):
-    """T12 on a real federation: the coordinator's wall clock (CLOCK_REALTIME only) jumps
+    """Wall-clock jumps on a real federation: the coordinator's wall clock (CLOCK_REALTIME only) jumps
     +6 h, then -1 day, then +30 days while rounds with a 30 s timeout run. Pass: no
     spurious aborts (no round abandoned), every round aggregated once, versions
     contiguous, round durations measured on the monotonic clock stay sane, and no signed
@@ -172,7 +172,7 @@ def test_coordinator_survives_wall_clock_jumps(tmp_path):
 
 
 def test_early_wakeup_re_requests_the_round_deadline():
-    """Found by the partition test (T7): the daemon's Timer keeps the earliest pending
+    """Found by the partition test (test_faults_net.py): the daemon's Timer keeps the earliest pending
     wake-up, so a wake-up requested by a round that ended early fires before the next
     round's deadline. Pass: that early wake-up makes the machine ask for its deadline
     again, and the deadline then closes the round on the updates that came."""

@@ -1,5 +1,5 @@
-"""Faults of the state directory: kill -9 in the middle of checkpoint writes (T10) and
-a full disk (T11), against the real checkpoint code and the real coordinator daemon."""
+"""Faults of the state directory: kill -9 in the middle of checkpoint writes and
+a full disk, against the real checkpoint code and the real coordinator daemon."""
 
 from __future__ import annotations
 
@@ -84,14 +84,14 @@ def kill_during_checkpoint_writes(tmp_path: Path, kills: int) -> dict[str, int]:
 
 
 def test_kill_9_during_checkpoint_writes_200_times(tmp_path):
-    """RELIABILITY T10 (CI size): 200 kill -9 at random moments of a loop of
+    """Kill -9 during checkpoint writes (CI size): 200 kill -9 at random moments of a loop of
     ``checkpoint.save``. Pass: 0 unreadable checkpoints; every load gives one whole
     version (all tensors equal to the version number), never an older one. (Takes
     12-14 s here; its time is printed, not asserted: a busy CI machine is slower.)"""
     started = time.monotonic()
     seen = kill_during_checkpoint_writes(tmp_path, 200)
     took = time.monotonic() - started
-    print(f"T10: 200 kills in {took:.1f}s: {seen}")
+    print(f"checkpoint kills: 200 kills in {took:.1f}s: {seen}")
     assert seen["new"] + seen["old"] + seen["missing"] == 200
     # The kills landed inside writes (temp files left) and between them (new versions):
     # the test exercised the window it is about.
@@ -100,14 +100,14 @@ def test_kill_9_during_checkpoint_writes_200_times(tmp_path):
 
 @pytest.mark.slow
 def test_kill_9_during_checkpoint_writes_1000_times(tmp_path):
-    """RELIABILITY T10 as stated: 1000 kill -9. Pass: 0 unreadable checkpoints."""
+    """Kill -9 during checkpoint writes at full size: 1000 kill -9. Pass: 0 unreadable checkpoints."""
     seen = kill_during_checkpoint_writes(tmp_path, 1000)
-    print(f"T10: 1000 kills: {seen}")
+    print(f"checkpoint kills: 1000 kills: {seen}")
     assert seen["new"] + seen["old"] + seen["missing"] == 1000 and seen["temp_left"] > 0
 
 
 def test_atomic_write_orders_fsync_rename_dir_fsync(tmp_path, monkeypatch):
-    """T10's mechanism: data fsynced before the rename, the directory after it
+    """The mechanism the kill -9 tests rely on: data fsynced before the rename, the directory after it
     (Pillai et al.: without the directory fsync the rename itself may be lost)."""
     calls: list[str] = []
     real_fsync, real_replace = os.fsync, os.replace
@@ -126,7 +126,7 @@ def test_atomic_write_orders_fsync_rename_dir_fsync(tmp_path, monkeypatch):
     assert calls == ["fsync-file", "replace", "fsync-dir"]
 
 
-# -- T11: disk full --------------------------------------------------------------------
+# -- disk full -----------------------------------------------------------------------
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 
 
@@ -169,7 +169,7 @@ class SmallDisk:
 
 @needs_root
 def test_failed_writes_on_a_full_disk_leave_old_state_intact(tmp_path):
-    """RELIABILITY T11, library level. Pass: a clear StateWriteError (exit code 74),
+    """A full disk, library level. Pass: a clear StateWriteError (exit code 74),
     the old checkpoint still loads, no temp file and no half history line is left."""
     disk = SmallDisk(tmp_path / "state", 256)
     try:
@@ -194,7 +194,7 @@ def test_failed_writes_on_a_full_disk_leave_old_state_intact(tmp_path):
 @pytest.mark.slow
 @needs_root
 def test_coordinator_on_a_full_disk_exits_74_and_resumes_when_space_returns(tmp_path):
-    """RELIABILITY T11 with the real daemon: the coordinator's state directory fills up
+    """A full disk with the real daemon: the coordinator's state directory fills up
     mid-federation. Pass: it exits with 74 (EX_IOERR) and a message naming the file and
     the cause; its checkpoint and history are intact (no corruption); started again on
     the still-full disk it fails the same way at once (no hang, no damage: systemd's
@@ -247,14 +247,14 @@ def test_coordinator_on_a_full_disk_exits_74_and_resumes_when_space_returns(tmp_
         rounds_rec = [r for r in records if r["event"] == "round"]
         assert [r["model_version"] for r in rounds_rec] == list(range(1, rounds + 1))
         assert len({r["round"] for r in rounds_rec}) == rounds
-        print(f"T11: exited 74 after {len(done_before)} rounds; resumed and finished {rounds}")
+        print(f"disk full: exited 74 after {len(done_before)} rounds; resumed and finished {rounds}")
     finally:
         fed.close()
         disk.close()
 
 
 def test_units_bound_restarts_and_keep_roles_apart():
-    """T11's "bounded restarts" in the units: Restart=on-failure retries exit 74 (freeing
+    """A full disk's "bounded restarts" in the units: Restart=on-failure retries exit 74 (freeing
     space is enough to resume) but the start limit can actually trigger: StartLimitBurst
     starts, RestartSec apart, fit inside StartLimitIntervalSec. Each role has its own
     state directory and certificate (the coordinator unit used the agent's)."""

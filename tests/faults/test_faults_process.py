@@ -1,6 +1,6 @@
 """Process-level faults against a real federation on loopback (Mosquitto with mutual
 TLS, a coordinator and agents as processes): the broker killed and restarted
-mid-round (RELIABILITY T5) and an agent paused past its keep-alive (T13)."""
+mid-round, and an agent paused past its keep-alive."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def check_history(records: list[dict], rounds: int) -> tuple[list[dict], list[di
 
 @pytest.mark.slow
 def test_broker_killed_and_restarted_mid_round(tmp_path):
-    """RELIABILITY T5: Mosquitto is killed (SIGKILL, nothing saved) in the middle of a
+    """The broker-restart fault: Mosquitto is killed (SIGKILL, nothing saved) in the middle of a
     round and started again 2 s later on the same port. Pass: every daemon reconnects
     (backoff, resubscribe, presence republished) and the federation finishes; the
     interrupted round completes or is abandoned cleanly (at most that one round is
@@ -113,7 +113,7 @@ def test_broker_killed_and_restarted_mid_round(tmp_path):
         # Only the interrupted round may be lost (one abandoned before it is a slow start-up).
         assert [r["round"] for r in abandoned if r["round"] >= mid["round"]] in ([], [mid["round"]])
         print(
-            f"T5: broker down 2 s during round {mid['round']}; all reconnected {reconnected_in:.1f}s after the "
+            f"broker restart: down 2 s during round {mid['round']}; all reconnected {reconnected_in:.1f}s after the "
             f"kill; interrupted round {'abandoned' if abandoned else 'completed'}; {rounds} rounds, versions 1..{rounds}"
         )
     finally:
@@ -124,7 +124,7 @@ KEEPALIVE = 4  # the paused agent's MQTT keep-alive (s): heartbeats every 1 s
 
 
 def test_agent_paused_past_keepalive_is_dropped_and_its_stale_update_refused(tmp_path):
-    """RELIABILITY T6/T13: SIGSTOP an agent while it trains, keep it stopped past 1.5x its
+    """An agent paused past its keep-alive: SIGSTOP an agent while it trains, keep it stopped past 1.5x its
     MQTT keep-alive (4 s), then SIGCONT. Pass: the coordinator declares it silent (no
     heartbeat) within 1.5 x keep-alive of the SIGSTOP and aggregates the round without
     it; the broker drops it too (its Last Will marks it offline); after SIGCONT it
@@ -204,7 +204,7 @@ def test_agent_paused_past_keepalive_is_dropped_and_its_stale_update_refused(tmp
             if "agent-3" in r["participants"]:
                 assert (r["round"], r["model_version"] - 1) in sent
         print(
-            f"T13: silent (no heartbeat) {silent_after:.2f}s after SIGSTOP (keep-alive {KEEPALIVE} s), Last Will "
+            f"paused agent: silent (no heartbeat) {silent_after:.2f}s after SIGSTOP (keep-alive {KEEPALIVE} s), Last Will "
             f"{dropped_after:.1f}s after; stale update "
             f"{'refused by the coordinator' if refused else 'discarded by the agent'}; rejoined in round {later[0]['round']}"
         )

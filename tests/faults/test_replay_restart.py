@@ -1,4 +1,4 @@
-"""Replay protection survives a crash (issue 7 item 1; RELIABILITY T4 + replay).
+"""Replay protection survives a crash: a kill -9 of the receiver, then replayed frames.
 
 The receiver's replay guard keeps, per sender, the largest sequence numbers it accepted
 in its state directory (written atomically before a message is handed on), and a

@@ -1,6 +1,6 @@
 """kill -9 of the coordinator mid-federation: it restarts from its checkpoint with a
 round number it never used, aggregates no round twice, loses no model version and
-waits for no deadline (RELIABILITY T4, coordinator side)."""
+waits for no deadline (the coordinator side; the agent side below)."""
 
 from __future__ import annotations
 

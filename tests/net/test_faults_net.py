@@ -1,6 +1,6 @@
 """Network faults between hosts made of network namespaces (tests/netns.py): mDNS
-goodbyes and interfaces going down and up (RELIABILITY T9), a partition of a third
-of the agents mid-round (T7), and loss + rate limit + delay on gossip links (T8)."""
+goodbyes and interfaces going down and up, a partition of a third of the agents
+mid-round, and loss + rate limit + delay on gossip links."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def lab_factory(tmp_path):
 
 
 def test_mdns_goodbye_and_interfaces_down_and_up(lab_factory):
-    """RELIABILITY T9 on three hosts. Pass: a clean stop's goodbye removes the peer
+    """mDNS goodbyes and interfaces on three hosts. Pass: a clean stop's goodbye removes the peer
     from the others' tables at once and a restart re-adds it; a host whose interface
     goes down (no goodbye possible) is removed by one refresh and re-added by one
     refresh after its interface comes back; a host whose own interface was down
@@ -135,7 +135,7 @@ def test_mdns_goodbye_and_interfaces_down_and_up(lab_factory):
     assert n1.ask() == ["n2", "n3"]  # stale until asked
     assert n1.ask("refresh") == ["n3"]
     assert n3.ask() == ["n1"]
-    print("T9:", {k: round(v, 2) for k, v in timings.items()})
+    print("mdns:", {k: round(v, 2) for k, v in timings.items()})
 
 
 # -- federations across namespaces -------------------------------------------------------
@@ -229,7 +229,7 @@ def fedavg_reference(n: int, alpha: float, rounds: int, epochs: int) -> float:
     return accuracy(global_w)
 
 
-# Stated tolerance for T7: the partitioned run may end this many accuracy points below
+# Stated tolerance for the partition: the partitioned run may end this many accuracy points below
 # the fault-free one (two of six shards are missing for a few rounds of a non-IID split).
 PARTITION_TOLERANCE = 0.05
 KEEPALIVE = 10  # the agents' default MQTT keep-alive: a silent agent is out of the round after it
@@ -238,7 +238,7 @@ KEEPALIVE = 10  # the agents' default MQTT keep-alive: a silent agent is out of 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_partition_of_a_third_of_the_agents_mid_round(lab_factory, tmp_path):
-    """RELIABILITY T7: six agents; two of them are cut off (nft drop-all, both ways)
+    """A partition mid-round: six agents; two of them are cut off (nft drop-all, both ways)
     in the middle of a round and healed once the coordinator has declared them silent.
     Pass: the coordinator closes that round on the four it hears (min_updates 3) when the
     cut agents' heartbeats have been missing for a keep-alive (10 s), before its deadline
@@ -352,7 +352,7 @@ def test_partition_of_a_third_of_the_agents_mid_round(lab_factory, tmp_path):
     got = accuracy(weights)
     want = fedavg_reference(6, alpha, rounds, epochs)
     print(
-        f"T7: cut during round {mid['round']}; round {cut_round['round']} closed after {cut_round['seconds']:.1f}s on {len(cut_round['participants'])} "
+        f"partition: cut during round {mid['round']}; round {cut_round['round']} closed after {cut_round['seconds']:.1f}s on {len(cut_round['participants'])} "
         f"agents; the cut agents were declared silent after {dropped_after:.1f}s; {len(partitioned)} rounds without them; "
         f"back {back_after:.1f}s after healing; {len(abandoned)} rounds abandoned, {len(stale_refused)} stale "
         f"updates refused; accuracy {got:.3f} vs fault-free {want:.3f}"
@@ -360,7 +360,7 @@ def test_partition_of_a_third_of_the_agents_mid_round(lab_factory, tmp_path):
     assert got >= want - PARTITION_TOLERANCE
 
 
-# -- T8: a degraded network under gossip ---------------------------------------------------
+# -- a degraded network under gossip ------------------------------------------------------
 GOSSIP_PERIODS = 60
 FAULT_PERIODS = 20
 # Periods are paced in wall time. Measured with 0.3 s periods and a 5 s send timeout:
@@ -383,7 +383,7 @@ GOSSIP = {
     "eval_every": 10,
     "min_peers": 3,
 }
-# Stated budgets for T8: while the link is degraded at most this share of the models sent
+# Stated budgets for the degraded network: while the link is degraded at most this share of the models sent
 # may time out (no timeout storm); after it heals the agents end within these accuracy
 # points of the same federation run on a clean network (mean, worst agent), and agree
 # again: every agent's relative distance to the models it merged last at most CONSENSUS.
@@ -460,7 +460,7 @@ def run_gossip(lab_factory, work: Path, fed: str, faulty: bool) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_gossip_under_loss_rate_limit_and_delay(lab_factory, tmp_path):
-    """RELIABILITY T8: four gossip agents behind one broker. The same federation runs
+    """A degraded network under gossip: four gossip agents behind one broker. The same federation runs
     twice: on a clean network, and with the broker's host dropping 20% of packets both
     ways, sending at most 1 mbit/s (tbf) and holding every outgoing packet 75 ms
     (NFQUEUE holder) for the first third of the periods, then healed. Pass: slower,
@@ -472,7 +472,7 @@ def test_gossip_under_loss_rate_limit_and_delay(lab_factory, tmp_path):
     torch.set_num_threads(1)  # the accuracy evaluations below, on a busy machine
     clean = run_gossip(lab_factory, tmp_path / "clean", "clean", faulty=False)
     faulty = run_gossip(lab_factory, tmp_path / "faulty", "degraded", faulty=True)
-    print(f"T8: clean {clean}\nT8: faulty {faulty}")
+    print(f"degraded: clean {clean}\ndegraded: faulty {faulty}")
     assert faulty["periods"] == [GOSSIP_PERIODS] * 4
     # Slower: a node never waits for the network (periods are paced by the clock), so
     # the degraded phase shows in how few exchanges complete, not in its duration.
@@ -487,7 +487,7 @@ def test_gossip_under_loss_rate_limit_and_delay(lab_factory, tmp_path):
     gap_mean = mean(clean["acc"]) - mean(faulty["acc"])
     gap_worst = min(clean["acc"].values()) - min(faulty["acc"].values())
     print(
-        f"T8: accuracy gap to the clean run {gap_mean:.3f} mean (budget {MEAN_MARGIN}), {gap_worst:.3f} worst "
+        f"degraded: accuracy gap to the clean run {gap_mean:.3f} mean (budget {MEAN_MARGIN}), {gap_worst:.3f} worst "
         f"(budget {WORST_MARGIN}); final disagreement {faulty['disagreement_end']}"
     )
     # ... and converged after the heal: the agents agree again, near the clean result.

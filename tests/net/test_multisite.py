@@ -1,6 +1,6 @@
 """Two sites, one federation: each site runs its own Mosquitto bridged to a central
 one; agents talk only to their site broker; the coordinator sits at the hub. Built
-from network namespaces joined by veth pairs to a bridge (RELIABILITY/NETWORK-FACTS).
+from network namespaces joined by veth pairs to a bridge (tests/netns.py).
 The bridges carry agents' traffic up and only ``global/`` and the coordinator's own
 messages down, and a bridge identity cannot broadcast at the hub."""
 

@@ -1,4 +1,4 @@
-"""What the broker keeps for a client that is away (issue 17, item 4): byte and message
+"""What the broker keeps for a client that is away: byte and message
 limits on its queue, nothing of a QoS 0 subscription, and no subscription an earlier
 version left in its persistent session. Real Mosquitto, mutual TLS."""
 

@@ -1,7 +1,7 @@
 """Mosquitto with mutual TLS and the fedagent ACL, through the agent transport.
 
-RELIABILITY.md rows T1 (bad certificates), T2 (ACL), T3 (packet size), T5 (broker
-restart), T6 (Last Will / clean stop), plus large messages (NETWORK-FACTS).
+Bad certificates, the ACL, the packet size limit, a broker restart with persistent
+sessions, the Last Will and a clean stop, and large messages.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def test_broker_start_failure_reports_mosquittos_log(pki, tmp_path):
         assert not b.running and b.pid is None
 
 
-# --- T1: certificates ---------------------------------------------------------------
+# --- certificates ------------------------------------------------------------------
 
 
 def test_t1_client_without_certificate_is_refused(broker, arun):
@@ -305,7 +305,7 @@ def test_t1_valid_certificate_connects_as_its_common_name(broker, arun, peer):
     arun(main())
 
 
-# --- T2: the ACL ----------------------------------------------------------------------
+# --- the ACL -------------------------------------------------------------------------
 
 
 def test_t2_agent_cannot_publish_as_another_node_or_as_coordinator(broker, arun, peer):
@@ -395,7 +395,7 @@ def test_subscriptions_added_at_runtime_deliver_and_survive_reconnects(broker_fa
     arun(main(), timeout=40)
 
 
-# --- T6: Last Will and clean stop ----------------------------------------------------------
+# --- Last Will and clean stop -------------------------------------------------------------
 
 
 def child_config(broker, name: str, token: str, keepalive: int) -> dict:
@@ -536,7 +536,7 @@ def test_t6_cancelling_run_without_close_leaves_the_will(broker, arun, peer):
     arun(main())
 
 
-# --- T5: broker restart, persistent sessions ---------------------------------------------
+# --- broker restart, persistent sessions ------------------------------------------------
 
 
 def test_t5_reconnect_after_broker_restart_and_queued_qos1_delivery(broker_factory, arun, peer):
@@ -736,7 +736,7 @@ class _FakeSocket:
 
 def test_reader_handles_a_packet_completed_by_pahos_last_read():
     """paho's loop_read() stops after 100 body reads; if the 100th completes the packet
-    and nothing else arrives, it sits unhandled (NETWORK-FACTS "Large messages")."""
+    and nothing else arrives, it sits unhandled (seen with large messages)."""
     topic = b"t/x"
     body_len = 100 * 1000  # 100 reads of 1000 bytes exactly
     payload = bytes(body_len - 2 - len(topic) - 1)  # MQTT 5: topic, properties len, payload

@@ -1,4 +1,4 @@
-"""The copy-saving paths of the transport (issue 9): each gives the same bytes as the
+"""The copy-saving paths of the transport: each gives the same bytes as the
 plain path, and the publish window bounds what is in flight."""
 
 from __future__ import annotations

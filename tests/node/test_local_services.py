@@ -208,7 +208,7 @@ WRITER = textwrap.dedent("""
 
 
 def test_kill_9_during_writes_never_tears_the_file(tmp_path):
-    """RELIABILITY T10, bounded: 50 kills at random moments of a writer loop."""
+    """Kill -9 during writes, bounded: 50 kills at random moments of a writer loop."""
     target = tmp_path / "ckpt"
     rng = secrets.SystemRandom()
     for _ in range(50):
@@ -269,7 +269,7 @@ def test_discovery_between_processes_add_remove_readd(arun):
                 if kind == "removed":
                     break
             assert "coord-x" not in d.peers
-            p = await asyncio.to_thread(advertiser)  # back again (RELIABILITY T9)
+            p = await asyncio.to_thread(advertiser)  # back again (the mDNS restart case)
             while True:
                 kind, advert = await asyncio.wait_for(changes.get(), 15)
                 if kind == "added":

@@ -1,4 +1,4 @@
-"""The coordinator's model-sized paths cost what the memory budget allows (issue 9):
+"""The coordinator's model-sized paths cost what the memory budget allows (3x the model):
 a broadcast costs its encoded payload and a window of frames, not every frame at once;
 a checkpoint is written from the weights without a model-sized buffer, in the same
 format as before."""

@@ -1,5 +1,5 @@
 """Envelopes over a real broker: a model larger than the broker's packet limit is
-chunked and reassembled (RELIABILITY T3); garbage and spoofed senders are refused."""
+chunked and reassembled; garbage and spoofed senders are refused."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """One truth for `status` and `peers`: the peer table, the broker link's state, the
-federation's held-out metrics, refusals, and the rows an operator reads (issue 21.2).
+federation's held-out metrics, refusals, and the rows an operator reads.
 
 Pure pieces are tested directly; the agent's two control commands are checked to return
 the same table, and the messenger to count and list a refusal in one place."""

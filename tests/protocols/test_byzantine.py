@@ -1,4 +1,4 @@
-"""Byzantine agents (issue 7 item 7, RELIABILITY T14): 10 digits agents, real training,
+"""Byzantine agents: 10 digits agents, real training,
 the real round machine, 10/20/30 % of the agents attacking (see tests/byzantine.py).
 
 The budget: a robust aggregator keeps the final test accuracy within

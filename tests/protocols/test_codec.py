@@ -1,5 +1,5 @@
-"""The wire codec: round trips, and every bad input of RELIABILITY.md ("Bad inputs for
-the msgpack codec") refused with CodecError — the only exception the decoder may raise."""
+"""The wire codec: round trips, and every known bad input for the msgpack codec
+refused with CodecError — the only exception the decoder may raise."""
 
 from __future__ import annotations
 
@@ -306,7 +306,7 @@ def test_wrong_envelope_fields(data: bytes) -> None:
     refused(data)
 
 
-# --- bad inputs for the msgpack codec (RELIABILITY.md) -------------------------
+# --- bad inputs for the msgpack codec ------------------------------------------
 
 LYING_HEADERS = {
     "array32 dd7fffffff": b"\xdd\x7f\xff\xff\xff",

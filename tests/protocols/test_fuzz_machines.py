@@ -1,4 +1,4 @@
-"""A short Hypothesis run of tests/fuzz_machines.py (issue 7 item 6): random event
+"""A short Hypothesis run of tests/fuzz_machines.py: random event
 sequences, with malformed bodies, into the round machine, the participant, the gossip
 machine, the chunk reassembler and the signature verifier. Only the project's own
 error type may escape, and the machines' invariants hold after every event. The long

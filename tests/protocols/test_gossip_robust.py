@@ -4,7 +4,7 @@ Pure unit tests of :func:`fedagent.protocols.gossip.screen` and of the machine's
 screening mode, the configuration refusals, and the Byzantine table in gossip mode
 (``tests/byzantine_gossip.py``: ten digits agents, real training, the real machine).
 
-The budget (issue 7 item 7, in gossip mode): with 10/20/30 % of the agents attacking,
+The budget (the Byzantine table's, in gossip mode): with 10/20/30 % of the agents attacking,
 a screening rule keeps the honest agents' mean final accuracy within ``BUDGET`` (0.10)
 of plain push-sum gossip without attackers, while plain gossip under the same attack
 ends at least ``FAIL_MARGIN`` (0.15) below it. The ``slow`` test checks every fraction

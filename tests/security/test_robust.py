@@ -1,4 +1,4 @@
-"""Robust aggregation (issue 7 item 3) and input limits before aggregation (item 2):
+"""Robust aggregation and input limits before aggregation:
 properties of the median, trimmed mean, multi-Krum and clipping (Hypothesis), refused
 configurations, and updates/gossip models refused before they touch a model."""
 

@@ -1,4 +1,4 @@
-"""End-to-end authenticity (issue 7 item 1): every frame signed with the sender's
+"""End-to-end authenticity: every frame signed with the sender's
 Ed25519 TLS key, bound to its CA certificate; tampered, relayed, replayed, stale,
 unsigned and foreign-signed frames are refused, named and counted by reason."""
 

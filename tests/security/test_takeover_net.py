@@ -1,4 +1,4 @@
-"""Issue 17.1 over a running federation: a member's certificate cannot take over the
+"""Client-id takeover over a running federation: a member's certificate cannot take over the
 coordinator's or another agent's MQTT connection, whatever client id it asks for.
 
 The attacker holds a member certificate that no running daemon uses (agent-3): every

@@ -42,7 +42,7 @@ The timestamp is only a coarse bound, ``max_skew`` seconds around the receiver's
 for the first frames of a sender the receiver has no numbers for. Both clocks are
 :class:`SteadyClock`: the wall clock read once at start, advanced by the boot-time
 clock. A wall-clock jump of either node while it runs therefore moves neither what the
-sender stamps nor what the receiver compares with (RELIABILITY T12); a node *started*
+sender stamps nor what the receiver compares with (the wall-clock fault test); a node *started*
 with a clock more than ``max_skew`` off is refused (``stale``) and the log says so.
 
 Presence is the exception: it is retained and its Last Will is signed when the
