@@ -693,7 +693,7 @@ def render(
     privacy: dict[str, Any] | None = None,
     transfer: dict[str, Any] | None = None,
 ) -> str:
-    """A config file as TOML text (used by the demo, the tests and ``fedagent init``)."""
+    """A config file as TOML text (written by the demo, the local federation and the tests)."""
     doc: dict[str, Any] = {"id": node_id, "federation": federation, "mode": mode, "state_dir": str(state_dir)}
     if runtime_dir is not None:
         doc["runtime_dir"] = str(runtime_dir)
