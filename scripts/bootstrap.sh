@@ -11,7 +11,7 @@ command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need_apt+=
 # measure fedagent against.
 command -v mosquitto_pub >/dev/null 2>&1 && command -v mosquitto_sub >/dev/null 2>&1 || need_apt+=(mosquitto-clients)
 command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
-# Fault-injection tests (tests/test_faults_*.py): packet loss and NFQUEUE delay,
+# Fault-injection tests (tests/faults, tests/net): packet loss and NFQUEUE delay,
 # partitions, wall-clock jumps; headers to build the netfilterqueue wheel.
 command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || need_apt+=(iptables)
 command -v nft >/dev/null 2>&1 || [ -x /usr/sbin/nft ] || need_apt+=(nftables)
@@ -46,6 +46,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ experiments/pyproje
   .venv/bin/pip install -q -e ".[test]" -e ./experiments
   touch "$stamp"
 fi
-# Only the slow T8 test needs it (added delay); a failed build must not stop the set-up.
+# Only the slow degraded-network test needs it (added delay); a failed build must not stop the set-up.
 .venv/bin/python -c "import netfilterqueue" 2>/dev/null || .venv/bin/pip install -q "netfilterqueue==1.1.0" \
-  || echo "bootstrap: netfilterqueue did not build; the slow delay test (T8) will fail" >&2
+  || echo "bootstrap: netfilterqueue did not build; the slow degraded-network test will fail" >&2
