@@ -12,6 +12,7 @@ from netfed import coordinator_in, running, scrape, value, wait_for
 
 from fedagent.local.demo import train_reference
 from fedagent.local.federation import LOCAL_EPOCHS, SEED
+from fedagent.storage.history import read_records
 from fedagent.tasks.base import load_task, set_weights
 
 AGENTS = 3
@@ -92,8 +93,7 @@ def test_federated_model_beats_every_local_only_model(federation):
     ]
     assert federated > max(local), (federated, local)
     assert meta["participants"] == sorted(fed.agent_ids)
-    history = (fed.work / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl").read_text()
-    rounds = [json.loads(line) for line in history.splitlines()]
+    rounds = _history(fed, "coordinator", "coordinator")
     assert [r["round"] for r in rounds if r["event"] == "round"] == list(range(1, ROUNDS + 1))
 
 
@@ -140,8 +140,7 @@ def test_report_from_the_federation_run(federation, tmp_path):
 
 
 def _history(fed, *parts: str) -> list[dict]:
-    path = fed.work.joinpath("state", *parts, fed.fed, "history.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return read_records(fed.work.joinpath("state", *parts, fed.fed, "history.jsonl"))
 
 
 def test_rounds_leave_their_critical_path_in_the_history(federation):

@@ -353,17 +353,12 @@ class FedAvgMode:
         line from the checkpoint's own record so the history stays one line per version."""
         history = self.core.history
         last = 0
-        try:
-            with history.path.open("rb") as f:
-                f.seek(max(0, f.seek(0, 2) - 65536))
-                for line in f.read().splitlines():
-                    if b'"event": "round"' in line:
-                        try:
-                            last = max(last, int(json.loads(line).get("model_version", 0)))
-                        except (ValueError, AttributeError):
-                            continue
-        except FileNotFoundError:
-            pass
+        for line in history.tail(65536):  # (across a rotation just made)
+            if b'"event": "round"' in line:
+                try:
+                    last = max(last, int(json.loads(line).get("model_version", 0)))
+                except (ValueError, AttributeError):
+                    continue
         version = int(meta.get("model_version", 0))
         if version == last + 1:
             log.warning(
