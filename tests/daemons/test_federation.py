@@ -118,7 +118,15 @@ def test_scrape_a_running_federation(federation):
     assert value(c, "fedagent_peers_online") == len(fed.agent_ids)
     assert value(c, "fedagent_bytes_total", direction="in") > 0
     assert value(c, "fedagent_round_seconds_count") == done["completed_rounds"]
+    # what the alerting rules read (prometheus/)
+    assert value(c, "fedagent_phase", phase="done") == 1
+    assert value(c, "fedagent_agents_live") == len(fed.agent_ids) >= value(c, "fedagent_min_agents") > 0
+    assert all(value(c, "fedagent_agent_silent", agent=a) == 0 for a in fed.agent_ids)
+    assert value(c, "fedagent_round_timeout_seconds") == fed.round_timeout
+    assert value(c, "fedagent_rounds_abandoned_total") == 0
+    assert 0 < value(c, "fedagent_state_filesystem_avail_bytes") <= value(c, "fedagent_state_filesystem_size_bytes")
     a = scrape(fed.status("agent-1")["metrics_url"])
+    assert 0 < value(a, "fedagent_state_filesystem_avail_bytes")
     assert value(a, "fedagent_rounds_completed_total") >= done["completed_rounds"] - 1
     assert value(a, "fedagent_training_seconds_count") >= done["completed_rounds"] - 1
     assert value(a, "fedagent_federation", federation=fed.fed) == 1

@@ -382,6 +382,7 @@ class Agent:
 
     def _refresh_metrics(self, m: NodeMetrics) -> None:
         m.set_federation(self.cfg.federation)
+        m.set_state_filesystem(self.cfg.state_dir)
         session = self.session
         m.set_connected(session is not None and session.transport.connected)
         if session is not None:

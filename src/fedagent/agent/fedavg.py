@@ -163,6 +163,8 @@ class FedAvgSession(Session):
             return weights
         noised, norm = dp.noise_share(base, weights, train.dp_clip, train.dp_noise_std, self._dp_rng)
         self.dp_rounds += 1
+        if norm > train.dp_clip:
+            self.agent.metrics.dp_update_clipped()
         if secure_round and train.dp_count_std:
             # Adaptive clipping: whether this update was clipped goes into the masked sum
             # too, with this agent's share of that count's noise.

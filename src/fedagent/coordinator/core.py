@@ -392,6 +392,12 @@ class CoordinatorCore:
         m.set_connected(self.transport.connected)
         m.set_reconnects(self.transport.reconnects)
         m.set_peers(sum(1 for p in self.peers.values() if p.get("online")))
+        m.set_phase(str(self.settled.get("phase") or ""))
+        # What the silent-agent and quorum alerts read: an agent counts as live while its
+        # presence says online and its heartbeats keep coming (a stopped process's
+        # presence stays "online" until the broker's keep-alive gives up on it).
+        m.set_agents({a: not p.get("online") or self.liveness.is_silent(a) for a, p in self.peers.items()})
+        m.set_state_filesystem(self.cfg.state_dir)
         self.mode.refresh_metrics(m)
 
     # -- main --------------------------------------------------------------------------

@@ -609,6 +609,7 @@ class FedAvgMode:
         return {"lr": rc.server_lr, "momentum": rc.momentum, "default": self.cfg.rounds.server_momentum is None}
 
     def refresh_metrics(self, m: NodeMetrics) -> None:
+        m.set_round_limits(self.cfg.rounds.min_agents, self.cfg.rounds.round_timeout)
         if self.machine is not None:
             m.set_model_version(self.machine.model_version)
             m.round_started(self.machine.round)
@@ -940,6 +941,7 @@ class FedAvgMode:
             )
         elif isinstance(cmd, R.RoundAbandoned):
             log.warning("round %d abandoned: %s", cmd.round, cmd.reason)
+            core.metrics.round_abandoned()
             await self._journal(None)
             core.history.append({"event": "abandoned", "round": cmd.round, "reason": cmd.reason})
             await core.messenger.send(
