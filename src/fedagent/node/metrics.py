@@ -24,6 +24,9 @@ from fedagent.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+#: Refusals of frames that failed authentication (security/signing.py's AuthError reasons
+#: and a sender the envelope does not match): an alert fires on the first one.
+AUTH_REASONS = ("signature", "certificate", "unsigned", "replay", "spoofed")
 
 
 class NodeMetrics:
@@ -88,8 +91,11 @@ class NodeMetrics:
         self.federation = gauge("fedagent_federation", "the federation this node is in (value 1)", ("federation",))
         self.set_federation(federation)
         self.progress.labels(**labels).set(time.time())
-        # A rate needs the series from zero on: the first abandoned round is an increase.
+        # A rate needs the series from zero on, or the first increase is never seen: the
+        # first abandoned round, the first frame failing authentication.
         self.abandoned.labels(**labels)
+        for reason in AUTH_REASONS:
+            self.rejected_total.labels(**labels, reason=reason)
         self._server: asyncio.AbstractServer | None = None
         self._reconnects_seen = 0
         # Called before each scrape so gauges reflect the daemon's state at that moment.
