@@ -51,6 +51,7 @@ from fedagent.protocols.messages import GlobalModel, Presence, RoundResult, Roun
 from fedagent.protocols.participant import DeltaReceiver, Participant, SendUpdate, Train, TrainingDone
 from fedagent.security import pki
 from fedagent.security.signing import Identity
+from fedagent.storage.history import read_records
 
 FEDERATION = "swarm"
 COORDINATOR = "coordinator"
@@ -596,7 +597,7 @@ async def _federation(
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and coord.poll() is None:
             if history.exists():
-                done = _records(history.read_text())
+                done = read_records(history)  # with its rotated files
             finished = sum(1 for r in done if r.get("event") == "round")
             if finished > len(marks):
                 mark = (
@@ -657,17 +658,6 @@ async def _federation(
         broker_fds=broker_fds,
         coordinator_fds=coordinator_fds,
     )
-
-
-def _records(text: str) -> list[dict]:
-    """History records written so far; the last line may still be being written."""
-    out = []
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            break
-    return out
 
 
 MAX_PER_PROCESS = 1000

@@ -29,7 +29,6 @@ Results vary with the machine's load; the script prints the load average with th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -46,6 +45,7 @@ if str(ROOT) not in sys.path:  # run as a script: ``python bench/syncopt_step.py
 
 from bench.registry import Context, Row, section, summary  # noqa: E402
 from fedagent.local.federation import Federation  # noqa: E402
+from fedagent.storage import history  # noqa: E402
 
 AGENTS = 5
 OPTIONS = {
@@ -64,7 +64,7 @@ OPTIONS = {
 
 
 def read_history(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return history.read_records(path)  # with its rotated files
 
 
 def cpu_seconds(pid: int | None) -> float:

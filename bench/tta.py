@@ -59,6 +59,7 @@ from bench.procs import ProcessTree
 from bench.registry import Context, Row, section
 from bench.relay import Relay
 from fedagent.protocols.compression import DEFAULT_MODE
+from fedagent.storage import history
 
 ROOT = Path(__file__).resolve().parent.parent
 TTA_APP = APP / "tta"
@@ -150,15 +151,8 @@ def write_data(path: Path, seed: int = tta_model.SEED) -> Path:
 
 # -- fedagent -----------------------------------------------------------------------
 def _history(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            break  # a line being written
-    return out
+    # (with its rotated files; a line being written is not JSON yet and is skipped)
+    return history.read_records(path)
 
 
 def _cpu(pid: int | None) -> float:

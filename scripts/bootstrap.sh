@@ -23,11 +23,26 @@ command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)
 for pkg in manpages manpages-dev freebsd-manpages; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
+# Prometheus and promtool: lint.sh checks and unit-tests the alerting rules in prometheus/,
+# and an integration test runs a real Prometheus against a federation.
+new_prometheus=""
+if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+  need_apt+=(prometheus)
+  new_prometheus=1
+fi
+SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "bootstrap: installing ${need_apt[*]} with apt-get" >&2
-  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  # No recommends: Debian's prometheus recommends the node exporter, a second server.
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+# The package enables a Prometheus service listening on every interface (:9090); only its
+# binaries are wanted here (the test starts its own on loopback), so a service this run
+# brought along is stopped and disabled again.
+if [ -n "$new_prometheus" ] && [ -d /run/systemd/system ] && systemctl is-enabled --quiet prometheus 2>/dev/null; then
+  echo "bootstrap: stopping and disabling the prometheus service the package started" >&2
+  $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true
 fi
 
 PY=${PYTHON:-python3}

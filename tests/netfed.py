@@ -41,7 +41,7 @@
     tap (or None) started before any daemon so it holds every message of the run.
 
 ``history(fed, node="coordinator", role="coordinator")``
-    A daemon's ``history.jsonl`` as a list of records ([] before it exists).
+    A daemon's history as a list of records, its rotated files first ([] before it exists).
 
 ``assert_only_masked_vectors(lines, bits)``
     The coordinator's journal holds only secure-aggregation messages, and every masked
@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import threading
 import time
 import urllib.request
@@ -71,6 +70,7 @@ from fedagent.node.transport import TlsFiles, Transport
 from fedagent.protocols import topics
 from fedagent.security import pki
 from fedagent.security.signing import Identity
+from fedagent.storage.history import read_records
 
 T = TypeVar("T")
 
@@ -214,10 +214,7 @@ def secure_running(
 
 
 def history(fed: Federation, node: str = "coordinator", role: str = "coordinator") -> list[dict]:
-    path = fed.work / "state" / node / role / fed.fed / "history.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_records(fed.work / "state" / node / role / fed.fed / "history.jsonl")  # rotated files too
 
 
 def assert_only_masked_vectors(lines: list[dict], bits: int) -> None:

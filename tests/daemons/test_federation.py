@@ -12,6 +12,7 @@ from netfed import coordinator_in, running, scrape, value, wait_for
 
 from fedagent.local.demo import train_reference
 from fedagent.local.federation import LOCAL_EPOCHS, SEED
+from fedagent.storage.history import read_records
 from fedagent.tasks.base import load_task, set_weights
 
 AGENTS = 3
@@ -92,8 +93,7 @@ def test_federated_model_beats_every_local_only_model(federation):
     ]
     assert federated > max(local), (federated, local)
     assert meta["participants"] == sorted(fed.agent_ids)
-    history = (fed.work / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl").read_text()
-    rounds = [json.loads(line) for line in history.splitlines()]
+    rounds = _history(fed, "coordinator", "coordinator")
     assert [r["round"] for r in rounds if r["event"] == "round"] == list(range(1, ROUNDS + 1))
 
 
@@ -118,7 +118,15 @@ def test_scrape_a_running_federation(federation):
     assert value(c, "fedagent_peers_online") == len(fed.agent_ids)
     assert value(c, "fedagent_bytes_total", direction="in") > 0
     assert value(c, "fedagent_round_seconds_count") == done["completed_rounds"]
+    # what the alerting rules read (prometheus/)
+    assert value(c, "fedagent_phase", phase="done") == 1
+    assert value(c, "fedagent_agents_live") == len(fed.agent_ids) >= value(c, "fedagent_min_agents") > 0
+    assert all(value(c, "fedagent_agent_silent", agent=a) == 0 for a in fed.agent_ids)
+    assert value(c, "fedagent_round_timeout_seconds") == fed.round_timeout
+    assert value(c, "fedagent_rounds_abandoned_total") == 0
+    assert 0 < value(c, "fedagent_state_filesystem_avail_bytes") <= value(c, "fedagent_state_filesystem_size_bytes")
     a = scrape(fed.status("agent-1")["metrics_url"])
+    assert 0 < value(a, "fedagent_state_filesystem_avail_bytes")
     assert value(a, "fedagent_rounds_completed_total") >= done["completed_rounds"] - 1
     assert value(a, "fedagent_training_seconds_count") >= done["completed_rounds"] - 1
     assert value(a, "fedagent_federation", federation=fed.fed) == 1
@@ -140,8 +148,7 @@ def test_report_from_the_federation_run(federation, tmp_path):
 
 
 def _history(fed, *parts: str) -> list[dict]:
-    path = fed.work.joinpath("state", *parts, fed.fed, "history.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return read_records(fed.work.joinpath("state", *parts, fed.fed, "history.jsonl"))
 
 
 def test_rounds_leave_their_critical_path_in_the_history(federation):

@@ -156,11 +156,19 @@ def test_lan_quick_start_verbatim(lan, quick, tmp_path):
 
     final = lan.wait_for(finished, 90, f"{rounds} rounds on the LAN")
     assert final["completed_rounds"] == rounds and final["model_version"] == rounds
+
+    def agent_finished(sock: Path) -> dict | None:
+        # The coordinator is done before each agent has received and scored the final
+        # model; until it has, the agent says "evaluating the final model, version N".
+        s = _status(sock)
+        return s if s is not None and s.get("round_state") == "finished" else None
+
     for name, (ip, _) in sites.items():
         log = lan.log(name)
         assert f"found broker mqtts://{quick.hub_ip}:8883" in log, log[-2000:]
-        s = _status(socks[name])
-        assert s is not None and s["federation"] == quick.federation and s["connection"] == "connected"
+        s = lan.wait_for(lambda sock=socks[name]: agent_finished(sock), 30, f"{name} to score the final model")
+        assert s["federation"] == quick.federation and s["connection"] == "connected"
+        assert s["final_model_version"] == rounds
         assert s["rounds_trained"] == rounds
         # The running agent browses on its LAN address: it sees the coordinator's advert,
         # and `status` and `peers` show the same table.

@@ -213,6 +213,20 @@ def test_agent_rows_show_the_final_model_eval_and_a_lost_broker():
     assert rows["connection"].startswith("unresponsive: nothing from the broker for 7.9 s")
     assert rows["global model eval"] == "accuracy=0.96 (model version 20, the final model)"
     assert rows["rejected"] == "-"
+    # Training ended but the final model is still being scored: the rows say so instead
+    # of passing the previous model's evaluation off as the final one.
+    evaluating = {
+        **s,
+        "round_state": "evaluating the final model, version 20",
+        "final_model_version": 20,
+        "global_model_eval": {"model_version": 19, "accuracy": 0.95},
+    }
+    rows = _rows(evaluating)
+    assert rows["phase"] == "evaluating the final model, version 20"
+    assert (
+        rows["global model eval"] == "accuracy=0.95 (model version 19; the final model, version 20, is being evaluated)"
+    )
+    assert _rows({**s, "final_model_version": 20})["global model eval"].endswith("(model version 20, the final model)")
     from rich.console import Console
 
     console = Console(width=200, record=True)

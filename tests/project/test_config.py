@@ -85,6 +85,8 @@ def test_search_section_roundtrip(tmp_path):
         ('id = "a"\n[broker]\nkeep_alive = 30\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "[broker]"),
         ('id = "a"\n[tls]\nca="a"\ncert="b"\nkey="c"\ncrl="d"\n', "[tls]"),
         ('id = "a"\n[security]\nmax_skew = 10\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "[security]"),
+        ('id = "a"\nhistory_max_bytes = 1000\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "history_max_bytes must be"),
+        ('id = "a"\nhistory_keep = 0\n[tls]\nca="a"\ncert="b"\nkey="c"\n', "history_keep must be"),
     ],
 )
 def test_bad_configs_name_the_problem(tmp_path, text, words):

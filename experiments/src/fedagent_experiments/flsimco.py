@@ -41,6 +41,7 @@ from fedagent.errors import FedagentError
 from fedagent.extras import require_installed
 from fedagent.local.federation import Federation, Proc
 from fedagent.protocols.mobility import sample_speeds, truncated_gaussian_moments
+from fedagent.storage import history
 from fedagent.tasks.flsimco import DEFAULT_CAMERA, DEFAULT_MOBILITY
 from fedagent_experiments import EXTRAS, NEEDS
 
@@ -191,17 +192,14 @@ def run_strategy(
             time.sleep(0.2)
         seconds = time.monotonic() - started
         hist = work / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl"
-        records = [json.loads(line) for line in hist.read_text().splitlines()]
+        records = history.read_records(hist)
         evals: dict[int, float] = {}
         heldout: dict[int, float] = {}
         updates: dict[int, dict[str, float]] = {}  # round -> vehicle -> its uploaded model's loss
         lefts: list[dict[str, Any]] = []
         for vid in fed.agent_ids:
             h = work / "state" / vid / "agent" / fed.fed / "history.jsonl"
-            if not h.exists():
-                continue
-            for line in h.read_text().splitlines():
-                r = json.loads(line)
+            for r in history.read_records(h):
                 if r["event"] == "global_eval":
                     # Every vehicle evaluates on the same held-out images with the same
                     # augmentation seed, so any one of them speaks for the model version.

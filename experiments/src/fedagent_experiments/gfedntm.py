@@ -52,6 +52,7 @@ from torch import nn
 from fedagent.extras import require, require_installed
 from fedagent.local.report import pyplot
 from fedagent.protocols.syncopt import PatienceStop, pooled_validation_loss
+from fedagent.storage import history
 from fedagent.tasks import ntm_data
 from fedagent.tasks.base import get_weights, load_task, set_weights
 from fedagent.tasks.ntm import NtmTask, ProdLDA, centralized_step, federated_step
@@ -571,7 +572,7 @@ def syncopt_through_daemons(
         weights = {k: v for k, v in weights.items() if not k.startswith("optim/")}
         state = work / "state" / "coordinator" / "coordinator" / fed.fed
         terms = json.loads((state / "vocabulary.json").read_text())["terms"]
-        records = [json.loads(line) for line in (state / "history.jsonl").read_text().splitlines() if line]
+        records = history.read_records(state / "history.jsonl")
         finished = [r for r in records if r.get("event") == "finished"]
         return (
             weights,

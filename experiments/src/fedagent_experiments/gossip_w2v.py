@@ -52,7 +52,7 @@ from fedagent.errors import FedagentError
 from fedagent.extras import require, require_installed
 from fedagent.local.federation import Federation
 from fedagent.local.report import pyplot
-from fedagent.storage import checkpoint
+from fedagent.storage import checkpoint, history
 from fedagent.tasks import text_data as td
 from fedagent.tasks import text_metrics as tm
 from fedagent.tasks.base import load_task
@@ -445,7 +445,7 @@ def run_config(
         curves = {}
         for a in ids:
             path = work / "state" / a / "agent" / fed.fed / "history.jsonl"
-            rows = [json.loads(x) for x in path.read_text().splitlines()]
+            rows = history.read_records(path)
             curves[a] = [
                 {"period": r["period"], "time": r["time"], **r["metrics"]}
                 for r in rows

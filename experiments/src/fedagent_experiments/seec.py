@@ -60,6 +60,7 @@ from rich.console import Console
 
 from fedagent.extras import require_installed
 from fedagent.local.report import pyplot
+from fedagent.storage.history import read_records
 from fedagent.tasks import text_data as td
 from fedagent.tasks import text_metrics as tm
 from fedagent.tasks.base import load_task, set_weights
@@ -349,7 +350,7 @@ def run_joint(scale: Scale, work: Path, console: Console) -> tuple[dict[str, np.
                 time.sleep(0.5)
         weights, meta = fed.final_weights()
         state = work / "state" / "coordinator" / "coordinator" / fed.fed
-        history = [json.loads(line) for line in (state / "history.jsonl").read_text().splitlines()]
+        history = read_records(state / "history.jsonl")
         vocab = json.loads((state / "vocabulary.json").read_text())
         # Live cross-site search on agent-1 once every agent holds the final model.
         deadline = time.monotonic() + 120

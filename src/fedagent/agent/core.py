@@ -34,7 +34,7 @@ from fedagent.node.control import ControlServer, Handler
 from fedagent.node.discovery import Advert, Discovery
 from fedagent.node.messaging import Incoming, Messenger
 from fedagent.node.metrics import NodeMetrics
-from fedagent.node.runtime import History, keep_freed_memory, make_transport, node_identity, presence_payload
+from fedagent.node.runtime import keep_freed_memory, make_transport, node_identity, open_history, presence_payload
 from fedagent.node.transport import Subscription
 from fedagent.protocols import topics
 from fedagent.protocols.liveness import heartbeat_interval
@@ -105,7 +105,7 @@ class Session(abc.ABC):
         self.dir.mkdir(parents=True, exist_ok=True)
         cleanup_temp_files(self.dir)
         self.model_path = self.dir / self.MODEL_FILE
-        self.history = History(self.dir / "history.jsonl")
+        self.history = open_history(self.cfg, self.dir)
         self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=self.QUEUE_SIZE)
         self.transport = make_transport(
             self.cfg,
@@ -382,6 +382,7 @@ class Agent:
 
     def _refresh_metrics(self, m: NodeMetrics) -> None:
         m.set_federation(self.cfg.federation)
+        m.set_state_filesystem(self.cfg.state_dir)
         session = self.session
         m.set_connected(session is not None and session.transport.connected)
         if session is not None:

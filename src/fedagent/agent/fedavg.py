@@ -105,6 +105,9 @@ class FedAvgSession(Session):
         self.latest_round = 0
         self.last_eval: dict[str, float] = {}
         self._evaluated: set[int] = set()  # model versions evaluated (or being evaluated)
+        # The version of the final model once training ended: the agent is "finished"
+        # only when its own evaluation of that model is in (status, global_model_eval).
+        self.final_version: int | None = None
         self.needs_vocabulary = vocab_mod.needs_vocabulary(agent.task)
         self.vocabulary_size: int | None = None
         self.coordinator_online = False
@@ -160,6 +163,8 @@ class FedAvgSession(Session):
             return weights
         noised, norm = dp.noise_share(base, weights, train.dp_clip, train.dp_noise_std, self._dp_rng)
         self.dp_rounds += 1
+        if norm > train.dp_clip:
+            self.agent.metrics.dp_update_clipped()
         if secure_round and train.dp_count_std:
             # Adaptive clipping: whether this update was clipped goes into the masked sum
             # too, with this agent's share of that count's noise.
@@ -517,6 +522,8 @@ class FedAvgSession(Session):
         if version >= int(self.last_eval.get("model_version", -1)):
             self.last_eval = {"model_version": version, **metrics}
             self.agent.metrics.report(metrics, prefix="global_")
+            if self.final_version is not None:
+                self._final_state()
         self.history.append(
             {
                 "event": "global_eval",
@@ -563,8 +570,20 @@ class FedAvgSession(Session):
                 meta = {"model_version": cmd.model_version, "round": cmd.round, "final": cmd.final}
                 await asyncio.to_thread(checkpoint.save, self.model_path, cmd.weights, meta)
                 if cmd.final:
-                    self.round_state = "finished"
-                    sdnotify.status(f"{self.fed}: training finished (model version {cmd.model_version})")
+                    self.final_version = cmd.model_version
+                    self._final_state()
+
+    def _final_state(self) -> None:
+        """After training ended: "finished" once this agent has scored the final model,
+        until then what it is doing. The final model comes in after the coordinator is
+        done and is evaluated in the background: a status read in between must not show
+        "finished" beside the evaluation of the model before it."""
+        assert self.final_version is not None
+        if int(self.last_eval.get("model_version", -1)) >= self.final_version:
+            self.round_state = "finished"
+            sdnotify.status(f"{self.fed}: training finished (model version {self.final_version})")
+        else:
+            self.round_state = f"evaluating the final model, version {self.final_version}"
 
     async def _send_update(self, cmd: SendUpdate) -> None:
         if self.coordinator is None:
@@ -675,6 +694,7 @@ class FedAvgSession(Session):
             "model_version": p.model_version,
             "last_metrics": p.last_metrics,
             "global_model_eval": self.last_eval,
+            "final_model_version": self.final_version,
             "peers": dict(sorted(self.peers.items())),
             "rejected": dict(self.messenger.rejected),
             "bytes_in": self.messenger.bytes_in,

@@ -72,12 +72,17 @@ def _rounds_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 def _eval_text(ev: dict[str, Any] | None, final: int | None = None) -> str | None:
-    """``metrics (model version V[, final])`` for an agent's evaluation of a global model."""
+    """``metrics (model version V[, final])`` for an agent's evaluation of a global model;
+    while the final model (``final``) is still being scored the line says so."""
     if not ev:
         return None
     metrics = {k: v for k, v in ev.items() if k != "model_version"}
     version = ev.get("model_version")
-    tag = ", the final model" if final is not None and version == final else ""
+    tag = ""
+    if final is not None and version == final:
+        tag = ", the final model"
+    elif isinstance(final, int) and isinstance(version, int) and version < final:
+        tag = f"; the final model, version {final}, is being evaluated"
     return f"{_fmt(metrics)} (model version {version}{tag})"
 
 
@@ -162,6 +167,8 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     """The rows of `fedagent status` for a FedAvg or Sync-Opt node (label, text)."""
     coordinator = s.get("role") == "coordinator"
     final = s.get("model_version") if s.get("round_state") == "finished" or s.get("phase") == "done" else None
+    if s.get("final_model_version") is not None:  # a FedAvg agent: training ended
+        final = s["final_model_version"]
     rows: list[tuple[str, Any]] = [
         ("federation", s.get("federation")),
         ("mode", s.get("mode")),

@@ -19,6 +19,7 @@ import tomli_w
 
 from fedagent.errors import ConfigError
 from fedagent.protocols.topics import check_name
+from fedagent.storage import history
 
 MODES = ("fedavg", "syncopt", "gossip")
 
@@ -439,6 +440,8 @@ class NodeConfig:
     torch_threads: int = 1
     max_clock_skew: float = 300.0  # [security]: a message's timestamp may differ this much from ours
     keepalive: int = 10  # [broker]: MQTT keep-alive in seconds; agents send heartbeats every keepalive / 4
+    history_max_bytes: int = history.DEFAULT_MAX_BYTES  # history.jsonl is rotated at this size
+    history_keep: int = history.DEFAULT_KEEP  # rotated history files kept (the oldest deleted)
 
     @property
     def control_socket(self) -> Path:
@@ -491,6 +494,8 @@ _TOP = {
     "metrics_port",
     "metrics_host",
     "torch_threads",
+    "history_max_bytes",
+    "history_keep",
     "security",
     "search",
     "privacy",
@@ -643,11 +648,20 @@ def load(path: Path | str, role: str) -> NodeConfig:
             torch_threads=int(raw.get("torch_threads", 1)),
             max_clock_skew=float(skew),
             keepalive=keepalive,
+            history_max_bytes=_int_at_least(raw, "history_max_bytes", history.DEFAULT_MAX_BYTES, history.MIN_MAX_BYTES),
+            history_keep=_int_at_least(raw, "history_keep", history.DEFAULT_KEEP, 1),
         )
     except ConfigError as exc:
         if where in str(exc):
             raise
         raise ConfigError(f"{where}: {exc}") from None
+
+
+def _int_at_least(raw: dict[str, Any], key: str, default: int, least: int) -> int:
+    v = raw.get(key, default)
+    if type(v) is not int or v < least:
+        raise ConfigError(f"{key} must be an integer of at least {least}, not {v!r}")
+    return v
 
 
 def _stream_updates(transfer: dict[str, Any], where: str) -> bool | None:

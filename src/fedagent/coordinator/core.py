@@ -46,7 +46,7 @@ from fedagent.node.control import ControlServer
 from fedagent.node.discovery import Advert, Discovery
 from fedagent.node.messaging import Incoming, Messenger
 from fedagent.node.metrics import NodeMetrics
-from fedagent.node.runtime import History, make_transport, node_identity, presence_payload
+from fedagent.node.runtime import make_transport, node_identity, open_history, presence_payload
 from fedagent.protocols import topics
 from fedagent.protocols.evaluation import HeldOut
 from fedagent.protocols.liveness import Liveness
@@ -148,7 +148,7 @@ class CoordinatorCore:
         self.dir.mkdir(parents=True, exist_ok=True)
         cleanup_temp_files(self.dir)
         self.ckpt_path = self.dir / "global.ckpt"
-        self.history = History(self.dir / "history.jsonl")
+        self.history = open_history(self.cfg, self.dir)
         torch.set_num_threads(cfg.torch_threads)
         self.task: Task = load_task(cfg.task, cfg.task_options)
         self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=10_000)
@@ -392,6 +392,12 @@ class CoordinatorCore:
         m.set_connected(self.transport.connected)
         m.set_reconnects(self.transport.reconnects)
         m.set_peers(sum(1 for p in self.peers.values() if p.get("online")))
+        m.set_phase(str(self.settled.get("phase") or ""))
+        # What the silent-agent and quorum alerts read: an agent counts as live while its
+        # presence says online and its heartbeats keep coming (a stopped process's
+        # presence stays "online" until the broker's keep-alive gives up on it).
+        m.set_agents({a: not p.get("online") or self.liveness.is_silent(a) for a, p in self.peers.items()})
+        m.set_state_filesystem(self.cfg.state_dir)
         self.mode.refresh_metrics(m)
 
     # -- main --------------------------------------------------------------------------

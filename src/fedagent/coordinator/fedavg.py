@@ -353,17 +353,12 @@ class FedAvgMode:
         line from the checkpoint's own record so the history stays one line per version."""
         history = self.core.history
         last = 0
-        try:
-            with history.path.open("rb") as f:
-                f.seek(max(0, f.seek(0, 2) - 65536))
-                for line in f.read().splitlines():
-                    if b'"event": "round"' in line:
-                        try:
-                            last = max(last, int(json.loads(line).get("model_version", 0)))
-                        except (ValueError, AttributeError):
-                            continue
-        except FileNotFoundError:
-            pass
+        for line in history.tail(65536):  # (across a rotation just made)
+            if b'"event": "round"' in line:
+                try:
+                    last = max(last, int(json.loads(line).get("model_version", 0)))
+                except (ValueError, AttributeError):
+                    continue
         version = int(meta.get("model_version", 0))
         if version == last + 1:
             log.warning(
@@ -614,6 +609,7 @@ class FedAvgMode:
         return {"lr": rc.server_lr, "momentum": rc.momentum, "default": self.cfg.rounds.server_momentum is None}
 
     def refresh_metrics(self, m: NodeMetrics) -> None:
+        m.set_round_limits(self.cfg.rounds.min_agents, self.cfg.rounds.round_timeout)
         if self.machine is not None:
             m.set_model_version(self.machine.model_version)
             m.round_started(self.machine.round)
@@ -945,6 +941,7 @@ class FedAvgMode:
             )
         elif isinstance(cmd, R.RoundAbandoned):
             log.warning("round %d abandoned: %s", cmd.round, cmd.reason)
+            core.metrics.round_abandoned()
             await self._journal(None)
             core.history.append({"event": "abandoned", "round": cmd.round, "reason": cmd.reason})
             await core.messenger.send(

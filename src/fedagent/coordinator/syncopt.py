@@ -649,6 +649,7 @@ class SyncOptMode:
         }
 
     def refresh_metrics(self, m: NodeMetrics) -> None:
+        m.set_round_limits(self.cfg.syncopt.min_agents, self.cfg.syncopt.step_timeout)
         if self.machine is not None:
             m.set_model_version(self.machine.model_version)
             m.round_started(self.machine.step)

@@ -38,7 +38,7 @@ from fedagent.local.federation import BATCH, LOCAL_EPOCHS, LR, SEED, Federation
 from fedagent.protocols.dp import RANGE_MISS
 from fedagent.protocols.serveropt import DEFAULT_MOMENTUM
 from fedagent.stopsignals import deferring
-from fedagent.storage import checkpoint
+from fedagent.storage import checkpoint, history
 
 __all__ = [
     "Plan",
@@ -519,14 +519,7 @@ def round_costs(fed: Federation, into: dict[str, Any]) -> dict[str, Any]:
     """Mean seconds and coordinator bytes (in + out) per aggregated round, from the
     coordinator's history (read while the federation's files exist)."""
     path = fed.work / "state" / "coordinator" / fed.coordinator_id / fed.fed / "history.jsonl"
-    rounds = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if ev.get("event") == "round" and "seconds" in ev:
-            rounds.append(ev)
+    rounds = [ev for ev in history.read_records(path) if ev.get("event") == "round" and "seconds" in ev]
     if rounds:
         into["round_seconds"] = sum(r["seconds"] for r in rounds) / len(rounds)
         last = rounds[-1]

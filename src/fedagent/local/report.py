@@ -19,6 +19,7 @@ from typing import Any
 
 from fedagent.errors import FedagentError
 from fedagent.extras import MissingExtra, require
+from fedagent.storage import history as history_files
 
 PLOTS_FEATURE = "plotting"
 
@@ -38,7 +39,9 @@ class History:
 
 
 def find_histories(state_dir: Path) -> list[Path]:
-    return sorted(Path(state_dir).glob("**/history.jsonl"))
+    """Every daemon's history below ``state_dir``, named by its current file (its rotated
+    files are read with it)."""
+    return history_files.find(state_dir)
 
 
 def _is_number(v: Any) -> bool:
@@ -50,7 +53,7 @@ def read_history(path: Path) -> History:
     parts = path.parts
     role = parts[-3] if len(parts) >= 3 and parts[-3] in ("agent", "coordinator") else "unknown"
     h = History(path=path, role=role, name=parts[-4] if len(parts) >= 4 else path.stem)
-    for line in path.read_text(errors="replace").splitlines():
+    for line in history_files.read_lines(path):  # oldest first, rotated files included
         try:
             rec = json.loads(line)
             event = rec["event"]

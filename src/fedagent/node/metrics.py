@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -21,6 +24,9 @@ from fedagent.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+#: Refusals of frames that failed authentication (security/signing.py's AuthError reasons
+#: and a sender the envelope does not match): an alert fires on the first one.
+AUTH_REASONS = ("signature", "certificate", "unsigned", "replay", "spoofed")
 
 
 class NodeMetrics:
@@ -56,9 +62,40 @@ class NodeMetrics:
         self.dp_delta = gauge("fedagent_dp_delta", "differential privacy: the delta epsilon is reported at")
         self.dp_budget = gauge("fedagent_dp_epsilon_budget", "differential privacy: epsilon at which training stops")
         self.dp_clip = gauge("fedagent_dp_clip_norm", "differential privacy: the current clipping bound")
+        self.dp_unclipped = gauge(
+            "fedagent_dp_unclipped_fraction",
+            "differential privacy, adaptive clipping: the noised fraction of the last round's updates within the bound",
+        )
+        self.dp_clipped = counter(
+            "fedagent_dp_clipped_updates", "differential privacy: updates this agent clipped before sending"
+        )
+        self.progress = gauge(
+            "fedagent_progress_timestamp_seconds",
+            "when this node last completed a round or step (Unix time), or started",
+        )
+        self.abandoned = counter("fedagent_rounds_abandoned", "rounds closed without an aggregate (coordinator)")
+        self.phase = gauge("fedagent_phase", "the coordinator's phase (value 1 for the current one)", ("phase",))
+        self.min_agents = gauge("fedagent_min_agents", "the quorum: live agents a round (or step) needs to start")
+        self.round_timeout = gauge("fedagent_round_timeout_seconds", "how long a round (or step) may take")
+        self.agents_live = gauge("fedagent_agents_live", "agents online and heard within their keep-alive")
+        self.agent_silent = gauge(
+            "fedagent_agent_silent",
+            "1 while a known agent is silent (no heartbeat for its keep-alive) or offline, 0 while it is live",
+            ("agent",),
+        )
+        self.fs_avail = gauge(
+            "fedagent_state_filesystem_avail_bytes", "bytes free for this daemon on its state directory's filesystem"
+        )
+        self.fs_size = gauge("fedagent_state_filesystem_size_bytes", "size of the state directory's filesystem")
         # An agent can change federation at run time (join/leave): it is an info label.
         self.federation = gauge("fedagent_federation", "the federation this node is in (value 1)", ("federation",))
         self.set_federation(federation)
+        self.progress.labels(**labels).set(time.time())
+        # A rate needs the series from zero on, or the first increase is never seen: the
+        # first abandoned round, the first frame failing authentication.
+        self.abandoned.labels(**labels)
+        for reason in AUTH_REASONS:
+            self.rejected_total.labels(**labels, reason=reason)
         self._server: asyncio.AbstractServer | None = None
         self._reconnects_seen = 0
         # Called before each scrape so gauges reflect the daemon's state at that moment.
@@ -74,6 +111,7 @@ class NodeMetrics:
 
     def round_completed(self, seconds: float | None, metrics: dict[str, float]) -> None:
         self.rounds.labels(**self._labels).inc()
+        self.progress.labels(**self._labels).set(time.time())
         if seconds is not None:
             self.round_seconds.labels(**self._labels).observe(seconds)
         self.report(metrics)
@@ -88,6 +126,40 @@ class NodeMetrics:
         self.dp_clip.labels(**self._labels).set(privacy["clip_norm"])
         if "epsilon_budget" in privacy:
             self.dp_budget.labels(**self._labels).set(privacy["epsilon_budget"])
+        if "unclipped_fraction" in privacy:
+            self.dp_unclipped.labels(**self._labels).set(privacy["unclipped_fraction"])
+
+    def dp_update_clipped(self) -> None:
+        self.dp_clipped.labels(**self._labels).inc()
+
+    def round_abandoned(self) -> None:
+        self.abandoned.labels(**self._labels).inc()
+
+    def set_phase(self, phase: str) -> None:
+        self.phase.clear()
+        if phase:
+            self.phase.labels(**self._labels, phase=phase).set(1)
+
+    def set_round_limits(self, min_agents: int, timeout: float) -> None:
+        """The quorum and the round's (step's) deadline, which the alerts compare with."""
+        self.min_agents.labels(**self._labels).set(min_agents)
+        self.round_timeout.labels(**self._labels).set(timeout)
+
+    def set_agents(self, silent: dict[str, bool]) -> None:
+        """Every agent the coordinator knows of, and whether it is silent or offline."""
+        self.agent_silent.clear()
+        for agent, quiet in silent.items():
+            self.agent_silent.labels(**self._labels, agent=agent).set(1 if quiet else 0)
+        self.agents_live.labels(**self._labels).set(sum(1 for quiet in silent.values() if not quiet))
+
+    def set_state_filesystem(self, path: Path) -> None:
+        """Free and total bytes of the filesystem ``path`` is on, as this process may use it."""
+        try:
+            st = os.statvfs(path)
+        except OSError:
+            return  # (the directory is gone or unreadable: the daemon itself reports that)
+        self.fs_avail.labels(**self._labels).set(st.f_bavail * st.f_frsize)
+        self.fs_size.labels(**self._labels).set(st.f_blocks * st.f_frsize)
 
     def set_model_version(self, version: int) -> None:
         self.model_version.labels(**self._labels).set(version)

@@ -4,7 +4,6 @@ discovery set-up, timers driven by the monotonic clock, and a metrics history.""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -19,7 +18,8 @@ from fedagent.protocols import topics
 from fedagent.protocols.codec import Envelope, encode
 from fedagent.protocols.messages import Presence
 from fedagent.security.signing import Identity, sign
-from fedagent.storage.statefile import append_line
+from fedagent.storage import history
+from fedagent.storage.history import History
 
 _identities: dict[tuple[Path, Path, Path], Identity] = {}
 
@@ -177,12 +177,6 @@ class Timer:
             self._handle.cancel()
 
 
-class History:
-    """Append-only JSON lines of per-round metrics in the state directory."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-
-    def append(self, record: dict[str, Any]) -> None:
-        append_line(self.path, (json.dumps({"time": time.time(), **record}, sort_keys=True) + "\n").encode())
+def open_history(cfg: NodeConfig, directory: Path) -> History:
+    """The daemon's ``history.jsonl`` in ``directory``, rotated as its config says."""
+    return History(directory / history.NAME, max_bytes=cfg.history_max_bytes, keep=cfg.history_keep)
