@@ -477,7 +477,7 @@ class FedAvgMode:
             await self._vocab_agreed(await self.vocab.offer(inc.sender, msg.terms, msg.counts, now))
         elif isinstance(msg, SECAGG_MESSAGES) and not isinstance(msg, SecAggStart):
             if inc.role != "agent":
-                self.core.messenger._reject("role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-agent'}")
+                self.core.messenger.reject("role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-agent'}")
                 return
             self._record_received(inc)
             if self.machine is not None:
@@ -486,7 +486,7 @@ class FedAvgMode:
             self._record_received(inc)
             if inc.role != "agent":
                 # As for streams (messaging): only an agent's certificate may submit an update.
-                self.core.messenger._reject("role", inc.sender, f"update signed by a {inc.role or 'non-agent'}")
+                self.core.messenger.reject("role", inc.sender, f"update signed by a {inc.role or 'non-agent'}")
                 return
             if self.machine is not None:
                 event = R.UpdateReceived(
@@ -502,7 +502,7 @@ class FedAvgMode:
     def _model_request(self, inc: Incoming, msg: ModelRequest, now: float) -> None:
         core = self.core
         if inc.role != "agent":
-            core.messenger._reject("role", inc.sender, f"model request signed by a {inc.role or 'non-agent'}")
+            core.messenger.reject("role", inc.sender, f"model request signed by a {inc.role or 'non-agent'}")
             return
         m = self.machine
         if m is None or not self.model_server.answer(inc.sender, msg.have_version, m.model_version, now):
@@ -766,7 +766,7 @@ class FedAvgMode:
             await asyncio.sleep(5.0)
             events = messenger.intake.expire(time.monotonic())
             for ev in events:
-                messenger._reject("stream", ev.sender, ev.reason)
+                messenger.reject("stream", ev.sender, ev.reason)
             await self._on_stream(list(events))
 
     # -- machine -------------------------------------------------------------------------
