@@ -23,18 +23,20 @@ What is patched, and why:
     is done with it, so a crash in between means the broker delivers it again;
   - fast failure: a connection that dies before CONNACK (a TLS 1.3 alert about our
     certificate, a broker going down) is reported at once, not after aiomqtt's timeout;
+  - the socket's reader, installed when it opens: :func:`read_available` in place of
+    aiomqtt's loop, and TCP_NODELAY (a PUBACK must not wait for the broker's delayed ACK);
   - read pausing: the socket is not read while the messages handed over hold
     ``hold_limit`` bytes, so the backlog waits at the broker, not in this process;
   - a link probe (paho's ``_send_simple_command``) that sends PINGREQ early without
     touching paho's own keep-alive bookkeeping.
 
-* paho's read path (``_sock_recv``, ``_in_packet``, ``_sock``, ``loop_read``):
-  :func:`read_available` does not stall on a large message paho has read but not
-  handled; :func:`_bound_reads` bounds each read and reads a large packet body in place.
+* paho's read path (``_sock_recv``, ``_in_packet``, ``_sock``,
+  ``_call_socket_register_write``): :func:`read_available` does not stall on a large
+  message paho has read but not handled; :func:`_bound_reads` bounds each read and reads
+  a large packet body in place.
 
-* paho's write path (``_packet_queue``, ``_call_socket_register_write``):
-  :func:`_view_writes` queues large packets as memoryviews, so a partial write does not
-  copy the unsent rest.
+* paho's write path (``_packet_queue``): :func:`_view_writes` queues large packets as
+  memoryviews, so a partial write does not copy the unsent rest.
 
 * ``paho.mqtt._packet.decode_publish``, replaced for the whole process by
   :func:`_decode_publish`: the same fields and checks, without copying the packet four
