@@ -32,6 +32,7 @@ from fedagent.protocols.codec import Envelope
 from fedagent.protocols.groupcommit import GroupCommit, GroupPolicy
 from fedagent.protocols.messages import Update
 from fedagent.protocols.streaming import STREAM_KIND
+from fedagent.security.replaylog import ReplayJournal
 from fedagent.security.signing import CHUNK_KIND
 from fedagent.storage.roundjournal import InFlight, RoundJournal
 
@@ -47,10 +48,21 @@ class DurableJournal:
 
     ``max_frame``: the largest frame the journal takes (the wire's message limit);
     ``per_sender``: bytes one agent may have journaled in a round (an update's worth);
-    ``policy``: when a sync is due (:class:`~fedagent.protocols.groupcommit.GroupPolicy`)."""
+    ``policy``: when a sync is due (:class:`~fedagent.protocols.groupcommit.GroupPolicy`);
+    ``replay``: the replay guard's journal, whose syncs a round's disk cost counts too."""
 
-    def __init__(self, path: Path, *, max_frame: int, per_sender: int, policy: GroupPolicy | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        max_frame: int,
+        per_sender: int,
+        policy: GroupPolicy | None = None,
+        replay: ReplayJournal | None = None,
+    ) -> None:
         self.journal = RoundJournal(path, max_frame=max_frame)
+        self.replay = replay
+        self._syncs_at: dict[str, int] = {}
         self.per_sender = per_sender
         self.group = GroupCommit(policy)
         self._lock = asyncio.Lock()
@@ -142,6 +154,26 @@ class DurableJournal:
         # was abandoned): none of them needs its sync any more.
         self.group.settle()
         self._release()
+
+    # -- a round's disk cost ---------------------------------------------------------------
+    def _sync_counts(self) -> dict[str, int]:
+        replay = self.replay
+        return {
+            "journal": self.journal.syncs,
+            "replay": 0 if replay is None else replay.appends + replay.compactions,
+        }
+
+    def count_round(self) -> None:
+        """A round starts: :meth:`round_syncs` counts from here."""
+        self._syncs_at = self._sync_counts()
+
+    def round_syncs(self) -> dict[str, int]:
+        """fdatasync calls of the round journal and of the replay guard's journal since
+        :meth:`count_round`, and the frames journaled in the round."""
+        return {
+            **{k: v - self._syncs_at.get(k, 0) for k, v in self._sync_counts().items()},
+            "frames": self.journal.frames,
+        }
 
     def close(self) -> None:
         """On shutdown: stop syncing. Frames not yet durable stay unacknowledged, and the

@@ -185,12 +185,12 @@ class FedAvgMode:
             max_frame=core.messenger.wire_limits.max_message_bytes,
             # An update (whole, chunked or streamed: a header, values, a little framing per chunk).
             per_sender=2 * cfg.max_model_bytes + 2**20,
+            replay=core.messenger.replay_journal,
         )
         self.journal = self.durability.journal
         self._resume: InFlight | None = None
         core.messenger.journal = self.durability.frame
         core.messenger.before_replay_commit = self.durability.flush
-        self._syncs_at: dict[str, int] = {}
         # The agents' evaluations (one per agent and model, arriving while the next
         # round's updates come in) reach the replay guard's journal within a second, not
         # with an fdatasync each on the intake's path: replayed after a crash, one could
@@ -567,13 +567,6 @@ class FedAvgMode:
     def background(self) -> list[Coroutine[Any, Any, None]]:
         return [self._expire_streams()]
 
-    def _sync_counts(self) -> dict[str, int]:
-        replay = self.core.messenger.replay_journal
-        return {
-            "journal": self.journal.syncs,
-            "replay": 0 if replay is None else replay.appends + replay.compactions,
-        }
-
     def close(self) -> None:
         self.timer.cancel()
         self.durability.close()
@@ -657,7 +650,7 @@ class FedAvgMode:
         if isinstance(cmd, R.StartRound):
             self.round_started_at = time.monotonic()
             self._marks = {"start": round(time.time(), 4)}
-            self._syncs_at = self._sync_counts()
+            self.durability.count_round()
             if not cmd.resumed:
                 # Both durable before the round start leaves; independent of each other
                 # (a crash between them leaves a journal that recovery finds past, or
@@ -753,12 +746,8 @@ class FedAvgMode:
                     **({"privacy": cmd.privacy} if cmd.privacy is not None else {}),
                     **self._secure_record(),
                     "marks": marks,
-                    # fdatasync calls of the round journal and the replay guard's journal
-                    # during the round (the intake's disk cost: docs/faults.md)
-                    "syncs": {
-                        **{k: v - self._syncs_at.get(k, 0) for k, v in self._sync_counts().items()},
-                        "frames": self.journal.frames,
-                    },
+                    # the intake's disk cost (docs/faults.md)
+                    "syncs": self.durability.round_syncs(),
                 }
             )
             if not next_round_follows:
