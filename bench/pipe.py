@@ -96,12 +96,12 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4 * 2**20)
     ap.add_argument("--profile", type=Path)
     ap.add_argument("--window", type=int, help="chunks awaiting PUBACK at once (Messenger.publish_window)")
-    ap.add_argument("--read-size", type=int, help="largest socket read (transport.READ_SIZE)")
+    ap.add_argument("--read-size", type=int, help="largest socket read (transport.patches.READ_SIZE)")
     a = ap.parse_args()
     if a.read_size is not None:
-        from fedagent.node import transport
+        from fedagent.node.transport import patches
 
-        transport.READ_SIZE = a.read_size
+        patches.READ_SIZE = a.read_size
     with tempfile.TemporaryDirectory(prefix="fedagent-pipe-") as tmp, BenchBroker(Path(tmp), 1) as bb:
         prof = cProfile.Profile() if a.profile else None
         if prof:

@@ -1,5 +1,5 @@
 """CPU of the transport's read path for large messages over TLS, with and without reading
-a large packet in place (``transport.READ_IN_PLACE``, ``STEAL_PAYLOAD``).
+a large packet in place (``transport.patches.READ_IN_PLACE``, ``STEAL_PAYLOAD``).
 
 A server thread sends 11 MQTT PUBLISH packets of 4 MiB (one 44.8 MB model in the
 benchmark's chunks) over TLS on a socket pair; a paho client with the transport's read
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 
-from fedagent.node import transport
+from fedagent.node.transport import patches
 from fedagent.security import pki
 
 CHUNKS, CHUNK = 11, 4 * 2**20
@@ -53,7 +53,7 @@ def read_cpu(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext, wire: bytes
     sock = client_ctx.wrap_socket(ours, server_hostname="bench")
     sock.setblocking(False)
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTProtocolVersion.MQTTv5)
-    transport._bound_reads(client)
+    patches._bound_reads(client)
     client._sock = sock
     got: list[int] = []
     client.on_message = lambda _c, _u, m: got.append(len(m.payload))
@@ -62,7 +62,7 @@ def read_cpu(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext, wire: bytes
         if not select.select([sock], [], [], 30)[0]:
             raise RuntimeError(f"stalled after {len(got)} messages")
         try:
-            transport.read_available(client)
+            patches.read_available(client)
         except BlockingIOError:
             pass
     cpu = time.thread_time() - c0
@@ -88,10 +88,10 @@ def main() -> None:
     client_ctx.check_hostname = False
     client_ctx.verify_mode = ssl.CERT_NONE  # a benchmark of reading, not of verification
     wire = publish_packet(b"t/big", bytes(range(256)) * (CHUNK // 256))
-    in_place, steal = transport.READ_IN_PLACE, transport.STEAL_PAYLOAD
+    in_place, steal = patches.READ_IN_PLACE, patches.STEAL_PAYLOAD
     for _ in range(args.rounds):
         for name, limits in (("appended + copied", (2**62, 2**62)), ("read in place", (in_place, steal))):
-            transport.READ_IN_PLACE, transport.STEAL_PAYLOAD = limits
+            patches.READ_IN_PLACE, patches.STEAL_PAYLOAD = limits
             cpu = read_cpu(server_ctx, client_ctx, wire)
             print(f"{name:18s} reading thread CPU {cpu * 1e3:6.1f} ms for {CHUNKS} x 4 MiB over TLS")
 

@@ -34,8 +34,12 @@ def _stat(pid: int) -> tuple[int, str, int] | None:
     return int(fields[1]), fields[0], int(fields[19])
 
 
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def _default_stop_signals() -> None:
+    """As from a terminal: a job that a shell without job control starts in the background
+    (`cmd &` in a script) inherits SIGINT ignored, one under nohup SIGHUP, and the demo
+    keeps an ignored signal ignored."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def descendants(root: int) -> dict[int, int]:
@@ -116,9 +120,7 @@ def test_a_signal_stops_everything_the_demo_started(tmp_path, request, sig):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        # As from a terminal: a job that a shell without job control starts in the
-        # background (`cmd &` in a script) inherits SIGINT ignored, and Python keeps it so.
-        preexec_fn=_default_sigint,
+        preexec_fn=_default_stop_signals,
     )
     out = Output(demo.stdout)
     started: dict[int, int] = {}

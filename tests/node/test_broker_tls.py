@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import aiomqtt
 import paho.mqtt.client as paho
 import pytest
 from fedfixtures import unique_id
@@ -23,7 +24,7 @@ from fedfixtures import unique_id
 from fedagent.errors import CertificateRejected, ConfigError, NotAuthorized, TransportError
 from fedagent.mosquitto import EmbeddedBroker, render_acl, render_config
 from fedagent.node import transport as tr
-from fedagent.node.transport import TlsFiles, Transport, parse_broker_uri, preflight
+from fedagent.node.transport import TlsFiles, Transport, parse_broker_uri, patches, preflight
 from fedagent.protocols import topics
 
 FED = "testfed"
@@ -245,11 +246,11 @@ def test_t1_broker_itself_refuses_bad_certificates(broker, arun):
     and the MQTT client fails at once instead of waiting out its connect timeout."""
 
     async def attempt(tls: TlsFiles) -> None:
-        client = tr._Client(
+        client = patches.MqttClient(
             broker.host,
             broker.port,
             identifier=unique_id("raw"),
-            protocol=tr.aiomqtt.ProtocolVersion.V5,
+            protocol=aiomqtt.ProtocolVersion.V5,
             timeout=8,
             tls_context=tr.make_ssl_context(tls),
         )
@@ -258,7 +259,7 @@ def test_t1_broker_itself_refuses_bad_certificates(broker, arun):
 
     for tls in (broker.tls("agent-a", foreign=True), broker.tls("agent-old")):
         started = time.monotonic()
-        with pytest.raises(tr.aiomqtt.MqttError):
+        with pytest.raises(aiomqtt.MqttError):
             arun(attempt(tls), timeout=10)
         assert time.monotonic() - started < 2
     assert "u'agent-old'" not in broker.log_path.read_text()
@@ -792,7 +793,7 @@ def test_publish_above_the_broker_packet_limit_is_a_clear_error(broker_factory, 
             # The broker enforces it too: a client that ignores CONNACK is dropped (no
             # PUBACK with a reason code: Mosquitto 2.0.11 disconnects, and it counts only
             # the fixed header's first byte plus the remaining length).
-            with pytest.raises(tr._ConnectionLost):
+            with pytest.raises(patches.ConnectionLost):
                 await t._client.publish_acked(topic, bytes(limit), qos=1, retain=False, timeout=5)
             await t.publish(topic, b"small", timeout=15)  # and we come back
             assert t.reconnects == 1

@@ -11,8 +11,8 @@ import pytest
 from fedfixtures import ident
 
 from fedagent.errors import TransportError
-from fedagent.node import transport as transport_mod
 from fedagent.node.messaging import Messenger
+from fedagent.node.transport import patches
 from fedagent.protocols.chunking import Reassembler, split
 from fedagent.protocols.codec import Envelope, decode, decode_tensor, encode, encode_tensor, encode_view
 from fedagent.protocols.messages import Update
@@ -171,10 +171,10 @@ def test_socket_reads_are_bounded():
             return b"x"
 
     c = FakePaho()
-    transport_mod._bound_reads(c)
+    patches._bound_reads(c)
     c._sock_recv(40 * 2**20)
     c._sock_recv(100)
-    assert asked == [transport_mod.READ_SIZE, 100]
+    assert asked == [patches.READ_SIZE, 100]
 
 
 def _publish_packet(topic: bytes, payload: bytes) -> bytes:
@@ -194,7 +194,7 @@ def test_large_packets_are_read_in_place_and_handed_on_uncopied(monkeypatch, in_
     which becomes the message's payload; small packets keep paho's own path, and so does
     a packet longer than READ_IN_PLACE_MAX (no buffer allocated on a header's word)."""
     if not in_place:
-        monkeypatch.setattr(transport_mod, "READ_IN_PLACE_MAX", transport_mod.READ_IN_PLACE * 2)
+        monkeypatch.setattr(patches, "READ_IN_PLACE_MAX", patches.READ_IN_PLACE * 2)
     import select
     import socket
     import threading
@@ -202,13 +202,13 @@ def test_large_packets_are_read_in_place_and_handed_on_uncopied(monkeypatch, in_
     import paho.mqtt.client as mqtt
 
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTProtocolVersion.MQTTv5)
-    transport_mod._bound_reads(client)
+    patches._bound_reads(client)
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
     client._sock = ours
     got: list = []
     client.on_message = lambda _c, _u, m: got.append((m.topic, m.payload))
-    big = bytes(range(256)) * (transport_mod.READ_IN_PLACE // 256 * 3 + 1)
+    big = bytes(range(256)) * (patches.READ_IN_PLACE // 256 * 3 + 1)
     wire = _publish_packet(b"t/big", big) + _publish_packet(b"t/small", b"hi") + _publish_packet(b"t/big2", big[::-1])
     writer = threading.Thread(target=theirs.sendall, args=(wire,))
     writer.start()
@@ -216,7 +216,7 @@ def test_large_packets_are_read_in_place_and_handed_on_uncopied(monkeypatch, in_
         while len(got) < 3:
             assert select.select([ours], [], [], 10)[0], f"stalled after {len(got)} messages"
             try:
-                transport_mod.read_available(client)
+                patches.read_available(client)
             except BlockingIOError:
                 pass
     finally:
@@ -225,4 +225,4 @@ def test_large_packets_are_read_in_place_and_handed_on_uncopied(monkeypatch, in_
         theirs.close()
     assert [t for t, _ in got] == ["t/big", "t/small", "t/big2"]
     assert got[0][1] == big and got[2][1] == big[::-1] and got[1][1] == b"hi"
-    assert isinstance(got[0][1], transport_mod._PacketBuffer) is in_place and type(got[1][1]) is bytes
+    assert isinstance(got[0][1], patches._PacketBuffer) is in_place and type(got[1][1]) is bytes

@@ -89,16 +89,16 @@ def test_checkpoint_is_written_piece_by_piece_in_the_same_format(tmp_path) -> No
 # ---- the receiving side: what reaches the process, and chunk sizes -------------------------
 def _held_tracker(monkeypatch) -> list[int]:
     """Bytes held by the transport each time paho hands it a message."""
-    from fedagent.node import transport as tr
+    from fedagent.node.transport import patches
 
     seen: list[int] = []
-    orig = tr._Client._on_message
+    orig = patches.MqttClient._on_message
 
     def on_message(self, client, userdata, message):
         orig(self, client, userdata, message)
         seen.append(self.held_bytes)
 
-    monkeypatch.setattr(tr._Client, "_on_message", on_message)
+    monkeypatch.setattr(patches.MqttClient, "_on_message", on_message)
     return seen
 
 

@@ -9,7 +9,7 @@ from paho.mqtt.exception import MalformedPacket
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from fedagent.node import transport
+from fedagent.node.transport import patches
 
 V5 = mqtt.MQTTProtocolVersion.MQTTv5
 V311 = mqtt.MQTTProtocolVersion.MQTTv311
@@ -46,13 +46,13 @@ CASES = [
 
 @pytest.mark.parametrize("header, body, protocol", CASES)
 def test_decode_publish_gives_pahos_fields(header, body, protocol):
-    assert _packet.decode_publish is transport._decode_publish  # installed
+    assert _packet.decode_publish is patches._decode_publish  # installed
     packet = bytearray(body)
-    ours = transport._decode_publish(header, packet, protocol)
-    theirs = transport._paho_decode_publish(header, bytearray(body), protocol)
+    ours = patches._decode_publish(header, packet, protocol)
+    theirs = patches._paho_decode_publish(header, bytearray(body), protocol)
     for field in ("dup", "qos", "retain", "topic", "mid", "payload"):
         assert getattr(ours, field) == getattr(theirs, field), field
-    if len(theirs.payload) >= transport.STEAL_PAYLOAD:
+    if len(theirs.payload) >= patches.STEAL_PAYLOAD:
         assert ours.payload is packet  # not copied: the packet's buffer, its header cut off
     else:
         assert type(ours.payload) is bytes
@@ -74,17 +74,17 @@ def test_decode_publish_gives_pahos_fields(header, body, protocol):
 )
 def test_decode_publish_refuses_what_paho_refuses(header, body, protocol):
     with pytest.raises(MalformedPacket):
-        transport._paho_decode_publish(header, bytearray(body), protocol)
+        patches._paho_decode_publish(header, bytearray(body), protocol)
     with pytest.raises(MalformedPacket):
-        transport._decode_publish(header, bytearray(body), protocol)
+        patches._decode_publish(header, bytearray(body), protocol)
 
 
 def test_large_queued_packets_are_views_small_ones_untouched():
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=V5)
     seen = []
     client._packet_queue = lambda command, packet, mid, qos, info=None: seen.append(packet)
-    transport._view_writes(client)
-    big, small = bytearray(transport.READ_SIZE + 1), bytearray(10)
+    patches._view_writes(client)
+    big, small = bytearray(patches.READ_SIZE + 1), bytearray(10)
     client._packet_queue(0x30, big, 1, 1)
     client._packet_queue(0x30, small, 2, 1)
     assert isinstance(seen[0], memoryview) and seen[0].obj is big

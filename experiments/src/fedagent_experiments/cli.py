@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import math
-import signal
 from pathlib import Path
 
 import click
 
 from fedagent.cli.app import fail
 from fedagent.errors import ConfigError, FedagentError
-
-
-def _exit_on_stop_signal(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 @click.group()
@@ -25,16 +20,12 @@ def experiment() -> None:
     process, which the exactness test shows equals the network path) and runs one
     setting again through a real coordinator and agents over Mosquitto."""
     # SIGTERM and SIGHUP would otherwise end the process without running a single
-    # ``finally``: the daemons an experiment started (each in a session of its own) would
-    # be left running and its work directory left behind. As an exception they unwind
-    # the experiment, and the exit status is 128 + the signal's number (Ctrl-C too, which
-    # click would report as 1). A signal ignored by whoever started us (nohup, a
-    # background job) stays ignored.
-    from fedagent.stopsignals import deferring
+    # ``finally``: the daemons an experiment started would be left running and its work
+    # directory left behind. As an exception they unwind the experiment, and the exit
+    # status is 128 + the signal's number (Ctrl-C too, which click would report as 1).
+    from fedagent.stopsignals import stop_signals
 
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, deferring(_exit_on_stop_signal))
+    click.get_current_context().with_resource(stop_signals())
 
 
 @experiment.command("flsimco")

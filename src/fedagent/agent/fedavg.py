@@ -292,7 +292,7 @@ class FedAvgSession(Session):
             return
         if isinstance(msg, SecAggStart):
             if inc.role != "coordinator" or not inc.topic.startswith(topics.federation_root(self.fed) + "/global/"):
-                return self.messenger._reject("role", inc.sender, "secagg_start not broadcast by a coordinator")
+                return self.messenger.reject("role", inc.sender, "secagg_start not broadcast by a coordinator")
             self.coordinator = inc.sender
             if msg.round > self.secure_round:
                 self.secure_round = msg.round
@@ -300,7 +300,7 @@ class FedAvgSession(Session):
             return
         if isinstance(msg, (SecAggRoster, SecAggShareBox, SecAggSurvivors, SecAggUnmask)):
             if inc.role != "coordinator" or inc.sender != self.coordinator:
-                return self.messenger._reject("role", inc.sender, f"{msg.kind} not from the coordinator")
+                return self.messenger.reject("role", inc.sender, f"{msg.kind} not from the coordinator")
             await self._secagg_send(await asyncio.to_thread(self.secagg.on_message, msg))
             if isinstance(msg, SecAggRoster):
                 # The masks do not depend on the update: their sum is drawn now, while
@@ -318,7 +318,7 @@ class FedAvgSession(Session):
             return
         if isinstance(msg, Vocabulary):
             if not inc.topic.startswith(topics.federation_root(self.fed) + "/global/") or inc.role != "coordinator":
-                return self.messenger._reject("role", inc.sender, "a vocabulary not broadcast by a coordinator")
+                return self.messenger.reject("role", inc.sender, "a vocabulary not broadcast by a coordinator")
             self.coordinator = inc.sender
             await self._adopt_vocabulary(msg)
             return
@@ -328,11 +328,11 @@ class FedAvgSession(Session):
                 self.fed, inc.sender, self.cfg.id, "model"
             )
             if not answer and not inc.topic.startswith(topics.federation_root(self.fed) + "/global/"):
-                return self.messenger._reject("topic", inc.sender, f"{msg.kind} outside global/")
+                return self.messenger.reject("topic", inc.sender, f"{msg.kind} outside global/")
             if inc.role != "coordinator":
                 # The ACL keeps agents off global/, but the broker is not trusted with
                 # that: only a coordinator's certificate may sign what steers training.
-                return self.messenger._reject(
+                return self.messenger.reject(
                     "role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-coordinator'}"
                 )
             self.coordinator = inc.sender

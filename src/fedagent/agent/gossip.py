@@ -226,7 +226,7 @@ class GossipSession(Session):
             elif isinstance(cmd, gv.RequestWakeup):
                 self.vocab_timer.request(cmd.at)
             elif isinstance(cmd, gv.OfferRejected):
-                self.messenger._reject(f"vocab-{cmd.reason}", cmd.sender, cmd.detail)
+                self.messenger.reject(f"vocab-{cmd.reason}", cmd.sender, cmd.detail)
             elif isinstance(cmd, gv.Failed):
                 self.vocab_timer.cancel()
                 self.state = "vocabulary failed"
@@ -424,12 +424,12 @@ class GossipSession(Session):
             VocabDigest: "vocab_digest",
         }.get(type(msg))
         if expected is None:
-            return self.messenger._reject("mode", inc.sender, f"{msg.kind} in a gossip federation")
+            return self.messenger.reject("mode", inc.sender, f"{msg.kind} in a gossip federation")
         if receiver != self.cfg.id or kind != expected:
-            return self.messenger._reject("topic", inc.sender, f"{msg.kind} on {inc.topic}")
+            return self.messenger.reject("topic", inc.sender, f"{msg.kind} on {inc.topic}")
         if isinstance(msg, (VocabOffer, VocabDigest)):
             if self.consensus is None:
-                return self.messenger._reject("mode", inc.sender, f"{msg.kind} but no vocabulary consensus here")
+                return self.messenger.reject("mode", inc.sender, f"{msg.kind} but no vocabulary consensus here")
             ev = (
                 gv.OfferReceived(inc.sender, msg.terms, msg.counts)
                 if isinstance(msg, VocabOffer)

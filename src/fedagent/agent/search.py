@@ -315,7 +315,7 @@ class SearchService(Service):
         is answered with ``refusal`` (on ``answer_kind``) so the asker stops waiting."""
         s = self.session
         if inc.role != "agent":
-            s.messenger._reject("role", inc.sender, f"{what} signed by a {inc.role or 'non-agent'}")
+            s.messenger.reject("role", inc.sender, f"{what} signed by a {inc.role or 'non-agent'}")
             return False
         if not self._allow(inc.sender, what):
             await s.messenger.send(topics.direct(s.fed, s.cfg.id, inc.sender, answer_kind), refusal)

@@ -131,14 +131,12 @@ class SyncOptSession(Session):
 
     def _from_coordinator(self, inc: Incoming) -> bool:
         if not inc.topic.startswith(topics.federation_root(self.fed) + "/global/"):
-            self.messenger._reject("topic", inc.sender, f"{inc.message.kind} outside global/")
+            self.messenger.reject("topic", inc.sender, f"{inc.message.kind} outside global/")
             return False
         if inc.role != "coordinator":
             # The broker is not trusted with the ACL alone: only a coordinator's
             # certificate may sign a vocabulary, a step or a model.
-            self.messenger._reject(
-                "role", inc.sender, f"{inc.message.kind} signed by a {inc.role or 'non-coordinator'}"
-            )
+            self.messenger.reject("role", inc.sender, f"{inc.message.kind} signed by a {inc.role or 'non-coordinator'}")
             return False
         self.coordinator = inc.sender
         return True

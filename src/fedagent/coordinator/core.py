@@ -309,7 +309,7 @@ class CoordinatorCore:
                             await mode.on_presence(inc.sender, msg.online, msg.num_samples, now)
                 elif isinstance(msg, Evaluation):
                     if inc.role != "agent":
-                        self.messenger._reject(
+                        self.messenger.reject(
                             "role", inc.sender, f"an evaluation signed by a {inc.role or 'non-agent'}"
                         )
                     else:

@@ -10,8 +10,6 @@ machine, and the initial model, exist only after that.
 from __future__ import annotations
 
 import asyncio
-import collections
-import json
 import logging
 import time
 from collections.abc import Coroutine, Iterator
@@ -23,9 +21,10 @@ import torch
 
 from fedagent.config import NodeConfig
 from fedagent.coordinator.core import CoordinatorCore
+from fedagent.coordinator.durability import DurableJournal, reconcile_history
 from fedagent.coordinator.velocity import FileVelocity
 from fedagent.coordinator.vocabstage import VocabStage, has_vocabulary, vocab_config
-from fedagent.errors import CodecError, ConfigError, FedagentError, StateWriteError, TransportError
+from fedagent.errors import CodecError, ConfigError, FedagentError, TransportError
 from fedagent.node import sdnotify
 from fedagent.node.messaging import Incoming
 from fedagent.node.metrics import NodeMetrics
@@ -34,10 +33,8 @@ from fedagent.protocols import rounds as R
 from fedagent.protocols import topics
 from fedagent.protocols.aggregation import Strategy
 from fedagent.protocols.catchup import ModelServer
-from fedagent.protocols.codec import Envelope
 from fedagent.protocols.compression import default_mode
 from fedagent.protocols.downlink import default_mode as default_downlink
-from fedagent.protocols.groupcommit import GroupCommit
 from fedagent.protocols.messages import (
     Evaluation,
     GlobalModel,
@@ -51,10 +48,9 @@ from fedagent.protocols.messages import (
 from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
 from fedagent.protocols.secagg import SecAggMasked, SecAggParams, SecAggStart
 from fedagent.protocols.serveropt import VELOCITY, check_velocity
-from fedagent.protocols.streaming import STREAM_KIND, StreamEvent, UpdateEnd, UpdateHead, UpdatePart
-from fedagent.security.signing import CHUNK_KIND
+from fedagent.protocols.streaming import StreamEvent, UpdateEnd, UpdateHead, UpdatePart
 from fedagent.storage import checkpoint
-from fedagent.storage.roundjournal import InFlight, RoundJournal
+from fedagent.storage.roundjournal import InFlight
 from fedagent.storage.statefile import atomic_write, read_bytes
 from fedagent.tasks.base import get_weights
 
@@ -68,8 +64,6 @@ STREAM_BUDGET = 16 * 2**20
 #: Checkpoint keys of the server momentum's velocity in checkpoints written before it
 #: had a file of its own (the tensor's name follows).
 VELOCITY_KEY = checkpoint.OPTIMIZER_PREFIX + VELOCITY
-# Frames that carry (part of) an agent's update: journaled before they are acknowledged.
-JOURNALED_KINDS = frozenset({Update.kind, CHUNK_KIND, STREAM_KIND})
 
 
 def stream_budget(model_bytes: int) -> int:
@@ -185,21 +179,18 @@ class FedAvgMode:
         self.round_path = core.dir / "last_round_started"
         self.velocity_file: FileVelocity | None = None  # the server momentum's velocity, on disk
         # The round in flight, durable before any of its updates is acknowledged; a
-        # restart takes that round up again (fedagent.storage.roundjournal).
-        self.journal = RoundJournal(core.dir / "round-journal", max_frame=core.messenger.wire_limits.max_message_bytes)
-        self._journal_lock = asyncio.Lock()
-        # An update (whole, chunked or streamed: a header, values, a little framing per chunk).
-        self._journal_cap = 2 * cfg.max_model_bytes + 2**20
+        # restart takes that round up again (coordinator/durability.py).
+        self.durability = DurableJournal(
+            core.dir / "round-journal",
+            max_frame=core.messenger.wire_limits.max_message_bytes,
+            # An update (whole, chunked or streamed: a header, values, a little framing per chunk).
+            per_sender=2 * cfg.max_model_bytes + 2**20,
+            replay=core.messenger.replay_journal,
+        )
+        self.journal = self.durability.journal
         self._resume: InFlight | None = None
-        core.messenger.journal = self._journal_frame
-        # Group commit: frames are written as they come and synced several at a time; each
-        # one's acknowledgement waits for the sync that covers it (protocols/groupcommit).
-        self.group = GroupCommit()
-        self._durable_waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
-        self._sync_task: asyncio.Task[None] | None = None
-        self._sync_timer: asyncio.TimerHandle | None = None
-        self._syncs_at: dict[str, int] = {}
-        core.messenger.before_replay_commit = self._flush_journal
+        core.messenger.journal = self.durability.frame
+        core.messenger.before_replay_commit = self.durability.flush
         # The agents' evaluations (one per agent and model, arriving while the next
         # round's updates come in) reach the replay guard's journal within a second, not
         # with an fdatasync each on the intake's path: replayed after a crash, one could
@@ -267,7 +258,7 @@ class FedAvgMode:
                 meta.get("model_version"),
                 meta.get("round"),
             )
-            self._reconcile_history(meta)
+            reconcile_history(self.core.history, meta)
         # A restart never reuses the number of a round it had started: agents ignore a
         # round start they have seen, and the updates of that round may already have been
         # acknowledged by this process before it died. The unfinished round is abandoned
@@ -324,58 +315,15 @@ class FedAvgMode:
                 privacy["epsilon"],
                 f" of a budget of {privacy['epsilon_budget']:g}" if "epsilon_budget" in privacy else "",
             )
-        inflight = self.journal.recover()
         m = self.machine
-        if (
-            inflight is not None
-            # A secure round's keys and shares died with the process: it is not resumed
-            # (a new round starts, with new keys).
-            and m.config.secure is None
-            and m.phase is R.Phase.WAITING
-            and inflight.round == m.round
-            and inflight.model_version == m.model_version
-        ):
-            # Started from the checkpointed model and never aggregated: resumed in start().
-            self._resume = inflight
-        elif inflight is not None:
-            log.info(
-                "round journal of round %d (from version %d) is past: the checkpoint has version %d after round %d",
-                inflight.round,
-                inflight.model_version,
-                m.model_version,
-                int(meta.get("round", 0)),
-            )
-            self.journal.end()
-
-    def _reconcile_history(self, meta: dict[str, Any]) -> None:
-        """The checkpoint is written before the history line of its round; a crash or a
-        full disk between the two leaves a model version the history lacks. Restore the
-        line from the checkpoint's own record so the history stays one line per version."""
-        history = self.core.history
-        last = 0
-        for line in history.tail(65536):  # (across a rotation just made)
-            if b'"event": "round"' in line:
-                try:
-                    last = max(last, int(json.loads(line).get("model_version", 0)))
-                except (ValueError, AttributeError):
-                    continue
-        version = int(meta.get("model_version", 0))
-        if version == last + 1:
-            log.warning(
-                "history lacks model version %d (the process stopped between checkpoint and "
-                "history); restored from the checkpoint",
-                version,
-            )
-            history.append(
-                {
-                    "event": "round",
-                    "round": meta.get("round"),
-                    "model_version": version,
-                    "participants": meta.get("participants", []),
-                    "metrics": meta.get("metrics", {}),
-                    "recovered": True,
-                }
-            )
+        # Resumed in start(). A secure round's keys and shares died with the process: it
+        # is not resumed (a new round starts, with new keys).
+        self._resume = self.durability.recover(
+            m.round,
+            m.model_version,
+            resumable=m.config.secure is None and m.phase is R.Phase.WAITING,
+            checkpoint_round=int(meta.get("round", 0)),
+        )
 
     def _record_received(self, inc: Incoming) -> None:
         """In a secure federation, a line of history per update-bearing message received:
@@ -472,7 +420,7 @@ class FedAvgMode:
             await self._vocab_agreed(await self.vocab.offer(inc.sender, msg.terms, msg.counts, now))
         elif isinstance(msg, SECAGG_MESSAGES) and not isinstance(msg, SecAggStart):
             if inc.role != "agent":
-                self.core.messenger._reject("role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-agent'}")
+                self.core.messenger.reject("role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-agent'}")
                 return
             self._record_received(inc)
             if self.machine is not None:
@@ -481,7 +429,7 @@ class FedAvgMode:
             self._record_received(inc)
             if inc.role != "agent":
                 # As for streams (messaging): only an agent's certificate may submit an update.
-                self.core.messenger._reject("role", inc.sender, f"update signed by a {inc.role or 'non-agent'}")
+                self.core.messenger.reject("role", inc.sender, f"update signed by a {inc.role or 'non-agent'}")
                 return
             if self.machine is not None:
                 event = R.UpdateReceived(
@@ -497,7 +445,7 @@ class FedAvgMode:
     def _model_request(self, inc: Incoming, msg: ModelRequest, now: float) -> None:
         core = self.core
         if inc.role != "agent":
-            core.messenger._reject("role", inc.sender, f"model request signed by a {inc.role or 'non-agent'}")
+            core.messenger.reject("role", inc.sender, f"model request signed by a {inc.role or 'non-agent'}")
             return
         m = self.machine
         if m is None or not self.model_server.answer(inc.sender, msg.have_version, m.model_version, now):
@@ -620,120 +568,9 @@ class FedAvgMode:
     def background(self) -> list[Coroutine[Any, Any, None]]:
         return [self._expire_streams()]
 
-    # -- journal -------------------------------------------------------------------------
-    async def _journal_frame(
-        self, topic: str, payload: bytes | bytearray, env: Envelope
-    ) -> asyncio.Future[None] | None:
-        """A verified frame from an agent, before it is handed on: written to the round
-        journal if it belongs to the round in flight; returns what its acknowledgement
-        waits for (the sync that makes it durable), or None (acknowledge it when handled)."""
-        if env.kind not in JOURNALED_KINDS:
-            return None
-        try:
-            async with self._journal_lock:
-                inflight = self.journal.round
-                if inflight is None or env.round != inflight.round or env.sender not in inflight.selected:
-                    return None  # refused when its turn comes: stale, or not selected
-                if self.journal.by_sender.get(env.sender, 0) + len(payload) > self._journal_cap:
-                    # More than an update's worth from one member: a bug or a flood. The
-                    # disk is not the place to find out which; the round machine will.
-                    log.warning("round %d: %s sent more than an update's worth; not journaled", env.round, env.sender)
-                    return None
-                # Into the page cache (a frame-sized memcpy, no sync): on the event loop.
-                self.journal.write(topic, payload)
-        except StateWriteError as exc:
-            # Handed on all the same: the round can still use it, but a crash before the
-            # aggregation would lose it.
-            log.error("round %d: update frame from %s not journaled: %s", env.round, env.sender, exc)
-            return None
-        n = self.group.write(len(payload), time.monotonic())
-        durable: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._durable_waiters.append((n, durable))
-        self._commit_soon()
-        return durable
-
-    def _commit_soon(self) -> None:
-        """Start the journal's next sync if it is due, else make sure it starts when it is."""
-        now = time.monotonic()
-        if self.group.due(now):
-            self._start_sync()
-            return
-        at = self.group.deadline()
-        if at is not None and self._sync_timer is None:
-            self._sync_timer = asyncio.get_running_loop().call_later(max(0.0, at - now), self._sync_timer_due)
-
-    def _sync_timer_due(self) -> None:
-        self._sync_timer = None
-        self._commit_soon()
-
-    def _start_sync(self) -> None:
-        if self._sync_timer is not None:
-            self._sync_timer.cancel()
-            self._sync_timer = None
-        upto = self.group.start()
-        self._sync_task = asyncio.get_running_loop().create_task(self._sync(upto, self.journal.generation))
-
-    async def _sync(self, upto: int, generation: int) -> None:
-        try:
-            # Off the event loop: frames go on being read, written and handed on meanwhile.
-            await asyncio.to_thread(self.journal.sync, generation)
-        except StateWriteError as exc:
-            log.error("round journal: frames not made durable (%s); acknowledged all the same", exc)
-        except asyncio.CancelledError:
-            raise  # shutting down: their acknowledgements are never sent, the broker keeps them
-        self._sync_task = None
-        self.group.finished(upto)
-        self._release_durable()
-        self._commit_soon()
-
-    async def _flush_journal(self) -> None:
-        """Make every frame written so far durable now (a barrier: the replay guard's
-        numbers are about to become durable, and must not be before their frames). In a
-        worker thread: a sync of several frames on a busy disk must not stall the event
-        loop (reads, keep-alive, the round's other work). Returns only once every frame
-        written is durable: another task (the lazy replay commit) may hand frames on while
-        this one waits, and the caller commits the replay guard without awaiting again."""
-        while self.group.durable < self.group.written:
-            upto = self.group.written
-            try:
-                await asyncio.to_thread(self.journal.sync)  # waits for a sync in flight on the same file, if any
-            except StateWriteError as exc:
-                log.error("round journal: frames not made durable (%s); acknowledged all the same", exc)
-            self.group.flushed(upto)
-            self._release_durable()
-
-    def _sync_counts(self) -> dict[str, int]:
-        replay = self.core.messenger.replay_journal
-        return {
-            "journal": self.journal.syncs,
-            "replay": 0 if replay is None else replay.appends + replay.compactions,
-        }
-
-    def _release_durable(self) -> None:
-        """Let the acknowledgements of the frames now durable go."""
-        waiters, durable = self._durable_waiters, self.group.durable
-        while waiters and waiters[0][0] <= durable:
-            _n, fut = waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-
-    async def _journal(self, begin: R.StartRound | None) -> None:
-        async with self._journal_lock:
-            if begin is None:
-                await asyncio.to_thread(self.journal.end)
-            else:
-                await asyncio.to_thread(self.journal.begin, begin.round, begin.model_version, begin.selected)
-            # The frames written so far belong to a round that is now in the checkpoint
-            # (or was abandoned): none of them needs its sync any more.
-            self.group.settle()
-            self._release_durable()
-
     def close(self) -> None:
         self.timer.cancel()
-        if self._sync_timer is not None:
-            self._sync_timer.cancel()
-        if self._sync_task is not None:
-            self._sync_task.cancel()
+        self.durability.close()
         for task in self._answers:
             task.cancel()
 
@@ -762,7 +599,7 @@ class FedAvgMode:
             await asyncio.sleep(5.0)
             events = messenger.intake.expire(time.monotonic())
             for ev in events:
-                messenger._reject("stream", ev.sender, ev.reason)
+                messenger.reject("stream", ev.sender, ev.reason)
             await self._on_stream(list(events))
 
     # -- machine -------------------------------------------------------------------------
@@ -814,14 +651,14 @@ class FedAvgMode:
         if isinstance(cmd, R.StartRound):
             self.round_started_at = time.monotonic()
             self._marks = {"start": round(time.time(), 4)}
-            self._syncs_at = self._sync_counts()
+            self.durability.count_round()
             if not cmd.resumed:
                 # Both durable before the round start leaves; independent of each other
                 # (a crash between them leaves a journal that recovery finds past, or
                 # none), so their syncs overlap.
                 done = await asyncio.gather(
                     asyncio.to_thread(atomic_write, self.round_path, str(cmd.round).encode()),
-                    self._journal(cmd),
+                    self.durability.begin(cmd.round, cmd.model_version, cmd.selected),
                     return_exceptions=True,  # both finished before a failure of either is raised
                 )
                 for outcome in done:
@@ -910,12 +747,8 @@ class FedAvgMode:
                     **({"privacy": cmd.privacy} if cmd.privacy is not None else {}),
                     **self._secure_record(),
                     "marks": marks,
-                    # fdatasync calls of the round journal and the replay guard's journal
-                    # during the round (the intake's disk cost: docs/faults.md)
-                    "syncs": {
-                        **{k: v - self._syncs_at.get(k, 0) for k, v in self._sync_counts().items()},
-                        "frames": self.journal.frames,
-                    },
+                    # the intake's disk cost (docs/faults.md)
+                    "syncs": self.durability.round_syncs(),
                 }
             )
             if not next_round_follows:
@@ -923,7 +756,7 @@ class FedAvgMode:
                 # round starts at once its start record replaces the journal anyway, and
                 # until then recovery finds the journal past (its model version is
                 # older than the checkpoint's) and ends it there: a sync pair saved.
-                await self._journal(None)
+                await self.durability.end()
             log.info(
                 "round %d aggregated from %d agents in %.2fs: %s%s",
                 cmd.round,
@@ -942,7 +775,7 @@ class FedAvgMode:
         elif isinstance(cmd, R.RoundAbandoned):
             log.warning("round %d abandoned: %s", cmd.round, cmd.reason)
             core.metrics.round_abandoned()
-            await self._journal(None)
+            await self.durability.end()
             core.history.append({"event": "abandoned", "round": cmd.round, "reason": cmd.reason})
             await core.messenger.send(
                 topics.broadcast(fed, "round_result"),

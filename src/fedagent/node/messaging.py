@@ -378,12 +378,12 @@ class Messenger:
 
     async def _receive_stream(self, env: Envelope) -> None:
         if self.on_stream is None:
-            return self._reject("kind", env.sender, "streamed update sent to a node that does not aggregate")
+            return self.reject("kind", env.sender, "streamed update sent to a node that does not aggregate")
         now = time.monotonic()
         try:
             events = self.intake.feed(env.sender, env.body, now)
         except CodecError as exc:
-            return self._reject("chunk", env.sender, str(exc))
+            return self.reject("chunk", env.sender, str(exc))
         # Expiry scans every transfer in progress: once a second, not per chunk (1,000
         # concurrent updates would make that O(N²) per round).
         if now - self._last_expiry > 1.0:
@@ -392,7 +392,7 @@ class Messenger:
         events = self._bind_round(env, events)
         for ev in events:
             if isinstance(ev, UpdateEnd) and not ev.ok:
-                self._reject("stream", ev.sender, ev.reason)
+                self.reject("stream", ev.sender, ev.reason)
         if events:
             if any(isinstance(ev, UpdateHead) for ev in events):
                 # A replayed stream can only start with its header (the intake refuses
@@ -470,7 +470,16 @@ class Messenger:
         }
         self.recent_rejections = [*self.recent_rejections, entry][-RECENT_REJECTIONS:]
 
-    def _reject(self, reason: str, sender: str, detail: str) -> None:
+    def reject(self, reason: str, sender: str, detail: str) -> None:
+        """Refuse a message: count it under ``reason`` (in ``status`` and the metrics), keep
+        it among the recent refusals ``status`` shows, and log it with its sender.
+
+        The messenger refuses what fails its own checks (topic, codec, signature, schema)
+        here; a daemon calls it for a message that passed them but must not be acted on:
+        from the wrong role, on the wrong topic, for a mode it does not run. ``detail``
+        says what was wrong in words an operator can act on; ``sender`` is "" when not
+        even the topic named one. A refusal is data, never an exception: the frame is
+        still acknowledged, so the broker does not deliver it again."""
         self.record_rejection(sender, reason, detail)
         log.warning("rejected message from %s: %s (%s)", sender or "?", reason, detail)
 
@@ -492,10 +501,10 @@ class Messenger:
         try:
             fed, topic_sender, _receiver, _kind = topics.parse(topic)
         except ValueError as exc:
-            self._reject("topic", "", str(exc))
+            self.reject("topic", "", str(exc))
             return None
         if fed != self.federation:
-            self._reject("federation", topic_sender, f"topic of federation {fed}")
+            self.reject("federation", topic_sender, f"topic of federation {fed}")
             return None
         if not payload:
             return None  # a cleared retained message
@@ -504,19 +513,19 @@ class Messenger:
             # the payload by the decoder.
             env = decode(payload, self.wire_limits, views=True)
         except CodecError as exc:
-            self._reject("codec", topic_sender, str(exc))
+            self.reject("codec", topic_sender, str(exc))
             return None
         # The ACL makes node/<id>/ writable only by <id>: the envelope must agree.
         if topic_sender and env.sender != topic_sender:
-            self._reject("spoofed", topic_sender, f"envelope claims sender {env.sender}")
+            self.reject("spoofed", topic_sender, f"envelope claims sender {env.sender}")
             return None
         if env.federation != self.federation:
-            self._reject("federation", env.sender, f"envelope for {env.federation}")
+            self.reject("federation", env.sender, f"envelope for {env.federation}")
             return None
         try:
             role = self.verifier.check(env, journaled=journaled)
         except AuthError as exc:
-            self._reject(exc.reason, env.sender, exc.detail)
+            self.reject(exc.reason, env.sender, exc.detail)
             return None
         if not journaled:  # a frame read back from the journal says nothing about its sender now
             self.last_heard[env.sender] = time.time()
@@ -545,15 +554,15 @@ class Messenger:
             if role != "agent":
                 # Only agents train: a stream from another role (a coordinator's
                 # certificate) would let it inject an update into its own round.
-                return self._reject("role", env.sender, f"streamed update signed by a {role!r} certificate")
+                return self.reject("role", env.sender, f"streamed update signed by a {role!r} certificate")
             return await self._receive_stream(env)
         if env.kind == CHUNK_KIND:
             try:
                 whole = self.reassembler.feed(env.sender, env.body, time.monotonic())
             except CodecError as exc:
-                return self._reject("chunk", env.sender, str(exc))
+                return self.reject("chunk", env.sender, str(exc))
             for sender, tid in self.reassembler.expire(time.monotonic()):
-                self._reject("chunk-timeout", sender, f"transfer {tid} incomplete, dropped")
+                self.reject("chunk-timeout", sender, f"transfer {tid} incomplete, dropped")
             if whole is None:
                 return None
             try:
@@ -561,21 +570,21 @@ class Messenger:
                 # reassembler, held by nothing else): the model is not copied again.
                 inner = await asyncio.to_thread(decode, whole, self.model_limits, views=True)
             except CodecError as exc:
-                return self._reject("codec", env.sender, str(exc))
+                return self.reject("codec", env.sender, str(exc))
             if inner.sender != env.sender or inner.federation != self.federation:
-                return self._reject("spoofed", env.sender, "reassembled message names another sender")
+                return self.reject("spoofed", env.sender, "reassembled message names another sender")
             env, size = inner, len(whole)
         else:
             size = len(payload)
         try:
             message = body_of(env.kind, env.body, self.model_limits)
         except CodecError as exc:
-            return self._reject("schema", env.sender, str(exc))
+            return self.reject("schema", env.sender, str(exc))
         body_round = getattr(message, "round", None)
         if type(body_round) is int and body_round != env.round:
             # The signed envelope round binds the message to its round: a body naming
             # another one was not produced by the sender's messenger.
-            return self._reject("round", env.sender, f"body for round {body_round} in an envelope of round {env.round}")
+            return self.reject("round", env.sender, f"body for round {body_round} in an envelope of round {env.round}")
         self.messages_in += 1
         if self.metrics is not None:
             self.metrics.message_in()

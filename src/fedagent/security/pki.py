@@ -30,7 +30,6 @@ import hashlib
 import ipaddress
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -43,6 +42,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedagent.errors import ConfigError
 from fedagent.protocols.topics import check_name
+from fedagent.storage.statefile import atomic_write
 
 ROLES = ("agent", "coordinator", "broker")
 DEFAULT_BROKER_SANS = ("localhost", "127.0.0.1")
@@ -62,22 +62,11 @@ def _now() -> datetime:
 
 def _write_private(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically with mode 0600 from the first byte."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, data, mode=0o600)
 
 
 def _write_public(path: Path, data: bytes) -> None:
-    _write_private(path, data)
-    os.chmod(path, 0o644)
+    atomic_write(path, data, mode=0o644)
 
 
 def _key_pem(key) -> bytes:

@@ -13,15 +13,15 @@ bytes), so exporting needs no package beyond the core install.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from fedagent.errors import FedagentError
 from fedagent.storage import checkpoint
 from fedagent.storage.checkpoint import OPTIMIZER_PREFIX
+from fedagent.storage.statefile import atomic_write_with
 
 FORMATS = ("pt", "safetensors")
 
@@ -68,15 +68,11 @@ def export(source: Path, out: Path, fmt: str | None = None) -> dict[str, Any]:
         raise FedagentError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     weights, meta = model_weights(source)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    try:
-        if fmt == "pt":
-            _write_pt(tmp, weights)
-        else:
-            _write_safetensors(tmp, weights, meta)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    # A file the user asked for: the permission bits of any new file of theirs (umask).
+    if fmt == "pt":
+        atomic_write_with(out, lambda f: _write_pt(f, weights), mode=None)
+    else:
+        atomic_write_with(out, lambda f: _write_safetensors(f, weights, meta), mode=None)
     return {
         "format": fmt,
         "tensors": len(weights),
@@ -95,14 +91,14 @@ def _format_from_suffix(out: Path) -> str:
     raise FedagentError(f"cannot tell the format from {out.name!r}: name it *.pt or *.safetensors, or pass --format")
 
 
-def _write_pt(path: Path, weights: dict[str, np.ndarray]) -> None:
+def _write_pt(f: BinaryIO, weights: dict[str, np.ndarray]) -> None:
     import torch
 
     state = {name: torch.from_numpy(np.ascontiguousarray(arr).copy()) for name, arr in weights.items()}
-    torch.save(state, path)
+    torch.save(state, f)
 
 
-def _write_safetensors(path: Path, weights: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+def _write_safetensors(f: BinaryIO, weights: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
     header: dict[str, Any] = {}
     offset = 0
     arrays = []
@@ -118,8 +114,7 @@ def _write_safetensors(path: Path, weights: dict[str, np.ndarray], meta: dict[st
     header["__metadata__"] = {k: str(v) for k, v in meta.items() if isinstance(v, (str, int, float, bool))}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for arr in arrays:
-            arr.tofile(f)  # raw bytes in C order
+    f.write(len(blob).to_bytes(8, "little"))
+    f.write(blob)
+    for arr in arrays:
+        arr.tofile(f)  # raw bytes in C order

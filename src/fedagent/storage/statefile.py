@@ -8,6 +8,7 @@ the target, then fsync the directory so the rename itself is durable.
 from __future__ import annotations
 
 import os
+import secrets
 import struct
 import tempfile
 import zlib
@@ -20,35 +21,67 @@ from fedagent.errors import FedagentError, StateWriteError
 TEMP_PREFIX = ".fedagent-tmp-"
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
-    atomic_write_with(path, lambda f: f.write(data), mode)
+def atomic_write(path: Path, data: bytes, mode: int | None = 0o600, *, durable: bool = True) -> None:
+    """Replace ``path`` with ``data``: a reader sees the old content or the new, never a
+    mix. See :func:`atomic_write_with` for ``mode`` and ``durable``."""
+    atomic_write_with(path, lambda f: f.write(data), mode, durable=durable)
 
 
-def atomic_write_with(path: Path, write, mode: int = 0o600) -> None:
+def atomic_write_with(path: Path, write, mode: int | None = 0o600, *, durable: bool = True) -> None:
     """:func:`atomic_write` of what ``write(file)`` writes: a large file (a checkpoint)
-    can be written piece by piece from memory that already holds it, never assembled."""
+    can be written piece by piece from memory that already holds it, never assembled.
+
+    ``mode``: the file's permission bits from its first byte (0600: state and keys), or
+    None for those of any new file (0666 less the umask: a file the user asked for).
+    ``durable``: synced before it replaces ``path`` and the rename synced too, so it
+    survives a power loss; False for a cache that is rebuilt when found damaged. Any
+    failure leaves ``path`` as it was and no temporary file behind; an OSError is raised
+    as :class:`StateWriteError`."""
     path = Path(path)
     tmp: str | None = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path.parent)
+        if mode is None:
+            fd, tmp = _new_temp(path.parent)
+        else:
+            fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path.parent)
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError as exc:
+        tmp = None
+        if durable:
+            dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+    except BaseException as exc:
         if tmp is not None:
             try:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-        raise StateWriteError(f"cannot write {path}: {exc.strerror or exc}; the previous version is intact") from exc
+        if isinstance(exc, OSError):
+            raise StateWriteError(
+                f"cannot write {path}: {exc.strerror or exc}; the previous version is intact"
+            ) from exc
+        raise
+
+
+def _new_temp(directory: Path) -> tuple[int, str]:
+    """A new temporary file in ``directory`` with the permission bits any new file gets
+    (``mkstemp`` makes it 0600 whatever the umask)."""
+    for _ in range(100):
+        name = os.path.join(directory, TEMP_PREFIX + secrets.token_hex(8))
+        try:
+            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), name
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary file name in {directory}")
 
 
 def read_bytes(path: Path, max_bytes: int) -> bytes | None:

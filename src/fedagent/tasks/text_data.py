@@ -71,12 +71,12 @@ import json
 import os
 import pickletools
 import re
-import tempfile
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -84,6 +84,7 @@ from fedagent.errors import ConfigError
 from fedagent.extras import package_dir, require
 from fedagent.protocols.search import PUBLIC_CORPORA
 from fedagent.protocols.vocab import merge_vocabularies
+from fedagent.storage.statefile import atomic_write_with
 
 WIKI_DUMP = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 PROCESSING_VERSION = 1  # bump when tokenisation changes: invalidates caches
@@ -127,6 +128,19 @@ def data_file(name: str) -> Path:
 
 def cache_dir() -> Path:
     return Path(os.environ.get("FEDAGENT_CACHE") or Path.home() / ".cache" / "fedagent")
+
+
+def _write_cache(cache: Path, doc: list[list[Any]]) -> None:
+    """``doc`` as JSON to ``cache``. Several agents may build the cache at once: each
+    writes its own temporary file and renames it into place, so a reader sees a whole file
+    or none. Not synced: a cache a crash damaged fails to parse and is rebuilt."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(f: BinaryIO) -> None:
+        for piece in json.JSONEncoder().iterencode(doc):
+            f.write(piece.encode())
+
+    atomic_write_with(cache, write, durable=False)
 
 
 # ---- tokenisation -------------------------------------------------------------------------
@@ -179,13 +193,7 @@ def wiki_articles(*, limit: int = 0, stop_words: bool = True, use_cache: bool = 
             pass  # a damaged cache is rebuilt below
     articles = _parse_wiki(path, stop_words, limit)
     if use_cache:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        # Several agents may build the cache at once: each writes its own temporary
-        # file and renames it into place, so a reader sees a whole file or none.
-        fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=".wiki-", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump([[a.title, list(a.tokens)] for a in articles], f)
-        os.replace(tmp, cache)
+        _write_cache(cache, [[a.title, list(a.tokens)] for a in articles])
     return articles
 
 
@@ -298,11 +306,7 @@ def manpages(
             pass
     pages = _parse_manpages(paths, stop_words, limit, text_requests)
     if use_cache:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=".manpages-", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump([[a.title, list(a.tokens)] for a in pages], f)
-        os.replace(tmp, cache)
+        _write_cache(cache, [[a.title, list(a.tokens)] for a in pages])
     return pages
 
 
