@@ -4,11 +4,13 @@ Point an agent at it in its config::
 
     [task]
     name = "custom_task:make"     # module:attribute; the module must be importable
-    csv = "/srv/site-data/train.csv"
+    csv = "data/train.csv"        # relative to the config file's directory
 
 (put this file's directory on PYTHONPATH, or install it as a package). ``make`` gets
-the ``[task]`` table without ``name`` and returns a :class:`fedagent.tasks.base.Task`.
-Every node of a federation must build the same architecture; the data stays local.
+the ``[task]`` table without ``name`` and returns a :class:`fedagent.tasks.base.Task`;
+``@file_options("csv")`` says that ``csv`` names a file, so a relative path is taken
+from the config file's directory. Every node of a federation must build the same
+architecture; the data stays local.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedagent.tasks.base import Task
+from fedagent.tasks.base import Task, file_options
 
 
 class CsvLogistic(Task):
@@ -59,5 +61,6 @@ class CsvLogistic(Task):
         return {"accuracy": float((model(self.xt).argmax(1) == self.yt).float().mean())}
 
 
+@file_options("csv")
 def make(options: dict[str, Any]) -> CsvLogistic:
     return CsvLogistic(options.get("csv"), int(options.get("features", 4)), int(options.get("classes", 2)))

@@ -160,9 +160,8 @@ def _cfg(tmp_path, **rounds) -> config_mod.NodeConfig:
     ],
 )
 def test_configurations_violating_a_precondition_are_refused_at_start(tmp_path, rounds, message) -> None:
-    cfg = _cfg(tmp_path, **rounds)
     with pytest.raises(ConfigError, match=message) as info:
-        round_config(cfg)
+        _cfg(tmp_path, **rounds)  # refused when the file is loaded
     assert "[rounds]" in str(info.value)
 
 

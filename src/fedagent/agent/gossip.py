@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import fnmatch
 import inspect
-import json
 import logging
 import secrets
 import time
@@ -42,6 +41,7 @@ import numpy as np
 
 from fedagent.agent.core import Agent, Session
 from fedagent.agent.vocabulary import VocabularyTask, needs_vocabulary, vocabulary_task
+from fedagent.config import consensus_config
 from fedagent.errors import ConfigError
 from fedagent.node import sdnotify
 from fedagent.node.discovery import Advert
@@ -52,15 +52,12 @@ from fedagent.protocols import dp, topics
 from fedagent.protocols import gossip as g
 from fedagent.protocols import gossip_vocab as gv
 from fedagent.protocols.messages import GossipAck, GossipModel, Presence, VocabDigest, VocabOffer
-from fedagent.protocols.vocab import vocabulary_digest
-from fedagent.storage import checkpoint
-from fedagent.storage.statefile import atomic_write, read_bytes
+from fedagent.storage import checkpoint, vocabfile
 from fedagent.tasks.base import Weights, get_weights, set_weights
 
 log = logging.getLogger("fedagent.gossip")
 
 LINK_CONNECT_TIMEOUT = 10.0
-MAX_VOCAB_FILE = 64 * 2**20
 
 
 class _VocabWakeup:
@@ -179,7 +176,7 @@ class GossipSession(Session):
         own = vocabulary_task(self.agent.task).term_counts()
         terms = sorted(own)
         counts = [int(own[t]) for t in terms]
-        cfg = self.settings.consensus_config()
+        cfg = consensus_config(self.settings)
         saved = self._load_vocabulary()
         if saved is not None:
             self.consensus = gv.VocabConsensus.resumed(self.cfg.id, cfg, terms, counts, saved)
@@ -190,18 +187,13 @@ class GossipSession(Session):
         self._own_offer = VocabOffer(tuple(terms), tuple(counts))
 
     def _load_vocabulary(self) -> gv.Agreed | None:
-        raw = read_bytes(self.vocab_path, MAX_VOCAB_FILE)
-        if raw is None:
-            return None
         try:
-            doc = json.loads(raw)
-            terms, counts = tuple(doc["terms"]), tuple(int(c) for c in doc["counts"])
-            agreed = gv.Agreed(terms, counts, tuple(doc["contributors"]), str(doc["digest"]))
-            if agreed.digest != vocabulary_digest(terms) or len(terms) != len(counts) or not terms:
-                raise ValueError("digest or counts do not match the terms")
-        except (ValueError, KeyError, TypeError) as exc:
+            saved = vocabfile.load(self.vocab_path)
+        except ValueError as exc:
             raise ConfigError(f"{self.vocab_path} is unreadable ({exc}); move it away to agree afresh") from exc
-        return agreed
+        if saved is None:
+            return None
+        return gv.Agreed(saved.terms, saved.counts, saved.contributors, saved.digest)
 
     def _install_vocabulary(self, agreed: gv.Agreed) -> None:
         """Re-index the task's data on the agreed terms and rebuild the model on them."""
@@ -240,23 +232,9 @@ class GossipSession(Session):
                 await self._vocabulary_agreed(cmd)
 
     async def _vocabulary_agreed(self, cmd: gv.Agreed) -> None:
-        doc = {
-            "terms": list(cmd.terms),
-            "counts": list(cmd.counts),
-            "contributors": list(cmd.contributors),
-            "digest": cmd.digest,
-        }
-        await asyncio.to_thread(atomic_write, self.vocab_path, json.dumps(doc).encode())
+        await asyncio.to_thread(vocabfile.save, self.vocab_path, cmd.terms, cmd.counts, cmd.contributors, cmd.digest)
         await asyncio.to_thread(self._install_vocabulary, cmd)
-        self.history.append(
-            {
-                "event": "vocabulary",
-                "terms": len(cmd.terms),
-                "contributors": list(cmd.contributors),
-                "dropped_terms": cmd.dropped_terms,
-                "digest": cmd.digest,
-            }
-        )
+        self.history.append(vocabfile.history_record(cmd.terms, cmd.contributors, cmd.dropped_terms, cmd.digest))
         log.info(
             "vocabulary agreed with %d peers: %d terms (digest %s, %d cut by min_count/max_size)",
             len(cmd.contributors) - 1,

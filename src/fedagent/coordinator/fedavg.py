@@ -19,34 +19,30 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedagent.config import NodeConfig
+from fedagent.config import NodeConfig, round_config
 from fedagent.coordinator.core import CoordinatorCore
 from fedagent.coordinator.durability import DurableJournal, reconcile_history
 from fedagent.coordinator.velocity import FileVelocity
 from fedagent.coordinator.vocabstage import VocabStage, has_vocabulary, vocab_config
-from fedagent.errors import CodecError, ConfigError, FedagentError, TransportError
+from fedagent.errors import FedagentError, TransportError
 from fedagent.node import sdnotify
 from fedagent.node.messaging import Incoming
 from fedagent.node.metrics import NodeMetrics
 from fedagent.node.runtime import Timer, release_large_frees
 from fedagent.protocols import rounds as R
 from fedagent.protocols import topics
-from fedagent.protocols.aggregation import Strategy
 from fedagent.protocols.catchup import ModelServer
-from fedagent.protocols.compression import default_mode
-from fedagent.protocols.downlink import default_mode as default_downlink
 from fedagent.protocols.messages import (
     Evaluation,
     GlobalModel,
     ModelRequest,
     RoundResult,
     RoundStart,
-    TrainConfig,
     Update,
     VocabOffer,
 )
 from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
-from fedagent.protocols.secagg import SecAggMasked, SecAggParams, SecAggStart
+from fedagent.protocols.secagg import SecAggMasked, SecAggStart
 from fedagent.protocols.serveropt import VELOCITY, check_velocity
 from fedagent.protocols.streaming import StreamEvent, UpdateEnd, UpdateHead, UpdatePart
 from fedagent.storage import checkpoint
@@ -74,86 +70,6 @@ def stream_budget(model_bytes: int) -> int:
 @dataclass(frozen=True, slots=True)
 class _VocabWakeup:
     pass
-
-
-def round_config(cfg: NodeConfig) -> R.RoundConfig:
-    r = cfg.rounds
-    try:
-        strategy = Strategy(
-            r.aggregation,
-            r.weight_key,
-            r.drop_above,
-            byzantine=r.byzantine,
-            trim=r.trim,
-            krum_m=r.krum_m,
-            clip_norm=r.clip_norm,
-        )
-        if cfg.stream_updates and not strategy.streams:
-            raise ValueError(
-                f"[transfer] stream_updates = true, but aggregation {strategy.name!r}"
-                f"{' with clip_norm' if strategy.clip_norm is not None else ''} needs whole "
-                "updates (the median, trimmed mean and Krum read every update at once; clipping "
-                "needs an update's norm before any of it is added): remove stream_updates"
-            )
-        secure = None
-        if r.secure_aggregation:
-            if cfg.stream_updates:
-                raise ValueError(
-                    "[transfer] stream_updates = true, but secure aggregation sends each update as one "
-                    "masked vector (a part of it means nothing until every mask is off): remove stream_updates"
-                )
-            secure = SecAggParams(
-                clip=r.secure_clip,
-                bits=r.secure_bits,
-                neighbours=r.secure_neighbours,
-                threshold=r.secure_threshold,
-                min_survivors=max(2, r.min_updates),
-            )
-        stream = strategy.streams if cfg.stream_updates is None else cfg.stream_updates
-        dp = None
-        if cfg.privacy is not None:
-            if cfg.stream_updates:
-                raise ValueError(
-                    "[transfer] stream_updates = true, but differential privacy needs whole updates "
-                    "(an update is clipped by its norm before any of it is added): remove stream_updates"
-                )
-            # Sampling amplification only counts when the population is known.
-            q = r.agents_per_round / r.expected_agents if r.agents_per_round and r.expected_agents else 1.0
-            dp = cfg.privacy.resolve(r.rounds, min(q, 1.0))
-            stream = False
-        compression = cfg.compression
-        if compression is None:
-            compression = default_mode(streamed=stream and secure is None)
-        return R.RoundConfig(
-            rounds=r.rounds,
-            min_agents=r.min_agents,
-            expected_agents=r.expected_agents,
-            start_grace=r.start_grace,
-            agents_per_round=r.agents_per_round,
-            min_updates=r.min_updates,
-            round_timeout=r.round_timeout,
-            max_norm=r.max_norm,
-            seed=r.seed,
-            lr_schedule=r.lr_schedule,
-            server_lr=r.server_lr,
-            server_momentum=r.server_momentum,
-            downlink=cfg.downlink or default_downlink(compression),
-            strategy=strategy,
-            dp=dp,
-            secure=secure,
-            secure_stage_timeout=r.secure_stage_timeout,
-            train=TrainConfig(
-                epochs=r.local_epochs,
-                steps=r.local_steps,
-                lr=r.lr,
-                batch_size=r.batch_size,
-                compression=compression,
-                topk_ratio=cfg.topk_ratio,
-                stream=stream,
-            ),
-        )
-    except (ValueError, TypeError, CodecError) as exc:
-        raise ConfigError(f"{cfg.path}: [rounds]/[transfer]: {exc}") from None
 
 
 def receive_maximum(cfg: NodeConfig) -> int:

@@ -3,10 +3,11 @@
 Two stages, each a pure machine fed from one event queue:
 
 1. **Vocabulary** (tasks with ``term_counts``): agents send ``VocabOffer`` (terms and
-   counts only); :class:`~fedagent.protocols.vocab.VocabularyMerge` agrees once; the
-   vocabulary is written to the state directory and broadcast (retained when it fits in
-   one message, so an agent that restarts gets it again). Tasks without a vocabulary
-   skip this stage and start once enough agents are online.
+   counts only); the :class:`~fedagent.coordinator.vocabstage.VocabStage` a FedAvg
+   coordinator uses too agrees once, writes the vocabulary to the state directory and
+   broadcasts it (retained when it fits in one message, so an agent that restarts gets
+   it again). Tasks without a vocabulary skip this stage and start once enough agents
+   are online.
 2. **Steps**: the model is built by the task on the agreed vocabulary, the optimizer is
    the task's (``make_optimizer``) and lives here; :class:`~fedagent.protocols.syncopt.
    SyncOptMachine` decides, this daemon broadcasts ``SyncStep``, feeds gradients in,
@@ -21,7 +22,6 @@ from), and a step number once broadcast is never reused.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import warnings
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from fedagent.coordinator.core import CoordinatorCore
-from fedagent.coordinator.vocabstage import has_vocabulary, load_vocabulary, publish_vocabulary
+from fedagent.coordinator.vocabstage import VocabStage, has_vocabulary, vocab_config
 from fedagent.errors import ConfigError, FedagentError
 from fedagent.node import sdnotify
 from fedagent.node.messaging import Incoming
@@ -41,7 +41,6 @@ from fedagent.node.metrics import NodeMetrics
 from fedagent.node.runtime import Timer, keep_freed_memory
 from fedagent.protocols import syncopt as S
 from fedagent.protocols import topics
-from fedagent.protocols import vocab as V
 from fedagent.protocols.messages import GlobalModel, SyncGradient, SyncStep, SyncValidation, VocabOffer, Vocabulary
 from fedagent.storage import checkpoint
 from fedagent.storage.checkpoint import OPTIMIZER_PREFIX
@@ -123,30 +122,34 @@ class SyncOptMode:
         # stale by the step machine: one journal write a second instead of one per frame.
         core.messenger.lazy_durable_kinds = frozenset({SyncGradient.kind, SyncValidation.kind})
         self.ckpt_path = core.ckpt_path
-        self.vocab_path = core.dir / "vocabulary.json"
         self.step_path = core.dir / "last_step_started"
         self.history = core.history
         self.machine_config = self.settings.machine_config()
         self.task: Any = core.task
         check_sync_task(self.task, str(cfg.path))
-        self.vocabulary: Vocabulary | None = None
-        self.vocab_machine: V.VocabularyMerge | None = None
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.machine: S.SyncOptMachine | None = None
         self.phase = "waiting"
+        self.vocab_timer = Timer(core.queue, _VocabWakeup())
+        self.vocab: VocabStage | None = None
         if has_vocabulary(self.task):
-            self.vocabulary = self._load_vocabulary()
-            if self.vocabulary is None:
-                self.phase = "vocabulary"
-                self.vocab_machine = V.VocabularyMerge(self.settings.vocab_config())
-        if not has_vocabulary(self.task) or self.vocabulary is not None:
+            self.vocab = VocabStage(
+                core.dir / "vocabulary.json",
+                vocab_config(self.settings, str(cfg.path)),
+                core.messenger,
+                core.fed,
+                self.vocab_timer,
+                core.history,
+                lambda sender, reason, detail: self._note_rejection(sender, 0, reason, detail),
+            )
+        if self.vocab is None or self.vocab.agreed:
             self._build()
         else:
+            self.phase = "vocabulary"
             # Before going online: agents offer their vocabularies when they see us.
             self._warm_up()
         self.timer = Timer(core.queue, S.Wakeup())
-        self.vocab_timer = Timer(core.queue, _VocabWakeup())
         self.start_timer = Timer(core.queue, _StartWakeup())
         self.online: dict[str, int] = {}
         self.quorum_since: float | None = None
@@ -159,12 +162,9 @@ class SyncOptMode:
         self.finished_reason: str | None = None
 
     # -- vocabulary and model ------------------------------------------------------------
-    def _load_vocabulary(self) -> Vocabulary | None:
-        voc = load_vocabulary(self.vocab_path)
-        if voc is None:
-            return None
-        log.info("resuming with the agreed vocabulary of %d terms from %s", len(voc.terms), self.vocab_path)
-        return voc
+    @property
+    def vocabulary(self) -> Vocabulary | None:
+        return self.vocab.vocabulary if self.vocab is not None else None
 
     def _build(self) -> None:
         """The model on the agreed vocabulary, its optimizer, the step machine; resumed
@@ -276,18 +276,12 @@ class SyncOptMode:
         return self.machine.model_version if self.machine is not None else 0
 
     async def on_connect(self) -> None:
-        if self.vocabulary is not None:
-            await self._publish_vocabulary()
-
-    async def _publish_vocabulary(self) -> None:
-        assert self.vocabulary is not None
-        await publish_vocabulary(self.core.messenger, self.fed, self.vocabulary)
+        if self.vocab is not None and self.vocab.agreed:
+            await self.vocab.publish()
 
     async def start(self, now: float) -> None:
-        if self.vocab_machine is not None:
-            for cmd in self.vocab_machine.start(now):
-                if isinstance(cmd, V.RequestWakeup):
-                    self.vocab_timer.request(cmd.at)
+        if self.vocab is not None:
+            self.vocab.start(now)
 
     async def on_presence(self, agent: str, online: bool, samples: int, now: float) -> None:
         if online:
@@ -302,12 +296,9 @@ class SyncOptMode:
     async def on_message(self, inc: Incoming, now: float) -> None:
         msg = inc.message
         if isinstance(msg, VocabOffer):
-            if self.vocab_machine is not None and self.vocab_machine.phase is not V.VocabPhase.AGREED:
-                await self._run_vocab(V.OfferReceived(inc.sender, msg.terms, msg.counts), now)
-            elif self.vocabulary is not None:
-                # An agent that restarted after the agreement asks again: answer it.
-                log.info("%s offered its vocabulary again; re-sending the agreed one", inc.sender)
-                await self._publish_vocabulary()
+            if self.vocab is not None:
+                # An agent that restarted after the agreement offers again: the stage answers it.
+                await self._vocab_agreed(await self.vocab.offer(inc.sender, msg.terms, msg.counts, now))
             return
         if isinstance(msg, SyncGradient):
             if self.machine is None:
@@ -329,8 +320,8 @@ class SyncOptMode:
 
     async def on_item(self, item: Any, now: float) -> None:
         if isinstance(item, _VocabWakeup):
-            if self.vocab_machine is not None:
-                await self._run_vocab(V.Wakeup(), now)
+            if self.vocab is not None:
+                await self._vocab_agreed(await self.vocab.wakeup(now))
         elif isinstance(item, _StartWakeup):
             if self.machine is not None:
                 await self._maybe_begin(now)
@@ -348,49 +339,19 @@ class SyncOptMode:
         for t in (self.timer, self.vocab_timer, self.start_timer):
             t.cancel()
 
-    async def _run_vocab(self, ev, now: float) -> None:
-        assert self.vocab_machine is not None
-        for cmd in self.vocab_machine.handle(ev, now):
-            if isinstance(cmd, V.RequestWakeup):
-                self.vocab_timer.request(cmd.at)
-            elif isinstance(cmd, V.OfferRejected):
-                self._note_rejection(cmd.sender, 0, cmd.reason, cmd.detail)
-            elif isinstance(cmd, V.Agreed):
-                await self._agreed(cmd, now)
-
-    async def _agreed(self, cmd: V.Agreed, now: float) -> None:
-        self.vocabulary = Vocabulary(cmd.terms, cmd.counts, cmd.contributors, cmd.digest)
-        doc = {
-            "terms": list(cmd.terms),
-            "counts": list(cmd.counts),
-            "contributors": list(cmd.contributors),
-            "digest": cmd.digest,
-        }
-        await asyncio.to_thread(atomic_write, self.vocab_path, json.dumps(doc).encode())
-        self.history.append(
-            {
-                "event": "vocabulary",
-                "terms": len(cmd.terms),
-                "contributors": list(cmd.contributors),
-                "dropped_terms": cmd.dropped_terms,
-                "digest": cmd.digest,
-            }
-        )
-        log.info(
-            "vocabulary agreed: %d terms from %s (%d cut by min_count/max_size)",
-            len(cmd.terms),
-            ", ".join(cmd.contributors),
-            cmd.dropped_terms,
-        )
-        await self._publish_vocabulary()
+    async def _vocab_agreed(self, agreed: Vocabulary | None) -> None:
+        """Once the vocabulary is agreed (and saved and published by the stage), the model
+        is built on it and the steps start with the agents whose offers made it."""
+        if agreed is None:
+            return
         t0 = time.perf_counter()
         await asyncio.to_thread(self._build)
         log.info(
             "model built on the vocabulary in %.2fs; starting Sync-Opt with %d agents",
             time.perf_counter() - t0,
-            len(cmd.contributors),
+            len(agreed.contributors),
         )
-        await self._run_machine(S.Begin(cmd.contributors), time.monotonic())
+        await self._run_machine(S.Begin(agreed.contributors), time.monotonic())
 
     async def _maybe_begin(self, now: float) -> None:
         """Tasks without a vocabulary (or a resumed run): start once enough agents are online."""
@@ -398,7 +359,7 @@ class SyncOptMode:
         if self.machine.phase is not S.Phase.WAITING:
             return
         s, n = self.settings, len(self.online)
-        if self.vocabulary is not None and self.vocab_machine is None:
+        if self.vocab is not None and self.vocab.resumed and self.vocabulary is not None:
             # Resumed after the vocabulary stage: the same agents as before.
             expected = [a for a in self.vocabulary.contributors]
             if all(a in self.online for a in expected) or (
@@ -624,7 +585,7 @@ class SyncOptMode:
     # -- status --------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         m = self.machine.status() if self.machine is not None else {}
-        vs = self.vocab_machine.status() if self.vocab_machine is not None else {}
+        vs = self.vocab.status() if self.vocab is not None else {}
         last_loss = m.get("last_loss")
         early: dict[str, Any] = {k: m[k] for k in ("epochs", "best_epoch", "best_version", "last_val_loss") if k in m}
         return {
@@ -640,7 +601,7 @@ class SyncOptMode:
             "rel_change": m.get("rel_change"),
             "exact": m.get("exact", True),
             "vocabulary_size": len(self.vocabulary.terms) if self.vocabulary is not None else None,
-            "vocabulary_offers": vs.get("offers", []),
+            "vocabulary_offers": vs.get("vocabulary_offers", []),
             "finished_reason": self.finished_reason,
             "round": m.get("step", 0),
             "metrics": {"loss": last_loss} if last_loss is not None else {},

@@ -1,32 +1,30 @@
-"""The vocabulary stage of a FedAvg federation (SEEC Algorithm 1's first step).
+"""The vocabulary stage of a coordinator (SEEC Algorithm 1's and gFedNTM's first step).
 
-A FedAvg coordinator whose task needs a vocabulary (``term_counts`` and
-``set_vocabulary``: doc2vec, word2vec) cannot build its model before the agents agreed
-on the terms. This stage wraps the pure :class:`~fedagent.protocols.vocab.
-VocabularyMerge` the Sync-Opt coordinator uses, with the same messages (``VocabOffer``
-in, ``Vocabulary`` out, retained when it fits in one message) and the same file in the
-state directory, so a restarted coordinator resumes with the agreed vocabulary instead
-of asking again. The round machine is only created once the vocabulary is agreed; it
-never sees the stage.
+A coordinator whose task needs a vocabulary (``term_counts`` and ``set_vocabulary``:
+doc2vec, word2vec, the topic models) cannot build its model before the agents agreed on
+the terms. This stage, used by the FedAvg and the Sync-Opt coordinator alike, wraps the
+pure :class:`~fedagent.protocols.vocab.VocabularyMerge` (``VocabOffer`` in,
+``Vocabulary`` out, retained when it fits in one message) and keeps the agreement in
+the state directory (:mod:`fedagent.storage.vocabfile`), so a restarted coordinator
+resumes with the agreed vocabulary instead of asking again. The mode's own machine is
+only created once the vocabulary is agreed; it never sees the stage.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from fedagent.errors import ConfigError, FedagentError
+from fedagent import config
+from fedagent.errors import CodecError, ConfigError, FedagentError
 from fedagent.protocols import topics
 from fedagent.protocols import vocab as V
 from fedagent.protocols.messages import Vocabulary
-from fedagent.storage.statefile import atomic_write, read_bytes
+from fedagent.storage import vocabfile
 
 log = logging.getLogger("fedagent.coordinator.vocab")
-
-MAX_VOCAB_FILE = 64 * 2**20
 
 
 async def publish_vocabulary(messenger, federation: str, vocabulary: Vocabulary) -> None:
@@ -45,30 +43,23 @@ def has_vocabulary(task: Any) -> bool:
 
 
 def load_vocabulary(path: Path) -> Vocabulary | None:
-    raw = read_bytes(path, MAX_VOCAB_FILE)
-    if raw is None:
-        return None
     try:
-        doc = json.loads(raw)
-        return Vocabulary(tuple(doc["terms"]), tuple(doc["counts"]), tuple(doc["contributors"]), doc["digest"])
-    except (ValueError, KeyError, TypeError, FedagentError) as exc:
+        saved = vocabfile.load(path)
+        if saved is None:
+            return None
+        return Vocabulary(saved.terms, saved.counts, saved.contributors, saved.digest)
+    except (ValueError, CodecError) as exc:
         raise FedagentError(f"{path} is unreadable ({exc}); move it away to start afresh") from exc
 
 
-def vocab_config(rounds: Any, where: str) -> V.VocabConfig:
-    """``[rounds]`` settings as the merge machine's configuration: the same quorum as the
-    rounds (``expected_agents``, ``min_agents``), plus ``vocab_timeout``,
-    ``vocab_min_count`` and ``vocab_max_size``."""
+def vocab_config(settings: config.RoundsConfig | config.SyncOptSettings, where: str) -> V.VocabConfig:
+    """The merge machine's configuration: FedAvg's ``[rounds]`` (the rounds' quorum,
+    ``vocab_timeout``, ``vocab_min_count``, ``vocab_max_size``) or Sync-Opt's
+    ``[syncopt]``, as their declarations map them (:func:`fedagent.config.vocab_config`)."""
     try:
-        return V.VocabConfig(
-            expected_agents=rounds.expected_agents,
-            min_agents=rounds.min_agents,
-            deadline=rounds.vocab_timeout,
-            min_count=rounds.vocab_min_count,
-            max_size=rounds.vocab_max_size,
-        )
-    except ValueError as exc:
-        raise ConfigError(f"{where}: [rounds]: {exc}") from None
+        return config.vocab_config(settings)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 class VocabStage:
@@ -101,6 +92,11 @@ class VocabStage:
     @property
     def agreed(self) -> bool:
         return self.vocabulary is not None
+
+    @property
+    def resumed(self) -> bool:
+        """Agreed before this process started (read back from the state directory)."""
+        return self.machine is None
 
     def start(self, now: float) -> None:
         if self.machine is not None:
@@ -140,22 +136,8 @@ class VocabStage:
 
     async def _agreed(self, cmd: V.Agreed) -> Vocabulary:
         self.vocabulary = Vocabulary(cmd.terms, cmd.counts, cmd.contributors, cmd.digest)
-        doc = {
-            "terms": list(cmd.terms),
-            "counts": list(cmd.counts),
-            "contributors": list(cmd.contributors),
-            "digest": cmd.digest,
-        }
-        await asyncio.to_thread(atomic_write, self.path, json.dumps(doc).encode())
-        self.history.append(
-            {
-                "event": "vocabulary",
-                "terms": len(cmd.terms),
-                "contributors": list(cmd.contributors),
-                "dropped_terms": cmd.dropped_terms,
-                "digest": cmd.digest,
-            }
-        )
+        await asyncio.to_thread(vocabfile.save, self.path, cmd.terms, cmd.counts, cmd.contributors, cmd.digest)
+        self.history.append(vocabfile.history_record(cmd.terms, cmd.contributors, cmd.dropped_terms, cmd.digest))
         log.info(
             "vocabulary agreed: %d terms from %s (%d cut by min_count/max_size)",
             len(cmd.terms),

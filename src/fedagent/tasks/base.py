@@ -2,8 +2,10 @@
 
 A task is built by a factory ``make(options: dict) -> Task``. Built-in tasks are named
 (``digits``); user code is named ``module:attribute`` in the config, where the
-attribute is such a factory (see ``examples/custom_task.py``). The agent calls
-``fit`` in a worker thread, so it may block for as long as training takes.
+attribute is such a factory (see ``examples/custom_task.py``). The options a factory
+declares as files (:func:`file_options`) arrive resolved against the config file's
+directory. The agent calls ``fit`` in a worker thread, so it may block for as long as
+training takes.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import abc
 import importlib
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
 
+from fedagent.config.paths import TaskOptions
 from fedagent.errors import ConfigError
 
 Weights = dict[str, np.ndarray]
@@ -138,8 +141,26 @@ BUILTIN: dict[str, str] = {
 }
 
 
+Factory = TypeVar("Factory", bound=Callable[..., Any])
+
+
+def file_options(*names: str) -> Callable[[Factory], Factory]:
+    """Declare which options of a task factory name files: a relative path given there in
+    a config file is taken from the file's directory (not the daemon's working
+    directory), after ``$VARIABLES`` and ``~`` are expanded, as for every other path of
+    the file. The factory gets it as a string, like the other options."""
+
+    def declare(factory: Factory) -> Factory:
+        factory.file_options = tuple(names)  # type: ignore[attr-defined]
+        return factory
+
+    return declare
+
+
 def load_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
-    """Build the task named in a config: a built-in name or ``module:attribute``."""
+    """Build the task named in a config: a built-in name or ``module:attribute``.
+    ``options`` read from a config file (:class:`~fedagent.config.TaskOptions`) know the
+    file's directory, which the factory's file options are resolved against."""
     spec = BUILTIN.get(name, name)
     if ":" not in spec:
         raise ConfigError(f"unknown task {name!r}: use one of {sorted(BUILTIN)} or 'module:attribute'")
@@ -148,8 +169,10 @@ def load_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
         factory: Callable[[dict[str, Any]], Task] = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"cannot load task {name!r}: {exc}") from exc
+    base = options.base_dir if isinstance(options, TaskOptions) else None
+    files = tuple(getattr(factory, "file_options", ()))
     try:
-        task = factory(dict(options or {}))
+        task = factory(TaskOptions(options, base).with_files(files))
     except ConfigError:
         raise
     except Exception as exc:

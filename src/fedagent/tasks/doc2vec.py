@@ -60,7 +60,7 @@ from torch import nn
 from fedagent.errors import ConfigError
 from fedagent.tasks import text_data as td
 from fedagent.tasks import text_metrics as tm
-from fedagent.tasks.base import Task
+from fedagent.tasks.base import Task, file_options
 from fedagent.tasks.word2vec import PairStream, Vocabulary, check_options, sgns_update
 
 DEFAULTS: dict[str, Any] = {
@@ -357,6 +357,7 @@ class Doc2VecTask(Task):
         return out
 
 
+@file_options("vocabulary")
 def make(options: dict[str, Any]) -> Doc2VecTask:
     """Options (all optional): ``corpus`` (newsgroups, wiki, manpages), ``split``, ``shard``,
     ``shards``, ``topics``, ``limit``, ``holdout``, ``seed``, ``dim``, ``negative``,

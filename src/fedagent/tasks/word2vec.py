@@ -65,7 +65,7 @@ from torch.nn import functional as F
 from fedagent.errors import ConfigError
 from fedagent.tasks import text_data as td
 from fedagent.tasks import text_metrics as tm
-from fedagent.tasks.base import Task
+from fedagent.tasks.base import Task, file_options
 
 NEG_TABLE_SIZE = 2_000_000
 MAX_VOCAB = 1_000_000
@@ -496,6 +496,7 @@ def load_vectors(path: str | Path) -> tm.WordVectors:
         return tm.WordVectors([str(t) for t in z["terms"]], z["vectors"])
 
 
+@file_options("vocabulary", "reference")
 def make(options: dict[str, Any]) -> Word2VecTask:
     """Options (all optional): ``corpus`` (wiki, manpages), ``split`` (topic/random/imbalanced),
     ``shard``, ``shards``, ``topics``, ``limit`` (first N articles), ``seed``, ``dim``,
