@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from fedagent.errors import CodecError
+from fedagent.protocols import fields as F
 from fedagent.protocols.codec import Limits, decode_weights, encode_weights
 from fedagent.protocols.downlink import ModelDelta
 from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
@@ -28,62 +29,12 @@ Weights = dict[str, np.ndarray]
 
 ROLES = ("agent", "coordinator")
 MODES = ("fedavg", "syncopt", "gossip")
-MAX_METRICS = 64
-
-
-def _flag(body: Mapping[str, Any], key: str, what: str) -> bool:
-    """An optional boolean field (absent = False, so older senders stay compatible)."""
-    return bool(_need(body, key, bool, what)) if key in body else False
-
-
-def _need(body: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
-    if key not in body:
-        raise CodecError(f"{what}: missing field {key!r}")
-    value = body[key]
-    # bool is an int subclass; a field typed int must not accept True.
-    if isinstance(value, bool) and kind is not bool and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise CodecError(f"{what}: field {key!r} has the wrong type")
-    if not isinstance(value, kind):
-        raise CodecError(f"{what}: field {key!r} has the wrong type")
-    return value
-
-
-def _count(value: Any, key: str, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value >= 2**53:
-        raise CodecError(f"{what}: {key} must be a non-negative integer")
-    return value
-
-
-def _metrics(value: Any, what: str) -> dict[str, float]:
-    if not isinstance(value, dict) or len(value) > MAX_METRICS:
-        raise CodecError(f"{what}: metrics must be a map of at most {MAX_METRICS} entries")
-    out: dict[str, float] = {}
-    for k, v in value.items():
-        if not isinstance(k, str) or not 0 < len(k) <= 64:
-            raise CodecError(f"{what}: bad metric name")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise CodecError(f"{what}: metric {k!r} is not a finite number")
-        out[k] = float(v)
-    return out
-
-
-def _names(value: Any, what: str, limit: int = 100_000) -> tuple[str, ...]:
-    if not isinstance(value, list) or len(value) > limit:
-        raise CodecError(f"{what}: expected a list of node ids")
-    if not all(is_valid_name(v) for v in value):
-        raise CodecError(f"{what}: invalid node id in list")
-    return tuple(value)
+MAX_METRICS = F.MAX_METRICS
+MAX_NAMES = 100_000  # node ids in a round's selection or a result's participants
+MAX_DEADLINE = 7 * 86400.0
 
 
 _MAX_DOWNLINKS = 8
-
-
-def _short_names(value: Any, key: str, what: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or len(value) > _MAX_DOWNLINKS:
-        raise CodecError(f"{what}: {key} must be a list of at most {_MAX_DOWNLINKS} names")
-    if not all(isinstance(v, str) and 0 < len(v) <= 16 for v in value):
-        raise CodecError(f"{what}: {key} holds a name that is not a short string")
-    return tuple(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +58,11 @@ class Presence:
             raise CodecError(f"presence: unknown role {self.role!r}")
         if self.mode not in MODES:
             raise CodecError(f"presence: unknown mode {self.mode!r}")
-        _count(self.num_samples, "num_samples", "presence")
-        _count(self.model_version, "model_version", "presence")
+        F.count(self.num_samples, "presence", "num_samples")
+        F.count(self.model_version, "presence", "model_version")
         if not isinstance(self.downlinks, tuple):
             raise CodecError("presence: downlinks must be a tuple of names")
-        _short_names(list(self.downlinks), "downlinks", "presence")
+        F.strings(list(self.downlinks), "presence", "downlinks", _MAX_DOWNLINKS, max_len=16)
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -129,17 +80,14 @@ class Presence:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> Presence:
         w = "presence"
-        broker = body.get("broker", "")
-        if not isinstance(broker, str) or len(broker) > 256:
-            raise CodecError("presence: bad broker field")
         return cls(
-            online=_need(body, "online", bool, w),
-            role=_need(body, "role", str, w),
-            mode=_need(body, "mode", str, w),
-            num_samples=_count(body.get("num_samples", 0), "num_samples", w),
-            model_version=_count(body.get("model_version", 0), "model_version", w),
-            broker=broker,
-            downlinks=_short_names(body.get("downlinks", []), "downlinks", w),
+            online=F.flag(F.need(body, "online", w), w, "online"),
+            role=F.text(F.need(body, "role", w), w, "role", max_len=32),
+            mode=F.text(F.need(body, "mode", w), w, "mode", max_len=32),
+            num_samples=F.count(body.get("num_samples", 0), w, "num_samples"),
+            model_version=F.count(body.get("model_version", 0), w, "model_version"),
+            broker=F.text(body.get("broker", ""), w, "broker", max_len=256),
+            downlinks=F.strings(body.get("downlinks", []), w, "downlinks", _MAX_DOWNLINKS, max_len=16),
         )
 
 
@@ -162,7 +110,7 @@ class Heartbeat:
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> Heartbeat:
-        return cls(float(_need(body, "interval", (int, float), "heartbeat")))
+        return cls(F.number(F.need(body, "interval", "heartbeat"), "heartbeat", "interval"))
 
 
 MAX_LOCAL_STEPS = 10_000_000  # [rounds] local_steps
@@ -231,32 +179,20 @@ class TrainConfig:
 
     @classmethod
     def from_body(cls, body: Any) -> TrainConfig:
-        if not isinstance(body, dict):
-            raise CodecError("train config must be a map")
         w = "train config"
-        stream = body.get("stream", True)
-        if type(stream) is not bool:
-            raise CodecError("train config: stream must be a bool")
+        body = F.is_map(body, w)
         dp_clip = body.get("dp_clip")
-        dp_std = body.get("dp_noise_std", 0.0)
-        dp_count = body.get("dp_count_std", 0.0)
-        if (
-            (dp_clip is not None and type(dp_clip) not in (int, float))
-            or type(dp_std) not in (int, float)
-            or type(dp_count) not in (int, float)
-        ):
-            raise CodecError("train config: dp_clip, dp_noise_std and dp_count_std must be numbers")
         return cls(
-            epochs=_count(_need(body, "epochs", int, w), "epochs", w),
-            lr=float(_need(body, "lr", (int, float), w)),
-            batch_size=_count(_need(body, "batch_size", int, w), "batch_size", w),
-            compression=body.get("compression", "none") if isinstance(body.get("compression", "none"), str) else "?",
-            topk_ratio=float(body["topk_ratio"]) if type(body.get("topk_ratio")) in (int, float) else 0.01,
-            stream=stream,
-            dp_clip=None if dp_clip is None else float(dp_clip),
-            dp_noise_std=float(dp_std),
-            dp_count_std=float(dp_count),
-            steps=body.get("steps", 0) if type(body.get("steps", 0)) is int else -1,
+            epochs=F.count(F.need(body, "epochs", w), w, "epochs"),
+            lr=F.number(F.need(body, "lr", w), w, "lr"),
+            batch_size=F.count(F.need(body, "batch_size", w), w, "batch_size"),
+            compression=F.text(body.get("compression", "none"), w, "compression", max_len=16),
+            topk_ratio=F.number(body.get("topk_ratio", 0.01), w, "topk_ratio"),
+            stream=F.flag(body.get("stream", True), w, "stream"),
+            dp_clip=None if dp_clip is None else F.number(dp_clip, w, "dp_clip"),
+            dp_noise_std=F.number(body.get("dp_noise_std", 0.0), w, "dp_noise_std"),
+            dp_count_std=F.number(body.get("dp_count_std", 0.0), w, "dp_count_std"),
+            steps=F.count(body.get("steps", 0), w, "steps"),
         )
 
 
@@ -301,18 +237,15 @@ class RoundStart:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> RoundStart:
         w = "round_start"
-        deadline = _need(body, "deadline_s", (int, float), w)
-        if not (math.isfinite(deadline) and 0 < deadline <= 7 * 86400):
-            raise CodecError("round_start: deadline out of range")
         if ("weights" in body) == ("delta" in body):
             raise CodecError("round_start: needs 'weights' or 'delta', and not both")
         return cls(
-            round=_count(_need(body, "round", int, w), "round", w),
-            model_version=_count(_need(body, "model_version", int, w), "model_version", w),
-            selected=_names(_need(body, "selected", list, w), w),
-            deadline_s=float(deadline),
-            train=TrainConfig.from_body(_need(body, "train", dict, w)),
-            weights=decode_weights(_need(body, "weights", dict, w), limits) if "weights" in body else None,
+            round=F.count(F.need(body, "round", w), w, "round"),
+            model_version=F.count(F.need(body, "model_version", w), w, "model_version"),
+            selected=F.node_ids(F.need(body, "selected", w), w, "selected", MAX_NAMES),
+            deadline_s=F.number(F.need(body, "deadline_s", w), w, "deadline_s", above=0, at_most=MAX_DEADLINE),
+            train=TrainConfig.from_body(F.need(body, "train", w)),
+            weights=decode_weights(body["weights"], limits) if "weights" in body else None,
             secagg=SecAggSetup.from_body(body["secagg"]) if "secagg" in body else None,
             delta=ModelDelta.from_body(body["delta"], limits) if "delta" in body else None,
         )
@@ -345,16 +278,13 @@ class Update:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> Update:
         w = "update"
-        n = _count(_need(body, "num_samples", int, w), "num_samples", w)
-        if n == 0:
-            raise CodecError("update: num_samples must be positive")
         return cls(
-            round=_count(_need(body, "round", int, w), "round", w),
-            base_version=_count(_need(body, "base_version", int, w), "base_version", w),
-            num_samples=n,
-            metrics=_metrics(_need(body, "metrics", dict, w), w),
-            weights=decode_weights(_need(body, "weights", dict, w), limits),
-            leaving=_flag(body, "leaving", w),
+            round=F.count(F.need(body, "round", w), w, "round"),
+            base_version=F.count(F.need(body, "base_version", w), w, "base_version"),
+            num_samples=F.count(F.need(body, "num_samples", w), w, "num_samples", low=1),
+            metrics=F.metrics(F.need(body, "metrics", w), w),
+            weights=decode_weights(F.need(body, "weights", w), limits),
+            leaving=F.flag(body.get("leaving", False), w, "leaving"),
         )
 
 
@@ -384,16 +314,13 @@ class RoundResult:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> RoundResult:
         w = "round_result"
-        reason = body.get("reason", "")
-        if not isinstance(reason, str) or len(reason) > 1000:
-            raise CodecError("round_result: bad reason")
         return cls(
-            round=_count(_need(body, "round", int, w), "round", w),
-            model_version=_count(_need(body, "model_version", int, w), "model_version", w),
-            participants=_names(_need(body, "participants", list, w), w),
-            metrics=_metrics(_need(body, "metrics", dict, w), w),
-            aggregated=_need(body, "aggregated", bool, w),
-            reason=reason,
+            round=F.count(F.need(body, "round", w), w, "round"),
+            model_version=F.count(F.need(body, "model_version", w), w, "model_version"),
+            participants=F.node_ids(F.need(body, "participants", w), w, "participants", MAX_NAMES),
+            metrics=F.metrics(F.need(body, "metrics", w), w),
+            aggregated=F.flag(F.need(body, "aggregated", w), w, "aggregated"),
+            reason=F.text(body.get("reason", ""), w, "reason", max_len=1000),
         )
 
 
@@ -419,10 +346,10 @@ class GlobalModel:
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> GlobalModel:
         w = "model"
         return cls(
-            model_version=_count(_need(body, "model_version", int, w), "model_version", w),
-            round=_count(_need(body, "round", int, w), "round", w),
-            final=_need(body, "final", bool, w),
-            weights=decode_weights(_need(body, "weights", dict, w), limits),
+            model_version=F.count(F.need(body, "model_version", w), w, "model_version"),
+            round=F.count(F.need(body, "round", w), w, "round"),
+            final=F.flag(F.need(body, "final", w), w, "final"),
+            weights=decode_weights(F.need(body, "weights", w), limits),
         )
 
 
@@ -437,8 +364,8 @@ class Evaluation:
     metrics: dict[str, float]
 
     def __post_init__(self) -> None:
-        _count(self.model_version, "model_version", "evaluation")
-        _count(self.num_samples, "num_samples", "evaluation")
+        F.count(self.model_version, "evaluation", "model_version")
+        F.count(self.num_samples, "evaluation", "num_samples")
 
     def to_body(self) -> dict[str, Any]:
         return {"model_version": self.model_version, "num_samples": self.num_samples, "metrics": dict(self.metrics)}
@@ -447,9 +374,9 @@ class Evaluation:
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> Evaluation:
         w = "evaluation"
         return cls(
-            model_version=_count(_need(body, "model_version", int, w), "model_version", w),
-            num_samples=_count(_need(body, "num_samples", int, w), "num_samples", w),
-            metrics=_metrics(_need(body, "metrics", dict, w), w),
+            model_version=F.count(F.need(body, "model_version", w), w, "model_version"),
+            num_samples=F.count(F.need(body, "num_samples", w), w, "num_samples"),
+            metrics=F.metrics(F.need(body, "metrics", w), w),
         )
 
 
@@ -468,18 +395,11 @@ class ModelRequest:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> ModelRequest:
         w = "model_request"
-        if set(body) != {"have_version"}:
-            raise CodecError(f"{w}: exactly the field have_version is allowed")
-        return cls(have_version=_count(_need(body, "have_version", int, w), "have_version", w))
+        F.exactly(body, ("have_version",), w)
+        return cls(have_version=F.count(body["have_version"], w, "have_version"))
 
 
 MAX_EXCHANGE_ID = 64
-
-
-def _exchange_id(value: Any, what: str) -> str:
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_EXCHANGE_ID:
-        raise CodecError(f"{what}: exchange_id must be a string of 1..{MAX_EXCHANGE_ID} characters")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -509,17 +429,13 @@ class GossipModel:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> GossipModel:
         w = "gossip_model"
-        mass = _need(body, "mass", (int, float), w)
-        age = _need(body, "age", (int, float), w)
-        if not (math.isfinite(mass) and mass > 0 and math.isfinite(age) and age >= 0):
-            raise CodecError("gossip_model: mass must be positive and age non-negative, both finite")
         return cls(
-            exchange_id=_exchange_id(_need(body, "exchange_id", str, w), w),
-            period=_count(_need(body, "period", int, w), "period", w),
-            mass=float(mass),
-            age=float(age),
-            returned=_need(body, "returned", bool, w),
-            weights=decode_weights(_need(body, "weights", dict, w), limits),
+            exchange_id=F.text(F.need(body, "exchange_id", w), w, "exchange_id", min_len=1, max_len=MAX_EXCHANGE_ID),
+            period=F.count(F.need(body, "period", w), w, "period"),
+            mass=F.number(F.need(body, "mass", w), w, "mass", finite=True, above=0),
+            age=F.number(F.need(body, "age", w), w, "age", finite=True, at_least=0),
+            returned=F.flag(F.need(body, "returned", w), w, "returned"),
+            weights=decode_weights(F.need(body, "weights", w), limits),
         )
 
 
@@ -539,13 +455,10 @@ class GossipAck:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> GossipAck:
         w = "gossip_ack"
-        reason = body.get("reason", "")
-        if not isinstance(reason, str) or len(reason) > 200:
-            raise CodecError("gossip_ack: bad reason")
         return cls(
-            exchange_id=_exchange_id(_need(body, "exchange_id", str, w), w),
-            accepted=_need(body, "accepted", bool, w),
-            reason=reason,
+            exchange_id=F.text(F.need(body, "exchange_id", w), w, "exchange_id", min_len=1, max_len=MAX_EXCHANGE_ID),
+            accepted=F.flag(F.need(body, "accepted", w), w, "accepted"),
+            reason=F.text(body.get("reason", ""), w, "reason", max_len=200),
         )
 
 
@@ -556,11 +469,11 @@ MAX_DIGEST = 64
 
 
 def _terms_and_counts(body: Mapping[str, Any], what: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    terms = _need(body, "terms", list, what)
-    counts = _need(body, "counts", list, what)
     # Lengths first: nothing is copied out of a list that is too long.
-    if len(terms) > MAX_VOCAB_TERMS or len(counts) != len(terms):
-        raise CodecError(f"{what}: at most {MAX_VOCAB_TERMS} terms, one count per term")
+    terms = F.items(F.need(body, "terms", what), what, "terms", MAX_VOCAB_TERMS)
+    counts = F.items(F.need(body, "counts", what), what, "counts", MAX_VOCAB_TERMS)
+    if len(counts) != len(terms):
+        raise CodecError(f"{what}: {len(terms)} terms but {len(counts)} counts")
     return tuple(terms), tuple(counts)
 
 
@@ -588,8 +501,7 @@ class VocabOffer:
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> VocabOffer:
-        if set(body) != {"terms", "counts"}:
-            raise CodecError("vocab_offer: exactly the fields terms and counts are allowed")
+        F.exactly(body, ("terms", "counts"), "vocab_offer")
         return cls(*_terms_and_counts(body, "vocab_offer"))
 
 
@@ -625,10 +537,8 @@ class Vocabulary:
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> Vocabulary:
         w = "vocabulary"
         terms, counts = _terms_and_counts(body, w)
-        digest = _need(body, "digest", str, w)
-        if len(digest) > MAX_DIGEST:
-            raise CodecError("vocabulary: digest too long")
-        return cls(terms, counts, _names(_need(body, "contributors", list, w), w), digest)
+        digest = F.text(F.need(body, "digest", w), w, "digest", max_len=MAX_DIGEST)
+        return cls(terms, counts, F.node_ids(F.need(body, "contributors", w), w, "contributors", MAX_NAMES), digest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -655,9 +565,9 @@ class VocabDigest:
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> VocabDigest:
         w = "vocab_digest"
         return cls(
-            _need(body, "digest", str, w),
-            _names(_need(body, "contributors", list, w), w, limit=10_000),
-            _flag(body, "agreed", w),
+            F.text(F.need(body, "digest", w), w, "digest", max_len=MAX_DIGEST),
+            F.node_ids(F.need(body, "contributors", w), w, "contributors", 10_000),
+            F.flag(body.get("agreed", False), w, "agreed"),
         )
 
 
@@ -683,8 +593,8 @@ class SyncStep:
     sliced_gradients: bool = False
 
     def __post_init__(self) -> None:
-        _count(self.step, "step", "sync_step")
-        _count(self.model_version, "model_version", "sync_step")
+        F.count(self.step, "sync_step", "step")
+        F.count(self.model_version, "sync_step", "model_version")
         if not (math.isfinite(self.deadline_s) and 0 < self.deadline_s <= 7 * 86400):
             raise CodecError("sync_step: deadline out of range")
         if not isinstance(self.vocab_digest, str) or len(self.vocab_digest) > MAX_DIGEST:
@@ -709,16 +619,15 @@ class SyncStep:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> SyncStep:
         w = "sync_step"
-        deadline = _need(body, "deadline_s", (int, float), w)
         return cls(
-            step=_count(_need(body, "step", int, w), "step", w),
-            model_version=_count(_need(body, "model_version", int, w), "model_version", w),
-            participants=_names(_need(body, "participants", list, w), w),
-            deadline_s=float(deadline),
-            vocab_digest=_need(body, "vocab_digest", str, w),
+            step=F.count(F.need(body, "step", w), w, "step"),
+            model_version=F.count(F.need(body, "model_version", w), w, "model_version"),
+            participants=F.node_ids(F.need(body, "participants", w), w, "participants", MAX_NAMES),
+            deadline_s=F.number(F.need(body, "deadline_s", w), w, "deadline_s"),
+            vocab_digest=F.text(F.need(body, "vocab_digest", w), w, "vocab_digest", max_len=MAX_DIGEST),
             weights=decode_weights(body["weights"], limits) if "weights" in body else None,
-            validate=_flag(body, "validate", w),
-            sliced_gradients=_flag(body, "sliced_gradients", w),
+            validate=F.flag(body.get("validate", False), w, "validate"),
+            sliced_gradients=F.flag(body.get("sliced_gradients", False), w, "sliced_gradients"),
         )
 
 
@@ -741,10 +650,9 @@ class SyncGradient:
     sliced: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
-        _count(self.step, "step", "sync_gradient")
-        _count(self.base_version, "base_version", "sync_gradient")
-        if _count(self.num_samples, "num_samples", "sync_gradient") == 0:
-            raise CodecError("sync_gradient: num_samples must be positive")
+        F.count(self.step, "sync_gradient", "step")
+        F.count(self.base_version, "sync_gradient", "base_version")
+        F.count(self.num_samples, "sync_gradient", "num_samples", low=1)
         if not math.isfinite(self.loss):
             raise CodecError("sync_gradient: loss must be finite")
 
@@ -761,11 +669,11 @@ class SyncGradient:
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> SyncGradient:
         w = "sync_gradient"
         return cls(
-            step=_count(_need(body, "step", int, w), "step", w),
-            base_version=_count(_need(body, "base_version", int, w), "base_version", w),
-            num_samples=_count(_need(body, "num_samples", int, w), "num_samples", w),
-            loss=float(_need(body, "loss", (int, float), w)),
-            gradient=decode_weights(_need(body, "gradient", dict, w), limits, sliced=True),
+            step=F.count(F.need(body, "step", w), w, "step"),
+            base_version=F.count(F.need(body, "base_version", w), w, "base_version"),
+            num_samples=F.count(F.need(body, "num_samples", w), w, "num_samples", low=1),
+            loss=F.number(F.need(body, "loss", w), w, "loss"),
+            gradient=decode_weights(F.need(body, "gradient", w), limits, sliced=True),
         )
 
 
@@ -783,9 +691,9 @@ class SyncValidation:
     num_docs: int
 
     def __post_init__(self) -> None:
-        _count(self.step, "step", "sync_validation")
-        _count(self.base_version, "base_version", "sync_validation")
-        _count(self.num_docs, "num_docs", "sync_validation")
+        F.count(self.step, "sync_validation", "step")
+        F.count(self.base_version, "sync_validation", "base_version")
+        F.count(self.num_docs, "sync_validation", "num_docs")
         if not isinstance(self.loss, float):
             raise CodecError("sync_validation: loss must be a number")
 
@@ -796,10 +704,10 @@ class SyncValidation:
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> SyncValidation:
         w = "sync_validation"
         return cls(
-            step=_count(_need(body, "step", int, w), "step", w),
-            base_version=_count(_need(body, "base_version", int, w), "base_version", w),
-            loss=float(_need(body, "loss", (int, float), w)),
-            num_docs=_count(_need(body, "num_docs", int, w), "num_docs", w),
+            step=F.count(F.need(body, "step", w), w, "step"),
+            base_version=F.count(F.need(body, "base_version", w), w, "base_version"),
+            loss=F.number(F.need(body, "loss", w), w, "loss"),
+            num_docs=F.count(F.need(body, "num_docs", w), w, "num_docs"),
         )
 
 
@@ -807,10 +715,8 @@ class SyncValidation:
 MAX_QUERY_ID = 64
 
 
-def _query_id(value: Any, what: str) -> str:
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_QUERY_ID or not value.isprintable():
-        raise CodecError(f"{what}: query_id must be a printable string of 1..{MAX_QUERY_ID} characters")
-    return value
+def _query_id(value: Any, what: str, key: str = "query_id") -> str:
+    return F.text(value, what, key, min_len=1, max_len=MAX_QUERY_ID, printable=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -851,16 +757,18 @@ class SearchQuery:
         from fedagent.protocols.search import MAX_DIM
 
         w = "search_query"
-        if set(body) != {"query_id", "k", "space", "vector"}:
-            raise CodecError("search_query: exactly the fields query_id, k, space, vector are allowed")
-        raw = _need(body, "vector", dict, w)
-        if set(raw) != {"q"}:
+        F.exactly(body, ("query_id", "k", "space", "vector"), w)
+        raw = body["vector"]
+        if not isinstance(raw, dict) or set(raw) != {"q"}:
             raise CodecError("search_query: vector must hold one tensor named q")
         # A small budget: a query is one vector; a peer cannot make this site allocate more.
         small = Limits(max_tensor_bytes=8 * MAX_DIM, max_map_len=1)
         vec = decode_weights(raw, small)["q"]
         return cls(
-            _query_id(_need(body, "query_id", str, w), w), _need(body, "k", int, w), _need(body, "space", str, w), vec
+            _query_id(body["query_id"], w),
+            F.count(body["k"], w, "k", low=1),
+            F.text(body["space"], w, "space", max_len=MAX_DIGEST),
+            vec,
         )
 
 
@@ -903,15 +811,13 @@ class SearchAnswer:
         from fedagent.protocols.search import MAX_K
 
         w = "search_answer"
-        ids = _need(body, "doc_ids", list, w)
-        scores = _need(body, "scores", list, w)
-        if len(ids) > MAX_K or len(scores) > MAX_K:
-            raise CodecError(f"search_answer: at most {MAX_K} hits")
+        ids = F.items(F.need(body, "doc_ids", w), w, "doc_ids", MAX_K)
+        scores = F.items(F.need(body, "scores", w), w, "scores", MAX_K)
         return cls(
-            _query_id(_need(body, "query_id", str, w), w),
+            _query_id(F.need(body, "query_id", w), w),
             tuple(ids),
-            tuple(float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x for x in scores),
-            _need(body, "error", str, w),
+            tuple(F.number(x, w, "scores", finite=True) for x in scores),
+            F.text(F.need(body, "error", w), w, "error", max_len=200),
         )
 
 
@@ -938,9 +844,12 @@ class PublicVectorsRequest:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> PublicVectorsRequest:
         w = "public_vectors_request"
-        if set(body) != {"request_id", "public", "have_space"}:
-            raise CodecError(f"{w}: exactly the fields request_id, public, have_space are allowed")
-        return cls(_need(body, "request_id", str, w), _need(body, "public", str, w), _need(body, "have_space", str, w))
+        F.exactly(body, ("request_id", "public", "have_space"), w)
+        return cls(
+            _query_id(body["request_id"], w, "request_id"),
+            F.text(body["public"], w, "public", max_len=MAX_DIGEST),
+            F.text(body["have_space"], w, "have_space", max_len=MAX_DIGEST),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -988,13 +897,14 @@ class PublicVectors:
         from fedagent.protocols.search import MAX_DIM, MAX_PUBLIC_DOCS
 
         w = "public_vectors"
-        if set(body) != {"request_id", "space", "error", "shape", "vectors"}:
-            raise CodecError(f"{w}: exactly the fields request_id, space, error, shape, vectors are allowed")
-        shape = _need(body, "shape", list, w)
-        if len(shape) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in shape):
+        F.exactly(body, ("request_id", "space", "error", "shape", "vectors"), w)
+        shape = body["shape"]
+        if not isinstance(shape, list) or len(shape) != 2 or not all(type(x) is int for x in shape):
             raise CodecError(f"{w}: shape must be two integers")
         n, d = shape
-        raw = _need(body, "vectors", dict, w)
+        raw = body["vectors"]
+        if not isinstance(raw, dict):
+            raise CodecError(f"{w}: vectors must be a map")
         vectors = None
         if (n, d) != (0, 0) or raw:
             # The declared shape is checked against the bounds first and then bounds the
@@ -1004,7 +914,10 @@ class PublicVectors:
             small = Limits(max_tensor_bytes=4 * n * d, max_map_len=1)
             vectors = decode_weights(raw, small, expect={"p": ("float32", (n, d))})["p"]
         return cls(
-            _need(body, "request_id", str, w), _need(body, "space", str, w), vectors, _need(body, "error", str, w)
+            _query_id(body["request_id"], w, "request_id"),
+            F.text(body["space"], w, "space", max_len=MAX_DIGEST),
+            vectors,
+            F.text(body["error"], w, "error", max_len=200),
         )
 
 

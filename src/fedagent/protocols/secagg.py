@@ -82,8 +82,8 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fedagent.errors import CodecError
+from fedagent.protocols import fields as F
 from fedagent.protocols.codec import Limits, decode_weights, encode_weights
-from fedagent.protocols.topics import is_valid_name
 
 Weights = dict[str, np.ndarray]
 
@@ -237,12 +237,13 @@ class SecAggSetup:
                 f"secure aggregation version {version!r} from the coordinator; this node speaks "
                 f"{SECAGG_VERSION} (upgrade the older side)"
             )
+        w = "secure aggregation"
         return cls(
-            SecAggParams.from_body(body.get("params")),
-            _bin(body.get("seed"), 16, "seed"),
-            _int(body.get("max_weight"), "max_weight"),
-            _int(body.get("next_round"), "next_round"),
-            body.get("ahead"),  # type: ignore[arg-type]  # (checked in __post_init__)
+            SecAggParams.from_body(F.need(body, "params", w)),
+            F.binary(F.need(body, "seed", w), w, "seed", min_len=16, max_len=16),
+            F.count(F.need(body, "max_weight", w), w, "max_weight", low=1),
+            F.count(F.need(body, "next_round", w), w, "next_round"),
+            F.flag(F.need(body, "ahead", w), w, "ahead"),
         )
 
     def context(self, round_: int) -> bytes:
@@ -253,53 +254,17 @@ class SecAggSetup:
 
 
 # ---- wire helpers --------------------------------------------------------------------
-def _int(v: Any, what: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**53:
-        raise CodecError(f"secure aggregation: {what} must be a non-negative integer")
-    return v
-
-
-def _bin(v: Any, size: int | tuple[int, int], what: str) -> bytes:
-    lo, hi = (size, size) if isinstance(size, int) else size
-    if not isinstance(v, bytes) or not lo <= len(v) <= hi:
-        raise CodecError(f"secure aggregation: {what} must be {lo}..{hi} bytes")
-    return v
-
-
-def _boxes(v: Any, what: str, size: tuple[int, int]) -> dict[str, bytes]:
-    if not isinstance(v, dict) or len(v) > MAX_NEIGHBOURS:
-        raise CodecError(f"{what}: expected a map of at most {MAX_NEIGHBOURS} entries")
-    out: dict[str, bytes] = {}
-    for k, b in v.items():
-        if not is_valid_name(k):
-            raise CodecError(f"{what}: invalid node id")
-        out[k] = _bin(b, size, what)
-    return out
-
-
-def _names(v: Any, what: str, limit: int = MAX_NEIGHBOURS + 1) -> tuple[str, ...]:
-    if not isinstance(v, list) or len(v) > limit or not all(is_valid_name(x) for x in v):
-        raise CodecError(f"{what}: expected a list of node ids")
-    return tuple(v)
-
-
-def _metrics(v: Any, what: str) -> dict[str, float]:
-    if not isinstance(v, dict) or len(v) > 64:
-        raise CodecError(f"{what}: metrics must be a map of at most 64 entries")
-    out: dict[str, float] = {}
-    for k, x in v.items():
-        if not isinstance(k, str) or not 0 < len(k) <= 64:
-            raise CodecError(f"{what}: bad metric name")
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-            raise CodecError(f"{what}: metric {k!r} is not a finite number")
-        out[k] = float(x)
-    return out
-
-
-def _check_body(body: Any, keys: set[str], what: str) -> Mapping[str, Any]:
-    if not isinstance(body, Mapping) or not keys <= set(body):
-        raise CodecError(f"{what}: missing fields")
+def _has(body: Any, keys: tuple[str, ...], what: str) -> Mapping[str, Any]:
+    """The body, if it is a map with every one of ``keys`` (others are ignored)."""
+    body = F.is_map(body, what)
+    for k in keys:
+        F.need(body, k, what)
     return body
+
+
+def _boxes(v: Any, what: str, key: str, size: tuple[int, int]) -> dict[str, bytes]:
+    lo, hi = size
+    return F.by_node(v, what, key, MAX_NEIGHBOURS, lambda b: F.binary(b, what, key, min_len=lo, max_len=hi))
 
 
 _BOX_SIZE = (16 + 16, 1024)  # a sealed pair of shares (with its tag)
@@ -322,8 +287,12 @@ class SecAggStart:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits | None = None) -> SecAggStart:
         w = "secagg_start"
-        b = _check_body(body, {"round", "selected", "setup"}, w)
-        return cls(_int(b["round"], "round"), _names(b["selected"], w, 100_000), SecAggSetup.from_body(b["setup"]))
+        b = _has(body, ("round", "selected", "setup"), w)
+        return cls(
+            F.count(b["round"], w, "round"),
+            F.node_ids(b["selected"], w, "selected", MAX_LIST),
+            SecAggSetup.from_body(b["setup"]),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,13 +312,13 @@ class SecAggKeys:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits | None = None) -> SecAggKeys:
         w = "secagg_keys"
-        b = _check_body(body, {"round", "c_pk", "s_pk", "cert", "sig"}, w)
+        b = _has(body, ("round", "c_pk", "s_pk", "cert", "sig"), w)
         return cls(
-            _int(b["round"], "round"),
-            _bin(b["c_pk"], 32, "c_pk"),
-            _bin(b["s_pk"], 32, "s_pk"),
-            _bin(b["cert"], (0, MAX_CERT), "cert"),
-            _bin(b["sig"], (0, 64), "sig"),
+            F.count(b["round"], w, "round"),
+            F.binary(b["c_pk"], w, "c_pk", min_len=32, max_len=32),
+            F.binary(b["s_pk"], w, "s_pk", min_len=32, max_len=32),
+            F.binary(b["cert"], w, "cert", min_len=0, max_len=MAX_CERT),
+            F.binary(b["sig"], w, "sig", min_len=0, max_len=64),
         )
 
 
@@ -367,11 +336,9 @@ class SecAggRoster:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits | None = None) -> SecAggRoster:
         w = "secagg_roster"
-        b = _check_body(body, {"round", "keys"}, w)
-        keys = b["keys"]
-        if not isinstance(keys, dict) or len(keys) > MAX_NEIGHBOURS or not all(is_valid_name(k) for k in keys):
-            raise CodecError(f"{w}: bad key map")
-        return cls(_int(b["round"], "round"), {k: SecAggKeys.from_body(v) for k, v in keys.items()})
+        b = _has(body, ("round", "keys"), w)
+        keys = F.by_node(b["keys"], w, "keys", MAX_NEIGHBOURS, SecAggKeys.from_body)
+        return cls(F.count(b["round"], w, "round"), keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,8 +357,12 @@ class SecAggShares:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits | None = None) -> SecAggShares:
         w = "secagg_shares"
-        b = _check_body(body, {"round", "boxes", "b_digest"}, w)
-        return cls(_int(b["round"], "round"), _boxes(b["boxes"], w, _BOX_SIZE), _bin(b["b_digest"], 32, "b_digest"))
+        b = _has(body, ("round", "boxes", "b_digest"), w)
+        return cls(
+            F.count(b["round"], w, "round"),
+            _boxes(b["boxes"], w, "boxes", _BOX_SIZE),
+            F.binary(b["b_digest"], w, "b_digest", min_len=32, max_len=32),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,8 +379,8 @@ class SecAggShareBox:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits | None = None) -> SecAggShareBox:
         w = "secagg_sharebox"
-        b = _check_body(body, {"round", "boxes"}, w)
-        return cls(_int(b["round"], "round"), _boxes(b["boxes"], w, _BOX_SIZE))
+        b = _has(body, ("round", "boxes"), w)
+        return cls(F.count(b["round"], w, "round"), _boxes(b["boxes"], w, "boxes", _BOX_SIZE))
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,19 +423,17 @@ class SecAggMasked:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits) -> SecAggMasked:
         w = "secagg_masked"
-        b = _check_body(body, {"round", "base_version", "num_samples", "metrics", "weights", "leaving"}, w)
+        b = _has(body, ("round", "base_version", "num_samples", "metrics", "weights", "leaving"), w)
         if not isinstance(b["weights"], dict) or set(b["weights"]) != {"masked"}:
             raise CodecError(f"{w}: carries exactly one tensor, 'masked'")
-        if not isinstance(b["leaving"], bool):
-            raise CodecError(f"{w}: leaving must be a bool")
         ahead = b.get("ahead")
         return cls(
-            _int(b["round"], "round"),
-            _int(b["base_version"], "base_version"),
-            _int(b["num_samples"], "num_samples"),
-            _metrics(b["metrics"], w),
+            F.count(b["round"], w, "round"),
+            F.count(b["base_version"], w, "base_version"),
+            F.count(b["num_samples"], w, "num_samples", low=1),
+            F.metrics(b["metrics"], w),
             decode_weights(b["weights"], limits),
-            b["leaving"],
+            F.flag(b["leaving"], w, "leaving"),
             None if ahead is None else SecAggKeys.from_body(ahead),
         )
 
@@ -483,8 +452,8 @@ class SecAggSurvivors:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits | None = None) -> SecAggSurvivors:
         w = "secagg_survivors"
-        b = _check_body(body, {"round", "survivors"}, w)
-        return cls(_int(b["round"], "round"), _names(b["survivors"], w, MAX_LIST))
+        b = _has(body, ("round", "survivors"), w)
+        return cls(F.count(b["round"], w, "round"), F.node_ids(b["survivors"], w, "survivors", MAX_LIST))
 
 
 @dataclass(frozen=True, slots=True)
@@ -502,19 +471,22 @@ class SecAggSignature:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits | None = None) -> SecAggSignature:
         w = "secagg_signature"
-        b = _check_body(body, {"round", "cert", "sig"}, w)
-        return cls(_int(b["round"], "round"), _bin(b["cert"], (0, MAX_CERT), "cert"), _bin(b["sig"], (0, 64), "sig"))
+        b = _has(body, ("round", "cert", "sig"), w)
+        return cls(
+            F.count(b["round"], w, "round"),
+            F.binary(b["cert"], w, "cert", min_len=0, max_len=MAX_CERT),
+            F.binary(b["sig"], w, "sig", min_len=0, max_len=64),
+        )
 
 
 def _signatures(v: Any, what: str) -> dict[str, tuple[bytes, bytes]]:
-    if not isinstance(v, dict) or len(v) > MAX_LIST:
-        raise CodecError(f"{what}: signatures must be a map of at most {MAX_LIST} entries")
-    out: dict[str, tuple[bytes, bytes]] = {}
-    for k, pair in v.items():
-        if not is_valid_name(k) or not isinstance(pair, list | tuple) or len(pair) != 2:
-            raise CodecError(f"{what}: bad signature entry")
-        out[k] = (_bin(pair[0], (0, MAX_CERT), "cert"), _bin(pair[1], (0, 64), "sig"))
-    return out
+    def pair(p: Any) -> tuple[bytes, bytes]:
+        if not isinstance(p, list | tuple) or len(p) != 2:
+            raise F.refuse(what, "signatures", "must map each node id to a certificate and a signature")
+        cert = F.binary(p[0], what, "signatures", min_len=0, max_len=MAX_CERT)
+        return cert, F.binary(p[1], what, "signatures", min_len=0, max_len=64)
+
+    return F.by_node(v, what, "signatures", MAX_LIST, pair)
 
 
 @dataclass(frozen=True, slots=True)
@@ -542,12 +514,12 @@ class SecAggUnmask:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits | None = None) -> SecAggUnmask:
         w = "secagg_unmask"
-        b = _check_body(body, {"round", "b_of", "sk_of", "survivors", "signatures"}, w)
+        b = _has(body, ("round", "b_of", "sk_of", "survivors", "signatures"), w)
         return cls(
-            _int(b["round"], "round"),
-            _names(b["b_of"], w),
-            _names(b["sk_of"], w),
-            _int(b["survivors"], w),
+            F.count(b["round"], w, "round"),
+            F.node_ids(b["b_of"], w, "b_of", MAX_NEIGHBOURS + 1),
+            F.node_ids(b["sk_of"], w, "sk_of", MAX_NEIGHBOURS + 1),
+            F.count(b["survivors"], w, "survivors"),
             _signatures(b["signatures"], w),
         )
 
@@ -568,12 +540,14 @@ class SecAggReveal:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], limits: Limits | None = None) -> SecAggReveal:
         w = "secagg_reveal"
-        b = _check_body(body, {"round", "b_shares", "sk_shares", "refused"}, w)
-        refused = b["refused"]
-        if not isinstance(refused, str) or len(refused) > 1000:
-            raise CodecError(f"{w}: bad refusal")
+        b = _has(body, ("round", "b_shares", "sk_shares", "refused"), w)
         size = (_SHARE_BYTES + 2, _SHARE_BYTES + 2)
-        return cls(_int(b["round"], "round"), _boxes(b["b_shares"], w, size), _boxes(b["sk_shares"], w, size), refused)
+        return cls(
+            F.count(b["round"], w, "round"),
+            _boxes(b["b_shares"], w, "b_shares", size),
+            _boxes(b["sk_shares"], w, "sk_shares", size),
+            F.text(b["refused"], w, "refused", max_len=1000),
+        )
 
 
 SecAggMessage = (
