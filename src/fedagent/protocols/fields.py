@@ -1,11 +1,19 @@
-"""The checks every field of a message body passes, written once.
+r"""Message bodies declared field by field, and the checks every field passes, written once.
+
+A message (:mod:`~fedagent.protocols.messages`, the secure-aggregation messages) declares
+its body once: a :class:`Body` of :class:`Field`\ s, each with its wire key, its
+:class:`Kind` (what a value must be, and how it is written), whether it may be absent
+(and what it then is) and when it is left out of what is sent. One encoder and one
+decoder read that declaration (:class:`WireMessage`); a rule that is not a check of one
+field stays with its message, as a small hook of its own.
 
 A body comes from a peer: each value is checked for its type and bounds before it is
-used or copied, and a refusal is a :class:`~fedagent.errors.CodecError` that names the
-message and the field (``"update: num_samples must be a positive integer"``), so a log
-line says which peer sent what. Each validator takes the value, the message's name and
-the field's key, and returns the value as the message keeps it (a list becomes a
-tuple, an integer where a float is meant becomes a float).
+used or copied, every cheap field before the first tensor is decoded, and a refusal is a
+:class:`~fedagent.errors.CodecError` that names the message and the field (``"update:
+num_samples must be a positive integer"``), so a log line says which peer sent what. A
+field is read as the message keeps it (a list becomes a tuple, an integer where a float
+is meant becomes a float) and written as it is kept: the bytes on the wire are what the
+hand-written encoders sent before (tests/protocols/test_wire_golden.py holds them).
 
 Booleans are never numbers here: msgpack keeps ``true`` and ``1`` apart, and so must a
 receiver (``True`` is an ``int`` in Python).
@@ -15,9 +23,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self, TypeVar
 
 from fedagent.errors import CodecError
+from fedagent.protocols.codec import Limits, decode_weights, encode_weights
 from fedagent.protocols.topics import is_valid_name
 
 T = TypeVar("T")
@@ -163,3 +173,313 @@ def by_node(value: Any, msg: str, key: str, limit: int, item: Callable[[Any], T]
             raise refuse(msg, key, "has an invalid node id")
         out[k] = item(v)
     return out
+
+
+# ---- kinds: what one field's value must be -------------------------------------------
+class Kind:
+    """How a field's value is read from a body (checked; CodecError otherwise) and
+    written into one."""
+
+    __slots__ = ()
+    #: Read after every field that is not (tensors): nothing large is decoded before the
+    #: cheap checks have passed.
+    costly: ClassVar[bool] = False
+
+    def read(self, value: Any, msg: str, key: str, limits: Limits) -> Any:
+        raise NotImplementedError
+
+    def write(self, value: Any) -> Any:
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class Count(Kind):
+    """An integer in ``[low, 2**53)`` (:func:`count`)."""
+
+    low: int = 0
+
+    def read(self, value: Any, msg: str, key: str, limits: Limits) -> int:
+        return count(value, msg, key, self.low)
+
+
+@dataclass(frozen=True, slots=True)
+class Number(Kind):
+    """A number, read as a float (:func:`number`); ``send_float``: written as a float too."""
+
+    finite: bool = False
+    above: float | None = None
+    at_least: float | None = None
+    at_most: float | None = None
+    send_float: bool = False
+
+    def read(self, value: Any, msg: str, key: str, limits: Limits) -> float:
+        return number(
+            value, msg, key, finite=self.finite, above=self.above, at_least=self.at_least, at_most=self.at_most
+        )
+
+    def write(self, value: Any) -> Any:
+        return float(value) if self.send_float else value
+
+
+@dataclass(frozen=True, slots=True)
+class Flag(Kind):
+    """``true`` or ``false``."""
+
+    def read(self, value: Any, msg: str, key: str, limits: Limits) -> bool:
+        return flag(value, msg, key)
+
+
+@dataclass(frozen=True, slots=True)
+class Text(Kind):
+    """A string of ``min_len..max_len`` characters (:func:`text`)."""
+
+    max_len: int
+    min_len: int = 0
+    printable: bool = False
+
+    def read(self, value: Any, msg: str, key: str, limits: Limits) -> str:
+        return text(value, msg, key, max_len=self.max_len, min_len=self.min_len, printable=self.printable)
+
+
+@dataclass(frozen=True, slots=True)
+class Binary(Kind):
+    """Bytes of ``min_len..max_len``."""
+
+    min_len: int
+    max_len: int
+
+    def read(self, value: Any, msg: str, key: str, limits: Limits) -> bytes:
+        return binary(value, msg, key, min_len=self.min_len, max_len=self.max_len)
+
+
+@dataclass(frozen=True, slots=True)
+class Items(Kind):
+    """A list of at most ``limit`` items, kept as a tuple; each item is the message's to
+    check (its ``__post_init__``), or ``item``'s."""
+
+    limit: int
+    item: Kind | None = None
+
+    def read(self, value: Any, msg: str, key: str, limits: Limits) -> tuple[Any, ...]:
+        values = items(value, msg, key, self.limit)
+        if self.item is None:
+            return tuple(values)
+        return tuple(self.item.read(v, msg, key, limits) for v in values)
+
+    def write(self, value: Any) -> Any:
+        return list(value) if self.item is None else [self.item.write(v) for v in value]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeIds(Kind):
+    """A list of node ids, kept as a tuple (:func:`node_ids`)."""
+
+    limit: int
+
+    def read(self, value: Any, msg: str, key: str, limits: Limits) -> tuple[str, ...]:
+        return node_ids(value, msg, key, self.limit)
+
+    def write(self, value: Any) -> Any:
+        return list(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Strings(Kind):
+    """A list of short strings, kept as a tuple (:func:`strings`)."""
+
+    limit: int
+    max_len: int
+
+    def read(self, value: Any, msg: str, key: str, limits: Limits) -> tuple[str, ...]:
+        return strings(value, msg, key, self.limit, max_len=self.max_len)
+
+    def write(self, value: Any) -> Any:
+        return list(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Metrics(Kind):
+    """Named finite numbers (:func:`metrics`)."""
+
+    def read(self, value: Any, msg: str, key: str, limits: Limits) -> dict[str, float]:
+        return metrics(value, msg, key)
+
+    def write(self, value: Any) -> Any:
+        return dict(value)
+
+
+@dataclass(frozen=True, slots=True)
+class ByNode(Kind):
+    """A map from node ids to values of ``item`` (:func:`by_node`)."""
+
+    limit: int
+    item: Kind
+
+    def read(self, value: Any, msg: str, key: str, limits: Limits) -> dict[str, Any]:
+        return by_node(value, msg, key, self.limit, lambda v: self.item.read(v, msg, key, limits))
+
+    def write(self, value: Any) -> Any:
+        return {k: self.item.write(v) for k, v in value.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Pair(Kind):
+    """Two values in a list, kept as a tuple."""
+
+    first: Kind
+    second: Kind
+
+    def read(self, value: Any, msg: str, key: str, limits: Limits) -> tuple[Any, Any]:
+        if not isinstance(value, list | tuple) or len(value) != 2:
+            raise refuse(msg, key, "must hold pairs")
+        return self.first.read(value[0], msg, key, limits), self.second.read(value[1], msg, key, limits)
+
+    def write(self, value: Any) -> Any:
+        return [self.first.write(value[0]), self.second.write(value[1])]
+
+
+@dataclass(frozen=True, slots=True)
+class Tensors(Kind):
+    """Named tensors (:func:`~fedagent.protocols.codec.decode_weights` under the
+    receiver's limits); ``sliced``: they may come without their all-zero slices."""
+
+    sliced: bool = False
+    costly: ClassVar[bool] = True
+
+    def read(self, value: Any, msg: str, key: str, limits: Limits) -> dict[str, Any]:
+        return decode_weights(value, limits, sliced=self.sliced)
+
+    def write(self, value: Any) -> Any:
+        return encode_weights(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Nested(Kind):
+    """A value with a body of its own (``cls.from_body``, ``to_body``): the train config
+    of a round start, the keys of a secure round, a model step."""
+
+    cls: Any  # a class with from_body(body, limits) and to_body()
+    heavy: bool = False  # it holds tensors: read with the costly fields
+
+    def read(self, value: Any, msg: str, key: str, limits: Limits) -> Any:
+        return self.cls.from_body(value, limits)
+
+    def write(self, value: Any) -> Any:
+        return value.to_body()
+
+
+@dataclass(frozen=True, slots=True)
+class Nullable(Kind):
+    """``nil``, or a value of ``kind``."""
+
+    kind: Kind
+
+    def read(self, value: Any, msg: str, key: str, limits: Limits) -> Any:
+        return None if value is None else self.kind.read(value, msg, key, limits)
+
+    def write(self, value: Any) -> Any:
+        return None if value is None else self.kind.write(value)
+
+
+def _costly(kind: Kind) -> bool:
+    if isinstance(kind, Nested):
+        return kind.heavy
+    if isinstance(kind, Nullable):
+        return _costly(kind.kind)
+    return kind.costly
+
+
+# ---- the declaration of a body -------------------------------------------------------
+class _Required:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+#: A field's default when a body must carry it.
+REQUIRED: Any = _Required()
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One field of a body: its wire key (the message's attribute of the same name) and
+    :class:`Kind`. ``default``: what it is when a body lacks it (:data:`REQUIRED`: a
+    body must have it); ``omit_default``: not sent while it is the default (fields a
+    later release added, so that earlier ones read what is sent); ``send``: sent only
+    when this holds for the message; ``value``: the wire value from the message, when it
+    is not the kind's writing of the attribute."""
+
+    key: str
+    kind: Kind
+    default: Any = REQUIRED
+    omit_default: bool = False
+    send: Callable[[Any], bool] | None = None
+    value: Callable[[Any], Any] | None = None
+
+
+class Body:
+    """The declared fields of a message body, in wire order. ``exact``: a body may carry
+    no other field (those of ``hooked``, read and written by the message's own hook,
+    aside)."""
+
+    __slots__ = ("_cheap", "_costly", "exact", "fields", "keys", "name")
+
+    def __init__(self, name: str, *fields: Field, exact: bool = False, hooked: tuple[str, ...] = ()) -> None:
+        self.name = name
+        self.fields = fields
+        self.keys = tuple(f.key for f in fields) + hooked
+        self.exact = exact
+        self._cheap = tuple(f for f in fields if not _costly(f.kind))
+        self._costly = tuple(f for f in fields if _costly(f.kind))
+
+    def read(self, body: Any, limits: Limits) -> dict[str, Any]:
+        """The message's attributes from ``body``, every field checked (CodecError)."""
+        msg = self.name
+        body = is_map(body, msg)
+        if self.exact:
+            exactly(body, self.keys, msg)
+        out: dict[str, Any] = {}
+        for group in (self._cheap, self._costly):
+            for f in group:
+                if f.key in body:
+                    out[f.key] = f.kind.read(body[f.key], msg, f.key, limits)
+                elif f.default is REQUIRED:
+                    raise CodecError(f"{msg}: missing field {f.key!r}")
+                else:
+                    out[f.key] = f.default
+        return out
+
+    def write(self, message: Any) -> dict[str, Any]:
+        """The body that carries ``message``, in the declared order."""
+        body: dict[str, Any] = {}
+        for f in self.fields:
+            if f.send is not None and not f.send(message):
+                continue
+            if f.value is not None:
+                body[f.key] = f.value(message)
+                continue
+            v = getattr(message, f.key)
+            if f.omit_default and (v is None if f.default is None else v == f.default):
+                continue
+            body[f.key] = f.kind.write(v)
+        return body
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class WireMessage:
+    """A message (or a part of one) whose body is declared in ``WIRE``: mixed into the
+    frozen dataclasses, whose ``__post_init__`` checks what a constructor is given."""
+
+    __slots__ = ()
+    WIRE: ClassVar[Body]
+
+    def to_body(self) -> dict[str, Any]:
+        return self.WIRE.write(self)
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        """The message ``body`` carries; CodecError names the field that is wrong."""
+        return cls(**cls.WIRE.read(body, limits))

@@ -228,7 +228,7 @@ class SecAggSetup:
         }
 
     @classmethod
-    def from_body(cls, body: Any) -> SecAggSetup:
+    def from_body(cls, body: Any, limits: Limits | None = None) -> SecAggSetup:
         if not isinstance(body, dict):
             raise CodecError("secure aggregation: bad setup")
         version = body.get("version", 1)
