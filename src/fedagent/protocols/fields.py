@@ -341,12 +341,16 @@ class Pair(Kind):
 @dataclass(frozen=True, slots=True)
 class Tensors(Kind):
     """Named tensors (:func:`~fedagent.protocols.codec.decode_weights` under the
-    receiver's limits); ``sliced``: they may come without their all-zero slices."""
+    receiver's limits); ``sliced``: they may come without their all-zero slices;
+    ``names``: exactly these tensors, none other."""
 
     sliced: bool = False
+    names: tuple[str, ...] | None = None
     costly: ClassVar[bool] = True
 
     def read(self, value: Any, msg: str, key: str, limits: Limits) -> dict[str, Any]:
+        if self.names is not None and (not isinstance(value, dict) or set(value) != set(self.names)):
+            raise refuse(msg, key, f"must hold exactly the tensors {', '.join(self.names)}")
         return decode_weights(value, limits, sliced=self.sliced)
 
     def write(self, value: Any) -> Any:

@@ -101,7 +101,7 @@ class RoundConfig:
     # "int8" as the int8 step from the previous version (protocols/downlink.py)
     downlink: str = "none"
     dp: DPConfig | None = None  # differential privacy ("central" or "distributed"), see protocols/dp.py
-    secure: SA.SecAggParams | None = None  # secure aggregation (protocols/secagg.py)
+    secure: SA.SecAggParams | None = None  # secure aggregation (protocols/secagg/)
     secure_stage_timeout: float = 0.0  # each key/share/unmask stage of a secure round (0: auto)
 
     @property

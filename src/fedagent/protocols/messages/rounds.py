@@ -107,7 +107,7 @@ class RoundStart(F.WireMessage):
     deadline_s: float
     train: TrainConfig
     weights: Weights | None = field(repr=False)
-    secagg: SecAggSetup | None = None  # a secure round (protocols/secagg.py)
+    secagg: SecAggSetup | None = None  # a secure round (protocols/secagg/)
     delta: ModelDelta | None = None
 
     def __post_init__(self) -> None:
