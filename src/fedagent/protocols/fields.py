@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Self, TypeVar
 
 from fedagent.errors import CodecError
-from fedagent.protocols.codec import Limits, decode_weights, encode_weights
+from fedagent.protocols.limits import Limits
+from fedagent.protocols.tensors import decode_weights, encode_weights
 from fedagent.protocols.topics import is_valid_name
 
 T = TypeVar("T")
