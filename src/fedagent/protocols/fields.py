@@ -44,13 +44,6 @@ def refuse(msg: str, key: str, text: str) -> CodecError:
     return CodecError(f"{msg}: {key} {text}")
 
 
-def need(body: Mapping[str, Any], key: str, msg: str) -> Any:
-    """The value of a field the body must have."""
-    if key not in body:
-        raise CodecError(f"{msg}: missing field {key!r}")
-    return body[key]
-
-
 def is_map(body: Any, msg: str) -> Mapping[str, Any]:
     if not isinstance(body, Mapping):
         raise CodecError(f"{msg}: the body must be a map")
@@ -61,17 +54,15 @@ def exactly(body: Mapping[str, Any], keys: Sequence[str], msg: str) -> None:
     """Refuse a body with a field more or less than ``keys`` (a message that must not
     carry anything else, e.g. no document text beside a vocabulary)."""
     if set(body) != set(keys):
-        names = ", ".join(keys)
-        raise CodecError(
-            f"{msg}: exactly the field{'s' if len(keys) > 1 else ''} {names} {'are' if len(keys) > 1 else 'is'} allowed"
-        )
+        which = f"field {keys[0]} is" if len(keys) == 1 else f"fields {', '.join(keys)} are"
+        raise CodecError(f"{msg}: exactly the {which} allowed")
 
 
 def count(value: Any, msg: str, key: str, low: int = 0) -> int:
     """An integer in ``[low, 2**53)``."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value < MAX_COUNT:
-        kind = "a non-negative" if low == 0 else "a positive" if low == 1 else f"an at least {low}"
-        raise refuse(msg, key, f"must be {kind} integer")
+        what = "a non-negative integer" if low == 0 else "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise refuse(msg, key, f"must be {what}")
     return value
 
 
