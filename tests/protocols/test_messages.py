@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from fedagent.errors import CodecError
 from fedagent.protocols.codec import Envelope, Limits, decode, encode
 from fedagent.protocols.messages import (
+    KINDS,
     GlobalModel,
     GossipAck,
     GossipModel,
@@ -135,3 +138,14 @@ def test_bad_gossip_bodies_raise_codec_error(mutate):
     mutate(body)
     with pytest.raises(CodecError):
         body_of("gossip_model", body, Limits())
+
+
+def test_every_message_declares_each_of_its_attributes_once():
+    """The one declaration is complete: a message's attributes are its declared fields,
+    but for the few a hook of its own reads and writes (or that never travel)."""
+    own = {"SyncGradient": {"sliced"}, "PublicVectors": {"vectors"}}
+    for cls in KINDS.values():
+        declared = [f.key for f in cls.WIRE.fields]
+        attrs = {f.name for f in dataclasses.fields(cls)}
+        assert len(declared) == len(set(declared)), cls.__name__
+        assert set(declared) | own.get(cls.__name__, set()) == attrs, cls.__name__

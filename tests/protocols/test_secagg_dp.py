@@ -238,7 +238,7 @@ def test_train_config_carries_the_count_share() -> None:
     assert "dp_count_std" not in TrainConfig(stream=False, dp_clip=0.5).to_body()
     with pytest.raises(Exception, match="dp_count_std"):
         TrainConfig(dp_count_std=0.5)
-    with pytest.raises(Exception, match="must be numbers"):
+    with pytest.raises(Exception, match="dp_count_std must be a number"):
         TrainConfig.from_body({**t.to_body(), "dp_count_std": "x"})
 
 

@@ -1,141 +1,7 @@
-"""Gossip learning (Ormándi et al.; KTH thesis Alg. 2.3, 2.4, 3.1) as a pure machine.
-
-``GossipMachine.handle(event, now) -> list[Command]``: the daemon feeds it what happened
-(a peer appeared or vanished, a model or an acknowledgement arrived, training finished,
-a wake-up it asked for) with the monotonic time, and carries out the commands it returns
-(train, send a model or an acknowledgement, adopt a model, log a drop, wake me at ...).
-No clock, socket, thread or torch is touched here.
-
-The exchange period
--------------------
-A period is ``period_steps`` local training steps (thesis: 10 = "frequent",
-500 = "infrequent"). At every period boundary, i.e. when the training of the period
-has finished, the node
-
-1. folds back any of its own mass that came home (see below),
-2. sends its current model to a peer chosen uniformly at random (none if it knows no
-   peer: no error, it just trains on),
-3. builds the next model from what its inbox kept during the period — at most
-   ``max_incoming`` (= 2) models; further arrivals are dropped uniformly at random
-   (reservoir sampling, seeded), as in Alg. 3.1 — with ``create``:
-   ``"mu"`` UPDATE(MERGE(models)) (default, CREATEMODELMU), ``"um"``
-   MERGE(UPDATE(m) for each m), ``"rw"`` UPDATE(one model) (random walk, no merge),
-4. asks the daemon to train (``Train``), one job at a time; when the last job of the
-   period is back (``TrainingDone``) it emits ``ModelChanged`` and the next boundary runs.
-
-The node never waits for the network: training goes on whatever happens to its sends.
-With a ``periods`` limit the last boundary merges what the inbox holds without training
-on it, then emits ``Finished``: the model a node ends with includes its peers' last
-contributions. (The agent decays the step size on a cosine schedule to 0 at ``periods``,
-so the last periods are nearly pure averaging; that lives in the daemon's config, not here.)
-
-Merging: ``merge="pushsum"`` (default) and ``merge="thesis"``
--------------------------------------------------------------
-Alg. 3.1 taken literally (``merge="thesis"``) builds the new model only from received
-models (or the last received one) while the node's own model leaves with its send, and
-drops discard models. Every step is an average, so the nodes do reach consensus, but
-the weights of that average are random and nothing conserves the sum: the consensus
-lands *near* the global mean, not on it (measured in tests/protocols/test_gossip.py: 0.17-0.24
-relative error with N = 20 agents). Push-only "average my model with what I received"
-has the same defect. The thesis variant is kept for faithful reproduction.
-
-``merge="average"`` is that push-only rule: the node's own model and the kept incoming
-ones are averaged with equal weights (no masses, no returns; drops discard). It does
-not converge on the sample-weighted mean, but nodes that train on shards of very
-different sizes do not pull the merge towards the big ones either: for gossip Word2Vec
-with the step scaled by N it lost less against centralized training than push-sum on
-word similarity (docs/experiments/gossip-w2v.md). Every other workload keeps push-sum.
-
-The default is push-sum (Kempe, Dobra & Gehrke 2003; "stochastic gradient push" when
-combined with local training). Every model carries a *mass* ``w`` > 0, initially the
-node's ``num_samples``; the node holds values ``x`` (the model itself; push-sum's
-sum-vector is ``w·x``).
-
-* Sending: the node sends ``(x, w/2)`` and keeps ``(x, w/2)`` — its model is unchanged.
-* Merging: the kept incoming models and the node's own model are averaged weighted by
-  mass, ``x ← Σ w_k x_k / Σ w_k``, and the masses add, ``w ← Σ w_k``. The node's own
-  model plays the role of the thesis's ``lastModel``.
-* Nothing ever destroys mass. A receiver acknowledges every model it takes custody of
-  (``SendAck``); an arrival it drops at once is refused (``accepted=False``) and the
-  sender folds its escrowed copy back in; a model kept and later evicted from the
-  reservoir is sent back to its origin with ``returned=True`` (a returned model is
-  always folded in, outside the inbox limit). A send that is not acknowledged within
-  ``send_timeout`` (or fails, or whose peer goes down) is re-sent, same payload, to a
-  new random peer (at most ``max_retries`` times), and otherwise folded back.
-
-Invariant (training switched off): with ``M = Σ_nodes w_i + Σ_payloads w_p`` and
-``S = Σ_nodes w_i x_i + Σ_payloads w_p x_p``, where payloads are all models in flight,
-in an inbox or waiting to be folded back, both M and S are constant, so every node's
-model converges to ``S/M = Σ n_i x_i(0) / Σ n_i``: the *sample-weighted* global mean,
-i.e. FedAvg's fixed point. With training on, training moves ``x`` but not ``w``, so the
-nodes track the sample-weighted mean of the locally trained models. Measured with the
-in-memory harness (N = 20, random delays, 2-model inbox): every model is within
-1e-3 relative error of the mean after at most 60 periods (measured 31-39, ten seeds).
-
-The invariant is exact if every payload is merged at most once. Receivers deduplicate
-on (sender, exchange id), so QoS 1 redelivery is harmless; the daemon must give each
-process start a fresh ``session`` so ids never repeat. The one unavoidable hole (two
-generals): an acknowledgement arriving after its timeout fired means the payload was
-merged *and* re-sent/folded back, so its mass counts twice; ``status()["late_acks"]``
-counts these. The result is still a convex combination of the models, so consensus is
-not at risk, only exactness of the mean — choose ``send_timeout`` well above a
-round-trip time.
-
-Why mass = samples and not model age: an age-weighted average (Ormándi's option) is not
-conservative — ages grow at each node's own training speed, which biases the consensus
-towards fast nodes (the bias the thesis cites from Giaretta). ``age`` (local training
-steps that went into a model, mass-weighted through merges) is tracked and sent for
-monitoring only. Pass ``num_samples=1`` everywhere for an unweighted mean.
-
-Screening merge: ``aggregation="median" | "trimmed_mean" | "krum"``
--------------------------------------------------------------------
-Push-sum's merge is a mass-weighted mean: one peer that sends an arbitrary model (or
-claims a huge mass) moves every node it reaches as far as it likes, and ``clip_norm``
-only bounds that pull per merge. With a screening aggregation the node instead follows
-the Byzantine-resilient decentralized rule of BRIDGE (Yang & Bajwa 2019): it keeps the
-*newest* model received from each neighbour (one slot per sender, so flooding gains a
-Byzantine peer nothing; slots older than ``neighbour_ttl`` periods are forgotten), and
-at each boundary it sends its model to ``fanout`` random peers and replaces its model
-with a robust statistic of {its own} ∪ {the neighbours' newest models}:
-
-* ``median``: the coordinate-wise median (n > 2f);
-* ``trimmed_mean``: per coordinate the mean after dropping the f largest and the f
-  smallest values (BRIDGE-T; n >= 2f + 1);
-* ``krum``: the mean of the n − f models with the lowest Krum scores (n > 2f + 2);
-
-with n the number of models in the merge and f = ``byzantine``, the Byzantine
-neighbours one node must tolerate. ``neighbours_needed`` turns the preconditions into a
-minimum number of neighbour models; the agent's configuration refuses a ``min_peers``
-below it at start, and a node that holds fewer fresh neighbour models at a boundary
-trains on alone rather than run a screening whose precondition fails
-(``status()["screen_short"]``).
-
-What is given up: the screening is no longer a mass-weighted mean, so nothing is
-conserved. Masses, returns and refusals for mass reasons do not exist in this mode
-(every received model is acknowledged and only replaces its sender's slot), and the
-nodes reach consensus on a robust *centre* of the honest models, not on their exact
-(sample-weighted) mean: with non-IID shards that centre can sit away from the mean,
-and a median of few models moves in jumps. That is the price of not letting f peers
-choose the result; the accuracy cost is measured in tests/byzantine_gossip.py.
-
-Outer step (``outer_step``)
----------------------------
-With ``outer_step`` = b != 1 the model a period's training hands back is not adopted
-as it is: the node moves from the model the period started from (its merged model)
-by b times the training's progress, ``x + b (w - x)`` (floating parameters; rows the
-training did not touch stay as they were), and that is what it sends and merges. The
-agent's step is then lr x a with a b = the scale it would otherwise apply to the step
-alone: with one step per period the two are the same rule; with several, the gradients
-are taken nearer the merged model. For gossip Word2Vec a = 5, b = 2 (N = 10) lost less
-than a = 10 in process (docs/experiments/gossip-w2v.md); a = 1, b = N diverged. A
-result that is not finite after the outer step is refused like a diverged training run.
-
-Partial exchange (thesis "half")
---------------------------------
-``exchange`` names the parameters that travel (``None`` = all). Only they are sent,
-validated, merged and weighted by mass; every other parameter stays local and only
-training changes it (for ``create="um"`` the locally trained copies are averaged).
-"""
+"""The gossip machine: a node's periods (train, send, merge), its inbox, its sends in
+flight and their acknowledgements, and push-sum's mass bookkeeping (the package's
+docstring says how and why). The merge rules themselves are
+:mod:`~fedagent.protocols.gossip.merge`."""
 
 from __future__ import annotations
 
@@ -143,232 +9,37 @@ import math
 import random
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from fedagent.protocols.aggregation import (
-    ROBUST,
-    UpdateRejected,
-    WeightedMean,
-    check_update,
-    clip_to,
-    coordinate_median,
-    extrapolate,
-    krum_scores,
-    pairwise_sq_distances,
-    trimmed_mean,
+from fedagent.protocols.aggregation import UpdateRejected, check_update, clip_to
+from fedagent.protocols.gossip.config import GossipConfig, neighbours_needed
+from fedagent.protocols.gossip.events import (
+    AckReceived,
+    Command,
+    Dropped,
+    Event,
+    Finished,
+    ModelChanged,
+    ModelReceived,
+    PeerDown,
+    PeerUp,
+    RequestWakeup,
+    SendAck,
+    SendFailed,
+    SendModel,
+    Start,
+    Train,
+    TrainingDone,
+    Wakeup,
 )
+from fedagent.protocols.gossip.merge import distance, mass_weighted_mean, outer_step, screen
 
 Weights = dict[str, np.ndarray]
 
-CREATE_MODES = ("mu", "um", "rw")
-MERGE_MODES = ("pushsum", "thesis", "average")
-AGGREGATIONS = ("mean",) + ROBUST  # "mean": the merge above; the others: a screening merge
-FREQUENT_STEPS = 10  # thesis §4.2.2: exchange every 10 local batches
-INFREQUENT_STEPS = 500  # thesis §4.2.3: exchange every 500 local batches
 _SEEN_IDS = 4096  # (sender, exchange id) pairs remembered for deduplication
 _MAX_NEIGHBOURS = 1024  # latest models kept for a screening merge (senders hold certificates)
-
-
-def neighbours_needed(aggregation: str, byzantine: int) -> int:
-    """Neighbour models (besides the node's own) a screening merge with ``aggregation``
-    needs so that ``byzantine`` of them cannot steer it; n = this + 1 models enter it.
-
-    median: f < n/2; trimmed mean (f dropped at each end): n >= 2f + 1; Krum: n > 2f + 2.
-    At least one neighbour in every case: a merge of one's own model alone is no merge."""
-    if aggregation == "krum":
-        return 2 * byzantine + 2
-    if aggregation in ("median", "trimmed_mean"):
-        return max(1, 2 * byzantine)
-    return 1
-
-
-# ---- configuration -----------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class GossipConfig:
-    period_steps: int = FREQUENT_STEPS
-    max_incoming: int = 2  # models kept per period; extras dropped at random
-    create: str = "mu"  # "mu" | "um" | "rw" (Alg. 2.4)
-    merge: str = "pushsum"  # "pushsum" (conserves the mean) | "thesis" (Alg. 3.1) | "average"
-    exchange: tuple[str, ...] | None = None  # names that travel; None = all
-    send_timeout: float = 30.0  # seconds without an ack before a new peer is chosen
-    max_retries: int = 2  # new peers tried for one payload before folding it back
-    periods: int = 0  # stop after this many exchanges (thesis GLsteps); 0 = never
-    seed: int = 0
-    catch_up: bool = True  # push-sum: a newcomer's first merge adopts far older models
-    max_norm: float | None = None  # refuse a received model whose L2 norm exceeds this
-    clip_norm: float | None = None  # cap a received model's distance from ours before it is kept
-    aggregation: str = "mean"  # "mean" (merge above) | "median" | "trimmed_mean" | "krum" (screening)
-    byzantine: int = 0  # screening: Byzantine neighbours tolerated among a merge's models
-    fanout: int = 1  # peers the model is sent to per period
-    neighbour_ttl: int = 10  # screening: periods a neighbour's latest model stays usable
-    outer_step: float = 1.0  # adopt start + this x (trained - start) after each period (1: as trained)
-
-    @property
-    def robust(self) -> bool:
-        return self.aggregation != "mean"
-
-    def __post_init__(self) -> None:
-        for name in ("max_norm", "clip_norm"):
-            v = getattr(self, name)
-            if v is not None and not (math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} must be a positive number, not {v!r}")
-        if self.period_steps < 1 or self.max_incoming < 1:
-            raise ValueError("period_steps and max_incoming must be at least 1")
-        if self.create not in CREATE_MODES:
-            raise ValueError(f"create must be one of {CREATE_MODES}, not {self.create!r}")
-        if self.merge not in MERGE_MODES:
-            raise ValueError(f"merge must be one of {MERGE_MODES}, not {self.merge!r}")
-        if self.exchange is not None:
-            if not self.exchange or len(set(self.exchange)) != len(self.exchange):
-                raise ValueError("exchange must name at least one parameter, each once")
-        if not self.send_timeout > 0 or self.max_retries < 0 or self.periods < 0:
-            raise ValueError("send_timeout must be positive, max_retries and periods non-negative")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, not {self.aggregation!r}")
-        if not (math.isfinite(self.outer_step) and self.outer_step > 0):
-            raise ValueError(f"outer_step must be a positive number, not {self.outer_step!r}")
-        if self.fanout < 1 or self.neighbour_ttl < 1 or self.byzantine < 0:
-            raise ValueError("fanout and neighbour_ttl must be at least 1, byzantine non-negative")
-        if self.byzantine and not self.robust:
-            raise ValueError(
-                f"byzantine = {self.byzantine} needs a screening aggregation "
-                f"({', '.join(ROBUST)}): the mean tolerates no Byzantine peer (clip_norm only "
-                "bounds each one's pull)"
-            )
-        if self.robust and (self.create != "mu" or self.merge != "pushsum"):
-            raise ValueError(
-                f"aggregation = {self.aggregation!r} replaces the merge: it works with "
-                "create = 'mu' and the default merge only"
-            )
-
-    @classmethod
-    def frequent(cls, **kw: object) -> GossipConfig:
-        return cls(period_steps=FREQUENT_STEPS, **kw)  # type: ignore[arg-type]
-
-    @classmethod
-    def infrequent(cls, **kw: object) -> GossipConfig:
-        return cls(period_steps=INFREQUENT_STEPS, **kw)  # type: ignore[arg-type]
-
-
-# ---- events ------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Start:
-    """Begin the first period (local training; the first send follows it)."""
-
-
-@dataclass(frozen=True, slots=True)
-class PeerUp:
-    peer: str
-
-
-@dataclass(frozen=True, slots=True)
-class PeerDown:
-    peer: str
-
-
-@dataclass(frozen=True, slots=True)
-class TrainingDone:
-    train_id: int
-    weights: Weights = field(repr=False)
-    steps: int | None = None  # steps actually run; None = as requested
-
-
-@dataclass(frozen=True, slots=True)
-class ModelReceived:
-    sender: str
-    exchange_id: str
-    weights: Weights = field(repr=False)  # the exchanged parameters only
-    mass: float = 1.0
-    age: float = 0.0
-    returned: bool = False  # our own mass sent back by a peer that dropped it
-
-
-@dataclass(frozen=True, slots=True)
-class AckReceived:
-    sender: str
-    exchange_id: str
-    accepted: bool
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class SendFailed:
-    """The transport could not deliver ``exchange_id`` (publish failed, peer unknown)."""
-
-    exchange_id: str
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Wakeup:
-    pass
-
-
-Event = Start | PeerUp | PeerDown | TrainingDone | ModelReceived | AckReceived | SendFailed | Wakeup
-
-
-# ---- commands ----------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Train:
-    """Run ``steps`` local steps from ``weights``; answer ``TrainingDone(train_id, ...)``
-    with the same names, shapes and dtypes. The arrays are shared, not copied: train on
-    a copy, never in place."""
-
-    train_id: int
-    weights: Weights = field(repr=False)
-    steps: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class SendModel:
-    peer: str
-    exchange_id: str
-    weights: Weights = field(repr=False)  # the exchanged parameters only
-    mass: float = 1.0
-    age: float = 0.0
-    returned: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class SendAck:
-    peer: str
-    exchange_id: str
-    accepted: bool
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelChanged:
-    """The node's model after the training of ``period`` (status, checkpoint, evaluation)."""
-
-    period: int
-    weights: Weights = field(repr=False)
-    age: float = 0.0
-    mass: float = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class Dropped:
-    sender: str  # who sent it (this node's id for a discarded training result)
-    exchange_id: str
-    reason: str  # inbox-full, names, shape, dtype, non-finite, mass, finished, ...
-    detail: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestWakeup:
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    period: int
-    weights: Weights = field(repr=False)
-
-
-Command = Train | SendModel | SendAck | ModelChanged | Dropped | RequestWakeup | Finished
 
 
 # ---- internals ---------------------------------------------------------------------
@@ -393,72 +64,6 @@ class _Kept:
     sender: str
     exchange_id: str
     payload: _Payload
-
-
-def _mean(items: Sequence[tuple[Mapping[str, np.ndarray], float]], names: tuple[str, ...]) -> Weights:
-    """Weighted mean over ``names`` (float64 accumulation, original dtypes back)."""
-    items = [(w, m) for w, m in items if m > 0]
-    if len(items) == 1:
-        return {k: items[0][0][k] for k in names}
-    acc = WeightedMean({k: items[0][0][k] for k in names})
-    # Masses come from peers (any finite positive float): scaled to sum to 1 first, so
-    # a claimed mass of 1e300 times a weight of 1e38 cannot overflow to inf.
-    top = max(m for _, m in items)
-    for w, m in items:
-        if m / top > 0:  # a mass 1e-300 beside 1e300 counts for nothing
-            acc.add(w, m / top)
-    return acc.result()
-
-
-def outer_step(start: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarray], scale: float) -> Weights:
-    """``start + scale x (trained - start)`` for every floating parameter (computed in
-    float64, the parameter's dtype back); other parameters as trained. ``scale`` 1 returns
-    ``trained`` unchanged."""
-    if scale == 1.0:
-        return dict(trained)
-    with np.errstate(over="ignore"):  # an overflow is inf, refused by the caller
-        return extrapolate(start, trained, scale)
-
-
-def _distance(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], names: tuple[str, ...]) -> float:
-    sq = 0.0
-    for k in names:
-        d = np.asarray(a[k], dtype=np.float64) - np.asarray(b[k], dtype=np.float64)
-        sq += float(np.square(d).sum())
-    return math.sqrt(sq)
-
-
-def screen(
-    aggregation: str, own: Mapping[str, np.ndarray], others: Sequence[Mapping[str, np.ndarray]], byzantine: int
-) -> Weights:
-    """The screening merge over ``own`` and ``others`` (same names, shapes, dtypes as
-    ``own``, already validated): per floating coordinate the median, or the mean after
-    dropping the ``byzantine`` largest and smallest values; or multi-Krum, the mean of
-    the n − f models with the lowest Krum scores. Non-floating tensors keep ``own``'s
-    values (step counters and the like are not the peers' to set)."""
-    models = [own, *others]
-    n = len(models)
-    if n <= 2 * byzantine or (aggregation == "krum" and n <= 2 * byzantine + 2):
-        raise ValueError(f"{aggregation} over {n} models cannot tolerate {byzantine} Byzantine ones")
-    floats = [k for k, v in own.items() if np.asarray(v).dtype.kind == "f"]
-    chosen = list(range(n))
-    if aggregation == "krum":
-        scores = krum_scores(pairwise_sq_distances(models, floats), byzantine)
-        chosen = sorted(int(i) for i in np.argsort(scores, kind="stable")[: n - byzantine])
-    out: Weights = {}
-    for name in floats:
-        ref = np.asarray(own[name])
-        stack = np.stack([np.asarray(models[i][name], np.float64) for i in chosen])
-        if aggregation == "median":
-            agg = coordinate_median(stack)
-        elif aggregation == "trimmed_mean":
-            agg = trimmed_mean(stack, byzantine)
-        elif aggregation == "krum":
-            agg = stack.mean(axis=0)
-        else:
-            raise ValueError(f"not a screening aggregation: {aggregation!r}")
-        out[name] = agg.astype(ref.dtype)
-    return out
 
 
 class GossipMachine:
@@ -867,7 +472,7 @@ class GossipMachine:
         total = sum(m for _, m, _ in entries)
         if total <= 0:
             return
-        merged = _mean([(w, m) for w, m, _ in entries], self.names)
+        merged = mass_weighted_mean([(w, m) for w, m, _ in entries], self.names)
         self.model = {k: merged.get(k, v) for k, v in self.model.items()}
         self.age = sum(a * m for _, m, a in entries) / total
         if self._pushsum:
@@ -875,7 +480,7 @@ class GossipMachine:
 
     def _measure_disagreement(self, kept: list[_Payload]) -> None:
         own = {k: self.model[k] for k in self.names}
-        dists = [_distance(own, p.values, self.names) for p in kept]
+        dists = [distance(own, p.values, self.names) for p in kept]
         self.disagreement = sum(dists) / len(dists)
         norm = math.sqrt(sum(float(np.square(np.asarray(v, np.float64)).sum()) for v in own.values()))
         self.disagreement_rel = self.disagreement / norm if norm > 0 else None
@@ -916,7 +521,7 @@ class GossipMachine:
             return out + self._next_job()
         self._train_id = None
         if self._merge_all and len(self._results) > 1:
-            merged = _mean(self._results, tuple(self.model))
+            merged = mass_weighted_mean(self._results, tuple(self.model))
             self.model = {k: merged[k] for k in self.model}
         else:
             self.model = {k: self._results[0][0][k] for k in self.model}

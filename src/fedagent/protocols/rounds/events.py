@@ -1,0 +1,139 @@
+"""What the round machine is told (events) and what it asks its caller to do
+(commands)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from fedagent.protocols import secagg as SA
+from fedagent.protocols.downlink import ModelDelta
+from fedagent.protocols.messages import TrainConfig
+from fedagent.protocols.streaming import UpdateEnd, UpdateHead, UpdatePart
+
+Weights = dict[str, np.ndarray]
+
+
+# ---- events ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AgentOnline:
+    agent: str
+    num_samples: int = 0
+    # The agent rebuilds round starts sent as int8 steps (its presence says so); agents
+    # of earlier releases do not, and while one is online round starts carry the whole
+    # model.
+    reads_steps: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class AgentOffline:
+    agent: str
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateReceived:
+    sender: str
+    round: int
+    base_version: int
+    num_samples: int
+    weights: Weights
+    metrics: Mapping[str, float]
+    leaving: bool = False  # the sender's last round: don't select it again
+
+
+@dataclass(frozen=True, slots=True)
+class Wakeup:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class SecAggReceived:
+    """A secure-aggregation message from an agent (its certificate's name)."""
+
+    sender: str
+    message: SA.SecAggMessage
+
+
+Event = AgentOnline | AgentOffline | UpdateReceived | Wakeup | UpdateHead | UpdatePart | UpdateEnd | SecAggReceived
+
+
+# ---- commands ----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class StartRound:
+    round: int
+    model_version: int
+    selected: tuple[str, ...]
+    weights: Weights
+    train: TrainConfig
+    deadline_s: float
+    resumed: bool = False  # the same round again after a restart (see RoundMachine.resume)
+    secagg: SA.SecAggSetup | None = None
+    # Secure-aggregation messages to send after the setup and before the model (the
+    # rosters, when the keys were advertised ahead): they overtake the model.
+    secagg_first: tuple[SendSecAgg, ...] = ()
+    # the model as the int8 step from the previous version ([transfer] downlink), or None:
+    # send ``weights``
+    delta: ModelDelta | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RoundAggregated:
+    round: int
+    model_version: int
+    weights: Weights
+    participants: tuple[str, ...]
+    metrics: dict[str, float]
+    final: bool
+    weights_used: dict[str, float] = field(default_factory=dict)  # participant -> aggregation weight
+    dropped: dict[str, float] = field(default_factory=dict)  # sender -> the metric that dropped it
+    privacy: dict[str, float] | None = None  # ε spent so far, δ, clip norm, noise (DP only)
+    # The server momentum's velocity after this round (empty without momentum): the
+    # checkpoint keeps it with ``weights``, which it made.
+    velocity: Weights = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundAbandoned:
+    round: int
+    model_version: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    sender: str
+    round: int
+    reason: str  # short code: stale, duplicate, unselected, shape, non-finite, ...
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestWakeup:
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    model_version: int
+    weights: Weights
+    reason: str = ""  # why before the configured rounds (the privacy budget)
+
+
+@dataclass(frozen=True, slots=True)
+class SendSecAgg:
+    """Send a secure-aggregation message to one agent's inbox."""
+
+    to: str
+    message: SA.SecAggMessage
+
+
+Command = StartRound | RoundAggregated | RoundAbandoned | Rejected | RequestWakeup | Finished | SendSecAgg
+
+
+class Phase(str, Enum):
+    WAITING = "waiting"  # for a quorum of agents
+    TRAINING = "training"  # a round is in progress
+    DONE = "done"

@@ -1,0 +1,653 @@
+"""The FedAvg round machine of the coordinator, as pure code (the package's docstring
+says what it guarantees): the lifecycle of rounds (quorum, selection, deadlines), the
+intake of whole and streamed updates, and the aggregation. Its collaborators do the
+rest: :class:`~fedagent.protocols.rounds.serverstep.ServerStep` moves the global model,
+:class:`~fedagent.protocols.rounds.privacy.PrivacyBudget` charges and limits
+differential privacy, :class:`~fedagent.protocols.rounds.secure.SecureRounds` runs the
+secure-aggregation path."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from fedagent.protocols import secagg as SA
+from fedagent.protocols.aggregation import Plan, StrategyAggregator, UpdateRejected, check_update, weighted_metrics
+from fedagent.protocols.downlink import ModelDelta
+from fedagent.protocols.dp import Accountant, ClipBound, DPAggregator
+from fedagent.protocols.rounds.config import RoundConfig
+from fedagent.protocols.rounds.events import (
+    AgentOffline,
+    AgentOnline,
+    Command,
+    Event,
+    Finished,
+    Phase,
+    Rejected,
+    RequestWakeup,
+    RoundAbandoned,
+    RoundAggregated,
+    SecAggReceived,
+    SendSecAgg,
+    StartRound,
+    UpdateReceived,
+    Wakeup,
+)
+from fedagent.protocols.rounds.privacy import PrivacyBudget
+from fedagent.protocols.rounds.secure import SecureRounds
+from fedagent.protocols.rounds.serverstep import ServerStep
+from fedagent.protocols.serveropt import VelocityStore
+from fedagent.protocols.streaming import UpdateEnd, UpdateHead, UpdatePart
+
+Weights = dict[str, np.ndarray]
+
+
+@dataclass(slots=True)
+class _Inflight:
+    """A streamed update being folded: what it weighs and what was seen of it."""
+
+    tid: str
+    head: UpdateHead
+    plan: Plan
+    sq_norm: float
+    folded: bool = False
+
+
+class RoundMachine:
+    def __init__(
+        self,
+        config: RoundConfig,
+        weights: Weights,
+        *,
+        model_version: int = 0,
+        completed_rounds: int = 0,
+        last_round: int = 0,
+        privacy_state: Mapping[str, object] | None = None,
+        velocity: Mapping[str, np.ndarray] | None = None,
+        velocity_store: VelocityStore | None = None,
+        rng: np.random.Generator | None = None,
+        verify_statement: SA.KeyVerifier | None = None,
+    ) -> None:
+        """``completed_rounds``/``last_round``/``model_version`` resume from a checkpoint, and
+        so do ``privacy_state`` (:meth:`privacy_state`): ε already spent and the clip bound,
+        and ``velocity``: the server momentum's (ValueError if it does not fit ``weights``;
+        ignored without server momentum). ``velocity_store``: where the velocity is kept
+        instead (protocols/serveropt.py, :class:`~fedagent.protocols.serveropt.VelocityStore`;
+        it holds the resumed velocity, if any, and ``velocity`` must then be empty): the
+        step streams it a block at a time and :attr:`velocity` stays empty.
+        ``rng`` draws the DP noise (default: seeded by the operating system).
+        ``verify_statement`` checks an agent's signature of a statement (secure rounds: the
+        survivor list), raising if it is not valid; without it signatures are passed on
+        unchecked (the agents check them in any case)."""
+        self.config = config
+        self.weights = weights
+        self.server_step = ServerStep(
+            weights,
+            server_lr=config.server_lr,
+            momentum=config.momentum,
+            downlink=config.downlink,
+            velocity=velocity,
+            store=velocity_store,
+        )
+        self.model_version = model_version
+        self.completed = completed_rounds
+        self.round = last_round  # number of the latest round started
+        self.phase = Phase.WAITING if completed_rounds < config.rounds else Phase.DONE
+        self.online: dict[str, int] = {}  # agent -> samples it announced
+        self._whole_only: set[str] = set()  # agents that read only whole models (of self.online)
+        self.selected: tuple[str, ...] = ()
+        self.received: dict[str, tuple[int, dict[str, float]]] = {}
+        self._outstanding: set[str] = set()
+        self.deadline = math.inf
+        self.quorum_since: float | None = None
+        self.last_metrics: dict[str, float] = {}
+        self._acc: StrategyAggregator | DPAggregator | None = None
+        self.departing: set[str] = set()  # sent their last update this round
+        self.departed: set[str] = set()  # left; ignored as online until their goodbye
+        self.inflight: dict[str, _Inflight] = {}  # sender -> its streamed update in progress
+        self.ignored: set[tuple[str, str]] = set()  # (sender, tid) of streams refused at their header
+        self.benched: set[str] = set()  # spoilt the last round: not selected for the next one
+        self._ref_sq = 0.0  # squared norm of the global model (norm bound of deltas)
+        self._rng = random.Random(config.seed)
+        self._round_q = 1.0  # the fraction of the online agents selected for the round
+        self.stop_reason = ""
+        self.budget: PrivacyBudget | None = None
+        if config.dp is not None:
+            self.budget = PrivacyBudget(config.dp, privacy_state, rng if rng is not None else np.random.default_rng())
+        self.secure = SecureRounds(config, verify_statement)
+
+    # -- what the collaborators hold ---------------------------------------------------
+    @property
+    def velocity(self) -> Weights:
+        """The server momentum's velocity the global model was made with (empty without
+        momentum, or while a store keeps it)."""
+        return self.server_step.velocity
+
+    @property
+    def delta(self) -> ModelDelta | None:
+        """The global model as the int8 step from the version before, or None."""
+        return self.server_step.delta
+
+    @property
+    def accountant(self) -> Accountant | None:
+        return self.budget.accountant if self.budget is not None else None
+
+    @property
+    def clip(self) -> ClipBound | None:
+        return self.budget.clip if self.budget is not None else None
+
+    @property
+    def secagg(self) -> SA.SecAggServer | None:
+        """The secure round in progress, if any."""
+        return self.secure.server
+
+    @property
+    def secure_result(self) -> SA.Unmasked | None:
+        return self.secure.result
+
+    @property
+    def secure_params(self) -> SA.SecAggParams | None:
+        return self.secure.params
+
+    @property
+    def aggregated_ahead(self) -> bool:
+        """The last secure round aggregated had no key stage (its keys came ahead)."""
+        return self.secure.aggregated_ahead
+
+    # -- public ------------------------------------------------------------------------
+    def handle(self, event: Event, now: float) -> list[Command]:
+        if isinstance(event, AgentOnline):
+            if event.agent in self.departed:
+                return []
+            self.online[event.agent] = event.num_samples
+            if event.reads_steps:
+                self._whole_only.discard(event.agent)
+            else:
+                self._whole_only.add(event.agent)
+            return self._maybe_start(now)
+        if isinstance(event, UpdatePart):
+            return self._on_part(event, now)
+        if isinstance(event, UpdateHead):
+            return self._on_head(event, now)
+        if isinstance(event, UpdateEnd):
+            return self._on_end(event, now)
+        if isinstance(event, AgentOffline):
+            self.online.pop(event.agent, None)
+            self._whole_only.discard(event.agent)
+            self.departed.discard(event.agent)
+            if self.phase is Phase.TRAINING and self.secagg is not None:
+                return self._secure(self.secagg.handle(SA.Gone(event.agent), now), now)
+            if self.phase is Phase.TRAINING:
+                fl = self.inflight.get(event.agent)
+                if fl is not None:
+                    return self._on_end(UpdateEnd(event.agent, fl.tid, False, "sender went offline mid-transfer"), now)
+                return self._maybe_finish(now)
+            if len(self.online) < self.config.min_agents:
+                self.quorum_since = None
+            return []
+        if isinstance(event, UpdateReceived):
+            return self._on_update(event, now)
+        if isinstance(event, SecAggReceived):
+            if self.secagg is None:
+                msg = event.message
+                return [Rejected(event.sender, getattr(msg, "round", 0), "stale", f"{msg.kind} outside a secure round")]
+            return self._secure(self.secagg.handle(SA.Received(event.sender, event.message), now), now)
+        if isinstance(event, Wakeup):
+            if self.phase is Phase.TRAINING and self.secagg is not None:
+                out = self._secure(self.secagg.handle(SA.Tick(), now), now)
+                if self.secagg is not None and not any(isinstance(c, RequestWakeup) for c in out):
+                    out.append(RequestWakeup(self.secagg.deadline))
+                return out
+            if self.phase is Phase.TRAINING:
+                out = self._maybe_finish(now)
+                if self.phase is Phase.TRAINING and not any(isinstance(c, RequestWakeup) for c in out):
+                    # Woken early (a wake-up asked for by an earlier round that ended
+                    # sooner): ask again for this round's deadline, or it never fires.
+                    out.append(RequestWakeup(self.deadline))
+                return out
+            return self._maybe_start(now)
+        raise TypeError(f"not a round event: {event!r}")
+
+    def privacy_state(self) -> dict[str, object] | None:
+        """What a checkpoint keeps so that a restart goes on spending from here."""
+        return self.budget.state() if self.budget is not None else None
+
+    def privacy(self) -> dict[str, float] | None:
+        """ε spent at δ, the budget and the current clip bound and noise (status, history)."""
+        return self.budget.report() if self.budget is not None else None
+
+    def _over_budget(self, selected: int, q: float, answered: int | None = None) -> str:
+        """Why the next round must not run (its release would pass the budget), or ''."""
+        return self.budget.over_budget(selected, q, answered) if self.budget is not None else ""
+
+    def _distributed_admit(self, survivors: int) -> str:
+        """Secure rounds under distributed DP, before any mask comes off: why a sum of
+        ``survivors`` updates must not be unmasked (its noise would take ε past the
+        budget), or ''. Refused, the round is abandoned and nothing of it is learned."""
+        return self._over_budget(len(self.selected), self._round_q, survivors)
+
+    def whole_model_only(self) -> list[str]:
+        """Online agents that cannot rebuild an int8 step: round starts carry the whole
+        model while there is one."""
+        return sorted(a for a in self._whole_only if a in self.online)
+
+    def status(self) -> dict[str, object]:
+        return {
+            "phase": self.phase.value,
+            "round": self.round,
+            "completed_rounds": self.completed,
+            "rounds": self.config.rounds,
+            "model_version": self.model_version,
+            "online": sorted(self.online),
+            "whole_model_only": self.whole_model_only(),
+            "selected": list(self.selected),
+            "received": sorted(self.received),
+            "metrics": dict(self.last_metrics),
+            "privacy": self.privacy(),
+            "stop_reason": self.stop_reason,
+        }
+
+    # -- starting ----------------------------------------------------------------------
+    def _maybe_start(self, now: float) -> list[Command]:
+        if self.phase is not Phase.WAITING:
+            return []
+        cfg = self.config
+        n = len(self.online)
+        if n < cfg.min_agents:
+            self.quorum_since = None
+            return []
+        if self.quorum_since is None:
+            self.quorum_since = now
+        enough = cfg.expected_agents and n >= cfg.expected_agents
+        if not enough and now < self.quorum_since + cfg.start_grace:
+            return [RequestWakeup(self.quorum_since + cfg.start_grace)]
+        return self._start(now)
+
+    def _start(self, now: float) -> list[Command]:
+        cfg = self.config
+        agents = sorted(self.online)
+        if self.benched and len(agents) - len(self.benched & set(agents)) >= cfg.min_agents:
+            agents = [a for a in agents if a not in self.benched]
+        self.benched = set()
+        population = len(agents)
+        limit = cfg.agents_per_round
+        if cfg.secure is not None:  # more inputs than this would wrap the masked sum
+            limit = min(limit or cfg.secure.max_agents, cfg.secure.max_agents)
+        if limit and limit < len(agents):
+            agents = sorted(self._rng.sample(agents, limit))
+        q = len(agents) / population
+        why = self._over_budget(len(agents), q)
+        if why:
+            self.phase = Phase.DONE
+            self.stop_reason = why
+            return [Finished(self.model_version, self.weights, why)]
+        self._round_q = q
+        self.round += 1
+        return self._open_round(tuple(agents), now)
+
+    def resume(self, round_: int, selected: tuple[str, ...], now: float) -> list[Command]:
+        """Take round ``round_`` up again after a restart, under the same number, from the
+        model this machine was built with (the checkpoint it started from), with the same
+        selection. The caller then feeds it the updates it had already received (from its
+        journal) like any others, and the outstanding agents' updates are accepted when
+        they come. The selected agents count as online until their presence says
+        otherwise: the round waits for them rather than aggregating without them."""
+        if self.phase is not Phase.WAITING or round_ != self.round or not selected:
+            raise ValueError(
+                f"cannot resume round {round_}: the machine is {self.phase.value} after round {self.round}"
+            )
+        for agent in selected:
+            self.online.setdefault(agent, 0)
+        # The population the round was sampled from is not known after a restart: with
+        # differential privacy it counts as sampling everyone (q = 1), which spends at
+        # least as much of the budget as the round really did. The budget was checked
+        # when the round first started.
+        self._round_q = 1.0
+        return self._open_round(selected, now, resumed=True)
+
+    def _open_round(self, agents: tuple[str, ...], now: float, *, resumed: bool = False) -> list[Command]:
+        cfg = self.config
+        self.phase = Phase.TRAINING
+        self.selected = tuple(agents)
+        self._outstanding = set(agents)  # selected, not yet answered
+        self.received = {}
+        self.deadline = now + cfg.round_timeout
+        train = replace(cfg.train, lr=cfg.lr_for(self.round))
+        if self.budget is not None:
+            self._acc = self.budget.aggregator(self.weights, len(agents))
+            train = self.budget.train(train, len(agents))
+        else:
+            self._acc = StrategyAggregator(cfg.strategy, self.weights, compact=True)
+        self.inflight = {}
+        self.ignored = set()
+        if cfg.max_norm is not None:
+            self._ref_sq = sum(
+                float(np.square(w, dtype=np.float64).sum()) for w in self.weights.values() if w.dtype.kind == "f"
+            )
+        setup = None
+        wake = self.deadline
+        first: tuple[SendSecAgg, ...] = ()
+        if cfg.secure is not None:
+            # The secure round ends itself (every stage has a deadline); the round's own
+            # deadline is the masked inputs'.
+            setup, first, wake = self.secure.open(
+                self.round,
+                agents,
+                self.online,
+                self.weights,
+                train,
+                now=now,
+                last=self.completed + 1 >= cfg.rounds,
+                seed=self._rng.randbytes(16),
+                admit=self._distributed_admit,
+            )
+            self.deadline = math.inf
+        return [
+            StartRound(
+                self.round,
+                self.model_version,
+                self.selected,
+                self.weights,
+                train,
+                cfg.round_timeout,
+                resumed,
+                setup,
+                first,
+                None if resumed or self.whole_model_only() else self.delta,
+            ),
+            RequestWakeup(wake),
+        ]
+
+    # -- collecting --------------------------------------------------------------------
+    def _on_update(self, ev: UpdateReceived, now: float) -> list[Command]:
+        def reject(reason: str, detail: str) -> list[Command]:
+            return [Rejected(ev.sender, ev.round, reason, detail)]
+
+        if self.config.secure is not None:
+            return reject("secure", "plain update in a federation with secure aggregation (never aggregated)")
+        if self.phase is not Phase.TRAINING or ev.round != self.round:
+            return reject("stale", f"update for round {ev.round}, current round {self.round} ({self.phase.value})")
+        if ev.sender not in self.selected:
+            return reject("unselected", f"{ev.sender} was not selected for round {self.round}")
+        if ev.sender in self.received or ev.sender in self.inflight:
+            return reject("duplicate", f"second update from {ev.sender} for round {self.round}")
+        if ev.base_version != self.model_version:
+            return reject("stale", f"trained from version {ev.base_version}, current {self.model_version}")
+        if ev.num_samples <= 0:
+            return reject("weight", "num_samples must be positive")
+        try:
+            check_update(self.weights, ev.weights, max_norm=self.config.max_norm)
+            assert self._acc is not None
+            self._acc.add(ev.sender, ev.weights, ev.num_samples, ev.metrics)
+        except UpdateRejected as exc:
+            return reject(exc.reason, exc.detail)
+        self.received[ev.sender] = (ev.num_samples, dict(ev.metrics))
+        self._outstanding.discard(ev.sender)
+        if ev.leaving:
+            self.departing.add(ev.sender)
+        return self._maybe_finish(now)
+
+    # -- streamed updates ----------------------------------------------------------------
+    def _on_head(self, ev: UpdateHead, now: float) -> list[Command]:
+        def reject(reason: str, detail: str) -> list[Command]:
+            self.ignored.add((ev.sender, ev.tid))
+            return [Rejected(ev.sender, ev.round, reason, detail)]
+
+        if self.config.secure is not None:
+            return reject("secure", "plain update in a federation with secure aggregation (never aggregated)")
+        if self.phase is not Phase.TRAINING or ev.round != self.round:
+            return reject("stale", f"update for round {ev.round}, current round {self.round} ({self.phase.value})")
+        if ev.sender not in self.selected:
+            return reject("unselected", f"{ev.sender} was not selected for round {self.round}")
+        if ev.sender in self.received or ev.sender in self.inflight:
+            return reject("duplicate", f"second update from {ev.sender} for round {self.round}")
+        if ev.base_version != self.model_version:
+            return reject("stale", f"trained from version {ev.base_version}, current {self.model_version}")
+        names = {t.name: t for t in ev.tensors}
+        if names.keys() != self.weights.keys():
+            missing = sorted(set(self.weights) - set(names))
+            extra = sorted(set(names) - set(self.weights))
+            return reject("names", f"missing {missing[:3]}, unexpected {extra[:3]}")
+        for name, ref in self.weights.items():
+            t = names[name]
+            if t.shape != ref.shape:
+                return reject("shape", f"{name}: {t.shape} != {ref.shape}")
+            if t.dtype != ref.dtype.name:
+                return reject("dtype", f"{name}: {t.dtype} != {ref.dtype}")
+        assert self._acc is not None
+        try:
+            plan = self._acc.plan(ev.num_samples, ev.metrics)
+        except UpdateRejected as exc:
+            return reject(exc.reason, exc.detail)
+        if plan.dropped is not None:
+            # Counted as dropped, never folded: its parts are ignored.
+            self._acc.dropped[ev.sender] = plan.dropped
+            self.ignored.add((ev.sender, ev.tid))
+            self.received[ev.sender] = (ev.num_samples, dict(ev.metrics))
+            self._outstanding.discard(ev.sender)
+            if ev.leaving:
+                self.departing.add(ev.sender)
+            return self._maybe_finish(now)
+        self.inflight[ev.sender] = _Inflight(ev.tid, ev, plan, self._ref_sq)
+        return []
+
+    def _on_part(self, ev: UpdatePart, now: float) -> list[Command]:
+        fl = self.inflight.get(ev.sender)
+        if fl is None or fl.tid != ev.tid:
+            return []  # refused at its header, or from an ended round
+        vals = ev.values
+        if vals.dtype.kind == "f" and not np.isfinite(vals).all():
+            return self._on_end(
+                UpdateEnd(ev.sender, ev.tid, False, f"{ev.name} contains NaN or Inf"), now, reason="non-finite"
+            )
+        # The bound covers floating tensors only, as check_update's does.
+        if self.config.max_norm is not None and self.weights[ev.name].dtype.kind == "f":
+            ref = self.weights[ev.name].reshape(-1)
+            where = slice(ev.start, ev.start + vals.size) if ev.indices is None else ev.indices
+            g = ref[where].astype(np.float64)
+            new = g + vals if ev.delta else vals.astype(np.float64)
+            fl.sq_norm += float(np.square(new).sum() - np.square(g).sum())
+        assert self._acc is not None
+        self._acc.fold(fl.plan, ev.name, ev.start, vals, ev.indices, delta=ev.delta)
+        fl.folded = True
+        return []
+
+    def _on_end(self, ev: UpdateEnd, now: float, *, reason: str = "transfer") -> list[Command]:
+        fl = self.inflight.get(ev.sender)
+        if fl is None or fl.tid != ev.tid:
+            self.ignored.discard((ev.sender, ev.tid))
+            return []
+        del self.inflight[ev.sender]
+        head = fl.head
+        if ev.ok and self.config.max_norm is not None and fl.sq_norm > self.config.max_norm**2:
+            ev, reason = (
+                UpdateEnd(
+                    ev.sender,
+                    ev.tid,
+                    False,
+                    f"norm {max(fl.sq_norm, 0.0) ** 0.5:.3g} above bound {self.config.max_norm:.3g}",
+                ),
+                "norm",
+            )
+        if not ev.ok:
+            out: list[Command] = [Rejected(ev.sender, head.round, reason, ev.reason)]
+            if not fl.folded:
+                return out + self._maybe_finish(now)
+            # Parts of it are in the sums and cannot be taken out: the round is spoilt.
+            self.benched = {ev.sender}
+            detail = (
+                f"update from {ev.sender} failed after parts of it were aggregated ({ev.reason}); "
+                f"round restarted without it"
+            )
+            return out + self._abandon(detail, now, at_once=True)
+        assert self._acc is not None
+        self._acc.commit(ev.sender, fl.plan)
+        self.received[ev.sender] = (head.num_samples, dict(head.metrics))
+        self._outstanding.discard(ev.sender)
+        if head.leaving:
+            self.departing.add(ev.sender)
+        return self._maybe_finish(now)
+
+    def _maybe_finish(self, now: float) -> list[Command]:
+        if self.secagg is not None:
+            return []  # a secure round ends by its own stages
+        # Set-based and stopping at the first agent still owed: O(1) per update in the
+        # usual case instead of a scan of every selected agent (O(N²) per round).
+        waiting = any(a in self.online for a in self._outstanding)
+        if waiting and now < self.deadline:
+            return []
+        if any(fl.folded for fl in self.inflight.values()):
+            return []  # half-folded updates still arriving: wait for their end
+        assert self._acc is not None
+        reason = ""
+        if self._acc.count >= self.config.min_updates:
+            if isinstance(self._acc, DPAggregator) and self._acc.config.mode == "distributed":
+                # Fewer noise shares than selected: the sum may carry too little noise to
+                # be published within the budget (it is then dropped, not published).
+                reason = self._over_budget(len(self.selected), self._round_q, self._acc.count)
+            if not reason:
+                return self._aggregate(now)
+        else:
+            reason = (
+                "deadline passed" if now >= self.deadline else "selected agents left"
+            ) + f" with {len(self.received)} of {len(self.selected)} updates (need {self.config.min_updates})"
+            if self._acc.dropped:
+                reason += f", {len(self._acc.dropped)} dropped by {self.config.strategy.name}"
+        return self._abandon(reason, now)
+
+    # -- aggregating -------------------------------------------------------------------
+    def _aggregate(self, now: float) -> list[Command]:
+        assert self._acc is not None
+        acc = self._acc
+        new, velocity = self.server_step.propose(self.weights, acc.result(), self.model_version)
+        overflow = [k for k, v in new.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
+        if overflow:
+            # Every update was finite, but their weighted sum left the tensor's range
+            # (e.g. float32 values near 3.4e38): no model is better than an infinite one.
+            reason = (
+                f"the aggregate of {', '.join(sorted(acc.weights))} is not finite in "
+                f"{', '.join(overflow[:3])}{' ...' if len(overflow) > 3 else ''} (the updates' values "
+                "overflow their dtype); the global model is kept"
+            )
+            self.server_step.drop()
+            return self._abandon(reason, now)
+        self._adopt(new, velocity)
+        self.last_metrics = weighted_metrics([(m, n) for n, m in self.received.values()])
+        participants = tuple(sorted(acc.weights))
+        total = sum(acc.weights.values())
+        used = {a: acc.weights[a] / total for a in participants}
+        if isinstance(acc, DPAggregator):
+            assert self.budget is not None
+            self.budget.clip.update(acc.unclipped, acc.count, len(self.selected), self.budget.rng)
+        return self._published(participants, used, dict(acc.dropped), acc.count, now)
+
+    # -- secure rounds -----------------------------------------------------------------
+    def _secure(self, cmds: list[SA.ServerCommand], now: float) -> list[Command]:
+        out: list[Command] = []
+        for c in cmds:
+            if isinstance(c, SA.Unmasked):
+                out += self._aggregate_secure(c, now)
+            elif isinstance(c, SA.Failed):
+                out += self._abandon(f"secure aggregation: {c.reason}", now)
+            else:
+                out.append(self.secure.command(c, self.round))
+        return out
+
+    def after_unmask(self, mean: np.ndarray, result: SA.Unmasked) -> np.ndarray:
+        """Hook: the unmasked mean update (flat, :func:`~fedagent.protocols.secagg.flatten`
+        order) before it is added to the model. The identity here; a privacy stage
+        (noise, accounting) applies itself to the sum at this point."""
+        return mean
+
+    def _aggregate_secure(self, res: SA.Unmasked, now: float) -> list[Command]:
+        """The unmasked mean update becomes the next model: global + mean of the deltas
+        (floating tensors; the others keep the global model's values)."""
+        new, count = self.secure.aggregate(self.weights, res, lambda mean: self.after_unmask(mean, res))
+        self._adopt(*self.server_step.propose(self.weights, new, self.model_version))
+        self.received = {a: (c.num_samples, dict(c.metrics)) for a, c in res.contributors.items()}
+        for a, c in res.contributors.items():
+            if c.leaving:
+                self.departing.add(a)
+        self.last_metrics = weighted_metrics([(m, n) for n, m in self.received.values()])
+        used = self.secure.aggregated(res)
+        if self.budget is not None and count is not None:
+            # Distributed DP (check_secure allows no other): the agents noised their
+            # updates before masking; adaptive clipping moves by the noised count.
+            self.budget.clip.move(count, len(res.contributors))
+        return self._published(tuple(sorted(res.contributors)), used, {}, len(res.contributors), now)
+
+    # -- the end of a round ------------------------------------------------------------
+    def _adopt(self, new: Weights, velocity: Weights) -> None:
+        """The server step's results become the global model and velocity: the next version."""
+        self.weights = self.server_step.adopt(self.weights, new, velocity, self.model_version)
+        self.model_version += 1
+        self.completed += 1
+
+    def _published(
+        self,
+        participants: tuple[str, ...],
+        used: dict[str, float],
+        dropped: dict[str, float],
+        answered: int,
+        now: float,
+    ) -> list[Command]:
+        """The round's aggregate is the global model: its release is charged to the
+        privacy budget, and the next round starts, or training ends (the configured
+        rounds are done, or the budget allows no further release)."""
+        final = self.completed >= self.config.rounds
+        why = ""
+        if self.budget is not None:
+            self.budget.charge(len(self.selected), answered, self._round_q)
+            if not final:
+                # The next round's selection is not known yet: judged as this one's.
+                why = self.budget.over_budget(len(self.selected), self._round_q)
+                final = bool(why)
+        out: list[Command] = [
+            RoundAggregated(
+                self.round,
+                self.model_version,
+                self.weights,
+                participants,
+                dict(self.last_metrics),
+                final,
+                used,
+                dropped,
+                self.privacy(),
+                self.velocity,
+            )
+        ]
+        self._end_round()
+        if final:
+            self.phase = Phase.DONE
+            self.stop_reason = why
+            out.append(Finished(self.model_version, self.weights, why))
+        else:
+            self.phase = Phase.WAITING
+            # Agents are still online: the next round starts at once.
+            self.quorum_since = -math.inf
+            out += self._maybe_start(now)
+        return out
+
+    def _abandon(self, reason: str, now: float, *, at_once: bool = False) -> list[Command]:
+        """The round ends without an aggregate, and a new one (with a new number) starts
+        from the same model once a quorum is there (``at_once``: the agents are, as
+        they were a moment ago)."""
+        out: list[Command] = [RoundAbandoned(self.round, self.model_version, reason)]
+        self._end_round()
+        self.phase = Phase.WAITING
+        self.quorum_since = -math.inf if at_once else None
+        return out + self._maybe_start(now)
+
+    def _end_round(self) -> None:
+        self.secure.server = None
+        self._acc = None
+        self.inflight = {}
+        self.deadline = math.inf
+        for agent in self.departing:
+            if self.online.pop(agent, None) is not None:
+                self.departed.add(agent)
+        self.departing.clear()
