@@ -1,4 +1,4 @@
-"""Flower 1.41's SecAgg+ on fedagent's secure-aggregation benchmark shape: FedAvg under
+"""Flower's SecAgg+ on fedagent's secure-aggregation benchmark shape: FedAvg under
 ``SecAggPlusWorkflow`` (server) and ``secaggplus_mod`` (client), 10 SuperNodes,
 training off (each client returns the arrays it was sent, with weight 1), the tensors of
 bench/env.py. The protocol parameters come from the run config (bench/flower.py sets
