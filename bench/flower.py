@@ -254,7 +254,7 @@ def run_deployment(
         seen = 0
         while True:
             tree.sweep()
-            times = json.loads(out.read_text())["times"] if out.exists() else []
+            times = read_result(out)["times"]
             if len(times) > seen:
                 log(f"{what}: round {len(times)} of {rounds + 1}: {times[-1]:.1f} s")
                 seen = len(times)
@@ -262,7 +262,7 @@ def run_deployment(
                 return times[1:]
             if run.poll() is not None or watch.fatal():
                 # The run ended (the app raises when a round lost a reply) or failed.
-                times = json.loads(out.read_text())["times"] if out.exists() else []
+                times = read_result(out)["times"]
                 if len(times) == rounds + 1:
                     return times[1:]
                 raise RuntimeError(
@@ -275,6 +275,17 @@ def run_deployment(
                     f"in {timeout:.0f} s; see {logf.name}"
                 )
             time.sleep(0.5)
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    """The round times a Flower app has written so far (``{"times": []}`` before its
+    first). The apps replace the file whole (a temporary file renamed over it), so a
+    read sees one version or the other; a file that does not parse is taken as not yet
+    written rather than failing the run."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"times": []}
 
 
 #: What Flower logs (1.41 and 1.42) when a round lost a client's reply, most telling first: a
@@ -630,11 +641,11 @@ def run_secaggplus(
             pids = tree.sweep()
             cpu_t.append(time.monotonic())
             cpu.append(tree_cpu(pids))
-            res = json.loads(out.read_text()) if out.exists() else {"times": []}
+            res = read_result(out)
             if len(res["times"]) == rounds + 1:
                 break
             if run.poll() is not None or watch.fatal():
-                res = json.loads(out.read_text()) if out.exists() else {"times": []}
+                res = read_result(out)
                 if len(res["times"]) == rounds + 1:
                     break
                 failed = (

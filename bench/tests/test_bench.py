@@ -324,3 +324,16 @@ def test_log_watch_sees_a_serverapp_failure_once_it_is_logged(tmp_path):
     halted = tmp_path / "halted.log"
     halted.write_bytes(b"ERROR :     Insufficient available nodes.\nINFO :      Secure aggregation halted.\n")
     assert LogWatch(halted).fatal()
+
+
+def test_a_half_written_flower_result_counts_as_not_yet_written(tmp_path):
+    """A loaded run once read the round times while the app was writing them and
+    failed the whole section on the parse error."""
+    from bench.flower import read_result
+
+    out = tmp_path / "times.json"
+    assert read_result(out) == {"times": []}
+    out.write_text('{"times": [1.5, 2.')
+    assert read_result(out) == {"times": []}
+    out.write_text('{"times": [1.5, 2.5]}')
+    assert read_result(out) == {"times": [1.5, 2.5]}
