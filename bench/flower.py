@@ -4,17 +4,23 @@ same tensors, training off, a real multi-process deployment on loopback.
 Flower runs from its own virtualenv (``bench/.venv-flower``, made on first use with
 the pinned release below), so its dependencies never meet fedagent's.
 
-Modes:
-* ``grpc``: the deprecated ``start_server`` + ``start_client`` deployment (its
-  fastest), without TLS and with TLS (our federation CA and broker certificate).
-* ``deployment``: the current one (SuperLink + SuperNodes + ``flwr run``), see
-  bench/flower_app/deploy/.
-* ``secaggplus``: the same deployment running FedAvg under Flower's SecAgg+ workflow
-  (bench/flower_app/secaggplus/), behind a byte-counting relay; the ``secagg`` section
-  calls :func:`secaggplus_rows` to compare it with fedagent's secure round.
+Flower is run the way its documentation recommends for a deployment: one SuperLink,
+one SuperNode per client and the app submitted with ``flwr run`` (bench/flower_app/deploy/),
+over its HTTP transport. With TLS (the default here, :func:`server_tls`) the SuperLink
+serves every API over HTTPS with a certificate of our CA, and the SuperNodes and the
+``flwr`` CLI verify it (``--root-certificates``, ``root-certificates``); Flower has no
+client certificates, so unlike fedagent's mutual TLS only the server is authenticated.
+The same deployment without TLS (``--insecure``) is measured too, unless --quick.
+The ``start_server``/``start_client`` gRPC mode that earlier runs measured (Flower
+1.41) is deprecated since Flower 1.13 and its gRPC services are gone in 1.43: it is
+not measured any more.
+
+The ``secagg`` section calls :func:`secaggplus_rows` to run FedAvg under Flower's
+SecAgg+ workflow in the same deployment (bench/flower_app/secaggplus/), with TLS,
+behind byte-counting relays.
 
 Rows compare fedagent's TLS round with its defaults (measured by the ``round`` section
-in this run: updates streamed and int8-compressed, the coordinator's broadcast in full)
+in this run: updates streamed and int8-compressed, the model broadcast as int8 steps)
 with Flower's with its defaults (float32 both ways): a ratio below 1 means fedagent is
 faster.
 """
@@ -44,7 +50,9 @@ if TYPE_CHECKING:
 HERE = Path(__file__).resolve().parent
 APP = HERE / "flower_app"
 VENV = HERE / ".venv-flower"
-FLWR_VERSION = "1.41.0"
+#: The newest release the package index served when the bench moved to it (checked with
+#: ``pip index versions flwr``); the apps' pyproject.toml files pin the same one.
+FLWR_VERSION = "1.42.0"
 CLIENTS = 10
 
 
@@ -74,51 +82,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_grpc(
-    py: Path,
-    work: Path,
-    params: int,
-    rounds: int,
-    tls: tuple[Path, Path, Path] | None,
-    timeout: float,
-    clients: int = CLIENTS,
-) -> list[float]:
-    """Round times of one start_server run with ``clients`` start_client processes; the
-    first round (clients still connecting) is dropped."""
-    port = _free_port()
-    out = work / f"flower-grpc-{params}-{port}.json"
-    server_cmd = [
-        str(py),
-        str(APP / "grpc_server.py"),
-        "--port",
-        str(port),
-        "--clients",
-        str(clients),
-        "--params",
-        str(params),
-        "--rounds",
-        str(rounds + 1),
-        "--out",
-        str(out),
-    ]
-    client_cmd = [str(py), str(APP / "grpc_client.py"), "--port", str(port)]
-    if tls is not None:
-        server_cmd += ["--tls", *map(str, tls)]
-        client_cmd += ["--ca", str(tls[0])]
-    with open(work / f"flower-grpc-{port}.log", "wb") as logf, ProcessTree() as tree:
-        server = tree.spawn(server_cmd, stdout=logf, stderr=subprocess.STDOUT)
-        time.sleep(0.5)  # clients retry their connection; this only avoids noise
-        for _ in range(clients):
-            tree.spawn(client_cmd, stdout=logf, stderr=subprocess.STDOUT)
-        server.wait(timeout=timeout)
-        if server.returncode != 0:
-            raise RuntimeError(f"Flower server exited {server.returncode}; see {logf.name}")
-        times = json.loads(out.read_text())["times"]
-        if len(times) != rounds + 1:
-            raise RuntimeError(f"Flower ran {len(times)} rounds, not {rounds + 1}")
-        return times[1:]
-
-
 def _wait_port(port: int, deadline: float, proc: subprocess.Popen, what: str) -> None:
     import socket
 
@@ -134,10 +97,17 @@ def _wait_port(port: int, deadline: float, proc: subprocess.Popen, what: str) ->
             time.sleep(0.2)
 
 
-def deployment_dirs(py: Path, work: Path, src: Path, tag: str) -> tuple[Path, int, dict[str, str]]:
+#: (CA certificate, server certificate, server key) for a TLS deployment; None: --insecure
+TLS = tuple[Path, Path, Path]
+
+
+def deployment_dirs(
+    py: Path, work: Path, src: Path, tag: str, tls: TLS | None = None
+) -> tuple[Path, int, dict[str, str]]:
     """A fresh copy of the Flower app ``src`` (``work/flwr-app-TAG``), a Flower home whose
     default SuperLink is a free loopback port, and the environment that runs Flower's
-    commands of ``py``'s virtualenv with that home: (app, port, env)."""
+    commands of ``py``'s virtualenv with that home: (app, port, env). With ``tls`` the
+    ``flwr`` CLI verifies the SuperLink's certificate against ``tls[0]``, the CA."""
     import shutil
 
     home = work / f"flwr-home-{tag}"
@@ -146,34 +116,69 @@ def deployment_dirs(py: Path, work: Path, src: Path, tag: str) -> tuple[Path, in
     shutil.rmtree(app, ignore_errors=True)
     shutil.copytree(src, app)
     link = _free_port()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{link}"\ninsecure = true\n'
-    )
+    (home / "config.toml").write_text(superlink_config(link, tls))
     env = dict(os.environ, FLWR_HOME=str(home), PATH=f"{py.parent}{os.pathsep}{os.environ.get('PATH', '')}")
     return app, link, env
 
 
-def spawn_superlink(
-    tree: ProcessTree, py: Path, link: int, logf: Any, env: dict[str, str], work: Path, *extra: str
-) -> subprocess.Popen:
-    """Start a SuperLink on ``link`` (``extra``: more of its options) and wait for its port.
+def superlink_config(port: int, tls: TLS | None) -> str:
+    """The ``flwr`` CLI's config.toml naming the SuperLink on ``port`` as its default."""
+    trust = f'root-certificates = "{tls[0]}"' if tls is not None else "insecure = true"
+    return f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{port}"\n{trust}\n'
+
+
+def superlink_command(py: Path, link: int, tls: TLS | None, *extra: str) -> list[str]:
+    """``flower-superlink`` serving all its APIs (Fleet, Control, Runtime) on ``link``,
+    over HTTPS with the certificate and key of ``tls`` (``--insecure`` without).
     Without ``--disable-runtime-dependency-installation`` it builds a fresh environment
     per run with uv (15 s here); the apps need nothing beyond this virtualenv."""
+    security = (
+        ["--ssl-ca-certfile", str(tls[0]), "--ssl-certfile", str(tls[1]), "--ssl-keyfile", str(tls[2])]
+        if tls is not None
+        else ["--insecure"]
+    )
+    return [
+        str(py.parent / "flower-superlink"),
+        *security,
+        *extra,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(link),
+        "--disable-runtime-dependency-installation",
+    ]
+
+
+def supernode_command(py: Path, link: int, tls: TLS | None, partition: int | None = None) -> list[str]:
+    """``flower-supernode`` connecting to the SuperLink's Fleet API at ``link``, checking
+    its certificate against the CA of ``tls`` (``--insecure`` without). Its own Runtime
+    API, which only its ClientApp processes on the same machine use, stays plain HTTP,
+    Flower's default: fedagent's agents have no such link to pay for."""
+    security = ["--root-certificates", str(tls[0])] if tls is not None else ["--insecure"]
+    return [
+        str(py.parent / "flower-supernode"),
+        *security,
+        "--superlink",
+        f"127.0.0.1:{link}",
+        "--port",
+        str(_free_port()),
+        *(["--node-config", f"partition-id={partition}"] if partition is not None else []),
+    ]
+
+
+def spawn_superlink(
+    tree: ProcessTree,
+    py: Path,
+    link: int,
+    logf: Any,
+    env: dict[str, str],
+    work: Path,
+    *extra: str,
+    tls: TLS | None = None,
+) -> subprocess.Popen:
+    """Start a SuperLink on ``link`` (``extra``: more of its options) and wait for its port."""
     superlink = tree.spawn(
-        [
-            str(py.parent / "flower-superlink"),
-            "--insecure",
-            *extra,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(link),
-            "--disable-runtime-dependency-installation",
-        ],
-        stdout=logf,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=work,
+        superlink_command(py, link, tls, *extra), stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=work
     )
     _wait_port(link, time.monotonic() + 120, superlink, "flower-superlink")
     return superlink
@@ -189,20 +194,13 @@ def spawn_supernodes(
     work: Path,
     *,
     partitions: bool = False,
+    tls: TLS | None = None,
 ) -> None:
     """Start ``clients`` SuperNodes connecting to the SuperLink's fleet port ``link``
     (``partitions``: each told its ``partition-id``, 0 to clients - 1)."""
     for i in range(clients):
         tree.spawn(
-            [
-                str(py.parent / "flower-supernode"),
-                "--insecure",
-                "--superlink",
-                f"127.0.0.1:{link}",
-                "--port",
-                str(_free_port()),
-                *(["--node-config", f"partition-id={i}"] if partitions else []),
-            ],
+            supernode_command(py, link, tls, i if partitions else None),
             stdout=logf,
             stderr=subprocess.STDOUT,
             env=env,
@@ -224,37 +222,47 @@ def spawn_flwr_run(
 
 
 def run_deployment(
-    py: Path, work: Path, params: int, rounds: int, timeout: float, log, clients: int = CLIENTS
+    py: Path,
+    work: Path,
+    params: int,
+    rounds: int,
+    timeout: float,
+    log,
+    clients: int = CLIENTS,
+    tls: TLS | None = None,
 ) -> list[float]:
-    """Round times of Flower's current deployment: one SuperLink, ``clients`` SuperNodes
-    (each starting a ClientApp process per message), the app submitted with
-    ``flwr run``; the first round is dropped, as in the gRPC mode."""
-    app, link, env = deployment_dirs(py, work, APP / "deploy", str(params))
-    out = work / f"flower-deploy-{params}.json"
+    """Round times of Flower's deployment: one SuperLink, ``clients`` SuperNodes (each
+    starting a ClientApp process per message), the app submitted with ``flwr run``,
+    with TLS when ``tls`` is given; the first round (the processes still starting) is
+    dropped."""
+    tag = f"{params}-{'tls' if tls else 'plain'}"
+    app, link, env = deployment_dirs(py, work, APP / "deploy", tag, tls)
+    out = work / f"flower-deploy-{tag}.json"
     out.unlink(missing_ok=True)
-    logf = open(work / f"flower-deploy-{params}.log", "wb")
+    logf = open(work / f"flower-deploy-{tag}.log", "wb")
     watch = LogWatch(Path(logf.name))
+    what = f"Flower deployment{' (TLS)' if tls else ''}, {params} params"
     # Every process of the deployment, also the ones Flower starts itself (SuperExec,
     # flwr-serverapp, ClientApps), ends with this block, by PID: on success, on an
     # error and on KeyboardInterrupt (bench/run.py turns SIGTERM into one).
     with logf, ProcessTree() as tree:
-        spawn_superlink(tree, py, link, logf, env, work)
-        spawn_supernodes(tree, py, link, clients, logf, env, work)
+        spawn_superlink(tree, py, link, logf, env, work, tls=tls)
+        spawn_supernodes(tree, py, link, clients, logf, env, work, tls=tls)
         cfg = f'params={params} rounds={rounds + 1} clients={clients} out="{out}"'
         run = spawn_flwr_run(tree, py, app, cfg, logf, env, work)
         deadline = time.monotonic() + timeout
         seen = 0
         while True:
             tree.sweep()
-            times = json.loads(out.read_text())["times"] if out.exists() else []
+            times = read_result(out)["times"]
             if len(times) > seen:
-                log(f"Flower deployment, {params} params: round {len(times)} of {rounds + 1}: {times[-1]:.1f} s")
+                log(f"{what}: round {len(times)} of {rounds + 1}: {times[-1]:.1f} s")
                 seen = len(times)
             if len(times) == rounds + 1:
                 return times[1:]
             if run.poll() is not None or watch.fatal():
                 # The run ended (the app raises when a round lost a reply) or failed.
-                times = json.loads(out.read_text())["times"] if out.exists() else []
+                times = read_result(out)["times"]
                 if len(times) == rounds + 1:
                     return times[1:]
                 raise RuntimeError(
@@ -269,7 +277,18 @@ def run_deployment(
             time.sleep(0.5)
 
 
-#: What Flower 1.41 logs when a round lost a client's reply, most telling first: a
+def read_result(path: Path) -> dict[str, Any]:
+    """The round times a Flower app has written so far (``{"times": []}`` before its
+    first). The apps replace the file whole (a temporary file renamed over it), so a
+    read sees one version or the other; a file that does not parse is taken as not yet
+    written rather than failing the run."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"times": []}
+
+
+#: What Flower logs (1.41 and 1.42) when a round lost a client's reply, most telling first: a
 #: ClientApp that did not claim its task within the SuperNode's heartbeat window (30 s),
 #: one whose upload stalled past its HTTP client's 30 s timeout (``ClientDisconnect``;
 #: both seen on a machine loaded far beyond its cores), and what the ServerApp then
@@ -328,7 +347,7 @@ def _flower_error(log_path: str) -> str:
     return ""
 
 
-def server_tls(d: Path) -> tuple[Path, Path, Path]:
+def server_tls(d: Path) -> TLS:
     """(CA, server certificate, key) for Flower's TLS mode, from fedagent's own CA code
     (ECDSA P-256, SAN 127.0.0.1, as the broker's)."""
     from fedagent.security import pki
@@ -343,12 +362,21 @@ def _ours(ctx: Context, params: int) -> list[float] | None:
     return ctx.shared.get(("fedagent_round_defaults", params))
 
 
+#: Flower's deployment with TLS (how its documentation has it run) and, unless --quick,
+#: without (its ``--insecure`` prototyping set-up, what the earlier Flower rows measured):
+#: (label, with TLS)
+MODES = (("SuperLink + SuperNodes + flwr run, TLS", True), ("SuperLink + SuperNodes + flwr run, no TLS", False))
+
+
+def modes(ctx: Context) -> tuple[tuple[str, bool], ...]:
+    return MODES[:1] if ctx.quick else MODES
+
+
 def _expected_rows(ctx: Context) -> int:
-    """Two rows (median, max) per model size and Flower mode (gRPC without TLS; with TLS
-    and deployment mode unless --quick). Each is a ratio to the ``round`` section's
-    fedagent round, so a run of ``flower`` without ``round`` measures none of them and
-    fails."""
-    return 2 * len(model_sizes(ctx)) * (1 if ctx.quick else 3)
+    """Two rows (median, max) per model size and Flower mode (:func:`modes`). Each is a
+    ratio to the ``round`` section's fedagent round, so a run of ``flower`` without
+    ``round`` measures none of them and fails."""
+    return 2 * len(model_sizes(ctx)) * len(modes(ctx))
 
 
 def deployment_timeout(params: int, rounds: int) -> float:
@@ -357,8 +385,8 @@ def deployment_timeout(params: int, rounds: int) -> float:
     allowance that grows with the model. Each round carries the model six times through
     Flower's Python processes (ServerApp, SuperLink, SuperNode, ClientApp and back),
     hashing every object, and starts ten ClientApp processes: 33 s a round at 44.8 MB on
-    an idle 2-core machine, 5-10x that at a load of 20. The allowance is 90 s plus 10 s
-    per MB of model a round (538 s at 44.8 MB, 134 s at 4.4 MB)."""
+    an idle 2-core machine (Flower 1.41), 5-10x that at a load of 20. The allowance is
+    90 s plus 10 s per MB of model a round (538 s at 44.8 MB, 134 s at 4.4 MB)."""
     return 300 + (rounds + 1) * (90 + 10 * params * 4 / 1e6)
 
 
@@ -391,41 +419,29 @@ def _pair(label: str, version: str, size: str, ours: list[float], theirs: list[f
 def flower(ctx: Context) -> list[Row]:
     py = flower_python(ctx.log)
     version = flower_version(py)
-    rows = []
-    tls = server_tls(ctx.work / "flower-pki")
+    rows: list[Row] = []
+    cert = server_tls(ctx.work / "flower-pki")
+    if ctx.quick:
+        ctx.log("--quick: Flower's deployment without TLS skipped")
     for params in model_sizes(ctx):
         ours = _ours(ctx, params)
         if ours is None:
             ctx.log("no fedagent round in this run (run the round section too): Flower rows have no ratio")
-        modes = [("gRPC start_server/start_client, no TLS", None)]
-        if not ctx.quick:
-            modes.append(("gRPC start_server/start_client, TLS", tls))
-        for label, cert in modes:
-            times = run_grpc(py, ctx.work, params, ctx.repeats, cert, timeout=600)
+        for label, with_tls in modes(ctx):
+            rounds = ctx.repeats
+            timeout = deployment_timeout(params, rounds)
+            tls = cert if with_tls else None
+            try:
+                times = run_deployment(py, ctx.work, params, rounds, timeout=timeout, log=ctx.log, tls=tls)
+            except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
+                ctx.log(f"Flower {version} {label}, {mb(params)}: did not complete: {exc}")
+                ctx.shared.setdefault("failures", []).append(f"Flower {label}, {mb(params)}: {exc}")
+                continue
             med, mx = summary(times)
             ctx.log(f"Flower {version} {label}, {mb(params)}: median {med:.2f} s, max {mx:.2f} s")
             ctx.shared[("flower", label, params)] = times
             if ours is not None:
-                rows += _pair(label, version, mb(params), ours, times, "<= 0.67x")
-    if ctx.quick:
-        ctx.log("--quick: Flower's deployment mode (SuperLink + SuperNodes + flwr run) skipped")
-        return rows
-    for params in model_sizes(ctx):
-        rounds = ctx.repeats
-        label = "SuperLink + SuperNodes + flwr run, no TLS"
-        timeout = deployment_timeout(params, rounds)
-        try:
-            times = run_deployment(py, ctx.work, params, rounds, timeout=timeout, log=ctx.log)
-        except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
-            ctx.log(f"Flower {version} {label}, {mb(params)}: did not complete: {exc}")
-            ctx.shared.setdefault("failures", []).append(f"Flower {label}, {mb(params)}: {exc}")
-            continue
-        med, mx = summary(times)
-        ctx.log(f"Flower {version} {label}, {mb(params)}: median {med:.2f} s, max {mx:.2f} s")
-        ctx.shared[("flower", label, params)] = times
-        ours = _ours(ctx, params)
-        if ours is not None:
-            rows += _pair(label, version, mb(params), ours, times, "<= 0.1x")
+                rows += _pair(label, version, mb(params), ours, times, "<= 0.1x")
     return rows
 
 
@@ -579,8 +595,10 @@ def run_secaggplus(
     config: dict[str, float | int],
     timeout: float,
     clients: int = CLIENTS,
+    tls: TLS | None = None,
 ) -> dict[str, list]:
-    """Rounds of FedAvg under Flower's SecAgg+ workflow in its deployment mode: one
+    """Rounds of FedAvg under Flower's SecAgg+ workflow in its deployment mode (with TLS
+    when ``tls`` is given; the relays pass it through untouched): one
     SuperLink, ``clients`` SuperNodes (a ClientApp process per message, so per SecAgg+
     stage), the app submitted with ``flwr run``. The SuperNodes reach the SuperLink
     through one :class:`ByteRelay` ("fleet": the clients' links) and the ServerApp
@@ -589,23 +607,28 @@ def run_secaggplus(
     pointed at the relay). Returns per round (the first, warm-up, dropped): seconds,
     fleet bytes, ServerApp bytes."""
     bindir = py.parent
-    app, link, env = deployment_dirs(py, work, APP / "secaggplus", f"sa-{params}")
+    app, link, env = deployment_dirs(py, work, APP / "secaggplus", f"sa-{params}", tls)
     out = work / f"flower-secaggplus-{params}.json"
     out.unlink(missing_ok=True)
     logf = open(work / f"flower-secaggplus-{params}.log", "wb")
     watch = LogWatch(Path(logf.name))
     with logf, ProcessTree() as tree, ByteRelay(link) as fleet, ByteRelay(link) as server:
-        spawn_superlink(tree, py, link, logf, env, work, "--isolation", "process")
+        spawn_superlink(tree, py, link, logf, env, work, "--isolation", "process", tls=tls)
         # What the SuperLink starts itself in its default (subprocess) isolation, but
         # connected through the relay.
         tree.spawn(
-            [str(bindir / "flower-superexec"), "--insecure", "--runtime-api-address", f"127.0.0.1:{server.port}"],
+            [
+                str(bindir / "flower-superexec"),
+                *(["--root-certificates", str(tls[0])] if tls is not None else ["--insecure"]),
+                "--runtime-api-address",
+                f"127.0.0.1:{server.port}",
+            ],
             stdout=logf,
             stderr=subprocess.STDOUT,
             env=env,
             cwd=work,
         )
-        spawn_supernodes(tree, py, fleet.port, clients, logf, env, work)
+        spawn_supernodes(tree, py, fleet.port, clients, logf, env, work, tls=tls)
         cfg = " ".join(
             f"{k}={json.dumps(v)}"
             for k, v in {**config, "params": params, "rounds": rounds + 1, "clients": clients, "out": str(out)}.items()
@@ -618,11 +641,11 @@ def run_secaggplus(
             pids = tree.sweep()
             cpu_t.append(time.monotonic())
             cpu.append(tree_cpu(pids))
-            res = json.loads(out.read_text()) if out.exists() else {"times": []}
+            res = read_result(out)
             if len(res["times"]) == rounds + 1:
                 break
             if run.poll() is not None or watch.fatal():
-                res = json.loads(out.read_text()) if out.exists() else {"times": []}
+                res = read_result(out)
                 if len(res["times"]) == rounds + 1:
                     break
                 failed = (
@@ -669,9 +692,10 @@ def secaggplus_rows(ctx: Context, params: int, agents: int, sp: SecAggParams, ou
     config = secaggplus_config(sp, agents)
     rounds = ctx.repeats
     timeout = secaggplus_timeout(params, rounds)
-    label = f"Flower {version} SecAgg+ (SuperLink + SuperNodes + flwr run, no TLS)"
+    label = f"Flower {version} SecAgg+ (SuperLink + SuperNodes + flwr run, TLS)"
+    tls = server_tls(ctx.work / f"flower-secaggplus-pki-{params}")
     try:
-        res = run_secaggplus(py, ctx.work, params, rounds, config, timeout=timeout, clients=agents)
+        res = run_secaggplus(py, ctx.work, params, rounds, config, timeout=timeout, clients=agents, tls=tls)
     except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
         ctx.log(f"{label}, {mb(params)}: did not complete: {exc}")
         ctx.shared.setdefault("failures", []).append(f"{label}, {mb(params)}: {exc}")

@@ -8,12 +8,17 @@ held-out accuracy by fedagent and by Flower.
   once to an .npz that the Flower clients read;
 * 10 nodes, 2 local epochs, batch 32, SGD lr 0.05 with momentum 0.9, all nodes train
   every round, the initial model from seed 0;
-* each framework with its defaults otherwise: fedagent = a coordinator and 10 agent
+* each framework otherwise as it runs by default: fedagent = a coordinator and 10 agent
   processes over Mosquitto with mutual TLS, updates streamed and compressed by default
-  (``int8`` deltas; the global model is broadcast in full);
-  Flower 1.41 = ``start_server``/``start_client`` (gRPC, no TLS, its default) and the
-  deployment mode (SuperLink + SuperNodes + ``flwr run``), both with Flower's default
-  federated evaluation of every round's model on every client;
+  (``int8`` deltas, the model broadcast as int8 steps); Flower 1.42 = its deployment
+  (SuperLink + SuperNodes + ``flwr run``) over HTTPS (the SuperLink's certificate from
+  our CA, verified by the SuperNodes and the CLI), with its default federated evaluation
+  of every round's model on every client;
+* the server's algorithm, apart from the system: FedAvgM with fedagent's default server
+  momentum (0.7) and server learning rate (1) on both sides (Flower's ``FedAvgM``
+  strategy), and plain FedAvg on both sides (fedagent with ``server_momentum = 0``,
+  Flower's default strategy); and each framework's default (fedagent's FedAvgM against
+  Flower's FedAvg);
 * the accuracy of a global model is its accuracy on the held-out set, evaluated by the
   nodes (in fedagent every agent evaluates each global model it receives, its default;
   in Flower every client does in the evaluate phase of each round);
@@ -21,14 +26,15 @@ held-out accuracy by fedagent and by Flower.
   at or above the target exists (its round's aggregation ends); the total adds the
   start-up (from launching the processes: PKI and broker too for fedagent);
 * bytes: a counting relay (bench/relay.py) in front of the server side carries every
-  node's connection (fedagent: agents and coordinator to Mosquitto; Flower gRPC: clients
-  to the server; deployment: SuperNodes to the SuperLink), up to the target round.
+  node's connection (fedagent: agents and coordinator to Mosquitto; Flower: SuperNodes
+  to the SuperLink), up to the target round.
 
-Target: 0.95 held-out accuracy (see docs/benchmarks.md for why). Rows: fedagent's time to
-accuracy against each Flower mode's (ratio < 1: fedagent is faster; goal <= 0.5x against
-gRPC), bytes to the target against each, and each other update compression setting's
-time to accuracy (``none`` first) against fedagent with its default (the same run's
-rounds and final accuracy go in the notes).
+Target: 0.95 held-out accuracy (see docs/benchmarks.md for why). Rows, each a time row
+and a bytes row (ratio < 1: fedagent is faster or moves less): fedagent against Flower
+with the same algorithm, FedAvgM and FedAvg (goal <= 0.6x), and fedagent's defaults
+against Flower's; then each other update compression setting's time to accuracy
+(``none`` first) against fedagent with its default (the same run's rounds and final
+accuracy go in the notes).
 """
 
 from __future__ import annotations
@@ -45,11 +51,11 @@ from pathlib import Path
 from bench.flower import (
     APP,
     FLWR_VERSION,
+    TLS,
     VENV,
-    _free_port,
-    _wait_port,
     deployment_dirs,
     flower_python,
+    server_tls,
     spawn_flwr_run,
     spawn_superlink,
     spawn_supernodes,
@@ -58,7 +64,9 @@ from bench.flower_app.tta import tta_model
 from bench.procs import ProcessTree
 from bench.registry import Context, Row, section
 from bench.relay import Relay
+from fedagent.config import RoundsConfig
 from fedagent.protocols.compression import DEFAULT_MODE
+from fedagent.protocols.serveropt import DEFAULT_MOMENTUM
 from fedagent.storage import history
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +75,10 @@ TORCH = "2.13.0"  # the pinned CPU build scripts/bootstrap.sh installs for fedag
 TARGET = 0.95
 MAX_ROUNDS = 40  # a run that has not reached the target by then failed
 FINAL_ROUNDS = 20  # fedagent runs go on to this round at least: the final accuracy per compression
+#: fedagent's default server momentum and server learning rate (``[rounds]
+#: server_momentum`` and ``server_lr``), which Flower's FedAvgM run is given
+MOMENTUM = DEFAULT_MOMENTUM
+SERVER_LR = RoundsConfig().server_lr
 # Each run against fedagent's default run (DEFAULT_MODE): every other setting, none first.
 COMPRESSIONS = tuple(c for c in ("none", "fp16", "int8", "topk") if c != DEFAULT_MODE)
 
@@ -164,6 +176,18 @@ def _cpu(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def fedagent_label(compression: str | None = None, rounds_options: dict | None = None) -> str:
+    """fedagent's run as the table names it: its server algorithm and its compression."""
+    momentum = (rounds_options or {}).get("server_momentum")
+    if momentum is None:
+        algo = f"FedAvgM, momentum {MOMENTUM} (its default)"
+    elif momentum == 0:
+        algo = "FedAvg (server_momentum = 0)"
+    else:
+        algo = f"FedAvgM, momentum {momentum}"
+    return f"fedagent, {algo}, compression {compression or f'{DEFAULT_MODE} (its default)'}"
+
+
 def run_fedagent(
     work: Path,
     log,
@@ -237,8 +261,7 @@ def run_fedagent(
         fed.start_all()
         coord_hist = d / "state" / "coordinator" / "coordinator" / fed.fed / "history.jsonl"
         agent_hist = d / "state" / "agent-1" / "agent" / fed.fed / "history.jsonl"
-        label = compression or f"{DEFAULT_MODE}, the default"
-        run = Run(f"fedagent (compression {label})", launched, target=target)
+        run = Run(fedagent_label(compression, rounds_options), launched, target=target)
         deadline = time.monotonic() + timeout
         while True:
             fed.check_alive()
@@ -315,65 +338,16 @@ def _flower_result(out: Path, framework: str, launched: float, relay: Relay, tar
     return run
 
 
-def run_flower_grpc(
-    py: Path,
-    work: Path,
-    data: Path,
-    log,
-    *,
-    target: float = TARGET,
-    rounds: int = MAX_ROUNDS,
-    timeout: float = 900.0,
-    clients: int = tta_model.CLIENTS,
-    seed: int = tta_model.SEED,
-) -> Run:
-    """``seed``: the initial model's (``data`` must be written with the same seed)."""
-    port = _free_port()
-    out = work / "flower-grpc-tta.json"
-    out.unlink(missing_ok=True)
-    launched = time.time()
-    with open(work / "flower-grpc-tta.log", "wb") as logf, ProcessTree() as tree:
-        server = tree.spawn(
-            [
-                str(py),
-                str(TTA_APP / "grpc_server.py"),
-                "--port",
-                str(port),
-                "--clients",
-                str(clients),
-                "--rounds",
-                str(rounds),
-                "--target",
-                str(target),
-                "--out",
-                str(out),
-                "--seed",
-                str(seed),
-            ],
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-        )
-        _wait_port(port, time.monotonic() + 120, server, "Flower server")
-        with Relay(port) as relay:
-            for i in range(clients):
-                tree.spawn(
-                    [
-                        str(py),
-                        str(TTA_APP / "grpc_client.py"),
-                        "--port",
-                        str(relay.port),
-                        "--data",
-                        str(data),
-                        "--shard",
-                        str(i),
-                    ],
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                )
-            server.wait(timeout=timeout)
-            if server.returncode != 0:
-                raise RuntimeError(f"Flower server exited {server.returncode}; see {logf.name}")
-            return _flower_result(out, f"Flower {FLWR_VERSION} gRPC", launched, relay, target)
+#: Flower's server algorithms in the section: its default, plain FedAvg, and FedAvgM with
+#: fedagent's default server momentum and server learning rate (``flwr.serverapp.strategy.
+#: FedAvgM``; the same update rule as fedagent's, see docs/benchmarks.md).
+FEDAVG = "fedavg"
+FEDAVGM = "fedavgm"
+
+
+def flower_label(strategy: str, tls: bool = True) -> str:
+    algo = f"FedAvgM, momentum {MOMENTUM}, server lr {SERVER_LR:g}" if strategy == FEDAVGM else "FedAvg (its default)"
+    return f"Flower {FLWR_VERSION} deployment{', TLS' if tls else ''}, {algo}"
 
 
 def run_flower_deployment(
@@ -382,37 +356,53 @@ def run_flower_deployment(
     data: Path,
     log,
     *,
+    strategy: str = FEDAVG,
+    tls: TLS | None = None,
     target: float = TARGET,
     rounds: int = MAX_ROUNDS,
-    timeout: float = 1800.0,
+    timeout: float = 3600.0,
     clients: int = tta_model.CLIENTS,
+    seed: int = tta_model.SEED,
 ) -> Run:
     """One SuperLink, ``clients`` SuperNodes (``partition-id`` = shard) reaching it through
-    the relay, the app submitted with ``flwr run`` (straight to the SuperLink)."""
-    app, link, env = deployment_dirs(py, work, TTA_APP / "deploy", "tta")
+    the relay, the app submitted with ``flwr run`` (straight to the SuperLink); with TLS
+    when ``tls`` is given (the relay carries it untouched). ``strategy``: :data:`FEDAVG`
+    or :data:`FEDAVGM`; ``seed``: the initial model's (``data`` must be written with the
+    same seed)."""
+    tag = f"tta-{strategy}"
+    app, link, env = deployment_dirs(py, work, TTA_APP / "deploy", tag, tls)
     for f in ("tta_model.py", "data.py"):
         shutil.copy(TTA_APP / f, app / f)
-    out = work / "flower-deploy-tta.json"
+    out = work / f"flower-deploy-{tag}.json"
     out.unlink(missing_ok=True)
     env.pop("PYTHONPATH", None)
+    framework = flower_label(strategy, tls is not None)
     launched = time.time()
-    with open(work / "flower-deploy-tta.log", "wb") as logf, ProcessTree() as tree:
-        spawn_superlink(tree, py, link, logf, env, work)
+    with open(work / f"flower-deploy-{tag}.log", "wb") as logf, ProcessTree() as tree:
+        spawn_superlink(tree, py, link, logf, env, work, tls=tls)
         with Relay(link) as relay:
-            spawn_supernodes(tree, py, relay.port, clients, logf, env, work, partitions=True)
-            cfg = f'rounds={rounds} clients={clients} target={target} data="{data}" out="{out}"'
+            spawn_supernodes(tree, py, relay.port, clients, logf, env, work, partitions=True, tls=tls)
+            cfg = (
+                f'rounds={rounds} clients={clients} target={target} data="{data}" out="{out}" '
+                f'strategy="{strategy}" server-momentum={MOMENTUM} server-lr={SERVER_LR} seed={seed}'
+            )
             run = spawn_flwr_run(tree, py, app, cfg, logf, env, work)
             deadline = time.monotonic() + timeout
+            seen = 0
             # ``flwr run --stream`` returns when the run ends; its result file says how far it got.
             while run.poll() is None:
                 tree.sweep()
-                result = _flower_result(out, f"Flower {FLWR_VERSION} deployment", launched, relay, target)
+                result = _flower_result(out, framework, launched, relay, target)
+                if len(result.rounds) > seen:
+                    seen = len(result.rounds)
+                    last = result.rounds[-1]
+                    log(f"{framework}: round {seen}, accuracy {last.get('accuracy', float('nan')):.4f}")
                 if result.reached() is not None:
                     return result
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"Flower deployment: {len(result.rounds)} rounds in {timeout:.0f} s")
+                    raise RuntimeError(f"{framework}: {len(result.rounds)} rounds in {timeout:.0f} s")
                 time.sleep(0.5)
-            result = _flower_result(out, f"Flower {FLWR_VERSION} deployment", launched, relay, target)
+            result = _flower_result(out, framework, launched, relay, target)
             if result.reached() is None:
                 raise RuntimeError(f"flwr run ended (exit {run.returncode}) before the target; see {logf.name}")
             return result
@@ -421,14 +411,20 @@ def run_flower_deployment(
 # -- the section ----------------------------------------------------------------------
 def _seed() -> int:
     """FEDAGENT_TTA_SEED: another seed of the data split and initial model for both
-    frameworks (default the benchmark's, tta_model.SEED); gRPC only with another seed."""
+    frameworks (default the benchmark's, tta_model.SEED); only the like-for-like FedAvgM
+    pair runs with another seed."""
     return int(os.environ.get("FEDAGENT_TTA_SEED", tta_model.SEED))
 
 
+def _full(ctx: Context) -> bool:
+    return not ctx.quick and _seed() == tta_model.SEED
+
+
 def _expected_rows(ctx: Context) -> int:
-    # time and bytes against Flower gRPC (+ deployment unless --quick or another seed),
-    # one row per compression setting unless --quick or another seed
-    return 2 if ctx.quick or _seed() != tta_model.SEED else 4 + len(COMPRESSIONS)
+    # time and bytes of each pair: FedAvgM like for like (always); FedAvg like for like
+    # and defaults against defaults, and one row per compression setting, unless --quick
+    # or another seed
+    return 6 + len(COMPRESSIONS) if _full(ctx) else 2
 
 
 def _note(run: Run) -> str:
@@ -436,6 +432,11 @@ def _note(run: Run) -> str:
         f"rounds to {run.target}: {run.rounds_to_target}; total incl. start-up {run.total_to_target:.1f} s; "
         f"{run.bytes_to_target / 1e6:.0f} MB moved"
     )
+
+
+#: what each pair of runs compares (the first words of a row's note)
+LIKE_FOR_LIKE = "like for like (same algorithm)"
+DEFAULTS = "defaults against defaults"
 
 
 def _row(subject: Run, baseline: Run, what: str, target: str = "") -> Row:
@@ -456,17 +457,33 @@ def _row(subject: Run, baseline: Run, what: str, target: str = "") -> Row:
     )
 
 
+def _pair(subject: Run, baseline: Run, kind: str, goal: str = "") -> list[Row]:
+    """A time row and a bytes row of ``subject`` against ``baseline``; ``kind`` says
+    which comparison it is (:data:`LIKE_FOR_LIKE` or :data:`DEFAULTS`)."""
+    return [
+        _row(subject, baseline, "time", f"{kind}{'; ' + goal if goal else ''}"),
+        _row(subject, baseline, "bytes", kind),
+    ]
+
+
 def save_runs(runs: list[Run], path: Path) -> None:
     path.write_text(json.dumps([asdict(r) | {"summary": r.summary()} for r in runs], indent=1))
 
 
 @section("tta", rows=_expected_rows)
 def tta(ctx: Context) -> list[Row]:
+    """fedagent and Flower 1.42 (deployment, TLS) with the same server algorithm: FedAvgM
+    at fedagent's default momentum (both with --quick), plain FedAvg (fedagent with
+    ``server_momentum = 0``); each framework's defaults against each other (fedagent's
+    FedAvgM, Flower's FedAvg); then fedagent's other compression settings against its
+    default. A Flower run that fails or does not reach the target is reported as not
+    measured and its rows are missing (bench/run.py exits 1)."""
     py = flower_torch_python(ctx.log)
     work = ctx.work / "tta"
     work.mkdir(parents=True, exist_ok=True)
     seed = _seed()
     data = write_data(work / "tta-data.npz", seed)
+    tls = server_tls(work / "flower-pki")
     runs: list[Run] = []
 
     def measure(fn, *args, **kw) -> Run:
@@ -489,26 +506,43 @@ def tta(ctx: Context) -> list[Row]:
         )
         return run
 
-    ours = measure(run_fedagent, work, ctx.log, seed=seed)
-    grpc = measure(run_flower_grpc, py, work, data, ctx.log, seed=seed)
-    rows = [_row(ours, grpc, "time", "goal <= 0.5x"), _row(ours, grpc, "bytes")]
-    # Every run's rounds (times, accuracy), for results/tta's plot: in results.json.
-    rows[0].extra["runs"] = all_runs = [asdict(r) for r in runs]
-    if ctx.quick or seed != tta_model.SEED:
-        ctx.log(
-            f"{'--quick' if ctx.quick else f'seed {seed}'}: Flower's deployment mode and the compression settings skipped"
-        )
+    def flower_run(strategy: str) -> Run | None:
+        try:
+            return measure(run_flower_deployment, py, work, data, ctx.log, strategy=strategy, tls=tls, seed=seed)
+        except (RuntimeError, subprocess.SubprocessError, OSError, TimeoutError) as exc:
+            ctx.log(f"{flower_label(strategy)} did not reach the target: {exc}")
+            ctx.shared.setdefault("failures", []).append(f"tta: {flower_label(strategy)}: {exc}")
+            return None
+
+    def done(rows: list[Row]) -> list[Row]:
+        # Every run's rounds (times, accuracy), for results/tta's plot: in results.json.
+        if rows:
+            rows[0].extra["runs"] = [asdict(r) for r in runs]
         return rows
+
+    rows: list[Row] = []
+    ours = measure(run_fedagent, work, ctx.log, seed=seed)
+    flower_m = flower_run(FEDAVGM)
+    if flower_m is not None:
+        rows += _pair(ours, flower_m, LIKE_FOR_LIKE, "goal <= 0.6x")
+    if not _full(ctx):
+        ctx.log(
+            f"{'--quick' if ctx.quick else f'seed {seed}'}: only the FedAvgM pair; plain FedAvg, "
+            "Flower's default and the compression settings skipped"
+        )
+        return done(rows)
+    plain = measure(run_fedagent, work, ctx.log, rounds_options={"server_momentum": 0})
+    flower_plain = flower_run(FEDAVG)
+    if flower_plain is not None:
+        rows += _pair(plain, flower_plain, LIKE_FOR_LIKE, "goal <= 0.6x")
+        rows += _pair(ours, flower_plain, DEFAULTS)
     for comp in COMPRESSIONS:
-        n = len(runs)
         try:
             run = measure(run_fedagent, work, ctx.log, compression=comp)
         except RuntimeError as exc:  # e.g. a compression that costs too much accuracy
             ctx.log(str(exc))
             ctx.shared.setdefault("failures", []).append(f"tta: compression {comp}: {exc}")
-            all_runs.extend(asdict(r) for r in runs[n:])
             continue
-        all_runs.append(asdict(run))
         rows.append(
             _row(
                 run,
@@ -517,13 +551,4 @@ def tta(ctx: Context) -> list[Row]:
                 f"final accuracy (round {FINAL_ROUNDS}) {run.final_accuracy:.4f} vs {ours.final_accuracy:.4f}",
             )
         )
-    # Last: the slowest by far (a ClientApp process, importing torch, per message).
-    try:
-        deploy = measure(run_flower_deployment, py, work, data, ctx.log)
-    except (RuntimeError, subprocess.SubprocessError, OSError, TimeoutError) as exc:
-        ctx.log(f"Flower {FLWR_VERSION} deployment mode did not reach the target: {exc}")
-        ctx.shared.setdefault("failures", []).append(f"tta: Flower deployment mode: {exc}")
-        return rows
-    all_runs.append(asdict(deploy))
-    rows += [_row(ours, deploy, "time"), _row(ours, deploy, "bytes")]
-    return rows
+    return done(rows)

@@ -212,32 +212,84 @@ def test_flower_limits_grow_with_the_model():
 
 
 def test_flower_section_reports_a_deployment_run_that_fails(monkeypatch, tmp_path):
-    """A deployment-mode run that does not finish is NOT MEASURED (bench/run.py exits 1
-    on it) and its rows are missing; the gRPC rows come in median/max pairs."""
+    """A deployment run that does not finish is NOT MEASURED (bench/run.py exits 1 on it)
+    and its rows are missing; the others come in median/max pairs, TLS first."""
     from bench import flower
     from bench.registry import Context, check_rows
 
-    def deployment(py, work, params, rounds, timeout, log, clients=flower.CLIENTS):
+    cert = (tmp_path / "ca", tmp_path / "cert", tmp_path / "key")
+
+    def deployment(py, work, params, rounds, timeout, log, clients=flower.CLIENTS, tls=None):
         assert rounds >= 5 and timeout == flower.deployment_timeout(params, rounds)
-        raise RuntimeError(f"Flower deployment finished 2 of {rounds + 1} rounds in {timeout:.0f} s")
+        if tls is None:
+            raise RuntimeError(f"Flower deployment finished 2 of {rounds + 1} rounds in {timeout:.0f} s")
+        assert tls == cert
+        return [0.5, 0.7] * rounds
 
     monkeypatch.setattr(flower, "flower_python", lambda log: tmp_path / "python")
-    monkeypatch.setattr(flower, "flower_version", lambda py: "1.41.0")
-    monkeypatch.setattr(flower, "server_tls", lambda d: (d / "ca", d / "cert", d / "key"))
-    monkeypatch.setattr(flower, "run_grpc", lambda py, work, params, rounds, tls, timeout: [0.5, 0.7] * rounds)
+    monkeypatch.setattr(flower, "flower_version", lambda py: "1.42.0")
+    monkeypatch.setattr(flower, "server_tls", lambda d: cert)
     monkeypatch.setattr(flower, "run_deployment", deployment)
     ctx = Context(quick=False, work=tmp_path, repeats=5, sizes=[11_200_000], log=lambda s: None)
     ctx.shared[("fedagent_round_defaults", 11_200_000)] = [0.2, 0.3, 0.25, 0.2, 0.4]
     rows = flower.flower(ctx)
-    assert len(rows) == 4  # gRPC without and with TLS, median and max each
-    assert [r.subject.rsplit(" ", 1)[1] for r in rows] == ["(median)", "(max)"] * 2
+    assert len(rows) == 2  # the TLS deployment, median and max
+    assert [r.subject.rsplit(" ", 1)[1] for r in rows] == ["(median)", "(max)"]
+    assert rows[0].baseline == "Flower 1.42.0 SuperLink + SuperNodes + flwr run, TLS (median)"
     assert rows[1].value == 0.4 and rows[1].baseline_value == 0.7
     assert "defaults (int8 updates)" in rows[0].subject  # fedagent as installed, and says so
     assert ctx.shared["failures"] == [
         "Flower SuperLink + SuperNodes + flwr run, no TLS, 11.2M params = 44.8 MB: "
         f"Flower deployment finished 2 of 6 rounds in {flower.deployment_timeout(11_200_000, 5):.0f} s"
     ]
-    assert check_rows("flower", ctx, rows) == ["section flower: 4 of the 6 rows it should measure"]
+    assert check_rows("flower", ctx, rows) == ["section flower: 2 of the 4 rows it should measure"]
+
+
+def test_quick_flower_runs_the_tls_deployment_only(monkeypatch, tmp_path):
+    from bench import flower
+    from bench.registry import Context, check_rows
+
+    seen = []
+    monkeypatch.setattr(flower, "flower_python", lambda log: tmp_path / "python")
+    monkeypatch.setattr(flower, "flower_version", lambda py: "1.42.0")
+    monkeypatch.setattr(flower, "server_tls", lambda d: (d / "ca", d / "cert", d / "key"))
+    monkeypatch.setattr(flower, "run_deployment", lambda *a, tls=None, **kw: seen.append(tls is not None) or [0.5, 0.6])
+    ctx = Context(quick=True, work=tmp_path, repeats=2, sizes=[1_100_000], log=lambda s: None)
+    ctx.shared[("fedagent_round_defaults", 1_100_000)] = [0.2, 0.3]
+    rows = flower.flower(ctx)
+    assert seen == [True]
+    assert check_rows("flower", ctx, rows) == []
+
+
+def test_flower_runs_with_tls_on_both_sides(tmp_path):
+    """The SuperLink serves HTTPS with our certificate; the SuperNodes and the ``flwr``
+    CLI trust our CA; nothing says ``--insecure``. Without TLS every part says it."""
+    from bench import flower
+
+    py = tmp_path / "bin" / "python"
+    tls = (tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem")
+    link = flower.superlink_command(py, 9093, tls)
+    assert "--insecure" not in link
+    for flag, path in zip(("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile"), tls, strict=True):
+        assert link[link.index(flag) + 1] == str(path)
+    node = flower.supernode_command(py, 9093, tls, partition=3)
+    assert "--insecure" not in node and node[node.index("--root-certificates") + 1] == str(tls[0])
+    assert node[node.index("--superlink") + 1] == "127.0.0.1:9093"
+    assert node[node.index("--node-config") + 1] == "partition-id=3"
+    cli = flower.superlink_config(9093, tls)
+    assert f'root-certificates = "{tls[0]}"' in cli and "insecure" not in cli
+    assert "--insecure" in flower.superlink_command(py, 9093, None)
+    assert "--insecure" in flower.supernode_command(py, 9093, None)
+    assert "insecure = true" in flower.superlink_config(9093, None)
+
+
+def test_flower_apps_pin_the_release_the_bench_installs():
+    from bench import flower
+
+    apps = sorted(flower.APP.rglob("pyproject.toml"))
+    assert len(apps) == 3, apps
+    for app in apps:
+        assert f'"flwr=={flower.FLWR_VERSION}"' in app.read_text(), app
 
 
 def test_a_failed_flower_run_names_flowers_error(tmp_path):
@@ -272,3 +324,16 @@ def test_log_watch_sees_a_serverapp_failure_once_it_is_logged(tmp_path):
     halted = tmp_path / "halted.log"
     halted.write_bytes(b"ERROR :     Insufficient available nodes.\nINFO :      Secure aggregation halted.\n")
     assert LogWatch(halted).fatal()
+
+
+def test_a_half_written_flower_result_counts_as_not_yet_written(tmp_path):
+    """A loaded run once read the round times while the app was writing them and
+    failed the whole section on the parse error."""
+    from bench.flower import read_result
+
+    out = tmp_path / "times.json"
+    assert read_result(out) == {"times": []}
+    out.write_text('{"times": [1.5, 2.')
+    assert read_result(out) == {"times": []}
+    out.write_text('{"times": [1.5, 2.5]}')
+    assert read_result(out) == {"times": [1.5, 2.5]}

@@ -12,8 +12,9 @@ What is not run here, and why:
 * ``flower`` needs Flower, which lives in its own virtualenv (``bench/.venv-flower``,
   made by ``bench/flower.py`` with pip on first use; ``scripts/bootstrap.sh`` does not
   install it, so a fresh CI clone has no Flower, and installing it takes minutes of
-  network and CPU). :func:`test_flower_section_tiny` runs it at a tiny size when that
-  virtualenv exists and is marked ``slow``; in CI only the Flower apps are compiled.
+  network and CPU). :func:`test_flower_section_tiny` runs its TLS deployment at a tiny
+  size when that virtualenv exists and is marked ``slow``; in CI only the Flower apps
+  are compiled.
 * ``scale`` runs the same swarm federation (``bench.swarm``) as ``memory``,
   which runs here; ``compression`` uses no broker (the in-memory harness with real digits
   training, minutes of CPU); its wire path is tested in tests/protocols/test_streaming.py.
@@ -196,14 +197,16 @@ def test_flower_section_tiny(tmp_path):
         pytest.skip(
             f"Flower is not installed: run `python bench/run.py --quick --only flower` once (it makes {flower.VENV})"
         )
-    times = flower.run_grpc(py, tmp_path, TINY, 1, None, timeout=300, clients=2)
+    tls = flower.server_tls(tmp_path / "pki")
+    times = flower.run_deployment(py, tmp_path, TINY, 1, timeout=600, log=print, clients=2, tls=tls)
     assert len(times) == 1 and times[0] > 0
+    assert "Uvicorn running on https://" in (tmp_path / f"flower-deploy-{TINY}-tls.log").read_text()
 
 
 @pytest.mark.slow
 @pytest.mark.flower
 def test_flower_secaggplus_tiny(tmp_path):
-    """Flower's SecAgg+ workflow in its deployment mode, 3 SuperNodes, one measured round
+    """Flower's SecAgg+ workflow in its deployment mode with TLS, 3 SuperNodes, one measured round
     (2-4 minutes on a loaded machine): the round's unmasked mean matched what the
     clients sent (the app raises otherwise) and the relays counted its bytes."""
     from bench import flower
@@ -215,7 +218,8 @@ def test_flower_secaggplus_tiny(tmp_path):
             f"Flower is not installed: run `python bench/run.py --quick --only flower` once (it makes {flower.VENV})"
         )
     cfg = flower.secaggplus_config(SecAggParams(), 3)
-    res = flower.run_secaggplus(py, tmp_path, TINY, 1, cfg, timeout=900, clients=3)
+    tls = flower.server_tls(tmp_path / "pki")
+    res = flower.run_secaggplus(py, tmp_path, TINY, 1, cfg, timeout=900, clients=3, tls=tls)
     assert len(res["times"]) == 1 and res["times"][0] > 0
     # At least each client's masked vector (int64 per parameter) came in through the relays.
     assert res["fleet_bytes"][0] > 3 * TINY * 8 and res["server_bytes"][0] > 3 * TINY * 8

@@ -108,3 +108,143 @@ def test_a_tiny_fedagent_run_through_the_relays(tmp_path):
     # it 7 and 4)
     assert 3.9 * model < run.bytes_to_target < 5.5 * model
     assert 2.4 * model < run.agent_bytes_to_target < 3.5 * model
+
+
+def _fake_run(framework: str, rounds_to_target: int, seconds_per_round: float) -> tta.Run:
+    run = tta.Run(framework, launched=0.0)
+    run.rounds = [
+        {
+            "round": r,
+            "start": 1 + (r - 1) * seconds_per_round,
+            "end": 1 + r * seconds_per_round,
+            "accuracy": 0.96 if r >= rounds_to_target else 0.5,
+        }
+        for r in range(1, max(rounds_to_target, tta.FINAL_ROUNDS) + 1)
+    ]
+    run.bytes_to_target = rounds_to_target * 10**7
+    return run
+
+
+@pytest.fixture
+def fake_tta(monkeypatch, tmp_path):
+    """The section with every run replaced by one of known rounds and seconds: fedagent
+    0.5 s a round (7 rounds with momentum, 12 without), Flower 2 s a round (8 with
+    FedAvgM, 12 with FedAvg); ``calls`` records each run's settings."""
+    calls: list[tuple] = []
+
+    def fedagent(work, log, *, compression=None, rounds_options=None, seed=tta_model.SEED, **kw):
+        calls.append(("fedagent", compression, rounds_options, seed))
+        plain = (rounds_options or {}).get("server_momentum") == 0
+        return _fake_run(tta.fedagent_label(compression, rounds_options), 12 if plain else 7, 0.5)
+
+    def flower(py, work, data, log, *, strategy, tls, seed, **kw):
+        calls.append(("flower", strategy, tls is not None, seed))
+        return _fake_run(tta.flower_label(strategy), 8 if strategy == tta.FEDAVGM else 12, 2.0)
+
+    monkeypatch.setattr(tta, "flower_torch_python", lambda log: tmp_path / "python")
+    monkeypatch.setattr(tta, "write_data", lambda path, seed=0: path)
+    monkeypatch.setattr(tta, "run_fedagent", fedagent)
+    monkeypatch.setattr(tta, "run_flower_deployment", flower)
+    monkeypatch.delenv("FEDAGENT_TTA_SEED", raising=False)
+    return calls
+
+
+def test_tta_compares_the_same_algorithm_and_the_defaults(fake_tta, tmp_path):
+    from bench.registry import Context, check_rows
+
+    ctx = Context(quick=False, work=tmp_path, repeats=5, sizes=[], log=lambda s: None)
+    rows = tta.tta(ctx)
+    assert check_rows("tta", ctx, rows) == []
+    assert len(rows) == 6 + len(tta.COMPRESSIONS)
+    # Flower always with TLS, FedAvgM given fedagent's default momentum
+    assert [c for c in fake_tta if c[0] == "flower"] == [
+        ("flower", tta.FEDAVGM, True, tta_model.SEED),
+        ("flower", tta.FEDAVG, True, tta_model.SEED),
+    ]
+    assert ("fedagent", None, {"server_momentum": 0}, tta_model.SEED) in fake_tta
+    times = [r for r in rows if r.unit == "s"]
+    pairs = [(r.subject.split(":")[0], r.baseline, r.note.split(";")[0]) for r in times[:3]]
+    assert pairs == [
+        (tta.fedagent_label(), tta.flower_label(tta.FEDAVGM), tta.LIKE_FOR_LIKE),
+        (tta.fedagent_label(rounds_options={"server_momentum": 0}), tta.flower_label(tta.FEDAVG), tta.LIKE_FOR_LIKE),
+        (tta.fedagent_label(), tta.flower_label(tta.FEDAVG), tta.DEFAULTS),
+    ]
+    assert all("goal <= 0.6x" in r.note for r in times[:2]) and "goal" not in times[2].note
+    # 7 rounds of 0.5 s against 8 of 2 s; 12 of 0.5 s against 12 of 2 s; 7 x 0.5 against 12 x 2
+    assert [round(r.value / r.baseline_value, 4) for r in times[:3]] == [0.2188, 0.25, 0.1458]
+    assert [r.unit for r in rows[:6]] == ["s", "B"] * 3
+    assert "FedAvgM, momentum 0.7" in tta.flower_label(tta.FEDAVGM) and "TLS" in tta.flower_label(tta.FEDAVGM)
+    assert len(rows[0].extra["runs"]) == 4 + len(tta.COMPRESSIONS)
+
+
+def test_quick_tta_runs_the_fedavgm_pair_only(fake_tta, tmp_path):
+    from bench.registry import Context, check_rows
+
+    ctx = Context(quick=True, work=tmp_path, repeats=2, sizes=[], log=lambda s: None)
+    rows = tta.tta(ctx)
+    assert check_rows("tta", ctx, rows) == [] and len(rows) == 2
+    assert fake_tta == [("fedagent", None, None, 0), ("flower", tta.FEDAVGM, True, 0)]
+    assert rows[0].baseline == tta.flower_label(tta.FEDAVGM) and rows[0].note.startswith(tta.LIKE_FOR_LIKE)
+
+
+def test_a_flower_run_that_fails_leaves_its_rows_missing(fake_tta, monkeypatch, tmp_path):
+    from bench.registry import Context, check_rows
+
+    def broken(py, work, data, log, *, strategy, **kw):
+        if strategy == tta.FEDAVG:
+            raise RuntimeError("flwr run ended (exit 1) before the target")
+        return _fake_run(tta.flower_label(strategy), 8, 2.0)
+
+    monkeypatch.setattr(tta, "run_flower_deployment", broken)
+    ctx = Context(quick=False, work=tmp_path, repeats=5, sizes=[], log=lambda s: None)
+    rows = tta.tta(ctx)
+    assert ctx.shared["failures"] == [f"tta: {tta.flower_label(tta.FEDAVG)}: flwr run ended (exit 1) before the target"]
+    assert check_rows("tta", ctx, rows) == [f"section tta: {2 + len(tta.COMPRESSIONS)} of the 9 rows it should measure"]
+
+
+def test_fedagent_runs_are_named_by_algorithm_and_compression():
+    assert tta.fedagent_label() == "fedagent, FedAvgM, momentum 0.7 (its default), compression int8 (its default)"
+    assert tta.fedagent_label("none") == "fedagent, FedAvgM, momentum 0.7 (its default), compression none"
+    assert tta.fedagent_label(rounds_options={"server_momentum": 0}).startswith(
+        "fedagent, FedAvg (server_momentum = 0)"
+    )
+
+
+def _arrays(d: dict) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v, dtype=np.float32) for k, v in d.items()}
+
+
+@pytest.mark.procs
+@pytest.mark.flower
+@pytest.mark.parametrize(("momentum", "lr"), [(0.7, 1.0), (0.7, 1.5), (0.0, 1.0)])
+def test_flowers_fedavgm_takes_the_same_server_step_as_fedagent(momentum, lr):
+    """Flower's FedAvgM (run in bench/.venv-flower) and fedagent's server step, given the
+    same FedAvg mean each round, make the same next model to the bit: momentum applied
+    to the step before the server learning rate, the velocity starting at the first
+    step, Flower's pseudo-gradient being fedagent's step with the sign turned."""
+    import json
+    import subprocess
+
+    from bench.flower import FLWR_VERSION, VENV
+    from fedagent.protocols.serveropt import momentum_step
+
+    if not (VENV / f".flwr-{FLWR_VERSION}").exists():
+        pytest.skip(f"Flower is not installed in {VENV}: run `python bench/run.py --quick --only flower` once")
+    probe = tta.TTA_APP / "server_step_probe.py"
+    spec = {"seed": 3, "momentum": momentum, "lr": lr, "rounds": 4}
+    out = subprocess.run(
+        [str(VENV / "bin" / "python"), str(probe)],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    result = json.loads(out.stdout)
+    model, velocity = _arrays(result["initial"]), {}
+    for r in result["rounds"]:
+        model, velocity = momentum_step(model, _arrays(r["mean"]), velocity, lr=lr, beta=momentum)
+        theirs = _arrays(r["model"])
+        assert model.keys() == theirs.keys()
+        for k in model:
+            assert np.array_equal(model[k], theirs[k]), (k, np.abs(model[k] - theirs[k]).max())

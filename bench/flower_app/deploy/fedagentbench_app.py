@@ -7,6 +7,7 @@ by the run config ``out``."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -51,8 +52,10 @@ class TimedFedAvg(FedAvg):
         if ok != self.min_train_nodes:
             raise RuntimeError(f"round {server_round}: {ok} replies of {self.min_train_nodes}")
         self.times.append(time.perf_counter() - self.started[server_round])
-        with open(self.out, "w") as f:
+        # replaced whole, so that bench/flower.py never reads a half-written file
+        with open(self.out + ".tmp", "w") as f:
             json.dump({"times": self.times}, f)
+        os.replace(self.out + ".tmp", self.out)
         return out
 
 

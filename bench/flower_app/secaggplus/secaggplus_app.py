@@ -1,4 +1,4 @@
-"""Flower 1.41's SecAgg+ on fedagent's secure-aggregation benchmark shape: FedAvg under
+"""Flower's SecAgg+ on fedagent's secure-aggregation benchmark shape: FedAvg under
 ``SecAggPlusWorkflow`` (server) and ``secaggplus_mod`` (client), 10 SuperNodes,
 training off (each client returns the arrays it was sent, with weight 1), the tensors of
 bench/env.py. The protocol parameters come from the run config (bench/flower.py sets
@@ -14,6 +14,7 @@ clipped to the clipping range) within the quantisation step; a wrong sum stops t
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -68,8 +69,10 @@ class TimedFedAvg(FedAvg):
             raise RuntimeError(f"round {server_round}: unmasked mean off by {err:.3g} (tolerance {self.tolerance:.3g})")
         self.times.append(end - self.started[server_round])
         self.spans.append((self.started[server_round], end))
-        with open(self.out, "w") as f:
+        # replaced whole, so that bench/flower.py never reads a half-written file
+        with open(self.out + ".tmp", "w") as f:
             json.dump({"times": self.times, "spans": self.spans, "max_error": err}, f)
+        os.replace(self.out + ".tmp", self.out)
         return out
 
 

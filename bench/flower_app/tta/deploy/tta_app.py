@@ -1,8 +1,13 @@
 """Flower's deployment mode (SuperLink + SuperNodes + ``flwr run``) in the
 time-to-accuracy benchmark: the shared CNN (tta_model.py and data.py are copied next to
-this file by bench/tta.py), FedAvg with Flower's defaults except that all 10 nodes train
-every round; Flower's default federated evaluation (every node, every round) gives the
+this file by bench/tta.py) with Flower's defaults except that all 10 nodes train every
+round; Flower's default federated evaluation (every node, every round) gives the
 held-out accuracy. Each SuperNode's ``partition-id`` (node config) is its shard.
+
+The run config's ``strategy`` picks the server's algorithm: ``fedavg`` (Flower's
+default, plain FedAvg) or ``fedavgm`` (Flower's FedAvgM with ``server-momentum`` and
+``server-lr``, the setting fedagent's coordinator has by default); ``seed`` the initial
+model's.
 
 The run config's ``out`` gets, per round, the wall-clock start (``configure_train``),
 the time the global model existed (end of ``aggregate_train``) and its accuracy. Once a
@@ -21,7 +26,7 @@ import tta_model as m
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, FedAvgM
 
 client_app = ClientApp()
 
@@ -38,7 +43,9 @@ def train(msg: Message, context: Context) -> Message:
     shard = int(context.node_config["partition-id"])
     x, y, _, _ = data.load(str(context.run_config["data"]), shard)
     model = _model(msg)
-    seed = int(msg.content["config"]["server-round"]) * 1000 + shard
+    # The seed fedagent's agents train with (the round number): every shard is shuffled
+    # in the same order on both sides, so a like-for-like pair differs in the system only.
+    seed = int(msg.content["config"]["server-round"])
     metrics = m.train(model, x, y, epochs=m.LOCAL_EPOCHS, lr=m.LR, batch_size=m.BATCH, seed=seed)
     content = RecordDict(
         {
@@ -57,7 +64,10 @@ def evaluate(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
-class TimedFedAvg(FedAvg):
+class Timed:
+    """Times each round of the strategy it is mixed into (FedAvg or FedAvgM, whose
+    ``aggregate_train`` applies the server step after FedAvg's mean)."""
+
     def __init__(self, out: str, target: float, **kw) -> None:
         super().__init__(**kw)
         self.out, self.target = out, target
@@ -105,6 +115,14 @@ class TimedFedAvg(FedAvg):
         return metrics
 
 
+class TimedFedAvg(Timed, FedAvg):
+    pass
+
+
+class TimedFedAvgM(Timed, FedAvgM):
+    pass
+
+
 server_app = ServerApp()
 
 
@@ -112,6 +130,18 @@ server_app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
     n = int(cfg["clients"])
-    strategy = TimedFedAvg(str(cfg["out"]), float(cfg["target"]), min_train_nodes=n, min_available_nodes=n)
-    init = ArrayRecord(m.build_model().state_dict())
+    common = {"min_train_nodes": n, "min_available_nodes": n}
+    if cfg["strategy"] == "fedavgm":
+        strategy = TimedFedAvgM(
+            str(cfg["out"]),
+            float(cfg["target"]),
+            server_momentum=float(cfg["server-momentum"]),
+            server_learning_rate=float(cfg["server-lr"]),
+            **common,
+        )
+    elif cfg["strategy"] == "fedavg":
+        strategy = TimedFedAvg(str(cfg["out"]), float(cfg["target"]), **common)
+    else:
+        raise ValueError(f"unknown strategy {cfg['strategy']!r}")
+    init = ArrayRecord(m.build_model(int(cfg["seed"])).state_dict())
     strategy.start(grid=grid, initial_arrays=init, num_rounds=int(cfg["rounds"]))
