@@ -98,16 +98,12 @@ def _marked(prefix: bytes) -> dict[int, str]:
 
 @pytest.mark.slow
 @pytest.mark.flower
-def test_an_interrupted_flower_deployment_leaves_no_process(tmp_path):
+def test_an_interrupted_flower_deployment_leaves_no_process(tmp_path, flower_python):
     """The real thing (needs bench/.venv-flower): SuperLink, 2 SuperNodes and ``flwr run``
     of a 500-round run; once ``flwr-serverapp`` runs, the benchmark gets SIGTERM (what
     bench/run.py turns into KeyboardInterrupt) and must leave no process of the run."""
     import sys
 
-    from bench import flower
-
-    if not (flower.VENV / f".flwr-{flower.FLWR_VERSION}").exists():
-        pytest.skip(f"Flower is not installed in {flower.VENV}: run `python bench/run.py --quick --only flower` once")
     root = str(Path(__file__).resolve().parents[2])
     child = subprocess.Popen(
         [sys.executable, "-c", _DEPLOY_CHILD.format(root=root, work=str(tmp_path))],

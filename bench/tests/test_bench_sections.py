@@ -189,14 +189,10 @@ def test_flower_apps_compile():
 
 @pytest.mark.slow
 @pytest.mark.flower
-def test_flower_section_tiny(tmp_path):
+def test_flower_section_tiny(tmp_path, flower_python):
     from bench import flower
 
-    py = flower.VENV / "bin" / "python"
-    if not (flower.VENV / f".flwr-{flower.FLWR_VERSION}").exists():
-        pytest.skip(
-            f"Flower is not installed: run `python bench/run.py --quick --only flower` once (it makes {flower.VENV})"
-        )
+    py = flower_python
     tls = flower.server_tls(tmp_path / "pki")
     times = flower.run_deployment(py, tmp_path, TINY, 1, timeout=600, log=print, clients=2, tls=tls)
     assert len(times) == 1 and times[0] > 0
@@ -205,18 +201,14 @@ def test_flower_section_tiny(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.flower
-def test_flower_secaggplus_tiny(tmp_path):
+def test_flower_secaggplus_tiny(tmp_path, flower_python):
     """Flower's SecAgg+ workflow in its deployment mode with TLS, 3 SuperNodes, one measured round
     (2-4 minutes on a loaded machine): the round's unmasked mean matched what the
     clients sent (the app raises otherwise) and the relays counted its bytes."""
     from bench import flower
     from fedagent.protocols.secagg import SecAggParams
 
-    py = flower.VENV / "bin" / "python"
-    if not (flower.VENV / f".flwr-{flower.FLWR_VERSION}").exists():
-        pytest.skip(
-            f"Flower is not installed: run `python bench/run.py --quick --only flower` once (it makes {flower.VENV})"
-        )
+    py = flower_python
     cfg = flower.secaggplus_config(SecAggParams(), 3)
     tls = flower.server_tls(tmp_path / "pki")
     res = flower.run_secaggplus(py, tmp_path, TINY, 1, cfg, timeout=900, clients=3, tls=tls)

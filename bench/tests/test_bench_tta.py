@@ -217,7 +217,7 @@ def _arrays(d: dict) -> dict[str, np.ndarray]:
 @pytest.mark.procs
 @pytest.mark.flower
 @pytest.mark.parametrize(("momentum", "lr"), [(0.7, 1.0), (0.7, 1.5), (0.0, 1.0)])
-def test_flowers_fedavgm_takes_the_same_server_step_as_fedagent(momentum, lr):
+def test_flowers_fedavgm_takes_the_same_server_step_as_fedagent(momentum, lr, flower_python):
     """Flower's FedAvgM (run in bench/.venv-flower) and fedagent's server step, given the
     same FedAvg mean each round, make the same next model to the bit: momentum applied
     to the step before the server learning rate, the velocity starting at the first
@@ -225,15 +225,12 @@ def test_flowers_fedavgm_takes_the_same_server_step_as_fedagent(momentum, lr):
     import json
     import subprocess
 
-    from bench.flower import FLWR_VERSION, VENV
     from fedagent.protocols.serveropt import momentum_step
 
-    if not (VENV / f".flwr-{FLWR_VERSION}").exists():
-        pytest.skip(f"Flower is not installed in {VENV}: run `python bench/run.py --quick --only flower` once")
     probe = tta.TTA_APP / "server_step_probe.py"
     spec = {"seed": 3, "momentum": momentum, "lr": lr, "rounds": 4}
     out = subprocess.run(
-        [str(VENV / "bin" / "python"), str(probe)],
+        [str(flower_python), str(probe)],
         input=json.dumps(spec),
         capture_output=True,
         text=True,
