@@ -67,9 +67,13 @@ class Federation:
         task_options: dict[str, Any] | None = None,
         privacy: dict[str, Any] | None = None,
         rounds_options: dict[str, Any] | None = None,
+        fedbuff: dict[str, Any] | None = None,
+        slow_agents: dict[str, float] | None = None,
     ) -> None:
         """``rounds_options``: more ``[rounds]`` keys for the coordinator (e.g.
-        ``secure_aggregation``), over the defaults written here."""
+        ``secure_aggregation``), over the defaults written here. ``fedbuff``: the
+        ``[async]`` table of a ``mode = "async"`` federation. ``slow_agents``: agent id ->
+        how many times as long its training takes (``fedagent.tasks.slowed``)."""
         self.work = work
         # [privacy] of the coordinator (fedavg) or of every agent (gossip: local DP).
         self.privacy = dict(privacy) if privacy else None
@@ -86,6 +90,8 @@ class Federation:
         self.coordinator_id = "coordinator"
         self.mode = mode
         self.gossip = dict(gossip or {})
+        self.fedbuff = dict(fedbuff or {})
+        self.slow_agents = dict(slow_agents or {})
         # Another built-in task than digits: its options (plus shard/shards/seed) for
         # every agent; ``alpha`` is digits' own option and is then not passed.
         self.task = task
@@ -150,6 +156,7 @@ class Federation:
             "seed": SEED,
             **self.rounds_options,
         }
+        mode: dict[str, Any] = {"mode": "async", "fedbuff": self.fedbuff} if self.mode == "async" else {}
         self._write(
             "coordinator",
             self.coordinator_id,
@@ -158,9 +165,16 @@ class Federation:
             rounds,
             self.task,
             privacy=self.privacy,
+            **mode,
         )
         for i, aid in enumerate(self.agent_ids):
-            self._write(aid, aid, "" if self.by_mdns else self.broker.uri, self.shard_options(i), None, self.task)
+            task, options = self.task, self.shard_options(i)
+            if aid in self.slow_agents:
+                task, options = (
+                    "fedagent.tasks.slowed:make",
+                    {**options, "inner": task, "slowdown": self.slow_agents[aid]},
+                )
+            self._write(aid, aid, "" if self.by_mdns else self.broker.uri, options, None, task, **mode)
 
     def prepare_syncopt(
         self,

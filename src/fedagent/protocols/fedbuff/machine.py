@@ -11,6 +11,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -227,7 +228,7 @@ class BufferMachine:
         out["histogram"] = {str(s): n for s, n in sorted(self.staleness_counts.items())}
         return out
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> dict[str, Any]:
         running = sum(1 for t in self.tasks.values() if t.holds_slot)
         return {
             "phase": self.phase.value,

@@ -23,6 +23,7 @@ back their results.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -270,7 +271,7 @@ class AsyncWorker:
         self.training = work
         return [Train(work, start)]
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> dict[str, Any]:
         p = self.outbox
         return {
             "model_version": self.model[0] if self.model is not None else None,
