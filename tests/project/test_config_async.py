@@ -34,7 +34,7 @@ def test_defaults_stream_int8_deltas_and_broadcast_int8_steps(tmp_path):
     b = config.buffer_config(cfg)
     assert (b.buffer_size, b.max_staleness, b.concurrency, b.staleness_exponent) == (3, 6, 4, 0.5)
     assert b.train.stream and b.train.compression == "int8" and b.downlink == "int8"
-    assert b.momentum == 0.7 and b.versions == 50
+    assert b.momentum == 0.0 and b.versions == 50  # no server momentum asynchronously
     assert cfg.fedbuff.offline_trainings == 2
 
 

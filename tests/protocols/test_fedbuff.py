@@ -399,7 +399,7 @@ def test_the_privacy_budget_stops_publishing():
         ({"strategy": Strategy("median")}, "compares the updates"),
         ({"dp": DPConfig(mode="central"), "buffer_size": 5, "min_agents": 2}, "at least that many agents"),
         ({"dp": DPConfig(mode="distributed", adaptive=True)}, "secure aggregation"),
-        ({"dp": DPConfig(mode="central"), "min_agents": 4, "train": TrainConfig(compression="int8")}, "whole updates"),
+        ({"dp": DPConfig(mode="central"), "min_agents": 5, "train": TrainConfig(compression="int8")}, "whole updates"),
     ],
 )
 def test_what_cannot_work_asynchronously_is_refused_with_the_reason(kw, match):

@@ -96,7 +96,7 @@ class RoundsConfig(Table):
         ge=0,
         lt=1,
         to="round",
-        shown="0.7; 0 with `[privacy]`",
+        shown="0.7; 0 with `[privacy]`; 0 in mode `async`",
     )
     aggregation: str = setting(
         "fedavg",
@@ -407,7 +407,7 @@ class AsyncSettings(Table):
 
     TABLE: ClassVar[str] = "async"
 
-    buffer_size: int = setting(4, "coordinator: updates that make one global model (K)", ge=1, le=100_000, to="buffer")
+    buffer_size: int = setting(5, "coordinator: updates that make one global model (K)", ge=1, le=100_000, to="buffer")
     max_staleness: int = setting(
         20,
         "coordinator: an update trained from a model more than this many versions older than the current one is "

@@ -101,6 +101,7 @@ class AsyncMode:
         self.done = asyncio.Event()
         self._reserved_path = core.dir / "task-reserved"
         self._published_at = time.monotonic()
+        self._started = False  # the first task went out
         self.last_model_seconds: float | None = None
         self.velocity_file: FileVelocity | None = None
         self.machine = self._build_machine()
@@ -324,6 +325,11 @@ class AsyncMode:
     async def _execute(self, cmd: FB.Command) -> None:
         core, fed = self.core, self.core.fed
         if isinstance(cmd, FB.AssignTask):
+            if not self._started:
+                # What a model's time counts from (the first one: from the first task).
+                self._started = True
+                self._published_at = time.monotonic()
+                core.history.append({"event": "training_started", "model_version": self.machine.model_version})
             if cmd.task >= self._reserved:
                 # Durable before the task leaves: a restart starts numbering above it.
                 self._reserved = cmd.task + TASK_BLOCK

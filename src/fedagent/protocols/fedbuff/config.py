@@ -11,10 +11,17 @@ from fedagent.protocols.aggregation import Strategy, check_server_lr
 from fedagent.protocols.downlink import check_mode as check_downlink
 from fedagent.protocols.dp import DPConfig
 from fedagent.protocols.messages import TrainConfig
-from fedagent.protocols.serveropt import check_momentum, default_momentum
+from fedagent.protocols.serveropt import check_momentum
 
 #: Staleness beyond which nothing is accepted, whatever the configuration says.
 MAX_STALENESS = 10_000
+#: The server momentum when ``[rounds] server_momentum`` is not set: none, unlike rounds
+#: (0.7). Updates trained from older models already keep pushing the way earlier steps
+#: went ("asynchrony begets momentum": Mitliagkas et al., 2016); measured on the
+#: benchmark's CNN with three of ten agents five times slower, momentum 0.7 on top made
+#: a buffer of 5 collapse (0.26 accuracy after 400 updates) where none reached 95 %
+#: (docs/modes/async.md, "The choices, and why").
+DEFAULT_MOMENTUM = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +35,7 @@ class BufferConfig:
     then training ends. ``whole``: updates travel whole (their norm is needed before any
     of them is added: ``clip_norm``, central DP), otherwise as streams of deltas."""
 
-    buffer_size: int = 4
+    buffer_size: int = 5
     max_staleness: int = 20
     staleness_exponent: float = 0.5
     concurrency: int = 0
@@ -42,15 +49,15 @@ class BufferConfig:
     strategy: Strategy = field(default_factory=Strategy)
     lr_schedule: str = "constant"  # "cosine": lr·½(1+cos(π·v/versions)) for tasks from model v
     server_lr: float = 1.0
-    server_momentum: float | None = None  # None: serveropt.default_momentum
+    server_momentum: float | None = None  # None: DEFAULT_MOMENTUM (none)
     downlink: str = "int8"  # how published models travel after the first: "int8" steps or "none"
     dp: DPConfig | None = None
 
     @property
     def momentum(self) -> float:
-        if self.server_momentum is None:
-            return default_momentum(private=self.dp is not None)
-        return self.server_momentum
+        """The server momentum β: ``server_momentum``, or none by default (see
+        :data:`DEFAULT_MOMENTUM`)."""
+        return DEFAULT_MOMENTUM if self.server_momentum is None else self.server_momentum
 
     @property
     def whole(self) -> bool:
