@@ -37,6 +37,11 @@ def test_the_coordinator_shows_the_buffer_staleness_and_each_agents_model_versio
     assert rows["buffer"] == "1 of 3 updates"
     assert rows["staleness"].startswith("median 0, 90% 0, max 0") and "4 taken (bound 20)" in rows["staleness"]
     assert rows["staleness counts"] == "0: 4"
+    step = {"lr": 1.0, "momentum": 0.0, "default": True, "default_reason": "default in async mode"}
+    assert (
+        dict(status_rows({**s, "server_step": step}))["server step"]
+        == "plain FedAvg, no momentum (default in async mode)"
+    )
     out = text(s)
     assert "agents (asynchronous" in out and "training from" in out
     line = next(ln for ln in out.splitlines() if ln.strip().startswith("│ a "))
@@ -58,5 +63,5 @@ def test_an_agent_cut_off_says_what_it_holds_and_since_when():
     rows = dict(status_rows(s))
     assert rows["link"].startswith("down for 42.0 s (since ")
     assert rows["training"] == "on its own from model version 7 (training 2)"
-    assert rows["outbox"].startswith("the update of task 12 from model version 7 (1 trainings), held 41.5 s")
+    assert rows["outbox"].startswith("the update of task 12 from model version 7 (1 training), held 41.5 s")
     assert rows["updates sent"] == "3 of 4 trained"

@@ -159,7 +159,7 @@ def _server_step_text(step: dict[str, Any] | None) -> str | None:
     if not step.get("default"):
         where = "[rounds] server_momentum"
     else:
-        where = "default" if beta else "default with differential privacy"
+        where = step.get("default_reason") or ("default" if beta else "default with differential privacy")
     return f"{how} ({where})" + (f", server_lr {lr:g}" if lr != 1 else "")
 
 
@@ -274,7 +274,7 @@ def _async_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
             "-"
             if not box
             else f"the update of {'task ' + str(box['task']) if box.get('task') else 'its own training'} from model "
-            f"version {box['base_version']} ({box['trainings']} trainings), held {box.get('held_s')} s "
+            f"version {box['base_version']} ({box['trainings']} training{'' if box['trainings'] == 1 else 's'}), held {box.get('held_s')} s "
             f"(since {_clock(box.get('since'))})",
         )
     )

@@ -236,6 +236,7 @@ class AsyncMode:
                 "lr": self.config.server_lr,
                 "momentum": self.config.momentum,
                 "default": self.cfg.rounds.server_momentum is None,
+                "default_reason": "default in async mode",
             },
             "journal": self.durability.journal.status(),
             "model_requests": {"answered": self.model_server.answered, "refused": dict(self.model_server.refused)},
