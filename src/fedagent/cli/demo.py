@@ -58,7 +58,8 @@ from fedagent.errors import FedagentError
     "--compare/--no-compare",
     default=True,
     show_default=True,
-    help="async: also run the same federation in FedAvg rounds and compare",
+    help="async: run the same federation in FedAvg rounds first and compare; without, asynchronously alone "
+    "for as long as the rounds would take at the least",
 )
 @click.option("--keep", is_flag=True, help="keep the work directory (logs, checkpoints)")
 @click.option(

@@ -69,7 +69,8 @@ def run_async_demo(
     console: Console | None = None,
 ) -> int:
     """The federation in ``rounds`` rounds, then asynchronously for as long; without
-    ``compare``, asynchronously alone for as many updates as the rounds would make."""
+    ``compare``, asynchronously alone for as long as the rounds would take at the least
+    (each waits for the slow agent's training)."""
     import torch
 
     console = console or Console()
@@ -78,10 +79,8 @@ def run_async_demo(
         raise ValueError("the asynchronous demo needs at least 3 agents (one slow, one cut off, one steady)")
     torch.set_num_threads(1)
     started = time.monotonic()
-    from fedagent.config.settings import AsyncSettings
 
     slow, flaky = f"agent-{agents}", f"agent-{agents - 1}"
-    versions = -(-rounds * agents // AsyncSettings().buffer_size)
     results: dict[str, dict[str, Any]] = {}
 
     def federation(mode: str) -> Federation:
@@ -91,7 +90,8 @@ def run_async_demo(
             rounds=rounds,
             alpha=alpha,
             mode=mode,
-            fedbuff={"versions": 1_000_000 if compare else versions} if mode == "async" else None,
+            # Stopped by time, not by a number of models.
+            fedbuff={"versions": 1_000_000} if mode == "async" else None,
             slow_agents={slow: SLOWDOWN},
             train_seconds=TRAIN_SECONDS,
             round_timeout=120.0,
@@ -100,7 +100,7 @@ def run_async_demo(
     for mode in ("fedavg", "async") if compare else ("async",):
         fed = federation(mode)
         links: dict[str, Any] = {}
-        duration = results["fedavg"]["seconds"] if "fedavg" in results else None
+        duration = results["fedavg"]["seconds"] if "fedavg" in results else rounds * SLOWDOWN * TRAIN_SECONDS
         try:
             code = run(fed, plan(fed, mode, slow, flaky, results, console, links, duration), keep=keep, console=console)
         finally:
@@ -109,7 +109,8 @@ def run_async_demo(
                 links["link"].close()
         if code:
             return code
-    table = Table(title="the same federation in rounds and asynchronously", title_justify="left")
+    title = "the same federation in rounds and asynchronously" if len(results) > 1 else "the federation, asynchronously"
+    table = Table(title=title, title_justify="left")
     for col in ("mode", "seconds", "models", "updates", f"{TARGET:.0%} after", "last model's accuracy"):
         table.add_column(col, justify="left" if col == "mode" else "right")
     for mode, r in results.items():
