@@ -32,6 +32,7 @@ MODULES = [
     "bench.scaling",
     "bench.replay_journal",
     "bench.tta",
+    "bench.fedbuff",
 ]
 
 

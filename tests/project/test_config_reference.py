@@ -13,6 +13,7 @@ from fedagent.config import declare, reference, settings
 from fedagent.protocols import rounds as R
 from fedagent.protocols.aggregation import Strategy
 from fedagent.protocols.dp import DPConfig
+from fedagent.protocols.fedbuff import BufferConfig
 from fedagent.protocols.gossip import GossipConfig
 from fedagent.protocols.gossip_vocab import ConsensusConfig
 from fedagent.protocols.messages import TrainConfig
@@ -39,6 +40,23 @@ MACHINES = {
     (settings.GossipSettings, "gossip"): (GossipConfig, {"exchange"}),
     (settings.GossipSettings, "vocab"): (ConsensusConfig, {"resend"}),
     (settings.PrivacySettings, "dp"): (DPConfig, {"noise_multiplier", "epsilon_budget"}),
+    # [rounds] gives the asynchronous mode its training, quorum and server step
+    (settings.AsyncSettings, "buffer"): (
+        BufferConfig,
+        {
+            "min_agents",
+            "expected_agents",
+            "start_grace",
+            "train",
+            "seed",
+            "strategy",
+            "lr_schedule",
+            "server_lr",
+            "server_momentum",
+            "downlink",
+            "dp",
+        },
+    ),
 }
 
 
@@ -63,7 +81,18 @@ def test_every_field_of_a_table_is_a_declared_setting(cls: type) -> None:
 def test_the_node_config_holds_the_flat_settings_and_the_tables() -> None:
     flat = {d.name for d in declare.declared(settings.NodeConfig)}
     rest = {f.name for f in dataclasses.fields(settings.NodeConfig)} - flat
-    assert rest == {"path", "role", "tls", "task_options", "rounds", "gossip", "syncopt", "search", "privacy"}
+    assert rest == {
+        "path",
+        "role",
+        "tls",
+        "task_options",
+        "rounds",
+        "gossip",
+        "syncopt",
+        "search",
+        "privacy",
+        "fedbuff",
+    }
     assert {d.table for d in declare.declared(settings.NodeConfig)} == {
         "",
         "broker",

@@ -26,6 +26,9 @@ from fedagent.protocols.codec import Envelope, Limits, decode, encode
 from fedagent.protocols.downlink import ModelDelta
 from fedagent.protocols.messages import (
     KINDS,
+    AsyncModel,
+    AsyncTask,
+    AsyncUpdate,
     Evaluation,
     GlobalModel,
     GossipAck,
@@ -166,6 +169,13 @@ def instances() -> dict[str, object]:
         ),
         "secagg_reveal": S.SecAggReveal(4, {"agent-a": b"\x51" * 68}, {"agent-c": b"\x52" * 68}),
         "secagg_reveal_refused": S.SecAggReveal(4, {}, {}, "both shares asked for agent-a"),
+        "async_task": AsyncTask(12, 4, TrainConfig(compression="int8"), 60.0),
+        "async_task_ints": AsyncTask(13, 5, train_ints, 30),
+        "async_model": AsyncModel(5, 3, ("agent-a", "agent-b"), {"loss": 0.5}, W),
+        "async_model_step": AsyncModel(5, 4, ("agent-a",), {}, None, DELTA),
+        "async_model_ints": AsyncModel(6, 1, ("agent-a",), {"loss": 1}, W),
+        "async_update": AsyncUpdate(12, 4, 50, {"loss": 1.25}, W),
+        "async_update_offline": AsyncUpdate(0, 3, 7, {}, W),
     }
 
 

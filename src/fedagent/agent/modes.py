@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fedagent.agent.core import SessionClass
 from fedagent.agent.fedavg import FedAvgSession
+from fedagent.agent.fedbuff import AsyncSession
 from fedagent.agent.gossip import GossipSession
 from fedagent.agent.syncopt import SyncOptSession
 from fedagent.errors import ConfigError
@@ -12,6 +13,7 @@ MODES: dict[str, SessionClass] = {
     "fedavg": FedAvgSession,
     "syncopt": SyncOptSession,
     "gossip": GossipSession,
+    "async": AsyncSession,
 }
 
 

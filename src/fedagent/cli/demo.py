@@ -15,14 +15,21 @@ from fedagent.errors import FedagentError
 @main.command()
 @click.option(
     "--mode",
-    type=click.Choice(["fedavg", "gossip", "syncopt"]),
+    type=click.Choice(["fedavg", "gossip", "syncopt", "async"]),
     default="fedavg",
     show_default=True,
     help="fedavg: a coordinator runs rounds; gossip: no coordinator, agents merge each other's models; "
-    "syncopt: gFedNTM, vocabulary consensus then one gradient per agent per step (ProdLDA)",
+    "syncopt: gFedNTM, vocabulary consensus then one gradient per agent per step (ProdLDA); "
+    "async: buffered asynchronous FedAvg with a slow agent and one that keeps losing its link, "
+    "after the same federation in rounds",
 )
-@click.option("--agents", type=int, default=None, help="number of agent processes [default: 3, gossip 5]")
-@click.option("--rounds", default=15, show_default=True, help="FedAvg rounds")
+@click.option("--agents", type=int, default=None, help="number of agent processes [default: 3, gossip and async 5]")
+@click.option(
+    "--rounds",
+    default=None,
+    type=int,
+    help="FedAvg rounds [default: 15; async: 10, then asynchronously for as long]",
+)
 @click.option("--steps", default=300, show_default=True, help="syncopt: Sync-Opt steps")
 @click.option("--periods", default=100, show_default=True, help="gossip exchange periods per agent")
 @click.option("--period-steps", default=10, show_default=True, help="gossip: local mini-batches per exchange")
@@ -47,6 +54,13 @@ from fedagent.errors import FedagentError
     help="fedavg: mask every update (SecAgg+) so the coordinator sees only their sum; runs plain FedAvg "
     "first and prints both accuracies and the masking overhead",
 )
+@click.option(
+    "--compare/--no-compare",
+    default=True,
+    show_default=True,
+    help="async: run the same federation in FedAvg rounds first and compare; without, asynchronously alone "
+    "for as long as the rounds would take at the least",
+)
 @click.option("--keep", is_flag=True, help="keep the work directory (logs, checkpoints)")
 @click.option(
     "--report",
@@ -59,7 +73,7 @@ from fedagent.errors import FedagentError
 def demo(
     mode: str,
     agents: int | None,
-    rounds: int,
+    rounds: int | None,
     steps: int,
     periods: int,
     period_steps: int,
@@ -67,24 +81,29 @@ def demo(
     alpha: float,
     dp_epsilon: float | None,
     secure_aggregation: bool,
+    compare: bool,
     keep: bool,
     report_dir: Path,
 ) -> None:
     """A whole federation on this machine: broker, coordinator (FedAvg), agents, mDNS."""
-    from fedagent.local.demo import run_demo, run_dp_demo, run_gossip_demo, run_syncopt_demo
+    from fedagent.local.demo import run_async_demo, run_demo, run_dp_demo, run_gossip_demo, run_syncopt_demo
 
     try:
         if secure_aggregation and mode != "fedavg":
             raise FedagentError(f"--secure-aggregation works with --mode fedavg, not {mode}")
         if dp_epsilon is not None and mode != "fedavg":
             raise FedagentError("--dp-epsilon runs the fedavg demo (central DP); drop --mode")
-        if dp_epsilon is not None:
+        if mode == "async":
+            if (agents or 5) < 3:
+                raise FedagentError("--mode async needs at least 3 agents (one slow, one cut off, one steady)")
+            code = run_async_demo(agents=agents or 5, rounds=rounds or 10, alpha=alpha, keep=keep, compare=compare)
+        elif dp_epsilon is not None:
             if not (dp_epsilon > 0 and math.isfinite(dp_epsilon)):
                 raise FedagentError("--dp-epsilon must be a positive number")
             code = run_dp_demo(
                 epsilon=dp_epsilon,
                 agents=agents or 3,
-                rounds=rounds,
+                rounds=rounds or 15,
                 alpha=alpha,
                 keep=keep,
                 secure=secure_aggregation,
@@ -104,7 +123,7 @@ def demo(
         else:
             code = run_demo(
                 agents=agents or 3,
-                rounds=rounds,
+                rounds=rounds or 15,
                 alpha=alpha,
                 keep=keep,
                 report_dir=report_dir,

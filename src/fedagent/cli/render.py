@@ -159,7 +159,7 @@ def _server_step_text(step: dict[str, Any] | None) -> str | None:
     if not step.get("default"):
         where = "[rounds] server_momentum"
     else:
-        where = "default" if beta else "default with differential privacy"
+        where = step.get("default_reason") or ("default" if beta else "default with differential privacy")
     return f"{how} ({where})" + (f", server_lr {lr:g}" if lr != 1 else "")
 
 
@@ -178,7 +178,7 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("coordinator", s.get("coordinator") or "-" if not coordinator else None),
         ("mDNS on", s.get("mdns_interfaces")),
         ("phase", s.get("phase") or s.get("round_state")),
-        *_rounds_rows(s),
+        *(_async_rows(s) if s.get("mode") == "async" else _rounds_rows(s)),
         ("vocabulary", f"{s['vocabulary_size']} terms" if s.get("vocabulary_size") else None),
         ("last loss", s.get("last_loss")),
         ("training metrics" if coordinator else "last training metrics", s.get("metrics") or s.get("last_metrics")),
@@ -208,8 +208,99 @@ def render_status(s: dict[str, Any], console: Console | None = None) -> None:
     for k, v in status_rows(s):
         t.add_row(k, v)
     console.print(t)
+    if s.get("mode") == "async" and s.get("agents"):
+        render_async_agents(s, console)
     if s.get("peers"):
         render_peers(s, console)
+
+
+def _clock(ts: float | None) -> str:
+    return "-" if not ts else time.strftime("%H:%M:%S", time.localtime(ts))
+
+
+def _async_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Asynchronous buffered FedAvg (docs/modes/async.md): the model version, the buffer
+    and the staleness of the updates (coordinator); the task, the link and the outbox
+    (agent)."""
+    version = s.get("model_version")
+    if s.get("role") == "coordinator":
+        b = s.get("buffer") or {}
+        st = s.get("staleness") or {}
+        rows: list[tuple[str, Any]] = [
+            ("model version", f"{version} of {s.get('versions')} (models published)"),
+            (
+                "buffer",
+                f"{b.get('fill', 0)} of {b.get('size')} updates"
+                + (f", {b['streaming']} arriving" if b.get("streaming") else ""),
+            ),
+            (
+                "training",
+                f"{s.get('training', 0)} agents"
+                + (f" (at most {s['concurrency']})" if s.get("concurrency") else " (every agent online)"),
+            ),
+        ]
+        if st.get("updates"):
+            rows.append(
+                (
+                    "staleness",
+                    f"median {st.get('p50')}, 90% {st.get('p90')}, max {st.get('max')} of the last updates; "
+                    f"{st['updates']} taken (bound {s.get('max_staleness')})",
+                )
+            )
+            hist = st.get("histogram") or {}
+            rows.append(("staleness counts", "  ".join(f"{k}: {v}" for k, v in hist.items())))
+        if s.get("refused"):
+            rows.append(("refused updates", s["refused"]))
+        if s.get("spoilt_buffers"):
+            rows.append(("spoilt buffers", s["spoilt_buffers"]))
+        return rows
+    link = s.get("link") or {}
+    rows = [("model version", None if version is None else f"{version} (the newest global model held)")]
+    if link:
+        rows.append(
+            (
+                "link",
+                "up" if link.get("up") else f"down for {link.get('down_s')} s (since {_clock(link.get('down_since'))})",
+            )
+        )
+    tr = s.get("training")
+    if tr:
+        who = f"task {tr['task']}" if tr.get("task") else "on its own"
+        rows.append(("training", f"{who} from model version {tr['from_version']} (training {tr['training']})"))
+    box = s.get("outbox")
+    rows.append(
+        (
+            "outbox",
+            "-"
+            if not box
+            else f"the update of {'task ' + str(box['task']) if box.get('task') else 'its own training'} from model "
+            f"version {box['base_version']} ({box['trainings']} training{'' if box['trainings'] == 1 else 's'}), held {box.get('held_s')} s "
+            f"(since {_clock(box.get('since'))})",
+        )
+    )
+    rows.append(("updates sent", f"{s.get('updates_sent', 0)} of {s.get('trained', 0)} trained"))
+    return rows
+
+
+def render_async_agents(s: dict[str, Any], console: Console | None = None) -> None:
+    """The asynchronous coordinator's view of each agent: its task and the model it
+    trains from, its last update's base version and staleness, what was taken."""
+    console = console or Console()
+    t = Table(title="agents (asynchronous: the model version each one trains from)", title_justify="left")
+    for col in ("id", "online", "task", "training from", "last update from", "staleness", "taken", "refused"):
+        t.add_column(col, justify="left" if col in ("id", "online") else "right")
+    for aid, a in (s.get("agents") or {}).items():
+        t.add_row(
+            aid,
+            "yes" if a.get("online") else "no",
+            _fmt(a.get("task")),
+            _fmt(a.get("training_from")),
+            _fmt(a.get("last_base")),
+            _fmt(a.get("last_staleness")),
+            str(a.get("accepted", 0)),
+            str(a.get("refused", 0)),
+        )
+    console.print(t)
 
 
 def _round_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -217,6 +308,9 @@ def _round_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
     heartbeat for a keep-alive: out of the round), and what its round journal holds."""
     if s.get("role") != "coordinator" or "journal" not in s:
         return []
+    if s.get("mode") == "async":  # no rounds: the journal holds the buffer
+        j = s.get("journal") or {}
+        return [("journal", f"{j.get('frames', 0)} update frames, {j.get('bytes', 0):,} bytes")]
     rows: list[tuple[str, Any]] = []
     if s.get("phase") == "training":
         selected, received = s.get("selected") or [], set(s.get("received") or [])

@@ -11,6 +11,7 @@ config file are relative to the file's directory (:mod:`.paths`). Every problem 
 
 from __future__ import annotations
 
+from fedagent.config.fedbuff import buffer_config
 from fedagent.config.loader import load, render, update_membership
 from fedagent.config.machines import round_config
 from fedagent.config.paths import TaskOptions, resolve_path
@@ -18,6 +19,7 @@ from fedagent.config.settings import (
     DEFAULT_INTERFACES,
     MODES,
     TABLES,
+    AsyncSettings,
     GossipSettings,
     NodeConfig,
     PrivacySettings,
@@ -35,6 +37,7 @@ __all__ = [
     "DEFAULT_INTERFACES",
     "MODES",
     "TABLES",
+    "AsyncSettings",
     "GossipSettings",
     "NodeConfig",
     "PrivacySettings",
@@ -43,6 +46,7 @@ __all__ = [
     "SyncOptSettings",
     "TaskOptions",
     "TlsConfig",
+    "buffer_config",
     "check_interfaces",
     "consensus_config",
     "default_socket_path",

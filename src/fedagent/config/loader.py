@@ -16,10 +16,12 @@ from typing import Any
 import tomli_w
 
 from fedagent.config.declare import base_type, checked, declared, read_table, toml_repr, unknown_keys
+from fedagent.config.fedbuff import buffer_config
 from fedagent.config.machines import round_config
 from fedagent.config.paths import TaskOptions, resolve_path
 from fedagent.config.settings import (
     TABLES,
+    AsyncSettings,
     GossipSettings,
     NodeConfig,
     PrivacySettings,
@@ -117,10 +119,14 @@ def _node(raw: dict[str, Any], path: Path, role: str) -> NodeConfig:
         syncopt=syncopt,
         search=read_table(SearchSettings, tables["search"]),
         privacy=privacy,
+        fedbuff=read_table(AsyncSettings, tables["async"]),
         **values,
     )
     # What the machines would refuse is refused now, by agents too.
-    round_config(cfg, calibrate=False)
+    if mode == "async":
+        buffer_config(cfg, calibrate=False)
+    else:
+        round_config(cfg, calibrate=False)
     return cfg
 
 
@@ -142,6 +148,7 @@ def render(
     search: dict[str, Any] | None = None,
     privacy: dict[str, Any] | None = None,
     transfer: dict[str, Any] | None = None,
+    fedbuff: dict[str, Any] | None = None,
 ) -> str:
     """A config file as TOML text (used by the in-machine federation, the demo and the tests)."""
     doc: dict[str, Any] = {"id": node_id, "federation": federation, "mode": mode, "state_dir": str(state_dir)}
@@ -161,6 +168,8 @@ def render(
         doc["search"] = search
     if privacy:
         doc["privacy"] = privacy
+    if fedbuff:
+        doc["async"] = fedbuff
     if transfer:
         doc["transfer"] = transfer
     return tomli_w.dumps(doc)

@@ -59,6 +59,7 @@ TITLES = {
     "syncopt": "[syncopt]",
     "search": "[search]",
     "privacy": "[privacy]",
+    "async": "[async]",
     "transfer": "[transfer]",
     "security": "[security]",
 }
@@ -74,6 +75,8 @@ NOTES = {
     "([modes/syncopt.md](modes/syncopt.md)).",
     "search": "`fedagent search` across the members' documents ([search.md](search.md)).",
     "privacy": "Differential privacy of the updates; present only when wanted ([privacy.md](privacy.md)).",
+    "async": '`mode = "async"`: asynchronous buffered FedAvg ([modes/async.md](modes/async.md)); the agents\' '
+    "training settings and the server step are `[rounds]`'s.",
 }
 
 

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from fedagent.config.declare import REQUIRED, Table, build, setting
 from fedagent.errors import ConfigError
 from fedagent.protocols import dp
+from fedagent.protocols import fedbuff as FB
 from fedagent.protocols import gossip as G
 from fedagent.protocols import secagg as SA
 from fedagent.protocols import syncopt as S
@@ -95,7 +96,7 @@ class RoundsConfig(Table):
         ge=0,
         lt=1,
         to="round",
-        shown="0.7; 0 with `[privacy]`",
+        shown="0.7; 0 with `[privacy]`; 0 in mode `async`",
     )
     aggregation: str = setting(
         "fedavg",
@@ -399,6 +400,51 @@ class SyncOptSettings(Table):
 
 
 @dataclass(frozen=True, slots=True)
+class AsyncSettings(Table):
+    """``[async]``: asynchronous buffered FedAvg (``mode = "async"``; see
+    :mod:`fedagent.protocols.fedbuff` and docs/modes/async.md). The agents' training
+    settings and the server step are ``[rounds]``'s."""
+
+    TABLE: ClassVar[str] = "async"
+
+    buffer_size: int = setting(5, "coordinator: updates that make one global model (K)", ge=1, le=100_000, to="buffer")
+    max_staleness: int = setting(
+        20,
+        "coordinator: an update trained from a model more than this many versions older than the current one is "
+        "refused",
+        ge=0,
+        le=FB.MAX_STALENESS,
+        to="buffer",
+    )
+    staleness_exponent: float = setting(
+        0.5,
+        "coordinator: an update of staleness s adds its samples times (1 + s)^−this to the model "
+        "(0.5: n/√(1+s); 0: no damping)",
+        ge=0,
+        le=4,
+        to="buffer",
+    )
+    concurrency: int = setting(
+        0, "coordinator: agents training at once (0: every agent online)", ge=0, le=1_000_000, to="buffer"
+    )
+    task_timeout: float = setting(
+        120.0,
+        "coordinator: seconds after which a task's place goes to another agent (its update is still taken later, "
+        "within `max_staleness`)",
+        gt=0,
+        to="buffer",
+    )
+    versions: int = setting(50, "coordinator: global models to publish, then training ends", ge=1, to="buffer")
+    offline_trainings: int = setting(
+        2,
+        "agent: trainings it starts on its own while its link is down, per outage (on the model it holds, or "
+        "training its kept update further); 0: it only finishes the task it has",
+        ge=0,
+        le=10_000,
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class SearchSettings(Table):
     """``[search]``: how ``fedagent search`` reaches the peers' documents (agent side).
 
@@ -579,6 +625,7 @@ TABLES: tuple[str, ...] = (
     "syncopt",
     "search",
     "privacy",
+    "async",
     "transfer",
     "security",
 )
@@ -602,7 +649,8 @@ class NodeConfig:
     mode: str = setting(
         "fedavg",
         "how the federation trains: rounds ([modes/fedavg.md](modes/fedavg.md)), Sync-Opt steps "
-        "([modes/syncopt.md](modes/syncopt.md)) or gossip ([modes/gossip.md](modes/gossip.md))",
+        "([modes/syncopt.md](modes/syncopt.md)), gossip ([modes/gossip.md](modes/gossip.md)) or asynchronous "
+        "buffered FedAvg ([modes/async.md](modes/async.md))",
         choices=MODES,
     )
     state_dir: Path = setting(
@@ -658,6 +706,7 @@ class NodeConfig:
     syncopt: SyncOptSettings = field(default_factory=SyncOptSettings)
     search: SearchSettings = field(default_factory=SearchSettings)
     privacy: PrivacySettings | None = None
+    fedbuff: AsyncSettings = field(default_factory=AsyncSettings)
     max_chunk_bytes: int = setting(
         4 * 2**20,
         "messages above this are chunked (below the broker's packet limit); a model is cut into 8 chunks of at "
@@ -739,4 +788,5 @@ TABLE_CLASSES: dict[str, type] = {
     "syncopt": SyncOptSettings,
     "search": SearchSettings,
     "privacy": PrivacySettings,
+    "async": AsyncSettings,
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fedagent.config import NodeConfig
-from fedagent.coordinator import fedavg, syncopt
+from fedagent.coordinator import fedavg, fedbuff, syncopt
 from fedagent.coordinator.core import CoordinatorCore, Mode
 from fedagent.errors import ConfigError
 
@@ -18,6 +18,7 @@ from fedagent.errors import ConfigError
 MODES: dict[str, tuple[Callable[[CoordinatorCore], Mode], Callable[[NodeConfig], int] | None]] = {
     "fedavg": (fedavg.FedAvgMode, fedavg.receive_maximum),
     "syncopt": (syncopt.SyncOptMode, None),
+    "async": (fedbuff.AsyncMode, fedavg.receive_maximum),
 }
 
 

@@ -23,6 +23,7 @@ import collections
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,9 @@ class DurableJournal:
     ``max_frame``: the largest frame the journal takes (the wire's message limit);
     ``per_sender``: bytes one agent may have journaled in a round (an update's worth);
     ``policy``: when a sync is due (:class:`~fedagent.protocols.groupcommit.GroupPolicy`);
-    ``replay``: the replay guard's journal, whose syncs a round's disk cost counts too."""
+    ``replay``: the replay guard's journal, whose syncs a round's disk cost counts too;
+    ``kinds`` and ``belongs``: which frames are journaled (by default, those that carry an
+    update for the round in flight from an agent selected for it)."""
 
     def __init__(
         self,
@@ -59,8 +62,12 @@ class DurableJournal:
         per_sender: int,
         policy: GroupPolicy | None = None,
         replay: ReplayJournal | None = None,
+        kinds: frozenset[str] = JOURNALED_KINDS,
+        belongs: Callable[[Envelope, InFlight], bool] | None = None,
     ) -> None:
         self.journal = RoundJournal(path, max_frame=max_frame)
+        self.kinds = kinds
+        self.belongs = belongs or _in_round
         self.replay = replay
         self._syncs_at: dict[str, int] = {}
         self.per_sender = per_sender
@@ -76,12 +83,12 @@ class DurableJournal:
         """A verified frame from an agent, before it is handed on: written to the round
         journal if it belongs to the round in flight; returns what its acknowledgement
         waits for (the sync that makes it durable), or None (acknowledge it when handled)."""
-        if env.kind not in JOURNALED_KINDS:
+        if env.kind not in self.kinds:
             return None
         try:
             async with self._lock:
                 inflight = self.journal.round
-                if inflight is None or env.round != inflight.round or env.sender not in inflight.selected:
+                if inflight is None or not self.belongs(env, inflight):
                     return None  # refused when its turn comes: stale, or not selected
                 if self.journal.by_sender.get(env.sender, 0) + len(payload) > self.per_sender:
                     # More than an update's worth from one member: a bug or a flood. The
@@ -225,6 +232,11 @@ class DurableJournal:
             _n, fut = waiters.popleft()
             if not fut.done():
                 fut.set_result(None)
+
+
+def _in_round(env: Envelope, inflight: InFlight) -> bool:
+    """A frame of the round in flight from an agent selected for it."""
+    return env.round == inflight.round and env.sender in inflight.selected
 
 
 def reconcile_history(history: History, meta: dict[str, Any]) -> None:

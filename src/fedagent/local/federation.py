@@ -67,9 +67,16 @@ class Federation:
         task_options: dict[str, Any] | None = None,
         privacy: dict[str, Any] | None = None,
         rounds_options: dict[str, Any] | None = None,
+        fedbuff: dict[str, Any] | None = None,
+        slow_agents: dict[str, float] | None = None,
+        train_seconds: float = 0.0,
     ) -> None:
         """``rounds_options``: more ``[rounds]`` keys for the coordinator (e.g.
-        ``secure_aggregation``), over the defaults written here."""
+        ``secure_aggregation``), over the defaults written here. ``fedbuff``: the
+        ``[async]`` table of a ``mode = "async"`` federation. ``slow_agents``: agent id ->
+        how many times as long its training takes (``fedagent.tasks.slowed``);
+        ``train_seconds``: every agent's training takes at least this long (before its
+        slowdown), as on a device slower than this machine."""
         self.work = work
         # [privacy] of the coordinator (fedavg) or of every agent (gossip: local DP).
         self.privacy = dict(privacy) if privacy else None
@@ -86,6 +93,9 @@ class Federation:
         self.coordinator_id = "coordinator"
         self.mode = mode
         self.gossip = dict(gossip or {})
+        self.fedbuff = dict(fedbuff or {})
+        self.slow_agents = dict(slow_agents or {})
+        self.train_seconds = train_seconds
         # Another built-in task than digits: its options (plus shard/shards/seed) for
         # every agent; ``alpha`` is digits' own option and is then not passed.
         self.task = task
@@ -150,6 +160,7 @@ class Federation:
             "seed": SEED,
             **self.rounds_options,
         }
+        mode: dict[str, Any] = {"mode": "async", "fedbuff": self.fedbuff} if self.mode == "async" else {}
         self._write(
             "coordinator",
             self.coordinator_id,
@@ -158,9 +169,16 @@ class Federation:
             rounds,
             self.task,
             privacy=self.privacy,
+            **mode,
         )
         for i, aid in enumerate(self.agent_ids):
-            self._write(aid, aid, "" if self.by_mdns else self.broker.uri, self.shard_options(i), None, self.task)
+            task, options = self.task, self.shard_options(i)
+            if aid in self.slow_agents or self.train_seconds:
+                slowed = {"inner": task, "slowdown": self.slow_agents.get(aid, 1.0)}
+                if self.train_seconds:
+                    slowed["at_least"] = self.train_seconds
+                task, options = "fedagent.tasks.slowed:make", {**options, **slowed}
+            self._write(aid, aid, "" if self.by_mdns else self.broker.uri, options, None, task, **mode)
 
     def prepare_syncopt(
         self,
@@ -234,12 +252,18 @@ class Federation:
         return self.spawn(node_id)
 
     def write_coordinator(
-        self, task: str, task_options: dict[str, Any], rounds: dict[str, Any], transfer: dict[str, Any] | None = None
+        self,
+        task: str,
+        task_options: dict[str, Any],
+        rounds: dict[str, Any],
+        transfer: dict[str, Any] | None = None,
+        **extra: Any,
     ) -> Path:
         """Replace the coordinator's config (another task, other round settings, and
-        ``transfer``: its [transfer] table, e.g. a compression pinned)."""
+        ``transfer``: its [transfer] table, e.g. a compression pinned; ``extra``: more of
+        :func:`config.render`'s tables, e.g. ``mode`` and ``fedbuff``)."""
         return self._write(
-            "coordinator", self.coordinator_id, self.broker_uri, task_options, rounds, task, transfer=transfer
+            "coordinator", self.coordinator_id, self.broker_uri, task_options, rounds, task, transfer=transfer, **extra
         )
 
     def add_agent(
@@ -249,11 +273,13 @@ class Federation:
         task_options: dict[str, Any],
         rounds: dict[str, Any] | None = None,
         broker: str | None = None,
+        **extra: Any,
     ) -> Proc:
         """A new agent (its own certificate and config) started now; ``broker=None``
-        gives it the broker's address, ``""`` makes it look the broker up by mDNS."""
+        gives it the broker's address, ``""`` makes it look the broker up by mDNS;
+        ``extra``: more of :func:`config.render`'s tables (``mode``...)."""
         uri = self.broker_uri if broker is None else broker
-        return self._enroll(node_id, lambda: self._write(node_id, node_id, uri, task_options, rounds, task))
+        return self._enroll(node_id, lambda: self._write(node_id, node_id, uri, task_options, rounds, task, **extra))
 
     def add_gossip_agent(self, node_id: str, shard: int, broker: str = "") -> Proc:
         """A new member (its own certificate and config) started mid-training."""

@@ -8,7 +8,7 @@ is decided by the receiver's protocol state and the envelope ``kind``, through t
 table ``KINDS`` — never by looking up a name sent by the peer.
 
 The messages are grouped by concern: :mod:`.control` (presence, heartbeat),
-:mod:`.rounds` (FedAvg), :mod:`.gossip`, :mod:`.vocabulary`, :mod:`.syncopt`,
+:mod:`.rounds` (FedAvg), :mod:`.fedbuff` (asynchronous buffered FedAvg), :mod:`.gossip`, :mod:`.vocabulary`, :mod:`.syncopt`,
 :mod:`.search`; the secure-aggregation messages are :mod:`fedagent.protocols.secagg`'s.
 """
 
@@ -21,6 +21,7 @@ from fedagent.errors import CodecError
 from fedagent.protocols.codec import Limits
 from fedagent.protocols.fields import MAX_METRICS
 from fedagent.protocols.messages.control import MODES, ROLES, Heartbeat, Presence
+from fedagent.protocols.messages.fedbuff import AsyncModel, AsyncTask, AsyncUpdate
 from fedagent.protocols.messages.gossip import MAX_EXCHANGE_ID, GossipAck, GossipModel
 from fedagent.protocols.messages.rounds import (
     MAX_LOCAL_STEPS,
@@ -62,6 +63,9 @@ __all__ = [
     "MAX_VOCAB_TERMS",
     "MODES",
     "ROLES",
+    "AsyncModel",
+    "AsyncTask",
+    "AsyncUpdate",
     "Evaluation",
     "GlobalModel",
     "GossipAck",
@@ -109,6 +113,9 @@ Message = (
     | PublicVectorsRequest
     | PublicVectors
     | Heartbeat
+    | AsyncTask
+    | AsyncModel
+    | AsyncUpdate
     | SecAggMessage
 )
 
@@ -136,6 +143,9 @@ KINDS: dict[str, type[Message]] = {
         SearchAnswer,
         PublicVectorsRequest,
         PublicVectors,
+        AsyncTask,
+        AsyncModel,
+        AsyncUpdate,
         *SECAGG_MESSAGES,
     )
 }

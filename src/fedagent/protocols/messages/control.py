@@ -9,7 +9,7 @@ from fedagent.errors import CodecError
 from fedagent.protocols import fields as F
 
 ROLES = ("agent", "coordinator")
-MODES = ("fedavg", "syncopt", "gossip")
+MODES = ("fedavg", "syncopt", "gossip", "async")
 MAX_DOWNLINKS = 8
 
 

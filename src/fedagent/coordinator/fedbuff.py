@@ -1,0 +1,460 @@
+"""Asynchronous buffered FedAvg: the coordinator mode over the pure
+:class:`~fedagent.protocols.fedbuff.BufferMachine`.
+
+Queue items become the machine's events (agents online/offline, streamed and whole
+updates, wake-ups); its commands are carried out here: send a task, checkpoint and
+broadcast a model, refuse an update, schedule a wake-up.
+
+Durability is the round journal's (:mod:`fedagent.coordinator.durability`): every frame
+of an update is written to the journal and acknowledged to the broker only once it is
+durable, whatever its task or base version. A model's checkpoint records the updates it
+holds (by agent, task and base version, within the staleness bound); the journal is
+replaced only after that checkpoint is durable, and only when no update is in transfer
+(its first frames would go with the old journal). A restarted coordinator hands every
+journaled frame to the machine again: what the checkpoint holds is refused as a
+duplicate, what it does not hold goes into the buffer. So no update acknowledged to the
+broker is lost, and none counts twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine, Iterator
+from typing import Any
+
+import numpy as np
+
+from fedagent.config import buffer_config
+from fedagent.coordinator.core import CoordinatorCore
+from fedagent.coordinator.durability import JOURNALED_KINDS, DurableJournal, reconcile_history
+from fedagent.coordinator.fedavg import STREAM_BUDGET, stream_budget
+from fedagent.coordinator.velocity import FileVelocity
+from fedagent.coordinator.vocabstage import has_vocabulary
+from fedagent.errors import ConfigError, FedagentError, TransportError
+from fedagent.node import sdnotify
+from fedagent.node.messaging import Incoming
+from fedagent.node.metrics import NodeMetrics
+from fedagent.node.runtime import Timer, release_large_frees
+from fedagent.protocols import fedbuff as FB
+from fedagent.protocols import topics
+from fedagent.protocols.catchup import ModelServer
+from fedagent.protocols.codec import Envelope
+from fedagent.protocols.messages import AsyncModel, AsyncTask, AsyncUpdate, Evaluation, GlobalModel, ModelRequest
+from fedagent.protocols.streaming import StreamEvent, UpdatePart
+from fedagent.storage import checkpoint
+from fedagent.storage.roundjournal import InFlight
+from fedagent.storage.statefile import atomic_write, read_bytes
+from fedagent.tasks.base import get_weights
+
+log = logging.getLogger("fedagent.coordinator")
+
+#: Task numbers are reserved on disk this many at a time: a restart never gives one twice.
+TASK_BLOCK = 1000
+
+__all__ = ["AsyncMode"]
+
+
+def _any_update(env: Envelope, inflight: InFlight) -> bool:
+    """Every update frame is journaled: a buffer takes updates of any task and age."""
+    return True
+
+
+class AsyncMode:
+    title = "asynchronous coordinator"
+
+    def __init__(self, core: CoordinatorCore) -> None:
+        release_large_frees()  # before the model is built (see its docstring)
+        self.core = core
+        cfg = self.cfg = core.cfg
+        if has_vocabulary(core.task):
+            raise ConfigError(
+                f"{cfg.path}: task {cfg.task!r} agrees on a vocabulary before round 1, which mode = 'async' "
+                "does not run: use mode = 'fedavg' for it"
+            )
+        self.config = buffer_config(cfg)
+        self.durability = DurableJournal(
+            core.dir / "round-journal",
+            max_frame=core.messenger.wire_limits.max_message_bytes,
+            per_sender=2 * cfg.max_model_bytes + 2**20,
+            replay=core.messenger.replay_journal,
+            kinds=JOURNALED_KINDS | {AsyncUpdate.kind},
+            belongs=_any_update,
+        )
+        core.messenger.journal = self.durability.frame
+        core.messenger.before_replay_commit = self.durability.flush
+        core.messenger.lazy_durable_kinds = core.messenger.lazy_durable_kinds | {Evaluation.kind}
+        # A stream that stops for this long is over (its sender's link went down): a
+        # model waits for the streams being added, so a silent one must not hold it long.
+        core.messenger.intake.timeout = min(core.messenger.intake.timeout, 30.0)
+        core.transport.hold_limit = 1
+        self.timer = Timer(core.queue, FB.Wakeup())
+        self._stream_bytes = 0
+        self._stream_budget = STREAM_BUDGET
+        self._stream_room = asyncio.Event()
+        self._stream_room.set()
+        core.messenger.on_stream = self._on_stream
+        self.model_server = ModelServer()
+        self._answering = asyncio.Lock()
+        self._answers: set[asyncio.Task[None]] = set()
+        self.done = asyncio.Event()
+        self._reserved_path = core.dir / "task-reserved"
+        self._published_at = time.monotonic()
+        self._started = False  # the first task went out
+        self.last_model_seconds: float | None = None
+        self.velocity_file: FileVelocity | None = None
+        self.machine = self._build_machine()
+        # Every frame the journal kept is handed on again (see the module docstring).
+        self._recovered = self.durability.journal.recover()
+
+    def _build_machine(self) -> FB.BufferMachine:
+        core, cfg = self.core, self.config
+        weights = get_weights(self.task_model())
+        resumed = checkpoint.load(core.ckpt_path)
+        meta: dict[str, Any] = {}
+        if resumed is not None:
+            saved, meta = resumed
+            weights = {k: v for k, v in saved.items() if not k.startswith(checkpoint.OPTIMIZER_PREFIX)}
+            log.info("resuming from %s: model version %s", core.ckpt_path, meta.get("model_version"))
+            reconcile_history(core.history, meta)
+        self._stream_budget = stream_budget(sum(int(w.nbytes) for w in weights.values()))
+        version = int(meta.get("model_version", 0))
+        store = None
+        if cfg.momentum > 0:
+            store = self.velocity_file = FileVelocity(core.ckpt_path.parent)
+            if store.open(version, weights):
+                log.info("server momentum %g: resuming with the velocity of model version %d", cfg.momentum, version)
+        reserved = read_bytes(self._reserved_path, 64)
+        self._reserved = int(reserved) if reserved and reserved.strip().isdigit() else 1
+        try:
+            machine = FB.BufferMachine(
+                cfg,
+                weights,
+                model_version=version,
+                accepted=meta.get("accepted", []) if isinstance(meta.get("accepted"), list) else [],
+                first_task=self._reserved,
+                privacy_state=meta.get("privacy") if isinstance(meta.get("privacy"), dict) else None,
+                velocity_store=store,
+            )
+        except ValueError as exc:
+            raise FedagentError(f"{core.ckpt_path}: {exc}; move it away to start afresh") from None
+        privacy = machine.privacy()
+        if privacy is not None:
+            log.info(
+                "differential privacy (%s): noise multiplier %.4g, clip norm %.4g, epsilon spent %.4g per %d-update model",
+                cfg.dp.mode if cfg.dp is not None else "?",
+                privacy["noise_multiplier"],
+                privacy["clip_norm"],
+                privacy["epsilon"],
+                cfg.buffer_size,
+            )
+        return machine
+
+    def task_model(self) -> Any:
+        return self.core.task.build_model()
+
+    # -- Mode ----------------------------------------------------------------------------
+    def model_version(self) -> int:
+        return self.machine.model_version
+
+    async def on_connect(self) -> None:
+        return None
+
+    async def start(self, now: float) -> None:
+        m = self.machine
+        if m.phase is FB.Phase.DONE:
+            log.info("checkpoint says training already finished; serving status only")
+        if self._recovered is None:
+            await self.durability.begin(m.model_version + 1, m.model_version, ())
+        else:
+            log.info(
+                "%d update frames in the journal (from model version %d): handed on again",
+                self.durability.journal.frames,
+                self._recovered.model_version,
+            )
+        log.info(
+            "buffer of %d updates, staleness bound %d, %s; %d models to publish",
+            self.config.buffer_size,
+            self.config.max_staleness,
+            f"at most {self.config.concurrency} agents training" if self.config.concurrency else "every agent trains",
+            self.config.versions,
+        )
+
+    def recovered_frames(self) -> Iterator[tuple[str, bytes]]:
+        if self._recovered is None:
+            return iter(())
+        return self.durability.journal.frames_of()
+
+    async def on_presence(self, agent: str, online: bool, samples: int, now: float) -> None:
+        if online:
+            reads = "int8" in self.core.peers.get(agent, {}).get("downlinks", ())
+            await self._handle(FB.AgentOnline(agent, samples, reads_steps=reads))
+        else:
+            await self._handle(FB.AgentOffline(agent))
+
+    async def on_message(self, inc: Incoming, now: float) -> None:
+        msg = inc.message
+        if isinstance(msg, AsyncUpdate):
+            if inc.role != "agent":
+                self.core.messenger.reject("role", inc.sender, f"update signed by a {inc.role or 'non-agent'}")
+                return
+            if inc.envelope.round != msg.task:
+                # The signed envelope binds the update to its task, as a round elsewhere.
+                self.core.messenger.reject(
+                    "round", inc.sender, f"task {msg.task} in an envelope of {inc.envelope.round}"
+                )
+                return
+            await self._handle(
+                FB.WholeUpdate(inc.sender, msg.task, msg.base_version, msg.num_samples, msg.metrics, msg.delta)
+            )
+        elif isinstance(msg, ModelRequest):
+            self._model_request(inc, msg, now)
+        else:
+            log.debug("ignoring %s from %s", type(msg).__name__, inc.sender)
+
+    async def on_item(self, item: Any, now: float) -> None:
+        if isinstance(item, UpdatePart):
+            self._stream_bytes -= item.values.nbytes
+            if self._stream_bytes <= self._stream_budget:
+                self._stream_room.set()
+        await self._handle(item)
+
+    def snapshot(self) -> dict[str, Any]:
+        m = self.machine.status()
+        return {
+            **m,
+            # what the FedAvg rows read: a model is this mode's unit of progress
+            "round": self.machine.model_version,
+            "completed_rounds": self.machine.model_version,
+            "rounds": self.config.versions,
+            "last_model_seconds": self.last_model_seconds,
+            "privacy": {"mode": self.config.dp.mode, **m["privacy"]} if m.get("privacy") and self.config.dp else None,
+            "stop_reason": m.get("stop_reason") or None,
+            "updates": self.update_transfer(),
+            "server_step": {
+                "lr": self.config.server_lr,
+                "momentum": self.config.momentum,
+                "default": self.cfg.rounds.server_momentum is None,
+                "default_reason": "default in async mode",
+            },
+            "journal": self.durability.journal.status(),
+            "model_requests": {"answered": self.model_server.answered, "refused": dict(self.model_server.refused)},
+        }
+
+    def update_transfer(self) -> dict[str, Any]:
+        train = self.config.train
+        return {
+            "compression": train.compression,
+            "streamed": train.stream,
+            "default": self.cfg.compression is None,
+            "downlink": self.config.downlink,
+            "downlink_default": self.cfg.downlink is None,
+            "whole_model_only": self.machine.whole_model_only(),
+        }
+
+    def refresh_metrics(self, m: NodeMetrics) -> None:
+        m.set_model_version(self.machine.model_version)
+        m.round_started(self.machine.model_version)
+        privacy = self.machine.privacy()
+        if privacy is not None:
+            m.set_privacy(privacy)
+
+    def background(self) -> list[Coroutine[Any, Any, None]]:
+        return [self._expire_streams()]
+
+    def close(self) -> None:
+        self.timer.cancel()
+        self.durability.close()
+        for task in self._answers:
+            task.cancel()
+
+    # -- streams ---------------------------------------------------------------------------
+    async def _on_stream(self, events: list[StreamEvent]) -> None:
+        for ev in events:
+            if isinstance(ev, UpdatePart):
+                self._stream_bytes += ev.values.nbytes
+            await self.core.queue.put(ev)
+        # Holding the chunk's acknowledgement while too many values wait keeps the
+        # backlog at the broker.
+        while self._stream_bytes > self._stream_budget:
+            self._stream_room.clear()
+            await self._stream_room.wait()
+
+    async def _expire_streams(self) -> None:
+        messenger = self.core.messenger
+        while True:
+            await asyncio.sleep(2.0)
+            events = messenger.intake.expire(time.monotonic())
+            for ev in events:
+                messenger.reject("stream", ev.sender, ev.reason)
+            await self._on_stream(list(events))
+
+    # -- catch-up ---------------------------------------------------------------------------
+    def _model_request(self, inc: Incoming, msg: ModelRequest, now: float) -> None:
+        if inc.role != "agent":
+            self.core.messenger.reject("role", inc.sender, f"model request signed by a {inc.role or 'non-agent'}")
+            return
+        m = self.machine
+        # Version 0 is the initial model, which no task carries: an agent that says it has
+        # version 0 may hold none at all, so it gets it (once per interval).
+        have = msg.have_version if msg.have_version > 0 else -1
+        if not self.model_server.answer(inc.sender, have, m.model_version, now):
+            return
+        model = GlobalModel(m.model_version, m.model_version, m.phase is FB.Phase.DONE, m.weights)
+        task = asyncio.get_running_loop().create_task(self._send_model(inc.sender, model, msg.have_version))
+        self._answers.add(task)
+        task.add_done_callback(self._answers.discard)
+
+    async def _send_model(self, agent: str, model: GlobalModel, had: int) -> None:
+        async with self._answering:
+            topic = topics.direct(self.core.fed, self.core.cfg.id, agent, "model")
+            try:
+                n = await self.core.messenger.send(topic, model, round_=model.round, stable=True)
+            except TransportError as exc:
+                log.warning("model version %d for %s not sent: %s", model.model_version, agent, exc)
+                return
+            log.info("sent model version %d to %s (it had %d): %d bytes", model.model_version, agent, had, n)
+
+    # -- the machine ------------------------------------------------------------------------
+    async def _handle(self, event: Any) -> None:
+        cmds = self.machine.handle(event, time.monotonic())
+        del event
+        for cmd in cmds:
+            await self._execute(cmd)
+
+    async def _execute(self, cmd: FB.Command) -> None:
+        core, fed = self.core, self.core.fed
+        if isinstance(cmd, FB.AssignTask):
+            if not self._started:
+                # What a model's time counts from (the first one: from the first task).
+                self._started = True
+                self._published_at = time.monotonic()
+                core.history.append({"event": "training_started", "model_version": self.machine.model_version})
+            if cmd.task >= self._reserved:
+                # Durable before the task leaves: a restart starts numbering above it.
+                self._reserved = cmd.task + TASK_BLOCK
+                await asyncio.to_thread(atomic_write, self._reserved_path, str(self._reserved).encode())
+            try:
+                await core.messenger.send(
+                    topics.direct(fed, self.cfg.id, cmd.agent, "async_task"),
+                    AsyncTask(cmd.task, cmd.model_version, cmd.train, cmd.deadline_s),
+                    round_=cmd.task,
+                )
+            except TransportError as exc:
+                # Its deadline frees the place; the agent, when back, gets another.
+                log.warning("task %d for %s not sent: %s", cmd.task, cmd.agent, exc)
+        elif isinstance(cmd, FB.Published):
+            await self._published(cmd)
+        elif isinstance(cmd, FB.BufferSpoilt):
+            log.warning(
+                "buffer of model version %d spoilt, %d updates lost: %s",
+                cmd.model_version + 1,
+                len(cmd.lost),
+                cmd.reason,
+            )
+            core.metrics.round_abandoned()
+            core.history.append(
+                {"event": "abandoned", "round": cmd.model_version + 1, "reason": cmd.reason, "lost": list(cmd.lost)}
+            )
+        elif isinstance(cmd, FB.Rejected):
+            core.reject(cmd.sender, cmd.reason, cmd.detail, task=cmd.round)
+        elif isinstance(cmd, FB.RequestWakeup):
+            self.timer.request(cmd.at)
+        elif isinstance(cmd, FB.Finished):
+            if cmd.reason:
+                log.warning("training stopped at model version %d: %s", cmd.model_version, cmd.reason)
+                core.history.append({"event": "stopped", "reason": cmd.reason, "privacy": self.machine.privacy()})
+            log.info("training finished: model version %d", cmd.model_version)
+            sdnotify.status(f"finished: model version {cmd.model_version}")
+            await core.messenger.send(
+                topics.broadcast(fed, "model"),
+                GlobalModel(cmd.model_version, cmd.model_version, True, cmd.weights),
+                round_=cmd.model_version,
+                stable=True,
+            )
+            self.done.set()
+
+    async def _published(self, cmd: FB.Published) -> None:
+        core, m = self.core, self.machine
+        took = time.monotonic() - self._published_at
+        self._published_at = time.monotonic()
+        self.last_model_seconds = took
+        meta: dict[str, Any] = {
+            "model_version": cmd.model_version,
+            "round": cmd.model_version,
+            "completed_rounds": cmd.model_version,
+            "federation": core.fed,
+            "participants": list(cmd.contributors),
+            "metrics": cmd.metrics,
+            "final": cmd.final,
+            # the updates this model holds (within the staleness bound): never taken twice
+            "accepted": m.accepted_keys(),
+            "mode": "async",
+        }
+        privacy_state = m.privacy_state()
+        if privacy_state is not None:
+            meta["privacy"] = privacy_state
+        await asyncio.to_thread(self._save_checkpoint, cmd.weights, meta, cmd.model_version)
+        if self.velocity_file is not None:
+            self.velocity_file.prune(cmd.model_version)
+        messenger = core.messenger
+        if not m.inflight and not messenger.intake.pending_transfers and not messenger.reassembler.pending_transfers:
+            # Nothing in transfer: every frame journaled so far is in this checkpoint or
+            # was refused. (Otherwise the journal is kept, and replaced at a quiet model.)
+            await self.durability.begin(cmd.model_version + 1, cmd.model_version, ())
+        staleness = [u[3] for u in cmd.updates]
+        core.metrics.round_completed(took, cmd.metrics)
+        core.metrics.set_model_version(cmd.model_version)
+        core.history.append(
+            {
+                "event": "round",
+                "round": cmd.model_version,
+                "model_version": cmd.model_version,
+                "participants": list(cmd.contributors),
+                "metrics": cmd.metrics,
+                "aggregation": self.config.strategy.name,
+                "updates": [
+                    {"agent": a, "task": t, "base_version": b, "staleness": s, "share": w}
+                    for a, t, b, s, w in cmd.updates
+                ],
+                "staleness": {"max": max(staleness), "mean": round(float(np.mean(staleness)), 3)},
+                "dropped": cmd.dropped,
+                "seconds": round(took, 4),
+                "bytes_in": messenger.bytes_in,
+                "bytes_out": messenger.bytes_out,
+                **({"privacy": cmd.privacy} if cmd.privacy is not None else {}),
+                "syncs": self.durability.round_syncs(),
+            }
+        )
+        self.durability.count_round()
+        log.info(
+            "model version %d from %d updates (staleness %s) in %.2fs: %s",
+            cmd.model_version,
+            len(cmd.updates),
+            ",".join(map(str, staleness)),
+            took,
+            ", ".join(f"{k}={v:.4f}" for k, v in cmd.metrics.items()),
+        )
+        sdnotify.status(f"model version {cmd.model_version} of {self.config.versions}")
+        if cmd.privacy is not None:
+            core.metrics.set_privacy(cmd.privacy)
+        delta = cmd.delta
+        await messenger.send(
+            topics.broadcast(core.fed, "async_model"),
+            AsyncModel(
+                cmd.model_version,
+                len(cmd.updates),
+                cmd.contributors,
+                cmd.metrics,
+                None if delta is not None else cmd.weights,
+                delta,
+            ),
+            round_=cmd.model_version,
+            stable=True,  # the machine replaces its model, never changes it in place
+        )
+
+    def _save_checkpoint(self, weights: dict[str, np.ndarray], meta: dict[str, Any], version: int) -> None:
+        if self.velocity_file is not None:
+            self.velocity_file.sync(version)
+        checkpoint.save(self.core.ckpt_path, weights, meta)

@@ -1,0 +1,217 @@
+"""Asynchronous buffered FedAvg over real processes (Mosquitto with mutual TLS, a
+coordinator and agent daemons): models from buffers with a slow agent; a coordinator
+killed mid-buffer loses no acknowledged update; an agent cut off from the broker keeps
+its work and sends it when its link is back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from netfed import coordinator_in, running, wait_for
+
+from fedagent.local.federation import Federation
+from fedagent.local.linkcut import Link
+from fedagent.storage.history import read_records
+
+
+def history(fed: Federation, stem: str) -> list[dict]:
+    role = "coordinator" if stem == "coordinator" else "agent"
+    return read_records(fed.work / "state" / stem / role / fed.fed / "history.jsonl")
+
+
+def published(fed: Federation) -> list[dict]:
+    return [r for r in history(fed, "coordinator") if r["event"] == "round"]
+
+
+def sent(fed: Federation, agent: str) -> list[dict]:
+    return [r for r in history(fed, agent) if r["event"] == "update"]
+
+
+def test_models_come_from_buffers_while_a_slow_agent_trains(tmp_path):
+    """Two agents and one four times slower: models are published from whoever
+    finished, the slow agent's updates come in stale and are taken, damped."""
+    with running(
+        tmp_path,
+        agents=3,
+        rounds=1,
+        alpha=0.5,
+        mode="async",
+        fedbuff={"buffer_size": 2, "versions": 8, "max_staleness": 50},
+        slow_agents={"agent-3": 4.0},
+        rounds_options={"local_epochs": 4},
+    ) as fed:
+        done = wait_for(lambda: coordinator_in(fed, "done"), 180, "8 models", fed)
+        assert done["model_version"] == 8 and done["mode"] == "async"
+        models = published(fed)
+        assert [r["model_version"] for r in models] == list(range(1, 9))
+        keys = [(u["agent"], u["task"], u["base_version"]) for r in models for u in r["updates"]]
+        assert len(keys) == len(set(keys))  # every update once
+        by_agent = Counter(k[0] for k in keys)
+        assert by_agent["agent-1"] + by_agent["agent-2"] > 2 * by_agent["agent-3"], by_agent
+        stale = [u for r in models for u in r["updates"] if u["staleness"] > 0]
+        assert stale and all(u["share"] < 1 for u in stale)
+        hist = done["staleness"]["histogram"]
+        assert sum(hist.values()) == len(keys) and done["buffer"]["size"] == 2
+        agents = done["agents"]
+        assert set(agents) == {"agent-1", "agent-2", "agent-3"} and all(a["accepted"] >= 1 for a in agents.values())
+        # Every agent holds the final model, rebuilt from int8 steps or fetched.
+        finals = wait_for(
+            lambda: [s for s in (fed.status(a) for a in fed.agent_ids) if s and s.get("final_model_version") == 8],
+            60,
+            "the agents to get the final model",
+            fed,
+        )
+        assert len(finals) == 3 and sum(s["model_steps"]["rebuilt"] for s in finals) > 0
+
+
+def test_a_coordinator_killed_mid_buffer_loses_no_acknowledged_update(tmp_path):
+    """Two or three updates in a buffer of four, every agent paused, kill -9: the
+    restarted coordinator holds the same buffer from its journal before any agent
+    sends again, and every update is in exactly one published model."""
+    with running(
+        tmp_path,
+        agents=3,
+        rounds=1,
+        alpha=0.5,
+        mode="async",
+        fedbuff={"buffer_size": 4, "versions": 2, "max_staleness": 50},
+        rounds_options={"local_epochs": 60},
+        agent_broker_by_mdns=False,
+    ) as fed:
+        pids = {a: fed.proc(a).popen.pid for a in fed.agent_ids}
+        wait_for(
+            lambda: ((fed.status("agent-3") or {}).get("training") or {}).get("task"), 120, "agent-3 training", fed
+        )
+        os.killpg(pids["agent-3"], signal.SIGSTOP)
+        paused = ["agent-3"]
+        try:
+            wait_for(
+                lambda: (lambda s: s and s["model_version"] == 0 and s["buffer"]["fill"] >= 2)(
+                    fed.status("coordinator")
+                ),
+                120,
+                "two updates in the first buffer",
+                fed,
+            )
+            for a in ("agent-1", "agent-2"):
+                os.killpg(pids[a], signal.SIGSTOP)
+                paused.append(a)
+            before = fed.status("coordinator")
+            assert before["model_version"] == 0 and 2 <= before["buffer"]["fill"] <= 3, before["buffer"]
+            killed = time.time()
+            fed.restart("coordinator", signal.SIGKILL)
+            # At least what the old one held: from its journal (and from the broker, which
+            # delivers again what it had not acknowledged), before any agent sends again.
+            after = wait_for(
+                lambda: (lambda s: s if s and s["buffer"]["fill"] >= before["buffer"]["fill"] else None)(
+                    fed.status("coordinator")
+                ),
+                120,
+                "the restarted coordinator to hold the buffer",
+                fed,
+            )
+            assert after["model_version"] == 0
+        finally:
+            for a in paused:
+                os.killpg(pids[a], signal.SIGCONT)
+        done = wait_for(lambda: coordinator_in(fed, "done"), 180, "2 models", fed)
+        assert done["model_version"] == 2
+        in_models = Counter((u["agent"], u["task"], u["base_version"]) for r in published(fed) for u in r["updates"])
+        assert max(in_models.values()) == 1  # none counted twice
+        before_kill = [
+            (a, r["task"], r["base_version"]) for a in fed.agent_ids for r in sent(fed, a) if r["time"] < killed
+        ]
+        assert len(before_kill) >= before["buffer"]["fill"]
+        missing = [k for k in before_kill if k not in in_models]
+        assert not missing, f"updates sent before the kill and never in a model: {missing}"
+        log = (fed.work / "logs" / "coordinator.log").read_text()
+        assert "update frames in the journal" in log
+
+
+def cut_and_heal(tmp_path: Path, cut_for: float) -> dict:
+    """agent-2 reaches the broker through a link that is cut while it trains a task and
+    healed ``cut_for`` seconds later; returns what was measured."""
+    with running(
+        tmp_path,
+        start=False,
+        agents=3,
+        rounds=1,
+        alpha=0.5,
+        mode="async",
+        fedbuff={"buffer_size": 2, "versions": 10_000, "max_staleness": 10_000, "offline_trainings": 1},
+        rounds_options={"local_epochs": 60},
+        agent_broker_by_mdns=False,
+    ) as fed:
+        assert fed.broker is not None
+        link = Link(fed.broker.port)
+        try:
+            path = fed.config_path("agent-2")
+            path.write_text(path.read_text().replace(fed.broker.uri, f"mqtts://127.0.0.1:{link.port}"))
+            fed.start_all()
+            task = wait_for(
+                lambda: ((fed.status("agent-2") or {}).get("training") or {}).get("task"), 120, "agent-2 training", fed
+            )
+            link.cut()
+            cut_at = time.monotonic()
+            held = wait_for(
+                lambda: (lambda s: s if s and s.get("outbox") and not s["link"]["up"] else None)(fed.status("agent-2")),
+                60,
+                "agent-2 to keep its update while cut off",
+                fed,
+            )
+            # The task it was training, or (finished just before the cut) one of its own.
+            assert held["outbox"]["task"] in (task, 0), held["outbox"]
+            task, base = held["outbox"]["task"], held["outbox"]["base_version"]
+            offline = wait_for(
+                lambda: (lambda s: s if s and "agent-2" not in s["online"] else None)(fed.status("coordinator")),
+                60,
+                "the coordinator to see agent-2 gone",
+                fed,
+            )
+            version_at_cut = offline["model_version"]
+            time.sleep(max(0.0, cut_for - (time.monotonic() - cut_at)))
+            down = fed.status("agent-2") or {}
+            link.heal()
+            healed_at = time.monotonic()
+            taken = wait_for(
+                lambda: (lambda s: s if s and s["agents"].get("agent-2", {}).get("last_base") == base else None)(
+                    fed.status("coordinator")
+                ),
+                120,
+                "agent-2's update to be taken after the heal",
+                fed,
+            )
+            mine = [r for r in sent(fed, "agent-2") if r["base_version"] == base]
+            assert mine and mine[-1]["task"] == task and mine[-1]["trainings"] >= 1
+            return {
+                "task": task,
+                "base": base,
+                "versions_while_cut": taken["model_version"] - version_at_cut,
+                "down_s": (down.get("link") or {}).get("down_s"),
+                "sent_after_heal_s": time.monotonic() - healed_at,
+                "held_s": mine[-1]["held_s"],
+                "trainings": mine[-1]["trainings"],
+            }
+        finally:
+            link.close()
+
+
+def test_an_agent_cut_off_keeps_its_update_and_sends_it_when_healed(tmp_path):
+    m = cut_and_heal(tmp_path, cut_for=6.0)
+    assert m["versions_while_cut"] >= 1 and m["held_s"] >= 5.0
+    print(f"cut off {m['down_s']} s: update of task {m['task']} held {m['held_s']} s, {m['trainings']} trainings")
+
+
+@pytest.mark.slow
+def test_an_agent_cut_off_for_a_minute_sends_its_work_when_healed(tmp_path):
+    m = cut_and_heal(tmp_path, cut_for=60.0)
+    assert m["versions_while_cut"] >= 1 and m["held_s"] >= 59.0 and m["trainings"] == 2
+    print(
+        f"cut off {m['down_s']} s: update of task {m['task']} held {m['held_s']} s ({m['trainings']} trainings), "
+        f"sent {m['sent_after_heal_s']:.1f} s after the heal; {m['versions_while_cut']} models published meanwhile"
+    )
