@@ -46,14 +46,17 @@ accounting) and :mod:`.secure` (the secure-aggregation path).
 
 from __future__ import annotations
 
-from fedagent.protocols.rounds.config import RoundConfig, check_secure
+from fedagent.protocols.rounds.config import NormBound, RoundConfig, check_secure
 from fedagent.protocols.rounds.events import (
     AgentOffline,
     AgentOnline,
     Command,
     Event,
     Finished,
+    LateUpdate,
     Phase,
+    Refold,
+    Refolded,
     Rejected,
     RequestWakeup,
     RoundAbandoned,
@@ -76,8 +79,12 @@ __all__ = [
     "Command",
     "Event",
     "Finished",
+    "LateUpdate",
+    "NormBound",
     "Phase",
     "PrivacyBudget",
+    "Refold",
+    "Refolded",
     "Rejected",
     "RequestWakeup",
     "RoundAbandoned",
