@@ -61,6 +61,8 @@ _paho_log = logging.getLogger("fedagent.mqtt")
 
 BACKOFF_INITIAL = 0.5
 BACKOFF_CAP = 30.0
+#: The longest single wait of a patient publish for its PUBACK before it warns again.
+PATIENCE_CAP = 300.0
 RC_NOT_AUTHORIZED = 0x87  # 135
 
 
@@ -492,7 +494,14 @@ class Transport:
                 pass
 
     async def publish(
-        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, timeout: float = 30
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int = 1,
+        retain: bool = False,
+        timeout: float = 30,
+        patient: bool = False,
     ) -> None:
         """Publish and, for QoS 1, wait for the broker's PUBACK.
 
@@ -500,12 +509,26 @@ class Transport:
         TransportError for another refusal, a message above the broker's maximum
         packet size, or no connection/PUBACK within ``timeout``. A connection lost
         before PUBACK is retried on the next one (at least once; receivers dedupe).
+
+        ``patient``: a late PUBACK or a connection that is down is never an error: after
+        ``timeout`` the wait goes on, ``timeout`` doubled each time up to
+        :data:`PATIENCE_CAP` (with a warning), and a connection lost is waited for. A
+        broker busy delivering a flood to us answers late, not never; giving up would
+        only turn its backlog into an exit. Only a refusal or :meth:`close` ends it.
         """
         if qos not in (0, 1):
             raise ValueError("fedagent publishes with QoS 0 or 1")
         payload = bytes(payload) if not isinstance(payload, bytes) else payload
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        deadline = loop.time() + timeout if not patient else float("inf")
+        waited = [float(timeout)]
+
+        def on_slow() -> float:
+            log.warning("no PUBACK from %s for %s within %.0fs; still waiting", self.uri, topic, waited[0])
+            step = min(PATIENCE_CAP, waited[0] * 2)
+            waited[0] += step
+            return step
+
         while True:
             client = await self._wait_connected(deadline, f"publish to {topic}", timeout)
             limit = client.max_packet_size
@@ -518,7 +541,12 @@ class Transport:
                 )
             try:
                 rc = await client.publish_acked(
-                    topic, payload, qos=qos, retain=retain, timeout=max(0.0, deadline - loop.time())
+                    topic,
+                    payload,
+                    qos=qos,
+                    retain=retain,
+                    timeout=max(0.0, deadline - loop.time()) if not patient else timeout,
+                    on_slow=on_slow if patient else None,
                 )
             except ConnectionLost:
                 log.info("connection lost before PUBACK for %s; publishing again after reconnecting", topic)

@@ -232,9 +232,19 @@ class MqttClient(aiomqtt.Client):
             self._resume_reading()
 
     async def publish_acked(
-        self, topic: str, payload: bytes, *, qos: int, retain: bool, timeout: float
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int,
+        retain: bool,
+        timeout: float,
+        on_slow: Callable[[], float] | None = None,
     ) -> ReasonCode | None:
-        """Publish and wait for PUBACK; returns its reason code (None for QoS 0)."""
+        """Publish and wait for PUBACK; returns its reason code (None for QoS 0).
+        ``on_slow``: called when ``timeout`` passes without one; returns how much longer
+        to wait for the same PUBACK (the message is not sent again on a live connection:
+        the broker has it and answers when it gets to it)."""
         info = self._client.publish(topic, payload, qos, retain)
         if info.rc != mqtt.MQTT_ERR_SUCCESS:
             if info.rc == mqtt.MQTT_ERR_NO_CONN or self._disconnected.done():
@@ -246,7 +256,12 @@ class MqttClient(aiomqtt.Client):
         self._acks[info.mid] = fut
         self._resume_reading()  # the PUBACK must be read, whatever is held
         try:
-            await asyncio.wait((fut, self._disconnected), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                await asyncio.wait((fut, self._disconnected), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if fut.done() or self._disconnected.done() or on_slow is None:
+                    break
+                timeout = on_slow()
+                self._resume_reading()
         finally:
             self._acks.pop(info.mid, None)
         if fut.done():
