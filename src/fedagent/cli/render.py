@@ -90,9 +90,19 @@ def _held_out_text(h: dict[str, Any] | None) -> str | None:
     if not h:
         return None
     agents = h.get("agents") or []
+    if "single_source" not in h:  # a coordinator of an earlier release
+        return (
+            f"{_fmt(h.get('metrics'))} (model version {h.get('model_version')}, "
+            f"{len(agents)} agents, {h.get('samples')} samples, weighted by samples)"
+        )
+    if h.get("single_source"):
+        return (
+            f"{_fmt(h.get('metrics'))} (model version {h.get('model_version')}: {', '.join(agents)}'s report "
+            "alone, no other agent's confirms it)"
+        )
     return (
-        f"{_fmt(h.get('metrics'))} (model version {h.get('model_version')}, "
-        f"{len(agents)} agents, {h.get('samples')} samples, weighted by samples)"
+        f"{_fmt(h.get('metrics'))} (model version {h.get('model_version')}, median of {len(agents)} agents, "
+        f"{h.get('samples')} samples)"
     )
 
 
