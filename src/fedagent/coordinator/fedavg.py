@@ -72,7 +72,7 @@ RATES: dict[str, Rate] = {
     "presence": Rate(2.0, 10),
     "heartbeat": Rate(5.0, 20),
     "model_request": Rate(2.0, 10),
-    "evaluation": Rate(100.0, 200),
+    "evaluation": Rate(50.0, 100),
     "update": Rate(500.0, 5000),
     "vocab_offer": Rate(2.0, 10),
     **{

@@ -189,6 +189,13 @@ class Messenger:
         self.admit: Callable[[str, str, int], bool] | None = None
         self._drop_logged: dict[str, float] = {}
         self._expiry: asyncio.TimerHandle | None = None
+        # The budget is taken where the transport reads a message, before it is handed
+        # over (a transport with a ``screen`` hook: the daemons'); receive() then does not
+        # take it again.
+        self._screening = False
+        if transport is not None and hasattr(transport, "screen"):
+            transport.screen = self.screen
+            self._screening = True
         # Publishes wait for their PUBACK however long the broker takes (and for the
         # connection to come back), instead of failing after publish_timeout: for a
         # daemon with nothing better to do than get its message out (the coordinator).
@@ -353,6 +360,24 @@ class Messenger:
         self.reassembler.max_transfer_bytes = n
         self.reassembler.max_sender_bytes = n
         self.intake.max_transfer_bytes = n
+
+    def screen(self, topic: str) -> bool:
+        """Whether a message on ``topic`` is worth reading: False when its sender is over
+        its budget for the kind (the drop is counted). Synchronous and cheap: the transport
+        asks as it reads each message."""
+        if self.budget is None:
+            return True
+        try:
+            fed, sender, _receiver, kind = topics.parse(topic)
+        except ValueError:
+            return True  # receive() refuses it, named
+        if not sender or fed != self.federation:
+            return True
+        why = self.budget.allow(sender, kind or "", time.monotonic())
+        if why:
+            self._drop(sender, why)
+            return False
+        return True
 
     def _drop(self, sender: str, reason: str) -> None:
         """A frame dropped before it was checked (a flood, a transfer not expected from
@@ -581,7 +606,7 @@ class Messenger:
             return None
         if not payload:
             return None  # a cleared retained message
-        if topic_sender and not journaled and self.budget is not None:
+        if topic_sender and not journaled and not self._screening and self.budget is not None:
             # Before anything else is done with it: a flood costs its reading, no more.
             why = self.budget.allow(topic_sender, kind or "", time.monotonic())
             if why:

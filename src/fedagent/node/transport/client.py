@@ -183,6 +183,13 @@ class Transport:
         self._connected = asyncio.Event()
         self._wake = asyncio.Event()
         self._stopped = asyncio.Event()
+        # Called with the topic of every message as it is read, before it is handed to the
+        # handler: False drops it unread (acknowledged in its turn). A flood of a member's
+        # messages then costs their parsing, not the handler's way through the event loop.
+        self.screen: Callable[[str], bool] | None = None
+        # (client, mid, qos, gate) of messages handled whose acknowledgement waits for its
+        # turn (see _dispatch); dropped messages take their turn here too.
+        self._pending: collections.deque[tuple[MqttClient, int, int, asyncio.Future[Any] | None]] = collections.deque()
         self._running = False
         self._closing = False
         self._tasks: set[asyncio.Task] = set()
@@ -253,7 +260,7 @@ class Transport:
         will = None
         if self.will is not None:
             will = aiomqtt.Will(self.will[0], self.will[1], qos=1, retain=True)
-        return MqttClient(
+        client = MqttClient(
             self.host,
             self.port,
             identifier=self.client_id,
@@ -268,6 +275,16 @@ class Transport:
             hold_limit=self.hold_limit,
             max_pause=max(0.5, self.keepalive / 4),
         )
+        client.screen = self.screen
+        client.on_dropped = lambda mid, qos: self._dropped(client, mid, qos)
+        return client
+
+    def _dropped(self, client: MqttClient, mid: int, qos: int) -> None:
+        """A message ``screen`` dropped: acknowledged now, or after those before it."""
+        if not self._pending:
+            client.ack(mid, qos)
+        else:
+            self._pending.append((client, mid, qos, None))
 
     async def run(self, handler: Handler, ready: asyncio.Event | None = None) -> None:
         """Stay connected and feed every incoming message to ``await handler(topic,
@@ -418,7 +435,8 @@ class Transport:
         holds (``hold_limit``) are released when the handler returns either way: what
         waits then is an acknowledgement, not data. Messages not acknowledged when the
         connection or this task ends are delivered again by the broker."""
-        pending: collections.deque[tuple[MqttClient, int, int, asyncio.Future[Any] | None]] = collections.deque()
+        pending = self._pending
+        pending.clear()
 
         def drain(_done: object = None) -> None:
             while pending and (pending[0][3] is None or pending[0][3].done()):
