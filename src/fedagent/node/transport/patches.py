@@ -46,6 +46,7 @@ What is patched, and why:
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import ssl
 import time
@@ -346,8 +347,10 @@ def read_available(client: mqtt.Client, paused: Callable[[], bool] = lambda: Fal
     aiomqtt's reader only loops while ``pending()`` is non-zero; this also loops while
     paho holds a complete, unhandled packet.
     """
+    reads = 0
     while True:
         client.loop_read()
+        reads += 1
         s = client._sock
         if s is None or paused():
             return
@@ -355,12 +358,32 @@ def read_available(client: mqtt.Client, paused: Callable[[], bool] = lambda: Fal
             continue  # decrypted bytes the fd will never signal
         if _holds_complete_packet(client):
             continue
-        return
+        # More small messages already in the socket are read now rather than one per turn
+        # of the event loop (a flood of small messages cost more in loop turns than in
+        # reading them); a large packet in progress gives the loop its turn, as before.
+        if reads >= SMALL_READS_PER_TURN or _large_packet_in_progress(client) or not _readable(s):
+            return
 
 
 #: Acknowledgements joined into one write at most (a TLS record holds 16 KiB).
 ACK_BATCH = 16 * 1024
 PUBACK = 0x40
+
+#: Reads in one turn of the event loop while only small messages come.
+SMALL_READS_PER_TURN = 64
+
+
+def _readable(sock: Any) -> bool:
+    try:
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError, TypeError):  # closed, or not a socket with a file descriptor
+        return False
+
+
+def _large_packet_in_progress(client: mqtt.Client) -> bool:
+    p = getattr(client, "_in_packet", None)
+    return bool(p and p["command"] != 0 and p["remaining_length"] > READ_SIZE)
+
 
 # One socket read never asks for more than this. paho asks for the whole rest of the
 # packet (megabytes for a model chunk); Python allocates a buffer of that size for each
