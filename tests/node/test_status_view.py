@@ -221,6 +221,33 @@ def test_coordinator_rows_give_round_and_version_their_meaning_and_the_held_out_
     assert rows["rejected"] == "stale=4; latest: a3 (round 4601) stale"
 
 
+def test_coordinator_rows_name_the_members_bounded_benched_and_dropped():
+    s = {"role": "coordinator", "mode": "fedavg", "rejected": {}}
+    assert not {"update bounds", "bounded (last round)", "dropped unread"} & set(_rows(s))  # an earlier release
+    s["bounds"] = {
+        "weight_cap": 2.0,
+        "norm_bound": {"bound": None, "warming_up": True, "multiplier": 3.0, "median": None, "window_rounds": 1},
+        "last_round": {},
+        "benched": {},
+    }
+    rows = _rows(s)
+    assert rows["update bounds"] == "weight <= 2x the median announced samples; distance bound warming up"
+    assert rows["bounded (last round)"] == "-"
+    s["bounds"]["norm_bound"] = {"bound": 1.5, "warming_up": False, "multiplier": 3.0, "median": 0.5}
+    s["bounds"]["last_round"] = {"mallory": {"samples": 1e9, "weight": 1068.0, "norm": 310.2, "bound": 1.5}}
+    s["bounds"]["benched"] = {"eve": {"until_round": 812, "offences": 3}}
+    s["dropped"] = {"mallory": {"rate:heartbeat": 459, "unexpected-transfer": 20}}
+    rows = _rows(s)
+    assert rows["update bounds"] == "weight <= 2x the median announced samples; distance <= 1.5 (3x the median 0.5)"
+    assert rows["bounded (last round)"] == (
+        "mallory: weight 1068 of 1000000000 claimed, distance 310.2 scaled to 1.5; "
+        "eve sits out rounds until 812 (3 offences)"
+    )
+    assert rows["dropped unread"] == "mallory: rate:heartbeat=459, unexpected-transfer=20"
+    s["bounds"] = {"weight_cap": None, "norm_bound": None, "last_round": {}, "benched": {}}
+    assert _rows(s)["update bounds"] == "off"
+
+
 def test_agent_rows_show_the_final_model_eval_and_a_lost_broker():
     s = {
         "role": "agent",
