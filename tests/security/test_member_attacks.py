@@ -5,7 +5,8 @@ fourth member whose every frame is made and signed by the project's own library
 federation for a few seconds, and for each:
 
 * the coordinator never exits (every wait fails at once if a daemon does);
-* rounds per second during the attack are at least half those just before it;
+* rounds per second during the attack are at least half those just before and after it
+  (measured once more before a test fails on it: the machine is shared);
 * the coordinator's resident memory stays within :data:`RSS_BOUND` of what it was before
   the first attack;
 * the global model's accuracy after the attack is within 2 points of the model before
@@ -13,13 +14,15 @@ federation for a few seconds, and for each:
 * what the operator sees (status, history) names what happened.
 
 A coordinator killed after a flood and restarted on the same state completes rounds
-again. ``-s`` prints the measured table. ``test_member_attacks_long`` (slow) runs the
-floods for longer and the 2^53 − 1 claim for as many rounds as the issue did.
+again. ``-s`` prints the measured table. Under ``slow``: each kind of message flooded
+alone at 100 a second and as fast as the broker takes it, and the 2^53 − 1 claim for 400
+rounds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import os
 import signal
@@ -44,11 +47,13 @@ from fedagent.tasks.base import load_task, set_weights
 pytestmark = pytest.mark.procs
 
 HONEST = 3
-#: Floods in CI: this many frames a second for FLOOD_SECONDS (the member's own budget at
-#: the coordinator is 2-100 a second by kind); the slow test floods as fast as the broker
-#: takes them.
-FLOOD_RATE = 100.0
-FLOOD_SECONDS = 5.0
+#: How long a flood lasts (the member's own budget at the coordinator is 2-20 frames a
+#: second by kind).
+FLOOD_SECONDS = 3.0
+#: The default run's floods, all at once: each kind at 3 times its budget or more (about
+#: 100 frames a second in all); the slow run adds 100 a second of each kind alone, and
+#: each kind as fast as the broker takes it.
+FLOOD_RATES = {"heartbeat": 20.0, "model_request": 10.0, "presence": 10.0, "evaluation": 60.0}
 #: Resident memory the coordinator may gain over the whole run (its idle RSS is ~300 MB,
 #: mostly torch; a flood used to take it to 1.2 GB).
 RSS_BOUND = 150 * 2**20
@@ -168,8 +173,28 @@ class Lab:
         self.fed.check_alive()
         assert m.accuracy >= self.accuracy0 - ACCURACY_SLACK, (m, self.accuracy0)
         assert m.rss_mb * 2**20 <= self.rss0 + RSS_BOUND, (m, self.rss0 / 2**20)
-        if rate:
-            assert m.rounds_during >= 0.5 * m.rounds_before, m
+        if rate and m.rounds_during < 0.5 * m.rounds_before:
+            raise SlowerByHalf(f"{m.attack}: {m.rounds_during:.1f} rounds/s against {m.rounds_before:.1f} without")
+
+
+class SlowerByHalf(AssertionError):
+    pass
+
+
+def once_more_if_slower(test: Callable[..., None]) -> Callable[..., None]:
+    """The machine the suite runs on is shared with other work, whose load comes and goes
+    within seconds: an attack measured below half the rounds per second is measured once
+    more before the test fails (an attack that does slow the federation does it twice)."""
+
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            test(*args, **kwargs)
+        except SlowerByHalf as exc:
+            print(f"\n{exc}; measured once more")
+            test(*args, **kwargs)
+
+    return run
 
 
 def _mallory_tls(fed: Federation) -> TlsFiles:
@@ -198,9 +223,9 @@ def lab(tmp_path_factory):
             # online and honest (a null step).
             wait_for(lambda: lab.rounds() >= 40, 240, "40 rounds", fed)
             samples = []
-            for _ in range(5):
+            for _ in range(3):
                 samples.append(lab.accuracy())
-                time.sleep(1.0)
+                time.sleep(0.5)
             lab.accuracy0 = statistics.median(samples)
             lab.rss0 = lab.rss()
             yield lab
@@ -222,6 +247,7 @@ def _last_rounds(lab: Lab, n: int) -> list[dict]:
     return [r for r in history(lab.fed) if r.get("event") == "round"][-n:]
 
 
+@once_more_if_slower
 def test_a_claim_of_a_billion_samples_with_a_noise_update(lab: Lab) -> None:
     m = lab.mallory
     lab.runner.call(m.announce, 10**9)
@@ -239,12 +265,13 @@ def test_a_claim_of_a_billion_samples_with_a_noise_update(lab: Lab) -> None:
     lab.check(res)
 
 
+@once_more_if_slower
 def test_the_largest_exact_integer_claimed_round_after_round(lab: Lab) -> None:
     m = lab.mallory
     attacked = m.attacked
     lab.runner.call(m.announce, 2**53 - 1)
     m.claim, m.noise, m.attack = 2**53 - 1, 10.0, "noise"
-    res = lab.attack("2^53-1 samples, N(0,10²) noise, every round", lambda: None, 6.0, stop=lambda: _honest(lab))
+    res = lab.attack("2^53-1 samples, N(0,10²) noise, every round", lambda: None, 4.0, stop=lambda: _honest(lab))
     res.seen = f"{m.attacked - attacked} rounds attacked, each one bounded"
     lab.check(res)
 
@@ -255,7 +282,7 @@ def _honest(lab: Lab) -> None:
     lab.runner.call(m.announce, 300)
 
 
-def _flood(lab: Lab, kind: str, seconds: float, rate: float) -> Measured:
+def _flood_frames(lab: Lab, kind: str, count: int) -> tuple[str, list[bytes]]:
     m = lab.mallory
     coord = lab.fed.coordinator_id
     if kind == "presence":
@@ -267,23 +294,39 @@ def _flood(lab: Lab, kind: str, seconds: float, rate: float) -> Measured:
         msg, topic = ModelRequest(0), topics.direct(lab.fed.fed, "mallory", coord, "model_request")
     else:
         msg, topic = Evaluation(1, 100, {"accuracy": 0.5}), topics.direct(lab.fed.fed, "mallory", coord, "evaluation")
-    count = int(rate * seconds) if rate else 40_000
-    frames = lab.runner.call(lambda: _frames(m, msg, count))
+    return topic, lab.runner.call(lambda: _frames(m, msg, count))
+
+
+def _flood(lab: Lab, rates: dict[str, float], seconds: float) -> Measured:
+    """Each kind of ``rates`` at its rate a second (0: as fast as the broker takes them),
+    at the same time, for ``seconds``."""
+    m = lab.mallory
+    floods = [
+        (kind, rate, *_flood_frames(lab, kind, int(rate * seconds) if rate else 40_000)) for kind, rate in rates.items()
+    ]
     lab.settle()
     dropped0 = lab.dropped()
-    res = lab.attack(
-        f"flood of {kind}" + (f" ({rate:.0f}/s)" if rate else ""),
-        lambda: _start(lab.runner, m.flood(topic, frames, seconds, retain=kind == "presence", rate=rate)),
-        seconds,
-        before=seconds,
-    )
+
+    def start():
+        async def all_at_once() -> None:
+            await asyncio.gather(
+                *(
+                    m.flood(topic, frames, seconds, retain=kind == "presence", rate=rate)
+                    for kind, rate, topic, frames in floods
+                )
+            )
+
+        return _start(lab.runner, all_at_once())
+
+    what = ", ".join(f"{kind} ({rate:.0f}/s)" if rate else kind for kind, rate in rates.items())
+    res = lab.attack(f"flood of {what}", start, seconds)
     sent = m.flooded
     m.flooded = 0
     t0 = time.monotonic()
     lab.settle()
     dropped = lab.dropped() - dropped0
     res.seen = f"{sent} published ({sent / res.seconds:.0f}/s), {dropped} dropped unread"
-    if rate == 0:
+    if 0 in rates.values():
         res.seen += f"; backlog read {time.monotonic() - t0:.0f}s after the flood"
     return res
 
@@ -299,13 +342,26 @@ def _start(runner: Runner, coro):
 FLOODS = ["heartbeat", "model_request", "evaluation", "presence"]
 
 
-@pytest.mark.parametrize("kind", FLOODS)
-def test_a_flood_of_valid_messages(lab: Lab, kind: str) -> None:
-    res = _flood(lab, kind, FLOOD_SECONDS, FLOOD_RATE)
+@once_more_if_slower
+def test_a_flood_of_every_kind_of_valid_message_at_once(lab: Lab) -> None:
+    before = dict(lab.status()["dropped"].get("mallory") or {})
+    res = _flood(lab, FLOOD_RATES, FLOOD_SECONDS)
     lab.check(res)
-    assert lab.status()["dropped"].get("mallory")
+    after = lab.status()["dropped"]["mallory"]
+    assert all(after.get(f"rate:{k}", 0) > before.get(f"rate:{k}", 0) for k in FLOODS), (before, after)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", FLOODS)
+@once_more_if_slower
+def test_a_flood_of_valid_messages(lab: Lab, kind: str) -> None:
+    before = (lab.status()["dropped"].get("mallory") or {}).get(f"rate:{kind}", 0)
+    res = _flood(lab, {kind: 100.0}, FLOOD_SECONDS)
+    lab.check(res)
+    assert lab.status()["dropped"]["mallory"].get(f"rate:{kind}", 0) > before
+
+
+@once_more_if_slower
 def test_an_evaluation_of_a_model_version_that_does_not_exist(lab: Lab) -> None:
     m = lab.mallory
     coord = lab.fed.coordinator_id
@@ -323,13 +379,14 @@ def test_an_evaluation_of_a_model_version_that_does_not_exist(lab: Lab) -> None:
     lab.check(res)
 
 
+@once_more_if_slower
 def test_a_stream_that_stops_after_three_of_five_chunks(lab: Lab) -> None:
     m = lab.mallory
     m.attack = "stall"
     attacked = m.attacked
     r0 = len(history(lab.fed))
     res = lab.attack(
-        "stream stops after 3 of 5 chunks, every time selected", lambda: None, 8.0, stop=lambda: _honest(lab)
+        "stream stops after 3 of 5 chunks, every time selected", lambda: None, 5.0, stop=lambda: _honest(lab)
     )
     assert m.attacked > attacked
     rounds = [r for r in history(lab.fed)[r0:] if r.get("event") == "round"]
@@ -341,6 +398,7 @@ def test_a_stream_that_stops_after_three_of_five_chunks(lab: Lab) -> None:
     lab.check(res)
 
 
+@once_more_if_slower
 def test_chunks_of_a_gigabyte_transfer_outside_any_round(lab: Lab) -> None:
     m = lab.mallory
     res = lab.attack(
@@ -350,12 +408,13 @@ def test_chunks_of_a_gigabyte_transfer_outside_any_round(lab: Lab) -> None:
     lab.check(res)
 
 
+@once_more_if_slower
 def test_a_wrong_digest_after_folding_every_time_selected(lab: Lab) -> None:
     m = lab.mallory
     m.attack = "digest"
     r0 = len(history(lab.fed))
     res = lab.attack(
-        "wrong digest after the parts were folded, every time selected", lambda: None, 8.0, stop=lambda: _honest(lab)
+        "wrong digest after the parts were folded, every time selected", lambda: None, 5.0, stop=lambda: _honest(lab)
     )
     lines = history(lab.fed)[r0:]
     abandoned = [r for r in lines if r.get("event") == "abandoned"]
@@ -367,18 +426,23 @@ def test_a_wrong_digest_after_folding_every_time_selected(lab: Lab) -> None:
     lab.check(res)
 
 
+@once_more_if_slower
 def test_a_presence_without_the_int8_steps(lab: Lab) -> None:
     m = lab.mallory
     before = _last_rounds(lab, 20)
     per0 = statistics.median(b["bytes_out"] - a["bytes_out"] for a, b in itertools.pairwise(before))
     during: list[dict] = []
+    r0 = len(history(lab.fed))
+
+    def stop() -> None:
+        # the rounds of the attack's window only (the first one may have started before)
+        during.extend(r for r in history(lab.fed)[r0:] if r.get("event") == "round")
+        _honest(lab)
+
     res = lab.attack(
-        "presence without downlinks",
-        lambda: _start(lab.runner, m.announce(300, reads_steps=False)),
-        8.0,
-        stop=lambda: (during.extend(_last_rounds(lab, 20)), _honest(lab)),
+        "presence without downlinks", lambda: _start(lab.runner, m.announce(300, reads_steps=False)), 6.0, stop=stop
     )
-    assert len(during) >= 10, during
+    assert len(during) >= 6, during
     per1 = statistics.mean(b["bytes_out"] - a["bytes_out"] for a, b in itertools.pairwise(during))
     res.seen = f"bytes out per round {per1 / per0:.2f}x"
     assert per1 <= 1.8 * per0, (per0, per1)
@@ -390,16 +454,16 @@ def test_a_coordinator_restarted_after_a_flood_completes_rounds(lab: Lab) -> Non
     m = lab.mallory
     coord = fed.coordinator_id
     topic = topics.direct(fed.fed, "mallory", coord, "model_request")
-    frames = lab.runner.call(lambda: _frames(m, ModelRequest(0), 20_000))
-    fut = _start(lab.runner, m.flood(topic, frames, 6.0))
-    time.sleep(3.0)
+    frames = lab.runner.call(lambda: _frames(m, ModelRequest(0), 10_000))
+    fut = _start(lab.runner, m.flood(topic, frames, 3.0))
+    time.sleep(1.5)
     before = lab.rounds()
     fed.restart("coordinator", signal.SIGKILL)
     fut.result(120)
     t0 = time.monotonic()
-    wait_for(lambda: (s := fed.status("coordinator")) and s["completed_rounds"] >= before + 10, 120, "rounds", fed)
+    wait_for(lambda: (s := fed.status("coordinator")) and s["completed_rounds"] >= before + 3, 120, "rounds", fed)
     lab.pid = fed.proc("coordinator").popen.pid
-    print(f"\nrestarted after a flood: 10 rounds completed {time.monotonic() - t0:.1f}s after the restart")
+    print(f"\nrestarted after a flood: 3 rounds completed {time.monotonic() - t0:.1f}s after the restart")
 
 
 @pytest.mark.slow
@@ -407,7 +471,7 @@ def test_a_coordinator_restarted_after_a_flood_completes_rounds(lab: Lab) -> Non
 def test_a_flood_as_fast_as_the_broker_takes_it(lab: Lab, kind: str) -> None:
     """15 s at whatever rate mallory reaches: the coordinator survives it, its memory stays
     bounded and the model untouched; rounds slow down only while it reads a backlog."""
-    res = _flood(lab, kind, 15.0, 0.0)
+    res = _flood(lab, {kind: 0.0}, 15.0)
     lab.check(res, rate=False)
 
 
