@@ -308,7 +308,9 @@ class RoundMachine:
             "online": sorted(self.online),
             "whole_model_only": self.whole_model_only(),
             "selected": list(self.selected),
-            "received": sorted(self.received),
+            # with the updates held back to be folded at the round's end (bounded, or a
+            # round still learning its norm bound): they are in, and count
+            "received": sorted(set(self.received) | {a for a, r in self._replay.items() if r.count}),
             "metrics": dict(self.last_metrics),
             "privacy": self.privacy(),
             "stop_reason": self.stop_reason,
