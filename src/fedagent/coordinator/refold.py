@@ -16,6 +16,7 @@ One pass over the journal serves every update asked for, one frame in memory at 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
@@ -109,7 +110,7 @@ def replay_parts(
                     it = intakes[sender] = StreamIntake(
                         federation, max_transfer_bytes=cap, max_pending_bytes=cap, timeout=float("inf")
                     )
-                for ev in it.feed(sender, env.body, 0.0):
+                for ev in it.feed(sender, env.body, time.monotonic()):
                     if isinstance(ev, UpdatePart) and ev.tid == tid:
                         yield sender, ev
                 continue
@@ -117,7 +118,7 @@ def replay_parts(
                 ra = reassemblers.get(sender)
                 if ra is None:
                     ra = reassemblers[sender] = Reassembler(cap, cap, float("inf"))
-                whole = ra.feed(sender, env.body, 0.0)
+                whole = ra.feed(sender, env.body, time.monotonic())
                 if whole is None:
                     continue
                 env = decode(whole, model_limits, views=True)
