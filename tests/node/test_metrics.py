@@ -23,6 +23,12 @@ def test_node_metrics_endpoint_serves_its_own_registry(arun):
         a.round_completed(1.5, {"loss": 0.25})
         a.set_reconnects(3)
         a.set_reconnects(3)
+        # one member's frames dropped unread, its update bounded, a late update discarded
+        a.dropped("rate:heartbeat")
+        a.bounded("mallory", "weight")
+        a.bounded("mallory", "norm")
+        a.bounded("mallory", "norm")
+        a.discarded()
         host, port = await a.serve()
         await b.serve()
         samples = await asyncio.to_thread(scrape, f"http://{host}:{port}/metrics")
@@ -32,6 +38,10 @@ def test_node_metrics_endpoint_serves_its_own_registry(arun):
         assert value(samples, "fedagent_round_seconds_count") == 1
         assert value(samples, "fedagent_reconnects_total") == 3
         assert value(samples, "fedagent_federation", federation="fed") == 1
+        assert value(samples, "fedagent_dropped_messages_total", reason="rate:heartbeat") == 1
+        assert value(samples, "fedagent_bounded_updates_total", agent="mallory", bound="weight") == 1
+        assert value(samples, "fedagent_bounded_updates_total", agent="mallory", bound="norm") == 2
+        assert value(samples, "fedagent_discarded_updates_total") == 1
         assert all(dict(ls).get("node") != "agent-b" for _, ls in samples)
         with pytest.raises(urllib.error.HTTPError):
             await asyncio.to_thread(urllib.request.urlopen, f"http://{host}:{port}/other", None, 5)

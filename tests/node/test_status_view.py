@@ -77,19 +77,39 @@ def test_link_state_turns_unresponsive_within_the_keep_alive():
 
 
 # -- held-out metrics ----------------------------------------------------------------------
-def test_held_out_is_the_sample_weighted_mean_for_the_newest_version():
+def test_held_out_is_the_median_over_agents_of_the_newest_version_two_reported():
     h = HeldOut()
     assert h.summary() == {}
     assert h.add("a1", 19, 100, {"accuracy": 0.5})
+    assert h.summary()["single_source"] is True  # one agent's word, and status says so
     assert h.add("a1", 20, 100, {"accuracy": 0.9, "test_loss": 0.3})
     assert h.add("a2", 20, 300, {"accuracy": 0.5, "test_loss": 0.7})
     s = h.summary()
-    assert s["model_version"] == 20 and s["agents"] == ["a1", "a2"] and s["samples"] == 400
-    assert s["metrics"] == pytest.approx({"accuracy": 0.6, "test_loss": 0.6})
+    assert s["model_version"] == 20 and s["agents"] == ["a1", "a2"] and s["single_source"] is False
+    # the lower median: one of two agents cannot raise it; the samples shown count an agent
+    # at most twice the median count (a2's 300 count as 200)
+    assert s["metrics"] == pytest.approx({"accuracy": 0.5, "test_loss": 0.3})
+    assert s["samples"] == 300
     assert h.add("a2", 20, 300, {"accuracy": 0.9, "test_loss": 0.3})  # a repeat replaces
     assert h.summary()["metrics"]["accuracy"] == pytest.approx(0.9)
-    assert h.add("a3", 21, 10, {"accuracy": 1.0}) and not h.add("a3", 18, 10, {"accuracy": 0.0})
+    # a newer version one agent reported is not shown while an older one has two
+    assert h.add("a3", 21, 10, {"accuracy": 1.0}) and h.summary()["model_version"] == 20
     assert not h.add("a3", 21, 0, {"accuracy": 1.0}) and not h.add("a3", 21, 5, {})
+
+
+def test_held_out_takes_no_report_of_a_model_version_that_does_not_exist():
+    h = HeldOut()
+    for a in ("a1", "a2", "a3"):
+        assert h.add(a, 30, 100, {"accuracy": 0.98}, current=30)
+    # a member vouching for version 10^9 with 1 sample: refused, and the line is unmoved
+    assert HeldOut.refusal(10**9, 30) and not h.add("m", 10**9, 1, {"accuracy": 0.999}, current=30)
+    assert not h.add("m", 20, 1, {"accuracy": 0.999}, current=30)  # and none of a version long gone
+    assert h.add("m", 30, 10**9, {"accuracy": 0.1}, current=30)  # one report of four: the median holds
+    s = h.summary()
+    assert s["model_version"] == 30 and s["metrics"]["accuracy"] == pytest.approx(0.98)
+    assert s["samples"] == 500
+    assert h.add("a1", 31, 100, {"accuracy": 0.99}, current=31) and h.add("a2", 31, 100, {"accuracy": 0.99}, current=31)
+    assert h.summary()["model_version"] == 31
 
 
 def test_evaluation_message_round_trips_and_validates():
@@ -192,7 +212,40 @@ def test_coordinator_rows_give_round_and_version_their_meaning_and_the_held_out_
     assert rows["model version"] == "4600 (aggregations so far)"
     assert rows["training metrics"] == "loss=0.12"
     assert rows["held-out (agents)"].startswith("accuracy=0.973 (model version 4600, 3 agents, 1347 samples")
+    s["held_out"] = {**s["held_out"], "single_source": False}
+    assert _rows(s)["held-out (agents)"] == "accuracy=0.973 (model version 4600, median of 3 agents, 1347 samples)"
+    s["held_out"] = {**s["held_out"], "agents": ["a3"], "single_source": True}
+    assert _rows(s)["held-out (agents)"] == (
+        "accuracy=0.973 (model version 4600: a3's report alone, no other agent's confirms it)"
+    )
     assert rows["rejected"] == "stale=4; latest: a3 (round 4601) stale"
+
+
+def test_coordinator_rows_name_the_members_bounded_benched_and_dropped():
+    s = {"role": "coordinator", "mode": "fedavg", "rejected": {}}
+    assert not {"update bounds", "bounded (last round)", "dropped unread"} & set(_rows(s))  # an earlier release
+    s["bounds"] = {
+        "weight_cap": 2.0,
+        "norm_bound": {"bound": None, "warming_up": True, "multiplier": 3.0, "median": None, "window_rounds": 1},
+        "last_round": {},
+        "benched": {},
+    }
+    rows = _rows(s)
+    assert rows["update bounds"] == "weight <= 2x the median announced samples; distance bound warming up"
+    assert rows["bounded (last round)"] == "-"
+    s["bounds"]["norm_bound"] = {"bound": 1.5, "warming_up": False, "multiplier": 3.0, "median": 0.5}
+    s["bounds"]["last_round"] = {"mallory": {"samples": 1e9, "weight": 1068.0, "norm": 310.2, "bound": 1.5}}
+    s["bounds"]["benched"] = {"eve": {"until_round": 812, "offences": 3}}
+    s["dropped"] = {"mallory": {"rate:heartbeat": 459, "unexpected-transfer": 20}}
+    rows = _rows(s)
+    assert rows["update bounds"] == "weight <= 2x the median announced samples; distance <= 1.5 (3x the median 0.5)"
+    assert rows["bounded (last round)"] == (
+        "mallory: weight 1068 of 1000000000 claimed, distance 310.2 scaled to 1.5; "
+        "eve sits out rounds until 812 (3 offences)"
+    )
+    assert rows["dropped unread"] == "mallory: rate:heartbeat=459, unexpected-transfer=20"
+    s["bounds"] = {"weight_cap": None, "norm_bound": None, "last_round": {}, "benched": {}}
+    assert _rows(s)["update bounds"] == "off"
 
 
 def test_agent_rows_show_the_final_model_eval_and_a_lost_broker():

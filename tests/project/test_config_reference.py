@@ -27,7 +27,11 @@ PAGE = ROOT / "docs" / "configuration.md"
 #: (settings table, machine) -> the machine's configuration class, and the fields the
 #: builder passes itself (what no single setting says).
 MACHINES = {
-    (settings.RoundsConfig, "round"): (R.RoundConfig, {"train", "strategy", "downlink", "dp", "secure"}),
+    (settings.RoundsConfig, "round"): (
+        R.RoundConfig,
+        {"train", "strategy", "downlink", "dp", "secure", "norm_bound", "whole_model_every"},
+    ),
+    (settings.RoundsConfig, "norm"): (R.NormBound, set()),
     (settings.RoundsConfig, "train"): (
         TrainConfig,
         {"compression", "topk_ratio", "stream", "dp_clip", "dp_noise_std", "dp_count_std"},

@@ -11,6 +11,7 @@ from fedagent.protocols.rounds import (
     AgentOffline,
     AgentOnline,
     Finished,
+    LateUpdate,
     Rejected,
     RequestWakeup,
     RoundAbandoned,
@@ -138,9 +139,10 @@ def test_deadline_without_enough_updates_abandons_and_renumbers():
     assert ab.round == 1 and "1 of 2" in ab.reason
     (nxt,) = of(cmds, StartRound)
     assert nxt.round == 2 and nxt.model_version == 0
-    # The late update of the abandoned round is stale now, never aggregated.
-    (rej,) = m.handle(UpdateReceived("b", 1, 0, 10, const(9.0), {}), 11.0)
-    assert rej.reason == "stale"
+    # The late update of the abandoned round is discarded (never aggregated), and not
+    # counted as a refusal: its agent did nothing wrong.
+    (late,) = m.handle(UpdateReceived("b", 1, 0, 10, const(9.0), {}), 11.0)
+    assert isinstance(late, LateUpdate) and late.sender == "b"
 
 
 def test_deadline_with_quorum_aggregates_what_came():

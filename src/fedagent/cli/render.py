@@ -90,9 +90,19 @@ def _held_out_text(h: dict[str, Any] | None) -> str | None:
     if not h:
         return None
     agents = h.get("agents") or []
+    if "single_source" not in h:  # a coordinator of an earlier release
+        return (
+            f"{_fmt(h.get('metrics'))} (model version {h.get('model_version')}, "
+            f"{len(agents)} agents, {h.get('samples')} samples, weighted by samples)"
+        )
+    if h.get("single_source"):
+        return (
+            f"{_fmt(h.get('metrics'))} (model version {h.get('model_version')}: {', '.join(agents)}'s report "
+            "alone, no other agent's confirms it)"
+        )
     return (
-        f"{_fmt(h.get('metrics'))} (model version {h.get('model_version')}, "
-        f"{len(agents)} agents, {h.get('samples')} samples, weighted by samples)"
+        f"{_fmt(h.get('metrics'))} (model version {h.get('model_version')}, median of {len(agents)} agents, "
+        f"{h.get('samples')} samples)"
     )
 
 
@@ -117,6 +127,49 @@ def _rejected_text(s: dict[str, Any]) -> str | None:
         where = ", ".join(f"{k} {r[k]}" for k in ("round", "step") if k in r)
         text += f"; latest: {r.get('sender')}{' (' + where + ')' if where else ''} {r.get('reason')}"
     return text
+
+
+def _bounds_text(b: dict[str, Any] | None) -> str | None:
+    """The weight cap and the norm bound a FedAvg coordinator holds one member's update to."""
+    if not b:
+        return None
+    parts = []
+    if b.get("weight_cap"):
+        parts.append(f"weight <= {b['weight_cap']:g}x the median announced samples")
+    n = b.get("norm_bound")
+    if n:
+        if n.get("warming_up"):
+            parts.append("distance bound warming up")
+        else:
+            of = f" ({n['multiplier']:g}x the median {n['median']:.4g})" if n.get("median") is not None else ""
+            parts.append(f"distance <= {n['bound']:.4g}{of}")
+    return "; ".join(parts) or "off"
+
+
+def _bounded_text(b: dict[str, Any] | None) -> str | None:
+    """Whose update the last round bounded, and who sits out rounds for spoiling one."""
+    if not b:
+        return None
+    items = []
+    for agent, what in (b.get("last_round") or {}).items():
+        how = []
+        if "weight" in what:
+            how.append(f"weight {what['weight']:.0f} of {what['samples']:.0f} claimed")
+        if "norm" in what:
+            how.append(f"distance {what['norm']:.4g} scaled to {what['bound']:.4g}")
+        items.append(f"{agent}: {', '.join(how)}")
+    for agent, bench in (b.get("benched") or {}).items():
+        items.append(f"{agent} sits out rounds until {bench['until_round']} ({bench['offences']} offences)")
+    return "; ".join(items) if items else "-"
+
+
+def _dropped_text(d: dict[str, dict[str, int]] | None) -> str | None:
+    """Frames dropped unread, of the senders with the most (over budget, or not expected)."""
+    if not d:
+        return None
+    shown = list(d.items())[:3]
+    text = "; ".join(f"{sender}: {_fmt(reasons)}" for sender, reasons in shown)
+    return text + (f"; and {len(d) - 3} more senders" if len(d) > 3 else "")
 
 
 _UPDATE_FORMS = {"none": "uncompressed", "fp16": "fp16 deltas", "int8": "int8 deltas", "topk": "top-k deltas"}
@@ -192,6 +245,9 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("reconnects", s.get("reconnects")),
         ("last error", s.get("last_error")),
         ("rejected", _rejected_text(s) or ("-" if "rejected" in s else None)),
+        ("dropped unread", _dropped_text(s.get("dropped"))),
+        ("update bounds", _bounds_text(s.get("bounds")) if coordinator else None),
+        ("bounded (last round)", _bounded_text(s.get("bounds")) if coordinator else None),
         ("bytes in / out", f"{s.get('bytes_in', 0):,} / {s.get('bytes_out', 0):,}"),
         *_round_rows(s),
     ]

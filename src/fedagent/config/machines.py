@@ -67,6 +67,8 @@ def round_config(cfg: NodeConfig, *, calibrate: bool = True) -> R.RoundConfig:
         if compression is None:
             compression = default_mode(streamed=stream and secure is None)
         train = build(r, "train", TrainConfig, compression=compression, topk_ratio=cfg.topk_ratio, stream=stream)
+        # 0 switches the norm bound off (a multiplier below 1 would clip honest updates).
+        norm = build(r, "norm", R.NormBound) if r.norm_multiplier else None
         return build(
             r,
             "round",
@@ -76,6 +78,8 @@ def round_config(cfg: NodeConfig, *, calibrate: bool = True) -> R.RoundConfig:
             dp=dp,
             secure=secure,
             train=train,
+            norm_bound=norm,
+            whole_model_every=cfg.whole_model_every,
         )
     except (ValueError, TypeError, CodecError) as exc:
         raise ConfigError(f"{cfg.path}: [rounds]/[transfer]: {exc}") from None

@@ -133,6 +133,39 @@ class RoundsConfig(Table):
         gt=0,
         to="strategy",
     )
+    weight_cap: float = setting(
+        2.0,
+        "`fedavg`, `drop_above`: an update weighs at most the samples its agent announced in its presence, and at "
+        "most this many times the median the round's agents announced (0: off) "
+        "([security.md](security.md#one-member-against-the-federation))",
+        ge=0,
+        to="round",
+    )
+    norm_multiplier: float = setting(
+        3.0,
+        "streamed aggregations: each update's L2 distance from the global model is scaled down to at most this many "
+        "times the median distance accepted over the last `norm_window` rounds (0: off; the robust aggregators, "
+        "`clip_norm`, differential privacy and secure aggregation bound updates their own way) "
+        "([security.md](security.md#one-member-against-the-federation))",
+        ge=0,
+        to={"norm": "multiplier"},
+    )
+    norm_window: int = setting(
+        10, "rounds whose accepted distances the norm bound's median is taken over", ge=1, to={"norm": "window"}
+    )
+    norm_floor: float = setting(
+        0.0,
+        "the norm bound is never below this distance (for models whose honest steps can vanish)",
+        ge=0,
+        to={"norm": "floor"},
+    )
+    norm_warmup: int = setting(
+        3,
+        "distances needed before the norm bound comes from earlier rounds; until then each round's bound comes from "
+        "its own updates, folded once all are in",
+        ge=1,
+        to={"norm": "warmup"},
+    )
     vocab_timeout: float = setting(
         60.0,
         "tasks with a vocabulary (`doc2vec`, `word2vec`): seconds the coordinator waits for the agents' vocabulary "
@@ -740,6 +773,14 @@ class NodeConfig:
         table="transfer",
         choices=DOWNLINKS,
         shown="unset (`int8` with int8 updates)",
+    )
+    whole_model_every: int = setting(
+        5,
+        "coordinator: while an agent that reads only whole models (an earlier release, by its presence) is online, at "
+        "most one round start in this many carries the whole model, and such agents take part in those rounds only "
+        "(1: every round start goes whole while one is online)",
+        table="transfer",
+        ge=1,
     )
     stream_updates: bool | None = setting(
         None,

@@ -175,6 +175,9 @@ class CoordinatorCore:
             max_skew=cfg.max_clock_skew,
             state_dir=self.dir,
         )
+        # A coordinator has nothing better to do than get its broadcasts out: a broker
+        # slow to acknowledge (busy with a flood) is waited for, never a reason to exit.
+        self.messenger.patient = True
         self.peers: dict[str, dict[str, Any]] = {}
         self.held_out = HeldOut()  # the agents' evaluations of the global model
         self._disc: Discovery | None = None
@@ -251,7 +254,13 @@ class CoordinatorCore:
     def _liveness_due(self, at: float) -> None:
         self._liveness_handle = None
         self._liveness_at = float("inf")
-        self.queue.put_nowait(LivenessCheck(at))
+        try:
+            self.queue.put_nowait(LivenessCheck(at))
+        except asyncio.QueueFull:
+            # A full queue is being worked through: the check waits for room, it is not
+            # lost (nor an error). Asked again shortly, still for the same time.
+            self._liveness_handle = asyncio.get_running_loop().call_later(0.05, self._liveness_due, at)
+            self._liveness_at = at
 
     async def _heard(self, agent: str, back: bool, now: float) -> None:
         """``agent`` was heard; ``back``: after it had been declared silent."""
@@ -314,7 +323,14 @@ class CoordinatorCore:
                         )
                     else:
                         await self._heard(inc.sender, self.liveness.heard(inc.sender, now), now)
-                        self.held_out.add(inc.sender, msg.model_version, msg.num_samples, msg.metrics)
+                        current = mode.model_version()
+                        why = self.held_out.refusal(msg.model_version, current)
+                        if why:
+                            self.messenger.reject("version", inc.sender, why)
+                        else:
+                            self.held_out.add(
+                                inc.sender, msg.model_version, msg.num_samples, msg.metrics, current=current
+                            )
                 elif isinstance(msg, Heartbeat):
                     if inc.role == "agent":
                         await self._heard(inc.sender, self.liveness.heartbeat(inc.sender, msg.interval, now), now)
@@ -359,6 +375,8 @@ class CoordinatorCore:
             "peers": self.peer_table(),
             "rejected": dict(self.messenger.rejected),
             "recent_rejections": list(self.messenger.recent_rejections),
+            # frames dropped unread: sender -> reason -> count (fedagent.protocols.ratelimit)
+            "dropped": _dropped(self.messenger),
             "heartbeats": {
                 a: {**v, "silent_since": self.silent_since.get(a)}
                 for a, v in self.liveness.status(time.monotonic()).items()
@@ -446,6 +464,7 @@ class CoordinatorCore:
             if self._liveness_handle is not None:
                 self._liveness_handle.cancel()
             self.mode.close()
+            self.messenger.close()
             try:
                 await asyncio.wait_for(
                     self.transport.close(
@@ -457,3 +476,15 @@ class CoordinatorCore:
                 log.debug("clean close failed: %s", exc)
             await control.close()
             await self.metrics.close()
+
+
+#: Senders `status` lists by the frames dropped from them (the most first).
+DROPPED_SHOWN = 20
+
+
+def _dropped(messenger: Messenger) -> dict[str, dict[str, int]]:
+    budget = messenger.budget
+    if budget is None:
+        return {}
+    top = sorted(budget.dropped.items(), key=lambda kv: -sum(kv[1].values()))[:DROPPED_SHOWN]
+    return {sender: dict(sorted(reasons.items())) for sender, reasons in top}

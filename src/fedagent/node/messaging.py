@@ -49,6 +49,7 @@ from fedagent.protocols.codec import (
 )
 from fedagent.protocols.compression import Compressor
 from fedagent.protocols.messages import Heartbeat, Message, Update, body_of
+from fedagent.protocols.ratelimit import SenderBudget
 from fedagent.protocols.streaming import (
     HEAD_KIND,
     STREAM_KIND,
@@ -71,6 +72,11 @@ RECENT_REJECTIONS = 20
 #: At most this many seconds between receiving a frame of a kind in
 #: ``Messenger.lazy_durable_kinds`` and its sequence number reaching the replay journal.
 LAZY_DURABLE_S = 1.0
+#: A sender whose frames are dropped is named in the log at most once in this many seconds.
+DROP_LOG_EVERY = 10.0
+#: Frames that carry (part of) an update or of any chunked message: a daemon may admit
+#: them only from the senders it expects them from (``Messenger.admit``).
+TRANSFER_KINDS = frozenset({STREAM_KIND, CHUNK_KIND, Update.kind})
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +179,27 @@ class Messenger:
         self.before_replay_commit: Callable[[], Awaitable[None]] | None = None
         self._lazy_tasks: set[asyncio.Task[None]] = set()
         self.metrics = metrics  # a fedagent.node.metrics.NodeMetrics, or None
+        # What each sender may cost before its frames are decoded, verified or written
+        # anywhere (fedagent.protocols.ratelimit); a daemon narrows it to what it expects.
+        self.budget: SenderBudget | None = SenderBudget()
+        # Asked, before verification, for every frame of TRANSFER_KINDS (sender, kind,
+        # round as the envelope says): False drops it. A coordinator admits update frames
+        # only from the agents selected for its round in flight. Frames read back from a
+        # journal are not asked about.
+        self.admit: Callable[[str, str, int], bool] | None = None
+        self._drop_logged: dict[str, float] = {}
+        self._expiry: asyncio.TimerHandle | None = None
+        # The budget is taken where the transport reads a message, before it is handed
+        # over (a transport with a ``screen`` hook: the daemons'); receive() then does not
+        # take it again.
+        self._screening = False
+        if transport is not None and hasattr(transport, "screen"):
+            transport.screen = self.screen
+            self._screening = True
+        # Publishes wait for their PUBACK however long the broker takes (and for the
+        # connection to come back), instead of failing after publish_timeout: for a
+        # daemon with nothing better to do than get its message out (the coordinator).
+        self.patient = False
         self.bytes_in = 0
         self.bytes_out = 0
         self.messages_in = 0
@@ -266,7 +293,7 @@ class Messenger:
                 if isinstance(payload, bytes)
                 else bytes(payload)
             )
-            await transport.publish(topic, data, qos=1, retain=retain, timeout=self.publish_timeout)
+            await transport.publish(topic, data, qos=1, retain=retain, timeout=self.publish_timeout, **self._patience())
             total = len(data)
         return self._sent(total)
 
@@ -295,7 +322,7 @@ class Messenger:
 
         async def one(data: bytes) -> None:
             try:
-                await transport.publish(topic, data, qos=1, timeout=timeout)
+                await transport.publish(topic, data, qos=1, timeout=timeout, **self._patience())
             finally:
                 window.release()
 
@@ -321,6 +348,77 @@ class Messenger:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         return total
+
+    def _patience(self) -> dict[str, bool]:
+        # Only asked of a transport when set: test doubles of a transport need not know it.
+        return {"patient": True} if self.patient else {}
+
+    def bound_transfers(self, nbytes: int) -> None:
+        """Refuse transfers announcing more than ``nbytes`` (what this daemon can be sent
+        at most: a few times its model), and give each sender as much pending room."""
+        n = max(1024, min(int(nbytes), self.model_limits.max_message_bytes))
+        self.reassembler.max_transfer_bytes = n
+        self.reassembler.max_sender_bytes = n
+        self.intake.max_transfer_bytes = n
+
+    def screen(self, topic: str) -> bool:
+        """Whether a message on ``topic`` is worth reading: False when its sender is over
+        its budget for the kind (the drop is counted). Synchronous and cheap: the transport
+        asks as it reads each message."""
+        if self.budget is None:
+            return True
+        try:
+            fed, sender, _receiver, kind = topics.parse(topic)
+        except ValueError:
+            return True  # receive() refuses it, named
+        if not sender or fed != self.federation:
+            return True
+        why = self.budget.allow(sender, kind or "", time.monotonic())
+        if why:
+            self._drop(sender, why)
+            return False
+        return True
+
+    def _drop(self, sender: str, reason: str) -> None:
+        """A frame dropped before it was checked (a flood, a transfer not expected from
+        its sender): counted per sender and reason, logged once in a while per sender."""
+        if self.budget is not None and not reason.startswith("rate:"):
+            self.budget.count(sender, reason)
+        if self.metrics is not None:
+            self.metrics.dropped(reason)
+        now = time.monotonic()
+        last = self._drop_logged.get(sender)
+        if last is None or now - last >= DROP_LOG_EVERY:
+            if len(self._drop_logged) > 10_000:
+                self._drop_logged.clear()
+            self._drop_logged[sender] = now
+            seen = self.budget.dropped.get(sender, {}) if self.budget is not None else {}
+            log.warning(
+                "dropping frames from %s before checking them: %s (%s so far)",
+                sender,
+                reason,
+                ", ".join(f"{k} {v}" for k, v in sorted(seen.items())) or "1",
+            )
+
+    def _expire_soon(self) -> None:
+        """Chunked transfers in progress are expired on a timer, not only when another
+        chunk comes (a transfer that stops would otherwise hold its buffer for good)."""
+        if self._expiry is not None or not self.reassembler.pending_transfers:
+            return
+        step = max(1.0, min(5.0, self.reassembler.timeout / 4))
+        self._expiry = asyncio.get_running_loop().call_later(step, self._expire_due)
+
+    def _expire_due(self) -> None:
+        self._expiry = None
+        for sender, tid in self.reassembler.expire(time.monotonic()):
+            self.reject("chunk-timeout", sender, f"transfer {tid} incomplete, dropped")
+        self._expire_soon()
+
+    def close(self) -> None:
+        """Stop the expiry timer (a daemon shutting down)."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
 
     async def send_update(
         self, topic: str, update: Update, *, base=None, compressor: Compressor | None = None, transport=None
@@ -499,7 +597,7 @@ class Messenger:
         if self.metrics is not None:
             self.metrics.add_bytes(in_=len(payload))
         try:
-            fed, topic_sender, _receiver, _kind = topics.parse(topic)
+            fed, topic_sender, _receiver, kind = topics.parse(topic)
         except ValueError as exc:
             self.reject("topic", "", str(exc))
             return None
@@ -508,6 +606,12 @@ class Messenger:
             return None
         if not payload:
             return None  # a cleared retained message
+        if topic_sender and not journaled and not self._screening and self.budget is not None:
+            # Before anything else is done with it: a flood costs its reading, no more.
+            why = self.budget.allow(topic_sender, kind or "", time.monotonic())
+            if why:
+                self._drop(topic_sender, why)
+                return None
         try:
             # Views: a chunk's data is copied once, into its transfer, not first out of
             # the payload by the decoder.
@@ -521,6 +625,14 @@ class Messenger:
             return None
         if env.federation != self.federation:
             self.reject("federation", env.sender, f"envelope for {env.federation}")
+            return None
+        if (
+            self.admit is not None
+            and not journaled
+            and env.kind in TRANSFER_KINDS
+            and not self.admit(env.sender, env.kind, env.round)
+        ):
+            self._drop(env.sender, "unexpected-transfer")
             return None
         try:
             role = self.verifier.check(env, journaled=journaled)
@@ -563,6 +675,7 @@ class Messenger:
                 return self.reject("chunk", env.sender, str(exc))
             for sender, tid in self.reassembler.expire(time.monotonic()):
                 self.reject("chunk-timeout", sender, f"transfer {tid} incomplete, dropped")
+            self._expire_soon()
             if whole is None:
                 return None
             try:

@@ -55,6 +55,21 @@ class NodeMetrics:
         )
         self.peers = gauge("fedagent_peers_online", "peers seen online")
         self.rejected_total = counter("fedagent_rejected_messages", "messages refused", ("reason",))
+        self.dropped_total = counter(
+            "fedagent_dropped_messages",
+            "frames dropped before they were checked: a sender over its budget for the kind (rate:KIND, "
+            "rate:total) or a transfer not expected from it",
+            ("reason",),
+        )
+        self.bounded_total = counter(
+            "fedagent_bounded_updates",
+            "coordinator: updates whose weight (bound=weight) or distance from the global model (bound=norm) "
+            "was scaled down",
+            ("agent", "bound"),
+        )
+        self.discarded_total = counter(
+            "fedagent_discarded_updates", "coordinator: updates that came late for a round abandoned meanwhile"
+        )
         self.reconnects = counter("fedagent_reconnects", "reconnections to the broker")
         self.connected = gauge("fedagent_connected", "1 while connected to the broker")
         self.last = gauge("fedagent_last_metric", "last reported training/evaluation metric", ("name",))
@@ -178,6 +193,15 @@ class NodeMetrics:
 
     def rejected(self, reason: str) -> None:
         self.rejected_total.labels(**self._labels, reason=reason).inc()
+
+    def dropped(self, reason: str) -> None:
+        self.dropped_total.labels(**self._labels, reason=reason).inc()
+
+    def bounded(self, agent: str, bound: str) -> None:
+        self.bounded_total.labels(**self._labels, agent=agent, bound=bound).inc()
+
+    def discarded(self) -> None:
+        self.discarded_total.labels(**self._labels).inc()
 
     def set_peers(self, n: int) -> None:
         self.peers.labels(**self._labels).set(n)

@@ -170,7 +170,12 @@ class Timer:
     def _fire(self) -> None:
         self._handle = None
         self._at = float("inf")
-        self._queue.put_nowait(self._event)
+        try:
+            self._queue.put_nowait(self._event)
+        except asyncio.QueueFull:
+            # The queue is full of work being done: the wake-up waits for room (a
+            # wake-up that came late is handled as such), it is neither lost nor an error.
+            self._handle = asyncio.get_running_loop().call_later(0.05, self._fire)
 
     def cancel(self) -> None:
         if self._handle is not None:

@@ -512,7 +512,7 @@ class StrategyAggregator:
         self, plan: Plan, name: str, start: int, values: np.ndarray, indices: np.ndarray | None, *, delta: bool
     ) -> None:
         self._sums.fold(name, start, values, indices, plan.weight, delta=delta)
-        if plan.level > 0:
+        if plan.level:  # negative when a replay takes an update back out
             assert self._by_level is not None
             self._by_level.fold(name, start, values, indices, plan.level, delta=delta)
 

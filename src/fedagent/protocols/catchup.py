@@ -12,9 +12,10 @@ signed and verified like any broadcast.
 :class:`CatchUp` is the agent's side: one request per connection, sent once a
 coordinator is known. :class:`ModelServer` is the coordinator's: it answers only an
 agent that is behind, and at most once per ``min_interval`` seconds per agent unless the
-model changed since its last answer, so a member asking in a loop costs one model per
-interval and not one per request. Its table is bounded (the least recently answered
-agents are forgotten first).
+model changed since its last answer, and even then not again within a tenth of that
+interval: a member asking in a loop costs one model per interval, or one per second
+while rounds are faster than that, never one per request. Its table is bounded (the
+least recently answered agents are forgotten first).
 """
 
 from __future__ import annotations
@@ -72,7 +73,10 @@ class ModelServer:
             self.refused["current"] += 1
             return False
         last = self._answered.get(agent)
-        if last is not None and last.version >= current_version and now - last.at < self.min_interval:
+        if last is not None and (
+            now - last.at < self.min_interval / 10
+            or (last.version >= current_version and now - last.at < self.min_interval)
+        ):
             self.refused["rate"] += 1
             return False
         self._answered[agent] = _Answered(current_version, now)

@@ -155,7 +155,11 @@ class Reassembler:
         *,
         max_transfers: int = 1024,
         remember_completed: int = 4096,
+        max_sender_bytes: int | None = None,
     ) -> None:
+        """``max_sender_bytes``: what one sender's pending transfers may hold together
+        (default ``max_transfer_bytes``: one transfer's worth), so that one member cannot
+        take the whole of ``max_pending_bytes``."""
         for name, value in (
             ("max_transfer_bytes", max_transfer_bytes),
             ("max_pending_bytes", max_pending_bytes),
@@ -171,6 +175,8 @@ class Reassembler:
         self.timeout = float(timeout)
         self.max_transfers = max_transfers
         self.remember_completed = remember_completed
+        self.max_sender_bytes = max_sender_bytes
+        self._by_sender: dict[str, int] = {}  # sender -> bytes its pending transfers hold
         self._transfers: dict[tuple[str, str], _Transfer] = {}
         # Recently finished transfers -> when: a QoS 1 redelivery of one of their chunks
         # must not start a new transfer that would only time out (or deliver twice).
@@ -331,6 +337,13 @@ class Reassembler:
                 f"transfer {tid!r} of {size} bytes refused: {self._pending} bytes already "
                 f"pending, limit {self.max_pending_bytes}"
             )
+        mine = self._by_sender.get(key[0], 0)
+        own_limit = self.max_transfer_bytes if self.max_sender_bytes is None else self.max_sender_bytes
+        if mine + size > own_limit:
+            raise CodecError(
+                f"transfer {tid!r} of {size} bytes refused: the sender's transfers already hold {mine} bytes, "
+                f"its limit is {own_limit}"
+            )
         t = _Transfer(
             n=n,
             size=size,
@@ -347,6 +360,7 @@ class Reassembler:
         )
         self._transfers[key] = t
         self._pending += cost
+        self._by_sender[key[0]] = mine + cost
         return t
 
     def _finish(
@@ -378,6 +392,9 @@ class Reassembler:
         t = self._transfers.pop(key, None)
         if t is not None:
             self._pending -= t.cost
+            left = self._by_sender.pop(key[0], 0) - t.cost
+            if left > 0:
+                self._by_sender[key[0]] = left
 
 
 def _valid_tid(tid: object) -> bool:

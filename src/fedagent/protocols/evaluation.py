@@ -2,9 +2,16 @@
 
 Every agent evaluates each global model it receives on its own held-out data and tells
 the coordinator (an :class:`~fedagent.protocols.messages.Evaluation`). The coordinator
-shows, next to its training loss, the sample-weighted mean of those evaluations for the
-newest model version any agent has reported on, and how many agents that mean covers.
-Pure: no I/O, no clock.
+shows, next to its training loss, the agents' evaluations of the newest model version
+that more than one agent has reported on (the newest reported at all, flagged, while
+only one has).
+
+Any member may send an evaluation, so nothing in the figure may rest on one member's
+word: a report is taken only for a model version that exists (at most the current one,
+and recent), each metric shown is the (lower) median over the agents that reported,
+which one member cannot move past an honest agent's figure (a sample-weighted mean would
+follow whoever claims the most samples), and the samples shown count each agent at most
+:data:`SAMPLES_CAP` times the median count. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -12,10 +19,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fedagent.protocols.aggregation import weighted_metrics
-
 #: Model versions whose reports are kept (a late report of an older version is dropped).
-KEEP_VERSIONS = 2
+KEEP_VERSIONS = 4
+#: In the samples shown, an agent counts at most this many times the median count.
+SAMPLES_CAP = 2
+
+
+def _lower_median(values: list[float]) -> float:
+    s = sorted(values)
+    return s[(len(s) - 1) // 2]
 
 
 class HeldOut:
@@ -23,9 +35,22 @@ class HeldOut:
         # model version -> agent -> (samples, metrics); each agent's latest report counts.
         self._reports: dict[int, dict[str, tuple[int, dict[str, float]]]] = {}
 
-    def add(self, agent: str, model_version: int, samples: int, metrics: Mapping[str, float]) -> bool:
-        """Record ``agent``'s evaluation of ``model_version``; False when it is too old to keep."""
+    @staticmethod
+    def refusal(model_version: int, current: int) -> str:
+        """Why a report of ``model_version`` must not be taken while the global model is
+        at ``current`` (a version that does not exist yet), or ''."""
+        if model_version > current:
+            return f"evaluation of model version {model_version}, which does not exist (current {current})"
+        return ""
+
+    def add(
+        self, agent: str, model_version: int, samples: int, metrics: Mapping[str, float], *, current: int | None = None
+    ) -> bool:
+        """Record ``agent``'s evaluation of ``model_version``; False when it is not kept
+        (too old, empty, or with ``current`` given, of a version that does not exist)."""
         if samples <= 0 or not metrics:
+            return False
+        if current is not None and (self.refusal(model_version, current) or model_version <= current - KEEP_VERSIONS):
             return False
         if self._reports and model_version < min(self._reports) and len(self._reports) >= KEEP_VERSIONS:
             return False
@@ -35,14 +60,22 @@ class HeldOut:
         return True
 
     def summary(self) -> dict[str, Any]:
-        """{model_version, agents, samples, metrics} for the newest version reported; {} before any."""
+        """{model_version, agents, samples (counts capped), metrics (median over agents),
+        single_source} for the newest version more than one agent reported (else the
+        newest); {} before any."""
         if not self._reports:
             return {}
-        version = max(self._reports)
+        shared = [v for v, r in self._reports.items() if len(r) > 1]
+        version = max(shared) if shared else max(self._reports)
         reports = self._reports[version]
+        keys = set.intersection(*(set(m) for _, m in reports.values()))
+        cap = SAMPLES_CAP * _lower_median([float(n) for n, _ in reports.values()])
+        capped = {a: min(float(n), cap) for a, (n, _) in reports.items()}
         return {
             "model_version": version,
             "agents": sorted(reports),
-            "samples": sum(n for n, _ in reports.values()),
-            "metrics": weighted_metrics([(m, n) for n, m in reports.values()]),
+            "samples": int(sum(capped.values())),
+            "metrics": {k: _lower_median([float(m[k]) for _, m in reports.values()]) for k in sorted(keys)},
+            # one agent's word only: status says so
+            "single_source": len(reports) == 1,
         }

@@ -61,6 +61,8 @@ _paho_log = logging.getLogger("fedagent.mqtt")
 
 BACKOFF_INITIAL = 0.5
 BACKOFF_CAP = 30.0
+#: The longest single wait of a patient publish for its PUBACK before it warns again.
+PATIENCE_CAP = 300.0
 RC_NOT_AUTHORIZED = 0x87  # 135
 
 
@@ -181,6 +183,13 @@ class Transport:
         self._connected = asyncio.Event()
         self._wake = asyncio.Event()
         self._stopped = asyncio.Event()
+        # Called with the topic of every message as it is read, before it is handed to the
+        # handler: False drops it unread (acknowledged in its turn). A flood of a member's
+        # messages then costs their parsing, not the handler's way through the event loop.
+        self.screen: Callable[[str], bool] | None = None
+        # (client, mid, qos, gate) of messages handled whose acknowledgement waits for its
+        # turn (see _dispatch); dropped messages take their turn here too.
+        self._pending: collections.deque[tuple[MqttClient, int, int, asyncio.Future[Any] | None]] = collections.deque()
         self._running = False
         self._closing = False
         self._tasks: set[asyncio.Task] = set()
@@ -251,7 +260,7 @@ class Transport:
         will = None
         if self.will is not None:
             will = aiomqtt.Will(self.will[0], self.will[1], qos=1, retain=True)
-        return MqttClient(
+        client = MqttClient(
             self.host,
             self.port,
             identifier=self.client_id,
@@ -266,6 +275,16 @@ class Transport:
             hold_limit=self.hold_limit,
             max_pause=max(0.5, self.keepalive / 4),
         )
+        client.screen = self.screen
+        client.on_dropped = lambda mid, qos: self._dropped(client, mid, qos)
+        return client
+
+    def _dropped(self, client: MqttClient, mid: int, qos: int) -> None:
+        """A message ``screen`` dropped: acknowledged now, or after those before it."""
+        if not self._pending:
+            client.ack(mid, qos)
+        else:
+            self._pending.append((client, mid, qos, None))
 
     async def run(self, handler: Handler, ready: asyncio.Event | None = None) -> None:
         """Stay connected and feed every incoming message to ``await handler(topic,
@@ -416,7 +435,8 @@ class Transport:
         holds (``hold_limit``) are released when the handler returns either way: what
         waits then is an acknowledgement, not data. Messages not acknowledged when the
         connection or this task ends are delivered again by the broker."""
-        pending: collections.deque[tuple[MqttClient, int, int, asyncio.Future[Any] | None]] = collections.deque()
+        pending = self._pending
+        pending.clear()
 
         def drain(_done: object = None) -> None:
             while pending and (pending[0][3] is None or pending[0][3].done()):
@@ -492,7 +512,14 @@ class Transport:
                 pass
 
     async def publish(
-        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, timeout: float = 30
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int = 1,
+        retain: bool = False,
+        timeout: float = 30,
+        patient: bool = False,
     ) -> None:
         """Publish and, for QoS 1, wait for the broker's PUBACK.
 
@@ -500,12 +527,26 @@ class Transport:
         TransportError for another refusal, a message above the broker's maximum
         packet size, or no connection/PUBACK within ``timeout``. A connection lost
         before PUBACK is retried on the next one (at least once; receivers dedupe).
+
+        ``patient``: a late PUBACK or a connection that is down is never an error: after
+        ``timeout`` the wait goes on, ``timeout`` doubled each time up to
+        :data:`PATIENCE_CAP` (with a warning), and a connection lost is waited for. A
+        broker busy delivering a flood to us answers late, not never; giving up would
+        only turn its backlog into an exit. Only a refusal or :meth:`close` ends it.
         """
         if qos not in (0, 1):
             raise ValueError("fedagent publishes with QoS 0 or 1")
         payload = bytes(payload) if not isinstance(payload, bytes) else payload
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        deadline = loop.time() + timeout if not patient else float("inf")
+        waited = [float(timeout)]
+
+        def on_slow() -> float:
+            log.warning("no PUBACK from %s for %s within %.0fs; still waiting", self.uri, topic, waited[0])
+            step = min(PATIENCE_CAP, waited[0] * 2)
+            waited[0] += step
+            return step
+
         while True:
             client = await self._wait_connected(deadline, f"publish to {topic}", timeout)
             limit = client.max_packet_size
@@ -518,7 +559,12 @@ class Transport:
                 )
             try:
                 rc = await client.publish_acked(
-                    topic, payload, qos=qos, retain=retain, timeout=max(0.0, deadline - loop.time())
+                    topic,
+                    payload,
+                    qos=qos,
+                    retain=retain,
+                    timeout=max(0.0, deadline - loop.time()) if not patient else timeout,
+                    on_slow=on_slow if patient else None,
                 )
             except ConnectionLost:
                 log.info("connection lost before PUBACK for %s; publishing again after reconnecting", topic)

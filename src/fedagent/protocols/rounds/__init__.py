@@ -30,30 +30,39 @@ number of ``UpdatePart`` and one ``UpdateEnd``. All checks that need only the he
 (round, sender, base version, weight, tensor names/shapes/dtypes) run before the first
 value is folded; each part is checked finite before it is folded into the round's running
 sums. A part cannot be taken back out of a sum without its data, and keeping the data is
-what streaming avoids, so an update that fails *after* parts of it were folded (digest
-mismatch, norm bound, transfer broken off, sender gone) spoils the round's sums: the round
-is abandoned and restarted from the same model without that sender, which sits out one
-round. Everything else about an update (and every other sender) costs nothing. A round
-whose deadline passes while folded-but-unfinished updates are still arriving waits for
-them to end (the intake times a silent transfer out), so a straggler mid-transfer neither
-gets half-counted nor spoils a round that could aggregate.
+what streaming avoids; a caller that keeps every frame of the round in flight (the
+coordinator's round journal) can give it back, though: with ``replays`` the machine asks
+for such updates again (:class:`Refold`) at the round's end. An update that fails *after*
+parts of it were folded (digest mismatch, norm bound, transfer broken off, sender gone) is
+then taken back out and the round goes on without it; without ``replays`` it spoils the
+round's sums, which is abandoned and restarted from the same model without that sender.
+Either way the sender sits out rounds (:class:`~.bounds.Bench`). A stream that makes no
+progress once every other update is in is dropped after as long as the others took, and
+one still arriving at the deadline is dropped then.
+
+How far one member can move the model, its weight and its distance from the global
+model, is bounded by :mod:`.bounds` (``weight_cap``, ``norm_bound``).
 
 The package: :mod:`.config` (:class:`RoundConfig`), :mod:`.events` (the events and
 commands), :mod:`.machine` (:class:`RoundMachine`: rounds, intake, aggregation) and its
 collaborators :mod:`.serverstep` (the global model's step), :mod:`.privacy` (the DP
-accounting) and :mod:`.secure` (the secure-aggregation path).
+accounting), :mod:`.secure` (the secure-aggregation path) and :mod:`.bounds` (one
+member's influence, and the agents benched for spoiling updates).
 """
 
 from __future__ import annotations
 
-from fedagent.protocols.rounds.config import RoundConfig, check_secure
+from fedagent.protocols.rounds.config import NormBound, RoundConfig, check_secure
 from fedagent.protocols.rounds.events import (
     AgentOffline,
     AgentOnline,
     Command,
     Event,
     Finished,
+    LateUpdate,
     Phase,
+    Refold,
+    Refolded,
     Rejected,
     RequestWakeup,
     RoundAbandoned,
@@ -76,8 +85,12 @@ __all__ = [
     "Command",
     "Event",
     "Finished",
+    "LateUpdate",
+    "NormBound",
     "Phase",
     "PrivacyBudget",
+    "Refold",
+    "Refolded",
     "Rejected",
     "RequestWakeup",
     "RoundAbandoned",

@@ -16,6 +16,28 @@ from fedagent.protocols.serveropt import check_momentum, default_momentum
 
 
 @dataclass(frozen=True, slots=True)
+class NormBound:
+    """How far one update may move the model: its L2 distance from the round's global
+    model is scaled down to at most ``multiplier`` × the median of the distances
+    accepted over the last ``window`` rounds (never below ``floor``). Until ``warmup``
+    distances are known, a round's bound comes from its own updates, once they are all
+    in (the machine folds them only then, replayed by its caller)."""
+
+    multiplier: float = 3.0
+    window: int = 10
+    floor: float = 0.0
+    warmup: int = 3
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.multiplier) and self.multiplier >= 1):
+            raise ValueError(f"the norm bound's multiplier must be at least 1, not {self.multiplier!r}")
+        if self.window < 1 or self.warmup < 1:
+            raise ValueError("the norm bound's window and warm-up must be at least 1")
+        if not (math.isfinite(self.floor) and self.floor >= 0):
+            raise ValueError(f"the norm bound's floor must be a non-negative number, not {self.floor!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class RoundConfig:
     rounds: int = 10
     min_agents: int = 2  # quorum: no round starts with fewer agents online
@@ -39,10 +61,32 @@ class RoundConfig:
     dp: DPConfig | None = None  # differential privacy ("central" or "distributed"), see protocols/dp.py
     secure: SA.SecAggParams | None = None  # secure aggregation (protocols/secagg/)
     secure_stage_timeout: float = 0.0  # each key/share/unmask stage of a secure round (0: auto)
+    # An update's weight (its num_samples) is at most what its agent announced in its
+    # presence and at most this many times the median the round's agents announced (0: off).
+    weight_cap: float = 0.0
+    # Each update's distance from the global model is scaled down to an adaptive bound
+    # (None: off). Inert where updates are bounded otherwise: robust aggregators,
+    # clip_norm, differential privacy, secure aggregation.
+    norm_bound: NormBound | None = None
+    # While an agent that reads only whole models is online, at most one round start in
+    # this many carries the whole model (it takes part in those rounds only); 1: every one.
+    whole_model_every: int = 1
 
     @property
     def stage_timeout(self) -> float:
         return self.secure_stage_timeout or min(30.0, self.round_timeout / 6)
+
+    @property
+    def bounds_norms(self) -> bool:
+        """Whether the adaptive norm bound applies: updates are folded by a streaming
+        strategy, without a privacy clip or masks that bound (or hide) them already."""
+        return self.norm_bound is not None and self.strategy.streams and self.dp is None and self.secure is None
+
+    @property
+    def caps_weights(self) -> bool:
+        """Whether update weights (sample counts) are capped: FedAvg weights by samples
+        (``fedavg``, ``drop_above``), outside privacy and secure rounds."""
+        return self.weight_cap > 0 and self.strategy.name in ("fedavg", "drop_above") and self.dp is None
 
     @property
     def momentum(self) -> float:
@@ -72,6 +116,10 @@ class RoundConfig:
             raise ValueError("agents_per_round is below min_updates: no round could aggregate")
         if not (self.round_timeout > 0 and self.start_grace >= 0):
             raise ValueError("round_timeout must be positive and start_grace non-negative")
+        if not (math.isfinite(self.weight_cap) and (self.weight_cap == 0 or self.weight_cap >= 1)):
+            raise ValueError(f"weight_cap must be 0 (off) or at least 1, not {self.weight_cap!r}")
+        if type(self.whole_model_every) is not int or self.whole_model_every < 1:
+            raise ValueError(f"whole_model_every must be a positive integer, not {self.whole_model_every!r}")
         # A round may be aggregated from as few as min_updates: the robust aggregator's
         # precondition must hold there, or a Byzantine minority could win such a round.
         self.strategy.check_preconditions(self.min_updates)

@@ -57,7 +57,27 @@ class SecAggReceived:
     message: SA.SecAggMessage
 
 
-Event = AgentOnline | AgentOffline | UpdateReceived | Wakeup | UpdateHead | UpdatePart | UpdateEnd | SecAggReceived
+@dataclass(frozen=True, slots=True)
+class Refolded:
+    """The caller has replayed what a :class:`Refold` asked for (through
+    ``RoundMachine.refold``); ``incomplete``: the senders whose update it could not read
+    back whole."""
+
+    round: int
+    incomplete: frozenset[str] = frozenset()
+
+
+Event = (
+    AgentOnline
+    | AgentOffline
+    | UpdateReceived
+    | Wakeup
+    | UpdateHead
+    | UpdatePart
+    | UpdateEnd
+    | SecAggReceived
+    | Refolded
+)
 
 
 # ---- commands ----------------------------------------------------------------------
@@ -93,6 +113,9 @@ class RoundAggregated:
     # The server momentum's velocity after this round (empty without momentum): the
     # checkpoint keeps it with ``weights``, which it made.
     velocity: Weights = field(default_factory=dict)
+    # participant -> how its update was bounded: {"samples": claimed, "weight": used} when
+    # its weight was capped, {"norm": its distance, "bound": the bound} when scaled down
+    bounded: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +131,32 @@ class Rejected:
     round: int
     reason: str  # short code: stale, duplicate, unselected, shape, non-finite, ...
     detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class LateUpdate:
+    """An update for a round that was abandoned: late, not wrong (not a refusal)."""
+
+    sender: str
+    round: int
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Refold:
+    """Replay these updates of ``round`` (sender, the stream's transfer id or None for a
+    whole update), each part in the order it arrived, into ``RoundMachine.refold``, then
+    hand the machine :class:`Refolded`. The machine folds what was held back (an update
+    past the norm bound, scaled down) and takes out what was folded of an update that
+    then failed; the caller keeps every frame of the round in flight (its journal), so
+    nothing of an update has to stay in memory for this."""
+
+    round: int
+    updates: tuple[tuple[str, str | None], ...]
+    # Senders whose update is counted in once replayed: replay one only if the journal
+    # holds it whole (else report it incomplete). The others are taken out: replay
+    # whatever of them the journal holds, from its first part on.
+    counted: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +179,17 @@ class SendSecAgg:
     message: SA.SecAggMessage
 
 
-Command = StartRound | RoundAggregated | RoundAbandoned | Rejected | RequestWakeup | Finished | SendSecAgg
+Command = (
+    StartRound
+    | RoundAggregated
+    | RoundAbandoned
+    | Rejected
+    | LateUpdate
+    | Refold
+    | RequestWakeup
+    | Finished
+    | SendSecAgg
+)
 
 
 class Phase(str, Enum):

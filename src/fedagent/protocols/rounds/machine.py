@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from fedagent.protocols import secagg as SA
 from fedagent.protocols.aggregation import Plan, StrategyAggregator, UpdateRejected, check_update, weighted_metrics
 from fedagent.protocols.downlink import ModelDelta
 from fedagent.protocols.dp import Accountant, ClipBound, DPAggregator
+from fedagent.protocols.rounds.bounds import Bench, Influence
 from fedagent.protocols.rounds.config import RoundConfig
 from fedagent.protocols.rounds.events import (
     AgentOffline,
@@ -26,7 +28,10 @@ from fedagent.protocols.rounds.events import (
     Command,
     Event,
     Finished,
+    LateUpdate,
     Phase,
+    Refold,
+    Refolded,
     Rejected,
     RequestWakeup,
     RoundAbandoned,
@@ -45,6 +50,12 @@ from fedagent.protocols.streaming import UpdateEnd, UpdateHead, UpdatePart
 
 Weights = dict[str, np.ndarray]
 
+#: Abandoned rounds remembered: an update for one of them is late, not wrong.
+ABANDONED_KEPT = 16
+#: Seconds a stream may make no progress, once every other update of its round is in,
+#: before it is dropped (or as long as the others took, if that is longer).
+STALL_GRACE = 1.0
+
 
 @dataclass(slots=True)
 class _Inflight:
@@ -53,8 +64,30 @@ class _Inflight:
     tid: str
     head: UpdateHead
     plan: Plan
-    sq_norm: float
-    folded: bool = False
+    sq_norm: float  # of the update's weights (max_norm)
+    samples: int = 0  # the weight it carries (num_samples, capped)
+    dsq: float = 0.0  # squared distance from the global model so far (the norm bound)
+    folded: int = 0  # values folded at the plan's weight (a prefix of the stream)
+    held: bool = False  # past the bound (or warming up): the rest waits for a replay
+    last_at: float = 0.0  # when its last part (or its header) came
+
+
+@dataclass(slots=True)
+class _Replay:
+    """An update to replay at the round's end: its first ``prefix`` values were folded at
+    the plan's weight; the whole update goes in at ``scale`` × that weight (0: taken
+    out; None: decided by the round's bound once every update is in)."""
+
+    tid: str | None  # the stream's transfer id; None: a whole update
+    plan: Plan
+    prefix: int
+    scale: float | None
+    norm: float = 0.0
+    count: bool = True  # an accepted update (counted in once replayed); False: only taken out
+    samples: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    leaving: bool = False
+    done: int = 0  # values replayed so far
 
 
 class RoundMachine:
@@ -71,6 +104,8 @@ class RoundMachine:
         velocity_store: VelocityStore | None = None,
         rng: np.random.Generator | None = None,
         verify_statement: SA.KeyVerifier | None = None,
+        replays: bool = False,
+        norm_history: Sequence[Sequence[float]] = (),
     ) -> None:
         """``completed_rounds``/``last_round``/``model_version`` resume from a checkpoint, and
         so do ``privacy_state`` (:meth:`privacy_state`): ε already spent and the clip bound,
@@ -82,7 +117,16 @@ class RoundMachine:
         ``rng`` draws the DP noise (default: seeded by the operating system).
         ``verify_statement`` checks an agent's signature of a statement (secure rounds: the
         survivor list), raising if it is not valid; without it signatures are passed on
-        unchecked (the agents check them in any case)."""
+        unchecked (the agents check them in any case).
+
+        ``replays``: the caller carries out :class:`Refold` (it can read every update of
+        the round in flight back, from its journal): an update that fails after parts of
+        it were folded is then taken out of the sums instead of spoiling the round, and a
+        streamed update still arriving at the deadline is dropped. The norm bound needs
+        it (ValueError without). ``norm_history``: the distances of recent rounds
+        (:meth:`norm_state`), so that a restart does not warm the bound up again."""
+        if config.bounds_norms and not replays:
+            raise ValueError("the norm bound needs a caller that replays updates (replays=True)")
         self.config = config
         self.weights = weights
         self.server_step = ServerStep(
@@ -110,7 +154,16 @@ class RoundMachine:
         self.departed: set[str] = set()  # left; ignored as online until their goodbye
         self.inflight: dict[str, _Inflight] = {}  # sender -> its streamed update in progress
         self.ignored: set[tuple[str, str]] = set()  # (sender, tid) of streams refused at their header
-        self.benched: set[str] = set()  # spoilt the last round: not selected for the next one
+        self.replays = replays
+        self.influence = Influence(config, norm_history)  # weight cap and norm bound
+        self.bench = Bench()  # agents that spoiled updates sit out rounds
+        self._replay: dict[str, _Replay] = {}  # sender -> its update to replay at the round's end
+        self._replaying = False  # a Refold is out; its Refolded ends it
+        self._abandoned: deque[int] = deque(maxlen=ABANDONED_KEPT)
+        self._since_whole = 0  # round starts since the last one that carried the whole model
+        self._whole_round = True  # the round being started carries the whole model
+        self._opened_at = 0.0
+        self._others_done_at: float | None = None  # when only streams still arriving were owed
         self._ref_sq = 0.0  # squared norm of the global model (norm bound of deltas)
         self._rng = random.Random(config.seed)
         self._round_q = 1.0  # the fraction of the online agents selected for the round
@@ -164,6 +217,7 @@ class RoundMachine:
             if event.agent in self.departed:
                 return []
             self.online[event.agent] = event.num_samples
+            self.influence.announce(event.agent, event.num_samples)
             if event.reads_steps:
                 self._whole_only.discard(event.agent)
             else:
@@ -191,12 +245,16 @@ class RoundMachine:
             return []
         if isinstance(event, UpdateReceived):
             return self._on_update(event, now)
+        if isinstance(event, Refolded):
+            return self._on_refolded(event, now)
         if isinstance(event, SecAggReceived):
             if self.secagg is None:
                 msg = event.message
                 return [Rejected(event.sender, getattr(msg, "round", 0), "stale", f"{msg.kind} outside a secure round")]
             return self._secure(self.secagg.handle(SA.Received(event.sender, event.message), now), now)
         if isinstance(event, Wakeup):
+            if self._replaying:
+                return []  # the round ends with the replay's Refolded
             if self.phase is Phase.TRAINING and self.secagg is not None:
                 out = self._secure(self.secagg.handle(SA.Tick(), now), now)
                 if self.secagg is not None and not any(isinstance(c, RequestWakeup) for c in out):
@@ -215,6 +273,11 @@ class RoundMachine:
     def privacy_state(self) -> dict[str, object] | None:
         """What a checkpoint keeps so that a restart goes on spending from here."""
         return self.budget.state() if self.budget is not None else None
+
+    def norm_state(self) -> list[list[float]]:
+        """The distances of recent rounds the norm bound is the median of (a checkpoint
+        keeps them)."""
+        return self.influence.state()
 
     def privacy(self) -> dict[str, float] | None:
         """ε spent at δ, the budget and the current clip bound and noise (status, history)."""
@@ -245,10 +308,13 @@ class RoundMachine:
             "online": sorted(self.online),
             "whole_model_only": self.whole_model_only(),
             "selected": list(self.selected),
-            "received": sorted(self.received),
+            # with the updates held back to be folded at the round's end (bounded, or a
+            # round still learning its norm bound): they are in, and count
+            "received": sorted(set(self.received) | {a for a, r in self._replay.items() if r.count}),
             "metrics": dict(self.last_metrics),
             "privacy": self.privacy(),
             "stop_reason": self.stop_reason,
+            "bounds": {**self.influence.status(), "benched": self.bench.status()},
         }
 
     # -- starting ----------------------------------------------------------------------
@@ -270,9 +336,17 @@ class RoundMachine:
     def _start(self, now: float) -> list[Command]:
         cfg = self.config
         agents = sorted(self.online)
-        if self.benched and len(agents) - len(self.benched & set(agents)) >= cfg.min_agents:
-            agents = [a for a in agents if a not in self.benched]
-        self.benched = set()
+        benched = self.bench.benched(self.round + 1)
+        if benched and len(agents) - len(benched & set(agents)) >= cfg.min_agents:
+            agents = [a for a in agents if a not in benched]
+        self._whole_round = self._whole_due()
+        if not self._whole_round:
+            # Agents that read only whole models sit out the rounds whose start is a step
+            # (unless the quorum needs them): one member claiming to be such an agent must
+            # not turn every broadcast into a whole model.
+            steps_only = [a for a in agents if a not in self._whole_only]
+            if len(steps_only) >= cfg.min_agents:
+                agents = steps_only
         population = len(agents)
         limit = cfg.agents_per_round
         if cfg.secure is not None:  # more inputs than this would wrap the masked sum
@@ -307,7 +381,15 @@ class RoundMachine:
         # least as much of the budget as the round really did. The budget was checked
         # when the round first started.
         self._round_q = 1.0
+        self._whole_round = True
         return self._open_round(selected, now, resumed=True)
+
+    def _whole_due(self) -> bool:
+        """Whether the next round start carries the whole model for the agents that read
+        nothing else (at most one round start in ``whole_model_every``)."""
+        return bool(self.whole_model_only()) and (
+            self.delta is None or self._since_whole + 1 >= self.config.whole_model_every
+        )
 
     def _open_round(self, agents: tuple[str, ...], now: float, *, resumed: bool = False) -> list[Command]:
         cfg = self.config
@@ -316,6 +398,13 @@ class RoundMachine:
         self._outstanding = set(agents)  # selected, not yet answered
         self.received = {}
         self.deadline = now + cfg.round_timeout
+        self._opened_at = now
+        self._others_done_at = None
+        self.influence.open(agents, self.online)
+        self._replay = {}
+        self._replaying = False
+        whole = resumed or self.delta is None or self._whole_round
+        self._since_whole = 0 if whole else self._since_whole + 1
         train = replace(cfg.train, lr=cfg.lr_for(self.round))
         if self.budget is not None:
             self._acc = self.budget.aggregator(self.weights, len(agents))
@@ -357,12 +446,23 @@ class RoundMachine:
                 resumed,
                 setup,
                 first,
-                None if resumed or self.whole_model_only() else self.delta,
+                None if resumed or self._whole_round else self.delta,
             ),
             RequestWakeup(wake),
         ]
 
     # -- collecting --------------------------------------------------------------------
+    def _late(self, sender: str, round_: int) -> list[Command] | None:
+        """An update for a round that was abandoned: discarded, not refused (its agent did
+        nothing wrong); None for any other round."""
+        if round_ in self._abandoned:
+            return [LateUpdate(sender, round_, f"update for round {round_}, which was abandoned")]
+        return None
+
+    def _refused(self, sender: str) -> None:
+        """A selected agent's update was refused: the round does not wait for another."""
+        self._outstanding.discard(sender)
+
     def _on_update(self, ev: UpdateReceived, now: float) -> list[Command]:
         def reject(reason: str, detail: str) -> list[Command]:
             return [Rejected(ev.sender, ev.round, reason, detail)]
@@ -370,41 +470,91 @@ class RoundMachine:
         if self.config.secure is not None:
             return reject("secure", "plain update in a federation with secure aggregation (never aggregated)")
         if self.phase is not Phase.TRAINING or ev.round != self.round:
-            return reject("stale", f"update for round {ev.round}, current round {self.round} ({self.phase.value})")
+            return self._late(ev.sender, ev.round) or reject(
+                "stale", f"update for round {ev.round}, current round {self.round} ({self.phase.value})"
+            )
         if ev.sender not in self.selected:
             return reject("unselected", f"{ev.sender} was not selected for round {self.round}")
-        if ev.sender in self.received or ev.sender in self.inflight:
+        if ev.sender in self.received or ev.sender in self.inflight or ev.sender in self._replay:
             return reject("duplicate", f"second update from {ev.sender} for round {self.round}")
+        if self._replaying:
+            return reject("stale", f"round {self.round} is being aggregated")
         if ev.base_version != self.model_version:
+            self._refused(ev.sender)
             return reject("stale", f"trained from version {ev.base_version}, current {self.model_version}")
         if ev.num_samples <= 0:
+            self._refused(ev.sender)
             return reject("weight", "num_samples must be positive")
+        samples = self.influence.samples(ev.sender, ev.num_samples)
         try:
             check_update(self.weights, ev.weights, max_norm=self.config.max_norm)
             assert self._acc is not None
-            self._acc.add(ev.sender, ev.weights, ev.num_samples, ev.metrics)
+            if self.influence.bounds_norms:
+                assert isinstance(self._acc, StrategyAggregator)
+                if not self._add_bounded(ev, samples):
+                    return self._maybe_finish(now)
+            else:
+                self._acc.add(ev.sender, ev.weights, samples, ev.metrics)
         except UpdateRejected as exc:
+            self._refused(ev.sender)
             return reject(exc.reason, exc.detail)
-        self.received[ev.sender] = (ev.num_samples, dict(ev.metrics))
+        self.received[ev.sender] = (samples, dict(ev.metrics))
         self._outstanding.discard(ev.sender)
         if ev.leaving:
             self.departing.add(ev.sender)
         return self._maybe_finish(now)
 
+    def _add_bounded(self, ev: UpdateReceived, samples: int) -> bool:
+        """A whole update under the norm bound: folded scaled to the round's bound, or
+        while the bound warms up held for a replay at the round's end. False: it is held
+        (counted once replayed)."""
+        assert isinstance(self._acc, StrategyAggregator)
+        plan = self._acc.plan(samples, ev.metrics)
+        if plan.dropped is not None:
+            self._acc.dropped[ev.sender] = plan.dropped
+            return True
+        sq = 0.0
+        for name, ref in self.weights.items():
+            if ref.dtype.kind == "f":
+                sq += float(np.square(np.asarray(ev.weights[name], np.float64) - ref).sum())
+        norm = math.sqrt(sq)
+        bound = self.influence.bound
+        if bound is None:
+            self._replay[ev.sender] = _Replay(None, plan, 0, None, norm, True, samples, dict(ev.metrics), ev.leaving)
+            self._outstanding.discard(ev.sender)
+            return False
+        scaled = _scaled(plan, self.influence.scale(norm, bound))
+        for name in self.weights:
+            self._acc.fold(scaled, name, 0, np.asarray(ev.weights[name]).reshape(-1), None, delta=False)
+        self._acc.commit(ev.sender, plan)
+        self.influence.accepted(ev.sender, norm, bound)
+        self.bench.forgive(ev.sender)
+        return True
+
     # -- streamed updates ----------------------------------------------------------------
     def _on_head(self, ev: UpdateHead, now: float) -> list[Command]:
-        def reject(reason: str, detail: str) -> list[Command]:
+        def reject(reason: str, detail: str, *, refused: bool = True) -> list[Command]:
             self.ignored.add((ev.sender, ev.tid))
+            if refused:
+                self._refused(ev.sender)
             return [Rejected(ev.sender, ev.round, reason, detail)]
 
         if self.config.secure is not None:
             return reject("secure", "plain update in a federation with secure aggregation (never aggregated)")
         if self.phase is not Phase.TRAINING or ev.round != self.round:
-            return reject("stale", f"update for round {ev.round}, current round {self.round} ({self.phase.value})")
+            late = self._late(ev.sender, ev.round)
+            if late is not None:
+                self.ignored.add((ev.sender, ev.tid))
+                return late
+            return reject(
+                "stale", f"update for round {ev.round}, current round {self.round} ({self.phase.value})", refused=False
+            )
         if ev.sender not in self.selected:
-            return reject("unselected", f"{ev.sender} was not selected for round {self.round}")
-        if ev.sender in self.received or ev.sender in self.inflight:
-            return reject("duplicate", f"second update from {ev.sender} for round {self.round}")
+            return reject("unselected", f"{ev.sender} was not selected for round {self.round}", refused=False)
+        if ev.sender in self.received or ev.sender in self.inflight or ev.sender in self._replay:
+            return reject("duplicate", f"second update from {ev.sender} for round {self.round}", refused=False)
+        if self._replaying:
+            return reject("stale", f"round {self.round} is being aggregated", refused=False)
         if ev.base_version != self.model_version:
             return reject("stale", f"trained from version {ev.base_version}, current {self.model_version}")
         names = {t.name: t for t in ev.tensors}
@@ -419,41 +569,56 @@ class RoundMachine:
             if t.dtype != ref.dtype.name:
                 return reject("dtype", f"{name}: {t.dtype} != {ref.dtype}")
         assert self._acc is not None
+        samples = self.influence.samples(ev.sender, ev.num_samples)
         try:
-            plan = self._acc.plan(ev.num_samples, ev.metrics)
+            plan = self._acc.plan(samples, ev.metrics)
         except UpdateRejected as exc:
             return reject(exc.reason, exc.detail)
         if plan.dropped is not None:
             # Counted as dropped, never folded: its parts are ignored.
             self._acc.dropped[ev.sender] = plan.dropped
             self.ignored.add((ev.sender, ev.tid))
-            self.received[ev.sender] = (ev.num_samples, dict(ev.metrics))
+            self.received[ev.sender] = (samples, dict(ev.metrics))
             self._outstanding.discard(ev.sender)
             if ev.leaving:
                 self.departing.add(ev.sender)
             return self._maybe_finish(now)
-        self.inflight[ev.sender] = _Inflight(ev.tid, ev, plan, self._ref_sq)
+        fl = _Inflight(ev.tid, ev, plan, self._ref_sq, samples, last_at=now)
+        # While the bound warms up nothing is folded before the round's end.
+        fl.held = self.influence.bounds_norms and self.influence.bound is None
+        self.inflight[ev.sender] = fl
         return []
 
     def _on_part(self, ev: UpdatePart, now: float) -> list[Command]:
         fl = self.inflight.get(ev.sender)
         if fl is None or fl.tid != ev.tid:
             return []  # refused at its header, or from an ended round
+        fl.last_at = now
         vals = ev.values
         if vals.dtype.kind == "f" and not np.isfinite(vals).all():
             return self._on_end(
                 UpdateEnd(ev.sender, ev.tid, False, f"{ev.name} contains NaN or Inf"), now, reason="non-finite"
             )
+        floating = self.weights[ev.name].dtype.kind == "f"
         # The bound covers floating tensors only, as check_update's does.
-        if self.config.max_norm is not None and self.weights[ev.name].dtype.kind == "f":
+        if self.config.max_norm is not None and floating:
             ref = self.weights[ev.name].reshape(-1)
             where = slice(ev.start, ev.start + vals.size) if ev.indices is None else ev.indices
             g = ref[where].astype(np.float64)
             new = g + vals if ev.delta else vals.astype(np.float64)
             fl.sq_norm += float(np.square(new).sum() - np.square(g).sum())
+        if self.influence.bounds_norms and floating:
+            fl.dsq += _part_sq_distance(self.weights[ev.name], ev)
+            bound = self.influence.bound
+            if not fl.held and (bound is None or fl.dsq > bound * bound):
+                # Past the bound: its distance is known only at its end, so the rest is not
+                # folded; the whole update is replayed scaled to the bound once it has ended.
+                fl.held = True
+        if fl.held:
+            return []
         assert self._acc is not None
         self._acc.fold(fl.plan, ev.name, ev.start, vals, ev.indices, delta=ev.delta)
-        fl.folded = True
+        fl.folded += vals.size
         return []
 
     def _on_end(self, ev: UpdateEnd, now: float, *, reason: str = "transfer") -> list[Command]:
@@ -474,50 +639,197 @@ class RoundMachine:
                 "norm",
             )
         if not ev.ok:
-            out: list[Command] = [Rejected(ev.sender, head.round, reason, ev.reason)]
-            if not fl.folded:
-                return out + self._maybe_finish(now)
-            # Parts of it are in the sums and cannot be taken out: the round is spoilt.
-            self.benched = {ev.sender}
-            detail = (
-                f"update from {ev.sender} failed after parts of it were aggregated ({ev.reason}); "
-                f"round restarted without it"
+            return self._failed(fl, ev.sender, reason, ev.reason, now)
+        norm = math.sqrt(max(fl.dsq, 0.0))
+        if fl.held:
+            bound = self.influence.bound
+            self._replay[ev.sender] = _Replay(
+                fl.tid,
+                fl.plan,
+                fl.folded,
+                None if bound is None else self.influence.scale(norm, bound),
+                norm,
+                True,
+                fl.samples,
+                dict(head.metrics),
+                head.leaving,
             )
-            return out + self._abandon(detail, now, at_once=True)
+            self._outstanding.discard(ev.sender)
+            return self._maybe_finish(now)
         assert self._acc is not None
         self._acc.commit(ev.sender, fl.plan)
-        self.received[ev.sender] = (head.num_samples, dict(head.metrics))
+        if self.influence.bounds_norms:
+            self.influence.accepted(ev.sender, norm, self.influence.bound)
+        self.bench.forgive(ev.sender)
+        self.received[ev.sender] = (fl.samples, dict(head.metrics))
         self._outstanding.discard(ev.sender)
         if head.leaving:
             self.departing.add(ev.sender)
         return self._maybe_finish(now)
 
+    def _failed(self, fl: _Inflight, sender: str, reason: str, detail: str, now: float) -> list[Command]:
+        """A streamed update refused after its header: taken out if parts of it were folded
+        (a replay at the round's end), or the round spoilt when it cannot be."""
+        out: list[Command] = [Rejected(sender, fl.head.round, reason, detail)]
+        self._refused(sender)
+        if not fl.folded:
+            return out + self._maybe_finish(now)
+        rounds = self.bench.offend(sender, self.round)
+        if self.replays:
+            self._replay[sender] = _Replay(fl.tid, fl.plan, fl.folded, 0.0, count=False)
+            return out + self._maybe_finish(now)
+        # Parts of it are in the sums and cannot be taken out: the round is spoilt.
+        detail = (
+            f"update from {sender} failed after parts of it were aggregated ({detail}); "
+            f"round restarted without it (it sits out {rounds} round{'s' if rounds > 1 else ''})"
+        )
+        return out + self._abandon(detail, now, at_once=True)
+
+    def _drop_inflight(self, now: float, stalled: Callable[[_Inflight], bool] | None = None) -> list[Command]:
+        """Updates still arriving are dropped: all of them at the deadline, or those
+        ``stalled`` says have stopped (what was folded of them is taken out at the round's
+        end, and counts as an offence)."""
+        out: list[Command] = []
+        for sender, fl in list(self.inflight.items()):
+            if stalled is not None and not stalled(fl):
+                continue
+            del self.inflight[sender]
+            self.ignored.add((sender, fl.tid))
+            if stalled is None:
+                detail = "update still arriving at the round's deadline"
+            else:
+                detail = f"no part of its update for {now - fl.last_at:.1f}s while every other update was in"
+            out.append(Rejected(sender, fl.head.round, "deadline" if stalled is None else "stalled", detail))
+            self._refused(sender)
+            if fl.folded:
+                self.bench.offend(sender, self.round)
+                self._replay[sender] = _Replay(fl.tid, fl.plan, fl.folded, 0.0, count=False)
+        return out
+
     def _maybe_finish(self, now: float) -> list[Command]:
-        if self.secagg is not None:
-            return []  # a secure round ends by its own stages
-        # Set-based and stopping at the first agent still owed: O(1) per update in the
-        # usual case instead of a scan of every selected agent (O(N²) per round).
-        waiting = any(a in self.online for a in self._outstanding)
-        if waiting and now < self.deadline:
-            return []
-        if any(fl.folded for fl in self.inflight.values()):
-            return []  # half-folded updates still arriving: wait for their end
+        if self.secagg is not None or self._replaying:
+            return []  # a secure round ends by its own stages; a replay ends with Refolded
+        out: list[Command] = []
+        if self.replays and self.inflight and now < self.deadline:
+            # Set-based and stopping at the first agent still owed: O(1) per update in the
+            # usual case instead of a scan of every selected agent (O(N²) per round).
+            if any(a in self.online and a not in self.inflight for a in self._outstanding):
+                return []
+            # Only streams still arriving are owed. One that makes no progress for as long
+            # as the others took (at least STALL_GRACE) is dropped: a member that stops
+            # half-way through its update holds the round that long, not to its deadline.
+            since = self._others_done_at
+            if since is None:
+                since = self._others_done_at = now
+            grace = max(STALL_GRACE, since - self._opened_at)
+            out += self._drop_inflight(now, lambda fl: now - max(fl.last_at, since) >= grace)
+            if self.inflight:
+                due = min(max(fl.last_at, since) + grace for fl in self.inflight.values())
+                return out + [RequestWakeup(min(due, self.deadline))]
+        else:
+            waiting = any(a in self.online for a in self._outstanding)
+            if waiting and now < self.deadline:
+                return []
+            if self.inflight:
+                if not self.replays:
+                    if any(fl.folded for fl in self.inflight.values()):
+                        return []  # half-folded updates still arriving: wait for their end
+                elif now >= self.deadline:
+                    out += self._drop_inflight(now)
         assert self._acc is not None
+        held = [r for r in self._replay.values() if r.count]
         reason = ""
-        if self._acc.count >= self.config.min_updates:
+        if self._acc.count + len(held) >= self.config.min_updates:
             if isinstance(self._acc, DPAggregator) and self._acc.config.mode == "distributed":
                 # Fewer noise shares than selected: the sum may carry too little noise to
                 # be published within the budget (it is then dropped, not published).
                 reason = self._over_budget(len(self.selected), self._round_q, self._acc.count)
             if not reason:
-                return self._aggregate(now)
+                if self._replay:
+                    return out + self._refold()
+                return out + self._aggregate(now)
         else:
             reason = (
                 "deadline passed" if now >= self.deadline else "selected agents left"
-            ) + f" with {len(self.received)} of {len(self.selected)} updates (need {self.config.min_updates})"
+            ) + f" with {self._acc.count + len(held)} of {len(self.selected)} updates (need {self.config.min_updates})"
             if self._acc.dropped:
                 reason += f", {len(self._acc.dropped)} dropped by {self.config.strategy.name}"
-        return self._abandon(reason, now)
+        return out + self._abandon(reason, now)
+
+    # -- replays -----------------------------------------------------------------------
+    def _refold(self) -> list[Command]:
+        """Every update of the round is in: the held ones get their scale from the round's
+        bound, and the caller is asked to replay them (and those to take out)."""
+        if self.influence.bounds_norms:
+            pending = [r.norm for r in self._replay.values() if r.count and r.scale is None]
+            # Decided now for the whole round (while warming up, from its own updates).
+            bound = self.influence.bound = self.influence.final_bound(pending)
+            for r in self._replay.values():
+                if r.scale is None:
+                    r.scale = self.influence.scale(r.norm, bound)
+        self._replaying = True
+        return [
+            Refold(
+                self.round,
+                tuple((a, r.tid) for a, r in sorted(self._replay.items())),
+                frozenset(a for a, r in self._replay.items() if r.count),
+            )
+        ]
+
+    def refold(self, sender: str, part: UpdatePart) -> None:
+        """One part of ``sender``'s update, replayed (in the order its parts came) for a
+        :class:`Refold`: what was folded of it at full weight is taken out, and the update
+        folded at its scale. Parts of other senders, or past its end, are ignored."""
+        r = self._replay.get(sender)
+        if r is None or not self._replaying or self._acc is None or (r.tid is not None and part.tid != r.tid):
+            return
+        assert isinstance(self._acc, StrategyAggregator) and r.scale is not None
+        vals = part.values
+        n = vals.size
+        lo, hi = r.done, r.done + n
+        r.done = hi
+        cut = min(max(r.prefix - lo, 0), n)  # values of this part in the folded prefix
+        for a, b, factor in ((0, cut, r.scale - 1.0), (cut, n, r.scale)):
+            if b <= a or factor == 0.0:
+                continue
+            if part.indices is None:
+                start, idx = part.start + a, None
+            else:
+                start, idx = 0, part.indices[a:b]
+            self._acc.fold(_scaled(r.plan, factor), part.name, start, vals[a:b], idx, delta=part.delta)
+
+    def _on_refolded(self, ev: Refolded, now: float) -> list[Command]:
+        if not self._replaying or ev.round != self.round or self.phase is not Phase.TRAINING:
+            return []
+        self._replaying = False
+        replays, self._replay = self._replay, {}
+        assert self._acc is not None
+        out: list[Command] = []
+        bound = self.influence.bound
+        for sender, r in sorted(replays.items()):
+            if r.done < r.prefix or (r.count and sender in ev.incomplete and r.done):
+                # Part of it is in the sums and could not be taken out: the round is spoilt.
+                return out + self._abandon(
+                    f"the update of {sender} could not be read back to take it out of the sums; round restarted",
+                    now,
+                    at_once=True,
+                )
+            if not r.count:
+                continue
+            if sender in ev.incomplete:
+                out.append(
+                    Rejected(sender, self.round, "journal", "its update could not be read back from the journal")
+                )
+                continue
+            assert isinstance(self._acc, StrategyAggregator)
+            self._acc.commit(sender, r.plan)
+            if self.influence.bounds_norms:
+                self.influence.accepted(sender, r.norm, bound)
+            self.bench.forgive(sender)
+            self.received[sender] = (r.samples, dict(r.metrics))
+            if r.leaving:
+                self.departing.add(sender)
+        return out + self._maybe_finish(now)
 
     # -- aggregating -------------------------------------------------------------------
     def _aggregate(self, now: float) -> list[Command]:
@@ -543,7 +855,8 @@ class RoundMachine:
         if isinstance(acc, DPAggregator):
             assert self.budget is not None
             self.budget.clip.update(acc.unclipped, acc.count, len(self.selected), self.budget.rng)
-        return self._published(participants, used, dict(acc.dropped), acc.count, now)
+        bounded = self.influence.aggregated(participants)
+        return self._published(participants, used, dict(acc.dropped), acc.count, now, bounded)
 
     # -- secure rounds -----------------------------------------------------------------
     def _secure(self, cmds: list[SA.ServerCommand], now: float) -> list[Command]:
@@ -594,6 +907,7 @@ class RoundMachine:
         dropped: dict[str, float],
         answered: int,
         now: float,
+        bounded: dict[str, dict[str, float]] | None = None,
     ) -> list[Command]:
         """The round's aggregate is the global model: its release is charged to the
         privacy budget, and the next round starts, or training ends (the configured
@@ -618,6 +932,7 @@ class RoundMachine:
                 dropped,
                 self.privacy(),
                 self.velocity,
+                bounded or {},
             )
         ]
         self._end_round()
@@ -637,6 +952,7 @@ class RoundMachine:
         from the same model once a quorum is there (``at_once``: the agents are, as
         they were a moment ago)."""
         out: list[Command] = [RoundAbandoned(self.round, self.model_version, reason)]
+        self._abandoned.append(self.round)
         self._end_round()
         self.phase = Phase.WAITING
         self.quorum_since = -math.inf if at_once else None
@@ -646,8 +962,26 @@ class RoundMachine:
         self.secure.server = None
         self._acc = None
         self.inflight = {}
+        self._replay = {}
+        self._replaying = False
         self.deadline = math.inf
         for agent in self.departing:
             if self.online.pop(agent, None) is not None:
                 self.departed.add(agent)
         self.departing.clear()
+
+
+def _scaled(plan: Plan, factor: float) -> Plan:
+    """``plan`` with its weights (both sums of blur) multiplied by ``factor``."""
+    return replace(plan, weight=plan.weight * factor, level=plan.level * factor)
+
+
+def _part_sq_distance(ref: np.ndarray, part: UpdatePart) -> float:
+    """Squared L2 distance a part's values add to their update's distance from ``ref``
+    (the global model's tensor): the values themselves when they are deltas."""
+    vals = part.values
+    if part.delta:
+        return float(np.square(vals, dtype=np.float64).sum())
+    flat = ref.reshape(-1)
+    g = flat[part.start : part.start + vals.size] if part.indices is None else flat[part.indices]
+    return float(np.square(vals.astype(np.float64) - g).sum())

@@ -1,0 +1,196 @@
+"""How much one member can move the global model, and how long one that spoils rounds
+sits out (pure code, the round machine's collaborators).
+
+A member holds a valid certificate, so everything it sends is validly signed; what it
+claims is still only its word. Two claims decide its influence on a FedAvg mean:
+
+* its **weight**, the ``num_samples`` it reports with its update. :class:`Influence`
+  caps it at what the agent announced in its presence and at ``weight_cap`` × the median
+  of what the round's agents announced (the counts frozen when the round starts), so a
+  member claiming 10^9 samples weighs at most ``weight_cap`` median agents;
+* its **distance** from the global model (the L2 norm of its delta). Each update is
+  scaled down to at most ``multiplier`` × the median of the distances accepted over the
+  last ``window`` rounds (never below ``floor``). A median of many honest updates is
+  not moved by one member; until ``warmup`` distances are known, a round's bound comes
+  from its own updates, once they are all in.
+
+A streamed update is folded chunk by chunk and its distance is known only at its end.
+Parts are folded while the running distance stays within the round's bound; an update
+that crosses it (or any update of a round still warming up) is *held back*: nothing more
+of it is folded, and once it has ended well the round machine asks its caller to replay
+it from the round's journal (:class:`~fedagent.protocols.rounds.events.Refold`), taking
+out the prefix folded at full weight and folding the whole update scaled to the bound.
+The same replay takes out what was folded of an update that fails after its first parts
+(a digest mismatch, a transfer cut off, a round deadline), so such an update no longer
+spoils the round. Memory stays the streaming path's: nothing of an update is kept.
+
+:class:`Bench` keeps the agents whose updates failed after parts of them were folded
+out of the next rounds, for a number that doubles with each offence.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+
+from fedagent.protocols.rounds.config import RoundConfig
+
+#: Rounds an agent sits out at most, however often it offends.
+MAX_BENCH = 64
+
+
+def lower_median(values: Iterable[float]) -> float:
+    """The lower median (of an even count, the smaller middle value: one member out of
+    two cannot raise it)."""
+    s = sorted(values)
+    if not s:
+        raise ValueError("no values")
+    return s[(len(s) - 1) // 2]
+
+
+class Influence:
+    """The weight cap and the norm bound of one round, and the distances of recent rounds."""
+
+    def __init__(self, config: RoundConfig, history: Sequence[Sequence[float]] = ()) -> None:
+        self.weight_cap = config.weight_cap if config.caps_weights else 0.0
+        self.norm = config.norm_bound if config.bounds_norms else None
+        window = self.norm.window if self.norm is not None else 1
+        self._window: deque[tuple[float, ...]] = deque(
+            (tuple(float(x) for x in r) for r in list(history)[-window:]), maxlen=window
+        )
+        self._announced: dict[str, int] = {}
+        self.bound: float | None = None  # this round's, from earlier rounds (None: warming up, or off)
+        self._norms: dict[str, float] = {}  # accepted this round: agent -> distance as folded
+        self.bounded: dict[str, dict[str, float]] = {}  # this round: agent -> what was bounded
+        self.last: dict[str, dict[str, float]] = {}  # the last aggregated round's
+
+    @property
+    def bounds_norms(self) -> bool:
+        return self.norm is not None
+
+    # -- a round -----------------------------------------------------------------------
+    def open(self, agents: Iterable[str], announced: Mapping[str, int]) -> None:
+        """A round starts with ``agents``; ``announced``: the samples their presence said."""
+        self._announced = {a: max(0, int(announced.get(a, 0))) for a in agents}
+        self.bound = self._window_bound()
+        self._norms = {}
+        self.bounded = {}
+
+    def announce(self, agent: str, samples: int) -> None:
+        """A selected agent's presence came during the round (after a restart the round is
+        resumed before any presence): its count counts if none was known."""
+        if self._announced.get(agent) == 0 and samples > 0:
+            self._announced[agent] = int(samples)
+
+    def samples(self, agent: str, claimed: int) -> int:
+        """The weight ``agent``'s update carries for ``claimed`` samples."""
+        if not self.weight_cap:
+            return claimed
+        used = claimed
+        own = self._announced.get(agent, 0)
+        if own > 0:
+            used = min(used, own)
+        known = [v for v in self._announced.values() if v > 0]
+        if known:
+            used = min(used, max(1, math.floor(self.weight_cap * lower_median(known))))
+        if used < claimed:
+            self.bounded.setdefault(agent, {}).update(samples=float(claimed), weight=float(used))
+        return used
+
+    def _window_bound(self) -> float | None:
+        if self.norm is None:
+            return None
+        norms = [n for r in self._window for n in r]
+        if len(norms) < self.norm.warmup:
+            return None
+        return max(self.norm.floor, self.norm.multiplier * lower_median(norms))
+
+    def final_bound(self, pending: Iterable[float]) -> float:
+        """The round's bound once all its updates are in: the one from earlier rounds, or
+        while warming up, from those and this round's distances (``pending``: those of
+        the updates held back)."""
+        assert self.norm is not None
+        if self.bound is not None:
+            return self.bound
+        norms = [n for r in self._window for n in r] + list(self._norms.values()) + list(pending)
+        if not norms:
+            return self.norm.floor
+        return max(self.norm.floor, self.norm.multiplier * lower_median(norms))
+
+    @staticmethod
+    def scale(norm: float, bound: float) -> float:
+        """What an update of distance ``norm`` is multiplied by to be within ``bound``."""
+        return 1.0 if norm <= bound else bound / norm
+
+    def accepted(self, agent: str, norm: float, bound: float | None) -> None:
+        """``agent``'s update is in the round's sums at distance min(norm, bound)."""
+        if bound is not None and norm > bound:
+            self.bounded.setdefault(agent, {}).update(norm=float(norm), bound=float(bound))
+            norm = bound
+        self._norms[agent] = float(norm)
+
+    def aggregated(self, participants: Iterable[str]) -> dict[str, dict[str, float]]:
+        """The round is aggregated from ``participants``: their distances join the window;
+        returns what was bounded of each."""
+        parts = list(participants)
+        if self.norm is not None:
+            self._window.append(tuple(self._norms[a] for a in parts if a in self._norms))
+        self.last = {a: dict(self.bounded[a]) for a in parts if a in self.bounded}
+        return dict(self.last)
+
+    # -- what is kept and shown ----------------------------------------------------------
+    def state(self) -> list[list[float]]:
+        """The distances of recent rounds (a checkpoint keeps them: a restart does not
+        warm up again)."""
+        return [list(r) for r in self._window]
+
+    def status(self) -> dict[str, object]:
+        norms = [n for r in self._window for n in r]
+        return {
+            "weight_cap": self.weight_cap or None,
+            "norm_bound": None
+            if self.norm is None
+            else {
+                "bound": self.bound,
+                "warming_up": self.bound is None,
+                "multiplier": self.norm.multiplier,
+                "median": lower_median(norms) if norms else None,
+                "window_rounds": len(self._window),
+            },
+            "last_round": dict(self.last),
+        }
+
+
+class Bench:
+    """Agents that spoiled an update after parts of it were folded sit out rounds: one
+    round after a first offence, then 2, 4, ... up to :data:`MAX_BENCH`; each update of
+    theirs accepted later forgives one offence."""
+
+    def __init__(self) -> None:
+        self._offences: dict[str, int] = {}
+        self._until: dict[str, int] = {}  # agent -> last round it sits out
+
+    def offend(self, agent: str, round_: int) -> int:
+        """``agent`` spoiled its update of ``round_``: the rounds it now sits out."""
+        k = self._offences.get(agent, 0) + 1
+        self._offences[agent] = k
+        rounds = min(MAX_BENCH, 2 ** (k - 1))
+        self._until[agent] = max(self._until.get(agent, 0), round_ + rounds)
+        return rounds
+
+    def forgive(self, agent: str) -> None:
+        k = self._offences.get(agent, 0)
+        if k > 1:
+            self._offences[agent] = k - 1
+        elif k:
+            del self._offences[agent]
+
+    def benched(self, round_: int) -> set[str]:
+        """The agents that sit out round ``round_``."""
+        for a in [a for a, until in self._until.items() if until < round_]:
+            del self._until[a]
+        return set(self._until)
+
+    def status(self) -> dict[str, dict[str, int]]:
+        return {a: {"until_round": u, "offences": self._offences.get(a, 0)} for a, u in sorted(self._until.items())}
