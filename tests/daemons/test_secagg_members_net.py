@@ -17,6 +17,7 @@ the model's without the attack.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +46,17 @@ def events_since(fed: Federation, start: int) -> list[dict[str, Any]]:
     return [ln for ln in history(fed)[start:] if ln.get("event") in ("round", "abandoned")]
 
 
-def run_attack(fed: Federation, attack_file: Path, name: str, rounds: int, timeout: float = 90.0):
+def run_attack(
+    fed: Federation,
+    attack_file: Path,
+    name: str,
+    rounds: int,
+    timeout: float = 90.0,
+    until: Callable[[list[dict[str, Any]]], bool] = lambda lines: True,
+):
     """Switches mallory to ``name`` and waits for ``rounds`` secure rounds (aggregated
-    or abandoned) in which mallory was selected; returns their history lines."""
+    or abandoned) in which mallory was selected, and for ``until(lines)``; returns
+    their history lines."""
     start = len(history(fed))
     attack_file.write_text(name)
     seen: list[dict[str, Any]] = []
@@ -57,7 +66,7 @@ def run_attack(fed: Federation, attack_file: Path, name: str, rounds: int, timeo
         nonlocal seen
         seen = events_since(fed, start)
         hit = [ln for ln in seen if ln["event"] == "abandoned" or "mallory" in ln.get("participants", ())]
-        return len(hit) >= rounds and len(seen) >= rounds + 1
+        return len(hit) >= rounds and len(seen) >= rounds + 1 and until(seen)
 
     wait_for(enough, timeout, f"{rounds} rounds of {name}", fed)
     attack_file.write_text("none")
@@ -88,11 +97,17 @@ def test_a_member_spoiling_secure_rounds_is_named_and_cannot_move_the_model(tmp_
         figures = {"no attack": acc0}
 
         # altered shares: named, benched; the rounds it is in still complete
-        lines = run_attack(fed, attack_file, "bad_shares", 2)
+        # (its shares are looked at only when they come before enough honest ones)
+        def named(lines: list[dict[str, Any]]) -> bool:
+            return any(ln["event"] == "round" and ln["secure"]["offenders"] for ln in lines)
+
+        lines = run_attack(fed, attack_file, "bad_shares", 2, until=named)
         fed.check_alive()
         rejected = [r for r in status(fed)["recent_rejections"] if r["reason"] == "bad_share"]
         assert rejected and {r["sender"] for r in rejected} == {"mallory"}
-        assert any("mallory" in ln.get("participants", ()) for ln in lines)
+        rounds = [ln for ln in lines if ln["event"] == "round"]
+        assert {a for ln in rounds for a in ln["secure"]["offenders"]} == {"mallory"}
+        assert all(w.startswith("revealed") for ln in rounds for w in ln["secure"]["offenders"].values())
         figures["bad_shares"] = accuracy(fed)
 
         # shares of a wrong secret: the owner is named, the round fails, it sits out
