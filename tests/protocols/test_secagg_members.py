@@ -510,3 +510,28 @@ def test_the_unmasked_mean_is_scaled_to_the_adaptive_bound():
     assert inf.bound_mean(30.0) == pytest.approx(0.1)
     assert inf.aggregated(["a", "b"]) == {"(mean)": {"norm": 30.0, "bound": 3.0}}
     assert inf.status()["norm_bound"]["median"] == 1.0
+
+
+# ---- what was already refused stays refused ------------------------------------------
+def test_a_duplicate_masked_input_is_refused_and_counted_once():
+    def twice(r: Round, a: str, msg: object) -> object:
+        r.to_server(a, msg, 50.0)
+        return msg
+
+    r = Round(hooks={"input": twice})
+    res = r.run()
+    r.assert_mean_of(res, r.agents)
+    assert [x.reason for x in r.refusals if x.sender == MALLORY] == ["stage"]
+
+
+def test_a_both_shares_request_through_an_agents_inbox_gets_nothing():
+    # What reaches SecAggAgent.on_message (the daemon's inbox path, after its check that
+    # the coordinator sent it): seed and key shares of one agent asked at once.
+    r = Round()
+    res = r.run()
+    assert isinstance(res, S.Unmasked)
+    ag = r.agents_side["a01"]
+    ask = S.SecAggUnmask(1, ("a02",), ("a02",), 4, {})
+    (reveal,) = ag.on_message(ask)
+    assert isinstance(reveal, S.SecAggReveal) and reveal.b_shares == {} and reveal.sk_shares == {}
+    assert "both shares" in reveal.refused

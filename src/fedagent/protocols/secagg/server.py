@@ -407,10 +407,11 @@ class SecAggServer:
 
     def _quiet_close(self) -> float | None:
         """When the masked inputs stop being waited for although some are owed: every
-        input that came is in and the rest have been silent for as long as the first
-        took (at least ``QUIET_GRACE``): a member silent after sharing holds the round
-        about twice an honest agent's training, not to its deadline. None: no such time
-        (another stage, or too few inputs to go on without the silent ones)."""
+        input that came is in and the rest have been silent for as long again as the
+        last of those took (at least ``QUIET_GRACE``): a member silent after sharing
+        holds the round about twice an honest agent's training, not to its deadline.
+        None: no such time (another stage, or too few inputs to go on without the
+        silent ones)."""
         if self.stage != self.INPUTS or self._last_input is None or len(self.inputs) < self.params.min_survivors:
             return None
         return self._last_input + max(self.QUIET_GRACE, self._last_input - self._inputs_open)
