@@ -6,6 +6,7 @@ attack it makes is read, at each step it alters, from the file named by the task
 * ``bad_shares``: every share it reveals at unmasking has one bit flipped;
 * ``bad_dealing``: the shares it seals for its neighbours are of another self-mask seed
   than the one it commits to (and masks with);
+* ``bad_boxes``: the share boxes it sends hold random bytes;
 * ``out_of_range``: +50·N(0,1) per coordinate added to its quantised update after the
   clip, so its masked input lies far outside the quantisation range.
 
@@ -18,6 +19,7 @@ installed package can.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,9 @@ def _unmask(self: S.SecAggClient, msg: S.SecAggUnmask) -> S.SecAggReveal:
 
 
 def _roster(self: S.SecAggClient, msg: S.SecAggRoster) -> S.SecAggShares:
+    if attack() == "bad_boxes":
+        out = _honest_roster(self, msg)
+        return S.SecAggShares(out.round, {k: os.urandom(len(v)) for k, v in out.boxes.items()}, out.b_digest)
     if attack() != "bad_dealing":
         return _honest_roster(self, msg)
     seed = self._b

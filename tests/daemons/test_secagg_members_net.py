@@ -8,6 +8,8 @@ the model's without the attack.
 * altered shares at unmasking: mallory is named (``bad_share``) and benched; the rounds
   complete with its input (its shares were not needed);
 * shares of a wrong secret: the round fails naming mallory, which then sits out;
+* junk share boxes: each honest agent withdraws at once naming the sealer; two of them
+  saying so name mallory, which sits out;
 * a masked input far outside the quantisation range (+50·N(0,1) per coordinate): the
   unmasked sum proves it and the round is abandoned instead of applied (who sent it is
   hidden by the masks: no one is named or benched).
@@ -92,7 +94,7 @@ def test_a_member_spoiling_secure_rounds_is_named_and_cannot_move_the_model(tmp_
             "secagg_mallory_task:make",
             {"shard": 0, "shards": HONEST, "alpha": 0.5, "seed": SEED, "attack_file": str(attack_file)},
         )
-        wait_for(lambda: (s := fed.status("coordinator")) and s["completed_rounds"] >= 25, 150, "25 rounds", fed)
+        wait_for(lambda: (s := fed.status("coordinator")) and s["completed_rounds"] >= 15, 150, "15 rounds", fed)
         acc0 = accuracy(fed)
         figures = {"no attack": acc0}
 
@@ -117,6 +119,17 @@ def test_a_member_spoiling_secure_rounds_is_named_and_cannot_move_the_model(tmp_
         assert failed and all("mallory" in ln["reason"] and "sitting out" in ln["reason"] for ln in failed)
         assert not any(h in ln["reason"] for ln in failed for h in fed.agent_ids if h != "mallory")
         figures["bad_dealing"] = accuracy(fed)
+
+        # junk share boxes: the honest agents withdraw at once, naming the sealer; two of
+        # them saying so name mallory, which sits out
+        lines = run_attack(fed, attack_file, "bad_boxes", 1)
+        fed.check_alive()
+        failed = [ln for ln in lines if ln["event"] == "abandoned"]
+        assert failed and all("mallory" in ln["reason"] and "sitting out" in ln["reason"] for ln in failed)
+        assert not any(f"{h} " in ln["reason"] for ln in failed for h in fed.agent_ids if h != "mallory")
+        withdrawn = [r for r in status(fed)["recent_rejections"] if r["reason"] == "withdrawn"]
+        assert withdrawn and all("mallory" in r["detail"] for r in withdrawn)
+        figures["bad_boxes"] = accuracy(fed)
 
         # out of range: the round is abandoned, never applied
         lines = run_attack(fed, attack_file, "out_of_range", 2)
