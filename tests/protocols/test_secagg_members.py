@@ -293,6 +293,20 @@ def test_junk_share_boxes_name_their_sealer_and_fail_without_waiting():
     assert {x.sender for x in r.refusals if x.reason == "withdrawn"} == {"a01", "a02", "a03"}
 
 
+def test_boxes_for_agents_off_the_roster_are_refused_and_not_waited_for():
+    def stray(r: Round, a: str, msg: object) -> object:
+        assert isinstance(msg, S.SecAggShares)
+        boxes = dict(msg.boxes)
+        boxes.pop("a01")
+        return S.SecAggShares(msg.round, {**boxes, "zz": b"x" * 100}, msg.b_digest)
+
+    r = Round(hooks={"shares": stray})
+    res = r.run()
+    r.assert_mean_of(res, ["a01", "a02", "a03"])  # no one masked with mallory
+    assert isinstance(res, S.Unmasked) and "other agents than its roster" in res.offenders[MALLORY]
+    assert r.server.status()["shares"] == 3
+
+
 def test_a_lying_holder_cannot_frame_an_honest_owner():
     # mallory claims a01's box did not open: it leaves the round as a drop-out (its masks
     # come off through its key's shares); a01 is not named, and the round completes.

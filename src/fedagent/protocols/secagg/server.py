@@ -200,6 +200,7 @@ class SecAggServer:
         self._basis: dict[str, dict[int, bytes]] = {}
         self._tried: dict[str, set[tuple[int, ...]]] = {}  # owner -> t-subsets (x) tried
         self.offenders: dict[str, str] = {}  # agent -> how it spoiled its part
+        self.refused_shares: set[str] = set()  # sent share boxes that were refused
         self.refused_inputs: set[str] = set()  # shared keys, then sent an input refused
         self.withdrawn: dict[str, str] = {}  # agent -> why it left after the share stage
         self._accused: dict[str, set[str]] = {}  # owner -> holders that could not open its box
@@ -281,10 +282,20 @@ class SecAggServer:
                 return refuse("keys", f"{sender} advertised {why}: left out") + self._maybe_close(now)
             self.keys[sender] = msg
         elif isinstance(msg, SecAggShares):
-            if self.stage != self.SHARES or sender not in self.rosters or sender in self.shares:
+            if (
+                self.stage != self.SHARES
+                or sender not in self.rosters
+                or sender in self.shares
+                or sender in self.refused_shares
+            ):
                 return refuse("stage", f"shares from {sender} in stage {self.stage}")
             if set(msg.boxes) != set(self.rosters[sender]):
-                return refuse("shares", f"{sender} sealed boxes for other agents than its roster")
+                # As if it had not shared (no one masks with it), and no longer waited for.
+                self.refused_shares.add(sender)
+                self.offenders[sender] = "sealed share boxes for other agents than its roster"
+                return refuse("shares", f"{sender} sealed boxes for other agents than its roster") + self._maybe_close(
+                    now
+                )
             self.shares[sender] = msg
         elif isinstance(msg, SecAggMasked):
             if (
@@ -388,7 +399,7 @@ class SecAggServer:
         if self.stage == self.KEYS:
             return set(self.selected) - set(self.keys) - set(self.bad_keys)
         if self.stage == self.SHARES:
-            return set(self.rosters) - set(self.shares)
+            return set(self.rosters) - set(self.shares) - self.refused_shares
         if self.stage == self.INPUTS:
             return set(self.shares) - set(self.inputs) - self.refused_inputs - set(self.withdrawn)
         if self.stage == self.CONSISTENCY:
