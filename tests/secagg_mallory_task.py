@@ -80,7 +80,7 @@ def make(options: dict[str, Any]) -> DigitsTask:
     global _attack_file
     opts = dict(options)
     _attack_file = Path(opts.pop("attack_file"))
-    S.SecAggClient.on_unmask = _unmask  # type: ignore[method-assign]
-    S.SecAggClient.on_roster = _roster  # type: ignore[method-assign]
-    S.SecAggClient.masked_input = _input  # type: ignore[method-assign]
+    S.SecAggClient.on_unmask = _unmask
+    S.SecAggClient.on_roster = _roster
+    S.SecAggClient.masked_input = _input
     return make_digits(opts)
