@@ -10,6 +10,8 @@ attack it makes is read, at each step it alters, from the file named by the task
 * ``out_of_range``: +50·N(0,1) per coordinate added to its quantised update after the
   clip, so its masked input lies far outside the quantisation range.
 
+The task option ``samples`` makes it claim that many training samples throughout.
+
 Reachable only as ``task = { name = "secagg_mallory_task:make" }`` with this directory
 on ``PYTHONPATH`` (see tests/daemons/test_secagg_members_net.py): it changes the
 secure-aggregation client of the agent process that loads it, and nothing in the
@@ -83,4 +85,9 @@ def make(options: dict[str, Any]) -> DigitsTask:
     S.SecAggClient.on_unmask = _unmask
     S.SecAggClient.on_roster = _roster
     S.SecAggClient.masked_input = _input
-    return make_digits(opts)
+    claim = opts.pop("samples", None)
+    task = make_digits(opts)
+    if claim is not None:
+        # its presence and every update claim this many samples
+        task.num_samples = lambda: int(claim)
+    return task
