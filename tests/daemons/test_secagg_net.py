@@ -4,6 +4,7 @@ vectors (its history journals every update-bearing message it received)."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 
@@ -31,7 +32,10 @@ def expected_mean_delta(fed: Federation, who: list[int], epochs: int, params: Se
             set_weights(model, w0)
             task.fit(model, epochs=epochs, lr=LR, batch_size=BATCH, seed=1)
             deltas[i] = flatten(get_weights(model))[1] - base
-    top = max(samples.values())  # W: the largest sample count among the selected agents
+    # W: the largest sample count among the selected agents, at most weight_cap (2 by
+    # default) × their lower median
+    counts = sorted(samples.values())
+    top = min(counts[-1], math.floor(2 * counts[(len(counts) - 1) // 2]))
     ratios = {i: min(samples[i], top) / top for i in who}
     total = sum(np.clip(ratios[i] * deltas[i], -params.clip, params.clip) for i in who)
     weight_sum = sum(ratios.values())

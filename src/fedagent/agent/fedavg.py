@@ -69,6 +69,7 @@ from fedagent.protocols.secagg import (
     SecAggUnmask,
     layout_size,
 )
+from fedagent.protocols.secagg.wire import UNOPENED_BOX
 from fedagent.security.signing import AuthError, sign_statement
 from fedagent.storage import checkpoint
 from fedagent.tasks.base import Weights, get_weights, set_weights
@@ -421,7 +422,9 @@ class FedAvgSession(Session):
                     raise
                 log.warning("round %d: %s not delivered (%s)", m.round, m.kind, exc)
                 return
-            if isinstance(m, SecAggReveal) and m.refused:
+            if isinstance(m, SecAggReveal) and m.refused.startswith(UNOPENED_BOX):
+                log.warning("round %d: left the round, the coordinator told why: %s", m.round, m.refused)
+            elif isinstance(m, SecAggReveal) and m.refused:
                 log.warning("round %d: refused to reveal shares: %s", m.round, m.refused)
             if isinstance(m, SecAggMasked):
                 self.round_state = "masked update sent"

@@ -315,6 +315,11 @@ class FedAvgMode:
                 "silent_at_unmask": list(res.silent_at_unmask),
                 # survivor -> why its signature of the survivor list was not valid
                 "bad_signatures": dict(res.bad_signatures),
+                # agent -> how it spoiled its part (bad keys, input or shares, silence
+                # after sharing): the round went on without what it sent; it sits out
+                "offenders": dict(res.offenders),
+                # agent -> why it left after the share stage (a box it could not open)
+                "withdrawn": dict(res.withdrawn),
                 # the keys came a round ahead, with the masked inputs (no key stage)
                 "keys_ahead": self.machine is not None and self.machine.aggregated_ahead,
             }

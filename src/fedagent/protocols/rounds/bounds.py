@@ -54,7 +54,7 @@ class Influence:
 
     def __init__(self, config: RoundConfig, history: Sequence[Sequence[float]] = ()) -> None:
         self.weight_cap = config.weight_cap if config.caps_weights else 0.0
-        self.norm = config.norm_bound if config.bounds_norms else None
+        self.norm = config.norm_bound if config.bounds_norms or config.bounds_secure_mean else None
         window = self.norm.window if self.norm is not None else 1
         self._window: deque[tuple[float, ...]] = deque(
             (tuple(float(x) for x in r) for r in list(history)[-window:]), maxlen=window
@@ -130,10 +130,37 @@ class Influence:
             norm = bound
         self._norms[agent] = float(norm)
 
+    def max_weight(self, agents: Iterable[str], announced: Mapping[str, int]) -> int:
+        """A secure round's W (the samples that weigh 1): the largest count the round's
+        agents announced, at most ``weight_cap`` × their median. Each masked update is
+        weighted min(n, W)/W by its own agent, so one member's claim of 10^9 samples
+        weighs as much as the heaviest honest agent instead of scaling every honest
+        update down to nothing."""
+        counts = [max(1, int(announced.get(a, 0))) for a in agents]
+        top = max(counts, default=1)
+        if self.weight_cap and counts:
+            top = min(top, max(1, math.floor(self.weight_cap * lower_median(counts))))
+        return top
+
+    def bound_mean(self, norm: float) -> float:
+        """A secure round's unmasked mean update, at distance ``norm`` from the model, is
+        scaled by the factor returned to be within the bound, from the means of recent
+        secure rounds (the single updates are hidden: the mean is what is bounded, and
+        one out-of-range input cannot push it beyond ``multiplier`` × a typical mean);
+        its distance joins the window."""
+        assert self.norm is not None
+        bound = self.final_bound([norm])
+        if norm > bound:
+            self.bounded["(mean)"] = {"norm": float(norm), "bound": float(bound)}
+        self._norms = {"(mean)": min(norm, bound)}
+        return self.scale(norm, bound)
+
     def aggregated(self, participants: Iterable[str]) -> dict[str, dict[str, float]]:
         """The round is aggregated from ``participants``: their distances join the window;
         returns what was bounded of each."""
         parts = list(participants)
+        if "(mean)" in self._norms:
+            parts.append("(mean)")
         if self.norm is not None:
             self._window.append(tuple(self._norms[a] for a in parts if a in self._norms))
         self.last = {a: dict(self.bounded[a]) for a in parts if a in self.bounded}

@@ -65,8 +65,9 @@ class RoundConfig:
     # presence and at most this many times the median the round's agents announced (0: off).
     weight_cap: float = 0.0
     # Each update's distance from the global model is scaled down to an adaptive bound
-    # (None: off). Inert where updates are bounded otherwise: robust aggregators,
-    # clip_norm, differential privacy, secure aggregation.
+    # (None: off); in secure rounds, the unmasked mean update (single ones are hidden).
+    # Inert where updates are bounded otherwise: robust aggregators, clip_norm,
+    # differential privacy.
     norm_bound: NormBound | None = None
     # While an agent that reads only whole models is online, at most one round start in
     # this many carries the whole model (it takes part in those rounds only); 1: every one.
@@ -81,6 +82,12 @@ class RoundConfig:
         """Whether the adaptive norm bound applies: updates are folded by a streaming
         strategy, without a privacy clip or masks that bound (or hide) them already."""
         return self.norm_bound is not None and self.strategy.streams and self.dp is None and self.secure is None
+
+    @property
+    def bounds_secure_mean(self) -> bool:
+        """Whether the adaptive norm bound applies to a secure round's unmasked mean (the
+        single updates are hidden; outside differential privacy, which clips them)."""
+        return self.norm_bound is not None and self.secure is not None and self.dp is None
 
     @property
     def caps_weights(self) -> bool:

@@ -433,6 +433,7 @@ class RoundMachine:
                 last=self.completed + 1 >= cfg.rounds,
                 seed=self._rng.randbytes(16),
                 admit=self._distributed_admit,
+                max_weight=self.influence.max_weight,
             )
             self.deadline = math.inf
         return [
@@ -863,12 +864,22 @@ class RoundMachine:
         out: list[Command] = []
         for c in cmds:
             if isinstance(c, SA.Unmasked):
+                self._bench_spoilers(c.offenders)
                 out += self._aggregate_secure(c, now)
             elif isinstance(c, SA.Failed):
-                out += self._abandon(f"secure aggregation: {c.reason}", now)
+                reason = f"secure aggregation: {c.reason}"
+                benched = self._bench_spoilers(c.culprits)
+                if benched:
+                    reason += f" (sitting out: {', '.join(f'{a} {n}' for a, n in sorted(benched.items()))})"
+                out += self._abandon(reason, now)
             else:
                 out.append(self.secure.command(c, self.round))
         return out
+
+    def _bench_spoilers(self, spoilers: Mapping[str, str]) -> dict[str, int]:
+        """The agents that spoiled their part in a secure round sit out rounds; returns
+        how many each."""
+        return {a: self.bench.offend(a, self.round) for a in sorted(spoilers)}
 
     def after_unmask(self, mean: np.ndarray, result: SA.Unmasked) -> np.ndarray:
         """Hook: the unmasked mean update (flat, :func:`~fedagent.protocols.secagg.flatten`
@@ -876,10 +887,20 @@ class RoundMachine:
         (noise, accounting) applies itself to the sum at this point."""
         return mean
 
+    def _bounded_mean(self, mean: np.ndarray) -> np.ndarray:
+        """The unmasked mean update scaled to the adaptive bound on secure rounds' means
+        (when it applies)."""
+        if not self.config.bounds_secure_mean:
+            return mean
+        factor = self.influence.bound_mean(float(np.linalg.norm(mean)))
+        return mean if factor == 1.0 else mean * factor
+
     def _aggregate_secure(self, res: SA.Unmasked, now: float) -> list[Command]:
         """The unmasked mean update becomes the next model: global + mean of the deltas
         (floating tensors; the others keep the global model's values)."""
-        new, count = self.secure.aggregate(self.weights, res, lambda mean: self.after_unmask(mean, res))
+        new, count = self.secure.aggregate(
+            self.weights, res, lambda mean: self._bounded_mean(self.after_unmask(mean, res))
+        )
         self._adopt(*self.server_step.propose(self.weights, new, self.model_version))
         self.received = {a: (c.num_samples, dict(c.metrics)) for a, c in res.contributors.items()}
         for a, c in res.contributors.items():
@@ -891,7 +912,11 @@ class RoundMachine:
             # Distributed DP (check_secure allows no other): the agents noised their
             # updates before masking; adaptive clipping moves by the noised count.
             self.budget.clip.move(count, len(res.contributors))
-        return self._published(tuple(sorted(res.contributors)), used, {}, len(res.contributors), now)
+        for a in res.contributors:
+            if a not in res.offenders:
+                self.bench.forgive(a)
+        bounded = self.influence.aggregated(res.contributors) if self.config.bounds_secure_mean else None
+        return self._published(tuple(sorted(res.contributors)), used, {}, len(res.contributors), now, bounded)
 
     # -- the end of a round ------------------------------------------------------------
     def _adopt(self, new: Weights, velocity: Weights) -> None:

@@ -49,16 +49,18 @@ class SecureRounds:
         last: bool,
         seed: bytes,
         admit: Callable[[int], str],
+        max_weight: Callable[[tuple[str, ...], Mapping[str, int]], int],
     ) -> tuple[SA.SecAggSetup, tuple[SendSecAgg, ...], float]:
         """A secure round's setup, the messages to send before its model (the rosters,
         when the keys were advertised ahead) and when to be woken. ``online``: the
         samples each agent announced; ``last``: no round follows (no keys ahead);
         ``admit``: asked before a sum of that many inputs is unmasked under distributed
-        DP (a reason abandons the round)."""
+        DP (a reason abandons the round); ``max_weight``: the round's W from the counts
+        its agents announced (bounded against their median)."""
         cfg = self.config
         assert cfg.secure is not None
         # DP-FedAvg weighs every update equally (its noise is calibrated so): W = 1.
-        top = 1 if cfg.dp is not None else max(1, *(online[a] for a in agents))
+        top = 1 if cfg.dp is not None else max_weight(agents, online)
         params = cfg.secure
         admit_sum = None
         size = SA.layout_size(weights)

@@ -23,6 +23,7 @@ from fedagent.protocols.secagg.crypto import (
     ahead_statement,
     box_key,
     box_nonce,
+    check_public_key,
     key_statement,
     list_statement,
     neighbour_graph,
@@ -41,6 +42,7 @@ from fedagent.protocols.secagg.masks import (
 )
 from fedagent.protocols.secagg.params import SecAggError, SecAggSetup
 from fedagent.protocols.secagg.wire import (
+    UNOPENED_BOX,
     SecAggKeys,
     SecAggMasked,
     SecAggMessage,
@@ -52,6 +54,15 @@ from fedagent.protocols.secagg.wire import (
     SecAggSurvivors,
     SecAggUnmask,
 )
+
+
+class UnopenedBox(SecAggError):
+    """A neighbour's share box did not open, or held no shares for this agent: without
+    them this agent can neither mask with that neighbour nor hold its shares."""
+
+    def __init__(self, sender: str, what: str) -> None:
+        super().__init__(f"the share box from {sender} {what}")
+        self.sender = sender
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +151,11 @@ class SecAggClient:
         for name, k in msg.keys.items():
             if k.round != self.round:
                 raise SecAggError(f"the keys of {name} are for round {k.round}, not {self.round}")
+            try:
+                check_public_key(k.c_pk)
+                check_public_key(k.s_pk)
+            except SecAggError as exc:
+                raise SecAggError(f"the keys of {name}: {exc}") from None
             if self._verify is not None:
                 if self._ahead_ctx is None:
                     statement = key_statement(name, self.context, k.c_pk, k.s_pk)
@@ -176,15 +192,15 @@ class SecAggClient:
             try:
                 plain = ChaCha20Poly1305(key).decrypt(box_nonce(sender, self.agent), box, self.context)
             except InvalidTag:
-                raise SecAggError(f"the share box from {sender} does not open (altered?)") from None
+                raise UnopenedBox(sender, "does not open (altered?)") from None
             try:
                 s, r, rnd, b_share, sk_share = msgpack.unpackb(plain, raw=False)
             except (ValueError, TypeError, msgpack.UnpackException):
-                raise SecAggError(f"malformed share box from {sender}") from None
+                raise UnopenedBox(sender, "is malformed") from None
             if (s, r, rnd) != (sender, self.agent, self.round) or not all(
                 isinstance(x, bytes) and len(x) == SHARE_BYTES + 2 for x in (b_share, sk_share)
             ):
-                raise SecAggError(f"share box from {sender} is not for me in this round")
+                raise UnopenedBox(sender, "is not for me in this round")
             self.held[sender] = (b_share, sk_share)
         if not msg.boxes:
             raise SecAggError("no neighbour completed the share stage: my input would not be hidden")
@@ -437,7 +453,13 @@ class SecAggAgent:
             if isinstance(msg, SecAggRoster):
                 return [cl.on_roster(msg)]
             if isinstance(msg, SecAggShareBox):
-                cl.on_sharebox(msg)
+                try:
+                    cl.on_sharebox(msg)
+                except UnopenedBox as exc:
+                    # Said to the coordinator, which can then go on without this agent
+                    # at once (a drop-out) instead of waiting for its input.
+                    self._fail(exc)
+                    return [SecAggReveal(msg.round, {}, {}, refused=UNOPENED_BOX + exc.sender)]
                 return self._maybe_input()
             if isinstance(msg, SecAggSurvivors):
                 return [cl.on_survivors(msg)]

@@ -56,6 +56,19 @@ def _hkdf(secret: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
 
 
+def check_public_key(pk: bytes) -> None:
+    """Raises :class:`SecAggError` unless ``pk`` is an X25519 public key that agrees a
+    key with anyone: a low-order point (all zeros, say) makes every exchange with it
+    fail, and would fail the agents and the coordinator later, deep in their stages."""
+    try:
+        _PROBE.exchange(X25519PublicKey.from_public_bytes(pk))
+    except ValueError:
+        raise SecAggError("not a usable X25519 public key (a low-order point?)") from None
+
+
+_PROBE = X25519PrivateKey.from_private_bytes(hashlib.sha256(b"fedagent-secagg-key-probe").digest())
+
+
 def pair_seed(own_sk: X25519PrivateKey, their_pk: bytes, context: bytes) -> bytes:
     """The seed of the pairwise mask two agents agree on (the same from either side)."""
     shared = own_sk.exchange(X25519PublicKey.from_public_bytes(their_pk))
@@ -87,16 +100,25 @@ def shamir_split(secret: bytes, xs: Sequence[int], t: int, random_bytes: Callabl
     return out
 
 
-def shamir_combine(shares: Mapping[int, bytes], size: int = 32) -> bytes:
+def shamir_at(shares: Mapping[int, bytes], at: int) -> int:
+    """The value at ``at`` of the polynomial through ``shares`` (x -> y), by Lagrange
+    interpolation; the secret is the value at 0."""
     pts = [(x, int.from_bytes(y, "big")) for x, y in shares.items()]
+    if len({x for x, _ in pts}) != len(pts) or any(x % PRIME == 0 for x, _ in pts):
+        raise SecAggError("shares at repeated or zero x")
     s = 0
     for i, (xi, yi) in enumerate(pts):
         num, den = 1, 1
         for j, (xj, _) in enumerate(pts):
             if i != j:
-                num = num * (-xj) % PRIME
+                num = num * (at - xj) % PRIME
                 den = den * (xi - xj) % PRIME
         s = (s + yi * num * pow(den, -1, PRIME)) % PRIME
+    return s
+
+
+def shamir_combine(shares: Mapping[int, bytes], size: int = 32) -> bytes:
+    s = shamir_at(shares, 0)
     if s >= 1 << (8 * size):
         raise SecAggError("shares do not rebuild a secret of the expected size")
     return s.to_bytes(size, "big")

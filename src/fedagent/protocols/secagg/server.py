@@ -6,6 +6,8 @@ commands out."""
 from __future__ import annotations
 
 import hashlib
+import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,16 +18,19 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from fedagent.protocols.secagg.crypto import (
     KeyVerifier,
     ahead_statement,
+    check_public_key,
     key_statement,
     list_statement,
     neighbour_graph,
     pair_seed,
+    shamir_at,
     shamir_combine,
     unpack_share,
 )
 from fedagent.protocols.secagg.masks import BLOCK, SELF_NONCE, MaskStreams, mask_sign
 from fedagent.protocols.secagg.params import MODULUS_BITS, SecAggError, SecAggSetup
 from fedagent.protocols.secagg.wire import (
+    UNOPENED_BOX,
     SecAggKeys,
     SecAggMasked,
     SecAggMessage,
@@ -96,11 +101,23 @@ class Unmasked:
     # survivor -> why its signature of the survivor list did not verify (its input is in
     # the sum, like a silent survivor's; it was not asked for shares)
     bad_signatures: dict[str, str] = field(default_factory=dict)
+    # agent -> how it spoiled its part (bad keys, input or shares, silence after sharing):
+    # the round went on without what it sent; the caller benches it
+    offenders: dict[str, str] = field(default_factory=dict)
+    # agent -> why it left the round after the share stage (a share box it could not open)
+    withdrawn: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class Failed:
     reason: str
+    # agent -> how it spoiled the round or its part in it: the caller benches it
+    culprits: dict[str, str] = field(default_factory=dict)
+
+
+#: Most t-subsets of one secret's shares tried in search of one that rebuilds its
+#: commitment (holders are at most 2⌈log₂ n⌉ + 1, so this is rarely the limit).
+MAX_SUBSETS = 2048
 
 
 ServerCommand = Send | Refused | Wake | Unmasked | Failed
@@ -117,6 +134,7 @@ class SecAggServer:
     shares ``stage_timeout`` each."""
 
     KEYS, SHARES, INPUTS, CONSISTENCY, UNMASK, DONE = "keys", "shares", "inputs", "consistency", "unmask", "done"
+    QUIET_GRACE = 1.0  # seconds an owed masked input is waited for at least, once the others are in
 
     def __init__(
         self,
@@ -172,8 +190,23 @@ class SecAggServer:
         self.bad_keys: dict[str, str] = {}  # agent -> why its key advertisement failed
         self.asked: set[str] = set()
         self.answered: set[str] = set()
+        # holder -> (owners whose seed share it was asked for, ... whose key share)
+        self.asked_for: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
         self.b_shares: dict[str, dict[int, bytes]] = {}
         self.sk_shares: dict[str, dict[int, bytes]] = {}
+        # owner -> its secret (seed of a survivor, mask key of a drop-out) rebuilt and
+        # checked against its commitment, and the t shares that rebuilt it
+        self.secrets: dict[str, bytes] = {}
+        self._basis: dict[str, dict[int, bytes]] = {}
+        self._tried: dict[str, set[tuple[int, ...]]] = {}  # owner -> t-subsets (x) tried
+        self.offenders: dict[str, str] = {}  # agent -> how it spoiled its part
+        self.refused_shares: set[str] = set()  # sent share boxes that were refused
+        self.refused_inputs: set[str] = set()  # shared keys, then sent an input refused
+        self.withdrawn: dict[str, str] = {}  # agent -> why it left after the share stage
+        self._accused: dict[str, set[str]] = {}  # owner -> holders that could not open its box
+        self._inputs_open = now  # when the masked inputs began to be owed
+        self._named: set[str] = set()  # holders already refused for what they revealed
+        self._last_input: float | None = None
         self._self_off: set[str] = set()  # survivors whose self mask is off the sum already
         self.received_kinds: list[tuple[str, str]] = []  # (sender, kind): what this round was sent
         # Keys for the setup's next_round, advertised with the masked inputs.
@@ -241,18 +274,47 @@ class SecAggServer:
                 return refuse(
                     "key_signature", f"{sender}'s key advertisement is not validly signed ({why}): left out"
                 ) + self._maybe_close(now)
+            why = _unusable_keys(msg)
+            if why:
+                # Neighbours could agree neither a box key nor a mask with it.
+                self.bad_keys[sender] = why
+                self.offenders[sender] = f"advertised {why}"
+                return refuse("keys", f"{sender} advertised {why}: left out") + self._maybe_close(now)
             self.keys[sender] = msg
         elif isinstance(msg, SecAggShares):
-            if self.stage != self.SHARES or sender not in self.rosters or sender in self.shares:
+            if (
+                self.stage != self.SHARES
+                or sender not in self.rosters
+                or sender in self.shares
+                or sender in self.refused_shares
+            ):
                 return refuse("stage", f"shares from {sender} in stage {self.stage}")
             if set(msg.boxes) != set(self.rosters[sender]):
-                return refuse("shares", f"{sender} sealed boxes for other agents than its roster")
+                # As if it had not shared (no one masks with it), and no longer waited for.
+                self.refused_shares.add(sender)
+                self.offenders[sender] = "sealed share boxes for other agents than its roster"
+                return refuse("shares", f"{sender} sealed boxes for other agents than its roster") + self._maybe_close(
+                    now
+                )
             self.shares[sender] = msg
         elif isinstance(msg, SecAggMasked):
-            if self.stage != self.INPUTS or sender not in self.shares or sender in self.inputs:
+            if (
+                self.stage != self.INPUTS
+                or sender not in self.shares
+                or sender in self.inputs
+                or sender in self.refused_inputs
+                or sender in self.withdrawn
+            ):
                 return refuse("stage", f"masked input from {sender} in stage {self.stage}")
             if msg.masked.size != self.size:
-                return refuse("shape", f"masked input of {msg.masked.size} values, the model has {self.size}")
+                # Refused before it is folded: a drop-out after sharing (its pairwise
+                # masks come off through its key's shares), and no longer waited for.
+                self.refused_inputs.add(sender)
+                self.offenders[sender] = f"sent a masked input of {msg.masked.size} values, not {self.size}"
+                return refuse(
+                    "shape", f"masked input of {msg.masked.size} values, the model has {self.size}"
+                ) + self._maybe_close(now)
+            self._last_input = now
             # Fold at once: the coordinator keeps one running sum, never the inputs.
             if self._sum is None:
                 self._sum = msg.masked.copy()
@@ -269,6 +331,7 @@ class SecAggServer:
             if msg.ahead is not None and self.setup.next_round and msg.ahead.round == self.setup.next_round:
                 k = msg.ahead
                 why = self._check_signature(sender, ahead_statement(sender, k.round, self.context, k.c_pk, k.s_pk), k)
+                why = why or _unusable_keys(k)
                 if why:
                     # The input counts; the next round has a key stage instead.
                     self.bad_ahead[sender] = why
@@ -297,27 +360,21 @@ class SecAggServer:
                 ) + self._maybe_close(now)
             self.signatures[sender] = (msg.cert, msg.sig)
         elif isinstance(msg, SecAggReveal):
+            if (
+                self.stage == self.INPUTS
+                and msg.refused.startswith(UNOPENED_BOX)
+                and sender in self.shares
+                and sender not in self.inputs
+                and sender not in self.refused_inputs
+                and sender not in self.withdrawn
+            ):
+                return self._withdraw(sender, msg.refused[len(UNOPENED_BOX) :]) + self._maybe_close(now)
             if self.stage != self.UNMASK or sender not in self.asked or sender in self.answered:
                 return refuse("stage", f"shares from {sender} in stage {self.stage}")
             self.answered.add(sender)
             if msg.refused:
                 return refuse("refused", f"{sender} refused to reveal shares: {msg.refused}") + self._maybe_close(now)
-            for store, got in ((self.b_shares, msg.b_shares), (self.sk_shares, msg.sk_shares)):
-                for owner, share in got.items():
-                    try:
-                        x, y = unpack_share(share)
-                    except SecAggError:
-                        continue
-                    if owner in self.rosters and 1 <= x <= len(self.rosters[owner]) + 1:
-                        store.setdefault(owner, {})[x] = y
-            # A survivor's self mask comes off as soon as its seed can be rebuilt, while
-            # the other answers are on their way.
-            for owner in sorted(msg.b_shares):
-                if owner in self.inputs and owner not in self._self_off and self._enough(owner):
-                    if not self._remove_self_mask(owner):
-                        return self._fail(
-                            f"the self-mask seed of {owner} rebuilt from shares does not match its commitment"
-                        )
+            return self._take_shares(sender, msg) + self._maybe_close(now)
         else:
             return refuse("kind", f"{msg.kind} is not sent to a coordinator")
         return self._maybe_close(now)
@@ -342,9 +399,9 @@ class SecAggServer:
         if self.stage == self.KEYS:
             return set(self.selected) - set(self.keys) - set(self.bad_keys)
         if self.stage == self.SHARES:
-            return set(self.rosters) - set(self.shares)
+            return set(self.rosters) - set(self.shares) - self.refused_shares
         if self.stage == self.INPUTS:
-            return set(self.shares) - set(self.inputs)
+            return set(self.shares) - set(self.inputs) - self.refused_inputs - set(self.withdrawn)
         if self.stage == self.CONSISTENCY:
             return set(self.survivors) - set(self.signatures) - set(self.bad_signatures)
         return self.asked - self.answered
@@ -354,13 +411,41 @@ class SecAggServer:
         if self.stage == self.UNMASK and self._can_unmask():
             return self._finish()
         if owed_online and now < self.deadline:
-            return []
+            quiet = self._quiet_close()
+            if quiet is None or now < quiet:
+                return [] if quiet is None else [Wake(quiet)]
         return self._close(now)
 
-    def _fail(self, reason: str) -> list[ServerCommand]:
+    def _quiet_close(self) -> float | None:
+        """When the masked inputs stop being waited for although some are owed: every
+        input that came is in and the rest have been silent for as long again as the
+        last of those took (at least ``QUIET_GRACE``): a member silent after sharing
+        holds the round about twice an honest agent's training, not to its deadline.
+        None: no such time (another stage, or too few inputs to go on without the
+        silent ones)."""
+        if self.stage != self.INPUTS or self._last_input is None or len(self.inputs) < self.params.min_survivors:
+            return None
+        return self._last_input + max(self.QUIET_GRACE, self._last_input - self._inputs_open)
+
+    def _fail(self, reason: str, culprits: Mapping[str, str] | None = None) -> list[ServerCommand]:
         self.stage = self.DONE
         self._sum = None
-        return [Failed(reason)]
+        blame = dict(self.offenders)
+        blame.update(culprits or {})
+        return [Failed(reason, dict(sorted(blame.items())))]
+
+    def _withdraw(self, sender: str, accused: str) -> list[ServerCommand]:
+        """``sender`` leaves the round after the share stage, saying ``accused``'s share
+        box did not open: a drop-out (its key's shares take its masks off). One holder's
+        word names no one; two holders that could not open the same owner's boxes do
+        (one lying member cannot frame an honest owner alone)."""
+        self.withdrawn[sender] = f"the share box from {accused} did not open"
+        if accused in self.rosters.get(sender, ()) and accused in self.shares:
+            who = self._accused.setdefault(accused, set())
+            who.add(sender)
+            if len(who) >= 2:
+                self.offenders[accused] = f"the share boxes it sealed for {', '.join(sorted(who))} did not open"
+        return [Refused(sender, "withdrawn", self.withdrawn[sender])]
 
     def _close(self, now: float) -> list[ServerCommand]:
         p = self.params
@@ -377,8 +462,14 @@ class SecAggServer:
                 if boxes:
                     out.append(Send(j, SecAggShareBox(self.round, boxes)))
             self.stage, self.deadline = self.INPUTS, max(self.input_deadline, now)
+            self._inputs_open = now
             return out + [Wake(self.deadline)]
         if self.stage == self.INPUTS:
+            for a in sorted(set(self.shares) - set(self.inputs) - self.refused_inputs - set(self.withdrawn)):
+                if a in self.online:
+                    # Online, sharing done, and no input: its masks must be stripped off
+                    # the others' through its key's shares, at every honest agent's cost.
+                    self.offenders.setdefault(a, "shared its keys, then sent no masked input")
             if len(self.inputs) < p.min_survivors:
                 return self._fail(f"{len(self.inputs)} masked inputs arrived, need {p.min_survivors}")
             why = self.admit(len(self.inputs)) if self.admit is not None else ""
@@ -405,15 +496,47 @@ class SecAggServer:
                 b_of = tuple(o for o in owners if o in u2)
                 sk_of = tuple(o for o in owners if o not in u2)
                 self.asked.add(j)
+                self.asked_for[j] = (frozenset(b_of), frozenset(sk_of))
                 out.append(Send(j, SecAggUnmask(self.round, b_of, sk_of, len(u2), dict(self.signatures))))
             self.stage, self.deadline = self.UNMASK, now + self.stage_timeout
             return out + [Wake(self.deadline)]
         if self.stage == self.UNMASK:
             if self._can_unmask():
                 return self._finish()
-            short = sorted(o for o in self._needed() if not self._enough(o))
-            return self._fail(f"too few shares to remove the masks of {', '.join(short[:5])}")
+            return self._unmask_failed()
         return []
+
+    def _unmask_failed(self) -> list[ServerCommand]:
+        """The shares are all in (or their time is up) and some secret was not rebuilt:
+        too few shares came, or no t of them rebuild its commitment. Then the owner dealt
+        shares off one polynomial (or more of its holders lie than the threshold
+        allows, which the protocol's assumptions exclude): the owner is named."""
+        unsettled = sorted(self._needed() - set(self.secrets))
+        bad: dict[str, str] = {}
+        untold: list[str] = []
+        short: list[str] = []
+        for o in unsettled:
+            store = self.b_shares if o in self.inputs else self.sk_shares
+            got, t = len(store.get(o, {})), self._t(o)
+            if got < t:
+                short.append(o)
+            elif len(self._tried.get(o, ())) < math.comb(got, t):
+                untold.append(o)  # the search stopped at MAX_SUBSETS: no one is named
+            else:
+                what = "self-mask seed" if o in self.inputs else "mask key"
+                bad[o] = f"no {t} of the {got} shares of its {what} rebuild its commitment"
+        if bad:
+            return self._fail(
+                "shares rebuild no secret matching its commitment for "
+                + "; ".join(f"{o} ({why})" for o, why in sorted(bad.items())[:5]),
+                bad,
+            )
+        if untold:
+            return self._fail(
+                f"shares of {', '.join(untold[:5])} disagree beyond the {MAX_SUBSETS} subsets tried: "
+                "whose shares are wrong is not told"
+            )
+        return self._fail(f"too few shares to remove the masks of {', '.join(short[:5])}")
 
     def _rosters(self, now: float) -> list[ServerCommand]:
         """Each agent with keys gets its neighbours' keys; the share stage opens."""
@@ -433,27 +556,117 @@ class SecAggServer:
         u2 = set(self.inputs)
         return u2 | {d for d in self.shares if d not in u2 and any(j in u2 for j in self.rosters[d])}
 
-    def _enough(self, owner: str) -> bool:
-        store = self.b_shares if owner in self.inputs else self.sk_shares
-        t = self.params.threshold_of(len(self.rosters[owner]) + 1)
-        return len(store.get(owner, {})) >= t
+    def _t(self, owner: str) -> int:
+        return self.params.threshold_of(len(self.rosters[owner]) + 1)
+
+    def _x(self, owner: str, holder: str) -> int:
+        """The x at which ``holder`` holds ``owner``'s shares: its place among the
+        owner's holders, the owner first and then its roster in name order (as the
+        owner dealt them); 0 if it holds none."""
+        if holder == owner:
+            return 1
+        roster = self.rosters.get(owner, ())
+        return roster.index(holder) + 2 if holder in roster else 0
 
     def _can_unmask(self) -> bool:
-        return all(self._enough(o) for o in self._needed())
+        return all(o in self.secrets for o in self._needed())
 
-    def _remove_self_mask(self, owner: str) -> bool:
-        """Rebuilds ``owner``'s self-mask seed from its first t shares and takes its
-        stream off the sum; False if the seed does not match its commitment."""
-        assert self._sum is not None
-        t = self.params.threshold_of(len(self.rosters[owner]) + 1)
-        b = shamir_combine(dict(sorted(self.b_shares[owner].items())[:t]))
-        if hashlib.sha256(b).digest() != self.shares[owner].b_digest:
+    def _take_shares(self, holder: str, msg: SecAggReveal) -> list[ServerCommand]:
+        """Keeps the shares ``holder`` was asked for, each at the x it holds for its
+        owner (anything else is refused and counts against the holder), checks each
+        against what its owner's secret is known to be, and rebuilds the secrets that
+        now can be; a survivor's self mask comes off as soon as its seed is rebuilt."""
+        out: list[ServerCommand] = []
+        b_of, sk_of = self.asked_for.get(holder, (frozenset(), frozenset()))
+        wrong: list[str] = []
+        for store, got, asked in ((self.b_shares, msg.b_shares, b_of), (self.sk_shares, msg.sk_shares, sk_of)):
+            for owner, share in sorted(got.items()):
+                try:
+                    x, y = unpack_share(share)
+                except SecAggError:
+                    wrong.append(f"a malformed share of {owner}")
+                    continue
+                if owner not in asked:
+                    wrong.append(f"a share of {owner}, not asked for")
+                elif x != self._x(owner, holder):
+                    wrong.append(f"{owner}'s share at x={x}, where it holds x={self._x(owner, holder)}")
+                else:
+                    store.setdefault(owner, {})[x] = y
+        if wrong:
+            self._offend(holder, "revealed " + "; ".join(wrong[:3]))
+        for owner in sorted(set(msg.b_shares) | set(msg.sk_shares)):
+            if owner in self._needed():
+                self._settle(owner)
+        for owner in sorted(msg.b_shares):
+            if owner in self.inputs and owner in self.secrets and owner not in self._self_off:
+                self._remove_self_mask(owner)
+        # Each holder found out (now, or by a later share that settled its owner's
+        # polynomial) is named once.
+        for o, why in sorted(self.offenders.items()):
+            if o in self.answered and o not in self._named and why.startswith("revealed"):
+                self._named.add(o)
+                out.append(Refused(o, "bad_share", f"{o} {why}"))
+        return out
+
+    def _offend(self, agent: str, why: str) -> None:
+        if agent not in self.offenders:
+            self.offenders[agent] = why
+
+    def _commits(self, owner: str, secret: bytes) -> bool:
+        """Whether ``secret`` is what ``owner`` committed to: its self-mask seed's
+        sha256 (sent with its shares) or its mask key's public half (signed)."""
+        if owner in self.inputs:
+            return hashlib.sha256(secret).digest() == self.shares[owner].b_digest
+        try:
+            sk = X25519PrivateKey.from_private_bytes(secret)
+        except ValueError:
             return False
+        return sk.public_key().public_bytes_raw() == self.keys[owner].s_pk
+
+    def _settle(self, owner: str) -> None:
+        """Rebuilds ``owner``'s secret if t of its shares rebuild its commitment, and
+        names each holder whose share lies off the polynomial those t define. Tries the
+        t-subsets in order, at most :data:`MAX_SUBSETS` per owner; a subset containing
+        a bad share almost never passes the commitment, so one that passes is the
+        owner's polynomial."""
+        store = self.b_shares if owner in self.inputs else self.sk_shares
+        got = store.get(owner, {})
+        t = self._t(owner)
+        if owner not in self.secrets:
+            if len(got) < t:
+                return
+            tried = self._tried.setdefault(owner, set())
+            for subset in itertools.combinations(sorted(got), t):
+                if subset in tried:
+                    continue  # (a share once given is kept: the same subset fails again)
+                if len(tried) >= MAX_SUBSETS:
+                    return
+                tried.add(subset)
+                pts = {x: got[x] for x in subset}
+                try:
+                    secret = shamir_combine(pts)
+                except SecAggError:
+                    continue
+                if self._commits(owner, secret):
+                    self.secrets[owner], self._basis[owner] = secret, pts
+                    break
+            else:
+                return
+        basis = self._basis[owner]
+        holders = (owner, *self.rosters[owner])
+        for x, y in got.items():
+            if x not in basis and shamir_at(basis, x) != int.from_bytes(y, "big"):
+                liar = holders[x - 1]
+                what = "self-mask seed" if owner in self.inputs else "mask key"
+                self._offend(liar, f"revealed a share of {owner}'s {what} off its polynomial")
+
+    def _remove_self_mask(self, owner: str) -> None:
+        """Takes ``owner``'s self-mask stream (its seed rebuilt) off the sum."""
+        assert self._sum is not None
         streams = MaskStreams()
-        streams.add_stream(b, SELF_NONCE, sign=-1)
+        streams.add_stream(self.secrets[owner], SELF_NONCE, sign=-1)
         streams.add_all(self._sum)
         self._self_off.add(owner)
-        return True
 
     def _finish(self) -> list[ServerCommand]:
         assert self._sum is not None
@@ -462,14 +675,9 @@ class SecAggServer:
         streams = MaskStreams()
         dropped = sorted(self._needed() - set(self.inputs))
         for owner in sorted(set(self.inputs) - self._self_off):
-            if not self._remove_self_mask(owner):
-                return self._fail(f"the self-mask seed of {owner} rebuilt from shares does not match its commitment")
+            self._remove_self_mask(owner)
         for d in dropped:
-            t = p.threshold_of(len(self.rosters[d]) + 1)
-            sk_raw = shamir_combine(dict(sorted(self.sk_shares[d].items())[:t]))
-            sk = X25519PrivateKey.from_private_bytes(sk_raw)
-            if sk.public_key().public_bytes_raw() != self.keys[d].s_pk:
-                return self._fail(f"the mask key of {d} rebuilt from shares does not match its public key")
+            sk = X25519PrivateKey.from_private_bytes(self.secrets[d])
             for j in self.rosters[d]:
                 if j in self.inputs:
                     # j added sign(j, d)·PRG(s_jd) for a neighbour that never sent its input
@@ -482,9 +690,19 @@ class SecAggServer:
         # One pass, block by block: the masks come off and the block is dequantised and
         # divided while it is in cache.
         mean = np.empty(total.size)
+        # Each honest input lies in [0, levels]: a sum above survivors·levels proves
+        # that some input did not (a masked input can be any value mod 2^32).
+        top = survivors * p.levels
         for lo in range(0, total.size, BLOCK):
             blk = total[lo : lo + BLOCK]
             streams.apply(blk)
+            if int(blk.max(initial=0)) > top:
+                out_of = int(np.count_nonzero(blk > top))
+                return self._fail(
+                    f"the unmasked sum is out of range ({out_of} of the first {min(lo + BLOCK, total.size)} "
+                    f"values above {survivors} inputs' largest): some masked input lay outside the "
+                    "quantisation range; the sum is not applied"
+                )
             m = mean[lo : lo + BLOCK]
             np.copyto(m, blk)
             m *= p.step
@@ -500,5 +718,25 @@ class SecAggServer:
         silent = tuple(sorted(set(silent) | unsigned))
         bound = p.error_bound(weight_sum, survivors)
         return [
-            Unmasked(mean, contributors, weight_sum, bound, gone, silent, dict(sorted(self.bad_signatures.items())))
+            Unmasked(
+                mean,
+                contributors,
+                weight_sum,
+                bound,
+                gone,
+                silent,
+                dict(sorted(self.bad_signatures.items())),
+                dict(sorted(self.offenders.items())),
+                dict(sorted(self.withdrawn.items())),
+            )
         ]
+
+
+def _unusable_keys(keys: SecAggKeys) -> str:
+    """What makes advertised public keys unusable, or ''."""
+    for name, pk in (("c_pk", keys.c_pk), ("s_pk", keys.s_pk)):
+        try:
+            check_public_key(pk)
+        except SecAggError as exc:
+            return f"{name}: {exc}"
+    return ""

@@ -191,6 +191,13 @@ class SecAggReveal(F.WireMessage):
     refused: str = ""
 
 
+#: How an agent withdraws after the share stage, in a :class:`SecAggReveal`'s refusal
+#: sent in place of its masked input, naming the neighbour whose share box did not open.
+#: The coordinator cannot check the claim (the box is sealed between the two), so one
+#: agent's word benches no one.
+UNOPENED_BOX = "share box unopened: "
+
+
 SecAggMessage = (
     SecAggStart
     | SecAggKeys
