@@ -19,6 +19,7 @@ from fedagent.protocols import secagg as SA
 from fedagent.protocols.aggregation import Plan, StrategyAggregator, UpdateRejected, check_update, weighted_metrics
 from fedagent.protocols.downlink import ModelDelta
 from fedagent.protocols.dp import Accountant, ClipBound, DPAggregator
+from fedagent.protocols.fingerprint import Roles
 from fedagent.protocols.rounds.config import RoundConfig
 from fedagent.protocols.rounds.events import (
     AgentOffline,
@@ -71,6 +72,7 @@ class RoundMachine:
         velocity_store: VelocityStore | None = None,
         rng: np.random.Generator | None = None,
         verify_statement: SA.KeyVerifier | None = None,
+        roles: Roles | None = None,
     ) -> None:
         """``completed_rounds``/``last_round``/``model_version`` resume from a checkpoint, and
         so do ``privacy_state`` (:meth:`privacy_state`): ε already spent and the clip bound,
@@ -82,9 +84,12 @@ class RoundMachine:
         ``rng`` draws the DP noise (default: seeded by the operating system).
         ``verify_statement`` checks an agent's signature of a statement (secure rounds: the
         survivor list), raising if it is not valid; without it signatures are passed on
-        unchecked (the agents check them in any case)."""
+        unchecked (the agents check them in any case). ``roles``: what the model's
+        fingerprint says of its tensors (buffers, frozen parameters, the layers kept on
+        the agents): without it every floating tensor is a trainable parameter."""
         self.config = config
         self.weights = weights
+        self.roles = roles or Roles()
         self.server_step = ServerStep(
             weights,
             server_lr=config.server_lr,
@@ -92,6 +97,7 @@ class RoundMachine:
             downlink=config.downlink,
             velocity=velocity,
             store=velocity_store,
+            roles=self.roles,
         )
         self.model_version = model_version
         self.completed = completed_rounds
@@ -249,7 +255,24 @@ class RoundMachine:
             "metrics": dict(self.last_metrics),
             "privacy": self.privacy(),
             "stop_reason": self.stop_reason,
+            "waiting": self.waiting(),
         }
+
+    def waiting(self) -> dict[str, object] | None:
+        """What the machine waits for: a quorum (``need`` agents online, ``online`` the
+        ones there are) before a round, or the updates of the selected agents still
+        online during one; None when it waits for nothing (done, or starting now)."""
+        if self.phase is Phase.WAITING:
+            if len(self.online) < self.config.min_agents:
+                return {"for": "quorum", "need": self.config.min_agents, "online": sorted(self.online)}
+            return None
+        if self.phase is Phase.TRAINING:
+            if self.secagg is not None:
+                return {"for": "secure aggregation", "agents": sorted(self.selected)}
+            owed = sorted(a for a in self._outstanding if a in self.online)
+            gone = sorted(a for a in self._outstanding if a not in self.online)
+            return {"for": "updates", "agents": owed, "offline": gone}
+        return None
 
     # -- starting ----------------------------------------------------------------------
     def _maybe_start(self, now: float) -> list[Command]:
@@ -321,7 +344,7 @@ class RoundMachine:
             self._acc = self.budget.aggregator(self.weights, len(agents))
             train = self.budget.train(train, len(agents))
         else:
-            self._acc = StrategyAggregator(cfg.strategy, self.weights, compact=True)
+            self._acc = StrategyAggregator(cfg.strategy, self.weights, compact=True, values=self.roles.buffers)
         self.inflight = {}
         self.ignored = set()
         if cfg.max_norm is not None:
@@ -363,9 +386,22 @@ class RoundMachine:
         ]
 
     # -- collecting --------------------------------------------------------------------
+    def _counted_out(self, sender: str, refusal: Rejected | None, now: float) -> list[Command]:
+        """``sender``'s update for the round in progress is refused (``refusal``, or
+        refused already by the intake): it sends no other, so the round no longer waits
+        for it (it may still aggregate without it)."""
+        out: list[Command] = [] if refusal is None else [refusal]
+        if sender not in self._outstanding:
+            return out
+        self._outstanding.discard(sender)
+        return out + self._maybe_finish(now)
+
     def _on_update(self, ev: UpdateReceived, now: float) -> list[Command]:
         def reject(reason: str, detail: str) -> list[Command]:
             return [Rejected(ev.sender, ev.round, reason, detail)]
+
+        def refuse(reason: str, detail: str) -> list[Command]:
+            return self._counted_out(ev.sender, Rejected(ev.sender, ev.round, reason, detail), now)
 
         if self.config.secure is not None:
             return reject("secure", "plain update in a federation with secure aggregation (never aggregated)")
@@ -376,15 +412,15 @@ class RoundMachine:
         if ev.sender in self.received or ev.sender in self.inflight:
             return reject("duplicate", f"second update from {ev.sender} for round {self.round}")
         if ev.base_version != self.model_version:
-            return reject("stale", f"trained from version {ev.base_version}, current {self.model_version}")
+            return refuse("stale", f"trained from version {ev.base_version}, current {self.model_version}")
         if ev.num_samples <= 0:
-            return reject("weight", "num_samples must be positive")
+            return refuse("weight", "num_samples must be positive")
         try:
             check_update(self.weights, ev.weights, max_norm=self.config.max_norm)
             assert self._acc is not None
             self._acc.add(ev.sender, ev.weights, ev.num_samples, ev.metrics)
         except UpdateRejected as exc:
-            return reject(exc.reason, exc.detail)
+            return refuse(exc.reason, exc.detail)
         self.received[ev.sender] = (ev.num_samples, dict(ev.metrics))
         self._outstanding.discard(ev.sender)
         if ev.leaving:
@@ -397,6 +433,10 @@ class RoundMachine:
             self.ignored.add((ev.sender, ev.tid))
             return [Rejected(ev.sender, ev.round, reason, detail)]
 
+        def refuse(reason: str, detail: str) -> list[Command]:
+            self.ignored.add((ev.sender, ev.tid))
+            return self._counted_out(ev.sender, Rejected(ev.sender, ev.round, reason, detail), now)
+
         if self.config.secure is not None:
             return reject("secure", "plain update in a federation with secure aggregation (never aggregated)")
         if self.phase is not Phase.TRAINING or ev.round != self.round:
@@ -406,23 +446,23 @@ class RoundMachine:
         if ev.sender in self.received or ev.sender in self.inflight:
             return reject("duplicate", f"second update from {ev.sender} for round {self.round}")
         if ev.base_version != self.model_version:
-            return reject("stale", f"trained from version {ev.base_version}, current {self.model_version}")
+            return refuse("stale", f"trained from version {ev.base_version}, current {self.model_version}")
         names = {t.name: t for t in ev.tensors}
         if names.keys() != self.weights.keys():
             missing = sorted(set(self.weights) - set(names))
             extra = sorted(set(names) - set(self.weights))
-            return reject("names", f"missing {missing[:3]}, unexpected {extra[:3]}")
+            return refuse("names", f"missing {missing[:3]}, unexpected {extra[:3]}")
         for name, ref in self.weights.items():
             t = names[name]
             if t.shape != ref.shape:
-                return reject("shape", f"{name}: {t.shape} != {ref.shape}")
+                return refuse("shape", f"{name}: {t.shape} != {ref.shape}")
             if t.dtype != ref.dtype.name:
-                return reject("dtype", f"{name}: {t.dtype} != {ref.dtype}")
+                return refuse("dtype", f"{name}: {t.dtype} != {ref.dtype}")
         assert self._acc is not None
         try:
             plan = self._acc.plan(ev.num_samples, ev.metrics)
         except UpdateRejected as exc:
-            return reject(exc.reason, exc.detail)
+            return refuse(exc.reason, exc.detail)
         if plan.dropped is not None:
             # Counted as dropped, never folded: its parts are ignored.
             self._acc.dropped[ev.sender] = plan.dropped
@@ -459,7 +499,13 @@ class RoundMachine:
     def _on_end(self, ev: UpdateEnd, now: float, *, reason: str = "transfer") -> list[Command]:
         fl = self.inflight.get(ev.sender)
         if fl is None or fl.tid != ev.tid:
-            self.ignored.discard((ev.sender, ev.tid))
+            if (ev.sender, ev.tid) in self.ignored:
+                self.ignored.discard((ev.sender, ev.tid))
+                return []
+            if not ev.ok and self.phase is Phase.TRAINING and ev.sender not in self.inflight:
+                # Broken off before its header was read (the intake refused it: counted
+                # and logged there): the update it carried will not come.
+                return self._counted_out(ev.sender, None, now)
             return []
         del self.inflight[ev.sender]
         head = fl.head
