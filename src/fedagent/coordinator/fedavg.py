@@ -49,6 +49,7 @@ from fedagent.storage import checkpoint
 from fedagent.storage.roundjournal import InFlight
 from fedagent.storage.statefile import atomic_write, read_bytes
 from fedagent.tasks.base import get_weights
+from fedagent.tasks.fingerprint import fingerprint
 
 log = logging.getLogger("fedagent.coordinator")
 
@@ -135,6 +136,7 @@ class FedAvgMode:
         self._answers: set[asyncio.Task[None]] = set()
         self.vocab: VocabStage | None = None
         self.machine: R.RoundMachine | None = None
+        self.model_meta: dict[str, Any] = {}  # what checkpoints record of the model
         if has_vocabulary(self.task):
             self.vocab = VocabStage(
                 core.dir / "vocabulary.json",
@@ -158,7 +160,11 @@ class FedAvgMode:
             assert self.vocab.vocabulary is not None
             self.task.set_vocabulary(list(self.vocab.vocabulary.terms))  # type: ignore[attr-defined]
             torch.manual_seed(cfg.rounds.seed)
-        weights = get_weights(self.task.build_model())
+        model = self.task.build_model()
+        # Known at the core's start, unless the model waited for the vocabulary.
+        fp = core.admission.fingerprint or fingerprint(model)
+        weights = get_weights(model)
+        del model
         resumed = checkpoint.load(core.ckpt_path)
         meta: dict[str, Any] = {}
         velocity: dict[str, np.ndarray] = {}
@@ -183,6 +189,14 @@ class FedAvgMode:
         last_started = int(started) if started and started.strip().isdigit() else 0
         self._stream_budget = stream_budget(sum(int(w.nbytes) for w in weights.values()))
         rc = round_config(cfg)
+        roles = fp.roles(local_norm=rc.train.local_norm)
+        if rc.train.local_norm and not roles.kept:
+            log.warning(
+                "[rounds] local_norm is set, but the model has no normalisation layer: every tensor is averaged"
+            )
+        elif roles.kept:
+            log.info("local_norm (FedBN): %d tensors of normalisation layers stay on the agents", len(roles.kept))
+        self.model_meta = fp.meta(kept=roles.kept)
         store: FileVelocity | None = None
         if rc.momentum > 0:
             # The velocity is kept on disk beside the checkpoint (coordinator/velocity.py),
@@ -219,6 +233,7 @@ class FedAvgMode:
             # secure rounds: a survivor whose signature of the survivor list fails is dropped
             # here, so only valid signatures go on to the agents
             verify_statement=core.messenger.verifier.check_statement,
+            roles=roles,
         )
         privacy = self.machine.privacy()
         if privacy is not None:
@@ -423,6 +438,7 @@ class FedAvgMode:
             "model_version": m["model_version"],
             "selected": m["selected"],
             "received": m["received"],
+            "waiting": m.get("waiting"),
             "metrics": m["metrics"],
             "vocabulary_size": vs.get("vocabulary_size"),
             "vocab_digest": vs.get("vocab_digest"),
@@ -637,6 +653,7 @@ class FedAvgMode:
                 "metrics": cmd.metrics,
                 "final": cmd.final,
                 "vocab_digest": self._vocab_digest,
+                "model": self.model_meta,
             }
             privacy_state = self.machine.privacy_state()
             if privacy_state is not None:
