@@ -352,7 +352,7 @@ def test_privacy_config_reaches_the_round_machine(tmp_path) -> None:
         ({"mode": "local", "noise_multiplier": 1.0}, "fedavg", {}, "does not fit mode = 'fedavg'"),
         ({"mode": "central", "noise_multiplier": 1.0}, "syncopt", {}, "not 'syncopt'"),
         ({"noise_multiplier": -1.0}, "fedavg", {}, "noise_multiplier must be a positive"),
-        ({"noise_multiplier": 1.0, "delta": 2.0}, "fedavg", {}, "delta must be in (0, 1)"),
+        ({"noise_multiplier": 1.0, "delta": 2.0}, "fedavg", {}, "delta must be a number in (0, 1), not 2.0"),
         ({"noise_multiplier": 1.0, "wrong": 1}, "fedavg", {}, "[privacy]"),
         ({"noise_multiplier": 1.0}, "fedavg", {"stream_updates": True}, "needs whole updates"),
     ],
