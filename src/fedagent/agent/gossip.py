@@ -596,6 +596,8 @@ class GossipSession(Session):
         }
         if self.local_dp is not None:
             meta["privacy"] = self.local_dp.accountant.to_state()
+        if self.agent.fingerprint is not None:  # what export restores and counts
+            meta["model"] = self.agent.fingerprint.meta()
         await asyncio.to_thread(checkpoint.save, self.model_path, weights, meta)
 
     async def _evaluate(self, weights: Weights, period: int) -> None:

@@ -4,8 +4,9 @@ A FedAvg round start carries the global model. With ``[transfer] downlink = "int
 default when updates are int8) the coordinator sends it, once a round has been
 aggregated, as the step from the model of the version before: each float32 tensor's step
 quantised to int8 with one scale, as agents quantise their updates
-(:func:`~fedagent.protocols.compression.quantize_int8`), the other tensors whole. A round
-start then carries a quarter of the model's bytes.
+(:func:`~fedagent.protocols.compression.quantize_int8`), the other tensors (and the
+model's buffers and frozen parameters) whole. A round start then carries a quarter of the
+model's bytes.
 
 No node drifts: the coordinator keeps as its global model exactly what every agent
 rebuilds, ``base + int8 · scale`` in float32 by :func:`apply_step` on both sides, so
