@@ -81,3 +81,38 @@ def test_mistakes_are_refused_at_start_and_say_what_to_fix(tmp_path: Path, monke
         assert set(done["refused_agents"]) == {"agent-wide"}
         history = (fed.work / "state" / "agent-wide" / "agent" / fed.fed / "history.jsonl").read_text()
         assert '"event": "refused"' in history
+
+
+def test_gossip_peers_whose_models_differ_refuse_each_other(tmp_path: Path, monkeypatch) -> None:
+    """Two gossip agents, agent-2's hidden layer 64 wide: each refuses the other (no model
+    goes either way), names the first differing tensor from its side in ``status`` and
+    keeps running."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[1]))
+
+    def wider(fed: Federation) -> None:
+        path = fed.config_path("agent-2")
+        path.write_text(path.read_text().replace('model = "fp16"', 'model = "fp16"\nhidden = 64'))
+
+    gossip = {"periods": 10_000, "period_steps": 1, "period_seconds": 0.2, "send_timeout": 5.0}
+    with running(
+        tmp_path,
+        configure=wider,
+        agents=2,
+        rounds=1,
+        alpha=0.3,
+        mode="gossip",
+        gossip=gossip,
+        task="zoo:make",
+        task_options=ZOO,
+        agent_broker_by_mdns=False,
+    ) as fed:
+
+        def refused() -> dict | None:
+            out = {a: (fed.status(a) or {}).get("refused_peers") or {} for a in ("agent-1", "agent-2")}
+            return out if all("act_mean" in str(r) for r in out.values()) else None
+
+        out = wait_for(refused, 120, "both gossip agents to refuse each other", fed)
+        assert "tensor 'act_mean': float16[32] buffer here, float16[64] buffer on agent-2" in str(out["agent-1"])
+        assert "tensor 'act_mean': float16[64] buffer here, float16[32] buffer on agent-1" in str(out["agent-2"])
+        for a in ("agent-1", "agent-2"):
+            assert (fed.status(a) or {})["gossip"]["merged"] == 0
