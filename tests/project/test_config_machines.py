@@ -284,6 +284,8 @@ def plain(value: Any, base: Path) -> Any:
             return str(value)
     if isinstance(value, tuple | list):
         return [plain(x, base) for x in value]
+    if isinstance(value, frozenset):
+        return sorted(plain(x, base) for x in value)
     if isinstance(value, dict):
         return {str(k): plain(x, base) for k, x in value.items()}
     if isinstance(value, enum.Enum):

@@ -41,7 +41,7 @@ MACHINES = {
     (settings.RoundsConfig, "vocab"): (VocabConfig, {"max_terms"}),
     (settings.SyncOptSettings, "syncopt"): (SyncOptConfig, set()),
     (settings.SyncOptSettings, "vocab"): (VocabConfig, {"max_terms"}),
-    (settings.GossipSettings, "gossip"): (GossipConfig, {"exchange"}),
+    (settings.GossipSettings, "gossip"): (GossipConfig, {"exchange", "fixed"}),
     (settings.GossipSettings, "vocab"): (ConsensusConfig, {"resend"}),
     (settings.PrivacySettings, "dp"): (DPConfig, {"noise_multiplier", "epsilon_budget"}),
     # [rounds] gives the asynchronous mode its training, quorum and server step

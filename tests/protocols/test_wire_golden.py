@@ -24,6 +24,7 @@ import pytest
 from fedagent.protocols import secagg as S
 from fedagent.protocols.codec import Envelope, Limits, decode, encode
 from fedagent.protocols.downlink import ModelDelta
+from fedagent.protocols.fingerprint import Fingerprint, TensorInfo
 from fedagent.protocols.messages import (
     KINDS,
     AsyncModel,
@@ -34,6 +35,7 @@ from fedagent.protocols.messages import (
     GossipAck,
     GossipModel,
     Heartbeat,
+    ModelCheck,
     ModelRequest,
     Presence,
     PublicVectors,
@@ -85,6 +87,20 @@ DELTA = ModelDelta(
 )
 
 
+# A model's fingerprint: a parameter, one tied to it, a bfloat16 one, a frozen one and
+# the buffers of a normalisation layer.
+FINGERPRINT = Fingerprint(
+    (
+        TensorInfo("embed.weight", "float32", (10, 4), "parameter"),
+        TensorInfo("head.weight", "float32", (10, 4), "parameter", tied_to="embed.weight"),
+        TensorInfo("proj.weight", "bfloat16", (4, 4), "parameter"),
+        TensorInfo("stem.weight", "float16", (4,), "frozen"),
+        TensorInfo("bn.running_var", "float32", (4,), "buffer", norm=True),
+        TensorInfo("bn.num_batches_tracked", "int64", (), "buffer", norm=True),
+    )
+)
+
+
 def instances() -> dict[str, object]:
     """Every message kind, each optional field both absent (the default) and present."""
     train_full = TrainConfig(
@@ -104,6 +120,9 @@ def instances() -> dict[str, object]:
     return {
         "presence": Presence(online=True, role="agent"),
         "presence_full": Presence(False, "coordinator", "syncopt", 12, 3, "mqtts://10.0.0.2:8883", ("int8",)),
+        "presence_model": Presence(True, "agent", "fedavg", 40, 2, "", ("int8",), FINGERPRINT.digest),
+        "model_check": ModelCheck.of(FINGERPRINT),
+        "model_check_refused": ModelCheck.of(FINGERPRINT, "the model differs from the coordinator's"),
         "heartbeat": Heartbeat(2.5),
         "heartbeat_int": Heartbeat(3),
         "round_start": RoundStart(2, 1, ("agent-a", "agent-b"), 60.0, TrainConfig(), W),
@@ -111,6 +130,7 @@ def instances() -> dict[str, object]:
         "round_start_ints": RoundStart(7, 5, ("agent-a",), 30, train_ints, W),
         "round_start_stream_off": RoundStart(1, 0, (), 5.5, TrainConfig(stream=False, dp_clip=2.0), W),
         "round_start_int8": RoundStart(1, 0, ("a",), 5.0, TrainConfig(compression="int8"), W, SETUP_AHEAD),
+        "round_start_local_norm": RoundStart(2, 1, ("a",), 5.0, TrainConfig(compression="int8", local_norm=True), W),
         "update": Update(2, 1, 50, {"loss": 1.25, "accuracy": 1.0}, W),
         "update_ints": Update(2, 1, 50, {"accuracy": 1}, W),
         "update_leaving": Update(3, 2, 1, {}, W, leaving=True),

@@ -81,3 +81,72 @@ def test_cli_export_explains_a_missing_checkpoint_and_a_bad_name(tmp_path: Path)
     with pytest.raises(FedagentError, match="name it"):
         export(tmp_path / "x.ckpt", tmp_path / "model.bin")
     assert not list(tmp_path.glob(".model*"))  # no temp file left behind
+
+
+class Mixed(torch.nn.Module):
+    """A bfloat16 layer, a BatchNorm (buffers) and a frozen float64 layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.half = torch.nn.Linear(4, 3).to(torch.bfloat16)
+        self.bn = torch.nn.BatchNorm1d(3)
+        self.fixed = torch.nn.Linear(3, 2).double()
+        self.fixed.requires_grad_(False)
+
+
+def _mixed_checkpoint(path: Path) -> tuple[Mixed, dict[str, np.ndarray]]:
+    from fedagent.tasks.fingerprint import fingerprint
+
+    torch.manual_seed(1)
+    model = Mixed()
+    weights = get_weights(model)
+    # An aggregate: float32 values between bfloat16's, as a mean of agents' models is.
+    weights["half.weight"] = weights["half.weight"] + np.float32(2**-10)
+    weights["bn.running_var"] = np.array([0.5, 1e-6, 2.0], np.float32)
+    checkpoint.save(path, weights, {"model_version": 3, "model": fingerprint(model).meta()})
+    return model, weights
+
+
+def test_export_restores_each_tensors_dtype_and_loads_strictly(tmp_path: Path) -> None:
+    from safetensors.torch import load_file as load_torch
+
+    model, weights = _mixed_checkpoint(tmp_path / "global.ckpt")
+    summary = export(tmp_path / "global.ckpt", tmp_path / "m.pt")
+    state = torch.load(tmp_path / "m.pt", weights_only=True)
+    fresh = Mixed()
+    fresh.load_state_dict(state, strict=True)
+    assert {k: v.dtype for k, v in state.items()} == {k: v.dtype for k, v in model.state_dict().items()}
+    # Rounded to nearest even exactly as load_state_dict rounds the float32 aggregate.
+    expected = torch.from_numpy(weights["half.weight"]).to(torch.bfloat16)
+    assert torch.equal(state["half.weight"], expected)
+    assert summary["dtypes_restored"] == {"half.bias": "bfloat16", "half.weight": "bfloat16"}
+    assert (summary["parameter_tensors"], summary["buffer_tensors"], summary["frozen_tensors"]) == (6, 3, 2)
+    assert summary["buffers"] == 3 + 3 + 1
+    export(tmp_path / "global.ckpt", tmp_path / "m.safetensors")
+    st = load_torch(str(tmp_path / "m.safetensors"))
+    assert st["half.weight"].dtype == torch.bfloat16 and torch.equal(st["half.weight"], expected)
+    Mixed().load_state_dict(st, strict=True)
+
+
+def test_cli_export_states_parameters_and_buffers_and_a_sites_own_model(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, "agent")
+    home = tmp_path / "state" / "agent" / "lab"
+    _, weights = _mixed_checkpoint(home / "global.ckpt")
+    out = tmp_path / "global.pt"
+    result = CliRunner().invoke(main, ["export", str(out), "--config", str(cfg)])
+    assert result.exit_code == 0, result.output
+    assert "parameters: 6 tensors" in result.output and "2 of them frozen" in result.output
+    assert "buffers:    3 tensors, 7 values" in result.output
+    assert "2 tensors back in bfloat16" in result.output
+    # --site: the global model with this agent's own normalisation layers (FedBN).
+    site = tmp_path / "site.pt"
+    result = CliRunner().invoke(main, ["export", str(site), "--config", str(cfg), "--site"])
+    assert result.exit_code != 0 and "local_norm is off" in result.output
+    own = {"bn.weight": np.full(3, 4.0, np.float32), "bn.running_var": np.full(3, 9.0, np.float32)}
+    checkpoint.save(home / "local_layers.ckpt", own, {})
+    result = CliRunner().invoke(main, ["export", str(site), "--config", str(cfg), "--site"])
+    assert result.exit_code == 0, result.output
+    assert "this site's model" in result.output
+    state = torch.load(site, weights_only=True)
+    assert torch.equal(state["bn.running_var"], torch.full((3,), 9.0))
+    assert torch.equal(state["bn.bias"], torch.from_numpy(weights["bn.bias"]))  # the global model's

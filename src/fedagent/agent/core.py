@@ -37,16 +37,21 @@ from fedagent.node.metrics import NodeMetrics
 from fedagent.node.runtime import keep_freed_memory, make_transport, node_identity, open_history, presence_payload
 from fedagent.node.transport import Subscription
 from fedagent.protocols import topics
+from fedagent.protocols.fingerprint import Fingerprint, first_difference
 from fedagent.protocols.liveness import heartbeat_interval
-from fedagent.protocols.messages import Heartbeat
+from fedagent.protocols.messages import Heartbeat, ModelCheck
 from fedagent.protocols.peerview import online_count, peer_table
 from fedagent.security.pki import fingerprint
 from fedagent.storage.statefile import cleanup_temp_files
 from fedagent.tasks.base import Task, Weights, load_task, set_weights, warm_up_torch
+from fedagent.tasks.fingerprint import task_fingerprint
 
 log = logging.getLogger("fedagent.agent")
 #: Until its first heartbeat an agent looks this often (seconds) for a coordinator to send it to.
 FIRST_BEAT_POLL = 0.25
+#: Seconds an agent whose model differs from the coordinator's waits for the
+#: coordinator's fingerprint (to name the tensor that differs) before it stops anyway.
+MODEL_CHECK_WAIT = 5.0
 
 DISCOVERY_TIMEOUT = 10.0
 
@@ -129,6 +134,7 @@ class Session(abc.ABC):
         self.services: dict[str, Service] = {
             spec.name: spec.make(self) for spec in agent.service_specs if spec.name in self.SERVICES
         }
+        self._model_checked: set[tuple[str, str]] = set()  # (peer, digest) our fingerprint went to
 
     # -- what a mode provides ---------------------------------------------------------------
     @property
@@ -241,6 +247,62 @@ class Session(abc.ABC):
                     raise
                 log.debug("heartbeat not sent: %s", exc)
 
+    # -- the model check (protocols/fingerprint.py) --------------------------------------
+    @property
+    def model_digest(self) -> str:
+        """The digest this member announces ("" while its model waits for a vocabulary)."""
+        fp = self.agent.fingerprint
+        return fp.digest if fp is not None else ""
+
+    async def send_model_check(self, peer: str, digest: str, *, transport: Any = None) -> bool:
+        """Our fingerprint to ``peer``, which announced model ``digest``, once per digest;
+        False when there is nothing to send (the same model, or none known)."""
+        ours = self.agent.fingerprint
+        if ours is None or not digest or digest == ours.digest or (peer, digest) in self._model_checked:
+            return False
+        self._model_checked.add((peer, digest))
+        try:
+            await self.messenger.send(
+                topics.direct(self.fed, self.cfg.id, peer, ModelCheck.kind), ModelCheck.of(ours), transport=transport
+            )
+        except TransportError as exc:
+            if exc.exit_code == EXIT_CONFIG:
+                raise
+            log.warning("this model's fingerprint for %s was not sent: %s", peer, exc)
+        return True
+
+    async def coordinator_model(self, coordinator: str, digest: str) -> None:
+        """The coordinator announced model ``digest``. Another model than this agent's is
+        refused by the coordinator: the agent stops with a configuration error (exit 78,
+        so systemd does not restart it in a loop), naming the first tensor that differs
+        once the coordinator's fingerprint is in, or after MODEL_CHECK_WAIT seconds without."""
+        if await self.send_model_check(coordinator, digest):
+            self.agent.spawn(self._refused_after(coordinator, digest))
+
+    async def _refused_after(self, coordinator: str, digest: str) -> None:
+        await asyncio.sleep(MODEL_CHECK_WAIT)
+        raise self._model_refused(coordinator, "which tensor differs is not known (no fingerprint came back)", digest)
+
+    async def on_model_check(self, inc: Incoming, msg: ModelCheck) -> None:
+        """The fingerprint of a node whose model differs (coordinated modes: only the
+        coordinator's matters): ConfigError naming the first tensor that differs."""
+        ours = self.agent.fingerprint
+        if inc.role != "coordinator":
+            return self.messenger.reject("role", inc.sender, "a model check from a node that is no coordinator")
+        if ours is None or msg.digest == ours.digest:
+            return None
+        await self.send_model_check(inc.sender, msg.digest)  # so the coordinator names it too
+        diff = first_difference(ours, msg.fingerprint, here="here", there=f"on {inc.sender}")
+        raise self._model_refused(inc.sender, diff, msg.digest)
+
+    def _model_refused(self, coordinator: str, diff: str, theirs: str) -> ConfigError:
+        self.history.append({"event": "refused", "by": coordinator, "reason": diff})
+        return ConfigError(
+            f"{self.cfg.path}: the model of task {self.cfg.task!r} differs from {coordinator}'s, which refuses "
+            f"this agent: {diff} (model digests {self.model_digest} here, {theirs} there); every node must build "
+            "the same model from its [task] options"
+        )
+
     def offline_presence(self) -> bytes:
         return presence_payload(self.cfg, self.fed, False)
 
@@ -265,7 +327,19 @@ class Agent:
         keep_freed_memory()  # before the model is built: see its docstring
         torch.set_num_threads(cfg.torch_threads)
         self.task: Task = load_task(cfg.task, cfg.task_options)
+        samples = self.task.num_samples()
+        if samples <= 0:
+            # Refused here, not in round 1: its updates would weigh nothing, and a
+            # misspelt data option in [task] (taken for a missing one) gives exactly that.
+            options = ", ".join(f"{k} = {v!r}" for k, v in dict(cfg.task_options).items()) or "none"
+            raise ConfigError(
+                f"{cfg.path}: task {cfg.task!r} has no training samples on this agent (built from the [task] "
+                f"options: {options}); check those options and the data they name"
+            )
         self.model = self.task.build_model()
+        # What this agent announces, and what a peer's announced model is compared with:
+        # a tensor that cannot travel stops the start here (exit 78).
+        self.fingerprint: Fingerprint | None = task_fingerprint(self.task, self.model)
         if getattr(self.task, "uses_torch_optimiser", False):
             # Before the agent announces itself: not in its first round (see warm_up_torch).
             log.debug("torch warmed up in %.2fs", warm_up_torch())

@@ -26,7 +26,7 @@ import numpy as np
 
 from fedagent.agent import vocabulary as vocab_mod
 from fedagent.agent.core import Agent, Session
-from fedagent.errors import EXIT_CONFIG, TransportError
+from fedagent.errors import EXIT_CONFIG, FedagentError, TransportError
 from fedagent.node import sdnotify
 from fedagent.node.messaging import Incoming
 from fedagent.node.runtime import presence_payload
@@ -37,6 +37,7 @@ from fedagent.protocols.compression import CompressionConfig, Compressor
 from fedagent.protocols.messages import (
     Evaluation,
     GlobalModel,
+    ModelCheck,
     ModelRequest,
     Presence,
     RoundResult,
@@ -72,6 +73,7 @@ from fedagent.protocols.secagg import (
 from fedagent.protocols.secagg.wire import UNOPENED_BOX
 from fedagent.security.signing import AuthError, sign_statement
 from fedagent.storage import checkpoint
+from fedagent.storage.export import LOCAL_LAYERS
 from fedagent.tasks.base import Weights, get_weights, set_weights
 
 log = logging.getLogger("fedagent.agent")
@@ -120,7 +122,14 @@ class FedAvgSession(Session):
         if resumed is not None:
             self.participant.model_version = int(resumed[1].get("model_version", 0))
             self.global_weights, self.global_version = resumed[0], self.participant.model_version
-        self.compressor = Compressor()  # keeps the top-k residual across rounds
+        fp = agent.fingerprint
+        # Buffers travel exact (a running variance must not come back a quantisation
+        # step off); the normalisation layers are this agent's own under local_norm.
+        self.buffers = fp.buffers if fp is not None else frozenset()
+        self.norm_layers = fp.local_norm if fp is not None else frozenset()
+        self.local_path = self.dir / LOCAL_LAYERS
+        self.local_layers: Weights | None = self._load_local_layers()
+        self.compressor = Compressor(exact=self.buffers)  # keeps the top-k residual across rounds
         self._dp_rng = np.random.default_rng()  # distributed DP noise, seeded by the OS
         self.dp_rounds = 0  # rounds whose update left with this agent's share of DP noise
         self.dp_cut = 0  # noised values the secure quantisation range cut (should stay 0)
@@ -226,6 +235,7 @@ class FedAvgSession(Session):
                 num_samples=self.agent.task.num_samples(),
                 model_version=self.participant.model_version,
                 downlinks=downlink.READS,
+                model=self.model_digest,
             ),
             retain=True,
         )
@@ -278,6 +288,8 @@ class FedAvgSession(Session):
                     "model_version": msg.model_version,
                 }
             if msg.role == "coordinator" and inc.role == "coordinator":
+                if msg.online:
+                    await self.coordinator_model(inc.sender, msg.model)
                 came_online = msg.online and not self.coordinator_online
                 self.coordinator_online = msg.online
                 if msg.online:
@@ -289,6 +301,8 @@ class FedAvgSession(Session):
                     if request is not None:
                         await self._request_model(request)
             return
+        if isinstance(msg, ModelCheck):
+            return await self.on_model_check(inc, msg)
         if self.to_service(inc):
             return
         if isinstance(msg, SecAggStart):
@@ -482,8 +496,12 @@ class FedAvgSession(Session):
         marks = self._marks.setdefault(cmd.round, {})
         with agent.thread_lock:
             marks["train_start"] = time.time()
-            set_weights(agent.model, cmd.weights)
             t = cmd.train
+            local = self._local_norm(t)
+            start = cmd.weights
+            if local and self.local_layers is not None:
+                start = {**cmd.weights, **self.local_layers}  # FedBN: this site's own layers
+            set_weights(agent.model, start)
             cpu = time.thread_time()
             if t.steps:  # [rounds] local_steps: a fraction of an epoch (or more) a round
                 metrics = agent.task.fit_steps(
@@ -495,8 +513,56 @@ class FedAvgSession(Session):
             # calling thread with torch_threads = 1): what the round's training cost this node.
             marks["train_cpu"] = time.thread_time() - cpu
             weights = get_weights(agent.model)
+            if local:
+                self._keep_local_layers(weights, cmd)
             marks["train_end"] = time.time()
             return weights, metrics
+
+    # -- local_norm (FedBN): this site's own normalisation layers ------------------------
+    def _local_norm(self, train: TrainConfig) -> bool:
+        """Whether this round keeps the normalisation layers here; a round without
+        local_norm drops the ones kept (they would be stale in a site export)."""
+        if train.local_norm and self.norm_layers:
+            return True
+        if self.local_layers is not None:
+            self.local_layers = None
+            self.local_path.unlink(missing_ok=True)
+        return False
+
+    def _keep_local_layers(self, weights: Weights, cmd: Train) -> None:
+        """Keep (and save) the trained normalisation layers, and send the global model's
+        values for them instead: nothing of them leaves this agent, and the coordinator,
+        which keeps them out of the aggregate, sees a zero step (worker thread)."""
+        self.local_layers = {k: weights[k] for k in self.norm_layers}
+        fp = self.agent.fingerprint
+        meta = {"round": cmd.round, "model_version": cmd.base_version, **({"model": fp.meta()} if fp else {})}
+        checkpoint.save(self.local_path, self.local_layers, meta)
+        weights.update({k: cmd.weights[k] for k in self.norm_layers})
+
+    def _load_local_layers(self) -> Weights | None:
+        """The layers a previous run kept (a restart keeps its site's own statistics)."""
+        try:
+            loaded = checkpoint.load(self.local_path)
+        except FedagentError as exc:
+            log.warning("%s; the normalisation layers start from the global model's", exc)
+            return None
+        if loaded is None:
+            return None
+        layers = loaded[0]
+        own = get_weights(self.agent.model)
+        if layers.keys() != self.norm_layers or any(
+            layers[k].shape != own[k].shape or layers[k].dtype != own[k].dtype for k in layers
+        ):
+            log.warning("%s does not fit this model's normalisation layers; not used", self.local_path)
+            return None
+        return layers
+
+    def own_model(self, weights: Weights) -> Weights:
+        """``weights`` (a global model) with this site's own normalisation layers, if it
+        keeps them: the model this site uses (evaluation, export with --site)."""
+        if self.local_layers is None:
+            return weights
+        return {**weights, **self.local_layers}
 
     def _evaluate_once(self, weights: Weights, version: int) -> None:
         if version in self._evaluated:
@@ -513,7 +579,7 @@ class FedAvgSession(Session):
     def _timed_evaluate(self, weights: Weights) -> tuple[dict[str, float], float]:
         """The evaluation's metrics and the CPU seconds it took (its own thread)."""
         cpu = time.thread_time()
-        metrics = self.agent.evaluate(weights)
+        metrics = self.agent.evaluate(self.own_model(weights))
         return metrics, time.thread_time() - cpu
 
     async def _evaluate_global(self, weights: Weights, version: int) -> None:
@@ -570,7 +636,9 @@ class FedAvgSession(Session):
                 log.info("leaving federation %s: %s", self.fed, cmd.reason)
                 self.agent.request_exit(cmd.reason)
             elif isinstance(cmd, AdoptModel):
-                meta = {"model_version": cmd.model_version, "round": cmd.round, "final": cmd.final}
+                meta: dict[str, Any] = {"model_version": cmd.model_version, "round": cmd.round, "final": cmd.final}
+                if self.agent.fingerprint is not None:
+                    meta["model"] = self.agent.fingerprint.meta()
                 await asyncio.to_thread(checkpoint.save, self.model_path, cmd.weights, meta)
                 if cmd.final:
                     self.final_version = cmd.model_version
@@ -616,7 +684,7 @@ class FedAvgSession(Session):
             if train is not None and train.stream:
                 comp = CompressionConfig(train.compression, train.topk_ratio)
                 if comp != self.compressor.config:
-                    self.compressor = Compressor(comp)
+                    self.compressor = Compressor(comp, exact=self.buffers)
                 n = await self.messenger.send_update(topic, cmd.update, base=base, compressor=self.compressor)
             else:
                 # The round asked for a whole update (a robust aggregator or clip_norm

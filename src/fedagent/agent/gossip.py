@@ -51,7 +51,8 @@ from fedagent.node.transport import Subscription, Transport
 from fedagent.protocols import dp, topics
 from fedagent.protocols import gossip as g
 from fedagent.protocols import gossip_vocab as gv
-from fedagent.protocols.messages import GossipAck, GossipModel, Presence, VocabDigest, VocabOffer
+from fedagent.protocols.fingerprint import first_difference
+from fedagent.protocols.messages import GossipAck, GossipModel, ModelCheck, Presence, VocabDigest, VocabOffer
 from fedagent.storage import checkpoint, vocabfile
 from fedagent.tasks.base import Weights, get_weights, set_weights
 
@@ -79,7 +80,7 @@ def resolve_exchange(patterns: tuple[str, ...] | None, names: list[str]) -> tupl
 
 
 class _Peer:
-    __slots__ = ("broker", "last_seen", "mdns", "num_samples", "presence")
+    __slots__ = ("broker", "last_seen", "mdns", "num_samples", "presence", "refused")
 
     def __init__(self) -> None:
         self.broker = ""
@@ -87,11 +88,15 @@ class _Peer:
         self.presence: bool | None = None  # None: no presence seen on our broker
         self.last_seen = 0.0
         self.num_samples = 0
+        self.refused = ""  # why this agent exchanges nothing with it (its model differs)
 
     @property
     def up(self) -> bool:
         # Presence is authoritative when our broker carries it (its Last Will fires when
-        # the peer dies); peers on other brokers are known through mDNS only.
+        # the peer dies); peers on other brokers are known through mDNS only. A peer
+        # whose model differs is never up: no model goes to it, none of its is merged.
+        if self.refused:
+            return False
         return self.presence if self.presence is not None else self.mdns
 
 
@@ -158,9 +163,11 @@ class GossipSession(Session):
             weights = resumed[0]
             log.info("resuming from %s (period %s)", self.model_path, resumed[1].get("period"))
         names = resolve_exchange(self.settings.exchange, list(weights))
+        fp = agent.fingerprint
+        fixed = fp.roles().fixed if fp is not None else frozenset()
         self.machine = g.GossipMachine(
             self.cfg.id,
-            self.settings.machine_config(names),
+            self.settings.machine_config(names, fixed),
             weights,
             num_samples=agent.task.num_samples(),
             session=secrets.token_hex(4),
@@ -278,7 +285,14 @@ class GossipSession(Session):
     async def _on_connect(self) -> None:
         await self.transport.publish(
             topics.presence(self.fed, self.cfg.id),
-            presence_payload(self.cfg, self.fed, True, num_samples=self.agent.task.num_samples(), broker=self.broker),
+            presence_payload(
+                self.cfg,
+                self.fed,
+                True,
+                num_samples=self.agent.task.num_samples(),
+                broker=self.broker,
+                model=self.model_digest,
+            ),
             retain=True,
         )
 
@@ -330,6 +344,35 @@ class GossipSession(Session):
         peer.num_samples = msg.num_samples
         if msg.broker:
             peer.broker = msg.broker
+        if msg.online and msg.model and self.model_digest and msg.model != self.model_digest:
+            if not peer.refused:
+                peer.refused = f"its model ({msg.model}) differs from this one ({self.model_digest})"
+                log.warning("peer %s refused: %s", sender, peer.refused)
+                self.agent.spawn(self._send_model_check(sender, msg.model))
+        elif msg.online and msg.model:
+            peer.refused = ""
+        self._peer_changed(sender, was, peer.up)
+
+    async def _send_model_check(self, peer: str, digest: str) -> None:
+        """Our fingerprint to a peer whose model differs, so it can name the tensor too."""
+        try:
+            link = await self._link(self._peer_broker(peer))
+            await asyncio.wait_for(self.send_model_check(peer, digest, transport=link), self.settings.send_timeout)
+        except Exception as exc:  # noqa: BLE001 - its own refusal stands without our list
+            log.warning("this model's fingerprint for %s was not sent: %s", peer, exc or type(exc).__name__)
+
+    def _peer_model(self, sender: str, msg: ModelCheck) -> None:
+        """A peer's fingerprint (its model differs): the first tensor that differs becomes
+        the reason it is refused."""
+        ours = self.agent.fingerprint
+        if ours is None or msg.digest == ours.digest:
+            return
+        diff = first_difference(ours, msg.fingerprint, here="here", there=f"on {sender}")
+        peer = self._peers.setdefault(sender, _Peer())
+        was = peer.up
+        peer.refused = f"its model differs: {diff}"
+        log.warning("peer %s refused: %s", sender, peer.refused)
+        self.history.append({"event": "refused", "peer": sender, "reason": peer.refused})
         self._peer_changed(sender, was, peer.up)
 
     def peers_up(self) -> int:
@@ -400,11 +443,14 @@ class GossipSession(Session):
             GossipAck: "gossip_ack",
             VocabOffer: "vocab_offer",
             VocabDigest: "vocab_digest",
+            ModelCheck: "model_check",
         }.get(type(msg))
         if expected is None:
             return self.messenger.reject("mode", inc.sender, f"{msg.kind} in a gossip federation")
         if receiver != self.cfg.id or kind != expected:
             return self.messenger.reject("topic", inc.sender, f"{msg.kind} on {inc.topic}")
+        if isinstance(msg, ModelCheck):
+            return self._peer_model(inc.sender, msg)
         if isinstance(msg, (VocabOffer, VocabDigest)):
             if self.consensus is None:
                 return self.messenger.reject("mode", inc.sender, f"{msg.kind} but no vocabulary consensus here")
@@ -550,6 +596,8 @@ class GossipSession(Session):
         }
         if self.local_dp is not None:
             meta["privacy"] = self.local_dp.accountant.to_state()
+        if self.agent.fingerprint is not None:  # what export restores and counts
+            meta["model"] = self.agent.fingerprint.meta()
         await asyncio.to_thread(checkpoint.save, self.model_path, weights, meta)
 
     async def _evaluate(self, weights: Weights, period: int) -> None:
@@ -613,6 +661,7 @@ class GossipSession(Session):
                 "presence": p.presence,
                 "last_seen": p.last_seen,
                 "num_samples": p.num_samples,
+                **({"refused": p.refused} if p.refused else {}),
             }
             for pid, p in sorted(self._peers.items())
         }
@@ -662,6 +711,7 @@ class GossipSession(Session):
             "vocabulary": vocab,
             "privacy": self.metrics_privacy(),
             "stop_reason": self.dp_stopped or None,
+            "refused_peers": {pid: p.refused for pid, p in sorted(self._peers.items()) if p.refused},
         }
 
     def metrics_privacy(self) -> dict[str, Any] | None:

@@ -33,7 +33,15 @@ from fedagent.node import sdnotify
 from fedagent.node.messaging import Incoming
 from fedagent.node.runtime import presence_payload
 from fedagent.protocols import topics
-from fedagent.protocols.messages import GlobalModel, Presence, SyncGradient, SyncStep, SyncValidation, Vocabulary
+from fedagent.protocols.messages import (
+    GlobalModel,
+    ModelCheck,
+    Presence,
+    SyncGradient,
+    SyncStep,
+    SyncValidation,
+    Vocabulary,
+)
 from fedagent.storage import checkpoint
 
 log = logging.getLogger("fedagent.syncopt")
@@ -113,7 +121,12 @@ class SyncOptSession(Session):
         await self.transport.publish(
             topics.presence(self.fed, self.cfg.id),
             presence_payload(
-                self.cfg, self.fed, True, num_samples=self.task.num_samples(), model_version=self.held_version or 0
+                self.cfg,
+                self.fed,
+                True,
+                num_samples=self.task.num_samples(),
+                model_version=self.held_version or 0,
+                model=self.model_digest,
             ),
             retain=True,
         )
@@ -143,6 +156,8 @@ class SyncOptSession(Session):
 
     async def _on_message(self, inc: Incoming, tg: asyncio.TaskGroup) -> None:
         msg = inc.message
+        if isinstance(msg, ModelCheck):
+            return await self.on_model_check(inc, msg)
         if isinstance(msg, Presence):
             if inc.sender == self.cfg.id:
                 return
@@ -153,6 +168,8 @@ class SyncOptSession(Session):
                 "model_version": msg.model_version,
             }
             if msg.role == "coordinator":
+                if msg.online and inc.role == "coordinator":
+                    await self.coordinator_model(inc.sender, msg.model)
                 came_online = msg.online and not self.coordinator_online
                 self.coordinator_online = msg.online
                 if msg.online:

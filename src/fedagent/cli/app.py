@@ -4,15 +4,17 @@ process (its exit code) and how a daemon runs until SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
 from fedagent import __version__
-from fedagent.errors import FedagentError
+from fedagent.errors import EXIT_OK, FedagentError
 
 DEFAULT_AGENT_CONFIG = Path(os.environ.get("FEDAGENT_CONFIG", "/etc/fedagent/agent.toml"))
 
@@ -40,13 +42,32 @@ def run_daemon(make) -> None:
         except asyncio.CancelledError:
             pass
 
+    code = EXIT_OK
     try:
         asyncio.run(main())
     except (FedagentError, BaseExceptionGroup) as exc:
         found = _first_fedagent_error(exc)
         if found is None:
             raise
-        fail(found)
+        click.secho(f"error: {found}", fg="red", err=True)
+        code = found.exit_code
+    _end_process(code)
+
+
+def _end_process(code: int) -> NoReturn:
+    """End a daemon that has stopped, without Python's interpreter finalisation.
+
+    With torch (and the compiler stack its first optimiser loads) in the process, the
+    teardown of the modules garbage-collects for seconds: measured after SIGTERM, an
+    agent took 8.5 s and a coordinator 6.2 s to exit, all of it in ``Py_FinalizeEx``,
+    which a service manager waits out and every test that stops a daemon paid. By now
+    the daemon has written and closed what it leaves behind (checkpoints are atomic,
+    the MQTT session ended with its offline presence); the logs and the standard
+    streams are flushed here."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _first_fedagent_error(exc: BaseException) -> FedagentError | None:

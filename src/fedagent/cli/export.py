@@ -30,22 +30,46 @@ from fedagent.errors import FedagentError
 @click.option(
     "--format", "fmt", type=click.Choice(["pt", "safetensors"]), default=None, help="default: from OUT's suffix"
 )
-def export_model(out: Path, config_path: Path | None, is_coord: bool, ckpt: Path | None, fmt: str | None) -> None:
+@click.option(
+    "--site",
+    is_flag=True,
+    help="an agent's own model: the global model with the normalisation layers it keeps ([rounds] local_norm)",
+)
+def export_model(
+    out: Path, config_path: Path | None, is_coord: bool, ckpt: Path | None, fmt: str | None, site: bool
+) -> None:
     """Write the latest model to OUT as a PyTorch state_dict (*.pt, opened by
-    torch.load(OUT, weights_only=True)) or as safetensors (*.safetensors)."""
+    torch.load(OUT, weights_only=True)) or as safetensors (*.safetensors), every tensor in
+    the model's own dtype."""
     from fedagent import config
     from fedagent.storage import export as exporting
 
     role = "coordinator" if is_coord else "agent"
     try:
+        if site and is_coord:
+            raise FedagentError("--site is an agent's own model; the coordinator holds the global one")
         if ckpt is None:
             path = config_path or (Path("/etc/fedagent/coordinator.toml") if is_coord else DEFAULT_AGENT_CONFIG)
             cfg = config.load(path, role)
             ckpt = exporting.checkpoint_of(cfg.state_dir, cfg.federation, role)
-        summary = exporting.export(ckpt, out, fmt)
+        model = exporting.site_weights(ckpt, ckpt.parent / exporting.LOCAL_LAYERS) if site else None
+        summary = exporting.export(ckpt, out, fmt, weights=model)
     except FedagentError as exc:
         fail(exc)
+    what = "this site's model" if summary["site"] else "model"
     click.echo(
-        f"wrote {summary['path']}: {summary['tensors']} tensors, {summary['parameters']:,} parameters, "
-        f"model version {summary['model_version']} ({summary['format']}, from {ckpt})"
+        f"wrote {summary['path']}: {what} version {summary['model_version']}, {summary['tensors']} tensors "
+        f"({summary['format']}, from {ckpt})"
     )
+    if summary["described"]:
+        frozen = f", {summary['frozen_tensors']} of them frozen" if summary["frozen_tensors"] else ""
+        click.echo(f"  parameters: {summary['parameter_tensors']} tensors, {summary['parameters']:,} values{frozen}")
+        click.echo(f"  buffers:    {summary['buffer_tensors']} tensors, {summary['buffers']:,} values")
+    else:
+        click.echo(
+            f"  {summary['parameters']:,} values (a checkpoint of an earlier release: parameters and buffers "
+            "are not told apart)"
+        )
+    if summary["dtypes_restored"]:
+        restored = sorted(set(summary["dtypes_restored"].values()))
+        click.echo(f"  {len(summary['dtypes_restored'])} tensors back in {', '.join(restored)}")

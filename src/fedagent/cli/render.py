@@ -116,6 +116,22 @@ def _connection_text(s: dict[str, Any]) -> str | None:
     return conn
 
 
+def _refused_text(refused: Any) -> str | None:
+    """Nodes refused for what they announced (a model that differs, no samples): who and why."""
+    if not refused:
+        return None
+    return "; ".join(f"{n}: {r['detail'] if isinstance(r, dict) else r}" for n, r in refused.items())
+
+
+def _waiting_text(w: Any) -> str | None:
+    """A FedAvg coordinator waiting for a quorum: how many agents it needs, and which are
+    there (the updates a round waits for are the "received" row's)."""
+    if not isinstance(w, dict) or w.get("for") != "quorum":
+        return None
+    online = w.get("online") or []
+    return f"a quorum: {len(online)} of {w.get('need')} agents online ({', '.join(online) or 'none'})"
+
+
 def _rejected_text(s: dict[str, Any]) -> str | None:
     counts = s.get("rejected") or {}
     if not counts:
@@ -231,6 +247,8 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("coordinator", s.get("coordinator") or "-" if not coordinator else None),
         ("mDNS on", s.get("mdns_interfaces")),
         ("phase", s.get("phase") or s.get("round_state")),
+        ("waiting for", _waiting_text(s.get("waiting")) if coordinator else None),
+        ("refused agents", _refused_text(s.get("refused_agents")) if coordinator else None),
         *(_async_rows(s) if s.get("mode") == "async" else _rounds_rows(s)),
         ("vocabulary", f"{s['vocabulary_size']} terms" if s.get("vocabulary_size") else None),
         ("last loss", s.get("last_loss")),
@@ -418,6 +436,7 @@ def _render_gossip(s: dict[str, Any], t: Table, console: Console) -> None:
         ("local model eval", s.get("local_model_eval")),
         ("privacy", _privacy(s.get("privacy"))),
         ("stopped sending", s.get("stop_reason")),
+        ("refused peers", _refused_text(s.get("refused_peers"))),
         ("reconnects", s.get("reconnects")),
         ("last error", s.get("last_error")),
         ("rejected", s.get("rejected")),

@@ -98,6 +98,13 @@ class RoundsConfig(Table):
         to="round",
         shown="0.7; 0 with `[privacy]`; 0 in mode `async`",
     )
+    local_norm: bool = setting(
+        False,
+        "coordinator, FedAvg: FedBN: the parameters and buffers of the model's normalisation layers (BatchNorm, "
+        "LayerNorm, GroupNorm ...) stay on each agent, never averaged; the global model keeps its initial ones "
+        "([tasks.md](tasks.md#buffers-normalisation-layers-and-fedbn))",
+        to="train",
+    )
     aggregation: str = setting(
         "fedavg",
         "`fedavg` (by samples), `metric` (by the reported metric `weight_key`), `blur` (FLSimCo eq. 11 on "
@@ -352,9 +359,10 @@ class GossipSettings(Table):
         ``fanout`` per period with a screening merge (the only merge that fans out)."""
         return self.periods * (self.fanout if self.aggregation != "mean" else 1)
 
-    def machine_config(self, names: tuple[str, ...] | None) -> G.GossipConfig:
-        """The pure machine's configuration, with ``exchange`` resolved to ``names``."""
-        cfg = build(self, "gossip", G.GossipConfig, exchange=names)
+    def machine_config(self, names: tuple[str, ...] | None, fixed: frozenset[str] = frozenset()) -> G.GossipConfig:
+        """The pure machine's configuration, with ``exchange`` resolved to ``names`` and
+        ``fixed``: the model's tensors the outer step leaves as trained (its buffers)."""
+        cfg = build(self, "gossip", G.GossipConfig, exchange=names, fixed=fixed)
         if self.aggregation != "mean":
             need = G.neighbours_needed(self.aggregation, self.byzantine)
             if self.min_peers < need:

@@ -41,6 +41,8 @@ from typing import Any, Protocol
 import torch
 
 from fedagent.config import NodeConfig
+from fedagent.coordinator.admission import Admission
+from fedagent.errors import EXIT_CONFIG, TransportError
 from fedagent.node import sdnotify
 from fedagent.node.control import ControlServer
 from fedagent.node.discovery import Advert, Discovery
@@ -50,11 +52,12 @@ from fedagent.node.runtime import make_transport, node_identity, open_history, p
 from fedagent.protocols import topics
 from fedagent.protocols.evaluation import HeldOut
 from fedagent.protocols.liveness import Liveness
-from fedagent.protocols.messages import Evaluation, Heartbeat, Presence
+from fedagent.protocols.messages import Evaluation, Heartbeat, ModelCheck, Presence
 from fedagent.protocols.peerview import peer_table
 from fedagent.security.pki import fingerprint
 from fedagent.storage.statefile import cleanup_temp_files
 from fedagent.tasks.base import Task, load_task
+from fedagent.tasks.fingerprint import task_fingerprint
 
 log = logging.getLogger("fedagent.coordinator")
 
@@ -151,6 +154,8 @@ class CoordinatorCore:
         self.history = open_history(self.cfg, self.dir)
         torch.set_num_threads(cfg.torch_threads)
         self.task: Task = load_task(cfg.task, cfg.task_options)
+        # The model every agent must build too: a refused dtype stops the start here (78).
+        self.admission = Admission(task_fingerprint(self.task))
         self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=10_000)
         extra: dict[str, Any] = {} if receive_maximum is None else {"receive_maximum": receive_maximum}
         self.transport = make_transport(
@@ -207,8 +212,13 @@ class CoordinatorCore:
         return self.messenger.recent_rejections
 
     def online_agents(self) -> dict[str, int]:
-        """Agents whose last presence said online, with the samples they announced."""
-        return {a: int(p.get("samples", 0)) for a, p in sorted(self.peers.items()) if p.get("online")}
+        """Agents whose last presence said online and that are not refused, with the
+        samples they announced."""
+        return {
+            a: int(p.get("samples", 0))
+            for a, p in sorted(self.peers.items())
+            if p.get("online") and not self.admission.is_refused(a)
+        }
 
     # -- network -----------------------------------------------------------------------
     async def _on_connect(self) -> None:
@@ -216,7 +226,14 @@ class CoordinatorCore:
         self.liveness.excuse(time.monotonic())
         await self.transport.publish(
             topics.presence(self.fed, self.cfg.id),
-            presence_payload(self.cfg, self.fed, True, model_version=self.mode.model_version(), broker=self.cfg.broker),
+            presence_payload(
+                self.cfg,
+                self.fed,
+                True,
+                model_version=self.mode.model_version(),
+                broker=self.cfg.broker,
+                model=self.admission.digest,
+            ),
             retain=True,
         )
         await self.mode.on_connect()
@@ -270,7 +287,7 @@ class CoordinatorCore:
         silent_for = now - self._silent_at.pop(agent, now)
         peer = self.peers.get(agent, {})
         log.info("%s is heard again after %.1f s of silence", agent, silent_for)
-        if peer.get("online"):
+        if peer.get("online") and not self.admission.is_refused(agent):
             await self.mode.on_presence(agent, True, int(peer.get("samples", 0)), now)
 
     async def _check_liveness(self, item: LivenessCheck, now: float) -> None:
@@ -312,9 +329,10 @@ class CoordinatorCore:
                             self.liveness.forget(inc.sender)
                             self.silent_since.pop(inc.sender, None)
                             self._silent_at.pop(inc.sender, None)
+                        refused = await self._refused(inc.sender, msg, now)
                         # A retained "online" of an agent that is silent (delivered again
                         # after a reconnection) does not bring it back; a heartbeat does.
-                        if not self.liveness.is_silent(inc.sender):
+                        if not refused and not self.liveness.is_silent(inc.sender):
                             await mode.on_presence(inc.sender, msg.online, msg.num_samples, now)
                 elif isinstance(msg, Evaluation):
                     if inc.role != "agent":
@@ -331,6 +349,11 @@ class CoordinatorCore:
                             self.held_out.add(
                                 inc.sender, msg.model_version, msg.num_samples, msg.metrics, current=current
                             )
+                elif isinstance(msg, ModelCheck):
+                    if inc.role == "agent":
+                        diff = self.admission.on_check(inc.sender, msg)
+                        if diff:
+                            log.warning("%s refused: its model differs from this one: %s", inc.sender, diff)
                 elif isinstance(msg, Heartbeat):
                     if inc.role == "agent":
                         await self._heard(inc.sender, self.liveness.heartbeat(inc.sender, msg.interval, now), now)
@@ -356,6 +379,26 @@ class CoordinatorCore:
             if self.queue.empty():
                 self.settled = mode.snapshot()
 
+    async def _refused(self, agent: str, msg: Presence, now: float) -> bool:
+        """Whether ``agent``'s presence is refused (:mod:`.admission`): the mode then sees
+        it offline, and an agent whose model differs gets this model's fingerprint."""
+        was = self.admission.is_refused(agent)
+        refusal, check = self.admission.on_presence(agent, msg)
+        if refusal is None or not msg.online:
+            return False
+        if not was:
+            log.warning("%s refused: %s", agent, refusal.detail)
+            # It may have been taken before (a restart with another model or no data).
+            await self.mode.on_presence(agent, False, 0, now)
+        if check is not None:
+            try:
+                await self.messenger.send(topics.direct(self.fed, self.cfg.id, agent, check.kind), check)
+            except TransportError as exc:
+                if exc.exit_code == EXIT_CONFIG:
+                    raise
+                log.warning("the model fingerprint for %s was not sent: %s", agent, exc)
+        return True
+
     # -- control -----------------------------------------------------------------------
     async def _status(self, _args: dict[str, Any]) -> dict[str, Any]:
         silent = self.transport.silent_for()
@@ -373,6 +416,8 @@ class CoordinatorCore:
             "held_out": self.held_out.summary(),
             "mdns_interfaces": list(self.cfg.interfaces),
             "peers": self.peer_table(),
+            "refused_agents": self.admission.status(),
+            "model_digest": self.admission.digest or None,
             "rejected": dict(self.messenger.rejected),
             "recent_rejections": list(self.messenger.recent_rejections),
             # frames dropped unread: sender -> reason -> count (fedagent.protocols.ratelimit)

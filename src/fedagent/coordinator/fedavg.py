@@ -51,6 +51,7 @@ from fedagent.storage import checkpoint
 from fedagent.storage.roundjournal import InFlight
 from fedagent.storage.statefile import atomic_write, read_bytes
 from fedagent.tasks.base import get_weights
+from fedagent.tasks.fingerprint import fingerprint
 
 log = logging.getLogger("fedagent.coordinator")
 
@@ -168,6 +169,7 @@ class FedAvgMode:
         self._answers: set[asyncio.Task[None]] = set()
         self.vocab: VocabStage | None = None
         self.machine: R.RoundMachine | None = None
+        self.model_meta: dict[str, Any] = {}  # what checkpoints record of the model
         if has_vocabulary(self.task):
             self.vocab = VocabStage(
                 core.dir / "vocabulary.json",
@@ -191,7 +193,11 @@ class FedAvgMode:
             assert self.vocab.vocabulary is not None
             self.task.set_vocabulary(list(self.vocab.vocabulary.terms))  # type: ignore[attr-defined]
             torch.manual_seed(cfg.rounds.seed)
-        weights = get_weights(self.task.build_model())
+        model = self.task.build_model()
+        # Known at the core's start, unless the model waited for the vocabulary.
+        fp = core.admission.fingerprint or fingerprint(model)
+        weights = get_weights(model)
+        del model
         resumed = checkpoint.load(core.ckpt_path)
         meta: dict[str, Any] = {}
         velocity: dict[str, np.ndarray] = {}
@@ -222,6 +228,14 @@ class FedAvgMode:
         core.messenger.bound_transfers(TRANSFER_MODELS * model_bytes + 2**20)
         self.durability.per_sender = min(self.durability.per_sender, 2 * model_bytes + 2**20)
         rc = round_config(cfg)
+        roles = fp.roles(local_norm=rc.train.local_norm)
+        if rc.train.local_norm and not roles.kept:
+            log.warning(
+                "[rounds] local_norm is set, but the model has no normalisation layer: every tensor is averaged"
+            )
+        elif roles.kept:
+            log.info("local_norm (FedBN): %d tensors of normalisation layers stay on the agents", len(roles.kept))
+        self.model_meta = fp.meta(kept=roles.kept)
         store: FileVelocity | None = None
         if rc.momentum > 0:
             # The velocity is kept on disk beside the checkpoint (coordinator/velocity.py),
@@ -261,6 +275,7 @@ class FedAvgMode:
             # every update frame of the round in flight is in the round journal
             replays=True,
             norm_history=_norm_history(meta.get("norms")),
+            roles=roles,
         )
         privacy = self.machine.privacy()
         if privacy is not None:
@@ -484,6 +499,7 @@ class FedAvgMode:
             "model_version": m["model_version"],
             "selected": m["selected"],
             "received": m["received"],
+            "waiting": m.get("waiting"),
             "metrics": m["metrics"],
             "vocabulary_size": vs.get("vocabulary_size"),
             "vocab_digest": vs.get("vocab_digest"),
@@ -739,6 +755,7 @@ class FedAvgMode:
                 "metrics": cmd.metrics,
                 "final": cmd.final,
                 "vocab_digest": self._vocab_digest,
+                "model": self.model_meta,
             }
             privacy_state = self.machine.privacy_state()
             if privacy_state is not None:

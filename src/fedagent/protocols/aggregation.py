@@ -73,13 +73,26 @@ class WeightedMean:
     indices) at a time (:meth:`fold`) and counted once the whole update is known good
     (:meth:`count_in`); :meth:`add` does both for a whole update. :meth:`result` turns
     the sums into the mean *in place* (no third model-sized buffer), so it can be taken once.
+
+    The tensors named in ``values`` (a model's buffers) are summed as ``w · θ`` instead,
+    in float64: their mean is then a convex combination of the agents' values computed
+    from the values alone, so a buffer that is non-negative on every agent (a running
+    variance, a counter) is non-negative in the mean, whatever the global model held.
     """
 
-    def __init__(self, reference: Mapping[str, np.ndarray], *, compact: bool = False) -> None:
+    def __init__(
+        self, reference: Mapping[str, np.ndarray], *, compact: bool = False, values: frozenset[str] = frozenset()
+    ) -> None:
         self._ref = reference
         self._dtypes = {k: v.dtype for k, v in reference.items()}
+        self._values = values & reference.keys()
         self._sum = {
-            k: np.zeros(v.shape, dtype=np.float32 if compact and v.dtype in (np.float32, np.float16) else np.float64)
+            k: np.zeros(
+                v.shape,
+                dtype=np.float32
+                if compact and v.dtype in (np.float32, np.float16) and k not in self._values
+                else np.float64,
+            )
             for k, v in reference.items()
         }
         self.total_weight = 0.0
@@ -94,6 +107,9 @@ class WeightedMean:
         acc = self._sum[name].reshape(-1)
         ref = np.asarray(self._ref[name]).reshape(-1)
         w = acc.dtype.type(weight)
+        if name in self._values:
+            self._fold_values(acc, ref, start, values, indices, w, delta=delta)
+            return
         if indices is not None:
             v = values.astype(acc.dtype, copy=False)
             if not delta:
@@ -122,6 +138,25 @@ class WeightedMean:
                 t *= w
                 a = acc[start + s : start + e]
                 a += t
+
+    @staticmethod
+    def _fold_values(
+        acc: np.ndarray,
+        ref: np.ndarray,
+        start: int,
+        values: np.ndarray,
+        indices: np.ndarray | None,
+        w: np.floating,
+        *,
+        delta: bool,
+    ) -> None:
+        """``acc += w · θ`` for a tensor summed from its values (float64; a buffer is small)."""
+        where = indices if indices is not None else slice(start, start + values.size)
+        theta = values.reshape(-1).astype(np.float64)
+        if delta:
+            theta = theta + ref[where]
+        with np.errstate(over="ignore", invalid="ignore"):
+            acc[where] += theta * w
 
     def count_in(self, weight: float) -> None:
         self.total_weight += weight
@@ -154,7 +189,8 @@ class WeightedMean:
         out: Weights = {}
         for name, d in deltas.items():
             dtype = self._dtypes[name]
-            d += np.asarray(self._ref[name]).astype(d.dtype, copy=False)
+            if name not in self._values:  # those sums are of the values themselves
+                d += np.asarray(self._ref[name]).astype(d.dtype, copy=False)
             out[name] = np.asarray(np.rint(d) if dtype.kind in "iub" else d).astype(dtype, copy=False)
         return out
 
@@ -187,24 +223,30 @@ def check_server_lr(step: float) -> None:
 
 
 def floating_pairs(
-    reference: Mapping[str, np.ndarray], aggregate: Mapping[str, np.ndarray], out: Weights
+    reference: Mapping[str, np.ndarray],
+    aggregate: Mapping[str, np.ndarray],
+    out: Weights,
+    fixed: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
     """``(name, aggregate tensor, reference tensor)`` for the floating tensors, for a
-    server step to move; every other tensor (counters) goes into ``out`` as the
-    aggregate has it."""
+    server step to move; every other tensor (counters) and those named in ``fixed`` (a
+    model's buffers and frozen parameters) go into ``out`` as the aggregate has them."""
     for name, agg in aggregate.items():
         ref = np.asarray(reference[name])
-        if ref.dtype.kind != "f":
+        if ref.dtype.kind != "f" or name in fixed:
             out[name] = agg
             continue
         yield name, agg, ref
 
 
-def server_step(reference: Mapping[str, np.ndarray], aggregate: Weights, step: float) -> Weights:
+def server_step(
+    reference: Mapping[str, np.ndarray], aggregate: Weights, step: float, fixed: frozenset[str] = frozenset()
+) -> Weights:
     """The next global model when the server moves ``step`` times as far as the
     aggregate did: ``reference + step · (aggregate − reference)`` for every floating
     tensor (computed in float64, stored in the tensor's dtype); other tensors (counters)
-    are the aggregate's. ``step = 1`` is the aggregate itself (plain FedAvg).
+    and the ``fixed`` ones (buffers: a variance extrapolated can turn negative) are the
+    aggregate's. ``step = 1`` is the aggregate itself (plain FedAvg).
 
     With ``n`` equally weighted agents each training on its own data from the same
     model, the mean of their updates is ``1/n`` of what one model taking all of their
@@ -213,15 +255,21 @@ def server_step(reference: Mapping[str, np.ndarray], aggregate: Weights, step: f
     check_server_lr(step)
     if step == 1:
         return aggregate
-    return extrapolate(reference, aggregate, step)
+    return extrapolate(reference, aggregate, step, fixed)
 
 
-def extrapolate(reference: Mapping[str, np.ndarray], moved: Mapping[str, np.ndarray], scale: float) -> Weights:
-    """``reference + scale · (moved − reference)`` for every floating tensor (in float64,
-    stored in the tensor's dtype); other tensors as ``moved`` has them. No check of
-    ``scale``: :func:`server_step` and the gossip outer step bound it themselves."""
+def extrapolate(
+    reference: Mapping[str, np.ndarray],
+    moved: Mapping[str, np.ndarray],
+    scale: float,
+    fixed: frozenset[str] = frozenset(),
+) -> Weights:
+    """``reference + scale · (moved − reference)`` for every floating tensor but the
+    ``fixed`` ones (in float64, stored in the tensor's dtype); other tensors as ``moved``
+    has them. No check of ``scale``: :func:`server_step` and the gossip outer step bound
+    it themselves."""
     out: Weights = {}
-    for name, agg, ref in floating_pairs(reference, moved, out):
+    for name, agg, ref in floating_pairs(reference, moved, out, fixed):
         step = ref.astype(np.float64) + scale * (np.asarray(agg, np.float64) - ref)
         out[name] = step.astype(ref.dtype, copy=False)
     return out
@@ -446,14 +494,26 @@ class StrategyAggregator:
     one at a time: :meth:`plan` from the metadata, :meth:`fold` per slice of values,
     :meth:`commit` when the update is known good."""
 
-    def __init__(self, strategy: Strategy, reference: Mapping[str, np.ndarray], *, compact: bool = False) -> None:
+    def __init__(
+        self,
+        strategy: Strategy,
+        reference: Mapping[str, np.ndarray],
+        *,
+        compact: bool = False,
+        values: frozenset[str] = frozenset(),
+    ) -> None:
+        """``values``: the tensors averaged from their values (:class:`WeightedMean`)."""
         self.strategy = strategy
         self._reference = reference
         self._buffer: list[tuple[str, Mapping[str, np.ndarray]]] = []  # robust aggregators only
         # A robust aggregator never reads the running sums: not allocating them saves
         # one model's worth of memory next to the n buffered updates.
-        self._plain = None if strategy.robust else WeightedMean(reference, compact=compact)  # Σ w Δ or Σ Δ (blur)
-        self._by_level = WeightedMean(reference, compact=compact) if strategy.name == "blur" else None  # Σ L Δ
+        self._plain = (
+            None if strategy.robust else WeightedMean(reference, compact=compact, values=values)
+        )  # Σ w Δ or Σ Δ (blur)
+        self._by_level = (
+            WeightedMean(reference, compact=compact, values=values) if strategy.name == "blur" else None
+        )  # Σ L Δ
         self.levels: dict[str, float] = {}  # blur: sender -> L
         self.weights: dict[str, float] = {}  # sender -> weight in the aggregate
         self.dropped: dict[str, float] = {}  # sender -> the value that dropped it

@@ -15,7 +15,10 @@ Why deltas: after a round every agent starts from the same global model, so the
 coordinator can rebuild ``global + mean(delta)`` exactly, and a delta is small and
 centred, which is what quantisation and sparsification need (quantising raw weights
 would cost the precision of the large, unchanged part of the model). Only floating
-tensors are compressed; integer tensors (e.g. BatchNorm counters) travel raw.
+parameters are compressed; integer tensors (e.g. BatchNorm counters) and the tensors an
+agent names ``exact`` (its model's buffers: a running variance must not come back off by
+a quantisation step, nor negative) travel raw. A float16 tensor's delta is computed in
+float32; a bfloat16 one is float32 here already.
 
 The default (``[transfer] compression`` not set) is :data:`DEFAULT_MODE`, ``int8``, for
 every FedAvg round whose updates are streamed; rounds that take whole updates (robust
@@ -44,9 +47,11 @@ Weights = dict[str, np.ndarray]
 
 MODES = ("none", "fp16", "int8", "topk")
 ENCODINGS = ("raw", "fp16", "int8", "topk")
-# Model dtypes an update may carry (a subset of the codec's allow-list: no float16 models).
+# Model dtypes an update may carry: the codec's allow-list (a bfloat16 tensor is float32
+# inside fedagent, protocols/fingerprint.py).
 MODEL_DTYPES: dict[str, np.dtype] = {
-    n: np.dtype(n).newbyteorder("<") for n in ("float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")
+    n: np.dtype(n).newbyteorder("<")
+    for n in ("float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")
 }
 INDEX_DTYPE = np.dtype("<u4")
 VALUE_DTYPE = np.dtype("<f4")
@@ -143,10 +148,12 @@ class Compressor:
     """Turns trained weights into wire tensors; keeps the top-k residual between rounds.
 
     ``encode(weights, base)`` returns ``[(spec, bytes-like), ...]``. A ``raw`` tensor is
-    the full value; ``fp16``/``int8``/``topk`` tensors are deltas to ``base``."""
+    the full value; ``fp16``/``int8``/``topk`` tensors are deltas to ``base``. ``exact``:
+    names that always travel raw (the model's buffers)."""
 
-    def __init__(self, config: CompressionConfig | None = None) -> None:
+    def __init__(self, config: CompressionConfig | None = None, *, exact: frozenset[str] = frozenset()) -> None:
         self.config = config or CompressionConfig()
+        self.exact = exact
         self.residual: Weights = {}
 
     def encode(
@@ -163,7 +170,7 @@ class Compressor:
             dtype = w.dtype.name
             if dtype not in MODEL_DTYPES:
                 raise CodecError(f"tensor {name!r}: dtype {dtype} cannot be sent")
-            if mode == "none" or w.dtype.kind != "f":
+            if mode == "none" or w.dtype.kind != "f" or name in self.exact:
                 # raw always means the tensor's full value (integer tensors are never deltas).
                 data = w.astype(MODEL_DTYPES[dtype], copy=False)
                 out.append((TensorSpec(name, dtype, w.shape, "raw", 0, data.nbytes), _bytes(data)))

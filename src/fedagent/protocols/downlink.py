@@ -4,8 +4,9 @@ A FedAvg round start carries the global model. With ``[transfer] downlink = "int
 default when updates are int8) the coordinator sends it, once a round has been
 aggregated, as the step from the model of the version before: each float32 tensor's step
 quantised to int8 with one scale, as agents quantise their updates
-(:func:`~fedagent.protocols.compression.quantize_int8`), the other tensors whole. A round
-start then carries a quarter of the model's bytes.
+(:func:`~fedagent.protocols.compression.quantize_int8`), the other tensors (and the
+model's buffers and frozen parameters) whole. A round start then carries a quarter of the
+model's bytes.
 
 No node drifts: the coordinator keeps as its global model exactly what every agent
 rebuilds, ``base + int8 · scale`` in float32 by :func:`apply_step` on both sides, so
@@ -112,19 +113,23 @@ def apply_step(base: np.ndarray, q: np.ndarray, scale: float, out: np.ndarray | 
     return t
 
 
-def quantize_step(old: Weights, new: Weights, base_version: int) -> tuple[Weights, ModelDelta]:
+def quantize_step(
+    old: Weights, new: Weights, base_version: int, *, whole: frozenset[str] = frozenset()
+) -> tuple[Weights, ModelDelta]:
     """The model the agents will rebuild from ``old`` (version ``base_version``) and the
     delta that takes them there. ``new`` must hold finite values, and is taken over: its
     tensors leave the dict one by one, and each one's memory holds its step while it is
     quantised and then the rebuilt tensor: beyond ``old`` and ``new`` only the int8
-    steps are allocated (a quarter of the model)."""
+    steps are allocated (a quarter of the model). The tensors named in ``whole`` (a
+    model's buffers: a running variance one quantisation step off can be negative) are
+    sent whole."""
     rebuilt: Weights = {}
     steps: dict[str, tuple[np.ndarray, float]] = {}
-    whole: Weights = {}
+    kept: Weights = {}
     for name in list(new):
         n = new.pop(name)
         o = old.get(name)
-        if o is not None and n.dtype == F32 and o.dtype == F32 and o.shape == n.shape:
+        if name not in whole and o is not None and n.dtype == F32 and o.dtype == F32 and o.shape == n.shape:
             if n.flags.writeable and n.flags.c_contiguous and not np.may_share_memory(n, o):
                 d = np.subtract(n, o, out=n)
             else:
@@ -134,9 +139,9 @@ def quantize_step(old: Weights, new: Weights, base_version: int) -> tuple[Weight
             steps[name] = (q, scale)
             rebuilt[name] = apply_step(o, q, scale, out=d)
         else:
-            whole[name] = n
+            kept[name] = n
             rebuilt[name] = n
-    return rebuilt, ModelDelta(base_version, steps, whole)
+    return rebuilt, ModelDelta(base_version, steps, kept)
 
 
 def rebuild(base: Mapping[str, np.ndarray], delta: ModelDelta) -> Weights:

@@ -13,8 +13,13 @@ momentum ``β`` (``[rounds] server_momentum``):
   distribution for federated visual classification", Algorithm 1 with the server's
   pseudo-gradient ``−Δ``).
 
-The velocity covers the floating tensors only (counters are the aggregate's, as in
-:func:`server_step`) and is held in each tensor's dtype. The coordinator keeps it in a
+The step moves the trainable parameters only. A model's buffers (BatchNorm's running
+statistics) and frozen parameters are named ``fixed``: they are the aggregate itself
+(the weighted mean of the agents' values), never extrapolated by ``η`` or a velocity: a
+running variance moved like a weight went negative within three rounds at β = 0.7, and
+the model's outputs with it to NaN. Counters (integer tensors) are the aggregate's too.
+The velocity covers the floating tensors (a fixed one's is zero) and is held in each
+tensor's dtype. The coordinator keeps it in a
 :class:`VelocityStore` (a file beside its checkpoint) and a restart continues with the
 velocity the checkpointed model was made with.
 """
@@ -81,18 +86,20 @@ def momentum_step(
     *,
     lr: float,
     beta: float,
+    fixed: frozenset[str] = frozenset(),
 ) -> tuple[Weights, Weights]:
     """The next global model and the next velocity (module docstring), computed in each
     tensor's dtype (:func:`_momentum_block`). A tensor without a velocity yet starts from
-    zero. Neither ``reference`` nor ``velocity`` is changed: the caller keeps both until
-    it adopts the results (a round whose aggregate is refused keeps the old ones)."""
+    zero; a ``fixed`` one is the aggregate's and has none. Neither ``reference`` nor
+    ``velocity`` is changed: the caller keeps both until it adopts the results (a round
+    whose aggregate is refused keeps the old ones)."""
     check_server_lr(lr)
     check_momentum(beta)
     if beta == 0:
-        return server_step(reference, aggregate, lr), {}
+        return server_step(reference, aggregate, lr, fixed), {}
     out: Weights = {}
     vel: Weights = {}
-    for name, agg, ref in floating_pairs(reference, aggregate, out):
+    for name, agg, ref in floating_pairs(reference, aggregate, out, fixed):
         new = np.array(agg, dtype=ref.dtype, copy=True)
         old = velocity.get(name)
         v = np.empty_like(ref)
@@ -180,19 +187,30 @@ def momentum_step_into(
     lr: float,
     beta: float,
     block: int = BLOCK,
+    fixed: frozenset[str] = frozenset(),
 ) -> Weights:
     """:func:`momentum_step` a block at a time, with the velocity read from ``store``
     and the next one written to ``writer``: the same values to the last bit. The next
     model is written into ``aggregate``'s floating tensors where the caller owns them
     (writable, contiguous, of the model's dtype and not sharing memory with
     ``reference``; otherwise into a copy), so that the step needs no model-sized buffer
-    beyond the aggregate. ``reference`` is not changed."""
+    beyond the aggregate. ``reference`` is not changed. A ``fixed`` tensor is the
+    aggregate's; its velocity is written as zeros (the file's layout is every floating
+    tensor's, whatever the model's buffers)."""
     check_server_lr(lr)
     check_momentum(beta)
     if beta == 0:
         raise ValueError("momentum_step_into is the momentum step: without momentum use server_step")
     out: Weights = {}
-    for name, agg, ref in floating_pairs(reference, aggregate, out):
+    for name, agg in aggregate.items():
+        ref = np.asarray(reference[name])
+        if ref.dtype.kind != "f" or name in fixed:
+            out[name] = agg
+            if ref.dtype.kind == "f":  # in the layout's order, as every velocity block
+                zeros = np.zeros(min(block, max(ref.size, 1)), ref.dtype)
+                for start in range(0, max(ref.size, 1), block):
+                    writer.write(name, zeros[: min(block, ref.size - start)])
+            continue
         dst = agg
         owned = (
             isinstance(dst, np.ndarray)

@@ -107,13 +107,23 @@ class SyncTask(Task):
 
 
 def get_weights(model: torch.nn.Module) -> Weights:
-    """The model's state as numpy arrays (copies, so training can't change them)."""
-    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+    """The model's state as numpy arrays (copies, so training can't change them). A
+    bfloat16 tensor, which numpy has no type for, comes as float32: every bfloat16 value
+    is one, exactly (:mod:`fedagent.protocols.fingerprint`)."""
+    return {k: _as_array(v) for k, v in model.state_dict().items()}
+
+
+def _as_array(value: torch.Tensor) -> np.ndarray:
+    t = value.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy()
+    return t.numpy().copy()
 
 
 def set_weights(model: torch.nn.Module, weights: Mapping[str, np.ndarray]) -> None:
     """Copy ``weights`` into the model's parameters and buffers (the arrays are not
-    kept: ``load_state_dict`` copies each into the model's own tensor)."""
+    kept: ``load_state_dict`` copies each into the model's own tensor, in its dtype: a
+    float32 array into a bfloat16 tensor is rounded to nearest even)."""
     state = model.state_dict()
     if state.keys() != weights.keys():
         raise ValueError("weights do not match the model's parameters")

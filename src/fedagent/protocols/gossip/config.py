@@ -48,6 +48,9 @@ class GossipConfig:
     fanout: int = 1  # peers the model is sent to per period
     neighbour_ttl: int = 10  # screening: periods a neighbour's latest model stays usable
     outer_step: float = 1.0  # adopt start + this x (trained - start) after each period (1: as trained)
+    # tensors the outer step takes as trained, never extrapolated: the model's buffers
+    # (a running variance extrapolated can turn negative) and frozen parameters
+    fixed: frozenset[str] = frozenset()
 
     @property
     def robust(self) -> bool:

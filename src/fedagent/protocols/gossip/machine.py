@@ -508,7 +508,7 @@ class GossipMachine:
         steps = self.config.period_steps if ev.steps is None else ev.steps
         try:
             check_update(weights, ev.weights)
-            result = outer_step(weights, ev.weights, self.config.outer_step)
+            result = outer_step(weights, ev.weights, self.config.outer_step, self.config.fixed)
             if self.config.outer_step != 1.0:
                 check_update(weights, result)
         except UpdateRejected as exc:

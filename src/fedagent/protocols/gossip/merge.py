@@ -38,14 +38,19 @@ def mass_weighted_mean(items: Sequence[tuple[Mapping[str, np.ndarray], float]], 
     return acc.result()
 
 
-def outer_step(start: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarray], scale: float) -> Weights:
-    """``start + scale x (trained - start)`` for every floating parameter (computed in
-    float64, the parameter's dtype back); other parameters as trained. ``scale`` 1 returns
-    ``trained`` unchanged."""
+def outer_step(
+    start: Mapping[str, np.ndarray],
+    trained: Mapping[str, np.ndarray],
+    scale: float,
+    fixed: frozenset[str] = frozenset(),
+) -> Weights:
+    """``start + scale x (trained - start)`` for every floating parameter but the ``fixed``
+    ones (buffers; computed in float64, the parameter's dtype back); other tensors as
+    trained. ``scale`` 1 returns ``trained`` unchanged."""
     if scale == 1.0:
         return dict(trained)
     with np.errstate(over="ignore"):  # an overflow is inf, refused by the caller
-        return extrapolate(start, trained, scale)
+        return extrapolate(start, trained, scale, fixed)
 
 
 def distance(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], names: tuple[str, ...]) -> float:

@@ -7,7 +7,7 @@ body; ``from_body`` validates a decoded body field by field and raises
 is decided by the receiver's protocol state and the envelope ``kind``, through the fixed
 table ``KINDS`` — never by looking up a name sent by the peer.
 
-The messages are grouped by concern: :mod:`.control` (presence, heartbeat),
+The messages are grouped by concern: :mod:`.control` (presence, heartbeat, model check),
 :mod:`.rounds` (FedAvg), :mod:`.fedbuff` (asynchronous buffered FedAvg), :mod:`.gossip`, :mod:`.vocabulary`, :mod:`.syncopt`,
 :mod:`.search`; the secure-aggregation messages are :mod:`fedagent.protocols.secagg`'s.
 """
@@ -20,7 +20,7 @@ from typing import Any
 from fedagent.errors import CodecError
 from fedagent.protocols.codec import Limits
 from fedagent.protocols.fields import MAX_METRICS
-from fedagent.protocols.messages.control import MODES, ROLES, Heartbeat, Presence
+from fedagent.protocols.messages.control import MODES, ROLES, Heartbeat, ModelCheck, Presence
 from fedagent.protocols.messages.fedbuff import AsyncModel, AsyncTask, AsyncUpdate
 from fedagent.protocols.messages.gossip import MAX_EXCHANGE_ID, GossipAck, GossipModel
 from fedagent.protocols.messages.rounds import (
@@ -73,6 +73,7 @@ __all__ = [
     "Heartbeat",
     "Limits",
     "Message",
+    "ModelCheck",
     "ModelRequest",
     "Presence",
     "PublicVectors",
@@ -94,6 +95,7 @@ __all__ = [
 
 Message = (
     Presence
+    | ModelCheck
     | RoundStart
     | Update
     | RoundResult
@@ -125,6 +127,7 @@ KINDS: dict[str, type[Message]] = {
     for cls in (
         Presence,
         Heartbeat,
+        ModelCheck,
         RoundStart,
         Update,
         RoundResult,

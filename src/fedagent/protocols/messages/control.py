@@ -1,4 +1,5 @@
-"""Messages every node sends, whatever its mode: its presence and its heartbeat."""
+"""Messages every node sends, whatever its mode: its presence, its heartbeat and, to a
+node whose model differs from its own, its model's fingerprint."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import ClassVar
 
 from fedagent.errors import CodecError
 from fedagent.protocols import fields as F
+from fedagent.protocols.fingerprint import DIGEST_CHARS, MAX_TENSORS, Fingerprint, TensorInfo
 
 ROLES = ("agent", "coordinator")
 MODES = ("fedavg", "syncopt", "gossip", "async")
@@ -27,6 +29,7 @@ class Presence(F.WireMessage):
         F.Field("model_version", F.Count(), default=0),
         F.Field("broker", F.Text(max_len=256), default=""),
         F.Field("downlinks", F.Strings(MAX_DOWNLINKS, max_len=16), default=(), omit_default=True),
+        F.Field("model", F.Text(max_len=DIGEST_CHARS), default="", omit_default=True),
     )
     online: bool
     role: str
@@ -38,6 +41,9 @@ class Presence(F.WireMessage):
     # ("int8": round starts as int8 steps, protocols/downlink.py). Agents of releases
     # before the int8 broadcast send none, and get the whole model.
     downlinks: tuple[str, ...] = ()
+    # The digest of the node's model fingerprint (protocols/fingerprint.py); "" from
+    # earlier releases, and from a node whose model waits for a vocabulary.
+    model: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -65,3 +71,36 @@ class Heartbeat(F.WireMessage):
         v = self.interval
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.05 <= v <= 3600):
             raise CodecError("heartbeat: interval must be 0.05..3600 seconds")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCheck(F.WireMessage):
+    """Node → node, when the other's presence announced another model digest than this
+    node's: this node's fingerprint, so the receiver can name the first tensor that
+    differs on both sides. ``refused``: why the sender does not take the receiver
+    (a coordinator refusing an agent; empty from a node that only reports its model)."""
+
+    kind: ClassVar[str] = "model_check"
+    WIRE: ClassVar[F.Body] = F.Body(
+        "model_check",
+        F.Field("digest", F.Text(max_len=DIGEST_CHARS, min_len=1)),
+        F.Field("tensors", F.Items(MAX_TENSORS, F.Nested(TensorInfo))),
+        F.Field("refused", F.Text(max_len=1000), default="", omit_default=True),
+    )
+    digest: str
+    tensors: tuple[TensorInfo, ...]
+    refused: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensors, tuple) or not all(isinstance(t, TensorInfo) for t in self.tensors):
+            raise CodecError("model_check: tensors must be a tuple of model tensors")
+        if self.fingerprint.digest != self.digest:
+            raise CodecError("model_check: the digest is not the one of the tensors listed")
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        return Fingerprint(self.tensors)
+
+    @classmethod
+    def of(cls, fp: Fingerprint, refused: str = "") -> ModelCheck:
+        return cls(fp.digest, fp.tensors, refused)

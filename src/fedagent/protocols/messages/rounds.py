@@ -37,6 +37,7 @@ class TrainConfig(F.WireMessage):
         F.Field("dp_clip", F.Nullable(F.Number()), default=None, omit_default=True),
         F.Field("dp_noise_std", F.Number(), default=0.0, send=lambda t: t.dp_clip is not None),
         F.Field("dp_count_std", F.Number(), default=0.0, omit_default=True),
+        F.Field("local_norm", F.Flag(), default=False, omit_default=True),
     )
     epochs: int = 1
     lr: float = 0.05
@@ -54,10 +55,14 @@ class TrainConfig(F.WireMessage):
     # Mini-batches of local training a round instead of ``epochs`` passes (0: epochs).
     # A fraction of an epoch a round: the sites average more often for the same passes.
     steps: int = 0
+    # FedBN: the agents keep their own normalisation layers (parameters and buffers),
+    # train from the global model's other tensors and send the global model's values
+    # for those (protocols/fingerprint.py).
+    local_norm: bool = False
 
     def __post_init__(self) -> None:
-        if type(self.stream) is not bool:
-            raise CodecError("train config: stream must be a bool")
+        if type(self.stream) is not bool or type(self.local_norm) is not bool:
+            raise CodecError("train config: stream and local_norm must be bools")
         if self.dp_clip is not None and not (math.isfinite(self.dp_clip) and 0 < self.dp_clip < 1e12):
             raise CodecError("train config: dp_clip out of range")
         if not (math.isfinite(self.dp_noise_std) and 0 <= self.dp_noise_std < 1e12):

@@ -20,6 +20,7 @@ from fedagent.protocols import secagg as SA
 from fedagent.protocols.aggregation import Plan, StrategyAggregator, UpdateRejected, check_update, weighted_metrics
 from fedagent.protocols.downlink import ModelDelta
 from fedagent.protocols.dp import Accountant, ClipBound, DPAggregator
+from fedagent.protocols.fingerprint import Roles
 from fedagent.protocols.rounds.bounds import Bench, Influence
 from fedagent.protocols.rounds.config import RoundConfig
 from fedagent.protocols.rounds.events import (
@@ -106,6 +107,7 @@ class RoundMachine:
         verify_statement: SA.KeyVerifier | None = None,
         replays: bool = False,
         norm_history: Sequence[Sequence[float]] = (),
+        roles: Roles | None = None,
     ) -> None:
         """``completed_rounds``/``last_round``/``model_version`` resume from a checkpoint, and
         so do ``privacy_state`` (:meth:`privacy_state`): ε already spent and the clip bound,
@@ -117,7 +119,9 @@ class RoundMachine:
         ``rng`` draws the DP noise (default: seeded by the operating system).
         ``verify_statement`` checks an agent's signature of a statement (secure rounds: the
         survivor list), raising if it is not valid; without it signatures are passed on
-        unchecked (the agents check them in any case).
+        unchecked (the agents check them in any case). ``roles``: what the model's
+        fingerprint says of its tensors (buffers, frozen parameters, the layers kept on
+        the agents): without it every floating tensor is a trainable parameter.
 
         ``replays``: the caller carries out :class:`Refold` (it can read every update of
         the round in flight back, from its journal): an update that fails after parts of
@@ -129,6 +133,7 @@ class RoundMachine:
             raise ValueError("the norm bound needs a caller that replays updates (replays=True)")
         self.config = config
         self.weights = weights
+        self.roles = roles or Roles()
         self.server_step = ServerStep(
             weights,
             server_lr=config.server_lr,
@@ -136,6 +141,7 @@ class RoundMachine:
             downlink=config.downlink,
             velocity=velocity,
             store=velocity_store,
+            roles=self.roles,
         )
         self.model_version = model_version
         self.completed = completed_rounds
@@ -315,7 +321,24 @@ class RoundMachine:
             "privacy": self.privacy(),
             "stop_reason": self.stop_reason,
             "bounds": {**self.influence.status(), "benched": self.bench.status()},
+            "waiting": self.waiting(),
         }
+
+    def waiting(self) -> dict[str, object] | None:
+        """What the machine waits for: a quorum (``need`` agents online, ``online`` the
+        ones there are) before a round, or the updates of the selected agents still
+        online during one; None when it waits for nothing (done, or starting now)."""
+        if self.phase is Phase.WAITING:
+            if len(self.online) < self.config.min_agents:
+                return {"for": "quorum", "need": self.config.min_agents, "online": sorted(self.online)}
+            return None
+        if self.phase is Phase.TRAINING:
+            if self.secagg is not None:
+                return {"for": "secure aggregation", "agents": sorted(self.selected)}
+            owed = sorted(a for a in self._outstanding if a in self.online)
+            gone = sorted(a for a in self._outstanding if a not in self.online)
+            return {"for": "updates", "agents": owed, "offline": gone}
+        return None
 
     # -- starting ----------------------------------------------------------------------
     def _maybe_start(self, now: float) -> list[Command]:
@@ -410,7 +433,7 @@ class RoundMachine:
             self._acc = self.budget.aggregator(self.weights, len(agents))
             train = self.budget.train(train, len(agents))
         else:
-            self._acc = StrategyAggregator(cfg.strategy, self.weights, compact=True)
+            self._acc = StrategyAggregator(cfg.strategy, self.weights, compact=True, values=self.roles.buffers)
         self.inflight = {}
         self.ignored = set()
         if cfg.max_norm is not None:
@@ -464,9 +487,22 @@ class RoundMachine:
         """A selected agent's update was refused: the round does not wait for another."""
         self._outstanding.discard(sender)
 
+    def _counted_out(self, sender: str, refusal: Rejected | None, now: float) -> list[Command]:
+        """``sender``'s update for the round in progress is refused (``refusal``, or
+        refused already by the intake): it sends no other, so the round no longer waits
+        for it (it may still aggregate without it)."""
+        out: list[Command] = [] if refusal is None else [refusal]
+        if sender not in self._outstanding:
+            return out
+        self._refused(sender)
+        return out + self._maybe_finish(now)
+
     def _on_update(self, ev: UpdateReceived, now: float) -> list[Command]:
         def reject(reason: str, detail: str) -> list[Command]:
             return [Rejected(ev.sender, ev.round, reason, detail)]
+
+        def refuse(reason: str, detail: str) -> list[Command]:
+            return self._counted_out(ev.sender, Rejected(ev.sender, ev.round, reason, detail), now)
 
         if self.config.secure is not None:
             return reject("secure", "plain update in a federation with secure aggregation (never aggregated)")
@@ -481,11 +517,9 @@ class RoundMachine:
         if self._replaying:
             return reject("stale", f"round {self.round} is being aggregated")
         if ev.base_version != self.model_version:
-            self._refused(ev.sender)
-            return reject("stale", f"trained from version {ev.base_version}, current {self.model_version}")
+            return refuse("stale", f"trained from version {ev.base_version}, current {self.model_version}")
         if ev.num_samples <= 0:
-            self._refused(ev.sender)
-            return reject("weight", "num_samples must be positive")
+            return refuse("weight", "num_samples must be positive")
         samples = self.influence.samples(ev.sender, ev.num_samples)
         try:
             check_update(self.weights, ev.weights, max_norm=self.config.max_norm)
@@ -497,8 +531,7 @@ class RoundMachine:
             else:
                 self._acc.add(ev.sender, ev.weights, samples, ev.metrics)
         except UpdateRejected as exc:
-            self._refused(ev.sender)
-            return reject(exc.reason, exc.detail)
+            return refuse(exc.reason, exc.detail)
         self.received[ev.sender] = (samples, dict(ev.metrics))
         self._outstanding.discard(ev.sender)
         if ev.leaving:
@@ -540,6 +573,10 @@ class RoundMachine:
                 self._refused(ev.sender)
             return [Rejected(ev.sender, ev.round, reason, detail)]
 
+        def refuse(reason: str, detail: str) -> list[Command]:
+            self.ignored.add((ev.sender, ev.tid))
+            return self._counted_out(ev.sender, Rejected(ev.sender, ev.round, reason, detail), now)
+
         if self.config.secure is not None:
             return reject("secure", "plain update in a federation with secure aggregation (never aggregated)")
         if self.phase is not Phase.TRAINING or ev.round != self.round:
@@ -557,24 +594,24 @@ class RoundMachine:
         if self._replaying:
             return reject("stale", f"round {self.round} is being aggregated", refused=False)
         if ev.base_version != self.model_version:
-            return reject("stale", f"trained from version {ev.base_version}, current {self.model_version}")
+            return refuse("stale", f"trained from version {ev.base_version}, current {self.model_version}")
         names = {t.name: t for t in ev.tensors}
         if names.keys() != self.weights.keys():
             missing = sorted(set(self.weights) - set(names))
             extra = sorted(set(names) - set(self.weights))
-            return reject("names", f"missing {missing[:3]}, unexpected {extra[:3]}")
+            return refuse("names", f"missing {missing[:3]}, unexpected {extra[:3]}")
         for name, ref in self.weights.items():
             t = names[name]
             if t.shape != ref.shape:
-                return reject("shape", f"{name}: {t.shape} != {ref.shape}")
+                return refuse("shape", f"{name}: {t.shape} != {ref.shape}")
             if t.dtype != ref.dtype.name:
-                return reject("dtype", f"{name}: {t.dtype} != {ref.dtype}")
+                return refuse("dtype", f"{name}: {t.dtype} != {ref.dtype}")
         assert self._acc is not None
         samples = self.influence.samples(ev.sender, ev.num_samples)
         try:
             plan = self._acc.plan(samples, ev.metrics)
         except UpdateRejected as exc:
-            return reject(exc.reason, exc.detail)
+            return refuse(exc.reason, exc.detail)
         if plan.dropped is not None:
             # Counted as dropped, never folded: its parts are ignored.
             self._acc.dropped[ev.sender] = plan.dropped
@@ -625,7 +662,13 @@ class RoundMachine:
     def _on_end(self, ev: UpdateEnd, now: float, *, reason: str = "transfer") -> list[Command]:
         fl = self.inflight.get(ev.sender)
         if fl is None or fl.tid != ev.tid:
-            self.ignored.discard((ev.sender, ev.tid))
+            if (ev.sender, ev.tid) in self.ignored:
+                self.ignored.discard((ev.sender, ev.tid))
+                return []
+            if not ev.ok and self.phase is Phase.TRAINING and ev.sender not in self.inflight:
+                # Broken off before its header was read (the intake refused it: counted
+                # and logged there): the update it carried will not come.
+                return self._counted_out(ev.sender, None, now)
             return []
         del self.inflight[ev.sender]
         head = fl.head

@@ -2,7 +2,10 @@
 aggregate to the next global model with ``server_lr`` and server momentum
 (:mod:`fedagent.protocols.serveropt`), the velocity kept in memory or streamed through a
 store, and with the int8 downlink the model as the agents rebuild it from its step
-(:mod:`fedagent.protocols.downlink`)."""
+(:mod:`fedagent.protocols.downlink`). What the model's fingerprint says of each tensor
+(:class:`~fedagent.protocols.fingerprint.Roles`) decides what the step moves: trainable
+parameters only; buffers are the aggregate's and travel whole in the downlink, and with
+``local_norm`` the normalisation layers keep the global model's values."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from fedagent.protocols.downlink import ModelDelta, quantize_step
+from fedagent.protocols.fingerprint import Roles
 from fedagent.protocols.serveropt import (
     VelocityStore,
     VelocityWriter,
@@ -28,7 +32,9 @@ class ServerStep:
     (:meth:`drop`, its aggregate was refused): a velocity a store is writing becomes the
     store's only when its model does. ``velocity``: the one a checkpoint kept (ValueError
     if it does not fit ``weights``; ignored without momentum); ``store``: where the
-    velocity is kept instead (it holds the resumed one, and ``velocity`` must be empty)."""
+    velocity is kept instead (it holds the resumed one, and ``velocity`` must be empty);
+    ``roles``: what each tensor is to the model (default: every floating tensor a
+    trainable parameter)."""
 
     def __init__(
         self,
@@ -39,9 +45,11 @@ class ServerStep:
         downlink: str,
         velocity: Mapping[str, np.ndarray] | None = None,
         store: VelocityStore | None = None,
+        roles: Roles | None = None,
     ) -> None:
         if velocity and store is not None:
             raise ValueError("a velocity is given both in memory and in a store")
+        self.roles = roles or Roles()
         self.server_lr = server_lr
         self.momentum = momentum
         self.downlink = downlink
@@ -50,7 +58,7 @@ class ServerStep:
         self.velocity: Weights = {}
         if velocity and momentum > 0:
             check_velocity(weights, velocity)
-            self.velocity = dict(velocity)
+            self.velocity = {k: v for k, v in velocity.items() if k not in self.roles.fixed}
         # the current model as the step from the version before (downlink = "int8"); None
         # after a restart or before the first aggregation: round starts send it whole
         self.delta: ModelDelta | None = None
@@ -58,13 +66,20 @@ class ServerStep:
     def propose(self, weights: Weights, aggregate: Weights, version: int) -> tuple[Weights, Weights]:
         """The next global model and velocity from the round's aggregate, stepping from
         ``weights`` (model ``version``); neither adopted yet."""
+        roles = self.roles
+        if roles.kept:
+            aggregate = {k: weights[k] if k in roles.kept else v for k, v in aggregate.items()}
         store = self.store
         if store is None or self.momentum == 0:
-            return momentum_step(weights, aggregate, self.velocity, lr=self.server_lr, beta=self.momentum)
+            return momentum_step(
+                weights, aggregate, self.velocity, lr=self.server_lr, beta=self.momentum, fixed=roles.fixed
+            )
         self.drop()
         writer = store.begin(velocity_layout(weights), version + 1)
         try:
-            new = momentum_step_into(weights, aggregate, store, writer, lr=self.server_lr, beta=self.momentum)
+            new = momentum_step_into(
+                weights, aggregate, store, writer, lr=self.server_lr, beta=self.momentum, fixed=roles.fixed
+            )
         except BaseException:
             store.discard(writer)
             raise
@@ -82,7 +97,7 @@ class ServerStep:
             # The model becomes what the agents rebuild from the step sent to them (the
             # previous step goes first: it is the next one's memory).
             self.delta = None
-            new, self.delta = quantize_step(weights, new, version)
+            new, self.delta = quantize_step(weights, new, version, whole=self.roles.fixed)
         self.velocity = velocity
         return new
 
