@@ -92,7 +92,8 @@ class RoundConfig:
     @property
     def caps_weights(self) -> bool:
         """Whether update weights (sample counts) are capped: FedAvg weights by samples
-        (``fedavg``, ``drop_above``), outside privacy and secure rounds."""
+        (``fedavg``, ``drop_above``), outside privacy rounds (a secure round caps the
+        samples that weigh 1 instead, :meth:`Influence.max_weight`)."""
         return self.weight_cap > 0 and self.strategy.name in ("fedavg", "drop_above") and self.dp is None
 
     @property
