@@ -67,9 +67,12 @@ class Federation:
         task_options: dict[str, Any] | None = None,
         privacy: dict[str, Any] | None = None,
         rounds_options: dict[str, Any] | None = None,
+        broker_bind: str = "127.0.0.1",
     ) -> None:
         """``rounds_options``: more ``[rounds]`` keys for the coordinator (e.g.
-        ``secure_aggregation``), over the defaults written here."""
+        ``secure_aggregation``), over the defaults written here. ``broker_bind``: the
+        address the broker listens on (another than loopback when the daemons run in
+        network namespaces of their own, as the chaos soak's do)."""
         self.work = work
         # [privacy] of the coordinator (fedavg) or of every agent (gossip: local DP).
         self.privacy = dict(privacy) if privacy else None
@@ -90,6 +93,7 @@ class Federation:
         # every agent; ``alpha`` is digits' own option and is then not passed.
         self.task = task
         self.task_options = task_options
+        self.broker_bind = broker_bind
         self.broker_per_agent = broker_per_agent  # gossip: every agent on a broker of its own
         self.agent_brokers: dict[str, EmbeddedBroker] = {}
         # Control sockets: a Unix socket path holds at most 107 bytes, so under a long
@@ -114,7 +118,11 @@ class Federation:
             pki.issue(ca_dir, ca_dir, name, "coordinator" if name == self.coordinator_id else "agent")
         # Assigned before start(): a start interrupted half-way is still stopped by close().
         self.broker = EmbeddedBroker(
-            self.work / "broker", federations=[self.fed], coordinators=[self.coordinator_id], ca_dir=ca_dir
+            self.work / "broker",
+            federations=[self.fed],
+            coordinators=[self.coordinator_id],
+            ca_dir=ca_dir,
+            bind=self.broker_bind,
         )
         self.broker.start()
         if self.mode == "gossip" and self.broker_per_agent:
