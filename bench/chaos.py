@@ -17,7 +17,7 @@ time, each kind in turn in a shuffled order, with random gaps and lengths:
 ``stop``       ``SIGSTOP`` of a daemon for 2-20 s (past its keep-alive at times), then ``SIGCONT``
 ``disk``       one node's state directory, a small tmpfs, filled up for a while, then freed (root)
 ``clock``      the wall clock of one daemon jumps (its Python ``time.time()``: bench/chaos_site;
-               the monotonic clock is untouched)
+               the monotonic clock is untouched) and 5-30 s later jumps back (NTP's step)
 
 After each fault is cleared the soak waits for the federation to recover (FedAvg: a round
 aggregated from every agent; gossip: every agent two periods further, the target merging
@@ -438,6 +438,9 @@ class Injector:
             assert s.disk is not None
             s.disk.free()
             s.disk_full_until = s.now()
+        elif f.kind == "clock":
+            # NTP steps it back: a second jump, the other way.
+            s.clock_file.write_text("0\n")
 
 
 def draw(rng: random.Random, kinds: list[str], site: Site, cycle: list[str]) -> Fault:
@@ -459,7 +462,7 @@ def draw(rng: random.Random, kinds: list[str], site: Site, cycle: list[str]) -> 
         "partition": rng.uniform(5, 25),
         "stop": rng.uniform(2, 20),
         "disk": rng.uniform(5, 20),
-        "clock": 0.0,
+        "clock": rng.uniform(5, 30),
     }[kind]
     if kind != "kill":
         hold *= site.args.hold_scale
@@ -1144,7 +1147,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gap-max", type=float, default=20.0)
     p.add_argument("--restart-sec", type=float, default=5.0, help="delay before an exited daemon starts again")
     p.add_argument(
-        "--hold-scale", type=float, default=1.0, help="scales how long broker, partition, stop and disk faults last"
+        "--hold-scale",
+        type=float,
+        default=1.0,
+        help="scales how long broker, partition, stop, disk and clock faults last",
     )
     p.add_argument("--recovery-timeout", type=float, default=120.0)
     p.add_argument("--tolerance", type=float, default=0.01, help="accuracy the run may lose to the fault-free one")
@@ -1175,8 +1181,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _stop(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():
+        return _main(args)
+    # Stopped from outside (SIGTERM, or SIGINT, which a shell's background job ignores):
+    # unwind, so that daemons, namespaces and the small disk are cleaned up.
+    before = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _main(args)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _main(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if args.work is None:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedagent-chaos-")))
