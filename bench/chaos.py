@@ -744,6 +744,11 @@ class GossipSetup(Setup):
 
     def recovered(self, site: Site, fault: Fault, mark: dict[str, Any]) -> bool:
         now = self.poll(site)
+        for a, period in now["periods"].items():
+            if period < mark["periods"].get(a, 0):
+                # Restarted from its last checkpoint (every eval_every periods): its
+                # progress counts from where it resumed.
+                mark["periods"][a] = period
         ahead = all(now["periods"].get(a, 0) >= mark["periods"].get(a, 0) + 2 for a in self.agents)
         target = fault.target if fault.target in self.agents else None
         merging = target is None or now["merged"].get(target, 0) != mark["merged"].get(target, 0)
