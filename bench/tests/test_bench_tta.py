@@ -94,6 +94,7 @@ def test_a_run_measures_from_round_one_to_the_first_model_at_the_target():
 
 
 @pytest.mark.slow
+@pytest.mark.procs
 def test_a_tiny_fedagent_run_through_the_relays(tmp_path):
     """Two agents, two rounds of the real daemons over Mosquitto with mutual TLS; target 0
     is reached by the first model."""

@@ -225,6 +225,7 @@ def test_newsgroups_report_lists_federated_and_local_topics(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_one_setting_through_coordinator_and_agent_processes_equals_in_process(tmp_path, dtype):

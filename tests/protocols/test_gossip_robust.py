@@ -198,6 +198,7 @@ def test_plain_gossip_fails_and_screening_holds(fraction, attack, rule):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # every cell in process: past the default 300 s on a loaded 2-core machine
 def test_whole_gossip_byzantine_table():
     base = clean()
     weak = set(WEAK)

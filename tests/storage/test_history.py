@@ -34,6 +34,24 @@ def test_history_rotates_at_its_size_and_keeps_its_files(tmp_path):
     assert sum(f.stat().st_size for f in files) <= (h.keep + 1) * SMALL
 
 
+@pytest.mark.parametrize("fragment", [b'{"event": "round", "rou', b"x" * 5000])
+def test_a_record_cut_short_by_a_crash_is_removed_when_the_history_opens(tmp_path, fragment):
+    """An append a power cut interrupted leaves the start of a line without its newline;
+    opened again, the history drops that fragment, so the next record stays readable."""
+    h = H.History(tmp_path / H.NAME, max_bytes=SMALL, keep=1)
+    h.append(_round(1))
+    with open(h.path, "ab") as f:
+        f.write(fragment)
+    h = H.History(tmp_path / H.NAME, max_bytes=SMALL, keep=1)
+    h.append(_round(2))
+    assert [rec["round"] for rec in H.read_records(h.path)] == [1, 2]
+    # A file holding nothing but a fragment is emptied the same way.
+    (tmp_path / "only").mkdir()
+    (tmp_path / "only" / H.NAME).write_bytes(fragment)
+    h = H.History(tmp_path / "only" / H.NAME, max_bytes=SMALL, keep=1)
+    assert h.path.read_bytes() == b""
+
+
 def test_tail_reaches_into_the_rotated_file(tmp_path):
     h = H.History(tmp_path / H.NAME, max_bytes=SMALL, keep=1)
     r = 0

@@ -42,7 +42,7 @@ from fedagent.protocols.liveness import heartbeat_interval
 from fedagent.protocols.messages import Heartbeat, ModelCheck
 from fedagent.protocols.peerview import online_count, peer_table
 from fedagent.security.pki import fingerprint
-from fedagent.storage.statefile import cleanup_temp_files
+from fedagent.storage.statefile import cleanup_temp_files, make_dirs
 from fedagent.tasks.base import Task, Weights, load_task, set_weights, warm_up_torch
 from fedagent.tasks.fingerprint import task_fingerprint
 
@@ -107,7 +107,7 @@ class Session(abc.ABC):
         self.global_weights: Weights | None = None
         self.global_version: int | None = None
         self.dir = self.cfg.state_dir / "agent" / federation
-        self.dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.dir)  # its entry durable: a power cut must not take the whole directory
         cleanup_temp_files(self.dir)
         self.model_path = self.dir / self.MODEL_FILE
         self.history = open_history(self.cfg, self.dir)

@@ -55,7 +55,7 @@ from fedagent.protocols.liveness import Liveness
 from fedagent.protocols.messages import Evaluation, Heartbeat, ModelCheck, Presence
 from fedagent.protocols.peerview import peer_table
 from fedagent.security.pki import fingerprint
-from fedagent.storage.statefile import cleanup_temp_files
+from fedagent.storage.statefile import cleanup_temp_files, make_dirs
 from fedagent.tasks.base import Task, load_task
 from fedagent.tasks.fingerprint import task_fingerprint
 
@@ -148,7 +148,7 @@ class CoordinatorCore:
         self.cfg = cfg
         self.fed = cfg.federation
         self.dir = cfg.state_dir / "coordinator" / self.fed
-        self.dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.dir)  # its entry durable: a power cut must not take the whole directory
         cleanup_temp_files(self.dir)
         self.ckpt_path = self.dir / "global.ckpt"
         self.history = open_history(self.cfg, self.dir)

@@ -70,13 +70,16 @@ class Federation:
         fedbuff: dict[str, Any] | None = None,
         slow_agents: dict[str, float] | None = None,
         train_seconds: float = 0.0,
+        broker_bind: str = "127.0.0.1",
     ) -> None:
         """``rounds_options``: more ``[rounds]`` keys for the coordinator (e.g.
         ``secure_aggregation``), over the defaults written here. ``fedbuff``: the
         ``[async]`` table of a ``mode = "async"`` federation. ``slow_agents``: agent id ->
         how many times as long its training takes (``fedagent.tasks.slowed``);
         ``train_seconds``: every agent's training takes at least this long (before its
-        slowdown), as on a device slower than this machine."""
+        slowdown), as on a device slower than this machine. ``broker_bind``: the address
+        the broker listens on (another than loopback when the daemons run in network
+        namespaces of their own, as the chaos soak's do)."""
         self.work = work
         # [privacy] of the coordinator (fedavg) or of every agent (gossip: local DP).
         self.privacy = dict(privacy) if privacy else None
@@ -100,6 +103,7 @@ class Federation:
         # every agent; ``alpha`` is digits' own option and is then not passed.
         self.task = task
         self.task_options = task_options
+        self.broker_bind = broker_bind
         self.broker_per_agent = broker_per_agent  # gossip: every agent on a broker of its own
         self.agent_brokers: dict[str, EmbeddedBroker] = {}
         # Control sockets: a Unix socket path holds at most 107 bytes, so under a long
@@ -124,7 +128,11 @@ class Federation:
             pki.issue(ca_dir, ca_dir, name, "coordinator" if name == self.coordinator_id else "agent")
         # Assigned before start(): a start interrupted half-way is still stopped by close().
         self.broker = EmbeddedBroker(
-            self.work / "broker", federations=[self.fed], coordinators=[self.coordinator_id], ca_dir=ca_dir
+            self.work / "broker",
+            federations=[self.fed],
+            coordinators=[self.coordinator_id],
+            ca_dir=ca_dir,
+            bind=self.broker_bind,
         )
         self.broker.start()
         if self.mode == "gossip" and self.broker_per_agent:

@@ -17,6 +17,7 @@ go through :func:`history_files` / :func:`read_records`, never the current file 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import threading
@@ -26,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from fedagent.errors import StateWriteError
-from fedagent.storage.statefile import append_line
+from fedagent.storage.statefile import append_line, make_dirs, sync_dir
+
+log = logging.getLogger(__name__)
 
 NAME = "history.jsonl"
 #: The current file is rotated once it would grow past this many bytes (at ~700 bytes a
@@ -113,7 +116,39 @@ class History:
         self.rotations = 0
         # Records come from the event loop and, rarely, a worker thread: one rotation at a time.
         self._lock = threading.Lock()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(path.parent)
+        self._cut_partial_line()
+
+    def _cut_partial_line(self) -> None:
+        """A power cut during an append can leave the start of a record without its newline
+        (written, not yet synced: never reported as appended). The next record would be
+        glued to it and both lost to every reader, so the fragment goes first."""
+        try:
+            f = open(self.path, "r+b")
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StateWriteError(f"cannot open {self.path}: {exc.strerror or exc}") from exc
+        with f:
+            end = f.seek(0, os.SEEK_END)
+            keep = end
+            while keep > 0:
+                start = max(0, keep - 4096)
+                f.seek(start)
+                block = f.read(keep - start)
+                if keep == end and block.endswith(b"\n"):
+                    return
+                newline = block.rfind(b"\n")
+                if newline >= 0:
+                    keep = start + newline + 1
+                    break
+                keep = start
+            log.warning("%s: %d bytes of a record cut short by a crash removed", self.path, end - keep)
+            try:
+                f.truncate(keep)
+                os.fsync(f.fileno())
+            except OSError as exc:
+                raise StateWriteError(f"cannot repair {self.path}: {exc.strerror or exc}") from exc
 
     def append(self, record: dict[str, Any]) -> None:
         line = (json.dumps({"time": time.time(), **record}, sort_keys=True) + "\n").encode()
@@ -134,11 +169,7 @@ class History:
                 if older.exists():
                     os.replace(older, rotated(self.path, n + 1))
             os.replace(self.path, rotated(self.path, 1))
-            fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            sync_dir(self.path.parent)
         except OSError as exc:
             raise StateWriteError(
                 f"cannot rotate {self.path}: {exc.strerror or exc}; earlier records are intact"

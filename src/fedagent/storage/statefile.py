@@ -72,6 +72,41 @@ def atomic_write_with(path: Path, write, mode: int | None = 0o600, *, durable: b
         raise
 
 
+def make_dirs(path: Path, mode: int = 0o777) -> None:
+    """``mkdir -p path``, durably: a new directory exists after a power cut only once its
+    parent's entry for it is on disk, so the parent of each directory made here is
+    fsynced after the ``mkdir``. Without that, a node's first state directory (and every
+    file synced into it) could be gone after a power cut however carefully each file
+    was written. An OSError is raised as :class:`StateWriteError`."""
+    path = Path(path)
+    missing: list[Path] = []
+    while not path.is_dir():
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    try:
+        for d in reversed(missing):
+            try:
+                d.mkdir(mode)
+            except FileExistsError:
+                if not d.is_dir():
+                    raise
+                continue  # made meanwhile by another process, which syncs its parent
+            sync_dir(d.parent)
+    except OSError as exc:
+        raise StateWriteError(f"cannot create {missing[0]}: {exc.strerror or exc}") from exc
+
+
+def sync_dir(directory: Path) -> None:
+    """fsync a directory: the entries made, renamed or removed in it become durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _new_temp(directory: Path) -> tuple[int, str]:
     """A new temporary file in ``directory`` with the permission bits any new file gets
     (``mkstemp`` makes it 0600 whatever the umask)."""
@@ -116,7 +151,12 @@ def append_line(path: Path, line: bytes) -> None:
     of the file fail, so on any error the file is cut back to its previous length.
     """
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o600)
+            created = True
+        except FileExistsError:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            created = False
     except OSError as exc:
         raise StateWriteError(f"cannot append to {path}: {exc.strerror or exc}") from exc
     try:
@@ -126,6 +166,9 @@ def append_line(path: Path, line: bytes) -> None:
             while view:
                 view = view[os.write(fd, view) :]
             os.fsync(fd)
+            if created:
+                # A new file's records survive a power cut only with its directory entry.
+                sync_dir(Path(path).parent)
         except OSError as exc:
             try:
                 os.ftruncate(fd, size)
