@@ -82,7 +82,8 @@ class AsyncSession(Session):
         self._dp_rng = np.random.default_rng()  # distributed DP noise, seeded by the OS
         self.coordinator_online = False
         self.link_up = False
-        self.link_down_since: float | None = None  # wall-clock time the link went down
+        self.link_down_since: float | None = None  # wall-clock time the link went down (a label)
+        self._link_down_at: float | None = None  # the same on the monotonic clock (durations)
         self.catchup = CatchUp()
         self.final_version: int | None = None
         self.state = "waiting for a task"
@@ -175,10 +176,10 @@ class AsyncSession(Session):
                 self.link_up = up
                 if up:
                     if self.link_down_since is not None:
-                        log.info("link back after %.0f s", time.time() - self.link_down_since)
-                    self.link_down_since = None
+                        log.info("link back after %.0f s", self._down_s())
+                    self.link_down_since = self._link_down_at = None
                 else:
-                    self.link_down_since = time.time()
+                    self.link_down_since, self._link_down_at = time.time(), time.monotonic()
                     log.info("link down (%s): working on our own", self.transport.link_state)
                 self.history.append({"event": "link", "up": up})
                 await self.queue.put(W.LinkUp() if up else W.LinkDown())
@@ -358,7 +359,7 @@ class AsyncSession(Session):
                 "task": work.task,
                 "base_version": work.base_version,
                 "trainings": work.trainings,
-                "held_s": None if self.outbox.since is None else round(time.time() - self.outbox.since, 3),
+                "held_s": None if (held := self.outbox.held_s()) is None else round(held, 3),
                 "metrics": pending.metrics,
                 "num_samples": pending.num_samples,
                 "bytes": n,
@@ -392,7 +393,7 @@ class AsyncSession(Session):
             while self._eval_wanted is not None:
                 version, weights = self._eval_wanted
                 self._eval_wanted = None
-                started, cpu0 = time.time(), time.thread_time()
+                started, t0, cpu0 = time.time(), time.monotonic(), time.thread_time()
                 metrics = await loop.run_in_executor(self._eval_pool, self.agent.evaluate, weights)
                 self.last_eval = {"model_version": version, **metrics}
                 self.agent.metrics.report(metrics, prefix="global_")
@@ -402,7 +403,7 @@ class AsyncSession(Session):
                         "model_version": version,
                         "metrics": metrics,
                         "started": round(started, 4),
-                        "seconds": round(time.time() - started, 4),
+                        "seconds": round(time.monotonic() - t0, 4),
                         "cpu": round(time.thread_time() - cpu0, 4),
                     }
                 )
@@ -425,11 +426,15 @@ class AsyncSession(Session):
         self._eval_pool.shutdown(wait=False, cancel_futures=True)
         await super().close()
 
+    def _down_s(self) -> float | None:
+        """Seconds since the link went down (monotonic), None while it is up."""
+        return None if self._link_down_at is None else time.monotonic() - self._link_down_at
+
     def mode_status(self) -> dict[str, Any]:
         wk = self.worker.status()
         outbox = wk["outbox"]
         if outbox is not None and self.outbox.since is not None:
-            outbox = {**outbox, "since": self.outbox.since, "held_s": round(time.time() - self.outbox.since, 1)}
+            outbox = {**outbox, "since": self.outbox.since, "held_s": round(self.outbox.held_s() or 0.0, 1)}
         state = self.state
         if self.final_version is not None:
             state = "finished"
@@ -441,7 +446,7 @@ class AsyncSession(Session):
             "link": {
                 "up": self.link_up,
                 "down_since": self.link_down_since,
-                "down_s": None if self.link_down_since is None else round(time.time() - self.link_down_since, 1),
+                "down_s": None if (down := self._down_s()) is None else round(down, 1),
             },
             "training": wk["training"],
             "next_task": wk["next_task"],

@@ -98,6 +98,14 @@ class Outbox:
         self.nbytes = self.path.stat().st_size
         return pending
 
+    def held_s(self) -> float | None:
+        """Seconds the entry has been kept, for status and history: the age of a wall-clock
+        time that may come from before a restart, so the wall clock (never below 0 when it
+        was stepped back); nothing waits on it."""
+        if self.since is None:
+            return None
+        return max(0.0, time.time() - self.since)
+
     def status(self) -> dict[str, Any] | None:
         if self.since is None:
             return None
