@@ -215,6 +215,7 @@ def _arrays(d: dict) -> dict[str, np.ndarray]:
     return {k: np.asarray(v, dtype=np.float32) for k, v in d.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.procs
 @pytest.mark.flower
 @pytest.mark.parametrize(("momentum", "lr"), [(0.7, 1.0), (0.7, 1.5), (0.0, 1.0)])
