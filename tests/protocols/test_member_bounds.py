@@ -365,3 +365,16 @@ def test_an_agent_reading_only_whole_models_forces_at_most_one_whole_start_in_k(
     # with every agent reading steps, no round start is whole after the first
     m.handle(AgentOnline("old", 10), 11.0)
     assert m.whole_model_only() == []
+
+
+def test_an_agent_reading_only_whole_models_the_quorum_needs_gets_every_round_start_whole():
+    m = RoundMachine(RoundConfig(rounds=6, min_agents=3, expected_agents=3, downlink="int8", whole_model_every=4), W)
+    cmds = m.handle(AgentOnline("a", 10), 0.0) + m.handle(AgentOnline("b", 10), 0.0)
+    cmds += m.handle(AgentOnline("old", 10, reads_steps=False), 0.0)
+    for r in range(1, 7):
+        (start,) = of(cmds, StartRound)
+        # without it there is no round: it takes part, and never meets a step it cannot read
+        assert start.round == r and "old" in start.selected and start.delta is None
+        cmds = []
+        for a in start.selected:
+            cmds += m.handle(UpdateReceived(a, r, start.model_version, 10, const(float(r)), {}), float(r))

@@ -376,6 +376,10 @@ class RoundMachine:
             limit = min(limit or cfg.secure.max_agents, cfg.secure.max_agents)
         if limit and limit < len(agents):
             agents = sorted(self._rng.sample(agents, limit))
+        if not self._whole_round and any(a in self._whole_only for a in agents):
+            # The quorum needed an agent that cannot rebuild a step: a step would leave it
+            # unable to train (and the round waiting for it until its deadline).
+            self._whole_round = True
         q = len(agents) / population
         why = self._over_budget(len(agents), q)
         if why:
