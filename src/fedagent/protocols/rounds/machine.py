@@ -629,6 +629,16 @@ class RoundMachine:
         # While the bound warms up nothing is folded before the round's end.
         fl.held = self.influence.bounds_norms and self.influence.bound is None
         self.inflight[ev.sender] = fl
+        if (
+            self.replays
+            and len(self.selected) > 1
+            and len(self.inflight) == 1
+            and not any(a in self.online and a != ev.sender for a in self._outstanding)
+        ):
+            # The only update still owed starts after all the others are in: its stall
+            # clock starts now, or a stream that stops after a few parts would hold the
+            # round to its deadline (nothing else is left to look at it).
+            return self._maybe_finish(now)
         return []
 
     def _on_part(self, ev: UpdatePart, now: float) -> list[Command]:
