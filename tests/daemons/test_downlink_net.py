@@ -140,7 +140,8 @@ def test_round_starts_carry_the_whole_model_while_an_agent_of_an_earlier_release
             assert done["completed_rounds"] == OLD_ROUNDS
             assert done["updates"]["downlink"] == "int8"
             rounds = [r for r in history(fed, "coordinator", "coordinator") if r["event"] == "round"]
-            # the old agent took part in every round and never met a step it cannot read
+            # the rounds need all three (min_agents): the old agent took part in every one,
+            # and never met a step it cannot read
             assert all("agent-old" in r["participants"] for r in rounds), rounds
             assert old.errors == [] and old.rounds_sent == OLD_ROUNDS
             # the daemons got every round start whole too: nothing rebuilt, nothing fetched

@@ -278,6 +278,25 @@ def test_a_stream_without_progress_once_the_others_are_in_is_dropped_before_the_
     assert "c" not in of(cmds, StartRound)[0].selected
 
 
+def test_a_stream_that_starts_after_the_others_are_in_and_stalls_is_dropped_before_the_deadline():
+    m, j = bounded_machine(["a", "b", "c"], warmup=1, round_timeout=30.0, min_updates=1, min_agents=2)
+    for a in ("a", "b", "c"):
+        j.feed(stream(a, const(1.0), tid=f"r1{a}"), 1.0)
+    base = {k: v.copy() for k, v in m.weights.items()}
+    for a in ("a", "b"):
+        assert not of(
+            j.feed(stream(a, const(3.0), tid=f"r2{a}", round_=2, base_version=1, base=base), 2.0), RoundAggregated
+        )
+    # c's header and first parts come once the others are in, then nothing more
+    cmds = j.feed(stream("c", const(2.0), tid="stall", round_=2, base_version=1, base=base)[:3], 4.0)
+    (wake,) = of(cmds, RequestWakeup)
+    assert wake.at < 30.0 and not of(cmds, RoundAggregated)
+    cmds = j.handle(Wakeup(), wake.at)
+    assert [(r.sender, r.reason) for r in of(cmds, Rejected)] == [("c", "stalled")]
+    (agg,) = of(cmds, RoundAggregated)
+    assert agg.participants == ("a", "b")
+
+
 def test_a_held_update_the_journal_lacks_is_refused_and_a_prefix_it_lacks_spoils_the_round():
     m, j = bounded_machine(["a", "b", "c"])
     j.lose = {"c"}
@@ -365,3 +384,16 @@ def test_an_agent_reading_only_whole_models_forces_at_most_one_whole_start_in_k(
     # with every agent reading steps, no round start is whole after the first
     m.handle(AgentOnline("old", 10), 11.0)
     assert m.whole_model_only() == []
+
+
+def test_an_agent_reading_only_whole_models_the_quorum_needs_gets_every_round_start_whole():
+    m = RoundMachine(RoundConfig(rounds=6, min_agents=3, expected_agents=3, downlink="int8", whole_model_every=4), W)
+    cmds = m.handle(AgentOnline("a", 10), 0.0) + m.handle(AgentOnline("b", 10), 0.0)
+    cmds += m.handle(AgentOnline("old", 10, reads_steps=False), 0.0)
+    for r in range(1, 7):
+        (start,) = of(cmds, StartRound)
+        # without it there is no round: it takes part, and never meets a step it cannot read
+        assert start.round == r and "old" in start.selected and start.delta is None
+        cmds = []
+        for a in start.selected:
+            cmds += m.handle(UpdateReceived(a, r, start.model_version, 10, const(float(r)), {}), float(r))

@@ -787,8 +787,9 @@ class NodeConfig:
     whole_model_every: int = setting(
         5,
         "coordinator: while an agent that reads only whole models (an earlier release, by its presence) is online, at "
-        "most one round start in this many carries the whole model, and such agents take part in those rounds only "
-        "(1: every round start goes whole while one is online)",
+        "most one round start in this many carries the whole model, and such agents take part in those rounds only, "
+        "unless a round needs them for `min_agents` (its start is then whole too; 1: every round start goes whole "
+        "while one is online)",
         table="transfer",
         ge=1,
     )

@@ -395,7 +395,11 @@ class FedAvgMode:
         downlinks = self.core.peers.get(agent, {}).get("downlinks", ())
         reads = "int8" in downlinks
         if not reads and self.machine is not None and self.machine.config.downlink == "int8":
-            log.info("%s does not rebuild int8 steps (an earlier release): round starts carry the whole model", agent)
+            log.info(
+                "%s does not rebuild int8 steps (an earlier release): it takes part in rounds that start with the "
+                "whole model",
+                agent,
+            )
         return R.AgentOnline(agent, samples, reads_steps=reads)
 
     async def on_message(self, inc: Incoming, now: float) -> None:
@@ -534,7 +538,7 @@ class FedAvgMode:
             "default": self.cfg.compression is None,
             "downlink": rc.downlink,
             "downlink_default": self.cfg.downlink is None,
-            # online agents of earlier releases: round starts carry the whole model for them
+            # online agents of earlier releases: they take part in the rounds that start whole
             "whole_model_only": self.machine.whole_model_only() if self.machine is not None else [],
         }
 

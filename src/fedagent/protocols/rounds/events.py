@@ -23,8 +23,8 @@ class AgentOnline:
     agent: str
     num_samples: int = 0
     # The agent rebuilds round starts sent as int8 steps (its presence says so); agents
-    # of earlier releases do not, and while one is online round starts carry the whole
-    # model.
+    # of earlier releases do not, and take part only in rounds whose start carries the
+    # whole model (RoundConfig.whole_model_every).
     reads_steps: bool = True
 
 

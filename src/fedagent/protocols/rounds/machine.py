@@ -376,6 +376,10 @@ class RoundMachine:
             limit = min(limit or cfg.secure.max_agents, cfg.secure.max_agents)
         if limit and limit < len(agents):
             agents = sorted(self._rng.sample(agents, limit))
+        if not self._whole_round and any(a in self._whole_only for a in agents):
+            # The quorum needed an agent that cannot rebuild a step: a step would leave it
+            # unable to train (and the round waiting for it until its deadline).
+            self._whole_round = True
         q = len(agents) / population
         why = self._over_budget(len(agents), q)
         if why:
@@ -625,6 +629,16 @@ class RoundMachine:
         # While the bound warms up nothing is folded before the round's end.
         fl.held = self.influence.bounds_norms and self.influence.bound is None
         self.inflight[ev.sender] = fl
+        if (
+            self.replays
+            and len(self.selected) > 1
+            and len(self.inflight) == 1
+            and not any(a in self.online and a != ev.sender for a in self._outstanding)
+        ):
+            # The only update still owed starts after all the others are in: its stall
+            # clock starts now, or a stream that stops after a few parts would hold the
+            # round to its deadline (nothing else is left to look at it).
+            return self._maybe_finish(now)
         return []
 
     def _on_part(self, ev: UpdatePart, now: float) -> list[Command]:
