@@ -61,7 +61,11 @@ WORKLOAD = textwrap.dedent("""
         return 10 * r + AGENTS.index(a)
 
     def say(*words):
-        print(*words, flush=True)
+        # One write per line: a kill between the pieces print() writes one by one when
+        # stdout is unbuffered (PYTHONUNBUFFERED) would leave half a line in the pipe,
+        # and the next start's STARTED would be read as its end. A write this short to a
+        # pipe is atomic.
+        os.write(1, (" ".join(map(str, words)) + "\\n").encode())
 
     for line in sys.stdin:
         acked = json.loads(line)  # {"round": r, "agents": [...]}: acknowledged, not yet aggregated
@@ -175,6 +179,7 @@ def cut_and_restart(tmp_path: Path, cuts: int, seed: int) -> dict[str, int]:
     def note(words: list[str]) -> None:
         nonlocal acked, saved
         assert words and words[0] != "VIOLATION", words
+        assert (words[0], len(words)) in (("ACK", 3), ("CKPT", 2)), f"a report line torn: {words}"
         if words[0] == "ACK":
             r = int(words[1])
             if acked["round"] != r:
