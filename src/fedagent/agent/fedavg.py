@@ -85,7 +85,7 @@ log = logging.getLogger("fedagent.agent")
 EVAL_NICE = 10
 
 
-def _background_priority() -> None:
+def background_priority() -> None:
     """Raise the calling thread's nice value by EVAL_NICE (up to 19). Raising it needs no
     privilege; where it fails the evaluation simply runs at the daemon's priority."""
     try:
@@ -156,7 +156,7 @@ class FedAvgSession(Session):
         # next round's model comes holds that training back until it ends (it started
         # after this agent's update was sent, so the whole of the coordinator's intake
         # and aggregation lies between them).
-        self._eval_pool = ThreadPoolExecutor(1, "evaluate", initializer=_background_priority)
+        self._eval_pool = ThreadPoolExecutor(1, "evaluate", initializer=background_priority)
 
     def _verify_statement(self, name: str, data: bytes, cert: bytes, sig: bytes) -> None:
         try:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from fedagent.agent.core import Agent, Session
+from fedagent.agent.fedavg import background_priority
 from fedagent.errors import EXIT_CONFIG, CodecError, TransportError
 from fedagent.node import sdnotify
 from fedagent.node.messaging import Incoming
@@ -53,18 +54,6 @@ log = logging.getLogger("fedagent.agent")
 LINK_POLL = 0.25
 
 
-def _low_priority() -> None:
-    """Evaluations run at a lower priority than training (Linux: nice is per thread)."""
-    import os
-    import threading
-
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 10))
-    except (OSError, AttributeError):
-        pass
-
-
 class AsyncSession(Session):
     """Membership of one asynchronous federation: tasks, training, the outbox."""
 
@@ -91,7 +80,7 @@ class AsyncSession(Session):
         self.last_metrics: dict[str, float] = {}
         self._eval_wanted: tuple[int, Weights] | None = None
         self._evaluating = False
-        self._eval_pool = ThreadPoolExecutor(1, "evaluate", initializer=_low_priority)
+        self._eval_pool = ThreadPoolExecutor(1, "evaluate", initializer=background_priority)
         self.tasks_received = 0
         self.updates_sent = 0
         self.models_rebuilt = 0
