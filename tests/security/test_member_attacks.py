@@ -253,8 +253,10 @@ def test_a_claim_of_a_billion_samples_with_a_noise_update(lab: Lab) -> None:
     # The attack's own rounds: at 20 rounds a second (an idle machine) the windows after
     # it alone run past any fixed number of last rounds.
     r0 = len(history(lab.fed))
-    lab.runner.call(m.announce, 10**9)
+    # The attack is armed before the inflated announcement: an honest update sent in
+    # between would claim the announced 10^9 samples (weight capped, distance in bound).
     m.claim, m.noise, m.attack = 10**9, 1.0, "noise"
+    lab.runner.call(m.announce, 10**9)
     attacked = m.attacked
     res = lab.attack("10^9 samples, N(0,1) noise", lambda: None, 3.0, stop=lambda: _honest(lab))
     assert m.attacked > attacked
@@ -272,8 +274,8 @@ def test_a_claim_of_a_billion_samples_with_a_noise_update(lab: Lab) -> None:
 def test_the_largest_exact_integer_claimed_round_after_round(lab: Lab) -> None:
     m = lab.mallory
     attacked = m.attacked
-    lab.runner.call(m.announce, 2**53 - 1)
     m.claim, m.noise, m.attack = 2**53 - 1, 10.0, "noise"
+    lab.runner.call(m.announce, 2**53 - 1)
     res = lab.attack("2^53-1 samples, N(0,10²) noise, every round", lambda: None, 4.0, stop=lambda: _honest(lab))
     res.seen = f"{m.attacked - attacked} rounds attacked, each one bounded"
     lab.check(res)
@@ -281,8 +283,9 @@ def test_the_largest_exact_integer_claimed_round_after_round(lab: Lab) -> None:
 
 def _honest(lab: Lab) -> None:
     m = lab.mallory
-    m.attack, m.claim = "honest", 0
+    # Honest updates claim the announced count: the honest one is announced first.
     lab.runner.call(m.announce, 300)
+    m.attack, m.claim = "honest", 0
 
 
 def _flood_frames(lab: Lab, kind: str, count: int) -> tuple[str, list[bytes]]:
@@ -482,8 +485,8 @@ def test_a_flood_as_fast_as_the_broker_takes_it(lab: Lab, kind: str) -> None:
 def test_the_largest_exact_integer_claimed_for_four_hundred_rounds(lab: Lab) -> None:
     m = lab.mallory
     attacked = m.attacked
-    lab.runner.call(m.announce, 2**53 - 1)
     m.claim, m.noise, m.attack = 2**53 - 1, 10.0, "noise"
+    lab.runner.call(m.announce, 2**53 - 1)
 
     async def rounds_attacked(n: int) -> None:
         while m.attacked - attacked < n:
