@@ -114,7 +114,7 @@ class Messenger:
         self.node_id = node_id
         self.transport = transport
         self.identity = identity
-        self.clock = SteadyClock()
+        self.clock = SteadyClock(floor=identity.issued)
         self.verifier = identity.verifier(max_skew=max_skew, clock=self.clock)
         self._replay_path = None
         self.replay_journal: ReplayJournal | None = None
