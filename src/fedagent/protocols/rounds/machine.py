@@ -524,7 +524,7 @@ class RoundMachine(StreamIntake):
         self.bench.forgive(ev.sender)
         return True
 
-    # -- streamed updates ----------------------------------------------------------------
+    # -- whether the round can end ----------------------------------------------------
     def _maybe_finish(self, now: float) -> list[Command]:
         if self.secagg is not None or self._replaying:
             return []  # a secure round ends by its own stages; a replay ends with Refolded
@@ -575,7 +575,6 @@ class RoundMachine(StreamIntake):
                 reason += f", {len(self._acc.dropped)} dropped by {self.config.strategy.name}"
         return out + self._abandon(reason, now)
 
-    # -- replays -----------------------------------------------------------------------
     # -- aggregating -------------------------------------------------------------------
     def _aggregate(self, now: float) -> list[Command]:
         assert self._acc is not None
