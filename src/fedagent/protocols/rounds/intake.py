@@ -2,7 +2,7 @@
 take a failed or over-bound update back out of the round's sums (the package's docstring
 says what they guarantee).
 
-:class:`StreamIntake` is a mixin of :class:`~fedagent.protocols.rounds.machine.RoundMachine`,
+:class:`StreamedUpdates` is a mixin of :class:`~fedagent.protocols.rounds.machine.RoundMachine`,
 not a collaborator it owns: a header is judged by the round's state (its number, the
 selection, who answered, the base version), and a part or an end changes it (the running
 sums, who the round still waits for, the influence bounds, the bench), so a collaborator
@@ -61,7 +61,7 @@ class Replay:
     done: int = 0  # values replayed so far
 
 
-class StreamIntake:
+class StreamedUpdates:
     """Streamed updates (``UpdateHead``, parts, ``UpdateEnd``) folded into the round's
     sums as they come, and the replays (:class:`Refold`) at the round's end."""
 
@@ -236,8 +236,8 @@ class StreamIntake:
                 self.ignored.discard((ev.sender, ev.tid))
                 return []
             if not ev.ok and self.phase is Phase.TRAINING and ev.sender not in self.inflight:
-                # Broken off before its header was read (the intake refused it: counted
-                # and logged there): the update it carried will not come.
+                # Broken off before its header was read (the messenger's stream intake
+                # refused it: counted and logged there): the update it carried will not come.
                 return self._counted_out(ev.sender, now=now)
             return []
         del self.inflight[ev.sender]

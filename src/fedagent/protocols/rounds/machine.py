@@ -1,8 +1,8 @@
 """The FedAvg round machine of the coordinator, as pure code (the package's docstring
 says what it guarantees): the lifecycle of rounds (quorum, selection, deadlines), the
 intake of whole updates, and the aggregation. Streamed updates and the replays at a
-round's end are :class:`~fedagent.protocols.rounds.intake.StreamIntake`'s (a mixin: they
-work on the round's own state). Its collaborators do the rest:
+round's end are :class:`~fedagent.protocols.rounds.intake.StreamedUpdates`' (a mixin:
+they work on the round's own state). Its collaborators do the rest:
 :class:`~fedagent.protocols.rounds.serverstep.ServerStep` moves the global model,
 :class:`~fedagent.protocols.rounds.privacy.PrivacyBudget` charges and limits
 differential privacy, :class:`~fedagent.protocols.rounds.secure.SecureRounds` runs the
@@ -44,7 +44,7 @@ from fedagent.protocols.rounds.events import (
     UpdateReceived,
     Wakeup,
 )
-from fedagent.protocols.rounds.intake import Replay, StreamIntake, scaled
+from fedagent.protocols.rounds.intake import Replay, StreamedUpdates, scaled
 from fedagent.protocols.rounds.privacy import PrivacyBudget
 from fedagent.protocols.rounds.secure import SecureRounds
 from fedagent.protocols.rounds.serverstep import ServerStep
@@ -60,7 +60,7 @@ ABANDONED_KEPT = 16
 STALL_GRACE = 1.0
 
 
-class RoundMachine(StreamIntake):
+class RoundMachine(StreamedUpdates):
     def __init__(
         self,
         config: RoundConfig,
