@@ -157,6 +157,7 @@ async def _through_broker(work: Path, weights: dict, times: int, windows: list[i
     import subprocess
 
     from bench.env import BenchBroker
+    from bench.round import proc_cpu
     from fedagent.node.transport import Transport
 
     if shutil.which("mosquitto_sub") is None:
@@ -202,32 +203,38 @@ async def _through_broker(work: Path, weights: dict, times: int, windows: list[i
 
             # When the first frame reaches the transport (this messenger's own publishes).
             transport.publish = timed  # type: ignore[method-assign]
-            print(f"through Mosquitto (TLS) to {len(AGENTS)} subscribers, median of {times}:")
+            print(f"through Mosquitto (TLS) to {len(AGENTS)} subscribers, median of {times} (interleaved):")
             # The floor this transport and broker allow: the same bytes as one message.
             raw = encode(messenger.envelope(RoundStart(1, 0, AGENTS, 600, TrainConfig(stream=False), weights), 1))
-            floor = []
+            kinds = ["one message", *(f"window {w}" for w in windows)]
+            took: dict[str, list[float]] = {k: [] for k in kinds}
+            to_first: dict[str, list[float]] = {k: [] for k in kinds}
+            broker_cpu: dict[str, list[float]] = {k: [] for k in kinds}
             for r in range(times + 1):
-                t0 = time.perf_counter()
-                await publish(topic, raw, qos=1, timeout=60)
-                if r:
-                    floor.append(time.perf_counter() - t0)
-                await asyncio.sleep(0.3)
-            print(f"  the encoded RoundStart as one message: PUBACK after {statistics.median(floor) * 1e3:6.1f} ms")
-            for window in windows:
-                messenger.publish_window = window
-                to_first, total = [], []
-                for r in range(times + 1):
-                    start = RoundStart(r + 1, r, AGENTS, 600, TrainConfig(stream=False), weights)
+                for k, kind in enumerate(kinds):
                     first.clear()
+                    b0 = proc_cpu([bb.broker.pid])
                     t0 = time.perf_counter()
-                    await messenger.send(topic, start, round_=r + 1, stable=True)
-                    if r:  # the first warms the connection up
-                        total.append(time.perf_counter() - t0)
-                        to_first.append(first[0] - t0)
+                    if k == 0:
+                        await publish(topic, raw, qos=1, timeout=60)
+                        first.append(t0)
+                    else:
+                        messenger.publish_window = windows[k - 1]
+                        start = RoundStart(r + 1, r, AGENTS, 600, TrainConfig(stream=False), weights)
+                        await messenger.send(topic, start, round_=r + 1, stable=True)
+                    t1 = time.perf_counter()
                     await asyncio.sleep(0.3)  # the broker's fan-out of this one is over
-                t, f = statistics.median(total), statistics.median(to_first)
+                    if r:  # the first warms the connections up
+                        took[kind].append(t1 - t0)
+                        to_first[kind].append(first[0] - t0)
+                        broker_cpu[kind].append(proc_cpu([bb.broker.pid]) - b0)
+            base = statistics.median(took[kinds[0]])
+            for kind in kinds:
+                t = statistics.median(took[kind])
                 print(
-                    f"  window {window}: last PUBACK {t * 1e3:6.1f} ms; first frame to the transport {f / t:4.2f} of it"
+                    f"  {kind:12s} last PUBACK {t / base:4.2f} of one message's ({t * 1e3:6.1f} ms); first frame "
+                    f"after {statistics.median(to_first[kind]) / t:4.2f} of it; broker CPU "
+                    f"{statistics.median(broker_cpu[kind]) * 1e3:5.0f} ms"
                 )
         finally:
             await transport.close()
@@ -237,14 +244,19 @@ async def _through_broker(work: Path, weights: dict, times: int, windows: list[i
                 p.wait()
 
 
-def _round_turnover(weights: dict, times: int, profile: bool) -> float:
-    """The round machine with the daemons' defaults (int8 downlink, server momentum):
-    from the last update of a round to the next round's StartRound (the mean, the
-    server step, the int8 step of the next model, the next round's sums)."""
+def _round_turnover(weights: dict, times: int, profile: bool, work: Path) -> float:
+    """The round machine with the daemons' defaults (int8 downlink, server momentum with
+    its velocity in a file, as the coordinator keeps it): from the last update of a
+    round to the next round's StartRound (the mean, the server step, the int8 step of
+    the next model, the next round's sums)."""
+    from fedagent.coordinator.velocity import FileVelocity
+
     cfg = RoundConfig(
         min_agents=len(AGENTS), expected_agents=len(AGENTS), rounds=10_000, downlink="int8", server_momentum=0.7
     )
-    m = RoundMachine(cfg, dict(weights))
+    store = FileVelocity(work / "velocity")
+    store.open(0, weights)
+    m = RoundMachine(cfg, dict(weights), velocity_store=store)
     for a in AGENTS:
         m.handle(AgentOnline(a, 1), 0.0)
     update = {k: v + 0.001 for k, v in weights.items()}
@@ -341,7 +353,7 @@ def main() -> None:
         whole = _whole_send(messenger, whole_start, args.times)
         print(f"  int8 step made from the model (quantize_step)  {t_step / whole:5.2f} of the whole model's send")
         print(f"  round machine: round opened (sums allocated)   {_open_round(weights, args.times) / whole:5.2f}")
-        turnover = _round_turnover(weights, args.times, args.profile)
+        turnover = _round_turnover(weights, args.times, args.profile, work)
         print(f"  round machine: last update -> next StartRound  {turnover / whole:5.2f}   (int8 downlink, momentum)")
         if args.broker:
             windows = [int(w) for w in args.windows.split(",")]
