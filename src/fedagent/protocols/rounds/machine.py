@@ -12,7 +12,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from fedagent.protocols.aggregation import Plan, StrategyAggregator, UpdateRejec
 from fedagent.protocols.downlink import ModelDelta
 from fedagent.protocols.dp import Accountant, ClipBound, DPAggregator
 from fedagent.protocols.fingerprint import Roles
-from fedagent.protocols.rounds.bounds import Bench, Influence
+from fedagent.protocols.rounds.bounds import Bench, Influence, Replay, part_sq_distance, scaled
 from fedagent.protocols.rounds.config import RoundConfig
 from fedagent.protocols.rounds.events import (
     AgentOffline,
@@ -71,24 +71,6 @@ class _Inflight:
     folded: int = 0  # values folded at the plan's weight (a prefix of the stream)
     held: bool = False  # past the bound (or warming up): the rest waits for a replay
     last_at: float = 0.0  # when its last part (or its header) came
-
-
-@dataclass(slots=True)
-class _Replay:
-    """An update to replay at the round's end: its first ``prefix`` values were folded at
-    the plan's weight; the whole update goes in at ``scale`` × that weight (0: taken
-    out; None: decided by the round's bound once every update is in)."""
-
-    tid: str | None  # the stream's transfer id; None: a whole update
-    plan: Plan
-    prefix: int
-    scale: float | None
-    norm: float = 0.0
-    count: bool = True  # an accepted update (counted in once replayed); False: only taken out
-    samples: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
-    leaving: bool = False
-    done: int = 0  # values replayed so far
 
 
 class RoundMachine:
@@ -163,7 +145,7 @@ class RoundMachine:
         self.replays = replays
         self.influence = Influence(config, norm_history)  # weight cap and norm bound
         self.bench = Bench()  # agents that spoiled updates sit out rounds
-        self._replay: dict[str, _Replay] = {}  # sender -> its update to replay at the round's end
+        self._replay: dict[str, Replay] = {}  # sender -> its update to replay at the round's end
         self._replaying = False  # a Refold is out; its Refolded ends it
         self._abandoned: deque[int] = deque(maxlen=ABANDONED_KEPT)
         self._since_whole = 0  # round starts since the last one that carried the whole model
@@ -558,12 +540,12 @@ class RoundMachine:
         norm = math.sqrt(sq)
         bound = self.influence.bound
         if bound is None:
-            self._replay[ev.sender] = _Replay(None, plan, 0, None, norm, True, samples, dict(ev.metrics), ev.leaving)
+            self._replay[ev.sender] = Replay(None, plan, 0, None, norm, True, samples, dict(ev.metrics), ev.leaving)
             self._outstanding.discard(ev.sender)
             return False
-        scaled = _scaled(plan, self.influence.scale(norm, bound))
+        fold = scaled(plan, self.influence.scale(norm, bound))
         for name in self.weights:
-            self._acc.fold(scaled, name, 0, np.asarray(ev.weights[name]).reshape(-1), None, delta=False)
+            self._acc.fold(fold, name, 0, np.asarray(ev.weights[name]).reshape(-1), None, delta=False)
         self._acc.commit(ev.sender, plan)
         self.influence.accepted(ev.sender, norm, bound)
         self.bench.forgive(ev.sender)
@@ -660,7 +642,7 @@ class RoundMachine:
             new = g + vals if ev.delta else vals.astype(np.float64)
             fl.sq_norm += float(np.square(new).sum() - np.square(g).sum())
         if self.influence.bounds_norms and floating:
-            fl.dsq += _part_sq_distance(self.weights[ev.name], ev)
+            fl.dsq += part_sq_distance(self.weights[ev.name], ev)
             bound = self.influence.bound
             if not fl.held and (bound is None or fl.dsq > bound * bound):
                 # Past the bound: its distance is known only at its end, so the rest is not
@@ -701,7 +683,7 @@ class RoundMachine:
         norm = math.sqrt(max(fl.dsq, 0.0))
         if fl.held:
             bound = self.influence.bound
-            self._replay[ev.sender] = _Replay(
+            self._replay[ev.sender] = Replay(
                 fl.tid,
                 fl.plan,
                 fl.folded,
@@ -734,7 +716,7 @@ class RoundMachine:
             return out + self._maybe_finish(now)
         rounds = self.bench.offend(sender, self.round)
         if self.replays:
-            self._replay[sender] = _Replay(fl.tid, fl.plan, fl.folded, 0.0, count=False)
+            self._replay[sender] = Replay(fl.tid, fl.plan, fl.folded, 0.0, count=False)
             return out + self._maybe_finish(now)
         # Parts of it are in the sums and cannot be taken out: the round is spoilt.
         detail = (
@@ -761,7 +743,7 @@ class RoundMachine:
             self._refused(sender)
             if fl.folded:
                 self.bench.offend(sender, self.round)
-                self._replay[sender] = _Replay(fl.tid, fl.plan, fl.folded, 0.0, count=False)
+                self._replay[sender] = Replay(fl.tid, fl.plan, fl.folded, 0.0, count=False)
         return out
 
     def _maybe_finish(self, now: float) -> list[Command]:
@@ -841,20 +823,8 @@ class RoundMachine:
         r = self._replay.get(sender)
         if r is None or not self._replaying or self._acc is None or (r.tid is not None and part.tid != r.tid):
             return
-        assert isinstance(self._acc, StrategyAggregator) and r.scale is not None
-        vals = part.values
-        n = vals.size
-        lo, hi = r.done, r.done + n
-        r.done = hi
-        cut = min(max(r.prefix - lo, 0), n)  # values of this part in the folded prefix
-        for a, b, factor in ((0, cut, r.scale - 1.0), (cut, n, r.scale)):
-            if b <= a or factor == 0.0:
-                continue
-            if part.indices is None:
-                start, idx = part.start + a, None
-            else:
-                start, idx = 0, part.indices[a:b]
-            self._acc.fold(_scaled(r.plan, factor), part.name, start, vals[a:b], idx, delta=part.delta)
+        assert isinstance(self._acc, StrategyAggregator)
+        r.fold(self._acc, part, delta=part.delta)
 
     def _on_refolded(self, ev: Refolded, now: float) -> list[Command]:
         if not self._replaying or ev.round != self.round or self.phase is not Phase.TRAINING:
@@ -1051,19 +1021,3 @@ class RoundMachine:
             if self.online.pop(agent, None) is not None:
                 self.departed.add(agent)
         self.departing.clear()
-
-
-def _scaled(plan: Plan, factor: float) -> Plan:
-    """``plan`` with its weights (both sums of blur) multiplied by ``factor``."""
-    return replace(plan, weight=plan.weight * factor, level=plan.level * factor)
-
-
-def _part_sq_distance(ref: np.ndarray, part: UpdatePart) -> float:
-    """Squared L2 distance a part's values add to their update's distance from ``ref``
-    (the global model's tensor): the values themselves when they are deltas."""
-    vals = part.values
-    if part.delta:
-        return float(np.square(vals, dtype=np.float64).sum())
-    flat = ref.reshape(-1)
-    g = flat[part.start : part.start + vals.size] if part.indices is None else flat[part.indices]
-    return float(np.square(vals.astype(np.float64) - g).sum())
