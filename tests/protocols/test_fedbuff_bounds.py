@@ -11,6 +11,7 @@ from test_fedbuff import cfg, model, of, stream
 
 from fedagent.protocols.fedbuff import (
     AgentOnline,
+    AssignTask,
     BufferMachine,
     BufferSpoilt,
     Published,
@@ -259,3 +260,25 @@ def test_the_bounds_are_off_where_updates_are_bounded_otherwise():
     assert bcfg(strategy=Strategy(name="drop_above", key="loss", threshold=1.0)).caps_weights
     with pytest.raises(ValueError, match="replays"):
         BufferMachine(bcfg(), model())
+
+
+# ---- one agent's share of a buffer ---------------------------------------------------------
+def test_one_agent_adds_at_most_half_a_buffer_and_waits_for_the_next_model():
+    m = BufferMachine(bcfg(buffer_size=4, norm_bound=None), model())
+    assert m.config.share == 2
+    online(m, {**HONEST, "mallory": 100})
+    j = Journal(m)
+    # answering at once, and unasked: tasks it was never given, or its "own" (task 0)
+    (t,) = of(j.feed(stream("mallory", model(1.0), model(), task=4, base_version=0, tid="m1")), AssignTask)
+    assert t.agent == "mallory"
+    assert of(j.feed(stream("mallory", model(1.0), model(), task=0, base_version=0, tid="m2")), AssignTask) == []
+    (r,) = of(j.feed(stream("mallory", model(1.0), model(), task=77, base_version=0, tid="m3")), Rejected)
+    assert (r.sender, r.reason) == ("mallory", "share") and m.fill == 2
+    j.feed(stream("a", model(0.1), model(), task=1, base_version=0))
+    cmds = j.feed(stream("b", model(0.1), model(), task=2, base_version=0, tid="t2"))
+    (p,) = of(cmds, Published)
+    assert sorted(u[0] for u in p.updates) == ["a", "b", "mallory", "mallory"]
+    # a new buffer: its share is free again (the task it was given after its first
+    # update is answered)
+    assert not of(j.feed(stream("mallory", model(1.0), model(), task=5, base_version=0, tid="m4")), Rejected)
+    assert m.fill == 1

@@ -64,6 +64,12 @@ class BufferConfig:
     norm_bound: NormBound | None = None  # None: off
 
     @property
+    def share(self) -> int:
+        """The updates one agent may add to a buffer: half of it (at least one), so that
+        no agent makes a model alone unless the buffer holds a single update."""
+        return max(1, self.buffer_size // 2)
+
+    @property
     def caps_weights(self) -> bool:
         """Whether update weights (sample counts) are capped: FedAvg weights by samples
         (``fedavg``, ``drop_above``), outside differential privacy (equal weights)."""

@@ -332,13 +332,12 @@ class BufferMachine:
         limit = cfg.concurrency or math.inf
         running = sum(1 for t in self.tasks.values() if t.holds_slot)
         out: list[Command] = []
-        buffered = {e.sender for e in self.entries} if self.budget is not None else set()
-        idle = [
-            a
-            for a in self.online
-            if a not in buffered  # under DP: once per model
-            and (a not in self.tasks or not self.tasks[a].holds_slot)
-        ]
+        # An agent with its share of the buffer (under DP: one update) waits for the
+        # next model: its update would be refused.
+        limit_each = 1 if self.budget is not None else self.config.share
+        counts = Counter(e.sender for e in self.entries)
+        full = {a for a, n in counts.items() if n >= limit_each}
+        idle = [a for a in self.online if a not in full and (a not in self.tasks or not self.tasks[a].holds_slot)]
         idle.sort(key=lambda a: (self.idle_since.get(a, now), a))
         train: TrainConfig | None = None
         for agent in idle:
@@ -405,6 +404,16 @@ class BufferMachine:
             return "duplicate", f"task {task} from version {base} was taken already"
         if self.budget is not None and any(e.sender == sender for e in self.entries):
             return "once", "under differential privacy an agent adds one update to a model"
+        mine = sum(1 for e in self.entries if e.sender == sender)
+        if mine >= self.config.share:
+            # Any agent may send an update of its own (task 0, trained while cut off) or
+            # answer a task late: without this, one member answering at once, or sending
+            # unasked, could fill whole buffers, and each buffer's distances would then
+            # be its own, raising the norm bound it is held to.
+            return "share", (
+                f"{mine} of this buffer's {self.config.buffer_size} updates are {sender}'s already "
+                f"(at most {self.config.share} per agent)"
+            )
         return s
 
     def _plans(
