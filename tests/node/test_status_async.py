@@ -34,6 +34,8 @@ def test_the_coordinator_shows_the_buffer_staleness_and_each_agents_model_versio
     s = coordinator_status()
     rows = dict(status_rows(s))
     assert rows["model version"] == "1 of 50 (models published)"
+    until_stopped = dict(status_rows({**s, "versions": 0}))["model version"]
+    assert until_stopped == "1 (models published; no end set: until the coordinator is stopped)"
     assert rows["buffer"] == "1 of 3 updates"
     assert rows["staleness"].startswith("median 0, 90% 0, max 0") and "4 taken (bound 20)" in rows["staleness"]
     assert rows["staleness counts"] == "0: 4"

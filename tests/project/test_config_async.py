@@ -92,6 +92,10 @@ def test_central_dp_and_clip_norm_take_whole_updates(tmp_path):
         ({"rounds": {"clip_norm": 1.0}, "transfer": {"compression": "int8"}}, "leave compression unset"),
         ({"privacy": {"mode": "central", "noise_multiplier": 1.0}}, "raise min_agents"),
         ({"fedbuff": {"max_staleness": -1}}, "max_staleness"),
+        (
+            {"fedbuff": {"versions": 0}, "privacy": {"mode": "central", "target_epsilon": 8.0}},
+            "versions = 0 has no end",
+        ),
     ],
 )
 def test_what_cannot_run_asynchronously_is_refused_at_load(tmp_path, tables, match):

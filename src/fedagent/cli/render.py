@@ -301,7 +301,12 @@ def _async_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
         b = s.get("buffer") or {}
         st = s.get("staleness") or {}
         rows: list[tuple[str, Any]] = [
-            ("model version", f"{version} of {s.get('versions')} (models published)"),
+            (
+                "model version",
+                f"{version} of {s['versions']} (models published)"
+                if s.get("versions")
+                else f"{version} (models published; no end set: until the coordinator is stopped)",
+            ),
             (
                 "buffer",
                 f"{b.get('fill', 0)} of {b.get('size')} updates"

@@ -54,6 +54,11 @@ def buffer_config(cfg: NodeConfig, *, calibrate: bool = True) -> BufferConfig:
         strategy = build(r, "strategy", Strategy)
         dp = None
         if cfg.privacy is not None:
+            if cfg.privacy.noise_multiplier is None and not a.versions:
+                raise ValueError(
+                    "[privacy] target_epsilon is spread over the `versions` models, and versions = 0 has no end: "
+                    "set versions, or give noise_multiplier (with epsilon_budget to stop at a budget)"
+                )
             if calibrate:
                 dp = cfg.privacy.resolve(a.versions, 1.0)
             else:

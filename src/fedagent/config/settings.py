@@ -478,7 +478,12 @@ class AsyncSettings(Table):
         gt=0,
         to="buffer",
     )
-    versions: int = setting(50, "coordinator: global models to publish, then training ends", ge=1, to="buffer")
+    versions: int = setting(
+        50,
+        "coordinator: global models to publish, then training ends (0: until the coordinator is stopped)",
+        ge=0,
+        to="buffer",
+    )
     offline_trainings: int = setting(
         2,
         "agent: trainings it starts on its own while its link is down, per outage (on the model it holds, or "

@@ -197,11 +197,11 @@ class AsyncMode:
                 self._recovered.model_version,
             )
         log.info(
-            "buffer of %d updates, staleness bound %d, %s; %d models to publish",
+            "buffer of %d updates, staleness bound %d, %s; %s",
             self.config.buffer_size,
             self.config.max_staleness,
             f"at most {self.config.concurrency} agents training" if self.config.concurrency else "every agent trains",
-            self.config.versions,
+            f"{self.config.versions} models to publish" if self.config.ends else "models published until stopped",
         )
 
     def recovered_frames(self) -> Iterator[tuple[str, bytes]]:
@@ -472,7 +472,9 @@ class AsyncMode:
             took,
             ", ".join(f"{k}={v:.4f}" for k, v in cmd.metrics.items()),
         )
-        sdnotify.status(f"model version {cmd.model_version}")
+        sdnotify.status(
+            f"model version {cmd.model_version}" + (f" of {self.config.versions}" if self.config.ends else "")
+        )
         if cmd.privacy is not None:
             core.metrics.set_privacy(cmd.privacy)
         delta = cmd.delta

@@ -33,7 +33,7 @@ class BufferConfig:
     ``s > max_staleness``. At most ``concurrency`` agents train at once (0: every agent
     online); a task not answered within ``task_timeout`` frees its place (its update is
     still taken later, within the staleness bound). ``versions`` models are published,
-    then training ends. ``whole``: updates travel whole (their norm is needed before any
+    then training ends (0: until the coordinator is stopped). ``whole``: updates travel whole (their norm is needed before any
     of them is added: ``clip_norm``, central DP), otherwise as streams of deltas.
 
     ``weight_cap`` and ``norm_bound`` are the member protections of FedAvg rounds
@@ -62,6 +62,15 @@ class BufferConfig:
     dp: DPConfig | None = None
     weight_cap: float = 0.0  # 0: off
     norm_bound: NormBound | None = None  # None: off
+
+    @property
+    def ends(self) -> bool:
+        """Whether training ends after ``versions`` models (0: it runs until stopped)."""
+        return self.versions > 0
+
+    def last(self, version: int) -> bool:
+        """Whether model ``version`` is the last one training publishes."""
+        return self.ends and version >= self.versions
 
     @property
     def share(self) -> int:
@@ -109,8 +118,10 @@ class BufferConfig:
         return self.train.lr * 0.5 * (1.0 + math.cos(math.pi * min(version, self.versions) / self.versions))
 
     def __post_init__(self) -> None:
-        if self.buffer_size < 1 or self.versions < 1 or self.min_agents < 1:
-            raise ValueError("buffer_size, versions and min_agents must be at least 1")
+        if self.buffer_size < 1 or self.min_agents < 1:
+            raise ValueError("buffer_size and min_agents must be at least 1")
+        if self.versions < 0:
+            raise ValueError("versions must be at least 1, or 0 for no end")
         if not 0 <= self.max_staleness <= MAX_STALENESS:
             raise ValueError(f"max_staleness must be in [0, {MAX_STALENESS}]")
         if not (math.isfinite(self.staleness_exponent) and 0 <= self.staleness_exponent <= 4):
@@ -121,6 +132,8 @@ class BufferConfig:
             raise ValueError("task_timeout must be positive and start_grace non-negative")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"lr_schedule must be 'constant' or 'cosine', not {self.lr_schedule!r}")
+        if self.lr_schedule == "cosine" and not self.versions:
+            raise ValueError("lr_schedule 'cosine' decays over `versions` models: set versions (0 has no end)")
         if not (math.isfinite(self.weight_cap) and (self.weight_cap == 0 or self.weight_cap >= 1)):
             raise ValueError(f"weight_cap must be 0 (off) or at least 1, not {self.weight_cap!r}")
         check_server_lr(self.server_lr)

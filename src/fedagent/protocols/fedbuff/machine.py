@@ -151,7 +151,7 @@ class BufferMachine:
         self.budget: PrivacyBudget | None = None
         if config.dp is not None:
             self.budget = PrivacyBudget(config.dp, privacy_state, rng if rng is not None else np.random.default_rng())
-        self.phase = Phase.WAITING if model_version < config.versions else Phase.DONE
+        self.phase = Phase.DONE if config.last(model_version) else Phase.WAITING
         self.stop_reason = ""
         self.online: dict[str, int] = {}
         self._whole_only: set[str] = set()
@@ -767,7 +767,7 @@ class BufferMachine:
         self.last_metrics = weighted_metrics([(e.metrics, e.num_samples) for e in counted])
         updates = tuple((*e.key, e.staleness, shares.get(e.label, 0.0)) for e in entries)
         dropped = {e.label: e.dropped for e in entries if e.dropped is not None}
-        final = self.model_version >= self.config.versions
+        final = self.config.last(self.model_version)
         why = "" if final else self._over_budget()
         delta = self.server_step.delta if not self.whole_model_only() else None
         out: list[Command] = [
