@@ -265,7 +265,7 @@ def test_the_bounds_are_off_where_updates_are_bounded_otherwise():
 # ---- one agent's share of a buffer ---------------------------------------------------------
 def test_one_agent_adds_at_most_half_a_buffer_and_waits_for_the_next_model():
     m = BufferMachine(bcfg(buffer_size=4, norm_bound=None), model())
-    assert m.config.share == 2
+    assert [m.config.share(n) for n in (1, 2, 3, 4, 10)] == [4, 2, 2, 2, 2]
     online(m, {**HONEST, "mallory": 100})
     j = Journal(m)
     # answering at once, and unasked: tasks it was never given, or its "own" (task 0)
@@ -282,3 +282,18 @@ def test_one_agent_adds_at_most_half_a_buffer_and_waits_for_the_next_model():
     # update is answered)
     assert not of(j.feed(stream("mallory", model(1.0), model(), task=5, base_version=0, tid="m4")), Rejected)
     assert m.fill == 1
+
+
+def test_fewer_agents_than_half_a_buffer_each_add_what_it_takes_to_fill_it():
+    """Two agents and a buffer of 5 (the defaults' quorum and buffer): three each, or no
+    model could ever be made."""
+    m = BufferMachine(bcfg(buffer_size=5, norm_bound=None), model())
+    online(m, {"a": 100, "b": 100})
+    j = Journal(m)
+    for i in range(3):
+        j.feed(stream("a", model(0.1), model(), task=10 + i, base_version=0, tid=f"a{i}"))
+    (r,) = of(j.feed(stream("a", model(0.1), model(), task=20, base_version=0, tid="a9")), Rejected)
+    assert r.reason == "share" and "at most 3 per agent with 2 online" in r.detail
+    j.feed(stream("b", model(0.1), model(), task=30, base_version=0, tid="b0"))
+    (p,) = of(j.feed(stream("b", model(0.1), model(), task=31, base_version=0, tid="b1")), Published)
+    assert len(p.updates) == 5

@@ -34,7 +34,8 @@ Invariants this machine guards:
   place of a round): an update weighs at most its agent's announced samples and
   ``weight_cap`` × the lower median of every announcement; its distance is scaled to
   ``multiplier`` × the median distance of the last ``window`` buffers' updates; one
-  agent adds at most half a buffer (``share``), and gets no task while it holds it. A
+  agent adds at most half a buffer (or what it takes the agents online to fill it:
+  ``BufferConfig.share``), and gets no task while it holds that. A
   stream's distance is known only at its end, and the buffer's journal holds every frame
   of its updates, so streams are added as they come while within the bound (the usual
   case, no second read) and one that crosses it, or any update while the bound warms up,

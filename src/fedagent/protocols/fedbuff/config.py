@@ -72,11 +72,11 @@ class BufferConfig:
         """Whether model ``version`` is the last one training publishes."""
         return self.ends and version >= self.versions
 
-    @property
-    def share(self) -> int:
-        """The updates one agent may add to a buffer: half of it (at least one), so that
-        no agent makes a model alone unless the buffer holds a single update."""
-        return max(1, self.buffer_size // 2)
+    def share(self, agents: int) -> int:
+        """The updates one agent may add to a buffer while ``agents`` are online: half of
+        it (at least one), so that no agent makes a model alone unless the buffer holds a
+        single update, or as many as it takes ``agents`` to fill it when they are fewer."""
+        return max(1, self.buffer_size // 2, -(-self.buffer_size // max(1, agents)))
 
     @property
     def caps_weights(self) -> bool:

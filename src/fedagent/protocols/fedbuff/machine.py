@@ -334,7 +334,7 @@ class BufferMachine:
         out: list[Command] = []
         # An agent with its share of the buffer (under DP: one update) waits for the
         # next model: its update would be refused.
-        limit_each = 1 if self.budget is not None else self.config.share
+        limit_each = 1 if self.budget is not None else self._share()
         counts = Counter(e.sender for e in self.entries)
         full = {a for a, n in counts.items() if n >= limit_each}
         idle = [a for a in self.online if a not in full and (a not in self.tasks or not self.tasks[a].holds_slot)]
@@ -405,16 +405,23 @@ class BufferMachine:
         if self.budget is not None and any(e.sender == sender for e in self.entries):
             return "once", "under differential privacy an agent adds one update to a model"
         mine = sum(1 for e in self.entries if e.sender == sender)
-        if mine >= self.config.share:
+        share = self._share()
+        if mine >= share:
             # Any agent may send an update of its own (task 0, trained while cut off) or
             # answer a task late: without this, one member answering at once, or sending
             # unasked, could fill whole buffers, and each buffer's distances would then
             # be its own, raising the norm bound it is held to.
             return "share", (
                 f"{mine} of this buffer's {self.config.buffer_size} updates are {sender}'s already "
-                f"(at most {self.config.share} per agent)"
+                f"(at most {share} per agent with {len(self.online)} online)"
             )
         return s
+
+    def _share(self) -> int:
+        """The updates one agent may add to the buffer: see :meth:`BufferConfig.share`.
+        (Before any presence after a restart, the updates handed on from the journal are
+        judged by the agents the checkpoint knew.)"""
+        return self.config.share(len(self.online) or len(self.announced))
 
     def _plans(
         self, sender: str, num_samples: int, metrics: Mapping[str, float], staleness: int
