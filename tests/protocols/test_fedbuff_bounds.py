@@ -74,7 +74,7 @@ class Journal:
                 if tid is not None:
                     for part in self.streams.get((agent, tid), []):
                         self.m.refold(key, part)
-                else:
+                elif (agent, task, base) in self.wholes:
                     w = self.wholes[(agent, task, base)]
                     for name, arr in w.delta.items():
                         self.m.refold(key, UpdatePart(agent, "", name, 0, np.asarray(arr).reshape(-1)))
@@ -162,6 +162,30 @@ def test_a_whole_noise_update_is_scaled_at_once():
     assert not j.refolds
     np.testing.assert_allclose(p.weights["w"], bad["w"] * 3.0 / dist(bad), atol=0.03)  # (int8 downlink)
     assert p.bounded == {"a": {"norm": pytest.approx(dist(bad)), "bound": 3.0}}
+
+
+def test_whole_updates_warming_up_are_read_back_whole_and_one_never_read_back_does_not_count():
+    m = BufferMachine(bcfg(buffer_size=2, train=TrainConfig(stream=False)), model(), replays=True)
+    online(m, HONEST)
+    j = Journal(m)
+    j.handle(WholeUpdate("a", 1, 0, 100, {"loss": 1.0}, delta_of(0.5)))
+    (p,) = of(j.handle(WholeUpdate("b", 2, 0, 100, {"loss": 1.0}, delta_of(0.3))), Published)
+    (refold,) = j.refolds
+    assert refold.updates == (("a", 1, 0, None), ("b", 2, 0, None))
+    np.testing.assert_allclose(p.weights["w"], 0.4, atol=0.01)
+    # still warming up (2 distances of 3): held again. The journal gives nothing of c's
+    # update back (its frames name another base version) without saying it is missing:
+    # it must not count in the mean without its values.
+    j.handle(WholeUpdate("c", 3, 1, 100, {"loss": 1.0}, delta_of(0.5)))
+    del j.wholes[("c", 3, 1)]
+    cmds = j.handle(WholeUpdate("a", 4, 1, 100, {"loss": 1.0}, delta_of(0.5)))
+    (r,) = of(cmds, Rejected)
+    assert (r.sender, r.reason) == ("c", "journal") and not of(cmds, Published)
+    assert [e.sender for e in m.entries] == ["a"]
+
+
+def delta_of(v: float) -> dict[str, np.ndarray]:
+    return {"w": np.full((4, 5), v, np.float32), "b": np.full(3, v, np.float32), "n": np.array(0, np.int64)}
 
 
 def test_while_warming_up_every_update_is_held_and_scaled_to_the_buffers_own_bound():

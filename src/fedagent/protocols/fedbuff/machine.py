@@ -720,7 +720,8 @@ class BufferMachine:
             if not r.count:
                 continue
             label = f"{k[0]}/{k[1]}/{k[2]}"
-            if k in ev.incomplete:
+            if k in ev.incomplete or not r.done:
+                # (nothing read back: it would count in the mean without its values)
                 self.entries = [e for e in self.entries if e.label != label]
                 self.accepted.pop(k[:3], None)
                 self.refused["journal"] += 1
