@@ -713,10 +713,14 @@ class BufferMachine:
             r = self._replay.pop(k)
             if r.done < r.prefix or (r.count and k in ev.incomplete and r.done):
                 # Part of it is in the sums and could not be taken out.
-                return self._spoil(
-                    f"the update {k[0]}/{k[1]}/{k[2]} could not be read back from the journal to take it out "
-                    "of the sums"
-                ) + self._assign(now)
+                return (
+                    out
+                    + self._spoil(
+                        f"the update {k[0]}/{k[1]}/{k[2]} could not be read back from the journal to take it out "
+                        "of the sums"
+                    )
+                    + self._assign(now)
+                )
             if not r.count:
                 continue
             label = f"{k[0]}/{k[1]}/{k[2]}"
@@ -759,7 +763,6 @@ class BufferMachine:
             budget.charge(self.config.buffer_size, self.config.buffer_size, 1.0)
         counted = [e for e in entries if e.dropped is None]
         shares = _shares(acc, counted)
-        bounded = self.influence.aggregated(sorted({e.sender for e in counted}))
         del acc  # (it holds the model before: gone with it once the next one is adopted)
         self._acc = None
         new, velocity = self.server_step.propose(self.weights, aggregate, self.model_version)
@@ -768,6 +771,8 @@ class BufferMachine:
         if overflow:
             self.server_step.drop()
             return self._spoil(f"the aggregate is not finite in {', '.join(sorted(overflow)[:3])}")
+        # (only a model's distances join the norm bound's window, not a spoilt buffer's)
+        bounded = self.influence.aggregated(sorted({e.sender for e in counted}))
         self.weights = self.server_step.adopt(self.weights, new, velocity, self.model_version)
         self.model_version += 1
         floor = self.model_version - self.config.max_staleness
