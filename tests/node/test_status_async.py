@@ -34,6 +34,7 @@ def test_the_coordinator_shows_the_buffer_staleness_and_each_agents_model_versio
     s = coordinator_status()
     rows = dict(status_rows(s))
     assert rows["model version"] == "1 of 50 (models published)"
+    assert rows["update bounds"] == "off" and rows["bounded (last model)"] == "-"
     until_stopped = dict(status_rows({**s, "versions": 0}))["model version"]
     assert until_stopped == "1 (models published; no end set: until the coordinator is stopped)"
     assert rows["buffer"] == "1 of 3 updates"

@@ -265,7 +265,10 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("rejected", _rejected_text(s) or ("-" if "rejected" in s else None)),
         ("dropped unread", _dropped_text(s.get("dropped"))),
         ("update bounds", _bounds_text(s.get("bounds")) if coordinator else None),
-        ("bounded (last round)", _bounded_text(s.get("bounds")) if coordinator else None),
+        (
+            "bounded (last model)" if s.get("mode") == "async" else "bounded (last round)",
+            _bounded_text(s.get("bounds")) if coordinator else None,
+        ),
         ("bytes in / out", f"{s.get('bytes_in', 0):,} / {s.get('bytes_out', 0):,}"),
         *_round_rows(s),
     ]
