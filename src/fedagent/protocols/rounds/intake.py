@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fedagent.protocols.aggregation import Plan, StrategyAggregator, UpdateRejected
 from fedagent.protocols.dp import DPAggregator
-from fedagent.protocols.rounds.bounds import Bench, Influence
+from fedagent.protocols.rounds.bounds import Bench, Influence, Replay, part_sq_distance
 from fedagent.protocols.rounds.config import RoundConfig
 from fedagent.protocols.rounds.events import Command, Phase, Refold, Refolded, Rejected, Weights
 from fedagent.protocols.streaming import UpdateEnd, UpdateHead, UpdatePart
@@ -41,24 +41,6 @@ class Inflight:
     folded: int = 0  # values folded at the plan's weight (a prefix of the stream)
     held: bool = False  # past the bound (or warming up): the rest waits for a replay
     last_at: float = 0.0  # when its last part (or its header) came
-
-
-@dataclass(slots=True)
-class Replay:
-    """An update to replay at the round's end: its first ``prefix`` values were folded at
-    the plan's weight; the whole update goes in at ``scale`` × that weight (0: taken
-    out; None: decided by the round's bound once every update is in)."""
-
-    tid: str | None  # the stream's transfer id; None: a whole update
-    plan: Plan
-    prefix: int
-    scale: float | None
-    norm: float = 0.0
-    count: bool = True  # an accepted update (counted in once replayed); False: only taken out
-    samples: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
-    leaving: bool = False
-    done: int = 0  # values replayed so far
 
 
 class StreamedUpdates:
@@ -350,20 +332,8 @@ class StreamedUpdates:
         r = self._replay.get(sender)
         if r is None or not self._replaying or self._acc is None or (r.tid is not None and part.tid != r.tid):
             return
-        assert isinstance(self._acc, StrategyAggregator) and r.scale is not None
-        vals = part.values
-        n = vals.size
-        lo, hi = r.done, r.done + n
-        r.done = hi
-        cut = min(max(r.prefix - lo, 0), n)  # values of this part in the folded prefix
-        for a, b, factor in ((0, cut, r.scale - 1.0), (cut, n, r.scale)):
-            if b <= a or factor == 0.0:
-                continue
-            if part.indices is None:
-                start, idx = part.start + a, None
-            else:
-                start, idx = 0, part.indices[a:b]
-            self._acc.fold(scaled(r.plan, factor), part.name, start, vals[a:b], idx, delta=part.delta)
+        assert isinstance(self._acc, StrategyAggregator)
+        r.fold(self._acc, part, delta=part.delta)
 
     def _on_refolded(self, ev: Refolded, now: float) -> list[Command]:
         if not self._replaying or ev.round != self.round or self.phase is not Phase.TRAINING:
@@ -397,19 +367,3 @@ class StreamedUpdates:
             if r.leaving:
                 self.departing.add(sender)
         return out + self._maybe_finish(now)
-
-
-def scaled(plan: Plan, factor: float) -> Plan:
-    """``plan`` with its weights (both sums of blur) multiplied by ``factor``."""
-    return replace(plan, weight=plan.weight * factor, level=plan.level * factor)
-
-
-def part_sq_distance(ref: np.ndarray, part: UpdatePart) -> float:
-    """Squared L2 distance a part's values add to their update's distance from ``ref``
-    (the global model's tensor): the values themselves when they are deltas."""
-    vals = part.values
-    if part.delta:
-        return float(np.square(vals, dtype=np.float64).sum())
-    flat = ref.reshape(-1)
-    g = flat[part.start : part.start + vals.size] if part.indices is None else flat[part.indices]
-    return float(np.square(vals.astype(np.float64) - g).sum())

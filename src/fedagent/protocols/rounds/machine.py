@@ -23,7 +23,7 @@ from fedagent.protocols.aggregation import StrategyAggregator, UpdateRejected, c
 from fedagent.protocols.downlink import ModelDelta
 from fedagent.protocols.dp import Accountant, ClipBound, DPAggregator
 from fedagent.protocols.fingerprint import Roles
-from fedagent.protocols.rounds.bounds import Bench, Influence
+from fedagent.protocols.rounds.bounds import Bench, Influence, Replay, scaled
 from fedagent.protocols.rounds.config import RoundConfig
 from fedagent.protocols.rounds.events import (
     AgentOffline,
@@ -44,7 +44,7 @@ from fedagent.protocols.rounds.events import (
     UpdateReceived,
     Wakeup,
 )
-from fedagent.protocols.rounds.intake import Replay, StreamedUpdates, scaled
+from fedagent.protocols.rounds.intake import StreamedUpdates
 from fedagent.protocols.rounds.privacy import PrivacyBudget
 from fedagent.protocols.rounds.secure import SecureRounds
 from fedagent.protocols.rounds.serverstep import ServerStep
