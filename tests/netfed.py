@@ -88,7 +88,18 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, fed: Watched
         if value:
             return value
         time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}{_log_tails(fed)}")
+
+
+def _log_tails(fed: object, chars: int = 1500) -> str:
+    """The end of each coordinator's or aggregator's log: what a timed-out wait most often
+    needs to be understood after the test's directory is gone."""
+    out = []
+    for p in getattr(fed, "procs", ()):
+        log = getattr(p, "log", None)
+        if ("coordinator" in p.name or "site" in p.name) and log is not None and log.exists():
+            out.append(f"\n--- {p.name} (last lines) ---\n{log.read_text(errors='replace')[-chars:]}")
+    return "".join(out)
 
 
 @contextlib.contextmanager
