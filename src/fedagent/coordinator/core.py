@@ -319,7 +319,8 @@ class CoordinatorCore:
                     if msg.role == "agent" and inc.sender != self.cfg.id:
                         self.peers[inc.sender] = {
                             "online": msg.online,
-                            "role": msg.role,
+                            # a site aggregator says "agent" and holds an aggregator's certificate
+                            "role": "aggregator" if inc.role == "aggregator" else msg.role,
                             "samples": msg.num_samples,
                             "model_version": msg.model_version,
                             "downlinks": list(msg.downlinks),

@@ -27,7 +27,7 @@ from fedagent.coordinator.velocity import FileVelocity
 from fedagent.coordinator.vocabstage import VocabStage, has_vocabulary, vocab_config
 from fedagent.errors import FedagentError, TransportError
 from fedagent.node import sdnotify
-from fedagent.node.messaging import Incoming
+from fedagent.node.messaging import PARTICIPANT_ROLES, Incoming
 from fedagent.node.metrics import NodeMetrics
 from fedagent.node.runtime import Timer, release_large_frees
 from fedagent.protocols import rounds as R
@@ -47,6 +47,7 @@ from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
 from fedagent.protocols.secagg import SecAggMasked, SecAggStart
 from fedagent.protocols.serveropt import VELOCITY, check_velocity
 from fedagent.protocols.streaming import StreamEvent, UpdateEnd, UpdateHead, UpdatePart
+from fedagent.protocols.tiers import UpperRoundMachine
 from fedagent.storage import checkpoint
 from fedagent.storage.roundjournal import InFlight
 from fedagent.storage.statefile import atomic_write, read_bytes
@@ -261,9 +262,12 @@ class FedAvgMode:
                     rc.momentum,
                     store.dir,
                 )
-        self.machine = R.RoundMachine(
+        # A hub or region: its members are site aggregators, each weighed as its site.
+        tiered: dict[str, Any] = {"is_aggregator": self._is_aggregator} if cfg.tier.sites else {}
+        self.machine = (UpperRoundMachine if cfg.tier.sites else R.RoundMachine)(
             rc,
             weights,
+            **tiered,
             model_version=int(meta.get("model_version", 0)),
             completed_rounds=int(meta.get("completed_rounds", 0)),
             last_round=max(int(meta.get("round", 0)), last_started),
@@ -340,6 +344,10 @@ class FedAvgMode:
             }
         }
 
+    def _is_aggregator(self, member: str) -> bool:
+        """Whether ``member`` is a site aggregator (its certificate's role, from its presence)."""
+        return self.core.peers.get(member, {}).get("role") == "aggregator"
+
     def _admit(self, sender: str, kind: str, round_: int) -> bool:
         """Whether to look at a frame of (part of) an update from ``sender`` at all: only
         from an agent selected for the round in flight, for that round (before the
@@ -387,6 +395,11 @@ class FedAvgMode:
     async def on_presence(self, agent: str, online: bool, samples: int, now: float) -> None:
         # Before the vocabulary is agreed there is no machine: the core's peer table keeps
         # the presence and it is replayed to the machine once it exists.
+        if online and self._is_aggregator(agent) and not self.cfg.tier.sites:
+            # Weighed as one agent (against the median of the agents' counts) a site would
+            # count for a few agents only: a coordinator takes sites when it says so.
+            log.warning("%s is a site aggregator, and this coordinator has no [tier] sites = true: not taken", agent)
+            online = False
         if self.machine is not None:
             await self._handle(self._online(agent, samples) if online else R.AgentOffline(agent))
 
@@ -418,7 +431,7 @@ class FedAvgMode:
                 await self._handle(R.SecAggReceived(inc.sender, msg))
         elif isinstance(msg, Update):
             self._record_received(inc)
-            if inc.role != "agent":
+            if inc.role not in PARTICIPANT_ROLES or (inc.role == "aggregator" and not self.cfg.tier.sites):
                 # As for streams (messaging): only an agent's certificate may submit an update.
                 self.core.messenger.reject("role", inc.sender, f"update signed by a {inc.role or 'non-agent'}")
                 return
