@@ -1,0 +1,140 @@
+"""Two tiers over real processes: a hub broker and coordinator, two site brokers, a site
+aggregator per site (``fedagent aggregator``) and 3 + 2 agents, against a flat
+federation of the same five agents (same shards, same seeds, same settings).
+
+The weight cap is off in both: it caps an agent at a multiple of the median count of
+the agents its tier sees, a site's agents in one case and all of them in the other.
+
+Tolerance: the final models agree within 1e-5 (measured: 1.8e-7; the site means are
+rounded to float32 once more, the sums run in another order, and three rounds of
+training carry the difference on). Every agent trains the same shard from the same
+model with the round's number as its seed in both runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from netfed import running, wait_for
+
+from fedagent.local.federation import BATCH, LOCAL_EPOCHS, LR, SEED
+from fedagent.local.tiers import TieredFederation
+from fedagent.storage.history import read_records
+
+ROUNDS = 3
+ALPHA = 0.3
+SITES = [3, 2]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tiered = TieredFederation(
+        tmp_path_factory.mktemp("tiers"),
+        sites=SITES,
+        rounds=ROUNDS,
+        alpha=ALPHA,
+        transfer={"compression": "none"},
+        site_rounds={"weight_cap": 0},
+    )
+    try:
+        tiered.prepare()
+        tiered.start_all()
+        done = wait_for(lambda: _done(tiered), 240, "the tiered federation to finish", tiered)
+        # Each site's status once its agents have evaluated the final model.
+        sites = {
+            s: wait_for(lambda s=s: _evaluated(tiered, s), 120, f"{s}'s agents to evaluate the final model", tiered)
+            for s in tiered.site_ids
+        }
+        agents = {a: tiered.status(a) for a in tiered.agent_ids}
+        weights, meta = tiered.final_weights()
+        site_history = {s: _history(tiered, s) for s in tiered.site_ids}
+    finally:
+        tiered.close()
+    n = sum(SITES)
+    rounds = {
+        "rounds": ROUNDS,
+        "min_agents": n,
+        "expected_agents": n,
+        "min_updates": 1,
+        "round_timeout": 60.0,
+        "local_epochs": LOCAL_EPOCHS,
+        "lr": LR,
+        "batch_size": BATCH,
+        "seed": SEED,
+        "weight_cap": 0,
+    }
+
+    def configure(fed):
+        fed.write_coordinator("digits", {"seed": SEED}, rounds, transfer={"compression": "none"})
+
+    with running(
+        tmp_path_factory.mktemp("flat"),
+        agents=n,
+        rounds=ROUNDS,
+        alpha=ALPHA,
+        agent_broker_by_mdns=False,
+        configure=configure,
+    ) as flat:
+        wait_for(lambda: (s := flat.status("coordinator")) and s["phase"] == "done", 240, "the flat run", flat)
+        flat_done = wait_for(lambda: _evaluated(flat, "coordinator"), 120, "the final model's evaluations", flat)
+        flat_weights, _ = flat.final_weights()
+    return {
+        "done": done,
+        "sites": sites,
+        "agents": agents,
+        "weights": weights,
+        "meta": meta,
+        "site_history": site_history,
+        "flat_done": flat_done,
+        "flat_weights": flat_weights,
+    }
+
+
+def _done(fed: TieredFederation):
+    s = fed.status("coordinator")
+    return s if s and s["phase"] == "done" else None
+
+
+def _evaluated(fed, stem: str):
+    s = fed.status(stem)
+    held = s.get("held_out") if s else None
+    return s if held and held.get("model_version") == ROUNDS and held.get("metrics") else None
+
+
+def _history(fed: TieredFederation, stem: str) -> list[dict]:
+    return list(read_records(fed.work / "state" / stem / "coordinator" / fed.fed / "history.jsonl"))
+
+
+def test_two_tiers_train_the_flat_model(runs):
+    done, flat = runs["done"], runs["flat_done"]
+    assert done["completed_rounds"] == ROUNDS and flat["completed_rounds"] == ROUNDS
+    w, f = runs["weights"], runs["flat_weights"]
+    assert w.keys() == f.keys()
+    worst = max(float(np.abs(w[k].astype(np.float64) - f[k]).max()) for k in w)
+    assert worst <= TOL, f"tiered and flat models differ by {worst:.3g}"
+    # The agents' own evaluations of the final model: at their sites, and flat.
+    held = [runs["sites"][s]["held_out"] for s in runs["sites"]]
+    acc = sum(h["metrics"]["accuracy"] * h["samples"] for h in held) / sum(h["samples"] for h in held)
+    assert acc == pytest.approx(flat["held_out"]["metrics"]["accuracy"], abs=1e-3)
+    print(
+        f"largest difference {worst:.3g}; accuracy {acc:.4f} tiered, {flat['held_out']['metrics']['accuracy']:.4f} flat"
+    )
+
+
+def test_each_site_sends_one_partial_result_a_round(runs):
+    for site, count in zip(runs["site_history"], SITES, strict=True):
+        lines = [r for r in runs["site_history"][site] if r.get("event") == "site_round"]
+        assert [r["upstream_round"] for r in lines] == list(range(1, ROUNDS + 1))
+        assert all(len(r["participants"]) == count for r in lines)
+        assert all(r["num_samples"] == sum(runs["sites"][site]["tier"]["agents"].values()) for r in lines)
+    # The hub weighed the sites as their agents: its participants are the site aggregators.
+    assert sorted(runs["meta"]["participants"]) == ["site-1-up", "site-2-up"]
+
+
+def test_agents_know_only_their_site(runs):
+    for site, ids in (("site-1", ["agent-1", "agent-2", "agent-3"]), ("site-2", ["agent-4", "agent-5"])):
+        for a in ids:
+            s = runs["agents"][a]
+            assert s["coordinator"] == site
+            assert s["model_version"] == ROUNDS  # the hub's final model, passed on by the site
