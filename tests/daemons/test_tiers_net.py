@@ -138,3 +138,26 @@ def test_agents_know_only_their_site(runs):
             s = runs["agents"][a]
             assert s["coordinator"] == site
             assert s["model_version"] == ROUNDS  # the hub's final model, passed on by the site
+
+
+def test_status_shows_the_tree(runs):
+    from rich.console import Console
+
+    from fedagent.cli.render import render_status
+
+    hub = runs["done"]["tier"]
+    assert hub["role"] == "hub"
+    assert {n: (s["agents"], s["state"]) for n, s in hub["sites"].items()} == {
+        "site-1-up": (3, "idle"),
+        "site-2-up": (2, "idle"),
+    }
+    site = runs["sites"]["site-1"]["tier"]
+    assert site["role"] == "site" and sorted(site["agents"]) == ["agent-1", "agent-2", "agent-3"]
+    assert site["upstream"]["connection"] == "connected" and site["upstream"]["coordinator"] == "coordinator"
+    assert site["last_partial_result"] == {"round": ROUNDS, "sent": True, "num_samples": site["samples"], "agents": 3}
+    console = Console(record=True, width=160)
+    render_status(runs["done"], console)
+    render_status(runs["sites"]["site-1"], console)
+    text = console.export_text()
+    assert "sites (site aggregators)" in text and "site-2-up" in text
+    assert "upstream tier" in text and "agents of this site" in text and "agent-3" in text

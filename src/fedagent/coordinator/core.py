@@ -324,6 +324,7 @@ class CoordinatorCore:
                             "samples": msg.num_samples,
                             "model_version": msg.model_version,
                             "downlinks": list(msg.downlinks),
+                            **({"agents": msg.agents} if inc.role == "aggregator" else {}),
                             "last_seen": time.time(),
                         }
                         if not msg.online:

@@ -532,12 +532,33 @@ class FedAvgMode:
             "journal": self.journal.status(),
             # the weight cap and the norm bound, and who sits out rounds for spoiling updates
             "bounds": m.get("bounds"),
+            "tier": self._sites(m) if self.cfg.tier.sites else None,
             "secure_aggregation": (
                 self.machine.secagg.status()
                 if self.machine is not None and self.machine.secagg is not None
                 else (self.machine is not None and self.machine.config.secure is not None) or None
             ),
         }
+
+    def _sites(self, m: dict[str, Any]) -> dict[str, Any]:
+        """A hub's or region's view of its members that are site aggregators: the agents
+        and samples each announced, and where it stands in the round in flight."""
+        selected, received = set(m["selected"]), set(m["received"])
+        training = m["phase"] == R.Phase.TRAINING.value
+        sites: dict[str, Any] = {}
+        for name, p in sorted(self.core.peers.items()):
+            if p.get("role") != "aggregator":
+                continue
+            if not p.get("online"):
+                state = "offline"
+            elif training and name in received:
+                state = "sent"
+            elif training and name in selected:
+                state = "training"
+            else:
+                state = "idle"
+            sites[name] = {"agents": int(p.get("agents", 0)), "samples": int(p.get("samples", 0)), "state": state}
+        return {"role": "hub", "sites": sites}
 
     def update_transfer(self) -> dict[str, Any]:
         """How the agents send their updates this federation: the compression the rounds

@@ -89,7 +89,9 @@ class UpstreamLink:
     def _presence(self, online: bool) -> bytes:
         if not online:
             return presence_payload(self.cfg, self.fed, False)
-        return presence_payload(self.cfg, self.fed, True, num_samples=self.samples, model=self.model_digest)
+        return presence_payload(
+            self.cfg, self.fed, True, num_samples=self.samples, model=self.model_digest, agents=self.agents
+        )
 
     async def _on_connect(self) -> None:
         await self.transport.publish(topics.presence(self.fed, self.cfg.id), self._presence(True), retain=True)
