@@ -366,3 +366,12 @@ def test_upper_tier_refuses_protections_that_belong_to_the_sites(cfg, words):
 def test_upload_share_checked():
     with pytest.raises(ValueError, match="upload_share"):
         TierConfig(RoundConfig(), upload_share=1.0)
+
+
+def test_demo_spreads_agents_over_sites():
+    from fedagent.errors import FedagentError
+    from fedagent.local.demo.tiers import split
+
+    assert split(4, 2) == [2, 2] and split(5, 2) == [3, 2] and split(7, 3) == [3, 2, 2]
+    with pytest.raises(FedagentError, match="one agent per site"):
+        split(1, 2)

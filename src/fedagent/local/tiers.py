@@ -11,6 +11,7 @@ nothing is bridged (the site aggregator carries what crosses tiers). ``fedagent 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -50,14 +51,14 @@ class TieredFederation:
         sites: list[int],
         rounds: int,
         alpha: float,
-        federation: str = "tiers",
+        federation: str | None = None,
         round_timeout: float = 60.0,
         hub_rounds: dict[str, Any] | None = None,
         site_rounds: dict[str, Any] | None = None,
         transfer: dict[str, Any] | None = None,
     ) -> None:
         self.work = work
-        self.fed = federation
+        self.fed = federation or f"tiers-{secrets.token_hex(3)}"
         self.sites = list(sites)
         self.rounds = rounds
         self.alpha = alpha
