@@ -161,3 +161,35 @@ def test_status_shows_the_tree(runs):
     text = console.export_text()
     assert "sites (site aggregators)" in text and "site-2-up" in text
     assert "upstream tier" in text and "agents of this site" in text and "agent-3" in text
+
+
+def test_a_site_aggregator_killed_mid_round(tmp_path):
+    """kill -9 of a site aggregator while its site trains: the hub closes that round with
+    the other site at its deadline and says which site was missing; the aggregator comes
+    back on its state directory (its round numbers go on, so its agents take its next
+    round start) and its site is in the hub's rounds again."""
+    fed = TieredFederation(
+        tmp_path, sites=[2, 2], rounds=4, alpha=ALPHA, round_timeout=12.0, transfer={"compression": "none"}
+    )
+    try:
+        fed.prepare()
+        fed.start_all()
+
+        def site_2_training():
+            s, hub = fed.status("site-2"), fed.status("coordinator")
+            ok = s and hub and hub["round"] >= 2 and s["tier"]["upstream_round"] == hub["round"]
+            return hub if ok else None
+
+        hub = wait_for(site_2_training, 120, "site-2 in a round of the hub's", fed)
+        killed_in = hub["round"]
+        fed.restart("site-2")
+        done = wait_for(lambda: _done(fed), 180, "the tiered federation to finish", fed)
+        assert done["completed_rounds"] == 4
+        rounds = [r for r in _history(fed, "coordinator") if r.get("event") == "round"]
+        missing = {r["round"]: r.get("missing", []) for r in rounds}
+        assert missing.get(killed_in) == ["site-2-up"], missing
+        assert sorted(rounds[-1]["participants"]) == ["site-1-up", "site-2-up"]
+        site_rounds = [r["round"] for r in _history(fed, "site-2") if r.get("event") == "site_round"]
+        assert site_rounds == sorted(set(site_rounds))  # never a number twice, across the restart
+    finally:
+        fed.close()

@@ -158,6 +158,7 @@ class FedAvgMode:
         core.messenger.budget = SenderBudget(RATES, other=Rate(2.0, 10))
         core.messenger.admit = self._admit
         self.round_started_at: float | None = None
+        self._selected: tuple[int, tuple[str, ...]] = (0, ())  # the round in flight's selection
         # Wall-clock marks of the round in flight (broadcast sent, each update in, the
         # aggregate, its checkpoint), written with the round's history line.
         self._marks: dict[str, Any] = {}
@@ -343,6 +344,16 @@ class FedAvgMode:
                 "keys_ahead": self.machine is not None and self.machine.aggregated_ahead,
             }
         }
+
+    def _missing_sites(self, cmd: R.RoundAggregated) -> dict[str, Any]:
+        """A hub's round aggregated without some of the sites it selected (a site
+        aggregator cut off, killed, or without a quorum of its own): which ones."""
+        if not self.cfg.tier.sites or self._selected[0] != cmd.round:
+            return {}
+        missing = sorted(set(self._selected[1]) - set(cmd.participants) - set(cmd.dropped))
+        if missing:
+            log.warning("round %d aggregated without the sites %s", cmd.round, ", ".join(missing))
+        return {"missing": missing} if missing else {}
 
     def _is_aggregator(self, member: str) -> bool:
         """Whether ``member`` is a site aggregator (its certificate's role, from its presence)."""
@@ -722,6 +733,7 @@ class FedAvgMode:
         assert self.machine is not None
         if isinstance(cmd, R.StartRound):
             self.round_started_at = time.monotonic()
+            self._selected = (cmd.round, cmd.selected)
             self._marks = {"start": round(time.time(), 4)}
             self.durability.count_round()
             if not cmd.resumed:
@@ -817,6 +829,7 @@ class FedAvgMode:
                     "aggregation": self.machine.config.strategy.name,
                     "agg_weights": cmd.weights_used,
                     "dropped": cmd.dropped,
+                    **self._missing_sites(cmd),
                     # participant -> its weight capped ({samples, weight}) or its distance
                     # scaled down ({norm, bound})
                     "bounded": cmd.bounded,

@@ -212,6 +212,14 @@ class TieredFederation:
             self.procs.append(proc)
         return proc
 
+    def restart(self, stem: str, sig: int = signal.SIGKILL) -> Proc:
+        """Stop ``stem`` with ``sig`` (SIGKILL: a crash) and start it again on the same
+        config and state directory."""
+        old = next(p for p in self.procs if p.name == stem)
+        self.stop(old, sig)
+        self.procs.remove(old)
+        return self.spawn(stem)
+
     def start_all(self) -> None:
         self.spawn(HUB)
         for site in self.site_ids:
