@@ -2,8 +2,10 @@
 
 A **site tier** (:class:`~fedagent.protocols.tiers.site.SiteMachine`) averages its
 members' updates plainly: the model moves once, at the top, so its rounds take the
-server learning rate 1 and no momentum, no privacy accounting and no secure aggregation
-of their own (the top's configuration carries them). Its learning rate and training
+server learning rate 1 and no momentum and no privacy accounting of their own (the top's
+configuration carries them). Secure aggregation is per tier: a site's secure round hides
+each agent's update from the site aggregator, an upper tier's hides each site's mean from
+the hub (docs/privacy.md, across tiers). Its learning rate and training
 settings are the upstream round's, so that every agent trains as it would in a flat
 federation.
 
@@ -61,8 +63,6 @@ def check_site(cfg: RoundConfig) -> None:
             "differential privacy is accounted once, at the top tier: set [privacy] on the hub's "
             "coordinator, not on a site aggregator"
         )
-    if cfg.secure is not None:
-        raise ValueError("secure aggregation across tiers is not available yet: a site aggregator runs plain rounds")
     if cfg.lr_schedule != "constant":
         raise ValueError(
             "a site's agents train with the learning rate of the upstream round (its schedule is the "
@@ -91,5 +91,3 @@ def check_upper(cfg: RoundConfig) -> None:
             "differential privacy over site aggregators is not available yet: a central clip would "
             "bound a site's mean as if it were one agent's update (the guarantee would be per site)"
         )
-    if cfg.secure is not None:
-        raise ValueError("secure aggregation across tiers is not available yet")

@@ -32,7 +32,9 @@ from typing import Any
 import numpy as np
 
 from fedagent.protocols import rounds as R
+from fedagent.protocols import secagg as SA
 from fedagent.protocols.fingerprint import Roles
+from fedagent.protocols.messages import TrainConfig
 from fedagent.protocols.rounds.bounds import Bench
 from fedagent.protocols.streaming import UpdateEnd, UpdateHead, UpdatePart
 from fedagent.protocols.tiers.config import TierConfig, check_upper
@@ -62,17 +64,21 @@ class SiteMachine:
         replays: bool = False,
         roles: Roles | None = None,
         last_round: int = 0,
+        verify_statement: SA.KeyVerifier | None = None,
     ) -> None:
         """``is_aggregator``: which members are site aggregators themselves (a region);
         None: all are agents. ``replays``: the caller carries out the round machine's
         :class:`~fedagent.protocols.rounds.Refold` (as a coordinator does: the norm bound
-        needs it). ``last_round``: the site's latest round number (after a restart)."""
+        needs it). ``last_round``: the site's latest round number (after a restart).
+        ``verify_statement``: checks an agent's signature in a secure site round (as the
+        round machine's)."""
         if is_aggregator is not None:
             check_upper(config.rounds)
         self.config = config
         self.is_aggregator = is_aggregator
         self.replays = replays
         self.roles = roles
+        self.verify_statement = verify_statement
         self.site_round = last_round
         self.online: dict[str, int] = {}  # agent -> samples it announced
         self._reads_steps: dict[str, bool] = {}
@@ -85,6 +91,7 @@ class SiteMachine:
         self._closed: deque[int] = deque(maxlen=CLOSED_KEPT)
         self._announced: tuple[int, int] | None = None
         self.last: PartialResult | SiteRoundFailed | None = None
+        self._top = 0  # the site round's W, when it is a secure one
 
     # -- public ------------------------------------------------------------------------
     def handle(self, event: Event, now: float) -> list[Command]:
@@ -155,7 +162,10 @@ class SiteMachine:
             out += self._fail(f"upstream round {ev.round} started before the site's round ended", now)
         self.upstream = ev
         self.deadline = now + self.config.budget(ev.deadline_s)
-        return out + self._maybe_open(now) + ([R.RequestWakeup(self.deadline)] if self.machine is None else [])
+        out += self._maybe_open(now)
+        if self.machine is None and self.upstream is not None:
+            out.append(R.RequestWakeup(self.deadline))  # the quorum's deadline
+        return out
 
     def _maybe_open(self, now: float) -> list[Command]:
         """Start the site round for the upstream round being answered, with every agent
@@ -174,18 +184,11 @@ class SiteMachine:
         train = replace(
             up.train, compression=cfg.train.compression, topk_ratio=cfg.train.topk_ratio, stream=cfg.train.stream
         )
-        rc = replace(
-            cfg,
-            rounds=1,
-            expected_agents=len(agents),
-            start_grace=left,
-            round_timeout=left,
-            train=train,
-            lr_schedule="constant",
-            server_lr=1.0,
-            server_momentum=0.0,
-            downlink="none",
-        )
+        try:
+            rc = self._round_config(cfg, train, len(agents), left)
+        except ValueError as exc:
+            # e.g. a secure round's three stages no longer fit in what is left of the time
+            return self._fail(f"no site round in the {left:.1f}s left: {exc}", now)
         weights = dict(up.weights)
         machine = (
             R.RoundMachine(rc, weights, **self._carried(up))
@@ -200,6 +203,21 @@ class SiteMachine:
         # The wake-ups asked for while the quorum grew are moot: the last agent started it.
         return self._translate(cmds, now)
 
+    @staticmethod
+    def _round_config(cfg: R.RoundConfig, train: TrainConfig, agents: int, left: float) -> R.RoundConfig:
+        return replace(
+            cfg,
+            rounds=1,
+            expected_agents=agents,
+            start_grace=left,
+            round_timeout=left,
+            train=train,
+            lr_schedule="constant",
+            server_lr=1.0,
+            server_momentum=0.0,
+            downlink="none",
+        )
+
     def _carried(self, up: UpstreamRound) -> dict[str, Any]:
         """What the site round's machine starts from, beside its configuration and model."""
         return {
@@ -208,6 +226,7 @@ class SiteMachine:
             "norm_history": self.norm_history,
             "replays": self.replays,
             "roles": self.roles,
+            "verify_statement": self.verify_statement,
         }
 
     # -- the site round ----------------------------------------------------------------
@@ -231,13 +250,20 @@ class SiteMachine:
                 return out + self._fail(f"site round {c.round} abandoned: {c.reason}", now, ended=c.round)
             if isinstance(c, R.Finished):
                 continue
+            if isinstance(c, R.StartRound):
+                self._top = c.secagg.max_weight if c.secagg is not None else 0
             out.append(c)
         return out
 
     def _partial(self, m: R.RoundMachine, agg: R.RoundAggregated) -> list[Command]:
         up = self.upstream
         assert up is not None
-        total = sum(m.received[a][0] for a in agg.participants)
+        res = m.secure_result
+        if self._top and res is not None:
+            # A secure round weighs each agent min(n, W)/W: the site's mean weighs Σ min(n, W).
+            total = max(1, round(res.weight_sum * self._top))
+        else:
+            total = sum(m.received[a][0] for a in agg.participants)
         result = PartialResult(
             up.round,
             up.model_version,
@@ -292,7 +318,8 @@ class SiteMachine:
                 R.Rejected(event.sender, event.round, "stale", f"no site round in progress (last {self.site_round})")
             ]
         if isinstance(event, R.SecAggReceived):
-            return [R.Rejected(event.sender, 0, "secure", "secure aggregation is not run by a site aggregator")]
+            msg = event.message
+            return [R.Rejected(event.sender, getattr(msg, "round", 0), "stale", f"{msg.kind} outside a site round")]
         if isinstance(event, UpdatePart | UpdateEnd | R.Refolded):
             return []
         raise TypeError(f"not a site event: {event!r}")

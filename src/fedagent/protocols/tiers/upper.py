@@ -16,7 +16,7 @@ agents': its certificate's role says what it is.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,16 @@ class UpperInfluence(Influence):
         if used < claimed:
             self.bounded.setdefault(agent, {}).update(samples=float(claimed), weight=float(used))
         return used
+
+    def max_weight(self, agents: Iterable[str], announced: Mapping[str, int]) -> int:
+        """A secure round's W: the largest announcement, never capped against the median
+        of the sites' (as their weight); the agents of a mixed tier are capped as in a
+        flat federation."""
+        members = list(agents)
+        sites = [max(1, int(announced.get(a, 0))) for a in members if self.is_aggregator(a)]
+        rest = [a for a in members if not self.is_aggregator(a)]
+        top = super().max_weight(rest, announced) if rest else 1
+        return max([top, *sites])
 
 
 class UpperRoundMachine(RoundMachine):
