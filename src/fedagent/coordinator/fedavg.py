@@ -434,7 +434,7 @@ class FedAvgMode:
                 return
             await self._vocab_agreed(await self.vocab.offer(inc.sender, msg.terms, msg.counts, now))
         elif isinstance(msg, SECAGG_MESSAGES) and not isinstance(msg, SecAggStart):
-            if inc.role != "agent":
+            if inc.role not in PARTICIPANT_ROLES or (inc.role == "aggregator" and not self.cfg.tier.sites):
                 self.core.messenger.reject("role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-agent'}")
                 return
             self._record_received(inc)

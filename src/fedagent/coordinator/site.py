@@ -39,6 +39,16 @@ from fedagent.protocols import tiers as T
 from fedagent.protocols import topics
 from fedagent.protocols.messages import GlobalModel, RoundResult, RoundStart, Update
 from fedagent.protocols.ratelimit import Rate, SenderBudget
+from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
+from fedagent.protocols.secagg import (
+    Delta,
+    SecAggMessage,
+    SecAggRoster,
+    SecAggShareBox,
+    SecAggStart,
+    SecAggSurvivors,
+    SecAggUnmask,
+)
 from fedagent.protocols.streaming import StreamEvent, UpdatePart
 from fedagent.storage.statefile import atomic_write, read_bytes
 from fedagent.tasks.base import get_weights
@@ -97,6 +107,7 @@ class SiteMode:
             replays=True,
             roles=roles,
             last_round=last,
+            verify_statement=core.messenger.verifier.check_statement,
         )
         norms = saved.get("norms")
         if isinstance(norms, list):
@@ -110,6 +121,8 @@ class SiteMode:
         self._started_at: float | None = None
         self.last_round_seconds: float | None = None
         self._journaled = False  # a site round's journal is open
+        self._secure_up = 0  # the latest upstream round that is a secure one
+        self._up_weights: tuple[int, dict[str, Any]] = (0, {})  # the upstream round's model
 
     # -- state ---------------------------------------------------------------------------
     def _load_state(self) -> dict[str, Any]:
@@ -165,6 +178,12 @@ class SiteMode:
                     inc.sender, msg.round, msg.base_version, msg.num_samples, msg.weights, msg.metrics, msg.leaving
                 )
             )
+        elif isinstance(msg, SECAGG_MESSAGES) and not isinstance(msg, SecAggStart):
+            allowed = ("agent", "aggregator") if self.cfg.tier.sites else ("agent",)
+            if inc.role not in allowed:
+                self.core.messenger.reject("role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-agent'}")
+                return
+            await self._handle(R.SecAggReceived(inc.sender, msg))
         else:
             log.debug("ignoring %s from %s", type(msg).__name__, inc.sender)
 
@@ -229,6 +248,9 @@ class SiteMode:
     # -- upstream ------------------------------------------------------------------------
     async def _from_upstream(self, inc: Incoming) -> None:
         msg = inc.message
+        if isinstance(msg, SECAGG_MESSAGES):
+            await self._secure_upstream(inc)
+            return
         if not isinstance(msg, RoundStart | RoundResult | GlobalModel):
             log.debug("ignoring %s from upstream %s", type(msg).__name__, inc.sender)
             return
@@ -246,7 +268,16 @@ class SiteMode:
                 log.warning("upstream round %d came as a model step: this site does not take part", msg.round)
                 return
             log.info("upstream round %d from %s: model version %d", msg.round, inc.sender, msg.model_version)
-            await self._handle(T.UpstreamRound(msg.round, msg.model_version, msg.weights, msg.train, msg.deadline_s))
+            self._up_weights = (msg.round, msg.weights)
+            if msg.secagg is not None:
+                self._secure_up = msg.round
+                await self.link.send_secagg(self.link.secagg.on_round_start(msg.round, msg.selected, msg.secagg))
+            deadline = msg.deadline_s
+            if msg.secagg is not None:
+                # A secure round takes masked inputs until two stage timeouts before its
+                # deadline, each at most a sixth of it: the site's result must be in by then.
+                deadline *= 2 / 3
+            await self._handle(T.UpstreamRound(msg.round, msg.model_version, msg.weights, msg.train, deadline))
         elif isinstance(msg, RoundResult):
             if msg.aggregated:
                 self.version = max(self.version, msg.model_version)
@@ -261,6 +292,49 @@ class SiteMode:
             )
             sdnotify.status(f"finished: model version {msg.model_version}")
             self.done.set()
+
+    async def _secure_upstream(self, inc: Incoming) -> None:
+        """The upstream tier's secure round, as an agent's part in one (agent/fedavg.py)."""
+        msg = inc.message
+        link = self.link
+        if isinstance(msg, SecAggStart):
+            if inc.role != "coordinator" or not inc.topic.startswith(
+                topics.federation_root(self.core.fed) + "/global/"
+            ):
+                link.messenger.reject("role", inc.sender, "secagg_start not broadcast by a coordinator")
+                return
+            link.coordinator = inc.sender
+            self._secure_up = max(self._secure_up, msg.round)
+            await link.send_secagg(link.secagg.on_round_start(msg.round, msg.selected, msg.setup))
+        elif isinstance(msg, SecAggRoster | SecAggShareBox | SecAggSurvivors | SecAggUnmask):
+            if inc.role != "coordinator" or inc.sender != link.coordinator:
+                link.messenger.reject("role", inc.sender, f"{msg.kind} not from the upstream coordinator")
+                return
+            await link.send_secagg(await asyncio.to_thread(link.secagg.on_message, msg))
+
+    async def _send_partial(self, cmd: T.PartialResult) -> bool:
+        """The site's partial result upstream: whole, or masked in a secure upstream round."""
+        if cmd.round != self._secure_up:
+            return await self.link.send_update(
+                Update(cmd.round, cmd.base_version, cmd.num_samples, dict(cmd.metrics), cmd.weights)
+            )
+        if self._up_weights[0] != cmd.round:
+            log.warning("upstream round %d: its model is not held here; the masked mean is not sent", cmd.round)
+            return False
+        base = self._up_weights[1]
+        secagg = self.link.secagg
+
+        def masked() -> list[SecAggMessage]:
+            return secagg.on_trained(
+                cmd.round,
+                Delta(cmd.weights, base),
+                base_version=cmd.base_version,
+                num_samples=cmd.num_samples,
+                metrics=cmd.metrics,
+            )
+
+        await self.link.send_secagg(await asyncio.to_thread(masked))
+        return True
 
     # -- streams (as the FedAvg coordinator's) -------------------------------------------
     async def _on_stream(self, events: list[StreamEvent]) -> None:
@@ -311,8 +385,30 @@ class SiteMode:
     async def _handle(self, event: Any) -> None:
         cmds = self.machine.handle(event, time.monotonic())
         del event
+        batch: list[R.SendSecAgg] = []
         for cmd in cmds:
+            if isinstance(cmd, R.SendSecAgg):
+                batch.append(cmd)
+                continue
+            if batch:
+                await self._send_secagg(batch)
+                batch = []
             await self._execute(cmd)
+        if batch:
+            await self._send_secagg(batch)
+
+    async def _send_secagg(self, cmds: list[R.SendSecAgg] | tuple[R.SendSecAgg, ...]) -> None:
+        """A secure stage's messages to the site's agents: each agent's in order, the agents
+        at once (as the FedAvg coordinator's)."""
+        by_agent: dict[str, list[R.SendSecAgg]] = {}
+        for c in cmds:
+            by_agent.setdefault(c.to, []).append(c)
+
+        async def send(msgs: list[R.SendSecAgg]) -> None:
+            for c in msgs:
+                await self._execute(c)
+
+        await asyncio.gather(*(send(m) for m in by_agent.values()))
 
     async def _execute(self, cmd: Any) -> None:
         core, fed = self.core, self.core.fed
@@ -333,11 +429,24 @@ class SiteMode:
                 ", ".join(cmd.selected),
             )
             sdnotify.status(f"site round {cmd.round}: training on {len(cmd.selected)} agents")
+            if cmd.secagg is not None:
+                await core.messenger.send(
+                    topics.broadcast(fed, "secagg_start"),
+                    SecAggStart(cmd.round, cmd.selected, cmd.secagg),
+                    round_=cmd.round,
+                )
+                await self._send_secagg(cmd.secagg_first)
             await core.messenger.send(
                 topics.broadcast(fed, "round_start"),
-                RoundStart(cmd.round, cmd.model_version, cmd.selected, cmd.deadline_s, cmd.train, cmd.weights),
+                RoundStart(
+                    cmd.round, cmd.model_version, cmd.selected, cmd.deadline_s, cmd.train, cmd.weights, cmd.secagg
+                ),
                 round_=cmd.round,
                 stable=True,
+            )
+        elif isinstance(cmd, R.SendSecAgg):
+            await core.messenger.send(
+                topics.direct(fed, self.cfg.id, cmd.to, cmd.message.kind), cmd.message, round_=cmd.message.round
             )
         elif isinstance(cmd, R.RoundAggregated):
             took = time.monotonic() - (self._started_at or time.monotonic())
@@ -369,9 +478,7 @@ class SiteMode:
             )
             for agent, what in cmd.bounded.items():
                 log.info("site round %d: %s's update bounded: %s", cmd.site_round, agent, what)
-            sent = await self.link.send_update(
-                Update(cmd.round, cmd.base_version, cmd.num_samples, dict(cmd.metrics), cmd.weights)
-            )
+            sent = await self._send_partial(cmd)
             log.info(
                 "site round %d: %d agents, %d samples%s upstream round %d",
                 cmd.site_round,

@@ -8,7 +8,8 @@ participant weighing its site's samples (``[tier] sites = true`` there). Over th
 it announces its site (a retained presence whose ``num_samples`` is the sum its agents
 announced), hears the upstream round starts, results and the final model, and sends its
 partial results to the coordinator that started the round, whole (a site mean is not
-compressed: the upstream mean stays FedAvg over the agents to float precision).
+compressed: the upstream mean stays FedAvg over the agents to float precision), or masked
+in the upstream tier's secure rounds.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from fedagent.node.metrics import NodeMetrics
 from fedagent.node.runtime import make_transport, node_identity, presence_payload
 from fedagent.protocols import topics
 from fedagent.protocols.messages import Message, Update
+from fedagent.protocols.secagg import SecAggAgent, SecAggError, SecAggMasked, SecAggMessage
+from fedagent.security.signing import AuthError, sign_statement
 from fedagent.storage.statefile import make_dirs
 
 log = logging.getLogger("fedagent.coordinator.upstream")
@@ -67,6 +70,7 @@ class UpstreamLink:
             subscriptions=[
                 # As an agent's (agent/fedavg.py): round starts are not queued while away.
                 (topics.broadcast(fed, "round_start"), 0),
+                topics.broadcast(fed, "secagg_start"),
                 topics.broadcast(fed, "round_result"),
                 topics.broadcast(fed, "model"),
                 topics.inbox(fed, me),
@@ -85,6 +89,36 @@ class UpstreamLink:
             max_skew=self.cfg.max_clock_skew,
             state_dir=state_dir,
         )
+        identity = self.messenger.identity
+        # The site aggregator's part in the upstream tier's secure rounds: its site's mean
+        # goes up masked, and the upstream coordinator unmasks only the sum over sites.
+        self.secagg = SecAggAgent(me, sign=lambda data: sign_statement(identity, data), verify=self._verify_statement)
+
+    def _verify_statement(self, name: str, data: bytes, cert: bytes, sig: bytes) -> None:
+        try:
+            self.messenger.verifier.check_statement(name, data, cert, sig)
+        except AuthError as exc:
+            raise SecAggError(f"the keys of {name} are not signed by {name}: {exc}") from None
+
+    async def send_secagg(self, msgs: list[SecAggMessage]) -> None:
+        """A secure round's messages to the upstream coordinator (the site's masked mean
+        among them), in order."""
+        if self.secagg.error:
+            log.warning("upstream round %d: secure aggregation stopped here: %s", self.secagg.round, self.secagg.error)
+            self.secagg.error = ""
+        if self.coordinator is None:
+            return
+        for m in msgs:
+            topic = topics.direct(self.fed, self.cfg.id, self.coordinator, m.kind)
+            try:
+                await self.messenger.send(topic, m, round_=m.round, stable=isinstance(m, SecAggMasked))
+            except TransportError as exc:
+                if exc.exit_code == EXIT_CONFIG:
+                    raise
+                log.warning("upstream round %d: %s not delivered (%s)", m.round, m.kind, exc)
+                return
+            if isinstance(m, SecAggMasked):
+                self.sent["results"] += 1
 
     def _presence(self, online: bool) -> bytes:
         if not online:
