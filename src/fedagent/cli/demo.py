@@ -66,7 +66,8 @@ from fedagent.errors import FedagentError
     type=click.IntRange(min=1),
     default=None,
     help="fedavg: the same agents flat, then over this many sites, each with its own Mosquitto and a site "
-    "aggregator between its agents and the hub; compares the final accuracies [default agents: 2 per site]",
+    "aggregator between its agents and the hub; compares the final accuracies [default agents: 2 per site]; "
+    "with --secure-aggregation, secure rounds in both tiers",
 )
 @click.option("--keep", is_flag=True, help="keep the work directory (logs, checkpoints)")
 @click.option(
@@ -104,9 +105,9 @@ def demo(
     )
 
     try:
-        if sites is not None and (mode != "fedavg" or secure_aggregation or dp_epsilon is not None):
+        if sites is not None and (mode != "fedavg" or dp_epsilon is not None):
             raise FedagentError(
-                "--sites runs the fedavg demo in tiers (secure aggregation and DP across tiers are not available yet)"
+                "--sites runs the fedavg demo in tiers (differential privacy across tiers is not available yet)"
             )
         if secure_aggregation and mode != "fedavg":
             raise FedagentError(f"--secure-aggregation works with --mode fedavg, not {mode}")
@@ -120,6 +121,7 @@ def demo(
                 alpha=alpha,
                 keep=keep,
                 report_dir=report_dir,
+                secure=secure_aggregation,
             )
         elif mode == "async":
             if (agents or 5) < 3:
