@@ -29,7 +29,8 @@ from fedagent.coordinator.durability import DurableJournal
 from fedagent.coordinator.fedavg import RATES, TRANSFER_MODELS, stream_budget
 from fedagent.coordinator.refold import held_whole, replay_parts
 from fedagent.coordinator.upstream import FromUpstream, UpstreamLink
-from fedagent.errors import FedagentError
+from fedagent.coordinator.vocabstage import has_vocabulary
+from fedagent.errors import ConfigError, FedagentError
 from fedagent.node import sdnotify
 from fedagent.node.messaging import Incoming
 from fedagent.node.metrics import NodeMetrics
@@ -66,6 +67,11 @@ class SiteMode:
         self.cfg = cfg
         if not cfg.tier.upstream:
             raise FedagentError(f"{cfg.path}: a site aggregator needs [tier] upstream (its upstream tier's broker)")
+        if has_vocabulary(core.task):
+            raise ConfigError(
+                f"{cfg.path}: task {cfg.task!r} agrees on a vocabulary first, which is not run across tiers: "
+                "run it with one coordinator"
+            )
         self.state_path = core.dir / "site.json"
         self.durability = DurableJournal(
             core.dir / "round-journal",
