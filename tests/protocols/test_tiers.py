@@ -337,6 +337,15 @@ def test_announcements_follow_the_agents_online():
     assert site.handle(AgentOnline("a2", 5), 0.0) == []
 
 
+def test_a_site_below_its_quorum_announces_no_samples():
+    from fedagent.protocols.rounds import AgentOffline
+
+    site = SiteMachine(TierConfig(RoundConfig(min_agents=2)))
+    assert site.handle(AgentOnline("a1", 10), 0.0) == [Announce(0, 1)]
+    assert site.handle(AgentOnline("a2", 5), 0.0) == [Announce(15, 2)]
+    assert site.handle(AgentOffline("a2"), 0.0) == [Announce(0, 1)]
+
+
 @pytest.mark.parametrize(
     "cfg, words",
     [

@@ -121,7 +121,8 @@ class UpstreamLink:
                 self.sent["results"] += 1
 
     def _presence(self, online: bool) -> bytes:
-        if not online:
+        if not online or self.samples == 0:
+            # no agents, or fewer than the site's quorum: not a participant upstream
             return presence_payload(self.cfg, self.fed, False)
         return presence_payload(
             self.cfg, self.fed, True, num_samples=self.samples, model=self.model_digest, agents=self.agents

@@ -65,7 +65,8 @@ class SiteRoundFailed:
 @dataclass(frozen=True, slots=True)
 class Announce:
     """What the site aggregator's presence upstream says: ``num_samples``, the sum of
-    the counts its online agents announced, and how many they are."""
+    the counts its online agents announced (0 while fewer than its quorum are online: it
+    is then not a participant upstream), and how many they are."""
 
     num_samples: int
     agents: int

@@ -325,7 +325,11 @@ class SiteMachine:
         raise TypeError(f"not a site event: {event!r}")
 
     def _announce(self) -> list[Command]:
-        now = (self.samples, len(self.online))
+        # Below its quorum a site could not answer a round: it announces no samples (its
+        # upstream presence says offline), so that the upstream tier neither waits for it
+        # nor starts a round counting it with a part of its agents.
+        ready = len(self.online) >= self.config.rounds.min_agents
+        now = (self.samples if ready else 0, len(self.online))
         if now == self._announced:
             return []
         self._announced = now
