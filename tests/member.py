@@ -12,6 +12,11 @@ when selected for a round is ``mallory.attack``, changed at run time:
 ``"digest"``    a whole stream whose chunks name a wrong SHA-256 (found at its end, after
                 its parts were folded)
 
+In an asynchronous federation (``mode = "async"``) it answers each task at once, with
+``"honest"`` a null step and with ``"noise"`` N(0, ``noise``²) per weight as its change,
+claiming ``claim`` samples, streamed as int8 deltas from ``shapes`` (zeros of the
+model's tensors, which the test gives it; a change needs no model).
+
 and at any time: :meth:`Mallory.flood` (signed frames of one kind, as fast as the broker
 takes them), :meth:`Mallory.publish_once`, :meth:`Mallory.big_transfer` (chunk frames of
 a 1 GiB transfer), :meth:`Mallory.announce` (its presence again, with another sample
@@ -33,14 +38,16 @@ from typing import Any, TypeVar
 import numpy as np
 
 from bench.swarm import LightAgent, _presence
+from fedagent.local.federation import Federation
 from fedagent.node.messaging import Incoming
 from fedagent.node.transport import TlsFiles
 from fedagent.protocols import topics
 from fedagent.protocols.codec import Envelope, encode
 from fedagent.protocols.compression import CompressionConfig, Compressor
-from fedagent.protocols.messages import GlobalModel, Heartbeat, Message, ModelRequest, RoundStart, Update
+from fedagent.protocols.messages import AsyncTask, GlobalModel, Heartbeat, Message, ModelRequest, RoundStart, Update
 from fedagent.protocols.participant import SendUpdate, Train, TrainingDone
 from fedagent.protocols.streaming import HEAD_KIND, STREAM_KIND, encode_stream, head_body, iter_stream_chunks
+from fedagent.security import pki
 from fedagent.security.signing import CHUNK_KIND, sign
 
 T = TypeVar("T")
@@ -56,6 +63,7 @@ class Mallory(LightAgent):
     flooded: int = 0
     last_round: int = 0
     rounds_seen: list[int] = field(default_factory=list)
+    shapes: dict[str, np.ndarray] | None = None  # asynchronous: zeros of the model's tensors
 
     # -- rounds ------------------------------------------------------------------------
     async def _deliver(self, inc: Incoming) -> None:
@@ -63,6 +71,12 @@ class Mallory(LightAgent):
         cannot rebuild (it missed the step's base) makes it ask for the model, as the
         agent daemon does."""
         msg = inc.message
+        if isinstance(msg, AsyncTask) and inc.role == "coordinator" and self.shapes is not None:
+            self.coordinator = inc.sender
+            t = asyncio.create_task(self._answer_task(msg))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+            return
         if isinstance(msg, GlobalModel) and msg.weights is not None and inc.role == "coordinator":
             self.coordinator = inc.sender
             self.held = (msg.model_version, msg.weights)
@@ -119,6 +133,31 @@ class Mallory(LightAgent):
                 elif attack == "digest":
                     await self._stream(c.update, cmd.weights, digest=bytes(32))
                 self.rounds_sent += 1
+        except Exception as exc:
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    async def _answer_task(self, task: AsyncTask) -> None:
+        """An asynchronous task answered at once: a null step, or noise as the change."""
+        assert self.shapes is not None
+        attack = self.attack
+        self.rounds_seen.append(task.task)
+        try:
+            base = self.shapes
+            weights = base
+            samples = self.samples
+            if attack == "noise":
+                rng = np.random.default_rng(task.task)
+                weights = {
+                    k: (v + rng.normal(0.0, self.noise, v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v
+                    for k, v in base.items()
+                }
+                samples = self.claim or self.samples
+                self.attacked += 1
+            update = Update(task.task, task.model_version, samples, {"loss": 0.0}, weights)
+            await self.messenger.send_update(
+                self._update_topic(), update, base=base, compressor=Compressor(CompressionConfig("int8"))
+            )
+            self.rounds_sent += 1
         except Exception as exc:
             self.errors.append(f"{type(exc).__name__}: {exc}")
 
@@ -231,6 +270,13 @@ class Runner:
 
     def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, timeout: float = 120, **kw: Any) -> T:
         return asyncio.run_coroutine_threadsafe(fn(*args, **kw), self.loop).result(timeout)
+
+
+def mallory_tls(fed: Federation) -> TlsFiles:
+    """A valid agent certificate for ``mallory``, issued by the federation's own CA."""
+    ca = fed.work / "pki"
+    cert, key = pki.issue(ca, ca, "mallory", "agent")
+    return TlsFiles(ca / pki.CA_CERT, cert, key)
 
 
 @contextlib.contextmanager

@@ -58,6 +58,13 @@ class CertificateRejected(TransportError):
     exit_code = EXIT_CONFIG
 
 
+class ClockBehind(TransportError):
+    """A certificate (ours or the broker's) is not valid *yet* by this machine's clock:
+    the clock is behind (a device without a real-time clock boots at 1970 or at its last
+    shutdown, and NTP sets it later). Retried, unlike :class:`CertificateRejected`: once
+    the clock is set the same certificates are fine."""
+
+
 class NotAuthorized(TransportError):
     """The broker's ACL refused a publish (MQTT 5 reason code 135)."""
 

@@ -1,7 +1,8 @@
 """Asynchronous buffered FedAvg over real processes (Mosquitto with mutual TLS, a
 coordinator and agent daemons): models from buffers with a slow agent; a coordinator
 killed mid-buffer loses no acknowledged update; an agent cut off from the broker keeps
-its work and sends it when its link is back."""
+its work and sends it when its link is back; a member claiming 10^9 samples with noise
+as its change is held to the weight cap and the norm bound."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
+from member import mallory_tls, running_mallory
 from netfed import coordinator_in, running, wait_for
 
-from fedagent.local.federation import Federation
+from fedagent.local.federation import SEED, Federation
 from fedagent.local.linkcut import Link
 from fedagent.storage.history import read_records
+from fedagent.tasks.base import get_weights, load_task, set_weights
 
 
 def history(fed: Federation, stem: str) -> list[dict]:
@@ -215,3 +219,70 @@ def test_an_agent_cut_off_for_a_minute_sends_its_work_when_healed(tmp_path):
         f"cut off {m['down_s']} s: update of task {m['task']} held {m['held_s']} s ({m['trainings']} trainings), "
         f"sent {m['sent_after_heal_s']:.1f} s after the heal; {m['versions_while_cut']} models published meanwhile"
     )
+
+
+#: How far below the no-attack accuracy the model may be during the attack.
+ACCURACY_SLACK = 0.03
+
+
+def test_a_member_claiming_a_billion_samples_with_noise_moves_the_model_no_more_than_an_agent(tmp_path):
+    """Three honest agents on digits and ``mallory``, a fourth member answering each of
+    its tasks at once; after a no-attack reference it claims (and announces) 10^9
+    samples with N(0, 1) noise as its change for 5 s: its weight stays within twice the
+    median announced count, its distance is scaled to the bound, and the model's
+    accuracy stays within a few points of the reference."""
+    task = load_task("digits", {"seed": SEED})
+    shapes = {k: np.zeros_like(v) for k, v in get_weights(task.build_model()).items()}
+
+    def accuracy(fed: Federation) -> float:
+        weights, _ = fed.final_weights()
+        model = task.build_model()
+        set_weights(model, weights)
+        return float(task.evaluate(model)["accuracy"])
+
+    def version(fed: Federation) -> int:
+        return int((fed.status("coordinator") or {}).get("model_version") or 0)
+
+    with running(
+        tmp_path,
+        agents=3,
+        rounds=1,
+        alpha=0.5,
+        mode="async",
+        fedbuff={"buffer_size": 3, "versions": 10**6, "max_staleness": 20},
+        rounds_options={"local_steps": 20, "local_epochs": 1, "start_grace": 1.0},
+        agent_broker_by_mdns=False,
+    ) as fed:
+        wait_for(lambda: version(fed) >= 5, 120, "5 models", fed)
+        with running_mallory(fed.broker_uri, mallory_tls(fed), fed.fed, samples=300, shapes=shapes) as runner:
+            m = runner.mallory
+            # The no-attack reference: digits near its plateau, mallory online and honest
+            # (a null step).
+            wait_for(lambda: version(fed) >= 40 and m.rounds_sent >= 3, 120, "40 models, mallory's among them", fed)
+            reference = float(np.median([accuracy(fed) for _ in range(3)]))
+            start = len(history(fed, "coordinator"))
+            m.claim, m.noise, m.attack = 10**9, 1.0, "noise"
+            armed = len(m.rounds_seen)  # (a task answered before this was a null step)
+            runner.call(m.announce, 10**9)
+            attacked, t0, during = m.attacked, time.monotonic(), []
+            while time.monotonic() - t0 < 5.0:
+                fed.check_alive()
+                time.sleep(1.0)
+                during.append(accuracy(fed))
+            assert m.attacked > attacked and not m.errors, m.errors
+            models = [r for r in history(fed, "coordinator")[start:] if r["event"] == "round"]
+            noisy = set(m.rounds_seen[armed:])
+            hit = [r for r in models if any(u["agent"] == "mallory" and u["task"] in noisy for u in r["updates"])]
+            bounded = [r["bounded"]["mallory"] for r in hit if "mallory" in r["bounded"]]
+            print(
+                f"reference {reference:.3f}, during the attack {min(during):.3f}-{max(during):.3f}; "
+                f"{len(hit)} of {len(models)} models held mallory's noise"
+            )
+            assert hit and len(bounded) == len(hit)
+            # Announced 10^9 too: the lower median of the four announcements is an honest
+            # agent's (digits' shards hold a few hundred samples), twice that at most.
+            assert all(b["samples"] == 1e9 and b["weight"] <= 2 * 600 for b in bounded), bounded
+            assert all(b["norm"] > b["bound"] for b in bounded), bounded
+            assert min(during) >= reference - ACCURACY_SLACK, (during, reference)
+            status = fed.status("coordinator") or {}
+            assert status["bounds"]["weight_cap"] == 2.0 and not status["bounds"]["norm_bound"]["warming_up"]

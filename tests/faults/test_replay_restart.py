@@ -76,6 +76,28 @@ def test_steady_clock_ignores_wall_clock_jumps(monkeypatch):
     assert abs(clock() - before) < 5
 
 
+def test_steady_clock_waits_for_a_clock_that_starts_before_its_certificate():
+    # A device without a real-time clock boots at 1970; NTP sets the clock later.
+    issued = 1_800_000_000.0
+    wall = [86_400.0]
+    clock = SteadyClock(floor=issued, read=lambda: wall[0])
+    assert clock.unset and clock() == 86_400.0  # followed while it is before the floor
+    wall[0] = 90_000.0
+    assert clock() == 90_000.0
+    wall[0] = issued + 60  # NTP stepped it: anchored there ...
+    assert clock() == pytest.approx(issued + 60, abs=1) and not clock.unset
+    wall[0] = issued + 6 * 3600  # ... and later jumps are not followed
+    assert clock() == pytest.approx(issued + 60, abs=1)
+
+
+def test_steady_clock_with_a_clock_past_its_floor_never_follows_it():
+    wall = [2_000_000_000.0]
+    clock = SteadyClock(floor=1_800_000_000.0, read=lambda: wall[0])
+    assert not clock.unset
+    wall[0] = 1_000.0
+    assert clock() == pytest.approx(2_000_000_000.0, abs=1)
+
+
 # ---- messengers over the real broker (CI) --------------------------------------------------
 def test_a_new_messenger_on_the_same_state_refuses_frames_its_predecessor_took(broker, peer, arun, tmp_path):
     """The messenger layer over Mosquitto with mutual TLS: a receiver with a state

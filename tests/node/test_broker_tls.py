@@ -7,6 +7,8 @@ sessions, the Last Will and a clean stop, and large messages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime as dt
 import json
 import os
 import signal
@@ -26,6 +28,7 @@ from fedagent.mosquitto import EmbeddedBroker, render_acl, render_config
 from fedagent.node import transport as tr
 from fedagent.node.transport import TlsFiles, Transport, parse_broker_uri, patches, preflight
 from fedagent.protocols import topics
+from fedagent.security import pki as pki_mod
 
 FED = "testfed"
 ROOT = f"fedagent/v1/{FED}"
@@ -239,6 +242,28 @@ def test_t1_expired_certificate_is_refused(broker, arun):
     assert "`fedagent ca issue agent-old --role agent`" in msg
     with pytest.raises(CertificateRejected, match="certificate for agent-old expired on"):
         arun(Transport(uri=broker.uri, tls=old).run(noop), timeout=10)
+
+
+def test_t1_a_clock_behind_the_certificate_is_waited_for_not_fatal(broker, arun, tmp_path):
+    """A device that boots before NTP has set its clock sees its own certificate as not
+    valid yet: the transport keeps retrying (with the reason) instead of failing the
+    daemon with a configuration error, which systemd would never restart."""
+    now = dt.datetime.now(dt.UTC)
+    cert, key = pki_mod.issue(broker.pki.ca_dir, tmp_path, "agent-a", "agent", not_before=now + dt.timedelta(days=1))
+    t = Transport(uri=broker.uri, tls=TlsFiles(broker.pki.ca, cert, key))
+
+    async def watch() -> None:
+        task = asyncio.create_task(t.run(noop))
+        while not (t.last_error and "is the clock set" in t.last_error):
+            assert not task.done(), task
+            await asyncio.sleep(0.05)
+        assert t.state in ("connecting", "backoff")
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    arun(watch(), timeout=20)
+    assert "not valid before" in (t.last_error or "")
 
 
 def test_t1_broker_itself_refuses_bad_certificates(broker, arun):

@@ -16,10 +16,10 @@ from fedagent.protocols.messages import TrainConfig
 def coordinator_status() -> dict:
     w = {"w": np.zeros(4, np.float32)}
     m = BufferMachine(BufferConfig(buffer_size=3, min_agents=1, start_grace=0, train=TrainConfig(stream=False)), w)
-    for a in ("a", "b"):
+    for a in ("a", "b", "c"):
         m.handle(AgentOnline(a, 10), 0.0)
     for task, base in ((1, 0), (2, 0), (3, 0), (4, 1)):
-        agent = "a" if task % 2 else "b"
+        agent = "abc"[(task - 1) % 3]
         m.handle(WholeUpdate(agent, task, base, 10, {}, {"w": np.ones(4, np.float32)}), 1.0)
     return {"role": "coordinator", "mode": "async", "id": "coordinator", "journal": {"frames": 2}, **m.status()}
 
@@ -34,6 +34,9 @@ def test_the_coordinator_shows_the_buffer_staleness_and_each_agents_model_versio
     s = coordinator_status()
     rows = dict(status_rows(s))
     assert rows["model version"] == "1 of 50 (models published)"
+    assert rows["update bounds"] == "off" and rows["bounded (last model)"] == "-"
+    until_stopped = dict(status_rows({**s, "versions": 0}))["model version"]
+    assert until_stopped == "1 (models published; no end set: until the coordinator is stopped)"
     assert rows["buffer"] == "1 of 3 updates"
     assert rows["staleness"].startswith("median 0, 90% 0, max 0") and "4 taken (bound 20)" in rows["staleness"]
     assert rows["staleness counts"] == "0: 4"

@@ -38,6 +38,21 @@ def test_defaults_stream_int8_deltas_and_broadcast_int8_steps(tmp_path):
     assert cfg.fedbuff.offline_trainings == 2
 
 
+def test_the_member_protections_of_rounds_apply_and_switch_off_as_in_rounds(tmp_path):
+    b = config.buffer_config(load(tmp_path))
+    assert b.weight_cap == 2.0 and b.caps_weights
+    assert b.norm_bound is not None and (b.norm_bound.multiplier, b.norm_bound.window, b.norm_bound.warmup) == (
+        3.0,
+        10,
+        3,
+    )
+    assert b.bounds_norms
+    off = config.buffer_config(load(tmp_path, rounds={"weight_cap": 0, "norm_multiplier": 0}))
+    assert not off.caps_weights and off.norm_bound is None and not off.bounds_norms
+    # clip_norm bounds every update already (whole, before it is added)
+    assert not config.buffer_config(load(tmp_path, rounds={"clip_norm": 2.0})).bounds_norms
+
+
 def test_rounds_training_settings_and_server_step_apply(tmp_path):
     cfg = load(
         tmp_path,
@@ -72,11 +87,15 @@ def test_central_dp_and_clip_norm_take_whole_updates(tmp_path):
     "tables, match",
     [
         ({"rounds": {"secure_aggregation": True}}, "secure_aggregation = true cannot run in mode = 'async'"),
-        ({"rounds": {"max_norm": 5.0}}, "clip_norm instead"),
+        ({"rounds": {"max_norm": 5.0}}, "no longer holds: the norm of its weights cannot be known"),
         ({"rounds": {"aggregation": "krum", "byzantine": 1, "min_updates": 2, "min_agents": 5}}, "one at a time"),
         ({"rounds": {"clip_norm": 1.0}, "transfer": {"compression": "int8"}}, "leave compression unset"),
         ({"privacy": {"mode": "central", "noise_multiplier": 1.0}}, "raise min_agents"),
         ({"fedbuff": {"max_staleness": -1}}, "max_staleness"),
+        (
+            {"fedbuff": {"versions": 0}, "privacy": {"mode": "central", "target_epsilon": 8.0}},
+            "versions = 0 has no end",
+        ),
     ],
 )
 def test_what_cannot_run_asynchronously_is_refused_at_load(tmp_path, tables, match):

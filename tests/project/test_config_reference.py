@@ -44,7 +44,8 @@ MACHINES = {
     (settings.GossipSettings, "gossip"): (GossipConfig, {"exchange", "fixed"}),
     (settings.GossipSettings, "vocab"): (ConsensusConfig, {"resend"}),
     (settings.PrivacySettings, "dp"): (DPConfig, {"noise_multiplier", "epsilon_budget"}),
-    # [rounds] gives the asynchronous mode its training, quorum and server step
+    # [rounds] gives the asynchronous mode its training, quorum, server step and the
+    # member protections
     (settings.AsyncSettings, "buffer"): (
         BufferConfig,
         {
@@ -59,6 +60,8 @@ MACHINES = {
             "server_momentum",
             "downlink",
             "dp",
+            "weight_cap",
+            "norm_bound",
         },
     ),
 }

@@ -196,6 +196,18 @@ def test_versions_end_training_and_later_updates_are_refused():
     assert r.reason == "done"
 
 
+def test_versions_zero_publishes_until_stopped():
+    m = BufferMachine(cfg(buffer_size=1, versions=0), model())
+    started(m, ["a"])
+    for task in range(1, 6):
+        (p,) = of(whole(m, "a", task, task - 1, 1.0), Published)
+        assert not p.final
+    assert m.model_version == 5 and m.phase is Phase.RUNNING
+    assert BufferMachine(cfg(versions=0), model(), model_version=10**6).phase is Phase.WAITING
+    with pytest.raises(ValueError, match="cosine"):
+        cfg(versions=0, lr_schedule="cosine")
+
+
 def test_metric_weights_and_drop_above_work_in_the_buffer():
     m = BufferMachine(cfg(buffer_size=2, strategy=Strategy("drop_above", key="speed", threshold=100.0)), model())
     started(m, ["a", "b"])

@@ -34,14 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from member import Runner, running_mallory
+from member import Runner, mallory_tls, running_mallory
 from netfed import history, running, wait_for
 
 from fedagent.local.federation import SEED, Federation
-from fedagent.node.transport import TlsFiles
 from fedagent.protocols import topics
 from fedagent.protocols.messages import Evaluation, Heartbeat, ModelRequest, Presence
-from fedagent.security import pki
 from fedagent.tasks.base import load_task, set_weights
 
 pytestmark = pytest.mark.procs
@@ -197,12 +195,6 @@ def once_more_if_slower(test: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
-def _mallory_tls(fed: Federation) -> TlsFiles:
-    ca = fed.work / "pki"
-    cert, key = pki.issue(ca, ca, "mallory", "agent")
-    return TlsFiles(ca / pki.CA_CERT, cert, key)
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     options = {"local_steps": 5, "local_epochs": 1, "start_grace": 1.0, "min_updates": 1}
@@ -216,7 +208,7 @@ def lab(tmp_path_factory):
         rounds_options=options,
     ) as fed:
         wait_for(lambda: (s := fed.status("coordinator")) and s["completed_rounds"] >= 5, 120, "rounds", fed)
-        with running_mallory(fed.broker_uri, _mallory_tls(fed), fed.fed, samples=300) as runner:
+        with running_mallory(fed.broker_uri, mallory_tls(fed), fed.fed, samples=300) as runner:
             pid = fed.proc("coordinator").popen.pid
             lab = Lab(fed, runner, pid)
             # The no-attack reference: the model once digits has plateaued, with mallory

@@ -12,7 +12,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedagent.errors import ConfigError
+from fedagent.errors import ClockBehind, ConfigError
 from fedagent.security import pki as pk
 
 
@@ -217,7 +217,7 @@ def test_not_yet_valid_certificate_is_detected(ca_dir, tmp_path):
         not_before=now + dt.timedelta(days=2),
         not_after=now + dt.timedelta(days=9),
     )
-    with pytest.raises(ConfigError, match="not valid before .* check this machine's clock"):
+    with pytest.raises(ClockBehind, match="not valid before .* is the clock set"):
         pk.check_certificate(crt, key, ca_dir / "ca.crt")
 
 

@@ -265,7 +265,10 @@ def status_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("rejected", _rejected_text(s) or ("-" if "rejected" in s else None)),
         ("dropped unread", _dropped_text(s.get("dropped"))),
         ("update bounds", _bounds_text(s.get("bounds")) if coordinator else None),
-        ("bounded (last round)", _bounded_text(s.get("bounds")) if coordinator else None),
+        (
+            "bounded (last model)" if s.get("mode") == "async" else "bounded (last round)",
+            _bounded_text(s.get("bounds")) if coordinator else None,
+        ),
         ("bytes in / out", f"{s.get('bytes_in', 0):,} / {s.get('bytes_out', 0):,}"),
         *_round_rows(s),
     ]
@@ -345,7 +348,12 @@ def _async_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
         b = s.get("buffer") or {}
         st = s.get("staleness") or {}
         rows: list[tuple[str, Any]] = [
-            ("model version", f"{version} of {s.get('versions')} (models published)"),
+            (
+                "model version",
+                f"{version} of {s['versions']} (models published)"
+                if s.get("versions")
+                else f"{version} (models published; no end set: until the coordinator is stopped)",
+            ),
             (
                 "buffer",
                 f"{b.get('fill', 0)} of {b.get('size')} updates"

@@ -20,6 +20,7 @@ from fedagent.protocols.compression import default_mode
 from fedagent.protocols.downlink import default_mode as default_downlink
 from fedagent.protocols.fedbuff import BufferConfig
 from fedagent.protocols.messages import TrainConfig
+from fedagent.protocols.rounds import NormBound
 
 #: Why a coordinator of ``mode = "async"`` refuses ``[rounds] secure_aggregation``.
 NO_SECURE_AGGREGATION = (
@@ -31,6 +32,15 @@ NO_SECURE_AGGREGATION = (
     "(the agents noise their own updates)"
 )
 
+#: Why ``[rounds] max_norm`` is refused in ``mode = "async"``.
+MAX_NORM_REFUSED = (
+    "max_norm refuses an update whose weights (the model it was trained from plus its change) have a "
+    "larger L2 norm, and an asynchronous update is a change to a model up to max_staleness versions old, "
+    "which the coordinator no longer holds: the norm of its weights cannot be known. Each update's change "
+    "is bounded instead: by the adaptive norm bound (norm_multiplier, on by default), or at a fixed "
+    "distance with clip_norm; remove max_norm"
+)
+
 
 def buffer_config(cfg: NodeConfig, *, calibrate: bool = True) -> BufferConfig:
     """The buffer machine's configuration; ``calibrate=False`` checks the settings
@@ -40,13 +50,15 @@ def buffer_config(cfg: NodeConfig, *, calibrate: bool = True) -> BufferConfig:
         if r.secure_aggregation:
             raise ConfigError(NO_SECURE_AGGREGATION)
         if r.max_norm is not None:
-            raise ValueError(
-                "max_norm bounds an update's weights, and an asynchronous update is a delta from a model "
-                "the coordinator may no longer hold: bound its change with clip_norm instead"
-            )
+            raise ValueError(MAX_NORM_REFUSED)
         strategy = build(r, "strategy", Strategy)
         dp = None
         if cfg.privacy is not None:
+            if cfg.privacy.noise_multiplier is None and not a.versions:
+                raise ValueError(
+                    "[privacy] target_epsilon is spread over the `versions` models, and versions = 0 has no end: "
+                    "set versions, or give noise_multiplier (with epsilon_budget to stop at a budget)"
+                )
             if calibrate:
                 dp = cfg.privacy.resolve(a.versions, 1.0)
             else:
@@ -83,6 +95,9 @@ def buffer_config(cfg: NodeConfig, *, calibrate: bool = True) -> BufferConfig:
             strategy=strategy,
             dp=dp,
             train=train,
+            weight_cap=r.weight_cap,
+            # 0 switches the norm bound off, as in rounds
+            norm_bound=build(r, "norm", NormBound) if r.norm_multiplier else None,
         )
     except (ValueError, TypeError, CodecError) as exc:
         raise ConfigError(f"{cfg.path}: [async]/[rounds]/[transfer]: {exc}") from None

@@ -143,8 +143,8 @@ class RoundsConfig(Table):
     weight_cap: float = setting(
         2.0,
         "`fedavg`, `drop_above`: an update weighs at most the samples its agent announced in its presence, and at "
-        "most this many times the median the round's agents announced; under secure aggregation, the samples "
-        "that weigh 1 are at most this many times that median (0: off) "
+        "most this many times the median the round's agents announced (`async`: every agent seen); under secure "
+        "aggregation, the samples that weigh 1 are at most this many times that median (0: off) "
         "([security.md](security.md#one-member-against-the-federation))",
         ge=0,
         to="round",
@@ -152,7 +152,8 @@ class RoundsConfig(Table):
     norm_multiplier: float = setting(
         3.0,
         "streamed aggregations: each update's L2 distance from the global model is scaled down to at most this many "
-        "times the median distance accepted over the last `norm_window` rounds; under secure aggregation, the "
+        "times the median distance accepted over the last `norm_window` rounds (`async`: buffers); under secure "
+        "aggregation, the "
         "unmasked mean update, against the means of recent rounds (0: off; the robust aggregators, `clip_norm` "
         "and differential privacy bound updates their own way) "
         "([security.md](security.md#one-member-against-the-federation))",
@@ -477,7 +478,12 @@ class AsyncSettings(Table):
         gt=0,
         to="buffer",
     )
-    versions: int = setting(50, "coordinator: global models to publish, then training ends", ge=1, to="buffer")
+    versions: int = setting(
+        50,
+        "coordinator: global models to publish, then training ends (0: until the coordinator is stopped)",
+        ge=0,
+        to="buffer",
+    )
     offline_trainings: int = setting(
         2,
         "agent: trainings it starts on its own while its link is down, per outage (on the model it holds, or "

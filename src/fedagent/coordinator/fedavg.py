@@ -279,7 +279,7 @@ class FedAvgMode:
             verify_statement=core.messenger.verifier.check_statement,
             # every update frame of the round in flight is in the round journal
             replays=True,
-            norm_history=_norm_history(meta.get("norms")),
+            norm_history=norm_history_of(meta.get("norms")),
             roles=roles,
         )
         privacy = self.machine.privacy()
@@ -903,7 +903,7 @@ class FedAvgMode:
             self.done.set()
 
 
-def _norm_history(saved: Any) -> list[list[float]]:
+def norm_history_of(saved: Any) -> list[list[float]]:
     """The norm bound's recent distances as a checkpoint kept them ([] if absent or not
     a list of lists of numbers: the bound then warms up again)."""
     if not isinstance(saved, list):

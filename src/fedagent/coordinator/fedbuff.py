@@ -29,7 +29,8 @@ import numpy as np
 from fedagent.config import buffer_config
 from fedagent.coordinator.core import CoordinatorCore
 from fedagent.coordinator.durability import JOURNALED_KINDS, DurableJournal, reconcile_history
-from fedagent.coordinator.fedavg import STREAM_BUDGET, stream_budget
+from fedagent.coordinator.fedavg import STREAM_BUDGET, norm_history_of, stream_budget
+from fedagent.coordinator.refold import held_whole_updates, replay_updates
 from fedagent.coordinator.velocity import FileVelocity
 from fedagent.coordinator.vocabstage import has_vocabulary
 from fedagent.errors import ConfigError, FedagentError, TransportError
@@ -42,6 +43,7 @@ from fedagent.protocols import topics
 from fedagent.protocols.catchup import ModelServer
 from fedagent.protocols.codec import Envelope
 from fedagent.protocols.messages import AsyncModel, AsyncTask, AsyncUpdate, Evaluation, GlobalModel, ModelRequest
+from fedagent.protocols.ratelimit import Rate, SenderBudget
 from fedagent.protocols.streaming import StreamEvent, UpdatePart
 from fedagent.storage import checkpoint
 from fedagent.storage.roundjournal import InFlight
@@ -52,6 +54,21 @@ log = logging.getLogger("fedagent.coordinator")
 
 #: Task numbers are reserved on disk this many at a time: a restart never gives one twice.
 TASK_BLOCK = 1000
+
+#: What one agent may send an asynchronous coordinator, by kind, before its frames are
+#: checked (fedagent.protocols.ratelimit), as for FedAvg rounds: an update's frames (a
+#: stream's chunks, or a whole update's), its presence, heartbeats, model requests on
+#: reconnecting and evaluations (one per model it receives: models come faster than
+#: rounds, and past 20 a second the held-out line skips versions); a kind this
+#: coordinator has no use for gets next to nothing.
+RATES: dict[str, Rate] = {
+    "presence": Rate(2.0, 10),
+    "heartbeat": Rate(5.0, 20),
+    "model_request": Rate(2.0, 10),
+    "evaluation": Rate(20.0, 40),
+    "update": Rate(500.0, 5000),
+}
+OTHER = Rate(2.0, 10)
 
 __all__ = ["AsyncMode"]
 
@@ -95,6 +112,7 @@ class AsyncMode:
         self._stream_room = asyncio.Event()
         self._stream_room.set()
         core.messenger.on_stream = self._on_stream
+        core.messenger.budget = SenderBudget(RATES, other=OTHER)
         self.model_server = ModelServer()
         self._answering = asyncio.Lock()
         self._answers: set[asyncio.Task[None]] = set()
@@ -127,6 +145,7 @@ class AsyncMode:
                 log.info("server momentum %g: resuming with the velocity of model version %d", cfg.momentum, version)
         reserved = read_bytes(self._reserved_path, 64)
         self._reserved = int(reserved) if reserved and reserved.strip().isdigit() else 1
+        bounds: dict[str, Any] = meta["bounds"] if isinstance(meta.get("bounds"), dict) else {}
         try:
             machine = FB.BufferMachine(
                 cfg,
@@ -136,6 +155,10 @@ class AsyncMode:
                 first_task=self._reserved,
                 privacy_state=meta.get("privacy") if isinstance(meta.get("privacy"), dict) else None,
                 velocity_store=store,
+                # the journal holds every frame of the buffer's updates: they can be read back
+                replays=True,
+                norm_history=norm_history_of(bounds.get("norms")),
+                announced=_announced(bounds.get("announced")),
             )
         except ValueError as exc:
             raise FedagentError(f"{core.ckpt_path}: {exc}; move it away to start afresh") from None
@@ -174,11 +197,11 @@ class AsyncMode:
                 self._recovered.model_version,
             )
         log.info(
-            "buffer of %d updates, staleness bound %d, %s; %d models to publish",
+            "buffer of %d updates, staleness bound %d, %s; %s",
             self.config.buffer_size,
             self.config.max_staleness,
             f"at most {self.config.concurrency} agents training" if self.config.concurrency else "every agent trains",
-            self.config.versions,
+            f"{self.config.versions} models to publish" if self.config.ends else "models published until stopped",
         )
 
     def recovered_frames(self) -> Iterator[tuple[str, bytes]]:
@@ -346,6 +369,8 @@ class AsyncMode:
                 log.warning("task %d for %s not sent: %s", cmd.task, cmd.agent, exc)
         elif isinstance(cmd, FB.Published):
             await self._published(cmd)
+        elif isinstance(cmd, FB.Refold):
+            await self._refold(cmd)
         elif isinstance(cmd, FB.BufferSpoilt):
             log.warning(
                 "buffer of model version %d spoilt, %d updates lost: %s",
@@ -395,6 +420,9 @@ class AsyncMode:
         privacy_state = m.privacy_state()
         if privacy_state is not None:
             meta["privacy"] = privacy_state
+        # the norm bound's recent distances and the announced samples: a restart neither
+        # warms the bound up again nor takes a journaled claim before any presence
+        meta["bounds"] = m.bounds_state()
         await asyncio.to_thread(self._save_checkpoint, cmd.weights, meta, cmd.model_version)
         if self.velocity_file is not None:
             self.velocity_file.prune(cmd.model_version)
@@ -420,6 +448,9 @@ class AsyncMode:
                 ],
                 "staleness": {"max": max(staleness), "mean": round(float(np.mean(staleness)), 3)},
                 "dropped": cmd.dropped,
+                # agent -> its weight capped ({samples, weight}) or its distance scaled
+                # down ({norm, bound})
+                "bounded": cmd.bounded,
                 "seconds": round(took, 4),
                 "bytes_in": messenger.bytes_in,
                 "bytes_out": messenger.bytes_out,
@@ -428,6 +459,11 @@ class AsyncMode:
             }
         )
         self.durability.count_round()
+        for agent, what in cmd.bounded.items():
+            for bound in ("weight", "norm"):
+                if bound in what:
+                    core.metrics.bounded(agent, bound)
+            log.info("model version %d: %s's update bounded: %s", cmd.model_version, agent, what)
         log.info(
             "model version %d from %d updates (staleness %s) in %.2fs: %s",
             cmd.model_version,
@@ -436,7 +472,9 @@ class AsyncMode:
             took,
             ", ".join(f"{k}={v:.4f}" for k, v in cmd.metrics.items()),
         )
-        sdnotify.status(f"model version {cmd.model_version} of {self.config.versions}")
+        sdnotify.status(
+            f"model version {cmd.model_version}" + (f" of {self.config.versions}" if self.config.ends else "")
+        )
         if cmd.privacy is not None:
             core.metrics.set_privacy(cmd.privacy)
         delta = cmd.delta
@@ -454,7 +492,52 @@ class AsyncMode:
             stable=True,  # the machine replaces its model, never changes it in place
         )
 
+    async def _refold(self, cmd: FB.Refold) -> None:
+        """Read updates of the buffer back from the journal into the machine (a worker
+        thread: the event loop keeps reading meanwhile; nothing else touches the machine
+        until its Refolded is handled, which this awaits)."""
+        machine = self.machine
+        m = self.core.messenger
+        journal = self.durability.journal
+        asked = {(a, t, tid, b if tid is None else None): (a, t, b, tid) for a, t, b, tid in cmd.updates}
+
+        def work() -> frozenset[FB.ReplayKey]:
+            counted = [w for w, k in asked.items() if k in cmd.counted]
+            whole = held_whole_updates(journal.frames_of(), counted, m.wire_limits) if counted else set()
+            missing = frozenset(asked[w] for w in counted if w not in whole)
+            replay = [w for w, k in asked.items() if k not in missing]
+            if replay:
+                for w, part in replay_updates(
+                    journal.frames_of(),
+                    replay,
+                    federation=self.core.fed,
+                    wire_limits=m.wire_limits,
+                    model_limits=m.model_limits,
+                ):
+                    machine.refold(asked[w], part)
+            return missing
+
+        t0 = time.perf_counter()
+        incomplete = await asyncio.to_thread(work)
+        log.info(
+            "model version %d: %d update(s) read back from the journal in %.2fs (%s)%s",
+            cmd.model_version + 1,
+            len(asked),
+            time.perf_counter() - t0,
+            ", ".join(f"{a}/{t}/{b}" for a, t, b, _ in cmd.updates),
+            f"; not held whole: {', '.join(f'{a}/{t}/{b}' for a, t, b, _ in sorted(incomplete))}" if incomplete else "",
+        )
+        await self._handle(FB.Refolded(cmd.model_version, incomplete))
+
     def _save_checkpoint(self, weights: dict[str, np.ndarray], meta: dict[str, Any], version: int) -> None:
         if self.velocity_file is not None:
             self.velocity_file.sync(version)
         checkpoint.save(self.core.ckpt_path, weights, meta)
+
+
+def _announced(saved: Any) -> dict[str, int]:
+    """The samples each agent announced, as a checkpoint kept them ({} if absent or not a
+    table of positive counts)."""
+    if not isinstance(saved, dict):
+        return {}
+    return {str(a): n for a, n in saved.items() if type(n) is int and n > 0}

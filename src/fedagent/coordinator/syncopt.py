@@ -295,6 +295,11 @@ class SyncOptMode:
 
     async def on_message(self, inc: Incoming, now: float) -> None:
         msg = inc.message
+        if isinstance(msg, (VocabOffer, SyncGradient, SyncValidation)) and inc.role != "agent":
+            # Only an agent's certificate takes part: a coordinator's (or any other role's)
+            # vocabulary, gradient or validation loss is not an agent's word.
+            self.core.messenger.reject("role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-agent'}")
+            return
         if isinstance(msg, VocabOffer):
             if self.vocab is not None:
                 # An agent that restarted after the agreement offers again: the stage answers it.

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from fedagent.errors import ConfigError, TransportError
+from fedagent.errors import ClockBehind, ConfigError, TransportError
 from fedagent.mosquitto.conf import (
     DEFAULT_MAX_PACKET_SIZE,
     DEFAULT_MAX_QUEUED_BYTES,
@@ -190,7 +190,7 @@ class EmbeddedBroker:
     def _ensure_certificate(self) -> None:
         try:
             pki.check_certificate(self.cert, self.key, self.ca)
-        except ConfigError:
+        except (ConfigError, ClockBehind):
             pki.issue(self.ca_dir, self.cert.parent, self.name, "broker", sans=self.sans, default_sans=False)
 
     def write_files(self) -> None:

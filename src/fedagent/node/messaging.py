@@ -48,6 +48,7 @@ from fedagent.protocols.codec import (
     weights_nbytes,
 )
 from fedagent.protocols.compression import Compressor
+from fedagent.protocols.downlink import ModelDelta
 from fedagent.protocols.messages import Heartbeat, Message, Update, body_of
 from fedagent.protocols.ratelimit import SenderBudget
 from fedagent.protocols.streaming import (
@@ -119,7 +120,7 @@ class Messenger:
         self.node_id = node_id
         self.transport = transport
         self.identity = identity
-        self.clock = SteadyClock()
+        self.clock = SteadyClock(floor=identity.issued)
         self.verifier = identity.verifier(max_skew=max_skew, clock=self.clock)
         self._replay_path = None
         self.replay_journal: ReplayJournal | None = None
@@ -248,16 +249,21 @@ class Messenger:
         of from an encoded copy of the whole message made first."""
         transport = transport or self.transport
         env = self.envelope(message, _round_of(message, round_))
-        big = _is_big(message)
+        tensors = _tensors(message)
         # A message that will be chunked is authenticated by its signed chunks; signing the
-        # inner envelope too would cost one more pass over the model.
-        if not (big and weights_nbytes(_tensors(message)) > self.max_chunk):
-            env = sign(env, self.identity)
+        # inner envelope too would cost one more pass over the model. (A round start with
+        # the model as its int8 step stays signed inside, chunked or not: what its
+        # receivers get signed does not change.)
+        signed = not (tensors is not None and weights_nbytes(tensors) > self.max_chunk)
         payload: bytes | memoryview | Segments
-        if not big:
-            payload = encode(env)
+        if tensors is None and not _is_step(message):
+            payload = encode(sign(env, self.identity))
         else:
-            payload = await asyncio.to_thread(_encode_big, env, stable, self.max_chunk)
+            # Off the event loop and without msgpack's copies: a model's bytes go once into
+            # the payload (or are cut into chunks where they lie), and are signed there.
+            payload = await asyncio.to_thread(
+                _encode_big, env, self.identity if signed else None, stable, self.max_chunk
+            )
         if len(payload) > self.max_chunk:
             if retain:
                 raise ValueError("a message larger than one chunk cannot be retained")
@@ -716,11 +722,15 @@ class Messenger:
         await deliver(Incoming(topic, env.sender, env, message, size, role))
 
 
-def _encode_big(env: Envelope, stable: bool, max_chunk: int) -> bytes | memoryview | Segments:
-    """A message with tensors, encoded for :meth:`Messenger.send`: one frame's bytes
-    (joined straight from the tensors: one copy, where packing and then taking the
-    packed bytes made two), or, for a message that will be chunked, the segments of a
-    ``stable`` one or a view of an encoded copy."""
+def _encode_big(
+    env: Envelope, identity: Identity | None, stable: bool, max_chunk: int
+) -> bytes | memoryview | Segments:
+    """A message with tensors, signed by ``identity`` (if given) and encoded for
+    :meth:`Messenger.send`: one frame's bytes (joined straight from the tensors: one
+    copy, where packing and then taking the packed bytes made two), or, for a message
+    that will be chunked, the segments of a ``stable`` one or a view of an encoded copy."""
+    if identity is not None:
+        env = sign(env, identity)
     segments = encode_segments(env)
     if len(segments) <= max_chunk:
         return b"".join(segments)
@@ -732,8 +742,9 @@ def _stream_payload(head: Envelope, tensors) -> tuple[bytearray, bytes]:
     return payload, hashlib.sha256(payload).digest()
 
 
-def _is_big(message: Message) -> bool:
-    return _tensors(message) is not None
+def _is_step(message: Message) -> bool:
+    """The message carries a model as its int8 step (a round start's ``delta``)."""
+    return isinstance(getattr(message, "delta", None), ModelDelta)
 
 
 def _tensors(message: Message):

@@ -70,13 +70,16 @@ class Rate:
 
 #: A member's fair use of one daemon, by the kind its topic names (an agent's heartbeats
 #: come every keep-alive / 4 ≥ 0.5 s, its presence on each connection, one evaluation
-#: and one update per round, a model request per connection). Kinds without a rate of
-#: their own share ``OTHER``; a sender's kinds together share ``TOTAL``.
+#: and one update per round, a model request per connection; an asynchronous
+#: coordinator's task to an agent, one per update the agent sends, and a training takes
+#: more than a tenth of a second). Kinds without a rate of their own share ``OTHER``; a
+#: sender's kinds together share ``TOTAL``.
 RATES: dict[str, Rate] = {
     "presence": Rate(2.0, 10),
     "heartbeat": Rate(5.0, 20),
     "model_request": Rate(2.0, 10),
     "evaluation": Rate(50.0, 100),
+    "async_task": Rate(20.0, 100),
 }
 OTHER = Rate(500.0, 5000)
 TOTAL = Rate(1000.0, 10_000)

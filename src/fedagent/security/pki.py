@@ -40,7 +40,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedagent.errors import ConfigError
+from fedagent.errors import ClockBehind, ConfigError
 from fedagent.protocols.topics import check_name
 from fedagent.storage.statefile import atomic_write
 
@@ -469,10 +469,10 @@ def check_certificate(cert_path: Path, key_path: Path, ca_path: Path) -> None:
     if now > cert.not_valid_after_utc:
         raise ConfigError(f"certificate for {name} expired on {cert.not_valid_after_utc:%Y-%m-%d}; {hint}")
     if now < cert.not_valid_before_utc:
-        raise ConfigError(
+        raise ClockBehind(
             f"certificate for {name} is not valid before "
-            f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC; check this "
-            f"machine's clock or {hint}"
+            f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC and this machine's clock says "
+            f"{now:%Y-%m-%d %H:%M} UTC: is the clock set (timedatectl)? Otherwise {hint}"
         )
     if _pubkey_bytes(key.public_key()) != _pubkey_bytes(cert.public_key()):
         raise ConfigError(f"private key {key_path} does not match certificate {cert_path}; {hint}")

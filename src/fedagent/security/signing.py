@@ -57,9 +57,11 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import logging
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -75,6 +77,8 @@ from cryptography.x509.oid import NameOID
 from fedagent.errors import ConfigError, FedagentError
 from fedagent.protocols.codec import Envelope
 from fedagent.security.pki import federation_in
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "UNFRESH_KINDS",
@@ -171,14 +175,48 @@ class SteadyClock:
     """Wall-clock seconds that do not jump: the wall clock read once, at construction,
     advanced by ``CLOCK_BOOTTIME`` (monotonic, and unlike ``CLOCK_MONOTONIC`` it counts
     time spent suspended, so a device that sleeps does not fall behind). An NTP step
-    after the start is not followed; slewing keeps the drift far below ``max_skew``."""
+    after the start is not followed; slewing keeps the drift far below ``max_skew``.
 
-    def __init__(self, wall: float | None = None) -> None:
+    ``floor``: a time the wall clock is known to be past (the node's own certificate
+    was issued then). A device without a real-time clock boots at 1970 or at the time it
+    last shut down, and NTP steps its clock later: anchored at such a start, every
+    certificate would stay "not yet valid" until a restart. While the wall clock is
+    before ``floor`` it is followed as it is, and the clock is anchored at the first
+    reading past it (a clock that is wrong but ahead cannot be told from a right one
+    this way)."""
+
+    def __init__(
+        self, wall: float | None = None, *, floor: float | None = None, read: Callable[[], float] | None = None
+    ) -> None:
+        self._read: Callable[[], float] = read if read is not None else (lambda: time.time())
+        self._floor = floor
         self._base = time.clock_gettime(_BOOT_CLOCK)
-        self._wall = time.time() if wall is None else wall
+        self._wall = self._read() if wall is None else wall
+        self.unset = floor is not None and self._wall < floor
+        if floor is not None and self.unset:
+            log.warning(
+                "the wall clock (%s) is before this node's certificate was issued (%s): waiting for it to be set",
+                _utc(self._wall),
+                _utc(floor),
+            )
 
     def __call__(self) -> float:
+        if self.unset:
+            now = self._read()
+            assert self._floor is not None
+            if now < self._floor:
+                return now
+            self.unset = False
+            self._base, self._wall = time.clock_gettime(_BOOT_CLOCK), now
+            log.warning("the wall clock was set (%s): this node's clock follows it from now on", _utc(now))
         return self._wall + (time.clock_gettime(_BOOT_CLOCK) - self._base)
+
+
+def _utc(t: float) -> str:
+    try:
+        return f"{datetime.fromtimestamp(t, UTC):%Y-%m-%d %H:%M:%S} UTC"
+    except (OverflowError, OSError, ValueError):
+        return repr(t)
 
 
 class SequenceCounter:
@@ -258,6 +296,11 @@ class Identity:
         if key.public_key().public_bytes_raw() != _raw_key(cert):
             raise ConfigError(f"private key {key_path} does not match certificate {cert_path}")
         return cls(name, key, cert.public_bytes(serialization.Encoding.DER), ca)
+
+    @property
+    def issued(self) -> float:
+        """When this node's certificate became valid (its clock is known to be past it)."""
+        return x509.load_der_x509_certificate(self.cert_der).not_valid_before_utc.timestamp()
 
     def verifier(self, **kw) -> Verifier:
         return Verifier(self.ca, **kw)

@@ -91,7 +91,7 @@ def run_async_demo(
             alpha=alpha,
             mode=mode,
             # Stopped by time, not by a number of models.
-            fedbuff={"versions": 1_000_000} if mode == "async" else None,
+            fedbuff={"versions": 0} if mode == "async" else None,
             slow_agents={slow: SLOWDOWN},
             train_seconds=TRAIN_SECONDS,
             round_timeout=120.0,
@@ -151,7 +151,7 @@ def plan(
 ) -> Plan[Any]:
     """``link`` receives the cut-off agent's link and the thread that cuts it;
     ``duration``: the asynchronous run stops this long after its first task."""
-    total = fed.fedbuff.get("versions", fed.rounds) if mode == "async" else fed.rounds
+    total = (fed.fedbuff.get("versions") or fed.rounds) if mode == "async" else fed.rounds
     if duration is not None:
         total = max(1, round(duration))
     label = "asynchronous" if mode == "async" else "FedAvg rounds"

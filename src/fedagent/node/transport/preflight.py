@@ -12,6 +12,7 @@ the broker says, in words an operator can act on.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import select
 import socket
 import ssl
@@ -21,6 +22,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from fedagent.errors import (
     CertificateRejected,
+    ClockBehind,
     ConfigError,
     FedagentError,
     NotAuthorized,
@@ -93,9 +95,13 @@ def _client_cert_rejected(exc: ssl.SSLError, tls: TlsFiles | None, where: str) -
     return TransportError(f"TLS with the broker at {where} failed: {exc}")
 
 
+def _utcnow() -> str:
+    return f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC"
+
+
 def _server_cert_rejected(
     exc: ssl.SSLCertVerificationError, tls: TlsFiles | None, host: str, where: str
-) -> CertificateRejected:
+) -> TransportError:
     code, msg = exc.verify_code, exc.verify_message or str(exc)
     ca = tls.ca if tls is not None else "our CA"
     if code == 62 or "hostname" in msg.lower() or "IP address mismatch" in msg:
@@ -103,6 +109,12 @@ def _server_cert_rejected(
             f"the broker's certificate at {where} is not valid for {host!r} ({msg}): issue the "
             f"broker a certificate naming it (`fedagent ca issue broker --role broker --san "
             f"{host}`) or connect with the name in its certificate"
+        )
+    if code == 9:
+        # Not valid *yet*: this machine's clock is behind (it is retried, not fatal).
+        return ClockBehind(
+            f"the broker's certificate at {where} is not valid yet by this machine's clock "
+            f"({msg}; the clock says {_utcnow()}): is the clock set (timedatectl)? Retrying"
         )
     if code == 10:
         return CertificateRejected(
@@ -211,6 +223,8 @@ async def preflight(
             if check_local:
                 pki.check_certificate(tls.cert, tls.key, tls.ca)
             ssl_context = make_ssl_context(tls)
+        except ClockBehind:
+            raise  # retried: the clock may be set any moment
         except ConfigError as exc:
             raise CertificateRejected(str(exc)) from exc
     await asyncio.to_thread(_probe, host, port, ssl_context, timeout, tls)

@@ -25,9 +25,22 @@ Invariants this machine guards:
   its update is still taken later, within the bound (an agent cut off keeps training);
 * a streamed update is checked at its header (staleness, names, shapes, dtypes, deltas
   for floating tensors) before any value is added, each part finite before it is added;
-  one that fails after parts of it were added spoils the buffer (a value cannot be taken
-  back out of a sum): the buffer is emptied and its updates are lost, none is half
-  counted; a model is never made while a stream is being added;
+  one that fails after parts of it were added is taken out again by a replay from the
+  caller's journal before the buffer is published (without replays, or when it cannot
+  be read back, it spoils the buffer: emptied, its updates lost, none half counted); a
+  model is never made while a stream is being added;
+* one member cannot move a model more than an honest agent could (the protections of
+  FedAvg rounds, :class:`~fedagent.protocols.rounds.bounds.Influence`, a buffer in the
+  place of a round): an update weighs at most its agent's announced samples and
+  ``weight_cap`` × the lower median of every announcement; its distance is scaled to
+  ``multiplier`` × the median distance of the last ``window`` buffers' updates; one
+  agent adds at most half a buffer (or what it takes the agents online to fill it:
+  ``BufferConfig.share``), and gets no task while it holds that. A
+  stream's distance is known only at its end, and the buffer's journal holds every frame
+  of its updates, so streams are added as they come while within the bound (the usual
+  case, no second read) and one that crosses it, or any update while the bound warms up,
+  is held and replayed scaled (:class:`Refold`) once the buffer is full: folding every
+  stream only once its distance is known would read every update twice;
 * every model is made by the server step of FedAvg rounds (``server_lr``, server
   momentum; :class:`~fedagent.protocols.rounds.serverstep.ServerStep`) and, with the int8
   downlink, broadcast as the int8 step from the model before, which every agent
@@ -56,7 +69,10 @@ from fedagent.protocols.fedbuff.events import (
     Finished,
     Phase,
     Published,
+    Refold,
+    Refolded,
     Rejected,
+    ReplayKey,
     RequestWakeup,
     Wakeup,
     WholeUpdate,
@@ -79,7 +95,10 @@ __all__ = [
     "Key",
     "Phase",
     "Published",
+    "Refold",
+    "Refolded",
     "Rejected",
+    "ReplayKey",
     "RequestWakeup",
     "Task",
     "Wakeup",

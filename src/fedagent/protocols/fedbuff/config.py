@@ -11,6 +11,7 @@ from fedagent.protocols.aggregation import Strategy, check_server_lr
 from fedagent.protocols.downlink import check_mode as check_downlink
 from fedagent.protocols.dp import DPConfig
 from fedagent.protocols.messages import TrainConfig
+from fedagent.protocols.rounds.config import NormBound
 from fedagent.protocols.serveropt import check_momentum
 
 #: Staleness beyond which nothing is accepted, whatever the configuration says.
@@ -32,8 +33,15 @@ class BufferConfig:
     ``s > max_staleness``. At most ``concurrency`` agents train at once (0: every agent
     online); a task not answered within ``task_timeout`` frees its place (its update is
     still taken later, within the staleness bound). ``versions`` models are published,
-    then training ends. ``whole``: updates travel whole (their norm is needed before any
-    of them is added: ``clip_norm``, central DP), otherwise as streams of deltas."""
+    then training ends (0: until the coordinator is stopped). ``whole``: updates travel whole (their norm is needed before any
+    of them is added: ``clip_norm``, central DP), otherwise as streams of deltas.
+
+    ``weight_cap`` and ``norm_bound`` are the member protections of FedAvg rounds
+    (:class:`~fedagent.protocols.rounds.bounds.Influence`), a buffer taking the place of
+    a round: an update weighs at most the samples its agent announced and ``weight_cap``
+    × the lower median of what the agents the buffer knows announced; its distance (the
+    norm of its delta) is scaled down to ``multiplier`` × the median distance of the
+    updates of the last ``window`` buffers."""
 
     buffer_size: int = 5
     max_staleness: int = 20
@@ -52,6 +60,40 @@ class BufferConfig:
     server_momentum: float | None = None  # None: DEFAULT_MOMENTUM (none)
     downlink: str = "int8"  # how published models travel after the first: "int8" steps or "none"
     dp: DPConfig | None = None
+    weight_cap: float = 0.0  # 0: off
+    norm_bound: NormBound | None = None  # None: off
+
+    @property
+    def ends(self) -> bool:
+        """Whether training ends after ``versions`` models (0: it runs until stopped)."""
+        return self.versions > 0
+
+    def last(self, version: int) -> bool:
+        """Whether model ``version`` is the last one training publishes."""
+        return self.ends and version >= self.versions
+
+    def share(self, agents: int) -> int:
+        """The updates one agent may add to a buffer while ``agents`` are online: half of
+        it (at least one), so that no agent makes a model alone unless the buffer holds a
+        single update, or as many as it takes ``agents`` to fill it when they are fewer."""
+        return max(1, self.buffer_size // 2, -(-self.buffer_size // max(1, agents)))
+
+    @property
+    def caps_weights(self) -> bool:
+        """Whether update weights (sample counts) are capped: FedAvg weights by samples
+        (``fedavg``, ``drop_above``), outside differential privacy (equal weights)."""
+        return self.weight_cap > 0 and self.strategy.name in ("fedavg", "drop_above") and self.dp is None
+
+    @property
+    def bounds_norms(self) -> bool:
+        """Whether the adaptive norm bound applies: not where updates are bounded already
+        (``clip_norm``, differential privacy's clip)."""
+        return self.norm_bound is not None and self.strategy.streams and self.dp is None
+
+    @property
+    def bounds_secure_mean(self) -> bool:
+        """(No secure aggregation here: every update is seen, and bounded, one by one.)"""
+        return False
 
     @property
     def momentum(self) -> float:
@@ -76,8 +118,10 @@ class BufferConfig:
         return self.train.lr * 0.5 * (1.0 + math.cos(math.pi * min(version, self.versions) / self.versions))
 
     def __post_init__(self) -> None:
-        if self.buffer_size < 1 or self.versions < 1 or self.min_agents < 1:
-            raise ValueError("buffer_size, versions and min_agents must be at least 1")
+        if self.buffer_size < 1 or self.min_agents < 1:
+            raise ValueError("buffer_size and min_agents must be at least 1")
+        if self.versions < 0:
+            raise ValueError("versions must be at least 1, or 0 for no end")
         if not 0 <= self.max_staleness <= MAX_STALENESS:
             raise ValueError(f"max_staleness must be in [0, {MAX_STALENESS}]")
         if not (math.isfinite(self.staleness_exponent) and 0 <= self.staleness_exponent <= 4):
@@ -88,6 +132,10 @@ class BufferConfig:
             raise ValueError("task_timeout must be positive and start_grace non-negative")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"lr_schedule must be 'constant' or 'cosine', not {self.lr_schedule!r}")
+        if self.lr_schedule == "cosine" and not self.versions:
+            raise ValueError("lr_schedule 'cosine' decays over `versions` models: set versions (0 has no end)")
+        if not (math.isfinite(self.weight_cap) and (self.weight_cap == 0 or self.weight_cap >= 1)):
+            raise ValueError(f"weight_cap must be 0 (off) or at least 1, not {self.weight_cap!r}")
         check_server_lr(self.server_lr)
         if self.server_momentum is not None:
             check_momentum(self.server_momentum)

@@ -28,7 +28,10 @@ __all__ = [
     "Finished",
     "Phase",
     "Published",
+    "Refold",
+    "Refolded",
     "Rejected",
+    "ReplayKey",
     "RequestWakeup",
     "Wakeup",
     "WholeUpdate",
@@ -48,7 +51,21 @@ class WholeUpdate:
     delta: Weights = field(repr=False)
 
 
-Event = AgentOnline | AgentOffline | Wakeup | WholeUpdate | UpdateHead | UpdatePart | UpdateEnd
+#: One update as a replay names it: (agent, task, base version, the stream's transfer
+#: id or None for a whole update).
+ReplayKey = tuple[str, int, int, str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Refolded:
+    """The caller has replayed what a :class:`Refold` asked for (through
+    ``BufferMachine.refold``); ``incomplete``: the updates it could not read back whole."""
+
+    model_version: int
+    incomplete: frozenset[ReplayKey] = frozenset()
+
+
+Event = AgentOnline | AgentOffline | Wakeup | WholeUpdate | UpdateHead | UpdatePart | UpdateEnd | Refolded
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +94,27 @@ class Published:
     dropped: dict[str, float]
     privacy: dict[str, float] | None
     final: bool
+    # agent -> its weight capped ({samples, weight}) or its distance scaled down ({norm, bound})
+    bounded: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Refold:
+    """Before the buffer of model ``model_version`` + 1 is published: replay these
+    updates from the journal, each part in the order it arrived, into
+    ``BufferMachine.refold``, then hand the machine :class:`Refolded`. The machine folds
+    what it held back (an update past the norm bound, scaled down to it, or any update
+    while the bound warms up) and takes out what was folded of an update that then
+    failed. The frames of the updates of a buffer are all in the journal (it is replaced
+    only at a model published with no update in transfer), so nothing of an update has
+    to stay in memory for this."""
+
+    model_version: int
+    updates: tuple[ReplayKey, ...]
+    # Updates counted in once replayed: replay one only if the journal holds it whole
+    # (else report it incomplete). The others are taken out: replay whatever of them the
+    # journal holds, from its first part on.
+    counted: frozenset[ReplayKey] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +134,7 @@ class Finished:
     reason: str = ""  # why before the configured versions (the privacy budget)
 
 
-Command = AssignTask | Published | BufferSpoilt | Rejected | RequestWakeup | Finished
+Command = AssignTask | Published | BufferSpoilt | Refold | Rejected | RequestWakeup | Finished
 
 
 class Phase(str, Enum):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,12 +27,16 @@ from fedagent.protocols.fedbuff.events import (
     Finished,
     Phase,
     Published,
+    Refold,
+    Refolded,
     Rejected,
+    ReplayKey,
     RequestWakeup,
     Wakeup,
     WholeUpdate,
 )
 from fedagent.protocols.messages import TrainConfig
+from fedagent.protocols.rounds.bounds import Influence, Replay, part_sq_distance, scaled
 from fedagent.protocols.rounds.privacy import PrivacyBudget
 from fedagent.protocols.rounds.serverstep import ServerStep
 from fedagent.protocols.serveropt import VelocityStore
@@ -86,7 +90,10 @@ class _Inflight:
     head: UpdateHead
     fold: Plan
     commit: Plan
-    folded: bool = False
+    samples: int  # the weight it carries (num_samples, capped)
+    folded: int = 0  # values folded at the fold plan's weight (a prefix of the stream)
+    dsq: float = 0.0  # squared distance (of its floating deltas) so far: the norm bound
+    held: bool = False  # past the bound (or warming up): the rest waits for a replay
 
 
 @dataclass(slots=True)
@@ -113,11 +120,24 @@ class BufferMachine:
         privacy_state: Mapping[str, object] | None = None,
         velocity_store: VelocityStore | None = None,
         rng: np.random.Generator | None = None,
+        replays: bool = False,
+        norm_history: Sequence[Sequence[float]] = (),
+        announced: Mapping[str, int] | None = None,
     ) -> None:
         """``model_version``, ``accepted`` (the updates already in that model, within the
         staleness bound), ``privacy_state`` and the velocity in ``velocity_store`` resume
         from a checkpoint; ``first_task``: task numbers start here (a restart never gives
-        a number twice). ``rng`` draws central DP's noise."""
+        a number twice). ``rng`` draws central DP's noise.
+
+        ``replays``: the caller carries out :class:`Refold` (its journal holds every
+        frame of the buffer's updates): the norm bound needs it (ValueError without), and
+        an update that fails after parts of it were added is then taken out of the sums
+        instead of spoiling the buffer. ``norm_history`` and ``announced``
+        (:meth:`bounds_state`) resume the norm bound's recent distances and the samples
+        the agents announced: a restart neither warms the bound up again nor takes an
+        update journaled before any presence at its word."""
+        if config.bounds_norms and not replays:
+            raise ValueError("the norm bound needs a caller that replays updates (replays=True)")
         self.config = config
         self.weights = weights
         self.model_version = model_version
@@ -131,7 +151,7 @@ class BufferMachine:
         self.budget: PrivacyBudget | None = None
         if config.dp is not None:
             self.budget = PrivacyBudget(config.dp, privacy_state, rng if rng is not None else np.random.default_rng())
-        self.phase = Phase.WAITING if model_version < config.versions else Phase.DONE
+        self.phase = Phase.DONE if config.last(model_version) else Phase.WAITING
         self.stop_reason = ""
         self.online: dict[str, int] = {}
         self._whole_only: set[str] = set()
@@ -154,11 +174,24 @@ class BufferMachine:
         self.refused: Counter[str] = Counter()
         self.spoilt = 0
         self.agents: dict[str, AgentView] = {}
+        self.replays = replays
+        # The member protections of rounds, a buffer in place of a round: the weight cap
+        # against what the agents announced, the norm bound over recent buffers.
+        self.announced: dict[str, int] = {
+            str(a): int(n) for a, n in (announced or {}).items() if type(n) is int and n > 0
+        }
+        self.influence = Influence(config, norm_history)
+        self.influence.open(self.announced, self.announced)
+        self._replay: dict[ReplayKey, Replay] = {}  # updates to replay before the buffer is published
+        self._refolding: tuple[ReplayKey, ...] = ()  # the replays of the Refold out, until its Refolded
 
     # -- public ------------------------------------------------------------------------
     def handle(self, event: Event, now: float) -> list[Command]:
         if isinstance(event, AgentOnline):
             self.online[event.agent] = event.num_samples
+            if event.num_samples > 0:
+                self.announced[event.agent] = event.num_samples
+                self.influence.announce(event.agent, event.num_samples, joins=True)
             if event.reads_steps:
                 self._whole_only.discard(event.agent)
             else:
@@ -188,6 +221,8 @@ class BufferMachine:
             return self._on_end(event, now)
         if isinstance(event, WholeUpdate):
             return self._on_whole(event, now)
+        if isinstance(event, Refolded):
+            return self._on_refolded(event, now)
         if isinstance(event, Wakeup):
             if self.phase is Phase.WAITING:
                 return self._maybe_start(now)
@@ -207,6 +242,11 @@ class BufferMachine:
 
     def privacy_state(self) -> dict[str, object] | None:
         return self.budget.state() if self.budget is not None else None
+
+    def bounds_state(self) -> dict[str, object]:
+        """What a checkpoint keeps of the member protections: the distances of recent
+        buffers (``norms``) and the samples each agent announced (``announced``)."""
+        return {"norms": self.influence.state(), "announced": dict(sorted(self.announced.items()))}
 
     def accepted_keys(self) -> list[list[object]]:
         """The updates in the current model within the staleness bound: a checkpoint
@@ -242,6 +282,7 @@ class BufferMachine:
             "max_staleness": self.config.max_staleness,
             "refused": dict(self.refused),
             "spoilt_buffers": self.spoilt,
+            "bounds": self.influence.status(),
             "agents": {
                 a: {
                     "online": a in self.online,
@@ -291,13 +332,12 @@ class BufferMachine:
         limit = cfg.concurrency or math.inf
         running = sum(1 for t in self.tasks.values() if t.holds_slot)
         out: list[Command] = []
-        buffered = {e.sender for e in self.entries} if self.budget is not None else set()
-        idle = [
-            a
-            for a in self.online
-            if a not in buffered  # under DP: once per model
-            and (a not in self.tasks or not self.tasks[a].holds_slot)
-        ]
+        # An agent with its share of the buffer (under DP: one update) waits for the
+        # next model: its update would be refused.
+        limit_each = 1 if self.budget is not None else self._share()
+        counts = Counter(e.sender for e in self.entries)
+        full = {a for a, n in counts.items() if n >= limit_each}
+        idle = [a for a in self.online if a not in full and (a not in self.tasks or not self.tasks[a].holds_slot)]
         idle.sort(key=lambda a: (self.idle_since.get(a, now), a))
         train: TrainConfig | None = None
         for agent in idle:
@@ -364,21 +404,41 @@ class BufferMachine:
             return "duplicate", f"task {task} from version {base} was taken already"
         if self.budget is not None and any(e.sender == sender for e in self.entries):
             return "once", "under differential privacy an agent adds one update to a model"
+        mine = sum(1 for e in self.entries if e.sender == sender)
+        share = self._share()
+        if mine >= share:
+            # Any agent may send an update of its own (task 0, trained while cut off) or
+            # answer a task late: without this, one member answering at once, or sending
+            # unasked, could fill whole buffers, and each buffer's distances would then
+            # be its own, raising the norm bound it is held to.
+            return "share", (
+                f"{mine} of this buffer's {self.config.buffer_size} updates are {sender}'s already "
+                f"(at most {share} per agent with {len(self.online)} online)"
+            )
         return s
 
-    def _plans(self, num_samples: int, metrics: Mapping[str, float], staleness: int) -> tuple[Plan, Plan]:
-        """(fold, commit): what the values are added with and what the update counts for
-        in the mean's denominator; FedBuff's damping: a stale update's values weigh less,
-        the denominator does not."""
+    def _share(self) -> int:
+        """The updates one agent may add to the buffer: see :meth:`BufferConfig.share`.
+        (Before any presence after a restart, the updates handed on from the journal are
+        judged by the agents the checkpoint knew.)"""
+        return self.config.share(len(self.online) or len(self.announced))
+
+    def _plans(
+        self, sender: str, num_samples: int, metrics: Mapping[str, float], staleness: int
+    ) -> tuple[Plan, Plan, int]:
+        """(fold, commit, samples): what the values are added with, what the update counts
+        for in the mean's denominator and the samples it weighs as (its claim, capped);
+        FedBuff's damping: a stale update's values weigh less, the denominator does not."""
         if self.budget is not None:
             # Equal weights: a per-agent bound of C is what makes the sensitivity. Central
             # DP keeps the staleness weight (≤ 1, it only lowers the sensitivity);
             # distributed DP cannot (it would scale the agents' noise shares down).
             w = 1.0 if self.budget.config.mode == "distributed" else self.config.weight(staleness)
-            return Plan(w), Plan(1.0)
-        p = self._sums().plan(num_samples, metrics)
+            return Plan(w), Plan(1.0), num_samples
+        samples = self.influence.samples(sender, num_samples) if num_samples > 0 else num_samples
+        p = self._sums().plan(samples, metrics)
         w = self.config.weight(staleness)
-        return Plan(p.weight * w, p.level * w, p.dropped), p
+        return Plan(p.weight * w, p.level * w, p.dropped), p, samples
 
     def _refuse(self, sender: str, task: int, reason: str, detail: str, now: float) -> list[Command]:
         self.refused[reason] += 1
@@ -419,7 +479,7 @@ class BufferMachine:
         if bad is None:
             assert isinstance(admitted, int)
             try:
-                fold, commit = self._plans(ev.num_samples, ev.metrics, admitted)
+                fold, commit, samples = self._plans(ev.sender, ev.num_samples, ev.metrics, admitted)
             except UpdateRejected as exc:
                 bad = exc.reason, exc.detail
         if bad is not None:
@@ -430,8 +490,11 @@ class BufferMachine:
         if fold.dropped is not None:
             # drop_above: counted, never added; its parts are ignored.
             self.ignored.add((ev.sender, ev.tid))
-            return out + self._taken(key, admitted, ev.num_samples, ev.metrics, fold, now)
-        self.inflight[ev.sender] = _Inflight(ev.tid, key, admitted, ev, fold, commit)
+            return out + self._taken(key, admitted, samples, ev.metrics, fold, now)
+        fl = _Inflight(ev.tid, key, admitted, ev, fold, commit, samples)
+        # While the bound warms up nothing is added before the buffer is full.
+        fl.held = self.influence.bounds_norms and self.influence.bound is None
+        self.inflight[ev.sender] = fl
         return out
 
     def _on_part(self, ev: UpdatePart, now: float) -> list[Command]:
@@ -443,8 +506,19 @@ class BufferMachine:
             return self._on_end(
                 UpdateEnd(ev.sender, ev.tid, False, f"{ev.name} contains NaN or Inf"), now, reason="non-finite"
             )
+        if self.influence.bounds_norms and self.weights[ev.name].dtype.kind == "f":
+            # (floating tensors only, as clip_norm and rounds' bound: counters are values)
+            fl.dsq += part_sq_distance(self.weights[ev.name], ev)
+            bound = self.influence.bound
+            if not fl.held and (bound is None or fl.dsq > bound * bound):
+                # Past the bound: its distance is known only at its end, so the rest is
+                # not added; the whole update is replayed scaled to the bound before the
+                # buffer is published.
+                fl.held = True
+        if fl.held:
+            return []
         self._sums().fold(fl.fold, ev.name, ev.start, vals, ev.indices, delta=ev.delta)
-        fl.folded = True
+        fl.folded += vals.size
         return []
 
     def _on_end(self, ev: UpdateEnd, now: float, *, reason: str = "transfer") -> list[Command]:
@@ -460,13 +534,31 @@ class BufferMachine:
             task = self.tasks.get(ev.sender)
             if task is not None and task.number == fl.key[1]:
                 task.holds_slot = False  # it may send it again (from its outbox)
-            if fl.folded:
+            if fl.folded and self.replays:
+                # What was added of it is taken out (replayed at weight 0) before the
+                # buffer is published: the buffer and its other updates stay.
+                self._replay[(*fl.key, fl.tid)] = Replay(fl.tid, fl.fold, fl.folded, 0.0, count=False)
+            elif fl.folded:
                 out += self._spoil(
                     f"the update of {ev.sender} failed after parts of it were added ({ev.reason})",
                     also=(f"{fl.key[0]}/{fl.key[1]}/{fl.key[2]}",),
                 )
             return out + self._assign(now) + self._maybe_publish(now)
-        return self._taken(fl.key, fl.staleness, fl.head.num_samples, fl.head.metrics, fl.fold, now, fl.commit)
+        if self.influence.bounds_norms:
+            norm = math.sqrt(max(fl.dsq, 0.0))
+            bound = self.influence.bound
+            if fl.held:
+                self._replay[(*fl.key, fl.tid)] = Replay(
+                    fl.tid,
+                    fl.fold,
+                    fl.folded,
+                    None if bound is None else Influence.scale(norm, bound),
+                    norm,
+                    commit=fl.commit,
+                )
+                return self._taken(fl.key, fl.staleness, fl.samples, fl.head.metrics, fl.fold, now, None)
+            self.influence.accepted(ev.sender, norm, bound)
+        return self._taken(fl.key, fl.staleness, fl.samples, fl.head.metrics, fl.fold, now, fl.commit)
 
     def _on_whole(self, ev: WholeUpdate, now: float) -> list[Command]:
         if not self.config.whole:
@@ -476,7 +568,7 @@ class BufferMachine:
             return self._refuse(ev.sender, ev.task, *admitted, now)
         try:
             check_update(self.weights, ev.delta)
-            fold, commit = self._plans(ev.num_samples, ev.metrics, admitted)
+            fold, commit, samples = self._plans(ev.sender, ev.num_samples, ev.metrics, admitted)
         except UpdateRejected as exc:
             return self._refuse(ev.sender, ev.task, exc.reason, exc.detail, now)
         key = (ev.sender, ev.task, ev.base_version)
@@ -488,11 +580,21 @@ class BufferMachine:
                     self._unclipped += 1
                 else:
                     fold = replace(fold, weight=fold.weight * bound / norm, level=fold.level * bound / norm)
+            elif self.influence.bounds_norms:
+                norm = _delta_norm(self.weights, ev.delta)
+                bound = self.influence.bound
+                if bound is None:
+                    # Warming up: held (nothing of it kept here) and replayed from the
+                    # journal once the buffer is full and its own distances give the bound.
+                    self._replay[(*key, None)] = Replay(None, fold, 0, None, norm, commit=commit)
+                    return self._taken(key, admitted, samples, ev.metrics, fold, now, None)
+                fold = scaled(fold, Influence.scale(norm, bound))
+                self.influence.accepted(ev.sender, norm, bound)
             acc = self._sums()
             for name, ref in self.weights.items():
                 # Floating tensors are deltas; counters are values (their mean is taken).
                 acc.fold(fold, name, 0, np.asarray(ev.delta[name]).reshape(-1), None, delta=ref.dtype.kind == "f")
-        return self._taken(key, admitted, ev.num_samples, ev.metrics, fold, now, commit)
+        return self._taken(key, admitted, samples, ev.metrics, fold, now, commit)
 
     def _clip_bound(self) -> float | None:
         """The L2 bound a whole update's delta is scaled down to before it is added:
@@ -511,13 +613,16 @@ class BufferMachine:
         now: float,
         commit: Plan | None = None,
     ) -> list[Command]:
+        """``key`` is in the buffer: its values were added with ``fold`` and it counts for
+        ``commit`` in the mean (None: held for a replay, which counts it in)."""
         sender = key[0]
         entry = Entry(key, staleness, num_samples, dict(metrics), fold.weight, fold.dropped)
         if fold.dropped is not None:
             self._sums().dropped[entry.label] = fold.dropped
-        else:
-            assert commit is not None
+        elif commit is not None:
             self._sums().commit(entry.label, commit)
+        else:
+            self._sums()  # (made now: the replay folds into it)
         self.entries.append(entry)
         self.accepted[key] = key[2]
         self.recent_staleness.append(staleness)
@@ -543,6 +648,11 @@ class BufferMachine:
         self._acc = None
         self.entries = []
         self._unclipped = 0
+        self._replay = {}
+        self._refolding = ()
+        # Its weight cap against every agent that announced samples so far; its norm
+        # bound from the distances of the last buffers (None while warming up).
+        self.influence.open(self.announced, self.announced)
 
     def _spoil(self, reason: str, *, also: tuple[str, ...] = ()) -> list[Command]:
         lost = (
@@ -560,10 +670,81 @@ class BufferMachine:
         self._empty()
         return [BufferSpoilt(self.model_version, lost, reason)]
 
-    def _maybe_publish(self, now: float) -> list[Command]:
-        if self.fill < self.config.buffer_size or self.inflight or self.phase is Phase.DONE:
-            # A stream being folded is in the sums: the model waits for its end.
+    # -- replays -----------------------------------------------------------------------
+    def _refold(self) -> list[Command]:
+        """The buffer is full: the held updates get their scale from the bound (while
+        warming up, from the buffer's own distances), and the caller is asked to replay
+        them, and those to take out."""
+        if self.influence.bounds_norms:
+            pending = [r.norm for r in self._replay.values() if r.count and r.scale is None]
+            bound = self.influence.bound = self.influence.final_bound(pending)
+            for r in self._replay.values():
+                if r.scale is None:
+                    r.scale = Influence.scale(r.norm, bound)
+        self._refolding = tuple(sorted(self._replay, key=lambda k: (k[0], k[1], k[2], k[3] or "")))
+        return [
+            Refold(
+                self.model_version,
+                self._refolding,
+                frozenset(k for k in self._refolding if self._replay[k].count),
+            )
+        ]
+
+    def refold(self, update: ReplayKey, part: UpdatePart) -> None:
+        """One part of ``update``, replayed (in the order its parts came) for a
+        :class:`Refold`: what was added of it at full weight is taken out, and the update
+        added at its scale. Parts of an update not asked for are ignored."""
+        r = self._replay.get(update)
+        if r is None or update not in self._refolding or self._acc is None:
+            return
+        if r.tid is not None and part.tid != r.tid:
+            return
+        # Floating tensors are deltas; counters are values (their mean is taken).
+        delta = part.delta if r.tid is not None else self.weights[part.name].dtype.kind == "f"
+        r.fold(self._acc, part, delta=delta)
+
+    def _on_refolded(self, ev: Refolded, now: float) -> list[Command]:
+        if not self._refolding or ev.model_version != self.model_version:
             return []
+        keys, self._refolding = self._refolding, ()
+        out: list[Command] = []
+        bound = self.influence.bound
+        for k in keys:
+            r = self._replay.pop(k)
+            if r.done < r.prefix or (r.count and k in ev.incomplete and r.done):
+                # Part of it is in the sums and could not be taken out.
+                return (
+                    out
+                    + self._spoil(
+                        f"the update {k[0]}/{k[1]}/{k[2]} could not be read back from the journal to take it out "
+                        "of the sums"
+                    )
+                    + self._assign(now)
+                )
+            if not r.count:
+                continue
+            label = f"{k[0]}/{k[1]}/{k[2]}"
+            if k in ev.incomplete or not r.done:
+                # (nothing read back: it would count in the mean without its values)
+                self.entries = [e for e in self.entries if e.label != label]
+                self.accepted.pop(k[:3], None)
+                self.refused["journal"] += 1
+                self._view(k[0]).refused += 1
+                out.append(Rejected(k[0], k[1], "journal", "its update could not be read back from the journal"))
+                continue
+            assert self._acc is not None and r.commit is not None
+            self._acc.commit(label, r.commit)
+            if self.influence.bounds_norms:
+                self.influence.accepted(k[0], r.norm, bound)
+        return out + self._maybe_publish(now) + self._assign(now)
+
+    def _maybe_publish(self, now: float) -> list[Command]:
+        if self.fill < self.config.buffer_size or self.inflight or self.phase is Phase.DONE or self._refolding:
+            # A stream being folded is in the sums: the model waits for its end (and for
+            # a replay out).
+            return []
+        if self._replay:
+            return self._refold()
         acc = self._sums()
         entries = self.entries
         if acc.count == 0:  # every update of the buffer was dropped (drop_above)
@@ -590,6 +771,8 @@ class BufferMachine:
         if overflow:
             self.server_step.drop()
             return self._spoil(f"the aggregate is not finite in {', '.join(sorted(overflow)[:3])}")
+        # (only a model's distances join the norm bound's window, not a spoilt buffer's)
+        bounded = self.influence.aggregated(sorted({e.sender for e in counted}))
         self.weights = self.server_step.adopt(self.weights, new, velocity, self.model_version)
         self.model_version += 1
         floor = self.model_version - self.config.max_staleness
@@ -597,7 +780,7 @@ class BufferMachine:
         self.last_metrics = weighted_metrics([(e.metrics, e.num_samples) for e in counted])
         updates = tuple((*e.key, e.staleness, shares.get(e.label, 0.0)) for e in entries)
         dropped = {e.label: e.dropped for e in entries if e.dropped is not None}
-        final = self.model_version >= self.config.versions
+        final = self.config.last(self.model_version)
         why = "" if final else self._over_budget()
         delta = self.server_step.delta if not self.whole_model_only() else None
         out: list[Command] = [
@@ -611,6 +794,7 @@ class BufferMachine:
                 dropped,
                 self.privacy(),
                 final or bool(why),
+                bounded,
             )
         ]
         self._empty()

@@ -44,10 +44,11 @@ How far one member can move the model, its weight and its distance from the glob
 model, is bounded by :mod:`.bounds` (``weight_cap``, ``norm_bound``).
 
 The package: :mod:`.config` (:class:`RoundConfig`), :mod:`.events` (the events and
-commands), :mod:`.machine` (:class:`RoundMachine`: rounds, intake, aggregation) and its
-collaborators :mod:`.serverstep` (the global model's step), :mod:`.privacy` (the DP
-accounting), :mod:`.secure` (the secure-aggregation path) and :mod:`.bounds` (one
-member's influence, and the agents benched for spoiling updates).
+commands), :mod:`.machine` (:class:`RoundMachine`: rounds, the intake of whole updates,
+aggregation) with :mod:`.intake` (streamed updates and their replays, a mixin of the
+machine), and the machine's collaborators :mod:`.serverstep` (the global model's step),
+:mod:`.privacy` (the DP accounting), :mod:`.secure` (the secure-aggregation path) and
+:mod:`.bounds` (one member's influence, and the agents benched for spoiling updates).
 """
 
 from __future__ import annotations

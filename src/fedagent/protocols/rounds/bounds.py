@@ -33,8 +33,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
-from fedagent.protocols.rounds.config import RoundConfig
+import numpy as np
+
+from fedagent.protocols.aggregation import Plan, StrategyAggregator
+from fedagent.protocols.rounds.config import NormBound
+from fedagent.protocols.streaming import UpdatePart
 
 #: Rounds an agent sits out at most, however often it offends.
 MAX_BENCH = 64
@@ -49,10 +55,26 @@ def lower_median(values: Iterable[float]) -> float:
     return s[(len(s) - 1) // 2]
 
 
-class Influence:
-    """The weight cap and the norm bound of one round, and the distances of recent rounds."""
+class Bounded(Protocol):
+    """What :class:`Influence` reads of a machine's configuration (rounds' or a buffer's)."""
 
-    def __init__(self, config: RoundConfig, history: Sequence[Sequence[float]] = ()) -> None:
+    @property
+    def weight_cap(self) -> float: ...
+    @property
+    def norm_bound(self) -> NormBound | None: ...
+    @property
+    def caps_weights(self) -> bool: ...
+    @property
+    def bounds_norms(self) -> bool: ...
+    @property
+    def bounds_secure_mean(self) -> bool: ...
+
+
+class Influence:
+    """The weight cap and the norm bound of one round (or one buffer of asynchronous
+    updates), and the distances of recent rounds (buffers)."""
+
+    def __init__(self, config: Bounded, history: Sequence[Sequence[float]] = ()) -> None:
         self.weight_cap = config.weight_cap if config.caps_weights else 0.0
         self.norm = config.norm_bound if config.bounds_norms or config.bounds_secure_mean else None
         window = self.norm.window if self.norm is not None else 1
@@ -77,10 +99,12 @@ class Influence:
         self._norms = {}
         self.bounded = {}
 
-    def announce(self, agent: str, samples: int) -> None:
+    def announce(self, agent: str, samples: int, *, joins: bool = False) -> None:
         """A selected agent's presence came during the round (after a restart the round is
-        resumed before any presence): its count counts if none was known."""
-        if self._announced.get(agent) == 0 and samples > 0:
+        resumed before any presence): its count counts if none was known. ``joins``: an
+        agent the round did not know counts too (a buffer is open to every agent)."""
+        known = self._announced.get(agent)
+        if (known == 0 or (known is None and joins)) and samples > 0:
             self._announced[agent] = int(samples)
 
     def samples(self, agent: str, claimed: int) -> int:
@@ -187,6 +211,60 @@ class Influence:
             },
             "last_round": dict(self.last),
         }
+
+
+def scaled(plan: Plan, factor: float) -> Plan:
+    """``plan`` with its weights (both sums of blur) multiplied by ``factor``."""
+    return replace(plan, weight=plan.weight * factor, level=plan.level * factor)
+
+
+def part_sq_distance(ref: np.ndarray, part: UpdatePart) -> float:
+    """Squared L2 distance a part's values add to their update's distance from ``ref``
+    (the global model's tensor): the values themselves when they are deltas."""
+    vals = part.values
+    if part.delta:
+        return float(np.square(vals, dtype=np.float64).sum())
+    flat = ref.reshape(-1)
+    g = flat[part.start : part.start + vals.size] if part.indices is None else flat[part.indices]
+    return float(np.square(vals.astype(np.float64) - g).sum())
+
+
+@dataclass(slots=True)
+class Replay:
+    """An update to replay once every update it is aggregated with is in: its first
+    ``prefix`` values were folded at the plan's weight; the whole update goes in at
+    ``scale`` × that weight (0: taken out; None: decided by the bound once every update
+    is in)."""
+
+    tid: str | None  # the stream's transfer id; None: a whole update
+    plan: Plan
+    prefix: int
+    scale: float | None
+    norm: float = 0.0
+    count: bool = True  # an accepted update (counted in once replayed); False: only taken out
+    samples: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    leaving: bool = False
+    done: int = 0  # values replayed so far
+    commit: Plan | None = None  # what it counts for in the mean, when not ``plan`` (a buffer's staleness damping)
+
+    def fold(self, acc: StrategyAggregator, part: UpdatePart, *, delta: bool) -> None:
+        """One part of the update, replayed in the order its parts came: what was folded
+        of it at full weight is taken out, and the part folded at the scale."""
+        assert self.scale is not None
+        vals = part.values
+        n = vals.size
+        lo, hi = self.done, self.done + n
+        self.done = hi
+        cut = min(max(self.prefix - lo, 0), n)  # values of this part in the folded prefix
+        for a, b, factor in ((0, cut, self.scale - 1.0), (cut, n, self.scale)):
+            if b <= a or factor == 0.0:
+                continue
+            if part.indices is None:
+                start, idx = part.start + a, None
+            else:
+                start, idx = 0, part.indices[a:b]
+            acc.fold(scaled(self.plan, factor), part.name, start, vals[a:b], idx, delta=delta)
 
 
 class Bench:

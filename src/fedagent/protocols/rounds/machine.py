@@ -1,7 +1,9 @@
 """The FedAvg round machine of the coordinator, as pure code (the package's docstring
 says what it guarantees): the lifecycle of rounds (quorum, selection, deadlines), the
-intake of whole and streamed updates, and the aggregation. Its collaborators do the
-rest: :class:`~fedagent.protocols.rounds.serverstep.ServerStep` moves the global model,
+intake of whole updates, and the aggregation. Streamed updates and the replays at a
+round's end are :class:`~fedagent.protocols.rounds.intake.StreamedUpdates`' (a mixin:
+they work on the round's own state). Its collaborators do the rest:
+:class:`~fedagent.protocols.rounds.serverstep.ServerStep` moves the global model,
 :class:`~fedagent.protocols.rounds.privacy.PrivacyBudget` charges and limits
 differential privacy, :class:`~fedagent.protocols.rounds.secure.SecureRounds` runs the
 secure-aggregation path."""
@@ -11,17 +13,17 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from fedagent.protocols import secagg as SA
-from fedagent.protocols.aggregation import Plan, StrategyAggregator, UpdateRejected, check_update, weighted_metrics
+from fedagent.protocols.aggregation import StrategyAggregator, UpdateRejected, check_update, weighted_metrics
 from fedagent.protocols.downlink import ModelDelta
 from fedagent.protocols.dp import Accountant, ClipBound, DPAggregator
 from fedagent.protocols.fingerprint import Roles
-from fedagent.protocols.rounds.bounds import Bench, Influence
+from fedagent.protocols.rounds.bounds import Bench, Influence, Replay, scaled
 from fedagent.protocols.rounds.config import RoundConfig
 from fedagent.protocols.rounds.events import (
     AgentOffline,
@@ -31,7 +33,6 @@ from fedagent.protocols.rounds.events import (
     Finished,
     LateUpdate,
     Phase,
-    Refold,
     Refolded,
     Rejected,
     RequestWakeup,
@@ -43,6 +44,7 @@ from fedagent.protocols.rounds.events import (
     UpdateReceived,
     Wakeup,
 )
+from fedagent.protocols.rounds.intake import StreamedUpdates
 from fedagent.protocols.rounds.privacy import PrivacyBudget
 from fedagent.protocols.rounds.secure import SecureRounds
 from fedagent.protocols.rounds.serverstep import ServerStep
@@ -58,40 +60,7 @@ ABANDONED_KEPT = 16
 STALL_GRACE = 1.0
 
 
-@dataclass(slots=True)
-class _Inflight:
-    """A streamed update being folded: what it weighs and what was seen of it."""
-
-    tid: str
-    head: UpdateHead
-    plan: Plan
-    sq_norm: float  # of the update's weights (max_norm)
-    samples: int = 0  # the weight it carries (num_samples, capped)
-    dsq: float = 0.0  # squared distance from the global model so far (the norm bound)
-    folded: int = 0  # values folded at the plan's weight (a prefix of the stream)
-    held: bool = False  # past the bound (or warming up): the rest waits for a replay
-    last_at: float = 0.0  # when its last part (or its header) came
-
-
-@dataclass(slots=True)
-class _Replay:
-    """An update to replay at the round's end: its first ``prefix`` values were folded at
-    the plan's weight; the whole update goes in at ``scale`` × that weight (0: taken
-    out; None: decided by the round's bound once every update is in)."""
-
-    tid: str | None  # the stream's transfer id; None: a whole update
-    plan: Plan
-    prefix: int
-    scale: float | None
-    norm: float = 0.0
-    count: bool = True  # an accepted update (counted in once replayed); False: only taken out
-    samples: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
-    leaving: bool = False
-    done: int = 0  # values replayed so far
-
-
-class RoundMachine:
+class RoundMachine(StreamedUpdates):
     def __init__(
         self,
         config: RoundConfig,
@@ -158,19 +127,14 @@ class RoundMachine:
         self._acc: StrategyAggregator | DPAggregator | None = None
         self.departing: set[str] = set()  # sent their last update this round
         self.departed: set[str] = set()  # left; ignored as online until their goodbye
-        self.inflight: dict[str, _Inflight] = {}  # sender -> its streamed update in progress
-        self.ignored: set[tuple[str, str]] = set()  # (sender, tid) of streams refused at their header
         self.replays = replays
         self.influence = Influence(config, norm_history)  # weight cap and norm bound
         self.bench = Bench()  # agents that spoiled updates sit out rounds
-        self._replay: dict[str, _Replay] = {}  # sender -> its update to replay at the round's end
-        self._replaying = False  # a Refold is out; its Refolded ends it
         self._abandoned: deque[int] = deque(maxlen=ABANDONED_KEPT)
         self._since_whole = 0  # round starts since the last one that carried the whole model
         self._whole_round = True  # the round being started carries the whole model
         self._opened_at = 0.0
         self._others_done_at: float | None = None  # when only streams still arriving were owed
-        self._ref_sq = 0.0  # squared norm of the global model (norm bound of deltas)
         self._rng = random.Random(config.seed)
         self._round_q = 1.0  # the fraction of the online agents selected for the round
         self.stop_reason = ""
@@ -178,6 +142,7 @@ class RoundMachine:
         if config.dp is not None:
             self.budget = PrivacyBudget(config.dp, privacy_state, rng if rng is not None else np.random.default_rng())
         self.secure = SecureRounds(config, verify_statement)
+        self._init_intake()
 
     # -- what the collaborators hold ---------------------------------------------------
     @property
@@ -428,8 +393,7 @@ class RoundMachine:
         self._opened_at = now
         self._others_done_at = None
         self.influence.open(agents, self.online)
-        self._replay = {}
-        self._replaying = False
+        self._open_intake()
         whole = resumed or self.delta is None or self._whole_round
         self._since_whole = 0 if whole else self._since_whole + 1
         train = replace(cfg.train, lr=cfg.lr_for(self.round))
@@ -438,12 +402,6 @@ class RoundMachine:
             train = self.budget.train(train, len(agents))
         else:
             self._acc = StrategyAggregator(cfg.strategy, self.weights, compact=True, values=self.roles.buffers)
-        self.inflight = {}
-        self.ignored = set()
-        if cfg.max_norm is not None:
-            self._ref_sq = sum(
-                float(np.square(w, dtype=np.float64).sum()) for w in self.weights.values() if w.dtype.kind == "f"
-            )
         setup = None
         wake = self.deadline
         first: tuple[SendSecAgg, ...] = ()
@@ -487,19 +445,16 @@ class RoundMachine:
             return [LateUpdate(sender, round_, f"update for round {round_}, which was abandoned")]
         return None
 
-    def _refused(self, sender: str) -> None:
-        """A selected agent's update was refused: the round does not wait for another."""
-        self._outstanding.discard(sender)
-
-    def _counted_out(self, sender: str, refusal: Rejected | None, now: float) -> list[Command]:
+    def _counted_out(self, sender: str, refusal: Rejected | None = None, now: float | None = None) -> list[Command]:
         """``sender``'s update for the round in progress is refused (``refusal``, or
-        refused already by the intake): it sends no other, so the round no longer waits
-        for it (it may still aggregate without it)."""
+        refused already before its header was read): it sends no other, so the round no
+        longer waits for it. Given ``now``, the round ends if it waited for nothing else
+        (it may aggregate without it); without, the caller looks at the round's end itself."""
         out: list[Command] = [] if refusal is None else [refusal]
         if sender not in self._outstanding:
             return out
-        self._refused(sender)
-        return out + self._maybe_finish(now)
+        self._outstanding.discard(sender)
+        return out if now is None else out + self._maybe_finish(now)
 
     def _on_update(self, ev: UpdateReceived, now: float) -> list[Command]:
         def reject(reason: str, detail: str) -> list[Command]:
@@ -558,212 +513,18 @@ class RoundMachine:
         norm = math.sqrt(sq)
         bound = self.influence.bound
         if bound is None:
-            self._replay[ev.sender] = _Replay(None, plan, 0, None, norm, True, samples, dict(ev.metrics), ev.leaving)
+            self._replay[ev.sender] = Replay(None, plan, 0, None, norm, True, samples, dict(ev.metrics), ev.leaving)
             self._outstanding.discard(ev.sender)
             return False
-        scaled = _scaled(plan, self.influence.scale(norm, bound))
+        weighed = scaled(plan, self.influence.scale(norm, bound))
         for name in self.weights:
-            self._acc.fold(scaled, name, 0, np.asarray(ev.weights[name]).reshape(-1), None, delta=False)
+            self._acc.fold(weighed, name, 0, np.asarray(ev.weights[name]).reshape(-1), None, delta=False)
         self._acc.commit(ev.sender, plan)
         self.influence.accepted(ev.sender, norm, bound)
         self.bench.forgive(ev.sender)
         return True
 
-    # -- streamed updates ----------------------------------------------------------------
-    def _on_head(self, ev: UpdateHead, now: float) -> list[Command]:
-        def reject(reason: str, detail: str, *, refused: bool = True) -> list[Command]:
-            self.ignored.add((ev.sender, ev.tid))
-            if refused:
-                self._refused(ev.sender)
-            return [Rejected(ev.sender, ev.round, reason, detail)]
-
-        def refuse(reason: str, detail: str) -> list[Command]:
-            self.ignored.add((ev.sender, ev.tid))
-            return self._counted_out(ev.sender, Rejected(ev.sender, ev.round, reason, detail), now)
-
-        if self.config.secure is not None:
-            return reject("secure", "plain update in a federation with secure aggregation (never aggregated)")
-        if self.phase is not Phase.TRAINING or ev.round != self.round:
-            late = self._late(ev.sender, ev.round)
-            if late is not None:
-                self.ignored.add((ev.sender, ev.tid))
-                return late
-            return reject(
-                "stale", f"update for round {ev.round}, current round {self.round} ({self.phase.value})", refused=False
-            )
-        if ev.sender not in self.selected:
-            return reject("unselected", f"{ev.sender} was not selected for round {self.round}", refused=False)
-        if ev.sender in self.received or ev.sender in self.inflight or ev.sender in self._replay:
-            return reject("duplicate", f"second update from {ev.sender} for round {self.round}", refused=False)
-        if self._replaying:
-            return reject("stale", f"round {self.round} is being aggregated", refused=False)
-        if ev.base_version != self.model_version:
-            return refuse("stale", f"trained from version {ev.base_version}, current {self.model_version}")
-        names = {t.name: t for t in ev.tensors}
-        if names.keys() != self.weights.keys():
-            missing = sorted(set(self.weights) - set(names))
-            extra = sorted(set(names) - set(self.weights))
-            return refuse("names", f"missing {missing[:3]}, unexpected {extra[:3]}")
-        for name, ref in self.weights.items():
-            t = names[name]
-            if t.shape != ref.shape:
-                return refuse("shape", f"{name}: {t.shape} != {ref.shape}")
-            if t.dtype != ref.dtype.name:
-                return refuse("dtype", f"{name}: {t.dtype} != {ref.dtype}")
-        assert self._acc is not None
-        samples = self.influence.samples(ev.sender, ev.num_samples)
-        try:
-            plan = self._acc.plan(samples, ev.metrics)
-        except UpdateRejected as exc:
-            return refuse(exc.reason, exc.detail)
-        if plan.dropped is not None:
-            # Counted as dropped, never folded: its parts are ignored.
-            self._acc.dropped[ev.sender] = plan.dropped
-            self.ignored.add((ev.sender, ev.tid))
-            self.received[ev.sender] = (samples, dict(ev.metrics))
-            self._outstanding.discard(ev.sender)
-            if ev.leaving:
-                self.departing.add(ev.sender)
-            return self._maybe_finish(now)
-        fl = _Inflight(ev.tid, ev, plan, self._ref_sq, samples, last_at=now)
-        # While the bound warms up nothing is folded before the round's end.
-        fl.held = self.influence.bounds_norms and self.influence.bound is None
-        self.inflight[ev.sender] = fl
-        if (
-            self.replays
-            and len(self.selected) > 1
-            and len(self.inflight) == 1
-            and not any(a in self.online and a != ev.sender for a in self._outstanding)
-        ):
-            # The only update still owed starts after all the others are in: its stall
-            # clock starts now, or a stream that stops after a few parts would hold the
-            # round to its deadline (nothing else is left to look at it).
-            return self._maybe_finish(now)
-        return []
-
-    def _on_part(self, ev: UpdatePart, now: float) -> list[Command]:
-        fl = self.inflight.get(ev.sender)
-        if fl is None or fl.tid != ev.tid:
-            return []  # refused at its header, or from an ended round
-        fl.last_at = now
-        vals = ev.values
-        if vals.dtype.kind == "f" and not np.isfinite(vals).all():
-            return self._on_end(
-                UpdateEnd(ev.sender, ev.tid, False, f"{ev.name} contains NaN or Inf"), now, reason="non-finite"
-            )
-        floating = self.weights[ev.name].dtype.kind == "f"
-        # The bound covers floating tensors only, as check_update's does.
-        if self.config.max_norm is not None and floating:
-            ref = self.weights[ev.name].reshape(-1)
-            where = slice(ev.start, ev.start + vals.size) if ev.indices is None else ev.indices
-            g = ref[where].astype(np.float64)
-            new = g + vals if ev.delta else vals.astype(np.float64)
-            fl.sq_norm += float(np.square(new).sum() - np.square(g).sum())
-        if self.influence.bounds_norms and floating:
-            fl.dsq += _part_sq_distance(self.weights[ev.name], ev)
-            bound = self.influence.bound
-            if not fl.held and (bound is None or fl.dsq > bound * bound):
-                # Past the bound: its distance is known only at its end, so the rest is not
-                # folded; the whole update is replayed scaled to the bound once it has ended.
-                fl.held = True
-        if fl.held:
-            return []
-        assert self._acc is not None
-        self._acc.fold(fl.plan, ev.name, ev.start, vals, ev.indices, delta=ev.delta)
-        fl.folded += vals.size
-        return []
-
-    def _on_end(self, ev: UpdateEnd, now: float, *, reason: str = "transfer") -> list[Command]:
-        fl = self.inflight.get(ev.sender)
-        if fl is None or fl.tid != ev.tid:
-            if (ev.sender, ev.tid) in self.ignored:
-                self.ignored.discard((ev.sender, ev.tid))
-                return []
-            if not ev.ok and self.phase is Phase.TRAINING and ev.sender not in self.inflight:
-                # Broken off before its header was read (the intake refused it: counted
-                # and logged there): the update it carried will not come.
-                return self._counted_out(ev.sender, None, now)
-            return []
-        del self.inflight[ev.sender]
-        head = fl.head
-        if ev.ok and self.config.max_norm is not None and fl.sq_norm > self.config.max_norm**2:
-            ev, reason = (
-                UpdateEnd(
-                    ev.sender,
-                    ev.tid,
-                    False,
-                    f"norm {max(fl.sq_norm, 0.0) ** 0.5:.3g} above bound {self.config.max_norm:.3g}",
-                ),
-                "norm",
-            )
-        if not ev.ok:
-            return self._failed(fl, ev.sender, reason, ev.reason, now)
-        norm = math.sqrt(max(fl.dsq, 0.0))
-        if fl.held:
-            bound = self.influence.bound
-            self._replay[ev.sender] = _Replay(
-                fl.tid,
-                fl.plan,
-                fl.folded,
-                None if bound is None else self.influence.scale(norm, bound),
-                norm,
-                True,
-                fl.samples,
-                dict(head.metrics),
-                head.leaving,
-            )
-            self._outstanding.discard(ev.sender)
-            return self._maybe_finish(now)
-        assert self._acc is not None
-        self._acc.commit(ev.sender, fl.plan)
-        if self.influence.bounds_norms:
-            self.influence.accepted(ev.sender, norm, self.influence.bound)
-        self.bench.forgive(ev.sender)
-        self.received[ev.sender] = (fl.samples, dict(head.metrics))
-        self._outstanding.discard(ev.sender)
-        if head.leaving:
-            self.departing.add(ev.sender)
-        return self._maybe_finish(now)
-
-    def _failed(self, fl: _Inflight, sender: str, reason: str, detail: str, now: float) -> list[Command]:
-        """A streamed update refused after its header: taken out if parts of it were folded
-        (a replay at the round's end), or the round spoilt when it cannot be."""
-        out: list[Command] = [Rejected(sender, fl.head.round, reason, detail)]
-        self._refused(sender)
-        if not fl.folded:
-            return out + self._maybe_finish(now)
-        rounds = self.bench.offend(sender, self.round)
-        if self.replays:
-            self._replay[sender] = _Replay(fl.tid, fl.plan, fl.folded, 0.0, count=False)
-            return out + self._maybe_finish(now)
-        # Parts of it are in the sums and cannot be taken out: the round is spoilt.
-        detail = (
-            f"update from {sender} failed after parts of it were aggregated ({detail}); "
-            f"round restarted without it (it sits out {rounds} round{'s' if rounds > 1 else ''})"
-        )
-        return out + self._abandon(detail, now, at_once=True)
-
-    def _drop_inflight(self, now: float, stalled: Callable[[_Inflight], bool] | None = None) -> list[Command]:
-        """Updates still arriving are dropped: all of them at the deadline, or those
-        ``stalled`` says have stopped (what was folded of them is taken out at the round's
-        end, and counts as an offence)."""
-        out: list[Command] = []
-        for sender, fl in list(self.inflight.items()):
-            if stalled is not None and not stalled(fl):
-                continue
-            del self.inflight[sender]
-            self.ignored.add((sender, fl.tid))
-            if stalled is None:
-                detail = "update still arriving at the round's deadline"
-            else:
-                detail = f"no part of its update for {now - fl.last_at:.1f}s while every other update was in"
-            out.append(Rejected(sender, fl.head.round, "deadline" if stalled is None else "stalled", detail))
-            self._refused(sender)
-            if fl.folded:
-                self.bench.offend(sender, self.round)
-                self._replay[sender] = _Replay(fl.tid, fl.plan, fl.folded, 0.0, count=False)
-        return out
-
+    # -- whether the round can end ----------------------------------------------------
     def _maybe_finish(self, now: float) -> list[Command]:
         if self.secagg is not None or self._replaying:
             return []  # a secure round ends by its own stages; a replay ends with Refolded
@@ -813,81 +574,6 @@ class RoundMachine:
             if self._acc.dropped:
                 reason += f", {len(self._acc.dropped)} dropped by {self.config.strategy.name}"
         return out + self._abandon(reason, now)
-
-    # -- replays -----------------------------------------------------------------------
-    def _refold(self) -> list[Command]:
-        """Every update of the round is in: the held ones get their scale from the round's
-        bound, and the caller is asked to replay them (and those to take out)."""
-        if self.influence.bounds_norms:
-            pending = [r.norm for r in self._replay.values() if r.count and r.scale is None]
-            # Decided now for the whole round (while warming up, from its own updates).
-            bound = self.influence.bound = self.influence.final_bound(pending)
-            for r in self._replay.values():
-                if r.scale is None:
-                    r.scale = self.influence.scale(r.norm, bound)
-        self._replaying = True
-        return [
-            Refold(
-                self.round,
-                tuple((a, r.tid) for a, r in sorted(self._replay.items())),
-                frozenset(a for a, r in self._replay.items() if r.count),
-            )
-        ]
-
-    def refold(self, sender: str, part: UpdatePart) -> None:
-        """One part of ``sender``'s update, replayed (in the order its parts came) for a
-        :class:`Refold`: what was folded of it at full weight is taken out, and the update
-        folded at its scale. Parts of other senders, or past its end, are ignored."""
-        r = self._replay.get(sender)
-        if r is None or not self._replaying or self._acc is None or (r.tid is not None and part.tid != r.tid):
-            return
-        assert isinstance(self._acc, StrategyAggregator) and r.scale is not None
-        vals = part.values
-        n = vals.size
-        lo, hi = r.done, r.done + n
-        r.done = hi
-        cut = min(max(r.prefix - lo, 0), n)  # values of this part in the folded prefix
-        for a, b, factor in ((0, cut, r.scale - 1.0), (cut, n, r.scale)):
-            if b <= a or factor == 0.0:
-                continue
-            if part.indices is None:
-                start, idx = part.start + a, None
-            else:
-                start, idx = 0, part.indices[a:b]
-            self._acc.fold(_scaled(r.plan, factor), part.name, start, vals[a:b], idx, delta=part.delta)
-
-    def _on_refolded(self, ev: Refolded, now: float) -> list[Command]:
-        if not self._replaying or ev.round != self.round or self.phase is not Phase.TRAINING:
-            return []
-        self._replaying = False
-        replays, self._replay = self._replay, {}
-        assert self._acc is not None
-        out: list[Command] = []
-        bound = self.influence.bound
-        for sender, r in sorted(replays.items()):
-            if r.done < r.prefix or (r.count and sender in ev.incomplete and r.done):
-                # Part of it is in the sums and could not be taken out: the round is spoilt.
-                return out + self._abandon(
-                    f"the update of {sender} could not be read back to take it out of the sums; round restarted",
-                    now,
-                    at_once=True,
-                )
-            if not r.count:
-                continue
-            if sender in ev.incomplete:
-                out.append(
-                    Rejected(sender, self.round, "journal", "its update could not be read back from the journal")
-                )
-                continue
-            assert isinstance(self._acc, StrategyAggregator)
-            self._acc.commit(sender, r.plan)
-            if self.influence.bounds_norms:
-                self.influence.accepted(sender, r.norm, bound)
-            self.bench.forgive(sender)
-            self.received[sender] = (r.samples, dict(r.metrics))
-            if r.leaving:
-                self.departing.add(sender)
-        return out + self._maybe_finish(now)
 
     # -- aggregating -------------------------------------------------------------------
     def _aggregate(self, now: float) -> list[Command]:
@@ -1043,27 +729,9 @@ class RoundMachine:
     def _end_round(self) -> None:
         self.secure.server = None
         self._acc = None
-        self.inflight = {}
-        self._replay = {}
-        self._replaying = False
+        self._close_intake()
         self.deadline = math.inf
         for agent in self.departing:
             if self.online.pop(agent, None) is not None:
                 self.departed.add(agent)
         self.departing.clear()
-
-
-def _scaled(plan: Plan, factor: float) -> Plan:
-    """``plan`` with its weights (both sums of blur) multiplied by ``factor``."""
-    return replace(plan, weight=plan.weight * factor, level=plan.level * factor)
-
-
-def _part_sq_distance(ref: np.ndarray, part: UpdatePart) -> float:
-    """Squared L2 distance a part's values add to their update's distance from ``ref``
-    (the global model's tensor): the values themselves when they are deltas."""
-    vals = part.values
-    if part.delta:
-        return float(np.square(vals, dtype=np.float64).sum())
-    flat = ref.reshape(-1)
-    g = flat[part.start : part.start + vals.size] if part.indices is None else flat[part.indices]
-    return float(np.square(vals.astype(np.float64) - g).sum())

@@ -38,13 +38,13 @@ class UpperInfluence(Influence):
         super().__init__(config, history)
         self.is_aggregator = is_aggregator
 
-    def announce(self, agent: str, samples: int) -> None:
+    def announce(self, agent: str, samples: int, *, joins: bool = False) -> None:
         # A site's total grows while its agents join, and its round may start from an
         # announcement sent just before the upstream round: the latest one counts.
         if agent in self._announced and samples > 0 and self.is_aggregator(agent):
             self._announced[agent] = int(samples)
         else:
-            super().announce(agent, samples)
+            super().announce(agent, samples, joins=joins)
 
     def samples(self, agent: str, claimed: int) -> int:
         if not self.weight_cap:
