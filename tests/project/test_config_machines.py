@@ -1,8 +1,8 @@
 """Valid config files build the same machine configurations as before the settings were
 declared once: the expected values in config_machines.json were recorded from the code as
 it was (hand-written dataclasses and mappings, commit "tests: machine configs built from
-twelve representative config files"), settings added since (the history bounds, `[async]`) at their
-defaults, and are compared field by field, through the functions the daemons call."""
+twelve representative config files"), settings added since (the history bounds, `[async]`, `[tier]`) at their
+defaults ([tier] too), and are compared field by field, through the functions the daemons call."""
 
 from __future__ import annotations
 

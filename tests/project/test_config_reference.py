@@ -99,6 +99,7 @@ def test_the_node_config_holds_the_flat_settings_and_the_tables() -> None:
         "search",
         "privacy",
         "fedbuff",
+        "tier",
     }
     assert {d.table for d in declare.declared(settings.NodeConfig)} == {
         "",

@@ -31,7 +31,7 @@ def ca_init(federation: str, directory: Path) -> None:
 
 @ca.command("issue")
 @click.argument("name")
-@click.option("--role", type=click.Choice(["agent", "coordinator", "broker"]), required=True)
+@click.option("--role", type=click.Choice(["agent", "coordinator", "broker", "aggregator"]), required=True)
 @click.option(
     "--dir",
     "directory",

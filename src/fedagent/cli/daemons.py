@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from fedagent.cli.app import DEFAULT_AGENT_CONFIG, fail, main, run_daemon
-from fedagent.errors import FedagentError
+from fedagent.errors import ConfigError, FedagentError
 
 
 @main.command()
@@ -47,6 +47,30 @@ def coordinator(config_path: Path) -> None:
 
     try:
         cfg = config.load(config_path, "coordinator")
+    except FedagentError as exc:
+        fail(exc)
+    run_daemon(lambda: build_coordinator(cfg))
+
+
+@main.command()
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    default=Path("/etc/fedagent/aggregator.toml"),
+    show_default=True,
+    help="site aggregator config file (TOML): a coordinator's, with [tier] upstream",
+)
+def aggregator(config_path: Path) -> None:
+    """Run a site aggregator: the coordinator of its site's agents, one participant of
+    the upstream tier's rounds (docs/multisite.md)."""
+    from fedagent import config
+    from fedagent.coordinator.daemon import build_coordinator
+
+    try:
+        cfg = config.load(config_path, "coordinator")
+        if not cfg.tier.upstream:
+            raise ConfigError(f"{cfg.path}: a site aggregator needs [tier] upstream (the upstream tier's broker)")
     except FedagentError as exc:
         fail(exc)
     run_daemon(lambda: build_coordinator(cfg))

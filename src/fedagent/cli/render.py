@@ -287,8 +287,52 @@ def render_status(s: dict[str, Any], console: Console | None = None) -> None:
     console.print(t)
     if s.get("mode") == "async" and s.get("agents"):
         render_async_agents(s, console)
+    if isinstance(s.get("tier"), dict):
+        render_tier(s["tier"], console)
     if s.get("peers"):
         render_peers(s, console)
+
+
+def render_tier(tier: dict[str, Any], console: Console) -> None:
+    """A hub's sites (their agents and state), or a site aggregator's agents and upstream."""
+    if tier.get("role") == "hub":
+        t = Table(title="sites (site aggregators)", title_justify="left")
+        for col in ("site", "agents", "samples", "state"):
+            t.add_column(col)
+        for name, site in (tier.get("sites") or {}).items():
+            t.add_row(name, str(site.get("agents", 0)), str(site.get("samples", 0)), str(site.get("state", "-")))
+        console.print(t)
+        return
+    up = tier.get("upstream") or {}
+    last = tier.get("last_partial_result") or {}
+    sent = "-"
+    if last:
+        sent = (
+            f"round {last['round']}: {last.get('agents', 0)} agents, {last.get('num_samples', 0)} samples"
+            if last.get("sent")
+            else f"round {last['round']}: not sent ({last.get('reason', '?')})"
+        )
+    u = Table(title="upstream tier", show_header=False, title_justify="left")
+    u.add_column(style="bold")
+    u.add_column()
+    for k, v in (
+        ("as", up.get("id")),
+        ("broker", up.get("broker")),
+        ("connection", up.get("connection")),
+        ("coordinator", up.get("coordinator") or "-"),
+        ("upstream round", tier.get("upstream_round") or "-"),
+        ("site round", tier.get("site_round")),
+        ("announced", f"{up.get('announced_agents', 0)} agents, {up.get('announced_samples', 0)} samples"),
+        ("last partial result", sent),
+    ):
+        u.add_row(k, _fmt(v))
+    console.print(u)
+    a = Table(title="agents of this site", title_justify="left")
+    a.add_column("agent")
+    a.add_column("samples announced")
+    for name, samples in (tier.get("agents") or {}).items():
+        a.add_row(name, str(samples))
+    console.print(a)
 
 
 def _clock(ts: float | None) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import tomli_w
 
 from fedagent.config.declare import base_type, checked, declared, read_table, toml_repr, unknown_keys
 from fedagent.config.fedbuff import buffer_config
-from fedagent.config.machines import round_config
+from fedagent.config.machines import round_config, tier_checks
 from fedagent.config.paths import TaskOptions, resolve_path
 from fedagent.config.settings import (
     TABLES,
@@ -28,6 +29,7 @@ from fedagent.config.settings import (
     RoundsConfig,
     SearchSettings,
     SyncOptSettings,
+    TierSettings,
     TlsConfig,
     check_interfaces,
 )
@@ -120,14 +122,27 @@ def _node(raw: dict[str, Any], path: Path, role: str) -> NodeConfig:
         search=read_table(SearchSettings, tables["search"]),
         privacy=privacy,
         fedbuff=read_table(AsyncSettings, tables["async"]),
+        tier=_tier(tables["tier"], base, mode),
         **values,
     )
     # What the machines would refuse is refused now, by agents too.
     if mode == "async":
         buffer_config(cfg, calibrate=False)
     else:
-        round_config(cfg, calibrate=False)
+        rc = round_config(cfg, calibrate=False)
+        if role == "coordinator":
+            tier_checks(cfg, rc)
     return cfg
+
+
+def _tier(raw: dict[str, Any], base: Path, mode: str) -> TierSettings:
+    tier = read_table(TierSettings, raw)
+    if (tier.upstream or tier.sites) and mode != "fedavg":
+        raise ConfigError(f"[tier]: tiers of aggregation run FedAvg rounds (mode = 'fedavg', not {mode!r})")
+    if tier.upstream:
+        cert, key = (str(resolve_path(p, base)) for p in (tier.upstream_cert, tier.upstream_key))
+        tier = replace(tier, upstream_cert=cert, upstream_key=key)
+    return tier
 
 
 def render(
@@ -149,6 +164,7 @@ def render(
     privacy: dict[str, Any] | None = None,
     transfer: dict[str, Any] | None = None,
     fedbuff: dict[str, Any] | None = None,
+    tier: dict[str, Any] | None = None,
 ) -> str:
     """A config file as TOML text (used by the in-machine federation, the demo and the tests)."""
     doc: dict[str, Any] = {"id": node_id, "federation": federation, "mode": mode, "state_dir": str(state_dir)}
@@ -172,6 +188,8 @@ def render(
         doc["async"] = fedbuff
     if transfer:
         doc["transfer"] = transfer
+    if tier:
+        doc["tier"] = tier
     return tomli_w.dumps(doc)
 
 

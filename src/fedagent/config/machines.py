@@ -19,6 +19,7 @@ from fedagent.protocols.compression import default_mode
 from fedagent.protocols.downlink import default_mode as default_downlink
 from fedagent.protocols.messages import TrainConfig
 from fedagent.protocols.secagg import SecAggParams
+from fedagent.protocols.tiers import check_site, check_upper
 
 #: Stands in for the noise multiplier that ``target_epsilon`` calibrates, when a config is
 #: checked without running the calibration (it needs the privacy extra and takes a while):
@@ -69,6 +70,10 @@ def round_config(cfg: NodeConfig, *, calibrate: bool = True) -> R.RoundConfig:
         train = build(r, "train", TrainConfig, compression=compression, topk_ratio=cfg.topk_ratio, stream=stream)
         # 0 switches the norm bound off (a multiplier below 1 would clip honest updates).
         norm = build(r, "norm", R.NormBound) if r.norm_multiplier else None
+        if cfg.tier.sites:
+            # Members that are site aggregators send means, whose distance grows with no
+            # single member: the bound applies at the sites, which see the updates.
+            norm = None
         return build(
             r,
             "round",
@@ -85,3 +90,16 @@ def round_config(cfg: NodeConfig, *, calibrate: bool = True) -> R.RoundConfig:
         raise ConfigError(f"{cfg.path}: [rounds]/[transfer]: {exc}") from None
     except ConfigError as exc:  # a machine's configuration refused it, named by its table
         raise ConfigError(f"{cfg.path}: {exc}") from None
+
+
+def tier_checks(cfg: NodeConfig, rc: R.RoundConfig) -> None:
+    """Refuse what a tier of aggregation cannot take ([tier]): a site aggregator averages
+    plainly (the top tier moves the model), a tier of site aggregators averages their
+    means by samples (the member protections apply where the individual updates are)."""
+    try:
+        if cfg.tier.upstream:
+            check_site(rc)
+        if cfg.tier.sites:
+            check_upper(rc)
+    except ValueError as exc:
+        raise ConfigError(f"{cfg.path}: [tier]/[rounds]: {exc}") from None

@@ -60,6 +60,7 @@ TITLES = {
     "search": "[search]",
     "privacy": "[privacy]",
     "async": "[async]",
+    "tier": "[tier]",
     "transfer": "[transfer]",
     "security": "[security]",
 }

@@ -542,6 +542,58 @@ class SearchSettings(Table):
     )
 
 
+def _broker_uri(uri: str) -> str:
+    if uri and not uri.startswith("mqtts://"):
+        raise ValueError(f"must look like mqtts://HOST:PORT, not {uri!r}")
+    return uri
+
+
+@dataclass(frozen=True, slots=True)
+class TierSettings(Table):
+    """``[tier]``: tiers of aggregation ([multisite.md](multisite.md)). A coordinator with
+    ``upstream`` set is a *site aggregator*: the coordinator of the agents on its own
+    broker and, at the upstream tier's broker, one participant whose update is its site's
+    weighted mean. ``sites = true`` on a coordinator whose members are site aggregators
+    (the hub, a region)."""
+
+    TABLE: ClassVar[str] = "tier"
+
+    upstream: str = setting(
+        "",
+        "site aggregator: `mqtts://HOST:PORT` of the upstream tier's broker (the hub's or a region's); empty: this "
+        "coordinator is the top tier",
+        check=_broker_uri,
+    )
+    upstream_id: str = setting(
+        "", "site aggregator: its name at the upstream tier (the CN of `upstream_cert`, issued with role `aggregator`)"
+    )
+    upstream_cert: str = setting(
+        "", "site aggregator: its certificate at the upstream tier (`fedagent ca issue NAME --role aggregator`)"
+    )
+    upstream_key: str = setting("", "site aggregator: the key of `upstream_cert`")
+    upload_share: float = setting(
+        0.25,
+        "site aggregator: the part of the upstream round's deadline kept for its partial result to travel up; its own "
+        "round ends at most (1 − this) × the upstream deadline after it starts",
+        gt=0,
+        lt=1,
+    )
+    sites: bool = setting(
+        False,
+        "hub or region: its members are site aggregators; each is weighed by the samples it announced (the weight "
+        "cap holds it to its own announcement, not to a median of its peers'); the norm bound is off here, and the "
+        "robust aggregators and `clip_norm` are refused (they apply at the sites, which see the individual updates)",
+    )
+
+    def check(self) -> None:
+        if self.upstream:
+            if not self.upstream_id:
+                raise ConfigError("[tier] upstream_id is required with upstream")
+            check_name(self.upstream_id, "[tier] upstream_id")
+            if not (self.upstream_cert and self.upstream_key):
+                raise ConfigError("[tier] upstream_cert and upstream_key are required with upstream")
+
+
 @dataclass(frozen=True, slots=True)
 class PrivacySettings(Table):
     """``[privacy]``: differential privacy of the updates (see docs/privacy.md and
@@ -644,12 +696,6 @@ def check_interfaces(value: Any, where: str = "[discovery] interfaces") -> tuple
     return tuple(dict.fromkeys(out))
 
 
-def _broker_uri(uri: str) -> str:
-    if uri and not uri.startswith("mqtts://"):
-        raise ValueError(f"must look like mqtts://HOST:PORT, not {uri!r}")
-    return uri
-
-
 def default_socket_path(role: str) -> Path:
     """Where a daemon of ``role`` listens for ``fedagent status`` when no ``runtime_dir`` is set."""
     rt = os.environ.get("RUNTIME_DIRECTORY")
@@ -675,6 +721,7 @@ TABLES: tuple[str, ...] = (
     "search",
     "privacy",
     "async",
+    "tier",
     "transfer",
     "security",
 )
@@ -756,6 +803,7 @@ class NodeConfig:
     search: SearchSettings = field(default_factory=SearchSettings)
     privacy: PrivacySettings | None = None
     fedbuff: AsyncSettings = field(default_factory=AsyncSettings)
+    tier: TierSettings = field(default_factory=TierSettings)
     max_chunk_bytes: int = setting(
         4 * 2**20,
         "messages above this are chunked (below the broker's packet limit); a model is cut into 8 chunks of at "
@@ -847,4 +895,5 @@ TABLE_CLASSES: dict[str, type] = {
     "search": SearchSettings,
     "privacy": PrivacySettings,
     "async": AsyncSettings,
+    "tier": TierSettings,
 }

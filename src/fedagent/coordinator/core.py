@@ -319,10 +319,12 @@ class CoordinatorCore:
                     if msg.role == "agent" and inc.sender != self.cfg.id:
                         self.peers[inc.sender] = {
                             "online": msg.online,
-                            "role": msg.role,
+                            # a site aggregator says "agent" and holds an aggregator's certificate
+                            "role": "aggregator" if inc.role == "aggregator" else msg.role,
                             "samples": msg.num_samples,
                             "model_version": msg.model_version,
                             "downlinks": list(msg.downlinks),
+                            **({"agents": msg.agents} if inc.role == "aggregator" else {}),
                             "last_seen": time.time(),
                         }
                         if not msg.online:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fedagent.config import NodeConfig
-from fedagent.coordinator import fedavg, fedbuff, syncopt
+from fedagent.coordinator import fedavg, fedbuff, site, syncopt
 from fedagent.coordinator.core import CoordinatorCore, Mode
 from fedagent.errors import ConfigError
 
@@ -24,6 +24,9 @@ MODES: dict[str, tuple[Callable[[CoordinatorCore], Mode], Callable[[NodeConfig],
 
 def build_coordinator(cfg: NodeConfig) -> CoordinatorCore:
     """The coordinator daemon for ``cfg``; run it with ``await daemon.run()``."""
+    if cfg.tier.upstream:
+        # A site aggregator: the coordinator of its site's agents, one participant upstream.
+        return CoordinatorCore(cfg, site.SiteMode, receive_maximum=fedavg.receive_maximum(cfg))
     try:
         make_mode, receive_maximum = MODES[cfg.mode]
     except KeyError:

@@ -27,7 +27,7 @@ from fedagent.coordinator.velocity import FileVelocity
 from fedagent.coordinator.vocabstage import VocabStage, has_vocabulary, vocab_config
 from fedagent.errors import FedagentError, TransportError
 from fedagent.node import sdnotify
-from fedagent.node.messaging import Incoming
+from fedagent.node.messaging import PARTICIPANT_ROLES, Incoming
 from fedagent.node.metrics import NodeMetrics
 from fedagent.node.runtime import Timer, release_large_frees
 from fedagent.protocols import rounds as R
@@ -47,6 +47,7 @@ from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
 from fedagent.protocols.secagg import SecAggMasked, SecAggStart
 from fedagent.protocols.serveropt import VELOCITY, check_velocity
 from fedagent.protocols.streaming import StreamEvent, UpdateEnd, UpdateHead, UpdatePart
+from fedagent.protocols.tiers import UpperRoundMachine
 from fedagent.storage import checkpoint
 from fedagent.storage.roundjournal import InFlight
 from fedagent.storage.statefile import atomic_write, read_bytes
@@ -157,6 +158,7 @@ class FedAvgMode:
         core.messenger.budget = SenderBudget(RATES, other=Rate(2.0, 10))
         core.messenger.admit = self._admit
         self.round_started_at: float | None = None
+        self._selected: tuple[int, tuple[str, ...]] = (0, ())  # the round in flight's selection
         # Wall-clock marks of the round in flight (broadcast sent, each update in, the
         # aggregate, its checkpoint), written with the round's history line.
         self._marks: dict[str, Any] = {}
@@ -261,9 +263,12 @@ class FedAvgMode:
                     rc.momentum,
                     store.dir,
                 )
-        self.machine = R.RoundMachine(
+        # A hub or region: its members are site aggregators, each weighed as its site.
+        tiered: dict[str, Any] = {"is_aggregator": self._is_aggregator} if cfg.tier.sites else {}
+        self.machine = (UpperRoundMachine if cfg.tier.sites else R.RoundMachine)(
             rc,
             weights,
+            **tiered,
             model_version=int(meta.get("model_version", 0)),
             completed_rounds=int(meta.get("completed_rounds", 0)),
             last_round=max(int(meta.get("round", 0)), last_started),
@@ -340,6 +345,20 @@ class FedAvgMode:
             }
         }
 
+    def _missing_sites(self, cmd: R.RoundAggregated) -> dict[str, Any]:
+        """A hub's round aggregated without some of the sites it selected (a site
+        aggregator cut off, killed, or without a quorum of its own): which ones."""
+        if not self.cfg.tier.sites or self._selected[0] != cmd.round:
+            return {}
+        missing = sorted(set(self._selected[1]) - set(cmd.participants) - set(cmd.dropped))
+        if missing:
+            log.warning("round %d aggregated without the sites %s", cmd.round, ", ".join(missing))
+        return {"missing": missing} if missing else {}
+
+    def _is_aggregator(self, member: str) -> bool:
+        """Whether ``member`` is a site aggregator (its certificate's role, from its presence)."""
+        return self.core.peers.get(member, {}).get("role") == "aggregator"
+
     def _admit(self, sender: str, kind: str, round_: int) -> bool:
         """Whether to look at a frame of (part of) an update from ``sender`` at all: only
         from an agent selected for the round in flight, for that round (before the
@@ -387,6 +406,11 @@ class FedAvgMode:
     async def on_presence(self, agent: str, online: bool, samples: int, now: float) -> None:
         # Before the vocabulary is agreed there is no machine: the core's peer table keeps
         # the presence and it is replayed to the machine once it exists.
+        if online and self._is_aggregator(agent) and not self.cfg.tier.sites:
+            # Weighed as one agent (against the median of the agents' counts) a site would
+            # count for a few agents only: a coordinator takes sites when it says so.
+            log.warning("%s is a site aggregator, and this coordinator has no [tier] sites = true: not taken", agent)
+            online = False
         if self.machine is not None:
             await self._handle(self._online(agent, samples) if online else R.AgentOffline(agent))
 
@@ -410,7 +434,7 @@ class FedAvgMode:
                 return
             await self._vocab_agreed(await self.vocab.offer(inc.sender, msg.terms, msg.counts, now))
         elif isinstance(msg, SECAGG_MESSAGES) and not isinstance(msg, SecAggStart):
-            if inc.role != "agent":
+            if inc.role not in PARTICIPANT_ROLES or (inc.role == "aggregator" and not self.cfg.tier.sites):
                 self.core.messenger.reject("role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-agent'}")
                 return
             self._record_received(inc)
@@ -418,7 +442,7 @@ class FedAvgMode:
                 await self._handle(R.SecAggReceived(inc.sender, msg))
         elif isinstance(msg, Update):
             self._record_received(inc)
-            if inc.role != "agent":
+            if inc.role not in PARTICIPANT_ROLES or (inc.role == "aggregator" and not self.cfg.tier.sites):
                 # As for streams (messaging): only an agent's certificate may submit an update.
                 self.core.messenger.reject("role", inc.sender, f"update signed by a {inc.role or 'non-agent'}")
                 return
@@ -519,12 +543,33 @@ class FedAvgMode:
             "journal": self.journal.status(),
             # the weight cap and the norm bound, and who sits out rounds for spoiling updates
             "bounds": m.get("bounds"),
+            "tier": self._sites(m) if self.cfg.tier.sites else None,
             "secure_aggregation": (
                 self.machine.secagg.status()
                 if self.machine is not None and self.machine.secagg is not None
                 else (self.machine is not None and self.machine.config.secure is not None) or None
             ),
         }
+
+    def _sites(self, m: dict[str, Any]) -> dict[str, Any]:
+        """A hub's or region's view of its members that are site aggregators: the agents
+        and samples each announced, and where it stands in the round in flight."""
+        selected, received = set(m["selected"]), set(m["received"])
+        training = m["phase"] == R.Phase.TRAINING.value
+        sites: dict[str, Any] = {}
+        for name, p in sorted(self.core.peers.items()):
+            if p.get("role") != "aggregator":
+                continue
+            if not p.get("online"):
+                state = "offline"
+            elif training and name in received:
+                state = "sent"
+            elif training and name in selected:
+                state = "training"
+            else:
+                state = "idle"
+            sites[name] = {"agents": int(p.get("agents", 0)), "samples": int(p.get("samples", 0)), "state": state}
+        return {"role": "hub", "sites": sites}
 
     def update_transfer(self) -> dict[str, Any]:
         """How the agents send their updates this federation: the compression the rounds
@@ -688,6 +733,7 @@ class FedAvgMode:
         assert self.machine is not None
         if isinstance(cmd, R.StartRound):
             self.round_started_at = time.monotonic()
+            self._selected = (cmd.round, cmd.selected)
             self._marks = {"start": round(time.time(), 4)}
             self.durability.count_round()
             if not cmd.resumed:
@@ -783,6 +829,7 @@ class FedAvgMode:
                     "aggregation": self.machine.config.strategy.name,
                     "agg_weights": cmd.weights_used,
                     "dropped": cmd.dropped,
+                    **self._missing_sites(cmd),
                     # participant -> its weight capped ({samples, weight}) or its distance
                     # scaled down ({norm, bound})
                     "bounded": cmd.bounded,

@@ -87,7 +87,12 @@ class Incoming:
     envelope: Envelope
     message: Message
     nbytes: int
-    role: str = ""  # the signer's certificate role (OU): "agent" or "coordinator"
+    role: str = ""  # the signer's certificate role (OU): "agent", "coordinator" or "aggregator"
+
+
+#: Certificate roles whose updates a coordinator takes (and journals): agents, and site
+#: aggregators at their upstream tier.
+PARTICIPANT_ROLES = frozenset({"agent", "aggregator"})
 
 
 class Messenger:
@@ -648,7 +653,7 @@ class Messenger:
         if not journaled:  # a frame read back from the journal says nothing about its sender now
             self.last_heard[env.sender] = time.time()
         gate = None
-        if self.journal is not None and not journaled and role == "agent":
+        if self.journal is not None and not journaled and role in PARTICIPANT_ROLES:
             gate = await self.journal(topic, payload, env)
         try:
             await self._hand_on(topic, payload, env, role, deliver)

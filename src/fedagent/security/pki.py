@@ -44,7 +44,9 @@ from fedagent.errors import ClockBehind, ConfigError
 from fedagent.protocols.topics import check_name
 from fedagent.storage.statefile import atomic_write
 
-ROLES = ("agent", "coordinator", "broker")
+# An aggregator is a site aggregator at its upstream tier (docs/multisite.md): it takes
+# part in rounds as an agent does, and the upstream coordinator weighs it as a site.
+ROLES = ("agent", "coordinator", "broker", "aggregator")
 DEFAULT_BROKER_SANS = ("localhost", "127.0.0.1")
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"

@@ -100,7 +100,7 @@ STREAM_KIND = "ustream"  # fedagent.protocols.streaming.STREAM_KIND (a chunk of 
 DATA_BOUND_KINDS = frozenset({CHUNK_KIND, STREAM_KIND})
 # Kinds that are retained or sent as a Last Will: signed, but not subject to freshness.
 UNFRESH_KINDS = frozenset({"presence"})
-SENDER_ROLES = frozenset({"agent", "coordinator"})
+SENDER_ROLES = frozenset({"agent", "coordinator", "aggregator"})
 
 
 class AuthError(FedagentError):

@@ -17,16 +17,27 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fedagent.errors import FedagentError
-from fedagent.local.federation import Federation
 from fedagent.stopsignals import StopSignal, stop_signals
 
 T = TypeVar("T")
+
+
+class LocalFederation(Protocol):
+    """What the runner needs of a federation on this machine (one broker, or tiers)."""
+
+    work: Path
+    procs: list[Any]
+
+    def prepare(self) -> None: ...
+    def start_all(self) -> None: ...
+    def check_alive(self) -> None: ...
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -48,20 +59,20 @@ class Plan(Generic[T]):
     and returns the exit status."""
 
     title: str
-    started: Callable[[Federation], str]
+    started: Callable[[Any], str]
     total: int
     limit: float
-    watch: Callable[[Federation], Watch | None]
-    collect: Callable[[Federation], T]
+    watch: Callable[[Any], Watch | None]
+    collect: Callable[[Any], T]
     evaluate: Callable[[T], int]
-    configure: Callable[[Federation], None] | None = None
+    configure: Callable[[Any], None] | None = None
 
 
 def work_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix))
 
 
-def run(fed: Federation, plan: Plan[T], *, keep: bool = False, console: Console | None = None) -> int:
+def run(fed: LocalFederation, plan: Plan[T], *, keep: bool = False, console: Console | None = None) -> int:
     """Start ``fed``, watch it until ``plan`` says it is over, evaluate, tidy up.
 
     Whatever ends the run (the end, an error, Ctrl-C, SIGTERM, SIGHUP) every process the
@@ -106,7 +117,7 @@ def run(fed: Federation, plan: Plan[T], *, keep: bool = False, console: Console 
                 )
 
 
-def _follow(fed: Federation, plan: Plan[Any], started: float, console: Console) -> None:
+def _follow(fed: LocalFederation, plan: Plan[Any], started: float, console: Console) -> None:
     """Progress bar until ``plan.watch`` reports the end; a daemon that dies or a run
     past ``plan.limit`` seconds is an error."""
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]

@@ -30,6 +30,7 @@ class Presence(F.WireMessage):
         F.Field("broker", F.Text(max_len=256), default=""),
         F.Field("downlinks", F.Strings(MAX_DOWNLINKS, max_len=16), default=(), omit_default=True),
         F.Field("model", F.Text(max_len=DIGEST_CHARS), default="", omit_default=True),
+        F.Field("agents", F.Count(), default=0, omit_default=True),
     )
     online: bool
     role: str
@@ -44,6 +45,9 @@ class Presence(F.WireMessage):
     # The digest of the node's model fingerprint (protocols/fingerprint.py); "" from
     # earlier releases, and from a node whose model waits for a vocabulary.
     model: str = ""
+    # A site aggregator's presence at its upstream tier: the agents online at its site
+    # (what operators see of the tree; ``num_samples`` is their announced total).
+    agents: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -52,6 +56,7 @@ class Presence(F.WireMessage):
             raise CodecError(f"presence: unknown mode {self.mode!r}")
         F.count(self.num_samples, "presence", "num_samples")
         F.count(self.model_version, "presence", "model_version")
+        F.count(self.agents, "presence", "agents")
         if not isinstance(self.downlinks, tuple):
             raise CodecError("presence: downlinks must be a tuple of names")
         F.strings(list(self.downlinks), "presence", "downlinks", MAX_DOWNLINKS, max_len=16)

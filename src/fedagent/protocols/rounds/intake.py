@@ -22,7 +22,7 @@ import numpy as np
 
 from fedagent.protocols.aggregation import Plan, StrategyAggregator, UpdateRejected
 from fedagent.protocols.dp import DPAggregator
-from fedagent.protocols.rounds.bounds import Bench, Influence, Replay, part_sq_distance
+from fedagent.protocols.rounds.bounds import Bench, Influence, Replay, part_sq_distance, part_sq_norm_change
 from fedagent.protocols.rounds.config import RoundConfig
 from fedagent.protocols.rounds.events import Command, Phase, Refold, Refolded, Rejected, Weights
 from fedagent.protocols.streaming import UpdateEnd, UpdateHead, UpdatePart
@@ -192,11 +192,7 @@ class StreamedUpdates:
         floating = self.weights[ev.name].dtype.kind == "f"
         # The bound covers floating tensors only, as check_update's does.
         if self.config.max_norm is not None and floating:
-            ref = self.weights[ev.name].reshape(-1)
-            where = slice(ev.start, ev.start + vals.size) if ev.indices is None else ev.indices
-            g = ref[where].astype(np.float64)
-            new = g + vals if ev.delta else vals.astype(np.float64)
-            fl.sq_norm += float(np.square(new).sum() - np.square(g).sum())
+            fl.sq_norm += part_sq_norm_change(self.weights[ev.name], ev)
         if self.influence.bounds_norms and floating:
             fl.dsq += part_sq_distance(self.weights[ev.name], ev)
             bound = self.influence.bound

@@ -1,0 +1,523 @@
+"""A site aggregator: the coordinator mode over the pure
+:class:`~fedagent.protocols.tiers.SiteMachine`, with a link to its upstream tier.
+
+Towards its own broker it is a FedAvg coordinator (presence, round starts, the intake of
+whole and streamed updates, every update frame journaled and acknowledged once durable,
+replays from the journal); towards the upstream broker it is one participant
+(:mod:`.upstream`). When the upstream tier starts a round that selects it, it starts a
+round of its own from that model for its agents; when that round closes, its aggregate
+goes up as the site's partial result and nowhere else: the site publishes no model. The
+upstream tier's final model is passed on to the site's agents.
+
+What the site keeps across a restart: its round numbers (its agents ignore a round start
+they have seen), the norm bound's recent distances with them. A site round in flight at a
+restart is not resumed: the upstream round waits for the other sites or its deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Coroutine, Iterator
+from typing import Any
+
+from fedagent.config import round_config
+from fedagent.coordinator.core import CoordinatorCore
+from fedagent.coordinator.durability import DurableJournal
+from fedagent.coordinator.fedavg import RATES, TRANSFER_MODELS, stream_budget
+from fedagent.coordinator.refold import held_whole, replay_parts
+from fedagent.coordinator.upstream import FromUpstream, UpstreamLink
+from fedagent.coordinator.vocabstage import has_vocabulary
+from fedagent.errors import ConfigError, FedagentError
+from fedagent.node import sdnotify
+from fedagent.node.messaging import Incoming
+from fedagent.node.metrics import NodeMetrics
+from fedagent.node.runtime import Timer, release_large_frees
+from fedagent.protocols import rounds as R
+from fedagent.protocols import tiers as T
+from fedagent.protocols import topics
+from fedagent.protocols.messages import GlobalModel, RoundResult, RoundStart, Update
+from fedagent.protocols.ratelimit import Rate, SenderBudget
+from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
+from fedagent.protocols.secagg import (
+    Delta,
+    SecAggMessage,
+    SecAggRoster,
+    SecAggShareBox,
+    SecAggStart,
+    SecAggSurvivors,
+    SecAggUnmask,
+)
+from fedagent.protocols.streaming import StreamEvent, UpdatePart
+from fedagent.storage.statefile import atomic_write, read_bytes
+from fedagent.tasks.base import get_weights
+
+log = logging.getLogger("fedagent.site")
+
+
+class SiteMode:
+    title = "site aggregator"
+
+    def __init__(self, core: CoordinatorCore) -> None:
+        release_large_frees()
+        self.core = core
+        cfg = core.cfg
+        self.cfg = cfg
+        if not cfg.tier.upstream:
+            raise FedagentError(f"{cfg.path}: a site aggregator needs [tier] upstream (its upstream tier's broker)")
+        if has_vocabulary(core.task):
+            raise ConfigError(
+                f"{cfg.path}: task {cfg.task!r} agrees on a vocabulary first, which is not run across tiers: "
+                "run it with one coordinator"
+            )
+        self.state_path = core.dir / "site.json"
+        self.durability = DurableJournal(
+            core.dir / "round-journal",
+            max_frame=core.messenger.wire_limits.max_message_bytes,
+            per_sender=2 * cfg.max_model_bytes + 2**20,
+            replay=core.messenger.replay_journal,
+        )
+        self.journal = self.durability.journal
+        core.messenger.journal = self.durability.frame
+        core.messenger.before_replay_commit = self.durability.flush
+        self.timer = Timer(core.queue, R.Wakeup())
+        core.transport.hold_limit = 1
+        model = core.task.build_model()
+        weights = get_weights(model)
+        del model
+        model_bytes = sum(int(w.nbytes) for w in weights.values())
+        self._stream_budget = stream_budget(model_bytes)
+        self._stream_bytes = 0
+        self._stream_room = asyncio.Event()
+        self._stream_room.set()
+        core.messenger.bound_transfers(TRANSFER_MODELS * model_bytes + 2**20)
+        self.durability.per_sender = min(self.durability.per_sender, 2 * model_bytes + 2**20)
+        core.messenger.on_stream = self._on_stream
+        core.messenger.budget = SenderBudget(RATES, other=Rate(2.0, 10))
+        core.messenger.admit = self._admit
+        rc = round_config(cfg)
+        fp = core.admission.fingerprint
+        roles = fp.roles(local_norm=rc.train.local_norm) if fp is not None else None
+        saved = self._load_state()
+        # The journal of a site round cut short by a restart is past: that round is not
+        # taken up again, but its number is not used twice.
+        inflight = self.journal.recover()
+        last = max(int(saved.get("site_round", 0)), inflight.round if inflight is not None else 0)
+        if inflight is not None:
+            self.journal.end()
+        self.machine = T.SiteMachine(
+            T.TierConfig(rc, cfg.tier.upload_share),
+            is_aggregator=self._is_aggregator if cfg.tier.sites else None,
+            replays=True,
+            roles=roles,
+            last_round=last,
+            verify_statement=core.messenger.verifier.check_statement,
+        )
+        norms = saved.get("norms")
+        if isinstance(norms, list):
+            self.machine.norm_history = [
+                [float(x) for x in r] for r in norms if isinstance(r, list) and all(isinstance(x, float) for x in r)
+            ]
+        self.link = UpstreamLink(cfg, core.queue, core.dir / "upstream", core.admission.digest)
+        self.version = 0  # the newest upstream model version heard of
+        self.final: GlobalModel | None = None
+        self.done = asyncio.Event()
+        self._started_at: float | None = None
+        self.last_round_seconds: float | None = None
+        self._journaled = False  # a site round's journal is open
+        self._secure_up = 0  # the latest upstream round that is a secure one
+        self._up_weights: tuple[int, dict[str, Any]] = (0, {})  # the upstream round's model
+
+    # -- state ---------------------------------------------------------------------------
+    def _load_state(self) -> dict[str, Any]:
+        raw = read_bytes(self.state_path, 1 << 20)
+        if not raw:
+            return {}
+        try:
+            state = json.loads(raw)
+        except ValueError:
+            log.warning("%s is not JSON: the site's round numbers start after the journal's", self.state_path)
+            return {}
+        return state if isinstance(state, dict) else {}
+
+    def _save_state(self, site_round: int) -> None:
+        state = {"site_round": site_round, "norms": self.machine.norm_history}
+        atomic_write(self.state_path, json.dumps(state).encode())
+
+    def _is_aggregator(self, member: str) -> bool:
+        return self.core.peers.get(member, {}).get("role") == "aggregator"
+
+    def _admit(self, sender: str, kind: str, round_: int) -> bool:
+        m = self.machine.machine
+        return m is not None and m.phase is R.Phase.TRAINING and round_ == m.round and sender in m.selected
+
+    # -- Mode ----------------------------------------------------------------------------
+    def model_version(self) -> int:
+        return self.version
+
+    async def on_connect(self) -> None:
+        return None
+
+    async def start(self, now: float) -> None:
+        return None
+
+    def recovered_frames(self) -> Iterator[tuple[str, bytes]]:
+        return iter(())
+
+    async def on_presence(self, agent: str, online: bool, samples: int, now: float) -> None:
+        if online and self._is_aggregator(agent) and not self.cfg.tier.sites:
+            log.warning("%s is a site aggregator, and this one has no [tier] sites = true: not taken", agent)
+            online = False
+        await self._handle(R.AgentOnline(agent, samples) if online else R.AgentOffline(agent))
+
+    async def on_message(self, inc: Incoming, now: float) -> None:
+        msg = inc.message
+        if isinstance(msg, Update):
+            allowed = ("agent", "aggregator") if self.cfg.tier.sites else ("agent",)
+            if inc.role not in allowed:
+                self.core.messenger.reject("role", inc.sender, f"update signed by a {inc.role or 'non-agent'}")
+                return
+            await self._handle(
+                R.UpdateReceived(
+                    inc.sender, msg.round, msg.base_version, msg.num_samples, msg.weights, msg.metrics, msg.leaving
+                )
+            )
+        elif isinstance(msg, SECAGG_MESSAGES) and not isinstance(msg, SecAggStart):
+            allowed = ("agent", "aggregator") if self.cfg.tier.sites else ("agent",)
+            if inc.role not in allowed:
+                self.core.messenger.reject("role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-agent'}")
+                return
+            await self._handle(R.SecAggReceived(inc.sender, msg))
+        else:
+            log.debug("ignoring %s from %s", type(msg).__name__, inc.sender)
+
+    async def on_item(self, item: Any, now: float) -> None:
+        if isinstance(item, FromUpstream):
+            await self._from_upstream(item.incoming)
+            return
+        if isinstance(item, UpdatePart):
+            self._stream_bytes -= item.values.nbytes
+            if self._stream_bytes <= self._stream_budget:
+                self._stream_room.set()
+        await self._handle(item)
+
+    def snapshot(self) -> dict[str, Any]:
+        st = self.machine.status()
+        inner = st["round"] if isinstance(st["round"], dict) else {}
+        last = st["last"]
+        return {
+            "phase": st["phase"],
+            "round": self.machine.site_round if not inner else inner.get("round"),
+            "completed_rounds": None,
+            "rounds": None,
+            "model_version": self.version,
+            "selected": inner.get("selected", []),
+            "received": inner.get("received", []),
+            "waiting": inner.get("waiting"),
+            "metrics": inner.get("metrics", {}),
+            "last_round_seconds": self.last_round_seconds,
+            "journal": self.journal.status(),
+            "bounds": inner.get("bounds"),
+            "tier": {
+                "role": "site",
+                "upstream": self.link.status(),
+                "upstream_round": st["upstream_round"],
+                "site_round": st["site_round"],
+                # agent -> the samples it announced
+                "agents": st["agents"],
+                "samples": st["samples"],
+                "last_partial_result": last,
+                "final_model_version": self.final.model_version if self.final is not None else None,
+            },
+        }
+
+    def refresh_metrics(self, m: NodeMetrics) -> None:
+        m.set_round_limits(self.cfg.rounds.min_agents, self.cfg.rounds.round_timeout)
+        m.set_model_version(self.version)
+        m.round_started(self.machine.site_round)
+
+    def background(self) -> list[Coroutine[Any, Any, None]]:
+        return [self._upstream(), self._expire_streams()]
+
+    def close(self) -> None:
+        self.timer.cancel()
+        self.durability.close()
+
+    async def _upstream(self) -> None:
+        try:
+            await self.link.run()
+        finally:
+            await self.link.close()
+
+    # -- upstream ------------------------------------------------------------------------
+    async def _from_upstream(self, inc: Incoming) -> None:
+        msg = inc.message
+        if isinstance(msg, SECAGG_MESSAGES):
+            await self._secure_upstream(inc)
+            return
+        if not isinstance(msg, RoundStart | RoundResult | GlobalModel):
+            log.debug("ignoring %s from upstream %s", type(msg).__name__, inc.sender)
+            return
+        if inc.role != "coordinator":
+            self.link.messenger.reject("role", inc.sender, f"{msg.kind} signed by a {inc.role or 'non-coordinator'}")
+            return
+        self.link.coordinator = inc.sender
+        if isinstance(msg, RoundStart):
+            self.version = max(self.version, msg.model_version)
+            if self.link.cfg.id not in msg.selected:
+                return
+            if msg.weights is None:
+                # An int8 step needs the model before it, which a site aggregator does not
+                # keep between rounds: the upstream sends it whole (its presence reads no steps).
+                log.warning("upstream round %d came as a model step: this site does not take part", msg.round)
+                return
+            log.info("upstream round %d from %s: model version %d", msg.round, inc.sender, msg.model_version)
+            self._up_weights = (msg.round, msg.weights)
+            if msg.secagg is not None:
+                self._secure_up = msg.round
+                await self.link.send_secagg(self.link.secagg.on_round_start(msg.round, msg.selected, msg.secagg))
+            deadline = msg.deadline_s
+            if msg.secagg is not None:
+                # A secure round takes masked inputs until two stage timeouts before its
+                # deadline, each at most a sixth of it: the site's result must be in by then.
+                deadline *= 2 / 3
+            await self._handle(T.UpstreamRound(msg.round, msg.model_version, msg.weights, msg.train, deadline))
+        elif isinstance(msg, RoundResult):
+            if msg.aggregated:
+                self.version = max(self.version, msg.model_version)
+            await self._handle(T.UpstreamClosed(msg.round))
+        elif msg.final and (self.final is None or msg.model_version > self.final.model_version):
+            self.final = msg
+            self.version = max(self.version, msg.model_version)
+            log.info("the upstream tier finished: model version %d, passed on to the site's agents", msg.model_version)
+            self.core.history.append({"event": "finished", "model_version": msg.model_version})
+            await self.core.messenger.send(
+                topics.broadcast(self.core.fed, "model"), GlobalModel(msg.model_version, msg.round, True, msg.weights)
+            )
+            sdnotify.status(f"finished: model version {msg.model_version}")
+            self.done.set()
+
+    async def _secure_upstream(self, inc: Incoming) -> None:
+        """The upstream tier's secure round, as an agent's part in one (agent/fedavg.py)."""
+        msg = inc.message
+        link = self.link
+        if isinstance(msg, SecAggStart):
+            if inc.role != "coordinator" or not inc.topic.startswith(
+                topics.federation_root(self.core.fed) + "/global/"
+            ):
+                link.messenger.reject("role", inc.sender, "secagg_start not broadcast by a coordinator")
+                return
+            link.coordinator = inc.sender
+            self._secure_up = max(self._secure_up, msg.round)
+            await link.send_secagg(link.secagg.on_round_start(msg.round, msg.selected, msg.setup))
+        elif isinstance(msg, SecAggRoster | SecAggShareBox | SecAggSurvivors | SecAggUnmask):
+            if inc.role != "coordinator" or inc.sender != link.coordinator:
+                link.messenger.reject("role", inc.sender, f"{msg.kind} not from the upstream coordinator")
+                return
+            await link.send_secagg(await asyncio.to_thread(link.secagg.on_message, msg))
+
+    async def _send_partial(self, cmd: T.PartialResult) -> bool:
+        """The site's partial result upstream: whole, or masked in a secure upstream round."""
+        if cmd.round != self._secure_up:
+            return await self.link.send_update(
+                Update(cmd.round, cmd.base_version, cmd.num_samples, dict(cmd.metrics), cmd.weights)
+            )
+        if self._up_weights[0] != cmd.round:
+            log.warning("upstream round %d: its model is not held here; the masked mean is not sent", cmd.round)
+            return False
+        base = self._up_weights[1]
+        secagg = self.link.secagg
+
+        def masked() -> list[SecAggMessage]:
+            return secagg.on_trained(
+                cmd.round,
+                Delta(cmd.weights, base),
+                base_version=cmd.base_version,
+                num_samples=cmd.num_samples,
+                metrics=cmd.metrics,
+            )
+
+        await self.link.send_secagg(await asyncio.to_thread(masked))
+        return True
+
+    # -- streams (as the FedAvg coordinator's) -------------------------------------------
+    async def _on_stream(self, events: list[StreamEvent]) -> None:
+        for ev in events:
+            if isinstance(ev, UpdatePart):
+                self._stream_bytes += ev.values.nbytes
+            await self.core.queue.put(ev)
+        while self._stream_bytes > self._stream_budget:
+            self._stream_room.clear()
+            await self._stream_room.wait()
+
+    async def _expire_streams(self) -> None:
+        messenger = self.core.messenger
+        while True:
+            await asyncio.sleep(5.0)
+            events = messenger.intake.expire(time.monotonic())
+            for ev in events:
+                messenger.reject("stream", ev.sender, ev.reason)
+            await self._on_stream(list(events))
+
+    async def _refold(self, cmd: R.Refold) -> None:
+        """Updates of the site round read back from the journal (coordinator/fedavg.py)."""
+        wanted = dict(cmd.updates)
+        m = self.core.messenger
+        journal = self.journal
+        site = self.machine
+
+        def work() -> frozenset[str]:
+            whole = held_whole(journal.frames_of(), wanted, cmd.round, m.wire_limits) if cmd.counted else set()
+            missing = frozenset(s for s in cmd.counted if s not in whole)
+            replay = {s: t for s, t in wanted.items() if s not in missing}
+            if replay:
+                for sender, part in replay_parts(
+                    journal.frames_of(),
+                    replay,
+                    cmd.round,
+                    federation=self.core.fed,
+                    wire_limits=m.wire_limits,
+                    model_limits=m.model_limits,
+                ):
+                    site.refold(sender, part)
+            return missing
+
+        incomplete = await asyncio.to_thread(work)
+        await self._handle(R.Refolded(cmd.round, incomplete))
+
+    # -- the machine ---------------------------------------------------------------------
+    async def _handle(self, event: Any) -> None:
+        cmds = self.machine.handle(event, time.monotonic())
+        del event
+        batch: list[R.SendSecAgg] = []
+        for cmd in cmds:
+            if isinstance(cmd, R.SendSecAgg):
+                batch.append(cmd)
+                continue
+            if batch:
+                await self._send_secagg(batch)
+                batch = []
+            await self._execute(cmd)
+        if batch:
+            await self._send_secagg(batch)
+
+    async def _send_secagg(self, cmds: list[R.SendSecAgg] | tuple[R.SendSecAgg, ...]) -> None:
+        """A secure stage's messages to the site's agents: each agent's in order, the agents
+        at once (as the FedAvg coordinator's)."""
+        by_agent: dict[str, list[R.SendSecAgg]] = {}
+        for c in cmds:
+            by_agent.setdefault(c.to, []).append(c)
+
+        async def send(msgs: list[R.SendSecAgg]) -> None:
+            for c in msgs:
+                await self._execute(c)
+
+        await asyncio.gather(*(send(m) for m in by_agent.values()))
+
+    async def _execute(self, cmd: Any) -> None:
+        core, fed = self.core, self.core.fed
+        if isinstance(cmd, R.StartRound):
+            self._started_at = time.monotonic()
+            self.durability.count_round()
+            await asyncio.gather(
+                asyncio.to_thread(self._save_state, cmd.round),
+                self.durability.begin(cmd.round, cmd.model_version, cmd.selected),
+            )
+            self._journaled = True
+            up = self.machine.upstream
+            log.info(
+                "site round %d (upstream round %s): model version %d to %s",
+                cmd.round,
+                up.round if up is not None else "?",
+                cmd.model_version,
+                ", ".join(cmd.selected),
+            )
+            sdnotify.status(f"site round {cmd.round}: training on {len(cmd.selected)} agents")
+            if cmd.secagg is not None:
+                await core.messenger.send(
+                    topics.broadcast(fed, "secagg_start"),
+                    SecAggStart(cmd.round, cmd.selected, cmd.secagg),
+                    round_=cmd.round,
+                )
+                await self._send_secagg(cmd.secagg_first)
+            await core.messenger.send(
+                topics.broadcast(fed, "round_start"),
+                RoundStart(
+                    cmd.round, cmd.model_version, cmd.selected, cmd.deadline_s, cmd.train, cmd.weights, cmd.secagg
+                ),
+                round_=cmd.round,
+                stable=True,
+            )
+        elif isinstance(cmd, R.SendSecAgg):
+            await core.messenger.send(
+                topics.direct(fed, self.cfg.id, cmd.to, cmd.message.kind), cmd.message, round_=cmd.message.round
+            )
+        elif isinstance(cmd, R.RoundAggregated):
+            took = time.monotonic() - (self._started_at or time.monotonic())
+            self.last_round_seconds = took
+            self._journaled = False
+            await self.durability.end()
+            await asyncio.to_thread(self._save_state, self.machine.site_round)
+            # The agents learn their round is over; the model they trained from is still
+            # the current one until the upstream tier says otherwise.
+            await core.messenger.send(
+                topics.broadcast(fed, "round_result"),
+                RoundResult(cmd.round, cmd.model_version - 1, cmd.participants, cmd.metrics),
+                round_=cmd.round,
+            )
+        elif isinstance(cmd, T.PartialResult):
+            core.history.append(
+                {
+                    "event": "site_round",
+                    "round": cmd.site_round,
+                    "upstream_round": cmd.round,
+                    "model_version": cmd.base_version,
+                    "participants": list(cmd.participants),
+                    "num_samples": cmd.num_samples,
+                    "metrics": cmd.metrics,
+                    "agg_weights": cmd.weights_used,
+                    "bounded": cmd.bounded,
+                    "seconds": round(self.last_round_seconds or 0.0, 4),
+                }
+            )
+            for agent, what in cmd.bounded.items():
+                log.info("site round %d: %s's update bounded: %s", cmd.site_round, agent, what)
+            sent = await self._send_partial(cmd)
+            log.info(
+                "site round %d: %d agents, %d samples%s upstream round %d",
+                cmd.site_round,
+                len(cmd.participants),
+                cmd.num_samples,
+                " sent to" if sent else " NOT sent to",
+                cmd.round,
+            )
+        elif isinstance(cmd, T.SiteRoundFailed):
+            log.warning("upstream round %d: no partial result from this site: %s", cmd.round, cmd.reason)
+            core.history.append(
+                {"event": "site_failed", "round": cmd.site_round, "upstream_round": cmd.round, "reason": cmd.reason}
+            )
+            if self._journaled:
+                self._journaled = False
+                await self.durability.end()
+        elif isinstance(cmd, R.RoundAbandoned):
+            core.metrics.round_abandoned()
+            await core.messenger.send(
+                topics.broadcast(fed, "round_result"),
+                RoundResult(cmd.round, cmd.model_version, (), {}, aggregated=False, reason=cmd.reason),
+                round_=cmd.round,
+            )
+        elif isinstance(cmd, T.Announce):
+            await self.link.announce(cmd.num_samples, cmd.agents)
+        elif isinstance(cmd, R.Rejected):
+            core.reject(cmd.sender, cmd.reason, cmd.detail, round=cmd.round)
+        elif isinstance(cmd, R.LateUpdate):
+            log.info("discarded from %s: %s", cmd.sender, cmd.detail)
+            core.metrics.discarded()
+        elif isinstance(cmd, R.Refold):
+            await self._refold(cmd)
+        elif isinstance(cmd, R.RequestWakeup):
+            self.timer.request(cmd.at)
+        else:
+            log.debug("site command %s not carried out", type(cmd).__name__)

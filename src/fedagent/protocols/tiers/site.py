@@ -1,0 +1,336 @@
+"""A site aggregator, as pure code: a coordinator for the agents of its site and, towards
+its upstream tier (the hub, or a region), one participant whose update is its site's
+weighted mean.
+
+When the upstream tier starts round r from model v, the site starts a round of its own
+from v for its agents (at once if a quorum is online, else as soon as one is), with the
+upstream round's training settings, and sends the upstream tier its partial result when
+its own round closes: its quorum, sampling, deadline and member protections are its
+own (:class:`~.config.TierConfig`), its deadline at most ``1 − upload_share`` of the
+upstream one so that the result arrives in time. The partial result is the weighted mean
+of the accepted updates with weight Σ (capped) samples, so the upstream tier's FedAvg
+over sites is FedAvg over all agents: Σ_s N_s·(Σ_{i∈s} n_i θ_i / N_s) / Σ_s N_s =
+Σ_i n_i θ_i / Σ_i n_i.
+
+Each site round is a one-round :class:`~fedagent.protocols.rounds.RoundMachine` built
+for it (plain averaging: server learning rate 1, no momentum), under a round number of
+the site's own that only grows; what outlives a round is kept here and handed to the
+next one (the agents online and what they announced, the benched agents, the norm
+bound's recent distances). A region is a site aggregator whose members are site
+aggregators (``is_aggregator``): its rounds then run on an
+:class:`~fedagent.protocols.tiers.upper.UpperRoundMachine`. Tiers nest by configuration.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from fedagent.protocols import rounds as R
+from fedagent.protocols import secagg as SA
+from fedagent.protocols.fingerprint import Roles
+from fedagent.protocols.messages import TrainConfig
+from fedagent.protocols.rounds.bounds import Bench
+from fedagent.protocols.streaming import UpdateEnd, UpdateHead, UpdatePart
+from fedagent.protocols.tiers.config import TierConfig, check_upper
+from fedagent.protocols.tiers.events import (
+    Announce,
+    PartialResult,
+    SiteRoundFailed,
+    UpstreamClosed,
+    UpstreamRound,
+)
+from fedagent.protocols.tiers.upper import UpperRoundMachine
+
+Weights = dict[str, np.ndarray]
+Event = R.Event | UpstreamRound | UpstreamClosed
+Command = R.Command | PartialResult | SiteRoundFailed | Announce
+
+#: Site rounds remembered after they closed: an update for one of them is late, not wrong.
+CLOSED_KEPT = 16
+
+
+class SiteMachine:
+    def __init__(
+        self,
+        config: TierConfig,
+        *,
+        is_aggregator: Callable[[str], bool] | None = None,
+        replays: bool = False,
+        roles: Roles | None = None,
+        last_round: int = 0,
+        verify_statement: SA.KeyVerifier | None = None,
+    ) -> None:
+        """``is_aggregator``: which members are site aggregators themselves (a region);
+        None: all are agents. ``replays``: the caller carries out the round machine's
+        :class:`~fedagent.protocols.rounds.Refold` (as a coordinator does: the norm bound
+        needs it). ``last_round``: the site's latest round number (after a restart).
+        ``verify_statement``: checks an agent's signature in a secure site round (as the
+        round machine's)."""
+        if is_aggregator is not None:
+            check_upper(config.rounds)
+        self.config = config
+        self.is_aggregator = is_aggregator
+        self.replays = replays
+        self.roles = roles
+        self.verify_statement = verify_statement
+        self.site_round = last_round
+        self.online: dict[str, int] = {}  # agent -> samples it announced
+        self._reads_steps: dict[str, bool] = {}
+        self.departed: set[str] = set()  # left with their last update; ignored until their goodbye
+        self.bench = Bench()
+        self.norm_history: list[list[float]] = []
+        self.machine: R.RoundMachine | None = None  # the site round in progress
+        self.upstream: UpstreamRound | None = None  # the upstream round being answered
+        self.deadline = math.inf  # of the site round for it (quorum included)
+        self._closed: deque[int] = deque(maxlen=CLOSED_KEPT)
+        self._announced: tuple[int, int] | None = None
+        self.last: PartialResult | SiteRoundFailed | None = None
+        self._top = 0  # the site round's W, when it is a secure one
+
+    # -- public ------------------------------------------------------------------------
+    def handle(self, event: Event, now: float) -> list[Command]:
+        if isinstance(event, UpstreamRound):
+            return self._on_upstream(event, now)
+        if isinstance(event, UpstreamClosed):
+            if self.upstream is not None and self.upstream.round == event.round:
+                return self._fail(f"upstream round {event.round} closed before the site's", now)
+            return []
+        if isinstance(event, R.AgentOnline):
+            if event.agent in self.departed:
+                return []
+            self.online[event.agent] = event.num_samples
+            self._reads_steps[event.agent] = event.reads_steps
+            return self._announce() + self._forward(event, now) + self._maybe_open(now)
+        if isinstance(event, R.AgentOffline):
+            self.online.pop(event.agent, None)
+            self._reads_steps.pop(event.agent, None)
+            self.departed.discard(event.agent)
+            return self._announce() + self._forward(event, now)
+        if isinstance(event, R.Wakeup):
+            if self.machine is None and self.upstream is not None and now >= self.deadline:
+                return self._fail(
+                    f"no quorum before the site's deadline ({len(self.online)} of {self.config.rounds.min_agents} "
+                    "agents online)",
+                    now,
+                )
+            return self._forward(event, now)
+        if self.machine is None:
+            return self._no_round(event)
+        return self._forward(event, now)
+
+    def refold(self, sender: str, part: UpdatePart) -> None:
+        """A part replayed for the site round's :class:`~fedagent.protocols.rounds.Refold`."""
+        if self.machine is not None:
+            self.machine.refold(sender, part)
+
+    @property
+    def samples(self) -> int:
+        """What the site announces upstream: its online agents' announced samples."""
+        return sum(self.online.values())
+
+    def status(self) -> dict[str, object]:
+        up = self.upstream
+        last = self.last
+        return {
+            "upstream_round": up.round if up is not None else None,
+            "site_round": self.site_round,
+            "phase": "training" if self.machine is not None else ("quorum" if up is not None else "idle"),
+            "agents": dict(sorted(self.online.items())),
+            "samples": self.samples,
+            "round": self.machine.status() if self.machine is not None else None,
+            "last": None
+            if last is None
+            else (
+                {"round": last.round, "sent": True, "num_samples": last.num_samples, "agents": len(last.participants)}
+                if isinstance(last, PartialResult)
+                else {"round": last.round, "sent": False, "reason": last.reason}
+            ),
+        }
+
+    # -- upstream ----------------------------------------------------------------------
+    def _on_upstream(self, ev: UpstreamRound, now: float) -> list[Command]:
+        out: list[Command] = []
+        if self.upstream is not None:
+            if ev.round <= self.upstream.round:
+                return []  # a redelivered round start
+            out += self._fail(f"upstream round {ev.round} started before the site's round ended", now)
+        self.upstream = ev
+        self.deadline = now + self.config.budget(ev.deadline_s)
+        out += self._maybe_open(now)
+        if self.machine is None and self.upstream is not None:
+            out.append(R.RequestWakeup(self.deadline))  # the quorum's deadline
+        return out
+
+    def _maybe_open(self, now: float) -> list[Command]:
+        """Start the site round for the upstream round being answered, with every agent
+        online, once there is a quorum (and time left before the site's deadline)."""
+        up = self.upstream
+        cfg = self.config.rounds
+        if up is None or self.machine is not None or len(self.online) < cfg.min_agents:
+            return []
+        left = self.deadline - now
+        if left <= 0:
+            return []
+        agents = sorted(self.online)
+        # One round, the upstream's training settings with the site's own transfer settings
+        # (compression is per tier), no server step of its own; every agent online is
+        # there already: the round starts when the last one is fed in.
+        train = replace(
+            up.train, compression=cfg.train.compression, topk_ratio=cfg.train.topk_ratio, stream=cfg.train.stream
+        )
+        try:
+            rc = self._round_config(cfg, train, len(agents), left)
+        except ValueError as exc:
+            # e.g. a secure round's three stages no longer fit in what is left of the time
+            return self._fail(f"no site round in the {left:.1f}s left: {exc}", now)
+        weights = dict(up.weights)
+        machine = (
+            R.RoundMachine(rc, weights, **self._carried(up))
+            if self.is_aggregator is None
+            else UpperRoundMachine(rc, weights, is_aggregator=self.is_aggregator, **self._carried(up))
+        )
+        machine.bench = self.bench
+        self.machine = machine
+        cmds: list[R.Command] = []
+        for a in agents:
+            cmds = machine.handle(R.AgentOnline(a, self.online[a], self._reads_steps.get(a, True)), now)
+        # The wake-ups asked for while the quorum grew are moot: the last agent started it.
+        return self._translate(cmds, now)
+
+    @staticmethod
+    def _round_config(cfg: R.RoundConfig, train: TrainConfig, agents: int, left: float) -> R.RoundConfig:
+        return replace(
+            cfg,
+            rounds=1,
+            expected_agents=agents,
+            start_grace=left,
+            round_timeout=left,
+            train=train,
+            lr_schedule="constant",
+            server_lr=1.0,
+            server_momentum=0.0,
+            downlink="none",
+        )
+
+    def _carried(self, up: UpstreamRound) -> dict[str, Any]:
+        """What the site round's machine starts from, beside its configuration and model."""
+        return {
+            "model_version": up.model_version,
+            "last_round": self.site_round,
+            "norm_history": self.norm_history,
+            "replays": self.replays,
+            "roles": self.roles,
+            "verify_statement": self.verify_statement,
+        }
+
+    # -- the site round ----------------------------------------------------------------
+    def _forward(self, event: R.Event, now: float) -> list[Command]:
+        if self.machine is None:
+            return []
+        return self._translate(self.machine.handle(event, now), now)
+
+    def _translate(self, cmds: list[R.Command], now: float) -> list[Command]:
+        """The site round's commands, with its aggregate turned into the partial result
+        and its end into the site's: what the one-round machine would do next (finish, or
+        start the round again) is not the site's to do."""
+        out: list[Command] = []
+        m = self.machine
+        for c in cmds:
+            if isinstance(c, R.RoundAggregated):
+                assert m is not None and self.upstream is not None
+                return out + self._partial(m, c)
+            if isinstance(c, R.RoundAbandoned):
+                out.append(c)
+                return out + self._fail(f"site round {c.round} abandoned: {c.reason}", now, ended=c.round)
+            if isinstance(c, R.Finished):
+                continue
+            if isinstance(c, R.StartRound):
+                self._top = c.secagg.max_weight if c.secagg is not None else 0
+            out.append(c)
+        return out
+
+    def _partial(self, m: R.RoundMachine, agg: R.RoundAggregated) -> list[Command]:
+        up = self.upstream
+        assert up is not None
+        res = m.secure_result
+        if self._top and res is not None:
+            # A secure round weighs each agent min(n, W)/W: the site's mean weighs Σ min(n, W).
+            total = max(1, round(res.weight_sum * self._top))
+        else:
+            total = sum(m.received[a][0] for a in agg.participants)
+        result = PartialResult(
+            up.round,
+            up.model_version,
+            total,
+            agg.weights,
+            dict(agg.metrics),
+            agg.round,
+            agg.participants,
+            dict(agg.weights_used),
+            dict(agg.bounded),
+        )
+        self._close(m, agg.round)
+        self.last = result
+        return [agg, result]
+
+    def _fail(self, reason: str, now: float, *, ended: int | None = None) -> list[Command]:
+        """No partial result for the upstream round being answered; ``ended``: the site
+        round that ended (default: the one in progress, if any)."""
+        up = self.upstream
+        assert up is not None
+        m = self.machine
+        site_round = ended if ended is not None else (m.round if m is not None else self.site_round)
+        if m is not None:
+            self._close(m, site_round)
+        else:
+            self.upstream = None
+            self.deadline = math.inf
+        failed = SiteRoundFailed(up.round, site_round, reason)
+        self.last = failed
+        return [failed]
+
+    def _close(self, m: R.RoundMachine, ended: int) -> None:
+        # The machine may have started its round again after abandoning it (never sent):
+        # numbers only grow past that one too.
+        self.site_round = max(self.site_round, m.round)
+        self._closed.append(ended)
+        self.norm_history = m.norm_state()
+        # Agents that sent their last update are gone for the site too, until their goodbye.
+        for a in m.departed:
+            self.departed.add(a)
+            self.online.pop(a, None)
+        self.machine = None
+        self.upstream = None
+        self.deadline = math.inf
+
+    def _no_round(self, event: R.Event) -> list[Command]:
+        """An update or secure-aggregation message while no site round runs."""
+        if isinstance(event, R.UpdateReceived | UpdateHead):
+            if event.round in self._closed:
+                return [R.LateUpdate(event.sender, event.round, f"update for site round {event.round}, which ended")]
+            return [
+                R.Rejected(event.sender, event.round, "stale", f"no site round in progress (last {self.site_round})")
+            ]
+        if isinstance(event, R.SecAggReceived):
+            msg = event.message
+            return [R.Rejected(event.sender, getattr(msg, "round", 0), "stale", f"{msg.kind} outside a site round")]
+        if isinstance(event, UpdatePart | UpdateEnd | R.Refolded):
+            return []
+        raise TypeError(f"not a site event: {event!r}")
+
+    def _announce(self) -> list[Command]:
+        # Below its quorum a site could not answer a round: it announces no samples (its
+        # upstream presence says offline), so that the upstream tier neither waits for it
+        # nor starts a round counting it with a part of its agents.
+        ready = len(self.online) >= self.config.rounds.min_agents
+        now = (self.samples if ready else 0, len(self.online))
+        if now == self._announced:
+            return []
+        self._announced = now
+        return [Announce(*now)]
