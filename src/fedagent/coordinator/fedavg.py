@@ -22,7 +22,7 @@ import torch
 from fedagent.config import NodeConfig, round_config
 from fedagent.coordinator.core import CoordinatorCore
 from fedagent.coordinator.durability import DurableJournal, reconcile_history
-from fedagent.coordinator.refold import held_whole, replay_parts
+from fedagent.coordinator.refold import read_back_round
 from fedagent.coordinator.velocity import FileVelocity
 from fedagent.coordinator.vocabstage import VocabStage, has_vocabulary, vocab_config
 from fedagent.errors import FedagentError, TransportError
@@ -658,20 +658,16 @@ class FedAvgMode:
         journal = self.journal
 
         def work() -> frozenset[str]:
-            whole = held_whole(journal.frames_of(), wanted, cmd.round, m.wire_limits) if cmd.counted else set()
-            missing = frozenset(s for s in cmd.counted if s not in whole)
-            replay = {s: t for s, t in wanted.items() if s not in missing}
-            if replay:
-                for sender, part in replay_parts(
-                    journal.frames_of(),
-                    replay,
-                    cmd.round,
-                    federation=self.core.fed,
-                    wire_limits=m.wire_limits,
-                    model_limits=m.model_limits,
-                ):
-                    machine.refold(sender, part)
-            return missing
+            return read_back_round(
+                journal.frames_of,
+                wanted,
+                cmd.counted,
+                cmd.round,
+                machine.refold,
+                federation=self.core.fed,
+                wire_limits=m.wire_limits,
+                model_limits=m.model_limits,
+            )
 
         t0 = time.perf_counter()
         incomplete = await asyncio.to_thread(work)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -196,3 +196,31 @@ def replay_parts(
         model_limits=model_limits,
     ):
         yield w[0], part
+
+
+def read_back_round(
+    frames_of: Callable[[], Frames],
+    wanted: Mapping[str, str | None],
+    counted: Iterable[str],
+    round_: int,
+    into: Callable[[str, UpdatePart], None],
+    *,
+    federation: str,
+    wire_limits: Limits,
+    model_limits: Limits,
+) -> frozenset[str]:
+    """A round machine's :class:`~fedagent.protocols.rounds.events.Refold` carried out:
+    the ``wanted`` updates of ``round_`` read back from the journal (``frames_of()``, read
+    twice) part by part into ``into`` (the machine's ``refold``). Returns the ``counted``
+    senders whose update the journal does not hold whole: they are not replayed (the
+    machine refuses them); those only to be taken out are replayed as far as they go."""
+    counted = set(counted)
+    whole = held_whole(frames_of(), wanted, round_, wire_limits) if counted else set()
+    missing = frozenset(s for s in counted if s not in whole)
+    replay = {s: t for s, t in wanted.items() if s not in missing}
+    if replay:
+        for sender, part in replay_parts(
+            frames_of(), replay, round_, federation=federation, wire_limits=wire_limits, model_limits=model_limits
+        ):
+            into(sender, part)
+    return missing
