@@ -23,6 +23,7 @@ from fedagent.config import NodeConfig, round_config
 from fedagent.coordinator.core import CoordinatorCore
 from fedagent.coordinator.durability import DurableJournal, reconcile_history
 from fedagent.coordinator.refold import read_back_round
+from fedagent.coordinator.streams import StreamFeed
 from fedagent.coordinator.velocity import FileVelocity
 from fedagent.coordinator.vocabstage import VocabStage, has_vocabulary, vocab_config
 from fedagent.errors import FedagentError, TransportError
@@ -46,7 +47,7 @@ from fedagent.protocols.ratelimit import Rate, SenderBudget
 from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
 from fedagent.protocols.secagg import SecAggMasked, SecAggStart
 from fedagent.protocols.serveropt import VELOCITY, check_velocity
-from fedagent.protocols.streaming import StreamEvent, UpdateEnd, UpdateHead, UpdatePart
+from fedagent.protocols.streaming import StreamEvent, UpdateEnd, UpdateHead
 from fedagent.protocols.tiers import UpperRoundMachine
 from fedagent.storage import checkpoint
 from fedagent.storage.roundjournal import InFlight
@@ -55,11 +56,6 @@ from fedagent.tasks.base import get_weights
 from fedagent.tasks.fingerprint import fingerprint
 
 log = logging.getLogger("fedagent.coordinator")
-
-# Bytes of streamed update values allowed to wait in the coordinator before it stops
-# acknowledging chunks (the broker then holds the rest): a few chunks, not N models,
-# and at most a quarter of the model (a 4.4 MB model would otherwise wait 3.6 times over).
-STREAM_BUDGET = 16 * 2**20
 
 #: Checkpoint keys of the server momentum's velocity in checkpoints written before it
 #: had a file of its own (the tensor's name follows).
@@ -91,11 +87,6 @@ RATES: dict[str, Rate] = {
 TRANSFER_MODELS = 4
 #: Answers to model requests waiting to be sent at most (each holds a model version).
 MAX_ANSWERS = 4
-
-
-def stream_budget(model_bytes: int) -> int:
-    """Values of streamed parts that may wait to be folded, for a model of ``model_bytes``."""
-    return max(64 * 1024, min(STREAM_BUDGET, model_bytes // 4))
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,10 +139,7 @@ class FedAvgMode:
         # One received message at a time: the broker's Receive Maximum does not bound
         # what reaches this process (see Transport's hold_limit), this does.
         core.transport.hold_limit = 1
-        self._stream_bytes = 0  # values of streamed parts queued, not yet folded
-        self._stream_budget = STREAM_BUDGET  # until the model's size is known
-        self._stream_room = asyncio.Event()
-        self._stream_room.set()
+        self.streams = StreamFeed(core.queue)
         core.messenger.on_stream = self._on_stream
         # Before any frame is checked: a budget per agent and kind, and update frames only
         # from the agents selected for the round in flight.
@@ -223,7 +211,7 @@ class FedAvgMode:
         started = read_bytes(self.round_path, 64)
         last_started = int(started) if started and started.strip().isdigit() else 0
         model_bytes = sum(int(w.nbytes) for w in weights.values())
-        self._stream_budget = stream_budget(model_bytes)
+        self.streams.size_for(model_bytes)
         # What an agent can send is a few times the model, not max_model_bytes: a transfer
         # announcing more is refused at its first chunk, and one agent's frames journaled
         # in a round are an update's worth.
@@ -492,11 +480,8 @@ class FedAvgMode:
             if self.vocab is not None:
                 await self._vocab_agreed(await self.vocab.wakeup(now))
             return
-        if isinstance(item, UpdatePart):
-            self._stream_bytes -= item.values.nbytes
-            if self._stream_bytes <= self._stream_budget:
-                self._stream_room.set()
-        elif isinstance(item, UpdateEnd) and item.ok:
+        self.streams.taken(item)
+        if isinstance(item, UpdateEnd) and item.ok:
             self._marks.setdefault("updates", {})[item.sender] = round(time.time(), 4)
         if self.machine is not None:
             await self._handle(item)
@@ -610,7 +595,7 @@ class FedAvgMode:
                 m.set_privacy(privacy)
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
-        return [self._expire_streams()]
+        return [self.streams.expire(self.core.messenger, 5.0)]
 
     def close(self) -> None:
         self.timer.cancel()
@@ -620,31 +605,11 @@ class FedAvgMode:
 
     # -- streams -------------------------------------------------------------------------
     async def _on_stream(self, events: list[StreamEvent]) -> None:
-        # Parts go through the same queue as everything else, so the machine sees an
-        # update's parts in order with presence changes and timer wake-ups; each part is
-        # a chunk-sized view, folded and dropped when its turn comes.
-        for ev in events:
-            if isinstance(ev, UpdatePart):
-                self._stream_bytes += ev.values.nbytes
-            elif isinstance(ev, UpdateHead) and self.machine is not None and self.machine.config.secure is not None:
-                self.core.history.append(
-                    {"event": "received", "kind": "ustream", "sender": ev.sender, "round": ev.round}
-                )
-            await self.core.queue.put(ev)
-        # The chunk is acknowledged when this returns: holding it while too many parts
-        # wait keeps the backlog at the broker (Receive Maximum), bounding this process.
-        while self._stream_bytes > self._stream_budget:
-            self._stream_room.clear()
-            await self._stream_room.wait()
+        await self.streams.put(events, self._stream_seen)
 
-    async def _expire_streams(self) -> None:
-        messenger = self.core.messenger
-        while True:
-            await asyncio.sleep(5.0)
-            events = messenger.intake.expire(time.monotonic())
-            for ev in events:
-                messenger.reject("stream", ev.sender, ev.reason)
-            await self._on_stream(list(events))
+    def _stream_seen(self, ev: StreamEvent) -> None:
+        if isinstance(ev, UpdateHead) and self.machine is not None and self.machine.config.secure is not None:
+            self.core.history.append({"event": "received", "kind": "ustream", "sender": ev.sender, "round": ev.round})
 
     # -- replays -------------------------------------------------------------------------
     async def _refold(self, cmd: R.Refold) -> None:

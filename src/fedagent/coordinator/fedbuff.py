@@ -29,8 +29,9 @@ import numpy as np
 from fedagent.config import buffer_config
 from fedagent.coordinator.core import CoordinatorCore
 from fedagent.coordinator.durability import JOURNALED_KINDS, DurableJournal, reconcile_history
-from fedagent.coordinator.fedavg import STREAM_BUDGET, norm_history_of, stream_budget
+from fedagent.coordinator.fedavg import norm_history_of
 from fedagent.coordinator.refold import held_whole_updates, replay_updates
+from fedagent.coordinator.streams import StreamFeed
 from fedagent.coordinator.velocity import FileVelocity
 from fedagent.coordinator.vocabstage import has_vocabulary
 from fedagent.errors import ConfigError, FedagentError, TransportError
@@ -44,7 +45,7 @@ from fedagent.protocols.catchup import ModelServer
 from fedagent.protocols.codec import Envelope
 from fedagent.protocols.messages import AsyncModel, AsyncTask, AsyncUpdate, Evaluation, GlobalModel, ModelRequest
 from fedagent.protocols.ratelimit import Rate, SenderBudget
-from fedagent.protocols.streaming import StreamEvent, UpdatePart
+from fedagent.protocols.streaming import StreamEvent
 from fedagent.storage import checkpoint
 from fedagent.storage.roundjournal import InFlight
 from fedagent.storage.statefile import atomic_write, read_bytes
@@ -107,10 +108,7 @@ class AsyncMode:
         core.messenger.intake.timeout = min(core.messenger.intake.timeout, 30.0)
         core.transport.hold_limit = 1
         self.timer = Timer(core.queue, FB.Wakeup())
-        self._stream_bytes = 0
-        self._stream_budget = STREAM_BUDGET
-        self._stream_room = asyncio.Event()
-        self._stream_room.set()
+        self.streams = StreamFeed(core.queue)
         core.messenger.on_stream = self._on_stream
         core.messenger.budget = SenderBudget(RATES, other=OTHER)
         self.model_server = ModelServer()
@@ -136,7 +134,7 @@ class AsyncMode:
             weights = {k: v for k, v in saved.items() if not k.startswith(checkpoint.OPTIMIZER_PREFIX)}
             log.info("resuming from %s: model version %s", core.ckpt_path, meta.get("model_version"))
             reconcile_history(core.history, meta)
-        self._stream_budget = stream_budget(sum(int(w.nbytes) for w in weights.values()))
+        self.streams.size_for(sum(int(w.nbytes) for w in weights.values()))
         version = int(meta.get("model_version", 0))
         store = None
         if cfg.momentum > 0:
@@ -237,10 +235,7 @@ class AsyncMode:
             log.debug("ignoring %s from %s", type(msg).__name__, inc.sender)
 
     async def on_item(self, item: Any, now: float) -> None:
-        if isinstance(item, UpdatePart):
-            self._stream_bytes -= item.values.nbytes
-            if self._stream_bytes <= self._stream_budget:
-                self._stream_room.set()
+        self.streams.taken(item)
         await self._handle(item)
 
     def snapshot(self) -> dict[str, Any]:
@@ -284,7 +279,7 @@ class AsyncMode:
             m.set_privacy(privacy)
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
-        return [self._expire_streams()]
+        return [self.streams.expire(self.core.messenger, 2.0)]
 
     def close(self) -> None:
         self.timer.cancel()
@@ -294,24 +289,7 @@ class AsyncMode:
 
     # -- streams ---------------------------------------------------------------------------
     async def _on_stream(self, events: list[StreamEvent]) -> None:
-        for ev in events:
-            if isinstance(ev, UpdatePart):
-                self._stream_bytes += ev.values.nbytes
-            await self.core.queue.put(ev)
-        # Holding the chunk's acknowledgement while too many values wait keeps the
-        # backlog at the broker.
-        while self._stream_bytes > self._stream_budget:
-            self._stream_room.clear()
-            await self._stream_room.wait()
-
-    async def _expire_streams(self) -> None:
-        messenger = self.core.messenger
-        while True:
-            await asyncio.sleep(2.0)
-            events = messenger.intake.expire(time.monotonic())
-            for ev in events:
-                messenger.reject("stream", ev.sender, ev.reason)
-            await self._on_stream(list(events))
+        await self.streams.put(events)
 
     # -- catch-up ---------------------------------------------------------------------------
     def _model_request(self, inc: Incoming, msg: ModelRequest, now: float) -> None:

@@ -26,8 +26,9 @@ from typing import Any
 from fedagent.config import round_config
 from fedagent.coordinator.core import CoordinatorCore
 from fedagent.coordinator.durability import DurableJournal
-from fedagent.coordinator.fedavg import RATES, TRANSFER_MODELS, stream_budget
+from fedagent.coordinator.fedavg import RATES, TRANSFER_MODELS
 from fedagent.coordinator.refold import held_whole, replay_parts
+from fedagent.coordinator.streams import stream_budget
 from fedagent.coordinator.upstream import FromUpstream, UpstreamLink
 from fedagent.coordinator.vocabstage import has_vocabulary
 from fedagent.errors import ConfigError, FedagentError
