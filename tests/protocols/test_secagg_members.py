@@ -52,6 +52,7 @@ class Round:
     silent: set[str] = field(default_factory=set)
     gone_before_input: set[str] = field(default_factory=set)
     input_at: float = 50.0  # agent i's masked input arrives at input_at + i
+    late: dict[str, float] = field(default_factory=dict)  # agent -> when its input arrives instead
     params: S.SecAggParams = field(default_factory=lambda: S.SecAggParams(clip=1.0, bits=16))
 
     def __post_init__(self) -> None:
@@ -114,18 +115,23 @@ class Round:
                 self.to_server(a, self.hook("keys", a, msg), 1.0)
         for a in self.gone_before_input:
             self.apply(self.server.handle(S.Gone(a), 2.0), 2.0)
-        for i, a in enumerate(self.agents):
-            if a in self.silent or a in self.gone_before_input or self.result:
-                continue
-            now = self.input_at + i
-            for msg in self.agents_side[a].on_trained(
-                1, self.deltas[a], base_version=0, num_samples=self.samples[a], metrics={"loss": 1.0}
-            ):
-                self.to_server(a, self.hook("input", a, msg), now)
-            # the server's wake-ups: a tick at each whole second until the result
-        t = self.input_at + 1
+        arrivals = sorted(
+            (self.late.get(a, self.input_at + i), a)
+            for i, a in enumerate(self.agents)
+            if a not in self.silent and a not in self.gone_before_input
+        )
+        # The inputs as they arrive, and the server's wake-ups: a tick at each whole
+        # second after the first input, until the result.
+        t = self.input_at
         while not self.result and t <= 500.0:
-            self.apply(self.server.handle(S.Tick(), t), t)
+            while arrivals and arrivals[0][0] <= t and not self.result:
+                now, a = arrivals.pop(0)
+                for msg in self.agents_side[a].on_trained(
+                    1, self.deltas[a], base_version=0, num_samples=self.samples[a], metrics={"loss": 1.0}
+                ):
+                    self.to_server(a, self.hook("input", a, msg), now)
+            if not self.result and (t > self.input_at or not arrivals):
+                self.apply(self.server.handle(S.Tick(), t), t)
             t += 1.0
         assert len(self.result) == 1, self.result
         return self.result[0]
@@ -364,6 +370,17 @@ def test_silence_after_sharing_is_named_and_waited_for_about_a_training_not_the_
     assert res.offenders == {MALLORY: "shared its keys, then sent no masked input"}
     # the last input came at t = 23, the inputs stage opened at t = 1: 22 s more
     assert r.at == 23.0 + 22.0
+
+
+def test_inputs_are_not_given_up_on_while_too_few_are_in_for_the_survivors_to_finish():
+    # Five selected: the survivor list needs 3 signatures. Two quick inputs, the other
+    # agents three times slower (a loaded device, one stopped for a while): closing the
+    # stage with two survivors would fail the round for certain, so the slow ones are
+    # waited for, and once three are in, the usual quiet close applies again.
+    r = Round(n=5, input_at=3.0, late={"a02": 12.0, "a03": 13.0, "a04": 14.0})
+    res = r.run()
+    r.assert_mean_of(res, r.agents)
+    assert res.offenders == {}
 
 
 def test_an_agent_gone_offline_after_sharing_is_a_drop_out_not_an_offender():

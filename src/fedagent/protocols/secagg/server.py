@@ -422,8 +422,10 @@ class SecAggServer:
         last of those took (at least ``QUIET_GRACE``): a member silent after sharing
         holds the round about twice an honest agent's training, not to its deadline.
         None: no such time (another stage, or too few inputs to go on without the
-        silent ones)."""
-        if self.stage != self.INPUTS or self._last_input is None or len(self.inputs) < self.params.min_survivors:
+        silent ones: fewer than the survivors' signatures the next stage needs would fail
+        the round for certain, and name slow honest agents as silent ones)."""
+        enough = max(self.params.min_survivors, self.params.threshold_of(len(self.selected)))
+        if self.stage != self.INPUTS or self._last_input is None or len(self.inputs) < enough:
             return None
         return self._last_input + max(self.QUIET_GRACE, self._last_input - self._inputs_open)
 
