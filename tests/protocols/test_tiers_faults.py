@@ -133,7 +133,7 @@ def test_cut_off_site_runs_its_round_and_sends_the_result_when_back():
     st = site.status()
     assert st["upstream_down_since"] == 2.0
     assert st["held"] == {"round": 5, "site_round": own.round, "num_samples": 60, "agents": 3, "until": 40.0}
-    assert site.handle(Wakeup(), 20.0) == []
+    assert site.handle(Wakeup(), 20.0) == [RequestWakeup(40.0)]  # woken early: asked again
     (res,) = site.handle(UpstreamUp(), 30.0)
     assert_same(res, uninterrupted())
     assert site.status()["held"] is None and site.status()["upstream_down_since"] is None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,8 @@ class UpstreamLink:
         self.samples = 0  # what the presence announces: the site's agents' total
         self.agents = 0
         self.coordinator: str | None = None  # of the upstream tier, from its round starts
+        # awaited after every (re)connection, once the presence is out
+        self.on_up: Callable[[], Awaitable[None]] | None = None
         self.sent: dict[str, int] = {"results": 0, "bytes": 0}
         fed, me = self.fed, self.cfg.id
         self.transport = make_transport(
@@ -129,6 +132,11 @@ class UpstreamLink:
         )
 
     async def _on_connect(self) -> None:
+        await self._publish_presence()
+        if self.on_up is not None:
+            await self.on_up()
+
+    async def _publish_presence(self) -> None:
         await self.transport.publish(topics.presence(self.fed, self.cfg.id), self._presence(True), retain=True)
 
     async def announce(self, samples: int, agents: int) -> None:
@@ -137,7 +145,7 @@ class UpstreamLink:
         self.samples, self.agents = samples, agents
         if self.transport.connected:
             try:
-                await self._on_connect()
+                await self._publish_presence()
             except TransportError as exc:
                 log.warning("upstream presence not updated: %s", exc)
 

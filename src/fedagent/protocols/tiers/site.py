@@ -131,13 +131,15 @@ class SiteMachine:
         if isinstance(event, R.Wakeup):
             if self.held is not None and now >= self.held[1]:
                 return self._drop_held("its deadline passed while the upstream tier was out of reach")
+            # Woken for something sooner: the held result's deadline is asked for again.
+            keep: list[Command] = [R.RequestWakeup(self.held[1])] if self.held is not None else []
             if self.machine is None and self.upstream is not None and now >= self.deadline:
-                return self._fail(
+                return keep + self._fail(
                     f"no quorum before the site's deadline ({len(self.online)} of {self.config.rounds.min_agents} "
                     "agents online)",
                     now,
                 )
-            return self._forward(event, now)
+            return keep + self._forward(event, now)
         if self.machine is None:
             return self._no_round(event)
         return self._forward(event, now)
@@ -204,7 +206,12 @@ class SiteMachine:
             "last": None
             if last is None
             else (
-                {"round": last.round, "sent": True, "num_samples": last.num_samples, "agents": len(last.participants)}
+                {
+                    "round": last.round,
+                    "sent": held is None or held[0] is not last,
+                    "num_samples": last.num_samples,
+                    "agents": len(last.participants),
+                }
                 if isinstance(last, PartialResult)
                 else {"round": last.round, "sent": False, "reason": last.reason}
             ),
