@@ -209,6 +209,8 @@ class SiteMode:
                 self._journaled = True
                 self.link.coordinator = coordinator
                 self._up_weights = (up.round, up.weights)
+                # its agents evaluate and train that version: it exists
+                self.version = max(self.version, up.model_version)
                 log.info(
                     "resuming site round %d for upstream round %d (%.0fs left) with %s: %d update frames in the journal",
                     inflight.round,
