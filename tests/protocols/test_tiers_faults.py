@@ -188,3 +188,13 @@ def test_a_result_that_could_not_go_is_held():
     assert site.hold(res, 3.0) == [RequestWakeup(40.0)]  # ... and the send failed
     assert site.status()["upstream_down_since"] == 3.0
     assert site.handle(UpstreamUp(), 10.0) == [res]
+
+
+def test_a_result_that_failed_after_its_upstream_round_moved_on_is_dropped():
+    site = site_online()
+    (own,) = of(site.handle(upstream(deadline=40.0), 0.0), StartRound)
+    (res,) = of(answered(site, own, 2.0), PartialResult)
+    site.handle(upstream(6, deadline=40.0), 30.0)  # while the send of round 5's hung
+    (dropped,) = site.hold(res, 31.0)
+    assert dropped == PartialDropped(5, own.round, "not sent: its upstream round is over")
+    assert site.held is None

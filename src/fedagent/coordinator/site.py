@@ -30,6 +30,7 @@ import json
 import logging
 import time
 from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from fedagent.config import round_config
@@ -66,6 +67,18 @@ from fedagent.storage.statefile import atomic_write, read_bytes
 from fedagent.tasks.base import get_weights
 
 log = logging.getLogger("fedagent.site")
+
+
+@dataclass(frozen=True, slots=True)
+class _Unsent:
+    """A partial result that could not go up: the connection broke while it went."""
+
+    result: T.PartialResult
+
+
+@dataclass(frozen=True, slots=True)
+class _SendFailed:
+    error: Exception
 
 
 class SiteMode:
@@ -140,6 +153,8 @@ class SiteMode:
         self._up_weights: tuple[int, dict[str, Any]] = (0, {})  # the upstream round's model
         self._link_down = False  # told to the machine: the upstream connection is down
         self._recorded = 0  # the latest site round whose result the history has
+        # partial results on their way up
+        self._sends: dict[asyncio.Task[None], T.PartialResult] = {}
         # The resumed site round's commands, carried out in start(): the machine is resumed
         # here already, so that the journal's frames replayed before start() are admitted.
         self._resumed: list[Any] = []
@@ -295,9 +310,22 @@ class SiteMode:
         if isinstance(item, FromUpstream):
             await self._from_upstream(item.incoming)
             return
+        if isinstance(item, _Unsent):
+            await self._hold(item.result)
+            return
+        if isinstance(item, _SendFailed):
+            raise item.error
         if isinstance(item, T.UpstreamUp | T.UpstreamDown):
             self._link_down = isinstance(item, T.UpstreamDown)
             await self._handle(item)
+            if self._link_down:
+                # A publish cut off before its acknowledgement is sent again on the next
+                # connection, whenever that is: held instead, it goes up only while its
+                # upstream round may still be open.
+                for task, result in list(self._sends.items()):
+                    task.cancel()
+                    del self._sends[task]
+                    await self._hold(result)
             return
         if isinstance(item, UpdatePart):
             self._stream_bytes -= item.values.nbytes
@@ -361,6 +389,8 @@ class SiteMode:
         return [self._upstream(), self._expire_streams(), self._watch_upstream()]
 
     def close(self) -> None:
+        for task in self._sends:
+            task.cancel()  # the broker keeps what was not acknowledged; a restart drops it
         self.timer.cancel()
         self.durability.close()
 
@@ -471,6 +501,24 @@ class SiteMode:
         )
         for agent, what in cmd.bounded.items():
             log.info("site round %d: %s's update bounded: %s", cmd.site_round, agent, what)
+
+    async def _deliver_partial(self, cmd: T.PartialResult) -> None:
+        try:
+            sent = await self._send_partial(cmd)
+        except Exception as exc:  # noqa: BLE001 - raised again on the core's loop (a config error exits)
+            await self.core.queue.put(_SendFailed(exc))
+            return
+        if not sent and not self.link.transport.connected:
+            await self.core.queue.put(_Unsent(cmd))
+            return
+        log.info(
+            "site round %d: %d agents, %d samples%s upstream round %d",
+            cmd.site_round,
+            len(cmd.participants),
+            cmd.num_samples,
+            " sent to" if sent else " NOT sent to",
+            cmd.round,
+        )
 
     async def _hold(self, cmd: T.PartialResult) -> None:
         """The partial result could not go up: held until the connection is back."""
@@ -646,18 +694,11 @@ class SiteMode:
             if not self.link.transport.connected:
                 await self._hold(cmd)
                 return
-            sent = await self._send_partial(cmd)
-            if not sent and not self.link.transport.connected:
-                await self._hold(cmd)
-                return
-            log.info(
-                "site round %d: %d agents, %d samples%s upstream round %d",
-                cmd.site_round,
-                len(cmd.participants),
-                cmd.num_samples,
-                " sent to" if sent else " NOT sent to",
-                cmd.round,
-            )
+            # A task of its own: a stalled connection holds the publish up to its timeout,
+            # and the site's agents, its status and the machine's clock must not wait.
+            task = asyncio.get_running_loop().create_task(self._deliver_partial(cmd))
+            self._sends[task] = cmd
+            task.add_done_callback(lambda t: self._sends.pop(t, None))
         elif isinstance(cmd, T.PartialDropped):
             log.warning("upstream round %d: site round %d's partial result %s", cmd.round, cmd.site_round, cmd.reason)
             core.history.append(

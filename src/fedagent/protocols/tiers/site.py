@@ -96,6 +96,7 @@ class SiteMachine:
         self.last: PartialResult | SiteRoundFailed | None = None
         self._top = 0  # the site round's W, when it is a secure one
         self.upstream_end = math.inf  # when the upstream round being answered stops waiting
+        self._answering = 0  # the upstream round upstream_end is of
         self.down_since: float | None = None  # the upstream connection lost at, if it is
         # A partial result made while the upstream tier was out of reach, with the time its
         # upstream round stops waiting: sent when the connection is back, if still open.
@@ -159,6 +160,9 @@ class SiteMachine:
         one made while the upstream tier was out of reach."""
         if self.down_since is None:
             self.down_since = now
+        if result.round != self._answering:
+            # A newer upstream round started meanwhile: this one's is over.
+            return [PartialDropped(result.round, result.site_round, "not sent: its upstream round is over")]
         return self._hold(result, self.upstream_end)
 
     def resume(self, upstream: UpstreamRound, site_round: int, selected: tuple[str, ...], now: float) -> list[Command]:
@@ -175,6 +179,7 @@ class SiteMachine:
         if left <= 0:
             raise ValueError(f"cannot resume site round {site_round}: upstream round {upstream.round} is over")
         self.upstream = upstream
+        self._answering = upstream.round
         self.upstream_end = now + upstream.deadline_s
         self.deadline = now + left
         self.site_round = max(self.site_round, site_round)
@@ -228,6 +233,7 @@ class SiteMachine:
             out += self._fail(f"upstream round {ev.round} started before the site's round ended", now)
         out += self._drop_held(f"upstream round {ev.round} started", upto=ev.round - 1)
         self.upstream = ev
+        self._answering = ev.round
         self.upstream_end = now + ev.deadline_s
         self.deadline = now + self.config.budget(ev.deadline_s)
         out += self._maybe_open(now)
