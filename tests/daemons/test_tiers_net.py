@@ -204,11 +204,13 @@ def test_a_site_aggregator_killed_mid_round(tmp_path):
             outcome = "resumed and counted"
         else:
             assert missing[killed_in] == ["site-2-up"], missing
-            # dropped, not sent late: the hub refused nothing of it as stale
+            # dropped at the site with a reason, not sent late: the hub had nothing of it to refuse
             dropped = [r for r in site if r.get("event") in ("site_dropped", "site_failed")]
-            assert any(r.get("upstream_round", killed_in) == killed_in for r in dropped) or not answered, site
-            assert not answered or "NOT sent" not in log
-            outcome = "dropped"
+            assert any(r.get("upstream_round", killed_in) == killed_in for r in dropped), site
+            hub_log = (fed.work / "logs" / "coordinator.log").read_text()
+            assert "from site-2-up before checking them" not in hub_log
+            assert not any(r.get("sender") == "site-2-up" for r in done.get("recent_rejections", []))
+            outcome = "dropped: " + "; ".join(str(r.get("reason")) for r in dropped)
         print(f"site-2 killed in hub round {killed_in}: {outcome}")
     finally:
         fed.close()
