@@ -12,10 +12,11 @@ upstream tier's final model is passed on to the site's agents.
 What the site keeps across a restart: its round numbers (its agents ignore a round start
 they have seen), the norm bound's recent distances with them, and the upstream round it
 answers (its model, training settings, deadline and coordinator, written before its site
-round starts). A site round in flight at a restart is taken up again from the round
-journal, as a coordinator's is, while its upstream round may still be open (its deadline
-has not passed, and no result of it is heard); its result then goes up as if nothing had
-happened. Otherwise the journal is past and the site's work for it is dropped, logged.
+round starts). A site round in flight at a restart, or aggregated and not yet sent up (its
+journal is kept until then), is taken up again from the round journal, as a coordinator's
+is, while its upstream round may still be open (its deadline has not passed, and no
+result of it is heard); its result then goes up as if nothing had happened. Otherwise
+the journal is past and the site's work for it is dropped, logged.
 
 While the upstream connection is down the site goes on running the round its agents are
 in (they are on the site broker) and holds its partial result; it goes up when the
@@ -148,7 +149,6 @@ class SiteMode:
         self.done = asyncio.Event()
         self._started_at: float | None = None
         self.last_round_seconds: float | None = None
-        self._journaled = False  # a site round's journal is open
         self._secure_up = 0  # the latest upstream round that is a secure one
         self._up_weights: tuple[int, dict[str, Any]] = (0, {})  # the upstream round's model
         self._link_down = False  # told to the machine: the upstream connection is down
@@ -177,6 +177,19 @@ class SiteMode:
             "secure": msg.secagg is not None,
         }
         checkpoint.save(self.upstream_path, msg.weights, meta)
+
+    def _recorded_already(self, site_round: int) -> bool:
+        """Whether the history has the result of ``site_round`` (a restart between its line
+        and its send: not written twice)."""
+        for line in self.core.history.tail(65536):
+            if b'"event": "site_round"' not in line:
+                continue
+            try:
+                if json.loads(line).get("round") == site_round:
+                    return True
+            except (ValueError, AttributeError):
+                continue
+        return False
 
     def _resume(self, inflight: InFlight) -> None:
         """A site round was in flight at the restart: take it up again if its upstream
@@ -221,7 +234,8 @@ class SiteMode:
                 why = str(exc)
             else:
                 self._resumed = cmds
-                self._journaled = True
+                if self._recorded_already(inflight.round):
+                    self._recorded = inflight.round
                 self.link.coordinator = coordinator
                 self._up_weights = (up.round, up.weights)
                 # its agents evaluate and train that version: it exists
@@ -511,6 +525,7 @@ class SiteMode:
         if not sent and not self.link.transport.connected:
             await self.core.queue.put(_Unsent(cmd))
             return
+        await self.durability.end_round(cmd.site_round)
         log.info(
             "site round %d: %d agents, %d samples%s upstream round %d",
             cmd.site_round,
@@ -635,7 +650,6 @@ class SiteMode:
                     asyncio.to_thread(self._save_state, cmd.round),
                     self.durability.begin(cmd.round, cmd.model_version, cmd.selected),
                 )
-            self._journaled = True
             up = self.machine.upstream
             log.info(
                 "site round %d%s (upstream round %s): model version %d to %s",
@@ -668,8 +682,8 @@ class SiteMode:
         elif isinstance(cmd, R.RoundAggregated):
             took = time.monotonic() - (self._started_at or time.monotonic())
             self.last_round_seconds = took
-            self._journaled = False
-            await self.durability.end()
+            # The journal stays until the partial result has gone up (or is dropped): a
+            # restart before then makes it again from the journal's updates.
             await asyncio.to_thread(self._save_state, self.machine.site_round)
             # The agents learn their round is over; the model they trained from is still
             # the current one until the upstream tier says otherwise.
@@ -704,14 +718,13 @@ class SiteMode:
             core.history.append(
                 {"event": "site_dropped", "round": cmd.site_round, "upstream_round": cmd.round, "reason": cmd.reason}
             )
+            await self.durability.end_round(cmd.site_round)
         elif isinstance(cmd, T.SiteRoundFailed):
             log.warning("upstream round %d: no partial result from this site: %s", cmd.round, cmd.reason)
             core.history.append(
                 {"event": "site_failed", "round": cmd.site_round, "upstream_round": cmd.round, "reason": cmd.reason}
             )
-            if self._journaled:
-                self._journaled = False
-                await self.durability.end()
+            await self.durability.end_round(cmd.site_round)
         elif isinstance(cmd, R.RoundAbandoned):
             core.metrics.round_abandoned()
             await core.messenger.send(
