@@ -2,9 +2,12 @@
 # Installs fedagent as systemd services on a Debian machine:
 #   /opt/fedagent          a virtualenv with fedagent and the pinned CPU torch
 #   /usr/bin/fedagent      the CLI
-#   /etc/systemd/system/   fedagent-agent.service, fedagent-coordinator.service
-#   /etc/fedagent/         agent.toml, coordinator.toml (kept if present), tls/ (0700)
-# State lives in /var/lib/fedagent-{agent,coordinator} (DynamicUser, created by systemd).
+#   /etc/systemd/system/   fedagent-agent.service, fedagent-coordinator.service,
+#                          fedagent-aggregator.service (a site aggregator)
+#   /etc/fedagent/         agent.toml, coordinator.toml, aggregator.toml (kept if present),
+#                          tls/ (0700)
+# State lives in /var/lib/fedagent-{agent,coordinator,aggregator} (DynamicUser, created by
+# systemd).
 #
 # usage: scripts/install-service.sh [--root DIR] [--no-venv --fedagent-bin PATH]
 #   --root DIR       install below DIR instead of / (for packaging and tests)
@@ -38,10 +41,10 @@ else
   chmod 0755 "$root/usr/bin/fedagent"
 fi
 
-for unit in fedagent-agent.service fedagent-coordinator.service; do
+for unit in fedagent-agent.service fedagent-coordinator.service fedagent-aggregator.service; do
   install -m 0644 "$src/systemd/$unit" "$root/etc/systemd/system/$unit"
 done
-for conf in agent.toml coordinator.toml; do
+for conf in agent.toml coordinator.toml aggregator.toml; do
   # Never overwrite an operator's config; world-readable so the dynamic user can read it
   # (it holds no secret: keys go through LoadCredential=).
   [ -e "$root/etc/fedagent/$conf" ] || install -m 0644 "$src/systemd/$conf" "$root/etc/fedagent/$conf"
@@ -52,7 +55,8 @@ if [ -z "$root" ] && [ -d /run/systemd/system ]; then
 fi
 cat <<MSG
 fedagent installed${root:+ below $root}. Next:
-  1. put ca.crt, agent.crt, agent.key (and/or coordinator.crt/.key) in /etc/fedagent/tls/
+  1. put ca.crt, agent.crt, agent.key (and/or coordinator.crt/.key; for a site aggregator
+     aggregator.crt/.key and aggregator-up.crt/.key) in /etc/fedagent/tls/
   2. set id (and interfaces) in /etc/fedagent/agent.toml
   3. systemctl enable --now fedagent-agent
   4. fedagent join FEDERATION --config /etc/fedagent/agent.toml; fedagent status

@@ -85,6 +85,21 @@ def test_the_round_ending_settles_the_frames_waiting_for_a_sync(tmp_path, arun):
     arun(main())
 
 
+def test_a_round_is_ended_only_while_the_journal_is_still_its_own(tmp_path, arun):
+    async def main() -> None:
+        d = durable(tmp_path, max_delay=10.0)
+        await d.begin(3, 2, ("agent-1",))
+        await d.begin(4, 2, ("agent-1",))  # the next round began before round 3's result went up
+        await d.end_round(3)
+        assert d.journal.round == InFlight(4, 2, ("agent-1",))
+        await d.end_round(4)
+        assert d.journal.round is None
+        await d.end_round(4)  # nothing left: nothing done
+        d.close()
+
+    arun(main())
+
+
 def test_a_restart_takes_up_only_the_round_the_checkpoint_started(tmp_path, arun):
     def restarted_with(round_: int, version: int, *, resumable: bool = True) -> InFlight | None:
         async def main() -> None:

@@ -166,9 +166,11 @@ def test_status_shows_the_tree(runs):
 
 
 def test_a_site_aggregator_killed_mid_round(tmp_path):
-    """kill -9 of a site aggregator while its site trains: the hub closes that round with
-    the other site at its deadline and says which site was missing; the aggregator comes
-    back on its state directory (its round numbers go on, so its agents take its next
+    """kill -9 of a site aggregator while its site trains: it comes back on its state
+    directory and takes its site round up again from its journal. Either the hub's round
+    was still open and the site's result counts in it, or the hub closed it without the
+    site (its history says which site was missing) and the site drops its work for it,
+    logged, instead of sending it late. Its round numbers go on (its agents take its next
     round start) and its site is in the hub's rounds again."""
     fed = TieredFederation(
         tmp_path, sites=[2, 2], rounds=4, alpha=ALPHA, round_timeout=12.0, transfer={"compression": "none"}
@@ -189,10 +191,31 @@ def test_a_site_aggregator_killed_mid_round(tmp_path):
         assert done["completed_rounds"] == 4
         rounds = [r for r in _history(fed, "coordinator") if r.get("event") == "round"]
         missing = {r["round"]: r.get("missing", []) for r in rounds}
-        assert missing.get(killed_in) == ["site-2-up"], missing
+        killed = next(r for r in rounds if r["round"] == killed_in)
         assert sorted(rounds[-1]["participants"]) == ["site-1-up", "site-2-up"]
-        site_rounds = [r["round"] for r in _history(fed, "site-2") if r.get("event") == "site_round"]
+        site = _history(fed, "site-2")
+        site_rounds = [r["round"] for r in site if r.get("event") == "site_round"]
         assert site_rounds == sorted(set(site_rounds))  # never a number twice, across the restart
+        log = (fed.work / "logs" / "site-2.log").read_text()
+        answered = [r for r in site if r.get("event") == "site_round" and r["upstream_round"] == killed_in]
+        resumed = "resuming site round" in log
+        if "site-2-up" in killed["participants"]:
+            # sent before the kill, or resumed from its journal and sent in time: once
+            assert len(answered) == 1, answered
+            outcome = "resumed and counted" if resumed else "sent before the kill"
+        else:
+            assert missing[killed_in] == ["site-2-up"], missing
+            # Resumed, then dropped at the site with a reason: the hub's round had closed.
+            dropped = [r for r in site if r.get("event") in ("site_dropped", "site_failed")]
+            if resumed:
+                assert any(r.get("upstream_round", killed_in) == killed_in for r in dropped), site
+            # Never sent late: the hub had nothing of it to refuse.
+            hub_log = (fed.work / "logs" / "coordinator.log").read_text()
+            assert "from site-2-up before checking them" not in hub_log
+            assert not any(r.get("sender") == "site-2-up" for r in done.get("recent_rejections", []))
+            reasons = "; ".join(str(r.get("reason")) for r in dropped)
+            outcome = f"resumed, dropped: {reasons}" if resumed else f"not resumed: {reasons or 'no journal'}"
+        print(f"site-2 killed in hub round {killed_in}: {outcome}")
     finally:
         fed.close()
 

@@ -26,8 +26,12 @@ def install(unit: Path, root: Path) -> Path:
     return target
 
 
-def test_both_units_exist():
-    assert [u.name for u in UNITS] == ["fedagent-agent.service", "fedagent-coordinator.service"]
+def test_the_units_exist():
+    assert [u.name for u in UNITS] == [
+        "fedagent-agent.service",
+        "fedagent-aggregator.service",
+        "fedagent-coordinator.service",
+    ]
 
 
 @pytest.mark.parametrize("unit", UNITS, ids=lambda u: u.name)
@@ -87,7 +91,7 @@ def test_install_script_into_a_temporary_root(tmp_path):
         "fedagent"
     )
     assert oct((root / "etc" / "fedagent" / "tls").stat().st_mode & 0o777) == "0o700"
-    for unit in ("fedagent-agent.service", "fedagent-coordinator.service"):
+    for unit in ("fedagent-agent.service", "fedagent-coordinator.service", "fedagent-aggregator.service"):
         path = root / "etc" / "systemd" / "system" / unit
         path.write_text(path.read_text().replace("/usr/bin/fedagent", str(cli)))
         out = subprocess.run([ANALYZE, "verify", str(path)], capture_output=True, text=True, timeout=60)
@@ -98,6 +102,9 @@ def test_install_script_into_a_temporary_root(tmp_path):
     # The untouched template: a clear configuration error, exit 78 (no restart loop).
     run = subprocess.run([str(cli), "agent", "--config", str(conf)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 78 and "invalid id 'CHANGE-ME'" in run.stderr
+    agg = root / "etc" / "fedagent" / "aggregator.toml"
+    run = subprocess.run([str(cli), "aggregator", "--config", str(agg)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 78 and "CHANGE-ME" in run.stderr, run.stderr
     from fedagent import config
 
     conf.write_text(conf.read_text().replace('id = "CHANGE-ME"', 'id = "site-a"'))

@@ -310,8 +310,17 @@ def render_tier(tier: dict[str, Any], console: Console) -> None:
         sent = (
             f"round {last['round']}: {last.get('agents', 0)} agents, {last.get('num_samples', 0)} samples"
             if last.get("sent")
-            else f"round {last['round']}: not sent ({last.get('reason', '?')})"
+            else f"round {last['round']}: not sent ({last.get('reason', 'held')})"
         )
+    held = tier.get("held") or {}
+    waiting = (
+        f"upstream round {held.get('round')}: {held.get('agents', 0)} agents, {held.get('num_samples', 0)} samples, "
+        f"{held.get('seconds_left', 0)}s left"
+        if held
+        else "-"
+    )
+    down = tier.get("upstream_down_since")
+    down_since = "-" if down is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(down)))
     u = Table(title="upstream tier", show_header=False, title_justify="left")
     u.add_column(style="bold")
     u.add_column()
@@ -324,6 +333,8 @@ def render_tier(tier: dict[str, Any], console: Console) -> None:
         ("site round", tier.get("site_round")),
         ("announced", f"{up.get('announced_agents', 0)} agents, {up.get('announced_samples', 0)} samples"),
         ("last partial result", sent),
+        ("down since", down_since),
+        ("held", waiting),
     ):
         u.add_row(k, _fmt(v))
     console.print(u)

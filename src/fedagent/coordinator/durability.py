@@ -156,6 +156,16 @@ class DurableJournal:
             await asyncio.to_thread(self.journal.end)
             self._settled()
 
+    async def end_round(self, round_: int) -> None:
+        """:meth:`end`, if the journal is still round ``round_``'s (a site aggregator keeps
+        a round's journal until its result has gone up, by when the next may have begun)."""
+        async with self._lock:
+            inflight = self.journal.round
+            if inflight is None or inflight.round != round_:
+                return
+            await asyncio.to_thread(self.journal.end)
+            self._settled()
+
     def _settled(self) -> None:
         # The frames written so far belong to a round that is now in the checkpoint (or
         # was abandoned): none of them needs its sync any more.

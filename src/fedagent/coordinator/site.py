@@ -10,8 +10,18 @@ goes up as the site's partial result and nowhere else: the site publishes no mod
 upstream tier's final model is passed on to the site's agents.
 
 What the site keeps across a restart: its round numbers (its agents ignore a round start
-they have seen), the norm bound's recent distances with them. A site round in flight at a
-restart is not resumed: the upstream round waits for the other sites or its deadline.
+they have seen), the norm bound's recent distances with them, and the upstream round it
+answers (its model, training settings, deadline and coordinator, written before its site
+round starts). A site round in flight at a restart, or aggregated and not yet sent up (its
+journal is kept until then), is taken up again from the round journal, as a coordinator's
+is, while its upstream round may still be open (its deadline has not passed, and no
+result of it is heard); its result then goes up as if nothing had happened. Otherwise
+the journal is past and the site's work for it is dropped, logged.
+
+While the upstream connection is down the site goes on running the round its agents are
+in (they are on the site broker) and holds its partial result; it goes up when the
+connection is back if its upstream round may still be open, and is dropped, logged,
+otherwise (:class:`~fedagent.protocols.tiers.SiteMachine`).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import json
 import logging
 import time
 from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from fedagent.config import round_config
@@ -31,7 +42,7 @@ from fedagent.coordinator.refold import held_whole, replay_parts
 from fedagent.coordinator.streams import stream_budget
 from fedagent.coordinator.upstream import FromUpstream, UpstreamLink
 from fedagent.coordinator.vocabstage import has_vocabulary
-from fedagent.errors import ConfigError, FedagentError
+from fedagent.errors import ConfigError, FedagentError, StateWriteError
 from fedagent.node import sdnotify
 from fedagent.node.messaging import Incoming
 from fedagent.node.metrics import NodeMetrics
@@ -39,7 +50,7 @@ from fedagent.node.runtime import Timer, release_large_frees
 from fedagent.protocols import rounds as R
 from fedagent.protocols import tiers as T
 from fedagent.protocols import topics
-from fedagent.protocols.messages import GlobalModel, RoundResult, RoundStart, Update
+from fedagent.protocols.messages import GlobalModel, RoundResult, RoundStart, TrainConfig, Update
 from fedagent.protocols.ratelimit import Rate, SenderBudget
 from fedagent.protocols.secagg import MESSAGES as SECAGG_MESSAGES
 from fedagent.protocols.secagg import (
@@ -52,10 +63,24 @@ from fedagent.protocols.secagg import (
     SecAggUnmask,
 )
 from fedagent.protocols.streaming import StreamEvent, UpdatePart
+from fedagent.storage import checkpoint
+from fedagent.storage.roundjournal import InFlight
 from fedagent.storage.statefile import atomic_write, read_bytes
 from fedagent.tasks.base import get_weights
 
 log = logging.getLogger("fedagent.site")
+
+
+@dataclass(frozen=True, slots=True)
+class _Unsent:
+    """A partial result that could not go up: the connection broke while it went."""
+
+    result: T.PartialResult
+
+
+@dataclass(frozen=True, slots=True)
+class _SendFailed:
+    error: Exception
 
 
 class SiteMode:
@@ -102,12 +127,9 @@ class SiteMode:
         fp = core.admission.fingerprint
         roles = fp.roles(local_norm=rc.train.local_norm) if fp is not None else None
         saved = self._load_state()
-        # The journal of a site round cut short by a restart is past: that round is not
-        # taken up again, but its number is not used twice.
+        self.upstream_path = core.dir / "upstream-round"
         inflight = self.journal.recover()
         last = max(int(saved.get("site_round", 0)), inflight.round if inflight is not None else 0)
-        if inflight is not None:
-            self.journal.end()
         self.machine = T.SiteMachine(
             T.TierConfig(rc, cfg.tier.upload_share),
             is_aggregator=self._is_aggregator if cfg.tier.sites else None,
@@ -122,16 +144,116 @@ class SiteMode:
                 [float(x) for x in r] for r in norms if isinstance(r, list) and all(isinstance(x, float) for x in r)
             ]
         self.link = UpstreamLink(cfg, core.queue, core.dir / "upstream", core.admission.digest)
+        self.link.on_up = self._upstream_up
         self.version = 0  # the newest upstream model version heard of
         self.final: GlobalModel | None = None
         self.done = asyncio.Event()
         self._started_at: float | None = None
         self.last_round_seconds: float | None = None
-        self._journaled = False  # a site round's journal is open
         self._secure_up = 0  # the latest upstream round that is a secure one
         self._up_weights: tuple[int, dict[str, Any]] = (0, {})  # the upstream round's model
+        self._link_down = False  # told to the machine: the upstream connection is down
+        self._recorded = 0  # the latest site round whose result the history has
+        # partial results on their way up
+        self._sends: dict[asyncio.Task[None], T.PartialResult] = {}
+        # The resumed site round's commands, carried out in start(): the machine is resumed
+        # here already, so that the journal's frames replayed before start() are admitted.
+        self._resumed: list[Any] = []
+        if inflight is not None:
+            self._resume(inflight)
 
     # -- state ---------------------------------------------------------------------------
+    def _save_upstream(self, msg: RoundStart, deadline_s: float, coordinator: str) -> None:
+        """The upstream round this site is about to answer, for a restart in its middle:
+        durable before the site round's journal begins."""
+        assert msg.weights is not None
+        meta = {
+            "round": msg.round,
+            "model_version": msg.model_version,
+            "train": msg.train.to_body(),
+            "deadline_s": deadline_s,
+            # wall-clock: the monotonic clock does not outlive the process
+            "ends_at": time.time() + deadline_s,
+            "coordinator": coordinator,
+            "secure": msg.secagg is not None,
+        }
+        checkpoint.save(self.upstream_path, msg.weights, meta)
+
+    def _recorded_already(self, site_round: int) -> bool:
+        """Whether the history has the result of ``site_round`` (a restart between its line
+        and its send: not written twice)."""
+        for line in self.core.history.tail(65536):
+            if b'"event": "site_round"' not in line:
+                continue
+            try:
+                if json.loads(line).get("round") == site_round:
+                    return True
+            except (ValueError, AttributeError):
+                continue
+        return False
+
+    def _resume(self, inflight: InFlight) -> None:
+        """A site round was in flight at the restart: take it up again if its upstream
+        round may still be open, else end its journal (the site's work for it is dropped)."""
+        why = ""
+        try:
+            loaded = checkpoint.load(self.upstream_path, max_bytes=2 * self.cfg.max_model_bytes + 2**20)
+        except FedagentError as exc:
+            loaded, why = None, str(exc)
+        up: T.UpstreamRound | None = None
+        if loaded is None:
+            why = why or "the upstream round it answered was not saved"
+        else:
+            weights, meta = loaded
+            try:
+                left = float(meta["ends_at"]) - time.time()
+                up = T.UpstreamRound(
+                    int(meta["round"]),
+                    int(meta["model_version"]),
+                    weights,
+                    TrainConfig.from_body(meta["train"]),
+                    min(left, float(meta["deadline_s"])),
+                )
+                coordinator = str(meta["coordinator"])
+                secure = bool(meta["secure"])
+            except (KeyError, TypeError, ValueError, FedagentError) as exc:
+                up, why = None, f"the saved upstream round is unreadable ({exc})"
+            else:
+                if up.model_version != inflight.model_version:
+                    why = f"the saved upstream round (model version {up.model_version}) is another one"
+                    up = None
+                elif secure:
+                    why = f"upstream round {up.round} is a secure one: its keys died with the process"
+                    up = None
+                elif left <= 0:
+                    why = f"upstream round {up.round} is over (its deadline passed {-left:.0f}s ago)"
+                    up = None
+        if up is not None:
+            try:
+                cmds = self.machine.resume(up, inflight.round, inflight.selected, time.monotonic())
+            except ValueError as exc:
+                why = str(exc)
+            else:
+                self._resumed = cmds
+                if self._recorded_already(inflight.round):
+                    self._recorded = inflight.round
+                self.link.coordinator = coordinator
+                self._up_weights = (up.round, up.weights)
+                # its agents evaluate and train that version: it exists
+                self.version = max(self.version, up.model_version)
+                log.info(
+                    "resuming site round %d for upstream round %d (%.0fs left) with %s: %d update frames in the journal",
+                    inflight.round,
+                    up.round,
+                    up.deadline_s,
+                    ", ".join(inflight.selected),
+                    self.journal.frames,
+                )
+                return
+        log.warning("site round %d not resumed, its work is dropped: %s", inflight.round, why)
+        self.core.history.append({"event": "site_dropped", "round": inflight.round, "reason": why})
+        self.journal.end()
+
     def _load_state(self) -> dict[str, Any]:
         raw = read_bytes(self.state_path, 1 << 20)
         if not raw:
@@ -162,10 +284,15 @@ class SiteMode:
         return None
 
     async def start(self, now: float) -> None:
-        return None
+        cmds, self._resumed = self._resumed, []
+        for cmd in cmds:
+            await self._execute(cmd)
 
     def recovered_frames(self) -> Iterator[tuple[str, bytes]]:
-        return iter(())
+        # Called before start() has run: the machine is resumed already (in __init__).
+        if self.machine.machine is None:
+            return iter(())
+        return self.journal.frames_of()
 
     async def on_presence(self, agent: str, online: bool, samples: int, now: float) -> None:
         if online and self._is_aggregator(agent) and not self.cfg.tier.sites:
@@ -198,6 +325,23 @@ class SiteMode:
         if isinstance(item, FromUpstream):
             await self._from_upstream(item.incoming)
             return
+        if isinstance(item, _Unsent):
+            await self._hold(item.result)
+            return
+        if isinstance(item, _SendFailed):
+            raise item.error
+        if isinstance(item, T.UpstreamUp | T.UpstreamDown):
+            self._link_down = isinstance(item, T.UpstreamDown)
+            await self._handle(item)
+            if self._link_down:
+                # A publish cut off before its acknowledgement is sent again on the next
+                # connection, whenever that is: held instead, it goes up only while its
+                # upstream round may still be open.
+                for task, result in list(self._sends.items()):
+                    task.cancel()
+                    del self._sends[task]
+                    await self._hold(result)
+            return
         if isinstance(item, UpdatePart):
             self._stream_bytes -= item.values.nbytes
             if self._stream_bytes <= self._stream_budget:
@@ -208,6 +352,19 @@ class SiteMode:
         st = self.machine.status()
         inner = st["round"] if isinstance(st["round"], dict) else {}
         last = st["last"]
+        mono, wall = time.monotonic(), time.time()
+        down = self.machine.down_since
+        held: dict[str, Any] | None = None
+        if self.machine.held is not None:
+            result, until = self.machine.held
+            held = {
+                "round": result.round,
+                "site_round": result.site_round,
+                "num_samples": result.num_samples,
+                "agents": len(result.participants),
+                # the machine's clock is monotonic: what is left of the upstream round's wait
+                "seconds_left": round(max(0.0, until - mono), 1),
+            }
         return {
             "phase": st["phase"],
             "round": self.machine.site_round if not inner else inner.get("round"),
@@ -230,6 +387,10 @@ class SiteMode:
                 "agents": st["agents"],
                 "samples": st["samples"],
                 "last_partial_result": last,
+                # wall-clock time the upstream connection was lost at (None: it is up)
+                "upstream_down_since": None if down is None else round(wall - (mono - down), 1),
+                # the partial result waiting for the upstream connection
+                "held": held,
                 "final_model_version": self.final.model_version if self.final is not None else None,
             },
         }
@@ -240,11 +401,25 @@ class SiteMode:
         m.round_started(self.machine.site_round)
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
-        return [self._upstream(), self._expire_streams()]
+        return [self._upstream(), self._expire_streams(), self._watch_upstream()]
 
     def close(self) -> None:
+        for task in self._sends:
+            task.cancel()  # the broker keeps what was not acknowledged; a restart drops it
         self.timer.cancel()
         self.durability.close()
+
+    async def _upstream_up(self) -> None:
+        await self.core.queue.put(T.UpstreamUp())
+
+    async def _watch_upstream(self) -> None:
+        """Tell the machine when the upstream connection is lost (its return is told by
+        the connection's own callback, once the presence is out)."""
+        while True:
+            if not self._link_down and not self.link.transport.connected:
+                await self.core.queue.put(T.UpstreamDown())
+                self._link_down = True
+            await asyncio.sleep(1.0)
 
     async def _upstream(self) -> None:
         try:
@@ -276,6 +451,10 @@ class SiteMode:
                 return
             log.info("upstream round %d from %s: model version %d", msg.round, inc.sender, msg.model_version)
             self._up_weights = (msg.round, msg.weights)
+            try:
+                await asyncio.to_thread(self._save_upstream, msg, msg.deadline_s, inc.sender)
+            except (OSError, StateWriteError, FedagentError) as exc:
+                log.warning("upstream round %d not saved (a restart in it drops the site's work): %s", msg.round, exc)
             if msg.secagg is not None:
                 self._secure_up = msg.round
                 await self.link.send_secagg(self.link.secagg.on_round_start(msg.round, msg.selected, msg.secagg))
@@ -318,6 +497,51 @@ class SiteMode:
                 link.messenger.reject("role", inc.sender, f"{msg.kind} not from the upstream coordinator")
                 return
             await link.send_secagg(await asyncio.to_thread(link.secagg.on_message, msg))
+
+    def _record_partial(self, cmd: T.PartialResult) -> None:
+        self._recorded = cmd.site_round
+        self.core.history.append(
+            {
+                "event": "site_round",
+                "round": cmd.site_round,
+                "upstream_round": cmd.round,
+                "model_version": cmd.base_version,
+                "participants": list(cmd.participants),
+                "num_samples": cmd.num_samples,
+                "metrics": cmd.metrics,
+                "agg_weights": cmd.weights_used,
+                "bounded": cmd.bounded,
+                "seconds": round(self.last_round_seconds or 0.0, 4),
+            }
+        )
+        for agent, what in cmd.bounded.items():
+            log.info("site round %d: %s's update bounded: %s", cmd.site_round, agent, what)
+
+    async def _deliver_partial(self, cmd: T.PartialResult) -> None:
+        try:
+            sent = await self._send_partial(cmd)
+        except Exception as exc:  # noqa: BLE001 - raised again on the core's loop (a config error exits)
+            await self.core.queue.put(_SendFailed(exc))
+            return
+        if not sent and not self.link.transport.connected:
+            await self.core.queue.put(_Unsent(cmd))
+            return
+        await self.durability.end_round(cmd.site_round)
+        log.info(
+            "site round %d: %d agents, %d samples%s upstream round %d",
+            cmd.site_round,
+            len(cmd.participants),
+            cmd.num_samples,
+            " sent to" if sent else " NOT sent to",
+            cmd.round,
+        )
+
+    async def _hold(self, cmd: T.PartialResult) -> None:
+        """The partial result could not go up: held until the connection is back."""
+        log.warning("upstream round %d: the upstream tier is out of reach; partial result held", cmd.round)
+        self._link_down = True
+        for c in self.machine.hold(cmd, time.monotonic()):
+            await self._execute(c)
 
     async def _send_partial(self, cmd: T.PartialResult) -> bool:
         """The site's partial result upstream: whole, or masked in a secure upstream round."""
@@ -422,15 +646,16 @@ class SiteMode:
         if isinstance(cmd, R.StartRound):
             self._started_at = time.monotonic()
             self.durability.count_round()
-            await asyncio.gather(
-                asyncio.to_thread(self._save_state, cmd.round),
-                self.durability.begin(cmd.round, cmd.model_version, cmd.selected),
-            )
-            self._journaled = True
+            if not cmd.resumed:
+                await asyncio.gather(
+                    asyncio.to_thread(self._save_state, cmd.round),
+                    self.durability.begin(cmd.round, cmd.model_version, cmd.selected),
+                )
             up = self.machine.upstream
             log.info(
-                "site round %d (upstream round %s): model version %d to %s",
+                "site round %d%s (upstream round %s): model version %d to %s",
                 cmd.round,
+                " (resumed after a restart)" if cmd.resumed else "",
                 up.round if up is not None else "?",
                 cmd.model_version,
                 ", ".join(cmd.selected),
@@ -458,8 +683,8 @@ class SiteMode:
         elif isinstance(cmd, R.RoundAggregated):
             took = time.monotonic() - (self._started_at or time.monotonic())
             self.last_round_seconds = took
-            self._journaled = False
-            await self.durability.end()
+            # The journal stays until the partial result has gone up (or is dropped): a
+            # restart before then makes it again from the journal's updates.
             await asyncio.to_thread(self._save_state, self.machine.site_round)
             # The agents learn their round is over; the model they trained from is still
             # the current one until the upstream tier says otherwise.
@@ -468,40 +693,39 @@ class SiteMode:
                 RoundResult(cmd.round, cmd.model_version - 1, cmd.participants, cmd.metrics),
                 round_=cmd.round,
             )
+            held = self.machine.held
+            if held is not None and held[0].site_round == cmd.round:
+                self._record_partial(held[0])
+                log.warning(
+                    "site round %d: %d agents, %d samples held for upstream round %d: the upstream tier is out of reach",
+                    cmd.round,
+                    len(held[0].participants),
+                    held[0].num_samples,
+                    held[0].round,
+                )
         elif isinstance(cmd, T.PartialResult):
+            if cmd.site_round != self._recorded:  # not recorded when it was held
+                self._record_partial(cmd)
+            if not self.link.transport.connected:
+                await self._hold(cmd)
+                return
+            # A task of its own: a stalled connection holds the publish up to its timeout,
+            # and the site's agents, its status and the machine's clock must not wait.
+            task = asyncio.get_running_loop().create_task(self._deliver_partial(cmd))
+            self._sends[task] = cmd
+            task.add_done_callback(lambda t: self._sends.pop(t, None))
+        elif isinstance(cmd, T.PartialDropped):
+            log.warning("upstream round %d: site round %d's partial result %s", cmd.round, cmd.site_round, cmd.reason)
             core.history.append(
-                {
-                    "event": "site_round",
-                    "round": cmd.site_round,
-                    "upstream_round": cmd.round,
-                    "model_version": cmd.base_version,
-                    "participants": list(cmd.participants),
-                    "num_samples": cmd.num_samples,
-                    "metrics": cmd.metrics,
-                    "agg_weights": cmd.weights_used,
-                    "bounded": cmd.bounded,
-                    "seconds": round(self.last_round_seconds or 0.0, 4),
-                }
+                {"event": "site_dropped", "round": cmd.site_round, "upstream_round": cmd.round, "reason": cmd.reason}
             )
-            for agent, what in cmd.bounded.items():
-                log.info("site round %d: %s's update bounded: %s", cmd.site_round, agent, what)
-            sent = await self._send_partial(cmd)
-            log.info(
-                "site round %d: %d agents, %d samples%s upstream round %d",
-                cmd.site_round,
-                len(cmd.participants),
-                cmd.num_samples,
-                " sent to" if sent else " NOT sent to",
-                cmd.round,
-            )
+            await self.durability.end_round(cmd.site_round)
         elif isinstance(cmd, T.SiteRoundFailed):
             log.warning("upstream round %d: no partial result from this site: %s", cmd.round, cmd.reason)
             core.history.append(
                 {"event": "site_failed", "round": cmd.site_round, "upstream_round": cmd.round, "reason": cmd.reason}
             )
-            if self._journaled:
-                self._journaled = False
-                await self.durability.end()
+            await self.durability.end_round(cmd.site_round)
         elif isinstance(cmd, R.RoundAbandoned):
             core.metrics.round_abandoned()
             await core.messenger.send(

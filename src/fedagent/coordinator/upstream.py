@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ from fedagent.node.messaging import Incoming, Messenger
 from fedagent.node.metrics import NodeMetrics
 from fedagent.node.runtime import make_transport, node_identity, presence_payload
 from fedagent.protocols import topics
-from fedagent.protocols.messages import Message, Update
+from fedagent.protocols.messages import Message, Presence, Update
 from fedagent.protocols.secagg import SecAggAgent, SecAggError, SecAggMasked, SecAggMessage
 from fedagent.security.signing import AuthError, sign_statement
 from fedagent.storage.statefile import make_dirs
@@ -61,6 +63,10 @@ class UpstreamLink:
         self.samples = 0  # what the presence announces: the site's agents' total
         self.agents = 0
         self.coordinator: str | None = None  # of the upstream tier, from its round starts
+        # Awaited after every (re)connection, once what the broker held for this link while
+        # it was away has been handed on (the end of an upstream round among it).
+        self.on_up: Callable[[], Awaitable[None]] | None = None
+        self._up_mark: float | None = None  # this connection's presence, sent at
         self.sent: dict[str, int] = {"results": 0, "bytes": 0}
         fed, me = self.fed, self.cfg.id
         self.transport = make_transport(
@@ -74,6 +80,9 @@ class UpstreamLink:
                 topics.broadcast(fed, "round_result"),
                 topics.broadcast(fed, "model"),
                 topics.inbox(fed, me),
+                # Its own presence, heard back: the broker sends it after what it held for
+                # this session, so hearing it means all of that has been handed on.
+                topics.presence(fed, me),
             ],
             on_connect=self._on_connect,
         )
@@ -129,6 +138,10 @@ class UpstreamLink:
         )
 
     async def _on_connect(self) -> None:
+        self._up_mark = time.time()
+        await self._publish_presence()
+
+    async def _publish_presence(self) -> None:
         await self.transport.publish(topics.presence(self.fed, self.cfg.id), self._presence(True), retain=True)
 
     async def announce(self, samples: int, agents: int) -> None:
@@ -137,7 +150,7 @@ class UpstreamLink:
         self.samples, self.agents = samples, agents
         if self.transport.connected:
             try:
-                await self._on_connect()
+                await self._publish_presence()
             except TransportError as exc:
                 log.warning("upstream presence not updated: %s", exc)
 
@@ -145,6 +158,13 @@ class UpstreamLink:
         return await self.messenger.receive(topic, payload, self._deliver)
 
     async def _deliver(self, inc: Incoming) -> None:
+        if inc.sender == self.cfg.id:
+            mark = self._up_mark
+            if isinstance(inc.message, Presence) and mark is not None and inc.envelope.ts >= mark:
+                self._up_mark = None
+                if self.on_up is not None:
+                    await self.on_up()
+            return  # its own presence, retained from before or re-announced
         await self.queue.put(FromUpstream(inc))
 
     async def send_update(self, update: Update) -> bool:

@@ -19,12 +19,22 @@ machine).
 from __future__ import annotations
 
 from fedagent.protocols.tiers.config import TierConfig, check_site, check_upper
-from fedagent.protocols.tiers.events import Announce, PartialResult, SiteRoundFailed, UpstreamClosed, UpstreamRound
+from fedagent.protocols.tiers.events import (
+    Announce,
+    PartialDropped,
+    PartialResult,
+    SiteRoundFailed,
+    UpstreamClosed,
+    UpstreamDown,
+    UpstreamRound,
+    UpstreamUp,
+)
 from fedagent.protocols.tiers.site import SiteMachine
 from fedagent.protocols.tiers.upper import UpperInfluence, UpperRoundMachine
 
 __all__ = [
     "Announce",
+    "PartialDropped",
     "PartialResult",
     "SiteMachine",
     "SiteRoundFailed",
@@ -32,7 +42,9 @@ __all__ = [
     "UpperInfluence",
     "UpperRoundMachine",
     "UpstreamClosed",
+    "UpstreamDown",
     "UpstreamRound",
+    "UpstreamUp",
     "check_site",
     "check_upper",
 ]

@@ -33,6 +33,17 @@ class UpstreamClosed:
     round: int
 
 
+@dataclass(frozen=True, slots=True)
+class UpstreamDown:
+    """The connection to the upstream tier is lost: a partial result is held, not sent."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamUp:
+    """The connection to the upstream tier is back: a held partial result goes up if its
+    upstream round may still be open."""
+
+
 # ---- commands ----------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class PartialResult:
@@ -70,3 +81,13 @@ class Announce:
 
     num_samples: int
     agents: int
+
+
+@dataclass(frozen=True, slots=True)
+class PartialDropped:
+    """A partial result held while the upstream tier was out of reach is not sent:
+    ``reason`` says why (its upstream round closed, or its deadline passed)."""
+
+    round: int
+    site_round: int
+    reason: str

@@ -40,16 +40,19 @@ from fedagent.protocols.streaming import UpdateEnd, UpdateHead, UpdatePart
 from fedagent.protocols.tiers.config import TierConfig, check_upper
 from fedagent.protocols.tiers.events import (
     Announce,
+    PartialDropped,
     PartialResult,
     SiteRoundFailed,
     UpstreamClosed,
+    UpstreamDown,
     UpstreamRound,
+    UpstreamUp,
 )
 from fedagent.protocols.tiers.upper import UpperRoundMachine
 
 Weights = dict[str, np.ndarray]
-Event = R.Event | UpstreamRound | UpstreamClosed
-Command = R.Command | PartialResult | SiteRoundFailed | Announce
+Event = R.Event | UpstreamRound | UpstreamClosed | UpstreamDown | UpstreamUp
+Command = R.Command | PartialResult | SiteRoundFailed | PartialDropped | Announce
 
 #: Site rounds remembered after they closed: an update for one of them is late, not wrong.
 CLOSED_KEPT = 16
@@ -92,15 +95,29 @@ class SiteMachine:
         self._announced: tuple[int, int] | None = None
         self.last: PartialResult | SiteRoundFailed | None = None
         self._top = 0  # the site round's W, when it is a secure one
+        self.upstream_end = math.inf  # when the upstream round being answered stops waiting
+        self._answering = 0  # the upstream round upstream_end is of
+        self.down_since: float | None = None  # the upstream connection lost at, if it is
+        # A partial result made while the upstream tier was out of reach, with the time its
+        # upstream round stops waiting: sent when the connection is back, if still open.
+        self.held: tuple[PartialResult, float] | None = None
 
     # -- public ------------------------------------------------------------------------
     def handle(self, event: Event, now: float) -> list[Command]:
         if isinstance(event, UpstreamRound):
             return self._on_upstream(event, now)
         if isinstance(event, UpstreamClosed):
+            out = self._drop_held(f"upstream round {event.round} closed", upto=event.round)
             if self.upstream is not None and self.upstream.round == event.round:
-                return self._fail(f"upstream round {event.round} closed before the site's", now)
+                return out + self._fail(f"upstream round {event.round} closed before the site's", now)
+            return out
+        if isinstance(event, UpstreamDown):
+            if self.down_since is None:
+                self.down_since = now
             return []
+        if isinstance(event, UpstreamUp):
+            self.down_since = None
+            return self._release_held(now)
         if isinstance(event, R.AgentOnline):
             if event.agent in self.departed:
                 return []
@@ -113,13 +130,17 @@ class SiteMachine:
             self.departed.discard(event.agent)
             return self._announce() + self._forward(event, now)
         if isinstance(event, R.Wakeup):
+            if self.held is not None and now >= self.held[1]:
+                return self._drop_held("its deadline passed while the upstream tier was out of reach")
+            # Woken for something sooner: the held result's deadline is asked for again.
+            keep: list[Command] = [R.RequestWakeup(self.held[1])] if self.held is not None else []
             if self.machine is None and self.upstream is not None and now >= self.deadline:
-                return self._fail(
+                return keep + self._fail(
                     f"no quorum before the site's deadline ({len(self.online)} of {self.config.rounds.min_agents} "
                     "agents online)",
                     now,
                 )
-            return self._forward(event, now)
+            return keep + self._forward(event, now)
         if self.machine is None:
             return self._no_round(event)
         return self._forward(event, now)
@@ -134,10 +155,53 @@ class SiteMachine:
         """What the site announces upstream: its online agents' announced samples."""
         return sum(self.online.values())
 
+    def hold(self, result: PartialResult, now: float) -> list[Command]:
+        """``result`` could not be sent (the connection broke while it went): held like
+        one made while the upstream tier was out of reach."""
+        if self.down_since is None:
+            self.down_since = now
+        if result.round != self._answering:
+            # A newer upstream round started meanwhile: this one's is over.
+            return [PartialDropped(result.round, result.site_round, "not sent: its upstream round is over")]
+        return self._hold(result, self.upstream_end)
+
+    def resume(self, upstream: UpstreamRound, site_round: int, selected: tuple[str, ...], now: float) -> list[Command]:
+        """Take site round ``site_round`` up again after a restart (from the round journal),
+        under the same number and selection, for ``upstream`` (as saved when it started;
+        ``deadline_s``: what is left of it). The caller then feeds the journaled updates
+        like any others. Refused (ValueError) for a secure site round: its keys and shares
+        died with the process."""
+        if self.machine is not None or self.upstream is not None or not selected:
+            raise ValueError(f"cannot resume site round {site_round}: a round is in progress")
+        if self.config.rounds.secure is not None:
+            raise ValueError(f"cannot resume secure site round {site_round}: its keys died with the process")
+        left = self.config.budget(upstream.deadline_s)
+        if left <= 0:
+            raise ValueError(f"cannot resume site round {site_round}: upstream round {upstream.round} is over")
+        self.upstream = upstream
+        self._answering = upstream.round
+        self.upstream_end = now + upstream.deadline_s
+        self.deadline = now + left
+        self.site_round = max(self.site_round, site_round)
+        machine = self._build(upstream, len(selected), left, last_round=site_round)
+        self.machine = machine
+        return self._translate(machine.resume(site_round, tuple(selected), now), now)
+
     def status(self) -> dict[str, object]:
         up = self.upstream
         last = self.last
+        held = self.held
         return {
+            "upstream_down_since": self.down_since,
+            "held": None
+            if held is None
+            else {
+                "round": held[0].round,
+                "site_round": held[0].site_round,
+                "num_samples": held[0].num_samples,
+                "agents": len(held[0].participants),
+                "until": held[1],
+            },
             "upstream_round": up.round if up is not None else None,
             "site_round": self.site_round,
             "phase": "training" if self.machine is not None else ("quorum" if up is not None else "idle"),
@@ -147,7 +211,12 @@ class SiteMachine:
             "last": None
             if last is None
             else (
-                {"round": last.round, "sent": True, "num_samples": last.num_samples, "agents": len(last.participants)}
+                {
+                    "round": last.round,
+                    "sent": held is None or held[0] is not last,
+                    "num_samples": last.num_samples,
+                    "agents": len(last.participants),
+                }
                 if isinstance(last, PartialResult)
                 else {"round": last.round, "sent": False, "reason": last.reason}
             ),
@@ -159,8 +228,13 @@ class SiteMachine:
         if self.upstream is not None:
             if ev.round <= self.upstream.round:
                 return []  # a redelivered round start
+        if self.held is not None and ev.round <= self.held[0].round:
+            return []  # answered already: its result waits for the connection
             out += self._fail(f"upstream round {ev.round} started before the site's round ended", now)
+        out += self._drop_held(f"upstream round {ev.round} started", upto=ev.round - 1)
         self.upstream = ev
+        self._answering = ev.round
+        self.upstream_end = now + ev.deadline_s
         self.deadline = now + self.config.budget(ev.deadline_s)
         out += self._maybe_open(now)
         if self.machine is None and self.upstream is not None:
@@ -178,30 +252,38 @@ class SiteMachine:
         if left <= 0:
             return []
         agents = sorted(self.online)
-        # One round, the upstream's training settings with the site's own transfer settings
-        # (compression is per tier), no server step of its own; every agent online is
-        # there already: the round starts when the last one is fed in.
-        train = replace(
-            up.train, compression=cfg.train.compression, topk_ratio=cfg.train.topk_ratio, stream=cfg.train.stream
-        )
+        # One round; every agent online is there already: the round starts when the last
+        # one is fed in.
         try:
-            rc = self._round_config(cfg, train, len(agents), left)
+            machine = self._build(up, len(agents), left, last_round=self.site_round)
         except ValueError as exc:
             # e.g. a secure round's three stages no longer fit in what is left of the time
             return self._fail(f"no site round in the {left:.1f}s left: {exc}", now)
-        weights = dict(up.weights)
-        machine = (
-            R.RoundMachine(rc, weights, **self._carried(up))
-            if self.is_aggregator is None
-            else UpperRoundMachine(rc, weights, is_aggregator=self.is_aggregator, **self._carried(up))
-        )
-        machine.bench = self.bench
         self.machine = machine
         cmds: list[R.Command] = []
         for a in agents:
             cmds = machine.handle(R.AgentOnline(a, self.online[a], self._reads_steps.get(a, True)), now)
         # The wake-ups asked for while the quorum grew are moot: the last agent started it.
         return self._translate(cmds, now)
+
+    def _build(self, up: UpstreamRound, agents: int, left: float, *, last_round: int) -> R.RoundMachine:
+        """The one-round machine of a site round for ``up``: the upstream's training
+        settings with the site's own transfer settings (compression is per tier), no
+        server step of its own."""
+        cfg = self.config.rounds
+        train = replace(
+            up.train, compression=cfg.train.compression, topk_ratio=cfg.train.topk_ratio, stream=cfg.train.stream
+        )
+        rc = self._round_config(cfg, train, agents, left)
+        weights = dict(up.weights)
+        carried = {**self._carried(up), "last_round": last_round}
+        machine = (
+            R.RoundMachine(rc, weights, **carried)
+            if self.is_aggregator is None
+            else UpperRoundMachine(rc, weights, is_aggregator=self.is_aggregator, **carried)
+        )
+        machine.bench = self.bench
+        return machine
 
     @staticmethod
     def _round_config(cfg: R.RoundConfig, train: TrainConfig, agents: int, left: float) -> R.RoundConfig:
@@ -277,7 +359,33 @@ class SiteMachine:
         )
         self._close(m, agg.round)
         self.last = result
+        if self.down_since is not None:
+            return [agg, *self._hold(result, self.upstream_end)]
         return [agg, result]
+
+    # -- a result held while the upstream tier is out of reach ---------------------------
+    def _hold(self, result: PartialResult, until: float) -> list[Command]:
+        # One at a time: a newer upstream round means the held one's round has closed.
+        self.held = (result, until)
+        return [R.RequestWakeup(until)] if math.isfinite(until) else []
+
+    def _release_held(self, now: float) -> list[Command]:
+        held = self.held
+        if held is None:
+            return []
+        if now >= held[1]:
+            return self._drop_held("its deadline passed while the upstream tier was out of reach")
+        self.held = None
+        return [held[0]]
+
+    def _drop_held(self, why: str, *, upto: float = math.inf) -> list[Command]:
+        """Drop the held result if its upstream round is ``upto`` or older: sent now, it
+        would come late (the upstream tier refuses it, or has counted without it)."""
+        held = self.held
+        if held is None or held[0].round > upto:
+            return []
+        self.held = None
+        return [PartialDropped(held[0].round, held[0].site_round, f"not sent: {why}")]
 
     def _fail(self, reason: str, now: float, *, ended: int | None = None) -> list[Command]:
         """No partial result for the upstream round being answered; ``ended``: the site
