@@ -38,8 +38,8 @@ from fedagent.config import round_config
 from fedagent.coordinator.core import CoordinatorCore
 from fedagent.coordinator.durability import DurableJournal
 from fedagent.coordinator.fedavg import RATES, TRANSFER_MODELS
-from fedagent.coordinator.refold import held_whole, replay_parts
-from fedagent.coordinator.streams import stream_budget
+from fedagent.coordinator.refold import read_back_round
+from fedagent.coordinator.streams import StreamFeed
 from fedagent.coordinator.upstream import FromUpstream, UpstreamLink
 from fedagent.coordinator.vocabstage import has_vocabulary
 from fedagent.errors import ConfigError, FedagentError, StateWriteError
@@ -62,7 +62,7 @@ from fedagent.protocols.secagg import (
     SecAggSurvivors,
     SecAggUnmask,
 )
-from fedagent.protocols.streaming import StreamEvent, UpdatePart
+from fedagent.protocols.streaming import StreamEvent
 from fedagent.storage import checkpoint
 from fedagent.storage.roundjournal import InFlight
 from fedagent.storage.statefile import atomic_write, read_bytes
@@ -114,10 +114,8 @@ class SiteMode:
         weights = get_weights(model)
         del model
         model_bytes = sum(int(w.nbytes) for w in weights.values())
-        self._stream_budget = stream_budget(model_bytes)
-        self._stream_bytes = 0
-        self._stream_room = asyncio.Event()
-        self._stream_room.set()
+        self.streams = StreamFeed(core.queue)
+        self.streams.size_for(model_bytes)
         core.messenger.bound_transfers(TRANSFER_MODELS * model_bytes + 2**20)
         self.durability.per_sender = min(self.durability.per_sender, 2 * model_bytes + 2**20)
         core.messenger.on_stream = self._on_stream
@@ -342,10 +340,7 @@ class SiteMode:
                     del self._sends[task]
                     await self._hold(result)
             return
-        if isinstance(item, UpdatePart):
-            self._stream_bytes -= item.values.nbytes
-            if self._stream_bytes <= self._stream_budget:
-                self._stream_room.set()
+        self.streams.taken(item)
         await self._handle(item)
 
     def snapshot(self) -> dict[str, Any]:
@@ -401,7 +396,7 @@ class SiteMode:
         m.round_started(self.machine.site_round)
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
-        return [self._upstream(), self._expire_streams(), self._watch_upstream()]
+        return [self._upstream(), self.streams.expire(self.core.messenger, 5.0), self._watch_upstream()]
 
     def close(self) -> None:
         for task in self._sends:
@@ -569,47 +564,22 @@ class SiteMode:
 
     # -- streams (as the FedAvg coordinator's) -------------------------------------------
     async def _on_stream(self, events: list[StreamEvent]) -> None:
-        for ev in events:
-            if isinstance(ev, UpdatePart):
-                self._stream_bytes += ev.values.nbytes
-            await self.core.queue.put(ev)
-        while self._stream_bytes > self._stream_budget:
-            self._stream_room.clear()
-            await self._stream_room.wait()
-
-    async def _expire_streams(self) -> None:
-        messenger = self.core.messenger
-        while True:
-            await asyncio.sleep(5.0)
-            events = messenger.intake.expire(time.monotonic())
-            for ev in events:
-                messenger.reject("stream", ev.sender, ev.reason)
-            await self._on_stream(list(events))
+        await self.streams.put(events)
 
     async def _refold(self, cmd: R.Refold) -> None:
-        """Updates of the site round read back from the journal (coordinator/fedavg.py)."""
-        wanted = dict(cmd.updates)
+        """Updates of the site round read back from the journal (coordinator/refold.py)."""
         m = self.core.messenger
-        journal = self.journal
-        site = self.machine
-
-        def work() -> frozenset[str]:
-            whole = held_whole(journal.frames_of(), wanted, cmd.round, m.wire_limits) if cmd.counted else set()
-            missing = frozenset(s for s in cmd.counted if s not in whole)
-            replay = {s: t for s, t in wanted.items() if s not in missing}
-            if replay:
-                for sender, part in replay_parts(
-                    journal.frames_of(),
-                    replay,
-                    cmd.round,
-                    federation=self.core.fed,
-                    wire_limits=m.wire_limits,
-                    model_limits=m.model_limits,
-                ):
-                    site.refold(sender, part)
-            return missing
-
-        incomplete = await asyncio.to_thread(work)
+        incomplete = await asyncio.to_thread(
+            read_back_round,
+            self.journal.frames_of,
+            dict(cmd.updates),
+            cmd.counted,
+            cmd.round,
+            self.machine.refold,
+            federation=self.core.fed,
+            wire_limits=m.wire_limits,
+            model_limits=m.model_limits,
+        )
         await self._handle(R.Refolded(cmd.round, incomplete))
 
     # -- the machine ---------------------------------------------------------------------
