@@ -173,7 +173,7 @@ def test_a_site_aggregator_killed_mid_round(tmp_path):
     logged, instead of sending it late. Its round numbers go on (its agents take its next
     round start) and its site is in the hub's rounds again."""
     fed = TieredFederation(
-        tmp_path, sites=[2, 2], rounds=4, alpha=ALPHA, round_timeout=12.0, transfer={"compression": "none"}
+        tmp_path, sites=[2, 2], rounds=6, alpha=ALPHA, round_timeout=12.0, transfer={"compression": "none"}
     )
     try:
         fed.prepare()
@@ -188,11 +188,13 @@ def test_a_site_aggregator_killed_mid_round(tmp_path):
         killed_in = hub["round"]
         fed.restart("site-2")
         done = wait_for(lambda: _done(fed), 180, "the tiered federation to finish", fed)
-        assert done["completed_rounds"] == 4
+        assert done["completed_rounds"] == 6
         rounds = [r for r in _history(fed, "coordinator") if r.get("event") == "round"]
         missing = {r["round"]: r.get("missing", []) for r in rounds}
         killed = next(r for r in rounds if r["round"] == killed_in)
-        assert sorted(rounds[-1]["participants"]) == ["site-1-up", "site-2-up"]
+        # Back in a later round (the first one after its restart may close without it:
+        # the hub selects it as soon as it is online, before its own agents are back).
+        assert any("site-2-up" in r["participants"] for r in rounds if r["round"] > killed_in), rounds
         site = _history(fed, "site-2")
         site_rounds = [r["round"] for r in site if r.get("event") == "site_round"]
         assert site_rounds == sorted(set(site_rounds))  # never a number twice, across the restart

@@ -595,7 +595,7 @@ class FedAvgMode:
                 m.set_privacy(privacy)
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
-        return [self.streams.expire(self.core.messenger, 5.0)]
+        return [self.streams.expire_stalled(self.core.messenger, 5.0)]
 
     def close(self) -> None:
         self.timer.cancel()

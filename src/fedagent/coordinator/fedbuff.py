@@ -279,7 +279,7 @@ class AsyncMode:
             m.set_privacy(privacy)
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
-        return [self.streams.expire(self.core.messenger, 2.0)]
+        return [self.streams.expire_stalled(self.core.messenger, 2.0)]
 
     def close(self) -> None:
         self.timer.cancel()

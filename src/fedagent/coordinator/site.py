@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fedagent.config import round_config
@@ -170,8 +171,10 @@ class SiteMode:
             "model_version": msg.model_version,
             "train": msg.train.to_body(),
             "deadline_s": deadline_s,
-            # wall-clock: the monotonic clock does not outlive the process
-            "ends_at": time.time() + deadline_s,
+            # The monotonic clock is the machine's, not the process's: it outlives a
+            # restart (and, unlike the wall clock, does not jump), but not a reboot.
+            "ends_monotonic": time.monotonic() + deadline_s,
+            "boot_id": _boot_id(),
             "coordinator": coordinator,
             "secure": msg.secagg is not None,
         }
@@ -204,7 +207,8 @@ class SiteMode:
         else:
             weights, meta = loaded
             try:
-                left = float(meta["ends_at"]) - time.time()
+                # After a reboot the upstream round cannot be told open: taken as closed.
+                left = float(meta["ends_monotonic"]) - time.monotonic() if meta.get("boot_id") == _boot_id() else 0.0
                 up = T.UpstreamRound(
                     int(meta["round"]),
                     int(meta["model_version"]),
@@ -396,7 +400,7 @@ class SiteMode:
         m.round_started(self.machine.site_round)
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
-        return [self._upstream(), self.streams.expire(self.core.messenger, 5.0), self._watch_upstream()]
+        return [self._upstream(), self.streams.expire_stalled(self.core.messenger, 5.0), self._watch_upstream()]
 
     def close(self) -> None:
         for task in self._sends:
@@ -716,3 +720,11 @@ class SiteMode:
             self.timer.request(cmd.at)
         else:
             log.debug("site command %s not carried out", type(cmd).__name__)
+
+
+def _boot_id() -> str:
+    """This boot's id (Linux): monotonic times saved in another boot mean nothing in this one."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""

@@ -60,7 +60,7 @@ class StreamFeed:
             if self.waiting <= self.budget:
                 self._room.set()
 
-    async def expire(self, messenger: Messenger, every: float) -> None:
+    async def expire_stalled(self, messenger: Messenger, every: float) -> None:
         """Every ``every`` seconds, streams that stalled past the messenger's timeout end
         as failed (refused, and their ends queued like any other)."""
         while True:
