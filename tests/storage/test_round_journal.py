@@ -306,3 +306,66 @@ def test_with_grouped_syncs_no_sequence_number_is_durable_before_its_frames_reco
         assert order.index("sync 1") < order.index("replay commit (frames synced: 1, written: 1)")
 
     asyncio.run(run())
+
+
+def test_a_journaled_update_is_counted_in_hand_until_delivered_and_marked_journaled(pki, tmp_path):
+    """A journal may be replaced only when no journaled frame is on its way to the round
+    logic: the messenger counts a journaled frame from the journal's hook until its
+    message is delivered (across the replay guard's flush, where other work runs), and
+    marks the delivered message as journaled (the queue that holds it counts it next);
+    a frame it does not journal is neither counted nor marked."""
+    import asyncio
+
+    from fedfixtures import COORDINATOR, FEDERATION
+
+    from fedagent.node.messaging import Messenger
+    from fedagent.protocols import topics
+    from fedagent.protocols.messages import Update
+    from fedagent.security.signing import Identity
+
+    def ident(name: str) -> Identity:
+        tls = pki.issue(name, "coordinator" if name == COORDINATOR else "agent")
+        return Identity.load(tls.cert, tls.key, tls.ca)
+
+    state = tmp_path / "coord"
+    state.mkdir()
+
+    async def run() -> None:
+        wire = Capture()
+        sender = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=ident("agent-a"))
+        topic = topics.direct(FEDERATION, "agent-a", COORDINATOR, "update")
+        await sender.send(topic, Update(3, 2, 10, {}, {"w": np.ones(10, np.float32)}), round_=3)
+        await sender.send(topic, Update(4, 3, 10, {}, {"w": np.ones(10, np.float32)}), round_=4)
+        (t1, p1), (t2, p2) = wire.frames
+        m = Messenger(
+            federation=FEDERATION,
+            node_id=COORDINATOR,
+            transport=Capture(),
+            identity=ident(COORDINATOR),
+            state_dir=state,
+        )
+        seen: list[tuple[str, int]] = []
+
+        async def keep(topic, payload, env):
+            if env.round != 3:
+                return None  # not journaled (a stale round, say)
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(None)
+            return fut
+
+        async def flush() -> None:
+            seen.append(("flush", m.journaled_in_hand))
+
+        async def deliver(inc) -> None:
+            seen.append(("deliver", m.journaled_in_hand))
+            assert inc.journaled == (inc.message.round == 3)
+
+        m.journal = keep
+        m.before_replay_commit = flush
+        await m.receive(t1, p1, deliver)
+        assert seen == [("flush", 1), ("deliver", 1)] and m.journaled_in_hand == 0
+        seen.clear()
+        await m.receive(t2, p2, deliver)
+        assert ("deliver", 0) in seen and m.journaled_in_hand == 0
+
+    asyncio.run(run())

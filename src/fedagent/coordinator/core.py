@@ -157,6 +157,8 @@ class CoordinatorCore:
         # The model every agent must build too: a refused dtype stops the start here (78).
         self.admission = Admission(task_fingerprint(self.task))
         self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=10_000)
+        # Messages from journaled frames waiting in the queue (see journal_settled).
+        self.journaled_queued = 0
         extra: dict[str, Any] = {} if receive_maximum is None else {"receive_maximum": receive_maximum}
         self.transport = make_transport(
             cfg,
@@ -255,6 +257,8 @@ class CoordinatorCore:
             log.info("handed on %d update frames from the round journal", n)
 
     async def _deliver(self, inc: Incoming) -> None:
+        if inc.journaled:
+            self.journaled_queued += 1
         await self.queue.put(Net(inc))
 
     # -- liveness ----------------------------------------------------------------------
@@ -314,6 +318,8 @@ class CoordinatorCore:
             now = time.monotonic()
             if isinstance(item, Net):
                 inc = item.incoming
+                if inc.journaled:
+                    self.journaled_queued -= 1
                 msg = inc.message
                 if isinstance(msg, Presence):
                     if msg.role == "agent" and inc.sender != self.cfg.id:

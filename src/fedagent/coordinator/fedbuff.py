@@ -405,9 +405,9 @@ class AsyncMode:
         if self.velocity_file is not None:
             self.velocity_file.prune(cmd.model_version)
         messenger = core.messenger
-        if not m.inflight and not messenger.intake.pending_transfers and not messenger.reassembler.pending_transfers:
-            # Nothing in transfer: every frame journaled so far is in this checkpoint or
-            # was refused. (Otherwise the journal is kept, and replaced at a quiet model.)
+        if self._journal_settled():
+            # Every frame journaled so far is in this checkpoint or was refused.
+            # (Otherwise the journal is kept, and replaced at a quiet model.)
             await self.durability.begin(cmd.model_version + 1, cmd.model_version, ())
         staleness = [u[3] for u in cmd.updates]
         core.metrics.round_completed(took, cmd.metrics)
@@ -468,6 +468,22 @@ class AsyncMode:
             ),
             round_=cmd.model_version,
             stable=True,  # the machine replaces its model, never changes it in place
+        )
+
+    def _journal_settled(self) -> bool:
+        """No journaled frame is on its way to the machine: none in a transfer (a stream
+        or a chunked update), being checked by the messenger, or queued (as a message or
+        a stream's events). A frame that is would be in no checkpoint once the journal is
+        replaced: an update that came while a model was read back and published would be
+        lost (found as "not held whole" when its own buffer read it back)."""
+        messenger = self.core.messenger
+        return not (
+            self.machine.inflight
+            or messenger.intake.pending_transfers
+            or messenger.reassembler.pending_transfers
+            or messenger.journaled_in_hand
+            or self.core.journaled_queued
+            or self.streams.queued
         )
 
     async def _refold(self, cmd: FB.Refold) -> None:

@@ -34,6 +34,7 @@ class StreamFeed:
         self.queue = queue
         self.budget = budget  # until the model's size is known
         self.waiting = 0  # values of parts queued, not yet taken
+        self.queued = 0  # events queued, not yet taken
         self._room = asyncio.Event()
         self._room.set()
 
@@ -48,6 +49,7 @@ class StreamFeed:
                 self.waiting += ev.values.nbytes
             if seen is not None:
                 seen(ev)
+            self.queued += 1
             await self.queue.put(ev)
         while self.waiting > self.budget:
             self._room.clear()
@@ -55,6 +57,8 @@ class StreamFeed:
 
     def taken(self, item: object) -> None:
         """The coordinator took ``item`` off its queue."""
+        if isinstance(item, StreamEvent):
+            self.queued -= 1
         if isinstance(item, UpdatePart):
             self.waiting -= item.values.nbytes
             if self.waiting <= self.budget:

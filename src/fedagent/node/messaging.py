@@ -88,6 +88,9 @@ class Incoming:
     message: Message
     nbytes: int
     role: str = ""  # the signer's certificate role (OU): "agent", "coordinator" or "aggregator"
+    # It came in a frame of the round journal (written there on arrival, or read back
+    # after a restart): the journal must keep that frame until the message is handled.
+    journaled: bool = False
 
 
 #: Certificate roles whose updates a coordinator takes (and journals): agents, and site
@@ -183,6 +186,9 @@ class Messenger:
         # crash would meet its own number and be refused as a replay).
         # (Awaited: the coordinator's flush runs in a worker thread, the event loop goes on.)
         self.before_replay_commit: Callable[[], Awaitable[None]] | None = None
+        # Journaled frames being checked and handed on (between the journal and the
+        # ``deliver`` callback): a journal must not be replaced while one is.
+        self.journaled_in_hand = 0
         self._lazy_tasks: set[asyncio.Task[None]] = set()
         self.metrics = metrics  # a fedagent.node.metrics.NodeMetrics, or None
         # What each sender may cost before its frames are decoded, verified or written
@@ -655,14 +661,20 @@ class Messenger:
         gate = None
         if self.journal is not None and not journaled and role in PARTICIPANT_ROLES:
             gate = await self.journal(topic, payload, env)
+        held = journaled or gate is not None
+        if held:
+            self.journaled_in_hand += 1
         try:
-            await self._hand_on(topic, payload, env, role, deliver)
+            await self._hand_on(topic, payload, env, role, deliver, held)
         except Exception:
             if gate is not None:
                 # The transport acknowledges a frame whose handling failed: not before
                 # its record is durable.
                 await gate
             raise
+        finally:
+            if held:
+                self.journaled_in_hand -= 1
         return gate
 
     async def _hand_on(
@@ -672,6 +684,7 @@ class Messenger:
         env: Envelope,
         role: str,
         deliver: Callable[[Incoming], Awaitable[None]],
+        journaled: bool = False,
     ) -> None:
         if env.kind == STREAM_KIND:
             if role != "agent":
@@ -719,7 +732,7 @@ class Messenger:
             # each: their numbers become durable with the next other message. Replayed
             # after a crash, one could only make its sender look alive for a moment.
             await self._persist_replay()
-        await deliver(Incoming(topic, env.sender, env, message, size, role))
+        await deliver(Incoming(topic, env.sender, env, message, size, role, journaled))
 
 
 def _encode_big(
