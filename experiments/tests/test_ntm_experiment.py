@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from fedagent_experiments import gfedntm
+from fedagent_experiments import gfedntm, gfedntm_report
 
 from fedagent.cli import main
 
@@ -196,7 +196,9 @@ def test_daemons_only_merges_its_runs_into_the_report_and_keeps_the_tables(tmp_p
     assert report.split("## The decoder reading")[0].split("## A:")[1] == tables.split("## A:")[1]
 
     # a different validation-loss history is shown where it starts, not hidden
-    assert "differ from epoch 3 (max abs diff 2.50e-01" in gfedntm._losses_cell(_daemon_result(0, "f", same=False))
+    assert "differ from epoch 3 (max abs diff 2.50e-01" in gfedntm_report._losses_cell(
+        _daemon_result(0, "f", same=False)
+    )
 
     # the report's scale is the run's: another one is refused before anything runs
     result = CliRunner().invoke(
