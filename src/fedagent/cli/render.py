@@ -543,7 +543,7 @@ def peer_tree(s: dict[str, Any], tier: dict[str, Any]) -> Tree:
     fed = s.get("federation") or "?"
     if tier.get("role") == "hub":
         sites = tier.get("sites") or {}
-        root = Tree(f"[bold]{s.get('id', '?')}[/bold] hub of {fed}: {len(sites)} sites")
+        root = Tree(f"[bold]{s.get('id', '?')}[/bold] hub of {fed}: {len(sites)} site{'' if len(sites) == 1 else 's'}")
         for name, site in sites.items():
             root.add(
                 _peer_line(
