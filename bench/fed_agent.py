@@ -132,7 +132,7 @@ async def main(args: argparse.Namespace) -> None:
         if isinstance(msg, SecAggStart):
             await to_coordinator(secagg.on_round_start(msg.round, msg.selected, msg.setup))
             return
-        if isinstance(msg, RoundStart) and me in msg.selected and msg.secagg is not None:
+        if isinstance(msg, RoundStart) and msg.selects(me) and msg.secagg is not None:
             await to_coordinator(secagg.on_round_start(msg.round, msg.selected, msg.secagg))
             size = layout_size(msg.weights)
             if delta.size != size:
@@ -151,7 +151,7 @@ async def main(args: argparse.Namespace) -> None:
                 )
             )
             return
-        if isinstance(msg, RoundStart) and me in msg.selected:
+        if isinstance(msg, RoundStart) and msg.selects(me):
             # Two timestamps for the benchmark's per-phase split (a few bytes).
             stamps = {"bench_got_at": got_at, "bench_send_at": time.time()}
             topic = topics.direct(fed, me, args.coordinator, "update")

@@ -126,7 +126,7 @@ def valid_message(rnd: random.Random, kind: str, cur_round: int):
         )
     if kind == "round_result":
         return RoundResult(
-            rnd_round, rnd.randrange(0, 4), tuple(rnd.sample(AGENTS, 2)), {"loss": 0.1}, aggregated=rnd.random() < 0.8
+            rnd_round, rnd.randrange(0, 4), rnd.randrange(0, 3), {"loss": 0.1}, aggregated=rnd.random() < 0.8
         )
     if kind == "model":
         return GlobalModel(rnd.randrange(0, 4), rnd_round, rnd.random() < 0.3, random_weights(rnd))

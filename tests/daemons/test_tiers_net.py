@@ -13,6 +13,8 @@ model with the round's number as its seed in both runs.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from netfed import running, wait_for
@@ -49,6 +51,8 @@ def runs(tmp_path_factory):
             for s in tiered.site_ids
         }
         agents = {a: tiered.status(a) for a in tiered.agent_ids}
+        # `fedagent peers` as an operator runs it, against the hub and a site aggregator.
+        peers = {stem: _peers_cli(tiered, stem) for stem in ("coordinator", "site-1")}
         weights, meta = tiered.final_weights()
         site_history = {s: _history(tiered, s) for s in tiered.site_ids}
     finally:
@@ -88,6 +92,7 @@ def runs(tmp_path_factory):
         "weights": weights,
         "meta": meta,
         "site_history": site_history,
+        "peers": peers,
         "flat_done": flat_done,
         "flat_weights": flat_weights,
     }
@@ -102,6 +107,21 @@ def _evaluated(fed, stem: str):
     s = fed.status(stem)
     held = s.get("held_out") if s else None
     return s if held and held.get("model_version") == ROUNDS and held.get("metrics") else None
+
+
+def _peers_cli(fed: TieredFederation, stem: str) -> tuple[dict, str]:
+    """``fedagent peers --json`` and ``fedagent peers`` asked of ``stem``'s control socket."""
+    from click.testing import CliRunner
+
+    from fedagent.cli import main
+
+    args = ["peers", "--socket", str(fed.socket(stem))]
+    runner = CliRunner()
+    as_json = runner.invoke(main, [*args, "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    drawn = runner.invoke(main, args, env={"COLUMNS": "200"})
+    assert drawn.exit_code == 0, drawn.output
+    return json.loads(as_json.output), drawn.output
 
 
 def _history(fed: TieredFederation, stem: str) -> list[dict]:
@@ -163,6 +183,28 @@ def test_status_shows_the_tree(runs):
     text = console.export_text()
     assert "sites (site aggregators)" in text and "site-2-up" in text
     assert "upstream tier" in text and "agents of this site" in text and "agent-3" in text
+
+
+def test_peers_shows_the_tree(runs):
+    (hub, hub_text), (site, site_text) = runs["peers"]["coordinator"], runs["peers"]["site-1"]
+    # machine-readable: the peer table and the tier, as `status` has it
+    assert hub["tier"]["role"] == "hub"
+    assert {n: s["agents"] for n, s in hub["tier"]["sites"].items()} == {"site-1-up": 3, "site-2-up": 2}
+    assert hub["peers"]["site-1-up"]["role"] == "aggregator" and hub["peers"]["site-1-up"]["online"]
+    assert site["tier"]["role"] == "site" and site["tier"]["upstream"]["coordinator"] == "coordinator"
+    assert sorted(site["tier"]["agents"]) == ["agent-1", "agent-2", "agent-3"]
+    lines = hub_text.splitlines()
+    assert lines[0].startswith("coordinator hub of") and "2 sites" in lines[0]
+    for name, agents in (("site-1-up", 3), ("site-2-up", 2)):
+        line = next(ln for ln in lines if name in ln)
+        assert line[:4] in ("├── ", "└── ") and f"{agents} agents" in line and "online" in line and "idle" in line
+    lines = site_text.splitlines()
+    assert lines[0].startswith("site-1 site aggregator in")
+    up = next(ln for ln in lines if "upstream:" in ln)
+    assert "coordinator" in up and "connected" in up and "site-1-up" in up
+    for agent in ("agent-1", "agent-2", "agent-3"):
+        line = next(ln for ln in lines if agent in ln)
+        assert line[4:8] in ("├── ", "└── ") and "samples" in line and "online" in line
 
 
 def test_a_site_aggregator_killed_mid_round(tmp_path):

@@ -313,3 +313,65 @@ def test_gossip_rows_say_how_stale_the_merged_models_are():
         console = Console(width=200, record=True)
         render_status({**s, "lag": lag, "lag_mean": mean}, console)
         assert want in console.export_text()
+
+
+def test_peers_draws_a_hubs_sites_and_a_sites_agents_as_a_tree():
+    from rich.console import Console
+
+    now = time.time()
+    hub = {
+        "id": "coordinator",
+        "federation": "lab",
+        "peers": {
+            "site-1-up": {"role": "aggregator", "online": True, "broker": "mqtts://h:1", "last_seen": now},
+            "site-2-up": {"role": "aggregator", "online": False, "broker": "mqtts://h:1", "last_seen": now - 60},
+        },
+        "tier": {
+            "role": "hub",
+            "sites": {
+                "site-1-up": {"agents": 3, "samples": 120, "state": "training"},
+                "site-2-up": {"agents": 2, "samples": 80, "state": "offline"},
+            },
+        },
+    }
+    site = {
+        "id": "site-1",
+        "federation": "lab",
+        "peers": {
+            "agent-1": {"role": "agent", "online": True, "last_seen": now},
+            "agent-2": {"role": "agent", "online": False, "last_seen": now - 30},
+        },
+        "tier": {
+            "role": "site",
+            "upstream": {
+                "id": "site-1-up",
+                "broker": "mqtts://hub:8883",
+                "connection": "connected",
+                "coordinator": "coordinator",
+            },
+            "upstream_round": 4,
+            "agents": {"agent-1": 40},
+            "samples": 40,
+        },
+    }
+    console = Console(width=200, record=True)
+    render_peers(hub, console)
+    render_peers(site, console)
+    text = console.export_text()
+    lines = text.splitlines()
+    assert lines[0].startswith("coordinator hub of lab: 2 sites")
+    one = next(ln for ln in lines if "site-1-up" in ln)
+    assert one.startswith("├── ") and "online" in one and "3 agents, 120 samples" in one and "training" in one
+    two = next(ln for ln in lines if "site-2-up" in ln)
+    assert two.startswith("└── ") and "offline" in two and "2 agents" in two
+    assert any(ln.startswith("site-1 site aggregator in lab") for ln in lines)
+    up = next(ln for ln in lines if "upstream:" in ln)
+    assert "coordinator" in up and "connected" in up and "upstream round 4" in up and "site-1-up" in up
+    a1 = next(ln for ln in lines if "agent-1" in ln)
+    a2 = next(ln for ln in lines if "agent-2" in ln)
+    assert a1.startswith("    ├── ") and "40 samples" in a1 and "offline" not in a1
+    assert a2.startswith("    └── ") and "offline" in a2
+    # A node without a tier keeps the table.
+    console = Console(width=200, record=True)
+    render_peers({**site, "tier": None}, console)
+    assert "peers in lab" in console.export_text()

@@ -36,8 +36,8 @@ def roundtrip(msg):
     [
         Presence(online=True, role="agent", num_samples=12),
         Presence(online=True, role="agent", num_samples=12, downlinks=("int8",)),
-        RoundResult(3, 4, ("agent-a", "agent-b"), {"loss": 0.5}),
-        RoundResult(3, 4, (), {}, aggregated=False, reason="deadline passed"),
+        RoundResult(3, 4, 2, {"loss": 0.5}),
+        RoundResult(3, 4, 0, {}, aggregated=False, reason="deadline passed"),
         GossipAck("s1.7", True),
         GossipAck("s1.8", False, "inbox-full"),
     ],

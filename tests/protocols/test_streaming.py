@@ -312,6 +312,21 @@ def test_header_rejections_cost_nothing():
     np.testing.assert_allclose(agg.weights["w"], 2.0)
 
 
+def test_a_stream_from_an_agent_online_after_an_everyone_round_started_is_discarded():
+    m = machine(["a", "b"])
+    assert m.everyone
+    m.handle(AgentOnline("late", 10), 0.5)
+    cmds = []
+    for ev in stream_events("late", const(9.0)):
+        cmds += m.handle(ev, 1.0)
+    assert [type(c).__name__ for c in cmds] == ["LateUpdate"]
+    for ev in stream_events("a", const(1.0), tid="t2") + stream_events("b", const(3.0), tid="t3"):
+        cmds += m.handle(ev, 2.0)
+    (agg,) = [c for c in cmds if isinstance(c, RoundAggregated)]
+    assert agg.participants == ("a", "b")
+    np.testing.assert_allclose(agg.weights["w"], 2.0)
+
+
 def test_nan_part_after_folded_parts_spoils_the_round_and_benches_the_sender():
     m = machine(["a", "b", "c"], min_updates=1, min_agents=2)
     bad = const(1.0)

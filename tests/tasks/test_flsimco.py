@@ -296,11 +296,11 @@ def test_participant_leaves_after_its_rounds():
     p.handle(rs(1))
     (s1,) = p.handle(TrainingDone(1, 0, 10, {}, {"w": np.ones(3, np.float32)}))
     assert isinstance(s1, SendUpdate) and not s1.update.leaving
-    assert p.handle(RoundResult(1, 1, ("v",), {})) == []
+    assert p.handle(RoundResult(1, 1, 1, {})) == []
     p.handle(rs(2))
     (s2,) = p.handle(TrainingDone(2, 1, 10, {}, {"w": np.ones(3, np.float32)}))
     assert s2.update.leaving
-    (leave,) = p.handle(RoundResult(2, 2, ("v",), {}))
+    (leave,) = p.handle(RoundResult(2, 2, 1, {}))
     assert isinstance(leave, Leave) and p.handle(rs(3)) == []
 
 

@@ -371,7 +371,7 @@ class FedAvgSession(Session):
                 self.latest_round = msg.round
                 self._marks = {r: m for r, m in self._marks.items() if r > msg.round - 4}
                 self._marks[msg.round] = {"model_in": time.time()}
-                self.round_state = "training" if self.cfg.id in msg.selected else "not selected"
+                self.round_state = "training" if msg.selects(self.cfg.id) else "not selected"
                 assert msg.weights is not None  # resolved above
                 evaluate = (msg.weights, msg.model_version)
             if isinstance(msg, GlobalModel) and msg.weights is not None:

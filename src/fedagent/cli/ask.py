@@ -62,7 +62,11 @@ def _ask_daemon(name: str, cmd: str, doc: str, render_name: str):
 
 status = _ask_daemon("status", "status", "Show what the local daemon is doing.", "render_status")
 peers = _ask_daemon(
-    "peers", "peers", "List the peers the local daemon knows: role, broker, online, last seen.", "render_peers"
+    "peers",
+    "peers",
+    "List the peers the local daemon knows: role, broker, online, last seen. On a hub, its sites with their "
+    "agents and state; on a site aggregator, its upstream and its agents: as a tree.",
+    "render_peers",
 )
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.tree import Tree
 
 
 def _fmt(value: Any) -> str:
@@ -290,7 +291,7 @@ def render_status(s: dict[str, Any], console: Console | None = None) -> None:
     if isinstance(s.get("tier"), dict):
         render_tier(s["tier"], console)
     if s.get("peers"):
-        render_peers(s, console)
+        render_peer_table(s, console)
 
 
 def render_tier(tier: dict[str, Any], console: Console) -> None:
@@ -510,7 +511,7 @@ def _render_gossip(s: dict[str, Any], t: Table, console: Console) -> None:
             t.add_row(k, _fmt(v))
     console.print(t)
     if s.get("peers"):
-        render_peers(s, console)
+        render_peer_table(s, console)
 
 
 def _online(value: Any) -> str:
@@ -519,6 +520,64 @@ def _online(value: Any) -> str:
 
 
 def render_peers(s: dict[str, Any], console: Console | None = None) -> None:
+    """``fedagent peers``: on a hub or a site aggregator the tree of its tier (a hub's
+    sites with their agents and state; a site's upstream and agents), else the table."""
+    console = console or Console()
+    tier = s.get("tier")
+    if isinstance(tier, dict) and tier.get("role") in ("hub", "site"):
+        console.print(peer_tree(s, tier))
+        return
+    render_peer_table(s, console)
+
+
+def _peer_line(name: str, info: dict[str, Any], *parts: str) -> str:
+    online = {None: "online ?", True: "online", False: "offline"}[info.get("online")]
+    return "  ".join([f"[bold]{name}[/bold]", online, *parts, f"last seen {_ago(info.get('last_seen'))}"])
+
+
+def peer_tree(s: dict[str, Any], tier: dict[str, Any]) -> Tree:
+    """The tier around this node: a hub's sites (each a site aggregator: its agents,
+    samples and state in the round) and any other peer; a site aggregator's upstream
+    (the tier above, over its own connection) and the agents on its site broker."""
+    peers = s.get("peers") or {}
+    fed = s.get("federation") or "?"
+    if tier.get("role") == "hub":
+        sites = tier.get("sites") or {}
+        root = Tree(f"[bold]{s.get('id', '?')}[/bold] hub of {fed}: {len(sites)} site{'' if len(sites) == 1 else 's'}")
+        for name, site in sites.items():
+            root.add(
+                _peer_line(
+                    name,
+                    peers.get(name, {"online": site.get("state") != "offline"}),
+                    "site aggregator",
+                    f"{site.get('agents', 0)} agents, {site.get('samples', 0)} samples",
+                    str(site.get("state", "-")),
+                )
+            )
+        for name, info in peers.items():
+            if name not in sites:
+                root.add(_peer_line(name, info, str(info.get("role") or "-")))
+        return root
+    up = tier.get("upstream") or {}
+    agents = tier.get("agents") or {}
+    root = Tree(f"[bold]{s.get('id', '?')}[/bold] site aggregator in {fed}")
+    root.add(
+        f"upstream: [bold]{up.get('coordinator') or '-'}[/bold]  {up.get('connection', '?')}  "
+        f"via {up.get('broker') or '-'} as {up.get('id') or '-'}  upstream round {tier.get('upstream_round') or '-'}"
+    )
+    site = root.add(f"agents on the site broker: {len(agents)} online, {tier.get('samples', 0)} samples")
+    names = sorted(set(agents) | {n for n, i in peers.items() if i.get("role") == "agent"})
+    for name in names:
+        info = peers.get(name, {"online": name in agents})
+        samples = agents.get(name, info.get("samples"))
+        site.add(_peer_line(name, info, "-" if samples is None else f"{samples} samples"))
+    for name, info in peers.items():
+        if name not in names:
+            root.add(_peer_line(name, info, str(info.get("role") or "-")))
+    return root
+
+
+def render_peer_table(s: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     peers = s.get("peers") or {}
     if not peers:

@@ -457,7 +457,13 @@ class CoordinatorCore:
         )
 
     async def _peers(self, _args: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.cfg.id, "federation": self.fed, "peers": self.peer_table()}
+        out: dict[str, Any] = {"id": self.cfg.id, "federation": self.fed, "peers": self.peer_table()}
+        tier = self.settled.get("tier")
+        if isinstance(tier, dict):
+            # A hub's sites, or a site aggregator's agents and upstream, as `status` has
+            # them: `fedagent peers` draws the tree from the two.
+            out["tier"] = tier
+        return out
 
     def _refresh_metrics(self, m: NodeMetrics) -> None:
         m.set_connected(self.transport.connected)

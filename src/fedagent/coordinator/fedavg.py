@@ -39,7 +39,6 @@ from fedagent.protocols.messages import (
     GlobalModel,
     ModelRequest,
     RoundResult,
-    RoundStart,
     Update,
     VocabOffer,
 )
@@ -354,7 +353,7 @@ class FedAvgMode:
         m = self.machine
         if m is None:
             return True
-        return m.phase is R.Phase.TRAINING and round_ == m.round and sender in m.selected
+        return m.phase is R.Phase.TRAINING and round_ == m.round and m.expects(sender)
 
     def _vocab_rejected(self, sender: str, reason: str, detail: str) -> None:
         self.core.reject(sender, reason, detail, round=0)
@@ -715,7 +714,7 @@ class FedAvgMode:
                 cmd.round,
                 " (resumed after a restart)" if cmd.resumed else "",
                 cmd.model_version,
-                ", ".join(cmd.selected),
+                cmd.to_whom(),
             )
             sdnotify.status(f"round {cmd.round}: training on {len(cmd.selected)} agents")
             if cmd.secagg is not None:
@@ -729,16 +728,7 @@ class FedAvgMode:
                 await self._send_secagg(cmd.secagg_first)
             await core.messenger.send(
                 topics.broadcast(fed, "round_start"),
-                RoundStart(
-                    cmd.round,
-                    cmd.model_version,
-                    cmd.selected,
-                    cmd.deadline_s,
-                    cmd.train,
-                    None if cmd.delta is not None else cmd.weights,
-                    cmd.secagg,
-                    cmd.delta,
-                ),
+                cmd.message(),
                 round_=cmd.round,
                 stable=True,  # the machine replaces its model, never changes it in place
             )
@@ -827,7 +817,7 @@ class FedAvgMode:
                 core.metrics.set_privacy(cmd.privacy)
             await core.messenger.send(
                 topics.broadcast(fed, "round_result"),
-                RoundResult(cmd.round, cmd.model_version, cmd.participants, cmd.metrics),
+                RoundResult(cmd.round, cmd.model_version, len(cmd.participants), cmd.metrics),
                 round_=cmd.round,
             )
         elif isinstance(cmd, R.RoundAbandoned):
@@ -837,13 +827,14 @@ class FedAvgMode:
             core.history.append({"event": "abandoned", "round": cmd.round, "reason": cmd.reason})
             await core.messenger.send(
                 topics.broadcast(fed, "round_result"),
-                RoundResult(cmd.round, cmd.model_version, (), {}, aggregated=False, reason=cmd.reason),
+                RoundResult(cmd.round, cmd.model_version, 0, {}, aggregated=False, reason=cmd.reason),
                 round_=cmd.round,
             )
         elif isinstance(cmd, R.Rejected):
             core.reject(cmd.sender, cmd.reason, cmd.detail, round=cmd.round)
         elif isinstance(cmd, R.LateUpdate):
-            # Late, not wrong: the round it was for was abandoned meanwhile.
+            # Late, not wrong: the round it was for was abandoned meanwhile, or its agent
+            # came online just after the round started.
             log.info("discarded from %s: %s", cmd.sender, cmd.detail)
             core.metrics.discarded()
         elif isinstance(cmd, R.Refold):

@@ -276,7 +276,7 @@ class SiteMode:
 
     def _admit(self, sender: str, kind: str, round_: int) -> bool:
         m = self.machine.machine
-        return m is not None and m.phase is R.Phase.TRAINING and round_ == m.round and sender in m.selected
+        return m is not None and m.phase is R.Phase.TRAINING and round_ == m.round and m.expects(sender)
 
     # -- Mode ----------------------------------------------------------------------------
     def model_version(self) -> int:
@@ -441,7 +441,7 @@ class SiteMode:
         self.link.coordinator = inc.sender
         if isinstance(msg, RoundStart):
             self.version = max(self.version, msg.model_version)
-            if self.link.cfg.id not in msg.selected:
+            if not msg.selects(self.link.cfg.id):
                 return
             if msg.weights is None:
                 # An int8 step needs the model before it, which a site aggregator does not
@@ -632,7 +632,7 @@ class SiteMode:
                 " (resumed after a restart)" if cmd.resumed else "",
                 up.round if up is not None else "?",
                 cmd.model_version,
-                ", ".join(cmd.selected),
+                cmd.to_whom(),
             )
             sdnotify.status(f"site round {cmd.round}: training on {len(cmd.selected)} agents")
             if cmd.secagg is not None:
@@ -644,9 +644,7 @@ class SiteMode:
                 await self._send_secagg(cmd.secagg_first)
             await core.messenger.send(
                 topics.broadcast(fed, "round_start"),
-                RoundStart(
-                    cmd.round, cmd.model_version, cmd.selected, cmd.deadline_s, cmd.train, cmd.weights, cmd.secagg
-                ),
+                cmd.message(),
                 round_=cmd.round,
                 stable=True,
             )
@@ -664,7 +662,7 @@ class SiteMode:
             # the current one until the upstream tier says otherwise.
             await core.messenger.send(
                 topics.broadcast(fed, "round_result"),
-                RoundResult(cmd.round, cmd.model_version - 1, cmd.participants, cmd.metrics),
+                RoundResult(cmd.round, cmd.model_version - 1, len(cmd.participants), cmd.metrics),
                 round_=cmd.round,
             )
             held = self.machine.held
@@ -704,7 +702,7 @@ class SiteMode:
             core.metrics.round_abandoned()
             await core.messenger.send(
                 topics.broadcast(fed, "round_result"),
-                RoundResult(cmd.round, cmd.model_version, (), {}, aggregated=False, reason=cmd.reason),
+                RoundResult(cmd.round, cmd.model_version, 0, {}, aggregated=False, reason=cmd.reason),
                 round_=cmd.round,
             )
         elif isinstance(cmd, T.Announce):

@@ -98,7 +98,7 @@ class Participant:
             if self.leaving_round is not None:  # the result of our last round was lost
                 return self._leave()
             self.model_version = max(self.model_version, event.model_version)
-            if self.agent_id not in event.selected:
+            if not event.selects(self.agent_id):
                 return []
             if event.weights is None:
                 raise ValueError("a round start with a step must be resolved first (DeltaReceiver)")

@@ -19,7 +19,7 @@ from fedagent.protocols.secagg import SecAggSetup
 Weights = dict[str, np.ndarray]
 
 MAX_LOCAL_STEPS = 10_000_000  # [rounds] local_steps
-MAX_NAMES = 100_000  # node ids in a round's selection or a result's participants
+MAX_NAMES = 100_000  # node ids in a round's selection
 MAX_DEADLINE = 7 * 86400.0
 
 
@@ -90,43 +90,73 @@ class TrainConfig(F.WireMessage):
 
 @dataclass(frozen=True, slots=True)
 class RoundStart(F.WireMessage):
-    """Coordinator → all: train from the global model if you are in ``selected``. The
+    """Coordinator → all: train from the global model if the round selects you. The
     model comes whole (``weights``) or as an int8 step from an earlier version
-    (``delta``; protocols/downlink.py): exactly one of the two."""
+    (``delta``; protocols/downlink.py): exactly one of the two.
+
+    Who the round selects: with ``everyone``, every agent the coordinator counted
+    online when it started the round (``agents`` of them, no ids: the message stays the
+    same size however many there are); otherwise the ids in ``selected`` (a sampled
+    round lists its k agents, a secure round its cohort, which every member needs for
+    its pairwise masks, and a round resumed after a restart the selection it had)."""
 
     kind: ClassVar[str] = "round_start"
     WIRE: ClassVar[F.Body] = F.Body(
         "round_start",
         F.Field("round", F.Count()),
         F.Field("model_version", F.Count()),
-        F.Field("selected", F.NodeIds(MAX_NAMES)),
+        F.Field("selected", F.NodeIds(MAX_NAMES), default=(), send=lambda m: not m.everyone),
         F.Field("deadline_s", F.Number(above=0, at_most=MAX_DEADLINE)),
         F.Field("train", F.Nested(TrainConfig)),
         F.Field("weights", F.Tensors(), default=None, omit_default=True),
         F.Field("delta", F.Nested(ModelDelta, heavy=True), default=None, omit_default=True),
         F.Field("secagg", F.Nested(SecAggSetup), default=None, omit_default=True),
+        F.Field("everyone", F.Flag(), default=False, omit_default=True),
+        F.Field("agents", F.Count(), default=0, omit_default=True),
     )
     round: int
     model_version: int
-    selected: tuple[str, ...]
+    selected: tuple[str, ...]  # () with ``everyone``
     deadline_s: float
     train: TrainConfig
     weights: Weights | None = field(repr=False)
     secagg: SecAggSetup | None = None  # a secure round (protocols/secagg/)
     delta: ModelDelta | None = None
+    everyone: bool = False
+    agents: int = 0  # with ``everyone``: how many agents that is (0 otherwise)
 
     def __post_init__(self) -> None:
         if (self.weights is None) == (self.delta is None):
             raise CodecError("round_start: needs the model whole or as a step, and not both")
         if self.delta is not None and self.delta.base_version >= self.model_version:
             raise CodecError("round_start: a step must start from an older version")
+        if self.everyone:
+            if self.selected or self.agents < 1:
+                raise CodecError("round_start: 'everyone' comes with a count of agents and no ids")
+            if self.secagg is not None:
+                raise CodecError("round_start: a secure round lists its cohort")
+        elif self.agents:
+            raise CodecError("round_start: a count of agents comes only with 'everyone'")
 
     @classmethod
     def from_body(cls, body: Any, limits: Limits = F.DEFAULT_LIMITS) -> RoundStart:
         # Before either is decoded: a body with both would have a peer's model decoded twice.
         if isinstance(body, dict) and ("weights" in body) == ("delta" in body):
             raise CodecError("round_start: needs 'weights' or 'delta', and not both")
+        if isinstance(body, dict) and "selected" not in body and body.get("everyone") is not True:
+            raise CodecError("round_start: missing field 'selected'")
         return cls(**cls.WIRE.read(body, limits))
+
+    def selects(self, agent: str) -> bool:
+        """Whether this round selects ``agent``, as far as the message says: with
+        ``everyone``, an agent that came online after the round started reads yes too
+        (the coordinator discards its update as late, without holding it against it)."""
+        return self.everyone or agent in self.selected
+
+    @property
+    def count(self) -> int:
+        """How many agents the round selected."""
+        return self.agents if self.everyone else len(self.selected)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,24 +184,33 @@ class Update(F.WireMessage):
 @dataclass(frozen=True, slots=True)
 class RoundResult(F.WireMessage):
     """Coordinator → all: the outcome of a round (no weights: those come with the next
-    ``RoundStart`` or the final ``GlobalModel``)."""
+    ``RoundStart`` or the final ``GlobalModel``). How many agents' updates made it,
+    not who: the coordinator's history keeps the names."""
 
     kind: ClassVar[str] = "round_result"
     WIRE: ClassVar[F.Body] = F.Body(
         "round_result",
         F.Field("round", F.Count()),
         F.Field("model_version", F.Count()),
-        F.Field("participants", F.NodeIds(MAX_NAMES)),
+        F.Field("agents", F.Count()),
         F.Field("metrics", F.Metrics()),
         F.Field("aggregated", F.Flag()),
         F.Field("reason", F.Text(max_len=1000), default=""),
     )
     round: int
     model_version: int
-    participants: tuple[str, ...]
+    agents: int  # the participants: how many agents' updates the aggregate holds
     metrics: dict[str, float]
     aggregated: bool = True
     reason: str = ""
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = F.DEFAULT_LIMITS) -> RoundResult:
+        if isinstance(body, dict) and "agents" not in body and "participants" in body:
+            # From a coordinator of an earlier release, which listed the participants.
+            names = F.node_ids(body["participants"], "round_result", "participants", MAX_NAMES)
+            body = {**body, "agents": len(names)}
+        return cls(**cls.WIRE.read(body, limits))
 
 
 @dataclass(frozen=True, slots=True)

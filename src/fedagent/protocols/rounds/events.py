@@ -11,7 +11,7 @@ import numpy as np
 
 from fedagent.protocols import secagg as SA
 from fedagent.protocols.downlink import ModelDelta
-from fedagent.protocols.messages import TrainConfig
+from fedagent.protocols.messages import RoundStart, TrainConfig
 from fedagent.protocols.streaming import UpdateEnd, UpdateHead, UpdatePart
 
 Weights = dict[str, np.ndarray]
@@ -97,6 +97,31 @@ class StartRound:
     # the model as the int8 step from the previous version ([transfer] downlink), or None:
     # send ``weights``
     delta: ModelDelta | None = None
+    # ``selected`` is every agent online: the round start says so instead of naming them
+    everyone: bool = False
+
+    def message(self) -> RoundStart:
+        """The round start to broadcast: the model whole or as the step, and the agents
+        by name, or as a count when the round selects every agent online."""
+        return RoundStart(
+            self.round,
+            self.model_version,
+            () if self.everyone else self.selected,
+            self.deadline_s,
+            self.train,
+            None if self.delta is not None else self.weights,
+            self.secagg,
+            self.delta,
+            everyone=self.everyone,
+            agents=len(self.selected) if self.everyone else 0,
+        )
+
+    def to_whom(self) -> str:
+        """The selection for a log line: a count for every agent online (a list of
+        thousands of names a round helps nobody), the names of a sample or cohort."""
+        if self.everyone:
+            return f"all {len(self.selected)} agents online"
+        return ", ".join(self.selected)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +160,9 @@ class Rejected:
 
 @dataclass(frozen=True, slots=True)
 class LateUpdate:
-    """An update for a round that was abandoned: late, not wrong (not a refusal)."""
+    """An update for a round that was abandoned, or from an agent that came online just
+    after a round that selected every agent online had started: late, not wrong (not a
+    refusal)."""
 
     sender: str
     round: int

@@ -67,6 +67,8 @@ class StreamedUpdates:
 
         def _late(self, sender: str, round_: int) -> list[Command] | None: ...
 
+        def _joined_late(self, sender: str, round_: int) -> list[Command] | None: ...
+
         def _counted_out(
             self, sender: str, refusal: Rejected | None = None, now: float | None = None
         ) -> list[Command]: ...
@@ -130,6 +132,10 @@ class StreamedUpdates:
                 return late
             return reject("stale", f"update for round {ev.round}, current round {self.round} ({self.phase.value})")
         if ev.sender not in self.selected:
+            late = self._joined_late(ev.sender, ev.round)
+            if late is not None:
+                self.ignored.add((ev.sender, ev.tid))
+                return late
             return reject("unselected", f"{ev.sender} was not selected for round {self.round}")
         if ev.sender in self.received or ev.sender in self.inflight or ev.sender in self._replay:
             return reject("duplicate", f"second update from {ev.sender} for round {self.round}")

@@ -119,6 +119,10 @@ class RoundMachine(StreamedUpdates):
         self.online: dict[str, int] = {}  # agent -> samples it announced
         self._whole_only: set[str] = set()  # agents that read only whole models (of self.online)
         self.selected: tuple[str, ...] = ()
+        # The round selected every agent counted online at its start: its round start
+        # names none of them (protocols/messages/rounds.py), so an agent that came
+        # online just after it may take itself for selected (see _joined_late).
+        self.everyone = False
         self.received: dict[str, tuple[int, dict[str, float]]] = {}
         self._outstanding: set[str] = set()
         self.deadline = math.inf
@@ -353,7 +357,10 @@ class RoundMachine(StreamedUpdates):
             return [Finished(self.model_version, self.weights, why)]
         self._round_q = q
         self.round += 1
-        return self._open_round(tuple(agents), now)
+        # Every agent online, none sampled out, benched or left out of a step (a secure
+        # round names its cohort: every member needs it for its masks).
+        everyone = cfg.secure is None and len(agents) == len(self.online)
+        return self._open_round(tuple(agents), now, everyone=everyone)
 
     def resume(self, round_: int, selected: tuple[str, ...], now: float) -> list[Command]:
         """Take round ``round_`` up again after a restart, under the same number, from the
@@ -383,10 +390,13 @@ class RoundMachine(StreamedUpdates):
             self.delta is None or self._since_whole + 1 >= self.config.whole_model_every
         )
 
-    def _open_round(self, agents: tuple[str, ...], now: float, *, resumed: bool = False) -> list[Command]:
+    def _open_round(
+        self, agents: tuple[str, ...], now: float, *, resumed: bool = False, everyone: bool = False
+    ) -> list[Command]:
         cfg = self.config
         self.phase = Phase.TRAINING
         self.selected = tuple(agents)
+        self.everyone = everyone
         self._outstanding = set(agents)  # selected, not yet answered
         self.received = {}
         self.deadline = now + cfg.round_timeout
@@ -433,6 +443,7 @@ class RoundMachine(StreamedUpdates):
                 setup,
                 first,
                 None if resumed or self._whole_round else self.delta,
+                everyone,
             ),
             RequestWakeup(wake),
         ]
@@ -444,6 +455,22 @@ class RoundMachine(StreamedUpdates):
         if round_ in self._abandoned:
             return [LateUpdate(sender, round_, f"update for round {round_}, which was abandoned")]
         return None
+
+    def _joined_late(self, sender: str, round_: int) -> list[Command] | None:
+        """An update from an agent the round did not select, in a round that selected
+        every agent online: when the agent is online now it came online after the round
+        started and read the round start as its own. Discarded, not refused: it did
+        nothing wrong, and it takes part from the next round on. None otherwise."""
+        if self.everyone and sender in self.online:
+            return [LateUpdate(sender, round_, f"{sender} came online after round {round_} started")]
+        return None
+
+    def expects(self, sender: str) -> bool:
+        """Whether frames of an update from ``sender`` may be read during the round in
+        flight: a selected agent's, or in a round that selected every agent online, an
+        online agent's (one that came online late: its update is discarded, not held
+        against it, see _joined_late)."""
+        return sender in self.selected or (self.everyone and sender in self.online)
 
     def _counted_out(self, sender: str, refusal: Rejected | None = None, now: float | None = None) -> list[Command]:
         """``sender``'s update for the round in progress is refused (``refusal``, or
@@ -470,7 +497,9 @@ class RoundMachine(StreamedUpdates):
                 "stale", f"update for round {ev.round}, current round {self.round} ({self.phase.value})"
             )
         if ev.sender not in self.selected:
-            return reject("unselected", f"{ev.sender} was not selected for round {self.round}")
+            return self._joined_late(ev.sender, ev.round) or reject(
+                "unselected", f"{ev.sender} was not selected for round {self.round}"
+            )
         if ev.sender in self.received or ev.sender in self.inflight or ev.sender in self._replay:
             return reject("duplicate", f"second update from {ev.sender} for round {self.round}")
         if self._replaying:
