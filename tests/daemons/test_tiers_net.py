@@ -301,3 +301,43 @@ def test_secure_aggregation_in_both_tiers(tmp_path, runs):
     worst = max(float(np.abs(weights[k].astype(np.float64) - flat[k]).max()) for k in flat)
     print(f"secure tiers against flat: largest difference {worst:.3g}")
     assert worst <= SECURE_TOL
+
+
+@pytest.mark.slow
+def test_distributed_dp_across_tiers(tmp_path):
+    """The hub's [privacy] over real processes, secure aggregation in both tiers: every
+    hub round calibrates the shares for all five agents and is charged once, at the hub;
+    the sites pass the calibration down and add nothing. (Its twin in memory, which also
+    measures the noise: tests/protocols/test_tiers_dp.py.)"""
+    from fedagent.protocols import dp
+
+    secure = {"secure_aggregation": True, "min_updates": 2}
+    fed = TieredFederation(
+        tmp_path / "tiers",
+        sites=SITES,
+        rounds=2,
+        alpha=ALPHA,
+        round_timeout=120.0,
+        transfer={"compression": "none"},
+        hub_rounds=secure,
+        site_rounds=secure,
+        hub_privacy={"mode": "distributed", "noise_multiplier": 1.0, "clip_norm": 1.0},
+    )
+    try:
+        fed.prepare()
+        fed.start_all()
+        done = wait_for(lambda: _done(fed), 240, "the private tiered federation to finish", fed)
+        sites = {s: fed.status(s) for s in fed.site_ids}
+        hub_lines = [r for r in _history(fed, "coordinator") if r.get("event") == "round"]
+        site_lines = {s: [r for r in _history(fed, s) if r.get("event") == "site_round"] for s in fed.site_ids}
+    finally:
+        fed.close()
+    n = sum(SITES)
+    assert done["completed_rounds"] == 2
+    assert [(r["privacy"]["noise_shares"], r["privacy"]["cohort"]) for r in hub_lines] == [(n, n), (n, n)]
+    assert done["privacy"]["epsilon"] == pytest.approx(dp.epsilon_for(1.0, 2, 1e-5), rel=1e-6)
+    for s, count in zip(fed.site_ids, SITES, strict=True):
+        assert sites[s]["tier"]["privacy"]["noise_added"] == 0 and sites[s]["tier"]["privacy"]["cohort"] == n
+        assert [len(r["participants"]) for r in site_lines[s]] == [count, count]
+        assert all(r["num_samples"] == count and r["privacy"]["noise_added"] == 0 for r in site_lines[s])
+    print(f"epsilon {done['privacy']['epsilon']:.4f} after 2 hub rounds of {n} noise shares")

@@ -34,7 +34,7 @@ MACHINES = {
     (settings.RoundsConfig, "norm"): (R.NormBound, set()),
     (settings.RoundsConfig, "train"): (
         TrainConfig,
-        {"compression", "topk_ratio", "stream", "dp_clip", "dp_noise_std", "dp_count_std"},
+        {"compression", "topk_ratio", "stream", "dp_clip", "dp_noise_std", "dp_count_std", "dp_cohort"},
     ),
     (settings.RoundsConfig, "strategy"): (Strategy, set()),
     (settings.RoundsConfig, "secure"): (SecAggParams, {"min_survivors"}),

@@ -39,7 +39,14 @@ def test_a_site_aggregator_config(tmp_path):
         (SITE + '[privacy]\nmode = "central"\nnoise_multiplier = 1.0\n', "accounted once, at the top"),
         ('mode = "gossip"\n' + SITE, "mode = 'fedavg'"),
         ('[tier]\nsites = true\n[rounds]\naggregation = "median"\n', "robust aggregation"),
-        ('[tier]\nsites = true\n[privacy]\nmode = "distributed"\nnoise_multiplier = 1.0\n', "not available yet"),
+        (
+            '[tier]\nsites = true\n[privacy]\nmode = "distributed"\nnoise_multiplier = 1.0\n',
+            "needs \\[rounds\\] secure_aggregation = true on this tier",
+        ),
+        (
+            '[tier]\nsites = true\n[privacy]\nmode = "central"\nnoise_multiplier = 1.0\n',
+            "cannot run over site aggregators",
+        ),
     ],
 )
 def test_what_tiers_refuse(tmp_path, body, words):

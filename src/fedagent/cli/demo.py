@@ -67,7 +67,7 @@ from fedagent.errors import FedagentError
     default=None,
     help="fedavg: the same agents flat, then over this many sites, each with its own Mosquitto and a site "
     "aggregator between its agents and the hub; compares the final accuracies [default agents: 2 per site]; "
-    "with --secure-aggregation, secure rounds in both tiers",
+    "with --secure-aggregation, secure rounds in both tiers (and with --dp-epsilon, distributed DP across them)",
 )
 @click.option("--keep", is_flag=True, help="keep the work directory (logs, checkpoints)")
 @click.option(
@@ -105,9 +105,12 @@ def demo(
     )
 
     try:
-        if sites is not None and (mode != "fedavg" or dp_epsilon is not None):
+        if sites is not None and mode != "fedavg":
+            raise FedagentError("--sites runs the fedavg demo in tiers; drop --mode")
+        if sites is not None and dp_epsilon is not None and not secure_aggregation:
             raise FedagentError(
-                "--sites runs the fedavg demo in tiers (differential privacy across tiers is not available yet)"
+                "--sites with --dp-epsilon runs distributed DP across tiers, which needs --secure-aggregation "
+                "(a site's sum carries only its agents' part of the noise)"
             )
         if secure_aggregation and mode != "fedavg":
             raise FedagentError(f"--secure-aggregation works with --mode fedavg, not {mode}")
@@ -122,6 +125,7 @@ def demo(
                 keep=keep,
                 report_dir=report_dir,
                 secure=secure_aggregation,
+                dp_epsilon=dp_epsilon,
             )
         elif mode == "async":
             if (agents or 5) < 3:

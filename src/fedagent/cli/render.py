@@ -38,8 +38,21 @@ def _privacy(p: Any) -> str | None:
         parts.append(f"noise ×{p['noise_multiplier']:.3g}")
     if p.get("clip_norm") is not None:
         parts.append(f"clip {p['clip_norm']:.3g}")
+    if p.get("cohort") is not None:
+        parts.append(f"last round {p.get('noise_shares', 0):.0f} of {p['cohort']:.0f} noise shares")
     extra = ", ".join(x for x in parts if x)
     return f"{line}; {extra}" if extra else line
+
+
+def _site_privacy(p: Any) -> str:
+    """What a site aggregator does for the upstream tier's distributed DP: nothing but
+    pass its calibration down."""
+    if not isinstance(p, dict):
+        return "-"
+    return (
+        f"the agents add their shares (σ {p.get('share_std', 0):.3g} each, for {p.get('cohort', 0):.0f} agents, "
+        f"clip {p.get('clip_norm', 0):.3g}); added here: {p.get('noise_added', 0):g}, accounted upstream"
+    )
 
 
 def _rounds_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -336,6 +349,7 @@ def render_tier(tier: dict[str, Any], console: Console) -> None:
         ("last partial result", sent),
         ("down since", down_since),
         ("held", waiting),
+        ("privacy", _site_privacy(tier.get("privacy"))),
     ):
         u.add_row(k, _fmt(v))
     console.print(u)

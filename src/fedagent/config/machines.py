@@ -58,8 +58,11 @@ def round_config(cfg: NodeConfig, *, calibrate: bool = True) -> R.RoundConfig:
                     "(an update is clipped by its norm before any of it is added): remove stream_updates"
                 )
             if calibrate:
-                # Sampling amplification only counts when the population is known.
+                # Sampling amplification only counts when the population is known, and not
+                # across tiers (a site is sampled with all of its agents: tiers/upper.py).
                 q = r.agents_per_round / r.expected_agents if r.agents_per_round and r.expected_agents else 1.0
+                if cfg.tier.sites:
+                    q = 1.0
                 dp = privacy.resolve(r.rounds, min(q, 1.0))
             else:
                 dp = privacy.dp_config(privacy.noise_multiplier or UNCALIBRATED_NOISE)

@@ -411,7 +411,9 @@ class FedAvgMode:
                 "whole model",
                 agent,
             )
-        return R.AgentOnline(agent, samples, reads_steps=reads)
+        # a site aggregator's agents: a hub calibrates distributed DP's noise shares with them
+        agents = int(self.core.peers.get(agent, {}).get("agents", 0))
+        return R.AgentOnline(agent, samples, reads_steps=reads, agents=agents)
 
     async def on_message(self, inc: Incoming, now: float) -> None:
         msg = inc.message

@@ -300,7 +300,9 @@ class SiteMode:
         if online and self._is_aggregator(agent) and not self.cfg.tier.sites:
             log.warning("%s is a site aggregator, and this one has no [tier] sites = true: not taken", agent)
             online = False
-        await self._handle(R.AgentOnline(agent, samples) if online else R.AgentOffline(agent))
+        # A region's members are site aggregators: each stands for the agents it announced.
+        agents = int(self.core.peers.get(agent, {}).get("agents", 0))
+        await self._handle(R.AgentOnline(agent, samples, agents=agents) if online else R.AgentOffline(agent))
 
     async def on_message(self, inc: Incoming, now: float) -> None:
         msg = inc.message
@@ -391,6 +393,8 @@ class SiteMode:
                 # the partial result waiting for the upstream connection
                 "held": held,
                 "final_model_version": self.final.model_version if self.final is not None else None,
+                # distributed DP of the upstream round: the agents' shares, none added here
+                "privacy": st["privacy"],
             },
         }
 
@@ -511,6 +515,9 @@ class SiteMode:
                 "agg_weights": cmd.weights_used,
                 "bounded": cmd.bounded,
                 "seconds": round(self.last_round_seconds or 0.0, 4),
+                # The agents noised their updates for the upstream round's cohort; this site
+                # added nothing and charged nothing (the top tier accounts).
+                **({"privacy": dict(self.machine.privacy)} if self.machine.privacy is not None else {}),
             }
         )
         for agent, what in cmd.bounded.items():

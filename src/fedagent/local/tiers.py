@@ -56,7 +56,9 @@ class TieredFederation:
         hub_rounds: dict[str, Any] | None = None,
         site_rounds: dict[str, Any] | None = None,
         transfer: dict[str, Any] | None = None,
+        hub_privacy: dict[str, Any] | None = None,
     ) -> None:
+        """``hub_privacy``: the hub's ``[privacy]`` table (distributed DP across tiers)."""
         self.work = work
         self.fed = federation or f"tiers-{secrets.token_hex(3)}"
         self.sites = list(sites)
@@ -66,6 +68,7 @@ class TieredFederation:
         self.hub_rounds = dict(hub_rounds or {})
         self.site_rounds = dict(site_rounds or {})
         self.transfer = dict(transfer or {})
+        self.hub_privacy = dict(hub_privacy) if hub_privacy else None
         self.n = sum(sites)
         self.site_ids = [site_name(s) for s in range(len(sites))]
         self.agents: dict[str, list[str]] = {}
@@ -119,6 +122,7 @@ class TieredFederation:
                 **self.hub_rounds,
             },
             tier={"sites": True},
+            **({"privacy": self.hub_privacy} if self.hub_privacy else {}),
         )
         for site in self.site_ids:
             broker = self.brokers[site] = EmbeddedBroker(

@@ -37,6 +37,7 @@ class TrainConfig(F.WireMessage):
         F.Field("dp_clip", F.Nullable(F.Number()), default=None, omit_default=True),
         F.Field("dp_noise_std", F.Number(), default=0.0, send=lambda t: t.dp_clip is not None),
         F.Field("dp_count_std", F.Number(), default=0.0, omit_default=True),
+        F.Field("dp_cohort", F.Count(), default=0, omit_default=True),
         F.Field("local_norm", F.Flag(), default=False, omit_default=True),
     )
     epochs: int = 1
@@ -52,6 +53,10 @@ class TrainConfig(F.WireMessage):
     # Adaptive clipping under secure aggregation: the agent also masks its clipped-or-not
     # bit (minus ½) with Gaussian noise of this standard deviation (Andrew et al. 2021).
     dp_count_std: float = 0.0
+    # The number of agents dp_noise_std is calibrated for (their shares add up to the
+    # round's noise): the round's agents, or across tiers every site's. A site
+    # aggregator takes no more agents than this into a round (0: not said).
+    dp_cohort: int = 0
     # Mini-batches of local training a round instead of ``epochs`` passes (0: epochs).
     # A fraction of an epoch a round: the sites average more often for the same passes.
     steps: int = 0
@@ -74,6 +79,10 @@ class TrainConfig(F.WireMessage):
         if self.dp_count_std and self.dp_clip is None:
             # (so dp_count_std is sent only beside dp_clip)
             raise CodecError("train config: dp_count_std needs dp_clip")
+        if type(self.dp_cohort) is not int or not 0 <= self.dp_cohort < 2**31:
+            raise CodecError("train config: dp_cohort out of range")
+        if self.dp_cohort and self.dp_clip is None:
+            raise CodecError("train config: dp_cohort needs dp_clip")
         if self.compression != "none" and not self.stream:
             raise CodecError("train config: compression needs streamed updates")
         if not 1 <= self.epochs <= 10_000 or not 1 <= self.batch_size <= 1_000_000:

@@ -26,6 +26,9 @@ class AgentOnline:
     # of earlier releases do not, and take part only in rounds whose start carries the
     # whole model (RoundConfig.whole_model_every).
     reads_steps: bool = True
+    # A site aggregator's announcement: the agents online at its site (0 for an agent).
+    # A tier of site aggregators calibrates distributed DP's noise shares with them.
+    agents: int = 0
 
 
 @dataclass(frozen=True, slots=True)

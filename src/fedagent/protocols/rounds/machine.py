@@ -23,6 +23,7 @@ from fedagent.protocols.aggregation import StrategyAggregator, UpdateRejected, c
 from fedagent.protocols.downlink import ModelDelta
 from fedagent.protocols.dp import Accountant, ClipBound, DPAggregator
 from fedagent.protocols.fingerprint import Roles
+from fedagent.protocols.messages import TrainConfig
 from fedagent.protocols.rounds.bounds import Bench, Influence, Replay, scaled
 from fedagent.protocols.rounds.config import RoundConfig
 from fedagent.protocols.rounds.events import (
@@ -141,6 +142,7 @@ class RoundMachine(StreamedUpdates):
         self._others_done_at: float | None = None  # when only streams still arriving were owed
         self._rng = random.Random(config.seed)
         self._round_q = 1.0  # the fraction of the online agents selected for the round
+        self._cohort = 0  # the agents the round's noise shares are calibrated for (distributed DP)
         self.stop_reason = ""
         self.budget: PrivacyBudget | None = None
         if config.dp is not None:
@@ -266,7 +268,29 @@ class RoundMachine(StreamedUpdates):
         """Secure rounds under distributed DP, before any mask comes off: why a sum of
         ``survivors`` updates must not be unmasked (its noise would take ε past the
         budget), or ''. Refused, the round is abandoned and nothing of it is learned."""
-        return self._over_budget(len(self.selected), self._round_q, survivors)
+        server = self.secagg
+        inputs = {a: m.num_samples for a, m in server.inputs.items()} if server is not None else {}
+        shares = self.noise_shares(inputs) if len(inputs) == survivors else survivors
+        return self._over_budget(self._cohort, self._round_q, shares)
+
+    # -- what distributed DP's noise is counted in (a tier of site aggregators differs) --
+    def noise_cohort(self, agents: Sequence[str]) -> int:
+        """The agents a round of these members calibrates its noise shares for: one each."""
+        return len(agents)
+
+    def noise_shares(self, contributors: Mapping[str, int]) -> int:
+        """The noise shares the sum of these contributors (member → its sample count)
+        carries: one each."""
+        return len(contributors)
+
+    def sampling_fraction(self, selected: int, population: int) -> float:
+        """The sampling fraction the accountant is given for a round of ``selected`` of
+        ``population`` members."""
+        return selected / population
+
+    def dp_weight(self, train: TrainConfig) -> int:
+        """A private secure round's W: each agent's noised update weighs 1."""
+        return 1
 
     def whole_model_only(self) -> list[str]:
         """Online agents that cannot rebuild an int8 step: round starts carry the whole
@@ -349,8 +373,8 @@ class RoundMachine(StreamedUpdates):
             # The quorum needed an agent that cannot rebuild a step: a step would leave it
             # unable to train (and the round waiting for it until its deadline).
             self._whole_round = True
-        q = len(agents) / population
-        why = self._over_budget(len(agents), q)
+        q = self.sampling_fraction(len(agents), population)
+        why = self._over_budget(self.noise_cohort(agents), q)
         if why:
             self.phase = Phase.DONE
             self.stop_reason = why
@@ -407,9 +431,10 @@ class RoundMachine(StreamedUpdates):
         whole = resumed or self.delta is None or self._whole_round
         self._since_whole = 0 if whole else self._since_whole + 1
         train = replace(cfg.train, lr=cfg.lr_for(self.round))
+        self._cohort = self.noise_cohort(agents)
         if self.budget is not None:
-            self._acc = self.budget.aggregator(self.weights, len(agents))
-            train = self.budget.train(train, len(agents))
+            self._acc = self.budget.aggregator(self.weights, self._cohort)
+            train = self.budget.train(train, self._cohort)
         else:
             self._acc = StrategyAggregator(cfg.strategy, self.weights, compact=True, values=self.roles.buffers)
         setup = None
@@ -429,6 +454,7 @@ class RoundMachine(StreamedUpdates):
                 seed=self._rng.randbytes(16),
                 admit=self._distributed_admit,
                 max_weight=self.influence.max_weight,
+                dp_weight=self.dp_weight(train),
             )
             self.deadline = math.inf
         return [
@@ -591,7 +617,7 @@ class RoundMachine(StreamedUpdates):
             if isinstance(self._acc, DPAggregator) and self._acc.config.mode == "distributed":
                 # Fewer noise shares than selected: the sum may carry too little noise to
                 # be published within the budget (it is then dropped, not published).
-                reason = self._over_budget(len(self.selected), self._round_q, self._acc.count)
+                reason = self._over_budget(self._cohort, self._round_q, self._acc.count)
             if not reason:
                 if self._replay:
                     return out + self._refold()
@@ -688,7 +714,8 @@ class RoundMachine(StreamedUpdates):
             if a not in res.offenders:
                 self.bench.forgive(a)
         bounded = self.influence.aggregated(res.contributors) if self.config.bounds_secure_mean else None
-        return self._published(tuple(sorted(res.contributors)), used, {}, len(res.contributors), now, bounded)
+        shares = self.noise_shares({a: c.num_samples for a, c in res.contributors.items()})
+        return self._published(tuple(sorted(res.contributors)), used, {}, shares, now, bounded)
 
     # -- the end of a round ------------------------------------------------------------
     def _adopt(self, new: Weights, velocity: Weights) -> None:
@@ -712,10 +739,10 @@ class RoundMachine(StreamedUpdates):
         final = self.completed >= self.config.rounds
         why = ""
         if self.budget is not None:
-            self.budget.charge(len(self.selected), answered, self._round_q)
+            self.budget.charge(self._cohort, answered, self._round_q)
             if not final:
                 # The next round's selection is not known yet: judged as this one's.
-                why = self.budget.over_budget(len(self.selected), self._round_q)
+                why = self.budget.over_budget(self._cohort, self._round_q)
                 final = bool(why)
         out: list[Command] = [
             RoundAggregated(

@@ -30,6 +30,8 @@ class PrivacyBudget:
         clip = state.get("clip_norm")
         self.clip = ClipBound(config, float(clip) if isinstance(clip, int | float) and clip > 0 else 0.0)
         self.rng = rng
+        # Distributed: the noise shares the last release carried, of how many calibrated for.
+        self.shares: tuple[int, int] | None = None
 
     def state(self) -> dict[str, object]:
         """What a checkpoint keeps: the releases charged so far and the clip bound."""
@@ -47,6 +49,8 @@ class PrivacyBudget:
         }
         if dp.epsilon_budget is not None:
             out["epsilon_budget"] = dp.epsilon_budget
+        if self.shares is not None:
+            out["noise_shares"], out["cohort"] = float(self.shares[0]), float(self.shares[1])
         if self.clip.released is not None:
             # adaptive clipping: the noised fraction of unclipped updates C last moved by
             out["unclipped_fraction"] = self.clip.released
@@ -55,11 +59,13 @@ class PrivacyBudget:
     def release(self, selected: int, answered: int, q: float) -> Release:
         """The round's release as the accountant sees it. Central: noise z_Δ·C on the sum
         (and, adaptive, the count's σ_b on a sensitivity of ½). Distributed: each of the
-        ``selected`` agents added z·C/√selected, so ``answered`` of them carry z·√(answered/selected)."""
+        ``selected`` agents added z·C/√selected, so ``answered`` of them carry z·√(answered/selected).
+        Across tiers ``selected`` is the cohort the shares were calibrated for, and more
+        shares than that (a site that grew after its announcement) are charged as ``selected``."""
         dp = self.config
         # Distributed: the answered shares of each noise (update, and with adaptive
         # clipping the count's) carry √(answered/selected) of it.
-        f = math.sqrt(answered / selected) if dp.mode == "distributed" else 1.0
+        f = math.sqrt(min(answered, selected) / selected) if dp.mode == "distributed" else 1.0
         zs: tuple[float, ...] = (dp.update_noise_multiplier(selected) * f,)
         if dp.adaptive:
             zs += (2.0 * dp.count_std(selected) * f,)
@@ -94,13 +100,14 @@ class PrivacyBudget:
 
     def train(self, train: TrainConfig, selected: int) -> TrainConfig:
         """The round's training settings: under distributed DP each agent clips its update
-        and adds its share of the noise (and, adaptive, of the count's)."""
+        and adds its share of the noise (and, adaptive, of the count's), calibrated for
+        ``selected`` agents (the round says how many)."""
         dp = self.config
         if dp.mode != "distributed":
             return train
         root = math.sqrt(selected)
         share = dp.update_noise_multiplier(selected) * self.clip.value / root
-        train = replace(train, dp_clip=self.clip.value, dp_noise_std=share)
+        train = replace(train, dp_clip=self.clip.value, dp_noise_std=share, dp_cohort=selected)
         if dp.adaptive:  # (under secure aggregation: RoundConfig checks)
             train = replace(train, dp_count_std=dp.count_std(selected) / root)
         return train
@@ -108,3 +115,5 @@ class PrivacyBudget:
     def charge(self, selected: int, answered: int, q: float) -> None:
         """An aggregate of ``answered`` of ``selected`` updates was released."""
         self.accountant.spend(self.release(selected, answered, q))
+        if self.config.mode == "distributed":
+            self.shares = (answered, selected)

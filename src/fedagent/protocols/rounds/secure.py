@@ -50,30 +50,37 @@ class SecureRounds:
         seed: bytes,
         admit: Callable[[int], str],
         max_weight: Callable[[tuple[str, ...], Mapping[str, int]], int],
+        dp_weight: int = 1,
     ) -> tuple[SA.SecAggSetup, tuple[SendSecAgg, ...], float]:
         """A secure round's setup, the messages to send before its model (the rosters,
         when the keys were advertised ahead) and when to be woken. ``online``: the
         samples each agent announced; ``last``: no round follows (no keys ahead);
         ``admit``: asked before a sum of that many inputs is unmasked under distributed
         DP (a reason abandons the round); ``max_weight``: the round's W from the counts
-        its agents announced (bounded against their median)."""
+        its agents announced (bounded against their median). ``dp_weight``: W when the
+        round carries distributed DP's noise (``train.dp_clip``): 1, every agent's update
+        weighing 1; across tiers the cohort, a site's mean weighing its agents."""
         cfg = self.config
         assert cfg.secure is not None
-        # DP-FedAvg weighs every update equally (its noise is calibrated so): W = 1.
-        top = 1 if cfg.dp is not None else max_weight(agents, online)
+        # DP-FedAvg weighs every update equally (its noise is calibrated so): W = 1. The
+        # noise may be the upstream tier's (a site round passes the hub's calibration
+        # down): the round is private whenever its agents noise, accounted here or not.
+        clip = train.dp_clip
+        top = dp_weight if clip is not None else max_weight(agents, online)
         params = cfg.secure
         admit_sum = None
         size = SA.layout_size(weights)
-        if cfg.dp is not None and train.dp_clip is not None:
+        if clip is not None:
             # Distributed DP: the noised update must fit the quantisation range whole
             # (a coordinate cut there would no longer carry its Gaussian noise).
-            wide = quantisation_range(train.dp_clip, train.dp_noise_std, size, len(agents))
+            wide = quantisation_range(clip, train.dp_noise_std, size, len(agents))
             if train.dp_count_std:
                 # ... and so must the noised clipped-or-not bit, one value more
                 size += 1
                 wide = max(wide, quantisation_range(0.5, train.dp_count_std, size, len(agents)))
             params = replace(params, clip=min(max(params.clip, wide), SA.MAX_CLIP))
-            admit_sum = admit
+            # Only the tier that accounts checks the budget before unmasking.
+            admit_sum = admit if cfg.dp is not None else None
         self.params = params
         # Every selected agent advertised keys for this round with its masked input
         # of the last one: no key stage. Anyone else in the cohort: a key stage for all.

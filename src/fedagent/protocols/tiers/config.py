@@ -3,7 +3,8 @@
 A **site tier** (:class:`~fedagent.protocols.tiers.site.SiteMachine`) averages its
 members' updates plainly: the model moves once, at the top, so its rounds take the
 server learning rate 1 and no momentum and no privacy accounting of their own (the top's
-configuration carries them). Secure aggregation is per tier: a site's secure round hides
+configuration carries them; under distributed DP a site passes the top's calibration
+down to its agents, adds no noise and accounts nothing). Secure aggregation is per tier: a site's secure round hides
 each agent's update from the site aggregator, an upper tier's hides each site's mean from
 the hub (docs/privacy.md, across tiers). Its learning rate and training
 settings are the upstream round's, so that every agent trains as it would in a flat
@@ -11,7 +12,9 @@ federation.
 
 An **upper tier** (a hub or a region, whose members are site aggregators) averages
 site means: a robust aggregator or a norm bound over them would no longer be FedAvg
-over the agents, and they belong to the tier that sees individual updates.
+over the agents, and they belong to the tier that sees individual updates. The top
+tier may account distributed DP (``[privacy] mode = "distributed"``, under secure
+aggregation at every tier, with a fixed clip): ε once, for the whole cohort.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ def check_site(cfg: RoundConfig) -> None:
     if cfg.dp is not None:
         raise ValueError(
             "differential privacy is accounted once, at the top tier: set [privacy] on the hub's "
-            "coordinator, not on a site aggregator"
+            "coordinator, not on a site aggregator (its agents add the noise shares the hub's round "
+            "starts calibrate; the site adds none and accounts nothing)"
         )
     if cfg.lr_schedule != "constant":
         raise ValueError(
@@ -86,8 +90,22 @@ def check_upper(cfg: RoundConfig) -> None:
             "the norm bound applies at the sites, which see the individual updates: a site mean's "
             "distance depends on its size, and bounding it would weigh large sites less"
         )
-    if cfg.dp is not None:
-        raise ValueError(
-            "differential privacy over site aggregators is not available yet: a central clip would "
-            "bound a site's mean as if it were one agent's update (the guarantee would be per site)"
-        )
+    dp = cfg.dp
+    if dp is not None:
+        if dp.mode != "distributed":
+            raise ValueError(
+                f"[privacy] mode = {dp.mode!r} cannot run over site aggregators: a central clip would bound a "
+                "site's mean as if it were one agent's update (the guarantee would be per site); use "
+                "mode = 'distributed' (the agents clip and add their noise shares)"
+            )
+        if cfg.secure is None:
+            raise ValueError(
+                "distributed differential privacy across tiers needs [rounds] secure_aggregation = true on "
+                "this tier (and on every site aggregator): a site's mean carries only its agents' part of "
+                "the noise, which the hub must not see"
+            )
+        if dp.adaptive:
+            raise ValueError(
+                "adaptive_clip across tiers is not available: the agents' clipped-or-not count would have "
+                "to travel through every tier's secure round; use a fixed [privacy] clip_norm"
+            )

@@ -84,6 +84,7 @@ class SiteMachine:
         self.verify_statement = verify_statement
         self.site_round = last_round
         self.online: dict[str, int] = {}  # agent -> samples it announced
+        self._agents_of: dict[str, int] = {}  # member -> the agents it stands for (a site: its own)
         self._reads_steps: dict[str, bool] = {}
         self.departed: set[str] = set()  # left with their last update; ignored until their goodbye
         self.bench = Bench()
@@ -101,6 +102,9 @@ class SiteMachine:
         # A partial result made while the upstream tier was out of reach, with the time its
         # upstream round stops waiting: sent when the connection is back, if still open.
         self.held: tuple[PartialResult, float] | None = None
+        # The distributed DP of the upstream round answered last (its agents' noise shares,
+        # calibrated upstream), or None: what the status and history say of it.
+        self.privacy: dict[str, float] | None = None
 
     # -- public ------------------------------------------------------------------------
     def handle(self, event: Event, now: float) -> list[Command]:
@@ -123,10 +127,12 @@ class SiteMachine:
                 return []
             self.online[event.agent] = event.num_samples
             self._reads_steps[event.agent] = event.reads_steps
+            self._agents_of[event.agent] = max(1, event.agents)
             return self._announce() + self._forward(event, now) + self._maybe_open(now)
         if isinstance(event, R.AgentOffline):
             self.online.pop(event.agent, None)
             self._reads_steps.pop(event.agent, None)
+            self._agents_of.pop(event.agent, None)
             self.departed.discard(event.agent)
             return self._announce() + self._forward(event, now)
         if isinstance(event, R.Wakeup):
@@ -207,6 +213,7 @@ class SiteMachine:
             "phase": "training" if self.machine is not None else ("quorum" if up is not None else "idle"),
             "agents": dict(sorted(self.online.items())),
             "samples": self.samples,
+            "privacy": None if self.privacy is None else dict(self.privacy),
             "round": self.machine.status() if self.machine is not None else None,
             "last": None
             if last is None
@@ -236,10 +243,37 @@ class SiteMachine:
         self._answering = ev.round
         self.upstream_end = now + ev.deadline_s
         self.deadline = now + self.config.budget(ev.deadline_s)
+        t = ev.train
+        self.privacy = (
+            None
+            if t.dp_clip is None
+            else {"noise_added": 0.0, "cohort": float(t.dp_cohort), "share_std": t.dp_noise_std, "clip_norm": t.dp_clip}
+        )
+        why = self._refuses_privacy(t)
+        if why:
+            return out + self._fail(why, now)
         out += self._maybe_open(now)
         if self.machine is None and self.upstream is not None:
             out.append(R.RequestWakeup(self.deadline))  # the quorum's deadline
         return out
+
+    def _refuses_privacy(self, train: TrainConfig) -> str:
+        """Why this site cannot answer an upstream round carrying distributed DP, or ''.
+        Its agents add the shares of the noise; the site adds none and accounts nothing,
+        so its round must hide each agent's update (it carries a small part of the noise)."""
+        if train.dp_clip is None:
+            return ""
+        if self.config.rounds.secure is None:
+            return (
+                "the upstream round carries distributed differential privacy, which needs [rounds] "
+                "secure_aggregation = true on this site aggregator: without it the site would see each "
+                "agent's update with only its share of the noise (set it, or drop [privacy] on the hub)"
+            )
+        if train.dp_count_std:
+            return "the upstream round asks for adaptive clipping, which does not cross tiers"
+        if train.dp_cohort < 1:
+            return "the upstream round carries distributed differential privacy without its cohort (an earlier release)"
+        return ""
 
     def _maybe_open(self, now: float) -> list[Command]:
         """Start the site round for the upstream round being answered, with every agent
@@ -262,7 +296,9 @@ class SiteMachine:
         self.machine = machine
         cmds: list[R.Command] = []
         for a in agents:
-            cmds = machine.handle(R.AgentOnline(a, self.online[a], self._reads_steps.get(a, True)), now)
+            cmds = machine.handle(
+                R.AgentOnline(a, self.online[a], self._reads_steps.get(a, True), self._agents_of.get(a, 1)), now
+            )
         # The wake-ups asked for while the quorum grew are moot: the last agent started it.
         return self._translate(cmds, now)
 
@@ -287,6 +323,13 @@ class SiteMachine:
 
     @staticmethod
     def _round_config(cfg: R.RoundConfig, train: TrainConfig, agents: int, left: float) -> R.RoundConfig:
+        if train.dp_clip is not None:
+            # The upstream round's noise shares are calibrated for dp_cohort agents: no more
+            # take part, so that no site's mean outweighs W upstream. No norm bound on the
+            # unmasked mean: scaling a site's noised sum would take noise out of the total
+            # that every other agent's privacy is counted on.
+            limit = min(cfg.agents_per_round or train.dp_cohort, train.dp_cohort)
+            cfg = replace(cfg, agents_per_round=limit, norm_bound=None)
         return replace(
             cfg,
             rounds=1,
@@ -437,7 +480,8 @@ class SiteMachine:
         # upstream presence says offline), so that the upstream tier neither waits for it
         # nor starts a round counting it with a part of its agents.
         ready = len(self.online) >= self.config.rounds.min_agents
-        now = (self.samples if ready else 0, len(self.online))
+        # A region stands for its sites' agents, a site for its own.
+        now = (self.samples if ready else 0, sum(self._agents_of.get(a, 1) for a in self.online))
         if now == self._announced:
             return []
         self._announced = now

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from fedagent.protocols.rounds import RoundConfig, RoundMachine
+from fedagent.protocols.messages import TrainConfig
+from fedagent.protocols.rounds import AgentOnline, Command, Event, Rejected, RoundConfig, RoundMachine
 from fedagent.protocols.rounds.bounds import Influence, lower_median
 from fedagent.protocols.tiers.config import check_upper
 
@@ -73,7 +74,16 @@ class UpperInfluence(Influence):
 class UpperRoundMachine(RoundMachine):
     """A :class:`~fedagent.protocols.rounds.RoundMachine` whose members include site
     aggregators (``is_aggregator`` says which, from their certificates' role). The
-    configuration is checked for an upper tier (:func:`~.config.check_upper`)."""
+    configuration is checked for an upper tier (:func:`~.config.check_upper`).
+
+    **Distributed DP across tiers** (its ``[privacy]`` here, at the top, or the noise of
+    the upstream round it answers, in a region): the agents below add the noise shares,
+    calibrated for the cohort of every selected site's agents (the sum of their
+    announcements), and a site's mean weighs the agents whose shares it carries (W is
+    the cohort). Only site aggregators take part: an agent of this tier would mask its
+    update weighing its samples, not one share. No sampling amplification is claimed
+    (q = 1): a site is selected with all of its agents, so an agent's inclusion is tied to
+    its site-mates', which the Poisson analysis does not cover."""
 
     def __init__(
         self, config: RoundConfig, weights: Weights, *, is_aggregator: Callable[[str], bool], **kwargs: Any
@@ -81,3 +91,43 @@ class UpperRoundMachine(RoundMachine):
         check_upper(config)
         super().__init__(config, weights, **kwargs)
         self.influence = UpperInfluence(config, kwargs.get("norm_history", ()), is_aggregator)
+        self.is_aggregator = is_aggregator
+        self.site_agents: dict[str, int] = {}  # site aggregator -> the agents it announced
+
+    @property
+    def private(self) -> bool:
+        """The rounds carry distributed DP's noise (accounted here, or upstream)."""
+        return self.config.dp is not None or self.config.train.dp_clip is not None
+
+    def handle(self, event: Event, now: float) -> list[Command]:
+        if isinstance(event, AgentOnline):
+            if self.is_aggregator(event.agent):
+                self.site_agents[event.agent] = max(1, event.agents)
+            elif self.private:
+                return [
+                    Rejected(
+                        event.agent,
+                        0,
+                        "role",
+                        "distributed differential privacy across tiers weighs each site by its agents' noise "
+                        "shares: only site aggregators take part here (connect agents to a site aggregator)",
+                    )
+                ]
+        return super().handle(event, now)
+
+    def noise_cohort(self, agents: Sequence[str]) -> int:
+        return sum(self.site_agents.get(a, 1) if self.is_aggregator(a) else 1 for a in agents)
+
+    def noise_shares(self, contributors: Mapping[str, int]) -> int:
+        # A site's count under DP is the number of its agents whose updates (and noise
+        # shares) its mean holds (each weighed 1 there); trusted as its weight is.
+        return sum(max(1, n) if self.is_aggregator(a) else 1 for a, n in contributors.items())
+
+    def sampling_fraction(self, selected: int, population: int) -> float:
+        return 1.0 if self.private else super().sampling_fraction(selected, population)
+
+    def dp_weight(self, train: TrainConfig) -> int:
+        # W = the cohort: a site's mean of k agents weighs k/W, so the unmasked sum over
+        # sites is the sum of every agent's noised update (each weighing 1, as flat). A
+        # site never takes more agents than the cohort, so no site's weight is cut.
+        return max(1, train.dp_cohort)
