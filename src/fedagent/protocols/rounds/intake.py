@@ -65,9 +65,7 @@ class StreamedUpdates:
 
     if TYPE_CHECKING:
 
-        def _late(self, sender: str, round_: int) -> list[Command] | None: ...
-
-        def _joined_late(self, sender: str, round_: int) -> list[Command] | None: ...
+        def _admit(self, sender: str, round_: int, base_version: int, now: float) -> list[Command] | None: ...
 
         def _counted_out(
             self, sender: str, refusal: Rejected | None = None, now: float | None = None
@@ -125,24 +123,10 @@ class StreamedUpdates:
                     "plain update in a federation with secure aggregation (never aggregated)",
                 ),
             )
-        if self.phase is not Phase.TRAINING or ev.round != self.round:
-            late = self._late(ev.sender, ev.round)
-            if late is not None:
-                self.ignored.add((ev.sender, ev.tid))
-                return late
-            return reject("stale", f"update for round {ev.round}, current round {self.round} ({self.phase.value})")
-        if ev.sender not in self.selected:
-            late = self._joined_late(ev.sender, ev.round)
-            if late is not None:
-                self.ignored.add((ev.sender, ev.tid))
-                return late
-            return reject("unselected", f"{ev.sender} was not selected for round {self.round}")
-        if ev.sender in self.received or ev.sender in self.inflight or ev.sender in self._replay:
-            return reject("duplicate", f"second update from {ev.sender} for round {self.round}")
-        if self._replaying:
-            return reject("stale", f"round {self.round} is being aggregated")
-        if ev.base_version != self.model_version:
-            return refuse("stale", f"trained from version {ev.base_version}, current {self.model_version}")
+        instead = self._admit(ev.sender, ev.round, ev.base_version, now)
+        if instead is not None:
+            self.ignored.add((ev.sender, ev.tid))  # its parts are not read
+            return instead
         names = {t.name: t for t in ev.tensors}
         if names.keys() != self.weights.keys():
             missing = sorted(set(self.weights) - set(names))

@@ -475,6 +475,35 @@ class RoundMachine(StreamedUpdates):
         ]
 
     # -- collecting --------------------------------------------------------------------
+    def _admit(self, sender: str, round_: int, base_version: int, now: float) -> list[Command] | None:
+        """The checks every update passes first, whole or streamed (its header): the
+        round, the selection, one update per agent, the model it was trained from. None:
+        it may be read on; otherwise what is done instead (discarded as late, refused, or
+        refused and counted out of the round)."""
+        if self.phase is not Phase.TRAINING or round_ != self.round:
+            return self._late(sender, round_) or [
+                Rejected(
+                    sender,
+                    round_,
+                    "stale",
+                    f"update for round {round_}, current round {self.round} ({self.phase.value})",
+                )
+            ]
+        if sender not in self.selected:
+            return self._joined_late(sender, round_) or [
+                Rejected(sender, round_, "unselected", f"{sender} was not selected for round {self.round}")
+            ]
+        if sender in self.received or sender in self.inflight or sender in self._replay:
+            return [Rejected(sender, round_, "duplicate", f"second update from {sender} for round {self.round}")]
+        if self._replaying:
+            return [Rejected(sender, round_, "stale", f"round {self.round} is being aggregated")]
+        if base_version != self.model_version:
+            refusal = Rejected(
+                sender, round_, "stale", f"trained from version {base_version}, current {self.model_version}"
+            )
+            return self._counted_out(sender, refusal, now)
+        return None
+
     def _late(self, sender: str, round_: int) -> list[Command] | None:
         """An update for a round that was abandoned: discarded, not refused (its agent did
         nothing wrong); None for any other round."""
@@ -518,20 +547,9 @@ class RoundMachine(StreamedUpdates):
 
         if self.config.secure is not None:
             return reject("secure", "plain update in a federation with secure aggregation (never aggregated)")
-        if self.phase is not Phase.TRAINING or ev.round != self.round:
-            return self._late(ev.sender, ev.round) or reject(
-                "stale", f"update for round {ev.round}, current round {self.round} ({self.phase.value})"
-            )
-        if ev.sender not in self.selected:
-            return self._joined_late(ev.sender, ev.round) or reject(
-                "unselected", f"{ev.sender} was not selected for round {self.round}"
-            )
-        if ev.sender in self.received or ev.sender in self.inflight or ev.sender in self._replay:
-            return reject("duplicate", f"second update from {ev.sender} for round {self.round}")
-        if self._replaying:
-            return reject("stale", f"round {self.round} is being aggregated")
-        if ev.base_version != self.model_version:
-            return refuse("stale", f"trained from version {ev.base_version}, current {self.model_version}")
+        instead = self._admit(ev.sender, ev.round, ev.base_version, now)
+        if instead is not None:
+            return instead
         if ev.num_samples <= 0:
             return refuse("weight", "num_samples must be positive")
         samples = self.influence.samples(ev.sender, ev.num_samples)
