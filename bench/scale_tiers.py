@@ -49,8 +49,13 @@ from typing import Any
 import numpy as np
 import tomli_w
 
-from bench.procs import ProcessTree
-from bench.swarm import (
+# Run as a script (python bench/NAME.py), the checkout's root is not on the path.
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.procs import ProcessTree  # noqa: E402
+from bench.swarm import (  # noqa: E402
     COORDINATOR,
     FEDERATION,
     MAX_PER_PROCESS,
@@ -62,10 +67,10 @@ from bench.swarm import (
     issue_many,
     run_federation,
 )
-from fedagent.local.tiers import site_name
-from fedagent.mosquitto import EmbeddedBroker
-from fedagent.security import pki
-from fedagent.storage.history import read_records
+from fedagent.local.tiers import site_name  # noqa: E402
+from fedagent.mosquitto import EmbeddedBroker  # noqa: E402
+from fedagent.security import pki  # noqa: E402
+from fedagent.storage.history import read_records  # noqa: E402
 
 HUB = COORDINATOR
 MB = 2**20
