@@ -508,7 +508,7 @@ def measure(
         with tempfile.TemporaryDirectory(prefix=f"fedagent-tiers-{n}-", dir=tmp) as d:
 
             def progress(msg: str, label: str = label) -> None:
-                console.log(f"[{label}] {msg}")
+                console.log(f"{label}: {msg}")
 
             try:
                 if mode == "flat":
@@ -527,7 +527,7 @@ def measure(
                         connect_limit=case_limit,
                     )
             except Exception as exc:  # reported as a failed case
-                console.log(f"[{label}] failed: {type(exc).__name__}: {exc}")
+                console.log(f"{label}: failed: {type(exc).__name__}: {exc}")
                 row = {"mode": mode, "agents": n, "sites": s, "procs": procs, "rounds": 0, "failed": str(exc)[:800]}
         row.update(
             state_on=str(tmp or tempfile.gettempdir()),
@@ -538,7 +538,7 @@ def measure(
         )
         rows.append(derive(row))
         if row.get("failed") or row["rounds"] < rounds:
-            console.log(f"[{label}] {row['rounds']}/{rounds} rounds: no larger {kind} case")
+            console.log(f"{label}: {row['rounds']}/{rounds} rounds: no larger {kind} case")
             stopped.add(kind)
         if on_row is not None:
             on_row(rows)
