@@ -529,19 +529,21 @@ def measure(
             except Exception as exc:  # reported as a failed case
                 console.log(f"{label}: failed: {type(exc).__name__}: {exc}")
                 row = {"mode": mode, "agents": n, "sites": s, "procs": procs, "rounds": 0, "failed": str(exc)[:800]}
-        row.update(
-            state_on=str(tmp or tempfile.gettempdir()),
-            wall_s=time.monotonic() - t,
-            loadavg_before=load,
-            loadavg_after=_loadavg(),
-            finished_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        )
-        rows.append(derive(row))
+            row.update(
+                state_on=str(tmp or tempfile.gettempdir()),
+                wall_s=time.monotonic() - t,
+                loadavg_before=load,
+                loadavg_after=_loadavg(),
+                finished_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            )
+            # Saved before the case's directory is removed: removing 10,000 certificates on
+            # a loaded machine takes a while, and an interrupt then lost the row once.
+            rows.append(derive(row))
+            if on_row is not None:
+                on_row(rows)
         if row.get("failed") or row["rounds"] < rounds:
             console.log(f"{label}: {row['rounds']}/{rounds} rounds: no larger {kind} case")
             stopped.add(kind)
-        if on_row is not None:
-            on_row(rows)
     return rows
 
 
