@@ -5,8 +5,8 @@ measured in the same run.
     .venv/bin/python bench/run.py [--quick] [--only NAME ...] [--out DIR]
 
 Sections (see bench/registry.py to add one): codec, round, flower, syncopt, gossip, memory,
-scale, compression, replay. ``--quick`` uses the 1.1M-parameter model, 2 repetitions, Flower's gRPC mode
-without TLS only and small memory/scale/compression runs (a few minutes on an idle 2-core machine).
+scale, scale_tiers, compression, replay. ``--quick`` uses the 1.1M-parameter model, 2 repetitions, Flower's gRPC mode
+without TLS only and small memory/scale/scale_tiers/compression runs (a few minutes on an idle 2-core machine).
 The table is also written as ``table.md`` and ``results.json`` under ``--out``.
 """
 

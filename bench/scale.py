@@ -29,7 +29,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench.swarm import run_federation
+# Run as a script (python bench/NAME.py), the checkout's root is not on the path.
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.swarm import run_federation  # noqa: E402
 
 
 def _med(xs: list[float]) -> float | None:

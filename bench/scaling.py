@@ -1,8 +1,9 @@
-"""Benchmark sections for ``bench/run.py``: coordinator memory, scale, compression.
+"""Benchmark sections for ``bench/run.py``: coordinator memory, scale, scale over tiers,
+compression.
 
 Each wraps the standalone script of the same subject (``bench/memory.py``,
-``bench/scale.py``, ``bench/compression.py``; run those alone for their own tables) and
-reports rows against a baseline measured in the same run.
+``bench/scale.py``, ``bench/scale_tiers.py``, ``bench/compression.py``; run those alone
+for their own tables) and reports rows against a baseline measured in the same run.
 """
 
 from __future__ import annotations
@@ -126,6 +127,81 @@ def scale(ctx: Context) -> list[Row]:
         )
         for r in rows
     ]
+    return out
+
+
+def _tier_cases(ctx: Context) -> dict:
+    if ctx.quick:
+        return {"flat": [12], "tiered": [12], "sites": 2, "sweep": [], "rounds": 2}
+    return {"flat": [1000, 3000], "tiered": [1000, 3000, 10000], "sites": 10, "sweep": [2, 5], "rounds": 3}
+
+
+@section("scale_tiers", rows=lambda ctx: 2 * len(_tier_cases(ctx)["tiered"]) + 1)
+def scale_tiers(ctx: Context) -> list[Row]:
+    """Tiered rounds (agents over site brokers, a site aggregator each) against flat ones:
+    round time and the top coordinator's CPU per round, each against the flat case of the
+    same size (the largest flat one above it), and in the largest tiered case the swarm's
+    CPU against every other process's (above 1: the agents' own work bounds the round).
+    bench/scale_tiers.py writes the report, the fits and the plot."""
+    from bench import scale_tiers as tiers_bench
+
+    c = _tier_cases(ctx)
+    rows = tiers_bench.measure(c["flat"], c["tiered"], c["sites"], _Log(ctx), sweep=c["sweep"], rounds=c["rounds"])
+    ctx.shared["scale_tiers"] = rows
+    for r in rows:
+        if r["rounds"] < c["rounds"] or r.get("errors") or r.get("failed"):
+            where = f"{r['agents']} agents" + (f" over {r['sites']} sites" if r["sites"] else " flat")
+            ctx.shared.setdefault("failures", []).append(
+                f"scale_tiers {where}: {r['rounds']} rounds; {r.get('failed') or str(r.get('errors')) + ' errors'}"
+            )
+    flat = {r["agents"]: r for r in rows if r["mode"] == "flat"}
+    tiered = {r["agents"]: r for r in rows if r["mode"] == "tiered" and r["sites"] == c["sites"]}
+    out: list[Row] = []
+    cpu_rows: list[Row] = []
+    for n in c["tiered"]:
+        t = tiered.get(n, {})
+        base_n = n if n in flat else max((m for m in flat if m <= n), default=max(flat, default=0))
+        f = flat.get(base_n, {})
+        where = f"{n} agents over {c['sites']} sites"
+        out.append(
+            Row(
+                "scale_tiers",
+                f"tiered round, {where} (1000 params, training off)",
+                t.get("round_median_s"),
+                f"flat round, {base_n} agents",
+                f.get("round_median_s"),
+                note=f"max {t['round_max_s']:.2f} s; site aggregator CPU per round median "
+                f"{t['aggregator_cpu_per_round_median_s']:.2f} s, max {t['aggregator_cpu_per_round_max_s']:.2f} s"
+                if t.get("round_median_s") is not None
+                else "incomplete",
+            )
+        )
+        cpu_rows.append(
+            Row(
+                "scale_tiers",
+                f"hub coordinator CPU per round, {where}",
+                t.get("hub_cpu_per_round_s"),
+                f"flat coordinator CPU per round, {base_n} agents",
+                f.get("hub_cpu_per_round_s"),
+                note="target ≤ 0.1x at the largest case" if n == max(c["tiered"]) else "",
+            )
+        )
+    big = tiered.get(max(c["tiered"]), {})
+    swarm = big.get("swarm_cpu_per_round_s")
+    total = big.get("total_cpu_per_round_s")
+    out += cpu_rows
+    out.append(
+        Row(
+            "scale_tiers",
+            f"swarm CPU per round, {max(c['tiered'])} agents over {c['sites']} sites",
+            swarm,
+            "every other process's CPU per round (hub, site aggregators, Mosquittos)",
+            None if swarm is None or total is None else total - swarm,
+            note=f"{big['cores_busy']:.2f} cores busy over the round; above 1x the agents' own CPU bounds it"
+            if big.get("cores_busy") is not None
+            else "incomplete",
+        )
+    )
     return out
 
 

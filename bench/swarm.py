@@ -260,6 +260,7 @@ class RunResult:
     broker_rss_idle: int = 0  # Mosquitto's RSS with only the coordinator connected
     broker_fds: int = 0  # Mosquitto's open file descriptors with every agent connected
     coordinator_fds: int = 0
+    swarm_rss_peak: list[int] = field(default_factory=list)  # VmHWM of each swarm child process
 
     @property
     def model_bytes(self) -> int:
@@ -355,18 +356,20 @@ async def _stop_agents(agents: list[LightAgent], tasks: list[asyncio.Task]) -> N
 # agents and writes "ready"; on the line "stop" (or end of input) it closes them and
 # writes one JSON line: {"errors": [...], "sent": N}.
 async def _worker(spec: dict) -> dict:
-    members: list[list] = spec["agents"]  # [name, samples]
+    # [name, samples], or [name, samples, broker URI] for an agent of another broker than
+    # the spec's (the agents of a tiered federation are spread over site brokers)
+    members: list[list] = spec["agents"]
     _raise_nofile(2 * len(members) + 64)
     ca, certs = Path(spec["ca"]), Path(spec["certs"])
     agents = [
         LightAgent(
-            str(name),
-            str(spec["broker"]),
-            TlsFiles(ca=ca, cert=certs / f"{name}.crt", key=certs / f"{name}.key"),
-            samples=int(samples),
+            str(m[0]),
+            str(m[2] if len(m) > 2 else spec["broker"]),
+            TlsFiles(ca=ca, cert=certs / f"{m[0]}.crt", key=certs / f"{m[0]}.key"),
+            samples=int(m[1]),
             whole=bool(spec["whole"]),
         )
-        for name, samples in members
+        for m in members
     ]
     for a in agents:
         a.messenger.max_chunk = int(spec["max_chunk"])
@@ -616,6 +619,7 @@ async def _federation(
                 break
             await asyncio.sleep(0.02)
         hwm = _rss(coord.pid)[1]
+        swarm_hwm = [_rss(pid)[1] for pid in children.pids]
     finally:
         if sampler is not None:
             sampler.cancel()
@@ -657,6 +661,7 @@ async def _federation(
         broker_rss_idle=broker_idle,
         broker_fds=broker_fds,
         coordinator_fds=coordinator_fds,
+        swarm_rss_peak=swarm_hwm,
     )
 
 

@@ -35,6 +35,13 @@ from fedagent.storage.statefile import make_dirs
 
 log = logging.getLogger("fedagent.coordinator.upstream")
 
+#: Seconds between two presence updates upstream. The upstream coordinator takes a
+#: member's presence frames at 2 a second (a burst of 10) and drops the rest unread; a
+#: site whose agents connect by the hundred changes its announcement with each of them,
+#: and the one dropped could be the last (the site online, its final count), which the
+#: hub would then never see. Paced, the newest announcement always goes out.
+PRESENCE_INTERVAL = 0.6
+
 
 @dataclass(frozen=True, slots=True)
 class FromUpstream:
@@ -67,6 +74,7 @@ class UpstreamLink:
         # it was away has been handed on (the end of an upstream round among it).
         self.on_up: Callable[[], Awaitable[None]] | None = None
         self._up_mark: float | None = None  # this connection's presence, sent at
+        self._presence_due = asyncio.Event()  # the announcement changed since it went up
         self.sent: dict[str, int] = {"results": 0, "bytes": 0}
         fed, me = self.fed, self.cfg.id
         self.transport = make_transport(
@@ -146,13 +154,23 @@ class UpstreamLink:
 
     async def announce(self, samples: int, agents: int) -> None:
         """The site's agents changed: the presence says their new total (when connected;
-        the next connection says it anyway)."""
+        the next connection says it anyway), at most every ``PRESENCE_INTERVAL``."""
+        # Below its quorum (no samples) the presence says offline whatever the count.
+        unchanged = samples == 0 and self.samples == 0
         self.samples, self.agents = samples, agents
-        if self.transport.connected:
-            try:
-                await self._publish_presence()
-            except TransportError as exc:
-                log.warning("upstream presence not updated: %s", exc)
+        if not unchanged:
+            self._presence_due.set()
+
+    async def _pace_presence(self) -> None:
+        while True:
+            await self._presence_due.wait()
+            self._presence_due.clear()
+            if self.transport.connected:
+                try:
+                    await self._publish_presence()
+                except TransportError as exc:
+                    log.warning("upstream presence not updated: %s", exc)
+            await asyncio.sleep(PRESENCE_INTERVAL)
 
     async def _on_payload(self, topic: str, payload: bytes | bytearray) -> Any:
         return await self.messenger.receive(topic, payload, self._deliver)
@@ -189,7 +207,12 @@ class UpstreamLink:
 
     async def run(self) -> None:
         ready = asyncio.Event()
-        await self.transport.run(self._on_payload, ready)
+        pacer = asyncio.create_task(self._pace_presence(), name="upstream-presence")
+        try:
+            await self.transport.run(self._on_payload, ready)
+        finally:
+            pacer.cancel()
+            await asyncio.gather(pacer, return_exceptions=True)
 
     async def close(self) -> None:
         self.messenger.close()
