@@ -368,15 +368,24 @@ class _Server:
             return True
         sys.stdout.flush()
         sys.stderr.flush()
+        # The daemon closes its end of this pipe once it has its session and its
+        # descriptors: only then does the client get its PID (Popen too returns only
+        # after the exec), so a signal to the PID's group at once reaches the daemon.
+        settled, settling = os.pipe()
         try:
             pid = os.fork()
         except OSError as exc:
+            os.close(settled)
+            os.close(settling)
             channel.send(b"E" + f"fork failed: {exc}".encode())
             channel.close()
             os.close(out)
             return True
         if pid == 0:
             self._become_daemon(args, env, cwd, out, channel)  # never returns
+        os.close(settling)
+        os.read(settled, 1)
+        os.close(settled)
         os.close(out)
         self.channels[pid] = channel
         channel.send(b"P" + struct.pack("!i", pid))
