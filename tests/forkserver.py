@@ -52,7 +52,9 @@ from typing import IO
 
 #: Environment variables that take effect when an interpreter or a native library
 #: starts: a request that sets them otherwise than the server gets a real process.
-STARTUP_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "TORCH", "CUDA")
+#: (``TORCH_``, not ``TORCH``: torch writes its derived ``TORCHINDUCTOR_CACHE_DIR`` into
+#: the test session's environment once it has used its compiler, and reads it only then.)
+STARTUP_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "TORCH_", "CUDA")
 #: Handled per request (``sys.path``; the server's streams are unbuffered already).
 PER_REQUEST = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED"})
 #: What the server imports before it forks anything: what a daemon imports on its way
