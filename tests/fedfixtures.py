@@ -51,6 +51,12 @@
 
 Every process a fixture starts is stopped in its finalizer, also when a test fails.
 
+``_fork_server`` (session, automatic)
+    The daemons the federations start (``fedagent.local.launch``) are forks of one
+    process that imported torch and fedagent once (tests/forkserver.py), started on the
+    first daemon of the session; ``FEDAGENT_TEST_FORK_SERVER=0`` gives every daemon a
+    fresh interpreter instead.
+
 A whole federation (a broker, a coordinator and N agent processes) and the one
 ``wait_for`` the network tests use are in ``netfed.py`` (``from netfed import running,
 wait_for``).
@@ -67,8 +73,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import forkserver
 import pytest
 
+from fedagent.local import launch
 from fedagent.mosquitto import EmbeddedBroker
 from fedagent.node.transport import TlsFiles, Transport
 from fedagent.security import pki as pki_mod
@@ -202,6 +210,30 @@ def broker_factory(pki, tmp_path_factory):
     finally:
         for b in made:
             b.embedded.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server(tmp_path_factory):
+    if os.environ.get(forkserver.ENV_SWITCH, "1") == "0":
+        yield None
+        return
+    server = forkserver.ForkServer(tmp_path_factory.getbasetemp() / "forkserver.log")
+    previous = launch.use(server.launch)
+    try:
+        yield server
+    finally:
+        launch.use(previous)
+        server.close()
+        if server.forked or server.fallbacks:
+            _session_notes.append(server.summary())
+
+
+_session_notes: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for note in _session_notes:
+        terminalreporter.write_line(note)
 
 
 @pytest.fixture

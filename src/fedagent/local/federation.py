@@ -14,7 +14,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ import numpy as np
 from fedagent import config
 from fedagent.config import TlsConfig
 from fedagent.errors import FedagentError
+from fedagent.local import launch
+from fedagent.local.launch import DaemonProcess
 from fedagent.mosquitto import EmbeddedBroker
 from fedagent.node.control import request
 from fedagent.security import pki
@@ -43,7 +44,7 @@ SEED = 0
 @dataclass
 class Proc:
     name: str
-    popen: subprocess.Popen[bytes]
+    popen: DaemonProcess
     log: Path
 
 
@@ -312,16 +313,8 @@ class Federation:
         env.pop("NOTIFY_SOCKET", None)
         # A stop signal waits until the process is in self.procs, where close() finds it.
         with child_starting(), log.open("ab") as out:
-            # A session of its own: Ctrl-C in the demo's terminal reaches only the demo,
-            # which then stops the daemons in order; and the daemon's process group holds
-            # it and whatever it starts, nothing else (see _signal).
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "fedagent", role, "--config", str(self.config_path(stem))],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+            # In a session of its own (see launch.popen and _signal).
+            popen = launch.start([role, "--config", str(self.config_path(stem))], out, env)
             proc = Proc(stem, popen, log)
             self.procs.append(proc)
         return proc

@@ -15,7 +15,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import numpy as np
 from fedagent import config
 from fedagent.config import TlsConfig
 from fedagent.errors import FedagentError
+from fedagent.local import launch
 from fedagent.local.federation import BATCH, LOCAL_EPOCHS, LR, SEED, Proc
 from fedagent.mosquitto import EmbeddedBroker
 from fedagent.node.control import request
@@ -205,13 +205,7 @@ class TieredFederation:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("NOTIFY_SOCKET", None)
         with child_starting(), log.open("ab") as out:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "fedagent", self._command(stem), "--config", str(self.config_path(stem))],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+            popen = launch.start([self._command(stem), "--config", str(self.config_path(stem))], out, env)
             proc = Proc(stem, popen, log)
             self.procs.append(proc)
         return proc
