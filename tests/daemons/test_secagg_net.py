@@ -55,9 +55,14 @@ def test_masks_cancel_over_mosquitto(tmp_path):
         lines = history(fed)
         got = final_flat(fed)
     (rnd,) = [ln for ln in lines if ln.get("event") == "round"]
-    assert rnd["participants"] == fed.agent_ids
+    # Every agent's masked input, or, on a machine so loaded that one agent trains more
+    # than twice as long as the others, the inputs of the agents that were in when the
+    # round stopped waiting (the server's quiet close): the masks cancel either way, the
+    # late agent's through the others' shares of its key.
+    assert set(rnd["participants"]) <= set(fed.agent_ids) and len(rnd["participants"]) >= 2
+    who = [fed.agent_ids.index(a) for a in rnd["participants"]]
     assert_only_masked_vectors(lines, 20)
-    want, bound = expected_mean_delta(fed, [0, 1, 2], epochs, SecAggParams())
+    want, bound = expected_mean_delta(fed, who, epochs, SecAggParams())
     err = np.abs(got - want).max()
     assert err <= bound + 2e-7, (err, bound)  # (+ float32 rounding of the stored model)
     assert rnd["secure"]["error_bound"] == bound
