@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import scale_tiers, scaling
+from bench import scale_tiers, scale_tiers_report, scaling
 from bench.registry import Context, check_rows
 
 
@@ -92,7 +92,7 @@ def test_section_makes_the_rows_it_declares_and_reports_a_failed_case(monkeypatc
 
 
 def test_fits_recover_the_constants_the_rows_were_made_with():
-    fit = scale_tiers.fits(_rows())
+    fit = scale_tiers_report.fits(_rows())
     a, b = fit["hub_vs_sites"]
     assert a == pytest.approx(0.05) and b == pytest.approx(0.002)
     a, b = fit["aggregator_vs_agents"]
@@ -104,9 +104,9 @@ def test_fits_recover_the_constants_the_rows_were_made_with():
 
 def test_targets_report_and_projection():
     rows = _rows()
-    t = scale_tiers.targets(rows)
+    t = scale_tiers_report.targets(rows)
     assert [x["met"] for x in t] == [True, True], t
-    text = scale_tiers.report(rows, "python bench/scale_tiers.py")
+    text = scale_tiers_report.report(rows, "python bench/scale_tiers.py")
     assert "**100,000 agents**" in text and "**1,000,000 agents**" in text
     # 1,000,000 agents in sites of 1,000: 1,000 sites; a tier above the sites may have as
     # many members as cost what a site of 1,000 costs: (1.6 - 0.05) / 0.002 = 775, so regions.
@@ -116,12 +116,12 @@ def test_targets_report_and_projection():
     failed = scale_tiers.derive(
         {"mode": "tiered", "agents": 20000, "sites": 10, "procs": 27, "rounds": 0, "failed": "x"}
     )
-    assert "failed: x" in scale_tiers.report([*rows, failed])
+    assert "failed: x" in scale_tiers_report.report([*rows, failed])
 
 
 def test_plot_draws_every_case(tmp_path: Path):
     out = tmp_path / "tiers.png"
-    scale_tiers.plot(_rows(), out, "test")
+    scale_tiers_report.plot(_rows(), out, "test")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.stat().st_size > 20_000
 
