@@ -3,6 +3,7 @@
     .venv/bin/python bench/chaos.py --out DIR                       # FedAvg, 30 minutes, seed 1
     .venv/bin/python bench/chaos.py --minutes 3 --seed 7 --out DIR  # the size CI runs
     .venv/bin/python bench/chaos.py --mode gossip --minutes 10 --out DIR
+    .venv/bin/python bench/chaos.py --mode async --minutes 3 --seed 11 --out DIR  # or --mode tiered
 
 A coordinator and agents (``--agents``, 4) train the digits task through a private
 Mosquitto with mutual TLS, each daemon supervised as systemd would (an exited daemon is
@@ -21,7 +22,8 @@ time, each kind in turn in a shuffled order, with random gaps and lengths:
 
 After each fault is cleared the soak waits for the federation to recover (FedAvg: a round
 aggregated from every agent; gossip: every agent two periods further, the target merging
-again), records how long that took, and goes on after a random gap. The last stretch of
+again; async: models holding an update of every agent; tiered: a hub round from both
+sites and the hit agent in a round of its site), records how long that took, and goes on after a random gap. The last stretch of
 the run (``--quiet``) is fault-free, then everything is stopped and checked:
 
 * model versions contiguous, each round aggregated once (the coordinator's history);
@@ -42,9 +44,11 @@ The report goes to ``--out``: ``report.md`` (settings, faults with recovery time
 invariants, memory), ``report.json`` (everything, with the time series) and ``chaos.png``
 (needs matplotlib, the ``report`` extra). Exit status 0 only if every invariant holds.
 
-Modes: ``fedavg`` and ``gossip``. A new mode (an asynchronous or a tiered federation)
-plugs in as a :class:`Setup` subclass in ``SETUPS``: how its federation is configured,
-what recovery means and which invariants it checks.
+Modes: ``fedavg`` and ``gossip`` (bench/chaos_setups.py), ``async`` (bench/chaos_async.py)
+and ``tiered`` (bench/chaos_tiered.py: hub, two sites, no namespaces). A mode is a
+:class:`~bench.chaos_base.Setup` subclass in ``SETUPS``: how its federation is
+configured, what recovery means and which invariants it checks (the checks above are the
+FedAvg ones; each mode's module says its own).
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as a script: the bench package beside it
 
+from bench.chaos_async import AsyncSetup  # noqa: E402
 from bench.chaos_base import (  # noqa: E402
     KINDS,
     MB,
@@ -82,24 +87,13 @@ from bench.chaos_base import (  # noqa: E402
     log,
 )
 from bench.chaos_setups import FedAvgSetup, GossipSetup  # noqa: E402
-from fedagent.local.federation import Federation  # noqa: E402
-
-
-class NotYet(Setup):
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def federation(self, work: Path, args: argparse.Namespace, broker_bind: str) -> Federation:
-        raise SystemExit(
-            f"chaos: there is no {self.name} federation in this release; add a Setup subclass for it to SETUPS"
-        )
-
+from bench.chaos_tiered import TieredSetup  # noqa: E402
 
 SETUPS: dict[str, Callable[[], Setup]] = {
     "fedavg": FedAvgSetup,
     "gossip": GossipSetup,
-    "async": lambda: NotYet("asynchronous"),
-    "tiered": lambda: NotYet("tiered"),
+    "async": AsyncSetup,
+    "tiered": TieredSetup,
 }
 
 
@@ -392,7 +386,7 @@ def plot(path: Path, run: dict[str, Any]) -> None:
     twin = run.get("twin_progress", [])[:: max(1, len(run.get("twin_progress", [])) // 4000)]
     if twin:
         ax1.plot([p["t"] / 60 for p in twin], [p["version"] for p in twin], color="grey", lw=1, ls="--", label="twin")
-    ax1.set_ylabel("model version" if run["settings"]["mode"] == "fedavg" else "slowest agent's period")
+    ax1.set_ylabel("slowest agent's period" if run["settings"]["mode"] == "gossip" else "model version")
     for f in run["faults"]:
         end = (f["cleared"] or f["at"]) + (f["recovered"] or 0)
         for ax in (ax1, ax2):
@@ -469,6 +463,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     root = os.geteuid() == 0
     args.netns = args.netns == "on" or (args.netns == "auto" and root and shutil.which("ip") is not None)
+    if args.mode == "tiered" and args.netns:
+        # Its three brokers listen on loopback (fedagent.local.tiers): one namespace for all.
+        log("tiered: no network namespaces (its brokers listen on loopback), so no partition")
+        args.netns = False
     wanted = [k.strip() for k in args.faults.split(",") if k.strip()]
     unknown = set(wanted) - set(KINDS)
     if unknown:

@@ -26,7 +26,7 @@ import tomli_w
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # netns.Lab: the namespaces of the network tests
 
-from fedagent.local.federation import SEED, Federation, Proc  # noqa: E402
+from fedagent.local.federation import SEED, Proc  # noqa: E402
 
 KINDS = ("kill", "broker", "partition", "stop", "disk", "clock")
 ROOT_KINDS = {"partition", "disk"}  # need root: namespaces, a tmpfs mount
@@ -216,8 +216,9 @@ class Site:
 
     def pids(self) -> dict[str, int]:
         out = {p.name: p.popen.pid for p in self.fed.procs if p.popen.poll() is None}
-        if self.fed.broker is not None and self.fed.broker.pid is not None:
-            out["broker"] = self.fed.broker.pid
+        for name, broker in self.brokers().items():
+            if broker.pid is not None:
+                out[name] = broker.pid
         return out
 
     def signal(self, name: str, sig: int) -> None:
@@ -226,10 +227,13 @@ class Site:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.popen.pid, sig)
 
-    def broker_start(self) -> None:
-        assert self.fed.broker is not None
+    def brokers(self) -> dict[str, Any]:
+        """The federation's brokers by name (one, ``broker``, but in a tiered federation)."""
+        return self.setup.brokers(self.fed)
+
+    def broker_start(self, name: str) -> None:
         with in_netns(self.ns("broker")):
-            self.fed.broker.start()
+            self.brokers()[name].start()
 
     def close(self) -> None:
         for name in self.names:
@@ -352,8 +356,7 @@ class Injector:
             s.held.add(f.target)
             s.signal(f.target, signal.SIGKILL)
         elif f.kind == "broker":
-            assert s.fed.broker is not None
-            s.fed.broker.kill()
+            s.brokers()[f.target].kill()
         elif f.kind == "partition":
             assert s.lab is not None
             s.lab.cut(f.target)
@@ -377,7 +380,7 @@ class Injector:
             s.restart_at[f.target] = s.now()
             s.supervise()
         elif f.kind == "broker":
-            s.broker_start()
+            s.broker_start(f.target)
         elif f.kind == "partition":
             assert s.lab is not None
             s.lab.heal(f.target)
@@ -402,7 +405,7 @@ def draw(rng: random.Random, kinds: list[str], site: Site, cycle: list[str]) -> 
         "kill": site.names,
         "stop": site.names,
         "partition": site.names,
-        "broker": ["broker"],
+        "broker": list(site.brokers()),
         "disk": [site.disk_node or ""],
         "clock": [site.clock_node or ""],
     }[kind]
@@ -429,11 +432,17 @@ class Setup:
     def daemons(self, agents: int) -> list[str]:
         raise NotImplementedError
 
-    def federation(self, work: Path, args: argparse.Namespace, broker_bind: str) -> Federation:
+    def federation(self, work: Path, args: argparse.Namespace, broker_bind: str) -> Any:
+        """The federation (:class:`Federation` or one with its methods: ``prepare``,
+        ``spawn``, ``procs``, ``status``, ``config_path``, ``stop``, ``close``)."""
         raise NotImplementedError
 
     def configure(self, site: Site) -> None:
         """Rewrite the configs ``prepare()`` wrote, before anything starts."""
+
+    def brokers(self, fed: Any) -> dict[str, Any]:
+        """The brokers a ``broker`` fault may hit, by name."""
+        return {"broker": fed.broker} if fed.broker is not None else {}
 
     def clock_node(self, names: list[str]) -> str:
         return names[0]
