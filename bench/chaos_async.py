@@ -114,6 +114,8 @@ class AsyncSetup(FedAvgSetup):
         last_model_time = models[-1]["time"] if models else 0.0
         kept = {
             "in a model": 0,
+            "in the final checkpoint's accepted updates": 0,
+            "sent again (one model holds it)": 0,
             "in a model whose history line was restored": 0,
             "refused with a reason": 0,
             "in a buffer given up": 0,
@@ -126,10 +128,15 @@ class AsyncSetup(FedAvgSetup):
         for a, updates in sent.items():
             for u in updates:
                 key = (a, int(u["task"]), int(u["base_version"]))
+                again = key in mine
                 mine.add(key)
                 why = refused.get((a, key[1]))
-                if key in counted or key in accepted:
+                if again and (key in counted or key in accepted):
+                    kept["sent again (one model holds it)"] += 1
+                elif key in counted:
                     kept["in a model"] += 1
+                elif key in accepted:
+                    kept["in the final checkpoint's accepted updates"] += 1
                 elif why is not None:
                     kept["refused with a reason"] += 1
                     reasons[why] = reasons.get(why, 0) + 1
