@@ -3,6 +3,7 @@
     .venv/bin/python bench/chaos.py --out DIR                       # FedAvg, 30 minutes, seed 1
     .venv/bin/python bench/chaos.py --minutes 3 --seed 7 --out DIR  # the size CI runs
     .venv/bin/python bench/chaos.py --mode gossip --minutes 10 --out DIR
+    .venv/bin/python bench/chaos.py --mode async --minutes 3 --seed 11 --out DIR  # or --mode tiered
 
 A coordinator and agents (``--agents``, 4) train the digits task through a private
 Mosquitto with mutual TLS, each daemon supervised as systemd would (an exited daemon is
@@ -21,7 +22,8 @@ time, each kind in turn in a shuffled order, with random gaps and lengths:
 
 After each fault is cleared the soak waits for the federation to recover (FedAvg: a round
 aggregated from every agent; gossip: every agent two periods further, the target merging
-again), records how long that took, and goes on after a random gap. The last stretch of
+again; async: models holding an update of every agent; tiered: a hub round from both
+sites and the hit agent in a round of its site), records how long that took, and goes on after a random gap. The last stretch of
 the run (``--quiet``) is fault-free, then everything is stopped and checked:
 
 * model versions contiguous, each round aggregated once (the coordinator's history);
@@ -42,767 +44,56 @@ The report goes to ``--out``: ``report.md`` (settings, faults with recovery time
 invariants, memory), ``report.json`` (everything, with the time series) and ``chaos.png``
 (needs matplotlib, the ``report`` extra). Exit status 0 only if every invariant holds.
 
-Modes: ``fedavg`` and ``gossip``. A new mode (an asynchronous or a tiered federation)
-plugs in as a :class:`Setup` subclass in ``SETUPS``: how its federation is configured,
-what recovery means and which invariants it checks.
+Modes: ``fedavg`` and ``gossip`` (bench/chaos_setups.py), ``async`` (bench/chaos_async.py)
+and ``tiered`` (bench/chaos_tiered.py: hub, two sites, no namespaces). A mode is a
+:class:`~bench.chaos_base.Setup` subclass in ``SETUPS``: how its federation is
+configured, what recovery means and which invariants it checks (the checks above are the
+FedAvg ones; each mode's module says its own).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import random
-import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import tomllib
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import tomli_w
-
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # netns.Lab: the namespaces of the network tests
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as a script: the bench package beside it
 
-from fedagent.local.federation import BATCH, SEED, Federation, Proc  # noqa: E402
-from fedagent.storage import checkpoint  # noqa: E402
-from fedagent.storage.history import read_records  # noqa: E402
-
-KINDS = ("kill", "broker", "partition", "stop", "disk", "clock")
-ROOT_KINDS = {"partition", "disk"}  # need root: namespaces, a tmpfs mount
-# Offsets a jumped clock moves through, relative to the real wall clock (label, seconds).
-CLOCK_OFFSETS = (
-    ("+6h", 6 * 3600),
-    ("-1d", -86400),
-    ("+30d", 30 * 86400),
-    ("-3h", -3 * 3600),
-    ("+2d", 2 * 86400),
-    ("+0", 0),
+from bench.chaos_async import AsyncSetup  # noqa: E402
+from bench.chaos_base import (  # noqa: E402
+    KINDS,
+    MB,
+    Fault,
+    Injector,
+    Sampler,
+    Setup,
+    Site,
+    _invariant,
+    draw,
+    log,
 )
-CLOCK_SITE = Path(__file__).resolve().parent / "chaos_site"  # its sitecustomize moves time.time()
-EXIT_IOERR = 74
-MB = 1024 * 1024
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-# -- network namespaces ------------------------------------------------------------------------
-_libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNET = 0x40000000
-
-
-@contextlib.contextmanager
-def in_netns(name: str | None) -> Iterator[None]:
-    """This thread in network namespace ``name`` (None: stay): the processes it starts
-    and the sockets it opens meanwhile live there (``setns`` acts on the calling thread)."""
-    if name is None:
-        yield
-        return
-    here = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    there = os.open(f"/run/netns/{name}", os.O_RDONLY)
-    try:
-        if _libc.setns(there, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into {name}: {os.strerror(err)}")
-        try:
-            yield
-        finally:
-            if _libc.setns(here, CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), "setns back to the harness's namespace")
-    finally:
-        os.close(here)
-        os.close(there)
-
-
-class SmallDisk:
-    """A tmpfs of ``size_mb`` mounted over ``path``: the node's whole disk, for the disk-full fault."""
-
-    def __init__(self, path: Path, size_mb: int) -> None:
-        self.path = path
-        path.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0700", "tmpfs", str(path)],
-            check=True,
-            capture_output=True,
-        )
-        self.filler = path / "filler"
-
-    def fill(self) -> None:
-        with open(self.filler, "ab", buffering=0) as f:
-            for chunk in (b"\0" * MB, b"\0" * 4096, b"\0"):
-                with contextlib.suppress(OSError):
-                    while True:
-                        f.write(chunk)
-
-    def free(self) -> None:
-        self.filler.unlink(missing_ok=True)
-
-    def used(self) -> int:
-        st = os.statvfs(self.path)
-        return (st.f_blocks - st.f_bfree) * st.f_frsize
-
-    def close(self) -> None:
-        subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
-
-
-# -- the federation and its supervisor ---------------------------------------------------------
-@dataclass
-class Exit:
-    name: str
-    at: float
-    code: int
-    expected: str  # why it was expected ("kill", "disk full"), or "" if not
-
-
-class Site:
-    """The federation's processes, as systemd would run them: every exited daemon is
-    started again after ``restart_sec``. Knows which namespace each one lives in, whose
-    clock is faked and whose state directory is a small disk."""
-
-    def __init__(self, work: Path, args: argparse.Namespace, setup: Setup, rng: random.Random) -> None:
-        work.mkdir(parents=True, exist_ok=True)
-        self.work = work
-        self.args = args
-        self.setup = setup
-        self.names = setup.daemons(args.agents)
-        self.lab = None
-        if args.netns:
-            from netns import Lab
-
-            self.lab = Lab(work, ["broker", *self.names]).up()
-        self.fed = setup.federation(work, args, self.lab.ip["broker"] if self.lab else "127.0.0.1")
-        self.restart_at: dict[str, float] = {}
-        self.held: set[str] = set()  # stopped by a fault: not restarted until it is cleared
-        self.expect: dict[str, str] = {}  # name -> why its next exit is expected
-        self.exits: list[Exit] = []
-        self.starts: dict[str, int] = {n: 0 for n in self.names}
-        self.t0 = time.monotonic()
-        # The clock fault's daemon reads its wall clock through an offset file from its first start.
-        self.clock_node = setup.clock_node(self.names) if "clock" in args.faults else None
-        self.clock_file = work / "clock-offset"
-        self.clock_file.write_text("0\n")
-        self.disk: SmallDisk | None = None
-        self.disk_node = rng.choice(self.names) if "disk" in args.faults else None
-        if self.disk_node is not None:
-            self.disk = SmallDisk(work / "state" / self.disk_node, args.disk_mb)
-
-    def now(self) -> float:
-        return time.monotonic() - self.t0
-
-    def ns(self, name: str) -> str | None:
-        return self.lab.ns(name) if self.lab is not None else None
-
-    def prepare(self) -> None:
-        with in_netns(self.ns("broker")):
-            self.fed.prepare()
-        self.setup.configure(self)
-        if self.disk_node is not None:
-            # A history that fits on the small disk with room to spare: rotated at 1 MiB, 2 kept.
-            path = self.fed.config_path(self.disk_node)
-            doc = tomllib.loads(path.read_text())
-            doc.update(history_max_bytes=MB, history_keep=2)
-            path.write_text(tomli_w.dumps(doc))
-
-    def start_all(self) -> None:
-        for name in self.names:
-            self.spawn(name)
-
-    def spawn(self, name: str) -> Proc:
-        env_before = dict(os.environ)
-        if name == self.clock_node:
-            path = os.pathsep.join(p for p in (str(CLOCK_SITE), os.environ.get("PYTHONPATH")) if p)
-            os.environ.update(PYTHONPATH=path, FEDAGENT_CHAOS_CLOCK=str(self.clock_file))
-        try:
-            with in_netns(self.ns(name)):
-                proc = self.fed.spawn(name)
-        finally:
-            os.environ.clear()
-            os.environ.update(env_before)
-        self.starts[name] += 1
-        return proc
-
-    def proc(self, name: str) -> Proc | None:
-        return next((p for p in self.fed.procs if p.name == name), None)
-
-    def alive(self, name: str) -> bool:
-        p = self.proc(name)
-        return p is not None and p.popen.poll() is None
-
-    def supervise(self) -> None:
-        """Reap exited daemons (recording whether the exit was expected) and start those due."""
-        now = self.now()
-        for p in list(self.fed.procs):
-            code = p.popen.poll()
-            if code is None:
-                continue
-            self.fed.procs.remove(p)
-            why = self.expect.pop(p.name, "")
-            if not why and code == EXIT_IOERR and p.name == self.disk_node and now <= self.disk_full_until + 10:
-                why = "disk full"
-            self.exits.append(Exit(p.name, round(now, 2), code, why))
-            log(f"{p.name} exited with {code}" + (f" ({why})" if why else " (unexpected)"))
-            self.restart_at[p.name] = now + self.args.restart_sec
-        for name, at in list(self.restart_at.items()):
-            if at <= now and name not in self.held:
-                del self.restart_at[name]
-                self.spawn(name)
-
-    disk_full_until = -1.0  # while the small disk is full (inf), or when it was last freed
-
-    def status(self, name: str) -> dict[str, Any]:
-        return self.fed.status(name) or {}
-
-    def pids(self) -> dict[str, int]:
-        out = {p.name: p.popen.pid for p in self.fed.procs if p.popen.poll() is None}
-        if self.fed.broker is not None and self.fed.broker.pid is not None:
-            out["broker"] = self.fed.broker.pid
-        return out
-
-    def signal(self, name: str, sig: int) -> None:
-        p = self.proc(name)
-        if p is not None and p.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.popen.pid, sig)
-
-    def broker_start(self) -> None:
-        assert self.fed.broker is not None
-        with in_netns(self.ns("broker")):
-            self.fed.broker.start()
-
-    def close(self) -> None:
-        for name in self.names:
-            self.signal(name, signal.SIGCONT)
-        if self.lab is not None:
-            for name in self.names:
-                self.lab.heal(name)
-        self.fed.close()
-        if self.disk is not None:
-            self.disk.close()
-        if self.lab is not None:
-            self.lab.close()
-
-
-# -- what is measured while it runs ------------------------------------------------------------
-class Tail:
-    """New records of a history as they are appended, across its rotation (``tail -F``)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.f: Any = None
-        self.ino = 0
-        self.buf = b""
-
-    def read(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        while True:
-            if self.f is None:
-                try:
-                    self.f = open(self.path, "rb")
-                except FileNotFoundError:
-                    return out
-                self.ino = os.fstat(self.f.fileno()).st_ino
-            self.buf += self.f.read()
-            *lines, self.buf = self.buf.split(b"\n")
-            for line in lines:
-                with contextlib.suppress(ValueError):
-                    out.append(json.loads(line))
-            try:
-                rotated = os.stat(self.path).st_ino != self.ino
-            except FileNotFoundError:
-                return out
-            if not rotated:
-                return out
-            self.f.close()  # drained above: go on with the new file
-            self.f = None
-
-
-def _proc_figures(pid: int) -> tuple[int, int] | None:
-    """(RSS in bytes, open file descriptors) of a process, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-        return rss, fds
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _disk_use(path: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-    return total
-
-
-class Sampler(threading.Thread):
-    """Every ``every`` seconds: RSS and open files of each process, disk use of each state
-    directory (``samples``: one dict per tick)."""
-
-    def __init__(self, site: Site, every: float) -> None:
-        super().__init__(daemon=True)
-        self.site, self.every = site, every
-        self.samples: list[dict[str, Any]] = []
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopped.wait(self.every):
-            tick: dict[str, Any] = {"t": round(self.site.now(), 1), "rss": {}, "fds": {}, "disk": {}}
-            for name, pid in self.site.pids().items():
-                got = _proc_figures(pid)
-                if got is not None:
-                    tick["rss"][name], tick["fds"][name] = got
-            for name in self.site.names:
-                tick["disk"][name] = _disk_use(self.site.work / "state" / name)
-            self.samples.append(tick)
-
-
-# -- faults ------------------------------------------------------------------------------------
-@dataclass
-class Fault:
-    kind: str
-    target: str
-    at: float  # seconds since the start
-    hold: float  # how long it lasts before it is cleared (0: at once)
-    detail: dict[str, Any] = field(default_factory=dict)
-    cleared: float | None = None
-    recovered: float | None = None  # seconds after it was cleared
-
-    def label(self) -> str:
-        extra = f" {self.detail['offset']}" if "offset" in self.detail else ""
-        return f"{self.kind} {self.target}{extra}"
-
-
-class Injector:
-    """Carries a fault out on the site and clears it."""
-
-    def __init__(self, site: Site) -> None:
-        self.site = site
-        self.offset_index = 0
-
-    def inject(self, f: Fault) -> None:
-        s = self.site
-        if f.kind == "kill":
-            # Held down for the restart delay, then started again by clear(): recovery is
-            # measured from the new process's start.
-            s.expect[f.target] = "kill"
-            s.held.add(f.target)
-            s.signal(f.target, signal.SIGKILL)
-        elif f.kind == "broker":
-            assert s.fed.broker is not None
-            s.fed.broker.kill()
-        elif f.kind == "partition":
-            assert s.lab is not None
-            s.lab.cut(f.target)
-        elif f.kind == "stop":
-            s.held.add(f.target)
-            s.signal(f.target, signal.SIGSTOP)
-        elif f.kind == "disk":
-            assert s.disk is not None
-            s.disk_full_until = float("inf")
-            s.disk.fill()
-        elif f.kind == "clock":
-            label, seconds = CLOCK_OFFSETS[self.offset_index % len(CLOCK_OFFSETS)]
-            self.offset_index += 1
-            f.detail["offset"] = label
-            s.clock_file.write_text(f"{seconds}\n")
-
-    def clear(self, f: Fault) -> None:
-        s = self.site
-        if f.kind == "kill":
-            s.held.discard(f.target)
-            s.restart_at[f.target] = s.now()
-            s.supervise()
-        elif f.kind == "broker":
-            s.broker_start()
-        elif f.kind == "partition":
-            assert s.lab is not None
-            s.lab.heal(f.target)
-        elif f.kind == "stop":
-            s.held.discard(f.target)
-            s.signal(f.target, signal.SIGCONT)
-        elif f.kind == "disk":
-            assert s.disk is not None
-            s.disk.free()
-            s.disk_full_until = s.now()
-        elif f.kind == "clock":
-            # NTP steps it back: a second jump, the other way.
-            s.clock_file.write_text("0\n")
-
-
-def draw(rng: random.Random, kinds: list[str], site: Site, cycle: list[str]) -> Fault:
-    """The next fault: kinds in a shuffled order, each once per cycle; target and length at random."""
-    if not cycle:
-        cycle.extend(rng.sample(kinds, len(kinds)))
-    kind = cycle.pop()
-    targets = {
-        "kill": site.names,
-        "stop": site.names,
-        "partition": site.names,
-        "broker": ["broker"],
-        "disk": [site.disk_node or ""],
-        "clock": [site.clock_node or ""],
-    }[kind]
-    hold = {
-        "kill": site.args.restart_sec,
-        "broker": rng.uniform(1, 6),
-        "partition": rng.uniform(5, 25),
-        "stop": rng.uniform(2, 20),
-        "disk": rng.uniform(5, 20),
-        "clock": rng.uniform(5, 30),
-    }[kind]
-    if kind != "kill":
-        hold *= site.args.hold_scale
-    return Fault(kind, rng.choice(targets), 0.0, round(hold, 2))
-
-
-# -- modes -------------------------------------------------------------------------------------
-class Setup:
-    """A mode's federation: its daemons, its configuration, what recovery means, its checks.
-    A new mode (an asynchronous or a tiered federation) is a subclass here."""
-
-    name = ""
-
-    def daemons(self, agents: int) -> list[str]:
-        raise NotImplementedError
-
-    def federation(self, work: Path, args: argparse.Namespace, broker_bind: str) -> Federation:
-        raise NotImplementedError
-
-    def configure(self, site: Site) -> None:
-        """Rewrite the configs ``prepare()`` wrote, before anything starts."""
-
-    def clock_node(self, names: list[str]) -> str:
-        return names[0]
-
-    def stop_order(self, names: list[str]) -> list[str]:
-        return names
-
-    def accuracy(self, site: Site) -> float | None:
-        """The final model's test accuracy (the mean over agents where each has its own)."""
-        raise NotImplementedError
-
-    def poll(self, site: Site) -> dict[str, Any]:
-        """Progress now (for the log, the plot and recovery)."""
-        raise NotImplementedError
-
-    def recovered(self, site: Site, fault: Fault, mark: dict[str, Any]) -> bool:
-        """Whether the federation is back to full health since ``mark`` (its ``poll()`` when
-        the fault was cleared)."""
-        raise NotImplementedError
-
-    def check(self, site: Site, run: dict[str, Any]) -> list[dict[str, Any]]:
-        """Invariants of the mode, each ``{"name", "ok", "detail"}``."""
-        raise NotImplementedError
-
-
-def _invariant(name: str, ok: bool, detail: Any) -> dict[str, Any]:
-    return {"name": name, "ok": bool(ok), "detail": detail}
-
-
-def digits_accuracy(weights: dict[str, Any]) -> float:
-    from fedagent.tasks.base import load_task, set_weights
-
-    task = load_task("digits", {"seed": SEED})
-    model = task.build_model()
-    set_weights(model, weights)
-    return float(task.evaluate(model)["accuracy"])
-
-
-class FedAvgSetup(Setup):
-    name = "fedavg"
-
-    def daemons(self, agents: int) -> list[str]:
-        return ["coordinator", *(f"agent-{i + 1}" for i in range(agents))]
-
-    def federation(self, work: Path, args: argparse.Namespace, broker_bind: str) -> Federation:
-        self.agents = [f"agent-{i + 1}" for i in range(args.agents)]
-        self.rounds_seen: list[dict[str, Any]] = []  # (harness time, record) of aggregated rounds
-        self.tail: Tail | None = None
-        return Federation(
-            work,
-            agents=args.agents,
-            rounds=1_000_000,
-            alpha=args.alpha,
-            round_timeout=args.round_timeout,
-            agent_broker_by_mdns=False,
-            broker_bind=broker_bind,
-            rounds_options={
-                # Rounds go on with part of the federation down; an agent silent for a
-                # keep-alive is left out of the round in progress.
-                "min_agents": max(1, args.agents // 2),
-                "min_updates": max(1, args.agents // 2),
-                "expected_agents": args.agents,
-            },
-        )
-
-    def configure(self, site: Site) -> None:
-        self.tail = Tail(self.history_path(site))
-
-    def history_path(self, site: Site, node: str = "coordinator") -> Path:
-        role = "coordinator" if node == "coordinator" else "agent"
-        return site.work / "state" / node / role / site.fed.fed / "history.jsonl"
-
-    def clock_node(self, names: list[str]) -> str:
-        return "coordinator"  # its deadlines and its checks of the agents' timestamps
-
-    def poll(self, site: Site) -> dict[str, Any]:
-        assert self.tail is not None
-        for rec in self.tail.read():
-            if rec.get("event") == "round":
-                self.rounds_seen.append({"t": round(site.now(), 2), **rec})
-        last = self.rounds_seen[-1] if self.rounds_seen else {}
-        return {"t": site.now(), "version": last.get("model_version", 0), "seen": len(self.rounds_seen)}
-
-    def recovered(self, site: Site, fault: Fault, mark: dict[str, Any]) -> bool:
-        self.poll(site)
-        return any(set(self.agents) <= set(r["participants"]) for r in self.rounds_seen[mark["seen"] :])
-
-    def check(self, site: Site, run: dict[str, Any]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        records = read_records(self.history_path(site))
-        rounds = [r for r in records if r.get("event") == "round"]
-        abandoned = {r["round"] for r in records if r.get("event") == "abandoned"}
-        versions = [r["model_version"] for r in rounds]
-        numbers = [r["round"] for r in rounds]
-        out.append(
-            _invariant(
-                "model versions contiguous, each round aggregated once",
-                versions == list(range(1, len(versions) + 1)) and numbers == sorted(set(numbers)) and versions,
-                {"versions": f"1..{len(versions)}" if versions else "none", "rounds abandoned": len(abandoned)},
-            )
-        )
-        sent: dict[str, list[dict[str, Any]]] = {
-            a: [u for u in read_records(self.history_path(site, a)) if u.get("event") == "update"] for a in self.agents
-        }
-        by_round = {r["round"]: r for r in rounds}
-        seen_at = {r["round"]: r["t"] for r in self.rounds_seen}
-        exits = {a: [e["at"] for e in run["exits"] if e["name"] == a] for a in self.agents}
-        window = site.args.round_timeout + 10
-        # While its disk is full an agent's update goes out, then its history line fails
-        # (and it exits 74, seconds later on a busy machine).
-        full = [(f["target"], f["at"], (f["cleared"] or f["at"]) + 2) for f in run["faults"] if f["kind"] == "disk"]
-        phantom = []
-        unrecorded = 0
-        twice = []
-        for r in rounds:
-            if len(set(r["participants"])) != len(r["participants"]):
-                twice.append(r["round"])
-            for a in r["participants"]:
-                if any(u["round"] == r["round"] and u["base_version"] == r["model_version"] - 1 for u in sent[a]):
-                    continue
-                # An agent records an update once the broker has acknowledged it: killed
-                # (or its disk full) in between, the update went out unrecorded.
-                t = seen_at.get(r["round"])
-                if t is not None and any(t - window <= e <= t + 10 for e in exits[a]):
-                    unrecorded += 1
-                elif t is not None and any(a == node and lo <= t <= hi for node, lo, hi in full):
-                    unrecorded += 1
-                else:
-                    phantom.append((r["round"], a))
-        # Acknowledged updates that were not aggregated, and why.
-        stale = _stale_refusals(site.work / "logs" / "coordinator.log")
-        last_started = max([*numbers, *abandoned], default=0)
-        kept: dict[str, int] = {"aggregated": 0, "refused as stale": 0, "round abandoned": 0, "broker killed": 0}
-        unexplained = []
-        broker_kills = [
-            (f["wall"], f["wall"] + f["hold"] + 5) for f in run["faults"] if f["kind"] == "broker" and "wall" in f
-        ]
-        for a, updates in sent.items():
-            for u in updates:
-                r = by_round.get(u["round"])
-                if r is not None and a in r["participants"] and u["base_version"] == r["model_version"] - 1:
-                    kept["aggregated"] += 1
-                elif (a, u["round"]) in stale:
-                    kept["refused as stale"] += 1
-                elif u["round"] in abandoned:
-                    kept["round abandoned"] += 1
-                elif any(lo - 2 <= u["time"] <= hi for lo, hi in broker_kills):
-                    kept["broker killed"] += 1
-                elif u["round"] >= last_started:
-                    continue  # the round in flight when the run stopped
-                else:
-                    unexplained.append((a, u["round"], u["base_version"]))
-        out.append(
-            _invariant(
-                "every acknowledged update aggregated exactly once",
-                not phantom and not twice and not unexplained,
-                {
-                    **kept,
-                    "aggregated, its agent's record lost in a crash or to the full disk": unrecorded,
-                    "not accounted for": unexplained[:20],
-                    "aggregated without being sent": phantom[:20],
-                    "rounds with an agent twice": twice[:20],
-                },
-            )
-        )
-        # Signed frames carry, and are checked against, a clock that wall-clock jumps do
-        # not move (fedagent.security.signing.SteadyClock): none may be refused for its time.
-        refused = {n: _timestamp_refusals(site.work / "logs" / f"{n}.log") for n in site.names}
-        out.append(
-            _invariant(
-                "no signed frame refused for its timestamp (the clock jumps)",
-                not any(refused.values()),
-                {n: c for n, c in refused.items() if c} or "none",
-            )
-        )
-        return out
-
-    def accuracy(self, site: Site) -> float | None:
-        loaded = checkpoint.load(self.history_path(site).parent / "global.ckpt")
-        if loaded is None:
-            return None
-        return digits_accuracy({k: v for k, v in loaded[0].items() if not k.startswith(checkpoint.OPTIMIZER_PREFIX)})
-
-
-_STALE = re.compile(r"rejected from (\S+) \(round (\d+)\): stale")
-_TIMESTAMP = re.compile(r"rejected message from \S+: stale \(timestamp")
-
-
-def _timestamp_refusals(path: Path) -> int:
-    try:
-        return len(_TIMESTAMP.findall(path.read_text(errors="replace")))
-    except FileNotFoundError:
-        return 0
-
-
-def _stale_refusals(path: Path) -> set[tuple[str, int]]:
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return set()
-    return {(m.group(1), int(m.group(2))) for m in _STALE.finditer(text)}
-
-
-class GossipSetup(Setup):
-    name = "gossip"
-    PERIOD_S = 0.5
-
-    def daemons(self, agents: int) -> list[str]:
-        return [f"agent-{i + 1}" for i in range(agents)]
-
-    def federation(self, work: Path, args: argparse.Namespace, broker_bind: str) -> Federation:
-        self.agents = self.daemons(args.agents)
-        self.last: dict[str, dict[str, int]] = {a: {"period": 0, "merged": 0} for a in self.agents}
-        periods = int(args.minutes * 60 / self.PERIOD_S) + 600
-        return Federation(
-            work,
-            agents=args.agents,
-            rounds=1,
-            alpha=args.alpha,
-            mode="gossip",
-            agent_broker_by_mdns=False,
-            broker_bind=broker_bind,
-            gossip={
-                "periods": periods,
-                "period_steps": 10,
-                "lr": 0.1,
-                "batch_size": BATCH,
-                "seed": SEED,
-                "period_seconds": self.PERIOD_S,
-                "send_timeout": 5.0,
-                "eval_every": 20,
-                "min_peers": 1,
-            },
-        )
-
-    def configure(self, site: Site) -> None:
-        if site.lab is None:
-            return
-        # Peers find each other by mDNS: each daemon advertises and browses on its namespace's address.
-        for name in self.agents:
-            path = site.fed.config_path(name)
-            doc = tomllib.loads(path.read_text())
-            doc.setdefault("discovery", {})["interfaces"] = [site.lab.ip[name]]
-            path.write_text(tomli_w.dumps(doc))
-
-    def poll(self, site: Site) -> dict[str, Any]:
-        # An agent that does not answer (stopped, restarting, busy) keeps its last figures.
-        for a in self.agents:
-            st = site.status(a)
-            if st:
-                self.last[a] = {"period": st.get("period", 0), "merged": (st.get("gossip") or {}).get("merged", 0)}
-        return {
-            "t": site.now(),
-            "periods": {a: v["period"] for a, v in self.last.items()},
-            "merged": {a: v["merged"] for a, v in self.last.items()},
-            "version": min((v["period"] for v in self.last.values()), default=0),
-        }
-
-    def recovered(self, site: Site, fault: Fault, mark: dict[str, Any]) -> bool:
-        now = self.poll(site)
-        for a, period in now["periods"].items():
-            if period < mark["periods"].get(a, 0):
-                # Restarted from its last checkpoint (every eval_every periods): its
-                # progress counts from where it resumed.
-                mark["periods"][a] = period
-        ahead = all(now["periods"].get(a, 0) >= mark["periods"].get(a, 0) + 2 for a in self.agents)
-        target = fault.target if fault.target in self.agents else None
-        merging = target is None or now["merged"].get(target, 0) != mark["merged"].get(target, 0)
-        return ahead and merging
-
-    def check(self, site: Site, run: dict[str, Any]) -> list[dict[str, Any]]:
-        evals = {
-            a: [
-                r["period"]
-                for r in read_records(site.work / "state" / a / "agent" / site.fed.fed / "history.jsonl")
-                if r.get("event") == "gossip_eval"
-            ]
-            for a in self.agents
-        }
-        # Push-sum's mass: the agents' checkpointed masses against their sample counts
-        # (measured, not checked: a crash loses what a process merged since its last checkpoint).
-        mass = 0.0
-        for a in self.agents:
-            loaded = checkpoint.load(site.fed.model_path(a))
-            if loaded is not None:
-                mass += float(loaded[1].get("mass", 0.0))
-        run["gossip_mass"] = mass
-        return [
-            _invariant(
-                "every agent went on training (periods evaluated)",
-                all(len(v) >= 2 for v in evals.values()),
-                {a: (v[-1] if v else None) for a, v in evals.items()},
-            )
-        ]
-
-    def accuracy(self, site: Site) -> float | None:
-        accs = []
-        for a in self.agents:
-            loaded = checkpoint.load(site.fed.model_path(a))
-            if loaded is not None:
-                accs.append(digits_accuracy(loaded[0]))
-        return sum(accs) / len(accs) if accs else None
-
-
-class NotYet(Setup):
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def federation(self, work: Path, args: argparse.Namespace, broker_bind: str) -> Federation:
-        raise SystemExit(
-            f"chaos: there is no {self.name} federation in this release; add a Setup subclass for it to SETUPS"
-        )
-
+from bench.chaos_setups import FedAvgSetup, GossipSetup  # noqa: E402
+from bench.chaos_tiered import TieredSetup  # noqa: E402
 
 SETUPS: dict[str, Callable[[], Setup]] = {
     "fedavg": FedAvgSetup,
     "gossip": GossipSetup,
-    "async": lambda: NotYet("asynchronous"),
-    "tiered": lambda: NotYet("tiered"),
+    "async": AsyncSetup,
+    "tiered": TieredSetup,
 }
 
 
@@ -1095,7 +386,7 @@ def plot(path: Path, run: dict[str, Any]) -> None:
     twin = run.get("twin_progress", [])[:: max(1, len(run.get("twin_progress", [])) // 4000)]
     if twin:
         ax1.plot([p["t"] / 60 for p in twin], [p["version"] for p in twin], color="grey", lw=1, ls="--", label="twin")
-    ax1.set_ylabel("model version" if run["settings"]["mode"] == "fedavg" else "slowest agent's period")
+    ax1.set_ylabel("slowest agent's period" if run["settings"]["mode"] == "gossip" else "model version")
     for f in run["faults"]:
         end = (f["cleared"] or f["at"]) + (f["recovered"] or 0)
         for ax in (ax1, ax2):
@@ -1172,6 +463,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     root = os.geteuid() == 0
     args.netns = args.netns == "on" or (args.netns == "auto" and root and shutil.which("ip") is not None)
+    if args.mode == "tiered" and args.netns:
+        # Its three brokers listen on loopback (fedagent.local.tiers): one namespace for all.
+        log("tiered: no network namespaces (its brokers listen on loopback), so no partition")
+        args.netns = False
     wanted = [k.strip() for k in args.faults.split(",") if k.strip()]
     unknown = set(wanted) - set(KINDS)
     if unknown:

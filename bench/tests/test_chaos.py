@@ -4,7 +4,8 @@ restarted, a partition and a full disk (both need root) and a wall-clock jump; t
 stops a few seconds after the last has recovered (about a minute in all; at most three
 minutes of faults on a busy machine). Every invariant must hold. Kills and pauses of
 daemons have their own CI tests (tests/faults); the three-minute run with every kind and
-a fault-free twin for the accuracy, and the gossip federation's run, are slow."""
+a fault-free twin for the accuracy, and the gossip, asynchronous and tiered federations'
+runs, are slow."""
 
 from __future__ import annotations
 
@@ -63,3 +64,24 @@ def test_three_minutes_of_faults_keep_every_gossip_invariant(tmp_path):
     """The same soak over a gossip federation (no coordinator: faults hit agents and the broker)."""
     report = run_chaos(tmp_path, FULL_SIZE, "--mode", "gossip", "--seed", "7")
     assert report["faults"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_three_minutes_of_faults_keep_every_async_invariant(tmp_path):
+    """The asynchronous federation (FedBuff) under every fault kind beside its fault-free
+    twin: versions contiguous, no update counted twice, no acknowledged update lost, the
+    final accuracy within a point of the twin's."""
+    report = run_chaos(tmp_path, FULL_SIZE, "--mode", "async", "--seed", "11")
+    assert {f["kind"] for f in report["faults"]} == set(report["settings"]["faults"]), report["faults"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_three_minutes_of_faults_keep_every_tiered_invariant(tmp_path):
+    """The federation in two tiers (hub, two site aggregators on brokers of their own,
+    agents) under faults over every daemon and broker of both tiers (no partition: its
+    brokers share loopback), beside its fault-free twin."""
+    report = run_chaos(tmp_path, FULL_SIZE, "--mode", "tiered", "--seed", "11")
+    kinds = {f["kind"] for f in report["faults"]}
+    assert kinds == set(report["settings"]["faults"]) and "partition" not in kinds, report["faults"]

@@ -1,0 +1,223 @@
+"""The chaos soak's federation in two tiers (bench/chaos.py ``--mode tiered``,
+docs/multisite.md): the hub's coordinator on the hub broker, two site aggregators each on
+a broker of its own (the aggregator carries what crosses tiers, as
+:class:`~fedagent.local.tiers.TieredFederation` builds it) and the agents split between
+the sites. Faults are drawn over every daemon of both tiers and all three brokers; the
+tiers' brokers listen on loopback, so this mode runs without network namespaces (no
+partition fault).
+
+Recovery after a fault: a hub round aggregated from both sites since it was cleared, and,
+if an agent was hit, a round of its site since then with that agent in it. Invariants,
+from the hub's and the sites' histories:
+
+* hub model versions contiguous, each hub round once;
+* each hub round's sites accounted: in it, or recorded ``missing`` (selected, not in
+  time), or, if neither, the round fell while a fault held that site (or its broker, or
+  enough of its agents) down, so the hub never selected it;
+* no site's work counted twice: a hub round names a site at most once, and every site
+  the hub counted in a round has a ``site_round`` line for it (or the site was killed
+  between its result going up and the line); a site that answered one hub round with two
+  site rounds (the hub killed in that round and restarted) is counted in the figures;
+* no signed frame refused for its timestamp (the clock jumps).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from bench.chaos_base import Fault, Site, Tail, _invariant
+from bench.chaos_setups import FedAvgSetup, _timestamp_refusals
+from fedagent.local.tiers import HUB, TieredFederation
+from fedagent.storage.history import read_records
+
+SITES = 2
+
+
+class TieredSetup(FedAvgSetup):
+    name = "tiered"
+
+    def daemons(self, agents: int) -> list[str]:
+        return [HUB, *(f"site-{s + 1}" for s in range(SITES)), *(f"agent-{i + 1}" for i in range(agents))]
+
+    def federation(self, work: Path, args: argparse.Namespace, broker_bind: str) -> TieredFederation:
+        if args.agents < 2 * SITES:
+            raise SystemExit(f"chaos: the tiered mode needs at least {2 * SITES} agents")
+        self.agents = [f"agent-{i + 1}" for i in range(args.agents)]
+        self.site_ids = [f"site-{s + 1}" for s in range(SITES)]
+        self.rounds_seen: list[dict[str, Any]] = []
+        self.site_rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in self.site_ids}
+        self.tail = None
+        self.site_tails: dict[str, Tail] = {}
+        sizes = [args.agents // SITES + (1 if s < args.agents % SITES else 0) for s in range(SITES)]
+        fed = TieredFederation(
+            work,
+            sites=sizes,
+            rounds=1_000_000,
+            alpha=args.alpha,
+            round_timeout=args.round_timeout,
+            # The hub goes on with one site; a site with half its agents (an agent silent
+            # for a keep-alive is left out of the round in progress).
+            hub_rounds={"min_agents": 1, "expected_agents": SITES, "min_updates": 1},
+            site_rounds={"min_agents": max(1, min(sizes) // 2), "min_updates": 1},
+        )
+        self.members = dict(fed.agents)
+        return fed
+
+    def brokers(self, fed: Any) -> dict[str, Any]:
+        return {f"broker-{name}": b for name, b in fed.brokers.items()}
+
+    def configure(self, site: Site) -> None:
+        self.tail = Tail(self.history_path(site))
+        self.site_tails = {s: Tail(self.history_path(site, s)) for s in self.site_ids}
+
+    def history_path(self, site: Site, node: str = HUB) -> Path:
+        role = "coordinator" if node == HUB or node in self.site_ids else "agent"
+        return site.work / "state" / node / role / site.fed.fed / "history.jsonl"
+
+    def clock_node(self, names: list[str]) -> str:
+        return HUB
+
+    def stop_order(self, names: list[str]) -> list[str]:
+        # Agents, then the sites, then the hub: nobody waits for a vanished tier.
+        return [*self.agents, *self.site_ids, HUB]
+
+    def poll(self, site: Site) -> dict[str, Any]:
+        out = super().poll(site)
+        for s, tail in self.site_tails.items():
+            for rec in tail.read():
+                if rec.get("event") == "site_round":
+                    self.site_rounds[s].append({"t": round(site.now(), 2), **rec})
+        out["site_seen"] = {s: len(v) for s, v in self.site_rounds.items()}
+        return out
+
+    def _up_id(self, s: str) -> str:
+        return f"{s}-up"  # the site aggregator's name at the hub
+
+    def recovered(self, site: Site, fault: Fault, mark: dict[str, Any]) -> bool:
+        self.poll(site)
+        ups = {self._up_id(s) for s in self.site_ids}
+        if not any(ups <= set(r["participants"]) for r in self.rounds_seen[mark["seen"] :]):
+            return False
+        if fault.target in self.agents:
+            home = next(s for s, m in self.members.items() if fault.target in m)
+            since = self.site_rounds[home][mark["site_seen"][home] :]
+            return any(fault.target in r.get("participants", []) for r in since)
+        return True
+
+    def _down_windows(self, run: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
+        """Per site, the harness times (s) a fault held it (its aggregator, its broker, one
+        of its agents, the hub or the hub's broker) down or not yet recovered, plus a round
+        timeout either side for the round it overlapped. A clock jump takes nobody down."""
+        pad = self.round_timeout
+        out: dict[str, list[tuple[float, float]]] = {s: [] for s in self.site_ids}
+        for f in run["faults"]:
+            if f["kind"] == "clock":
+                continue
+            end = (f["cleared"] or f["at"]) + (f["recovered"] or 0) + pad
+            for s in self.site_ids:
+                mine = {s, f"broker-{s}", *self.members[s], HUB, "broker-hub"}
+                if f["target"] in mine:
+                    out[s].append((f["at"] - pad, end))
+        for e in run["exits"]:
+            for s in self.site_ids:
+                if e["name"] in {s, *self.members[s], HUB}:
+                    out[s].append((e["at"] - pad, e["at"] + site_restart_pad(run) + pad))
+        return out
+
+    def check(self, site: Site, run: dict[str, Any]) -> list[dict[str, Any]]:
+        self.round_timeout = float(site.args.round_timeout)
+        out: list[dict[str, Any]] = []
+        records = read_records(self.history_path(site))
+        rounds = [r for r in records if r.get("event") == "round"]
+        versions = [r["model_version"] for r in rounds]
+        numbers = [r["round"] for r in rounds]
+        out.append(
+            _invariant(
+                "hub model versions contiguous, each hub round once",
+                bool(versions) and versions == list(range(1, len(versions) + 1)) and numbers == sorted(set(numbers)),
+                {"versions": f"1..{len(versions)}" if versions else "none"},
+            )
+        )
+        seen_at = {r["round"]: r["t"] for r in self.rounds_seen}
+        windows = self._down_windows(run)
+        tally = {
+            "in the round": 0,
+            "recorded missing": 0,
+            "absent while a fault held it down": 0,
+            "absent while the run shut down": 0,
+        }
+        unaccounted = []
+        for r in rounds:
+            for s in self.site_ids:
+                up = self._up_id(s)
+                if up in r["participants"]:
+                    tally["in the round"] += 1
+                elif up in r.get("missing", []) or up in r.get("dropped", []):
+                    tally["recorded missing"] += 1
+                else:
+                    t = seen_at.get(r["round"])
+                    if t is None:
+                        # Closed after the run's last look: the shutdown stops the sites
+                        # one after the other, and the hub goes on with those left.
+                        tally["absent while the run shut down"] += 1
+                    elif any(lo <= t <= hi for lo, hi in windows[s]):
+                        tally["absent while a fault held it down"] += 1
+                    else:
+                        unaccounted.append((r["round"], s))
+        out.append(
+            _invariant(
+                "each hub round's sites accounted (in it, recorded missing, or down under a fault)",
+                not unaccounted,
+                {**tally, "not accounted for": unaccounted[:20]},
+            )
+        )
+        twice = [r["round"] for r in rounds if len(set(r["participants"])) != len(r["participants"])]
+        sent_twice: list[tuple[str, int]] = []
+        unrecorded = 0
+        phantom: list[tuple[int, str]] = []
+        exits = {s: [e["at"] for e in run["exits"] if e["name"] == s] for s in self.site_ids}
+        by_round = {r["round"]: r for r in rounds}
+        for s in self.site_ids:
+            lines = [r for r in read_records(self.history_path(site, s)) if r.get("event") == "site_round"]
+            ups = [int(r["upstream_round"]) for r in lines]
+            sent_twice += [(s, u) for u in sorted(set(ups)) if ups.count(u) > 1]
+            have = set(ups)
+            for n, r in by_round.items():
+                if self._up_id(s) not in r["participants"] or n in have:
+                    continue
+                t = seen_at.get(n)
+                if t is not None and any(t - 2 * self.round_timeout <= e <= t + 10 for e in exits[s]):
+                    unrecorded += 1
+                else:
+                    phantom.append((n, s))
+        out.append(
+            _invariant(
+                "no site's work counted twice (a site once per hub round, each from a site round)",
+                not twice and not phantom,
+                {
+                    "site results in hub rounds": tally["in the round"],
+                    "its site_round line lost in a crash": unrecorded,
+                    "hub rounds naming a site twice": twice[:20],
+                    # Measured: a site that answered one hub round with two site rounds
+                    # (the hub killed in that round, restarted and asked again); the hub counts one.
+                    "hub rounds a site answered twice": sent_twice[:20],
+                    "counted without a site round": phantom[:20],
+                },
+            )
+        )
+        refused = {n: _timestamp_refusals(site.work / "logs" / f"{n}.log") for n in site.names}
+        out.append(
+            _invariant(
+                "no signed frame refused for its timestamp (the clock jumps)",
+                not any(refused.values()),
+                {n: c for n, c in refused.items() if c} or "none",
+            )
+        )
+        return out
+
+
+def site_restart_pad(run: dict[str, Any]) -> float:
+    """How long a daemon that exited stays away: the supervisor's delay and its start-up."""
+    return float(run["settings"]["restart_sec"]) + 30.0
