@@ -172,6 +172,7 @@ class ForkServer:
         self._control: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._env: dict[str, str] = {}
+        self._netns = 0
         self.forked = 0
         self.fallbacks: list[tuple[list[str], list[str]]] = []
 
@@ -204,6 +205,7 @@ class ForkServer:
             tail = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
             raise ForkServerGone(f"the fork server did not start ({hello!r}); its log:\n{tail}")
         self._env = env
+        self._netns = _netns()  # the server's: it was started from this thread
         self._control = ours
         return ours
 
@@ -213,6 +215,10 @@ class ForkServer:
         with self._lock:
             control = self._start()
             differs = startup_differences(env, self._env)
+            if _netns() != self._netns:
+                # The caller entered a network namespace for this daemon (the chaos soak
+                # does, with setns on its thread): a child of the server would not be in it.
+                differs.append("network namespace")
             if differs or _customizes_startup(env.get("PYTHONPATH", "")):
                 self.fallbacks.append((list(args), differs))
                 return launch.popen(args, out, env)
@@ -251,6 +257,11 @@ class ForkServer:
 
 
 # -- server -----------------------------------------------------------------------------
+
+
+def _netns() -> int:
+    """The network namespace of the calling thread (the inode of its ns/net link)."""
+    return os.stat("/proc/thread-self/ns/net").st_ino
 
 
 def _threads() -> int:

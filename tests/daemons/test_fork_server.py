@@ -6,14 +6,17 @@ descriptors, the request's environment; and its exit status as ``Popen`` reports
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import forkserver
 import pytest
 from netfed import running, wait_for
+from netns import requires_netns
 
 from fedagent.errors import EXIT_CONFIG
 from fedagent.local import launch
@@ -28,6 +31,18 @@ def server(tmp_path: Path):
     finally:
         launch.use(previous)
         s.close()
+
+
+def _open_files(pid: int) -> set[str]:
+    """What the descriptors of ``pid`` point to (one it closes while they are read is left
+    out: it is no longer open)."""
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            continue
+    return out
 
 
 def _state(pid: int) -> str:
@@ -50,10 +65,8 @@ def test_a_forked_daemon_is_a_process_of_its_own(tmp_path: Path, server, monkeyp
         wait_for(lambda: fed.status("agent-1"), 60, "the agent's status", fed)
         assert len(os.listdir(f"/proc/{server._proc.pid}/task")) == 1
         # Nothing of the server's descriptors: its control socket and the other channels.
-        server_inodes = {
-            os.readlink(f"/proc/{server._proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{server._proc.pid}/fd")
-        }
-        daemon_inodes = {os.readlink(f"/proc/{daemon.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{daemon.pid}/fd")}
+        server_inodes = _open_files(server._proc.pid)
+        daemon_inodes = _open_files(daemon.pid)
         shared = {i for i in server_inodes & daemon_inodes if i.startswith("socket:")}
         assert not shared, shared
         assert "DEBUG fedagent.agent: torch warmed up" in proc.log.read_text()
@@ -81,3 +94,31 @@ def test_a_forked_daemon_is_a_process_of_its_own(tmp_path: Path, server, monkeyp
         fed.procs.remove(real)
     assert server.forked == 2
     assert server.fallbacks == [(["agent", "--config", str(fed.config_path("agent-1"))], ["MALLOC_ARENA_MAX"])]
+
+
+@requires_netns
+@pytest.mark.root
+def test_a_daemon_started_from_another_network_namespace_is_a_real_process_there(tmp_path: Path, server) -> None:
+    """The chaos soak enters a daemon's namespace on its own thread (setns) and starts
+    it there: a child of the fork server would be in the server's namespace instead."""
+    clone_newnet = 0x40000000
+    started: dict[str, object] = {}
+    with running(tmp_path / "fed", agents=1, rounds=1, alpha=1.0, start=False) as fed:
+        fed.spawn("agent-1")  # from here: forked, and the server started
+        assert server.forked == 1
+
+        def elsewhere() -> None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.unshare(clone_newnet) != 0:  # this thread only
+                started["error"] = os.strerror(ctypes.get_errno())
+                return
+            started["proc"] = fed.spawn("agent-1")
+
+        t = threading.Thread(target=elsewhere)
+        t.start()
+        t.join()
+        assert "error" not in started, started
+        isolated = started["proc"]
+        assert isinstance(isolated.popen, subprocess.Popen), isolated.popen  # type: ignore[attr-defined]
+    assert server.forked == 1
+    assert server.fallbacks == [(["agent", "--config", str(fed.config_path("agent-1"))], ["network namespace"])]
