@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.chaos_base import Fault, Site, _invariant
-from bench.chaos_setups import FedAvgSetup, _timestamp_refusals
+from bench.chaos_setups import FedAvgSetup, timestamp_invariant
 from fedagent.local.federation import Federation
 from fedagent.storage import checkpoint
 from fedagent.storage.history import read_records
@@ -175,14 +175,7 @@ class AsyncSetup(FedAvgSetup):
                 },
             )
         )
-        refused_ts = {n: _timestamp_refusals(site.work / "logs" / f"{n}.log") for n in site.names}
-        out.append(
-            _invariant(
-                "no signed frame refused for its timestamp (the clock jumps)",
-                not any(refused_ts.values()),
-                {n: c for n, c in refused_ts.items() if c} or "none",
-            )
-        )
+        out.append(timestamp_invariant(site))
         return out
 
 

@@ -144,16 +144,7 @@ class FedAvgSetup(Setup):
                 },
             )
         )
-        # Signed frames carry, and are checked against, a clock that wall-clock jumps do
-        # not move (fedagent.security.signing.SteadyClock): none may be refused for its time.
-        refused = {n: _timestamp_refusals(site.work / "logs" / f"{n}.log") for n in site.names}
-        out.append(
-            _invariant(
-                "no signed frame refused for its timestamp (the clock jumps)",
-                not any(refused.values()),
-                {n: c for n, c in refused.items() if c} or "none",
-            )
-        )
+        out.append(timestamp_invariant(site))
         return out
 
     def accuracy(self, site: Site) -> float | None:
@@ -165,6 +156,17 @@ class FedAvgSetup(Setup):
 
 _STALE = re.compile(r"rejected from (\S+) \(round (\d+)\): stale")
 _TIMESTAMP = re.compile(r"rejected message from \S+: stale \(timestamp")
+
+
+def timestamp_invariant(site: Site) -> dict[str, Any]:
+    """Signed frames carry, and are checked against, a clock that wall-clock jumps do not
+    move (fedagent.security.signing.SteadyClock): none may be refused for its time."""
+    refused = {n: _timestamp_refusals(site.work / "logs" / f"{n}.log") for n in site.names}
+    return _invariant(
+        "no signed frame refused for its timestamp (the clock jumps)",
+        not any(refused.values()),
+        {n: c for n, c in refused.items() if c} or "none",
+    )
 
 
 def _timestamp_refusals(path: Path) -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.chaos_base import Fault, Site, Tail, _invariant
-from bench.chaos_setups import FedAvgSetup, _timestamp_refusals
+from bench.chaos_setups import FedAvgSetup, timestamp_invariant
 from fedagent.local.tiers import HUB, TieredFederation
 from fedagent.storage.history import read_records
 
@@ -207,14 +207,7 @@ class TieredSetup(FedAvgSetup):
                 },
             )
         )
-        refused = {n: _timestamp_refusals(site.work / "logs" / f"{n}.log") for n in site.names}
-        out.append(
-            _invariant(
-                "no signed frame refused for its timestamp (the clock jumps)",
-                not any(refused.values()),
-                {n: c for n, c in refused.items() if c} or "none",
-            )
-        )
+        out.append(timestamp_invariant(site))
         return out
 
 
