@@ -214,8 +214,17 @@ def test_a_site_aggregator_killed_mid_round(tmp_path):
     site (its history says which site was missing) and the site drops its work for it,
     logged, instead of sending it late. Its round numbers go on (its agents take its next
     round start) and its site is in the hub's rounds again."""
+    # Training takes at least a second, so that a site's round is open long enough to be
+    # seen and killed in (without it a hub round can take 0.1 s, and the six were seen
+    # over before a status poll found site-2 in one).
     fed = TieredFederation(
-        tmp_path, sites=[2, 2], rounds=6, alpha=ALPHA, round_timeout=12.0, transfer={"compression": "none"}
+        tmp_path,
+        sites=[2, 2],
+        rounds=6,
+        alpha=ALPHA,
+        round_timeout=12.0,
+        transfer={"compression": "none"},
+        train_seconds=1.0,
     )
     try:
         fed.prepare()

@@ -57,8 +57,11 @@ class TieredFederation:
         site_rounds: dict[str, Any] | None = None,
         transfer: dict[str, Any] | None = None,
         hub_privacy: dict[str, Any] | None = None,
+        train_seconds: float = 0.0,
     ) -> None:
-        """``hub_privacy``: the hub's ``[privacy]`` table (distributed DP across tiers)."""
+        """``hub_privacy``: the hub's ``[privacy]`` table (distributed DP across tiers).
+        ``train_seconds``: every agent's training takes at least this long, as on a
+        device slower than this machine (``fedagent.tasks.slowed``)."""
         self.work = work
         self.fed = federation or f"tiers-{secrets.token_hex(3)}"
         self.sites = list(sites)
@@ -69,6 +72,7 @@ class TieredFederation:
         self.site_rounds = dict(site_rounds or {})
         self.transfer = dict(transfer or {})
         self.hub_privacy = dict(hub_privacy) if hub_privacy else None
+        self.train_seconds = train_seconds
         self.n = sum(sites)
         self.site_ids = [site_name(s) for s in range(len(sites))]
         self.agents: dict[str, list[str]] = {}
@@ -156,8 +160,12 @@ class TieredFederation:
             )
             for aid in members:
                 k = self.agent_ids.index(aid)
-                options = {"shard": k, "shards": self.n, "alpha": self.alpha, "seed": SEED}
-                self._write(aid, aid, broker.uri, options, None)
+                options: dict[str, Any] = {"shard": k, "shards": self.n, "alpha": self.alpha, "seed": SEED}
+                task = "digits"
+                if self.train_seconds:
+                    task = "fedagent.tasks.slowed:make"
+                    options = {**options, "inner": "digits", "slowdown": 1.0, "at_least": self.train_seconds}
+                self._write(aid, aid, broker.uri, options, None, task=task)
 
     def _write(
         self,
@@ -166,6 +174,7 @@ class TieredFederation:
         broker: str,
         task_options: dict[str, Any],
         rounds: dict[str, Any] | None,
+        task: str = "digits",
         **extra: Any,
     ) -> Path:
         ca = self.work / "pki"
@@ -177,7 +186,7 @@ class TieredFederation:
             broker=broker,
             state_dir=self.work / "state" / stem,
             runtime_dir=self.run_root / stem,
-            task="digits",
+            task=task,
             task_options=task_options,
             rounds=rounds,
             transfer=self.transfer if rounds is not None else None,
