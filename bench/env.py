@@ -104,5 +104,24 @@ def model_sizes(ctx) -> list[int]:
     return [1_100_000] if ctx.quick else [11_200_000, 1_100_000]
 
 
+#: A typical edge model, where a round's fixed costs dominate: the round section adds it
+#: to its sizes (its own target, 1.5x the C clients' round).
+EDGE_PARAMS = 100_000
+
+
+def round_sizes(ctx) -> list[int]:
+    """The round section's sizes: ``--params`` if given, else :func:`model_sizes` and the
+    0.1M edge model."""
+    if ctx.sizes:
+        return list(ctx.sizes)
+    return [*model_sizes(ctx), EDGE_PARAMS]
+
+
+def round_target(params: int) -> float:
+    """The round's target against the C clients: 1.2x, 1.5x for models of the edge size
+    or smaller, where fixed costs dominate."""
+    return 1.5 if params <= EDGE_PARAMS else 1.2
+
+
 def mb(params: int) -> str:
     return f"{params / 1e6:.1f}M params = {params * 4 / 1e6:.1f} MB"
