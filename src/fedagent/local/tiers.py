@@ -126,7 +126,7 @@ class TieredFederation:
                 **self.hub_rounds,
             },
             tier={"sites": True},
-            **({"privacy": self.hub_privacy} if self.hub_privacy else {}),
+            privacy=self.hub_privacy,
         )
         for site in self.site_ids:
             broker = self.brokers[site] = EmbeddedBroker(
