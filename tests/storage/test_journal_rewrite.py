@@ -17,6 +17,7 @@ from fedagent.coordinator.compaction import JournalBound, JournalSift, Key
 from fedagent.coordinator.durability import DurableJournal
 from fedagent.node.messaging import Messenger
 from fedagent.protocols import topics
+from fedagent.protocols.codec import decode
 from fedagent.protocols.limits import Limits
 from fedagent.protocols.messages import AsyncUpdate, Update
 from fedagent.protocols.streaming import UpdateEnd, UpdateHead
@@ -215,8 +216,6 @@ def test_a_busy_journal_rewritten_at_each_model_stays_bounded_and_keeps_every_fr
 
 
 def _tid(frame: bytes) -> str:
-    from fedagent.protocols.codec import decode
-
     return str(decode(frame, WIRE, views=True).body["tid"])
 
 
@@ -327,3 +326,57 @@ def test_a_power_cut_at_any_point_of_a_rewrite_leaves_a_journal_with_every_neede
             break
         k += 1
     assert k >= 4  # cut before: the new file's sync, the late frame's, the tail's sync, the rename
+
+
+def test_the_asynchronous_coordinator_keeps_what_its_messenger_still_assembles(pki, tmp_path):
+    """The asynchronous coordinator's part (AsyncMode, around a stand-in of its core): the
+    transfers it passes as live are those pending in its messenger, queued or being added;
+    while a journaled frame is in the messenger's hands, every unfinished one is kept.
+    Pass: a rewrite at model 1 drops the update the checkpoint holds and keeps both
+    unfinished transfers while a frame is in hand; the next drops the one no longer
+    pending anywhere and keeps the one the messenger still assembles."""
+    from types import SimpleNamespace
+
+    from fedagent.coordinator.fedbuff import AsyncMode
+    from fedagent.coordinator.streams import StreamFeed
+    from fedagent.protocols.chunking import Reassembler
+    from fedagent.protocols.streaming import StreamIntake
+
+    async def run() -> None:
+        a, c, e = Agent(pki, "a"), Agent(pki, "c"), Agent(pki, "e")
+        taken = await a.stream(1, 0)
+        assembling = (await c.stream(2, 0))[:1]
+        over = (await e.stream(3, 0))[:1]
+        durable = DurableJournal(tmp_path / "round-journal", max_frame=1 << 20, per_sender=1 << 30)
+        durable.journal.begin(1, 0, ())
+        for t, d in taken + assembling + over:
+            durable.journal.write(t, d)
+        durable.journal.sync()
+        intake = StreamIntake(FEDERATION, max_transfer_bytes=1 << 20, max_pending_bytes=1 << 20, timeout=30.0)
+        intake.feed("c", decode(assembling[0][1], WIRE, views=True).body, 0.0)
+        messenger = SimpleNamespace(
+            journaled_in_hand=1,
+            intake=intake,
+            reassembler=Reassembler(1 << 20, 1 << 20, 30.0),
+            wire_limits=WIRE,
+            model_limits=MODEL,
+        )
+        mode = SimpleNamespace(
+            durability=durable,
+            core=SimpleNamespace(messenger=messenger),
+            streams=StreamFeed(asyncio.Queue()),
+            machine=SimpleNamespace(inflight={}),
+            config=SimpleNamespace(max_staleness=4),
+            journal_bound=JournalBound(1),
+            journal_rewrites=0,
+        )
+        mode._live_transfers = lambda: AsyncMode._live_transfers(mode)
+        await AsyncMode._rewrite_journal(mode, 1, [["a", 1, 0]])
+        assert list(durable.journal.frames_of()) == assembling + over
+        messenger.journaled_in_hand = 0
+        await AsyncMode._rewrite_journal(mode, 1, [["a", 1, 0]])
+        assert list(durable.journal.frames_of()) == assembling
+        assert mode.journal_rewrites == 2 and mode.journal_bound.left == durable.journal.size
+        durable.journal.close()
+
+    asyncio.run(run())
