@@ -462,7 +462,14 @@ def _round_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
         return []
     if s.get("mode") == "async":  # no rounds: the journal holds the buffer
         j = s.get("journal") or {}
-        return [("journal", f"{j.get('frames', 0)} update frames, {j.get('bytes', 0):,} bytes")]
+        rewrites = j.get("rewrites") or 0
+        return [
+            (
+                "journal",
+                f"{j.get('frames', 0)} update frames, {j.get('bytes', 0):,} bytes"
+                + (f" (rewritten at {rewrites} models)" if rewrites else ""),
+            )
+        ]
     rows: list[tuple[str, Any]] = []
     if s.get("phase") == "training":
         selected, received = s.get("selected") or [], set(s.get("received") or [])

@@ -491,6 +491,15 @@ class AsyncSettings(Table):
         ge=0,
         le=10_000,
     )
+    journal_max_bytes: int = setting(
+        64 * 2**20,
+        "coordinator: at a model, a round journal past this size (and past twice what its last rewrite left) is "
+        "rewritten without the update frames that model's checkpoint holds or makes too stale, when it cannot be "
+        "emptied (some update always in transfer); it then stays under about the larger of this and twice what "
+        "must be kept ([faults.md](faults.md#the-round-journal-of-an-asynchronous-coordinator))",
+        ge=2**20,
+        shown="64 MiB",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ import collections
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from fedagent.protocols.streaming import STREAM_KIND
 from fedagent.security.replaylog import ReplayJournal
 from fedagent.security.signing import CHUNK_KIND
 from fedagent.storage.history import History
-from fedagent.storage.roundjournal import InFlight, RoundJournal
+from fedagent.storage.roundjournal import InFlight, Rewrite, RoundJournal
 
 log = logging.getLogger("fedagent.coordinator")
 
@@ -165,6 +165,39 @@ class DurableJournal:
                 return
             await asyncio.to_thread(self.journal.end)
             self._settled()
+
+    async def rewrite(
+        self,
+        mark: Rewrite,
+        start: InFlight,
+        choose: Callable[[Iterable[tuple[int, int, str, bytes]]], list[tuple[int, int, str]]],
+    ) -> bool:
+        """The journal rewritten with ``start``'s record, the records ``choose`` picks of
+        those before ``mark`` (given ``(start, end, topic, data)`` of each, it returns
+        the ``(start, end, sender)`` to keep) and every record written since the mark,
+        durable on return (False: not rewritten, the journal is as it was). Frames are
+        written meanwhile, and wait for the lock only while the last ones are copied."""
+        journal = self.journal
+
+        def write() -> None:
+            kept = choose(journal.frame_records(mark.upto))
+            journal.rewrite_write(mark, start, kept)
+
+        try:
+            # (a worker thread: the event loop goes on reading and journaling frames)
+            await asyncio.to_thread(write)
+            async with self._lock:
+                await asyncio.to_thread(journal.rewrite_commit, mark)
+                # Every frame written so far is in the new file, which is synced.
+                self._settled()
+        except StateWriteError as exc:
+            journal.rewrite_abandon(mark)
+            log.error("round journal not rewritten (%s); it goes on as it was", exc)
+            return False
+        except BaseException:
+            journal.rewrite_abandon(mark)
+            raise
+        return True
 
     def _settled(self) -> None:
         # The frames written so far belong to a round that is now in the checkpoint (or

@@ -13,7 +13,9 @@ replaced only after that checkpoint is durable, and only when no update is in tr
 (its first frames would go with the old journal). A restarted coordinator hands every
 journaled frame to the machine again: what the checkpoint holds is refused as a
 duplicate, what it does not hold goes into the buffer. So no update acknowledged to the
-broker is lost, and none counts twice.
+broker is lost, and none counts twice. Where some update is always in transfer, the
+journal past ``journal_max_bytes`` is rewritten at a model instead, without the frames
+that checkpoint makes useless (:mod:`fedagent.coordinator.compaction`): it stays bounded.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from fedagent.config import buffer_config
+from fedagent.coordinator.compaction import JournalBound, JournalSift
 from fedagent.coordinator.core import CoordinatorCore
 from fedagent.coordinator.durability import JOURNALED_KINDS, DurableJournal, reconcile_history
 from fedagent.coordinator.fedavg import norm_history_of
@@ -100,6 +103,8 @@ class AsyncMode:
             kinds=JOURNALED_KINDS | {AsyncUpdate.kind},
             belongs=_any_update,
         )
+        self.journal_bound = JournalBound(cfg.fedbuff.journal_max_bytes)
+        self.journal_rewrites = 0
         core.messenger.journal = self.durability.frame
         core.messenger.before_replay_commit = self.durability.flush
         core.messenger.lazy_durable_kinds = core.messenger.lazy_durable_kinds | {Evaluation.kind}
@@ -256,7 +261,7 @@ class AsyncMode:
                 "default": self.cfg.rounds.server_momentum is None,
                 "default_reason": "default in async mode",
             },
-            "journal": self.durability.journal.status(),
+            "journal": {**self.durability.journal.status(), "rewrites": self.journal_rewrites},
             "model_requests": {"answered": self.model_server.answered, "refused": dict(self.model_server.refused)},
         }
 
@@ -409,6 +414,7 @@ class AsyncMode:
             # Every frame journaled so far is in this checkpoint or was refused.
             # (Otherwise the journal is kept, and replaced at a quiet model.)
             await self.durability.begin(cmd.model_version + 1, cmd.model_version, ())
+            self.journal_bound.replaced()
         staleness = [u[3] for u in cmd.updates]
         core.metrics.round_completed(took, cmd.metrics)
         core.metrics.set_model_version(cmd.model_version)
@@ -469,6 +475,10 @@ class AsyncMode:
             round_=cmd.model_version,
             stable=True,  # the machine replaces its model, never changes it in place
         )
+        if self.journal_bound.due(self.durability.journal.size):
+            # Not replaced above, and large: rewritten without what this checkpoint holds
+            # (after the broadcast, which it need not delay; the machine is not fed meanwhile).
+            await self._rewrite_journal(cmd.model_version, meta["accepted"])
 
     def _journal_settled(self) -> bool:
         """No journaled frame is on its way to the machine: none in a transfer (a stream
@@ -484,6 +494,60 @@ class AsyncMode:
             or messenger.journaled_in_hand
             or self.core.journaled_queued
             or self.streams.queued
+        )
+
+    def _live_transfers(self) -> frozenset[tuple[str, str]] | None:
+        """The transfers (sender, transfer id) that may still finish or be read back:
+        pending in the messenger, with events queued, or being added by the machine.
+        None when a journaled frame is in the messenger's hands (its transfer may not
+        be pending anywhere yet)."""
+        messenger = self.core.messenger
+        if messenger.journaled_in_hand:
+            return None
+        return frozenset(
+            [
+                *messenger.intake.transfers(),
+                *messenger.reassembler.transfers(),
+                *self.streams.queued_transfers,
+                *((sender, fl.tid) for sender, fl in self.machine.inflight.items()),
+            ]
+        )
+
+    async def _rewrite_journal(self, version: int, accepted: list[list[Any]]) -> None:
+        """The journal rewritten without the frames the checkpoint of ``version`` (just
+        made durable, holding ``accepted``) makes useless; see
+        :mod:`fedagent.coordinator.compaction`."""
+        journal = self.durability.journal
+        m = self.core.messenger
+        before = journal.size
+        # The mark and the transfers that may still finish, at one moment of the event loop.
+        mark = journal.rewrite_mark()
+        sift = JournalSift(
+            held=[(a, t, b) for a, t, b in accepted],
+            floor=version - self.config.max_staleness,
+            live=self._live_transfers(),
+            wire_limits=m.wire_limits,
+            model_limits=m.model_limits,
+        )
+
+        def choose(records: Any) -> list[tuple[int, int, str]]:
+            for rec in records:
+                sift.feed(*rec)
+            return sift.kept()
+
+        t0 = time.perf_counter()
+        if not await self.durability.rewrite(mark, InFlight(version + 1, version, ()), choose):
+            return
+        self.journal_rewrites += 1
+        self.journal_bound.rewritten(journal.size)
+        log.info(
+            "model version %d: round journal rewritten in %.2fs without what its checkpoint holds: "
+            "from %d to %d bytes, %d frames",
+            version,
+            time.perf_counter() - t0,
+            before,
+            journal.size,
+            journal.frames,
         )
 
     async def _refold(self, cmd: FB.Refold) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -35,6 +36,7 @@ class StreamFeed:
         self.budget = budget  # until the model's size is known
         self.waiting = 0  # values of parts queued, not yet taken
         self.queued = 0  # events queued, not yet taken
+        self.queued_transfers: Counter[tuple[str, str]] = Counter()  # (sender, tid) -> its events queued
         self._room = asyncio.Event()
         self._room.set()
 
@@ -50,6 +52,7 @@ class StreamFeed:
             if seen is not None:
                 seen(ev)
             self.queued += 1
+            self.queued_transfers[(ev.sender, ev.tid)] += 1
             await self.queue.put(ev)
         while self.waiting > self.budget:
             self._room.clear()
@@ -59,6 +62,10 @@ class StreamFeed:
         """The coordinator took ``item`` off its queue."""
         if isinstance(item, StreamEvent):
             self.queued -= 1
+            key = (item.sender, item.tid)
+            self.queued_transfers[key] -= 1
+            if self.queued_transfers[key] <= 0:
+                del self.queued_transfers[key]
         if isinstance(item, UpdatePart):
             self.waiting -= item.values.nbytes
             if self.waiting <= self.budget:

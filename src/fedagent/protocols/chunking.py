@@ -192,6 +192,10 @@ class Reassembler:
     def pending_transfers(self) -> int:
         return len(self._transfers)
 
+    def transfers(self) -> list[tuple[str, str]]:
+        """(sender, transfer id) of each transfer in progress."""
+        return list(self._transfers)
+
     def feed(self, sender: str, body: Any, now: float) -> bytes | memoryview | None:
         """Take one chunk body; the whole payload when this chunk completes a transfer
         whose digest matches, else ``None``. Raises CodecError on a bad chunk."""

@@ -242,6 +242,10 @@ class StreamIntake:
     def pending_transfers(self) -> int:
         return len(self._transfers)
 
+    def transfers(self) -> list[tuple[str, str]]:
+        """(sender, transfer id) of each transfer in progress."""
+        return list(self._transfers)
+
     def feed(self, sender: str, body: Any, now: float) -> list[StreamEvent]:
         """Events this chunk completes. A chunk that cannot be attributed to a transfer
         raises CodecError; a chunk that breaks a known transfer ends it (``ok=False``)."""

@@ -31,16 +31,27 @@ payload is unpacked, the payload with msgpack limits, then its fields. A torn ta
 crash during an append: that frame was never acknowledged, so the broker sends it again)
 is cut off; a damaged record in the middle is skipped with an error in the log (the
 frame it held cannot be recovered; the round goes on without it).
+
+A journal that must outlive its round (an asynchronous coordinator's, where some update
+is always on its way) is *rewritten* instead of emptied: :meth:`RoundJournal.rewrite_mark`
+notes how far it reaches, :meth:`~RoundJournal.rewrite_write` copies the records the
+caller still needs from before that point into a new file after a new start record and
+syncs it, and :meth:`~RoundJournal.rewrite_commit` (while nothing is appended) copies
+every record appended since, syncs, renames the new file over the journal and syncs the
+directory. A crash at any point leaves the old journal or the new one, each complete for
+what the caller still needs; a new file a crash left behind is a temporary file of the
+state directory, removed when the coordinator starts.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import threading
 import zlib
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
@@ -79,6 +90,25 @@ def _start(doc: object) -> InFlight:
     return InFlight(rnd, version, tuple(selected))
 
 
+@dataclass(slots=True)
+class Rewrite:
+    """A rewrite of the journal under way: where the journal ended when it was marked
+    (``upto``, in bytes, with the counts of frames up to there), the file being written
+    and the counts of the frames copied into it."""
+
+    upto: int
+    generation: int
+    frames: int
+    bytes: int
+    by_sender: dict[str, int]
+    start: InFlight | None = None
+    tmp: str | None = None
+    size: int = 0
+    kept_frames: int = 0
+    kept_bytes: int = 0
+    kept_by_sender: dict[str, int] = field(default_factory=dict)
+
+
 def _frame(doc: object) -> tuple[str, bytes]:
     if not isinstance(doc, dict) or doc.get("t") != "frame" or set(doc) != {"t", "topic", "data"}:
         raise FedagentError("not a frame record")
@@ -103,6 +133,17 @@ def _rest(parts: list, done: int) -> list:
     if parts and done:
         parts = [memoryview(parts[0])[done:], *parts[1:]]
     return parts
+
+
+def _copy(src, out, a: int, b: int) -> None:
+    """Bytes ``a`` to ``b`` of ``src`` to the end of ``out``, a block at a time."""
+    src.seek(a)
+    while a < b:
+        block = src.read(min(b - a, 1 << 22))
+        if not block:
+            raise OSError(f"the journal ends at byte {a}, before {b}")
+        out.write(block)
+        a += len(block)
 
 
 class RoundJournal:
@@ -139,9 +180,12 @@ class RoundJournal:
             max_ext_len=0,
         )
 
-    def _records(self, f) -> Iterator[tuple[int, memoryview | None, str | None]]:
-        """(offset, payload or None, damage) per record; a torn tail ends the walk."""
+    def _records(self, f, upto: int | None = None) -> Iterator[tuple[int, memoryview | None, str | None]]:
+        """(offset, payload or None, damage) per record (before byte ``upto``, if given);
+        a torn tail ends the walk. After each, ``f.tell()`` is where the record ends."""
         end = os.fstat(f.fileno()).st_size
+        if upto is not None:
+            end = min(end, upto)
         pos = len(MAGIC)
         while pos < end:
             head = f.read(HEADER.size)
@@ -233,6 +277,132 @@ class RoundJournal:
                     yield _frame(self._unpack(payload))
                 except (ValueError, msgpack.UnpackException, FedagentError):
                     continue
+
+    def frame_records(self, upto: int) -> Iterator[tuple[int, int, str, bytes]]:
+        """(start, end, topic, data) of each readable frame record before byte ``upto``
+        (a mark's), in order, one at a time; damaged records are left out."""
+        try:
+            f = open(self.path, "rb")
+        except OSError as exc:
+            raise StateWriteError(f"cannot read {self.path}: {exc.strerror or exc}") from exc
+        with f:
+            if f.read(len(MAGIC)) != MAGIC:
+                return
+            first = True
+            for pos, payload, damage in self._records(f, upto):
+                if damage == "torn":
+                    return
+                end = f.tell()
+                if payload is None:
+                    continue
+                if first:
+                    first = False
+                    continue
+                try:
+                    topic, data = _frame(self._unpack(payload))
+                except (ValueError, msgpack.UnpackException, FedagentError):
+                    continue
+                yield pos, end, topic, data
+
+    # -- rewriting -----------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Bytes of the journal open for appending (0 when none is)."""
+        return self._size if self._fd is not None else 0
+
+    def rewrite_mark(self) -> Rewrite:
+        """Where a rewrite starts from: every record written so far (call it where no
+        append can run at the same time, the event loop that appends)."""
+        if self._fd is None or self.round is None:
+            raise StateWriteError(f"{self.path}: no journal is open to rewrite")
+        return Rewrite(self._size, self.generation, self.frames, self.bytes, dict(self.by_sender))
+
+    def rewrite_write(self, rw: Rewrite, start: InFlight, kept: Iterable[tuple[int, int, str]]) -> None:
+        """A new journal: ``start``'s record, then the records at the byte ranges ``kept``
+        (``(start, end, sender)``, in order, all before ``rw.upto``) copied from this one
+        as they are, synced. Appending goes on in this journal meanwhile."""
+        head = MAGIC + statefile.record(
+            {"t": "start", "round": start.round, "version": start.model_version, "selected": list(start.selected)}
+        )
+        try:
+            fd, rw.tmp = tempfile.mkstemp(prefix=statefile.TEMP_PREFIX, dir=self.path.parent)
+            with os.fdopen(fd, "wb") as out, open(self.path, "rb") as src:
+                out.write(head)
+                rw.size = len(head)
+                for a, b, sender in kept:
+                    if not (len(MAGIC) <= a < b <= rw.upto):
+                        raise StateWriteError(f"{self.path}: bytes {a}..{b} are not a record before {rw.upto}")
+                    _copy(src, out, a, b)
+                    rw.size += b - a
+                    rw.kept_frames += 1
+                    rw.kept_bytes += b - a - HEADER.size
+                    rw.kept_by_sender[sender] = rw.kept_by_sender.get(sender, 0) + b - a - HEADER.size
+                out.flush()
+                os.fsync(out.fileno())
+        except StateWriteError:
+            self.rewrite_abandon(rw)
+            raise
+        except OSError as exc:
+            self.rewrite_abandon(rw)
+            raise StateWriteError(f"cannot rewrite {self.path}: {exc.strerror or exc}") from exc
+        rw.start = start
+
+    def rewrite_commit(self, rw: Rewrite) -> None:
+        """The new journal replaces this one: the records appended since the mark are
+        copied after the kept ones, the file synced, renamed over the journal and the
+        directory synced; appends go on in it. The caller makes sure nothing is appended
+        while this runs. Every frame written so far is durable on return."""
+        if rw.tmp is None or rw.start is None:
+            raise StateWriteError(f"{self.path}: no rewrite written")
+        with self._fd_lock:
+            if self._fd is None or self.generation != rw.generation:
+                self.rewrite_abandon(rw)
+                raise StateWriteError(f"{self.path}: replaced while it was rewritten")
+            end = self._size
+            try:
+                with open(rw.tmp, "r+b") as out, open(self.path, "rb") as src:
+                    out.seek(rw.size)
+                    _copy(src, out, rw.upto, end)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(rw.tmp, self.path)
+            except OSError as exc:
+                self.rewrite_abandon(rw)
+                raise StateWriteError(f"cannot rewrite {self.path}: {exc.strerror or exc}") from exc
+            rw.tmp = None
+            # From here the journal is the new file, whatever follows.
+            os.close(self._fd)
+            self._fd = None
+            self.generation += 1
+            self.frames = rw.kept_frames + self.frames - rw.frames
+            self.bytes = rw.kept_bytes + self.bytes - rw.bytes
+            by_sender = dict(rw.kept_by_sender)
+            for sender, n in self.by_sender.items():
+                tail = n - rw.by_sender.get(sender, 0)
+                if tail:
+                    by_sender[sender] = by_sender.get(sender, 0) + tail
+            self.by_sender = by_sender
+            self.round = rw.start
+            try:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            except OSError as exc:
+                raise StateWriteError(f"cannot reopen {self.path}: {exc.strerror or exc}") from exc
+            self._size = self._durable = rw.size + end - rw.upto
+            try:
+                statefile.sync_dir(self.path.parent)
+            except OSError as exc:
+                # Both files are complete for what the caller needs, and a sync that
+                # failed acknowledges frames all the same elsewhere too: said, not fatal.
+                log.error("%s: the rename of its rewrite not synced: %s", self.path, exc.strerror or exc)
+
+    def rewrite_abandon(self, rw: Rewrite) -> None:
+        """The rewrite is given up: its new file goes, the journal stays as it is."""
+        if rw.tmp is not None:
+            try:
+                os.unlink(rw.tmp)
+            except OSError:
+                pass
+            rw.tmp = None
 
     # -- writing -------------------------------------------------------------------
     def begin(self, round_: int, model_version: int, selected: tuple[str, ...]) -> None:
