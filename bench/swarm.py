@@ -403,6 +403,13 @@ class _Children:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for k, share in enumerate(shares):
             with open(workdir / f"swarm-{k}.log", "wb") as log:
+                # Each child leads a session of its own: with the kernel's autogroup
+                # scheduling (sched_autogroup_enabled) a session is one scheduling group, and
+                # in this process's session all 14 children of 10,000 agents together got
+                # the CPU share of one process (one daemon, one process of other work on a
+                # shared machine): connecting crawled at 10 agents a second, each child
+                # runnable and given 0.02 of a core. It still ends with this process: on
+                # "stop", or at the end of its input once this process is gone.
                 p = await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
@@ -411,6 +418,7 @@ class _Children:
                     stdout=asyncio.subprocess.PIPE,
                     stderr=log,
                     env=env,
+                    start_new_session=True,
                 )
             self.procs.append(p)
             assert p.stdin is not None
