@@ -398,7 +398,7 @@ async def _tiered(
         "params": params,
         "compression": compression,
         "rounds": len(rounds_done),
-        "errors": len(children.errors),
+        "errors": children.error_count,
         "error_sample": children.errors[:3],
         "participants": [len(r.get("participants", [])) for r in rounds_done],
         "round_s": [r["seconds"] for r in rounds_done],

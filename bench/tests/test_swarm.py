@@ -63,7 +63,7 @@ def test_each_swarm_child_leads_a_session_of_its_own(tmp_path):
         finally:
             await children.stop()
             children.kill()
-            assert children.errors == []
+            assert children.errors == [] and children.error_count == 0
 
     pids, sessions = asyncio.run(start_and_stop())
     assert sessions == pids and os.getsid(0) not in sessions
