@@ -24,8 +24,10 @@ agents with the arithmetic.
 Run: ``python bench/scale_tiers.py [--flat 1000,3000] [--tiered 1000,3000,10000]
 [--sites 10] [--sweep 2,5] [--rounds 3] [--json FILE] [--plot FILE.png] [--report
 FILE.md]``; ``--from FILE.json`` redraws the plot and the report from a saved run. Every
-case stops by itself (``--case-limit`` for connecting and again for the rounds); a case
-that fails ends the sweep of its mode.
+case stops by itself (``--case-limit`` for the rounds, ``--connect-limit``, by default the
+same, for connecting); a case that fails ends the sweep of its mode. While a tiered
+case's agents connect, the connections the site brokers hold are counted every few
+seconds (logged every 30 s, kept in the row as ``connect_progress``).
 """
 
 from __future__ import annotations
@@ -89,6 +91,42 @@ def _loadavg() -> list[float]:
 
 def swarm_procs(agents: int, per_proc: int = PER_PROC) -> int:
     return max(1, -(-agents // min(per_proc, MAX_PER_PROCESS)))
+
+
+# ---- connecting ------------------------------------------------------------------------------
+CONNECT_SAMPLE_S = 5.0  # how often the agents connected so far are counted
+CONNECT_SAY_S = 30.0  # and how often that is logged
+
+
+class Connections:
+    """The agents' connections the site brokers hold, counted from their open descriptors
+    (one per client) above what each held before the agents came; ``samples`` keeps
+    ``[seconds since connecting began, connections]`` for the row. TLS handshakes to
+    10,000 agents take minutes on two cores: the count shows whether they still advance."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = [p for p in pids if p]
+        self.before = [_fds(p) for p in self.pids]
+        self.samples: list[list[float]] = []
+
+    def held(self) -> int:
+        return sum(max(0, _fds(p) - b) for p, b in zip(self.pids, self.before, strict=True))
+
+    def sample(self, seconds: float) -> int:
+        held = self.held()
+        self.samples.append([round(seconds, 1), held])
+        return held
+
+
+async def _watch_connect(counted: Connections, n: int, t0: float, progress: Callable[[str], None]) -> None:
+    said = t0
+    while True:
+        await asyncio.sleep(CONNECT_SAMPLE_S)
+        now = time.monotonic()
+        held = counted.sample(now - t0)
+        if now - said >= CONNECT_SAY_S:
+            said = now
+            progress(f"{held} of {n} agents connected after {now - t0:.0f} s; load {_loadavg()}")
 
 
 # ---- one tiered federation ------------------------------------------------------------------
@@ -157,6 +195,15 @@ async def _tiered(
     connect_limit: float,
 ) -> dict:
     t0 = time.monotonic()
+    # Where a case's wall time goes (seconds per step), for planning a run of many cases.
+    phases: dict[str, float] = {}
+    lap_at = [t0]
+
+    def lap(name: str) -> None:
+        now = time.monotonic()
+        phases[name] = round(now - lap_at[0], 1)
+        lap_at[0] = now
+
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "logs").mkdir(exist_ok=True)
     site_ids = [site_name(s) for s in range(sites)]
@@ -174,6 +221,7 @@ async def _tiered(
     members = {s: [a for a in names if site_of[a] == s] for s in site_ids}
     progress(f"issuing {n} agent certificates")
     await asyncio.to_thread(issue_many, ca, workdir / "certs", names)
+    lap("certificates")
     brokers = {"hub": EmbeddedBroker(workdir / "broker-hub", federations=[FEDERATION], coordinators=[HUB], ca_dir=ca)}
     for site in site_ids:
         brokers[site] = EmbeddedBroker(
@@ -193,6 +241,7 @@ async def _tiered(
         progress(f"starting {1 + sites} brokers")
         for b in brokers.values():
             await asyncio.to_thread(b.start)
+        lap("brokers")
         limit = max(120.0, timeout)
         hub_cfg = _config(
             workdir,
@@ -251,6 +300,7 @@ async def _tiered(
             spawn(site, "aggregator", cfg)
         progress(f"starting the hub coordinator and {sites} site aggregators")
         await _wait_ready(workdir, daemons, 300.0)
+        lap("daemons")
         await asyncio.sleep(0.5)
         idle = {name: _rss(p.pid)[0] for name, p in daemons.items()}
         broker_idle = {k: _rss(b.pid)[0] if b.pid else 0 for k, b in brokers.items()}
@@ -265,9 +315,24 @@ async def _tiered(
             "wave_limit": min(300.0, connect_limit),
         }
         progress(f"connecting {n} agents to {sites} site brokers from {procs} processes")
+        site_pids = [brokers[s].pid or 0 for s in site_ids]
+        counted = Connections(site_pids)
         t_connect = time.monotonic()
-        await asyncio.wait_for(children.start(workdir, shares, common, connect_limit), connect_limit)
+        watch = asyncio.create_task(_watch_connect(counted, n, t_connect, progress))
+        try:
+            await asyncio.wait_for(children.start(workdir, shares, common, connect_limit), connect_limit)
+        except TimeoutError:
+            held = counted.held()
+            raise TimeoutError(
+                f"{held} of {n} agents connected to the site brokers after {time.monotonic() - t_connect:.0f} s "
+                f"(limit {connect_limit:.0f} s; load {_loadavg()}); progress {counted.samples[-6:]}"
+            ) from None
+        finally:
+            watch.cancel()
         connect_s = time.monotonic() - t_connect
+        counted.sample(connect_s)
+        lap_at[0] = t_connect
+        lap("connect")
         fds = {k: _fds(b.pid) for k, b in brokers.items()}
         progress(f"{n} agents online ({time.monotonic() - t0:.0f} s); waiting for {rounds} hub rounds")
         hub = daemons[HUB]
@@ -301,6 +366,7 @@ async def _tiered(
                 progress(f"a hub round was abandoned: {next(r for r in done if r.get('event') == 'abandoned')}")
                 break
             await asyncio.sleep(0.05)
+        lap("rounds")  # the first one's start included
         peak = {name: _rss(p.pid)[1] for name, p in daemons.items()}
         broker_peak = {k: _rss(b.pid)[1] if b.pid else 0 for k, b in brokers.items()}
         swarm_peak = [_rss(pid)[1] for pid in children.pids]
@@ -314,6 +380,8 @@ async def _tiered(
                 b.stop()
             if short_run:
                 shutil.rmtree(run_root, ignore_errors=True)
+    lap("stop")
+    progress(f"stopped in {phases['stop']:.0f} s; seconds per step: {phases}")
     rounds_done = [r for r in done if r.get("event") == "round"]
     pairs = list(itertools.pairwise(marks))
     site_seconds = {}
@@ -330,7 +398,7 @@ async def _tiered(
         "params": params,
         "compression": compression,
         "rounds": len(rounds_done),
-        "errors": len(children.errors),
+        "errors": children.error_count,
         "error_sample": children.errors[:3],
         "participants": [len(r.get("participants", [])) for r in rounds_done],
         "round_s": [r["seconds"] for r in rounds_done],
@@ -352,6 +420,8 @@ async def _tiered(
         },
         "broker_fds": fds,
         "connect_s": connect_s,
+        "connect_progress": counted.samples,
+        "phases_s": phases,
         "setup_s": time.monotonic() - t0 - sum(b[0] - a[0] for a, b in pairs),
     }
 
@@ -380,7 +450,9 @@ def run_tiers(
     )
 
 
-def _flat(workdir: Path, n: int, params: int, rounds: int, compression: str, procs: int, progress, limit) -> dict:
+def _flat(
+    workdir: Path, n: int, params: int, rounds: int, compression: str, procs: int, progress, limit, connect_limit
+) -> dict:
     r = run_federation(
         workdir,
         agents=n,
@@ -389,7 +461,7 @@ def _flat(workdir: Path, n: int, params: int, rounds: int, compression: str, pro
         compression=compression,
         progress=progress,
         timeout=limit,
-        connect_limit=limit,
+        connect_limit=connect_limit,
         procs=procs,
     )
     return {
@@ -482,13 +554,16 @@ def measure(
     compression: str = "none",
     per_proc: int = PER_PROC,
     case_limit: float = 900.0,
+    connect_limit: float | None = None,
     tmp: Path | None = None,
     on_row: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Flat cases, the smallest tiered case over ``sites`` sites, ``sweep_agents``
     (default: that case's agents) over each number of sites in ``sweep``, then the larger
     tiered cases, the largest last. A failed or incomplete case ends the cases of its kind
-    (flat, tiered, the sweep): larger ones would only take longer."""
+    (flat, tiered, the sweep): larger ones would only take longer. ``case_limit`` bounds a
+    case's rounds, ``connect_limit`` (default: ``case_limit``) the connecting of its agents."""
+    connect_limit = connect_limit or case_limit
     tiered = sorted(tiered)
     cases = [("flat", "flat", n, 0) for n in sorted(flat)] + [("tiered", "tiered", n, sites) for n in tiered[:1]]
     extra = sweep_agents or (tiered[0] if tiered else None)
@@ -511,7 +586,7 @@ def measure(
 
             try:
                 if mode == "flat":
-                    row = _flat(Path(d), n, params, rounds, compression, procs, progress, case_limit)
+                    row = _flat(Path(d), n, params, rounds, compression, procs, progress, case_limit, connect_limit)
                 else:
                     row = run_tiers(
                         Path(d),
@@ -523,7 +598,7 @@ def measure(
                         procs=procs,
                         progress=progress,
                         timeout=case_limit,
-                        connect_limit=case_limit,
+                        connect_limit=connect_limit,
                     )
             except Exception as exc:  # reported as a failed case
                 console.log(f"{label}: failed: {type(exc).__name__}: {exc}")
@@ -540,6 +615,9 @@ def measure(
             rows.append(derive(row))
             if on_row is not None:
                 on_row(rows)
+            saved = time.monotonic()
+        end = time.monotonic()
+        console.log(f"{label}: {end - t:.0f} s in all, {end - saved:.0f} s of it removing its directory")
         if row.get("failed") or row["rounds"] < rounds:
             console.log(f"{label}: {row['rounds']}/{rounds} rounds: no larger {kind} case")
             stopped.add(kind)
@@ -558,7 +636,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compression", default="none")
     ap.add_argument("--per-proc", type=int, default=PER_PROC, help="agents per swarm process (at most 1000)")
-    ap.add_argument("--case-limit", type=float, default=900.0, help="seconds for connecting, and again for the rounds")
+    ap.add_argument("--case-limit", type=float, default=900.0, help="seconds for a case's rounds (and its connecting)")
+    ap.add_argument(
+        "--connect-limit", type=float, help="seconds for connecting a case's agents (default: --case-limit)"
+    )
     ap.add_argument("--tmp", type=Path, help="make each case's directory here")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="write the plot (PNG) here")
@@ -585,6 +666,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             compression=args.compression,
             per_proc=args.per_proc,
             case_limit=args.case_limit,
+            connect_limit=args.connect_limit,
             tmp=args.tmp,
             on_row=save,
         )

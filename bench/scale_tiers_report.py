@@ -296,6 +296,30 @@ def fits_md(fit: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def durations_md(rows: list[dict]) -> str:
+    """Where each case's wall time went: what a run of these cases takes, for planning one.
+    Steps of a tiered case: issuing the certificates, starting the brokers and the daemons,
+    connecting the agents, the rounds (the first one's start included), stopping."""
+    steps = ["certificates", "brokers", "daemons", "connect", "rounds", "stop"]
+    lines = [
+        "| case | wall | " + " | ".join(steps) + " | load (1 min) before / after |",
+        "|---|" + "---:|" * (len(steps) + 2),
+    ]
+    for r in rows:
+        case = f"flat {r['agents']:,}" if r["mode"] == "flat" else f"tiered {r['agents']:,} / {r['sites']} sites"
+        ph = r.get("phases_s") or {}
+        if not ph and r.get("connect_s") is not None:
+            ph = {"connect": r["connect_s"]}
+        cells = [_f(ph.get(k), "{:.0f} s") for k in steps]
+        load = [(r.get(k) or [None])[0] for k in ("loadavg_before", "loadavg_after")]
+        lines.append(
+            f"| {case} | {_f(r.get('wall_s'), '{:.0f} s')} | "
+            + " | ".join(cells)
+            + f" | {_f(load[0], '{:.1f}')} / {_f(load[1], '{:.1f}')} |"
+        )
+    return "\n".join(lines)
+
+
 def report(rows: list[dict], command: str = "") -> str:
     fit = fits(rows)
     ok = _ok(rows)
@@ -321,6 +345,10 @@ def report(rows: list[dict], command: str = "") -> str:
         "## Peak RSS",
         "",
         rss_md(rows),
+        "",
+        "## How long each case took",
+        "",
+        durations_md(rows),
         "",
         "## Targets",
         "",

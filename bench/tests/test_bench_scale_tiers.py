@@ -4,6 +4,7 @@ federation and a tiered one over two site aggregators, 12 light agents each)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -119,11 +120,60 @@ def test_targets_report_and_projection():
     assert "failed: x" in scale_tiers_report.report([*rows, failed])
 
 
+def test_report_says_where_each_case_s_time_went():
+    rows = _rows()
+    steps = {"certificates": 20.0, "brokers": 3.0, "daemons": 41.0, "connect": 400.0, "rounds": 200.0, "stop": 30.0}
+    rows[-1] = {**rows[-1], "wall_s": 700.0, "phases_s": steps, "loadavg_before": [1.0, 1.0, 1.0]}
+    rows[-1]["loadavg_after"] = [12.5, 5.0, 3.0]
+    text = scale_tiers_report.report(rows)
+    assert "| tiered 10,000 / 10 sites | 700 s | 20 s | 3 s | 41 s | 400 s | 200 s | 30 s | 1.0 / 12.5 |" in text
+    # A flat case (bench/swarm.py) says how long its agents took to connect, nothing more.
+    assert "| flat 1,000 | – | – | – | – | 7 s | – | – | – / – |" in text
+
+
 def test_plot_draws_every_case(tmp_path: Path):
     out = tmp_path / "tiers.png"
     scale_tiers_report.plot(_rows(), out, "test")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.stat().st_size > 20_000
+
+
+def test_connections_are_the_descriptors_a_broker_opened_since_the_start(tmp_path):
+    counted = scale_tiers.Connections([os.getpid(), 0])  # 0: a broker that did not start
+    assert counted.held() == 0
+    files = [(tmp_path / f"f{i}").open("w") for i in range(5)]
+    try:
+        assert counted.sample(12.0) == 5
+    finally:
+        for f in files:
+            f.close()
+    assert counted.sample(17.0) == 0
+    assert counted.samples == [[12.0, 5], [17.0, 0]]
+
+
+def test_connecting_has_its_own_limit_beside_the_rounds(monkeypatch, tmp_path):
+    seen: list[tuple[str, float, float]] = []
+
+    def tiered(workdir, *, agents, sites, timeout, connect_limit, **kw):
+        seen.append(("tiered", timeout, connect_limit))
+        return _tiered(agents, sites)
+
+    def flat(workdir, n, params, rounds, compression, procs, progress, limit, connect_limit):
+        seen.append(("flat", limit, connect_limit))
+        return _flat(n)
+
+    monkeypatch.setattr(scale_tiers, "run_tiers", tiered)
+    monkeypatch.setattr(scale_tiers, "_flat", flat)
+
+    class Quiet:
+        def log(self, *a) -> None:
+            pass
+
+    rows = scale_tiers.measure([1000], [1000], 10, Quiet(), case_limit=600, connect_limit=1500, tmp=tmp_path)
+    assert seen == [("flat", 600, 1500), ("tiered", 600, 1500)] and len(rows) == 2
+    seen.clear()
+    scale_tiers.measure([], [1000], 10, Quiet(), case_limit=600, tmp=tmp_path)
+    assert seen == [("tiered", 600, 600)]
 
 
 @pytest.mark.procs

@@ -3,9 +3,12 @@ connection each) with the real coordinator process: rounds complete with everyon
 
 from __future__ import annotations
 
+import asyncio
+import os
+
 import pytest
 
-from bench.swarm import run_federation
+from bench.swarm import _Children, run_federation
 
 pytestmark = pytest.mark.procs
 
@@ -45,3 +48,22 @@ def test_more_connections_than_one_process_can_watch_is_refused_up_front(tmp_pat
     with pytest.raises(ValueError, match="use procs >= 4"):
         run_federation(tmp_path, agents=3001, procs=2)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_each_swarm_child_leads_a_session_of_its_own(tmp_path):
+    """A session is one scheduling group under the kernel's autogroup scheduling: the
+    children must not share one (nor this process's) CPU share between them."""
+    spec = {"broker": "mqtts://127.0.0.1:1", "ca": str(tmp_path), "certs": str(tmp_path), "whole": False}
+
+    async def start_and_stop() -> tuple[list[int], list[int]]:
+        children = _Children()
+        try:
+            await children.start(tmp_path, [[], []], {**spec, "max_chunk": 2**20, "wave_limit": 5.0}, 120)
+            return children.pids, [os.getsid(pid) for pid in children.pids]
+        finally:
+            await children.stop()
+            children.kill()
+            assert children.errors == [] and children.error_count == 0
+
+    pids, sessions = asyncio.run(start_and_stop())
+    assert sessions == pids and os.getsid(0) not in sessions
