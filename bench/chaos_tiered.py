@@ -34,7 +34,6 @@ from typing import Any
 from bench.chaos_base import Fault, Site, Tail, _invariant, in_netns
 from bench.chaos_setups import FedAvgSetup, timestamp_invariant
 from fedagent.local.tiers import HUB, TieredFederation
-from fedagent.storage.history import read_records
 
 SITES = 2
 HUB_HOST = "hub"  # the hub's namespace: its broker and coordinator
@@ -100,7 +99,7 @@ class TieredSetup(FedAvgSetup):
         return {f"broker-{name}": b for name, b in fed.brokers.items()}
 
     def configure(self, site: Site) -> None:
-        self.tail = Tail(self.history_path(site))
+        super().configure(site)
         self.site_tails = {s: Tail(self.history_path(site, s)) for s in self.site_ids}
 
     def history_path(self, site: Site, node: str = HUB) -> Path:
@@ -161,7 +160,7 @@ class TieredSetup(FedAvgSetup):
     def check(self, site: Site, run: dict[str, Any]) -> list[dict[str, Any]]:
         self.round_timeout = float(site.args.round_timeout)
         out: list[dict[str, Any]] = []
-        records = read_records(self.history_path(site))
+        records = self.coordinator_records(site)
         rounds = [r for r in records if r.get("event") == "round"]
         versions = [r["model_version"] for r in rounds]
         numbers = [r["round"] for r in rounds]
@@ -212,7 +211,7 @@ class TieredSetup(FedAvgSetup):
         exits = {s: [e["at"] for e in run["exits"] if e["name"] == s] for s in self.site_ids}
         by_round = {r["round"]: r for r in rounds}
         for s in self.site_ids:
-            lines = [r for r in read_records(self.history_path(site, s)) if r.get("event") == "site_round"]
+            lines = self.site_rounds[s]  # every one since the start, as read while appended
             ups = [int(r["upstream_round"]) for r in lines]
             sent_twice += [(s, u) for u in sorted(set(ups)) if ups.count(u) > 1]
             have = set(ups)

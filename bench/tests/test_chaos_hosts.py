@@ -2,16 +2,19 @@
 without starting anything: FedAvg gives every daemon a network namespace of its own
 beside the broker's; the tiered federation puts the hub on one host and each site (its
 broker, aggregator and agents) on another, so that a partition cuts a whole site off
-from the hub while the site goes on inside."""
+from the hub while the site goes on inside. And the end checks see every record of the
+coordinator's history, the rotated-away ones too."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from types import SimpleNamespace
 
 from bench.chaos_setups import FedAvgSetup
 from bench.chaos_tiered import NamespacedTiers, TieredSetup
 from fedagent.local.tiers import TieredFederation
+from fedagent.storage.history import read_records
 
 
 def test_fedavg_puts_every_daemon_on_a_host_of_its_own():
@@ -62,3 +65,29 @@ def test_tiered_hosts_agree_with_the_federation_and_its_brokers_listen_on_them(t
         assert [placed.broker_bind(k) for k in ("hub", "site-1", "site-2")] == ["10.77.9.1", "10.77.9.2", "10.77.9.3"]
     finally:
         placed.close()
+
+
+def test_the_end_checks_read_every_coordinator_record_even_those_rotated_away(tmp_path):
+    """A node on the small disk keeps two rotated history files: a 30-minute asynchronous
+    coordinator writes more, so its first versions are gone from disk by the end. The
+    checks use what the run read as it was appended, across rotations."""
+    setup = FedAvgSetup()
+    setup.rounds_seen = []
+    site = SimpleNamespace(work=tmp_path, fed=SimpleNamespace(fed="f"), now=lambda: 1.0)
+    setup.configure(site)
+    path = setup.history_path(site)
+    path.parent.mkdir(parents=True)
+
+    def append(version: int) -> None:
+        with path.open("a") as f:
+            f.write(json.dumps({"event": "round", "model_version": version}) + "\n")
+
+    append(1)
+    setup.poll(site)
+    path.rename(path.with_name("history.jsonl.1"))
+    append(2)
+    setup.poll(site)
+    path.with_name("history.jsonl.1").unlink()
+    append(3)
+    assert [r["model_version"] for r in read_records(path)] == [2, 3]
+    assert [r["model_version"] for r in setup.coordinator_records(site)] == [1, 2, 3]
