@@ -45,7 +45,8 @@ invariants, memory), ``report.json`` (everything, with the time series) and ``ch
 (needs matplotlib, the ``report`` extra). Exit status 0 only if every invariant holds.
 
 Modes: ``fedavg`` and ``gossip`` (bench/chaos_setups.py), ``async`` (bench/chaos_async.py)
-and ``tiered`` (bench/chaos_tiered.py: hub, two sites, no namespaces). A mode is a
+and ``tiered`` (bench/chaos_tiered.py: hub, two sites; as root the hub and each site on
+a host of its own, where ``partition`` cuts a whole site off from the hub). A mode is a
 :class:`~bench.chaos_base.Setup` subclass in ``SETUPS``: how its federation is
 configured, what recovery means and which invariants it checks (the checks above are the
 FedAvg ones; each mode's module says its own).
@@ -463,10 +464,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     root = os.geteuid() == 0
     args.netns = args.netns == "on" or (args.netns == "auto" and root and shutil.which("ip") is not None)
-    if args.mode == "tiered" and args.netns:
-        # Its three brokers listen on loopback (fedagent.local.tiers): one namespace for all.
-        log("tiered: no network namespaces (its brokers listen on loopback), so no partition")
-        args.netns = False
     wanted = [k.strip() for k in args.faults.split(",") if k.strip()]
     unknown = set(wanted) - set(KINDS)
     if unknown:

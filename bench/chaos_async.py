@@ -72,7 +72,7 @@ class AsyncSetup(FedAvgSetup):
 
     def check(self, site: Site, run: dict[str, Any]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        records = read_records(self.history_path(site))
+        records = self.coordinator_records(site)
         models = [r for r in records if r.get("event") == "round"]
         versions = [r["model_version"] for r in models]
         out.append(

@@ -131,8 +131,9 @@ class Site:
         if args.netns:
             from netns import Lab
 
-            self.lab = Lab(work, ["broker", *self.names]).up()
-        self.fed = setup.federation(work, args, self.lab.ip["broker"] if self.lab else "127.0.0.1")
+            self.lab = Lab(work, setup.hosts(self.names)).up()
+        setup.lab = self.lab
+        self.fed = setup.federation(work, args, self.lab.ip[setup.host("broker")] if self.lab else "127.0.0.1")
         self.restart_at: dict[str, float] = {}
         self.held: set[str] = set()  # stopped by a fault: not restarted until it is cleared
         self.expect: dict[str, str] = {}  # name -> why its next exit is expected
@@ -152,7 +153,8 @@ class Site:
         return time.monotonic() - self.t0
 
     def ns(self, name: str) -> str | None:
-        return self.lab.ns(name) if self.lab is not None else None
+        """The namespace daemon or broker ``name`` lives in (its host's)."""
+        return self.lab.ns(self.setup.host(name)) if self.lab is not None else None
 
     def prepare(self) -> None:
         with in_netns(self.ns("broker")):
@@ -232,15 +234,15 @@ class Site:
         return self.setup.brokers(self.fed)
 
     def broker_start(self, name: str) -> None:
-        with in_netns(self.ns("broker")):
+        with in_netns(self.ns(name)):
             self.brokers()[name].start()
 
     def close(self) -> None:
         for name in self.names:
             self.signal(name, signal.SIGCONT)
         if self.lab is not None:
-            for name in self.names:
-                self.lab.heal(name)
+            for host in self.lab.hosts:
+                self.lab.heal(host)
         self.fed.close()
         if self.disk is not None:
             self.disk.close()
@@ -404,7 +406,7 @@ def draw(rng: random.Random, kinds: list[str], site: Site, cycle: list[str]) -> 
     targets = {
         "kill": site.names,
         "stop": site.names,
-        "partition": site.names,
+        "partition": site.setup.partition_targets(site.names),
         "broker": list(site.brokers()),
         "disk": [site.disk_node or ""],
         "clock": [site.clock_node or ""],
@@ -428,9 +430,25 @@ class Setup:
     A new mode (an asynchronous or a tiered federation) is a subclass in bench/chaos.py's ``SETUPS``."""
 
     name = ""
+    # The run's network namespaces (tests/netns.Lab), set by Site before federation():
+    # None when everything runs on loopback.
+    lab: Any = None
 
     def daemons(self, agents: int) -> list[str]:
         raise NotImplementedError
+
+    def hosts(self, names: list[str]) -> list[str]:
+        """The network namespaces of a run as root: the broker's and one per daemon."""
+        return ["broker", *names]
+
+    def host(self, name: str) -> str:
+        """The namespace daemon or broker ``name`` runs in (``broker``: where the
+        federation is prepared and its broker started)."""
+        return name
+
+    def partition_targets(self, names: list[str]) -> list[str]:
+        """The hosts a ``partition`` fault may cut off: any daemon's."""
+        return names
 
     def federation(self, work: Path, args: argparse.Namespace, broker_bind: str) -> Any:
         """The federation (:class:`Federation` or one with its methods: ``prepare``,

@@ -46,6 +46,15 @@ class FedAvgSetup(Setup):
 
     def configure(self, site: Site) -> None:
         self.tail = Tail(self.history_path(site))
+        self.records: list[dict[str, Any]] = []
+
+    def coordinator_records(self, site: Site) -> list[dict[str, Any]]:
+        """Every record of the coordinator's history since the start, as the run read them
+        while they were appended: the files at the end may have lost their oldest to
+        rotation (on the small disk a node keeps 1 MiB and two rotated files, less than a
+        30-minute run of the asynchronous coordinator writes)."""
+        self.poll(site)
+        return list(self.records)
 
     def history_path(self, site: Site, node: str = "coordinator") -> Path:
         role = "coordinator" if node == "coordinator" else "agent"
@@ -57,6 +66,7 @@ class FedAvgSetup(Setup):
     def poll(self, site: Site) -> dict[str, Any]:
         assert self.tail is not None
         for rec in self.tail.read():
+            self.records.append(rec)
             if rec.get("event") == "round":
                 self.rounds_seen.append({"t": round(site.now(), 2), **rec})
         last = self.rounds_seen[-1] if self.rounds_seen else {}
@@ -68,7 +78,7 @@ class FedAvgSetup(Setup):
 
     def check(self, site: Site, run: dict[str, Any]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        records = read_records(self.history_path(site))
+        records = self.coordinator_records(site)
         rounds = [r for r in records if r.get("event") == "round"]
         abandoned = {r["round"] for r in records if r.get("event") == "abandoned"}
         versions = [r["model_version"] for r in rounds]

@@ -2,9 +2,13 @@
 docs/multisite.md): the hub's coordinator on the hub broker, two site aggregators each on
 a broker of its own (the aggregator carries what crosses tiers, as
 :class:`~fedagent.local.tiers.TieredFederation` builds it) and the agents split between
-the sites. Faults are drawn over every daemon of both tiers and all three brokers; the
-tiers' brokers listen on loopback, so this mode runs without network namespaces (no
-partition fault).
+the sites. Faults are drawn over every daemon of both tiers and all three brokers. As
+root the tiers live on hosts of their own, as they are deployed: the hub (its broker and
+coordinator) in one network namespace, each site (its broker, aggregator and agents) in
+another, its agents reaching their broker over the site's loopback. The ``partition``
+fault cuts a site's host off (nft drop-all but loopback): the site goes on inside, its
+aggregator's uplink to the hub is what is cut; then it is healed. Not as root, all on
+loopback and no partition.
 
 Recovery after a fault: a hub round aggregated from both sites since it was cleared, and,
 if an agent was hit, a round of its site since then with that agent in it. Invariants,
@@ -27,49 +31,75 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from bench.chaos_base import Fault, Site, Tail, _invariant
+from bench.chaos_base import Fault, Site, Tail, _invariant, in_netns
 from bench.chaos_setups import FedAvgSetup, timestamp_invariant
 from fedagent.local.tiers import HUB, TieredFederation
-from fedagent.storage.history import read_records
 
 SITES = 2
+HUB_HOST = "hub"  # the hub's namespace: its broker and coordinator
 
 
 class TieredSetup(FedAvgSetup):
     name = "tiered"
 
     def daemons(self, agents: int) -> list[str]:
-        return [HUB, *(f"site-{s + 1}" for s in range(SITES)), *(f"agent-{i + 1}" for i in range(agents))]
+        self.site_ids = [f"site-{s + 1}" for s in range(SITES)]
+        self.sizes = [agents // SITES + (1 if s < agents % SITES else 0) for s in range(SITES)]
+        # Agent k (counted over the sites in order) is in the site TieredFederation puts it in.
+        self.members: dict[str, list[str]] = {}
+        k = 0
+        for s, size in zip(self.site_ids, self.sizes, strict=True):
+            self.members[s] = [f"agent-{k + i + 1}" for i in range(size)]
+            k += size
+        return [HUB, *self.site_ids, *(f"agent-{i + 1}" for i in range(agents))]
+
+    def hosts(self, names: list[str]) -> list[str]:
+        # A host per tier's place: the hub, and each site with its broker and agents, as
+        # sites are deployed; a site's agents reach their broker over its loopback.
+        return [HUB_HOST, *self.site_ids]
+
+    def host(self, name: str) -> str:
+        if name in (HUB, "broker", f"broker-{HUB_HOST}"):
+            return HUB_HOST
+        for s, members in self.members.items():
+            if name in (s, f"broker-{s}", *members):
+                return s
+        raise KeyError(f"chaos: no host for {name!r}")
+
+    def partition_targets(self, names: list[str]) -> list[str]:
+        # A whole site cut off from the hub (its aggregator's uplink and nothing else,
+        # since everything else of the site is on its host), then healed.
+        return list(self.site_ids)
 
     def federation(self, work: Path, args: argparse.Namespace, broker_bind: str) -> TieredFederation:
         if args.agents < 2 * SITES:
             raise SystemExit(f"chaos: the tiered mode needs at least {2 * SITES} agents")
         self.agents = [f"agent-{i + 1}" for i in range(args.agents)]
-        self.site_ids = [f"site-{s + 1}" for s in range(SITES)]
         self.rounds_seen: list[dict[str, Any]] = []
         self.site_rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in self.site_ids}
         self.tail = None
         self.site_tails: dict[str, Tail] = {}
-        sizes = [args.agents // SITES + (1 if s < args.agents % SITES else 0) for s in range(SITES)]
-        fed = TieredFederation(
-            work,
-            sites=sizes,
-            rounds=1_000_000,
-            alpha=args.alpha,
-            round_timeout=args.round_timeout,
+        sizes = self.sizes
+        options: dict[str, Any] = {
+            "sites": sizes,
+            "rounds": 1_000_000,
+            "alpha": args.alpha,
+            "round_timeout": args.round_timeout,
             # The hub goes on with one site; a site with half its agents (an agent silent
             # for a keep-alive is left out of the round in progress).
-            hub_rounds={"min_agents": 1, "expected_agents": SITES, "min_updates": 1},
-            site_rounds={"min_agents": max(1, min(sizes) // 2), "min_updates": 1},
-        )
-        self.members = dict(fed.agents)
+            "hub_rounds": {"min_agents": 1, "expected_agents": SITES, "min_updates": 1},
+            "site_rounds": {"min_agents": max(1, min(sizes) // 2), "min_updates": 1},
+        }
+        fed = TieredFederation(work, **options) if self.lab is None else NamespacedTiers(work, self.lab, **options)
+        if fed.agents != self.members:
+            raise SystemExit(f"chaos: the sites' agents are not where the hosts put them: {fed.agents}")
         return fed
 
     def brokers(self, fed: Any) -> dict[str, Any]:
         return {f"broker-{name}": b for name, b in fed.brokers.items()}
 
     def configure(self, site: Site) -> None:
-        self.tail = Tail(self.history_path(site))
+        super().configure(site)
         self.site_tails = {s: Tail(self.history_path(site, s)) for s in self.site_ids}
 
     def history_path(self, site: Site, node: str = HUB) -> Path:
@@ -108,8 +138,9 @@ class TieredSetup(FedAvgSetup):
 
     def _down_windows(self, run: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
         """Per site, the harness times (s) a fault held it (its aggregator, its broker, one
-        of its agents, the hub or the hub's broker) down or not yet recovered, plus a round
-        timeout either side for the round it overlapped. A clock jump takes nobody down."""
+        of its agents, the hub or the hub's broker) down or its host cut off, or it had
+        not yet recovered, plus a round timeout either side for the round it overlapped. A
+        clock jump takes nobody down."""
         pad = self.round_timeout
         out: dict[str, list[tuple[float, float]]] = {s: [] for s in self.site_ids}
         for f in run["faults"]:
@@ -129,7 +160,7 @@ class TieredSetup(FedAvgSetup):
     def check(self, site: Site, run: dict[str, Any]) -> list[dict[str, Any]]:
         self.round_timeout = float(site.args.round_timeout)
         out: list[dict[str, Any]] = []
-        records = read_records(self.history_path(site))
+        records = self.coordinator_records(site)
         rounds = [r for r in records if r.get("event") == "round"]
         versions = [r["model_version"] for r in rounds]
         numbers = [r["round"] for r in rounds]
@@ -180,7 +211,7 @@ class TieredSetup(FedAvgSetup):
         exits = {s: [e["at"] for e in run["exits"] if e["name"] == s] for s in self.site_ids}
         by_round = {r["round"]: r for r in rounds}
         for s in self.site_ids:
-            lines = [r for r in read_records(self.history_path(site, s)) if r.get("event") == "site_round"]
+            lines = self.site_rounds[s]  # every one since the start, as read while appended
             ups = [int(r["upstream_round"]) for r in lines]
             sent_twice += [(s, u) for u in sorted(set(ups)) if ups.count(u) > 1]
             have = set(ups)
@@ -214,3 +245,22 @@ class TieredSetup(FedAvgSetup):
 def site_restart_pad(run: dict[str, Any]) -> float:
     """How long a daemon that exited stays away: the supervisor's delay and its start-up."""
     return float(run["settings"]["restart_sec"]) + 30.0
+
+
+class NamespacedTiers(TieredFederation):
+    """The tiers on hosts of their own (a run as root): the hub's broker and coordinator on
+    host ``hub``, each site's broker, aggregator and agents on the site's host
+    (:meth:`TieredSetup.hosts`). Each broker listens on its host's address, which exists
+    only in that namespace, so it is started there (and started again there after a
+    ``broker`` fault: ``Site.broker_start``)."""
+
+    def __init__(self, work: Path, lab: Any, **options: Any) -> None:
+        self.lab = lab
+        super().__init__(work, **options)
+
+    def broker_bind(self, key: str) -> str:
+        return str(self.lab.ip[key])
+
+    def start_broker(self, key: str) -> None:
+        with in_netns(self.lab.ns(key)):
+            super().start_broker(key)

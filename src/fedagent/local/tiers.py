@@ -99,11 +99,7 @@ class TieredFederation:
             pki.issue(ca, ca, f"{site}-up", "aggregator")
         for aid in self.agent_ids:
             pki.issue(ca, ca, aid, "agent")
-        # Assigned before start: a start interrupted half-way is still stopped by close().
-        hub = self.brokers["hub"] = EmbeddedBroker(
-            self.work / "broker-hub", federations=[self.fed], coordinators=[HUB], ca_dir=ca, name="broker-hub"
-        )
-        hub.start()
+        hub = self._broker("hub", HUB)
         base = {
             "round_timeout": self.round_timeout,
             "local_epochs": LOCAL_EPOCHS,
@@ -129,14 +125,7 @@ class TieredFederation:
             privacy=self.hub_privacy,
         )
         for site in self.site_ids:
-            broker = self.brokers[site] = EmbeddedBroker(
-                self.work / f"broker-{site}",
-                federations=[self.fed],
-                coordinators=[site],
-                ca_dir=ca,
-                name=f"broker-{site}",
-            )
-            broker.start()
+            broker = self._broker(site, site)
             members = self.agents[site]
             self._write(
                 site,
@@ -166,6 +155,30 @@ class TieredFederation:
                     task = "fedagent.tasks.slowed:make"
                     options = {**options, "inner": "digits", "slowdown": 1.0, "at_least": self.train_seconds}
                 self._write(aid, aid, broker.uri, options, None, task=task)
+
+    def _broker(self, key: str, coordinator: str) -> EmbeddedBroker:
+        # Kept before it starts: a start interrupted half-way is still stopped by close().
+        self.brokers[key] = EmbeddedBroker(
+            self.work / f"broker-{key}",
+            federations=[self.fed],
+            coordinators=[coordinator],
+            ca_dir=self.work / "pki",
+            name=f"broker-{key}",
+            bind=self.broker_bind(key),
+        )
+        self.start_broker(key)
+        return self.brokers[key]
+
+    def broker_bind(self, key: str) -> str:
+        """The address broker ``key`` (``hub`` or a site) listens on: loopback, where
+        everything runs in one network namespace."""
+        return "127.0.0.1"
+
+    def start_broker(self, key: str) -> None:
+        """Start broker ``key`` (again, after it stopped). A subclass that puts each tier
+        in a network namespace of its own starts it there, since its address exists only
+        in that namespace."""
+        self.brokers[key].start()
 
     def _write(
         self,
