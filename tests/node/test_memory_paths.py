@@ -12,9 +12,11 @@ import msgpack
 import numpy as np
 import pytest
 
+from fedagent.coordinator.streams import StreamFeed
 from fedagent.node.messaging import Messenger
 from fedagent.protocols.codec import encode_weights
 from fedagent.protocols.messages import GlobalModel
+from fedagent.protocols.streaming import UpdatePart
 from fedagent.security.signing import Identity
 from fedagent.storage import checkpoint
 
@@ -340,3 +342,27 @@ def test_a_round_start_with_the_int8_step_costs_no_packed_copy_and_arrives_signe
     for k, (q, scale) in delta.steps.items():
         np.testing.assert_array_equal(got.steps[k][0], q)
         assert got.steps[k][1] == scale
+
+
+def test_streamed_parts_wait_in_the_queue_as_their_wire_bytes() -> None:
+    """The coordinator's queue holds int8 parts undecoded; its budget counts the floats
+    they become, so as many values wait as when they were decoded on arrival."""
+    parts = [UpdatePart("a", "t", "w", i * 2**16, np.ones(2**16, np.int8), None, True, 0.5) for i in range(16)]
+
+    async def main() -> tuple[int, int, int]:
+        feed = StreamFeed(asyncio.Queue(), budget=2**30)
+        tracemalloc.start()
+        try:
+            await feed.put(parts)
+            grew, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        waiting = feed.waiting
+        while not feed.queue.empty():
+            feed.taken(feed.queue.get_nowait())
+        return grew, waiting, feed.waiting
+
+    grew, waiting, left = asyncio.run(main())
+    assert waiting == 16 * 4 * 2**16 and left == 0
+    assert grew < 2**16, f"queueing the parts took {grew} bytes"
+    assert np.array_equal(parts[0].values, np.full(2**16, 0.5, np.float32))
