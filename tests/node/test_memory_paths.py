@@ -366,3 +366,32 @@ def test_streamed_parts_wait_in_the_queue_as_their_wire_bytes() -> None:
     assert waiting == 16 * 4 * 2**16 and left == 0
     assert grew < 2**16, f"queueing the parts took {grew} bytes"
     assert np.array_equal(parts[0].values, np.full(2**16, 0.5, np.float32))
+
+
+def test_the_final_model_is_broadcast_from_where_it_lies() -> None:
+    """The FedAvg coordinator's last message, the final model, is sent as a stable message:
+    its chunks are cut from the machine's model, without an encoded copy of it first
+    (that copy was the largest allocation of a whole run at 4.4 MB models)."""
+    from types import SimpleNamespace
+
+    from fedagent.coordinator.fedavg import FedAvgMode
+    from fedagent.protocols import rounds as R
+
+    sent: list[tuple[str, object, dict]] = []
+
+    class _Messenger:
+        async def send(self, topic: str, message: object, **kw: object) -> int:
+            sent.append((topic, message, kw))
+            return 0
+
+    async def main() -> None:
+        mode = FedAvgMode.__new__(FedAvgMode)
+        mode.core = SimpleNamespace(fed="lab", messenger=_Messenger())
+        mode.machine = SimpleNamespace(round=3, completed=3)
+        mode.done = asyncio.Event()
+        await mode._execute(R.Finished(3, _model()))
+        assert mode.done.is_set()
+
+    asyncio.run(main())
+    ((topic, message, kw),) = sent
+    assert isinstance(message, GlobalModel) and message.final and kw["stable"] is True
