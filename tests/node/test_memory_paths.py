@@ -395,3 +395,15 @@ def test_the_final_model_is_broadcast_from_where_it_lies() -> None:
     asyncio.run(main())
     ((topic, message, kw),) = sent
     assert isinstance(message, GlobalModel) and message.final and kw["stable"] is True
+
+
+def test_the_intakes_part_buffers_are_served_by_mmap() -> None:
+    """A coordinator has glibc serve 64 KiB and more by mmap: the buffers each streamed
+    part needs (its floats, its finiteness mask, the norm sums' blocks) go back to the
+    system when freed instead of fragmenting the heap between the intake's small objects."""
+    from fedagent.node.runtime import MMAP_THRESHOLD, release_large_frees
+    from fedagent.protocols.rounds.bounds import SQ_BLOCK
+    from fedagent.protocols.streaming import PART_VALUES
+
+    assert release_large_frees()
+    assert MMAP_THRESHOLD <= min(np.empty(SQ_BLOCK, np.float32).nbytes, np.empty(PART_VALUES, np.bool_).nbytes)
