@@ -67,6 +67,8 @@ def measure(
                     "peak_rss_mb": r.rss_peak / 1e6,
                     "hwm_mb": r.hwm / 1e6,
                     "peak_over_model": (r.rss_peak - r.rss_idle + model) / model,
+                    # CPU seconds of the coordinator per round (rounds after the first)
+                    "coordinator_cpu_s": sorted(r.round_cpu)[len(r.round_cpu) // 2] if r.round_cpu else None,
                     "errors": r.errors[:3],
                 }
             )

@@ -12,9 +12,11 @@ import msgpack
 import numpy as np
 import pytest
 
+from fedagent.coordinator.streams import StreamFeed
 from fedagent.node.messaging import Messenger
 from fedagent.protocols.codec import encode_weights
 from fedagent.protocols.messages import GlobalModel
+from fedagent.protocols.streaming import UpdatePart
 from fedagent.security.signing import Identity
 from fedagent.storage import checkpoint
 
@@ -340,3 +342,68 @@ def test_a_round_start_with_the_int8_step_costs_no_packed_copy_and_arrives_signe
     for k, (q, scale) in delta.steps.items():
         np.testing.assert_array_equal(got.steps[k][0], q)
         assert got.steps[k][1] == scale
+
+
+def test_streamed_parts_wait_in_the_queue_as_their_wire_bytes() -> None:
+    """The coordinator's queue holds int8 parts undecoded; its budget counts the floats
+    they become, so as many values wait as when they were decoded on arrival."""
+    parts = [UpdatePart("a", "t", "w", i * 2**16, np.ones(2**16, np.int8), None, True, 0.5) for i in range(16)]
+
+    async def main() -> tuple[int, int, int]:
+        feed = StreamFeed(asyncio.Queue(), budget=2**30)
+        tracemalloc.start()
+        try:
+            await feed.put(parts)
+            grew, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        waiting = feed.waiting
+        while not feed.queue.empty():
+            feed.taken(feed.queue.get_nowait())
+        return grew, waiting, feed.waiting
+
+    grew, waiting, left = asyncio.run(main())
+    assert waiting == 16 * 4 * 2**16 and left == 0
+    assert grew < 2**16, f"queueing the parts took {grew} bytes"
+    assert np.array_equal(parts[0].values, np.full(2**16, 0.5, np.float32))
+
+
+def test_the_final_model_is_broadcast_from_where_it_lies() -> None:
+    """The FedAvg coordinator's last message, the final model, is sent as a stable message:
+    its chunks are cut from the machine's model, without an encoded copy of it first
+    (that copy was the largest allocation of a whole run at 4.4 MB models)."""
+    from types import SimpleNamespace
+
+    from fedagent.coordinator.fedavg import FedAvgMode
+    from fedagent.protocols import rounds as R
+
+    sent: list[tuple[str, object, dict]] = []
+
+    class _Messenger:
+        async def send(self, topic: str, message: object, **kw: object) -> int:
+            sent.append((topic, message, kw))
+            return 0
+
+    async def main() -> None:
+        mode = FedAvgMode.__new__(FedAvgMode)
+        mode.core = SimpleNamespace(fed="lab", messenger=_Messenger())
+        mode.machine = SimpleNamespace(round=3, completed=3)
+        mode.done = asyncio.Event()
+        await mode._execute(R.Finished(3, _model()))
+        assert mode.done.is_set()
+
+    asyncio.run(main())
+    ((topic, message, kw),) = sent
+    assert isinstance(message, GlobalModel) and message.final and kw["stable"] is True
+
+
+def test_the_intakes_part_buffers_are_served_by_mmap() -> None:
+    """A coordinator has glibc serve 64 KiB and more by mmap: the buffers each streamed
+    part needs (its floats, its finiteness mask, the norm sums' blocks) go back to the
+    system when freed instead of fragmenting the heap between the intake's small objects."""
+    from fedagent.node.runtime import MMAP_THRESHOLD, release_large_frees
+    from fedagent.protocols.rounds.bounds import SQ_BLOCK
+    from fedagent.protocols.streaming import PART_VALUES
+
+    assert release_large_frees()
+    assert MMAP_THRESHOLD <= min(np.empty(SQ_BLOCK, np.float32).nbytes, np.empty(PART_VALUES, np.bool_).nbytes)

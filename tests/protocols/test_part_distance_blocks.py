@@ -58,3 +58,18 @@ def test_parts_are_taken_without_float64_copies() -> None:
         tracemalloc.stop()
     # float64 copies of a part took 0.49 of this model (1.45 with max_norm).
     assert peak - before < 0.15 * model, f"{(peak - before) / model:.2f} of the model"
+
+
+@pytest.mark.parametrize("size", [1, SQ_BLOCK + 3, 4 * SQ_BLOCK])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_int8_steps_give_the_sums_of_their_floats(size, sparse) -> None:
+    """A part of int8 steps is decoded a block at a time for its sums: the same bits as
+    the sums of its floats decoded whole."""
+    ref = rng.standard_normal(4 * SQ_BLOCK + 5, dtype=np.float32)
+    q = rng.integers(-127, 128, size).astype(np.int8)
+    idx = np.sort(rng.choice(ref.size, size, replace=False)) if sparse else None
+    part = UpdatePart("a", "t", "w", 0 if sparse else 5, q, idx, True, 0.0123)
+    floats = UpdatePart("a", "t", "w", part.start, q.astype(np.float32) * np.float32(0.0123), idx, True)
+    assert np.array_equal(part.values, floats.values) and part.nbytes == floats.nbytes
+    assert part_sq_distance(ref, part) == part_sq_distance(ref, floats)
+    assert part_sq_norm_change(ref, part) == part_sq_norm_change(ref, floats)

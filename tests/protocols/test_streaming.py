@@ -27,6 +27,7 @@ from fedagent.protocols.rounds import (
 )
 from fedagent.protocols.streaming import (
     HEAD_KIND,
+    PART_VALUES,
     StreamIntake,
     UpdateEnd,
     UpdateHead,
@@ -188,6 +189,61 @@ def test_stream_parts_rebuild_the_update_whatever_the_chunking(mode, chunk):
         tol = {"none": 0, "fp16": 1e-3, "int8": 0.01, "topk": 1e-6}[mode]
         np.testing.assert_allclose(full, new[name], atol=tol + 1e-7)
     assert it.pending_transfers == 0
+
+
+def test_int8_parts_wait_as_their_steps_and_decode_to_the_same_floats():
+    """An int8 run is handed on as its int8 steps (views of the chunk), in parts of at most
+    PART_VALUES values; a part's floats are made when first read, the same bits as the
+    steps decoded whole (int8 in float32 times the scale, a float32 product)."""
+    rng = np.random.default_rng(2)
+    base = {"w": rng.standard_normal(300_000, dtype=np.float32), "b": np.zeros(5, np.float32)}
+    new = {k: v + rng.standard_normal(v.shape, dtype=np.float32) for k, v in base.items()}
+    it = intake()
+    bodies = chunks(payload("a", new, base=base, mode="int8"), 200_000)
+    events = [ev for body in bodies for ev in it.feed("a", body, 0.0)]
+    head, parts = events[0], [ev for ev in events if isinstance(ev, UpdatePart)]
+    assert isinstance(head, UpdateHead) and events[-1] == UpdateEnd("a", "t1", True)
+    assert len(parts) > 300_000 // PART_VALUES
+    for p in parts:
+        assert p.data.dtype == np.int8 and 0 < p.data.size <= PART_VALUES and p.delta
+        assert p.nbytes == 4 * p.data.size  # counted as the floats it becomes, before they exist
+    got = rebuild(events, {k: v.shape for k, v in base.items()})
+    for spec in head.tensors:
+        q = np.concatenate([p.data for p in parts if p.name == spec.name])
+        decoded_whole = q.astype(np.float32) * np.float32(spec.param)
+        assert np.array_equal(np.concatenate([p.values for p in parts if p.name == spec.name]), decoded_whole)
+        assert np.array_equal(decode_tensor(spec, q.tobytes()).reshape(-1), decoded_whole)
+        assert np.array_equal(got[spec.name].reshape(-1), decoded_whole.astype(np.float64))
+
+
+def test_an_int8_chunk_costs_its_floats_only_while_a_part_is_read():
+    """A 4 MiB chunk of int8 steps decoded whole was 16 MB of floats at once (32 MB while
+    scaled); its parts hold views of it until read, and a part read costs its own floats."""
+    rng = np.random.default_rng(3)
+    n = 4 * 2**20
+    new = {"w": rng.standard_normal(n, dtype=np.float32)}
+    (body,) = chunks(payload("a", new, base={"w": np.zeros(n, np.float32)}, mode="int8"), 8 * 2**20)
+    it = intake(max_transfer_bytes=2**26)
+    tracemalloc.start()
+    try:
+        events = it.feed("a", body, 0.0)
+        _, fed = tracemalloc.get_traced_memory()
+        assert events[-1] == UpdateEnd("a", "t1", True)
+        parts = [ev for ev in events if isinstance(ev, UpdatePart)]
+        del events
+        tracemalloc.reset_peak()
+        held, _ = tracemalloc.get_traced_memory()
+        values = 0
+        while parts:
+            part = parts.pop()
+            values += part.values.size  # read (as the machine folds it), then dropped
+            del part
+        _, read = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert values == n
+    assert fed < n // 8, f"feeding the chunk took {fed / n:.2f} x its size"
+    assert read - held < 4 * PART_VALUES + 2**16, f"reading the parts took {(read - held) / n:.2f} x the chunk"
 
 
 def test_out_of_order_chunks_are_held_back_and_duplicates_ignored():

@@ -48,7 +48,7 @@ class StreamFeed:
         waiting are within the budget again."""
         for ev in events:
             if isinstance(ev, UpdatePart):
-                self.waiting += ev.values.nbytes
+                self.waiting += ev.nbytes
             if seen is not None:
                 seen(ev)
             self.queued += 1
@@ -67,7 +67,7 @@ class StreamFeed:
             if self.queued_transfers[key] <= 0:
                 del self.queued_transfers[key]
         if isinstance(item, UpdatePart):
-            self.waiting -= item.values.nbytes
+            self.waiting -= item.nbytes
             if self.waiting <= self.budget:
                 self._room.set()
 

@@ -69,12 +69,13 @@ def presence_payload(cfg: NodeConfig, federation: str, online: bool, **fields: A
 
 
 #: glibc serves allocations from this size on by mmap (see :func:`release_large_frees`):
-#: the smallest chunk a model is cut into (fedagent.protocols.chunking.MIN_CHUNK).
-MMAP_THRESHOLD = 256 * 1024
+#: the intake's per-part buffers (a part's floats, its finiteness mask, the norm sums'
+#: blocks) are 64-256 KiB.
+MMAP_THRESHOLD = 64 * 1024
 
 
 def release_large_frees() -> bool:
-    """Have glibc serve every allocation of 256 KiB or more by mmap, so freeing it
+    """Have glibc serve every allocation of 64 KiB or more by mmap, so freeing it
     returns the memory to the system at once; returns False where that cannot be set.
 
     glibc's default threshold starts at 128 KiB and rises to the size of any mmapped
@@ -85,7 +86,11 @@ def release_large_frees() -> bool:
     sized to the model (a 4.4 MB model arrives in 550 KB chunks) 1 MiB was not enough:
     the chunk-sized buffers of the receive and broadcast paths (many of them made in
     worker threads, each with its own heap) stayed resident, 3.4-3.9 models at 10 and
-    50 agents × 4.4 MB against 2.7-2.8 with 256 KiB."""
+    50 agents × 4.4 MB against 2.7-2.8 with 256 KiB. With int8 parts folded 64 Ki
+    values at a time, the 64-128 KiB buffers of each part, made and freed between the
+    longer-lived small objects of the intake, left the main heap 1-1.5 MB larger at
+    the peak (measured: 2.89-3.02 models at 10 and 50 agents × 4.4 MB with 256 KiB,
+    2.63-2.72 with 64 KiB)."""
     try:
         import ctypes
 

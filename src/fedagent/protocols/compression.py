@@ -239,21 +239,46 @@ def value_itemsize(spec: TensorSpec) -> int:
     raise CodecError(f"unknown tensor encoding {spec.enc!r}")
 
 
+def wire_values(spec: TensorSpec, data: bytes | bytearray | memoryview) -> tuple[np.ndarray, float | None]:
+    """The values in ``data`` and the scale of the int8 encoding (None for the others):
+    :func:`float_values` of the two is what :func:`decode_values` returns. Int8 steps
+    are left as they lie in ``data`` (a view: until they are needed they take a quarter
+    of the memory of their floats), the other encodings decoded as by
+    :func:`decode_values`. ``data`` holds whole values of ``spec``'s encoding only."""
+    if spec.enc == "int8":
+        return np.frombuffer(data, dtype="<i1"), float(spec.param)
+    if spec.enc == "topk":
+        return np.frombuffer(data, dtype=VALUE_DTYPE), None
+    if spec.enc == "raw":
+        dt = MODEL_DTYPES[spec.dtype]
+        a = np.frombuffer(data, dtype=dt)
+        return (a.astype(np.float64) if dt.kind != "f" else a), None
+    if spec.enc == "fp16":
+        return np.frombuffer(data, dtype="<f2").astype(np.float32), None
+    raise CodecError(f"tensor {spec.name!r}: unknown encoding {spec.enc!r}")
+
+
+def float_values(values: np.ndarray, scale: float | None = None) -> np.ndarray:
+    """Values of :func:`wire_values` as floats: int8 steps times their ``scale``, in
+    float32 (one array, scaled in place: the same product as the int8 steps converted
+    and then multiplied), the others as they are."""
+    if scale is None:
+        return values
+    out = values.astype(np.float32)
+    out *= np.float32(scale)
+    return out
+
+
+def float_nbytes(values: np.ndarray, scale: float | None = None) -> int:
+    """Bytes of :func:`float_values` of ``values`` and ``scale``, without making them."""
+    return values.nbytes if scale is None else values.size * 4
+
+
 def decode_values(spec: TensorSpec, data: bytes | bytearray | memoryview) -> np.ndarray:
     """The values in ``data``, which holds whole values of ``spec``'s encoding only: a run
     of a dense (raw/fp16/int8) tensor's elements, or of a top-k tensor's values. Floats,
     except a raw integer tensor's, which come as float64."""
-    if spec.enc == "topk":
-        return np.frombuffer(data, dtype=VALUE_DTYPE)
-    if spec.enc == "raw":
-        dt = MODEL_DTYPES[spec.dtype]
-        a = np.frombuffer(data, dtype=dt)
-        return a.astype(np.float64) if dt.kind != "f" else a
-    if spec.enc == "fp16":
-        return np.frombuffer(data, dtype="<f2").astype(np.float32)
-    if spec.enc == "int8":
-        return np.frombuffer(data, dtype="<i1").astype(np.float32) * np.float32(spec.param)
-    raise CodecError(f"tensor {spec.name!r}: unknown encoding {spec.enc!r}")
+    return float_values(*wire_values(spec, data))
 
 
 def check_indices(idx: np.ndarray, size: int, name: str) -> None:

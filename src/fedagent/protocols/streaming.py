@@ -11,12 +11,13 @@ then values). The payload is cut into chunk envelopes of kind ``"ustream"`` whos
 are those of :mod:`~fedagent.protocols.chunking` (tid, i, n, size, sha256, data).
 
 :class:`StreamIntake` turns those chunks into :class:`UpdateHead`, :class:`UpdatePart`
-and :class:`UpdateEnd` events *as the chunks arrive*: a part is a run of decoded float
-values of one tensor (a dense slice, or top-k values with their indices), small enough
-to be folded into the round's running sums and forgotten. Nothing here holds an update:
-per transfer it keeps the header (bounded), a partial element (< 8 bytes), the top-k
-indices of the tensor being read (at most k·4 bytes), a running SHA-256 and any chunk
-that arrived ahead of its turn (bounded by ``max_pending_bytes`` over all transfers).
+and :class:`UpdateEnd` events *as the chunks arrive*: a part is a run of values of one
+tensor (a dense slice, or top-k values with their indices; int8 steps are decoded only
+when the part is read), small enough to be folded into the round's running sums and
+forgotten. Nothing here holds an update: per transfer it keeps the header (bounded), a
+partial element (< 8 bytes), the top-k indices of the tensor being read (at most k·4
+bytes), a running SHA-256 and any chunk that arrived ahead of its turn (bounded by
+``max_pending_bytes`` over all transfers).
 
 Validity: every count, length and range is checked against the header before it is
 used, and the header is checked (sum of tensor byte counts = payload size) before the
@@ -44,9 +45,11 @@ from fedagent.protocols.compression import (
     INDEX_DTYPE,
     TensorSpec,
     check_indices,
-    decode_values,
+    float_nbytes,
+    float_values,
     spec_from_wire,
     value_itemsize,
+    wire_values,
 )
 
 __all__ = [
@@ -65,6 +68,8 @@ HEAD_KIND = "update_head"
 MAX_HEADER_BYTES = 1 * 2**20
 MAX_TENSORS = 10_000
 MAX_METRICS = 64
+#: Values of an int8 run in one part at most (their floats: 256 KiB, one block of the fold).
+PART_VALUES = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,15 +88,37 @@ class UpdateHead:
 class UpdatePart:
     """Values of tensor ``name``: a dense run from flat element ``start`` (``indices`` is
     None), or top-k values at ``indices``. ``delta``: the values are differences to the
-    round's global model (every encoding but ``raw``)."""
+    round's global model (every encoding but ``raw``).
+
+    ``data`` holds the values as decoded, except int8 steps, which stay as they came (a
+    view of the chunk) with their ``scale``: a part waiting for its turn to be folded
+    holds a quarter of the memory of its floats, which are made when it is read."""
 
     sender: str
     tid: str
     name: str
     start: int
-    values: np.ndarray = field(repr=False)
+    data: np.ndarray = field(repr=False)
     indices: np.ndarray | None = field(default=None, repr=False)
     delta: bool = False
+    scale: float | None = None
+
+    @property
+    def values(self) -> np.ndarray:
+        """The part's values as floats (:func:`~fedagent.protocols.compression.float_values`):
+        int8 steps are decoded anew at each read, so a consumer reads them once and lets
+        them go with the part."""
+        return float_values(self.data, self.scale)
+
+    @property
+    def size(self) -> int:
+        """Number of values."""
+        return int(self.data.size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of :attr:`values`, without making them."""
+        return float_nbytes(self.data, self.scale)
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,8 +469,11 @@ class StreamIntake:
             out.append(self._part(t, spec, bytes(t.carry)))
             t.carry.clear()
         whole = (take.nbytes // isz) * isz
-        if whole:
-            out.append(self._part(t, spec, take[:whole]))
+        # An int8 run is decoded when its part is folded: in parts of at most PART_VALUES,
+        # a part's floats are 256 KiB, where a 4 MiB chunk's would be 16 MB.
+        step = PART_VALUES * isz if spec.enc == "int8" else max(whole, 1)
+        for s in range(0, whole, step):
+            out.append(self._part(t, spec, take[s : min(whole, s + step)]))
         t.carry += take[whole:]
 
     def _topk_indices(self, t: _Transfer, spec: TensorSpec, take: memoryview) -> memoryview:
@@ -461,12 +491,12 @@ class StreamIntake:
 
     def _part(self, t: _Transfer, spec: TensorSpec, data: bytes | memoryview) -> UpdatePart:
         """The part for ``data`` (whole values), from value ``t.elem`` on."""
-        values = decode_values(spec, data)
+        values, scale = wire_values(spec, data)
         n = values.size
         if spec.enc == "topk":
             assert t.idx is not None  # values come after all the indices
-            part = UpdatePart(t.sender, t.tid, spec.name, 0, values, t.idx[t.elem : t.elem + n], True)
+            part = UpdatePart(t.sender, t.tid, spec.name, 0, values, t.idx[t.elem : t.elem + n], True, scale)
         else:
-            part = UpdatePart(t.sender, t.tid, spec.name, t.elem, values, None, spec.enc != "raw")
+            part = UpdatePart(t.sender, t.tid, spec.name, t.elem, values, None, spec.enc != "raw", scale)
         t.elem += n
         return part

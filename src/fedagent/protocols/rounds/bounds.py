@@ -39,6 +39,7 @@ from typing import Protocol
 import numpy as np
 
 from fedagent.protocols.aggregation import Plan, StrategyAggregator
+from fedagent.protocols.compression import float_values
 from fedagent.protocols.rounds.config import NormBound
 from fedagent.protocols.streaming import UpdatePart
 
@@ -226,13 +227,13 @@ SQ_BLOCK = 1 << 14
 
 def _blocks(part: UpdatePart, ref: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The part's values and the global model's values where they go (``ref``, the
-    tensor), a block at a time."""
-    vals = part.values.reshape(-1)
+    tensor), a block at a time (int8 steps decoded a block at a time too)."""
+    data = part.data.reshape(-1)
     flat = ref.reshape(-1)
-    for s in range(0, vals.size, SQ_BLOCK):
-        e = min(vals.size, s + SQ_BLOCK)
+    for s in range(0, data.size, SQ_BLOCK):
+        e = min(data.size, s + SQ_BLOCK)
         where = slice(part.start + s, part.start + e) if part.indices is None else part.indices[s:e]
-        yield vals[s:e], flat[where]
+        yield float_values(data[s:e], part.scale), flat[where]
 
 
 def part_sq_distance(ref: np.ndarray, part: UpdatePart) -> float:
@@ -240,7 +241,7 @@ def part_sq_distance(ref: np.ndarray, part: UpdatePart) -> float:
     (the global model's tensor): the values themselves when they are deltas. In float64,
     a block at a time."""
     total = 0.0
-    scratch = np.empty(min(part.values.size, SQ_BLOCK), np.float64)
+    scratch = np.empty(min(part.size, SQ_BLOCK), np.float64)
     for vals, g in _blocks(part, ref):
         t = scratch[: vals.size]
         if part.delta:
@@ -257,7 +258,7 @@ def part_sq_norm_change(ref: np.ndarray, part: UpdatePart) -> float:
     the values it brings (the global model's plus the deltas, when they are deltas)
     less those of the global model's values they replace. In float64, a block at a time."""
     total = 0.0
-    n = min(part.values.size, SQ_BLOCK)
+    n = min(part.size, SQ_BLOCK)
     new, old = np.empty(n, np.float64), np.empty(n, np.float64)
     for vals, g in _blocks(part, ref):
         a, b = new[: vals.size], old[: vals.size]
