@@ -24,6 +24,12 @@ class FedagentError(Exception):
     exit_code = EXIT_FAILURE
 
 
+class AckWithheld(Exception):
+    """What a message handler's awaitable fails with when the message it handled must not
+    be acknowledged: its broker keeps it and delivers it again after the next connection
+    (a coordinator that could not write an update's frame to its round journal)."""
+
+
 class ConfigError(FedagentError):
     """The local configuration, certificate or key is wrong; restarting won't help."""
 

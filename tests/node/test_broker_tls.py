@@ -689,6 +689,49 @@ def test_an_acknowledgement_waits_for_what_the_handler_returned_and_keeps_the_or
     arun(main(), timeout=60)
 
 
+def test_a_withheld_acknowledgement_is_never_sent_and_the_broker_delivers_it_again(broker, arun, peer):
+    """A handler's awaitable that fails with AckWithheld (a coordinator that could not
+    journal the frame): the message is never acknowledged, the ones after it are; after a
+    reconnection on the same session the broker delivers that one again, and only it."""
+    from fedagent.errors import AckWithheld
+
+    cid = unique_id("agent-b")
+    inbox = topics.inbox(FED, cid)
+    to_b = topics.direct(FED, "agent-a", cid, "update")
+
+    async def main():
+        handled: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def withholding(_topic, payload):
+            handled.put_nowait(bytes(payload))
+            if bytes(payload).startswith(b"full"):
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_exception(AckWithheld("not written to the round journal: disk full"))
+                return fut
+            return None
+
+        async def next_handled() -> bytes:
+            return await asyncio.wait_for(handled.get(), 10)
+
+        async with peer(broker, "agent-a") as a:
+            async with peer(broker, "agent-b", client_id=cid, subscriptions=[inbox], handler=withholding) as first:
+                await a.transport.publish(to_b, b"full-1")
+                await a.transport.publish(to_b, b"plain-2")
+                assert [await next_handled(), await next_handled()] == [b"full-1", b"plain-2"]
+                await first.transport.publish(topics.presence(FED, cid), b"", retain=True)  # a round trip
+                first.task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await first.task
+            async with peer(broker, "agent-b", client_id=cid, subscriptions=[inbox], handler=withholding) as again:
+                assert again.transport.session_present
+                assert await next_handled() == b"full-1"  # delivered again, withheld again
+                await a.transport.publish(to_b, b"plain-3")
+                # plain-2 was acknowledged: not delivered again
+                assert await next_handled() == b"plain-3"
+
+    arun(main(), timeout=60)
+
+
 def test_t5_publish_waits_for_the_connection(broker_factory, arun, peer):
     b = broker_factory()
 

@@ -369,3 +369,49 @@ def test_a_journaled_update_is_counted_in_hand_until_delivered_and_marked_journa
         assert ("deliver", 0) in seen and m.journaled_in_hand == 0
 
     asyncio.run(run())
+
+
+def test_a_frame_the_journal_cannot_take_is_handed_on_but_never_acknowledged(tmp_path, monkeypatch):
+    """A full disk: the frame's write fails. It still goes to the round, but what its
+    acknowledgement waits for fails with AckWithheld, so the transport never sends it
+    and the broker delivers the frame again after the coordinator's restart (acknowledged,
+    the exit at the next write would lose it). A failed sync withholds its frames too."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from fedagent.coordinator.durability import JOURNALED_KINDS, DurableJournal
+    from fedagent.errors import AckWithheld, StateWriteError
+
+    kind = sorted(JOURNALED_KINDS)[0]
+    env = SimpleNamespace(kind=kind, round=1, sender="agent-1")
+
+    async def run() -> None:
+        durable = DurableJournal(tmp_path / "round-journal", max_frame=1 << 20, per_sender=1 << 30)
+        await durable.begin(1, 0, ("agent-1",))
+        ok = await durable.frame(TOPIC, b"frame-1", env)  # type: ignore[arg-type]
+        assert ok is not None
+        await ok  # durable: acknowledged
+        real_write = durable.journal.write
+
+        def full(*_a: object) -> None:
+            raise StateWriteError("cannot append to round-journal: No space left on device")
+
+        monkeypatch.setattr(durable.journal, "write", full)
+        gate = await durable.frame(TOPIC, b"frame-2", env)  # type: ignore[arg-type]
+        assert gate is not None
+        with pytest.raises(AckWithheld, match="No space left"):
+            await gate
+        monkeypatch.setattr(durable.journal, "write", real_write)
+
+        def failed_sync(*_a: object) -> None:
+            raise StateWriteError("fdatasync round-journal: Input/output error")
+
+        monkeypatch.setattr(durable.journal, "sync", failed_sync)
+        gate = await durable.frame(TOPIC, b"frame-3", env)  # type: ignore[arg-type]
+        assert gate is not None
+        with pytest.raises(AckWithheld, match="not durable"):
+            await asyncio.wait_for(gate, 10)
+        durable.close()
+        durable.journal.close()
+
+    asyncio.run(run())

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from fedagent.errors import StateWriteError
+from fedagent.errors import AckWithheld, StateWriteError
 from fedagent.protocols.codec import Envelope
 from fedagent.protocols.groupcommit import GroupCommit, GroupPolicy
 from fedagent.protocols.messages import Update
@@ -98,10 +98,12 @@ class DurableJournal:
                 # Into the page cache (a frame-sized memcpy, no sync): on the event loop.
                 self.journal.write(topic, payload)
         except StateWriteError as exc:
-            # Handed on all the same: the round can still use it, but a crash before the
-            # aggregation would lose it.
-            log.error("round %d: update frame from %s not journaled: %s", env.round, env.sender, exc)
-            return None
+            # Handed on all the same (the round can still use it) but never acknowledged:
+            # the broker keeps it and delivers it again after the next connection. A full
+            # disk stops this coordinator at its next write (exit 74); acknowledged, the
+            # frame would then be lost for good, in no journal and at no broker.
+            log.error("round %d: update frame from %s not journaled: %s; not acknowledged", env.round, env.sender, exc)
+            return _withheld(exc)
         n = self.group.write(len(payload), time.monotonic())
         durable: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((n, durable))
@@ -120,7 +122,8 @@ class DurableJournal:
             try:
                 await asyncio.to_thread(self.journal.sync)  # waits for a sync in flight on the same file, if any
             except StateWriteError as exc:
-                log.error("round journal: frames not made durable (%s); acknowledged all the same", exc)
+                log.error("round journal: frames not made durable (%s); not acknowledged", exc)
+                self._withhold(upto, exc)
             self.group.flushed(upto)
             self._release()
 
@@ -260,13 +263,23 @@ class DurableJournal:
             # Off the event loop: frames go on being read, written and handed on meanwhile.
             await asyncio.to_thread(self.journal.sync, generation)
         except StateWriteError as exc:
-            log.error("round journal: frames not made durable (%s); acknowledged all the same", exc)
+            log.error("round journal: frames not made durable (%s); not acknowledged", exc)
+            self._withhold(upto, exc)
         except asyncio.CancelledError:
             raise  # shutting down: their acknowledgements are never sent, the broker keeps them
         self._sync_task = None
         self.group.finished(upto)
         self._release()
         self._commit_soon()
+
+    def _withhold(self, upto: int, exc: StateWriteError) -> None:
+        """The frames up to ``upto`` are not durable (their sync failed): their
+        acknowledgements are never sent, so the broker delivers them again."""
+        waiters = self._waiters
+        while waiters and waiters[0][0] <= upto:
+            _n, fut = waiters.popleft()
+            if not fut.done():
+                fut.set_exception(AckWithheld(f"its round journal record is not durable: {exc}"))
 
     def _release(self) -> None:
         """Let the acknowledgements of the frames now durable go."""
@@ -275,6 +288,12 @@ class DurableJournal:
             _n, fut = waiters.popleft()
             if not fut.done():
                 fut.set_result(None)
+
+
+def _withheld(exc: StateWriteError) -> asyncio.Future[None]:
+    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    fut.set_exception(AckWithheld(f"not written to the round journal: {exc}"))
+    return fut
 
 
 def _in_round(env: Envelope, inflight: InFlight) -> bool:

@@ -669,8 +669,10 @@ class Messenger:
         except Exception:
             if gate is not None:
                 # The transport acknowledges a frame whose handling failed: not before
-                # its record is durable.
-                await gate
+                # its record is durable. (Waited for, not awaited: its own failure, a
+                # withheld acknowledgement, is the transport's to read, and this
+                # exception the caller's.)
+                await asyncio.wait([asyncio.ensure_future(gate)])
             raise
         finally:
             if held:

@@ -45,6 +45,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from fedagent.errors import (
+    AckWithheld,
     CertificateRejected,
     ConfigError,
     FedagentError,
@@ -443,6 +444,11 @@ class Transport:
                 client, mid, qos, gate = pending.popleft()
                 if gate is not None and gate.cancelled():
                     continue  # shutting down: not acknowledged, the broker delivers it again
+                if gate is not None and isinstance(gate.exception(), AckWithheld):
+                    # Kept by the broker (in flight in this session): delivered again
+                    # after the next connection, a restart's included.
+                    log.warning("message %d not acknowledged: %s", mid, gate.exception())
+                    continue
                 if gate is not None and gate.exception() is not None:
                     log.error("acknowledging message %d after its gate failed: %s", mid, gate.exception())
                 client.ack(mid, qos)
