@@ -291,7 +291,7 @@ def fits_md(fit: dict[str, Any]) -> str:
     if m:
         lines.append(
             f"- swarm CPU per agent and round against the agents of its coordinator n: {m[0]:.2f} ms + "
-            f"{m[1] * 1000:.3f} µs × n (every round start and result carries the cohort's ids)"
+            f"{m[1] * 1000:.3f} µs × n (small since round starts and results stopped carrying the cohort's ids)"
         )
     return "\n".join(lines)
 
