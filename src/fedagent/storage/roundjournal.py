@@ -262,21 +262,8 @@ class RoundJournal:
         """The frames of the recovered round, in the order they were received (read one
         at a time: a journal of N model-sized updates is never in memory at once)."""
         with open(self.path, "rb") as f:
-            if f.read(len(MAGIC)) != MAGIC:
-                return
-            first = True
-            for _pos, payload, damage in self._records(f):
-                if damage == "torn":
-                    return
-                if payload is None:
-                    continue
-                if first:
-                    first = False
-                    continue
-                try:
-                    yield _frame(self._unpack(payload))
-                except (ValueError, msgpack.UnpackException, FedagentError):
-                    continue
+            for _pos, _end, topic, data in self._frames(f):
+                yield topic, data
 
     def frame_records(self, upto: int) -> Iterator[tuple[int, int, str, bytes]]:
         """(start, end, topic, data) of each readable frame record before byte ``upto``
@@ -286,23 +273,28 @@ class RoundJournal:
         except OSError as exc:
             raise StateWriteError(f"cannot read {self.path}: {exc.strerror or exc}") from exc
         with f:
-            if f.read(len(MAGIC)) != MAGIC:
+            yield from self._frames(f, upto)
+
+    def _frames(self, f, upto: int | None = None) -> Iterator[tuple[int, int, str, bytes]]:
+        """(start, end, topic, data) of each readable frame record after the start record
+        (before byte ``upto``, if given); damaged ones are left out, a torn tail ends it."""
+        if f.read(len(MAGIC)) != MAGIC:
+            return
+        first = True
+        for pos, payload, damage in self._records(f, upto):
+            if damage == "torn":
                 return
-            first = True
-            for pos, payload, damage in self._records(f, upto):
-                if damage == "torn":
-                    return
-                end = f.tell()
-                if payload is None:
-                    continue
-                if first:
-                    first = False
-                    continue
-                try:
-                    topic, data = _frame(self._unpack(payload))
-                except (ValueError, msgpack.UnpackException, FedagentError):
-                    continue
-                yield pos, end, topic, data
+            end = f.tell()
+            if payload is None:
+                continue
+            if first:
+                first = False
+                continue
+            try:
+                topic, data = _frame(self._unpack(payload))
+            except (ValueError, msgpack.UnpackException, FedagentError):
+                continue
+            yield pos, end, topic, data
 
     # -- rewriting -----------------------------------------------------------------
     @property
