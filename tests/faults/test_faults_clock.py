@@ -70,7 +70,8 @@ def test_daemons_feed_machines_the_monotonic_clock():
     the daemons passes ``time.monotonic()``, and no deadline there is computed from
     ``time.time()`` (wall-clock values only label records and messages). A daemon may
     read the clock once per event and hand it on as ``now`` (the Sync-Opt coordinator
-    does), provided every assignment to ``now`` in that module is ``time.monotonic()``."""
+    does), provided every assignment to ``now`` in that module is ``time.monotonic()``; a
+    module that does not import ``time`` at all may pass the fixed instant ``0.0``."""
     seen = 0
     bad: list[str] = []
     for path in sorted([*(SRC / "agent").glob("*.py"), *(SRC / "coordinator").glob("*.py")]):
@@ -81,6 +82,10 @@ def test_daemons_feed_machines_the_monotonic_clock():
             if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "now" for t in node.targets)
         }
         ok = {"time.monotonic()"} | ({"now"} if now_values <= {"time.monotonic()"} else set())
+        if not any(isinstance(n, ast.Import) and any(a.name == "time" for a in n.names) for n in ast.walk(tree)):
+            # A module with no clock (the journal compaction's replay of frames already
+            # received) reassembles at one fixed instant: nothing in it can expire.
+            ok |= {"0.0"}
         for call, now in _handle_calls(tree):
             seen += 1
             if ast.unparse(now) not in ok:
