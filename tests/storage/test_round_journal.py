@@ -393,20 +393,22 @@ def test_a_frame_the_journal_cannot_take_is_handed_on_but_never_acknowledged(tmp
         await ok  # durable: acknowledged
         real_write = durable.journal.write
 
-        def full(*_a: object) -> None:
-            raise StateWriteError("cannot append to round-journal: No space left on device")
+        def failing(why: str):
+            def fail(*_a: object) -> None:
+                raise StateWriteError(why)
 
-        monkeypatch.setattr(durable.journal, "write", full)
+            return fail
+
+        monkeypatch.setattr(
+            durable.journal, "write", failing("cannot append to round-journal: No space left on device")
+        )
         gate = await durable.frame(TOPIC, b"frame-2", env)  # type: ignore[arg-type]
         assert gate is not None
         with pytest.raises(AckWithheld, match="No space left"):
             await gate
         monkeypatch.setattr(durable.journal, "write", real_write)
 
-        def failed_sync(*_a: object) -> None:
-            raise StateWriteError("fdatasync round-journal: Input/output error")
-
-        monkeypatch.setattr(durable.journal, "sync", failed_sync)
+        monkeypatch.setattr(durable.journal, "sync", failing("fdatasync round-journal: Input/output error"))
         gate = await durable.frame(TOPIC, b"frame-3", env)  # type: ignore[arg-type]
         assert gate is not None
         with pytest.raises(AckWithheld, match="not durable"):

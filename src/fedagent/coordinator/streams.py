@@ -35,10 +35,14 @@ class StreamFeed:
         self.queue = queue
         self.budget = budget  # until the model's size is known
         self.waiting = 0  # values of parts queued, not yet taken
-        self.queued = 0  # events queued, not yet taken
         self.queued_transfers: Counter[tuple[str, str]] = Counter()  # (sender, tid) -> its events queued
         self._room = asyncio.Event()
         self._room.set()
+
+    @property
+    def queued(self) -> int:
+        """Events queued, not yet taken."""
+        return self.queued_transfers.total()
 
     def size_for(self, model_bytes: int) -> None:
         self.budget = stream_budget(model_bytes)
@@ -51,7 +55,6 @@ class StreamFeed:
                 self.waiting += ev.nbytes
             if seen is not None:
                 seen(ev)
-            self.queued += 1
             self.queued_transfers[(ev.sender, ev.tid)] += 1
             await self.queue.put(ev)
         while self.waiting > self.budget:
@@ -61,7 +64,6 @@ class StreamFeed:
     def taken(self, item: object) -> None:
         """The coordinator took ``item`` off its queue."""
         if isinstance(item, StreamEvent):
-            self.queued -= 1
             key = (item.sender, item.tid)
             self.queued_transfers[key] -= 1
             if self.queued_transfers[key] <= 0:
