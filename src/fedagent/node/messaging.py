@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedagent.errors import CodecError, FedagentError
+from fedagent.errors import AckWithheld, CodecError, FedagentError
 from fedagent.protocols import topics
 from fedagent.protocols.chunking import LazyChunks, Reassembler, chunk_size, split
 from fedagent.protocols.codec import (
@@ -660,7 +660,7 @@ class Messenger:
             self.last_heard[env.sender] = time.time()
         gate = None
         if self.journal is not None and not journaled and role in PARTICIPANT_ROLES:
-            gate = await self.journal(topic, payload, env)
+            gate = await self._journal(self.journal, topic, payload, env)
         held = journaled or gate is not None
         if held:
             self.journaled_in_hand += 1
@@ -678,6 +678,42 @@ class Messenger:
             if held:
                 self.journaled_in_hand -= 1
         return gate
+
+    async def _journal(
+        self,
+        hook: Callable[[str, bytes | bytearray, Envelope], Awaitable[Awaitable[None] | None]],
+        topic: str,
+        payload: bytes | bytearray,
+        env: Envelope,
+    ) -> Awaitable[None] | None:
+        """The ``journal`` hook's answer for a verified frame, its sequence number kept
+        out of the replay guard's saves until the frame is taken. A number saved while
+        the frame's journal record failed (a full disk refuses the frame's record, not
+        the guard's small append) would refuse the broker's redelivery of the frame after
+        the restart, and lose it: it is saved once the record is durable, or at once if
+        the hook does not journal the frame (then handled as any other message)."""
+        guard = self.verifier.replay
+        guard.hold(env.sender, env.seq)
+        try:
+            gate = await hook(topic, payload, env)
+        except Exception:
+            guard.release(env.sender, env.seq)  # acknowledged after a failed handling
+            raise
+        if gate is None:
+            guard.release(env.sender, env.seq)
+            return None
+        taken = asyncio.ensure_future(gate)
+
+        def settled(done: asyncio.Future[None]) -> None:
+            # Withheld or cancelled (shutdown), the acknowledgement is never sent: the
+            # broker delivers the frame again, and its number stays out for good.
+            if done.cancelled() or isinstance(done.exception(), AckWithheld):
+                return
+            guard.release(env.sender, env.seq)
+            self._persist_replay_soon()
+
+        taken.add_done_callback(settled)
+        return taken
 
     async def _hand_on(
         self,
