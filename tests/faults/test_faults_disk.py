@@ -23,9 +23,11 @@ from netfed import wait_for
 from fedagent.coordinator.durability import DurableJournal
 from fedagent.errors import EXIT_IOERR, AckWithheld, StateWriteError
 from fedagent.local.federation import Federation
-from fedagent.node.messaging import Messenger
+from fedagent.node.messaging import REPLAY_FILE, Messenger
 from fedagent.protocols import topics
+from fedagent.protocols.codec import decode
 from fedagent.protocols.messages import Heartbeat, Update
+from fedagent.security import replaylog
 from fedagent.security.signing import Identity
 from fedagent.storage import checkpoint, statefile
 from fedagent.storage.statefile import TEMP_PREFIX, atomic_write, cleanup_temp_files
@@ -240,7 +242,13 @@ def _refused_then_redelivered(
         weights = {"w": np.arange(32768, dtype=np.float32)}  # a 128 KiB record
         await agent.send(topics.direct(FEDERATION, "agent-a", COORDINATOR, "update"), Update(3, 2, 10, {}, weights))
         (beat_topic, beat), (update_topic, update) = wire.frames
+        seq = decode(update).seq
         got: list[Update] = []
+
+        def saved(m: Messenger) -> set[int]:
+            """The agent's numbers in the replay guard's file."""
+            records, _good, _torn = replaylog.parse((state / REPLAY_FILE).read_bytes(), m.verifier.replay)
+            return {n for r in records for n in r["n"].get("agent-a", ())}
 
         async def deliver(inc) -> None:
             if isinstance(inc.message, Update):
@@ -256,6 +264,7 @@ def _refused_then_redelivered(
         with pytest.raises(AckWithheld):
             await asyncio.wait_for(gate, 30)  # so never acknowledged: the broker keeps it
         assert m.replay_journal.appends > appends  # the guard's own append went through
+        assert saved(m) and seq not in saved(m)  # ... without the update's number
         durable.close()
         durable.journal.close()
         m.replay_journal.close()  # the exit (74 at the next write)
@@ -270,6 +279,7 @@ def _refused_then_redelivered(
         gate = await m.receive(update_topic, update, deliver)  # the broker's redelivery
         assert m.rejected["replay"] == 0, m.recent_rejections
         assert len(got) == 1 and got[0].round == 3
+        assert seq in saved(m)  # its record durable, the number went with the next commit
         assert gate is not None
         await asyncio.wait_for(gate, 30)  # journaled and durable: acknowledged
         durable.close()

@@ -536,6 +536,10 @@ class Messenger:
         if self.replay_journal is not None:
             if self.before_replay_commit is not None and self.replay_journal.guard.dirty:
                 await self.before_replay_commit()
+                # The frames it made durable release their numbers from their gates'
+                # callbacks (see _journal): after one turn of the loop they go with this
+                # commit, not a second later.
+                await asyncio.sleep(0)
             self.replay_journal.commit()
 
     def _persist_replay_soon(self) -> None:
