@@ -171,6 +171,7 @@ def test_numbers_saved_after_a_held_one_do_not_make_it_a_replay_after_a_restart(
     g.track = True
     g.check("a", 100, 0.0, 0.0)  # the sender's first frame here
     g.hold("a", 100)
+    assert g.tops() == {"a": [99]}  # (a compaction now: whatever came before stays refused)
     g.check("a", 101, 0.0, 0.0)  # a heartbeat after it, say
     first = g.take_fresh()
     assert first == {"a": [99, 101]}

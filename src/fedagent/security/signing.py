@@ -445,8 +445,7 @@ class ReplayGuard:
         if len(top) < self.keep or seq > top[0]:
             bisect.insort(top, seq)
             if len(top) > self.keep:
-                # Below the kept ones a restart refuses it whether it was saved or not:
-                # holding it back no longer gives it back.
+                # Below the kept ones it is in no save to come: nothing to hold back.
                 self._unhold(sender, top.pop(0))
         self.dirty = True
         self._note_fresh(sender, seq)
@@ -469,8 +468,7 @@ class ReplayGuard:
         :meth:`release`: its frame is not taken yet. Never released (its round journal
         record failed, its acknowledgement withheld), it stays out for good, and a
         restarted receiver takes the broker's redelivery, unless ``keep`` newer numbers
-        of the sender have been accepted since (a restart refuses anything older than
-        those, saved or not)."""
+        of the sender were saved since (a restart refuses anything older than those)."""
         fresh = self._fresh.get(sender)
         if fresh is not None and seq in fresh:
             fresh.remove(seq)
@@ -519,7 +517,7 @@ class ReplayGuard:
 
     def tops(self) -> dict[str, list[int]]:
         """Per sender, the ``keep`` largest numbers accepted (what a snapshot holds),
-        those held excepted."""
+        those held excepted and one below them added (see :meth:`_below_held`)."""
         tops = {}
         for sender, top in self._top.items():
             held = self._held.get(sender)
@@ -528,7 +526,8 @@ class ReplayGuard:
                 continue
             kept = [x for x in top if x not in held]
             below = self._below_held(sender)
-            if kept and below is not None:
+            if below is not None:
+                # (with every kept number held, still one: older numbers stay replays)
                 tops[sender] = kept if below in kept else [below, *kept]
         return tops
 
