@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from fedagent.node.messaging import Incoming, Messenger
+from fedagent.node.runtime import keep_freed_memory
 from fedagent.node.transport import TlsFiles, Transport
 from fedagent.protocols import topics
 from fedagent.protocols.codec import Envelope, encode
@@ -77,6 +78,9 @@ def presence(fed: str, identity: Identity, online: bool) -> bytes:
 
 async def main(args: argparse.Namespace) -> None:
     fed, me = args.federation, args.id
+    # As the agent daemon does: glibc keeps the model-sized buffers of each round for
+    # the next instead of mapping fresh pages (zeroed by the kernel) every time.
+    keep_freed_memory()
     tls = TlsFiles(ca=args.ca, cert=args.certs / f"{me}.crt", key=args.certs / f"{me}.key")
     identity = Identity.load(tls.cert, tls.key, tls.ca)
     transport = Transport(
