@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import shutil
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from netfed import observer, running, wait_for
@@ -26,7 +30,7 @@ from fedagent.local.federation import Federation
 from fedagent.node.transport import Transport
 from fedagent.protocols import topics
 from fedagent.protocols.codec import decode
-from fedagent.protocols.streaming import STREAM_KIND
+from fedagent.security.replaylog import ReplayJournal
 from fedagent.security.signing import AuthError, ReplayGuard, SequenceCounter, SteadyClock
 
 
@@ -168,6 +172,45 @@ async def _poll(predicate, timeout: float, what: str, fed: Federation):
     return await asyncio.to_thread(wait_for, predicate, timeout, what, fed)
 
 
+def _taken_evaluation(fed: Federation, captured: list[tuple[str, bytes]]) -> tuple[str, bytes] | None:
+    """A captured evaluation frame of a model version the coordinator's status counts
+    from its sender, or None."""
+    held = (fed.status("coordinator") or {}).get("held_out") or {}
+    for topic, payload in reversed(list(captured)):
+        env = decode(payload)
+        if (
+            env.kind == "evaluation"
+            and env.sender in held.get("agents", [])
+            and env.body.get("model_version") == held.get("model_version")
+        ):
+            return topic, payload
+    return None
+
+
+def _refused_by_saved_guard(fed: Federation, sender: str, seq: int) -> bool:
+    """The coordinator's replay guard, as its state file restores it, refuses ``seq`` of
+    ``sender`` as a replay (read from a copy: the running coordinator appends to it)."""
+    path = fed.work / "state" / "coordinator" / "coordinator" / fed.fed / "replay-guard.msgpack"
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / path.name
+        try:
+            shutil.copyfile(path, copy)
+        except FileNotFoundError:
+            return False
+        guard = ReplayGuard()
+        try:
+            ReplayJournal(copy, guard, time.time).load()
+        except FedagentError:
+            return False
+        if guard.fence != -math.inf:
+            return False  # a damaged copy refuses everything: it says nothing about seq
+        try:
+            guard.check(sender, seq, 0.0, 0.0)
+        except AuthError as exc:
+            return exc.reason == "replay"
+        return False
+
+
 async def _replay_after_restart(fed: Federation) -> None:
     captured: list[tuple[str, bytes]] = []
 
@@ -188,15 +231,23 @@ async def _replay_after_restart(fed: Federation) -> None:
         await asyncio.wait_for(ready.wait(), 30)
         fed.start_all()
         coord = fed.procs[0]
-        await _poll(lambda: (fed.status("coordinator") or {}).get("completed_rounds", 0) >= 1, 120, "a round", fed)
-        # The newest update the coordinator took: inside the window and the skew, so
-        # only the persisted numbers can refuse it.
-        # Updates travel as streams (one ``ustream`` frame each for this small model) unless
-        # the aggregator asks for whole ones.
-        updates = [(t, p) for t, p in captured if decode(p).kind in ("update", STREAM_KIND)]
-        assert updates, "no update frame seen on the broker"
-        topic, frame = updates[-1]
-        victim = decode(frame).sender
+        # The frame replayed is an agent's evaluation that the coordinator's status shows
+        # it took. Not an update: after the restart the coordinator reads the round's
+        # updates back from its journal (or the round is over), so a frame of that
+        # transfer is dropped as unexpected before the replay guard sees it, in some
+        # orderings and not others; an evaluation always reaches the guard. Its number
+        # reaches the guard's file within a second of its being taken (a lazily durable
+        # kind): the kill waits until the file holds it, read from a copy, so that only
+        # the numbers persisted across the kill can refuse the replay (it is inside the
+        # window and the skew), and the test fails if they are not restored.
+        topic, frame = await _poll(
+            lambda: _taken_evaluation(fed, captured), 180, "an evaluation the coordinator took", fed
+        )
+        env = decode(frame)
+        victim = env.sender
+        await _poll(
+            lambda: _refused_by_saved_guard(fed, victim, env.seq), 30, "the evaluation's number to be saved", fed
+        )
         coord.popen.send_signal(signal.SIGKILL)
         coord.popen.wait(10)
         fed.procs.remove(coord)
