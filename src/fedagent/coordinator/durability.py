@@ -298,7 +298,7 @@ def _withheld(exc: StateWriteError) -> asyncio.Future[None]:
 
 def _in_round(env: Envelope, inflight: InFlight) -> bool:
     """A frame of the round in flight from an agent selected for it."""
-    return env.round == inflight.round and env.sender in inflight.selected
+    return env.round == inflight.round and env.sender in inflight.members
 
 
 def reconcile_history(history: History, meta: dict[str, Any]) -> None:
