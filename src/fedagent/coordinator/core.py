@@ -76,6 +76,14 @@ class LivenessCheck:
     at: float
 
 
+#: While events keep coming, the status snapshot kept for readers that come in the middle
+#: of an event is refreshed at most this often. A snapshot sorts the agent lists (O(N)):
+#: refreshed after every update that arrived on its own (an empty queue between most of
+#: them), it made a round of N updates O(N²) at the coordinator. A reader that comes
+#: between events gets one built on the spot (:attr:`CoordinatorCore.settled`).
+SNAPSHOT_EVERY_S = 1.0
+
+
 class Mode(Protocol):
     """The round logic of one coordinated mode, driven by :class:`CoordinatorCore`.
 
@@ -199,7 +207,45 @@ class CoordinatorCore:
         # Network input waits until the journaled frames have been handed on again.
         self._recovered = asyncio.Event()
         self.mode: Mode = make_mode(self)
-        self.settled: dict[str, Any] = self.mode.snapshot()
+        # The mode's snapshot, taken between events only (never ahead of the disk), and
+        # whether events were handled since. ``_idle``: the event loop waits for an item
+        # of an empty queue, so the mode's state is settled right now.
+        self._settled: dict[str, Any] = self.mode.snapshot()
+        self._snapshot_at = time.monotonic()
+        self._stale = False
+        self._idle = False
+        self._snapshot_wake: asyncio.TimerHandle | None = None
+
+    # -- the status snapshot -------------------------------------------------------------
+    @property
+    def settled(self) -> dict[str, Any]:
+        """What ``status`` shows of the mode: built now if the event loop is between events
+        and events came since the last one, else the one taken at the last settled moment."""
+        if self._stale and self._idle:
+            self._snapshot(time.monotonic())
+        return self._settled
+
+    def _snapshot(self, now: float) -> None:
+        self._settled = self.mode.snapshot()
+        self._snapshot_at = now
+        self._stale = False
+
+    def _events_done(self, now: float) -> None:
+        """The queue is empty after an event: the state is settled. The snapshot kept for
+        readers in the middle of an event is refreshed now, or once SNAPSHOT_EVERY_S has
+        passed since the last one."""
+        self._stale = True
+        wait = self._snapshot_at + SNAPSHOT_EVERY_S - now
+        if wait <= 0:
+            self._snapshot(now)
+        elif self._snapshot_wake is None:
+            self._snapshot_wake = asyncio.get_running_loop().call_later(wait, self._snapshot_due)
+
+    def _snapshot_due(self) -> None:
+        self._snapshot_wake = None
+        if self._stale and self._idle:
+            self._snapshot(time.monotonic())
+        # (in the middle of an event: taken when the queue is empty again)
 
     # -- for the modes -----------------------------------------------------------------
     def reject(self, sender: str, reason: str, detail: str, **where: int) -> None:
@@ -314,7 +360,11 @@ class CoordinatorCore:
         mode = self.mode
         await mode.start(time.monotonic())
         while True:
+            # (get() returns at once while items wait: only a reader that comes while the
+            # queue is empty sees it idle)
+            self._idle = True
             item = await self.queue.get()
+            self._idle = False
             now = time.monotonic()
             if isinstance(item, Net):
                 inc = item.incoming
@@ -382,10 +432,9 @@ class CoordinatorCore:
                 await mode.on_item(item, now)
             # Streamed parts are chunk-sized views: dropped as soon as they are folded.
             del item
-            # A snapshot sorts the agent lists: O(N) per event would make a round of N
-            # updates O(N²). Refreshed when the burst is over, it is still never ahead of the disk.
+            # A snapshot sorts the agent lists: not per event (see SNAPSHOT_EVERY_S).
             if self.queue.empty():
-                self.settled = mode.snapshot()
+                self._events_done(time.monotonic())
 
     async def _refused(self, agent: str, msg: Presence, now: float) -> bool:
         """Whether ``agent``'s presence is refused (:mod:`.admission`): the mode then sees
@@ -522,6 +571,8 @@ class CoordinatorCore:
             sdnotify.stopping()
             if self._liveness_handle is not None:
                 self._liveness_handle.cancel()
+            if self._snapshot_wake is not None:
+                self._snapshot_wake.cancel()
             self.mode.close()
             self.messenger.close()
             try:
