@@ -23,7 +23,7 @@ import collections
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,11 @@ class DurableJournal:
         self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
         self._sync_task: asyncio.Task[None] | None = None
         self._sync_timer: asyncio.TimerHandle | None = None
+        # Makes the replay guard's numbers durable (the messenger's persist_replay). The
+        # numbers of journaled frames are committed lazily: after a crash the journal
+        # gives them back. So before it drops frames (a round begins or ends, a rewrite)
+        # their numbers go to the replay guard's own journal.
+        self.before_drop: Callable[[], Awaitable[None]] | None = None
 
     # -- the messenger's hooks -----------------------------------------------------------
     async def frame(self, topic: str, payload: bytes | bytearray, env: Envelope) -> asyncio.Future[None] | None:
@@ -150,12 +155,14 @@ class DurableJournal:
     async def begin(self, round_: int, model_version: int, selected: tuple[str, ...]) -> None:
         """A new round: its start record replaces the journal, durable on return."""
         async with self._lock:
+            await self._before_drop()
             await asyncio.to_thread(self.journal.begin, round_, model_version, selected)
             self._settled()
 
     async def end(self) -> None:
         """The round is in the checkpoint, or abandoned: the journal is ended."""
         async with self._lock:
+            await self._before_drop()
             await asyncio.to_thread(self.journal.end)
             self._settled()
 
@@ -166,6 +173,7 @@ class DurableJournal:
             inflight = self.journal.round
             if inflight is None or inflight.round != round_:
                 return
+            await self._before_drop()
             await asyncio.to_thread(self.journal.end)
             self._settled()
 
@@ -187,6 +195,8 @@ class DurableJournal:
             journal.rewrite_write(mark, start, kept)
 
         try:
+            # The frames before the mark may be dropped: their numbers first.
+            await self._before_drop()
             # (a worker thread: the event loop goes on reading and journaling frames)
             await asyncio.to_thread(write)
             async with self._lock:
@@ -201,6 +211,10 @@ class DurableJournal:
             journal.rewrite_abandon(mark)
             raise
         return True
+
+    async def _before_drop(self) -> None:
+        if self.before_drop is not None:
+            await self.before_drop()
 
     def _settled(self) -> None:
         # The frames written so far belong to a round that is now in the checkpoint (or

@@ -109,6 +109,7 @@ class SiteMode:
         self.journal = self.durability.journal
         core.messenger.journal = self.durability.frame
         core.messenger.before_replay_commit = self.durability.flush
+        self.durability.before_drop = core.messenger.persist_replay
         self.timer = Timer(core.queue, R.Wakeup())
         core.transport.hold_limit = 1
         model = core.task.build_model()
