@@ -506,3 +506,55 @@ def test_a_frame_the_journal_cannot_take_is_handed_on_but_never_acknowledged(tmp
         durable.journal.close()
 
     asyncio.run(run())
+
+
+def test_a_past_journal_gives_its_numbers_to_the_replay_guard_before_it_is_ended(pki, tmp_path):
+    """The numbers of journaled frames reach the replay guard's file lazily: a restart
+    that finds the journal past (its round already in the checkpoint) records them before
+    it ends the journal, so a frame of that round sent again is still a replay."""
+    import asyncio
+
+    from fedfixtures import COORDINATOR, FEDERATION
+
+    from fedagent.coordinator.durability import DurableJournal
+    from fedagent.node.messaging import Messenger
+    from fedagent.protocols import topics
+    from fedagent.protocols.codec import decode
+    from fedagent.protocols.messages import Update
+    from fedagent.security.replaylog import ReplayJournal
+    from fedagent.security.signing import AuthError, Identity, ReplayGuard
+
+    tls = pki.issue("agent-a", "agent")
+
+    async def frames() -> list[tuple[str, bytes]]:
+        wire = Capture()
+        sender = Messenger(
+            federation=FEDERATION, node_id="agent-a", transport=wire, identity=Identity.load(tls.cert, tls.key, tls.ca)
+        )
+        topic = topics.direct(FEDERATION, "agent-a", COORDINATOR, "update")
+        await sender.send(topic, Update(3, 2, 10, {}, {"w": np.ones(10, np.float32)}), round_=3)
+        return wire.frames
+
+    sent = asyncio.run(frames())
+    journal = RoundJournal(tmp_path / "round-journal", max_frame=1 << 20)
+    journal.begin(3, 2, ("agent-a",))
+    for t, p in sent:
+        journal.write(t, p)
+    journal.sync()
+    journal.close()
+
+    guard = ReplayGuard()
+    replay = ReplayJournal(tmp_path / "replay-guard.msgpack", guard, clock=lambda: 0.0)
+    replay.load()
+    durable = DurableJournal(tmp_path / "round-journal", max_frame=1 << 20, per_sender=1 << 30, replay=replay)
+    assert durable.recover(4, 3, resumable=True, checkpoint_round=3) is None  # past: round 3 is checkpointed
+    assert durable.journal.round is None
+    replay.close()
+
+    restarted = ReplayGuard()
+    again = ReplayJournal(tmp_path / "replay-guard.msgpack", restarted, clock=lambda: 0.0)
+    again.load()
+    env = decode(sent[0][1])
+    with pytest.raises(AuthError, match="replay"):
+        restarted.check(env.sender, env.seq, env.ts, env.ts)
+    again.close()

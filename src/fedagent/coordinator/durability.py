@@ -27,8 +27,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from fedagent.errors import AckWithheld, StateWriteError
-from fedagent.protocols.codec import Envelope
+from fedagent.errors import AckWithheld, CodecError, StateWriteError
+from fedagent.protocols.codec import Envelope, Limits, decode
 from fedagent.protocols.groupcommit import GroupCommit, GroupPolicy
 from fedagent.protocols.messages import Update
 from fedagent.protocols.streaming import STREAM_KIND
@@ -148,8 +148,24 @@ class DurableJournal:
             model_version,
             checkpoint_round,
         )
-        self.journal.end()
+        self.end_past()
         return None
+
+    def end_past(self) -> None:
+        """After a restart, a journal whose frames are not handed on again: their numbers
+        go into the replay guard's journal first (they are committed lazily, and a crash
+        may have come before), then the journal is ended."""
+        if self.replay is not None and self.journal.frames:
+            limits = Limits(max_message_bytes=self.journal.max_frame, max_bin_len=self.journal.max_frame)
+            for _topic, payload in self.journal.frames_of():
+                try:
+                    # (its own CRC-checked file: each frame was verified when it came)
+                    env = decode(payload, limits, views=True)
+                except CodecError:
+                    continue
+                self.replay.guard.record(env.sender, env.seq)
+            self.replay.commit()
+        self.journal.end()
 
     # -- the round's start and end -------------------------------------------------------
     async def begin(self, round_: int, model_version: int, selected: tuple[str, ...]) -> None:

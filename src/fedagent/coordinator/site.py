@@ -255,7 +255,7 @@ class SiteMode:
                 return
         log.warning("site round %d not resumed, its work is dropped: %s", inflight.round, why)
         self.core.history.append({"event": "site_dropped", "round": inflight.round, "reason": why})
-        self.journal.end()
+        self.durability.end_past()
 
     def _load_state(self) -> dict[str, Any]:
         raw = read_bytes(self.state_path, 1 << 20)
