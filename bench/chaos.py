@@ -118,14 +118,21 @@ def memory_check(samples: list[dict[str, Any]], warmup: float, end: float) -> di
     return table
 
 
-def stop_site(site: Site, setup: Setup) -> None:
-    """SIGTERM every daemon in the mode's order (what each holds is on disk when it returns)."""
+def stop_site(site: Site, setup: Setup) -> dict[str, float]:
+    """SIGTERM every daemon in the mode's order (what each holds is on disk when it returns).
+    Returns the harness time at which each was stopped (or, if it was not running, found
+    down), each taken just after the mode's look at its federation (``Setup.stopping``):
+    what that look read came before the stop, what later looks read came after it."""
+    stops: dict[str, float] = {}
     for name in setup.stop_order(site.names):
+        setup.stopping(site, name)
+        stops[name] = round(site.now(), 2)
         proc = site.proc(name)
         if proc is not None:
             site.fed.stop(proc)
             site.fed.procs.remove(proc)
     site.fed.close()
+    return stops
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -244,7 +251,7 @@ def _run(
         sampler.join()
         out["samples"] = sampler.samples
         out["end"] = round(site.now(), 1)
-        stop_site(site, setup)
+        out["stops"] = stop_site(site, setup)
         if twin is not None and twin_setup is not None:
             stop_site(twin, twin_setup)
         out["faults"] = [asdict(f) | {"wall": f.detail.pop("wall", None)} for f in out["faults"]]

@@ -468,6 +468,10 @@ class Setup:
     def stop_order(self, names: list[str]) -> list[str]:
         return names
 
+    def stopping(self, site: Site, name: str) -> None:
+        """Called at the end of the run just before daemon ``name`` is stopped: a mode that
+        times what it reads (a round's harness time) reads here what came before the stop."""
+
     def accuracy(self, site: Site) -> float | None:
         """The final model's test accuracy (the mean over agents where each has its own)."""
         raise NotImplementedError

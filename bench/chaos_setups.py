@@ -72,6 +72,11 @@ class FedAvgSetup(Setup):
         last = self.rounds_seen[-1] if self.rounds_seen else {}
         return {"t": site.now(), "version": last.get("model_version", 0), "seen": len(self.rounds_seen)}
 
+    def stopping(self, site: Site, name: str) -> None:
+        # The rounds closed before this stop get a time before it; those closed during
+        # the shutdown are read later, so the checks can tell them apart.
+        self.poll(site)
+
     def recovered(self, site: Site, fault: Fault, mark: dict[str, Any]) -> bool:
         self.poll(site)
         return any(set(self.agents) <= set(r["participants"]) for r in self.rounds_seen[mark["seen"] :])

@@ -17,7 +17,9 @@ from the hub's and the sites' histories:
 * hub model versions contiguous, each hub round once;
 * each hub round's sites accounted: in it, or recorded ``missing`` (selected, not in
   time), or, if neither, the round fell while a fault held that site (or its broker, or
-  enough of its agents) down, so the hub never selected it;
+  enough of its agents) down, so the hub never selected it, or it closed after the run's
+  shutdown had stopped the site, the hub or enough of the site's agents to leave it below
+  its quorum (the agents are stopped first);
 * no site's work counted twice: a hub round names a site at most once, and every site
   the hub counted in a round has a ``site_round`` line for it (or the site was killed
   between its result going up and the line); a site that answered one hub round with two
@@ -80,6 +82,7 @@ class TieredSetup(FedAvgSetup):
         self.tail = None
         self.site_tails: dict[str, Tail] = {}
         sizes = self.sizes
+        self.site_quorum = max(1, min(sizes) // 2)
         options: dict[str, Any] = {
             "sites": sizes,
             "rounds": 1_000_000,
@@ -88,7 +91,7 @@ class TieredSetup(FedAvgSetup):
             # The hub goes on with one site; a site with half its agents (an agent silent
             # for a keep-alive is left out of the round in progress).
             "hub_rounds": {"min_agents": 1, "expected_agents": SITES, "min_updates": 1},
-            "site_rounds": {"min_agents": max(1, min(sizes) // 2), "min_updates": 1},
+            "site_rounds": {"min_agents": self.site_quorum, "min_updates": 1},
         }
         fed = TieredFederation(work, **options) if self.lab is None else NamespacedTiers(work, self.lab, **options)
         if fed.agents != self.members:
@@ -157,6 +160,23 @@ class TieredSetup(FedAvgSetup):
                     out[s].append((e["at"] - pad, e["at"] + site_restart_pad(run) + pad))
         return out
 
+    def _shut_out(self, stops: dict[str, float]) -> dict[str, float]:
+        """Per site, the harness time from which the run's shutdown kept it out of the hub's
+        rounds: its aggregator or the hub stopped, or so many of its agents that it fell
+        below its quorum (it then announces itself offline upstream and the hub no longer
+        selects it: nothing is recorded). A round read after that time closed after it
+        (``stop_site`` reads the histories before each stop)."""
+        out: dict[str, float] = {}
+        for s in self.site_ids:
+            at = [stops[n] for n in (s, HUB) if n in stops]
+            agents = sorted(stops[a] for a in self.members[s] if a in stops)
+            below = len(self.members[s]) - self.site_quorum + 1  # agents stopped to fall below it
+            if len(agents) >= below:
+                at.append(agents[below - 1])
+            if at:
+                out[s] = min(at)
+        return out
+
     def check(self, site: Site, run: dict[str, Any]) -> list[dict[str, Any]]:
         self.round_timeout = float(site.args.round_timeout)
         out: list[dict[str, Any]] = []
@@ -173,6 +193,7 @@ class TieredSetup(FedAvgSetup):
         )
         seen_at = {r["round"]: r["t"] for r in self.rounds_seen}
         windows = self._down_windows(run)
+        shut = self._shut_out(run.get("stops", {}))
         tally = {
             "in the round": 0,
             "recorded missing": 0,
@@ -188,13 +209,11 @@ class TieredSetup(FedAvgSetup):
                 elif up in r.get("missing", []) or up in r.get("dropped", []):
                     tally["recorded missing"] += 1
                 else:
-                    t = seen_at.get(r["round"])
-                    if t is None:
-                        # Closed after the run's last look: the shutdown stops the sites
-                        # one after the other, and the hub goes on with those left.
-                        tally["absent while the run shut down"] += 1
-                    elif any(lo <= t <= hi for lo, hi in windows[s]):
+                    t = seen_at[r["round"]]
+                    if any(lo <= t <= hi for lo, hi in windows[s]):
                         tally["absent while a fault held it down"] += 1
+                    elif t > shut.get(s, float("inf")):
+                        tally["absent while the run shut down"] += 1
                     else:
                         unaccounted.append((r["round"], s))
         out.append(

@@ -11,12 +11,20 @@ a secure-aggregation setup is answered through the SecAgg stages instead (keys, 
 shares, an update of 0.001 in every coordinate masked, shares at unmasking).
 
     python -m bench.fed_agent --uri mqtts://127.0.0.1:PORT --id agent-1 --certs DIR --ca CA
+
+With ``FEDAGENT_BENCH_PROFILE=DIR`` in its environment (``bench/round_profile.py`` sets it)
+the agent appends one line per answered round to ``DIR/<id>.jsonl``: its CPU seconds
+(threads included) when the round start's first frame came, when the round start was
+decoded and when its update's last frame was acknowledged; with
+``FEDAGENT_BENCH_CPROFILE=1`` as well, it runs under cProfile with worker-thread calls
+made inline (so the profile sees them) and writes ``DIR/<id>.prof`` when it stops.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -26,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from fedagent.node.messaging import Incoming, Messenger
+from fedagent.node.runtime import keep_freed_memory
 from fedagent.node.transport import TlsFiles, Transport
 from fedagent.protocols import topics
 from fedagent.protocols.codec import Envelope, encode
@@ -69,6 +78,9 @@ def presence(fed: str, identity: Identity, online: bool) -> bytes:
 
 async def main(args: argparse.Namespace) -> None:
     fed, me = args.federation, args.id
+    # As the agent daemon does: glibc keeps the model-sized buffers of each round for
+    # the next instead of mapping fresh pages (zeroed by the kernel) every time.
+    keep_freed_memory()
     tls = TlsFiles(ca=args.ca, cert=args.certs / f"{me}.crt", key=args.certs / f"{me}.key")
     identity = Identity.load(tls.cert, tls.key, tls.ca)
     transport = Transport(
@@ -107,12 +119,25 @@ async def main(args: argparse.Namespace) -> None:
     compressor = Compressor()
     steps = DeltaReceiver()  # round starts with the model as an int8 step, as the agent daemon
     held: tuple[int, dict[str, np.ndarray]] | None = None  # the model of the last round start
+    profile_dir = os.environ.get("FEDAGENT_BENCH_PROFILE")
+    marks: dict[str, float] = {}  # CPU seconds at this round's steps (FEDAGENT_BENCH_PROFILE)
+
+    def mark(step: str, round_: int | None = None) -> None:
+        if profile_dir is None:
+            return
+        if step not in marks:  # (a CPU clock is a system call: once per step, not per frame)
+            marks[step] = time.process_time()
+        if round_ is not None:
+            with open(Path(profile_dir) / f"{me}.jsonl", "a") as f:
+                f.write(json.dumps({"round": round_, **marks}) + "\n")
+            marks.clear()
 
     async def deliver(inc: Incoming) -> None:
         nonlocal delta, trained, compressor, held
         got_at = time.time()
         msg = inc.message
         if isinstance(msg, RoundStart):
+            mark("decoded")
             resolved, why = steps.resolve(msg, held)
             if resolved is None:
                 raise RuntimeError(f"round {msg.round}: cannot rebuild the model: {why}")
@@ -168,14 +193,18 @@ async def main(args: argparse.Namespace) -> None:
                     round=msg.round, base_version=msg.model_version, num_samples=1, metrics=stamps, weights=trained
                 )
                 await messenger.send_update(topic, update, base=msg.weights, compressor=compressor)
+                mark("sent", msg.round)
                 return
             update = Update(
                 round=msg.round, base_version=msg.model_version, num_samples=1, metrics=stamps, weights=msg.weights
             )
             # stable: the weights are the received model's read-only arrays.
             await messenger.send(topic, update, round_=msg.round, stable=True)
+            mark("sent", msg.round)
 
     async def on_payload(topic: str, payload: bytes) -> None:
+        if topic.endswith("/round_start"):
+            mark("first_frame")
         await messenger.receive(topic, payload, deliver)
 
     async def on_connect() -> None:
@@ -220,4 +249,21 @@ if __name__ == "__main__":
     ap.add_argument("--chunk", type=int, default=4 * 2**20)
     ap.add_argument("--keepalive", type=int, default=30)
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(main(ap.parse_args()))
+    if os.environ.get("FEDAGENT_BENCH_PROFILE") and os.environ.get("FEDAGENT_BENCH_CPROFILE"):
+        import cProfile
+
+        async def inline(func, /, *a, **kw):
+            return func(*a, **kw)
+
+        # cProfile sees only the thread it was enabled in.
+        asyncio.to_thread = inline  # type: ignore[assignment]
+        prof = cProfile.Profile(time.process_time)  # CPU, not wall: the machine is shared
+        args = ap.parse_args()
+        prof.enable()
+        try:
+            asyncio.run(main(args))
+        finally:
+            prof.disable()
+            prof.dump_stats(Path(os.environ["FEDAGENT_BENCH_PROFILE"]) / f"{args.id}.prof")
+    else:
+        asyncio.run(main(ap.parse_args()))

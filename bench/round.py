@@ -342,7 +342,8 @@ class FedRounds:
         self._arrivals, self._agent_stamps = [], []
         w0 = time.time()
         t0 = time.perf_counter()
-        acc = WeightedMean(self.weights)
+        # float32 sums of the deltas, as the coordinator's round machine keeps them
+        acc = WeightedMean(self.weights, compact=True)
         self._acc = acc if train.stream else None
         delta = None
         if train.stream and train.compression == "int8" and r > 1:

@@ -3,6 +3,7 @@ a full disk, against the real checkpoint code and the real coordinator daemon.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -11,14 +12,23 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from fedfixtures import COORDINATOR, FEDERATION
 from netfed import wait_for
 
-from fedagent.errors import EXIT_IOERR, StateWriteError
+from fedagent.coordinator.durability import DurableJournal
+from fedagent.errors import EXIT_IOERR, AckWithheld, StateWriteError
 from fedagent.local.federation import Federation
+from fedagent.node.messaging import REPLAY_FILE, Messenger
+from fedagent.protocols import topics
+from fedagent.protocols.codec import decode
+from fedagent.protocols.messages import Heartbeat, Update
+from fedagent.security import replaylog
+from fedagent.security.signing import Identity
 from fedagent.storage import checkpoint, statefile
 from fedagent.storage.statefile import TEMP_PREFIX, atomic_write, cleanup_temp_files
 
@@ -189,6 +199,144 @@ def test_failed_writes_on_a_full_disk_leave_old_state_intact(tmp_path):
         assert not [p for p in disk.path.iterdir() if p.name.startswith(TEMP_PREFIX)]
     finally:
         disk.close()
+
+
+class _Wire:
+    """A transport that keeps what is published (the frames the broker would hold)."""
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[str, bytes]] = []
+
+    async def publish(self, topic: str, payload: bytes, **_kw) -> None:
+        self.frames.append((topic, bytes(payload)))
+
+
+def _refused_then_redelivered(
+    pki, state: Path, lose: Callable[[DurableJournal], None], space_back: Callable[[], None] = lambda: None
+) -> None:
+    """An agent's heartbeat and update reach a coordinator's receive path (its messenger,
+    round journal and replay guard's journal in ``state``); ``lose`` makes the update's
+    journal record fail. Then the coordinator restarts (after ``space_back``): its replay
+    guard from its file, the round journal read back, and the broker delivers the update
+    again."""
+
+    def ident(name: str) -> Identity:
+        tls = pki.issue(name, "coordinator" if name == COORDINATOR else "agent")
+        return Identity.load(tls.cert, tls.key, tls.ca)
+
+    def coordinator() -> tuple[Messenger, DurableJournal]:
+        m = Messenger(
+            federation=FEDERATION, node_id=COORDINATOR, transport=_Wire(), identity=ident(COORDINATOR), state_dir=state
+        )
+        durable = DurableJournal(
+            state / "round-journal", max_frame=1 << 20, per_sender=1 << 30, replay=m.replay_journal
+        )
+        m.journal = durable.frame
+        m.before_replay_commit = durable.flush
+        return m, durable
+
+    async def run() -> None:
+        wire = _Wire()
+        agent = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=ident("agent-a"))
+        await agent.send(topics.direct(FEDERATION, "agent-a", COORDINATOR, "heartbeat"), Heartbeat(5.0))
+        weights = {"w": np.arange(32768, dtype=np.float32)}  # a 128 KiB record
+        await agent.send(topics.direct(FEDERATION, "agent-a", COORDINATOR, "update"), Update(3, 2, 10, {}, weights))
+        (beat_topic, beat), (update_topic, update) = wire.frames
+        seq = decode(update).seq
+        got: list[Update] = []
+
+        def saved(m: Messenger) -> set[int]:
+            """The agent's numbers in the replay guard's file."""
+            records, _good, _torn = replaylog.parse((state / REPLAY_FILE).read_bytes(), m.verifier.replay)
+            return {n for r in records for n in r["n"].get("agent-a", ())}
+
+        async def deliver(inc) -> None:
+            if isinstance(inc.message, Update):
+                got.append(inc.message)
+
+        m, durable = coordinator()
+        await durable.begin(3, 2, ("agent-a",))
+        assert await m.receive(beat_topic, beat, deliver) is None
+        lose(durable)
+        gate = await m.receive(update_topic, update, deliver)
+        assert gate is not None and len(got) == 1  # handed on to the round all the same
+        with pytest.raises(AckWithheld):
+            await asyncio.wait_for(gate, 30)  # so never acknowledged: the broker keeps it
+        m.replay_journal.commit()  # the guard's next save (if the messenger's has not come yet)
+        assert saved(m) and seq not in saved(m)  # its append went through, without the update's number
+        durable.close()
+        durable.journal.close()
+        m.replay_journal.close()  # the exit (74 at the next write)
+        space_back()
+
+        got.clear()
+        m, durable = coordinator()  # restarted, with space again
+        assert durable.recover(3, 2, resumable=True, checkpoint_round=2) is not None
+        for t, p in durable.journal.frames_of():
+            await m.receive(t, p, deliver, journaled=True)
+        assert got == []  # the round journal does not have the update
+        gate = await m.receive(update_topic, update, deliver)  # the broker's redelivery
+        assert m.rejected["replay"] == 0, m.recent_rejections
+        assert len(got) == 1 and got[0].round == 3
+        await m._persist_replay()  # the guard's commit after the round journal's flush ...
+        assert seq in saved(m)  # ... has the number: the update's record is durable
+        assert gate is not None
+        await asyncio.wait_for(gate, 30)  # journaled and durable: acknowledged
+        durable.close()
+        durable.journal.close()
+        m.replay_journal.close()
+
+        got.clear()
+        m, durable = coordinator()  # and once it is in the round journal, taken once only
+        assert durable.recover(3, 2, resumable=True, checkpoint_round=2) is not None
+        for t, p in durable.journal.frames_of():
+            await m.receive(t, p, deliver, journaled=True)
+        assert await m.receive(update_topic, update, deliver) is None
+        assert len(got) == 1 and m.rejected["replay"] == 1
+        durable.journal.close()
+        m.replay_journal.close()
+
+    asyncio.run(run())
+
+
+@needs_root
+def test_an_update_a_full_disk_kept_out_of_the_round_journal_is_taken_after_the_restart(pki, tmp_path):
+    """A full disk refuses an update's round journal record (128 KiB) but takes the
+    replay guard's next append (a few bytes, in the last page of its file), the case
+    that lost updates. Pass: the update is handed on and not acknowledged; the restarted
+    coordinator takes the broker's redelivery of it (its number was never saved), then
+    refuses it once its round journal has it."""
+    disk = SmallDisk(tmp_path / "state", 512)
+    try:
+        _refused_then_redelivered(pki, disk.path, lambda _durable: disk.fill(), disk.free)
+    finally:
+        disk.close()
+
+
+def test_an_update_whose_record_sync_failed_is_taken_after_a_power_cut(pki, tmp_path):
+    """The round journal's sync fails for an update (an I/O error) and the power is then
+    cut: its record, written but not synced, is gone. Pass: the replay guard never saved
+    the update's number (its flush before the guard's append failed), so the restarted
+    coordinator takes the broker's redelivery."""
+    state = tmp_path / "state"
+    state.mkdir()
+
+    def lose(durable: DurableJournal) -> None:
+        journal = durable.journal
+        real_sync = journal.sync
+
+        def sync(generation: int | None = None) -> bool:
+            durable_size = journal._durable
+            try:
+                raise StateWriteError(f"cannot sync {journal.path}: Input/output error")
+            finally:
+                # The power cut, early: what was never synced is not on the disk.
+                os.truncate(journal.path, durable_size)
+                journal.sync = real_sync  # type: ignore[method-assign]
+
+        journal.sync = sync  # type: ignore[method-assign]
+
+    _refused_then_redelivered(pki, state, lose)
 
 
 @pytest.mark.slow

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
 from fedfixtures import ident
 
 from fedagent.errors import TransportError
+from fedagent.node import messaging
 from fedagent.node.messaging import Messenger
 from fedagent.node.transport import patches
 from fedagent.protocols.chunking import Reassembler, split
 from fedagent.protocols.codec import Envelope, decode, decode_tensor, encode, encode_tensor, encode_view
 from fedagent.protocols.messages import Update
+from fedagent.security.signing import CHUNK_KIND
 
 
 def _update_envelope(n: int = 50_000) -> Envelope:
@@ -155,6 +158,35 @@ def test_a_failed_chunk_publish_fails_the_send(pki):
     with pytest.raises(TransportError):
         _chunked_update(m)
     assert t.in_flight == 0
+
+
+@pytest.mark.parametrize(("params", "threaded"), [(1_100_000, False), (2_500_000, True)])
+def test_chunk_frames_leave_the_event_loop_only_when_large(pki, monkeypatch, params, threaded):
+    """A model of 4.4 MB goes in chunks of 550 kB, each signed and encoded on the event
+    loop (a thread hop would cost more than the frame); one of 10 MB in chunks of 1.25 MB,
+    whose frames are made in a worker thread."""
+    signers: list[int] = []
+    real_sign = messaging.sign
+
+    def recording_sign(env, identity):
+        if env.kind == CHUNK_KIND:
+            signers.append(threading.get_ident())
+        return real_sign(env, identity)
+
+    monkeypatch.setattr(messaging, "sign", recording_sign)
+    t = _RecordingTransport()
+    m = Messenger(federation="testfed", node_id="agent-a", transport=t, identity=ident(pki, "agent-a"))
+    weights = {"w": np.arange(params, dtype=np.float32)}
+
+    async def send() -> int:
+        await m.send("fedagent/v1/testfed/node/agent-a/to/coord/update", Update(1, 0, 3, {}, weights), round_=1)
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(send())
+    chunk = len(t.frames[0])
+    assert len(t.frames) == len(signers) == 8
+    assert (chunk > messaging.THREADED_FRAME_BYTES) is threaded
+    assert all((s != loop_thread) is threaded for s in signers)
 
 
 def test_socket_reads_are_bounded():

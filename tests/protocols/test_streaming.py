@@ -106,6 +106,32 @@ def test_int8_round_trip_error_is_within_half_a_step(size, spread, seed):
     assert np.abs(got - delta).max() <= step / 2 * (1 + 1e-5) + 1e-30
 
 
+@pytest.mark.parametrize("wdtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+def test_deltas_are_those_of_float32_copies(wdtype, mode):
+    """The deltas are computed in float32 from both tensors cast as they are read: the
+    same bytes as float32 copies of them subtracted, whatever the tensors' dtype."""
+    rng = np.random.default_rng(7)
+    base = {"x": rng.normal(size=(30, 11)).astype(np.float32)}
+    new = {"x": (base["x"] + rng.normal(scale=0.05, size=(30, 11))).astype(wdtype)}
+    ((spec, data),) = Compressor(CompressionConfig(mode)).encode(new, base)
+    d = new["x"].astype(np.float32) - base["x"].astype(np.float32)
+    if mode == "fp16":
+        expected = d.astype("<f2")
+    else:
+        scale = float(np.abs(d).max()) / 127.0
+        expected = np.clip(np.rint(d / scale), -127, 127).astype("<i1")
+        assert spec.param == scale
+    assert bytes(data) == expected.tobytes()
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8", "topk"])
+def test_a_zero_dimensional_float_tensor_is_compressed_too(mode):
+    base = {"s": np.array(0.25, np.float32)}
+    ((spec, data),) = Compressor(CompressionConfig(mode, 0.5)).encode({"s": np.array(1.5, np.float32)}, base)
+    assert spec.shape == () and float(decode_tensor(spec, data)) == pytest.approx(1.25, rel=1e-3)
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 400), st.integers(0, 2**31 - 1))
 def test_fp16_round_trip_error_is_fp16_rounding(size, seed):

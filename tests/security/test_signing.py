@@ -117,6 +117,79 @@ def test_replay_guard_memory_is_bounded() -> None:
     assert len(g._seen["x"]) <= 17
 
 
+def _restarted(saves: list[dict[str, list[int]]], keep: int) -> ReplayGuard:
+    """A guard restored from what was saved, as the replay journal restores one."""
+    g = ReplayGuard(window=4096, max_skew=10, keep=keep)
+    for numbers in saves:
+        g.merge(numbers)
+    return g
+
+
+def _refused(g: ReplayGuard, sender: str, seq: int) -> bool:
+    try:
+        g.check(sender, seq, 0.0, 0.0)
+    except AuthError as exc:
+        return exc.reason == "replay"
+    return False
+
+
+def test_a_held_number_is_refused_here_but_never_saved_unless_released() -> None:
+    """A frame whose acknowledgement waits for its journal record: its number is held.
+    Pass: this process refuses a second copy at once; no save (append or compaction)
+    holds the number, so a guard restored from the saves takes the broker's redelivery
+    while it still refuses everything saved; a released number is saved with the next."""
+    g = ReplayGuard(window=4096, max_skew=10, keep=8)
+    g.track = True
+    g.check("a", 10, 0.0, 0.0)
+    g.check("a", 11, 0.0, 0.0)
+    g.hold("a", 11)
+    g.check("a", 12, 0.0, 0.0)
+    g.check("a", 13, 0.0, 0.0)
+    g.hold("a", 13)
+    assert _refused(g, "a", 11) and _refused(g, "a", 13)
+    appended = g.take_fresh()
+    assert appended == {"a": [10, 12]} and g.tops() == {"a": [10, 12]}
+    g.release("a", 13)  # its record is durable: the frame is taken
+    assert g.dirty
+    released = g.take_fresh()
+    assert released == {"a": [10, 13]}  # (10: the one below 11, again)
+    for saves in ([appended, released], [g.tops()]):  # appends, or one compaction
+        again = _restarted(saves, keep=8)
+        assert [_refused(again, "a", s) for s in (10, 12, 13)] == [True, True, True]
+        assert not _refused(again, "a", 11)  # the redelivery of the frame never taken
+    g.release("a", 99)  # a number not held: nothing to do
+    assert g.take_fresh() == {}
+
+
+def test_numbers_saved_after_a_held_one_do_not_make_it_a_replay_after_a_restart() -> None:
+    """A restart refuses every number below the smallest one kept of a sender, so the
+    numbers accepted after a held one must not be saved alone. Pass: the redelivery is
+    taken after a restart whether the held number was the sender's first, or the oldest
+    of the kept ones; with ``keep`` newer numbers accepted since, it is refused (a
+    restart refuses anything that old, saved or not), and the held set stays bounded."""
+    g = ReplayGuard(window=4096, max_skew=10, keep=4)
+    g.track = True
+    g.check("a", 100, 0.0, 0.0)  # the sender's first frame here
+    g.hold("a", 100)
+    assert g.tops() == {"a": [99]}  # (a compaction now: whatever came before stays refused)
+    g.check("a", 101, 0.0, 0.0)  # a heartbeat after it, say
+    first = g.take_fresh()
+    assert first == {"a": [99, 101]}
+    again = _restarted([first], keep=4)
+    assert not _refused(again, "a", 100) and _refused(again, "a", 101)
+
+    g.check("a", 102, 0.0, 0.0)
+    g.check("a", 103, 0.0, 0.0)  # kept: 100 (held) 101 102 103
+    for saves in ([first, g.take_fresh()], [g.tops()]):
+        again = _restarted(saves, keep=4)
+        assert not _refused(again, "a", 100)
+        assert all(_refused(again, "a", s) for s in (101, 102, 103))
+
+    g.check("a", 104, 0.0, 0.0)  # four newer than 100 now
+    assert g.tops() == {"a": [101, 102, 103, 104]} and not g._held
+    assert _refused(_restarted([g.tops()], keep=4), "a", 100)
+
+
 def test_ecdsa_node_key_is_refused_with_advice(pki, tmp_path) -> None:
     # A broker certificate is ECDSA: using it as a node identity says what to do.
     from fedagent.security import pki as pki_mod

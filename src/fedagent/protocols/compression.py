@@ -176,12 +176,15 @@ class Compressor:
                 out.append((TensorSpec(name, dtype, w.shape, "raw", 0, data.nbytes), _bytes(data)))
                 continue
             assert base is not None  # refused above for any mode but "none"
-            d = w.astype(np.float32) - np.asarray(base[name], dtype=np.float32)
+            # Both cast to float32 as they are read, not copied first: one model-sized
+            # temporary (d), not two. (Into an array of w's shape: a 0-d tensor would
+            # otherwise come out a numpy scalar, which the in-place steps below refuse.)
+            d = np.subtract(w, base[name], out=np.empty(w.shape, np.float32), dtype=np.float32)
             if mode == "fp16":
                 q = d.astype("<f2")
                 out.append((TensorSpec(name, dtype, w.shape, "fp16", 0, q.nbytes), _bytes(q)))
             elif mode == "int8":
-                q, scale = quantize_int8(d)
+                q, scale = quantize_int8(d, in_place=True)  # d is this loop's own, unused after
                 out.append((TensorSpec(name, dtype, w.shape, "int8", scale, q.nbytes), _bytes(q)))
             else:
                 if name in self.residual and self.residual[name].shape == d.shape:

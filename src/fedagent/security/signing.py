@@ -377,6 +377,12 @@ class ReplayGuard:
     (at most ``keep`` per sender: only the largest can be among the kept ones), and
     :meth:`merge` folds a journal record in. ``fence``: every frame stamped at or before
     it is a replay (set when a damaged journal may have lost numbers; see there).
+
+    :meth:`hold` keeps an accepted number out of what is saved until :meth:`release`:
+    a frame whose acknowledgement waits for its round journal record. Should that record
+    fail, the broker delivers the frame again, and a restarted receiver must take it; a
+    held number is never saved, so a restart gives it back, while this process, which
+    handed the first copy on, still refuses a second.
     """
 
     def __init__(
@@ -395,6 +401,7 @@ class ReplayGuard:
         self.dirty = False
         self.track = False
         self._fresh: dict[str, list[int]] = {}  # accepted since take_fresh(), when tracked
+        self._held: dict[str, set[int]] = {}  # accepted, kept out of saves (each in _top)
         self.fence = -math.inf
 
     def check(self, sender: str, seq: int, ts: float, now: float) -> None:
@@ -448,19 +455,69 @@ class ReplayGuard:
         if len(top) < self.keep or seq > top[0]:
             bisect.insort(top, seq)
             if len(top) > self.keep:
-                del top[0]
+                # Below the kept ones it is in no save to come: nothing to hold back.
+                self._unhold(sender, top.pop(0))
         self.dirty = True
+        self._note_fresh(sender, seq)
+        if high is None or seq > high:
+            self._highest[sender] = seq
+            floor = seq - self.window
+            if len(seen) > self.window:
+                seen.difference_update([s for s in seen if s <= floor])
+
+    def _note_fresh(self, sender: str, seq: int) -> None:
         if self.track:
             fresh = self._fresh.setdefault(sender, [])
             fresh.append(seq)
             if len(fresh) > 2 * self.keep:
                 fresh.sort()
                 del fresh[: -self.keep]
-        if high is None or seq > high:
-            self._highest[sender] = seq
-            floor = seq - self.window
-            if len(seen) > self.window:
-                seen.difference_update([s for s in seen if s <= floor])
+
+    def hold(self, sender: str, seq: int) -> None:
+        """Keep ``seq``, just accepted by :meth:`check`, out of every save until
+        :meth:`release`: its frame is not taken yet. Never released (its round journal
+        record failed, its acknowledgement withheld), it stays out for good, and a
+        restarted receiver takes the broker's redelivery, unless ``keep`` newer numbers
+        of the sender were saved since (a restart refuses anything older than those)."""
+        fresh = self._fresh.get(sender)
+        if fresh is not None and seq in fresh:
+            fresh.remove(seq)
+        top = self._top.get(sender, [])
+        i = bisect.bisect_left(top, seq)
+        if i < len(top) and top[i] == seq:
+            self._held.setdefault(sender, set()).add(seq)
+
+    def release(self, sender: str, seq: int) -> None:
+        """Save ``seq`` from now on (its frame is taken); a number not held is left as it is."""
+        held = self._held.get(sender)
+        if held is None or seq not in held:
+            return
+        self._unhold(sender, seq)
+        self.dirty = True
+        self._note_fresh(sender, seq)
+
+    def _unhold(self, sender: str, seq: int) -> None:
+        held = self._held.get(sender)
+        if held is not None:
+            held.discard(seq)
+            if not held:
+                del self._held[sender]
+
+    def _below_held(self, sender: str) -> int | None:
+        """A number to save with the sender's numbers above one it holds, if any.
+
+        A restart refuses every number below the smallest one saved of a sender (older
+        ones were not kept): saved alone, the numbers after a held one would make it a
+        replay. So the largest number kept below it goes with them, or, if there is none,
+        the one just below it (a restart refuses that one either way, as it would had the
+        held number been saved)."""
+        held = self._held.get(sender)
+        if not held:
+            return None
+        low = min(held)
+        top = self._top[sender]
+        i = bisect.bisect_left(top, low)
+        return top[i - 1] if i else low - 1
 
     def snapshot(self) -> bytes:
         """What :meth:`restore` needs, as msgpack (``keep`` numbers per sender)."""
@@ -469,15 +526,37 @@ class ReplayGuard:
         return msgpack.packb(self.tops(), use_bin_type=True)
 
     def tops(self) -> dict[str, list[int]]:
-        """Per sender, the ``keep`` largest numbers accepted (what a snapshot holds)."""
-        return {s: list(top) for s, top in self._top.items()}
+        """Per sender, the ``keep`` largest numbers accepted (what a snapshot holds),
+        those held excepted and one below them added (see :meth:`_below_held`)."""
+        tops = {}
+        for sender, top in self._top.items():
+            held = self._held.get(sender)
+            if not held:
+                tops[sender] = list(top)
+                continue
+            kept = [x for x in top if x not in held]
+            below = self._below_held(sender)
+            if below is not None:
+                # (with every kept number held, still one: older numbers stay replays)
+                tops[sender] = kept if below in kept else [below, *kept]
+        return tops
 
     def take_fresh(self) -> dict[str, list[int]]:
         """The numbers accepted since the last call (or snapshot), at most ``keep`` per
-        sender, the largest; clears them and :attr:`dirty`."""
+        sender, the largest, those held excepted; clears them and :attr:`dirty`."""
         fresh, self._fresh = self._fresh, {}
         self.dirty = False
-        return {s: sorted(v)[-self.keep :] for s, v in fresh.items()}
+        taken = {}
+        for sender, seqs in fresh.items():
+            if not seqs:
+                continue
+            numbers = sorted(seqs)[-self.keep :]
+            below = self._below_held(sender)
+            if below is not None and numbers[-1] > below:
+                # (at most keep - 1 numbers lie above a held one: it is among the kept)
+                numbers = sorted({*numbers, below})[-self.keep :]
+            taken[sender] = numbers
+        return taken
 
     def merge(self, doc: dict[str, list[int]]) -> None:
         """Fold numbers in (validated ``{sender: [int, ...]}``, as :meth:`restore` checks):
