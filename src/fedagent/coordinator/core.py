@@ -210,7 +210,7 @@ class CoordinatorCore:
         # The mode's snapshot, taken between events only (never ahead of the disk), and
         # whether events were handled since. ``_idle``: the event loop waits for an item
         # of an empty queue, so the mode's state is settled right now.
-        self._settled: dict[str, Any] = self.mode.snapshot()
+        self._settled: dict[str, Any] = self._take_snapshot()
         self._snapshot_at = time.monotonic()
         self._stale = False
         self._idle = False
@@ -225,8 +225,14 @@ class CoordinatorCore:
             self._snapshot(time.monotonic())
         return self._settled
 
+    def _take_snapshot(self) -> dict[str, Any]:
+        # The agents' evaluations go with the mode's state of the same moment: a held-out
+        # line read live beside a snapshot up to SNAPSHOT_EVERY_S old could name a model
+        # version newer than the one status shows.
+        return {**self.mode.snapshot(), "held_out": self.held_out.summary()}
+
     def _snapshot(self, now: float) -> None:
-        self._settled = self.mode.snapshot()
+        self._settled = self._take_snapshot()
         self._snapshot_at = now
         self._stale = False
 
@@ -470,7 +476,6 @@ class CoordinatorCore:
             "reconnects": self.transport.reconnects,
             "last_error": self.transport.last_error,
             **self.settled,
-            "held_out": self.held_out.summary(),
             "mdns_interfaces": list(self.cfg.interfaces),
             "peers": self.peer_table(),
             "refused_agents": self.admission.status(),
