@@ -9,6 +9,7 @@ from typing import Any
 
 from fedagent.coordinator import core as core_module
 from fedagent.coordinator.core import CoordinatorCore, LivenessCheck
+from fedagent.protocols.evaluation import HeldOut
 
 
 class CountingMode:
@@ -42,7 +43,8 @@ def bare_core(mode: CountingMode) -> CoordinatorCore:
     core.queue = asyncio.Queue()
     core.journaled_queued = 0
     core.mode = mode  # type: ignore[assignment]
-    core._settled = mode.snapshot()
+    core.held_out = HeldOut()
+    core._settled = core._take_snapshot()
     core._snapshot_at = 0.0
     core._stale = False
     core._idle = False
@@ -64,9 +66,9 @@ def test_a_burst_of_events_builds_the_snapshot_once_and_a_reader_between_events_
         await asyncio.sleep(0.05)
         assert mode.handled == 50
         assert mode.built == 1  # the one at construction: none per event, none for the burst
-        assert core.settled == {"handled": 50}  # read between events: built now
+        assert core.settled == {"handled": 50, "held_out": {}}  # read between events: built now
         assert mode.built == 2
-        assert core.settled == {"handled": 50} and mode.built == 2  # nothing new: not again
+        assert core.settled == {"handled": 50, "held_out": {}} and mode.built == 2  # nothing new: not again
         task.cancel()
         if core._snapshot_wake is not None:
             core._snapshot_wake.cancel()
@@ -84,15 +86,18 @@ def test_a_reader_in_the_middle_of_an_event_gets_the_last_settled_snapshot(monke
         core.queue.put_nowait(object())
         await asyncio.sleep(0.05)
         before = core.settled
-        assert before == {"handled": 1}
+        assert before == {"handled": 1, "held_out": {}}
         mode.hold = asyncio.Event()
         core.queue.put_nowait(object())
         await mode.in_event.wait()
-        # The mode counted the event, but its disk work is not done: not shown yet.
+        # The mode counted the event, but its disk work is not done: not shown yet, and
+        # neither is an evaluation taken meanwhile (its version would be newer than the
+        # one the kept snapshot shows).
+        core.held_out.add("agent-1", 2, 10, {"accuracy": 0.9})
         assert mode.handled == 2 and core.settled == before
         mode.hold.set()
         await asyncio.sleep(0.05)
-        assert core.settled == {"handled": 2}
+        assert core.settled["handled"] == 2 and core.settled["held_out"]["model_version"] == 2
         task.cancel()
         if core._snapshot_wake is not None:
             core._snapshot_wake.cancel()
@@ -110,7 +115,7 @@ def test_while_events_keep_coming_the_kept_snapshot_is_refreshed_in_time(monkeyp
         core.queue.put_nowait(LivenessCheck(0.0))  # (not the mode's: the core's own item)
         core.queue.put_nowait(object())
         await asyncio.sleep(0.2)  # nobody reads: the timer refreshes it once the time is up
-        assert core._settled == {"handled": 1} and not core._stale
+        assert core._settled == {"handled": 1, "held_out": {}} and not core._stale
         task.cancel()
 
     asyncio.run(run())
