@@ -49,6 +49,7 @@ def bare_core(mode: CountingMode) -> CoordinatorCore:
     core._stale = False
     core._idle = False
     core._snapshot_wake = None
+    core._readers = []
     core._check_liveness = lambda item, now: asyncio.sleep(0)  # type: ignore[method-assign]
     return core
 
@@ -116,6 +117,31 @@ def test_while_events_keep_coming_the_kept_snapshot_is_refreshed_in_time(monkeyp
         core.queue.put_nowait(object())
         await asyncio.sleep(0.2)  # nobody reads: the timer refreshes it once the time is up
         assert core._settled == {"handled": 1, "held_out": {}} and not core._stale
+        task.cancel()
+
+    asyncio.run(run())
+
+
+def test_a_status_reader_in_the_middle_of_an_event_gets_the_snapshot_taken_when_it_ends(monkeypatch):
+    """What status shows is never older than the reader's request: a reader that comes
+    while an event is handled waits for its end (not for the next timed refresh)."""
+    monkeypatch.setattr(core_module, "SNAPSHOT_EVERY_S", 3600.0)
+
+    async def run() -> None:
+        mode = CountingMode()
+        core = bare_core(mode)
+        task = asyncio.create_task(core._process())
+        core.queue.put_nowait(object())
+        assert (await core.settled_for_reader(wait=30))["handled"] == 1
+        mode.hold = asyncio.Event()
+        core.queue.put_nowait(object())
+        await mode.in_event.wait()
+        reader = asyncio.create_task(core.settled_for_reader(wait=30))
+        await asyncio.sleep(0)
+        assert not reader.done()  # the event is not over
+        mode.hold.set()
+        shown = await asyncio.wait_for(reader, 30)
+        assert shown["handled"] == 2 and mode.built == 3
         task.cancel()
 
     asyncio.run(run())

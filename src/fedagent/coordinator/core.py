@@ -82,6 +82,9 @@ class LivenessCheck:
 #: them), it made a round of N updates O(N²) at the coordinator. A reader that comes
 #: between events gets one built on the spot (:attr:`CoordinatorCore.settled`).
 SNAPSHOT_EVERY_S = 1.0
+#: A status reader that comes in the middle of an event waits at most this long for it
+#: to end (a round's aggregation, a checkpoint), then gets the last snapshot kept.
+READER_WAIT_S = 2.0
 
 
 class Mode(Protocol):
@@ -213,8 +216,9 @@ class CoordinatorCore:
         self._settled: dict[str, Any] = self._take_snapshot()
         self._snapshot_at = time.monotonic()
         self._stale = False
-        self._idle = False
+        self._idle = True  # (until the event loop starts, nothing moves)
         self._snapshot_wake: asyncio.TimerHandle | None = None
+        self._readers: list[asyncio.Future[None]] = []  # status readers waiting for the end of an event
 
     # -- the status snapshot -------------------------------------------------------------
     @property
@@ -224,6 +228,21 @@ class CoordinatorCore:
         if self._stale and self._idle:
             self._snapshot(time.monotonic())
         return self._settled
+
+    async def settled_for_reader(self, wait: float = READER_WAIT_S) -> dict[str, Any]:
+        """The snapshot for a status reader: one built now if the event loop is between
+        events; in the middle of one, one built as soon as the queue is empty again (at
+        most ``wait`` later, else the last one). Kept snapshots are refreshed at most
+        every SNAPSHOT_EVERY_S, but a reader sees what the events before its request
+        did, as it did when a snapshot followed every burst of events."""
+        if not self._idle:
+            done = asyncio.get_running_loop().create_future()
+            self._readers.append(done)
+            try:
+                await asyncio.wait_for(done, wait)
+            except TimeoutError:
+                pass
+        return self.settled
 
     def _take_snapshot(self) -> dict[str, Any]:
         # The agents' evaluations go with the mode's state of the same moment: a held-out
@@ -242,7 +261,13 @@ class CoordinatorCore:
         passed since the last one."""
         self._stale = True
         wait = self._snapshot_at + SNAPSHOT_EVERY_S - now
-        if wait <= 0:
+        if self._readers:
+            self._snapshot(now)
+            for done in self._readers:
+                if not done.done():
+                    done.set_result(None)
+            self._readers.clear()
+        elif wait <= 0:
             self._snapshot(now)
         elif self._snapshot_wake is None:
             self._snapshot_wake = asyncio.get_running_loop().call_later(wait, self._snapshot_due)
@@ -475,7 +500,7 @@ class CoordinatorCore:
             "broker_silent_s": None if silent is None else round(silent, 1),
             "reconnects": self.transport.reconnects,
             "last_error": self.transport.last_error,
-            **self.settled,
+            **(await self.settled_for_reader()),
             "mdns_interfaces": list(self.cfg.interfaces),
             "peers": self.peer_table(),
             "refused_agents": self.admission.status(),
