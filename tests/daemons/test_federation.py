@@ -164,9 +164,12 @@ def test_rounds_leave_their_critical_path_in_the_history(federation):
         assert m["start"] <= m["broadcast"] <= m["aggregated"] <= m["checkpointed"]
         assert sorted(m["updates"]) == sorted(r["participants"])
         assert all(m["broadcast"] <= t <= m["aggregated"] for t in m["updates"].values())
-        # every update frame journaled, and synced in groups (never more syncs than frames)
+        # every update frame journaled, and synced in groups (never more syncs than frames;
+        # none when the round was aggregated before its first group fell due: its frames
+        # are then settled by the checkpoint, or synced when the replay guard's numbers go
+        # to disk, after this line is written)
         syncs = r["syncs"]
-        assert syncs["frames"] >= len(r["participants"]) and 1 <= syncs["journal"] <= syncs["frames"]
+        assert syncs["frames"] >= len(r["participants"]) and 0 <= syncs["journal"] <= syncs["frames"]
     checked = 0
     for aid in fed.agent_ids:
         # The agent scores each global model in a low-priority thread after its update is

@@ -28,7 +28,7 @@ from fedagent.protocols.rounds import (
     UpdateReceived,
     Wakeup,
 )
-from fedagent.protocols.rounds.bounds import Bench, lower_median
+from fedagent.protocols.rounds.bounds import Bench, Influence, lower_median
 from fedagent.protocols.streaming import (
     HEAD_KIND,
     StreamIntake,
@@ -397,3 +397,17 @@ def test_an_agent_reading_only_whole_models_the_quorum_needs_gets_every_round_st
         cmds = []
         for a in start.selected:
             cmds += m.handle(UpdateReceived(a, r, start.model_version, 10, const(float(r)), {}), float(r))
+
+
+def test_the_weight_cap_follows_announcements_made_during_the_round():
+    """The median the cap is taken from is kept between updates, and taken again when an
+    announcement changes the counts (a selected agent whose presence comes late)."""
+    inf = Influence(RoundConfig(rounds=2, min_agents=3, expected_agents=3, weight_cap=2.0, server_momentum=0.0))
+    inf.open(["a", "b", "c"], {"a": 100, "b": 0, "c": 0})
+    assert inf.samples("a", 100) == 100  # the only count known: the median is 100
+    inf.announce("b", 10)
+    inf.announce("c", 10)
+    assert inf.samples("b", 10) == 10
+    assert inf.samples("a", 100) == 20  # capped at 2 × the median of 100, 10, 10
+    inf.open(["a", "b"], {"a": 100, "b": 100})
+    assert inf.samples("a", 100) == 100

@@ -230,15 +230,18 @@ def test_a_chunked_update_journaled_before_a_crash_is_handed_on_once_after_it(pk
     asyncio.run(run())
 
 
-def test_with_grouped_syncs_no_sequence_number_is_durable_before_its_frames_record(pki, tmp_path):
+def test_with_grouped_syncs_no_sequence_number_is_durable_before_its_frames_record(pki, tmp_path, monkeypatch):
     """Frames are written unsynced and acknowledged after their group's sync; the replay
-    guard's numbers go to disk when a stream starts. The messenger asks for the journal's
-    flush first, so after a power cut (unsynced writes gone) no frame the broker delivers
-    again meets a number already on disk."""
+    guard's numbers of journaled frames go to disk later (the journal gives them back
+    after a crash): not on the receive path, but within LAZY_DURABLE_S, and at once when
+    the journal is about to drop frames (``persist_replay``). Each time the messenger
+    asks for the journal's flush first, so after a power cut (unsynced writes gone) no
+    frame the broker delivers again meets a number already on disk."""
     import asyncio
 
     from fedfixtures import COORDINATOR, FEDERATION
 
+    from fedagent.node import messaging
     from fedagent.node.messaging import Messenger
     from fedagent.protocols import topics
     from fedagent.protocols.messages import Update
@@ -291,19 +294,104 @@ def test_with_grouped_syncs_no_sequence_number_is_durable_before_its_frames_reco
         commit = m.replay_journal.commit
 
         def recorded_commit() -> None:
-            order.append(f"replay commit (frames synced: {synced}, written: {written})")
-            assert synced == written, "the replay guard's numbers would be durable before their frames"
+            if m.replay_journal.guard.dirty:  # (otherwise it writes nothing)
+                order.append(f"replay commit (frames synced: {synced}, written: {written})")
+                assert synced == written, "the replay guard's numbers would be durable before their frames"
             commit()
 
         m.journal = keep
         m.before_replay_commit = flush
         m.replay_journal.commit = recorded_commit  # type: ignore[method-assign]
         m.on_stream = lambda events: asyncio.sleep(0)
-        gates = [await m.receive(t, p, lambda inc: asyncio.sleep(0)) for t, p in wire.frames]
+        monkeypatch.setattr(messaging, "LAZY_DURABLE_S", 0.05)
+        half = len(wire.frames) // 2
+        gates = [await m.receive(t, p, lambda inc: asyncio.sleep(0)) for t, p in wire.frames[:half]]
         assert all(g is not None and not g.done() for g in gates)  # none acknowledged by receive itself
-        # one stream start per agent, each flushed first
+        assert not any(o.startswith("replay commit") for o in order)  # not one per stream start
+        await asyncio.sleep(0.3)  # the lazy commit, after a flush
+        assert order[-2:] == [f"sync {half}", f"replay commit (frames synced: {half}, written: {half})"]
+        for t, p in wire.frames[half:]:
+            await m.receive(t, p, lambda inc: asyncio.sleep(0))
+        await m.persist_replay()  # a round journal about to drop its frames
+        n = len(wire.frames)
+        assert order[-2:] == [f"sync {n}", f"replay commit (frames synced: {n}, written: {n})"]
+        assert not m.replay_journal.guard.dirty
+        await asyncio.sleep(0.2)  # the lazy commit still due finds nothing to do
         assert sum(o.startswith("replay commit") for o in order) == 2
-        assert order.index("sync 1") < order.index("replay commit (frames synced: 1, written: 1)")
+
+    asyncio.run(run())
+
+
+def test_a_lazy_replay_commit_waits_for_a_frame_on_its_way_into_the_journal(pki, tmp_path, monkeypatch):
+    """A frame whose number the replay guard took but that waits to be written (the
+    journal is busy starting a round): a lazy commit then would make its number durable
+    before its record, and the broker's redelivery after a crash would be refused as a
+    replay. The commit waits until the frame is through."""
+    import asyncio
+
+    from fedfixtures import COORDINATOR, FEDERATION
+
+    from fedagent.node import messaging
+    from fedagent.node.messaging import Messenger
+    from fedagent.protocols import topics
+    from fedagent.protocols.messages import Update
+    from fedagent.security.signing import Identity
+
+    def ident(name: str) -> Identity:
+        tls = pki.issue(name, "coordinator" if name == COORDINATOR else "agent")
+        return Identity.load(tls.cert, tls.key, tls.ca)
+
+    state = tmp_path / "coord"
+    state.mkdir()
+    monkeypatch.setattr(messaging, "LAZY_DURABLE_S", 0.02)
+
+    async def run() -> None:
+        wire = Capture()
+        sender = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=ident("agent-a"))
+        topic = topics.direct(FEDERATION, "agent-a", COORDINATOR, "update")
+        for r in (3, 4):
+            await sender.send(topic, Update(r, 2, 10, {}, {"w": np.ones(10, np.float32)}), round_=r)
+        m = Messenger(
+            federation=FEDERATION,
+            node_id=COORDINATOR,
+            transport=Capture(),
+            identity=ident(COORDINATOR),
+            state_dir=state,
+        )
+        journal = RoundJournal(state / "round-journal", max_frame=1 << 20)
+        journal.begin(3, 2, ("agent-a",))
+        busy = asyncio.Event()
+        written: list[int] = []
+        commits: list[list[int]] = []
+
+        async def keep(topic, payload, env):
+            if env.round == 4:
+                await busy.wait()  # the journal's lock, held while a round starts
+            journal.write(topic, payload)
+            written.append(env.round)
+            return asyncio.get_running_loop().create_future()
+
+        async def flush() -> None:
+            journal.sync()
+
+        commit = m.replay_journal.commit
+
+        def recorded_commit() -> None:
+            commits.append(list(written))
+            commit()
+
+        m.journal = keep
+        m.before_replay_commit = flush
+        m.replay_journal.commit = recorded_commit  # type: ignore[method-assign]
+        (t1, p1), (t2, p2) = wire.frames
+        await m.receive(t1, p1, lambda inc: asyncio.sleep(0))
+        second = asyncio.create_task(m.receive(t2, p2, lambda inc: asyncio.sleep(0)))
+        await asyncio.sleep(0.2)  # the lazy commit falls due while the second frame waits
+        assert commits == []
+        busy.set()
+        await second
+        await asyncio.sleep(0.2)
+        assert commits == [[3, 4]]
 
     asyncio.run(run())
 
@@ -311,9 +399,9 @@ def test_with_grouped_syncs_no_sequence_number_is_durable_before_its_frames_reco
 def test_a_journaled_update_is_counted_in_hand_until_delivered_and_marked_journaled(pki, tmp_path):
     """A journal may be replaced only when no journaled frame is on its way to the round
     logic: the messenger counts a journaled frame from the journal's hook until its
-    message is delivered (across the replay guard's flush, where other work runs), and
-    marks the delivered message as journaled (the queue that holds it counts it next);
-    a frame it does not journal is neither counted nor marked."""
+    message is delivered, and marks the delivered message as journaled (the queue that
+    holds it counts it next); a frame it does not journal is neither counted nor marked,
+    and its number is made durable (the replay guard's flush) before it is delivered."""
     import asyncio
 
     from fedfixtures import COORDINATOR, FEDERATION
@@ -363,10 +451,11 @@ def test_a_journaled_update_is_counted_in_hand_until_delivered_and_marked_journa
         m.journal = keep
         m.before_replay_commit = flush
         await m.receive(t1, p1, deliver)
-        assert seen == [("flush", 1), ("deliver", 1)] and m.journaled_in_hand == 0
+        # (journaled: its number is committed later, the journal gives it back after a crash)
+        assert seen == [("deliver", 1)] and m.journaled_in_hand == 0
         seen.clear()
         await m.receive(t2, p2, deliver)
-        assert ("deliver", 0) in seen and m.journaled_in_hand == 0
+        assert seen == [("flush", 0), ("deliver", 0)] and m.journaled_in_hand == 0
 
     asyncio.run(run())
 
@@ -417,3 +506,55 @@ def test_a_frame_the_journal_cannot_take_is_handed_on_but_never_acknowledged(tmp
         durable.journal.close()
 
     asyncio.run(run())
+
+
+def test_a_past_journal_gives_its_numbers_to_the_replay_guard_before_it_is_ended(pki, tmp_path):
+    """The numbers of journaled frames reach the replay guard's file lazily: a restart
+    that finds the journal past (its round already in the checkpoint) records them before
+    it ends the journal, so a frame of that round sent again is still a replay."""
+    import asyncio
+
+    from fedfixtures import COORDINATOR, FEDERATION
+
+    from fedagent.coordinator.durability import DurableJournal
+    from fedagent.node.messaging import Messenger
+    from fedagent.protocols import topics
+    from fedagent.protocols.codec import decode
+    from fedagent.protocols.messages import Update
+    from fedagent.security.replaylog import ReplayJournal
+    from fedagent.security.signing import AuthError, Identity, ReplayGuard
+
+    tls = pki.issue("agent-a", "agent")
+
+    async def frames() -> list[tuple[str, bytes]]:
+        wire = Capture()
+        sender = Messenger(
+            federation=FEDERATION, node_id="agent-a", transport=wire, identity=Identity.load(tls.cert, tls.key, tls.ca)
+        )
+        topic = topics.direct(FEDERATION, "agent-a", COORDINATOR, "update")
+        await sender.send(topic, Update(3, 2, 10, {}, {"w": np.ones(10, np.float32)}), round_=3)
+        return wire.frames
+
+    sent = asyncio.run(frames())
+    journal = RoundJournal(tmp_path / "round-journal", max_frame=1 << 20)
+    journal.begin(3, 2, ("agent-a",))
+    for t, p in sent:
+        journal.write(t, p)
+    journal.sync()
+    journal.close()
+
+    guard = ReplayGuard()
+    replay = ReplayJournal(tmp_path / "replay-guard.msgpack", guard, clock=lambda: 0.0)
+    replay.load()
+    durable = DurableJournal(tmp_path / "round-journal", max_frame=1 << 20, per_sender=1 << 30, replay=replay)
+    assert durable.recover(4, 3, resumable=True, checkpoint_round=3) is None  # past: round 3 is checkpointed
+    assert durable.journal.round is None
+    replay.close()
+
+    restarted = ReplayGuard()
+    again = ReplayJournal(tmp_path / "replay-guard.msgpack", restarted, clock=lambda: 0.0)
+    again.load()
+    env = decode(sent[0][1])
+    with pytest.raises(AuthError, match="replay"):
+        restarted.check(env.sender, env.seq, env.ts, env.ts)
+    again.close()

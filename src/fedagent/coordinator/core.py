@@ -76,6 +76,17 @@ class LivenessCheck:
     at: float
 
 
+#: While events keep coming, the status snapshot kept for readers that come in the middle
+#: of an event is refreshed at most this often. A snapshot sorts the agent lists (O(N)):
+#: refreshed after every update that arrived on its own (an empty queue between most of
+#: them), it made a round of N updates O(N²) at the coordinator. A reader that comes
+#: between events gets one built on the spot (:attr:`CoordinatorCore.settled`).
+SNAPSHOT_EVERY_S = 1.0
+#: A status reader that comes in the middle of an event waits at most this long for it
+#: to end (a round's aggregation, a checkpoint), then gets the last snapshot kept.
+READER_WAIT_S = 2.0
+
+
 class Mode(Protocol):
     """The round logic of one coordinated mode, driven by :class:`CoordinatorCore`.
 
@@ -199,7 +210,73 @@ class CoordinatorCore:
         # Network input waits until the journaled frames have been handed on again.
         self._recovered = asyncio.Event()
         self.mode: Mode = make_mode(self)
-        self.settled: dict[str, Any] = self.mode.snapshot()
+        # The mode's snapshot, taken between events only (never ahead of the disk), and
+        # whether events were handled since. ``_idle``: the event loop waits for an item
+        # of an empty queue, so the mode's state is settled right now.
+        self._settled: dict[str, Any] = self._take_snapshot()
+        self._snapshot_at = time.monotonic()
+        self._stale = False
+        self._idle = True  # (until the event loop starts, nothing moves)
+        self._snapshot_wake: asyncio.TimerHandle | None = None
+        self._readers: list[asyncio.Future[None]] = []  # status readers waiting for the end of an event
+
+    # -- the status snapshot -------------------------------------------------------------
+    @property
+    def settled(self) -> dict[str, Any]:
+        """What ``status`` shows of the mode: built now if the event loop is between events
+        and events came since the last one, else the one taken at the last settled moment."""
+        if self._stale and self._idle:
+            self._snapshot(time.monotonic())
+        return self._settled
+
+    async def settled_for_reader(self, wait: float = READER_WAIT_S) -> dict[str, Any]:
+        """The snapshot for a status reader: one built now if the event loop is between
+        events; in the middle of one, one built as soon as the queue is empty again (at
+        most ``wait`` later, else the last one). Kept snapshots are refreshed at most
+        every SNAPSHOT_EVERY_S, but a reader sees what the events before its request
+        did, as it did when a snapshot followed every burst of events."""
+        if not self._idle:
+            done = asyncio.get_running_loop().create_future()
+            self._readers.append(done)
+            try:
+                await asyncio.wait_for(done, wait)
+            except TimeoutError:
+                pass
+        return self.settled
+
+    def _take_snapshot(self) -> dict[str, Any]:
+        # The agents' evaluations go with the mode's state of the same moment: a held-out
+        # line read live beside a snapshot up to SNAPSHOT_EVERY_S old could name a model
+        # version newer than the one status shows.
+        return {**self.mode.snapshot(), "held_out": self.held_out.summary()}
+
+    def _snapshot(self, now: float) -> None:
+        self._settled = self._take_snapshot()
+        self._snapshot_at = now
+        self._stale = False
+
+    def _events_done(self, now: float) -> None:
+        """The queue is empty after an event: the state is settled. The snapshot kept for
+        readers in the middle of an event is refreshed now, or once SNAPSHOT_EVERY_S has
+        passed since the last one."""
+        self._stale = True
+        wait = self._snapshot_at + SNAPSHOT_EVERY_S - now
+        if self._readers:
+            self._snapshot(now)
+            for done in self._readers:
+                if not done.done():
+                    done.set_result(None)
+            self._readers.clear()
+        elif wait <= 0:
+            self._snapshot(now)
+        elif self._snapshot_wake is None:
+            self._snapshot_wake = asyncio.get_running_loop().call_later(wait, self._snapshot_due)
+
+    def _snapshot_due(self) -> None:
+        self._snapshot_wake = None
+        if self._stale and self._idle:
+            self._snapshot(time.monotonic())
+        # (in the middle of an event: taken when the queue is empty again)
 
     # -- for the modes -----------------------------------------------------------------
     def reject(self, sender: str, reason: str, detail: str, **where: int) -> None:
@@ -314,7 +391,11 @@ class CoordinatorCore:
         mode = self.mode
         await mode.start(time.monotonic())
         while True:
+            # (get() returns at once while items wait: only a reader that comes while the
+            # queue is empty sees it idle)
+            self._idle = True
             item = await self.queue.get()
+            self._idle = False
             now = time.monotonic()
             if isinstance(item, Net):
                 inc = item.incoming
@@ -382,10 +463,9 @@ class CoordinatorCore:
                 await mode.on_item(item, now)
             # Streamed parts are chunk-sized views: dropped as soon as they are folded.
             del item
-            # A snapshot sorts the agent lists: O(N) per event would make a round of N
-            # updates O(N²). Refreshed when the burst is over, it is still never ahead of the disk.
+            # A snapshot sorts the agent lists: not per event (see SNAPSHOT_EVERY_S).
             if self.queue.empty():
-                self.settled = mode.snapshot()
+                self._events_done(time.monotonic())
 
     async def _refused(self, agent: str, msg: Presence, now: float) -> bool:
         """Whether ``agent``'s presence is refused (:mod:`.admission`): the mode then sees
@@ -420,8 +500,7 @@ class CoordinatorCore:
             "broker_silent_s": None if silent is None else round(silent, 1),
             "reconnects": self.transport.reconnects,
             "last_error": self.transport.last_error,
-            **self.settled,
-            "held_out": self.held_out.summary(),
+            **(await self.settled_for_reader()),
             "mdns_interfaces": list(self.cfg.interfaces),
             "peers": self.peer_table(),
             "refused_agents": self.admission.status(),
@@ -522,6 +601,8 @@ class CoordinatorCore:
             sdnotify.stopping()
             if self._liveness_handle is not None:
                 self._liveness_handle.cancel()
+            if self._snapshot_wake is not None:
+                self._snapshot_wake.cancel()
             self.mode.close()
             self.messenger.close()
             try:

@@ -23,12 +23,12 @@ import collections
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from fedagent.errors import AckWithheld, StateWriteError
-from fedagent.protocols.codec import Envelope
+from fedagent.errors import AckWithheld, CodecError, StateWriteError
+from fedagent.protocols.codec import Envelope, Limits, decode
 from fedagent.protocols.groupcommit import GroupCommit, GroupPolicy
 from fedagent.protocols.messages import Update
 from fedagent.protocols.streaming import STREAM_KIND
@@ -77,6 +77,11 @@ class DurableJournal:
         self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
         self._sync_task: asyncio.Task[None] | None = None
         self._sync_timer: asyncio.TimerHandle | None = None
+        # Makes the replay guard's numbers durable (the messenger's persist_replay). The
+        # numbers of journaled frames are committed lazily: after a crash the journal
+        # gives them back. So before it drops frames (a round begins or ends, a rewrite)
+        # their numbers go to the replay guard's own journal.
+        self.before_drop: Callable[[], Awaitable[None]] | None = None
 
     # -- the messenger's hooks -----------------------------------------------------------
     async def frame(self, topic: str, payload: bytes | bytearray, env: Envelope) -> asyncio.Future[None] | None:
@@ -143,19 +148,37 @@ class DurableJournal:
             model_version,
             checkpoint_round,
         )
-        self.journal.end()
+        self.end_past()
         return None
+
+    def end_past(self) -> None:
+        """After a restart, a journal whose frames are not handed on again: their numbers
+        go into the replay guard's journal first (they are committed lazily, and a crash
+        may have come before), then the journal is ended."""
+        if self.replay is not None and self.journal.frames:
+            limits = Limits(max_message_bytes=self.journal.max_frame, max_bin_len=self.journal.max_frame)
+            for _topic, payload in self.journal.frames_of():
+                try:
+                    # (its own CRC-checked file: each frame was verified when it came)
+                    env = decode(payload, limits, views=True)
+                except CodecError:
+                    continue
+                self.replay.guard.record(env.sender, env.seq)
+            self.replay.commit()
+        self.journal.end()
 
     # -- the round's start and end -------------------------------------------------------
     async def begin(self, round_: int, model_version: int, selected: tuple[str, ...]) -> None:
         """A new round: its start record replaces the journal, durable on return."""
         async with self._lock:
+            await self._before_drop()
             await asyncio.to_thread(self.journal.begin, round_, model_version, selected)
             self._settled()
 
     async def end(self) -> None:
         """The round is in the checkpoint, or abandoned: the journal is ended."""
         async with self._lock:
+            await self._before_drop()
             await asyncio.to_thread(self.journal.end)
             self._settled()
 
@@ -166,6 +189,7 @@ class DurableJournal:
             inflight = self.journal.round
             if inflight is None or inflight.round != round_:
                 return
+            await self._before_drop()
             await asyncio.to_thread(self.journal.end)
             self._settled()
 
@@ -187,6 +211,8 @@ class DurableJournal:
             journal.rewrite_write(mark, start, kept)
 
         try:
+            # The frames before the mark may be dropped: their numbers first.
+            await self._before_drop()
             # (a worker thread: the event loop goes on reading and journaling frames)
             await asyncio.to_thread(write)
             async with self._lock:
@@ -201,6 +227,10 @@ class DurableJournal:
             journal.rewrite_abandon(mark)
             raise
         return True
+
+    async def _before_drop(self) -> None:
+        if self.before_drop is not None:
+            await self.before_drop()
 
     def _settled(self) -> None:
         # The frames written so far belong to a round that is now in the checkpoint (or
@@ -298,7 +328,7 @@ def _withheld(exc: StateWriteError) -> asyncio.Future[None]:
 
 def _in_round(env: Envelope, inflight: InFlight) -> bool:
     """A frame of the round in flight from an agent selected for it."""
-    return env.round == inflight.round and env.sender in inflight.selected
+    return env.round == inflight.round and env.sender in inflight.members
 
 
 def reconcile_history(history: History, meta: dict[str, Any]) -> None:

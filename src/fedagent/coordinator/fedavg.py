@@ -128,6 +128,7 @@ class FedAvgMode:
         self._resume: InFlight | None = None
         core.messenger.journal = self.durability.frame
         core.messenger.before_replay_commit = self.durability.flush
+        self.durability.before_drop = core.messenger.persist_replay
         # The agents' evaluations (one per agent and model, arriving while the next
         # round's updates come in) reach the replay guard's journal within a second, not
         # with an fdatasync each on the intake's path: replayed after a crash, one could

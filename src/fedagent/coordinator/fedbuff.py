@@ -107,6 +107,7 @@ class AsyncMode:
         self.journal_rewrites = 0
         core.messenger.journal = self.durability.frame
         core.messenger.before_replay_commit = self.durability.flush
+        self.durability.before_drop = core.messenger.persist_replay
         core.messenger.lazy_durable_kinds = core.messenger.lazy_durable_kinds | {Evaluation.kind}
         # A stream that stops for this long is over (its sender's link went down): a
         # model waits for the streams being added, so a silent one must not hold it long.

@@ -109,6 +109,7 @@ class SiteMode:
         self.journal = self.durability.journal
         core.messenger.journal = self.durability.frame
         core.messenger.before_replay_commit = self.durability.flush
+        self.durability.before_drop = core.messenger.persist_replay
         self.timer = Timer(core.queue, R.Wakeup())
         core.transport.hold_limit = 1
         model = core.task.build_model()
@@ -254,7 +255,7 @@ class SiteMode:
                 return
         log.warning("site round %d not resumed, its work is dropped: %s", inflight.round, why)
         self.core.history.append({"event": "site_dropped", "round": inflight.round, "reason": why})
-        self.journal.end()
+        self.durability.end_past()
 
     def _load_state(self) -> dict[str, Any]:
         raw = read_bytes(self.state_path, 1 << 20)

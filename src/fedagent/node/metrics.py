@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -42,6 +43,9 @@ class NodeMetrics:
             return Counter(name, doc, [*labels, *extra], registry=r)
 
         self._labels = labels
+        # The per-direction series of the counters every frame moves, looked up once:
+        # ``labels()`` checks and joins the label values each time (12 µs a frame).
+        self._directed: dict[tuple[Counter, str], Any] = {}
         self.rounds = counter("fedagent_rounds_completed", "rounds aggregated (coordinator) or trained (agent)")
         self.round = gauge("fedagent_round", "current round number")
         self.model_version = gauge("fedagent_model_version", "version of the latest global model")
@@ -179,17 +183,23 @@ class NodeMetrics:
     def set_model_version(self, version: int) -> None:
         self.model_version.labels(**self._labels).set(version)
 
+    def _direction(self, counter: Counter, direction: str) -> Any:
+        child = self._directed.get((counter, direction))
+        if child is None:
+            child = self._directed[(counter, direction)] = counter.labels(**self._labels, direction=direction)
+        return child
+
     def add_bytes(self, in_: int = 0, out: int = 0) -> None:
         if in_:
-            self.bytes.labels(**self._labels, direction="in").inc(in_)
+            self._direction(self.bytes, "in").inc(in_)
         if out:
-            self.bytes.labels(**self._labels, direction="out").inc(out)
+            self._direction(self.bytes, "out").inc(out)
 
     def message_in(self) -> None:
-        self.messages.labels(**self._labels, direction="in").inc()
+        self._direction(self.messages, "in").inc()
 
     def message_out(self) -> None:
-        self.messages.labels(**self._labels, direction="out").inc()
+        self._direction(self.messages, "out").inc()
 
     def rejected(self, reason: str) -> None:
         self.rejected_total.labels(**self._labels, reason=reason).inc()

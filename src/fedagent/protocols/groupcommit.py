@@ -37,8 +37,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class GroupPolicy:
     """When a sync is due. With the defaults, a 4.3 MB update in 540 KB chunks (8-9
-    frames, 20-40 ms apart while the agents train) takes one or two syncs: its first
-    frame's barrier (the replay guard) and one when the delay runs out. The delay only
+    frames, 20-40 ms apart while the agents train) takes one or two syncs: one when the
+    delay runs out, and maybe the replay guard's barrier (its lazy commit, once a second). The delay only
     holds back acknowledgements (the frames are handed on when written); it bounds how
     long the broker keeps a frame in flight for the coordinator."""
 

@@ -77,6 +77,11 @@ class InFlight:
     round: int
     model_version: int
     selected: tuple[str, ...]
+    # The same as a set: every update frame asks whether its sender is selected.
+    members: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "members", frozenset(self.selected))
 
 
 def _start(doc: object) -> InFlight:

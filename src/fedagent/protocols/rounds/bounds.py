@@ -83,6 +83,11 @@ class Influence:
             (tuple(float(x) for x in r) for r in list(history)[-window:]), maxlen=window
         )
         self._announced: dict[str, int] = {}
+        # The lower median of the positive announced counts (None: there are none), read
+        # for every update's weight; taken again only after the counts changed (sorting
+        # the N counts per update made a round of N updates O(N² log N)).
+        self._median: float | None = None
+        self._median_stale = True
         self.bound: float | None = None  # this round's, from earlier rounds (None: warming up, or off)
         self._norms: dict[str, float] = {}  # accepted this round: agent -> distance as folded
         self.bounded: dict[str, dict[str, float]] = {}  # this round: agent -> what was bounded
@@ -96,6 +101,7 @@ class Influence:
     def open(self, agents: Iterable[str], announced: Mapping[str, int]) -> None:
         """A round starts with ``agents``; ``announced``: the samples their presence said."""
         self._announced = {a: max(0, int(announced.get(a, 0))) for a in agents}
+        self._median_stale = True
         self.bound = self._window_bound()
         self._norms = {}
         self.bounded = {}
@@ -107,6 +113,7 @@ class Influence:
         known = self._announced.get(agent)
         if (known == 0 or (known is None and joins)) and samples > 0:
             self._announced[agent] = int(samples)
+            self._median_stale = True
 
     def samples(self, agent: str, claimed: int) -> int:
         """The weight ``agent``'s update carries for ``claimed`` samples."""
@@ -116,12 +123,19 @@ class Influence:
         own = self._announced.get(agent, 0)
         if own > 0:
             used = min(used, own)
-        known = [v for v in self._announced.values() if v > 0]
-        if known:
-            used = min(used, max(1, math.floor(self.weight_cap * lower_median(known))))
+        median = self._announced_median()
+        if median is not None:
+            used = min(used, max(1, math.floor(self.weight_cap * median)))
         if used < claimed:
             self.bounded.setdefault(agent, {}).update(samples=float(claimed), weight=float(used))
         return used
+
+    def _announced_median(self) -> float | None:
+        if self._median_stale:
+            known = [v for v in self._announced.values() if v > 0]
+            self._median = lower_median(known) if known else None
+            self._median_stale = False
+        return self._median
 
     def _window_bound(self) -> float | None:
         if self.norm is None:

@@ -120,6 +120,7 @@ class RoundMachine(StreamedUpdates):
         self.online: dict[str, int] = {}  # agent -> samples it announced
         self._whole_only: set[str] = set()  # agents that read only whole models (of self.online)
         self.selected: tuple[str, ...] = ()
+        self._selected_set: frozenset[str] = frozenset()  # the same, for the per-update lookups
         # The round selected every agent counted online at its start: its round start
         # names none of them (protocols/messages/rounds.py), so an agent that came
         # online just after it may take itself for selected (see _joined_late).
@@ -420,6 +421,7 @@ class RoundMachine(StreamedUpdates):
         cfg = self.config
         self.phase = Phase.TRAINING
         self.selected = tuple(agents)
+        self._selected_set = frozenset(self.selected)
         self.everyone = everyone
         self._outstanding = set(agents)  # selected, not yet answered
         self.received = {}
@@ -489,7 +491,7 @@ class RoundMachine(StreamedUpdates):
                     f"update for round {round_}, current round {self.round} ({self.phase.value})",
                 )
             ]
-        if sender not in self.selected:
+        if sender not in self._selected_set:
             return self._joined_late(sender, round_) or [
                 Rejected(sender, round_, "unselected", f"{sender} was not selected for round {self.round}")
             ]
@@ -525,7 +527,7 @@ class RoundMachine(StreamedUpdates):
         flight: a selected agent's, or in a round that selected every agent online, an
         online agent's (one that came online late: its update is discarded, not held
         against it, see _joined_late)."""
-        return sender in self.selected or (self.everyone and sender in self.online)
+        return sender in self._selected_set or (self.everyone and sender in self.online)
 
     def _counted_out(self, sender: str, refusal: Rejected | None = None, now: float | None = None) -> list[Command]:
         """``sender``'s update for the round in progress is refused (``refusal``, or

@@ -44,6 +44,7 @@ class UpperInfluence(Influence):
         # announcement sent just before the upstream round: the latest one counts.
         if agent in self._announced and samples > 0 and self.is_aggregator(agent):
             self._announced[agent] = int(samples)
+            self._median_stale = True
         else:
             super().announce(agent, samples, joins=joins)
 
