@@ -260,14 +260,15 @@ class CoordinatorCore:
         readers in the middle of an event is refreshed now, or once SNAPSHOT_EVERY_S has
         passed since the last one."""
         self._stale = True
-        wait = self._snapshot_at + SNAPSHOT_EVERY_S - now
         if self._readers:
             self._snapshot(now)
             for done in self._readers:
                 if not done.done():
                     done.set_result(None)
             self._readers.clear()
-        elif wait <= 0:
+            return
+        wait = self._snapshot_at + SNAPSHOT_EVERY_S - now
+        if wait <= 0:
             self._snapshot(now)
         elif self._snapshot_wake is None:
             self._snapshot_wake = asyncio.get_running_loop().call_later(wait, self._snapshot_due)
