@@ -745,8 +745,11 @@ class Messenger:
 
         def settled(done: asyncio.Future[None]) -> None:
             # Withheld or cancelled (shutdown), the acknowledgement is never sent: the
-            # broker delivers the frame again, and its number stays out for good.
+            # broker delivers the frame again, after a restart or a reconnection, and
+            # either must take it. Its number stays out of every save and leaves the
+            # numbers this process has seen.
             if done.cancelled() or isinstance(done.exception(), AckWithheld):
+                guard.withdraw(env.sender, env.seq)
                 return
             guard.release(env.sender, env.seq)
             self._persist_replay_soon()
