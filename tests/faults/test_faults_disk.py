@@ -212,6 +212,27 @@ class _Wire:
         self.frames.append((topic, bytes(payload)))
 
 
+def _identity(pki, name: str) -> Identity:
+    tls = pki.issue(name, "coordinator" if name == COORDINATOR else "agent")
+    return Identity.load(tls.cert, tls.key, tls.ca)
+
+
+def _coordinator(pki, state: Path) -> tuple[Messenger, DurableJournal]:
+    """A coordinator's receive path on ``state``: its messenger (the replay guard's
+    journal in ``state``) with the round journal's hooks, as the FedAvg mode sets them."""
+    m = Messenger(
+        federation=FEDERATION,
+        node_id=COORDINATOR,
+        transport=_Wire(),
+        identity=_identity(pki, COORDINATOR),
+        state_dir=state,
+    )
+    durable = DurableJournal(state / "round-journal", max_frame=1 << 20, per_sender=1 << 30, replay=m.replay_journal)
+    m.journal = durable.frame
+    m.before_replay_commit = durable.flush
+    return m, durable
+
+
 def _refused_then_redelivered(
     pki, state: Path, lose: Callable[[DurableJournal], None], space_back: Callable[[], None] = lambda: None
 ) -> None:
@@ -221,24 +242,9 @@ def _refused_then_redelivered(
     guard from its file, the round journal read back, and the broker delivers the update
     again."""
 
-    def ident(name: str) -> Identity:
-        tls = pki.issue(name, "coordinator" if name == COORDINATOR else "agent")
-        return Identity.load(tls.cert, tls.key, tls.ca)
-
-    def coordinator() -> tuple[Messenger, DurableJournal]:
-        m = Messenger(
-            federation=FEDERATION, node_id=COORDINATOR, transport=_Wire(), identity=ident(COORDINATOR), state_dir=state
-        )
-        durable = DurableJournal(
-            state / "round-journal", max_frame=1 << 20, per_sender=1 << 30, replay=m.replay_journal
-        )
-        m.journal = durable.frame
-        m.before_replay_commit = durable.flush
-        return m, durable
-
     async def run() -> None:
         wire = _Wire()
-        agent = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=ident("agent-a"))
+        agent = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=_identity(pki, "agent-a"))
         await agent.send(topics.direct(FEDERATION, "agent-a", COORDINATOR, "heartbeat"), Heartbeat(5.0))
         weights = {"w": np.arange(32768, dtype=np.float32)}  # a 128 KiB record
         await agent.send(topics.direct(FEDERATION, "agent-a", COORDINATOR, "update"), Update(3, 2, 10, {}, weights))
@@ -255,7 +261,7 @@ def _refused_then_redelivered(
             if isinstance(inc.message, Update):
                 got.append(inc.message)
 
-        m, durable = coordinator()
+        m, durable = _coordinator(pki, state)
         await durable.begin(3, 2, ("agent-a",))
         assert await m.receive(beat_topic, beat, deliver) is None
         lose(durable)
@@ -271,7 +277,7 @@ def _refused_then_redelivered(
         space_back()
 
         got.clear()
-        m, durable = coordinator()  # restarted, with space again
+        m, durable = _coordinator(pki, state)  # restarted, with space again
         assert durable.recover(3, 2, resumable=True, checkpoint_round=2) is not None
         for t, p in durable.journal.frames_of():
             await m.receive(t, p, deliver, journaled=True)
@@ -288,7 +294,7 @@ def _refused_then_redelivered(
         m.replay_journal.close()
 
         got.clear()
-        m, durable = coordinator()  # and once it is in the round journal, taken once only
+        m, durable = _coordinator(pki, state)  # and once it is in the round journal, taken once only
         assert durable.recover(3, 2, resumable=True, checkpoint_round=2) is not None
         for t, p in durable.journal.frames_of():
             await m.receive(t, p, deliver, journaled=True)
@@ -349,21 +355,6 @@ def _withheld_then_redelivered_here(
     ``space_back``), and a third time once it was taken. The round journal is left with
     ``records`` copies of it; a coordinator restarted from it aggregates it once."""
 
-    def ident(name: str) -> Identity:
-        tls = pki.issue(name, "coordinator" if name == COORDINATOR else "agent")
-        return Identity.load(tls.cert, tls.key, tls.ca)
-
-    def coordinator() -> tuple[Messenger, DurableJournal]:
-        m = Messenger(
-            federation=FEDERATION, node_id=COORDINATOR, transport=_Wire(), identity=ident(COORDINATOR), state_dir=state
-        )
-        durable = DurableJournal(
-            state / "round-journal", max_frame=1 << 20, per_sender=1 << 30, replay=m.replay_journal
-        )
-        m.journal = durable.frame
-        m.before_replay_commit = durable.flush
-        return m, durable
-
     def machine() -> RoundMachine:
         cfg = RoundConfig(rounds=10, min_agents=2, min_updates=2, round_timeout=600)
         rounds = RoundMachine(
@@ -375,7 +366,7 @@ def _withheld_then_redelivered_here(
     async def run() -> None:
         wire = _Wire()
         for name, value in (("agent-a", 1.0), ("agent-b", 3.0)):
-            agent = Messenger(federation=FEDERATION, node_id=name, transport=wire, identity=ident(name))
+            agent = Messenger(federation=FEDERATION, node_id=name, transport=wire, identity=_identity(pki, name))
             weights = {"w": np.full(32768, value, np.float32)}  # a 128 KiB record
             await agent.send(topics.direct(FEDERATION, name, COORDINATOR, "update"), Update(3, 2, 10, {}, weights))
         (a_topic, a_frame), (b_topic, b_frame) = wire.frames
@@ -390,7 +381,7 @@ def _withheld_then_redelivered_here(
                 )
             )
 
-        m, durable = coordinator()
+        m, durable = _coordinator(pki, state)
         await durable.begin(3, 2, ("agent-a", "agent-b"))
         lose(durable)
         gate = await m.receive(a_topic, a_frame, deliver)
@@ -418,7 +409,7 @@ def _withheld_then_redelivered_here(
         durable.journal.close()
         m.replay_journal.close()
 
-        m, durable = coordinator()  # the journal alone aggregates each update once
+        m, durable = _coordinator(pki, state)  # the journal alone aggregates each update once
         assert durable.recover(3, 2, resumable=True, checkpoint_round=2) is not None
         frames = list(durable.journal.frames_of())
         assert [p for _t, p in frames].count(a_frame) == records
@@ -470,6 +461,64 @@ def test_an_update_whose_record_sync_failed_is_taken_when_the_broker_sends_it_ag
         journal.sync = sync  # type: ignore[method-assign]
 
     _withheld_then_redelivered_here(pki, state, lose, lambda: None, records=2)
+
+
+def test_a_copy_delivered_while_its_frame_waits_for_a_failing_sync_is_not_acknowledged(pki, tmp_path):
+    """The connection to the broker drops and comes back while an update's journal
+    record is being synced; the broker delivers the update again meanwhile, and the sync
+    then fails. Pass: the copy, refused while the first is in hand, is not acknowledged
+    before the first is, and not at all once the first's acknowledgement is withheld
+    (the broker would forget the update); the next delivery is taken and acknowledged."""
+    import threading
+
+    state = tmp_path / "state"
+    state.mkdir()
+
+    async def run() -> None:
+        wire = _Wire()
+        agent = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=_identity(pki, "agent-a"))
+        await agent.send(
+            topics.direct(FEDERATION, "agent-a", COORDINATOR, "update"),
+            Update(3, 2, 10, {}, {"w": np.ones(64, np.float32)}),
+        )
+        ((topic, frame),) = wire.frames
+        m, durable = _coordinator(pki, state)
+        await durable.begin(3, 2, ("agent-a",))
+        journal = durable.journal
+        real_sync = journal.sync
+        syncing, fail = threading.Event(), threading.Event()
+
+        def sync(generation: int | None = None) -> bool:
+            syncing.set()
+            fail.wait(30)
+            journal.sync = real_sync  # type: ignore[method-assign]
+            raise StateWriteError(f"cannot sync {journal.path}: Input/output error")
+
+        journal.sync = sync  # type: ignore[method-assign]
+
+        async def deliver(_inc) -> None:
+            pass
+
+        first = await m.receive(topic, frame, deliver)
+        assert first is not None
+        assert await asyncio.to_thread(syncing.wait, 30)
+        copy = await m.receive(topic, frame, deliver)  # after the reconnection, the sync still running
+        assert m.rejected["replay"] == 1
+        assert copy is not None and not copy.done()  # its acknowledgement waits for the first's
+        fail.set()
+        for gate in (first, copy):
+            with pytest.raises(AckWithheld):
+                await asyncio.wait_for(gate, 30)
+        await asyncio.sleep(0)  # (the gates' callbacks)
+        again = await m.receive(topic, frame, deliver)  # after the next reconnection: taken
+        assert m.rejected["replay"] == 1 and again is not None
+        await asyncio.wait_for(again, 30)
+        assert await m.receive(topic, frame, deliver) is None and m.rejected["replay"] == 2
+        durable.close()
+        journal.close()
+        m.replay_journal.close()
+
+    asyncio.run(run())
 
 
 @pytest.mark.slow

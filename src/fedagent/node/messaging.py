@@ -198,6 +198,9 @@ class Messenger:
         # the journal hook: a lazy commit waits for them (see _lazy_commit_now).
         self._journaling = 0
         self._lazy_tasks: set[asyncio.Task[None]] = set()
+        # (sender, sequence number) -> what the acknowledgement of a journaled frame
+        # waits for, until it is settled: a copy delivered meanwhile waits for it too.
+        self._awaiting_ack: dict[tuple[str, int], asyncio.Future[None]] = {}
         self.metrics = metrics  # a fedagent.node.metrics.NodeMetrics, or None
         # What each sender may cost before its frames are decoded, verified or written
         # anywhere (fedagent.protocols.ratelimit); a daemon narrows it to what it expects.
@@ -639,7 +642,8 @@ class Messenger:
         """Check one frame as received from the broker and hand what it completes to
         ``deliver``. ``journaled``: a frame read back from this node's round journal after
         a restart (accepted once already: see :meth:`Verifier.check`). Returns what must be
-        done before the frame is acknowledged (the ``journal`` hook's answer), or None."""
+        done before the frame is acknowledged (the ``journal`` hook's answer, or for a copy
+        of a frame still waiting for it, the first's), or None."""
         self.bytes_in += len(payload)
         if self.metrics is not None:
             self.metrics.add_bytes(in_=len(payload))
@@ -685,7 +689,11 @@ class Messenger:
             role = self.verifier.check(env, journaled=journaled)
         except AuthError as exc:
             self.reject(exc.reason, env.sender, exc.detail)
-            return None
+            # A copy of a frame whose record is still on its way to the disk (the broker
+            # sends it again when the connection comes back meanwhile): acknowledged with
+            # the first, not before, and withheld with it, or the broker would forget a
+            # frame whose record then failed. The next copy is taken (see _journal).
+            return self._awaiting_ack.get((env.sender, env.seq)) if exc.reason == "replay" else None
         if not journaled:  # a frame read back from the journal says nothing about its sender now
             self.last_heard[env.sender] = time.time()
         gate = None
@@ -742,8 +750,12 @@ class Messenger:
             guard.release(env.sender, env.seq)
             return None
         taken = asyncio.ensure_future(gate)
+        key = (env.sender, env.seq)
+        self._awaiting_ack[key] = taken
 
         def settled(done: asyncio.Future[None]) -> None:
+            if self._awaiting_ack.get(key) is done:
+                del self._awaiting_ack[key]
             # Withheld or cancelled (shutdown), the acknowledgement is never sent: the
             # broker delivers the frame again, after a restart or a reconnection, and
             # either must take it. Its number stays out of every save and leaves the
