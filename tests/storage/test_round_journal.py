@@ -10,8 +10,9 @@ import pytest
 from fedfixtures import COORDINATOR, FEDERATION
 
 from fedagent.node import messaging
-from fedagent.node.messaging import Messenger
+from fedagent.node.messaging import REPLAY_FILE, Messenger
 from fedagent.protocols import topics
+from fedagent.protocols.codec import decode
 from fedagent.protocols.messages import Update
 from fedagent.protocols.rounds import (
     AgentOffline,
@@ -22,6 +23,7 @@ from fedagent.protocols.rounds import (
     StartRound,
     UpdateReceived,
 )
+from fedagent.security import replaylog
 from fedagent.security.signing import Identity, ReplayGuard
 from fedagent.storage.roundjournal import HEADER, MAGIC, InFlight, RoundJournal
 
@@ -313,11 +315,12 @@ def test_with_grouped_syncs_no_sequence_number_is_durable_before_its_frames_reco
     asyncio.run(run())
 
 
-def test_a_lazy_replay_commit_waits_for_a_frame_on_its_way_into_the_journal(pki, tmp_path, monkeypatch):
+def test_a_lazy_replay_commit_leaves_out_a_frame_on_its_way_into_the_journal(pki, tmp_path, monkeypatch):
     """A frame whose number the replay guard took but that waits to be written (the
-    journal is busy starting a round): a lazy commit then would make its number durable
-    before its record, and the broker's redelivery after a crash would be refused as a
-    replay. The commit waits until the frame is through."""
+    journal is busy starting a round) while a lazy commit falls due: its number durable
+    before its record, the broker's redelivery after a crash would be refused as a
+    replay. Pass: every commit saves only numbers of frames whose records were synced
+    (the waiting one is held out of the guard's saves); once through, it is saved too."""
 
     state = tmp_path / "coord"
     state.mkdir()
@@ -329,41 +332,52 @@ def test_a_lazy_replay_commit_waits_for_a_frame_on_its_way_into_the_journal(pki,
         topic = topics.direct(FEDERATION, "agent-a", COORDINATOR, "update")
         for r in (3, 4):
             await sender.send(topic, Update(r, 2, 10, {}, {"w": np.ones(10, np.float32)}), round_=r)
+        (t1, p1), (t2, p2) = wire.frames
+        first, second = decode(p1).seq, decode(p2).seq
         m = coordinator_messenger(pki, state)
         journal = RoundJournal(state / "round-journal", max_frame=1 << 20)
         journal.begin(3, 2, ("agent-a",))
         busy = asyncio.Event()
-        written: list[int] = []
-        commits: list[list[int]] = []
+        written: list[tuple[int, asyncio.Future[None]]] = []
+        synced: set[int] = set()
+        commits: list[set[int]] = []
 
         async def keep(topic, payload, env):
             if env.round == 4:
                 await busy.wait()  # the journal's lock, held while a round starts
             journal.write(topic, payload)
-            written.append(env.round)
-            return asyncio.get_running_loop().create_future()
+            durable = asyncio.get_running_loop().create_future()
+            written.append((env.seq, durable))
+            return durable
 
         async def flush() -> None:
             journal.sync()
+            for seq, durable in written:
+                synced.add(seq)
+                if not durable.done():
+                    durable.set_result(None)  # acknowledged once durable
 
         commit = m.replay_journal.commit
 
         def recorded_commit() -> None:
-            commits.append(list(written))
             commit()
+            records, _good, _torn = replaylog.parse((state / REPLAY_FILE).read_bytes(), m.verifier.replay)
+            saved = {n for r in records for n in r["n"].get("agent-a", ())}
+            assert saved <= synced, "a number durable before its frame's record"
+            commits.append(saved)
 
         m.journal = keep
         m.before_replay_commit = flush
         m.replay_journal.commit = recorded_commit  # type: ignore[method-assign]
-        (t1, p1), (t2, p2) = wire.frames
         await m.receive(t1, p1, lambda inc: asyncio.sleep(0))
-        second = asyncio.create_task(m.receive(t2, p2, lambda inc: asyncio.sleep(0)))
+        waiting = asyncio.create_task(m.receive(t2, p2, lambda inc: asyncio.sleep(0)))
         await asyncio.sleep(0.2)  # the lazy commit falls due while the second frame waits
-        assert commits == []
+        assert commits and commits[-1] == {first}
         busy.set()
-        await second
+        await waiting
+        await flush()  # the journal's own group commit: the frame is acknowledged ...
         await asyncio.sleep(0.2)
-        assert commits == [[3, 4]]
+        assert commits[-1] == {first, second}  # ... and its number saved within the lazy delay
 
     asyncio.run(run())
 
@@ -467,7 +481,6 @@ def test_a_past_journal_gives_its_numbers_to_the_replay_guard_before_it_is_ended
     it ends the journal, so a frame of that round sent again is still a replay."""
 
     from fedagent.coordinator.durability import DurableJournal
-    from fedagent.protocols.codec import decode
     from fedagent.security.replaylog import ReplayJournal
     from fedagent.security.signing import AuthError
 

@@ -194,9 +194,6 @@ class Messenger:
         # Journaled frames being checked and handed on (between the journal and the
         # ``deliver`` callback): a journal must not be replaced while one is.
         self.journaled_in_hand = 0
-        # Frames verified (their numbers taken by the replay guard) and not yet through
-        # the journal hook: a lazy commit waits for them (see _lazy_commit_now).
-        self._journaling = 0
         self._lazy_tasks: set[asyncio.Task[None]] = set()
         # (sender, sequence number) -> what the acknowledgement of a journaled frame
         # waits for, until it is settled: a copy delivered meanwhile waits for it too.
@@ -578,13 +575,8 @@ class Messenger:
         task.add_done_callback(self._lazy_tasks.discard)
 
     async def _lazy_commit_now(self) -> None:
-        if self._journaling:
-            # A frame whose number the guard holds is not in the journal yet (the hook
-            # waits for it, e.g. while a round starts): committed now, its number could
-            # be durable while its record is not, and the broker's redelivery of it after
-            # a crash would be refused as a replay. Soon, once it is through.
-            self._lazy_commit = asyncio.get_running_loop().call_later(0.05, self._lazy_commit_due)
-            return
+        # (A frame still on its way into the round journal may be waiting meanwhile: its
+        # number is held out of this commit, see _journal.)
         try:
             await self._persist_replay()
         except FedagentError as exc:  # the next commit writes the whole state again
@@ -698,11 +690,7 @@ class Messenger:
             self.last_heard[env.sender] = time.time()
         gate = None
         if self.journal is not None and not journaled and role in PARTICIPANT_ROLES:
-            self._journaling += 1
-            try:
-                gate = await self._journal(self.journal, topic, payload, env)
-            finally:
-                self._journaling -= 1
+            gate = await self._journal(self.journal, topic, payload, env)
         held = journaled or gate is not None
         # In the round journal (written now, or read back from it): after a crash the
         # journal gives the replay guard this frame's number back (Verifier.check with
