@@ -382,6 +382,50 @@ def test_a_lazy_replay_commit_leaves_out_a_frame_on_its_way_into_the_journal(pki
     asyncio.run(run())
 
 
+def test_a_frame_whose_handling_is_cancelled_in_the_journal_hook_is_taken_when_sent_again(pki, tmp_path):
+    """The transport's reader is cancelled while a frame waits in the journal hook: the
+    frame is never acknowledged, so the broker delivers it again. Pass: its number is in
+    no save, and the next copy is taken and journaled."""
+
+    state = tmp_path / "coord"
+    state.mkdir()
+
+    async def run() -> None:
+        wire = Capture()
+        sender = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=identity(pki, "agent-a"))
+        topic = topics.direct(FEDERATION, "agent-a", COORDINATOR, "update")
+        await sender.send(topic, Update(3, 2, 10, {}, {"w": np.ones(10, np.float32)}), round_=3)
+        ((t, p),) = wire.frames
+        m = coordinator_messenger(pki, state)
+        blocked = asyncio.Event()
+        kept: list[int] = []
+
+        async def keep(topic, payload, env):
+            if not kept and not blocked.is_set():
+                blocked.set()
+                await asyncio.Event().wait()  # the journal's lock, never given: cancelled here
+            kept.append(env.seq)
+            durable = asyncio.get_running_loop().create_future()
+            durable.set_result(None)
+            return durable
+
+        m.journal = keep
+        reading = asyncio.create_task(m.receive(t, p, lambda inc: asyncio.sleep(0)))
+        await blocked.wait()
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        await m.persist_replay()
+        seq = decode(p).seq
+        assert seq not in m.verifier.replay.tops().get("agent-a", [])
+        gate = await m.receive(t, p, lambda inc: asyncio.sleep(0))
+        assert m.rejected["replay"] == 0 and kept == [seq] and gate is not None
+        await gate
+        assert await m.receive(t, p, lambda inc: asyncio.sleep(0)) is None and m.rejected["replay"] == 1
+
+    asyncio.run(run())
+
+
 def test_a_journaled_update_is_counted_in_hand_until_delivered_and_marked_journaled(pki, tmp_path):
     """A journal may be replaced only when no journaled frame is on its way to the round
     logic: the messenger counts a journaled frame from the journal's hook until its

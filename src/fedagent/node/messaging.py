@@ -731,6 +731,10 @@ class Messenger:
         guard.hold(env.sender, env.seq)
         try:
             gate = await hook(topic, payload, env)
+        except asyncio.CancelledError:
+            # The transport's reader stopped with it: not acknowledged, delivered again.
+            guard.withdraw(env.sender, env.seq)
+            raise
         except Exception:
             guard.release(env.sender, env.seq)  # acknowledged after a failed handling
             raise
