@@ -452,9 +452,8 @@ class ReplayGuard:
         seen = self._seen.setdefault(sender, set())
         seen.add(seq)
         top = self._top.setdefault(sender, [])
-        if seq in self._held.get(sender, ()):
-            pass  # withdrawn, and taken again: among the kept ones still
-        elif len(top) < self.keep or seq > top[0]:
+        # (A number withdrawn and accepted again is still held, so among the kept ones.)
+        if seq not in self._held.get(sender, ()) and (len(top) < self.keep or seq > top[0]):
             bisect.insort(top, seq)
             if len(top) > self.keep:
                 # Below the kept ones it is in no save to come: nothing to hold back.
