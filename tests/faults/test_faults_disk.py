@@ -27,6 +27,7 @@ from fedagent.node.messaging import REPLAY_FILE, Messenger
 from fedagent.protocols import topics
 from fedagent.protocols.codec import decode
 from fedagent.protocols.messages import Heartbeat, Update
+from fedagent.protocols.rounds import RoundAggregated, RoundConfig, RoundMachine, UpdateReceived
 from fedagent.security import replaylog
 from fedagent.security.signing import Identity
 from fedagent.storage import checkpoint, statefile
@@ -211,6 +212,27 @@ class _Wire:
         self.frames.append((topic, bytes(payload)))
 
 
+def _identity(pki, name: str) -> Identity:
+    tls = pki.issue(name, "coordinator" if name == COORDINATOR else "agent")
+    return Identity.load(tls.cert, tls.key, tls.ca)
+
+
+def _coordinator(pki, state: Path) -> tuple[Messenger, DurableJournal]:
+    """A coordinator's receive path on ``state``: its messenger (the replay guard's
+    journal in ``state``) with the round journal's hooks, as the FedAvg mode sets them."""
+    m = Messenger(
+        federation=FEDERATION,
+        node_id=COORDINATOR,
+        transport=_Wire(),
+        identity=_identity(pki, COORDINATOR),
+        state_dir=state,
+    )
+    durable = DurableJournal(state / "round-journal", max_frame=1 << 20, per_sender=1 << 30, replay=m.replay_journal)
+    m.journal = durable.frame
+    m.before_replay_commit = durable.flush
+    return m, durable
+
+
 def _refused_then_redelivered(
     pki, state: Path, lose: Callable[[DurableJournal], None], space_back: Callable[[], None] = lambda: None
 ) -> None:
@@ -220,24 +242,9 @@ def _refused_then_redelivered(
     guard from its file, the round journal read back, and the broker delivers the update
     again."""
 
-    def ident(name: str) -> Identity:
-        tls = pki.issue(name, "coordinator" if name == COORDINATOR else "agent")
-        return Identity.load(tls.cert, tls.key, tls.ca)
-
-    def coordinator() -> tuple[Messenger, DurableJournal]:
-        m = Messenger(
-            federation=FEDERATION, node_id=COORDINATOR, transport=_Wire(), identity=ident(COORDINATOR), state_dir=state
-        )
-        durable = DurableJournal(
-            state / "round-journal", max_frame=1 << 20, per_sender=1 << 30, replay=m.replay_journal
-        )
-        m.journal = durable.frame
-        m.before_replay_commit = durable.flush
-        return m, durable
-
     async def run() -> None:
         wire = _Wire()
-        agent = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=ident("agent-a"))
+        agent = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=_identity(pki, "agent-a"))
         await agent.send(topics.direct(FEDERATION, "agent-a", COORDINATOR, "heartbeat"), Heartbeat(5.0))
         weights = {"w": np.arange(32768, dtype=np.float32)}  # a 128 KiB record
         await agent.send(topics.direct(FEDERATION, "agent-a", COORDINATOR, "update"), Update(3, 2, 10, {}, weights))
@@ -254,7 +261,7 @@ def _refused_then_redelivered(
             if isinstance(inc.message, Update):
                 got.append(inc.message)
 
-        m, durable = coordinator()
+        m, durable = _coordinator(pki, state)
         await durable.begin(3, 2, ("agent-a",))
         assert await m.receive(beat_topic, beat, deliver) is None
         lose(durable)
@@ -270,7 +277,7 @@ def _refused_then_redelivered(
         space_back()
 
         got.clear()
-        m, durable = coordinator()  # restarted, with space again
+        m, durable = _coordinator(pki, state)  # restarted, with space again
         assert durable.recover(3, 2, resumable=True, checkpoint_round=2) is not None
         for t, p in durable.journal.frames_of():
             await m.receive(t, p, deliver, journaled=True)
@@ -287,7 +294,7 @@ def _refused_then_redelivered(
         m.replay_journal.close()
 
         got.clear()
-        m, durable = coordinator()  # and once it is in the round journal, taken once only
+        m, durable = _coordinator(pki, state)  # and once it is in the round journal, taken once only
         assert durable.recover(3, 2, resumable=True, checkpoint_round=2) is not None
         for t, p in durable.journal.frames_of():
             await m.receive(t, p, deliver, journaled=True)
@@ -337,6 +344,181 @@ def test_an_update_whose_record_sync_failed_is_taken_after_a_power_cut(pki, tmp_
         journal.sync = sync  # type: ignore[method-assign]
 
     _refused_then_redelivered(pki, state, lose)
+
+
+def _withheld_then_redelivered_here(
+    pki, state: Path, lose: Callable[[DurableJournal], None], space_back: Callable[[], None], *, records: int
+) -> None:
+    """Two agents' updates for a round; ``lose`` makes agent-a's journal record fail, so
+    its acknowledgement is withheld. Then, without a restart (the connection to the broker
+    comes back), the broker delivers it again to the same messenger (after
+    ``space_back``), and a third time once it was taken. The round journal is left with
+    ``records`` copies of it; a coordinator restarted from it aggregates it once."""
+
+    def machine() -> RoundMachine:
+        cfg = RoundConfig(rounds=10, min_agents=2, min_updates=2, round_timeout=600)
+        rounds = RoundMachine(
+            cfg, {"w": np.zeros(32768, np.float32)}, model_version=2, completed_rounds=2, last_round=3
+        )
+        rounds.resume(3, ("agent-a", "agent-b"), now=0.0)
+        return rounds
+
+    async def run() -> None:
+        wire = _Wire()
+        for name, value in (("agent-a", 1.0), ("agent-b", 3.0)):
+            agent = Messenger(federation=FEDERATION, node_id=name, transport=wire, identity=_identity(pki, name))
+            weights = {"w": np.full(32768, value, np.float32)}  # a 128 KiB record
+            await agent.send(topics.direct(FEDERATION, name, COORDINATOR, "update"), Update(3, 2, 10, {}, weights))
+        (a_topic, a_frame), (b_topic, b_frame) = wire.frames
+        rounds = machine()
+        out: list = []
+
+        async def deliver(inc) -> None:
+            u = inc.message
+            out.extend(
+                rounds.handle(
+                    UpdateReceived(inc.sender, u.round, u.base_version, u.num_samples, u.weights, u.metrics), 1.0
+                )
+            )
+
+        m, durable = _coordinator(pki, state)
+        await durable.begin(3, 2, ("agent-a", "agent-b"))
+        lose(durable)
+        gate = await m.receive(a_topic, a_frame, deliver)
+        assert gate is not None
+        with pytest.raises(AckWithheld):
+            await asyncio.wait_for(gate, 30)  # never acknowledged: the broker keeps it
+        await asyncio.sleep(0)  # (the gate's callbacks)
+        space_back()
+        written = durable.journal.frames
+        again = await m.receive(a_topic, a_frame, deliver)  # redelivered after the reconnection
+        assert m.rejected["replay"] == 0, m.recent_rejections  # taken ...
+        assert durable.journal.frames == written + 1  # ... journaled once ...
+        assert again is not None
+        await asyncio.wait_for(again, 30)  # ... durable, so acknowledged
+        assert await m.receive(a_topic, a_frame, deliver) is None  # taken, so a replay now
+        assert m.rejected["replay"] == 1
+        last = await m.receive(b_topic, b_frame, deliver)
+        assert last is not None
+        await asyncio.wait_for(last, 30)
+        aggregated = [c for c in out if isinstance(c, RoundAggregated)]
+        assert len(aggregated) == 1 and aggregated[0].participants == ("agent-a", "agent-b")
+        np.testing.assert_allclose(aggregated[0].weights["w"], 2.0)  # ... and aggregated once
+        await m.persist_replay()
+        durable.close()
+        durable.journal.close()
+        m.replay_journal.close()
+
+        m, durable = _coordinator(pki, state)  # the journal alone aggregates each update once
+        assert durable.recover(3, 2, resumable=True, checkpoint_round=2) is not None
+        frames = list(durable.journal.frames_of())
+        assert [p for _t, p in frames].count(a_frame) == records
+        rounds = machine()
+        out.clear()
+        for t, p in frames:
+            await m.receive(t, p, deliver, journaled=True)
+        aggregated = [c for c in out if isinstance(c, RoundAggregated)]
+        assert len(aggregated) == 1
+        np.testing.assert_allclose(aggregated[0].weights["w"], 2.0)
+        assert await m.receive(a_topic, a_frame, deliver) is None and m.rejected["replay"] == 1
+        durable.journal.close()
+        m.replay_journal.close()
+
+    asyncio.run(run())
+
+
+@needs_root
+def test_an_update_a_full_disk_kept_out_of_the_round_journal_is_taken_when_the_broker_sends_it_again(pki, tmp_path):
+    """A full disk refuses an update's round journal record; the coordinator goes on (the
+    disk frees up before its next write of its own) and the broker, reconnected, delivers
+    the update again. Pass: the same process takes it (its number left the replay guard
+    with its withheld acknowledgement), journals it once and aggregates it once; a further
+    copy is refused as a replay."""
+    disk = SmallDisk(tmp_path / "state", 512)
+    try:
+        _withheld_then_redelivered_here(pki, disk.path, lambda _durable: disk.fill(), disk.free, records=1)
+    finally:
+        disk.close()
+
+
+def test_an_update_whose_record_sync_failed_is_taken_when_the_broker_sends_it_again(pki, tmp_path):
+    """The round journal's sync fails once (an I/O error) for an update, whose
+    acknowledgement is then withheld; the broker, reconnected, delivers it again. Pass:
+    the same process takes it, journals it once more (the first record was written, and
+    its sync failed: it may or may not be on the disk, so the journal keeps both) and
+    aggregates it once, then and from the journal after a restart."""
+    state = tmp_path / "state"
+    state.mkdir()
+
+    def lose(durable: DurableJournal) -> None:
+        journal = durable.journal
+        real_sync = journal.sync
+
+        def sync(generation: int | None = None) -> bool:
+            journal.sync = real_sync  # type: ignore[method-assign]
+            raise StateWriteError(f"cannot sync {journal.path}: Input/output error")
+
+        journal.sync = sync  # type: ignore[method-assign]
+
+    _withheld_then_redelivered_here(pki, state, lose, lambda: None, records=2)
+
+
+def test_a_copy_delivered_while_its_frame_waits_for_a_failing_sync_is_not_acknowledged(pki, tmp_path):
+    """The connection to the broker drops and comes back while an update's journal
+    record is being synced; the broker delivers the update again meanwhile, and the sync
+    then fails. Pass: the copy, refused while the first is in hand, is not acknowledged
+    before the first is, and not at all once the first's acknowledgement is withheld
+    (the broker would forget the update); the next delivery is taken and acknowledged."""
+    import threading
+
+    state = tmp_path / "state"
+    state.mkdir()
+
+    async def run() -> None:
+        wire = _Wire()
+        agent = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=_identity(pki, "agent-a"))
+        await agent.send(
+            topics.direct(FEDERATION, "agent-a", COORDINATOR, "update"),
+            Update(3, 2, 10, {}, {"w": np.ones(64, np.float32)}),
+        )
+        ((topic, frame),) = wire.frames
+        m, durable = _coordinator(pki, state)
+        await durable.begin(3, 2, ("agent-a",))
+        journal = durable.journal
+        real_sync = journal.sync
+        syncing, fail = threading.Event(), threading.Event()
+
+        def sync(generation: int | None = None) -> bool:
+            syncing.set()
+            fail.wait(30)
+            journal.sync = real_sync  # type: ignore[method-assign]
+            raise StateWriteError(f"cannot sync {journal.path}: Input/output error")
+
+        journal.sync = sync  # type: ignore[method-assign]
+
+        async def deliver(_inc) -> None:
+            pass
+
+        first = await m.receive(topic, frame, deliver)
+        assert first is not None
+        assert await asyncio.to_thread(syncing.wait, 30)
+        copy = await m.receive(topic, frame, deliver)  # after the reconnection, the sync still running
+        assert m.rejected["replay"] == 1
+        assert copy is not None and not copy.done()  # its acknowledgement waits for the first's
+        fail.set()
+        for gate in (first, copy):
+            with pytest.raises(AckWithheld):
+                await asyncio.wait_for(gate, 30)
+        await asyncio.sleep(0)  # (the gates' callbacks)
+        again = await m.receive(topic, frame, deliver)  # after the next reconnection: taken
+        assert m.rejected["replay"] == 1 and again is not None
+        await asyncio.wait_for(again, 30)
+        assert await m.receive(topic, frame, deliver) is None and m.rejected["replay"] == 2
+        durable.close()
+        journal.close()
+        m.replay_journal.close()
+
+    asyncio.run(run())
 
 
 @pytest.mark.slow

@@ -161,6 +161,26 @@ def test_a_held_number_is_refused_here_but_never_saved_unless_released() -> None
     assert g.take_fresh() == {}
 
 
+def test_a_withdrawn_number_is_taken_again_here_and_saved_only_once_released() -> None:
+    """A held number whose frame was not taken after all (its acknowledgement withheld)
+    is withdrawn: the broker delivers the frame again to this same process. Pass: the
+    next copy is accepted, the number stays out of every save until that copy is
+    released, then is saved once, and a further copy is refused."""
+    g = ReplayGuard(window=4096, max_skew=10, keep=8)
+    g.track = True
+    g.check("a", 10, 0.0, 0.0)
+    g.check("a", 11, 0.0, 0.0)
+    g.hold("a", 11)
+    g.withdraw("a", 11)
+    assert g.take_fresh() == {"a": [10]} and g.tops() == {"a": [10]}
+    g.check("a", 11, 0.0, 0.0)  # the redelivery: taken
+    g.hold("a", 11)
+    assert _refused(g, "a", 11) and g.tops() == {"a": [10]} and g.take_fresh() == {}
+    g.release("a", 11)
+    assert g.take_fresh() == {"a": [11]} and g.tops() == {"a": [10, 11]}  # once among the kept
+    assert _refused(g, "a", 11) and _refused(_restarted([g.tops()], keep=8), "a", 11)
+
+
 def test_numbers_saved_after_a_held_one_do_not_make_it_a_replay_after_a_restart() -> None:
     """A restart refuses every number below the smallest one kept of a sender, so the
     numbers accepted after a held one must not be saved alone. Pass: the redelivery is

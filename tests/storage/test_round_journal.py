@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import numpy as np
 import pytest
+from fedfixtures import COORDINATOR, FEDERATION
 
+from fedagent.node import messaging
+from fedagent.node.messaging import REPLAY_FILE, Messenger
+from fedagent.protocols import topics
+from fedagent.protocols.codec import decode
+from fedagent.protocols.messages import Update
 from fedagent.protocols.rounds import (
     AgentOffline,
     AgentOnline,
@@ -14,7 +23,8 @@ from fedagent.protocols.rounds import (
     StartRound,
     UpdateReceived,
 )
-from fedagent.security.signing import ReplayGuard
+from fedagent.security import replaylog
+from fedagent.security.signing import Identity, ReplayGuard
 from fedagent.storage.roundjournal import HEADER, MAGIC, InFlight, RoundJournal
 
 TOPIC = "fedagent/v1/lab/node/agent-1/to/coordinator/update"
@@ -155,36 +165,35 @@ class Capture:
         self.frames.append((topic, bytes(payload)))
 
 
+def identity(pki, name: str) -> Identity:
+    tls = pki.issue(name, "coordinator" if name == COORDINATOR else "agent")
+    return Identity.load(tls.cert, tls.key, tls.ca)
+
+
+def coordinator_messenger(pki, state: Path, **kw) -> Messenger:
+    """The coordinator's messenger on the state directory ``state``, publishing into a
+    :class:`Capture`; the test sets its journal hooks."""
+    return Messenger(
+        federation=FEDERATION,
+        node_id=COORDINATOR,
+        transport=Capture(),
+        identity=identity(pki, COORDINATOR),
+        state_dir=state,
+        **kw,
+    )
+
+
 def test_a_chunked_update_journaled_before_a_crash_is_handed_on_once_after_it(pki, tmp_path):
     """An agent's whole update, chunked: every chunk is journaled before it is handed on;
     a new messenger on the same state (the restarted coordinator) hands the update on
     from the journal, and the broker's redelivery of the same chunks is refused."""
-    import asyncio
-
-    from fedfixtures import COORDINATOR, FEDERATION
-
-    from fedagent.node.messaging import Messenger
-    from fedagent.protocols import topics
-    from fedagent.protocols.messages import Update
-    from fedagent.security.signing import Identity
-
-    def ident(name: str) -> Identity:
-        tls = pki.issue(name, "coordinator" if name == COORDINATOR else "agent")
-        return Identity.load(tls.cert, tls.key, tls.ca)
 
     state = tmp_path / "coord"
     state.mkdir()
     weights = {"w": np.arange(3000, dtype=np.float32)}
 
     def receiver(journal: RoundJournal | None) -> Messenger:
-        m = Messenger(
-            federation=FEDERATION,
-            node_id=COORDINATOR,
-            transport=Capture(),
-            identity=ident(COORDINATOR),
-            max_chunk_bytes=4096,
-            state_dir=state,
-        )
+        m = coordinator_messenger(pki, state, max_chunk_bytes=4096)
         if journal is not None:
 
             async def keep(topic, payload, env) -> None:
@@ -196,7 +205,11 @@ def test_a_chunked_update_journaled_before_a_crash_is_handed_on_once_after_it(pk
     async def run() -> None:
         wire = Capture()
         sender = Messenger(
-            federation=FEDERATION, node_id="agent-a", transport=wire, identity=ident("agent-a"), max_chunk_bytes=4096
+            federation=FEDERATION,
+            node_id="agent-a",
+            transport=wire,
+            identity=identity(pki, "agent-a"),
+            max_chunk_bytes=4096,
         )
         topic = topics.direct(FEDERATION, "agent-a", COORDINATOR, "update")
         await sender.send(topic, Update(3, 2, 10, {"loss": 0.5}, weights), round_=3)
@@ -237,19 +250,6 @@ def test_with_grouped_syncs_no_sequence_number_is_durable_before_its_frames_reco
     the journal is about to drop frames (``persist_replay``). Each time the messenger
     asks for the journal's flush first, so after a power cut (unsynced writes gone) no
     frame the broker delivers again meets a number already on disk."""
-    import asyncio
-
-    from fedfixtures import COORDINATOR, FEDERATION
-
-    from fedagent.node import messaging
-    from fedagent.node.messaging import Messenger
-    from fedagent.protocols import topics
-    from fedagent.protocols.messages import Update
-    from fedagent.security.signing import Identity
-
-    def ident(name: str) -> Identity:
-        tls = pki.issue(name, "coordinator" if name == COORDINATOR else "agent")
-        return Identity.load(tls.cert, tls.key, tls.ca)
 
     state = tmp_path / "coord"
     state.mkdir()
@@ -259,20 +259,13 @@ def test_with_grouped_syncs_no_sequence_number_is_durable_before_its_frames_reco
         wire = Capture()
         for name in ("agent-a", "agent-b"):
             sender = Messenger(
-                federation=FEDERATION, node_id=name, transport=wire, identity=ident(name), max_chunk_bytes=4096
+                federation=FEDERATION, node_id=name, transport=wire, identity=identity(pki, name), max_chunk_bytes=4096
             )
             await sender.send_update(
                 topics.direct(FEDERATION, name, COORDINATOR, "ustream"), Update(3, 2, 10, {}, weights)
             )
         assert len(wire.frames) >= 6
-        m = Messenger(
-            federation=FEDERATION,
-            node_id=COORDINATOR,
-            transport=Capture(),
-            identity=ident(COORDINATOR),
-            max_chunk_bytes=4096,
-            state_dir=state,
-        )
+        m = coordinator_messenger(pki, state, max_chunk_bytes=4096)
         journal = RoundJournal(state / "round-journal", max_frame=1 << 20)
         journal.begin(3, 2, ("agent-a", "agent-b"))
         order: list[str] = []
@@ -322,24 +315,12 @@ def test_with_grouped_syncs_no_sequence_number_is_durable_before_its_frames_reco
     asyncio.run(run())
 
 
-def test_a_lazy_replay_commit_waits_for_a_frame_on_its_way_into_the_journal(pki, tmp_path, monkeypatch):
+def test_a_lazy_replay_commit_leaves_out_a_frame_on_its_way_into_the_journal(pki, tmp_path, monkeypatch):
     """A frame whose number the replay guard took but that waits to be written (the
-    journal is busy starting a round): a lazy commit then would make its number durable
-    before its record, and the broker's redelivery after a crash would be refused as a
-    replay. The commit waits until the frame is through."""
-    import asyncio
-
-    from fedfixtures import COORDINATOR, FEDERATION
-
-    from fedagent.node import messaging
-    from fedagent.node.messaging import Messenger
-    from fedagent.protocols import topics
-    from fedagent.protocols.messages import Update
-    from fedagent.security.signing import Identity
-
-    def ident(name: str) -> Identity:
-        tls = pki.issue(name, "coordinator" if name == COORDINATOR else "agent")
-        return Identity.load(tls.cert, tls.key, tls.ca)
+    journal is busy starting a round) while a lazy commit falls due: its number durable
+    before its record, the broker's redelivery after a crash would be refused as a
+    replay. Pass: every commit saves only numbers of frames whose records were synced
+    (the waiting one is held out of the guard's saves); once through, it is saved too."""
 
     state = tmp_path / "coord"
     state.mkdir()
@@ -347,51 +328,100 @@ def test_a_lazy_replay_commit_waits_for_a_frame_on_its_way_into_the_journal(pki,
 
     async def run() -> None:
         wire = Capture()
-        sender = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=ident("agent-a"))
+        sender = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=identity(pki, "agent-a"))
         topic = topics.direct(FEDERATION, "agent-a", COORDINATOR, "update")
         for r in (3, 4):
             await sender.send(topic, Update(r, 2, 10, {}, {"w": np.ones(10, np.float32)}), round_=r)
-        m = Messenger(
-            federation=FEDERATION,
-            node_id=COORDINATOR,
-            transport=Capture(),
-            identity=ident(COORDINATOR),
-            state_dir=state,
-        )
+        (t1, p1), (t2, p2) = wire.frames
+        first, second = decode(p1).seq, decode(p2).seq
+        m = coordinator_messenger(pki, state)
         journal = RoundJournal(state / "round-journal", max_frame=1 << 20)
         journal.begin(3, 2, ("agent-a",))
         busy = asyncio.Event()
-        written: list[int] = []
-        commits: list[list[int]] = []
+        written: list[tuple[int, asyncio.Future[None]]] = []
+        synced: set[int] = set()
+        commits: list[set[int]] = []
 
         async def keep(topic, payload, env):
             if env.round == 4:
                 await busy.wait()  # the journal's lock, held while a round starts
             journal.write(topic, payload)
-            written.append(env.round)
-            return asyncio.get_running_loop().create_future()
+            durable = asyncio.get_running_loop().create_future()
+            written.append((env.seq, durable))
+            return durable
 
         async def flush() -> None:
             journal.sync()
+            for seq, durable in written:
+                synced.add(seq)
+                if not durable.done():
+                    durable.set_result(None)  # acknowledged once durable
 
         commit = m.replay_journal.commit
 
         def recorded_commit() -> None:
-            commits.append(list(written))
             commit()
+            records, _good, _torn = replaylog.parse((state / REPLAY_FILE).read_bytes(), m.verifier.replay)
+            saved = {n for r in records for n in r["n"].get("agent-a", ())}
+            assert saved <= synced, "a number durable before its frame's record"
+            commits.append(saved)
 
         m.journal = keep
         m.before_replay_commit = flush
         m.replay_journal.commit = recorded_commit  # type: ignore[method-assign]
-        (t1, p1), (t2, p2) = wire.frames
         await m.receive(t1, p1, lambda inc: asyncio.sleep(0))
-        second = asyncio.create_task(m.receive(t2, p2, lambda inc: asyncio.sleep(0)))
+        waiting = asyncio.create_task(m.receive(t2, p2, lambda inc: asyncio.sleep(0)))
         await asyncio.sleep(0.2)  # the lazy commit falls due while the second frame waits
-        assert commits == []
+        assert commits and commits[-1] == {first}
         busy.set()
-        await second
+        await waiting
+        await flush()  # the journal's own group commit: the frame is acknowledged ...
         await asyncio.sleep(0.2)
-        assert commits == [[3, 4]]
+        assert commits[-1] == {first, second}  # ... and its number saved within the lazy delay
+
+    asyncio.run(run())
+
+
+def test_a_frame_whose_handling_is_cancelled_in_the_journal_hook_is_taken_when_sent_again(pki, tmp_path):
+    """The transport's reader is cancelled while a frame waits in the journal hook: the
+    frame is never acknowledged, so the broker delivers it again. Pass: its number is in
+    no save, and the next copy is taken and journaled."""
+
+    state = tmp_path / "coord"
+    state.mkdir()
+
+    async def run() -> None:
+        wire = Capture()
+        sender = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=identity(pki, "agent-a"))
+        topic = topics.direct(FEDERATION, "agent-a", COORDINATOR, "update")
+        await sender.send(topic, Update(3, 2, 10, {}, {"w": np.ones(10, np.float32)}), round_=3)
+        ((t, p),) = wire.frames
+        m = coordinator_messenger(pki, state)
+        blocked = asyncio.Event()
+        kept: list[int] = []
+
+        async def keep(topic, payload, env):
+            if not kept and not blocked.is_set():
+                blocked.set()
+                await asyncio.Event().wait()  # the journal's lock, never given: cancelled here
+            kept.append(env.seq)
+            durable = asyncio.get_running_loop().create_future()
+            durable.set_result(None)
+            return durable
+
+        m.journal = keep
+        reading = asyncio.create_task(m.receive(t, p, lambda inc: asyncio.sleep(0)))
+        await blocked.wait()
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        await m.persist_replay()
+        seq = decode(p).seq
+        assert seq not in m.verifier.replay.tops().get("agent-a", [])
+        gate = await m.receive(t, p, lambda inc: asyncio.sleep(0))
+        assert m.rejected["replay"] == 0 and kept == [seq] and gate is not None
+        await gate
+        assert await m.receive(t, p, lambda inc: asyncio.sleep(0)) is None and m.rejected["replay"] == 1
 
     asyncio.run(run())
 
@@ -402,36 +432,18 @@ def test_a_journaled_update_is_counted_in_hand_until_delivered_and_marked_journa
     message is delivered, and marks the delivered message as journaled (the queue that
     holds it counts it next); a frame it does not journal is neither counted nor marked,
     and its number is made durable (the replay guard's flush) before it is delivered."""
-    import asyncio
-
-    from fedfixtures import COORDINATOR, FEDERATION
-
-    from fedagent.node.messaging import Messenger
-    from fedagent.protocols import topics
-    from fedagent.protocols.messages import Update
-    from fedagent.security.signing import Identity
-
-    def ident(name: str) -> Identity:
-        tls = pki.issue(name, "coordinator" if name == COORDINATOR else "agent")
-        return Identity.load(tls.cert, tls.key, tls.ca)
 
     state = tmp_path / "coord"
     state.mkdir()
 
     async def run() -> None:
         wire = Capture()
-        sender = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=ident("agent-a"))
+        sender = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=identity(pki, "agent-a"))
         topic = topics.direct(FEDERATION, "agent-a", COORDINATOR, "update")
         await sender.send(topic, Update(3, 2, 10, {}, {"w": np.ones(10, np.float32)}), round_=3)
         await sender.send(topic, Update(4, 3, 10, {}, {"w": np.ones(10, np.float32)}), round_=4)
         (t1, p1), (t2, p2) = wire.frames
-        m = Messenger(
-            federation=FEDERATION,
-            node_id=COORDINATOR,
-            transport=Capture(),
-            identity=ident(COORDINATOR),
-            state_dir=state,
-        )
+        m = coordinator_messenger(pki, state)
         seen: list[tuple[str, int]] = []
 
         async def keep(topic, payload, env):
@@ -465,7 +477,6 @@ def test_a_frame_the_journal_cannot_take_is_handed_on_but_never_acknowledged(tmp
     acknowledgement waits for fails with AckWithheld, so the transport never sends it
     and the broker delivers the frame again after the coordinator's restart (acknowledged,
     the exit at the next write would lose it). A failed sync withholds its frames too."""
-    import asyncio
     from types import SimpleNamespace
 
     from fedagent.coordinator.durability import JOURNALED_KINDS, DurableJournal
@@ -512,17 +523,10 @@ def test_a_past_journal_gives_its_numbers_to_the_replay_guard_before_it_is_ended
     """The numbers of journaled frames reach the replay guard's file lazily: a restart
     that finds the journal past (its round already in the checkpoint) records them before
     it ends the journal, so a frame of that round sent again is still a replay."""
-    import asyncio
-
-    from fedfixtures import COORDINATOR, FEDERATION
 
     from fedagent.coordinator.durability import DurableJournal
-    from fedagent.node.messaging import Messenger
-    from fedagent.protocols import topics
-    from fedagent.protocols.codec import decode
-    from fedagent.protocols.messages import Update
     from fedagent.security.replaylog import ReplayJournal
-    from fedagent.security.signing import AuthError, Identity, ReplayGuard
+    from fedagent.security.signing import AuthError
 
     tls = pki.issue("agent-a", "agent")
 

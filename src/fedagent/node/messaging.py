@@ -194,10 +194,10 @@ class Messenger:
         # Journaled frames being checked and handed on (between the journal and the
         # ``deliver`` callback): a journal must not be replaced while one is.
         self.journaled_in_hand = 0
-        # Frames verified (their numbers taken by the replay guard) and not yet through
-        # the journal hook: a lazy commit waits for them (see _lazy_commit_now).
-        self._journaling = 0
         self._lazy_tasks: set[asyncio.Task[None]] = set()
+        # (sender, sequence number) -> what the acknowledgement of a journaled frame
+        # waits for, until it is settled: a copy delivered meanwhile waits for it too.
+        self._awaiting_ack: dict[tuple[str, int], asyncio.Future[None]] = {}
         self.metrics = metrics  # a fedagent.node.metrics.NodeMetrics, or None
         # What each sender may cost before its frames are decoded, verified or written
         # anywhere (fedagent.protocols.ratelimit); a daemon narrows it to what it expects.
@@ -575,13 +575,8 @@ class Messenger:
         task.add_done_callback(self._lazy_tasks.discard)
 
     async def _lazy_commit_now(self) -> None:
-        if self._journaling:
-            # A frame whose number the guard holds is not in the journal yet (the hook
-            # waits for it, e.g. while a round starts): committed now, its number could
-            # be durable while its record is not, and the broker's redelivery of it after
-            # a crash would be refused as a replay. Soon, once it is through.
-            self._lazy_commit = asyncio.get_running_loop().call_later(0.05, self._lazy_commit_due)
-            return
+        # (A frame still on its way into the round journal may be waiting meanwhile: its
+        # number is held out of this commit, see _journal.)
         try:
             await self._persist_replay()
         except FedagentError as exc:  # the next commit writes the whole state again
@@ -639,7 +634,8 @@ class Messenger:
         """Check one frame as received from the broker and hand what it completes to
         ``deliver``. ``journaled``: a frame read back from this node's round journal after
         a restart (accepted once already: see :meth:`Verifier.check`). Returns what must be
-        done before the frame is acknowledged (the ``journal`` hook's answer), or None."""
+        done before the frame is acknowledged (the ``journal`` hook's answer, or for a copy
+        of a frame still waiting for it, the first's), or None."""
         self.bytes_in += len(payload)
         if self.metrics is not None:
             self.metrics.add_bytes(in_=len(payload))
@@ -685,16 +681,16 @@ class Messenger:
             role = self.verifier.check(env, journaled=journaled)
         except AuthError as exc:
             self.reject(exc.reason, env.sender, exc.detail)
-            return None
+            # A copy of a frame whose record is still on its way to the disk (the broker
+            # sends it again when the connection comes back meanwhile): acknowledged with
+            # the first, not before, and withheld with it, or the broker would forget a
+            # frame whose record then failed. The next copy is taken (see _journal).
+            return self._awaiting_ack.get((env.sender, env.seq)) if exc.reason == "replay" else None
         if not journaled:  # a frame read back from the journal says nothing about its sender now
             self.last_heard[env.sender] = time.time()
         gate = None
         if self.journal is not None and not journaled and role in PARTICIPANT_ROLES:
-            self._journaling += 1
-            try:
-                gate = await self._journal(self.journal, topic, payload, env)
-            finally:
-                self._journaling -= 1
+            gate = await self._journal(self.journal, topic, payload, env)
         held = journaled or gate is not None
         # In the round journal (written now, or read back from it): after a crash the
         # journal gives the replay guard this frame's number back (Verifier.check with
@@ -735,6 +731,10 @@ class Messenger:
         guard.hold(env.sender, env.seq)
         try:
             gate = await hook(topic, payload, env)
+        except asyncio.CancelledError:
+            # The transport's reader stopped with it: not acknowledged, delivered again.
+            guard.withdraw(env.sender, env.seq)
+            raise
         except Exception:
             guard.release(env.sender, env.seq)  # acknowledged after a failed handling
             raise
@@ -742,11 +742,18 @@ class Messenger:
             guard.release(env.sender, env.seq)
             return None
         taken = asyncio.ensure_future(gate)
+        key = (env.sender, env.seq)
+        self._awaiting_ack[key] = taken
 
         def settled(done: asyncio.Future[None]) -> None:
+            if self._awaiting_ack.get(key) is done:
+                del self._awaiting_ack[key]
             # Withheld or cancelled (shutdown), the acknowledgement is never sent: the
-            # broker delivers the frame again, and its number stays out for good.
+            # broker delivers the frame again, after a restart or a reconnection, and
+            # either must take it. Its number stays out of every save and leaves the
+            # numbers this process has seen.
             if done.cancelled() or isinstance(done.exception(), AckWithheld):
+                guard.withdraw(env.sender, env.seq)
                 return
             guard.release(env.sender, env.seq)
             self._persist_replay_soon()

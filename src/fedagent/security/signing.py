@@ -380,9 +380,9 @@ class ReplayGuard:
 
     :meth:`hold` keeps an accepted number out of what is saved until :meth:`release`:
     a frame whose acknowledgement waits for its round journal record. Should that record
-    fail, the broker delivers the frame again, and a restarted receiver must take it; a
-    held number is never saved, so a restart gives it back, while this process, which
-    handed the first copy on, still refuses a second.
+    fail, the broker delivers the frame again, and the receiver must take it, restarted
+    or not: a held number is never saved, so a restart gives it back, and
+    :meth:`withdraw` gives it back to this process. Until then a second copy is refused.
     """
 
     def __init__(
@@ -452,7 +452,8 @@ class ReplayGuard:
         seen = self._seen.setdefault(sender, set())
         seen.add(seq)
         top = self._top.setdefault(sender, [])
-        if len(top) < self.keep or seq > top[0]:
+        # (A number withdrawn and accepted again is still held, so among the kept ones.)
+        if seq not in self._held.get(sender, ()) and (len(top) < self.keep or seq > top[0]):
             bisect.insort(top, seq)
             if len(top) > self.keep:
                 # Below the kept ones it is in no save to come: nothing to hold back.
@@ -476,9 +477,10 @@ class ReplayGuard:
     def hold(self, sender: str, seq: int) -> None:
         """Keep ``seq``, just accepted by :meth:`check`, out of every save until
         :meth:`release`: its frame is not taken yet. Never released (its round journal
-        record failed, its acknowledgement withheld), it stays out for good, and a
-        restarted receiver takes the broker's redelivery, unless ``keep`` newer numbers
-        of the sender were saved since (a restart refuses anything older than those)."""
+        record failed, its acknowledgement withheld: :meth:`withdraw`), it stays out for
+        good, and a restarted receiver takes the broker's redelivery, unless ``keep``
+        newer numbers of the sender were saved since (a restart refuses anything older
+        than those)."""
         fresh = self._fresh.get(sender)
         if fresh is not None and seq in fresh:
             fresh.remove(seq)
@@ -486,6 +488,15 @@ class ReplayGuard:
         i = bisect.bisect_left(top, seq)
         if i < len(top) and top[i] == seq:
             self._held.setdefault(sender, set()).add(seq)
+
+    def withdraw(self, sender: str, seq: int) -> None:
+        """``seq``'s frame was not taken after all (its acknowledgement withheld): the
+        broker delivers it again, to this process as well as to a restarted one, and this
+        one must take it then. The number leaves those seen (a copy is accepted once more)
+        and stays held, out of every save, until a copy is taken and released."""
+        seen = self._seen.get(sender)
+        if seen is not None:
+            seen.discard(seq)
 
     def release(self, sender: str, seq: int) -> None:
         """Save ``seq`` from now on (its frame is taken); a number not held is left as it is."""
