@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedagent.protocols.aggregation import Strategy
 from fedagent.protocols.dp import DPConfig
@@ -384,3 +386,58 @@ def test_demo_spreads_agents_over_sites():
     assert split(4, 2) == [2, 2] and split(5, 2) == [3, 2] and split(7, 3) == [3, 2, 2]
     with pytest.raises(FedagentError, match="one agent per site"):
         split(1, 2)
+
+
+# ---- the announcement's totals -----------------------------------------------------------
+_POOL = [f"a{i}" for i in range(6)]
+_joins = st.tuples(st.just("join"), st.sampled_from(_POOL), st.integers(1, 1000), st.integers(0, 5))
+_leaves = st.tuples(st.just("leave"), st.sampled_from(_POOL))
+# A site round in which these agents send their last update (they leave with it).
+_rounds = st.tuples(st.just("round"), st.frozensets(st.sampled_from(_POOL)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(_joins, _leaves, _rounds), max_size=40), st.integers(1, 3))
+def test_announced_totals_are_the_sums_over_the_agents_online(ops, quorum):
+    """Joins, leaves, re-joins with other counts, and agents leaving with their last update
+    of a site round: what the site announces (and its status says) is the plain sum of
+    what its agents online announced, after every event."""
+    from fedagent.protocols.rounds import AgentOffline
+
+    site = SiteMachine(TierConfig(RoundConfig(min_agents=quorum, round_timeout=60.0)))
+    online: dict[str, tuple[int, int]] = {}  # what the site should count: samples, agents
+    departed: set[str] = set()
+    upstream = 0
+    now = 0.0
+    for op in ops:
+        now += 1.0
+        if op[0] == "join":
+            _, agent, samples, agents = op
+            out = site.handle(AgentOnline(agent, samples, agents=agents), now)
+            if agent not in departed:
+                online[agent] = (samples, max(1, agents))
+        elif op[0] == "leave":
+            out = site.handle(AgentOffline(op[1]), now)
+            online.pop(op[1], None)
+            departed.discard(op[1])
+        else:
+            if len(online) < quorum:
+                continue
+            upstream += 1
+            out = site.handle(UpstreamRound(upstream, upstream, dict(W0), _train(), 40.0), now)
+            (own,) = of(out, StartRound)
+            for a in own.selected:
+                w = trained(a, W0, upstream)
+                out += site.handle(UpdateReceived(a, own.round, upstream, 10, w, {}, a in op[1]), now)
+            assert of(out, PartialResult)
+            for a in op[1] & set(own.selected):
+                online.pop(a)
+                departed.add(a)
+        samples = sum(n for n, _ in online.values())
+        agents = sum(k for _, k in online.values())
+        assert site.online == {a: n for a, (n, _) in online.items()}
+        assert site.samples == site.status()["samples"] == samples
+        for ann in of(out, Announce):
+            assert ann == Announce(samples if len(online) >= quorum else 0, agents)
+        if of(out, Announce):
+            assert site._announced == (samples if len(online) >= quorum else 0, agents)
