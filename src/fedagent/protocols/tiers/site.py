@@ -102,7 +102,7 @@ class SiteMachine:
         self.last: PartialResult | SiteRoundFailed | None = None
         self._top = 0  # the site round's W, when it is a secure one
         self.upstream_end = math.inf  # when the upstream round being answered stops waiting
-        self._answering = 0  # the upstream round upstream_end is of
+        self._answering = 0  # the latest upstream round started (upstream_end is its, if answered)
         self.down_since: float | None = None  # the upstream connection lost at, if it is
         # A partial result made while the upstream tier was out of reach, with the time its
         # upstream round stops waiting: sent when the connection is back, if still open.
@@ -180,6 +180,12 @@ class SiteMachine:
         self._agents_total -= self._agents_of.pop(agent)
         self._reads_steps.pop(agent, None)
 
+    @property
+    def online_upstream(self) -> bool:
+        """Whether the site's presence upstream says online: its last announcement, made
+        with its quorum online, counts samples (the upstream tier selects it then)."""
+        return self._announced is not None and self._announced[0] > 0
+
     def hold(self, result: PartialResult, now: float) -> list[Command]:
         """``result`` could not be sent (the connection broke while it went): held like
         one made while the upstream tier was out of reach."""
@@ -254,12 +260,20 @@ class SiteMachine:
         if self.upstream is not None:
             if ev.round <= self.upstream.round:
                 return []  # a redelivered round start
-        if self.held is not None and ev.round <= self.held[0].round:
-            return []  # answered already: its result waits for the connection
+            # The upstream tier runs one round at a time: the one being answered is over
+            # (its result never reached the site). Its work would go up as this round's.
             out += self._fail(f"upstream round {ev.round} started before the site's round ended", now)
+        if self.held is not None and ev.round <= self.held[0].round:
+            return out  # answered already: its result waits for the connection
         out += self._drop_held(f"upstream round {ev.round} started", upto=ev.round - 1)
+        self._answering = max(self._answering, ev.round)
+        if ev.everyone and not self.online_upstream:
+            # Selected by count, not by name, while this site said offline upstream (below
+            # its quorum): the round is not its own. The upstream tier does not wait for
+            # it, and would discard its update as late; a failure of it would be reported
+            # for a round the site was never in.
+            return out
         self.upstream = ev
-        self._answering = ev.round
         self.upstream_end = now + ev.deadline_s
         self.deadline = now + self.config.budget(ev.deadline_s)
         t = ev.train
