@@ -273,6 +273,34 @@ def test_a_site_aggregator_killed_mid_round(tmp_path):
         fed.close()
 
 
+def test_a_site_below_its_quorum_is_in_no_hub_round(tmp_path):
+    """site-2 has one agent of the two it needs: offline upstream, it reads the hub's
+    round starts for every site online (site-1 alone) as none of its own, and its history
+    has nothing of them (no round run, no failure reported)."""
+    fed = TieredFederation(
+        tmp_path,
+        sites=[2, 1],
+        rounds=3,
+        alpha=ALPHA,
+        transfer={"compression": "none"},
+        hub_rounds={"min_agents": 1, "expected_agents": 1},
+        site_rounds={"min_agents": 2},
+    )
+    try:
+        fed.prepare()
+        fed.start_all()
+        done = wait_for(lambda: _done(fed), 180, "the hub's rounds with site-1", fed)
+        rounds = [r for r in _history(fed, "coordinator") if r.get("event") == "round"]
+        site_2 = _history(fed, "site-2")
+        log = (fed.work / "logs" / "site-2.log").read_text()
+    finally:
+        fed.close()
+    assert done["completed_rounds"] == 3
+    assert all(r["participants"] == ["site-1-up"] and not r.get("missing") for r in rounds), rounds
+    assert [r for r in site_2 if r.get("event") in ("site_round", "site_failed")] == []
+    assert "is not this site's" in log
+
+
 def test_secure_aggregation_in_both_tiers(tmp_path, runs):
     """Agents mask against their site's cohort (the site aggregator unmasks its site's sum
     only) and the site aggregators against each other at the hub (which unmasks the total

@@ -176,7 +176,10 @@ def test_a_site_cut_off_from_the_hub_and_healed(tiers):
         return [r for r in t.hub_rounds() if r["round"] > after and set(r["participants"]) == both]
 
     lab.wait_for(lambda: len(with_both()) >= 2, 120, "two hub rounds with both sites")
-    pre = t.status("site-2")["tier"]["upstream_round"]  # the last hub round start it had
+    # The last hub round start it had: the one it answers, or between rounds (none
+    # answered) the one of its last result.
+    tier = t.status("site-2")["tier"]
+    pre = tier["upstream_round"] or (tier["last_partial_result"] or {}).get("round")
     lab.cut("s2")
     cut_at = time.monotonic()
     last_before = max(r["round"] for r in t.hub_rounds())

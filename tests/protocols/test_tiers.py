@@ -14,12 +14,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedagent.protocols.aggregation import Strategy
 from fedagent.protocols.dp import DPConfig
 from fedagent.protocols.rounds import (
     AgentOnline,
     LateUpdate,
+    Rejected,
     RequestWakeup,
     RoundAggregated,
     RoundConfig,
@@ -101,7 +104,8 @@ def answer(tier: Tier, start: StartRound, now: float) -> PartialResult | None:
     members; returns its partial result."""
     m = tier.machine
     assert m is not None
-    cmds = m.handle(UpstreamRound(start.round, start.model_version, start.weights, start.train, start.deadline_s), now)
+    up = UpstreamRound(start.round, start.model_version, start.weights, start.train, start.deadline_s, start.everyone)
+    cmds = m.handle(up, now)
     (own,) = of(cmds, StartRound)
     assert own.deadline_s <= start.deadline_s * 0.75 + 1e-9  # it ends before the upstream round
     out: list = []
@@ -384,3 +388,115 @@ def test_demo_spreads_agents_over_sites():
     assert split(4, 2) == [2, 2] and split(5, 2) == [3, 2] and split(7, 3) == [3, 2, 2]
     with pytest.raises(FedagentError, match="one agent per site"):
         split(1, 2)
+
+
+# ---- the announcement's totals -----------------------------------------------------------
+_POOL = [f"a{i}" for i in range(6)]
+_joins = st.tuples(st.just("join"), st.sampled_from(_POOL), st.integers(1, 1000), st.integers(0, 5))
+_leaves = st.tuples(st.just("leave"), st.sampled_from(_POOL))
+# A site round in which these agents send their last update (they leave with it).
+_rounds = st.tuples(st.just("round"), st.frozensets(st.sampled_from(_POOL)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(_joins, _leaves, _rounds), max_size=40), st.integers(1, 3))
+def test_announced_totals_are_the_sums_over_the_agents_online(ops, quorum):
+    """Joins, leaves, re-joins with other counts, and agents leaving with their last update
+    of a site round: what the site announces (and its status says) is the plain sum of
+    what its agents online announced, after every event."""
+    from fedagent.protocols.rounds import AgentOffline
+
+    site = SiteMachine(TierConfig(RoundConfig(min_agents=quorum, round_timeout=60.0)))
+    online: dict[str, tuple[int, int]] = {}  # what the site should count: samples, agents
+    departed: set[str] = set()
+    upstream = 0
+    now = 0.0
+    for op in ops:
+        now += 1.0
+        if op[0] == "join":
+            _, agent, samples, agents = op
+            out = site.handle(AgentOnline(agent, samples, agents=agents), now)
+            if agent not in departed:
+                online[agent] = (samples, max(1, agents))
+        elif op[0] == "leave":
+            out = site.handle(AgentOffline(op[1]), now)
+            online.pop(op[1], None)
+            departed.discard(op[1])
+        else:
+            if len(online) < quorum:
+                continue
+            upstream += 1
+            out = site.handle(UpstreamRound(upstream, upstream, dict(W0), _train(), 40.0), now)
+            (own,) = of(out, StartRound)
+            for a in own.selected:
+                w = trained(a, W0, upstream)
+                out += site.handle(UpdateReceived(a, own.round, upstream, 10, w, {}, a in op[1]), now)
+            assert of(out, PartialResult)
+            for a in op[1] & set(own.selected):
+                online.pop(a)
+                departed.add(a)
+        samples = sum(n for n, _ in online.values())
+        agents = sum(k for _, k in online.values())
+        assert site.online == {a: n for a, (n, _) in online.items()}
+        assert site.samples == site.status()["samples"] == samples
+        for ann in of(out, Announce):
+            assert ann == Announce(samples if len(online) >= quorum else 0, agents)
+        if of(out, Announce):
+            assert site._announced == (samples if len(online) >= quorum else 0, agents)
+
+
+# ---- which upstream rounds are the site's ------------------------------------------------
+def test_a_newer_upstream_round_ends_the_one_being_answered():
+    # The upstream tier's result of round 5 never reached the site (lost with a
+    # connection): its round start of 6 says 5 is over all the same.
+    site = SiteMachine(TierConfig(RoundConfig(min_agents=2, round_timeout=60.0)))
+    for a in ("a1", "a2"):
+        site.handle(AgentOnline(a, 10), 0.0)
+    (own,) = of(site.handle(UpstreamRound(5, 2, dict(W0), _train(), 40.0), 0.0), StartRound)
+    site.handle(UpdateReceived("a1", own.round, 2, 10, trained("a1", W0, 5), {}), 1.0)
+    w6 = trained("hub", W0, 6)
+    cmds = site.handle(UpstreamRound(6, 3, w6, _train(), 40.0), 2.0)
+    (failed,) = of(cmds, SiteRoundFailed)
+    assert (failed.round, failed.site_round) == (5, own.round) and "round 6 started" in failed.reason
+    (nxt,) = of(cmds, StartRound)
+    assert nxt.round == own.round + 1 and nxt.model_version == 3
+    assert site.status()["upstream_round"] == 6
+    # Round 5's outstanding update is not taken; round 6's result is made of round 6's updates.
+    (late,) = site.handle(UpdateReceived("a2", own.round, 2, 10, trained("a2", W0, 5), {}), 3.0)
+    assert isinstance(late, Rejected) and late.reason == "stale"
+    out: list = []
+    for a in ("a1", "a2"):
+        out += site.handle(UpdateReceived(a, nxt.round, 3, 10, trained(a, w6, 6), {}), 4.0)
+    (res,) = of(out, PartialResult)
+    assert (res.round, res.base_version, res.site_round) == (6, 3, nxt.round)
+    mean = (trained("a1", w6, 6)["w"] + trained("a2", w6, 6)["w"]) / 2
+    np.testing.assert_allclose(res.weights["w"], mean, rtol=0, atol=TOL)
+
+
+def test_a_round_for_the_sites_online_is_not_taken_by_a_site_that_said_offline():
+    from fedagent.protocols.rounds import AgentOffline
+
+    def everyone(round_: int) -> UpstreamRound:
+        return UpstreamRound(round_, round_, dict(W0), _train(), 40.0, everyone=True)
+
+    site = SiteMachine(TierConfig(RoundConfig(min_agents=2, round_timeout=60.0)))
+    assert site.handle(AgentOnline("a1", 10), 0.0) == [Announce(0, 1)]  # offline upstream
+    # The upstream tier's round selects the sites it counted online: not this one. No
+    # round, no wait, and no failure reported at the site's deadline.
+    assert site.handle(everyone(1), 1.0) == []
+    assert site.status()["phase"] == "idle" and site.status()["upstream_round"] is None
+    assert site.handle(Wakeup(), 31.0) == [] and site.status()["last"] is None
+    # Its quorum back, it is online upstream and in the next such round.
+    assert site.handle(AgentOnline("a2", 10), 32.0) == [Announce(20, 2)]
+    (own,) = of(site.handle(everyone(2), 33.0), StartRound)
+    assert own.selected == ("a1", "a2")
+    # Below its quorum in the middle of that round: the round is still its own, and
+    # fails truthfully when it cannot be answered.
+    site.handle(AgentOffline("a2"), 34.0)
+    (failed,) = of(site.handle(Wakeup(), 33.0 + 30.0), SiteRoundFailed)
+    assert failed.round == 2 and failed.site_round == own.round
+    assert site.status()["last"] == {"round": 2, "sent": False, "reason": failed.reason}
+    # A round that names the site is its own whatever it said: it was selected by name.
+    assert site.handle(UpstreamRound(3, 3, dict(W0), _train(), 40.0), 70.0) == [RequestWakeup(100.0)]
+    (failed,) = site.handle(Wakeup(), 100.0)
+    assert isinstance(failed, SiteRoundFailed) and failed.round == 3 and "no quorum" in failed.reason

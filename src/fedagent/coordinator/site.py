@@ -453,6 +453,14 @@ class SiteMode:
                 # keep between rounds: the upstream sends it whole (its presence reads no steps).
                 log.warning("upstream round %d came as a model step: this site does not take part", msg.round)
                 return
+            if msg.everyone and not self.machine.online_upstream:
+                # It selects the sites online when it started, and this one said offline
+                # (below its quorum): handed on only to end a round still answered here.
+                log.info("upstream round %d is not this site's: it was offline upstream (below its quorum)", msg.round)
+                await self._handle(
+                    T.UpstreamRound(msg.round, msg.model_version, msg.weights, msg.train, msg.deadline_s, everyone=True)
+                )
+                return
             log.info("upstream round %d from %s: model version %d", msg.round, inc.sender, msg.model_version)
             self._up_weights = (msg.round, msg.weights)
             try:
@@ -467,7 +475,9 @@ class SiteMode:
                 # A secure round takes masked inputs until two stage timeouts before its
                 # deadline, each at most a sixth of it: the site's result must be in by then.
                 deadline *= 2 / 3
-            await self._handle(T.UpstreamRound(msg.round, msg.model_version, msg.weights, msg.train, deadline))
+            await self._handle(
+                T.UpstreamRound(msg.round, msg.model_version, msg.weights, msg.train, deadline, msg.everyone)
+            )
         elif isinstance(msg, RoundResult):
             if msg.aggregated:
                 self.version = max(self.version, msg.model_version)

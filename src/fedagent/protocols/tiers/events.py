@@ -16,13 +16,17 @@ Weights = dict[str, np.ndarray]
 @dataclass(frozen=True, slots=True)
 class UpstreamRound:
     """The upstream tier started ``round`` from model ``model_version`` and selected
-    this site aggregator for it; ``deadline_s``: the seconds it waits for updates."""
+    this site aggregator for it; ``deadline_s``: the seconds it waits for updates.
+    ``everyone``: the round start named no one but selected every member the upstream
+    tier counted online when it started it, which this site was only if its presence
+    there said online (it had its quorum)."""
 
     round: int
     model_version: int
     weights: Weights
     train: TrainConfig
     deadline_s: float
+    everyone: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,9 +83,14 @@ class SiteMachine:
         self.roles = roles
         self.verify_statement = verify_statement
         self.site_round = last_round
+        # Changed only by _join and _leave, which keep the two totals below: the site
+        # announces them on every join and leave, and summing them there cost O(N) a
+        # change, O(N²) while N agents connect.
         self.online: dict[str, int] = {}  # agent -> samples it announced
-        self._agents_of: dict[str, int] = {}  # member -> the agents it stands for (a site: its own)
+        self._agents_of: dict[str, int] = {}  # member online -> the agents it stands for (a site: its own)
         self._reads_steps: dict[str, bool] = {}
+        self._samples_total = 0  # Σ online.values()
+        self._agents_total = 0  # Σ _agents_of.values()
         self.departed: set[str] = set()  # left with their last update; ignored until their goodbye
         self.bench = Bench()
         self.norm_history: list[list[float]] = []
@@ -97,7 +102,7 @@ class SiteMachine:
         self.last: PartialResult | SiteRoundFailed | None = None
         self._top = 0  # the site round's W, when it is a secure one
         self.upstream_end = math.inf  # when the upstream round being answered stops waiting
-        self._answering = 0  # the upstream round upstream_end is of
+        self._answering = 0  # the latest upstream round started (upstream_end is its, if answered)
         self.down_since: float | None = None  # the upstream connection lost at, if it is
         # A partial result made while the upstream tier was out of reach, with the time its
         # upstream round stops waiting: sent when the connection is back, if still open.
@@ -125,14 +130,10 @@ class SiteMachine:
         if isinstance(event, R.AgentOnline):
             if event.agent in self.departed:
                 return []
-            self.online[event.agent] = event.num_samples
-            self._reads_steps[event.agent] = event.reads_steps
-            self._agents_of[event.agent] = max(1, event.agents)
+            self._join(event.agent, event.num_samples, event.agents, event.reads_steps)
             return self._announce() + self._forward(event, now) + self._maybe_open(now)
         if isinstance(event, R.AgentOffline):
-            self.online.pop(event.agent, None)
-            self._reads_steps.pop(event.agent, None)
-            self._agents_of.pop(event.agent, None)
+            self._leave(event.agent)
             self.departed.discard(event.agent)
             return self._announce() + self._forward(event, now)
         if isinstance(event, R.Wakeup):
@@ -159,7 +160,31 @@ class SiteMachine:
     @property
     def samples(self) -> int:
         """What the site announces upstream: its online agents' announced samples."""
-        return sum(self.online.values())
+        return self._samples_total
+
+    def _join(self, agent: str, samples: int, agents: int, reads_steps: bool) -> None:
+        """``agent`` is online with what it announced (again: its new figures replace the old)."""
+        self._leave(agent)
+        agents = max(1, agents)
+        self.online[agent] = samples
+        self._agents_of[agent] = agents
+        self._reads_steps[agent] = reads_steps
+        self._samples_total += samples
+        self._agents_total += agents
+
+    def _leave(self, agent: str) -> None:
+        samples = self.online.pop(agent, None)
+        if samples is None:
+            return
+        self._samples_total -= samples
+        self._agents_total -= self._agents_of.pop(agent)
+        self._reads_steps.pop(agent, None)
+
+    @property
+    def online_upstream(self) -> bool:
+        """Whether the site's presence upstream says online: its last announcement, made
+        with its quorum online, counts samples (the upstream tier selects it then)."""
+        return self._announced is not None and self._announced[0] > 0
 
     def hold(self, result: PartialResult, now: float) -> list[Command]:
         """``result`` could not be sent (the connection broke while it went): held like
@@ -235,12 +260,20 @@ class SiteMachine:
         if self.upstream is not None:
             if ev.round <= self.upstream.round:
                 return []  # a redelivered round start
-        if self.held is not None and ev.round <= self.held[0].round:
-            return []  # answered already: its result waits for the connection
+            # The upstream tier runs one round at a time: the one being answered is over
+            # (its result never reached the site). Its work would go up as this round's.
             out += self._fail(f"upstream round {ev.round} started before the site's round ended", now)
+        if self.held is not None and ev.round <= self.held[0].round:
+            return out  # answered already: its result waits for the connection
         out += self._drop_held(f"upstream round {ev.round} started", upto=ev.round - 1)
+        self._answering = max(self._answering, ev.round)
+        if ev.everyone and not self.online_upstream:
+            # Selected by count, not by name, while this site said offline upstream (below
+            # its quorum): the round is not its own. The upstream tier does not wait for
+            # it, and would discard its update as late; a failure of it would be reported
+            # for a round the site was never in.
+            return out
         self.upstream = ev
-        self._answering = ev.round
         self.upstream_end = now + ev.deadline_s
         self.deadline = now + self.config.budget(ev.deadline_s)
         t = ev.train
@@ -296,9 +329,7 @@ class SiteMachine:
         self.machine = machine
         cmds: list[R.Command] = []
         for a in agents:
-            cmds = machine.handle(
-                R.AgentOnline(a, self.online[a], self._reads_steps.get(a, True), self._agents_of.get(a, 1)), now
-            )
+            cmds = machine.handle(R.AgentOnline(a, self.online[a], self._reads_steps[a], self._agents_of[a]), now)
         # The wake-ups asked for while the quorum grew are moot: the last agent started it.
         return self._translate(cmds, now)
 
@@ -455,7 +486,7 @@ class SiteMachine:
         # Agents that sent their last update are gone for the site too, until their goodbye.
         for a in m.departed:
             self.departed.add(a)
-            self.online.pop(a, None)
+            self._leave(a)
         self.machine = None
         self.upstream = None
         self.deadline = math.inf
@@ -481,7 +512,7 @@ class SiteMachine:
         # nor starts a round counting it with a part of its agents.
         ready = len(self.online) >= self.config.rounds.min_agents
         # A region stands for its sites' agents, a site for its own.
-        now = (self.samples if ready else 0, sum(self._agents_of.get(a, 1) for a in self.online))
+        now = (self._samples_total if ready else 0, self._agents_total)
         if now == self._announced:
             return []
         self._announced = now
