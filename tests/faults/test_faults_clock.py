@@ -111,7 +111,10 @@ def test_coordinator_survives_wall_clock_jumps(tmp_path):
     contiguous, round durations measured on the monotonic clock stay sane, and no signed
     frame is refused (the coordinator's jumps move neither the timestamps it stamps nor
     the clock it checks the agents' against: see fedagent.security.signing)."""
-    rounds = 12
+    # Enough rounds that the three jumps land before the last: libfaketime rereads its
+    # offset at most once a second, and on an idle machine a round of this federation
+    # takes 60-70 ms (twelve rounds once ended 0.3 s after the first jump was written).
+    rounds = 150
     fed = Federation(tmp_path, agents=2, rounds=rounds, alpha=0.5, round_timeout=30)
     offset = tmp_path / "faketime-offset"
     offset.write_text("+0\n")

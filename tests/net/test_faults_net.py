@@ -360,6 +360,62 @@ def test_partition_of_a_third_of_the_agents_mid_round(lab_factory, tmp_path):
     assert got >= want - PARTITION_TOLERANCE
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_coordinator_cut_off_takes_nobody_for_silent_and_loses_no_update(lab_factory, tmp_path):
+    """The coordinator's own link is partitioned (TCP stays open, nothing passes) for longer
+    than its agents' heartbeat timeout, mid-round. It hears nobody, which says nothing about
+    them: no agent may be declared silent, and once the link heals the updates the broker
+    held for it are taken, so every round is aggregated from every agent."""
+    agents = ["a1", "a2"]
+    lab = lab_factory(["hub", "coord", *agents])
+    rounds = 30
+    lf = LabFederation(lab, tmp_path, "cutoff", agents)
+    coord_cfg = lf.write(
+        "coordinator",
+        "coord",
+        {"seed": SEED},
+        rounds={"rounds": rounds, "min_agents": 2, "min_updates": 2, "round_timeout": 120, "seed": SEED},
+    )
+    lf.start("coordinator", "coord", "coordinator", coord_cfg)
+    for i, a in enumerate(agents):
+        lf.start(a, a, "agent", lf.write(a, a, {"shard": i, "shards": 2, "seed": SEED}))
+    coord = lambda: lf.status("coordinator") or {}  # noqa: E731
+    lab.wait_for(
+        lambda: (lambda s: s if s.get("completed_rounds", 0) >= 2 and s["phase"] == "training" else None)(coord()),
+        150,
+        "round 3 in progress",
+    )
+    lab.cut("coord")
+    cut_at = time.monotonic()
+
+    def overdue() -> dict | None:
+        # Every agent unheard for longer than its timeout (the status is read over the
+        # control socket, which the partition does not touch).
+        s = coord()
+        beats = s.get("heartbeats", {})
+        return s if all(a in beats and beats[a]["age"] >= beats[a]["timeout"] + 1.5 for a in agents) else None
+
+    during = lab.wait_for(overdue, 60, "the agents' heartbeats to be overdue at the cut-off coordinator")
+    held = time.monotonic() - cut_at
+    lab.heal("coord")
+    done = lab.wait_for(
+        lambda: (lambda s: s if s.get("phase") == "done" else None)(coord()), 300, "the federation to finish"
+    )
+    log = lab.log("coordinator")
+    assert "is silent" not in log, [line for line in log.splitlines() if "is silent" in line]
+    assert not any(during["heartbeats"][a]["silent"] for a in agents), during["heartbeats"]
+    aggregated = [r for r in lf.history() if r["event"] == "round"]
+    assert [r["model_version"] for r in aggregated] == list(range(1, rounds + 1))
+    short = [(r["round"], r["participants"]) for r in aggregated if sorted(r["participants"]) != agents]
+    assert not short, f"rounds aggregated without an agent: {short}"
+    print(
+        f"cut-off coordinator: link cut {held:.1f}s (agents' timeout {during['heartbeats']['a1']['timeout']:.0f}s), "
+        f"no agent declared silent; {len(aggregated)} rounds, each from both agents; "
+        f"{done['completed_rounds']} completed"
+    )
+
+
 # -- a degraded network under gossip ------------------------------------------------------
 GOSSIP_PERIODS = 60
 FAULT_PERIODS = 20

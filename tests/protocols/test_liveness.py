@@ -8,7 +8,7 @@ import pytest
 
 from fedagent.errors import CodecError
 from fedagent.protocols.codec import Limits
-from fedagent.protocols.liveness import BEATS, Liveness, heartbeat_interval
+from fedagent.protocols.liveness import BEATS, PROBE_ANSWER_S, PROBE_POLL_S, Liveness, OwnLink, heartbeat_interval
 from fedagent.protocols.messages import Heartbeat, body_of
 
 
@@ -130,3 +130,81 @@ def test_status_table_names_the_agents_a_round_waits_for_and_the_silent_ones():
     assert "1 of 3; waiting for a2, a3" in text
     assert "a3 (12s)" in text and "a1 (" not in text
     assert "round 4: 1 frames, 2,345 bytes" in text
+
+
+# -- OwnLink: the listener's own link vouches for others' silence ---------------------
+
+
+def test_a_link_with_recent_traffic_lets_the_check_run_at_once():
+    link = OwnLink()
+    assert link.verdict(0.2, 100.0) == ("check", 100.0)
+
+
+def test_a_quiet_link_is_probed_first_and_checked_once_the_broker_answers():
+    link = OwnLink()
+    verdict, again = link.verdict(5.0, 100.0)
+    assert verdict == "probe" and again == 100.0 + PROBE_POLL_S
+    # The answer came 0.01 s after the probe: the link is fine, the quiet was nobody's traffic.
+    assert link.verdict(again - 100.01, again) == ("check", again)
+    assert not link.stalled
+
+
+def test_a_probe_unanswered_marks_the_link_stalled_and_its_return_excuses_everyone():
+    link = OwnLink()
+    assert link.verdict(5.0, 100.0)[0] == "probe"
+    t = 100.0
+    while t < 100.0 + PROBE_ANSWER_S:
+        t += PROBE_POLL_S
+        verdict, _ = link.verdict(5.0 + (t - 100.0), t)
+        assert verdict == "wait"
+    assert link.stalled
+    # Traffic again (the partition healed): excused once, then ordinary checks.
+    assert link.verdict(0.01, t + 1.0) == ("excuse", t + 1.0)
+    assert link.verdict(0.01, t + 2.0) == ("check", t + 2.0)
+
+
+def test_a_probe_answered_within_its_time_never_excuses():
+    link = OwnLink()
+    link.verdict(5.0, 100.0)
+    assert link.verdict(5.0 + PROBE_POLL_S, 100.0 + PROBE_POLL_S)[0] == "wait"
+    # answered at 100.3: the next look sees recent traffic
+    assert link.verdict(0.2, 100.5) == ("check", 100.5)
+
+
+def test_a_link_quiet_again_long_after_an_answer_is_probed_again():
+    link = OwnLink()
+    link.verdict(5.0, 100.0)
+    assert link.verdict(0.1, 100.25)[0] == "check"
+    # Nothing for seconds after the answer (the last live agent died): probe again,
+    # not "wait" on the old, answered probe.
+    assert link.verdict(3.0, 103.25) == ("probe", 103.25 + PROBE_POLL_S)
+
+
+def test_no_connection_says_down_and_forgets_a_stall():
+    link = OwnLink()
+    link.verdict(5.0, 100.0)
+    link.verdict(7.5, 102.5)
+    assert link.stalled
+    assert link.verdict(None, 103.0) == ("down", 104.0)
+    assert not link.stalled  # reconnecting excuses everyone anyway
+    assert link.verdict(0.1, 104.0) == ("check", 104.0)
+
+
+def test_a_stalled_link_keeps_a_dead_agent_from_being_declared_silent_until_the_link_is_back():
+    """Wired as the coordinator does: every node gets a full timeout from the link's return."""
+    live = Liveness()
+    live.heartbeat("a", 1.0, 0.0)  # timeout 4 s
+    link = OwnLink()
+    t, quiet_from = 0.0, 0.5  # the link stalled at 0.5 s
+    declared = []
+    while t < 12.0:
+        t += PROBE_POLL_S
+        healed = t >= 10.0
+        quiet = 0.05 if healed else max(0.0, t - quiet_from)
+        verdict, _ = link.verdict(quiet, t)
+        if verdict == "excuse":
+            live.excuse(t)
+        if verdict in ("check", "excuse"):
+            declared += live.expire(t)
+    assert declared == []  # silent from 0.5 s but never heard from since: 2 s after the heal is too soon
+    assert live.expire(10.0 + 4.0) == ["a"]

@@ -51,7 +51,7 @@ from fedagent.node.metrics import NodeMetrics
 from fedagent.node.runtime import make_transport, node_identity, open_history, presence_payload
 from fedagent.protocols import topics
 from fedagent.protocols.evaluation import HeldOut
-from fedagent.protocols.liveness import Liveness
+from fedagent.protocols.liveness import Liveness, OwnLink
 from fedagent.protocols.messages import Evaluation, Heartbeat, ModelCheck, Presence
 from fedagent.protocols.peerview import peer_table
 from fedagent.security.pki import fingerprint
@@ -202,6 +202,7 @@ class CoordinatorCore:
         # Agents that send heartbeats are taken out of a round when they fall silent,
         # before the broker's keep-alive notices (protocols/liveness.py).
         self.liveness = Liveness()
+        self.own_link = OwnLink()
         self.silent_since: dict[str, float] = {}  # agent -> wall time it was declared silent
         self._silent_at: dict[str, float] = {}  # the same on the monotonic clock (durations)
         self.last_silenced: dict[str, float] = {}  # the same, kept after the agent is back
@@ -373,11 +374,18 @@ class CoordinatorCore:
             await self.mode.on_presence(agent, True, int(peer.get("samples", 0)), now)
 
     async def _check_liveness(self, item: LivenessCheck, now: float) -> None:
-        if not self.transport.connected:
-            # Our own connection is down: we hear nobody, which says nothing about them
-            # (excused on reconnection). Look again a little later.
-            self._schedule_liveness(now + 1.0)
+        # Our own connection down, or quiet and not answering a probe (a partition keeps
+        # TCP open): we hear nobody, which says nothing about them. Look again a little
+        # later; once the link is back, nobody's silence meanwhile counts.
+        verdict, again = self.own_link.verdict(self.transport.silent_for(), now)
+        if verdict in ("probe", "wait", "down"):
+            if verdict == "probe":
+                self.transport.probe()
+            self._schedule_liveness(again)
             return
+        if verdict == "excuse":
+            log.warning("the broker connection carried nothing for a while: no agent's silence meanwhile counts")
+            self.liveness.excuse(now)
         for agent in self.liveness.expire(now, late=max(0.0, now - item.at)):
             self.silent_since[agent] = self.last_silenced[agent] = time.time()
             self._silent_at[agent] = now

@@ -17,7 +17,9 @@ stalled event loop, a paused coordinator); nodes are then given ``grace`` second
 heard before any is declared silent, so a coordinator's own stall never evicts the
 agents it failed to listen to. For the same reason the caller does not look for silent
 nodes while its own broker connection is down, and :meth:`Liveness.excuse` gives every
-node a fresh timeout when it is back.
+node a fresh timeout when it is back. A connection can also stall without going down (a
+partition keeps TCP open until the keep-alive runs out): :class:`OwnLink` asks for a sign
+of life from the broker before anyone's silence is taken for theirs.
 
 No clock or I/O here: the caller passes the monotonic time and asks for a wake-up at
 :meth:`Liveness.next_check`.
@@ -134,3 +136,61 @@ class Liveness:
             node: {"age": round(now - n.heard, 3), "timeout": n.timeout, "silent": n.silent}
             for node, n in sorted(self._nodes.items())
         }
+
+
+#: Nothing from the broker for this long: before declaring anyone silent, ask it for a
+#: sign of life (a PINGREQ). A federation with traffic never waits for it.
+LINK_QUIET_S = 1.0
+#: A probe unanswered for this long: the link itself is stalled.
+PROBE_ANSWER_S = 2.0
+#: How often a listener whose probe is outstanding looks again.
+PROBE_POLL_S = 0.25
+
+
+class OwnLink:
+    """Whether this listener's own broker connection can vouch for others' silence.
+
+    A stalled connection (its network cut, TCP still open) hears nobody, and a
+    coordinator that took that for its agents' silence would take them all out of the
+    round and drop the updates the broker delivers once the link heals. Before each
+    check for silent nodes the caller asks :meth:`verdict` with how long the broker has
+    sent nothing (``quiet_for``: None while there is no connection):
+
+    - ``"check"``: the link carried something recently: look for silent nodes now;
+    - ``"probe"``: quiet for LINK_QUIET_S: send the broker a PINGREQ and ask again at the
+      time given (what it queued meanwhile arrives ahead of its answer);
+    - ``"wait"``: a probe is outstanding: ask again at the time given;
+    - ``"excuse"``: the link had stalled (a probe went unanswered for PROBE_ANSWER_S) and
+      carries traffic again: nobody could be heard meanwhile, so excuse every node
+      (:meth:`Liveness.excuse`), then look;
+    - ``"down"``: no connection: ask again later (reconnecting excuses everyone anyway).
+    """
+
+    def __init__(
+        self, *, quiet_after: float = LINK_QUIET_S, answer_within: float = PROBE_ANSWER_S, poll: float = PROBE_POLL_S
+    ) -> None:
+        self.quiet_after = quiet_after
+        self.answer_within = answer_within
+        self.poll = poll
+        self._probed_at: float | None = None
+        self.stalled = False
+
+    def verdict(self, quiet_for: float | None, now: float) -> tuple[str, float]:
+        """What to do now (see the class), and when to ask again if not ``"check"``."""
+        if quiet_for is None:
+            self._probed_at, self.stalled = None, False
+            return "down", now + 1.0
+        last_heard = now - quiet_for
+        if quiet_for < self.quiet_after:
+            self._probed_at = None
+            if self.stalled:
+                self.stalled = False
+                return "excuse", now
+            return "check", now
+        if self._probed_at is None or last_heard >= self._probed_at:
+            # No probe yet, or the last was answered and the link has been quiet since.
+            self._probed_at = now
+            return "probe", now + self.poll
+        if now - self._probed_at >= self.answer_within:
+            self.stalled = True
+        return "wait", now + self.poll

@@ -213,6 +213,16 @@ class Transport:
             return None
         return max(0.0, time.monotonic() - c.last_rx)
 
+    def probe(self) -> None:
+        """Ask the broker for a sign of life now (a PINGREQ; its answer refreshes
+        :meth:`silent_for`). Nothing happens without a connection."""
+        c = self._client
+        if c is not None and self.connected:
+            try:
+                c.probe()
+            except Exception as exc:  # noqa: BLE001 - paho reports the broken socket itself
+                log.debug("link probe failed: %s", exc)
+
     @property
     def link_state(self) -> str:
         """``state``, or ``"unresponsive"`` while a connection hears nothing from the
