@@ -20,7 +20,7 @@ the phase figures of a run without it, as cProfile slows small calls down more t
 large ones. CPU time is what to compare between builds on a shared machine, not wall
 time; ``PYTHONPATH=<other checkout>/src:<other checkout>`` runs another build.
 
-    .venv/bin/python -m bench.round_profile [--params 1.1e6] [--rounds 10] [--defaults] [--cprofile]
+    .venv/bin/python -m bench.round_profile [--params 1.1e6] [--rounds 10] [--defaults] [--cprofile] [--daemon-malloc]
 """
 
 from __future__ import annotations
@@ -133,7 +133,17 @@ def main() -> None:
     ap.add_argument("--defaults", action="store_true", help="the round with fedagent's defaults (streamed int8)")
     ap.add_argument("--cprofile", action="store_true", help="cProfile's top functions on each side")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument(
+        "--daemon-malloc",
+        action="store_true",
+        help="the coordinator daemons' malloc setting (every block of 64 KiB or more mmapped: "
+        "node.runtime.release_large_frees), which the round section's coordinator does not make",
+    )
     args = ap.parse_args()
+    if args.daemon_malloc:
+        from fedagent.node.runtime import release_large_frees
+
+        release_large_frees()
     with tempfile.TemporaryDirectory(prefix="fedagent-roundprof-") as tmp:
         work = Path(tmp)
         pdir = work / "profile"
