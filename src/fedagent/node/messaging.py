@@ -154,7 +154,7 @@ class Messenger:
         self.model_limits = Limits(
             max_message_bytes=max_model_bytes, max_bin_len=max_model_bytes, max_tensor_bytes=max_model_bytes
         )
-        # One worker: the reassembler's jobs for a transfer run in order. Its thread is
+        # One worker: the jobs of a transfer (or stream) run in order. Its thread is
         # started by the first large transfer received (a sender never needs it).
         self._intake_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedagent-reassembly")
         self.reassembler = Reassembler(
@@ -179,6 +179,7 @@ class Messenger:
             max_transfer_bytes=max_model_bytes,
             max_pending_bytes=8 * max_chunk_bytes,
             timeout=reassembly_timeout,
+            executor=self._intake_worker,  # the streams' hashing, as the reassembler's
         )
         self._last_expiry = 0.0
         # Kinds whose sequence numbers may reach the replay journal up to LAZY_DURABLE_S
@@ -455,6 +456,7 @@ class Messenger:
             self._expiry = None
         # A chunk received after this is placed and hashed in the caller's thread.
         self.reassembler.executor = None
+        self.intake.executor = None
         self._intake_worker.shutdown(wait=False)
 
     async def send_update(
