@@ -7,6 +7,8 @@ It runs ``--rounds`` rounds of :class:`bench.round.FedRounds` (the coordinator h
 
 * coordinator: sending the RoundStart (``Messenger.send`` until its last PUBACK) and
   the rest of the round (reading, reassembling, checking and folding the ten updates);
+  the same for its event-loop thread alone (what paces the intake: work handed to
+  worker threads runs on another core meanwhile), the rest per update;
 * agents (summed over the ten, and per agent): until the round start's first frame
   came (idle, keep-alives), receiving it (first frame to decoded: TLS reads,
   reassembly, digest, decode) and answering (decoded to the update's last PUBACK:
@@ -18,7 +20,7 @@ the phase figures of a run without it, as cProfile slows small calls down more t
 large ones. CPU time is what to compare between builds on a shared machine, not wall
 time; ``PYTHONPATH=<other checkout>/src:<other checkout>`` runs another build.
 
-    .venv/bin/python -m bench.round_profile [--params 1.1e6] [--rounds 10] [--defaults] [--cprofile]
+    .venv/bin/python -m bench.round_profile [--params 1.1e6] [--rounds 10] [--defaults] [--cprofile] [--daemon-malloc]
 """
 
 from __future__ import annotations
@@ -59,11 +61,12 @@ async def _run(work: Path, params: int, rounds: int, defaults: bool, prof: cProf
         marks: dict[str, float] = {}
 
         async def timed_send(topic: str, message: Any, **kw: Any) -> int:
-            t0 = time.process_time()
+            t0, l0 = time.process_time(), time.thread_time()
             try:
                 return await send(topic, message, **kw)
             finally:
                 marks["send"] = time.process_time() - t0
+                marks["loop_send"] = time.thread_time() - l0
 
         fed.messenger.send = timed_send  # type: ignore[method-assign]
         try:
@@ -75,10 +78,10 @@ async def _run(work: Path, params: int, rounds: int, defaults: bool, prof: cProf
                 prof.enable()
             pids = [p.pid for p in fed.procs]
             for r in range(3, rounds + 3):
-                t0 = time.process_time()
+                t0, l0 = time.process_time(), time.thread_time()
                 f0, af0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, _faults(pids)
                 elapsed, _cpu, broker = await fed.round(r, train)
-                own = time.process_time() - t0
+                own, loop = time.process_time() - t0, time.thread_time() - l0
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
                 agent_faults = _faults(pids) - af0
                 out.append(
@@ -87,6 +90,8 @@ async def _run(work: Path, params: int, rounds: int, defaults: bool, prof: cProf
                         "wall": elapsed,
                         "coord": own,
                         "coord_send": marks["send"],
+                        "loop": loop,
+                        "loop_send": marks["loop_send"],
                         "agents": fed.phases["agents_cpu"],
                         "broker": broker,
                         "faults": faults,
@@ -128,7 +133,17 @@ def main() -> None:
     ap.add_argument("--defaults", action="store_true", help="the round with fedagent's defaults (streamed int8)")
     ap.add_argument("--cprofile", action="store_true", help="cProfile's top functions on each side")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument(
+        "--daemon-malloc",
+        action="store_true",
+        help="the coordinator daemons' malloc setting (every block of 64 KiB or more mmapped: "
+        "node.runtime.release_large_frees), which the round section's coordinator does not make",
+    )
     args = ap.parse_args()
+    if args.daemon_malloc:
+        from fedagent.node.runtime import release_large_frees
+
+        release_large_frees()
     with tempfile.TemporaryDirectory(prefix="fedagent-roundprof-") as tmp:
         work = Path(tmp)
         pdir = work / "profile"
@@ -155,6 +170,9 @@ def main() -> None:
         print(f"  coordinator                  {ms([r['coord'] for r in rounds])}")
         print(f"    RoundStart send            {ms([r['coord_send'] for r in rounds])}")
         print(f"    the rest (intake, fold)    {ms([r['coord'] - r['coord_send'] for r in rounds])}")
+        print(f"  coordinator's event-loop thread {ms([r['loop'] for r in rounds])}")
+        print(f"    RoundStart send            {ms([r['loop_send'] for r in rounds])}")
+        print(f"    the rest, per update       {ms([(r['loop'] - r['loop_send']) / AGENTS for r in rounds])}")
         print(f"  agents (10)                  {ms([r['agents'] for r in rounds])}")
         for k in ("idle", "receive", "answer"):
             if agents[k]:

@@ -258,3 +258,62 @@ def test_large_packets_are_read_in_place_and_handed_on_uncopied(monkeypatch, in_
     assert [t for t, _ in got] == ["t/big", "t/small", "t/big2"]
     assert got[0][1] == big and got[2][1] == big[::-1] and got[1][1] == b"hi"
     assert isinstance(got[0][1], patches._PacketBuffer) is in_place and type(got[1][1]) is bytes
+
+
+def test_tls_records_read_in_place_and_an_eof_without_close_notify(tmp_path):
+    """A large packet over TLS is read record by record into its buffer (through the
+    socket's TLS object); a peer whose connection ends without close_notify reads as a
+    closed connection (0), as SSLSocket.recv_into has it, not as an error."""
+    import select
+    import socket
+    import ssl
+
+    import paho.mqtt.client as mqtt
+
+    from fedagent.security import pki
+
+    pki.create_ca(tmp_path / "ca", "t")
+    pki.issue(tmp_path / "ca", tmp_path / "certs", "srv", "agent")
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(tmp_path / "certs" / "srv.crt", tmp_path / "certs" / "srv.key")
+    client_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client_ctx.check_hostname = False
+    client_ctx.verify_mode = ssl.CERT_NONE
+    ours, theirs = socket.socketpair()
+    big = bytes(range(256)) * (patches.READ_IN_PLACE // 256 * 2)
+    wire = _publish_packet(b"t/big", big)
+    cut = len(wire) - 1000  # the second packet ends early: its sender's connection drops
+
+    served: list[ssl.SSLSocket] = []
+
+    def serve() -> None:
+        s = server_ctx.wrap_socket(theirs, server_side=True)
+        served.append(s)
+        s.sendall(wire + wire[:cut])
+        s.shutdown(socket.SHUT_RDWR)  # the TCP connection ends, without close_notify
+
+    writer = threading.Thread(target=serve)
+    writer.start()
+    sock = client_ctx.wrap_socket(ours, server_hostname="srv")
+    sock.setblocking(False)
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTProtocolVersion.MQTTv5)
+    patches._bound_reads(client)
+    client._sock = sock
+    got: list = []
+    client.on_message = lambda _c, _u, m: got.append(m.payload)
+    try:
+        closed = False
+        while not closed:
+            assert select.select([sock], [], [], 10)[0] or sock.pending(), f"stalled after {len(got)} messages"
+            try:
+                closed = client.loop_read() == mqtt.MQTT_ERR_CONN_LOST
+            except BlockingIOError:
+                pass
+            while not closed and sock.pending():
+                closed = client.loop_read() == mqtt.MQTT_ERR_CONN_LOST
+    finally:
+        writer.join()
+        sock.close()
+        for s in served:
+            s.close()
+    assert len(got) == 1 and got[0] == big

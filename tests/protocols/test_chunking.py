@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import threading
 import tracemalloc
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 from hypothesis import given, settings
@@ -387,3 +389,91 @@ def test_constructor_validates() -> None:
             reassembler(**kw)
     with pytest.raises(CodecError):
         reassembler().feed(None, split(b"x", max_chunk=1, transfer_id="t")[0], 0.0)  # type: ignore[arg-type]
+
+
+# --- copies and hashing in an executor ----------------------------------------------
+
+
+@pytest.fixture
+def worker(monkeypatch: pytest.MonkeyPatch):
+    """A one-thread executor, and every transfer large enough to use it."""
+    import fedagent.protocols.chunking as chunking
+
+    monkeypatch.setattr(chunking, "OFFLOAD_BYTES", 1)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield pool
+
+
+def test_offloaded_reassembly_in_any_order_with_duplicates(worker: ThreadPoolExecutor) -> None:
+    for seed in range(60):
+        rnd = random.Random(seed)
+        data = payload(rnd.randrange(2, 5000), seed)
+        bodies = split(data, max_chunk=rnd.randrange(1, 700), transfer_id=f"t{seed}")
+        stream = bodies + [rnd.choice(bodies) for _ in range(rnd.randrange(0, 10))]
+        rnd.shuffle(stream)
+        r = reassembler(executor=worker)
+        assert feed_all(r, "a", stream) == [data], seed
+        assert r.pending_bytes == 0 and r.pending_transfers == 0
+
+
+def test_offloaded_hashing_runs_in_the_worker_and_still_catches_a_mismatch(
+    worker: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fedagent.protocols.chunking as chunking
+
+    threads: set[int] = set()
+
+    class Recording(_CountingSha):
+        def update(self, data) -> None:
+            if memoryview(data).nbytes:  # not the empty start in the constructor
+                threads.add(threading.get_ident())
+            super().update(data)
+
+    data = payload(1050)
+    bodies = split(data, max_chunk=100, transfer_id="t")
+    monkeypatch.setattr(chunking.hashlib, "sha256", Recording)  # the receiver's hashing only
+    assert feed_all(reassembler(executor=worker), "a", bodies) == [data]
+    assert threads and threading.get_ident() not in threads
+    # tampered, in order and out of order (the tampered chunk hashed before or after the
+    # ones around it): refused at the last chunk, and nothing is left pending
+    for order, tamper in (([*range(10), 10], 5), ([10, *range(1, 10), 0], 0), ([3, 2, 1, 0, *range(4, 11)], 2)):
+        fed = [dict(bodies[i], tid=f"o{order[0]}{tamper}") for i in order]
+        k = order.index(tamper)
+        fed[k] = dict(fed[k], data=bytes(100))
+        r = reassembler(executor=worker)
+        with pytest.raises(CodecError, match="sha256 mismatch"):
+            feed_all(r, "a", fed)
+        assert r.pending_transfers == 0 and r.pending_bytes == 0
+
+
+def test_a_failed_job_drops_the_transfer(worker: ThreadPoolExecutor) -> None:
+    class Failing:
+        def submit(self, fn, *args):
+            f: Future[None] = Future()
+            f.set_exception(MemoryError("no room"))
+            return f
+
+    bodies = split(payload(1000), max_chunk=100, transfer_id="t")
+    r = reassembler(executor=Failing())
+    feed_all(r, "a", bodies[:-1])
+    with pytest.raises(CodecError, match="could not be reassembled"):
+        r.feed("a", bodies[-1], 0.0)
+    assert r.pending_transfers == 0 and r.pending_bytes == 0
+
+
+def test_executor_taken_away_mid_transfer(worker: ThreadPoolExecutor) -> None:
+    """Its owner closing: the chunks still to come are placed and hashed in the caller."""
+    data = payload(1000)
+    bodies = split(data, max_chunk=100, transfer_id="t")
+    r = reassembler(executor=worker)
+    feed_all(r, "a", bodies[:5])
+    r.executor = None
+    assert feed_all(r, "a", bodies[5:]) == [data]
+    # a transfer smaller than OFFLOAD_BYTES never uses it
+    import fedagent.protocols.chunking as chunking
+
+    chunking.OFFLOAD_BYTES = 2000  # restored by the fixture's monkeypatch
+    closed = ThreadPoolExecutor(max_workers=1)
+    closed.shutdown()  # a submit would raise
+    r = reassembler(executor=closed)
+    assert feed_all(r, "a", bodies) == [data]

@@ -505,3 +505,56 @@ def test_whole_updates_still_aggregate():
     cmds = m.handle(UpdateReceived("b", 1, 0, 30, const(3.0), {"loss": 3.0}), 1.0)
     (agg,) = [c for c in cmds if isinstance(c, RoundAggregated)]
     np.testing.assert_allclose(agg.weights["w"], 2.5)
+
+
+# ---- hashing in an executor --------------------------------------------------------------
+@pytest.fixture
+def worker(monkeypatch):
+    """A one-thread executor, and every stream large enough to use it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import fedagent.protocols.streaming as streaming
+
+    monkeypatch.setattr(streaming, "OFFLOAD_BYTES", 1)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("tamper", [None, 0, 3, -1])
+def test_streams_hashed_in_an_executor_end_as_inline(worker, tamper):
+    """Same events, in order or not, as hashed in feed(); a chunk altered in transit (its
+    data, not its signed fields) still ends the stream not ok, wherever it is."""
+    data = payload("a", MODEL)
+    bodies = chunks(data, 50)
+    if tamper is not None:
+        bodies[tamper] = {**bodies[tamper], "data": bytes(len(bodies[tamper]["data"]))}
+    order = list(range(len(bodies)))
+    random.Random(5).shuffle(order)
+    for feed_order in (range(len(bodies)), order):
+        got = {}
+        for name, it in (("inline", intake()), ("worker", intake(executor=worker))):
+            events = []
+            for i in feed_order:
+                events += it.feed("a", bodies[i], 0.0)
+            got[name] = events
+            assert it.pending_transfers == 0 and it.pending_bytes == 0
+        assert [type(e) for e in got["worker"]] == [type(e) for e in got["inline"]]
+        assert got["worker"][-1] == got["inline"][-1]
+        assert got["worker"][-1].ok is (tamper is None)
+
+
+def test_a_failed_hashing_job_ends_the_stream_not_ok(worker):
+    from concurrent.futures import Future
+
+    class Failing:
+        def submit(self, fn, *args):
+            f: Future[None] = Future()
+            f.set_exception(MemoryError("no room"))
+            return f
+
+    it = intake(executor=Failing())
+    events = []
+    for body in chunks(payload("a", MODEL), 100):
+        events += it.feed("a", body, 0.0)
+    assert events[-1].ok is False and "not hashed" in events[-1].reason
+    assert it.pending_transfers == 0

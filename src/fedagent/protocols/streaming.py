@@ -33,13 +33,14 @@ import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from fedagent.errors import CodecError
-from fedagent.protocols.chunking import Reassembler
+from fedagent.protocols.chunking import OFFLOAD_BYTES, Reassembler
 from fedagent.protocols.codec import Envelope, Limits, decode, encode
 from fedagent.protocols.compression import (
     INDEX_DTYPE,
@@ -204,6 +205,7 @@ class _Transfer:
         "hlen",
         "idx",
         "idx_buf",
+        "job",
         "last_seen",
         "n",
         "next_i",
@@ -236,6 +238,15 @@ class _Transfer:
         self.idx: np.ndarray | None = None
         self.headed = False
         self.last_seen = now
+        # The latest hashing job in the intake's executor (None: hashed in feed()).
+        self.job: Future[None] | None = None
+
+
+def _hash_after(hasher: Any, data: memoryview, before: Future[None] | None) -> None:
+    """An executor's job: feed ``hasher`` one chunk, after the stream's job ``before``."""
+    if before is not None:
+        before.result()
+    hasher.update(data)
 
 
 class StreamIntake:
@@ -251,8 +262,13 @@ class StreamIntake:
         max_transfers: int = 4096,
         remember_completed: int = 8192,
         max_header_bytes: int = MAX_HEADER_BYTES,
+        executor: Executor | None = None,
     ) -> None:
+        """``executor`` (one worker thread): where the running SHA-256 of a stream of
+        ``chunking.OFFLOAD_BYTES`` or more is computed, while the caller decodes and
+        folds its chunks; a stream's end waits for it. None: in :meth:`feed`."""
         self.federation = federation
+        self.executor = executor
         self.max_transfer_bytes = max_transfer_bytes
         self.max_pending_bytes = max_pending_bytes
         self.timeout = timeout
@@ -315,6 +331,12 @@ class StreamIntake:
             return out + self._fail(t, str(exc))
         if t.next_i == t.n:
             self._forget(t, now)
+            if t.job is not None:
+                try:
+                    t.job.result()
+                except Exception as exc:  # noqa: BLE001 - whatever failed, the stream cannot be vouched for
+                    out.append(UpdateEnd(sender, tid, False, f"stream not hashed: {exc}"))
+                    return out
             if t.hasher.digest() != t.sha256:
                 out.append(UpdateEnd(sender, tid, False, "sha256 mismatch"))
             else:
@@ -369,7 +391,15 @@ class StreamIntake:
                 raise CodecError(f"chunk {i} has {length} bytes, the others {t.chunk_len}")
         elif length != t.size - (t.n - 1) * t.chunk_len:
             raise CodecError(f"last chunk has {length} bytes, does not end a {t.size}-byte payload")
-        t.hasher.update(mv)
+        if self.executor is not None and t.size >= OFFLOAD_BYTES:
+            # Its parts are tentative until the digest matches at the end anyway; the
+            # job holds a view of the chunk until it has hashed it.
+            t.job = self.executor.submit(_hash_after, t.hasher, mv, t.job)
+        elif t.job is not None:  # the executor was taken away meanwhile (closing)
+            _hash_after(t.hasher, mv, t.job)
+            t.job = None
+        else:
+            t.hasher.update(mv)
         t.next_i += 1
         self._consume(t, mv, out)
 

@@ -35,6 +35,9 @@ What is patched, and why:
   message paho has read but not handled; :func:`_bound_reads` bounds each read and reads
   a large packet body in place.
 
+* the standard library's ``ssl.SSLSocket._sslobj``: :func:`_recv_into` reads a large
+  packet's TLS records through it.
+
 * paho's write path (``_packet_queue``): :func:`_view_writes` queues large packets as
   memoryviews, so a partial write does not copy the unsent rest.
 
@@ -512,15 +515,23 @@ def _recv_into(client: mqtt.Client, into: memoryview) -> int:
 
     TLS gives at most one 16 KiB record per read: reading on here instead of returning
     to paho after each saves paho's per-read bookkeeping (a dict update, a lock and a
-    clock read per record: 2,800 records per 44.8 MB)."""
+    clock read per record: 2,800 records per 44.8 MB). An ``ssl.SSLSocket`` is read
+    through its ``_sslobj`` (what its ``recv_into`` ends in, past two Python wrappers and
+    their checks: measured 39 -> 34 ms of CPU per 80 packets of 550 KB), with the same
+    handling of an EOF without close_notify."""
     sock: Any = client._sock  # an ssl.SSLSocket (checked by the caller)
     if sock is None:
         raise ConnectionError("the socket is closed")
+    tls = getattr(sock, "_sslobj", None) if isinstance(sock, ssl.SSLSocket) else None
     got, want = 0, len(into)
     with into:
         while got < want:
             try:
-                n = sock.recv_into(into[got:])
+                n = tls.read(want - got, into[got:]) if tls is not None else sock.recv_into(into[got:])
+            except ssl.SSLEOFError:
+                if tls is None or not sock.suppress_ragged_eofs:
+                    raise
+                n = 0  # as SSLSocket.recv_into returns it
             except ssl.SSLWantReadError as err:
                 if got:
                     break
