@@ -154,6 +154,7 @@ class GossipSession(Session):
                 np.random.default_rng(),
                 (resumed[1].get("privacy") if resumed is not None else None) or [],
             )
+        position: g.Resume | None = None
         if (
             resumed is not None
             and resumed[0].keys() == weights.keys()
@@ -161,7 +162,11 @@ class GossipSession(Session):
             and resumed[1].get("vocab_digest", "") == self.vocab_digest
         ):
             weights = resumed[0]
-            log.info("resuming from %s (period %s)", self.model_path, resumed[1].get("period"))
+            position = g.Resume.from_meta(resumed[1])
+            if position is None:
+                log.warning("%s gives no usable period and age: resuming its model from period 0", self.model_path)
+            else:
+                log.info("resuming from %s (period %d, age %.0f)", self.model_path, position.period, position.age)
         names = resolve_exchange(self.settings.exchange, list(weights))
         fp = agent.fingerprint
         fixed = fp.roles().fixed if fp is not None else frozenset()
@@ -171,6 +176,7 @@ class GossipSession(Session):
             weights,
             num_samples=agent.task.num_samples(),
             session=secrets.token_hex(4),
+            resume=position,
         )
         return self.machine
 
