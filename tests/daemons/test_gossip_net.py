@@ -174,6 +174,47 @@ def test_five_agents_no_coordinator_survive_a_kill_and_a_newcomer(tmp_path):
         assert min(accs.values()) >= central - WORST_MARGIN, (accs, central)
 
 
+@pytest.mark.timeout(180)
+def test_a_stopped_agent_saves_its_period_and_goes_on_from_it(tmp_path):
+    """With eval_every = 0 no periodic checkpoint is written: what a restart resumes is
+    what the clean stop (SIGTERM) saved, and the restarted agent counts its periods on
+    from there instead of from 0."""
+    fed = Federation(
+        tmp_path,
+        agents=2,
+        rounds=1,
+        alpha=ALPHA,
+        mode="gossip",
+        # Paced at 0.5 s, so that a restart counted from period 0 is still below the saved
+        # period when it is first seen training.
+        gossip={**GOSSIP, "periods": 100_000, "eval_every": 0, "min_peers": 1, "period_seconds": 0.5},
+    )
+    try:
+        fed.prepare()
+        fed.start_all()
+        before = wait_for(
+            lambda: (lambda s: s if s and s.get("period", 0) >= 5 else None)(fed.status("agent-2")),
+            120,
+            "agent-2 five periods in",
+            fed,
+        )
+        fed.restart("agent-2", signal.SIGTERM)
+        loaded = checkpoint.load(fed.model_path("agent-2"))
+        assert loaded is not None, "the stop saved no model"
+        meta = loaded[1]
+        # The latest trained model: that of the period before the one in progress at the stop.
+        assert meta["period"] >= before["period"] - 1 and meta["age"] > 0 and not meta["final"], meta
+        after = wait_for(
+            lambda: (lambda s: s if s and s.get("round_state") == "training" else None)(fed.status("agent-2")),
+            120,
+            "the restarted agent-2 to train",
+            fed,
+        )
+        assert after["period"] >= meta["period"], (after["period"], meta)
+    finally:
+        fed.close()
+
+
 @pytest.mark.timeout(240)
 def test_each_agent_on_its_own_broker(tmp_path):
     fed = Federation(

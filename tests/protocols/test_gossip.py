@@ -30,6 +30,7 @@ from fedagent.protocols.gossip import (
     PeerDown,
     PeerUp,
     RequestWakeup,
+    Resume,
     SendAck,
     SendFailed,
     SendModel,
@@ -622,6 +623,52 @@ def test_periods_limit_finishes_and_refuses_late_models():
     assert fin.period == 2 and not of(cmds, Train) and m.finished
     late = m.handle(ModelReceived("q", "1", model(2.0)), 3.0)
     assert of(late, Dropped)[0].reason == "finished" and of(late, SendAck)[0].accepted is False
+
+
+def test_restart_goes_on_from_the_checkpoints_period_age_and_mass():
+    """A node restarted from a checkpoint of period 40 (age 300, mass 2.5) counts on from
+    there: it finishes at the federation's last period, not ``periods`` later, and its
+    model is merged as the trained one it is, not caught up like a newcomer's."""
+    config = GossipConfig(period_steps=10, periods=42)
+    m = GossipMachine("me", config, model(2.0), num_samples=7, resume=Resume(40, 300.0, 2.5))
+    assert (m.period, m.age, m.mass) == (40, 300.0, 2.5)
+    (train,) = m.handle(Start(), 0.0)
+    m.handle(ModelReceived("q", "1", model(4.0), mass=2.5, age=320.0), 0.5)
+    cmds = done(m, train)
+    (changed,) = of(cmds, ModelChanged)
+    assert changed.period == 40 and changed.age == 310.0
+    assert m.status()["caught_up"] == 0
+    (train,) = of(cmds, Train)
+    assert value(train.weights) == pytest.approx(3.0)  # own and received, equal masses
+    assert m.mass == pytest.approx(5.0) and m.age == pytest.approx(315.0)
+    (fin,) = of(done(m, train, now=2.0), Finished)
+    assert fin.period == 42 and m.finished
+
+
+def test_restart_after_the_last_period_is_finished_at_once():
+    m = GossipMachine("me", GossipConfig(periods=5), model(1.0), resume=Resume(5, 50.0))
+    assert m.handle(Start(), 0.0) == [Finished(5, m.model)] and m.finished
+    assert m.mass == 1.0  # no mass recorded: the first start's
+
+
+def test_resume_position_from_checkpoint_metadata():
+    assert Resume.from_meta({"period": 20, "age": 150.5, "mass": 4.0, "final": False}) == Resume(20, 150.5, 4.0)
+    assert Resume.from_meta({"period": 20, "age": 150}) == Resume(20, 150.0, None)
+    for mass in (0.0, -1.0, float("nan"), "4", True):
+        assert Resume.from_meta({"period": 20, "age": 150.0, "mass": mass}) == Resume(20, 150.0, None)
+    for bad in (
+        {},
+        {"period": 20},
+        {"age": 1.0},
+        {"period": -1, "age": 1.0},
+        {"period": 2.0, "age": 1.0},
+        {"period": True, "age": 1.0},
+        {"period": 3, "age": float("inf")},
+        {"period": 3, "age": "1"},
+    ):
+        assert Resume.from_meta(bad) is None, bad
+    with pytest.raises(ValueError):
+        Resume(3, -1.0)
 
 
 def test_config_validation():

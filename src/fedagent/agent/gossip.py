@@ -127,6 +127,8 @@ class GossipSession(Session):
         self.links: dict[str, tuple[Transport, asyncio.Event]] = {}
         self._tg: asyncio.TaskGroup | None = None
         self.dp_stopped = ""  # why this agent no longer sends models (its privacy budget)
+        self._trained: tuple[Weights, int] | None = None  # the latest trained model and its period
+        self._saved = -1  # the period of the model last saved by this process
 
     def subscriptions(self) -> list[Subscription]:
         return [topics.inbox(self.fed, self.cfg.id), topics.all_presence(self.fed)]
@@ -154,6 +156,7 @@ class GossipSession(Session):
                 np.random.default_rng(),
                 (resumed[1].get("privacy") if resumed is not None else None) or [],
             )
+        position: g.Resume | None = None
         if (
             resumed is not None
             and resumed[0].keys() == weights.keys()
@@ -161,7 +164,11 @@ class GossipSession(Session):
             and resumed[1].get("vocab_digest", "") == self.vocab_digest
         ):
             weights = resumed[0]
-            log.info("resuming from %s (period %s)", self.model_path, resumed[1].get("period"))
+            position = g.Resume.from_meta(resumed[1])
+            if position is None:
+                log.warning("%s gives no usable period and age: resuming its model from period 0", self.model_path)
+            else:
+                log.info("resuming from %s (period %d, age %.0f)", self.model_path, position.period, position.age)
         names = resolve_exchange(self.settings.exchange, list(weights))
         fp = agent.fingerprint
         fixed = fp.roles().fixed if fp is not None else frozenset()
@@ -171,6 +178,7 @@ class GossipSession(Session):
             weights,
             num_samples=agent.task.num_samples(),
             session=secrets.token_hex(4),
+            resume=position,
         )
         return self.machine
 
@@ -580,6 +588,7 @@ class GossipSession(Session):
             log.warning("acknowledging %s to %s failed: %s", cmd.exchange_id, cmd.peer, exc or type(exc).__name__)
 
     async def _model_changed(self, cmd: g.ModelChanged) -> None:
+        self._trained = (cmd.weights, cmd.period)  # the machine replaces its model, never changes it
         every = self.settings.eval_every
         if every and cmd.period % every == 0:
             await self._checkpoint(cmd.weights, cmd.period, final=False)
@@ -599,6 +608,7 @@ class GossipSession(Session):
         if self.agent.fingerprint is not None:  # what export restores and counts
             meta["model"] = self.agent.fingerprint.meta()
         await asyncio.to_thread(checkpoint.save, self.model_path, weights, meta)
+        self._saved = period
 
     async def _evaluate(self, weights: Weights, period: int) -> None:
         metrics = await asyncio.to_thread(self.agent.evaluate, weights)
@@ -722,6 +732,15 @@ class GossipSession(Session):
         return presence_payload(self.cfg, self.fed, False, broker=self.broker)
 
     async def close(self) -> None:
+        trained = self._trained
+        if self.machine is not None and not self.machine.finished and trained is not None and trained[1] > self._saved:
+            # A clean stop keeps the latest trained model (what the periodic checkpoint
+            # holds, a period old at most instead of up to eval_every - 1): a restart
+            # goes back no further than that.
+            try:
+                await self._checkpoint(trained[0], trained[1], final=False)
+            except Exception as exc:  # noqa: BLE001 - the last periodic checkpoint stands
+                log.warning("the model was not saved at the stop: %s", exc or type(exc).__name__)
         await super().close()
         for t, _ready in list(self.links.values()):
             with contextlib.suppress(Exception):

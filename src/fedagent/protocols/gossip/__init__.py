@@ -170,7 +170,7 @@ from fedagent.protocols.gossip.events import (
     TrainingDone,
     Wakeup,
 )
-from fedagent.protocols.gossip.machine import GossipMachine
+from fedagent.protocols.gossip.machine import GossipMachine, Resume
 from fedagent.protocols.gossip.merge import distance, mass_weighted_mean, outer_step, screen
 
 __all__ = [
@@ -191,6 +191,7 @@ __all__ = [
     "PeerDown",
     "PeerUp",
     "RequestWakeup",
+    "Resume",
     "SendAck",
     "SendFailed",
     "SendModel",

@@ -42,6 +42,41 @@ _SEEN_IDS = 4096  # (sender, exchange id) pairs remembered for deduplication
 _MAX_NEIGHBOURS = 1024  # latest models kept for a screening merge (senders hold certificates)
 
 
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """A checkpoint's position: the period its model was saved at, that model's age and
+    the push-sum mass the node held (None: its ``num_samples``, as at a first start)."""
+
+    period: int
+    age: float
+    mass: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.period, int) and not isinstance(self.period, bool) and self.period >= 0):
+            raise ValueError(f"a resumed period must be a non-negative integer, not {self.period!r}")
+        if not (isinstance(self.age, (int, float)) and math.isfinite(self.age) and self.age >= 0):
+            raise ValueError(f"a resumed age must be non-negative and finite, not {self.age!r}")
+        if self.mass is not None and not (
+            isinstance(self.mass, (int, float)) and math.isfinite(self.mass) and self.mass > 0
+        ):
+            raise ValueError(f"a resumed mass must be positive and finite, not {self.mass!r}")
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, object]) -> Resume | None:
+        """The position a checkpoint's metadata records (``period``, ``age``, ``mass``);
+        None when period or age is missing or malformed. A malformed mass alone gives
+        the first start's mass rather than none."""
+        mass = meta.get("mass")
+        ok_mass = isinstance(mass, (int, float)) and not isinstance(mass, bool) and math.isfinite(mass) and mass > 0
+        age = meta.get("age")
+        if isinstance(age, bool) or not isinstance(age, (int, float)):
+            return None
+        try:
+            return cls(meta.get("period"), float(age), float(mass) if ok_mass else None)  # type: ignore[arg-type]
+        except ValueError:
+            return None
+
+
 # ---- internals ---------------------------------------------------------------------
 @dataclass(slots=True)
 class _Payload:
@@ -68,9 +103,17 @@ class _Kept:
 
 class GossipMachine:
     def __init__(
-        self, node_id: str, config: GossipConfig, weights: Weights, *, num_samples: int = 1, session: str = "0"
+        self,
+        node_id: str,
+        config: GossipConfig,
+        weights: Weights,
+        *,
+        num_samples: int = 1,
+        session: str = "0",
+        resume: Resume | None = None,
     ) -> None:
-        """``session`` must differ between process starts (exchange ids embed it)."""
+        """``session`` must differ between process starts (exchange ids embed it).
+        ``resume``: where a restarted node's checkpoint of ``weights`` left it."""
         if not weights:
             raise ValueError("a gossip node needs a model")
         if not num_samples > 0:
@@ -88,6 +131,15 @@ class GossipMachine:
         self.mass = float(num_samples)
         self.age = 0.0
         self.period = 0
+        if resume is not None:
+            # A restart goes on from its checkpoint's period, age and mass. Counted from
+            # zero again it would train the whole ``periods`` anew (long after the others
+            # finished), at the step size of the schedule's start, its age 0 would make
+            # its own trained model sit out its first merge as a newcomer's (catch-up),
+            # and it would pull the others' ages down.
+            self.period, self.age = resume.period, resume.age
+            if resume.mass is not None:
+                self.mass = resume.mass
         self.started = False
         self.finished = False
         self.peers: set[str] = set()
@@ -153,6 +205,10 @@ class GossipMachine:
             if self.started:
                 return []
             self.started = True
+            if self.config.periods and self.period >= self.config.periods:
+                # Restarted after its last period: nothing is left to train.
+                self.finished = True
+                return [Finished(self.period, self.model)]
             return self._plan([(self.model, self.mass)], merge_all=False)
         if isinstance(event, PeerUp):
             if event.peer != self.node_id:
