@@ -10,6 +10,11 @@ attack it makes is read, at each step it alters, from the file named by the task
 * ``out_of_range``: +50·N(0,1) per coordinate added to its quantised update after the
   clip, so its masked input lies far outside the quantisation range.
 
+Each step it could alter is logged, as ``<round> <attack>`` lines, in the file named by
+``attack_file`` with ``.steps`` added: which attack a round's outcome may reflect does
+not follow from when the file changed (a round under way at a switch has steps made
+under the attack before).
+
 The task option ``samples`` makes it claim that many training samples throughout.
 
 Reachable only as ``task = { name = "secagg_mallory_task:make" }`` with this directory
@@ -37,11 +42,20 @@ _honest_input = S.SecAggClient.masked_input
 _attack_file: Path | None = None
 
 
-def attack() -> str:
+def attack(client: S.SecAggClient) -> str:
+    """The attack of this step of ``client``'s round, logged before the step is sent."""
     try:
-        return _attack_file.read_text().strip() if _attack_file is not None else "none"
+        name = _attack_file.read_text().strip() if _attack_file is not None else "none"
     except FileNotFoundError:
-        return "none"
+        name = "none"
+    if _attack_file is not None:
+        with steps_file(_attack_file).open("a") as f:
+            f.write(f"{client.round} {name or 'none'}\n")
+    return name
+
+
+def steps_file(attack_file: Path) -> Path:
+    return attack_file.with_name(attack_file.name + ".steps")
 
 
 def _flip(share: bytes) -> bytes:
@@ -50,7 +64,7 @@ def _flip(share: bytes) -> bytes:
 
 def _unmask(self: S.SecAggClient, msg: S.SecAggUnmask) -> S.SecAggReveal:
     r = _honest_unmask(self, msg)
-    if attack() != "bad_shares":
+    if attack(self) != "bad_shares":
         return r
     return S.SecAggReveal(
         r.round, {o: _flip(x) for o, x in r.b_shares.items()}, {o: _flip(x) for o, x in r.sk_shares.items()}, r.refused
@@ -58,10 +72,11 @@ def _unmask(self: S.SecAggClient, msg: S.SecAggUnmask) -> S.SecAggReveal:
 
 
 def _roster(self: S.SecAggClient, msg: S.SecAggRoster) -> S.SecAggShares:
-    if attack() == "bad_boxes":
+    name = attack(self)
+    if name == "bad_boxes":
         out = _honest_roster(self, msg)
         return S.SecAggShares(out.round, {k: os.urandom(len(v)) for k, v in out.boxes.items()}, out.b_digest)
-    if attack() != "bad_dealing":
+    if name != "bad_dealing":
         return _honest_roster(self, msg)
     seed = self._b
     self._b = hashlib.sha256(seed).digest()  # shares of another seed ...
@@ -72,7 +87,7 @@ def _roster(self: S.SecAggClient, msg: S.SecAggRoster) -> S.SecAggShares:
 
 def _input(self: S.SecAggClient, delta: Any, num_samples: int) -> np.ndarray:
     y = _honest_input(self, delta, num_samples)
-    if attack() == "out_of_range":
+    if attack(self) == "out_of_range":
         noise = np.random.default_rng().normal(0.0, 50.0, y.size) / self.params.step
         y += np.rint(noise).astype(np.int64).astype(np.uint32)  # wraps mod 2^32, as the sum does
     return y

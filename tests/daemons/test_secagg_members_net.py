@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from netfed import history, secure_running, wait_for
+from secagg_mallory_task import steps_file
 
 from fedagent.local.federation import SEED, Federation
 from fedagent.tasks.base import load_task, set_weights
@@ -48,6 +49,16 @@ def events_since(fed: Federation, start: int) -> list[dict[str, Any]]:
     return [ln for ln in history(fed)[start:] if ln.get("event") in ("round", "abandoned")]
 
 
+def made_under_others(attack_file: Path, name: str) -> set[int]:
+    """The rounds in which mallory made a step under another attack than ``name``."""
+    try:
+        text = steps_file(attack_file).read_text()
+    except FileNotFoundError:
+        return set()
+    steps = (line.split() for line in text[: text.rfind("\n") + 1].splitlines())
+    return {int(r) for r, a in steps if a != name}
+
+
 def run_attack(
     fed: Federation,
     attack_file: Path,
@@ -58,7 +69,10 @@ def run_attack(
 ):
     """Switches mallory to ``name`` and waits for ``rounds`` secure rounds (aggregated
     or abandoned) in which mallory was selected, and for ``until(lines)``; returns
-    their history lines."""
+    their history lines. A round under way at the switch can end after it with
+    mallory's part made under the attack before (boxes sealed while it was still
+    ``bad_dealing``): rounds in which mallory made a step under another attack are left
+    out (its steps are logged before they are sent, so before the round's line)."""
     start = len(history(fed))
     attack_file.write_text(name)
     seen: list[dict[str, Any]] = []
@@ -66,7 +80,9 @@ def run_attack(
     def enough():
         fed.check_alive()
         nonlocal seen
-        seen = events_since(fed, start)
+        lines = events_since(fed, start)
+        others = made_under_others(attack_file, name)
+        seen = [ln for ln in lines if ln["round"] not in others]
         hit = [ln for ln in seen if ln["event"] == "abandoned" or "mallory" in ln.get("participants", ())]
         return len(hit) >= rounds and len(seen) >= rounds + 1 and until(seen)
 
@@ -121,14 +137,30 @@ def test_a_member_spoiling_secure_rounds_is_named_and_cannot_move_the_model(tmp_
         figures["bad_dealing"] = accuracy(fed)
 
         # junk share boxes: the honest agents withdraw at once, naming the sealer; two of
-        # them saying so name mallory, which sits out
-        lines = run_attack(fed, attack_file, "bad_boxes", 1)
+        # them saying so name mallory, which sits out. The withdrawals are refused (and
+        # kept among the recent rejections) before their round is abandoned, but that
+        # ring holds only the last RECENT_REJECTIONS and each round adds to it (a share
+        # reveal that comes once the round has what it needs is refused as stale): it is
+        # read while waiting, until it holds a withdrawal from an abandoned round of
+        # the window, not once after the window has closed.
+        ring: list[dict[str, Any]] = []
+
+        def withdrawals_kept(lines: list[dict[str, Any]]) -> bool:
+            nonlocal ring
+            failed = {ln["round"] for ln in lines if ln["event"] == "abandoned"}
+            if not failed:
+                return False
+            ring = status(fed)["recent_rejections"]
+            return any(r["reason"] == "withdrawn" and r.get("round") in failed for r in ring)
+
+        lines = run_attack(fed, attack_file, "bad_boxes", 1, until=withdrawals_kept)
         fed.check_alive()
         failed = [ln for ln in lines if ln["event"] == "abandoned"]
         assert failed and all("mallory" in ln["reason"] and "sitting out" in ln["reason"] for ln in failed)
         assert not any(f"{h} " in ln["reason"] for ln in failed for h in fed.agent_ids if h != "mallory")
-        withdrawn = [r for r in status(fed)["recent_rejections"] if r["reason"] == "withdrawn"]
-        assert withdrawn and all("mallory" in r["detail"] for r in withdrawn)
+        withdrawn = [r for r in ring if r["reason"] == "withdrawn"]
+        assert withdrawn and all("mallory" in r["detail"] for r in withdrawn), (ring, lines)
+        assert not any(h in r["detail"] for r in withdrawn for h in fed.agent_ids if h != "mallory"), ring
         figures["bad_boxes"] = accuracy(fed)
 
         # out of range: the round is abandoned, never applied
