@@ -139,10 +139,9 @@ def test_a_member_spoiling_secure_rounds_is_named_and_cannot_move_the_model(tmp_
         # junk share boxes: the honest agents withdraw at once, naming the sealer; two of
         # them saying so name mallory, which sits out. The withdrawals are refused (and
         # kept among the recent rejections) before their round is abandoned, but that
-        # ring holds only the last RECENT_REJECTIONS and each round adds to it (a share
-        # reveal that comes once the round has what it needs is refused as stale): it is
-        # read while waiting, until it holds a withdrawal from an abandoned round of
-        # the window, not once after the window has closed.
+        # ring holds only the last RECENT_REJECTIONS and mallory's later refusals can
+        # push them out: it is read while waiting, until it holds a withdrawal from an
+        # abandoned round of the window, not once after the window has closed.
         ring: list[dict[str, Any]] = []
 
         def withdrawals_kept(lines: list[dict[str, Any]]) -> bool:

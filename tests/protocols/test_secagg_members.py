@@ -504,6 +504,28 @@ def test_a_member_that_deals_bad_shares_is_benched_and_the_next_rounds_go_on(mon
     assert MALLORY in starts[0].selected and MALLORY not in starts[1].selected
 
 
+def test_honest_answers_after_a_round_ended_are_not_refusals(monkeypatch):
+    # Each round ends once a threshold of the four has unmasked: the last answers come
+    # after it, and are no one's fault.
+    samples = {"a01": 50, "a02": 60, "a03": 70, "a04": 80}
+    m, log = machine_federation(monkeypatch, samples, rounds=3)
+    assert len([c for c in log if isinstance(c, R.RoundAggregated)]) == 3
+    assert [c for c in log if isinstance(c, R.Rejected)] == []
+    # A straggler's first message of the round that ended passes quietly (here the
+    # fourth answer of the last round already did); a second one is refused as stale.
+    last = m.round
+    for a in samples:
+        m.handle(R.SecAggReceived(a, S.SecAggReveal(last, {}, {})), 1e6)
+        again = m.handle(R.SecAggReceived(a, S.SecAggReveal(last, {}, {})), 1e6)
+        assert [(c.sender, c.reason) for c in again] == [(a, "stale")]
+    # ... as is one for an older round
+    older = m.handle(R.SecAggReceived("a03", S.SecAggReveal(last - 1, {}, {})), 1e6)
+    assert [(c.sender, c.reason) for c in older] == [("a03", "stale")]
+    # ... as is one from an agent that was not in the round
+    outsider = m.handle(R.SecAggReceived("a99", S.SecAggReveal(last, {}, {})), 1e6)
+    assert [(c.sender, c.reason) for c in outsider] == [("a99", "stale")]
+
+
 def test_secure_rounds_weight_is_bounded_against_the_median_claim(monkeypatch):
     # mallory announces 10^9 samples: W is at most weight_cap × the median announced, so
     # honest updates keep their weight (before: W = 10^9 and they quantised to zero).

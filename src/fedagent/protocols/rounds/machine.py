@@ -226,6 +226,8 @@ class RoundMachine(StreamedUpdates):
         if isinstance(event, Refolded):
             return self._on_refolded(event, now)
         if isinstance(event, SecAggReceived):
+            if self.secure.late(event.sender, getattr(event.message, "round", None)):
+                return []
             if self.secagg is None:
                 msg = event.message
                 return [Rejected(event.sender, getattr(msg, "round", 0), "stale", f"{msg.kind} outside a secure round")]
@@ -803,7 +805,7 @@ class RoundMachine(StreamedUpdates):
         return out + self._maybe_start(now)
 
     def _end_round(self) -> None:
-        self.secure.server = None
+        self.secure.end()
         self._acc = None
         self._close_intake()
         self.deadline = math.inf

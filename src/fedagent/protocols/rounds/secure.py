@@ -36,6 +36,11 @@ class SecureRounds:
         self.ahead_round = 0
         self.ahead = False  # the secure round in progress had no key stage
         self.aggregated_ahead = False  # ... and the last one aggregated
+        # The secure round that ended last (aggregated or abandoned): its members, and
+        # which of them were heard from since (see late()).
+        self._ended_round = 0
+        self._ended_members: frozenset[str] = frozenset()
+        self._heard_late: set[str] = set()
 
     def open(
         self,
@@ -104,6 +109,25 @@ class SecureRounds:
         )
         first = tuple(SendSecAgg(c.to, c.message) for c in self.server.start() if isinstance(c, SA.Send))
         return setup, first, self.server.deadline
+
+    def end(self) -> None:
+        """The secure round in progress (if any) ends, aggregated or abandoned."""
+        if self.server is not None:
+            self._ended_round = self.server.round
+            self._ended_members = frozenset(self.server.selected)
+            self._heard_late = set()
+        self.server = None
+
+    def late(self, sender: str, round_: object) -> bool:
+        """Whether a message is an honest straggler's: the first one a member sends for
+        the secure round that just ended. A round ends once enough of its members have
+        answered (a threshold of shares, or a withdrawal), so the others' answers arriving
+        after it are the protocol working, not a fault: they are dropped without being
+        counted as refused (one a member; more than that is refused as stale)."""
+        if round_ != self._ended_round or sender not in self._ended_members or sender in self._heard_late:
+            return False
+        self._heard_late.add(sender)
+        return True
 
     @staticmethod
     def command(c: SA.Send | SA.Refused | SA.Wake, round_: int) -> Command:
