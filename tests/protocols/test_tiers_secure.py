@@ -15,6 +15,7 @@ import numpy as np
 from fedagent.protocols import secagg as S
 from fedagent.protocols.rounds import (
     AgentOnline,
+    Rejected,
     RoundAggregated,
     RoundConfig,
     RoundMachine,
@@ -77,7 +78,7 @@ def run_tiers():
             agents[a] = S.SecAggAgent(a, random_bytes=det_bytes(len(agents)))
         upstream[site] = S.SecAggAgent(site, random_bytes=det_bytes(100 + i))
         cmds += hub.handle(AgentOnline(site, announce.num_samples), 0.0)
-    models, bounds = [], []
+    models, bounds, refused = [], [], []
     now = 1.0
     while len(models) < ROUNDS:
         (start,) = of(cmds, StartRound)
@@ -104,7 +105,9 @@ def run_tiers():
                         ),
                     )
                 )
-            (res,) = of(pump(m, agents, pending, now), PartialResult)
+            site_out = pump(m, agents, pending, now)
+            refused += of(site_out, Rejected)
+            (res,) = of(site_out, PartialResult)
             assert res.num_samples == sum(SITES[site].values())  # Σ min(n, W) with W the largest
             delta = S.Delta(res.weights, start.weights)
             out += pump(
@@ -121,10 +124,13 @@ def run_tiers():
                 now,
             )
         (agg,) = of(out, RoundAggregated)
+        refused += of(out, Rejected)
         models.append(agg)
         bounds.append(hub.secure_result.error_bound)
         cmds = out
         now += 1.0
+    # Honest members only: the answers that come after a round ended are not refusals.
+    assert refused == []
     return models, bounds
 
 

@@ -36,6 +36,7 @@ from fedagent.protocols import secagg as SA
 from fedagent.protocols.fingerprint import Roles
 from fedagent.protocols.messages import TrainConfig
 from fedagent.protocols.rounds.bounds import Bench
+from fedagent.protocols.rounds.secure import SecureRounds
 from fedagent.protocols.streaming import UpdateEnd, UpdateHead, UpdatePart
 from fedagent.protocols.tiers.config import TierConfig, check_upper
 from fedagent.protocols.tiers.events import (
@@ -110,6 +111,9 @@ class SiteMachine:
         # The distributed DP of the upstream round answered last (its agents' noise shares,
         # calibrated upstream), or None: what the status and history say of it.
         self.privacy: dict[str, float] | None = None
+        # The secure rounds of the site round that ended last: its members' answers that
+        # come after it are not refusals (SecureRounds.late).
+        self._ended_secure: SecureRounds | None = None
 
     # -- public ------------------------------------------------------------------------
     def handle(self, event: Event, now: float) -> list[Command]:
@@ -148,6 +152,12 @@ class SiteMachine:
                     now,
                 )
             return keep + self._forward(event, now)
+        if (
+            isinstance(event, R.SecAggReceived)
+            and self._ended_secure is not None
+            and self._ended_secure.late(event.sender, getattr(event.message, "round", None))
+        ):
+            return []
         if self.machine is None:
             return self._no_round(event)
         return self._forward(event, now)
@@ -483,6 +493,8 @@ class SiteMachine:
         self.site_round = max(self.site_round, m.round)
         self._closed.append(ended)
         self.norm_history = m.norm_state()
+        m.secure.end()
+        self._ended_secure = m.secure
         # Agents that sent their last update are gone for the site too, until their goodbye.
         for a in m.departed:
             self.departed.add(a)
