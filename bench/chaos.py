@@ -24,7 +24,9 @@ After each fault is cleared the soak waits for the federation to recover (FedAvg
 aggregated from every agent; gossip: every agent two periods further, the target merging
 again; async: models holding an update of every agent; tiered: a hub round from both
 sites and the hit agent in a round of its site), records how long that took, and goes on after a random gap. The last stretch of
-the run (``--quiet``) is fault-free, then everything is stopped and checked:
+the run (``--quiet``) is fault-free: a fault is held no further than its start (its
+length cut to fit, or no fault when even its kind's shortest would not), so the
+federation settles before it is judged. Then everything is stopped and checked:
 
 * model versions contiguous, each round aggregated once (the coordinator's history);
 * every update an agent had acknowledged by the broker aggregated exactly once: each
@@ -84,8 +86,8 @@ from bench.chaos_base import (  # noqa: E402
     Setup,
     Site,
     _invariant,
-    draw,
     log,
+    scheduled,
 )
 from bench.chaos_setups import FedAvgSetup, GossipSetup  # noqa: E402
 from bench.chaos_tiered import TieredSetup  # noqa: E402
@@ -184,6 +186,7 @@ def _run(
         current: Fault | None = None
         mark: dict[str, Any] = {}
         state = "idle"  # idle -> held -> recovering -> idle
+        faults_over = False
         # The run's length counts from the first aggregated round (or gossip period), so a
         # slow start-up on a busy machine does not eat the time for faults; a start-up
         # that never gets there ends the run after --startup-timeout.
@@ -203,9 +206,14 @@ def _run(
                 next_fault = now + args.warmup
                 end = now + duration
             budget_left = not args.cycles or len(out["faults"]) < args.cycles * len(args.faults)
-            if state == "idle" and args.faults and budget_left and now >= next_fault and now < end - quiet:
-                current = draw(rng, args.faults, site, cycle)
-                current.at = round(now, 2)
+            faulting = state == "idle" and args.faults and budget_left and not faults_over
+            if faulting and now >= next_fault and now < end - quiet:
+                current = scheduled(rng, args.faults, site, cycle, now, end - quiet)
+                if current is None:
+                    # Its hold would run into the quiet tail: the faults end here.
+                    faults_over = True
+                    log("no room for another fault before the quiet tail")
+                    continue
                 current.detail["wall"] = time.time()
                 injector.inject(current)
                 out["faults"].append(current)
