@@ -506,9 +506,17 @@ class Setup:
         """Called at the end of the run just before daemon ``name`` is stopped: a mode that
         times what it reads (a round's harness time) reads here what came before the stop."""
 
+    # What ``accuracy`` measures, for the report (a mode whose agents keep models of their own says which).
+    accuracy_of = "the final model"
+
     def accuracy(self, site: Site) -> float | None:
-        """The final model's test accuracy (the mean over agents where each has its own)."""
+        """The final model's test accuracy (where each agent has its own: the federation's)."""
         raise NotImplementedError
+
+    def agent_accuracies(self, site: Site) -> dict[str, float | None]:
+        """Where each agent has a model of its own: each one's test accuracy at the end
+        (None: no readable model). Empty where the agents share one."""
+        return {}
 
     def poll(self, site: Site) -> dict[str, Any]:
         """Progress now (for the log, the plot and recovery)."""
