@@ -280,12 +280,9 @@ class GossipSetup(Setup):
         }
         # Push-sum's mass: the agents' checkpointed masses against their sample counts
         # (measured, not checked: a crash loses what a process merged since its last checkpoint).
-        mass = 0.0
-        for a in self.agents:
-            loaded = checkpoint.load(site.fed.model_path(a))
-            if loaded is not None:
-                mass += float(loaded[1].get("mass", 0.0))
-        run["gossip_mass"] = mass
+        masses = {a: None if m is None else round(m[1], 3) for a, m in self.saved_models(site).items()}
+        run["gossip_masses"] = masses  # the consensus's weights (``accuracy``)
+        run["gossip_mass"] = sum(m for m in masses.values() if m is not None)
         return [
             _invariant(
                 "every agent went on training (periods evaluated)",
