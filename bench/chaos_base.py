@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import ctypes
 import json
+import math
 import os
 import random
 import signal
@@ -398,6 +399,17 @@ class Injector:
             s.clock_file.write_text("0\n")
 
 
+# How long each kind lasts before it is cleared, drawn uniformly (seconds, before
+# ``--hold-scale``); a kill lasts the restart delay.
+HOLDS: dict[str, tuple[float, float]] = {
+    "broker": (1, 6),
+    "partition": (5, 25),
+    "stop": (2, 20),
+    "disk": (5, 20),
+    "clock": (5, 30),
+}
+
+
 def draw(rng: random.Random, kinds: list[str], site: Site, cycle: list[str]) -> Fault:
     """The next fault: kinds in a shuffled order, each once per cycle; target and length at random."""
     if not cycle:
@@ -411,17 +423,39 @@ def draw(rng: random.Random, kinds: list[str], site: Site, cycle: list[str]) -> 
         "disk": [site.disk_node or ""],
         "clock": [site.clock_node or ""],
     }[kind]
-    hold = {
-        "kill": site.args.restart_sec,
-        "broker": rng.uniform(1, 6),
-        "partition": rng.uniform(5, 25),
-        "stop": rng.uniform(2, 20),
-        "disk": rng.uniform(5, 20),
-        "clock": rng.uniform(5, 30),
-    }[kind]
-    if kind != "kill":
-        hold *= site.args.hold_scale
+    # Every kind's length is drawn each time (as the schedule always has: a seed gives
+    # the same faults as before), the one of this kind taken.
+    lengths = {k: rng.uniform(lo, hi) for k, (lo, hi) in HOLDS.items()}
+    hold = site.args.restart_sec if kind == "kill" else lengths[kind] * site.args.hold_scale
     return Fault(kind, rng.choice(targets), 0.0, round(hold, 2))
+
+
+def scheduled(
+    rng: random.Random, kinds: list[str], site: Site, cycle: list[str], now: float, faults_until: float
+) -> Fault | None:
+    """The fault to inject at ``now`` (the next drawn, at most as long as the faulted
+    stretch that ends at ``faults_until`` has left), or None: no room left for it."""
+    fault = draw(rng, kinds, site, cycle)
+    fault.at = round(now, 2)
+    return fault if fit(fault, faults_until - fault.at, site.args.hold_scale) else None
+
+
+def fit(fault: Fault, room: float, hold_scale: float) -> bool:
+    """Whether ``fault``, drawn with ``room`` seconds of the faulted stretch left, fits in
+    it; its hold is cut to the room if need be. The fault-free tail at the end of a run is
+    there to let the federation settle before it is judged against its twin: a fault held
+    into it (a partition healed, a daemon restarted seconds before the end) would be
+    judged instead. A hold shorter than its kind's shortest is not that fault any more (a
+    kill's hold is the restart delay itself): such a fault is not injected. The draw is
+    made either way, so the seeded sequence of kinds, targets and lengths stays the same."""
+    if fault.kind == "kill":
+        return fault.hold <= room
+    if room < HOLDS[fault.kind][0] * hold_scale:
+        return False
+    if fault.hold > room:
+        fault.detail["drawn_hold"] = fault.hold
+        fault.hold = round(math.floor(room * 100) / 100, 2)
+    return True
 
 
 # -- modes -------------------------------------------------------------------------------------
@@ -472,9 +506,17 @@ class Setup:
         """Called at the end of the run just before daemon ``name`` is stopped: a mode that
         times what it reads (a round's harness time) reads here what came before the stop."""
 
+    # What ``accuracy`` measures, for the report (a mode whose agents keep models of their own says which).
+    accuracy_of = "the final model"
+
     def accuracy(self, site: Site) -> float | None:
-        """The final model's test accuracy (the mean over agents where each has its own)."""
+        """The final model's test accuracy (where each agent has its own: the federation's)."""
         raise NotImplementedError
+
+    def agent_accuracies(self, site: Site) -> dict[str, float | None]:
+        """Where each agent has a model of its own: each one's test accuracy at the end
+        (None: no readable model). Empty where the agents share one."""
+        return {}
 
     def poll(self, site: Site) -> dict[str, Any]:
         """Progress now (for the log, the plot and recovery)."""

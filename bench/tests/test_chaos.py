@@ -61,7 +61,9 @@ def test_three_minutes_of_every_fault_keep_every_fedavg_invariant(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_three_minutes_of_faults_keep_every_gossip_invariant(tmp_path):
-    """The same soak over a gossip federation (no coordinator: faults hit agents and the broker)."""
+    """The same soak over a gossip federation (no coordinator: faults hit agents and the
+    broker), judged by the agents' consensus model against the twin's, each agent's own
+    model readable and not far below the twin's worst."""
     report = run_chaos(tmp_path, FULL_SIZE, "--mode", "gossip", "--seed", "7")
     assert report["faults"]
 
