@@ -161,12 +161,12 @@ def test_a_failed_chunk_publish_fails_the_send(pki):
 
 
 @pytest.mark.parametrize(
-    ("params", "max_chunk", "threaded"), [(600_000, 2 * 2**20, False), (2_500_000, 4 * 2**20, True)]
+    ("params", "max_chunk", "threaded"), [(1_100_000, 4 * 2**20, False), (2_500_000, 4 * 2**20, True)]
 )
 def test_chunk_frames_leave_the_event_loop_only_when_large(pki, monkeypatch, params, max_chunk, threaded):
-    """A model of 2.4 MB (with chunks of 2 MiB at most) goes in chunks of 600 kB, each
-    signed and encoded on the event loop (a thread hop would cost more than the frame);
-    one of 10 MB in chunks of 2.5 MB, whose frames are made in a worker thread."""
+    """A model of 4.4 MB goes in chunks of 1.1 MB, each signed and encoded on the event
+    loop (a thread hop would cost more than the frame); one of 10 MB in chunks of 2.5 MB,
+    whose frames are made in a worker thread."""
     signers: list[int] = []
     real_sign = messaging.sign
 
