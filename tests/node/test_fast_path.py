@@ -15,7 +15,7 @@ from fedagent.errors import TransportError
 from fedagent.node import messaging
 from fedagent.node.messaging import Messenger
 from fedagent.node.transport import patches
-from fedagent.protocols.chunking import Reassembler, split
+from fedagent.protocols.chunking import CHUNKS_PER_PAYLOAD, Reassembler, split
 from fedagent.protocols.codec import Envelope, decode, decode_tensor, encode, encode_tensor, encode_view
 from fedagent.protocols.messages import Update
 from fedagent.security.signing import CHUNK_KIND
@@ -160,10 +160,12 @@ def test_a_failed_chunk_publish_fails_the_send(pki):
     assert t.in_flight == 0
 
 
-@pytest.mark.parametrize(("params", "threaded"), [(1_100_000, False), (2_500_000, True)])
-def test_chunk_frames_leave_the_event_loop_only_when_large(pki, monkeypatch, params, threaded):
-    """A model of 4.4 MB goes in chunks of 550 kB, each signed and encoded on the event
-    loop (a thread hop would cost more than the frame); one of 10 MB in chunks of 1.25 MB,
+@pytest.mark.parametrize(
+    ("params", "max_chunk", "threaded"), [(1_100_000, 4 * 2**20, False), (2_500_000, 4 * 2**20, True)]
+)
+def test_chunk_frames_leave_the_event_loop_only_when_large(pki, monkeypatch, params, max_chunk, threaded):
+    """A model of 4.4 MB goes in chunks of 1.1 MB, each signed and encoded on the event
+    loop (a thread hop would cost more than the frame); one of 10 MB in chunks of 2.5 MB,
     whose frames are made in a worker thread."""
     signers: list[int] = []
     real_sign = messaging.sign
@@ -175,7 +177,13 @@ def test_chunk_frames_leave_the_event_loop_only_when_large(pki, monkeypatch, par
 
     monkeypatch.setattr(messaging, "sign", recording_sign)
     t = _RecordingTransport()
-    m = Messenger(federation="testfed", node_id="agent-a", transport=t, identity=ident(pki, "agent-a"))
+    m = Messenger(
+        federation="testfed",
+        node_id="agent-a",
+        transport=t,
+        identity=ident(pki, "agent-a"),
+        max_chunk_bytes=max_chunk,
+    )
     weights = {"w": np.arange(params, dtype=np.float32)}
 
     async def send() -> int:
@@ -184,7 +192,7 @@ def test_chunk_frames_leave_the_event_loop_only_when_large(pki, monkeypatch, par
 
     loop_thread = asyncio.run(send())
     chunk = len(t.frames[0])
-    assert len(t.frames) == len(signers) == 8
+    assert len(t.frames) == len(signers) == CHUNKS_PER_PAYLOAD
     assert (chunk > messaging.THREADED_FRAME_BYTES) is threaded
     assert all((s != loop_thread) is threaded for s in signers)
 

@@ -198,7 +198,7 @@ def test_chunks_are_sized_to_the_payload() -> None:
 
     max_chunk = 4 * 2**20
     assert chunk_size(44_800_000, max_chunk) == max_chunk  # 11.2M parameters: 11 chunks of 4 MiB
-    assert chunk_size(4_400_000, max_chunk) == 550_000  # 1.1M parameters: 8 chunks
+    assert chunk_size(4_400_000, max_chunk) == 1_100_000  # 1.1M parameters: 4 chunks
     assert -(-4_400_000 // chunk_size(4_400_000, max_chunk)) == CHUNKS_PER_PAYLOAD
     assert chunk_size(1_000_000, max_chunk) == MIN_CHUNK  # never below 256 KiB
     assert chunk_size(1_000_000, 100_000) == 100_000  # nor above the configured maximum

@@ -56,3 +56,33 @@ def test_fold_of_a_slice_touches_only_that_slice(monkeypatch):
     assert np.array_equal(s[300:450], 2.0 * (1000.0 - np.arange(300, 450)))
     assert np.array_equal(s[900:], np.full(100, 2.0))
     assert not s[:300].any() and not s[450:900].any()
+
+
+def test_folds_reuse_one_scratch_per_dtype(monkeypatch):
+    monkeypatch.setattr(aggregation, "_FOLD_BLOCK", 256)
+    made = []
+    real_empty = np.empty
+
+    def counting_empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        made.append(out.dtype)
+        return out
+
+    ref = {"a": np.zeros(1000, np.float32), "b": np.zeros(700, np.float64)}
+    m = WeightedMean(ref, compact=True)
+    monkeypatch.setattr(aggregation.np, "empty", counting_empty)
+    for w in (1.0, 2.0, 3.0):
+        m.add({"a": np.ones(1000, np.float32), "b": np.ones(700)}, w)
+    monkeypatch.undo()
+    assert sorted(map(str, made)) == ["float32", "float64"]  # one each, not one per fold
+    assert np.array_equal(m._sum["a"], np.full(1000, 6.0, np.float32))
+    assert np.array_equal(m._sum["b"], np.full(700, 6.0))
+
+
+def test_a_scratch_in_use_is_not_handed_to_another_fold():
+    m = WeightedMean({"a": np.zeros(10, np.float32)})
+    first = m._take_scratch(np.dtype(np.float64))
+    second = m._take_scratch(np.dtype(np.float64))
+    assert first is not second
+    m._give_scratch(first)
+    assert m._take_scratch(np.dtype(np.float64)) is first

@@ -815,7 +815,7 @@ class NodeConfig:
     tier: TierSettings = field(default_factory=TierSettings)
     max_chunk_bytes: int = setting(
         4 * 2**20,
-        "messages above this are chunked (below the broker's packet limit); a model is cut into 8 chunks of at "
+        "messages above this are chunked (below the broker's packet limit); a model is cut into 4 chunks of at "
         "least 256 KiB, none above this",
         table="transfer",
         ge=1024,

@@ -85,6 +85,8 @@ class WeightedMean:
     ) -> None:
         self._ref = reference
         self._dtypes = {k: v.dtype for k, v in reference.items()}
+        # Scratch buffers of folds done, for the next (see _take_scratch).
+        self._spares: dict[np.dtype, list[np.ndarray]] = {}
         self._values = values & reference.keys()
         self._sum = {
             k: np.zeros(
@@ -124,7 +126,7 @@ class WeightedMean:
         if size == 0:
             return
         step = min(size, _FOLD_BLOCK)
-        scratch = np.empty(step, dtype=acc.dtype)
+        scratch = self._take_scratch(acc.dtype)
         # A sum past the dtype's range becomes inf without a warning: the round machine
         # checks the aggregate and abandons such a round.
         with np.errstate(over="ignore", invalid="ignore"):
@@ -138,6 +140,26 @@ class WeightedMean:
                 t *= w
                 a = acc[start + s : start + e]
                 a += t
+        self._give_scratch(scratch)
+
+    def _take_scratch(self, dtype: np.dtype) -> np.ndarray:
+        """A fold's scratch buffer (:data:`_FOLD_BLOCK` elements of ``dtype``): one an
+        earlier fold gave back, else a new one. A coordinator daemon's malloc serves every
+        block of 64 KiB or more as fresh pages (``node.runtime.release_large_frees``),
+        each zeroed by the kernel: a new scratch for every tensor of every update was
+        128 page faults each time. Folds in several threads each take their own
+        (``list.pop`` and ``append`` are atomic); one ended by an exception leaves its
+        buffer to the collector."""
+        spares = self._spares.get(dtype)
+        if spares:
+            try:
+                return spares.pop()
+            except IndexError:  # another thread took the last one meanwhile
+                pass
+        return np.empty(_FOLD_BLOCK, dtype=dtype)
+
+    def _give_scratch(self, scratch: np.ndarray) -> None:
+        self._spares.setdefault(scratch.dtype, []).append(scratch)
 
     @staticmethod
     def _fold_values(
