@@ -83,7 +83,7 @@ def release_large_frees() -> bool:
     ones come from the heap and their pages stay resident when freed. Measured on the
     coordinator at 10 agents × 44.8 MB (16 tensors of 2.8 MB): peak RSS 3.84 models
     above idle with the default, 2.70 with the threshold fixed at 1 MiB. With chunks
-    sized to the model (a 4.4 MB model arrives in 550 KB chunks) 1 MiB was not enough:
+    sized to the model (a 4.4 MB model arrived in 550 KB chunks then) 1 MiB was not enough:
     the chunk-sized buffers of the receive and broadcast paths (many of them made in
     worker threads, each with its own heap) stayed resident, 3.4-3.9 models at 10 and
     50 agents × 4.4 MB against 2.7-2.8 with 256 KiB. With int8 parts folded 64 Ki
