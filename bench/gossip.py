@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 from bench.env import FEDERATION, BenchBroker, bench_broker, mb, model_sizes, model_weights
 from bench.gossip_peer import Peer
@@ -48,6 +49,12 @@ def arrangement() -> str:
     if value not in ("processes", "one-process"):
         raise ValueError(f"{ARRANGEMENT_ENV} must be 'processes' or 'one-process', not {value!r}")
     return value
+
+
+def _name(p: subprocess.Popen) -> str:
+    """The agent a peer process is (its ``--id``), for messages about it."""
+    args = cast(list[str], p.args)  # the list given to Popen below
+    return args[args.index("--id") + 1]
 
 
 class _PeerProcesses:
@@ -107,7 +114,7 @@ class _PeerProcesses:
         line = p.stdout.readline().split()
         if not line or line[0] != what:
             p.kill()
-            raise RuntimeError(f"gossip peer {p.args[4]} said {line!r} instead of {what!r} (exit {p.poll()})")
+            raise RuntimeError(f"gossip peer {_name(p)} said {line!r} instead of {what!r} (exit {p.poll()})")
         return line
 
     def exchange(self, r: int) -> tuple[float, float]:
@@ -120,7 +127,7 @@ class _PeerProcesses:
         for p in self.procs:
             _, got, c = self._expect(p, "done")
             if int(got) != r:
-                raise RuntimeError(f"gossip peer {p.args[4]} finished exchange {got}, not {r}")
+                raise RuntimeError(f"gossip peer {_name(p)} finished exchange {got}, not {r}")
             cpu += float(c)
         return time.perf_counter() - t0, cpu
 

@@ -54,6 +54,11 @@ class Peer:
         )
         self.exchange = ""  # the peer's model we wait for
         self.ours = ""  # the id of our model whose ack we wait for
+        # The peer's models that came before we were told to wait for them: the parent
+        # tells both peers "go" one after the other, and under load the peer told first
+        # can send its model before this one has read its own "go". Forgetting such a
+        # model left this peer waiting for one that had come already.
+        self.early: set[str] = set()
         self.got_model = asyncio.Event()
         self.got_ack = asyncio.Event()
         self.task: asyncio.Task | None = None
@@ -64,6 +69,8 @@ class Peer:
             check_update(self.weights, msg.weights)
             if msg.exchange_id == self.exchange:
                 self.got_model.set()
+            else:
+                self.early.add(msg.exchange_id)
             await self.messenger.send(
                 topics.direct(FEDERATION, self.name, inc.sender, "gossip_ack"), GossipAck(msg.exchange_id, True)
             )
@@ -80,8 +87,14 @@ class Peer:
     async def exchange_once(self, r: int) -> None:
         """Send our model of exchange ``r`` and wait for the peer's and for its ack."""
         self.ours, self.exchange = f"x{r}-{self.name}", f"x{r}-{self.peer}"
-        self.got_model.clear()
-        self.got_ack.clear()
+        # Checked and switched with no await in between: a model delivered from here on
+        # finds the new ``exchange``, one delivered before is in ``early``.
+        if self.exchange in self.early:
+            self.early.discard(self.exchange)
+            self.got_model.set()
+        else:
+            self.got_model.clear()
+        self.got_ack.clear()  # our model is not sent yet: its ack cannot be early
         await self.messenger.send(
             topics.direct(FEDERATION, self.name, self.peer, "gossip"),
             GossipModel(self.ours, r, 0.5, 10.0, False, self.weights),
