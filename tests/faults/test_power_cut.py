@@ -294,7 +294,12 @@ def power_cut_federation(tmp_path: Path, *, rounds: int, cuts: int, seed: int) -
                 "expected_agents": 3,
                 "min_updates": 3,
                 "round_timeout": 90,
-                "local_epochs": 40,  # a round long enough to be cut in the middle of
+                # A round long enough to be cut in the middle of: the agents' shards differ
+                # in size, so their updates come apart by a share of the training time.
+                # At 40 epochs (rounds of 0.3 s on an idle machine) the first and the
+                # last came within one poll of the status, and the cut never found a
+                # round with some of its updates in.
+                "local_epochs": 400,
                 "lr": 0.05,
                 "batch_size": 32,
                 "seed": 0,

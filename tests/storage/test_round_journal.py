@@ -12,7 +12,7 @@ from fedfixtures import COORDINATOR, FEDERATION
 from fedagent.node import messaging
 from fedagent.node.messaging import REPLAY_FILE, Messenger
 from fedagent.protocols import topics
-from fedagent.protocols.codec import decode
+from fedagent.protocols.codec import Envelope, decode
 from fedagent.protocols.messages import Update
 from fedagent.protocols.rounds import (
     AgentOffline,
@@ -181,6 +181,53 @@ def coordinator_messenger(pki, state: Path, **kw) -> Messenger:
         state_dir=state,
         **kw,
     )
+
+
+def test_a_frame_waiting_for_its_sync_keeps_only_its_name_not_its_bytes(pki, tmp_path):
+    """While a journaled frame's sync is pending, what waits with it (its gate's
+    callbacks) holds the sender and sequence number, not the envelope: the envelope
+    holds a view of the frame's bytes, and every frame of a group commit would stay in
+    memory until the sync."""
+    state = tmp_path / "coord"
+    state.mkdir()
+
+    async def run() -> None:
+        wire = Capture()
+        sender = Messenger(
+            federation=FEDERATION,
+            node_id="agent-a",
+            transport=wire,
+            identity=identity(pki, "agent-a"),
+            max_chunk_bytes=4096,
+        )
+        topic = topics.direct(FEDERATION, "agent-a", COORDINATOR, "update")
+        await sender.send(topic, Update(3, 2, 10, {}, {"w": np.arange(3000, dtype=np.float32)}), round_=3)
+        m = coordinator_messenger(pki, state, max_chunk_bytes=4096)
+        syncs: list[asyncio.Future[None]] = []
+
+        async def journal(topic, payload, env) -> asyncio.Future[None]:
+            syncs.append(asyncio.get_running_loop().create_future())
+            return syncs[-1]
+
+        m.journal = journal
+
+        async def deliver(inc) -> None:
+            pass
+
+        for t, p in wire.frames:
+            await m.receive(t, bytearray(p), deliver)
+        pending = list(m._awaiting_ack.values())
+        assert len(pending) == len(wire.frames) == 3 and not any(f.done() for f in pending)
+        for fut in pending:
+            for callback, _ctx in fut._callbacks:  # type: ignore[attr-defined]
+                cells = [c.cell_contents for c in getattr(callback, "__closure__", None) or ()]
+                assert not any(isinstance(v, Envelope) for v in cells), cells
+        for f in syncs:
+            f.set_result(None)
+        await asyncio.wait(pending)
+        assert not m._awaiting_ack
+
+    asyncio.run(run())
 
 
 def test_a_chunked_update_journaled_before_a_crash_is_handed_on_once_after_it(pki, tmp_path):

@@ -758,7 +758,11 @@ class Messenger:
             guard.release(env.sender, env.seq)
             return None
         taken = asyncio.ensure_future(gate)
-        key = (env.sender, env.seq)
+        # Only the frame's name waits with the sync: the envelope holds a view of the
+        # frame's bytes, and a callback holding it kept every frame of a group commit
+        # in memory until its sync (the coordinator's peak at 10 x 4.4 MB went from
+        # 2.6 to 3.4-3.6 models).
+        key = sender, seq = env.sender, env.seq
         self._awaiting_ack[key] = taken
 
         def settled(done: asyncio.Future[None]) -> None:
@@ -769,9 +773,9 @@ class Messenger:
             # either must take it. Its number stays out of every save and leaves the
             # numbers this process has seen.
             if done.cancelled() or isinstance(done.exception(), AckWithheld):
-                guard.withdraw(env.sender, env.seq)
+                guard.withdraw(sender, seq)
                 return
-            guard.release(env.sender, env.seq)
+            guard.release(sender, seq)
             self._persist_replay_soon()
 
         taken.add_done_callback(settled)
