@@ -10,6 +10,7 @@ number (130, 143, 129).
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import tempfile
@@ -72,6 +73,17 @@ def work_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix))
 
 
+def _torch_scratch_in(work: Path) -> None:
+    """torch's compiler stack makes a cache directory in TMPDIR (``torchinductor_<user>``)
+    in each process that builds an optimiser, the demo's daemons included, and never
+    removes it: under the demo it goes in the work directory and is removed with it. A
+    directory the user chose is kept."""
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    default = Path(tempfile.gettempdir())
+    if current is None or (Path(current).parent == default and Path(current).name.startswith("torchinductor_")):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "torchinductor")
+
+
 def run(fed: LocalFederation, plan: Plan[T], *, keep: bool = False, console: Console | None = None) -> int:
     """Start ``fed``, watch it until ``plan`` says it is over, evaluate, tidy up.
 
@@ -79,6 +91,7 @@ def run(fed: LocalFederation, plan: Plan[T], *, keep: bool = False, console: Con
     federation started is stopped, and its work directory is removed unless ``keep``."""
     console = console or Console()
     work = fed.work
+    _torch_scratch_in(work)
     started = time.monotonic()
     stopped_by = ""
     try:
