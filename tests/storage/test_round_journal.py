@@ -183,6 +183,11 @@ def coordinator_messenger(pki, state: Path, **kw) -> Messenger:
     )
 
 
+def agent_messenger(pki, wire: Capture, **kw) -> Messenger:
+    """Agent "agent-a"'s messenger, publishing into ``wire``."""
+    return Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=identity(pki, "agent-a"), **kw)
+
+
 def test_a_frame_waiting_for_its_sync_keeps_only_its_name_not_its_bytes(pki, tmp_path):
     """While a journaled frame's sync is pending, what waits with it (its gate's
     callbacks) holds the sender and sequence number, not the envelope: the envelope
@@ -193,13 +198,7 @@ def test_a_frame_waiting_for_its_sync_keeps_only_its_name_not_its_bytes(pki, tmp
 
     async def run() -> None:
         wire = Capture()
-        sender = Messenger(
-            federation=FEDERATION,
-            node_id="agent-a",
-            transport=wire,
-            identity=identity(pki, "agent-a"),
-            max_chunk_bytes=4096,
-        )
+        sender = agent_messenger(pki, wire, max_chunk_bytes=4096)
         topic = topics.direct(FEDERATION, "agent-a", COORDINATOR, "update")
         await sender.send(topic, Update(3, 2, 10, {}, {"w": np.arange(3000, dtype=np.float32)}), round_=3)
         m = coordinator_messenger(pki, state, max_chunk_bytes=4096)
@@ -251,13 +250,7 @@ def test_a_chunked_update_journaled_before_a_crash_is_handed_on_once_after_it(pk
 
     async def run() -> None:
         wire = Capture()
-        sender = Messenger(
-            federation=FEDERATION,
-            node_id="agent-a",
-            transport=wire,
-            identity=identity(pki, "agent-a"),
-            max_chunk_bytes=4096,
-        )
+        sender = agent_messenger(pki, wire, max_chunk_bytes=4096)
         topic = topics.direct(FEDERATION, "agent-a", COORDINATOR, "update")
         await sender.send(topic, Update(3, 2, 10, {"loss": 0.5}, weights), round_=3)
         assert len(wire.frames) == 3  # chunked
@@ -375,7 +368,7 @@ def test_a_lazy_replay_commit_leaves_out_a_frame_on_its_way_into_the_journal(pki
 
     async def run() -> None:
         wire = Capture()
-        sender = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=identity(pki, "agent-a"))
+        sender = agent_messenger(pki, wire)
         topic = topics.direct(FEDERATION, "agent-a", COORDINATOR, "update")
         for r in (3, 4):
             await sender.send(topic, Update(r, 2, 10, {}, {"w": np.ones(10, np.float32)}), round_=r)
@@ -439,7 +432,7 @@ def test_a_frame_whose_handling_is_cancelled_in_the_journal_hook_is_taken_when_s
 
     async def run() -> None:
         wire = Capture()
-        sender = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=identity(pki, "agent-a"))
+        sender = agent_messenger(pki, wire)
         topic = topics.direct(FEDERATION, "agent-a", COORDINATOR, "update")
         await sender.send(topic, Update(3, 2, 10, {}, {"w": np.ones(10, np.float32)}), round_=3)
         ((t, p),) = wire.frames
@@ -485,7 +478,7 @@ def test_a_journaled_update_is_counted_in_hand_until_delivered_and_marked_journa
 
     async def run() -> None:
         wire = Capture()
-        sender = Messenger(federation=FEDERATION, node_id="agent-a", transport=wire, identity=identity(pki, "agent-a"))
+        sender = agent_messenger(pki, wire)
         topic = topics.direct(FEDERATION, "agent-a", COORDINATOR, "update")
         await sender.send(topic, Update(3, 2, 10, {}, {"w": np.ones(10, np.float32)}), round_=3)
         await sender.send(topic, Update(4, 3, 10, {}, {"w": np.ones(10, np.float32)}), round_=4)
