@@ -226,7 +226,7 @@ class RoundMachine(StreamedUpdates):
         if isinstance(event, Refolded):
             return self._on_refolded(event, now)
         if isinstance(event, SecAggReceived):
-            if self.secure.late(event.sender, getattr(event.message, "round", None)):
+            if self.secure.late_answers.late(event.sender, getattr(event.message, "round", None)):
                 return []
             if self.secagg is None:
                 msg = event.message

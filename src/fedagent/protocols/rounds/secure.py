@@ -20,6 +20,30 @@ from fedagent.protocols.rounds.events import Command, Rejected, RequestWakeup, S
 Weights = dict[str, np.ndarray]
 
 
+class LateAnswers:
+    """The members of the secure round that ended last (aggregated or abandoned), and
+    which of them were heard from since. A round ends once enough of its members have
+    answered (a threshold of shares, or a withdrawal), so the others' answers arriving
+    after it are the protocol working, not a fault."""
+
+    def __init__(self) -> None:
+        self.round = 0
+        self.members: frozenset[str] = frozenset()
+        self.heard: set[str] = set()
+
+    def ended(self, server: SA.SecAggServer) -> None:
+        self.round, self.members, self.heard = server.round, frozenset(server.selected), set()
+
+    def late(self, sender: str, round_: object) -> bool:
+        """Whether a message is an honest straggler's: the first one a member sends for
+        the round that ended, to be dropped without being counted as refused (more than
+        one a member is refused as stale)."""
+        if round_ != self.round or sender not in self.members or sender in self.heard:
+            return False
+        self.heard.add(sender)
+        return True
+
+
 class SecureRounds:
     """The secure rounds of one round machine. ``verify``: checks an agent's signature
     of a statement (the survivor list), raising if it is not valid; without it
@@ -36,11 +60,7 @@ class SecureRounds:
         self.ahead_round = 0
         self.ahead = False  # the secure round in progress had no key stage
         self.aggregated_ahead = False  # ... and the last one aggregated
-        # The secure round that ended last (aggregated or abandoned): its members, and
-        # which of them were heard from since (see late()).
-        self._ended_round = 0
-        self._ended_members: frozenset[str] = frozenset()
-        self._heard_late: set[str] = set()
+        self.late_answers = LateAnswers()  # of the secure round that ended last
 
     def open(
         self,
@@ -113,21 +133,8 @@ class SecureRounds:
     def end(self) -> None:
         """The secure round in progress (if any) ends, aggregated or abandoned."""
         if self.server is not None:
-            self._ended_round = self.server.round
-            self._ended_members = frozenset(self.server.selected)
-            self._heard_late = set()
+            self.late_answers.ended(self.server)
         self.server = None
-
-    def late(self, sender: str, round_: object) -> bool:
-        """Whether a message is an honest straggler's: the first one a member sends for
-        the secure round that just ended. A round ends once enough of its members have
-        answered (a threshold of shares, or a withdrawal), so the others' answers arriving
-        after it are the protocol working, not a fault: they are dropped without being
-        counted as refused (one a member; more than that is refused as stale)."""
-        if round_ != self._ended_round or sender not in self._ended_members or sender in self._heard_late:
-            return False
-        self._heard_late.add(sender)
-        return True
 
     @staticmethod
     def command(c: SA.Send | SA.Refused | SA.Wake, round_: int) -> Command:

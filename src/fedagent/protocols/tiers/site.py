@@ -36,7 +36,7 @@ from fedagent.protocols import secagg as SA
 from fedagent.protocols.fingerprint import Roles
 from fedagent.protocols.messages import TrainConfig
 from fedagent.protocols.rounds.bounds import Bench
-from fedagent.protocols.rounds.secure import SecureRounds
+from fedagent.protocols.rounds.secure import LateAnswers
 from fedagent.protocols.streaming import UpdateEnd, UpdateHead, UpdatePart
 from fedagent.protocols.tiers.config import TierConfig, check_upper
 from fedagent.protocols.tiers.events import (
@@ -111,9 +111,9 @@ class SiteMachine:
         # The distributed DP of the upstream round answered last (its agents' noise shares,
         # calibrated upstream), or None: what the status and history say of it.
         self.privacy: dict[str, float] | None = None
-        # The secure rounds of the site round that ended last: its members' answers that
-        # come after it are not refusals (SecureRounds.late).
-        self._ended_secure: SecureRounds | None = None
+        # The members of the secure site round that ended last: their answers that come
+        # after it are not refusals (the machine and its model are gone by then).
+        self._late_answers: LateAnswers | None = None
 
     # -- public ------------------------------------------------------------------------
     def handle(self, event: Event, now: float) -> list[Command]:
@@ -154,8 +154,8 @@ class SiteMachine:
             return keep + self._forward(event, now)
         if (
             isinstance(event, R.SecAggReceived)
-            and self._ended_secure is not None
-            and self._ended_secure.late(event.sender, getattr(event.message, "round", None))
+            and self._late_answers is not None
+            and self._late_answers.late(event.sender, getattr(event.message, "round", None))
         ):
             return []
         if self.machine is None:
@@ -494,7 +494,7 @@ class SiteMachine:
         self._closed.append(ended)
         self.norm_history = m.norm_state()
         m.secure.end()
-        self._ended_secure = m.secure
+        self._late_answers = m.secure.late_answers
         # Agents that sent their last update are gone for the site too, until their goodbye.
         for a in m.departed:
             self.departed.add(a)
